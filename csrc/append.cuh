@@ -1,0 +1,91 @@
+// append_paged_kv_cache.
+//
+// Append is a pure data movement: every byte of append_key/append_value is read once
+// and written once into its page slot. Each thread moves 16-byte vectors; a block
+// covers kTokensPerBlock tokens at once, so each thread has a K and a V load of several
+// tokens in flight before its first store.
+#pragma once
+#include "append_params.h"
+#include "common.cuh"
+#include "page_table.cuh"
+
+namespace fij {
+
+template <typename T, int HeadDim, KVLayout Layout, PageTableLayout Table>
+struct AppendTraits {
+  using DType = T;
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kVecElems = VecTraits<T>::kElems;
+  static constexpr int kVecsPerHead = HeadDim / kVecElems;
+  static constexpr KVLayout kLayout = Layout;
+  static constexpr PageTableLayout kTable = Table;
+  // 256 threads; with 8 heads x 128 dims in bf16 (128 vectors per token) a block moves
+  // 2 tokens per step and each thread has 2 x 16 B of K and V loads in flight.
+  static constexpr int kThreads = 256;
+  static_assert(HeadDim % kVecElems == 0, "head_dim must be a multiple of a 16-byte vector");
+};
+
+// Where token `token` goes; false for padding (batch index -1) and for any slot outside
+// the page table or the cache, which is skipped rather than written out of bounds.
+template <class Traits>
+FIJ_DEVICE bool append_destination(const AppendParams& p, int token, int& k_page, int& v_page,
+                                   int& slot) {
+  const int b = p.batch_indices[token];
+  if (b < 0 || b >= p.table.batch_size) return false;
+  const int pos = p.positions[token];
+  PageTable<Traits::kTable> table{p.table};
+  const int logical = pos / p.table.page_size;
+  if (pos < 0 || logical >= table.num_pages(b)) return false;
+  slot = pos - logical * p.table.page_size;
+  k_page = table.k_page(b, logical);
+  v_page = table.v_page(b, logical);
+  PagedKV<typename Traits::DType, Traits::kLayout> kv{p.kv};
+  return kv.valid_page(k_page) && kv.valid_page(v_page);
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    append_paged_kv_cache_kernel(const __grid_constant__ AppendParams p) {
+  using T = typename Traits::DType;
+  const int vecs_per_token = p.kv.num_kv_heads * Traits::kVecsPerHead;
+  const int tokens_per_step = max(1, Traits::kThreads / vecs_per_token);
+  // Thread -> (token of this step, first (head, vector) it moves). A token with more
+  // vectors than the block has threads is covered in strides of kThreads.
+  const int lane = threadIdx.x % vecs_per_token;
+  const int sub_token = threadIdx.x / vecs_per_token;
+  if (sub_token >= tokens_per_step) return;
+
+  PagedKV<T, Traits::kLayout> kv{p.kv};
+  const T* key = static_cast<const T*>(p.append_key);
+  const T* value = static_cast<const T*>(p.append_value);
+
+  for (int token = blockIdx.x * tokens_per_step + sub_token; token < p.nnz;
+       token += gridDim.x * tokens_per_step) {
+    int k_page, v_page, slot;
+    if (!append_destination<Traits>(p, token, k_page, v_page, slot)) continue;
+    for (int l = lane; l < vecs_per_token; l += Traits::kThreads) {
+      const int h = l / Traits::kVecsPerHead;
+      const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
+      const Vec16 k = load_vec16_streaming(key + token * p.key_stride_token + h * p.key_stride_head + c);
+      const Vec16 v = load_vec16_streaming(value + token * p.value_stride_token +
+                                           h * p.value_stride_head + c);
+      store_vec16(kv.k_ptr(k_page, slot, h) + c, k);
+      store_vec16(kv.v_ptr(v_page, slot, h) + c, v);
+    }
+  }
+}
+
+template <class Traits>
+int launch_append_paged_kv_cache(const AppendParams& p, cudaStream_t stream) {
+  if (p.nnz == 0) return 0;
+  const int vecs_per_token = p.kv.num_kv_heads * Traits::kVecsPerHead;
+  const int tokens_per_step = vecs_per_token >= Traits::kThreads ? 1 : Traits::kThreads / vecs_per_token;
+  // Enough blocks to fill every SM several times over; the grid-stride loop covers the rest.
+  const int64_t wanted = ceil_div(p.nnz, tokens_per_step);
+  const int64_t cap = int64_t(num_sms()) * 16;
+  const int blocks = static_cast<int>(wanted < cap ? wanted : cap);
+  append_paged_kv_cache_kernel<Traits><<<blocks, Traits::kThreads, 0, stream>>>(p);
+  return last_launch_error();
+}
+
+}  // namespace fij

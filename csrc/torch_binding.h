@@ -1,0 +1,97 @@
+// Host-only helpers for the generated binding translation units: turn torch tensors into
+// the plain params structs, find torch's current CUDA stream, report launch errors.
+//
+// Built with the host C++ compiler against torch's headers and libc10/libtorch only. It
+// links no CUDA library of torch's: the stream comes through c10's device-guard
+// interface, which the CUDA build of torch fills in at run time. That is what lets the
+// CPU build of torch on CI compile, link and import every module.
+#pragma once
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "page_table_params.h"
+
+namespace fij {
+
+// Launchers (compiled by nvcc) return cudaError_t as int; this turns it into text.
+const char* launch_error_string(int code);
+
+inline void check_launch(int code, const char* module, const char* op) {
+  TORCH_CHECK(code == 0, module, "::", op, ": CUDA error ", code, " (", launch_error_string(code), ")");
+}
+
+// torch's current stream on `device`, as a cudaStream_t.
+inline void* current_stream(const c10::Device& device) {
+  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  return impl.getStream(device).native_handle();
+}
+
+inline const int32_t* int32_ptr(const at::Tensor& t) {
+  return t.numel() == 0 ? nullptr : static_cast<const int32_t*>(t.const_data_ptr());
+}
+
+// The Python side has validated shapes, dtypes and devices; these checks only guard
+// against a caller going around it with torch.ops directly.
+inline void expect_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+}
+
+// (k_cache, v_cache): NHD [pages, page_size, heads, dim] or HND [pages, heads, page_size, dim].
+inline PagedKVParams make_paged_kv(const at::Tensor& k, const at::Tensor& v, KVLayout layout) {
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k_cache and v_cache must be 4-D");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "the head_dim axis of the cache must be contiguous");
+  const int token_dim = layout == KVLayout::kNHD ? 1 : 2;
+  const int head_dim_axis = layout == KVLayout::kNHD ? 2 : 1;
+  PagedKVParams p;
+  p.k_data = k.data_ptr();
+  p.v_data = v.data_ptr();
+  p.k_stride_page = k.stride(0);
+  p.k_stride_token = k.stride(token_dim);
+  p.k_stride_head = k.stride(head_dim_axis);
+  p.v_stride_page = v.stride(0);
+  p.v_stride_token = v.stride(token_dim);
+  p.v_stride_head = v.stride(head_dim_axis);
+  p.num_pages = static_cast<int32_t>(k.size(0));
+  p.page_size = static_cast<int32_t>(k.size(token_dim));
+  p.num_kv_heads = static_cast<int32_t>(k.size(head_dim_axis));
+  p.head_dim = static_cast<int32_t>(k.size(3));
+  return p;
+}
+
+// The page table as the Python side packs it (flashinfer_jit/page_table.py):
+//   kCSR:                  [indptr, indices, last_page_len]
+//   kBlockTable:           [block_tables (B, P), seq_lens]
+//   kBlockTableKVSeparate: [block_tables (B, 2, P), seq_lens]
+inline PageTableParams make_page_table(PageTableLayout layout, at::TensorList table,
+                                       int32_t page_size) {
+  PageTableParams p;
+  p.page_size = page_size;
+  if (layout == PageTableLayout::kCSR) {
+    TORCH_CHECK(table.size() == 3, "a csr page table is [indptr, indices, last_page_len]");
+    p.indptr = int32_ptr(table[0]);
+    p.indices = int32_ptr(table[1]);
+    p.last_page_len = int32_ptr(table[2]);
+    p.batch_size = static_cast<int32_t>(table[0].numel() - 1);
+  } else {
+    TORCH_CHECK(table.size() == 2, "a block-table page table is [block_tables, seq_lens]");
+    const at::Tensor& bt = table[0];
+    p.block_tables = int32_ptr(bt);
+    p.seq_lens = int32_ptr(table[1]);
+    p.batch_size = static_cast<int32_t>(bt.size(0));
+    p.block_stride_batch = bt.stride(0);
+    if (layout == PageTableLayout::kBlockTableKVSeparate) {
+      TORCH_CHECK(bt.dim() == 3 && bt.size(1) == 2, "block_tables must be [B, 2, max_pages]");
+      p.block_stride_kv = bt.stride(1);
+      TORCH_CHECK(bt.stride(2) == 1, "block_tables must be contiguous along max_pages");
+    } else {
+      TORCH_CHECK(bt.dim() == 2 && bt.stride(1) == 1, "block_tables must be [B, max_pages], row-contiguous");
+    }
+    p.max_pages = static_cast<int32_t>(bt.size(-1));
+  }
+  return p;
+}
+
+}  // namespace fij

@@ -1,0 +1,47 @@
+"""flashinfer_jit: specialized CUDA attention and KV-cache kernels, generated per
+configuration and compiled on first use into a content-hashed cache.
+
+Importing the package imports only this file: no GPU query, no disk access, no
+compiler probe. Public names resolve on first attribute access.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    # cache-writing helpers
+    "append_paged_kv_cache": "append",
+    "get_batch_indices_positions": "append",
+    "get_seq_lens": "append",
+    # JIT machinery
+    "get_module": "jit",
+    "load_or_build": "jit",
+    "build_many": "jit",
+    "BuildError": "errors",
+    "JitError": "errors",
+    "JitDisabledError": "errors",
+    "ToolchainError": "errors",
+    "CacheError": "errors",
+    "specs": None,
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flashinfer_jit' has no attribute {name!r}")
+    module_name = _EXPORTS[name]
+    if module_name is None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

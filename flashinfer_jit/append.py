@@ -1,0 +1,111 @@
+"""append_paged_kv_cache, get_batch_indices_positions, get_seq_lens (FlashInfer's API)."""
+
+from __future__ import annotations
+
+from . import env
+from .checks import expect_dim, expect_dtype, expect_index_vector, expect_same_cuda_device
+from .jit import get_module
+from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
+from .specs import AppendSpec, BatchIndicesSpec
+
+_BATCH_INDICES_SPEC = BatchIndicesSpec()
+
+
+def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                          kv_indices=None, kv_indptr=None, kv_last_page_len=None,
+                          kv_layout: str = "NHD", *, page_table: PageTable | None = None) -> None:
+    """Write `append_key`/`append_value` rows ([nnz, num_kv_heads, head_dim]) into the
+    paged cache at (batch_indices[i], positions[i]).
+
+    The page table is FlashInfer's CSR triple (kv_indices, kv_indptr, kv_last_page_len),
+    or any layout of flashinfer_jit.page_table given as `page_table=`. Tokens with
+    batch index -1 (padding, as get_batch_indices_positions emits past
+    append_indptr[-1]) are skipped and touch nothing.
+    """
+    import torch
+
+    cache = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    if page_table is None:
+        page_table = csr_page_table(kv_indptr, kv_indices, kv_last_page_len)
+    elif kv_indices is not None or kv_indptr is not None or kv_last_page_len is not None:
+        raise ValueError("give either kv_indices/kv_indptr/kv_last_page_len or page_table=, not both")
+
+    for name, t in (("append_key", append_key), ("append_value", append_value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+        expect_dim(t, name, 3, "[nnz, num_kv_heads, head_dim]")
+        if t.dtype != cache.dtype:
+            raise TypeError(f"{name}: expected the cache's dtype {cache.dtype_name}, got "
+                            f"{str(t.dtype).replace('torch.', '')} (quantizing appends: "
+                            "rope_quantize_fp8_append_paged_kv_cache)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the head_dim dimension must be contiguous")
+    nnz, heads, dim = append_key.shape
+    if tuple(append_value.shape) != (nnz, heads, dim):
+        raise ValueError(f"append_value: expected the shape of append_key {tuple(append_key.shape)}, "
+                         f"got {tuple(append_value.shape)}")
+    if heads != cache.num_kv_heads or dim != cache.head_dim:
+        raise ValueError(
+            f"append_key: [nnz, num_kv_heads, head_dim] = {tuple(append_key.shape)} does not match the "
+            f"cache's num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim} ({kv_layout})")
+    expect_index_vector(batch_indices, "batch_indices", nnz, "[nnz] (one per appended token)")
+    expect_index_vector(positions, "positions", nnz, "[nnz] (one per appended token)")
+    spec = AppendSpec(cache.dtype_name, dim, kv_layout, page_table.layout)
+    spec.validate()
+    expect_same_cuda_device({"append_key": append_key, "append_value": append_value,
+                             "batch_indices": batch_indices, "positions": positions,
+                             "k_cache": cache.k, "v_cache": cache.v,
+                             **{f"page_table[{i}]": t for i, t in enumerate(page_table.tensors)}})
+    if env.debug():
+        check_append_values(batch_indices, positions, page_table, cache.num_pages, cache.page_size)
+    get_module(spec).append_paged_kv_cache(append_key, append_value, batch_indices, positions,
+                                           cache.k, cache.v, page_table.tensors)
+
+
+def check_append_values(batch_indices, positions, page_table: PageTable, num_pages: int,
+                        page_size: int) -> None:
+    """Debug-mode value checks (one device sync): page ids, lengths, destinations."""
+    page_table.check_values(num_pages, page_size)
+    real = batch_indices >= 0
+    if ((batch_indices < -1) | (batch_indices >= page_table.batch_size)).any():
+        raise ValueError(f"batch_indices: expected -1 (padding) or 0..{page_table.batch_size - 1}")
+    b = batch_indices[real].long()
+    pos = positions[real]
+    capacity = page_table.capacity().to(pos.dtype)[b] * page_size
+    if ((pos < 0) | (pos >= capacity)).any():
+        raise ValueError("positions: a token's position lies outside its request's pages "
+                         "(expected 0 <= position < pages_of_request * page_size)")
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
+    """Per appended token: its request and its position in that request's KV.
+
+    append_indptr[B+1] splits the nnz tokens among requests; seq_lens[B] are the KV
+    lengths after the append. Entries past append_indptr[-1] (padding to a captured
+    size) get batch index -1 and position 0. Returns (batch_indices, positions), int32.
+    """
+    import torch
+
+    expect_index_vector(append_indptr, "append_indptr", what="[batch_size + 1]")
+    if append_indptr.shape[0] < 1:
+        raise ValueError("append_indptr: expected batch_size + 1 >= 1 entries, got 0")
+    expect_index_vector(seq_lens, "seq_lens", append_indptr.shape[0] - 1, "[batch_size]")
+    if not isinstance(nnz, int) or isinstance(nnz, bool) or nnz < 0:
+        raise ValueError(f"nnz: expected a non-negative int, got {nnz!r}")
+    expect_same_cuda_device({"append_indptr": append_indptr, "seq_lens": seq_lens})
+    batch_indices = torch.empty(nnz, dtype=torch.int32, device=append_indptr.device)
+    positions = torch.empty(nnz, dtype=torch.int32, device=append_indptr.device)
+    get_module(_BATCH_INDICES_SPEC).get_batch_indices_positions(append_indptr, seq_lens,
+                                                                batch_indices, positions)
+    return batch_indices, positions
+
+
+def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
+    """KV length of each request of a CSR page table; 0 for a request without pages."""
+    import torch
+
+    expect_index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
+    expect_index_vector(kv_last_page_len, "kv_last_page_len", kv_indptr.shape[0] - 1, "[batch_size]")
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    return torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len,
+                       torch.zeros_like(pages)).to(torch.int32)

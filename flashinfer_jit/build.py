@@ -1,0 +1,173 @@
+"""Compiler flags, generated build.ninja files, and running ninja.
+
+One module = one kernel translation unit (nvcc, CUDA and csrc headers only) + one
+binding translation unit (host C++, torch headers) linked into `<name>.so` against
+libc10, libtorch_cpu and cudart. No torch CUDA library is linked, so CI's CPU-only
+torch builds and imports the same modules the GPU machine runs.
+
+Paths in a build.ninja are relative to the folder ninja runs in, so an entry's file
+keeps working after the entry is moved into place, and the AOT path can put many
+entries under one ninja (`write_combined`) with each entry's files under its prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import env
+from .errors import BuildError
+from .toolchain import Toolchain
+
+KERNEL_SOURCE = "kernel.cu"
+BINDING_SOURCE = "binding.cc"
+
+
+def arch_flags(archs: tuple[str, ...]) -> list[str]:
+    """'9.0a' -> -gencode=arch=compute_90a,code=sm_90a; '9.0+PTX' also embeds PTX."""
+    flags = []
+    for arch in archs:
+        ptx = arch.endswith("+PTX")
+        base = arch[:-4] if ptx else arch
+        num = base.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+@dataclass(frozen=True)
+class Flags:
+    """Compiler and linker flags. `identity()` (what the cache key sees) holds every
+    flag that changes the output and none of the install paths."""
+
+    nvcc: tuple[str, ...]
+    cxx: tuple[str, ...]
+    ld: tuple[str, ...]
+    archs: tuple[str, ...]
+    debug: bool
+
+    def identity(self) -> dict:
+        return {"nvcc": list(self.nvcc), "cxx": list(self.cxx), "ld": list(self.ld),
+                "archs": list(self.archs), "debug": self.debug}
+
+
+def make_flags(archs: tuple[str, ...], debug: bool, cxx11_abi: bool) -> Flags:
+    common = ["-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}"]
+    if debug:
+        nvcc = ["-G", "-lineinfo", "-O0", "-DFIJ_DEBUG=1"]
+        cxx = ["-O0", "-g", "-DFIJ_DEBUG=1"]
+    else:
+        # -lineinfo costs nothing at run time and lets ncu attribute stalls to lines;
+        # -Xptxas=-v puts registers/spills of every kernel into build.log.
+        nvcc = ["-O3", "-DNDEBUG", "-lineinfo", "-Xptxas=-v"]
+        cxx = ["-O2", "-DNDEBUG"]
+    nvcc += common + ["--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-fvisibility=hidden"]
+    nvcc += arch_flags(archs)
+    cxx += common + ["-fPIC", "-fvisibility=hidden"]
+    ld = ["-shared", "-lc10", "-ltorch_cpu", "-lcudart"]
+    return Flags(tuple(nvcc), tuple(cxx), tuple(ld), tuple(archs), debug)
+
+
+def _q(path: str) -> str:
+    return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def ninja_rules(tc: Toolchain, flags: Flags) -> str:
+    """Variables and rules, shared by every entry of a build.ninja."""
+    torch_inc = " ".join(f"-isystem {_q(p)}" for p in tc.torch_include)
+    threads = f"--threads {env.nvcc_threads()}"
+    return f"""ninja_required_version = 1.3
+nvcc = {_q(tc.nvcc)}
+cxx = {_q(tc.cxx)}
+nvcc_flags = {' '.join(flags.nvcc)} {threads}
+cxx_flags = {' '.join(flags.cxx)} {torch_inc}
+ldflags = {' '.join(flags.ld)} -L{_q(tc.torch_lib)} -L{_q(tc.cuda_lib)} -Wl,-rpath,{_q(tc.torch_lib)} -Wl,-rpath,{_q(tc.cuda_lib)}
+
+rule nvcc
+  command = $nvcc $nvcc_flags -I$incdir -MD -MF $out.d -c $in -o $out
+  depfile = $out.d
+  deps = gcc
+  description = NVCC $out
+
+rule cxx
+  command = $cxx -MMD -MF $out.d $cxx_flags -I$incdir -c $in -o $out
+  depfile = $out.d
+  deps = gcc
+  description = CXX $out
+
+rule link
+  command = $cxx $in $ldflags -o $out
+  description = LINK $out
+"""
+
+
+def ninja_builds(prefix: str, library: str) -> str:
+    """Build statements of one entry whose files lie under `prefix` ('' or 'dir/')."""
+    inc = f"{prefix}csrc" if prefix else "csrc"
+    return f"""
+build {prefix}kernel.o: nvcc {prefix}{KERNEL_SOURCE}
+  incdir = {inc}
+build {prefix}binding.o: cxx {prefix}{BINDING_SOURCE}
+  incdir = {inc}
+build {prefix}{library}: link {prefix}kernel.o {prefix}binding.o
+"""
+
+
+def write_entry_ninja(build_dir: Path, tc: Toolchain, flags: Flags, library: str) -> None:
+    text = ninja_rules(tc, flags) + ninja_builds("", library) + f"\ndefault {library}\n"
+    (build_dir / "build.ninja").write_text(text)
+
+
+def _jobs(requested: int | None) -> list[str]:
+    jobs = requested or env.max_jobs()
+    return ["-j", str(jobs)] if jobs else []
+
+
+_ERROR_LINE = re.compile(r"(error|Error|ERROR|undefined reference|fatal|cannot find)")
+
+
+def first_errors(log: str, limit: int = 12) -> list[str]:
+    """The first compiler error lines of a log, with the line after each for context."""
+    lines = log.splitlines()
+    picked: list[str] = []
+    for i, line in enumerate(lines):
+        if _ERROR_LINE.search(line) and not line.startswith(("FAILED:", "ninja:")):
+            picked.append(line.rstrip())
+            if i + 1 < len(lines) and not _ERROR_LINE.search(lines[i + 1]):
+                picked.append(lines[i + 1].rstrip())
+        if len(picked) >= limit:
+            break
+    return picked[:limit]
+
+
+def run_ninja(tc: Toolchain, build_dir: Path, jobs: int | None = None,
+              on_line: Callable[[str], None] | None = None) -> tuple[int, str, float]:
+    """Run ninja in `build_dir`; returns (exit code, output, seconds)."""
+    cmd = [tc.ninja, "-C", str(build_dir), *_jobs(jobs)]
+    if env.verbose():
+        cmd.append("-v")
+        print("flashinfer_jit:", " ".join(cmd), file=sys.stderr)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "NINJA_STATUS": "[%f/%t] "})
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if on_line is not None:
+            on_line(line)
+        elif env.verbose():
+            sys.stderr.write(line)
+    code = proc.wait()
+    return code, "".join(lines), time.perf_counter() - start
+
+
+def raise_build_error(module: str, log_path: Path, log: str) -> None:
+    raise BuildError(module, str(log_path), first_errors(log))

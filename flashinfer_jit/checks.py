@@ -1,0 +1,69 @@
+"""Argument checks for the public API: each failure names the argument and what was
+expected, and all of them run before anything is launched.
+
+They cost well under a microsecond each (attribute reads, no device sync). Checks that
+must read tensor *values* (page ids in range, last_page_len in 1..page_size, ...) need
+a device sync, so they run only in debug mode (FLASHINFER_JIT_DEBUG=1) or where the
+caller asks for them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def dtype_str(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def expect_dtype(t, name: str, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        raise TypeError(
+            f"{name}: expected dtype {' or '.join(dtype_str(d) for d in allowed)}, got {dtype_str(t.dtype)}"
+        )
+
+
+def expect_dim(t, name: str, dim: int, what: str) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor {what}, got shape {tuple(t.shape)}")
+
+
+def expect_shape(t, name: str, shape: tuple, what: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {what} = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def expect_index_vector(t, name: str, length: int | None = None, what: str = "") -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected an int32 tensor, got {type(t).__name__}")
+    expect_dtype(t, name, (torch.int32,))
+    expect_dim(t, name, 1, what)
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name}: expected {length} entries {what}, got {t.shape[0]}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def expect_last_dim_contiguous(t, name: str) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous; strides {t.stride()}")
+
+
+def expect_same_cuda_device(named: dict) -> None:
+    """All tensors on one CUDA device (checked last, so shape errors show on any device)."""
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             "expected all tensors on one CUDA device")
+    if first.device.type != "cuda":
+        raise ValueError(f"{first_name}: expected CUDA tensors, got device {first.device}")
+
+
+def expect_choice(value, name: str, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, allowed))}, got {value!r}")

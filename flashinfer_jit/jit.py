@@ -1,0 +1,291 @@
+"""spec -> rendered sources -> key -> cached or freshly built entry -> loaded torch ops.
+
+`load_or_build` is the lazy path (one module, first call of a configuration);
+`build_many` is the AOT path (one ninja over many entries). Both publish entries the
+same way (cache.publish under the entry's lock), so an AOT-built entry is an ordinary
+cache hit at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
+
+from . import build, cache, env, toolchain
+from .errors import JitDisabledError, ToolchainError
+from .render import RenderedModule, render
+from .specs.base import NAMESPACE_PLACEHOLDER, Spec
+
+
+@dataclass
+class Prepared:
+    """A spec rendered and keyed against this machine's toolchain and targets."""
+
+    module: RenderedModule
+    flags: build.Flags
+    content_key: str
+    key: str | None  # None when no compiler is available (DISABLE_JIT images)
+    compilers: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.module.name
+
+    def entry(self, root: Path) -> cache.Entry:
+        assert self.key is not None
+        return cache.Entry(root, self.name, self.key)
+
+    def namespace(self) -> str:
+        return f"fij_{self.name}_{self.key[:12]}"
+
+    def final_sources(self) -> dict[str, str]:
+        ns = self.namespace()
+        return {n: t.replace(NAMESPACE_PLACEHOLDER, ns) for n, t in self.module.sources.items()}
+
+
+def prepare(spec: Spec, archs: tuple[str, ...] | None = None) -> Prepared:
+    module = render(spec)
+    flags = build.make_flags(archs or env.target_archs(), env.debug(),
+                             toolchain.torch_identity()["cxx11_abi"])
+    content = cache.content_key(module, flags, toolchain.torch_identity())
+    try:
+        compilers = toolchain.get().compiler_identity()
+    except ToolchainError:
+        if not env.jit_disabled():
+            raise
+        return Prepared(module, flags, content, None)
+    return Prepared(module, flags, content, cache.full_key(content, compilers), compilers)
+
+
+def find_published(prep: Prepared) -> Path | None:
+    """A published, verified entry for this module in any lookup root, or None."""
+    for root in cache.lookup_roots():
+        if prep.key is not None:
+            candidates = [root / prep.entry(root).dirname]
+        else:  # no compiler here: match on everything else (content key)
+            candidates = sorted(root.glob(f"{prep.name}-*"), reverse=True) if root.is_dir() else []
+        for path in candidates:
+            manifest = cache.read_manifest(path)
+            if manifest is None or manifest.get("content_key") != prep.content_key:
+                continue
+            if cache.verify_entry(path, manifest) is None:
+                return path
+    return None
+
+
+# --- loading --------------------------------------------------------------------------
+class LoadedModule:
+    """A loaded entry: its ops as attributes (`module.append_paged_kv_cache(...)`)."""
+
+    def __init__(self, spec: Spec, path: Path, manifest: dict):
+        import torch
+
+        self.spec = spec
+        self.path = path
+        self.manifest = manifest
+        self.namespace = f"fij_{spec.name}_{manifest['key'][:12]}"
+        ops = getattr(torch.ops, self.namespace)
+        for op in spec.op_schemas():
+            setattr(self, op, getattr(ops, op).default)
+
+    def __repr__(self) -> str:
+        return f"<flashinfer_jit module {self.spec.name} at {self.path}>"
+
+
+_load_lock = threading.Lock()
+_loaded: dict[str, LoadedModule] = {}  # namespace -> module
+
+
+def load(spec: Spec, path: Path) -> LoadedModule:
+    import torch
+
+    manifest = cache.read_manifest(path)
+    namespace = f"fij_{spec.name}_{manifest['key'][:12]}"
+    with _load_lock:
+        if namespace in _loaded:  # one key = one namespace = loaded once per process
+            return _loaded[namespace]
+        torch.ops.load_library(str(path / manifest["library"]))
+        for op, fake in spec.fake_impls().items():
+            torch.library.register_fake(f"{namespace}::{op}", fake)
+        module = LoadedModule(spec, path, manifest)
+        _loaded[namespace] = module
+        return module
+
+
+# --- building -------------------------------------------------------------------------
+def _stage(prep: Prepared, build_dir: Path) -> None:
+    cache.write_files(build_dir, RenderedModule(prep.module.spec, prep.final_sources(),
+                                                prep.module.headers))
+    build.write_entry_ninja(build_dir, toolchain.get(), prep.flags, f"{prep.name}.so")
+
+
+def _build_one(prep: Prepared, entry: cache.Entry, jobs: int | None = None) -> None:
+    """Build into a private folder and publish. Caller holds the entry's lock."""
+    build_dir = cache.private_build_dir(entry.root, entry.dirname)
+    try:
+        _stage(prep, build_dir)
+        code, log, seconds = build.run_ninja(toolchain.get(), build_dir, jobs)
+        (build_dir / cache.BUILD_LOG).write_text(log)
+        if code != 0:
+            log_path = cache.save_failed_log(entry.root, entry.dirname, log)
+            build.raise_build_error(prep.name, log_path, log)
+        cache.write_manifest(build_dir, entry, prep.module, prep.content_key, prep.flags,
+                             prep.compilers, seconds, "jit")
+        cache.publish(build_dir, entry)
+    finally:
+        if build_dir.exists():
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def load_or_build(spec: Spec) -> LoadedModule:
+    prep = prepare(spec)
+    path = find_published(prep)
+    if path is not None:
+        return load(spec, path)
+    if env.jit_disabled():
+        raise JitDisabledError(
+            f"module {prep.name!r} (content key {prep.content_key[:16]}) is not in the cache "
+            f"({', '.join(map(str, cache.lookup_roots()))}) and FLASHINFER_JIT_DISABLE_JIT is "
+            "set; prebuild it with `flashinfer-jit aot` or unset the variable"
+        )
+    entry = prep.entry(cache.build_root())
+    if env.verbose():
+        print(f"flashinfer_jit: building {entry.dirname}", file=sys.stderr)
+    with FileLock(str(entry.lock_path)):
+        # Someone may have published it while we waited for the lock.
+        manifest = cache.read_manifest(entry.path)
+        if manifest is None or cache.verify_entry(entry.path, manifest) is not None:
+            _build_one(prep, entry)
+    return load(spec, entry.path)
+
+
+@dataclass
+class BuildReport:
+    built: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # name -> log path
+    seconds: float = 0.0
+
+
+def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...] | None = None,
+               progress: Callable[[int, int, float], None] | None = None) -> BuildReport:
+    """Build every spec not yet cached through one ninja invocation (AOT).
+
+    Locks of the entries to build are taken in sorted order (no deadlock with another
+    AOT run), then each is looked up again. Failed entries get their own log.
+    """
+    from contextlib import ExitStack
+
+    report = BuildReport()
+    start = time.perf_counter()
+    preps = {}
+    for spec in specs:
+        prep = prepare(spec, archs)
+        preps.setdefault(prep.key, prep)
+    if env.jit_disabled():
+        raise JitDisabledError("FLASHINFER_JIT_DISABLE_JIT is set; unset it to build")
+    root = cache.build_root()
+    todo = []
+    for prep in preps.values():
+        if find_published(prep) is not None:
+            report.cached.append(prep.name)
+        else:
+            todo.append(prep)
+    todo.sort(key=lambda p: p.entry(root).dirname)
+    if not todo:
+        report.seconds = time.perf_counter() - start
+        return report
+    tc = toolchain.get()
+    with ExitStack() as stack:
+        locked = []
+        for prep in todo:
+            entry = prep.entry(root)
+            stack.enter_context(FileLock(str(entry.lock_path)))
+            if cache.verify_entry(entry.path) is None:
+                report.cached.append(prep.name)
+            else:
+                locked.append(prep)
+        if not locked:
+            report.seconds = time.perf_counter() - start
+            return report
+        top = Path(cache.private_build_dir(root, "aot"))
+        try:
+            rules = build.ninja_rules(tc, locked[0].flags)
+            parts = [rules]
+            for prep in locked:
+                sub = top / prep.entry(root).dirname
+                sub.mkdir()
+                _stage(prep, sub)
+                parts.append(build.ninja_builds(f"{sub.name}/", f"{prep.name}.so"))
+            (top / "build.ninja").write_text("".join(parts))
+            total = len(locked)
+            done = 0
+            if progress:
+                progress(0, total, 0.0)
+
+            def on_line(line: str) -> None:
+                nonlocal done
+                if "LINK " in line and ".so" in line and "FAILED" not in line:
+                    done += 1
+                    if progress:
+                        progress(done, total, time.perf_counter() - start)
+
+            code, log, _ = build.run_ninja(tc, top, jobs or os.cpu_count(), on_line)
+            (top / "aot.log").write_text(log)
+            per_entry = _split_failures(log)
+            for prep in locked:
+                entry = prep.entry(root)
+                sub = top / entry.dirname
+                if (sub / f"{prep.name}.so").is_file() and entry.dirname not in per_entry:
+                    seconds = time.perf_counter() - start
+                    (sub / cache.BUILD_LOG).write_text(_entry_log(log, entry.dirname))
+                    cache.write_manifest(sub, entry, prep.module, prep.content_key, prep.flags,
+                                         prep.compilers, seconds, "aot")
+                    cache.publish(sub, entry)
+                    report.built.append(prep.name)
+                else:
+                    text = per_entry.get(entry.dirname) or log
+                    report.failed[prep.name] = str(cache.save_failed_log(root, entry.dirname, text))
+        finally:
+            shutil.rmtree(top, ignore_errors=True)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _entry_log(log: str, dirname: str) -> str:
+    return "".join(line for line in log.splitlines(keepends=True) if dirname in line) or log
+
+
+def _split_failures(log: str) -> dict[str, str]:
+    """dirname -> the output ninja printed under each `FAILED:` line of that entry."""
+    failures: dict[str, list[str]] = {}
+    current = None
+    for line in log.splitlines(keepends=True):
+        if line.startswith("FAILED:"):
+            target = line.split()[1] if len(line.split()) > 1 else ""
+            current = target.split("/")[0]
+            failures.setdefault(current, []).append(line)
+        elif line.startswith("[") or line.startswith("ninja:"):
+            current = None
+        elif current is not None:
+            failures[current].append(line)
+    return {k: "".join(v) for k, v in failures.items()}
+
+
+@functools.cache
+def get_module(spec: Spec) -> LoadedModule:
+    """The registry: one lookup per spec per process; later calls cost a dict hit."""
+    return load_or_build(spec)
+
+
+def clear_registry() -> None:
+    get_module.cache_clear()

@@ -1,0 +1,179 @@
+"""The Python side of the one page-table abstraction (csrc/page_table.cuh).
+
+A `PageTable` is the layout name plus the tensors the kernels read, in the order the
+host binding unpacks them (csrc/torch_binding.h: make_page_table):
+  csr:                     (kv_indptr[B+1], kv_indices[nnz_pages], kv_last_page_len[B])
+  block_table:             (block_tables[B, max_pages], seq_lens[B])
+  block_table_kv_separate: (block_tables[B, 2, max_pages], seq_lens[B])
+`PagedKVCache` is the (k_cache, v_cache) pair in NHD or HND, with any strides as long
+as head_dim is contiguous; a single [num_pages, 2, ...] tensor is split into two views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .checks import (expect_dim, expect_dtype, expect_index_vector, expect_last_dim_contiguous,
+                     expect_choice)
+from .specs.base import KV_LAYOUTS, PAGE_TABLES, dtype_name
+
+
+@dataclass(frozen=True)
+class PageTable:
+    layout: str
+    tensors: tuple
+    batch_size: int
+
+    @property
+    def device(self):
+        return self.tensors[0].device
+
+    def kv_lens(self, page_size: int):
+        """Tokens per request (a device tensor); used by references and debug checks."""
+        import torch
+
+        if self.layout == "csr":
+            indptr, _, last = self.tensors
+            pages = indptr[1:] - indptr[:-1]
+            return torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
+        return self.tensors[1]
+
+    def capacity(self) -> "object":
+        """Pages per request the table holds."""
+        import torch
+
+        if self.layout == "csr":
+            indptr = self.tensors[0]
+            return indptr[1:] - indptr[:-1]
+        bt = self.tensors[0]
+        return torch.full((self.batch_size,), bt.shape[-1], dtype=torch.int32, device=bt.device)
+
+    def check_values(self, num_pages: int, page_size: int) -> None:
+        """Value checks (device sync): page ids in range, lengths consistent."""
+        import torch
+
+        if self.layout == "csr":
+            indptr, indices, last = self.tensors
+            if indptr.numel() and int(indptr[0]) != 0:
+                raise ValueError(f"kv_indptr: must start at 0, got {int(indptr[0])}")
+            if (indptr[1:] < indptr[:-1]).any():
+                raise ValueError("kv_indptr: must be non-decreasing")
+            if int(indptr[-1]) > indices.numel():
+                raise ValueError(f"kv_indptr: last entry {int(indptr[-1])} exceeds len(kv_indices) = {indices.numel()}")
+            used = indices[: int(indptr[-1])]
+            pages = indptr[1:] - indptr[:-1]
+            bad = (pages > 0) & ((last < 1) | (last > page_size))
+            if bad.any():
+                b = int(torch.nonzero(bad)[0])
+                raise ValueError(
+                    f"kv_last_page_len: request {b} has {int(pages[b])} page(s) and last_page_len "
+                    f"{int(last[b])}; expected 1..page_size ({page_size})")
+        else:
+            used = self.tensors[0].reshape(-1)
+            seq_lens = self.tensors[1]
+            cap = self.tensors[0].shape[-1] * page_size
+            if ((seq_lens < 0) | (seq_lens > cap)).any():
+                raise ValueError(f"seq_lens: expected 0..max_pages*page_size ({cap}) per request")
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+            raise ValueError(
+                f"page ids out of range: expected 0..{num_pages - 1}, got min {int(used.min())} "
+                f"max {int(used.max())}")
+
+
+def csr_page_table(kv_indptr, kv_indices, kv_last_page_len) -> PageTable:
+    import torch
+
+    if not isinstance(kv_indptr, torch.Tensor):
+        raise TypeError(f"kv_indptr: expected an int32 tensor, got {type(kv_indptr).__name__}")
+    expect_index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
+    if kv_indptr.shape[0] < 1:
+        raise ValueError("kv_indptr: expected batch_size + 1 >= 1 entries, got 0")
+    batch = kv_indptr.shape[0] - 1
+    expect_index_vector(kv_indices, "kv_indices", what="[number of pages used]")
+    expect_index_vector(kv_last_page_len, "kv_last_page_len", batch, "[batch_size] (one per request)")
+    return PageTable("csr", (kv_indptr, kv_indices, kv_last_page_len), batch)
+
+
+def block_page_table(block_tables, seq_lens, kv_separate: bool = False) -> PageTable:
+    import torch
+
+    name = "block_tables"
+    if not isinstance(block_tables, torch.Tensor):
+        raise TypeError(f"{name}: expected an int32 tensor, got {type(block_tables).__name__}")
+    expect_dtype(block_tables, name, (torch.int32,))
+    if kv_separate:
+        if block_tables.dim() != 3 or block_tables.shape[1] != 2:
+            raise ValueError(f"{name}: block_table_kv_separate expects [batch_size, 2, max_pages] "
+                             f"(K page ids, V page ids), got shape {tuple(block_tables.shape)}")
+    else:
+        expect_dim(block_tables, name, 2, "[batch_size, max_pages]")
+    if block_tables.stride(-1) != 1:
+        raise ValueError(f"{name}: the max_pages dimension must be contiguous")
+    batch = block_tables.shape[0]
+    expect_index_vector(seq_lens, "seq_lens", batch, "[batch_size]")
+    return PageTable("block_table_kv_separate" if kv_separate else "block_table",
+                     (block_tables, seq_lens), batch)
+
+
+@dataclass(frozen=True)
+class PagedKVCache:
+    k: object
+    v: object
+    layout: str
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1] if self.layout == "NHD" else self.k.shape[2]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2] if self.layout == "NHD" else self.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def dtype(self):
+        return self.k.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.k.dtype)
+
+
+def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_cache") -> PagedKVCache:
+    import torch
+
+    expect_choice(kv_layout, "kv_layout", KV_LAYOUTS)
+    dims = "[num_pages, page_size, num_kv_heads, head_dim]" if kv_layout == "NHD" else \
+        "[num_pages, num_kv_heads, page_size, head_dim]"
+    if isinstance(paged_kv_cache, torch.Tensor):
+        if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+            raise ValueError(f"{name}: a single tensor must be [num_pages, 2, ...] with ... = {dims} "
+                             f"({kv_layout}), got shape {tuple(paged_kv_cache.shape)}")
+        k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    elif isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
+        k, v = paged_kv_cache
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise TypeError(f"{name}: expected (k_cache, v_cache) tensors")
+    else:
+        raise TypeError(f"{name}: expected a (k_cache, v_cache) tuple or one [num_pages, 2, ...] tensor, "
+                        f"got {type(paged_kv_cache).__name__}")
+    expect_dim(k, f"{name} (k_cache)", 4, f"{dims} ({kv_layout})")
+    expect_dim(v, f"{name} (v_cache)", 4, f"{dims} ({kv_layout})")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"{name}: k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} differ in shape")
+    if k.dtype != v.dtype:
+        raise TypeError(f"{name}: k_cache is {k.dtype} but v_cache is {v.dtype}")
+    expect_last_dim_contiguous(k, f"{name} (k_cache)")
+    expect_last_dim_contiguous(v, f"{name} (v_cache)")
+    return PagedKVCache(k, v, kv_layout)
+
+
+__all__ = ["PageTable", "PagedKVCache", "csr_page_table", "block_page_table",
+           "unpack_paged_kv_cache", "PAGE_TABLES"]

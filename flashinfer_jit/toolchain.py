@@ -1,0 +1,133 @@
+"""Locating and describing the tools a build needs: nvcc, a host C++ compiler, ninja,
+torch's headers and libraries, and the CUDA runtime.
+
+Each probe runs once per process (`functools.cache`) and only when a build or a key
+needs it; importing this module runs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import env
+from .errors import ToolchainError
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    nvcc: str
+    nvcc_version: str
+    cxx: str
+    cxx_version: str
+    ninja: str
+    cuda_include: str
+    cuda_lib: str
+    torch_version: str
+    torch_cuda: str
+    torch_include: tuple[str, ...]
+    torch_lib: str
+    cxx11_abi: bool
+
+    def compiler_identity(self) -> dict:
+        """The compilers' part of the cache key: versions, never install paths."""
+        return {"nvcc": self.nvcc_version, "cxx": self.cxx_version}
+
+
+def _version_line(cmd: list[str], what: str) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ToolchainError(f"could not run {what} ({' '.join(cmd)}): {exc}") from exc
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    # nvcc prints its release on the last lines; compilers on the first.
+    return lines[-1] if "nvcc" in cmd[0] else lines[0]
+
+
+def find_nvcc() -> str | None:
+    home = env.cuda_home()
+    if home is not None and (home / "bin" / "nvcc").is_file():
+        return str(home / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def find_ninja() -> str | None:
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:  # the `ninja` wheel ships a binary beside its Python package
+        import ninja  # type: ignore
+
+        candidate = Path(ninja.BIN_DIR) / "ninja"
+        return str(candidate) if candidate.is_file() else None
+    except Exception:
+        return None
+
+
+def find_cxx() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+@functools.cache
+def nvcc_version() -> str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise ToolchainError(
+            "nvcc not found: set CUDA_HOME to the CUDA toolkit (the folder holding bin/nvcc), "
+            "or put nvcc on PATH"
+        )
+    return _version_line([nvcc, "--version"], "nvcc")
+
+
+@functools.cache
+def get() -> Toolchain:
+    """The full toolchain for building; raises ToolchainError naming what is missing."""
+    import torch
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        nvcc_version()  # raises with the fix
+    ninja = find_ninja()
+    if ninja is None:
+        raise ToolchainError(
+            "ninja not found: `pip install ninja` or install it with your package manager "
+            "so that `ninja` is on PATH"
+        )
+    cxx = find_cxx()
+    if cxx is None:
+        raise ToolchainError("no host C++ compiler: install g++ or set CXX to one")
+    home = env.cuda_home() or Path(nvcc).resolve().parent.parent
+    cuda_lib = next((str(home / d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")
+                     if (home / d / "libcudart.so").exists()), str(home / "lib64"))
+    torch_dir = Path(torch.__file__).resolve().parent
+    return Toolchain(
+        nvcc=nvcc,
+        nvcc_version=nvcc_version(),
+        cxx=cxx,
+        cxx_version=_version_line([cxx, "--version"], "the host C++ compiler"),
+        ninja=ninja,
+        cuda_include=str(home / "include"),
+        cuda_lib=cuda_lib,
+        torch_version=torch.__version__,
+        torch_cuda=str(torch.version.cuda),
+        torch_include=(str(torch_dir / "include"),
+                       str(torch_dir / "include" / "torch" / "csrc" / "api" / "include")),
+        torch_lib=str(torch_dir / "lib"),
+        cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+    )
+
+
+def torch_identity() -> dict:
+    """torch's part of the cache key; needs no compiler, so an image without nvcc can
+    still find the entries built for its torch."""
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "torch_cuda": str(torch.version.cuda),
+        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+    }
