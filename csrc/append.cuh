@@ -25,24 +25,6 @@ struct AppendTraits {
   static_assert(HeadDim % kVecElems == 0, "head_dim must be a multiple of a 16-byte vector");
 };
 
-// Where token `token` goes; false for padding (batch index -1) and for any slot outside
-// the page table or the cache, which is skipped rather than written out of bounds.
-template <class Traits>
-FIJ_DEVICE bool append_destination(const AppendParams& p, int token, int& k_page, int& v_page,
-                                   int& slot) {
-  const int b = p.batch_indices[token];
-  if (b < 0 || b >= p.table.batch_size) return false;
-  const int pos = p.positions[token];
-  PageTable<Traits::kTable> table{p.table};
-  const int logical = pos / p.table.page_size;
-  if (pos < 0 || logical >= table.num_pages(b)) return false;
-  slot = pos - logical * p.table.page_size;
-  k_page = table.k_page(b, logical);
-  v_page = table.v_page(b, logical);
-  PagedKV<typename Traits::DType, Traits::kLayout> kv{p.kv};
-  return kv.valid_page(k_page) && kv.valid_page(v_page);
-}
-
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads)
     append_paged_kv_cache_kernel(const __grid_constant__ AppendParams p) {
@@ -55,22 +37,24 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int sub_token = threadIdx.x / vecs_per_token;
   if (sub_token >= tokens_per_step) return;
 
-  PagedKV<T, Traits::kLayout> kv{p.kv};
   const T* key = static_cast<const T*>(p.append_key);
   const T* value = static_cast<const T*>(p.append_value);
 
   for (int token = blockIdx.x * tokens_per_step + sub_token; token < p.nnz;
        token += gridDim.x * tokens_per_step) {
-    int k_page, v_page, slot;
-    if (!append_destination<Traits>(p, token, k_page, v_page, slot)) continue;
+    int k_page, v_page, slot;  // padding (batch index -1) and out-of-table slots: skipped
+    if (!locate_slot<Traits::kTable>(p.table, p.kv.num_pages, p.batch_indices[token],
+                                     p.positions[token], k_page, v_page, slot)) {
+      continue;
+    }
     for (int l = lane; l < vecs_per_token; l += Traits::kThreads) {
       const int h = l / Traits::kVecsPerHead;
       const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
       const Vec16 k = load_vec16_streaming(key + token * p.key_stride_token + h * p.key_stride_head + c);
       const Vec16 v = load_vec16_streaming(value + token * p.value_stride_token +
                                            h * p.value_stride_head + c);
-      store_vec16(kv.k_ptr(k_page, slot, h) + c, k);
-      store_vec16(kv.v_ptr(v_page, slot, h) + c, v);
+      store_vec16(paged_ptr<T>(p.kv.k, k_page, slot, h) + c, k);
+      store_vec16(paged_ptr<T>(p.kv.v, v_page, slot, h) + c, v);
     }
   }
 }

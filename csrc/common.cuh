@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #define FIJ_DEVICE __device__ __forceinline__
 #define FIJ_HOST_DEVICE __host__ __device__ __forceinline__

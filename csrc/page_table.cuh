@@ -1,6 +1,6 @@
 // One page-table abstraction for every family: where are token `pos` of request `b`'s
 // K and V? Decode, prefill, POD, append and flatten all go through `PageTable<L>`
-// and `PagedKV<T, Layout>`, so a new page-table layout is added here once.
+// and `paged_ptr`/`locate_slot`, so a new page-table layout is added here once.
 #pragma once
 #include "common.cuh"
 #include "page_table_params.h"
@@ -47,23 +47,29 @@ struct PageTable {
   }
 };
 
-// Addressing into the K and V caches. Strides are run-time values, so strided views
-// (K and V as slices of one buffer, an engine's own layout) cost nothing extra.
-template <typename T, KVLayout Layout>
-struct PagedKV {
-  const PagedKVParams& p;
+FIJ_DEVICE bool valid_page(int page, int num_pages) {
+  return static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+}
 
-  FIJ_DEVICE bool valid_page(int page) const {
-    return static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
-  }
-  FIJ_DEVICE T* k_ptr(int page, int slot, int head) const {
-    return static_cast<T*>(p.k_data) + page * p.k_stride_page + slot * p.k_stride_token +
-           head * p.k_stride_head;
-  }
-  FIJ_DEVICE T* v_ptr(int page, int slot, int head) const {
-    return static_cast<T*>(p.v_data) + page * p.v_stride_page + slot * p.v_stride_token +
-           head * p.v_stride_head;
-  }
-};
+// Element (page, slot, head, 0) of a paged tensor.
+template <typename T>
+FIJ_DEVICE T* paged_ptr(const PagedTensor& t, int page, int slot, int head) {
+  return static_cast<T*>(t.data) + page * t.stride_page + slot * t.stride_token + head * t.stride_head;
+}
+
+// Where token `pos` of request `b` lives: false for anything outside the page table or
+// the cache (skipped by writers rather than written out of bounds).
+template <PageTableLayout L>
+FIJ_DEVICE bool locate_slot(const PageTableParams& p, int num_pages, int b, int pos, int& k_page,
+                            int& v_page, int& slot) {
+  if (b < 0 || b >= p.batch_size || pos < 0) return false;
+  PageTable<L> table{p};
+  const int logical = pos / p.page_size;
+  if (logical >= table.num_pages(b)) return false;
+  slot = pos - logical * p.page_size;
+  k_page = table.k_page(b, logical);
+  v_page = table.v_page(b, logical);
+  return valid_page(k_page, num_pages) && valid_page(v_page, num_pages);
+}
 
 }  // namespace fij

@@ -30,13 +30,18 @@ struct PageTableParams {
   int32_t page_size = 0;
 };
 
-// K and V caches with independent strides (in elements; the head_dim axis is
-// contiguous). NHD and HND differ only in which of token/head stride is the smaller.
+// One paged cache tensor (K, V, or an MLA ckv/kpe cache), addressed by
+// (page, slot in page, head); strides in elements, the head_dim axis contiguous.
+// NHD and HND differ only in which of token/head stride is the smaller.
+struct PagedTensor {
+  void* data = nullptr;
+  int64_t stride_page = 0, stride_token = 0, stride_head = 0;
+};
+
+// K and V caches with independent strides: strided views (K and V as slices of one
+// buffer, an engine's own layout) need no copy.
 struct PagedKVParams {
-  void* k_data = nullptr;
-  void* v_data = nullptr;
-  int64_t k_stride_page = 0, k_stride_token = 0, k_stride_head = 0;
-  int64_t v_stride_page = 0, v_stride_token = 0, v_stride_head = 0;
+  PagedTensor k, v;
   int32_t num_pages = 0;
   int32_t page_size = 0;
   int32_t num_kv_heads = 0;

@@ -39,24 +39,33 @@ inline void expect_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
 }
 
-// (k_cache, v_cache): NHD [pages, page_size, heads, dim] or HND [pages, heads, page_size, dim].
+// One paged tensor laid out NHD [pages, page_size, heads, dim] or HND
+// [pages, heads, page_size, dim]; a 3-D MLA cache [pages, page_size, dim] has one head.
+inline PagedTensor make_paged_tensor(const at::Tensor& t, KVLayout layout) {
+  TORCH_CHECK(t.dim() == 4 || t.dim() == 3, "a paged cache must be 3-D or 4-D");
+  TORCH_CHECK(t.stride(-1) == 1, "the head_dim axis of a paged cache must be contiguous");
+  PagedTensor p;
+  p.data = t.data_ptr();
+  p.stride_page = t.stride(0);
+  if (t.dim() == 3) {
+    p.stride_token = t.stride(1);
+    return p;
+  }
+  p.stride_token = t.stride(layout == KVLayout::kNHD ? 1 : 2);
+  p.stride_head = t.stride(layout == KVLayout::kNHD ? 2 : 1);
+  return p;
+}
+
+// (k_cache, v_cache) of the same shape.
 inline PagedKVParams make_paged_kv(const at::Tensor& k, const at::Tensor& v, KVLayout layout) {
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k_cache and v_cache must be 4-D");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "the head_dim axis of the cache must be contiguous");
-  const int token_dim = layout == KVLayout::kNHD ? 1 : 2;
-  const int head_dim_axis = layout == KVLayout::kNHD ? 2 : 1;
+  const bool nhd = layout == KVLayout::kNHD;
   PagedKVParams p;
-  p.k_data = k.data_ptr();
-  p.v_data = v.data_ptr();
-  p.k_stride_page = k.stride(0);
-  p.k_stride_token = k.stride(token_dim);
-  p.k_stride_head = k.stride(head_dim_axis);
-  p.v_stride_page = v.stride(0);
-  p.v_stride_token = v.stride(token_dim);
-  p.v_stride_head = v.stride(head_dim_axis);
+  p.k = make_paged_tensor(k, layout);
+  p.v = make_paged_tensor(v, layout);
   p.num_pages = static_cast<int32_t>(k.size(0));
-  p.page_size = static_cast<int32_t>(k.size(token_dim));
-  p.num_kv_heads = static_cast<int32_t>(k.size(head_dim_axis));
+  p.page_size = static_cast<int32_t>(k.size(nhd ? 1 : 2));
+  p.num_kv_heads = static_cast<int32_t>(k.size(nhd ? 2 : 1));
   p.head_dim = static_cast<int32_t>(k.size(3));
   return p;
 }

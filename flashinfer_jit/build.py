@@ -90,20 +90,23 @@ nvcc_flags = {' '.join(flags.nvcc)} {threads}
 cxx_flags = {' '.join(flags.cxx)} {torch_inc}
 ldflags = {' '.join(flags.ld)} -L{_q(tc.torch_lib)} -L{_q(tc.cuda_lib)} -Wl,-rpath,{_q(tc.torch_lib)} -Wl,-rpath,{_q(tc.cuda_lib)}
 
+# Each step writes its output to $out.log (merged into the entry's build.log by
+# collect_logs, so an entry built among many in one AOT ninja keeps its own ptxas report)
+# and prints it only on failure, where ninja shows it under FAILED.
 rule nvcc
-  command = $nvcc $nvcc_flags -I$incdir -MD -MF $out.d -c $in -o $out
+  command = $nvcc $nvcc_flags -I$incdir -MD -MF $out.d -c $in -o $out > $out.log 2>&1 || {{ cat $out.log; exit 1; }}
   depfile = $out.d
   deps = gcc
   description = NVCC $out
 
 rule cxx
-  command = $cxx -MMD -MF $out.d $cxx_flags -I$incdir -c $in -o $out
+  command = $cxx -MMD -MF $out.d $cxx_flags -I$incdir -c $in -o $out > $out.log 2>&1 || {{ cat $out.log; exit 1; }}
   depfile = $out.d
   deps = gcc
   description = CXX $out
 
 rule link
-  command = $cxx $in $ldflags -o $out
+  command = $cxx $in $ldflags -o $out > $out.log 2>&1 || {{ cat $out.log; exit 1; }}
   description = LINK $out
 """
 
@@ -123,6 +126,17 @@ build {prefix}{library}: link {prefix}kernel.o {prefix}binding.o
 def write_entry_ninja(build_dir: Path, tc: Toolchain, flags: Flags, library: str) -> None:
     text = ninja_rules(tc, flags) + ninja_builds("", library) + f"\ndefault {library}\n"
     (build_dir / "build.ninja").write_text(text)
+
+
+def collect_logs(build_dir: Path, ninja_output: str = "") -> str:
+    """Ninja's output followed by every step's own log; the step logs are removed."""
+    parts = [ninja_output] if ninja_output else []
+    for log in sorted(build_dir.glob("*.log")):
+        if log.name == "build.log":
+            continue
+        parts.append(f"--- {log.name[:-4]} ---\n{log.read_text(errors='replace')}")
+        log.unlink()
+    return "\n".join(parts)
 
 
 def _jobs(requested: int | None) -> list[str]:

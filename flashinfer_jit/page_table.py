@@ -62,7 +62,7 @@ class PageTable:
                 raise ValueError(f"kv_indptr: last entry {int(indptr[-1])} exceeds len(kv_indices) = {indices.numel()}")
             used = indices[: int(indptr[-1])]
             pages = indptr[1:] - indptr[:-1]
-            bad = (pages > 0) & ((last < 1) | (last > page_size))
+            bad = (pages > 0) & ((last < 1) | (last > page_size)) if last.numel() else pages < 0
             if bad.any():
                 b = int(torch.nonzero(bad)[0])
                 raise ValueError(
@@ -80,7 +80,9 @@ class PageTable:
                 f"max {int(used.max())}")
 
 
-def csr_page_table(kv_indptr, kv_indices, kv_last_page_len) -> PageTable:
+def csr_page_table(kv_indptr, kv_indices, kv_last_page_len=None) -> PageTable:
+    """FlashInfer's CSR page table. Writers (append, rope+append) locate slots with
+    indptr/indices alone, so kv_last_page_len may be None there; readers need it."""
     import torch
 
     if not isinstance(kv_indptr, torch.Tensor):
@@ -90,7 +92,10 @@ def csr_page_table(kv_indptr, kv_indices, kv_last_page_len) -> PageTable:
         raise ValueError("kv_indptr: expected batch_size + 1 >= 1 entries, got 0")
     batch = kv_indptr.shape[0] - 1
     expect_index_vector(kv_indices, "kv_indices", what="[number of pages used]")
-    expect_index_vector(kv_last_page_len, "kv_last_page_len", batch, "[batch_size] (one per request)")
+    if kv_last_page_len is None:
+        kv_last_page_len = torch.empty(0, dtype=torch.int32, device=kv_indptr.device)
+    else:
+        expect_index_vector(kv_last_page_len, "kv_last_page_len", batch, "[batch_size] (one per request)")
     return PageTable("csr", (kv_indptr, kv_indices, kv_last_page_len), batch)
 
 

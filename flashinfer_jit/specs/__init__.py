@@ -2,7 +2,11 @@
 
 from .append import AppendSpec, BatchIndicesSpec
 from .base import Spec
+from .flatten import FlattenSpec
+from .rope import RopeSpec
 
-FAMILIES: dict[str, type[Spec]] = {cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec)}
+FAMILIES: dict[str, type[Spec]] = {
+    cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec)
+}
 
-__all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "FAMILIES"]
+__all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "FAMILIES"]

@@ -1,0 +1,93 @@
+// Host side of the RoPE family: tensors -> RopeParams.
+#pragma once
+#include <cmath>
+
+#include "rope_params.h"
+#include "torch_binding.h"
+
+namespace fij {
+
+// q/k rows: rope part [nnz, heads, rope_dim] and nope part [nnz, heads, nope_dim]
+// (nope may be empty); outputs the same shapes. Any token/head strides.
+inline RopeRows make_rope_rows(const at::Tensor& rope_in, const at::Tensor& nope_in,
+                               const at::Tensor& rope_out, const at::Tensor& nope_out) {
+  TORCH_CHECK(rope_in.dim() == 3 && nope_in.dim() == 3, "rope inputs must be [nnz, heads, dim]");
+  RopeRows r;
+  r.rope_in = rope_in.const_data_ptr();
+  r.nope_in = nope_in.const_data_ptr();
+  r.rope_out = rope_out.data_ptr();
+  r.nope_out = nope_out.data_ptr();
+  r.rope_in_stride_token = rope_in.stride(0);
+  r.rope_in_stride_head = rope_in.stride(1);
+  r.nope_in_stride_token = nope_in.stride(0);
+  r.nope_in_stride_head = nope_in.stride(1);
+  r.rope_out_stride_token = rope_out.stride(0);
+  r.rope_out_stride_head = rope_out.stride(1);
+  r.nope_out_stride_token = nope_out.stride(0);
+  r.nope_out_stride_head = nope_out.stride(1);
+  r.num_heads = static_cast<int32_t>(rope_in.size(1));
+  return r;
+}
+
+struct RopeScalars {
+  double rope_scale, rope_theta, smooth_a, smooth_b, quant_scale_q, quant_scale_kv;
+};
+
+inline RopeParams make_rope_params(const at::Tensor& q_rope, const at::Tensor& k_rope,
+                                   const at::Tensor& q_nope, const at::Tensor& k_nope,
+                                   const at::Tensor& q_rope_out, const at::Tensor& k_rope_out,
+                                   const at::Tensor& q_nope_out, const at::Tensor& k_nope_out,
+                                   const at::Tensor& pos_ids, const at::Tensor& indptr,
+                                   const at::Tensor& offsets, const at::Tensor& cos_sin_cache,
+                                   const RopeScalars& s) {
+  expect_cuda(q_rope, "q_rope");
+  RopeParams p;
+  p.q = make_rope_rows(q_rope, q_nope, q_rope_out, q_nope_out);
+  p.k = make_rope_rows(k_rope, k_nope, k_rope_out, k_nope_out);
+  p.nnz = static_cast<int32_t>(q_rope.size(0));
+  p.rope_dim = static_cast<int32_t>(q_rope.size(2));
+  p.nope_dim = static_cast<int32_t>(q_nope.size(2));
+  p.pos_ids = int32_ptr(pos_ids);
+  p.indptr = int32_ptr(indptr);
+  p.offsets = int32_ptr(offsets);
+  p.batch_size = static_cast<int32_t>(offsets.numel());
+  if (cos_sin_cache.numel() > 0) {
+    p.cos_sin_cache = static_cast<const float*>(cos_sin_cache.const_data_ptr());
+    p.cos_sin_rows = static_cast<int32_t>(cos_sin_cache.size(0));
+  }
+  p.rcp_scale = static_cast<float>(1.0 / s.rope_scale);
+  p.log2_theta = static_cast<float>(std::log2(s.rope_theta));
+  p.smooth_a = static_cast<float>(s.smooth_a);
+  p.smooth_b = static_cast<float>(s.smooth_b);
+  p.q_scale = static_cast<float>(s.quant_scale_q);
+  p.kv_scale = static_cast<float>(s.quant_scale_kv);
+  return p;
+}
+
+// Append form: k rows go to (k_rope_cache, k_nope_cache) slots, v rows to v_cache.
+// GQA/MHA: k_rope_cache/k_nope_cache are the [..., :rope_dim] / [..., rope_dim:] views
+// of one 4-D k_cache. MLA: 3-D kpe/ckv caches and an empty v.
+inline void add_append_params(RopeParams& p, const at::Tensor& v, const at::Tensor& k_rope_cache,
+                              const at::Tensor& k_nope_cache, const at::Tensor& v_cache,
+                              at::TensorList page_table, const at::Tensor& batch_indices,
+                              const at::Tensor& positions, KVLayout layout, PageTableLayout table) {
+  p.k_rope_cache = make_paged_tensor(k_rope_cache, layout);
+  p.k_nope_cache = make_paged_tensor(k_nope_cache, layout);
+  p.num_pages = static_cast<int32_t>(k_rope_cache.size(0));
+  const int32_t page_size = static_cast<int32_t>(
+      k_rope_cache.dim() == 3 ? k_rope_cache.size(1) : k_rope_cache.size(layout == KVLayout::kNHD ? 1 : 2));
+  if (v.numel() > 0) {
+    TORCH_CHECK(v.dim() == 3, "v must be [nnz, num_kv_heads, head_dim]");
+    p.v_cache = make_paged_tensor(v_cache, layout);
+    p.v_in = v.const_data_ptr();
+    p.v_in_stride_token = v.stride(0);
+    p.v_in_stride_head = v.stride(1);
+    p.num_v_heads = static_cast<int32_t>(v.size(1));
+    p.v_dim = static_cast<int32_t>(v.size(2));
+  }
+  p.table = make_page_table(table, page_table, page_size);
+  p.batch_indices = int32_ptr(batch_indices);
+  p.positions = int32_ptr(positions);
+}
+
+}  // namespace fij
