@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from . import env
-from .checks import expect_dim, expect_dtype, expect_index_vector, expect_same_cuda_device
+from .checks import (expect_dim, expect_index_vector, expect_same_cuda_device,
+                     expect_vector_aligned)
 from .jit import get_module
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import AppendSpec, BatchIndicesSpec
@@ -40,6 +41,9 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                             "rope_quantize_fp8_append_paged_kv_cache)")
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the head_dim dimension must be contiguous")
+        expect_vector_aligned(t, name)
+    expect_vector_aligned(cache.k, "paged_kv_cache (k_cache)")
+    expect_vector_aligned(cache.v, "paged_kv_cache (v_cache)")
     nnz, heads, dim = append_key.shape
     if tuple(append_value.shape) != (nnz, heads, dim):
         raise ValueError(f"append_value: expected the shape of append_key {tuple(append_key.shape)}, "

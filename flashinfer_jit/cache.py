@@ -103,10 +103,12 @@ class Entry:
 
 
 def read_manifest(entry_dir: Path) -> dict | None:
+    """The entry's manifest, or None if it is missing or not a JSON object."""
     try:
-        return json.loads((entry_dir / MANIFEST).read_text())
+        manifest = json.loads((entry_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def verify_entry(entry_dir: Path, manifest: dict | None = None) -> str | None:
@@ -115,10 +117,12 @@ def verify_entry(entry_dir: Path, manifest: dict | None = None) -> str | None:
     manifest = manifest if manifest is not None else read_manifest(entry_dir)
     if manifest is None:
         return "no readable manifest.json"
-    files = manifest.get("files") or {}
-    if manifest.get("library") not in files:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or manifest.get("library") not in files:
         return "manifest lists no library"
     for rel, meta in files.items():
+        if not (isinstance(meta, dict) and "size" in meta and "sha256" in meta):
+            return f"manifest entry of {rel} has no size and sha256"
         path = entry_dir / rel
         try:
             size = path.stat().st_size

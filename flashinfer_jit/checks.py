@@ -67,3 +67,17 @@ def expect_choice(value, name: str, allowed: Iterable) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def expect_vector_aligned(t, name: str, vector_bytes: int = 16) -> None:
+    """The kernels move `vector_bytes` at a time: the start address and every stride but
+    the last (of a dimension longer than 1) must be multiples of it, or the access would
+    fault ("misaligned address") and take the CUDA context down with it."""
+    size = t.element_size()
+    misaligned = t.data_ptr() % vector_bytes != 0 or any(
+        (stride * size) % vector_bytes for stride, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    if misaligned:
+        raise ValueError(f"{name}: the start address and every stride but the last must be multiples of "
+                         f"{vector_bytes} bytes (the kernels use {vector_bytes}-byte vector accesses); got "
+                         f"address % {vector_bytes} = {t.data_ptr() % vector_bytes}, strides {t.stride()} "
+                         f"of {size}-byte elements")

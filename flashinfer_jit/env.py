@@ -88,7 +88,7 @@ def cuda_home() -> Path | None:
     return default if default.is_dir() else None
 
 
-def parse_arch_list(text: str) -> tuple[str, ...]:
+def parse_arch_list(text: str, source: str = "FLASHINFER_JIT_CUDA_ARCH_LIST") -> tuple[str, ...]:
     """'8.0 9.0a;9.0+PTX' -> ('8.0', '9.0+PTX', '9.0a'), validated and sorted."""
     archs = []
     for item in text.replace(";", " ").replace(",", " ").split():
@@ -98,12 +98,12 @@ def parse_arch_list(text: str) -> tuple[str, ...]:
         digits = minor[: len(minor) - len(suffix)]
         if not (major.isdigit() and digits.isdigit() and suffix in ("", "a", "f")):
             raise ValueError(
-                f"FLASHINFER_JIT_CUDA_ARCH_LIST: cannot read {item!r}; "
+                f"{source}: cannot read {item!r}; "
                 "expected items like '8.0', '9.0a' or '9.0+PTX'"
             )
         archs.append(item)
     if not archs:
-        raise ValueError("FLASHINFER_JIT_CUDA_ARCH_LIST is empty; expected e.g. '9.0a'")
+        raise ValueError(f"{source} is empty; expected e.g. '9.0a'")
     return tuple(sorted(set(archs)))
 
 
@@ -127,7 +127,9 @@ def target_archs() -> tuple[str, ...]:
         return parse_arch_list(explicit)
     archs = visible_gpu_archs()
     if not archs:
-        raise RuntimeError(
+        from .errors import ToolchainError
+
+        raise ToolchainError(
             "no target architecture: no GPU is visible and FLASHINFER_JIT_CUDA_ARCH_LIST "
             "is unset; set it, e.g. FLASHINFER_JIT_CUDA_ARCH_LIST='9.0a' for H100/H200"
         )

@@ -55,6 +55,10 @@ def flatten_kv_cache(k_cache, v_cache, kv_seqlens, page_table, out_size: int | N
         out_dtype = torch.bfloat16 if fp8 else cache.dtype
     if not fp8 and (k_scale not in (None, 1, 1.0) or v_scale not in (None, 1, 1.0)):
         raise ValueError("k_scale/v_scale: only fp8 caches are dequantized; leave them None")
+    from .checks import expect_vector_aligned
+
+    for name, t in (("k_cache", cache.k), ("v_cache", cache.v)):
+        expect_vector_aligned(t, name, 8 * t.element_size())
     spec = FlattenSpec(cache.dtype_name, dtype_name(out_dtype), cache.head_dim, kv_layout, table.layout)
     spec.validate()
     expect_same_cuda_device({"k_cache": cache.k, "v_cache": cache.v, "kv_seqlens": kv_seqlens,

@@ -69,10 +69,11 @@ def prepare(spec: Spec, archs: tuple[str, ...] | None = None) -> Prepared:
 def find_published(prep: Prepared) -> Path | None:
     """A published, verified entry for this module in any lookup root, or None."""
     for root in cache.lookup_roots():
-        if prep.key is not None:
-            candidates = [root / prep.entry(root).dirname]
-        else:  # no compiler here: match on everything else (content key)
-            candidates = sorted(root.glob(f"{prep.name}-*"), reverse=True) if root.is_dir() else []
+        candidates = [root / prep.entry(root).dirname] if prep.key is not None else []
+        if (prep.key is None or env.jit_disabled()) and root.is_dir():
+            # No compiler here, or none may run: an entry built from the same content by
+            # another nvcc (the AOT image's) is as good, so match on the content key.
+            candidates += sorted(root.glob(f"{prep.name}-*"), reverse=True)
         for path in candidates:
             manifest = cache.read_manifest(path)
             if manifest is None or manifest.get("content_key") != prep.content_key:
@@ -133,7 +134,8 @@ def _build_one(prep: Prepared, entry: cache.Entry, jobs: int | None = None) -> N
     build_dir = cache.private_build_dir(entry.root, entry.dirname)
     try:
         _stage(prep, build_dir)
-        code, log, seconds = build.run_ninja(toolchain.get(), build_dir, jobs)
+        code, output, seconds = build.run_ninja(toolchain.get(), build_dir, jobs)
+        log = build.collect_logs(build_dir, output)
         (build_dir / cache.BUILD_LOG).write_text(log)
         if code != 0:
             log_path = cache.save_failed_log(entry.root, entry.dirname, log)
@@ -158,12 +160,12 @@ def load_or_build(spec: Spec) -> LoadedModule:
             "set; prebuild it with `flashinfer-jit aot` or unset the variable"
         )
     entry = prep.entry(cache.build_root())
-    if env.verbose():
-        print(f"flashinfer_jit: building {entry.dirname}", file=sys.stderr)
     with FileLock(str(entry.lock_path)):
         # Someone may have published it while we waited for the lock.
         manifest = cache.read_manifest(entry.path)
         if manifest is None or cache.verify_entry(entry.path, manifest) is not None:
+            if env.verbose():  # only here: a process that waited and loads builds nothing
+                print(f"flashinfer_jit: building {entry.dirname}", file=sys.stderr)
             _build_one(prep, entry)
     return load(spec, entry.path)
 
@@ -239,15 +241,16 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
                     if progress:
                         progress(done, total, time.perf_counter() - start)
 
-            code, log, _ = build.run_ninja(tc, top, jobs or os.cpu_count(), on_line)
+            code, log, _ = build.run_ninja(tc, top, jobs or env.max_jobs() or os.cpu_count(), on_line)
             (top / "aot.log").write_text(log)
             per_entry = _split_failures(log)
+            step_seconds = _ninja_step_seconds(top)
             for prep in locked:
                 entry = prep.entry(root)
                 sub = top / entry.dirname
                 if (sub / f"{prep.name}.so").is_file() and entry.dirname not in per_entry:
-                    seconds = time.perf_counter() - start
-                    (sub / cache.BUILD_LOG).write_text(_entry_log(log, entry.dirname))
+                    seconds = step_seconds.get(entry.dirname, 0.0)
+                    (sub / cache.BUILD_LOG).write_text(build.collect_logs(sub))
                     cache.write_manifest(sub, entry, prep.module, prep.content_key, prep.flags,
                                          prep.compilers, seconds, "aot")
                     cache.publish(sub, entry)
@@ -261,8 +264,21 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
     return report
 
 
-def _entry_log(log: str, dirname: str) -> str:
-    return "".join(line for line in log.splitlines(keepends=True) if dirname in line) or log
+def _ninja_step_seconds(build_dir: Path) -> dict[str, float]:
+    """dirname -> seconds its compile and link steps took, from ninja's own log
+    (start_ms, end_ms, mtime, output, hash per line): an AOT entry's build time, not the
+    whole run's."""
+    seconds: dict[str, float] = {}
+    try:
+        lines = (build_dir / ".ninja_log").read_text().splitlines()
+    except OSError:
+        return seconds
+    for line in lines:
+        parts = line.split("\t")
+        if len(parts) >= 4 and parts[0].isdigit():
+            top = parts[3].split("/")[0]
+            seconds[top] = seconds.get(top, 0.0) + (int(parts[1]) - int(parts[0])) / 1000
+    return seconds
 
 
 def _split_failures(log: str) -> dict[str, str]:
@@ -281,11 +297,16 @@ def _split_failures(log: str) -> dict[str, str]:
     return {k: "".join(v) for k, v in failures.items()}
 
 
-@functools.cache
 def get_module(spec: Spec) -> LoadedModule:
-    """The registry: one lookup per spec per process; later calls cost a dict hit."""
+    """The registry: one lookup per (spec, debug mode) per process; later calls cost a
+    dict hit. Debug mode is part of the key because it selects another build."""
+    return _registry(spec, env.debug())
+
+
+@functools.cache
+def _registry(spec: Spec, debug: bool) -> LoadedModule:
     return load_or_build(spec)
 
 
 def clear_registry() -> None:
-    get_module.cache_clear()
+    _registry.cache_clear()

@@ -69,11 +69,17 @@ class PageTable:
                     f"kv_last_page_len: request {b} has {int(pages[b])} page(s) and last_page_len "
                     f"{int(last[b])}; expected 1..page_size ({page_size})")
         else:
-            used = self.tensors[0].reshape(-1)
-            seq_lens = self.tensors[1]
-            cap = self.tensors[0].shape[-1] * page_size
+            bt, seq_lens = self.tensors
+            cap = bt.shape[-1] * page_size
             if ((seq_lens < 0) | (seq_lens > cap)).any():
                 raise ValueError(f"seq_lens: expected 0..max_pages*page_size ({cap}) per request")
+            # Only the columns a request's length reaches are read; padding (-1) beyond is fine.
+            pages = (seq_lens.long() + page_size - 1) // page_size
+            cols = torch.arange(bt.shape[-1], device=bt.device)
+            mask = cols[None, :] < pages[:, None]
+            used = (bt[:, 0] if bt.dim() == 3 else bt)[mask]
+            if bt.dim() == 3:
+                used = torch.cat([used, bt[:, 1][mask]])
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
             raise ValueError(
                 f"page ids out of range: expected 0..{num_pages - 1}, got min {int(used.min())} "

@@ -33,12 +33,36 @@ def _enum(prefix: str, value: str, names: dict[str, str]) -> str:
     return f"{prefix}::{names[value]}"
 
 
+def _content_loader_class():
+    import jinja2
+
+    class ContentLoader(jinja2.FileSystemLoader):
+        """Jinja reuses a parsed template while its file's modification time is unchanged;
+        an edit within the file system's time resolution would then render stale sources
+        under a stale key. This loader's templates stay valid while their text is."""
+
+        def get_source(self, environment, template):
+            source, filename, _ = super().get_source(environment, template)
+
+            def uptodate() -> bool:
+                try:
+                    return Path(filename).read_text(encoding="utf-8") == source
+                except OSError:
+                    return False
+
+            return source, filename, uptodate
+
+    return ContentLoader
+
+
 @functools.cache
-def _environment():
+def _environment(templates_dir: str):
+    """One Jinja environment per templates folder (keyed by it, so a process that points
+    env.source_dir elsewhere, as tests do, renders from there and not from a stale one)."""
     import jinja2
 
     environment = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(env.source_dir("templates"))),
+        loader=_content_loader_class()(templates_dir),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
@@ -76,7 +100,7 @@ def included_headers(sources: dict[str, str], csrc: Path) -> dict[str, bytes]:
 
 def render(spec: Spec) -> RenderedModule:
     spec.validate()
-    environment = _environment()
+    environment = _environment(str(env.source_dir("templates")))
     context = spec.context()
     sources = {
         out_name: environment.get_template(template).render(**context)

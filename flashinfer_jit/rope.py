@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from . import env
-from .checks import dtype_str, expect_choice, expect_index_vector, expect_same_cuda_device
+from .checks import dtype_str, expect_index_vector, expect_same_cuda_device, expect_vector_aligned
 from .jit import get_module
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import RopeSpec
@@ -88,6 +88,8 @@ def _run_rope(q, k, q_out, k_out, *, rotary_dim, interleave, pos_ids=None, indpt
         named["cos_sin_cache"] = cos_sin_cache
     if rope_scale <= 0 or rope_theta <= 0:
         raise ValueError(f"rope_scale and rope_theta must be positive, got {rope_scale}, {rope_theta}")
+    for name, t in (("q", q), ("k", k), ("q_out", q_out), ("k_out", k_out)):
+        expect_vector_aligned(t, name, 8 * t.element_size())
     spec = RopeSpec(dtype_name(q.dtype), dtype_name(q.dtype), interleave, positions,
                     "cache" if cos_sin_cache is not None else "computed").validate()
     expect_same_cuda_device({"q": q, "k": k, "q_out": q_out, "k_out": k_out, **named})
@@ -247,6 +249,8 @@ def _check_rows(t, name: str, nnz: int, heads: int, dtype) -> None:
         raise ValueError(f"{name}: the head dimension ({t.shape[2]}) must be a multiple of 16")
     if t.shape[2] and t.stride(-1) != 1:
         raise ValueError(f"{name}: the last dimension must be contiguous")
+    if t.numel():
+        expect_vector_aligned(t, name, 8 * t.element_size())
 
 
 def _fp8_inputs(q_rope, k_rope, q_nope, k_nope):
@@ -293,6 +297,9 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
             raise ValueError(f"{name}: expected shape {tuple(like.shape)} and dtype {dtype_str(qdt)}, "
                              f"got {tuple(out.shape)} {dtype_str(out.dtype)}")
         outs.append(out)
+    for name, o in zip(("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out"), outs):
+        if o.numel():
+            expect_vector_aligned(o, name, 8)
     _check_cos_sin_cache(cos_sin_cache, q_rope.shape[2])
     expect_index_vector(pos_ids, "pos_ids", q_rope.shape[0], "[nnz]")
     spec = RopeSpec(dtype_name(q_rope.dtype), dtype_name(qdt), not is_neox, "pos_ids", "cache").validate()
@@ -376,6 +383,10 @@ def rope_quantize_fp8_append_paged_kv_cache(
     for name, out, like in (("q_rope_out", q_rope_out, q_rope), ("q_nope_out", q_nope_out, q_nope)):
         if tuple(out.shape) != tuple(like.shape) or out.dtype != qdt:
             raise ValueError(f"{name}: expected shape {tuple(like.shape)} dtype {dtype_str(qdt)}")
+    for name, t in (("paged_kv_cache (k rope part)", k_rope_cache), ("paged_kv_cache (k nope part)", k_nope_cache),
+                    ("paged_kv_cache (v_cache)", v_cache), ("q_rope_out", q_rope_out), ("q_nope_out", q_nope_out)):
+        if t.numel():
+            expect_vector_aligned(t, name, 8)
     spec = RopeSpec(dtype_name(q_rope.dtype), dtype_name(qdt), not is_neox, "pos_ids", "cache",
                     page_table.layout, layout).validate()
     expect_same_cuda_device({"q_rope": q_rope, "k_rope": k_rope, "pos_ids": pos_ids, "cos_sin_cache": cos_sin_cache,

@@ -33,6 +33,7 @@ def fresh_cache(tmp_path, monkeypatch):
 
     root = tmp_path / "cache"
     monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # keep the user cache out of reach
     jit.clear_registry()
     yield root
     jit.clear_registry()

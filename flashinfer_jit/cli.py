@@ -1,0 +1,509 @@
+"""`flashinfer-jit` (also `python -m flashinfer_jit`): doctor, aot, list, verify, clean.
+
+Each command is a `cmd_*` function returning the exit code; what they print is built
+by small pure functions (`check_line`, `progress_line`, `summary_lines`, `entry_row`,
+`parse_duration`, ...) so tests can check the policy without building anything.
+Exit codes: 0 success, 1 a problem found (a failed build, a bad entry, a missing tool),
+2 a usage error (bad arguments, an unreadable matrix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, TextIO
+
+from . import __version__, cache, env, toolchain
+from .errors import JitError
+
+# A module's build folder peaks at a few MiB (sources, csrc copy, objects, .so); 256 MiB
+# leaves room for a large AOT matrix, its logs and the temp folder of one build.
+MIN_FREE_BYTES = 256 << 20
+# A temp folder untouched this long belongs to a build that died (a live build writes
+# into its folder every few seconds: objects, ninja's log).
+STALE_TEMP_SECONDS = 3600
+# How long clean/verify --fix wait for an entry's lock before skipping it: a holder is
+# building that entry now and will publish a good one.
+LOCK_WAIT_SECONDS = 1.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.command == "clean" and not (args.all or args.older_than is not None):
+        args.parser.print_help(sys.stderr)
+        print("\nflashinfer-jit clean: say what to remove: --older-than DURATION or --all",
+              file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashinfer-jit",
+        description="Build, inspect and maintain the flashinfer_jit module cache.")
+    parser.add_argument("--version", action="version", version=f"flashinfer_jit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, func: Callable, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func, parser=p)
+        return p
+
+    command("doctor", cmd_doctor, "check the toolchain, target archs, cache and GPUs")
+    aot = command("aot", cmd_aot, "build every module of a matrix file ahead of time")
+    aot.add_argument("--matrix", required=True, metavar="FILE",
+                     help="matrix file, e.g. scripts/matrices/tests")
+    aot.add_argument("-j", "--jobs", type=_positive_int, metavar="N",
+                     help="parallel compile jobs (default: MAX_JOBS, else the CPU count)")
+    aot.add_argument("--arch", metavar="ARCHS",
+                     help='target archs, e.g. "9.0a" or "8.0 9.0a" '
+                          "(default: FLASHINFER_JIT_CUDA_ARCH_LIST, else the visible GPUs)")
+    aot.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    ls = command("list", cmd_list, "list the cache entries")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    verify = command("verify", cmd_verify, "check every entry against its manifest")
+    verify.add_argument("--fix", action="store_true", help="remove the bad entries")
+    clean = command("clean", cmd_clean, "remove cache entries, stale temp folders and old logs")
+    which = clean.add_mutually_exclusive_group()
+    which.add_argument("--older-than", type=parse_duration, metavar="DURATION",
+                       help="entries built longer ago than this, e.g. 7d, 12h, 30m")
+    which.add_argument("--all", action="store_true", help="every entry")
+    clean.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of jobs, got {text}")
+    return value
+
+
+# --- doctor ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def check_line(check: Check) -> str:
+    return f"{'OK' if check.ok else 'PROBLEM':<8} {check.name:<8} {check.detail}"
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks = [run_check(name, probe) for name, probe in DOCTOR_CHECKS]
+    for check in checks:
+        print(check_line(check))
+    problems = [c.name for c in checks if not c.ok]
+    if problems:
+        print(f"\n{len(problems)} problem(s) ({', '.join(problems)}): fix them to build modules")
+        return 1
+    print("\neverything needed to build modules is in place")
+    return 0
+
+
+def run_check(name: str, probe: Callable[[], Check]) -> Check:
+    """A probe that crashes is a problem to report, not a reason to stop the others."""
+    try:
+        return probe()
+    except Exception as exc:  # noqa: BLE001 - doctor reports whatever went wrong
+        return Check(name, False, f"check failed: {type(exc).__name__}: {exc}")
+
+
+def tool_output(cmd: list[str]) -> list[str]:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def check_nvcc() -> Check:
+    nvcc = toolchain.find_nvcc()
+    if nvcc is None:
+        return Check("nvcc", False, "not found (CUDA_HOME unset or wrong, no nvcc on PATH, no "
+                     "/usr/local/cuda); fix: set CUDA_HOME to the CUDA toolkit folder (the one "
+                     "holding bin/nvcc) or put nvcc on PATH")
+    lines = tool_output([nvcc, "--version"])
+    release = next((l for l in lines if "release" in l), lines[-1] if lines else "?")
+    return Check("nvcc", True, f"{nvcc} ({release})")
+
+
+def check_cxx() -> Check:
+    cxx = toolchain.find_cxx()
+    if cxx is None:
+        return Check("c++", False, "no host C++ compiler; fix: install g++ (e.g. "
+                     "`apt-get install g++`) or set CXX to one")
+    return Check("c++", True, f"{cxx} ({tool_output([cxx, '--version'])[0]})")
+
+
+def check_ninja() -> Check:
+    ninja = toolchain.find_ninja()
+    if ninja is None:
+        return Check("ninja", False, "not found; fix: `pip install ninja` or install it with "
+                     "your package manager so that `ninja` is on PATH")
+    return Check("ninja", True, f"{ninja} ({tool_output([ninja, '--version'])[0]})")
+
+
+def check_torch() -> Check:
+    import torch
+
+    if torch.version.cuda is None:
+        return Check("torch", True, f"{torch.__version__}, CPU build: fine for building and "
+                     "importing modules; running kernels needs a CUDA build of torch")
+    return Check("torch", True, f"{torch.__version__}, CUDA {torch.version.cuda}")
+
+
+def check_archs() -> Check:
+    source = ("FLASHINFER_JIT_CUDA_ARCH_LIST" if os.environ.get("FLASHINFER_JIT_CUDA_ARCH_LIST")
+              else "the visible GPUs")
+    try:
+        archs = env.target_archs()
+    except (ValueError, RuntimeError) as exc:
+        return Check("archs", False, str(exc))
+    return Check("archs", True, f"{' '.join(archs)} (from {source})")
+
+
+def check_jit_enabled() -> Check:
+    if env.jit_disabled():
+        return Check("jit", False, "FLASHINFER_JIT_DISABLE_JIT is set: cache misses are errors "
+                     "and `aot` refuses to build; unset it to build")
+    return Check("jit", True, "enabled (a cache miss compiles the module)")
+
+
+def check_cache() -> Check:
+    try:
+        root = cache.build_root()
+    except JitError as exc:
+        return Check("cache", False, str(exc))
+    free = shutil.disk_usage(root).free
+    entries = list(cache.iter_entries())
+    size = sum(cache.dir_size(path) for path, _ in entries)
+    detail = (f"{root} (writable, {human_bytes(free)} free; "
+              f"{plural(len(entries), 'entry')}, {human_bytes(size)})")
+    configured = env.cache_root()
+    if root != configured:
+        detail += f"; {configured} is not writable, so builds go to this fallback"
+    if free < MIN_FREE_BYTES:
+        return Check("cache", False, f"{detail}: under {human_bytes(MIN_FREE_BYTES)} free; "
+                     "free space there or set FLASHINFER_JIT_CACHE_DIR to another disk")
+    return Check("cache", True, detail)
+
+
+def check_gpus() -> Check:
+    import torch
+
+    if torch.cuda.is_available():
+        gpus = [gpu_description(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+                for i in range(torch.cuda.device_count())]
+        return Check("gpus", True, "; ".join(gpus))
+    if os.environ.get("FLASHINFER_JIT_CUDA_ARCH_LIST"):
+        return Check("gpus", True, "none visible: building works (FLASHINFER_JIT_CUDA_ARCH_LIST "
+                     "gives the targets); running kernels needs a GPU")
+    return Check("gpus", False, "none visible, and FLASHINFER_JIT_CUDA_ARCH_LIST is unset; "
+                 "to build without a GPU set it, e.g. FLASHINFER_JIT_CUDA_ARCH_LIST='9.0a'")
+
+
+def gpu_description(name: str, capability: tuple[int, int]) -> str:
+    """'NVIDIA H100 80GB HBM3 (compute capability 9.0)'"""
+    return f"{name} (compute capability {capability[0]}.{capability[1]})"
+
+
+DOCTOR_CHECKS: list[tuple[str, Callable[[], Check]]] = [
+    ("nvcc", check_nvcc), ("c++", check_cxx), ("ninja", check_ninja), ("torch", check_torch),
+    ("archs", check_archs), ("jit", check_jit_enabled), ("cache", check_cache),
+    ("gpus", check_gpus),
+]
+
+
+# --- aot ------------------------------------------------------------------------------
+def progress_line(done: int, total: int, seconds: float, width: int = 30) -> str:
+    """'[##########....................] 4/12 entries  45.2s'"""
+    filled = width * done // total if total else width
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} entries  {seconds:.1f}s"
+
+
+class ProgressBar:
+    """build_many's progress callback: one line redrawn with \\r on a terminal, one line
+    per completed entry otherwise (logs, CI)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.open = False  # a redrawn line is on screen without its newline
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        line = progress_line(done, total, seconds)
+        if self.tty:
+            self.stream.write("\r" + line)
+            self.open = done < total
+            if not self.open:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.open:
+            self.stream.write("\n")
+            self.open = False
+
+
+def summary_lines(report) -> list[str]:
+    """The end of `aot`: counts, then each failure with the log that says why."""
+    lines = [f"built {len(report.built)}, already cached {len(report.cached)}, "
+             f"failed {len(report.failed)} in {report.seconds:.1f}s"]
+    for name, log in sorted(report.failed.items()):
+        lines.append(f"  FAILED {name}: see {log}")
+    if report.failed:
+        lines.append("fix the first compiler errors in each log; rerun with "
+                     "FLASHINFER_JIT_VERBOSE=1 for the full command lines")
+    return lines
+
+
+def report_json(report, matrix: str, archs: tuple[str, ...], jobs: int | None) -> dict:
+    return {"matrix": matrix, "archs": list(archs), "jobs": jobs,
+            "entries": len(report.built) + len(report.cached) + len(report.failed),
+            "built": list(report.built), "cached": list(report.cached),
+            "failed": dict(report.failed), "seconds": round(report.seconds, 3)}
+
+
+def cmd_aot(args: argparse.Namespace) -> int:
+    from . import jit, matrix
+
+    try:
+        specs = matrix.parse_matrix(args.matrix)
+        archs = env.parse_arch_list(args.arch, source="--arch") if args.arch else env.target_archs()
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"flashinfer-jit aot: {exc}", file=sys.stderr)
+        return 2
+    jobs = args.jobs or env.max_jobs()
+    print(f"aot: {len(specs)} modules from {args.matrix} for {' '.join(archs)}, "
+          f"{jobs or os.cpu_count()} jobs", file=sys.stderr)
+    bar = ProgressBar(sys.stderr)
+    try:
+        report = jit.build_many(specs, jobs=jobs, archs=archs, progress=bar)
+    except JitError as exc:
+        bar.close()
+        print(f"flashinfer-jit aot: {exc}", file=sys.stderr)
+        return 1
+    bar.close()
+    print("\n".join(summary_lines(report)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_json(report, args.matrix, archs, jobs),
+                                              indent=2) + "\n")
+    return 1 if report.failed else 0
+
+
+# --- list -----------------------------------------------------------------------------
+def entry_row(path: Path, manifest: dict | None) -> dict:
+    """What `list` shows of one entry; a folder without a readable manifest shows its name."""
+    m = manifest or {}
+    name, _, key = path.name.rpartition("-")
+    return {"name": m.get("name", name or path.name), "key": m.get("key", key),
+            "path": str(path), "size_bytes": cache.dir_size(path),
+            "built_at": m.get("built_at"), "build_seconds": m.get("build_seconds"),
+            "built_by": m.get("built_by"), "archs": m.get("archs", []),
+            "family": m.get("family"), "spec": m.get("spec"),
+            "manifest": manifest is not None}
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("NAME", "KEY", "SIZE", "BUILT (UTC)", "SECONDS", "BY", "ARCHS")
+    cells = [header] + [(
+        r["name"], (r["key"] or "")[:16], human_bytes(r["size_bytes"]),
+        _short_time(r["built_at"]) if r["manifest"] else "(no manifest)",
+        "" if r["build_seconds"] is None else f"{r['build_seconds']:.1f}",
+        r["built_by"] or "", " ".join(r["archs"])) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def _short_time(iso: str | None) -> str:
+    """'2026-11-22T06:52:04+00:00' -> '2026-11-22 06:52'"""
+    return iso[:16].replace("T", " ") if iso else "?"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = [entry_row(path, manifest) for path, manifest in cache.iter_entries()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no entries in {', '.join(map(str, cache.lookup_roots()))}")
+    else:
+        print(format_table(rows))
+        total = sum(r["size_bytes"] for r in rows)
+        print(f"\n{plural(len(rows), 'entry')}, {human_bytes(total)}")
+    return 0
+
+
+# --- verify ---------------------------------------------------------------------------
+def cmd_verify(args: argparse.Namespace) -> int:
+    bad = kept = 0
+    for path, manifest in cache.iter_entries():
+        reason = cache.verify_entry(path, manifest)
+        print(f"OK   {path.name}" if reason is None else f"BAD  {path.name}: {reason}")
+        if reason is None:
+            continue
+        bad += 1
+        if args.fix and discard_locked(path, lambda: cache.verify_entry(path) is not None):
+            print("     removed; its next use rebuilds it")
+        else:
+            kept += 1
+            if args.fix:
+                print("     kept: a build holds its lock, or rebuilt it meanwhile")
+    print("\n" + verify_summary(bad, kept, args.fix))
+    return 1 if kept else 0
+
+
+def verify_summary(bad: int, kept: int, fix: bool) -> str:
+    if not bad:
+        return "every entry matches its manifest"
+    if fix:
+        return f"{plural(bad, 'bad entry')}, {bad - kept} removed, {kept} kept"
+    return (f"{plural(bad, 'bad entry')}: `flashinfer-jit verify --fix` removes them "
+            "(each rebuilds on its next use)")
+
+
+@contextlib.contextmanager
+def entry_lock(path: Path) -> Iterator[None]:
+    """The lock builders take for this entry (`<root>/.locks/<dirname>.lock`); the file
+    stays: another process may hold or be about to take it."""
+    from filelock import FileLock
+
+    locks = path.parent / ".locks"
+    locks.mkdir(exist_ok=True)
+    with FileLock(str(locks / f"{path.name}.lock"), timeout=LOCK_WAIT_SECONDS):
+        yield
+
+
+def discard_locked(path: Path, still_wanted: Callable[[], bool]) -> bool:
+    """Remove an entry under its lock if `still_wanted()` holds once the lock is taken
+    (a builder may have replaced it meanwhile). False if it was kept."""
+    from filelock import Timeout
+
+    try:
+        with entry_lock(path):
+            if not path.exists() or not still_wanted():
+                return False
+            cache.discard(path, path.parent)
+            return True
+    except Timeout:
+        return False
+
+
+# --- clean ----------------------------------------------------------------------------
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'7d' -> 604800.0; '1d12h' and '90s' work too."""
+    compact = text.strip().lower().replace(" ", "")
+    if not compact or _DURATION_PART.sub("", compact):
+        raise argparse.ArgumentTypeError(
+            f"cannot read duration {text!r}; expected a number and a unit (s, m, h, d, w), "
+            "e.g. 7d, 12h, 30m")
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(compact))
+
+
+def built_at_seconds(manifest: dict | None, path: Path) -> float:
+    """When an entry was built (epoch seconds): its manifest's built_at; a folder
+    without a readable one falls back to its modification time."""
+    try:
+        return datetime.datetime.fromisoformat(manifest["built_at"]).timestamp()
+    except (TypeError, KeyError, ValueError):
+        return path.stat().st_mtime
+
+
+def newest_mtime(path: Path) -> float:
+    times = [path.stat().st_mtime]
+    for child in path.rglob("*"):
+        with contextlib.suppress(OSError):
+            times.append(child.lstat().st_mtime)
+    return max(times)
+
+
+def is_older(timestamp: float, now: float, max_age: float | None) -> bool:
+    """None means every age (--all)."""
+    return max_age is None or now - timestamp > max_age
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    max_age = None if args.all else args.older_than
+    now = time.time()
+    verb = "would remove" if args.dry_run else "removed"
+
+    def expired(path: Path, manifest: dict | None) -> bool:
+        return is_older(built_at_seconds(manifest, path), now, max_age)
+
+    removed = freed = 0
+    for path, manifest in cache.iter_entries():
+        if not expired(path, manifest):
+            continue
+        size = cache.dir_size(path)
+        if args.dry_run or discard_locked(path, lambda: expired(path, cache.read_manifest(path))):
+            print(f"{verb} {path}")
+            removed, freed = removed + 1, freed + size
+        else:
+            print(f"kept {path}: a build holds its lock, or replaced it meanwhile")
+    temps, logs = clean_side_folders(now, max_age, args.dry_run, verb)
+    print(f"{verb} {plural(removed, 'entry')} ({human_bytes(freed)}), "
+          f"{plural(temps, 'stale temp folder')}, {plural(logs, 'log')}; lock files are kept")
+    return 0
+
+
+def clean_side_folders(now: float, max_age: float | None, dry_run: bool,
+                       verb: str) -> tuple[int, int]:
+    """Temp folders of builds that died (untouched for an hour) and failed-build logs
+    older than max_age, in every cache root. `.locks/` is never touched."""
+    temps = logs = 0
+    for root in cache.lookup_roots():
+        for folder in sorted((root / ".tmp").glob("*")) if (root / ".tmp").is_dir() else []:
+            if is_older(newest_mtime(folder), now, STALE_TEMP_SECONDS):
+                print(f"{verb} {folder}")
+                temps += 1
+                if not dry_run:
+                    _remove(folder)
+        for log in sorted((root / ".logs").glob("*.log")) if (root / ".logs").is_dir() else []:
+            if is_older(log.stat().st_mtime, now, max_age):
+                logs += 1
+                if not dry_run:
+                    log.unlink(missing_ok=True)
+    return temps, logs
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# --- shared ---------------------------------------------------------------------------
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def plural(n: int, noun: str) -> str:
+    """plural(1, 'entry') -> '1 entry'; plural(2, 'bad entry') -> '2 bad entries'."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") else f"{n} {noun}s"

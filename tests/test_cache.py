@@ -1,0 +1,636 @@
+"""The cache/build/load contracts (DESIGN.md section 4, issue 2 item 5), on a machine
+without a GPU: nvcc compiles, ninja links, torch imports the module and registers its ops.
+
+Budget: CI is a 2-core machine, and one module build takes 5-10 s there, so the whole
+file builds BatchIndicesSpec (the cheapest module) six times in full: once for the shared
+`built` entry (copied wherever a test needs a populated cache), once each for the race,
+the rebuild after the killed build and the read-only fallback, and twice for the
+corrupted entry. The killed build and the compile error stop half-way.
+
+Processes: a loaded .so stays mapped for the life of a process and a torch op namespace
+can be registered only once, so whatever must observe a *fresh* load (cache hits without
+nvcc, rebuilds of a corrupted entry, the race) runs in a subprocess.
+
+Counting compiles: `toolkit` is a CUDA_HOME of symlinks to the real toolkit whose
+bin/nvcc is a wrapper that appends its arguments to a log before running the real nvcc.
+Its version output is the real one, so keys equal those of the real toolkit (install
+paths are not part of a key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from flashinfer_jit import cache, env, jit, render, toolchain
+from flashinfer_jit.errors import BuildError, CacheError, JitDisabledError, ToolchainError
+from flashinfer_jit.specs import AppendSpec, BatchIndicesSpec
+from flashinfer_jit.specs.base import NAMESPACE_PLACEHOLDER
+
+REPO = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT = 300
+SPEC = BatchIndicesSpec()
+OP = "get_batch_indices_positions"
+OTHER_NVCC = "Build cuda_99.9.r99.9/compiler.0_0"  # another toolkit's `nvcc --version`
+
+
+def _have_toolchain() -> bool:
+    try:
+        toolchain.get()
+        return True
+    except ToolchainError:
+        return False
+
+
+needs_toolchain = pytest.mark.skipif(not _have_toolchain(), reason="needs nvcc, ninja and g++")
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No test sees the real user cache (a lookup root besides FLASHINFER_JIT_CACHE_DIR),
+    nor a mode left over from the caller's environment."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for name in ("FLASHINFER_JIT_DISABLE_JIT", "FLASHINFER_JIT_DEBUG", "FLASHINFER_JIT_VERBOSE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def fresh_toolchain():
+    """Forget the probed toolchain before and after (tests that fake a missing tool)."""
+    toolchain.get.cache_clear()
+    toolchain.nvcc_version.cache_clear()
+    yield
+    toolchain.get.cache_clear()
+    toolchain.nvcc_version.cache_clear()
+
+
+# --- helpers ----------------------------------------------------------------------------
+def entries(root: Path) -> list[Path]:
+    """Published-looking folders of a cache root (what `flashinfer-jit list` shows)."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+        if root.is_dir() else []
+
+
+def temp_dirs(root: Path) -> list[Path]:
+    tmp = root / ".tmp"
+    return sorted(tmp.iterdir()) if tmp.is_dir() else []
+
+
+def copy_cache(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".locks", ".tmp"))
+    return dst
+
+
+def make_toolkit(tmp_path: Path) -> tuple[Path, Path]:
+    """(CUDA_HOME, log) of a toolkit whose nvcc logs every invocation, one per line."""
+    real_nvcc = Path(toolchain.find_nvcc()).resolve()
+    real_home = real_nvcc.parent.parent
+    home = tmp_path / "toolkit"
+    (home / "bin").mkdir(parents=True)
+    for child in real_home.iterdir():
+        if child.name != "bin":
+            (home / child.name).symlink_to(child)
+    for child in real_nvcc.parent.iterdir():
+        if child.name != "nvcc":
+            (home / "bin" / child.name).symlink_to(child)
+    log = tmp_path / "nvcc-calls.log"
+    log.touch()
+    wrapper = home / "bin" / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{real_nvcc}" "$@"\n')
+    wrapper.chmod(0o755)
+    return home, log
+
+
+def compiles(log: Path) -> list[str]:
+    """nvcc invocations that compile (anything but the --version probe)."""
+    return [line for line in log.read_text().splitlines() if line.strip() != "--version"]
+
+
+def source_copy(tmp_path: Path, monkeypatch) -> dict[str, Path]:
+    """A private copy of csrc/ and templates/, made the package's source folders."""
+    copies = {}
+    for kind in ("csrc", "templates"):
+        copies[kind] = tmp_path / kind
+        shutil.copytree(env.source_dir(kind), copies[kind])
+    monkeypatch.setattr(env, "source_dir", lambda kind: copies[kind])
+    return copies
+
+
+def empty_path(tmp_path: Path) -> str:
+    """A PATH with no tools at all (subprocesses start python by its full path)."""
+    empty = tmp_path / "bin-without-tools"
+    empty.mkdir(exist_ok=True)
+    return str(empty)
+
+
+def python_env(**overrides: str | None) -> dict[str, str]:
+    environ = dict(os.environ)
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environ.get("PYTHONPATH")]))
+    for name, value in overrides.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return environ
+
+
+# Loads BatchIndicesSpec, prints where from and whether its op is a registered torch op.
+LOAD = textwrap.dedent(f"""
+    import json, sys, torch
+    from flashinfer_jit import jit, toolchain
+    from flashinfer_jit.specs import BatchIndicesSpec
+    module = jit.get_module(BatchIndicesSpec())
+    ops = getattr(torch.ops, module.namespace)
+    print(json.dumps({{"path": str(module.path), "op": hasattr(ops, "{OP}"),
+                      "schema": str(getattr(ops, "{OP}").default._schema),
+                      "nvcc": toolchain.find_nvcc()}}))
+""")
+
+
+def run_load(**overrides: str | None) -> dict:
+    proc = subprocess.run([sys.executable, "-c", LOAD], env=python_env(**overrides), cwd=REPO,
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A cache root holding one BatchIndicesSpec entry, built in this process.
+    Tests copy it (copy_cache) instead of changing it."""
+    if not _have_toolchain():
+        pytest.skip("needs nvcc, ninja and g++")
+    root = tmp_path_factory.mktemp("built") / "cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
+        mp.setenv("XDG_CACHE_HOME", str(root.parent / "xdg"))
+        mp.delenv("FLASHINFER_JIT_DISABLE_JIT", raising=False)
+        jit.clear_registry()
+        module = jit.get_module(SPEC)
+        prep = jit.prepare(SPEC)
+        jit.clear_registry()
+    return root, module, prep
+
+
+# --- keys: stable and sensitive (no builds) -----------------------------------------------
+@needs_toolchain
+def test_key_is_stable():
+    first, second = jit.prepare(SPEC), jit.prepare(BatchIndicesSpec())
+    assert first.key == second.key and first.content_key == second.content_key
+    assert len(first.key) == 64 and first.key != first.content_key
+    assert jit.prepare(AppendSpec("float16", 64)).key != jit.prepare(AppendSpec("float16", 128)).key
+
+
+@needs_toolchain
+def test_key_ignores_dict_order(monkeypatch):
+    spec = AppendSpec("bfloat16", 128, "HND", "csr")
+    prep = jit.prepare(spec)
+    module = prep.module
+    reordered = render.RenderedModule(spec, dict(reversed(list(module.sources.items()))),
+                                      dict(reversed(list(module.headers.items()))))
+    torch_id = toolchain.torch_identity()
+    assert cache.content_key(reordered, prep.flags, torch_id) == prep.content_key
+    assert cache.content_key(module, prep.flags, dict(reversed(list(torch_id.items())))) \
+        == prep.content_key
+    canonical = spec.canonical()
+    monkeypatch.setattr(AppendSpec, "canonical", lambda self: {
+        "params": dict(reversed(list(canonical["params"].items()))), "family": canonical["family"]})
+    assert cache.content_key(module, prep.flags, torch_id) == prep.content_key
+    compilers = dict(reversed(list(prep.compilers.items())))
+    assert cache.full_key(prep.content_key, compilers) == prep.key
+
+
+@needs_toolchain
+def test_key_changes_with_a_reached_header_only(tmp_path, monkeypatch):
+    copies = source_copy(tmp_path, monkeypatch)
+    append = AppendSpec("float16", 128)
+    before, before_append = jit.prepare(SPEC), jit.prepare(append)
+
+    # Modification times are not part of the key.
+    header = copies["csrc"] / "common.cuh"
+    os.utime(header, (time.time() + 3600, time.time() + 3600))
+    assert jit.prepare(SPEC).key == before.key
+
+    # page_table.cuh is reached by append's kernel only.
+    with open(copies["csrc"] / "page_table.cuh", "a") as f:
+        f.write("// a comment\n")
+    assert jit.prepare(SPEC).key == before.key
+    assert jit.prepare(append).key != before_append.key
+
+    # One byte more in a header both reach: both keys change.
+    with open(header, "a") as f:
+        f.write("//\n")
+    after = jit.prepare(SPEC)
+    assert after.key != before.key and after.content_key != before.content_key
+    assert after.module.headers["common.cuh"].endswith(b"//\n")
+
+    # So does a template edit.
+    template = copies["templates"] / "batch_indices.cu.j2"
+    template.write_text(template.read_text() + "// edited\n")
+    assert jit.prepare(SPEC).key != after.key
+
+
+@needs_toolchain
+def test_key_changes_with_flags_and_archs(monkeypatch):
+    base = jit.prepare(SPEC, ("9.0a",))
+    monkeypatch.setenv("FLASHINFER_JIT_DEBUG", "1")
+    debug = jit.prepare(SPEC, ("9.0a",))
+    assert debug.flags.debug and "-G" in debug.flags.nvcc
+    assert debug.key != base.key and debug.content_key != base.content_key
+    monkeypatch.delenv("FLASHINFER_JIT_DEBUG")
+
+    assert jit.prepare(SPEC, ("8.0",)).key != base.key
+    assert jit.prepare(SPEC, ("8.0", "9.0a")).key not in (base.key, jit.prepare(SPEC, ("8.0",)).key)
+    monkeypatch.setenv("FLASHINFER_JIT_CUDA_ARCH_LIST", "9.0a 8.0")
+    from_env = jit.prepare(SPEC)
+    monkeypatch.setenv("FLASHINFER_JIT_CUDA_ARCH_LIST", "8.0;9.0a")
+    assert jit.prepare(SPEC).key == from_env.key == jit.prepare(SPEC, ("8.0", "9.0a")).key
+    monkeypatch.setenv("FLASHINFER_JIT_CUDA_ARCH_LIST", "9.0a")
+    assert jit.prepare(SPEC).key == base.key
+
+    # nvcc --threads changes how fast, not what is built.
+    monkeypatch.setenv("FLASHINFER_JIT_NVCC_THREADS", "4")
+    assert jit.prepare(SPEC, ("9.0a",)).key == base.key
+
+
+@needs_toolchain
+def test_key_changes_with_toolchain_torch_and_package(monkeypatch):
+    base = jit.prepare(SPEC)
+    other_nvcc = dataclasses.replace(toolchain.get(), nvcc_version=OTHER_NVCC)
+    monkeypatch.setattr(toolchain, "get", lambda: other_nvcc)
+    moved = jit.prepare(SPEC)
+    assert moved.content_key == base.content_key  # found by an image without nvcc
+    assert moved.key != base.key  # but a build with another compiler is another entry
+    assert cache.full_key(base.content_key, {**base.compilers, "cxx": "g++ (GCC) 99.1"}) != base.key
+    assert cache.full_key(base.content_key, base.compilers) == base.key
+
+    torch_id = {**toolchain.torch_identity(), "torch": "0.0.1"}
+    assert cache.content_key(base.module, base.flags, torch_id) != base.content_key
+    monkeypatch.setattr(cache, "__version__", "99.0.0")
+    assert cache.content_key(base.module, base.flags, toolchain.torch_identity()) \
+        != base.content_key
+
+
+# --- a real module, built, linked and imported without a GPU --------------------------------
+@pytest.mark.slow
+def test_real_module_builds_links_and_registers_its_op(built):
+    import torch
+
+    root, module, prep = built
+    assert hasattr(getattr(torch.ops, module.namespace), OP)
+    ops = getattr(torch.ops, module.namespace)
+    assert module.get_batch_indices_positions is getattr(ops, OP).default
+
+    [entry] = entries(root)
+    assert entry == module.path == root / f"{SPEC.name}-{prep.key[:16]}"
+    manifest = cache.read_manifest(entry)
+    assert manifest["key"] == prep.key and manifest["content_key"] == prep.content_key
+    library = entry / f"{SPEC.name}.so"
+    assert manifest["library"] == library.name
+    assert manifest["files"][library.name] == {"size": library.stat().st_size,
+                                               "sha256": cache.sha256_file(library)}
+    assert {"kernel.cu", "binding.cc", "build.ninja", "csrc/common.cuh"} <= set(manifest["files"])
+    kernel = (entry / "kernel.cu").read_text()
+    assert f"namespace {module.namespace} " in kernel and NAMESPACE_PLACEHOLDER not in kernel
+    assert cache.verify_entry(entry) is None
+    leftovers = [p.name for p in entry.rglob("*")
+                 if p.suffix in (".o", ".d") or p.name.startswith(".ninja")]
+    assert leftovers == []
+    assert temp_dirs(root) == []
+
+    # Of the CUDA libraries only cudart is linked: CPU torch loads the same module.
+    if shutil.which("readelf"):
+        dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True,
+                                 text=True).stdout.splitlines()
+        needed = [line.split("[")[-1].rstrip("]") for line in dynamic if "NEEDED" in line]
+        assert any(n.startswith("libcudart") for n in needed), needed
+        assert not any("torch_cuda" in n or "c10_cuda" in n for n in needed), needed
+
+
+@pytest.mark.slow
+def test_second_process_loads_without_compiling(built, tmp_path):
+    root = copy_cache(built[0], tmp_path / "cache")
+    [entry] = entries(root)
+    home, log = make_toolkit(tmp_path)
+    result = run_load(FLASHINFER_JIT_CACHE_DIR=str(root), CUDA_HOME=str(home),
+                      PATH=f"{home / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    assert result["nvcc"] == str(home / "bin" / "nvcc")
+    assert "--version" in log.read_text()  # it used the wrapper to compute the key...
+    assert compiles(log) == []  # ...and never compiled
+    assert result["path"] == str(entry) and result["op"]
+    assert entries(root) == [entry] and temp_dirs(root) == []
+
+
+@pytest.mark.slow
+def test_disable_jit_loads_without_any_nvcc(built, tmp_path):
+    root = copy_cache(built[0], tmp_path / "cache")
+    [entry] = entries(root)
+    manifest_before = (entry / cache.MANIFEST).read_bytes()
+    result = run_load(FLASHINFER_JIT_CACHE_DIR=str(root), FLASHINFER_JIT_DISABLE_JIT="1",
+                      CUDA_HOME=str(tmp_path / "no-cuda-here"), PATH=empty_path(tmp_path))
+    assert result["nvcc"] is None
+    assert result["path"] == str(entry) and result["op"]
+    assert (entry / cache.MANIFEST).read_bytes() == manifest_before
+    assert entries(root) == [entry] and temp_dirs(root) == []
+
+
+@pytest.mark.slow
+def test_disable_jit_accepts_an_entry_built_by_another_nvcc(built, tmp_path, monkeypatch):
+    """A deployment image whose nvcc differs from the AOT builder's still hits (by content
+    key) when JIT is disabled; with JIT enabled that nvcc would build its own entry."""
+    root = copy_cache(built[0], tmp_path / "cache")
+    [entry] = entries(root)
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")
+    other = dataclasses.replace(toolchain.get(), nvcc_version=OTHER_NVCC)
+    monkeypatch.setattr(toolchain, "get", lambda: other)
+    prep = jit.prepare(SPEC)
+    assert prep.key != built[2].key
+    assert jit.find_published(prep) == entry
+    monkeypatch.delenv("FLASHINFER_JIT_DISABLE_JIT")
+    assert jit.find_published(prep) is None
+
+
+def test_disable_jit_miss_names_the_module(fresh_cache, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")
+    for spec in (SPEC, AppendSpec("bfloat16", 128)):
+        with pytest.raises(JitDisabledError, match=spec.name) as info:
+            jit.get_module(spec)
+        assert "FLASHINFER_JIT_DISABLE_JIT" in str(info.value)
+        assert "flashinfer-jit aot" in str(info.value)
+    assert entries(fresh_cache) == [] and temp_dirs(fresh_cache) == []
+
+
+# --- concurrency and faults ------------------------------------------------------------------
+# Each racer imports everything, says it is ready, waits for the start signal, then asks.
+RACER = textwrap.dedent(f"""
+    import json, os, sys, time, torch
+    from flashinfer_jit import jit
+    from flashinfer_jit.specs import BatchIndicesSpec
+    ready, go = sys.argv[1], sys.argv[2]
+    open(ready, "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    module = jit.get_module(BatchIndicesSpec())
+    ops = getattr(torch.ops, module.namespace)
+    print(json.dumps({{"path": str(module.path), "op": hasattr(ops, "{OP}")}}))
+""")
+
+
+@pytest.mark.slow
+@needs_toolchain
+def test_eight_processes_one_compile(tmp_path):
+    root = tmp_path / "cache"
+    home, log = make_toolkit(tmp_path)
+    environ = python_env(FLASHINFER_JIT_CACHE_DIR=str(root), CUDA_HOME=str(home),
+                         FLASHINFER_JIT_VERBOSE="1")
+    go = tmp_path / "go"
+    racers = []  # (ready file, output file, process); files, not pipes: no one blocks on us
+    for i in range(8):
+        ready, output = tmp_path / f"ready-{i}", tmp_path / f"racer-{i}.txt"
+        with open(output, "w") as out:
+            racers.append((ready, output, subprocess.Popen(
+                [sys.executable, "-c", RACER, str(ready), str(go)], env=environ, cwd=REPO,
+                stdout=out, stderr=subprocess.STDOUT)))
+    try:
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+        while not all(ready.exists() for ready, _, _ in racers):
+            assert time.monotonic() < deadline, "racers did not start"
+            for _, output, p in racers:
+                assert p.poll() is None, f"a racer died before the start:\n{output.read_text()}"
+            time.sleep(0.05)
+        go.touch()  # all eight ask at once
+        codes = [p.wait(timeout=SUBPROCESS_TIMEOUT) for _, _, p in racers]
+    finally:
+        for _, _, p in racers:
+            if p.poll() is None:
+                p.kill()
+    outputs = [output.read_text() for _, output, _ in racers]
+    for code, text in zip(codes, outputs):
+        assert code == 0, text[-4000:]
+    loads = [json.loads(text.strip().splitlines()[-1]) for text in outputs]
+    [entry] = entries(root)
+    assert all(r["path"] == str(entry) and r["op"] for r in loads), loads
+    kernel_compiles = [c for c in compiles(log) if " -c " in f" {c} " and "kernel.cu" in c]
+    assert len(kernel_compiles) == 1, compiles(log)
+    building = [text for text in outputs if "flashinfer_jit: building" in text]
+    assert len(building) == 1, building  # the other seven waited on the lock and loaded
+    assert cache.verify_entry(entry) is None
+    assert temp_dirs(root) == [] and not (root / ".logs").exists()
+    assert (root / ".locks" / f"{entry.name}.lock").exists()  # locks are never deleted
+
+
+@pytest.mark.slow
+@needs_toolchain
+def test_killed_build_publishes_nothing(fresh_cache, tmp_path):
+    root = fresh_cache
+    home, log = make_toolkit(tmp_path)
+    environ = python_env(FLASHINFER_JIT_CACHE_DIR=str(root), CUDA_HOME=str(home))
+    builder = subprocess.Popen([sys.executable, "-c", LOAD], cwd=REPO, env=environ,
+                               start_new_session=True,  # its own process group: ninja, nvcc
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+        while not any("kernel.cu" in c for c in compiles(log)):  # nvcc is running
+            assert builder.poll() is None, builder.stderr.read()[-4000:]
+            assert time.monotonic() < deadline, "nvcc never started"
+            time.sleep(0.02)
+        assert temp_dirs(root), "the build runs in a private folder under .tmp"
+        time.sleep(0.2)
+        os.killpg(builder.pid, signal.SIGKILL)  # the builder, ninja and nvcc, mid-compile
+    finally:
+        if builder.poll() is None:
+            os.killpg(builder.pid, signal.SIGKILL)
+        builder.wait(timeout=SUBPROCESS_TIMEOUT)
+    assert builder.returncode == -signal.SIGKILL
+    assert entries(root) == []
+    [leftover] = temp_dirs(root)
+    assert not (leftover / cache.MANIFEST).exists()
+    assert jit.find_published(jit.prepare(SPEC)) is None
+    assert list(cache.iter_entries(root)) == []
+
+    module = jit.get_module(SPEC)  # builds anew; the leftover is not an entry
+    assert hasattr(module, OP)
+    [entry] = entries(root)
+    assert entry.name.startswith(f"{SPEC.name}-") and cache.verify_entry(entry) is None
+    assert jit.find_published(jit.prepare(SPEC)) == entry
+    assert temp_dirs(root) == [leftover]
+    assert [path for path, _ in cache.iter_entries(root)] == [entry]
+
+
+@pytest.mark.slow
+def test_corrupted_entry_is_detected_and_rebuilt(built, tmp_path):
+    root = copy_cache(built[0], tmp_path / "cache")
+    [entry] = entries(root)
+    library = entry / f"{SPEC.name}.so"
+    size = library.stat().st_size
+    home, log = make_toolkit(tmp_path)
+    overrides = dict(FLASHINFER_JIT_CACHE_DIR=str(root), CUDA_HOME=str(home))
+
+    # Same size, other bytes: caught by the sha256.
+    binding = entry / "binding.cc"
+    original = binding.read_bytes()
+    binding.write_bytes(original.replace(b"namespace", b"nAmespace", 1))
+    assert "binding.cc does not match its sha256" == cache.verify_entry(entry)
+    binding.write_bytes(original)
+    assert cache.verify_entry(entry) is None
+
+    # A truncated library: reported, then rebuilt (not loaded) by the next process.
+    with open(library, "r+b") as f:
+        f.truncate(size // 2)
+    assert cache.verify_entry(entry) == \
+        f"{library.name} has {size // 2} bytes, manifest says {size}"
+    result = run_load(**overrides)
+    assert result["path"] == str(entry) and result["op"]
+    assert len([c for c in compiles(log) if "kernel.cu" in c]) == 1
+    assert cache.verify_entry(entry) is None and library.stat().st_size > size // 2
+    assert temp_dirs(root) == []  # the bad entry was moved aside and deleted
+
+    # A deleted manifest: the entry no longer counts; rebuilt.
+    (entry / cache.MANIFEST).unlink()
+    assert cache.verify_entry(entry) == "no readable manifest.json"
+    result = run_load(**overrides)
+    assert result["path"] == str(entry) and result["op"]
+    assert len([c for c in compiles(log) if "kernel.cu" in c]) == 2
+    assert cache.verify_entry(entry) is None and temp_dirs(root) == []
+
+
+def test_verify_entry_reports_malformed_manifests(tmp_path):
+    entry = tmp_path / "x-0123456789abcdef"
+    entry.mkdir()
+    (entry / "x.so").write_bytes(b"\x7fELF")
+    for text, problem in [("", "no readable manifest.json"), ("[]", "no readable manifest.json"),
+                          ('{"library": "x.so", "files": 3}', "manifest lists no library"),
+                          ('{"library": "x.so", "files": {"x.so": {}}}', "no size and sha256")]:
+        (entry / cache.MANIFEST).write_text(text)
+        assert problem in cache.verify_entry(entry)
+    so = {"size": 4, "sha256": cache.sha256_bytes(b"\x7fELF")}
+    (entry / cache.MANIFEST).write_text(json.dumps({"library": "x.so", "files": {"x.so": so}}))
+    assert cache.verify_entry(entry) is None
+
+
+@pytest.mark.slow
+@needs_toolchain
+def test_compile_error_raises_build_error(fresh_cache, tmp_path, monkeypatch):
+    copies = source_copy(tmp_path, monkeypatch)
+    template = copies["templates"] / "batch_indices.cu.j2"
+    template.write_text(template.read_text() + "this is not C++ at all;\n")
+
+    with pytest.raises(BuildError) as info:
+        jit.get_module(SPEC)
+    error = info.value
+    message = str(error)
+    assert error.module == SPEC.name and repr(SPEC.name) in message
+    log = Path(error.log_path)
+    assert log.is_file() and str(log) in message and log.parent == fresh_cache / ".logs"
+    assert error.first_errors and any("error" in line for line in error.first_errors)
+    assert error.first_errors[0] in message
+    assert "kernel.cu" in "\n".join(error.first_errors)
+    assert "this is not C++" in log.read_text()
+    assert entries(fresh_cache) == [] and temp_dirs(fresh_cache) == []
+
+
+@needs_toolchain
+def test_read_only_cache_dir_falls_back_to_user_cache_chmod(tmp_path, monkeypatch):
+    root = tmp_path / "readonly"
+    root.mkdir()
+    root.chmod(0o555)
+    try:
+        writable = os.access(root, os.W_OK) or cache._writable_dir(root)
+        if writable:  # root (CI containers) writes through chmod 0o555
+            pytest.skip("chmod 0o555 does not stop this user from writing")
+        monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
+        fallback = (tmp_path / "xdg" / "flashinfer_jit").resolve()
+        assert cache.build_root() == env.user_cache_root() == fallback
+    finally:
+        root.chmod(0o755)
+
+
+@pytest.mark.slow
+@needs_toolchain
+def test_unwritable_cache_dir_falls_back_then_fails_clearly(tmp_path, monkeypatch):
+    """A cache root below a regular file cannot be created, even by root."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(blocker / "cache"))
+    jit.clear_registry()
+    module = jit.get_module(SPEC)
+    user_root = tmp_path / "xdg" / "flashinfer_jit"
+    [entry] = entries(user_root)
+    assert cache.verify_entry(entry) is None and hasattr(module, OP)
+    assert jit.find_published(jit.prepare(SPEC)) == entry  # later lookups find it there
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
+    jit.clear_registry()
+    with pytest.raises(CacheError, match="no writable cache directory.*FLASHINFER_JIT_CACHE_DIR"):
+        jit.get_module(SPEC)
+    jit.clear_registry()
+
+
+# --- missing tools ---------------------------------------------------------------------------
+def test_missing_ninja_says_how_to_fix(fresh_toolchain, monkeypatch):
+    monkeypatch.setattr(toolchain, "find_ninja", lambda: None)
+    with pytest.raises(ToolchainError, match="ninja not found.*pip install ninja"):
+        toolchain.get()
+    jit.clear_registry()
+    with pytest.raises(ToolchainError, match="ninja not found"):
+        jit.get_module(SPEC)
+    jit.clear_registry()
+
+
+def test_missing_nvcc_says_how_to_fix(fresh_toolchain, tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(toolchain, "find_nvcc", lambda: None)
+        with pytest.raises(ToolchainError, match="nvcc not found.*CUDA_HOME"):
+            toolchain.get()
+    toolchain.get.cache_clear()
+    toolchain.nvcc_version.cache_clear()
+    # The same from the environment alone: no CUDA_HOME toolkit, no nvcc on PATH.
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda-here"))
+    monkeypatch.setenv("PATH", empty_path(tmp_path))
+    assert toolchain.find_nvcc() is None
+    jit.clear_registry()
+    with pytest.raises(ToolchainError, match="nvcc not found.*CUDA_HOME.*PATH"):
+        jit.get_module(SPEC)
+    jit.clear_registry()
+
+
+# --- import ------------------------------------------------------------------------------------
+IMPORT = textwrap.dedent("""
+    import json, time
+    start = time.perf_counter()
+    import torch
+    after_torch = time.perf_counter()
+    import flashinfer_jit
+    after_package = time.perf_counter()
+    flashinfer_jit.get_module, flashinfer_jit.specs  # resolving names is lazy too
+    print(json.dumps({"torch": after_torch - start, "package": after_package - after_torch,
+                      "cuda_initialized": torch.cuda.is_initialized()}))
+""")
+
+
+def test_import_touches_neither_gpu_nor_disk(tmp_path):
+    root = tmp_path / "cache"
+    checkout_cache = REPO / "cache"
+    before = sorted(checkout_cache.rglob("*")) if checkout_cache.is_dir() else []
+    proc = subprocess.run([sys.executable, "-c", IMPORT], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=SUBPROCESS_TIMEOUT,
+                          env=python_env(FLASHINFER_JIT_CACHE_DIR=str(root),
+                                         XDG_CACHE_HOME=str(tmp_path / "xdg"),
+                                         PYTHONDONTWRITEBYTECODE="1"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not result["cuda_initialized"]
+    assert result["package"] < 0.5, result
+    assert not root.exists() and not (tmp_path / "xdg").exists()
+    assert (sorted(checkout_cache.rglob("*")) if checkout_cache.is_dir() else []) == before
