@@ -34,6 +34,8 @@ ROTATE_TARGET_FACTOR = 4  # rotate until the inputs of one round are >= 4x L2
 
 # --- metadata -------------------------------------------------------------------------------
 def git_commit() -> str:
+    if os.environ.get("FIJ_COMMIT"):  # set by gpu_check.sh where the copy has no .git
+        return os.environ["FIJ_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, timeout=10)

@@ -6,6 +6,9 @@
 #                scripts/bench_*.py with --quick
 #     --quick    AOT + GPU tests only
 #     --bench    AOT + benchmarks only, full size (no --quick)
+#     --full     AOT + GPU tests + benchmarks at full size
+#   GPU_CHECK_PACK=0 skips packing the cache (when it would not fit the carry limit);
+#   FIJ_COMMIT=<sha> names the commit where the device copy has no .git
 #   bash scripts/gpu_check.sh --restore-from DIR   (here, after a call; no OUT needed)
 #   GPU_CHECK_MATRIX=FILE (default scripts/matrices/tests), GPU_CHECK_BUDGET=SECONDS (560)
 #
@@ -42,6 +45,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --quick) MODE=quick ;;
     --bench) MODE=bench ;;
+    --full) MODE=full ;;
     --restore-from) RESTORE_FROM=${2:?--restore-from needs a folder}; shift ;;
     -h|--help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (expected --quick, --bench or --restore-from DIR)" >&2; exit 2 ;;
@@ -108,7 +112,8 @@ print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {tor
       + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
 EOF
 (nvcc --version | tail -n 2; echo "ninja $(ninja --version 2>&1)") || true
-COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+COMMIT=${FIJ_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export FIJ_COMMIT=$COMMIT  # the benchmarks record it too
 echo "commit $COMMIT, mode $MODE, cache $CACHE"
 
 # --- the carried cache ------------------------------------------------------------------------
@@ -133,6 +138,7 @@ restore_cache() {
 cache_listing() { [ -d "$CACHE" ] && find "$CACHE" -maxdepth 1 -mindepth 1 -not -name '.*' | sort; }
 PACKED_LISTING=
 pack_cache() {
+  [ "${GPU_CHECK_PACK:-1}" = 0 ] && return 0
   [ -d "$CACHE" ] || return 0
   local listing; listing=$(cache_listing)
   [ "$listing" = "$PACKED_LISTING" ] && return 0

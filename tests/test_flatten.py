@@ -36,16 +36,17 @@ def _make(layout, lens, page_size, num_pages, gen):
     return block_page_table(bt.to(DEV), seqlens, kv_separate=sep), seqlens
 
 
-def _poison_beyond(cache, table: PageTable, lens, page_size, kv_layout):
+def _poison_beyond(cache, table: PageTable, lens, page_size, kv_layout, which: int):
     """NaN into every slot of each request's pages at or past its length, and every page no
-    request uses (a consumer reading the padded tail must never see these)."""
+    request uses (a consumer reading the padded tail must never see these). `which` is 0
+    for the K cache, 1 for the V cache (their pages differ in block_table_kv_separate)."""
     c = cache.view(torch.uint8) if cache.element_size() == 1 else cache
     nan = NAN_BYTE.get(cache.dtype, float("nan"))
     used = torch.zeros(cache.shape[0], dtype=torch.bool)
     for b, n in enumerate(lens):
         for logical in range((n + page_size - 1) // page_size + 1):
             pos0 = logical * page_size
-            page = _page_of(table, b, logical)
+            page = _page_of(table, b, logical, which)
             if page is None:
                 continue
             used[page] = True
@@ -57,13 +58,13 @@ def _poison_beyond(cache, table: PageTable, lens, page_size, kv_layout):
     c[~used.to(c.device)] = nan
 
 
-def _page_of(table, b, logical):
+def _page_of(table, b, logical, which):
     if table.layout == "csr":
         indptr, indices, _ = table.tensors
         lo, hi = int(indptr[b]), int(indptr[b + 1])
         return int(indices[lo + logical]) if lo + logical < hi else None
     bt = table.tensors[0]
-    return int(bt[b, 0, logical] if bt.dim() == 3 else bt[b, logical]) if logical < bt.shape[-1] else None
+    return int(bt[b, which, logical] if bt.dim() == 3 else bt[b, logical]) if logical < bt.shape[-1] else None
 
 
 @pytest.mark.gpu
@@ -79,8 +80,8 @@ def test_flatten(cache_dtype, layout, kv_layout, out_layout):
     base = torch.randn(shape, generator=gen)
     k_cache = base.to(cache_dtype).to(DEV)
     v_cache = (base * 0.5 + 1).to(cache_dtype).to(DEV)
-    for c in (k_cache, v_cache):
-        _poison_beyond(c, table, lens, page_size, kv_layout)
+    for which, c in enumerate((k_cache, v_cache)):
+        _poison_beyond(c, table, lens, page_size, kv_layout, which)
     out_size = sum(lens) + 29  # a padded size, as a FlashAttention-3 varlen call would use
     fp8 = cache_dtype.itemsize == 1
     scales = dict(k_scale=0.5, v_scale=3.0) if fp8 else {}
