@@ -9,25 +9,31 @@ namespace fij {
 
 // q/k rows: rope part [nnz, heads, rope_dim] and nope part [nnz, heads, nope_dim]
 // (nope may be empty); outputs the same shapes. Any token/head strides.
+// An empty nope tensor (any shape) means nope_dim = 0: the whole row is rotated.
 inline RopeRows make_rope_rows(const at::Tensor& rope_in, const at::Tensor& nope_in,
                                const at::Tensor& rope_out, const at::Tensor& nope_out) {
-  TORCH_CHECK(rope_in.dim() == 3 && nope_in.dim() == 3, "rope inputs must be [nnz, heads, dim]");
+  TORCH_CHECK(rope_in.dim() == 3, "rope inputs must be [nnz, heads, dim]");
   RopeRows r;
   r.rope_in = rope_in.const_data_ptr();
-  r.nope_in = nope_in.const_data_ptr();
   r.rope_out = rope_out.data_ptr();
-  r.nope_out = nope_out.data_ptr();
   r.rope_in_stride_token = rope_in.stride(0);
   r.rope_in_stride_head = rope_in.stride(1);
-  r.nope_in_stride_token = nope_in.stride(0);
-  r.nope_in_stride_head = nope_in.stride(1);
   r.rope_out_stride_token = rope_out.stride(0);
   r.rope_out_stride_head = rope_out.stride(1);
-  r.nope_out_stride_token = nope_out.stride(0);
-  r.nope_out_stride_head = nope_out.stride(1);
+  if (nope_in.numel() > 0) {
+    TORCH_CHECK(nope_in.dim() == 3 && nope_out.dim() == 3, "nope parts must be [nnz, heads, dim]");
+    r.nope_in = nope_in.const_data_ptr();
+    r.nope_out = nope_out.data_ptr();
+    r.nope_in_stride_token = nope_in.stride(0);
+    r.nope_in_stride_head = nope_in.stride(1);
+    r.nope_out_stride_token = nope_out.stride(0);
+    r.nope_out_stride_head = nope_out.stride(1);
+  }
   r.num_heads = static_cast<int32_t>(rope_in.size(1));
   return r;
 }
+
+inline int32_t nope_dim_of(const at::Tensor& nope) { return nope.numel() > 0 ? static_cast<int32_t>(nope.size(-1)) : 0; }
 
 struct RopeScalars {
   double rope_scale, rope_theta, smooth_a, smooth_b, quant_scale_q, quant_scale_kv;
@@ -46,7 +52,7 @@ inline RopeParams make_rope_params(const at::Tensor& q_rope, const at::Tensor& k
   p.k = make_rope_rows(k_rope, k_nope, k_rope_out, k_nope_out);
   p.nnz = static_cast<int32_t>(q_rope.size(0));
   p.rope_dim = static_cast<int32_t>(q_rope.size(2));
-  p.nope_dim = static_cast<int32_t>(q_nope.size(2));
+  p.nope_dim = nope_dim_of(q_nope);
   p.pos_ids = int32_ptr(pos_ids);
   p.indptr = int32_ptr(indptr);
   p.offsets = int32_ptr(offsets);
@@ -65,14 +71,16 @@ inline RopeParams make_rope_params(const at::Tensor& q_rope, const at::Tensor& k
 }
 
 // Append form: k rows go to (k_rope_cache, k_nope_cache) slots, v rows to v_cache.
-// GQA/MHA: k_rope_cache/k_nope_cache are the [..., :rope_dim] / [..., rope_dim:] views
-// of one 4-D k_cache. MLA: 3-D kpe/ckv caches and an empty v.
+// GQA/MHA: both are the 4-D k_cache, the nope part starting k_nope_offset elements into
+// each row (= rope_dim). MLA: 3-D kpe/ckv caches (offset 0) and an empty v.
 inline void add_append_params(RopeParams& p, const at::Tensor& v, const at::Tensor& k_rope_cache,
-                              const at::Tensor& k_nope_cache, const at::Tensor& v_cache,
-                              at::TensorList page_table, const at::Tensor& batch_indices,
-                              const at::Tensor& positions, KVLayout layout, PageTableLayout table) {
+                              const at::Tensor& k_nope_cache, int64_t k_nope_offset,
+                              const at::Tensor& v_cache, at::TensorList page_table,
+                              const at::Tensor& batch_indices, const at::Tensor& positions,
+                              KVLayout layout, PageTableLayout table) {
   p.k_rope_cache = make_paged_tensor(k_rope_cache, layout);
   p.k_nope_cache = make_paged_tensor(k_nope_cache, layout);
+  p.k_nope_cache.data = static_cast<char*>(p.k_nope_cache.data) + k_nope_offset * k_nope_cache.element_size();
   p.num_pages = static_cast<int32_t>(k_rope_cache.size(0));
   const int32_t page_size = static_cast<int32_t>(
       k_rope_cache.dim() == 3 ? k_rope_cache.size(1) : k_rope_cache.size(layout == KVLayout::kNHD ? 1 : 2));

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import torch
+
 from . import env
-from .checks import (expect_dim, expect_index_vector, expect_same_cuda_device,
-                     expect_vector_aligned)
-from .jit import get_module
+from .checks import (aligned16, expect_dim, expect_index_vector, expect_same_cuda_device,
+                     expect_vector_aligned, index_ok, same_cuda_device)
+from .jit import get_module, op_cache
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import AppendSpec, BatchIndicesSpec
+from .specs.append import HEAD_DIMS, PAGED_KV_DTYPES
+from .specs.base import dtype_name
 
 _BATCH_INDICES_SPEC = BatchIndicesSpec()
 
@@ -23,14 +27,47 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     batch index -1 (padding, as get_batch_indices_positions emits past
     append_indptr[-1]) are skipped and touch nothing.
     """
-    import torch
-
     cache = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
     if page_table is None:
         page_table = csr_page_table(kv_indptr, kv_indices, kv_last_page_len)
     elif kv_indices is not None or kv_indptr is not None or kv_last_page_len is not None:
         raise ValueError("give either kv_indices/kv_indptr/kv_last_page_len or page_table=, not both")
+    args = (append_key, append_value, batch_indices, positions, cache, page_table)
+    if not _append_args_ok(*args):
+        _explain_append_args(*args)  # raises, naming the argument
+    debug = env.debug()
+    if debug:
+        check_append_values(batch_indices, positions, page_table, cache.num_pages, cache.page_size)
+    _append_op(cache.k.dtype, cache.k.shape[3], kv_layout, page_table.layout, debug)(
+        append_key, append_value, batch_indices, positions, cache.k, cache.v, page_table.tensors)
 
+
+@op_cache
+def _append_op(dtype, head_dim: int, kv_layout: str, table_layout: str, debug: bool):
+    return get_module(AppendSpec(dtype_name(dtype), head_dim, kv_layout, table_layout).validate()
+                      ).append_paged_kv_cache
+
+
+_SUPPORTED = {(d, h) for d in PAGED_KV_DTYPES for h in HEAD_DIMS}
+
+
+def _append_args_ok(key, value, batch_indices, positions, cache, table) -> bool:
+    """One cheap pass over everything _explain_append_args checks (the hot path)."""
+    k_cache = cache.k
+    if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and key.dim() == 3):
+        return False
+    nnz, heads, dim = key.shape
+    return (value.shape == key.shape and key.dtype == k_cache.dtype and value.dtype == k_cache.dtype
+            and heads == cache.num_kv_heads and dim == k_cache.shape[3]
+            and key.stride(-1) == 1 and value.stride(-1) == 1
+            and index_ok(batch_indices, nnz) and index_ok(positions, nnz)
+            and (dtype_name(k_cache.dtype), dim) in _SUPPORTED
+            and aligned16(key, value, k_cache, cache.v)
+            and same_cuda_device((key, value, batch_indices, positions, k_cache, cache.v) + table.tensors))
+
+
+def _explain_append_args(append_key, append_value, batch_indices, positions, cache, page_table) -> None:
+    """The slow path: check one thing at a time and raise naming the argument."""
     for name, t in (("append_key", append_key), ("append_value", append_value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
@@ -51,19 +88,15 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     if heads != cache.num_kv_heads or dim != cache.head_dim:
         raise ValueError(
             f"append_key: [nnz, num_kv_heads, head_dim] = {tuple(append_key.shape)} does not match the "
-            f"cache's num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim} ({kv_layout})")
+            f"cache's num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim} ({cache.layout})")
     expect_index_vector(batch_indices, "batch_indices", nnz, "[nnz] (one per appended token)")
     expect_index_vector(positions, "positions", nnz, "[nnz] (one per appended token)")
-    spec = AppendSpec(cache.dtype_name, dim, kv_layout, page_table.layout)
-    spec.validate()
+    AppendSpec(cache.dtype_name, dim, cache.layout, page_table.layout).validate()
     expect_same_cuda_device({"append_key": append_key, "append_value": append_value,
                              "batch_indices": batch_indices, "positions": positions,
                              "k_cache": cache.k, "v_cache": cache.v,
                              **{f"page_table[{i}]": t for i, t in enumerate(page_table.tensors)}})
-    if env.debug():
-        check_append_values(batch_indices, positions, page_table, cache.num_pages, cache.page_size)
-    get_module(spec).append_paged_kv_cache(append_key, append_value, batch_indices, positions,
-                                           cache.k, cache.v, page_table.tensors)
+    raise ValueError("append_paged_kv_cache: invalid arguments")  # not reached: a check above fires
 
 
 def check_append_values(batch_indices, positions, page_table: PageTable, num_pages: int,

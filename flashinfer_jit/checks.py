@@ -9,6 +9,8 @@ caller asks for them.
 
 from __future__ import annotations
 
+import torch
+
 from typing import Iterable
 
 
@@ -35,8 +37,6 @@ def expect_shape(t, name: str, shape: tuple, what: str) -> None:
 
 
 def expect_index_vector(t, name: str, length: int | None = None, what: str = "") -> None:
-    import torch
-
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected an int32 tensor, got {type(t).__name__}")
     expect_dtype(t, name, (torch.int32,))
@@ -81,3 +81,30 @@ def expect_vector_aligned(t, name: str, vector_bytes: int = 16) -> None:
                          f"{vector_bytes} bytes (the kernels use {vector_bytes}-byte vector accesses); got "
                          f"address % {vector_bytes} = {t.data_ptr() % vector_bytes}, strides {t.stride()} "
                          f"of {size}-byte elements")
+
+
+def same_cuda_device(tensors) -> bool:
+    """Fast path of expect_same_cuda_device: True when all are on one CUDA device."""
+    first = tensors[0]
+    if not first.is_cuda:
+        return False
+    index = first.get_device()
+    return all(t.get_device() == index for t in tensors)
+
+
+def aligned16(*tensors) -> bool:
+    """Fast path of expect_vector_aligned(t, name, 16) for several tensors."""
+    for t in tensors:
+        if t.data_ptr() % 16:
+            return False
+        size = t.element_size()
+        for stride, n in zip(t.stride()[:-1], t.shape[:-1]):
+            if n > 1 and (stride * size) % 16:
+                return False
+    return True
+
+
+def index_ok(t, length: int | None = None) -> bool:
+    """Fast path of expect_index_vector."""
+    return isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 and \
+        t.is_contiguous() and (length is None or t.shape[0] == length)

@@ -308,5 +308,18 @@ def _registry(spec: Spec, debug: bool) -> LoadedModule:
     return load_or_build(spec)
 
 
+_op_caches: list = []
+
+
+def op_cache(fn):
+    """functools.cache for the public functions' hot path: configuration -> bound op.
+    Registered here so clear_registry() forgets them along with the modules."""
+    cached = functools.cache(fn)
+    _op_caches.append(cached)
+    return cached
+
+
 def clear_registry() -> None:
     _registry.cache_clear()
+    for cached in _op_caches:
+        cached.cache_clear()

@@ -11,15 +11,16 @@ as head_dim is contiguous; a single [num_pages, 2, ...] tensor is split into two
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
 
-from .checks import (expect_dim, expect_dtype, expect_index_vector, expect_last_dim_contiguous,
-                     expect_choice)
+from typing import NamedTuple
+
+from .checks import (expect_choice, expect_dim, expect_dtype, expect_index_vector,
+                     expect_last_dim_contiguous, index_ok)
 from .specs.base import KV_LAYOUTS, PAGE_TABLES, dtype_name
 
 
-@dataclass(frozen=True)
-class PageTable:
+class PageTable(NamedTuple):
     layout: str
     tensors: tuple
     batch_size: int
@@ -30,8 +31,6 @@ class PageTable:
 
     def kv_lens(self, page_size: int):
         """Tokens per request (a device tensor); used by references and debug checks."""
-        import torch
-
         if self.layout == "csr":
             indptr, _, last = self.tensors
             pages = indptr[1:] - indptr[:-1]
@@ -40,8 +39,6 @@ class PageTable:
 
     def capacity(self) -> "object":
         """Pages per request the table holds."""
-        import torch
-
         if self.layout == "csr":
             indptr = self.tensors[0]
             return indptr[1:] - indptr[:-1]
@@ -50,8 +47,6 @@ class PageTable:
 
     def check_values(self, num_pages: int, page_size: int) -> None:
         """Value checks (device sync): page ids in range, lengths consistent."""
-        import torch
-
         if self.layout == "csr":
             indptr, indices, last = self.tensors
             if indptr.numel() and int(indptr[0]) != 0:
@@ -89,8 +84,9 @@ class PageTable:
 def csr_page_table(kv_indptr, kv_indices, kv_last_page_len=None) -> PageTable:
     """FlashInfer's CSR page table. Writers (append, rope+append) locate slots with
     indptr/indices alone, so kv_last_page_len may be None there; readers need it."""
-    import torch
-
+    if index_ok(kv_indptr) and kv_indptr.shape[0] >= 1 and index_ok(kv_indices) and \
+            kv_last_page_len is not None and index_ok(kv_last_page_len, kv_indptr.shape[0] - 1):
+        return PageTable("csr", (kv_indptr, kv_indices, kv_last_page_len), kv_indptr.shape[0] - 1)
     if not isinstance(kv_indptr, torch.Tensor):
         raise TypeError(f"kv_indptr: expected an int32 tensor, got {type(kv_indptr).__name__}")
     expect_index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
@@ -106,8 +102,6 @@ def csr_page_table(kv_indptr, kv_indices, kv_last_page_len=None) -> PageTable:
 
 
 def block_page_table(block_tables, seq_lens, kv_separate: bool = False) -> PageTable:
-    import torch
-
     name = "block_tables"
     if not isinstance(block_tables, torch.Tensor):
         raise TypeError(f"{name}: expected an int32 tensor, got {type(block_tables).__name__}")
@@ -126,8 +120,7 @@ def block_page_table(block_tables, seq_lens, kv_separate: bool = False) -> PageT
                      (block_tables, seq_lens), batch)
 
 
-@dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(NamedTuple):
     k: object
     v: object
     layout: str
@@ -158,8 +151,11 @@ class PagedKVCache:
 
 
 def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_cache") -> PagedKVCache:
-    import torch
-
+    if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2 and kv_layout in KV_LAYOUTS:
+        k, v = paged_kv_cache  # fast path; anything unusual takes the checks below
+        if _tensor(k) and _tensor(v) and k.dim() == 4 and k.shape == v.shape and k.dtype == v.dtype \
+                and k.stride(-1) == 1 and v.stride(-1) == 1:
+            return PagedKVCache(k, v, kv_layout)
     expect_choice(kv_layout, "kv_layout", KV_LAYOUTS)
     dims = "[num_pages, page_size, num_kv_heads, head_dim]" if kv_layout == "NHD" else \
         "[num_pages, num_kv_heads, page_size, head_dim]"
@@ -184,6 +180,10 @@ def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_
     expect_last_dim_contiguous(k, f"{name} (k_cache)")
     expect_last_dim_contiguous(v, f"{name} (v_cache)")
     return PagedKVCache(k, v, kv_layout)
+
+
+def _tensor(t) -> bool:
+    return isinstance(t, torch.Tensor)
 
 
 __all__ = ["PageTable", "PagedKVCache", "csr_page_table", "block_page_table",

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import math
 
+import functools
+
+import torch
+
 from . import env
-from .checks import dtype_str, expect_index_vector, expect_same_cuda_device, expect_vector_aligned
-from .jit import get_module
+from .checks import (aligned16, dtype_str, expect_index_vector, expect_same_cuda_device,
+                     expect_vector_aligned, index_ok, same_cuda_device)
+from .jit import get_module, op_cache
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import RopeSpec
 from .specs.base import FP8_DTYPES, dtype_name
 
 _HALF = ("float16", "bfloat16")
+_HALF_TORCH = (torch.float16, torch.bfloat16)
+_FP8_TORCH = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _empty_like_rows(t, width: int):
@@ -73,7 +80,7 @@ def _run_rope(q, k, q_out, k_out, *, rotary_dim, interleave, pos_ids=None, indpt
     if not isinstance(interleave, bool):
         raise TypeError(f"interleave: expected a bool, got {type(interleave).__name__}")
     nnz = q.shape[0]
-    empty = torch.empty(0, dtype=torch.int32, device=q.device)
+    empty = _empty_int32(q.device)
     if pos_ids is not None:
         expect_index_vector(pos_ids, "pos_ids", nnz, "[nnz] (one per token)")
         positions, named = "pos_ids", {"pos_ids": pos_ids}
@@ -90,15 +97,31 @@ def _run_rope(q, k, q_out, k_out, *, rotary_dim, interleave, pos_ids=None, indpt
         raise ValueError(f"rope_scale and rope_theta must be positive, got {rope_scale}, {rope_theta}")
     for name, t in (("q", q), ("k", k), ("q_out", q_out), ("k_out", k_out)):
         expect_vector_aligned(t, name, 8 * t.element_size())
-    spec = RopeSpec(dtype_name(q.dtype), dtype_name(q.dtype), interleave, positions,
-                    "cache" if cos_sin_cache is not None else "computed").validate()
-    expect_same_cuda_device({"q": q, "k": k, "q_out": q_out, "k_out": k_out, **named})
-    if env.debug() and cos_sin_cache is not None:
+    if not same_cuda_device((q, k, q_out, k_out, *named.values())):
+        expect_same_cuda_device({"q": q, "k": k, "q_out": q_out, "k_out": k_out, **named})
+    debug = env.debug()
+    if debug and cos_sin_cache is not None:
         _check_positions_in_cache(pos_ids, cos_sin_cache)
-    get_module(spec).rope(q[..., :rd], k[..., :rd], q[..., rd:], k[..., rd:], q_out[..., :rd],
-                          k_out[..., :rd], q_out[..., rd:], k_out[..., rd:], pos_ids, indptr, offsets,
-                          cos_sin_cache if cos_sin_cache is not None else empty.float(),
-                          float(rope_scale), float(rope_theta), float(smooth[0]), float(smooth[1]), 1.0, 1.0)
+    op = _rope_op(q.dtype, interleave, positions, cos_sin_cache is not None, debug)
+    if rd == head_dim:  # the whole row rotates: no views needed
+        parts = (q, k, empty, empty, q_out, k_out, empty, empty)
+    else:
+        parts = (q[..., :rd], k[..., :rd], q[..., rd:], k[..., rd:], q_out[..., :rd], k_out[..., :rd],
+                 q_out[..., rd:], k_out[..., rd:])
+    op(*parts, pos_ids, indptr, offsets, cos_sin_cache if cos_sin_cache is not None else _empty_f32(q.device),
+       float(rope_scale), float(rope_theta), float(smooth[0]), float(smooth[1]), 1.0, 1.0)
+
+
+@op_cache
+def _rope_op(dtype, interleave: bool, positions: str, cached_angles: bool, debug: bool):
+    spec = RopeSpec(dtype_name(dtype), dtype_name(dtype), interleave, positions,
+                    "cache" if cached_angles else "computed").validate()
+    return get_module(spec).rope
+
+
+@functools.cache
+def _empty_f32(device):
+    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 def _check_cos_sin_cache(cos_sin_cache, rope_dim: int) -> None:
@@ -329,8 +352,90 @@ def rope_quantize_fp8_append_paged_kv_cache(
     their q outputs are zeros. The page table is FlashInfer's (kv_indices, kv_indptr) or
     any flashinfer_jit.page_table layout via page_table=.
     """
-    import torch
+    args = None
+    if q_nope is None and k_nope is None and page_table is None and q_nope_out is None:
+        args = _fused_fast(q_rope, k_rope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
+                           batch_indices, positions, quantize_dtype, page_size, kv_layout, q_rope_out)
+    if args is None:  # anything unusual, or bad input: the detailed path (raises naming the argument)
+        args = _fused_slow(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
+                           kv_indices, kv_indptr, batch_indices, positions, quantize_dtype, page_size,
+                           kv_layout, q_rope_out, q_nope_out, page_table)
+    (q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, k_rope_cache, k_nope_cache, nope_offset,
+     v_cache, table, layout, qdt, num_pages, cache_page_size) = args
+    debug = env.debug()
+    if debug:
+        from .append import check_append_values
 
+        _check_positions_in_cache(pos_ids, cos_sin_cache, batch_indices >= 0)
+        check_append_values(batch_indices, positions, table, num_pages, cache_page_size)
+    empty = _empty_int32(q_rope.device)
+    _rope_append_op(q_rope.dtype, qdt, not is_neox, table.layout, layout, debug)(
+        q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, pos_ids, empty, empty, cos_sin_cache,
+        1.0, 1e4, 0.0, 0.0, float(quant_scale_q), float(quant_scale_kv), k_rope_cache, k_nope_cache,
+        nope_offset, v_cache, table.tensors, batch_indices, positions)
+    return q_rope_out, q_nope_out
+
+
+@op_cache
+def _rope_append_op(dtype_in, dtype_out, interleave: bool, table_layout: str, kv_layout: str, debug: bool):
+    spec = RopeSpec(dtype_name(dtype_in), dtype_name(dtype_out), interleave, "pos_ids", "cache",
+                    table_layout, kv_layout).validate()
+    return get_module(spec).rope_append
+
+
+@functools.cache
+def _empty_int32(device):
+    """A 0-element int32 placeholder per device, for absent optional tensors."""
+    return torch.empty(0, dtype=torch.int32, device=device)
+
+
+def _fused_fast(q_rope, k_rope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
+                batch_indices, positions, quantize_dtype, page_size, kv_layout, q_rope_out):
+    """The common GQA/MHA call (no nope parts, CSR table) checked in one cheap pass;
+    None sends the call down the detailed path."""
+    if not (isinstance(q_rope, torch.Tensor) and isinstance(k_rope, torch.Tensor) and isinstance(v, torch.Tensor)
+            and type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2 and kv_layout in ("NHD", "HND")
+            and q_rope.dim() == 3 and k_rope.dim() == 3 and v.dim() == 3):
+        return None
+    k_cache, v_cache = paged_kv_cache
+    qdt = torch.float8_e4m3fn if quantize_dtype is None and q_rope_out is None else \
+        (quantize_dtype if quantize_dtype is not None else q_rope_out.dtype)
+    nnz, _, rope_dim = q_rope.shape
+    dtype = q_rope.dtype
+    if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor) and k_cache.dim() == 4
+            and k_cache.shape == v_cache.shape and k_cache.dtype == qdt and v_cache.dtype == qdt
+            and qdt in _FP8_TORCH and dtype in _HALF_TORCH and k_rope.dtype == dtype and v.dtype == dtype):
+        return None
+    heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
+    cache_page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    if not (rope_dim % 16 == 0 and k_rope.shape == (nnz, heads, rope_dim) and v.shape == (nnz, heads, rope_dim)
+            and k_cache.shape[3] == rope_dim and page_size == cache_page_size
+            and q_rope.stride(-1) == 1 and k_rope.stride(-1) == 1 and v.stride(-1) == 1
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype == torch.float32
+            and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == rope_dim and cos_sin_cache.is_contiguous()
+            and index_ok(pos_ids, nnz) and index_ok(batch_indices, nnz) and index_ok(positions, nnz)
+            and index_ok(kv_indptr) and kv_indptr.shape[0] >= 1 and index_ok(kv_indices)
+            and aligned16(q_rope, k_rope, v, k_cache, v_cache)):
+        return None
+    if q_rope_out is None:
+        q_rope_out = torch.empty(q_rope.shape, dtype=qdt, device=q_rope.device)
+    elif not (q_rope_out.shape == q_rope.shape and q_rope_out.dtype == qdt and aligned16(q_rope_out)):
+        return None
+    if not same_cuda_device((q_rope, k_rope, v, k_cache, v_cache, cos_sin_cache, pos_ids, batch_indices,
+                             positions, kv_indptr, kv_indices, q_rope_out)):
+        return None
+    empty = _empty_int32(q_rope.device)
+    table = PageTable("csr", (kv_indptr, kv_indices, empty), kv_indptr.shape[0] - 1)
+    return (q_rope, k_rope, empty, empty, v, q_rope_out, empty, k_cache, k_cache, rope_dim, v_cache, table,
+            kv_layout, qdt, k_cache.shape[0], cache_page_size)
+
+
+def _fused_slow(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
+                kv_indptr, batch_indices, positions, quantize_dtype, page_size, kv_layout, q_rope_out,
+                q_nope_out, page_table):
+    """Every check, one at a time, raising naming the argument; returns the normalized
+    arguments of the op (see rope_quantize_fp8_append_paged_kv_cache)."""
     q_rope, k_rope, q_nope, k_nope, mla = _fp8_inputs(q_rope, k_rope, q_nope, k_nope)
     nnz, _, rope_dim = q_rope.shape
     qdt = _quantize_dtype(quantize_dtype, q_rope_out, q_nope_out)
@@ -387,20 +492,14 @@ def rope_quantize_fp8_append_paged_kv_cache(
                     ("paged_kv_cache (v_cache)", v_cache), ("q_rope_out", q_rope_out), ("q_nope_out", q_nope_out)):
         if t.numel():
             expect_vector_aligned(t, name, 8)
-    spec = RopeSpec(dtype_name(q_rope.dtype), dtype_name(qdt), not is_neox, "pos_ids", "cache",
-                    page_table.layout, layout).validate()
+    RopeSpec(dtype_name(q_rope.dtype), dtype_name(qdt), False, "pos_ids", "cache", page_table.layout,
+             layout).validate()
     expect_same_cuda_device({"q_rope": q_rope, "k_rope": k_rope, "pos_ids": pos_ids, "cos_sin_cache": cos_sin_cache,
                              "batch_indices": batch_indices, "positions": positions,
                              "paged_kv_cache": k_rope_cache,
                              **{f"page_table[{i}]": t for i, t in enumerate(page_table.tensors)}})
-    if env.debug():
-        from .append import check_append_values
-
-        _check_positions_in_cache(pos_ids, cos_sin_cache, batch_indices >= 0)
-        check_append_values(batch_indices, positions, page_table, num_pages, page_size)
-    empty = torch.empty(0, dtype=torch.int32, device=q_rope.device)
-    get_module(spec).rope_append(q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, pos_ids, empty,
-                                 empty, cos_sin_cache, 1.0, 1e4, 0.0, 0.0, float(quant_scale_q),
-                                 float(quant_scale_kv), k_rope_cache, k_nope_cache, v_cache,
-                                 page_table.tensors, batch_indices, positions)
-    return q_rope_out, q_nope_out
+    k_offset = 0
+    if not mla:  # GQA/MHA: rope and nope parts are one k_cache row, nope at offset rope_dim
+        k_rope_cache, k_nope_cache, k_offset = cache.k, cache.k, rope_dim
+    return (q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, k_rope_cache, k_nope_cache, k_offset,
+            v_cache, page_table, layout, qdt, num_pages, cache_page_size)

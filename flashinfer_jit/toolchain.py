@@ -39,6 +39,58 @@ class Toolchain:
 
 
 def _version_line(cmd: list[str], what: str) -> str:
+    """The version line of a compiler. Running `nvcc --version` costs tens of ms per
+    process, so the answer is remembered on disk keyed by the binary's resolved path,
+    size, mtime and inode: replacing or upgrading the binary changes the key."""
+    memo_key = _binary_key(cmd[0])
+    memo = _read_version_memo()
+    if memo_key and memo_key in memo:
+        return memo[memo_key]
+    line = _run_version(cmd, what)
+    if memo_key:
+        _write_version_memo({**memo, memo_key: line})
+    return line
+
+
+def _binary_key(binary: str) -> str | None:
+    try:
+        path = os.path.realpath(shutil.which(binary) or binary)
+        st = os.stat(path)
+    except (OSError, TypeError):
+        return None
+    return f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def _memo_path():
+    return env.user_cache_root() / ".compiler-versions.json"
+
+
+def _read_version_memo() -> dict:
+    import json
+
+    try:
+        data = json.loads(_memo_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_version_memo(memo: dict) -> None:
+    import json
+    import tempfile
+
+    try:  # best effort: a read-only home only costs the probe next time
+        path = _memo_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".compiler-versions.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _run_version(cmd: list[str], what: str) -> str:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
     except (OSError, subprocess.SubprocessError) as exc:

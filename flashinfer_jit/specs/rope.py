@@ -51,7 +51,7 @@ class RopeSpec(Spec):
             return {"rope_append": (
                 "(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope, Tensor v, "
                 "Tensor(a!) q_rope_out, Tensor(b!) q_nope_out, " + _COMMON_ARGS +
-                ", Tensor(c!) k_rope_cache, Tensor(d!) k_nope_cache, Tensor(e!) v_cache, "
+                ", Tensor(c!) k_rope_cache, Tensor(d!) k_nope_cache, int k_nope_offset, Tensor(e!) v_cache, "
                 "Tensor[] page_table, Tensor batch_indices, Tensor positions) -> ()")}
         return {"rope": (
             "(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope, Tensor(a!) q_rope_out, "
