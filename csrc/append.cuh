@@ -22,6 +22,9 @@ struct AppendTraits {
   // 256 threads; with 8 heads x 128 dims in bf16 (128 vectors per token) a block moves
   // 2 tokens per step and each thread has 2 x 16 B of K and V loads in flight.
   static constexpr int kThreads = 256;
+  // Rounds of a wide token (heads * vectors per head > 256) whose loads a thread keeps
+  // in flight together; registers for more rounds would cost occupancy for every shape.
+  static constexpr int kUnroll = 2;
   static_assert(HeadDim % kVecElems == 0, "head_dim must be a multiple of a 16-byte vector");
 };
 
@@ -42,19 +45,37 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   for (int token = blockIdx.x * tokens_per_step + sub_token; token < p.nnz;
        token += gridDim.x * tokens_per_step) {
-    int k_page, v_page, slot;  // padding (batch index -1) and out-of-table slots: skipped
-    if (!locate_slot<Traits::kTable>(p.table, p.kv.num_pages, p.batch_indices[token],
-                                     p.positions[token], k_page, v_page, slot)) {
-      continue;
-    }
-    for (int l = lane; l < vecs_per_token; l += Traits::kThreads) {
-      const int h = l / Traits::kVecsPerHead;
-      const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
-      const Vec16 k = load_vec16_streaming(key + token * p.key_stride_token + h * p.key_stride_head + c);
-      const Vec16 v = load_vec16_streaming(value + token * p.value_stride_token +
-                                           h * p.value_stride_head + c);
-      store_vec16(paged_ptr<T>(p.kv.k, k_page, slot, h) + c, k);
-      store_vec16(paged_ptr<T>(p.kv.v, v_page, slot, h) + c, v);
+    // Loads first: they depend only on the token, while the destination needs a chain of
+    // dependent loads (batch index -> page table -> page id) that now overlaps them.
+    // A token wider than kUnroll rounds of the block (beyond 8 heads x 256 dims of bf16)
+    // repeats the lookup per group of rounds; it is an L1 hit by then.
+    for (int base = lane; base < vecs_per_token; base += Traits::kThreads * Traits::kUnroll) {
+      Vec16 k[Traits::kUnroll], v[Traits::kUnroll];
+#pragma unroll
+      for (int i = 0; i < Traits::kUnroll; ++i) {
+        const int l = base + i * Traits::kThreads;
+        if (l < vecs_per_token) {
+          const int h = l / Traits::kVecsPerHead;
+          const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
+          k[i] = load_vec16_streaming(key + token * p.key_stride_token + h * p.key_stride_head + c);
+          v[i] = load_vec16_streaming(value + token * p.value_stride_token + h * p.value_stride_head + c);
+        }
+      }
+      int k_page, v_page, slot;  // padding (batch index -1) and out-of-table slots: skipped
+      if (!locate_slot<Traits::kTable>(p.table, p.kv.num_pages, p.batch_indices[token],
+                                       p.positions[token], k_page, v_page, slot)) {
+        break;
+      }
+#pragma unroll
+      for (int i = 0; i < Traits::kUnroll; ++i) {
+        const int l = base + i * Traits::kThreads;
+        if (l < vecs_per_token) {
+          const int h = l / Traits::kVecsPerHead;
+          const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
+          store_vec16(paged_ptr<T>(p.kv.k, k_page, slot, h) + c, k[i]);
+          store_vec16(paged_ptr<T>(p.kv.v, v_page, slot, h) + c, v[i]);
+        }
+      }
     }
   }
 }

@@ -30,6 +30,9 @@ struct RopeTraits {
   static constexpr PageTableLayout kTable = Table;
   static constexpr int kUnit = 16;  // elements per unit
   static constexpr int kMaxThreads = 256;
+  // Rows whose loads one thread keeps in flight: 2 covers Llama-like 32/8/8 heads in one
+  // group (24 x 8 threads); 4 cost 19 more registers and an occupancy step.
+  static constexpr int kMaxRowsPerThread = 2;
 };
 
 // --- 8-element conversions ---------------------------------------------------------
@@ -107,60 +110,7 @@ FIJ_DEVICE bool unit_angles(const RopeParams& p, int pos, int j, float (&c)[8], 
   return true;
 }
 
-// --- one unit of one row ------------------------------------------------------------------
-struct RowPtrs {  // this row's rope and nope parts, input and output
-  const void* rope_in;
-  const void* nope_in;
-  void* rope_out;
-  void* nope_out;
-};
-
-template <class Traits>
-FIJ_DEVICE void rope_unit(const RopeParams& p, const RowPtrs& row, int x, bool angles_ok,
-                          const float (&c)[8], const float (&s)[8], float scale) {
-  using In = typename Traits::In;
-  using Out = typename Traits::Out;
-  const int rope_units = p.rope_dim / Traits::kUnit;
-  float a[8], b[8];
-  if (x >= rope_units) {  // pass-through unit of the nope part
-    const int off = (x - rope_units) * Traits::kUnit;
-    load8(static_cast<const In*>(row.nope_in) + off, a);
-    load8(static_cast<const In*>(row.nope_in) + off + 8, b);
-    store8(static_cast<Out*>(row.nope_out) + off, a, scale);
-    store8(static_cast<Out*>(row.nope_out) + off + 8, b, scale);
-    return;
-  }
-  const In* in = static_cast<const In*>(row.rope_in);
-  Out* out = static_cast<Out*>(row.rope_out);
-  const int lo = Traits::kInterleave ? Traits::kUnit * x : 8 * x;
-  const int hi = Traits::kInterleave ? lo + 8 : p.rope_dim / 2 + 8 * x;
-  if (!angles_ok) {  // position outside cos_sin_cache: make it visible, never stale
-    store8_value(out + lo, CUDART_NAN_F);
-    store8_value(out + hi, CUDART_NAN_F);
-    return;
-  }
-  load8(in + lo, a);
-  load8(in + hi, b);
-  float ra[8], rb[8];
-  if constexpr (Traits::kInterleave) {  // a = elements 0..7, b = 8..15 of 8 pairs
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      ra[2 * e] = a[2 * e] * c[e] - a[2 * e + 1] * s[e];
-      ra[2 * e + 1] = a[2 * e + 1] * c[e] + a[2 * e] * s[e];
-      rb[2 * e] = b[2 * e] * c[e + 4] - b[2 * e + 1] * s[e + 4];
-      rb[2 * e + 1] = b[2 * e + 1] * c[e + 4] + b[2 * e] * s[e + 4];
-    }
-  } else {  // a = first half, b = second half
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      ra[e] = a[e] * c[e] - b[e] * s[e];
-      rb[e] = b[e] * c[e] + a[e] * s[e];
-    }
-  }
-  store8(out + lo, ra, scale);
-  store8(out + hi, rb, scale);
-}
-
+// --- the kernel ---------------------------------------------------------------------------
 template <typename T>
 FIJ_DEVICE const T* row_at(const void* base, int64_t stride_token, int64_t stride_head, int token, int head) {
   return static_cast<const T*>(base) + token * stride_token + head * stride_head;
@@ -171,93 +121,163 @@ FIJ_DEVICE T* row_at_mut(void* base, int64_t stride_token, int64_t stride_head, 
   return static_cast<T*>(base) + token * stride_token + head * stride_head;
 }
 
+// This thread's 16 elements of one row: where they are read (two 8-element halves at
+// src + lo and src + hi) and written, and whether they rotate.
 template <class Traits>
-FIJ_DEVICE RowPtrs tensor_row(const RopeRows& r, int token, int head) {
+struct UnitRef {
+  const typename Traits::In* src = nullptr;  // null: this thread has no unit in the row
+  typename Traits::Out* dst = nullptr;       // null: nothing to write (padding K/V, bad slot)
+  int lo = 0, hi = 8;
+  bool rotate = false;
+  float scale = 1.f;
+};
+
+// Row r of a token: q heads, then k heads, then (append mode) v heads.
+template <class Traits>
+FIJ_DEVICE UnitRef<Traits> unit_ref(const RopeParams& p, int r, int token, int x, bool padding, int k_page,
+                                    int v_page, int slot) {
   using In = typename Traits::In;
   using Out = typename Traits::Out;
-  return {row_at<In>(r.rope_in, r.rope_in_stride_token, r.rope_in_stride_head, token, head),
-          row_at<In>(r.nope_in, r.nope_in_stride_token, r.nope_in_stride_head, token, head),
-          row_at_mut<Out>(r.rope_out, r.rope_out_stride_token, r.rope_out_stride_head, token, head),
-          row_at_mut<Out>(r.nope_out, r.nope_out_stride_token, r.nope_out_stride_head, token, head)};
+  UnitRef<Traits> u;
+  const int rope_units = p.rope_dim / Traits::kUnit;
+  const bool in_rope = x < rope_units;
+  const int hq = p.q.num_heads, hk = p.k.num_heads;
+  if (r < hq + hk) {
+    if (x >= (p.rope_dim + p.nope_dim) / Traits::kUnit) return u;
+    const bool is_q = r < hq;
+    const RopeRows& rows = is_q ? p.q : p.k;
+    const int h = is_q ? r : r - hq;
+    u.lo = in_rope ? (Traits::kInterleave ? Traits::kUnit * x : 8 * x) : Traits::kUnit * (x - rope_units);
+    u.hi = in_rope ? (Traits::kInterleave ? u.lo + 8 : p.rope_dim / 2 + 8 * x) : u.lo + 8;
+    u.rotate = in_rope;
+    u.scale = is_q ? p.q_scale : p.kv_scale;
+    u.src = in_rope ? row_at<In>(rows.rope_in, rows.rope_in_stride_token, rows.rope_in_stride_head, token, h)
+                    : row_at<In>(rows.nope_in, rows.nope_in_stride_token, rows.nope_in_stride_head, token, h);
+    if (!is_q && Traits::kAppend) {
+      if (!padding && k_page >= 0) {
+        u.dst = paged_ptr<Out>(in_rope ? p.k_rope_cache : p.k_nope_cache, k_page, slot, h);
+      }
+    } else if (is_q || !padding) {
+      u.dst = in_rope ? row_at_mut<Out>(rows.rope_out, rows.rope_out_stride_token, rows.rope_out_stride_head, token, h)
+                      : row_at_mut<Out>(rows.nope_out, rows.nope_out_stride_token, rows.nope_out_stride_head, token, h);
+    }
+    return u;
+  }
+  if constexpr (Traits::kAppend) {  // v: no rotation, quantize and store
+    if (x >= p.v_dim / Traits::kUnit) return u;
+    const int h = r - hq - hk;
+    u.lo = Traits::kUnit * x;
+    u.hi = u.lo + 8;
+    u.scale = p.kv_scale;
+    u.src = row_at<In>(p.v_in, p.v_in_stride_token, p.v_in_stride_head, token, h);
+    if (!padding && k_page >= 0) u.dst = paged_ptr<Out>(p.v_cache, v_page, slot, h);
+  }
+  return u;
 }
 
-// --- the kernel ---------------------------------------------------------------------------
+template <class Traits>
+FIJ_DEVICE void finish_unit(const UnitRef<Traits>& u, const Vec16& raw_lo, const Vec16& raw_hi, bool zero,
+                            bool angles_ok, const float (&c)[8], const float (&s)[8]) {
+  using In = typename Traits::In;
+  if (u.dst == nullptr) return;
+  if (zero) {  // q of a padding token: defined zeros, no RoPE
+    store8_value(u.dst + u.lo, 0.f);
+    store8_value(u.dst + u.hi, 0.f);
+    return;
+  }
+  if (u.rotate && !angles_ok) {  // position outside cos_sin_cache: visible, never stale
+    store8_value(u.dst + u.lo, CUDART_NAN_F);
+    store8_value(u.dst + u.hi, CUDART_NAN_F);
+    return;
+  }
+  float a[8], b[8];
+  const In* va = reinterpret_cast<const In*>(&raw_lo);
+  const In* vb = reinterpret_cast<const In*>(&raw_hi);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    a[e] = static_cast<float>(va[e]);
+    b[e] = static_cast<float>(vb[e]);
+  }
+  if (u.rotate) {
+    float ra[8], rb[8];
+    if constexpr (Traits::kInterleave) {  // a = elements 0..7, b = 8..15 of 8 pairs
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ra[2 * e] = a[2 * e] * c[e] - a[2 * e + 1] * s[e];
+        ra[2 * e + 1] = a[2 * e + 1] * c[e] + a[2 * e] * s[e];
+        rb[2 * e] = b[2 * e] * c[e + 4] - b[2 * e + 1] * s[e + 4];
+        rb[2 * e + 1] = b[2 * e + 1] * c[e + 4] + b[2 * e] * s[e + 4];
+      }
+    } else {  // a = first half, b = second half
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        ra[e] = a[e] * c[e] - b[e] * s[e];
+        rb[e] = b[e] * c[e] + a[e] * s[e];
+      }
+    }
+    store8(u.dst + u.lo, ra, u.scale);
+    store8(u.dst + u.hi, rb, u.scale);
+  } else {
+    store8(u.dst + u.lo, a, u.scale);
+    store8(u.dst + u.hi, b, u.scale);
+  }
+}
+
+// Per token and group of up to kMaxRows rows per thread: (1) issue every input load of
+// the group, (2) resolve the cache slot (batch index -> page table -> page, a chain of
+// dependent loads) and the angles while those loads are in flight, (3) rotate, convert,
+// store. Without (1) first, each token paid the page-table chain before its first load.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kMaxThreads)
     rope_kernel(const __grid_constant__ RopeParams p) {
-  using In = typename Traits::In;
-  using Out = typename Traits::Out;
+  constexpr int kMaxRows = Traits::kMaxRowsPerThread;
   const int x = threadIdx.x;  // unit within a row
-  const int rope_units = p.rope_dim / Traits::kUnit;
-  const int kv_units = (p.rope_dim + p.nope_dim) / Traits::kUnit;
-  const int v_units = p.v_dim / Traits::kUnit;
   const int rows = p.q.num_heads + p.k.num_heads + (Traits::kAppend ? p.num_v_heads : 0);
+  const int group = blockDim.y * kMaxRows;
 
   for (int token = blockIdx.x; token < p.nnz; token += gridDim.x) {
     bool padding = false;
-    int k_page = 0, v_page = 0, slot = 0;
-    if constexpr (Traits::kAppend) {
-      const int b = p.batch_indices[token];
-      padding = b < 0;
-      // A real token whose slot is outside the table/cache writes no K/V (debug mode
-      // rejects it before launch); its q is still computed.
-      if (!padding && !locate_slot<Traits::kTable>(p.table, p.num_pages, b, p.positions[token],
-                                                   k_page, v_page, slot)) {
-        k_page = -1;
-      }
-    }
-    float c[8], s[8];
-    bool angles_ok = true;
-    if (!padding && x < rope_units) {
-      angles_ok = unit_angles<Traits>(p, rope_position<Traits>(p, token), x, c, s);
-    }
-    for (int r = threadIdx.y; r < rows; r += blockDim.y) {
-      if (r < p.q.num_heads) {  // q: always written; zeros for padding tokens
-        if (x >= kv_units) continue;
-        const RowPtrs row = tensor_row<Traits>(p.q, token, r);
-        if (padding) {
-          const bool is_rope = x < rope_units;
-          Out* dst = static_cast<Out*>(is_rope ? row.rope_out : row.nope_out);
-          const int lo = is_rope ? (Traits::kInterleave ? 16 * x : 8 * x) : 16 * (x - rope_units);
-          const int hi = is_rope ? (Traits::kInterleave ? lo + 8 : p.rope_dim / 2 + 8 * x) : lo + 8;
-          store8_value(dst + lo, 0.f);
-          store8_value(dst + hi, 0.f);
-        } else {
-          rope_unit<Traits>(p, row, x, angles_ok, c, s, p.q_scale);
+    if constexpr (Traits::kAppend) padding = p.batch_indices[token] < 0;
+    for (int base = 0; base < rows; base += group) {
+      UnitRef<Traits> units[kMaxRows];
+      Vec16 raw_lo[kMaxRows], raw_hi[kMaxRows];
+#pragma unroll
+      for (int i = 0; i < kMaxRows; ++i) {  // (1) loads; destinations come later
+        const int r = base + threadIdx.y + i * blockDim.y;
+        if (r < rows) units[i] = unit_ref<Traits>(p, r, token, x, padding, 0, 0, 0);
+        if (units[i].src != nullptr && !padding) {
+          raw_lo[i] = load_vec16(units[i].src + units[i].lo);
+          raw_hi[i] = load_vec16(units[i].src + units[i].hi);
         }
-        continue;
       }
-      if (padding) continue;  // padding tokens touch no K/V storage at all
-      if (r < p.q.num_heads + p.k.num_heads) {
-        if (x >= kv_units) continue;
-        const int h = r - p.q.num_heads;
-        RowPtrs row = tensor_row<Traits>(p.k, token, h);
-        if constexpr (Traits::kAppend) {
-          if (k_page < 0) continue;
-          row.rope_out = paged_ptr<Out>(p.k_rope_cache, k_page, slot, h);
-          row.nope_out = paged_ptr<Out>(p.k_nope_cache, k_page, slot, h);
+      int k_page = 0, v_page = 0, slot = 0;  // (2)
+      if constexpr (Traits::kAppend) {
+        // A real token whose slot lies outside the table or cache writes no K/V (debug
+        // mode rejects it before launch); its q is still computed.
+        if (!padding && !locate_slot<Traits::kTable>(p.table, p.num_pages, p.batch_indices[token],
+                                                     p.positions[token], k_page, v_page, slot)) {
+          k_page = -1;
         }
-        rope_unit<Traits>(p, row, x, angles_ok, c, s, p.kv_scale);
-        continue;
       }
-      if constexpr (Traits::kAppend) {  // v: quantize and store, no rotation
-        if (x >= v_units || k_page < 0) continue;
-        const int h = r - p.q.num_heads - p.k.num_heads;
-        const In* src = row_at<In>(p.v_in, p.v_in_stride_token, p.v_in_stride_head, token, h) + 16 * x;
-        Out* dst = paged_ptr<Out>(p.v_cache, v_page, slot, h) + 16 * x;
-        float a[8], b[8];
-        load8(src, a);
-        load8(src + 8, b);
-        store8(dst, a, p.kv_scale);
-        store8(dst + 8, b, p.kv_scale);
+      float c[8], s[8];
+      bool angles_ok = true;
+      if (!padding && x < p.rope_dim / Traits::kUnit) {
+        angles_ok = unit_angles<Traits>(p, rope_position<Traits>(p, token), x, c, s);
+      }
+#pragma unroll
+      for (int i = 0; i < kMaxRows; ++i) {  // (3)
+        const int r = base + threadIdx.y + i * blockDim.y;
+        if (r >= rows || units[i].src == nullptr) continue;
+        const UnitRef<Traits> u = unit_ref<Traits>(p, r, token, x, padding, k_page, v_page, slot);
+        finish_unit<Traits>(u, raw_lo[i], raw_hi[i], padding, angles_ok, c, s);
       }
     }
   }
 }
 
 // Block shape: x = units of the widest row, y = rows in parallel, chosen so that the rows
-// of a token split into equal rounds (48 rows of 8 units: 24 x 8 threads, 2 full rounds
-// instead of 32 + 16).
+// of a token split into equal rounds (48 rows of 8 units: 24 x 8 threads, 2 rows per
+// thread, instead of 32 + 16); more than kMaxRowsPerThread rounds loop over row groups.
 template <class Traits>
 int launch_rope(const RopeParams& p, cudaStream_t stream) {
   if (p.nnz == 0) return 0;
@@ -265,7 +285,7 @@ int launch_rope(const RopeParams& p, cudaStream_t stream) {
   const int units = Traits::kAppend && p.num_v_heads > 0 ? max(kv_units, p.v_dim / Traits::kUnit) : kv_units;
   const int rows = p.q.num_heads + p.k.num_heads + (Traits::kAppend ? p.num_v_heads : 0);
   const int max_y = max(1, Traits::kMaxThreads / units);
-  const int rounds = (rows + max_y - 1) / max_y;
+  const int rounds = (rows + max_y - 1) / max_y;  // rows per thread, if one group covered them
   const int y = (rows + rounds - 1) / rounds;
   const int blocks = static_cast<int>(p.nnz < num_sms() * 32 ? p.nnz : num_sms() * 32);
   rope_kernel<Traits><<<blocks, dim3(units, y), 0, stream>>>(p);

@@ -764,3 +764,33 @@ def test_matrix_covers_gpu_tests():
     listed = set(matrix.parse_matrix(path))
     missing = sorted(s.name for s in gpu_specs_used() - listed)
     assert not missing, f"scripts/matrices/tests lacks modules the GPU tests use: {missing}"
+
+
+@pytest.mark.gpu
+def test_append_rows_wider_than_the_block():
+    """40 heads x 256 dims of bf16 = 1280 16-byte vectors per token: several groups of
+    rounds per token (csrc/append.cuh), each landing exactly."""
+    import flashinfer_jit as fij
+    from flashinfer_jit.page_table import csr_page_table
+    from flashinfer_jit.reference import append_paged_kv_cache_ref
+
+    gen = torch.Generator().manual_seed(11)
+    heads, dim, page, num_pages = 40, 256, 16, 12
+    seq = torch.tensor([20, 35], dtype=torch.int32)
+    append_len = torch.tensor([20, 3], dtype=torch.int32)
+    append_indptr = torch.tensor([0, 20, 23], dtype=torch.int32, device="cuda")
+    pages = (seq + page - 1) // page
+    kv_indptr = torch.tensor([0, int(pages[0]), int(pages.sum())], dtype=torch.int32, device="cuda")
+    kv_indices = torch.randperm(num_pages, generator=gen)[: int(pages.sum())].to(torch.int32).cuda()
+    table = csr_page_table(kv_indptr, kv_indices)
+    nnz = int(append_len.sum())
+    bi, pos = fij.get_batch_indices_positions(append_indptr, seq.cuda(), nnz)
+    key = torch.randn(nnz, heads, dim, generator=gen).to(torch.bfloat16).cuda()
+    value = torch.randn(nnz, heads, dim, generator=gen).to(torch.bfloat16).cuda()
+    k_cache = torch.randn(num_pages, page, heads, dim, generator=gen).to(torch.bfloat16).cuda()
+    v_cache = torch.randn(num_pages, page, heads, dim, generator=gen).to(torch.bfloat16).cuda()
+    k_ref, v_ref = append_paged_kv_cache_ref(key, value, bi, pos, k_cache, v_cache, table, "NHD")
+    fij.append_paged_kv_cache(key, value, bi, pos, (k_cache, v_cache), page_table=table)
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))

@@ -1,0 +1,101 @@
+"""Plots of the recorded benchmark JSON (docs/results/) into docs/figures/.
+
+    python3 scripts/plot_results.py [--date 2026-11-22]
+
+Needs matplotlib (a development tool here, not a package dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS, FIGURES = REPO / "docs" / "results", REPO / "docs" / "figures"
+
+
+def _load(pattern: str) -> dict:
+    files = sorted(RESULTS.glob(pattern))
+    if not files:
+        raise SystemExit(f"no {pattern} in {RESULTS}")
+    return json.loads(files[-1].read_text())
+
+
+def plot_append(plt, data: dict, out: Path) -> None:
+    copy = data["copy"]["gb_per_s"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, dtype in zip(axes, ("bfloat16", "float8_e4m3fn")):
+        rows = [r for r in data["append"] if r["dtype_kv"] == dtype]
+        tokens = [r["tokens"] for r in rows]
+        for impl, style in (("ours", "o-"), ("flashinfer", "s--"), ("torch", "^:")):
+            frac = [100 * r["impls"][impl]["frac_copy"] if "frac_copy" in r["impls"][impl] else None for r in rows]
+            ax.plot(tokens, frac, style, label={"ours": "flashinfer_jit", "flashinfer": "FlashInfer 0.5.3",
+                                                 "torch": "PyTorch index_copy_"}[impl])
+        ax.axhline(80, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(tokens, [f"{t // 1024}k" for t in tokens])
+        ax.set_title(f"append_paged_kv_cache, {dtype} cache")
+        ax.set_xlabel("appended tokens (8 heads x 128, page 16)")
+    axes[0].set_ylabel(f"% of copy bandwidth ({copy:.0f} GB/s)")
+    axes[0].set_ylim(0, 100)
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{data['meta']['device']}, {data['meta']['date'][:10]}, commit {data['meta']['commit'][:10]}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def plot_kvcache(plt, data: dict, out: Path) -> None:
+    copy = data["copy_bandwidth"]["gb_per_s"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    tokens = [f["nnz"] for f in data["fused"]]
+    for name, style in (("ours (fused)", "o-"), ("FlashInfer 0.5.3 (fused)", "s--"),
+                        ("ours, 3 separate steps", "d-."), ("PyTorch", "^:")):
+        vals = [100 * f["rows"].get(name, {}).get("gb_per_s", float("nan")) / copy for f in data["fused"]]
+        if any(v == v for v in vals):
+            ax1.plot(tokens, vals, style, label=name)
+    ax1.axhline(75, color="grey", lw=0.8, ls="--")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(tokens, [f"{t // 1024}k" for t in tokens])
+    ax1.set_ylim(0, 100)
+    ax1.set_ylabel(f"% of copy bandwidth ({copy:.0f} GB/s)")
+    ax1.set_xlabel("tokens (q 32 heads, k/v 8 heads, head_dim 128, fp8 e4m3 cache)")
+    ax1.set_title("RoPE + fp8 quantize + append")
+    ax1.legend(fontsize=8)
+    labels, ours, torch_ = [], [], []
+    for f in data["flatten"]:
+        labels.append(f["cache_dtype"].replace("torch.", "").replace("float8_e4m3fn", "fp8 e4m3"))
+        ours.append(100 * f["rows"]["ours"]["gb_per_s"] / copy)
+        torch_.append(100 * f["rows"]["PyTorch gather"]["gb_per_s"] / copy)
+    xs = range(len(labels))
+    ax2.bar([x - 0.2 for x in xs], ours, 0.4, label="flashinfer_jit")
+    ax2.bar([x + 0.2 for x in xs], torch_, 0.4, label="PyTorch gather")
+    ax2.axhline(80, color="grey", lw=0.8, ls="--")
+    ax2.set_xticks(list(xs), labels)
+    ax2.set_ylim(0, 100)
+    ax2.set_title("flatten_kv_cache, 64 x 2k tokens")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{data['meta']['device']}, {data['meta']['date'][:10]}, commit {data['meta']['commit'][:10]}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--date", default="", help="prefix of the result files to plot (default: newest)")
+    args = ap.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    plot_append(plt, _load(f"{args.date}*append.json"), FIGURES / "append_bandwidth.png")
+    plot_kvcache(plt, _load(f"{args.date}*kvcache.json"), FIGURES / "kvcache_bandwidth.png")
+    print(f"wrote {FIGURES}/append_bandwidth.png, kvcache_bandwidth.png")
+
+
+if __name__ == "__main__":
+    main()
