@@ -33,9 +33,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
     append_paged_kv_cache_kernel(const __grid_constant__ AppendParams p) {
   using T = typename Traits::DType;
   const int vecs_per_token = p.kv.num_kv_heads * Traits::kVecsPerHead;
-  const int tokens_per_step = max(1, Traits::kThreads / vecs_per_token);
+  const int threads = blockDim.x;  // kThreads, or fewer for small batches (see the launcher)
+  const int tokens_per_step = max(1, threads / vecs_per_token);
   // Thread -> (token of this step, first (head, vector) it moves). A token with more
-  // vectors than the block has threads is covered in strides of kThreads.
+  // vectors than the block has threads is covered in strides of the block.
   const int lane = threadIdx.x % vecs_per_token;
   const int sub_token = threadIdx.x / vecs_per_token;
   if (sub_token >= tokens_per_step) return;
@@ -49,11 +50,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // dependent loads (batch index -> page table -> page id) that now overlaps them.
     // A token wider than kUnroll rounds of the block (beyond 8 heads x 256 dims of bf16)
     // repeats the lookup per group of rounds; it is an L1 hit by then.
-    for (int base = lane; base < vecs_per_token; base += Traits::kThreads * Traits::kUnroll) {
+    for (int base = lane; base < vecs_per_token; base += threads * Traits::kUnroll) {
       Vec16 k[Traits::kUnroll], v[Traits::kUnroll];
 #pragma unroll
       for (int i = 0; i < Traits::kUnroll; ++i) {
-        const int l = base + i * Traits::kThreads;
+        const int l = base + i * threads;
         if (l < vecs_per_token) {
           const int h = l / Traits::kVecsPerHead;
           const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
@@ -68,7 +69,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
 #pragma unroll
       for (int i = 0; i < Traits::kUnroll; ++i) {
-        const int l = base + i * Traits::kThreads;
+        const int l = base + i * threads;
         if (l < vecs_per_token) {
           const int h = l / Traits::kVecsPerHead;
           const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
@@ -84,12 +85,17 @@ template <class Traits>
 int launch_append_paged_kv_cache(const AppendParams& p, cudaStream_t stream) {
   if (p.nnz == 0) return 0;
   const int vecs_per_token = p.kv.num_kv_heads * Traits::kVecsPerHead;
-  const int tokens_per_step = vecs_per_token >= Traits::kThreads ? 1 : Traits::kThreads / vecs_per_token;
+  // 256 threads, halved (down to 64) while the grid would not cover every SM twice: a
+  // decode step (1 token x 256 requests, 8 heads x 128 bf16) is 128 blocks of 256 but
+  // 512 blocks of 64, and each block's latency chain is what the call waits for.
+  int threads = Traits::kThreads;
+  while (threads > 64 && ceil_div(int64_t(p.nnz) * vecs_per_token, threads) < 2 * num_sms()) threads /= 2;
+  const int tokens_per_step = vecs_per_token >= threads ? 1 : threads / vecs_per_token;
   // Enough blocks to fill every SM several times over; the grid-stride loop covers the rest.
   const int64_t wanted = ceil_div(p.nnz, tokens_per_step);
-  const int64_t cap = int64_t(num_sms()) * 16;
+  const int64_t cap = int64_t(num_sms()) * 16 * (Traits::kThreads / threads);
   const int blocks = static_cast<int>(wanted < cap ? wanted : cap);
-  append_paged_kv_cache_kernel<Traits><<<blocks, Traits::kThreads, 0, stream>>>(p);
+  append_paged_kv_cache_kernel<Traits><<<blocks, threads, 0, stream>>>(p);
   return last_launch_error();
 }
 

@@ -238,7 +238,8 @@ __global__ void __launch_bounds__(Traits::kMaxThreads)
   for (int token = blockIdx.x; token < p.nnz; token += gridDim.x) {
     bool padding = false;
     if constexpr (Traits::kAppend) padding = p.batch_indices[token] < 0;
-    for (int base = 0; base < rows; base += group) {
+    // blockIdx.y splits a token's rows among blocks when tokens are too few to fill the GPU.
+    for (int base = blockIdx.y * group; base < rows; base += gridDim.y * group) {
       UnitRef<Traits> units[kMaxRows];
       Vec16 raw_lo[kMaxRows], raw_hi[kMaxRows];
 #pragma unroll
@@ -286,9 +287,20 @@ int launch_rope(const RopeParams& p, cudaStream_t stream) {
   const int rows = p.q.num_heads + p.k.num_heads + (Traits::kAppend ? p.num_v_heads : 0);
   const int max_y = max(1, Traits::kMaxThreads / units);
   const int rounds = (rows + max_y - 1) / max_y;  // rows per thread, if one group covered them
-  const int y = (rows + rounds - 1) / rounds;
+  int y = (rows + rounds - 1) / rounds;
+  // Few tokens (a decode step: 256 x 1): split each token's rows over blockIdx.y so that
+  // about 4 blocks per SM run, instead of one latency-bound block per token.
+  const int target_blocks = 4 * num_sms();
+  int row_blocks = 1;
+  if (p.nnz < target_blocks) {
+    const int max_row_blocks = (rows + Traits::kMaxRowsPerThread - 1) / Traits::kMaxRowsPerThread;
+    row_blocks = min(max_row_blocks, (target_blocks + p.nnz - 1) / p.nnz);
+    const int rows_per_block = (rows + row_blocks - 1) / row_blocks;
+    y = min(y, (rows_per_block + Traits::kMaxRowsPerThread - 1) / Traits::kMaxRowsPerThread);
+    row_blocks = (rows + y * Traits::kMaxRowsPerThread - 1) / (y * Traits::kMaxRowsPerThread);
+  }
   const int blocks = static_cast<int>(p.nnz < num_sms() * 32 ? p.nnz : num_sms() * 32);
-  rope_kernel<Traits><<<blocks, dim3(units, y), 0, stream>>>(p);
+  rope_kernel<Traits><<<dim3(blocks, row_blocks), dim3(units, y), 0, stream>>>(p);
   return last_launch_error();
 }
 
