@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #define FIJ_DEVICE __device__ __forceinline__
 #define FIJ_HOST_DEVICE __host__ __device__ __forceinline__

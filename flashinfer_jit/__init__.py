@@ -30,6 +30,11 @@ _EXPORTS = {
     "apply_rope_with_cos_sin_cache_inplace": "rope",
     "rope_quantize_fp8": "rope",
     "rope_quantize_fp8_append_paged_kv_cache": "rope",
+    # attention
+    "BatchDecodeWithPagedKVCacheWrapper": "decode",
+    "single_decode_with_kv_cache": "decode",
+    "merge_state": "cascade",
+    "merge_states": "cascade",
     # page tables
     "PageTable": "page_table",
     "csr_page_table": "page_table",

@@ -2,11 +2,13 @@
 
 from .append import AppendSpec, BatchIndicesSpec
 from .base import Spec
+from .decode import DecodeSpec, MergeSpec
 from .flatten import FlattenSpec
 from .rope import RopeSpec
 
 FAMILIES: dict[str, type[Spec]] = {
-    cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec)
+    cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec)
 }
 
-__all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "FAMILIES"]
+__all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "DecodeSpec", "MergeSpec",
+           "FAMILIES"]

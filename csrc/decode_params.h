@@ -1,0 +1,48 @@
+// Parameters of batch decode and of the merge of partial states (split-KV).
+#pragma once
+#include "page_table_params.h"
+
+namespace fij {
+
+// plan() writes, in one int32 buffer copied to the device at once:
+//   work[0]                 number of work items
+//   work[1 + 4*i + 0..3]    (request, kv_start, kv_end, partial_row); partial_row -1: the
+//                           item covers the whole request and writes out/lse directly
+// and merge_indptr[B+1] into the partial rows of split requests (empty for the rest).
+struct DecodeParams {
+  const void* q = nullptr;  // [B, num_qo_heads, head_dim]
+  int64_t q_stride_b = 0, q_stride_h = 0;
+  PagedKVParams kv;
+  PageTableParams table;
+  const int32_t* work = nullptr;
+  void* out = nullptr;  // [B, num_qo_heads, head_dim], q's dtype
+  int64_t out_stride_b = 0, out_stride_h = 0;
+  float* lse = nullptr;  // [B, num_qo_heads], base 2; null: not written
+  float* partial_o = nullptr;    // [rows, num_qo_heads, head_dim], normalized
+  float* partial_lse = nullptr;  // [rows, num_qo_heads]
+  int32_t num_qo_heads = 0;
+  int32_t group = 1;  // num_qo_heads / num_kv_heads
+  float logit_scale = 1.f;  // sm_scale * q_scale * k_scale (* log2 e without soft cap)
+  float v_scale = 1.f;
+  float soft_cap = 0.f;      // c: logits = c * tanh(logits / c); 0 = off
+  int32_t window_left = -1;  // keys j >= kv_len - 1 - window_left; -1 = all
+  float rope_rcp_scale = 1.f, rope_log2_theta = 13.287712f;
+};
+
+struct MergeParams {
+  const float* partial_o = nullptr;  // [rows, heads, head_dim]
+  const float* partial_lse = nullptr;
+  const int32_t* merge_indptr = nullptr;  // [num_rows + 1]
+  void* out = nullptr;
+  int64_t out_stride_b = 0, out_stride_h = 0;
+  float* lse = nullptr;
+  int32_t num_rows = 0, num_heads = 0, head_dim = 0;
+  // merge_states form: v [n, S, H, D] with its strides, s [n, S, H]
+  const void* states = nullptr;
+  int64_t states_stride_n = 0, states_stride_s = 0, states_stride_h = 0;
+  const float* states_lse = nullptr;
+  int64_t lse_stride_n = 0, lse_stride_s = 0;
+  int32_t num_states = 0;
+};
+
+}  // namespace fij

@@ -1,0 +1,148 @@
+"""Float64 references of batch decode over the paged KV cache and of the merge of
+attention states (DESIGN.md section 6).
+
+One query per request, at position kv_len - 1, against that request's kv_len keys and
+values, gathered through the page table (csr, block_table, block_table_kv_separate) from
+an NHD or HND cache with any strides. A plain loop over requests; within a request
+everything is vectorized over heads and tokens, in float64 on the caches' device.
+
+  logits_j = (q . k_j) * sm_scale * q_scale * k_scale    (sm_scale default 1/sqrt(head_dim))
+  soft cap c:       logits_j = c * tanh(logits_j / c)
+  window_left w:    only keys j >= kv_len - 1 - w (w = -1: all)
+  ROPE_LLAMA:       q rotated at position kv_len - 1, k_j at j, NeoX style (halves);
+                    the cache holds unrotated K
+  out = sum_j softmax(logits)_j * v_j * v_scale,  lse = log2(sum_j exp(logits_j))
+fp8 K/V are dequantized as float(value). A request of length 0: out zeros, lse -inf.
+Query head h reads KV head h // (num_qo_heads // num_kv_heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..page_table import PageTable
+from .rope import inv_freq_ref, rotate_ref
+
+LN2 = math.log(2.0)
+
+
+def request_pages_ref(page_table: PageTable, b: int, num_pages: int) -> tuple[list[int], list[int]]:
+    """(K page ids, V page ids) of request b's first `num_pages` logical pages."""
+    if num_pages == 0:
+        return [], []
+    if page_table.layout == "csr":
+        indptr, indices, _ = page_table.tensors
+        start = int(indptr[b])
+        pages = indices[start: start + num_pages].tolist()
+        return pages, pages
+    block_tables = page_table.tensors[0]
+    if page_table.layout == "block_table":
+        pages = block_tables[b, :num_pages].tolist()
+        return pages, pages
+    return block_tables[b, 0, :num_pages].tolist(), block_tables[b, 1, :num_pages].tolist()
+
+
+def gather_rows_ref(cache: torch.Tensor, pages: list[int], kv_len: int, kv_layout: str) -> torch.Tensor:
+    """The first kv_len token rows [kv_len, num_kv_heads, head_dim] (float64) of the given
+    pages of one cache (NHD [P, S, H, D] or HND [P, H, S, D], any strides)."""
+    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    # fp8 gathered as raw bytes: torch lacks index kernels for fp8 on some devices
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+    picked = raw.index_select(0, index)
+    if cache.element_size() == 1:
+        picked = picked.view(cache.dtype)
+    if kv_layout == "HND":
+        picked = picked.transpose(1, 2)
+    heads, dim = picked.shape[2], picked.shape[3]
+    return picked.reshape(-1, heads, dim)[:kv_len].float().double()
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, rope_scale: float, rope_theta: float) -> torch.Tensor:
+    """x [n, H, D] float64 rotated NeoX style at `positions` [n]."""
+    inv_freq = inv_freq_ref(x.shape[-1], rope_scale, rope_theta).to(x.device)
+    angle = positions.double().to(x.device)[:, None] * inv_freq[None, :]
+    return rotate_ref(x, torch.cos(angle), torch.sin(angle), interleave=False)
+
+
+def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="NHD", sm_scale=None,
+               window_left=-1, logits_soft_cap=None, pos_encoding_mode="NONE", rope_scale=1.0,
+               rope_theta=1e4, k_scale=1.0, v_scale=1.0, q_scale=1.0):
+    """(out float32 [B, Hq, D], lse float32 [B, Hq], base 2) on q's device.
+
+    q [B, Hq, D]; k_cache/v_cache NHD or HND (for a single [P, 2, ...] tensor pass its
+    [:, 0] and [:, 1]); kv_lens [B] (tensor or list). None for a scale or a RoPE
+    parameter means its default, as in the API.
+    """
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
+    if pos_encoding_mode not in ("NONE", "ROPE_LLAMA"):
+        raise ValueError(f"pos_encoding_mode: expected 'NONE' or 'ROPE_LLAMA', got {pos_encoding_mode!r}")
+    batch, num_qo_heads, head_dim = q.shape
+    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_qo_heads // num_kv_heads
+    scale = (1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale) * \
+        (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
+    v_scale = 1.0 if v_scale is None else v_scale
+    rope_scale = 1.0 if rope_scale is None else rope_scale
+    rope_theta = 1e4 if rope_theta is None else rope_theta
+    lens = kv_lens.tolist() if isinstance(kv_lens, torch.Tensor) else list(kv_lens)
+    table = PageTable(page_table.layout, tuple(t.cpu() for t in page_table.tensors), page_table.batch_size)
+    device = k_cache.device
+    out = torch.zeros(batch, num_qo_heads, head_dim, dtype=torch.float64, device=device)
+    lse = torch.full((batch, num_qo_heads), -math.inf, dtype=torch.float64, device=device)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        k_pages, v_pages = request_pages_ref(table, b, -(-n // page_size))
+        k = gather_rows_ref(k_cache, k_pages, n, kv_layout)
+        v = gather_rows_ref(v_cache, v_pages, n, kv_layout)
+        qb = q[b].to(device).double()
+        if pos_encoding_mode == "ROPE_LLAMA":
+            qb = _rope(qb[None], torch.tensor([n - 1]), rope_scale, rope_theta)[0]
+            k = _rope(k, torch.arange(n), rope_scale, rope_theta)
+        qg = qb.view(num_kv_heads, group, head_dim)
+        logits = torch.einsum("kgd,nkd->kgn", qg, k) * scale  # [Hk, group, n]
+        if logits_soft_cap is not None and logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        if window_left >= 0:
+            keep = torch.arange(n, device=device) >= n - 1 - window_left
+            logits = logits.masked_fill(~keep, -math.inf)
+        lse_e = torch.logsumexp(logits, dim=-1)  # natural log, [Hk, group]
+        p = torch.exp(logits - lse_e[..., None])
+        out[b] = (torch.einsum("kgn,nkd->kgd", p, v) * v_scale).reshape(num_qo_heads, head_dim)
+        lse[b] = (lse_e / LN2).reshape(num_qo_heads)
+    return out.float().to(q.device), lse.float().to(q.device)
+
+
+def merge_state_ref(v_a, s_a, v_b, s_b):
+    """Merge of two partial states: (v float32 [n, H, D], s float32 [n, H], base 2).
+    A state with s = -inf has weight 0 (its v is ignored); both -inf: v 0, s -inf."""
+    v = torch.stack([v_a, v_b], dim=1)
+    s = torch.stack([s_a, s_b], dim=1)
+    return merge_states_ref(v, s)
+
+
+def merge_states_ref(v, s):
+    """merge_states: v [n, S, H, D], s [n, S, H] (base-2 LSEs) -> (v float32 [n, H, D],
+    s float32 [n, H]). All S states -inf: v 0, s -inf (no NaN)."""
+    v64, s64 = v.double(), s.double()
+    s_max = s64.max(dim=1).values  # [n, H]
+    finite = torch.isfinite(s_max)
+    safe_max = torch.where(finite, s_max, torch.zeros_like(s_max))
+    w = torch.exp2(s64 - safe_max[:, None])  # -inf entries -> 0
+    w = torch.where(finite[:, None], w, torch.zeros_like(w))
+    total = w.sum(dim=1)  # [n, H]
+    merged = torch.einsum("nsh,nshd->nhd", w, torch.where(w[..., None] > 0, v64, torch.zeros_like(v64)))
+    merged = torch.where(finite[..., None], merged / torch.where(finite, total, 1.0)[..., None],
+                         torch.zeros_like(merged))
+    s_out = torch.where(finite, safe_max + torch.log2(torch.where(finite, total, 1.0)),
+                        torch.full_like(s_max, -math.inf))
+    return merged.float(), s_out.float()
+
+
+__all__ = ["decode_ref", "gather_rows_ref", "merge_state_ref", "merge_states_ref", "request_pages_ref"]

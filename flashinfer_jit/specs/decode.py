@@ -1,0 +1,66 @@
+"""Spec of batch decode over the paged KV cache (csrc/decode.cuh) and of the merge of
+partial attention states (merge_state / merge_states, split-KV's second step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .append import HEAD_DIMS, PAGED_KV_DTYPES
+from .base import KV_LAYOUTS, PAGE_TABLES, Spec, choice
+
+GROUP_TILES = (1, 2, 4, 8)
+
+
+def group_tile(num_qo_heads: int, num_kv_heads: int) -> int:
+    """Query heads one thread block handles per KV head: the GQA group, capped at 8 (a
+    larger group, e.g. MQA with 32 or 64 query heads, takes several tiles that re-read
+    the same K/V from L2)."""
+    group = num_qo_heads // num_kv_heads
+    return max(t for t in GROUP_TILES if group % t == 0)
+
+
+@dataclass(frozen=True)
+class DecodeSpec(Spec):
+    """One query token per request against its paged K/V. Compile-time: dtypes, head_dim,
+    the group tile, the page table and KV layout, RoPE and the soft cap (each changes
+    the inner loop); sm_scale, window, scales and lengths are run-time values."""
+
+    FAMILY = "decode"
+    TEMPLATES = {"kernel.cu": "decode.cu.j2", "binding.cc": "decode_binding.cc.j2"}
+
+    dtype_q: str = choice("float16", "bfloat16")
+    dtype_kv: str = choice(*PAGED_KV_DTYPES)
+    head_dim: int = choice(*HEAD_DIMS, tag="hd{}")
+    group_tile: int = choice(*GROUP_TILES, tag="g{}", default=1)
+    page_table: str = choice(*PAGE_TABLES, default="csr")
+    kv_layout: str = choice(*KV_LAYOUTS, default="NHD")
+    rope: bool = choice(False, True, tag="rope", default=False)
+    soft_cap: bool = choice(False, True, tag="cap", default=False)
+
+    def check(self) -> None:
+        if self.dtype_kv in ("float16", "bfloat16") and self.dtype_kv != self.dtype_q:
+            raise ValueError(f"DecodeSpec: a {self.dtype_kv} cache needs q of the same dtype, got {self.dtype_q}")
+
+    def op_schemas(self) -> dict[str, str]:
+        # One op runs the decode kernel over the planned work items and, when plan() split
+        # some requests (merge_rows > 0), the merge of their partial states.
+        return {"decode": (
+            "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] page_table, Tensor work, "
+            "Tensor merge_indptr, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_o, "
+            "Tensor(d!) partial_lse, float logit_scale, float v_scale, float soft_cap, int window_left, "
+            "float rope_scale, float rope_theta, int grid_items, int merge_rows) -> ()")}
+
+
+@dataclass(frozen=True)
+class MergeSpec(Spec):
+    """merge_state / merge_states: partial attention states merged by their base-2 LSEs
+    (split-KV's own merge runs inside the decode module)."""
+
+    FAMILY = "merge"
+    TEMPLATES = {"kernel.cu": "merge.cu.j2", "binding.cc": "merge_binding.cc.j2"}
+
+    dtype: str = choice("float16", "bfloat16", "float32")
+    head_dim: int = choice(*HEAD_DIMS, tag="hd{}")
+
+    def op_schemas(self) -> dict[str, str]:
+        return {"merge_states": "(Tensor v, Tensor s, Tensor(a!) v_out, Tensor(b!) s_out) -> ()"}

@@ -1,0 +1,747 @@
+"""Batch decode (BatchDecodeWithPagedKVCacheWrapper), single_decode_with_kv_cache and
+merge_state(s) against the float64 reference (flashinfer_jit/reference/decode.py).
+
+The option grid (dtypes, head dims, GQA/MQA, page sizes, KV layouts, page tables, cache
+forms, RoPE, window, soft cap, sm_scale, LSE, split-KV, tensor cores) is covered pairwise
+by CASES, a fixed list checked by test_cases_cover_every_pair_of_options, so each option
+meets every other at least once without the full product; CASES needs only a few compiled
+modules, all listed in scripts/matrices/tests (checked on the CPU too).
+
+Every GPU test uses fresh random data; caches hold random values, and every page no
+request uses holds NaN (a read through a wrong page id shows). Outputs are NaN-poisoned
+(`out=`/`lse=` passed filled with NaN, inside sentinel rows that must stay untouched).
+Errors are relative norms per request, so a long request's small output is not hidden
+by short ones; fp8 caches are compared with the reference on the same fp8 values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import flashinfer_jit as fij
+from flashinfer_jit.matrix import parse_matrix
+from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
+from flashinfer_jit.reference.decode import decode_ref, merge_state_ref, merge_states_ref
+from flashinfer_jit.specs import DecodeSpec, MergeSpec
+from flashinfer_jit.specs.decode import group_tile
+
+DEV = "cuda"
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}  # relative norm per request
+LSE_TOL = 1e-2  # absolute, base 2
+MERGE_LSE_TOL = 1e-4
+WORKSPACE_BYTES = 128 << 20
+SENTINEL = 7.0  # rows around the outputs that must stay untouched
+MATRIX = Path(__file__).resolve().parent.parent / "scripts" / "matrices" / "tests"
+SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32"}
+TABLE_TAG = {"csr": "csr", "block_table": "bt", "block_table_kv_separate": "btkv"}
+
+
+class Case(NamedTuple):
+    q_dtype: str
+    kv: str               # "same" (= q_dtype), or an fp8 cache dtype
+    head_dim: int
+    heads: tuple          # (num_qo_heads, num_kv_heads)
+    page_size: int
+    kv_layout: str
+    page_table: str
+    cache_form: str       # "tuple" (k, v); "single" [P, 2, ...]; "halves": K, V = halves of [..., 2*D]
+    pos_encoding: str
+    window_left: int
+    soft_cap: float | None
+    sm_scale: float | None
+    return_lse: bool
+    split: str            # "auto"; "no_split" (disable_split_kv=True); "fixed64" (fixed_split_size=64)
+    tensor_cores: bool    # use_tensor_cores (fixed_split_size needs True, as in FlashInfer)
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.q_dtype if self.kv == "same" else self.kv
+
+
+OPTIONS = {
+    "q_dtype": ("float16", "bfloat16"),
+    "kv": ("same", "float8_e4m3fn", "float8_e5m2"),
+    "head_dim": (64, 128, 256),
+    "heads": ((8, 8), (16, 8), (32, 8), (64, 8), (32, 1), (64, 1)),
+    "page_size": (1, 8, 16, 32, 64),
+    "kv_layout": ("NHD", "HND"),
+    "page_table": ("csr", "block_table", "block_table_kv_separate"),
+    "cache_form": ("tuple", "single", "halves"),
+    "pos_encoding": ("NONE", "ROPE_LLAMA"),
+    "window_left": (-1, 37),
+    "soft_cap": (None, 30.0),
+    "sm_scale": (None, 0.07),
+    "return_lse": (False, True),
+    "split": ("auto", "no_split", "fixed64"),
+    "tensor_cores": (False, True),
+}
+# Beyond pairs: every page size x KV layout x page table, and every KV layout x page
+# table x cache form (where the address arithmetic of the three meets).
+TRIPLES = (("page_size", "kv_layout", "page_table"), ("kv_layout", "page_table", "cache_form"))
+
+# A covering array of OPTIONS and TRIPLES, generated greedily with a penalty on each new
+# compiled module: 41 cases on 18 DecodeSpecs (19 with the tests below).
+CASES = [
+    Case("float16", "same", 128, (16, 8), 16, "HND", "block_table_kv_separate", "tuple", "NONE", -1, None, 0.07, True, "fixed64", True),
+    Case("bfloat16", "float8_e4m3fn", 64, (32, 1), 32, "NHD", "block_table", "single", "ROPE_LLAMA", 37, None, None, False, "auto", False),
+    Case("bfloat16", "float8_e5m2", 256, (8, 8), 8, "HND", "csr", "tuple", "NONE", 37, 30.0, None, True, "no_split", False),
+    Case("float16", "float8_e5m2", 64, (32, 8), 1, "NHD", "block_table", "halves", "ROPE_LLAMA", -1, 30.0, None, True, "fixed64", True),
+    Case("float16", "float8_e4m3fn", 256, (64, 1), 64, "NHD", "csr", "halves", "ROPE_LLAMA", 37, 30.0, 0.07, True, "auto", False),
+    Case("bfloat16", "same", 128, (32, 8), 8, "NHD", "csr", "tuple", "NONE", 37, None, 0.07, False, "no_split", True),
+    Case("bfloat16", "same", 64, (64, 8), 8, "HND", "block_table_kv_separate", "single", "NONE", -1, 30.0, 0.07, False, "auto", False),
+    Case("float16", "float8_e5m2", 128, (64, 1), 16, "NHD", "block_table_kv_separate", "single", "ROPE_LLAMA", -1, None, None, False, "no_split", False),
+    Case("bfloat16", "same", 256, (32, 1), 32, "HND", "block_table", "halves", "ROPE_LLAMA", -1, 30.0, 0.07, False, "fixed64", True),
+    Case("bfloat16", "same", 64, (32, 1), 64, "HND", "block_table_kv_separate", "tuple", "NONE", -1, 30.0, 0.07, False, "auto", True),
+    Case("float16", "float8_e4m3fn", 64, (16, 8), 1, "HND", "csr", "single", "NONE", 37, 30.0, 0.07, False, "no_split", True),
+    Case("float16", "float8_e4m3fn", 256, (64, 8), 32, "NHD", "csr", "halves", "ROPE_LLAMA", 37, 30.0, None, False, "no_split", True),
+    Case("bfloat16", "float8_e4m3fn", 128, (8, 8), 16, "NHD", "block_table_kv_separate", "halves", "ROPE_LLAMA", 37, None, 0.07, False, "fixed64", True),
+    Case("bfloat16", "float8_e4m3fn", 128, (16, 8), 1, "NHD", "block_table", "tuple", "ROPE_LLAMA", -1, 30.0, None, False, "auto", False),
+    Case("bfloat16", "same", 128, (32, 8), 32, "NHD", "block_table", "halves", "NONE", 37, None, None, True, "no_split", True),
+    Case("float16", "float8_e5m2", 128, (64, 8), 8, "NHD", "block_table_kv_separate", "halves", "ROPE_LLAMA", 37, None, 0.07, False, "fixed64", True),
+    Case("float16", "float8_e5m2", 128, (32, 1), 1, "NHD", "block_table_kv_separate", "tuple", "ROPE_LLAMA", -1, None, None, False, "fixed64", True),
+    Case("bfloat16", "same", 64, (64, 1), 16, "HND", "block_table_kv_separate", "tuple", "NONE", 37, 30.0, 0.07, True, "no_split", True),
+    Case("float16", "float8_e5m2", 64, (32, 8), 64, "NHD", "block_table", "halves", "ROPE_LLAMA", -1, 30.0, None, False, "auto", False),
+    Case("float16", "same", 256, (8, 8), 1, "NHD", "csr", "single", "ROPE_LLAMA", -1, None, 0.07, True, "auto", True),
+    Case("bfloat16", "float8_e4m3fn", 128, (8, 8), 32, "NHD", "block_table_kv_separate", "single", "ROPE_LLAMA", -1, None, None, False, "fixed64", True),
+    Case("bfloat16", "same", 128, (32, 8), 8, "HND", "csr", "halves", "NONE", 37, None, None, False, "auto", False),
+    Case("bfloat16", "float8_e4m3fn", 64, (64, 8), 16, "NHD", "block_table", "tuple", "ROPE_LLAMA", -1, None, None, True, "auto", False),
+    Case("bfloat16", "same", 128, (32, 8), 64, "HND", "csr", "tuple", "NONE", 37, None, 0.07, False, "fixed64", True),
+    Case("float16", "same", 128, (16, 8), 32, "HND", "block_table_kv_separate", "tuple", "NONE", -1, None, 0.07, False, "fixed64", True),
+    Case("bfloat16", "float8_e4m3fn", 128, (8, 8), 64, "NHD", "block_table_kv_separate", "single", "ROPE_LLAMA", -1, None, None, True, "no_split", False),
+    Case("float16", "same", 128, (16, 8), 64, "HND", "block_table_kv_separate", "tuple", "NONE", -1, None, None, False, "fixed64", True),
+    Case("bfloat16", "same", 128, (32, 8), 16, "HND", "csr", "single", "NONE", 37, None, 0.07, False, "no_split", True),
+    Case("float16", "float8_e5m2", 256, (16, 8), 32, "HND", "csr", "halves", "ROPE_LLAMA", 37, None, None, True, "no_split", False),
+    Case("bfloat16", "float8_e4m3fn", 256, (32, 8), 1, "HND", "block_table_kv_separate", "halves", "NONE", 37, None, None, True, "no_split", True),
+    Case("float16", "float8_e4m3fn", 256, (32, 1), 16, "NHD", "csr", "halves", "ROPE_LLAMA", -1, 30.0, 0.07, True, "no_split", False),
+    Case("bfloat16", "same", 256, (32, 1), 8, "HND", "block_table", "tuple", "ROPE_LLAMA", -1, 30.0, 0.07, False, "no_split", True),
+    Case("bfloat16", "same", 256, (64, 1), 16, "HND", "block_table", "single", "ROPE_LLAMA", -1, 30.0, 0.07, False, "auto", True),
+    Case("float16", "float8_e4m3fn", 64, (8, 8), 8, "NHD", "block_table", "halves", "NONE", 37, None, 0.07, False, "no_split", True),
+    Case("bfloat16", "same", 64, (64, 1), 1, "HND", "block_table_kv_separate", "halves", "NONE", -1, 30.0, 0.07, False, "fixed64", True),
+    Case("bfloat16", "float8_e4m3fn", 64, (64, 1), 32, "NHD", "block_table", "tuple", "ROPE_LLAMA", 37, None, None, True, "auto", False),
+    Case("bfloat16", "same", 256, (64, 1), 1, "HND", "block_table", "tuple", "ROPE_LLAMA", 37, 30.0, 0.07, True, "auto", False),
+    Case("bfloat16", "float8_e4m3fn", 64, (64, 8), 1, "NHD", "block_table", "single", "ROPE_LLAMA", 37, None, None, True, "no_split", True),
+    Case("float16", "same", 128, (16, 8), 8, "HND", "block_table_kv_separate", "halves", "NONE", 37, None, 0.07, True, "no_split", False),
+    Case("bfloat16", "same", 256, (64, 8), 64, "HND", "block_table", "halves", "ROPE_LLAMA", -1, 30.0, None, False, "auto", False),
+    Case("bfloat16", "same", 64, (64, 1), 8, "HND", "block_table_kv_separate", "single", "NONE", -1, 30.0, None, True, "auto", True),
+]
+
+# The configurations of the tests beyond the grid: (q dtype, kv dtype, head_dim, heads,
+# page table, KV layout), no RoPE, no soft cap.
+LLAMA_HEADS = (32, 8)
+SKEWED_DTYPES = ("float16", "bfloat16")
+GRAPH_TABLES = ("csr", "block_table")
+SINGLE_LAYOUTS = ("NHD", "HND")  # single decode is assumed to run as one CSR page of kv_len slots
+TAIL_CASES = [("bfloat16", 128, "NHD", "csr"), ("float8_e4m3fn", 256, "HND", "block_table_kv_separate")]
+MERGE_DTYPES = ("float16", "bfloat16", "float32")
+MERGE_HEAD_DIMS = (64, 128, 256)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def decode_spec(q_dtype, kv_dtype, head_dim, heads, page_table, kv_layout, rope=False, soft_cap=False):
+    return DecodeSpec(q_dtype, kv_dtype, head_dim, group_tile(*heads), page_table, kv_layout, rope, soft_cap)
+
+
+def case_spec(case: Case) -> DecodeSpec:
+    return decode_spec(case.q_dtype, case.kv_dtype, case.head_dim, case.heads, case.page_table,
+                       case.kv_layout, case.pos_encoding == "ROPE_LLAMA", case.soft_cap is not None)
+
+
+def specs_needed() -> set:
+    """Every DecodeSpec / MergeSpec the GPU tests of this file load."""
+    specs = {case_spec(c) for c in CASES}
+    specs |= {decode_spec(d, d, 128, LLAMA_HEADS, "csr", "NHD") for d in SKEWED_DTYPES}
+    specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, t, "NHD") for t in GRAPH_TABLES}
+    specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, "csr", lay) for lay in SINGLE_LAYOUTS}
+    specs |= {decode_spec("bfloat16", kv, hd, LLAMA_HEADS, t, lay) for kv, hd, lay, t in TAIL_CASES}
+    # split-KV's merge runs in the output dtype (= q dtype)
+    specs |= {MergeSpec(c.q_dtype, c.head_dim) for c in CASES}
+    specs |= {MergeSpec(d, hd) for d in MERGE_DTYPES for hd in MERGE_HEAD_DIMS}
+    return specs
+
+
+def case_id(i: int, c: Case) -> str:
+    parts = [f"{i:02d}", SHORT[c.q_dtype], SHORT[c.kv_dtype], f"hd{c.head_dim}", f"{c.heads[0]}x{c.heads[1]}",
+             f"p{c.page_size}", c.kv_layout, TABLE_TAG[c.page_table], c.cache_form]
+    parts += ["rope"] * (c.pos_encoding == "ROPE_LLAMA") + [f"w{c.window_left}"] * (c.window_left >= 0)
+    parts += ["cap"] * (c.soft_cap is not None) + ["sm"] * (c.sm_scale is not None) + ["lse"] * c.return_lse
+    parts += [c.split] * (c.split != "auto") + ["tc"] * c.tensor_cores
+    return "-".join(parts)
+
+
+# --- inputs --------------------------------------------------------------------------------------
+class Paged(NamedTuple):
+    table: PageTable      # for the reference
+    plan_args: dict       # the page-table arguments of plan()
+    k_unused: list        # pages no request reads K from (NaN-filled)
+    v_unused: list
+
+
+def make_page_table(layout: str, lens, page_size: int, num_pages: int, rnd: random.Random,
+                    host_indptr: bool = False) -> Paged:
+    """Each request's pages drawn at random from the pool (K and V independently for
+    block_table_kv_separate); block-table columns past a request's pages point at an
+    unused (NaN) page."""
+    pages = [-(-n // page_size) for n in lens]
+    total = sum(pages)
+    assert total < num_pages, "keep at least one unused page for the padding entries"
+    k_perm = rnd.sample(range(num_pages), num_pages)
+    v_perm = rnd.sample(range(num_pages), num_pages) if layout == "block_table_kv_separate" else k_perm
+    starts = list(itertools.accumulate([0] + pages))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    if layout == "csr":
+        host = "cpu" if host_indptr else DEV
+        indptr = torch.tensor(starts, dtype=torch.int32, device=host)
+        indices = torch.tensor(k_perm[:total], dtype=torch.int32, device=DEV)
+        last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)],
+                            dtype=torch.int32, device=host)
+        table = csr_page_table(indptr.to(DEV), indices, last.to(DEV))
+        args = dict(indptr=indptr, indices=indices, last_page_len=last)
+    else:
+        width = max(pages + [0]) + 1
+        rows = []
+        for perm in ((k_perm, v_perm) if layout == "block_table_kv_separate" else (k_perm,)):
+            spare = perm[-1]
+            rows.append([perm[s: s + p] + [spare] * (width - p) for s, p in zip(starts, pages)])
+        bt = torch.tensor(rows, dtype=torch.int32, device=DEV)  # [1 or 2, B, width]
+        bt = bt[0] if layout == "block_table" else bt.transpose(0, 1).contiguous()
+        table = block_page_table(bt, seq_lens, kv_separate=layout == "block_table_kv_separate")
+        args = dict(indptr=None, indices=None, last_page_len=None, block_tables=bt, seq_lens=seq_lens)
+    return Paged(table, args, k_perm[total:], v_perm[total:])
+
+
+def _randn(shape, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen, device=DEV) * scale).to(dtype)
+
+
+def make_cache(form: str, kv_layout: str, num_pages: int, page_size: int, num_kv_heads: int,
+               head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """(what run() gets, k view, v view), filled with random values."""
+    page = (page_size, num_kv_heads) if kv_layout == "NHD" else (num_kv_heads, page_size)
+    if form == "tuple":
+        k = _randn((num_pages, *page, head_dim), dtype, gen)
+        v = _randn((num_pages, *page, head_dim), dtype, gen)
+        return (k, v), k, v
+    if form == "single":
+        kv = _randn((num_pages, 2, *page, head_dim), dtype, gen)
+        return kv, kv[:, 0], kv[:, 1]
+    assert form == "halves"  # MLA-style: K and V are strided slices of one buffer, no copy
+    buf = _randn((num_pages, *page, 2 * head_dim), dtype, gen)
+    k, v = buf[..., :head_dim], buf[..., head_dim:]
+    return (k, v), k, v
+
+
+def nan_pages(cache: torch.Tensor, pages) -> None:
+    if not pages:
+        return
+    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
+    if cache.element_size() == 1:  # 0x7F is NaN in e4m3fn and in e5m2
+        cache.view(torch.uint8).index_fill_(0, index, 0x7F)
+    else:
+        cache.index_fill_(0, index, float("nan"))
+
+
+def nan_past_lengths(cache: torch.Tensor, table: PageTable, lens, page_size: int, kv_layout: str, which: int):
+    """NaN into every slot at or past each request's length in its last page (`which`:
+    0 for the K cache, 1 for the V cache)."""
+    from flashinfer_jit.reference.decode import request_pages_ref
+
+    host = PageTable(table.layout, tuple(t.cpu() for t in table.tensors), table.batch_size)
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+    nan = 0x7F if cache.element_size() == 1 else float("nan")
+    for b, n in enumerate(lens):
+        if n % page_size == 0:
+            continue
+        pages = request_pages_ref(host, b, -(-n // page_size))[which]
+        first = n % page_size
+        if kv_layout == "NHD":
+            raw[pages[-1], first:] = nan
+        else:
+            raw[pages[-1], :, first:] = nan
+
+
+def poisoned(shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, out): `out` is rows 1..-1 of `buffer`, filled with NaN; the first and last
+    rows of `buffer` hold SENTINEL and must stay untouched."""
+    buf = torch.full((shape[0] + 2, *shape[1:]), SENTINEL, dtype=dtype, device=DEV)
+    buf[1:-1] = float("nan")
+    return buf, buf[1:-1]
+
+
+def assert_sentinels(buf: torch.Tensor, name: str) -> None:
+    assert bool((buf[0] == SENTINEL).all() and (buf[-1] == SENTINEL).all()), f"{name}: written outside its rows"
+
+
+def check_decode(out, lse, ref_out, ref_lse, lens, dtype: torch.dtype) -> None:
+    """Per request: relative error of out within TOL; length-0 requests exactly zero with
+    LSE -inf; no NaN anywhere."""
+    out, ref = out.double().cpu(), ref_out.double().cpu()
+    assert not torch.isnan(out).any(), f"NaN in out, requests {sorted(set(torch.isnan(out).nonzero()[:, 0].tolist()))}"
+    tol, worst = TOL[dtype], (-1.0, None)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert bool((out[b] == 0).all()), f"request {b} has length 0 but its output is not zero"
+            continue
+        err = float((out[b] - ref[b]).norm() / ref[b].norm())
+        worst = max(worst, (err, b))
+    if worst[1] is not None:
+        err, b = worst
+        assert err < tol, f"request {b} (kv_len {lens[b]}): relative error {err:.2e} > {tol:.0e}"
+    if lse is None:
+        return
+    lse, ref_lse = lse.double().cpu(), ref_lse.double().cpu()
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert bool(torch.isneginf(lse[b]).all()), f"request {b} has length 0 but its lse is not -inf"
+        else:
+            diff = float((lse[b] - ref_lse[b]).abs().max())
+            assert diff < LSE_TOL, f"request {b} (kv_len {n}): lse off by {diff:.2e} > {LSE_TOL}"
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
+
+
+# --- the pairwise grid ---------------------------------------------------------------------------
+MAX_LENS = (96, 700, 2048, 4500)  # RoPE cases stay <= 2048: fp32 angles (pos * freq) lose digits beyond
+TOKEN_BUDGET = 50_000  # tokens per case, to bound memory and the reference's time
+
+
+def case_lengths(index: int, case: Case, rnd: random.Random) -> list[int]:
+    max_len = MAX_LENS[index % (3 if case.pos_encoding == "ROPE_LLAMA" else 4)]
+    batch = {0: 1, 1: 33}.get(index % 8, rnd.randint(2, 33))
+    batch = max(1, min(batch, TOKEN_BUDGET // max_len))
+    if batch == 1:
+        return [rnd.randint(max_len // 2, max_len)]
+    ps = case.page_size
+    lens = []
+    for _ in range(batch):
+        r = rnd.random()
+        if r < 0.12:
+            lens.append(0)
+        elif r < 0.25:  # on and around page boundaries, a single token
+            lens.append(rnd.choice([1, ps, ps + 1, 2 * ps, 2 * ps - 1]))
+        else:
+            lens.append(rnd.randint(1, max_len))
+    if batch >= 3 and 0 not in lens:
+        lens[rnd.randrange(batch)] = 0
+    return lens
+
+
+def _split_kwargs(split: str) -> dict:
+    return {"auto": {}, "no_split": {"disable_split_kv": True}, "fixed64": {"fixed_split_size": 64}}[split]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [pytest.param(i, id=case_id(i, c)) for i, c in enumerate(CASES)])
+def test_batch_decode(index, workspace):
+    case = CASES[index]
+    rnd = random.Random(index)
+    gen = torch.Generator(device=DEV).manual_seed(1000 + index)
+    q_dtype, kv_dtype = _dtype(case.q_dtype), _dtype(case.kv_dtype)
+    hq, hk = case.heads
+    d, ps = case.head_dim, case.page_size
+    lens = case_lengths(index, case, rnd)
+    batch = len(lens)
+    num_pages = sum(-(-n // ps) for n in lens) + 5
+    paged = make_page_table(case.page_table, lens, ps, num_pages, rnd, host_indptr=index % 3 == 0)
+    cache, k_cache, v_cache = make_cache(case.cache_form, case.kv_layout, num_pages, ps, hk, d, kv_dtype, gen)
+    nan_pages(k_cache, paged.k_unused)
+    nan_pages(v_cache, paged.v_unused)
+    # larger logits where the soft cap is on, so that tanh bends them
+    q = _randn((batch, hq, d), q_dtype, gen, 4.0 if case.soft_cap else 1.0)
+    fp8 = kv_dtype.itemsize == 1
+    scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else dict(k_scale=0.8, v_scale=1.5) if index % 5 == 2 else {}
+    if index % 4 == 1:
+        scales["q_scale"] = 1.25
+    rope = {}
+    if case.pos_encoding == "ROPE_LLAMA" and index % 2:
+        rope = dict(rope_scale=2.0, rope_theta=5e4)
+    # dtypes as strings and as torch dtypes; kv_data_type=None means "as q"
+    as_str = index % 2 == 0
+    q_arg = case.q_dtype if as_str else q_dtype
+    kv_arg = None if case.kv == "same" and index % 4 == 3 else (case.kv_dtype if as_str else kv_dtype)
+
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, case.kv_layout, use_tensor_cores=case.tensor_cores)
+    wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
+                 pos_encoding_mode=case.pos_encoding, window_left=case.window_left,
+                 logits_soft_cap=case.soft_cap, q_data_type=q_arg, kv_data_type=kv_arg,
+                 sm_scale=case.sm_scale, **rope, **_split_kwargs(case.split))
+    out_buf, out = poisoned((batch, hq, d), q_dtype)
+    lse_buf, lse = poisoned((batch, hq), torch.float32) if case.return_lse else (None, None)
+    result = wrapper.run(q, cache, out=out, lse=lse, return_lse=case.return_lse, **scales)
+    torch.cuda.synchronize()
+    if case.return_lse:
+        result, result_lse = result
+        assert result_lse.data_ptr() == lse.data_ptr(), "lse= was not written in place"
+        assert_sentinels(lse_buf, "lse")
+    assert result.data_ptr() == out.data_ptr() and result.shape == (batch, hq, d) and result.dtype == q_dtype
+    assert_sentinels(out_buf, "out")
+
+    ref_out, ref_lse = decode_ref(q, k_cache, v_cache, paged.table, lens, case.kv_layout, case.sm_scale,
+                                  case.window_left, case.soft_cap, case.pos_encoding,
+                                  rope.get("rope_scale"), rope.get("rope_theta"), **scales)
+    check_decode(out, lse, ref_out, ref_lse, lens, q_dtype)
+
+
+# --- beyond the grid -----------------------------------------------------------------------------
+def _llama_inputs(lens, dtype_name, gen, rnd, page_table="csr", kv_layout="NHD", head_dim=128,
+                  kv_dtype_name=None, page_size=16, host_indptr=True):
+    hq, hk = LLAMA_HEADS
+    num_pages = sum(-(-n // page_size) for n in lens) + 3
+    paged = make_page_table(page_table, lens, page_size, num_pages, rnd, host_indptr=host_indptr)
+    _, k, v = make_cache("tuple", kv_layout, num_pages, page_size, hk, head_dim,
+                         _dtype(kv_dtype_name or dtype_name), gen)
+    nan_pages(k, paged.k_unused)
+    nan_pages(v, paged.v_unused)
+    q = _randn((len(lens), hq, head_dim), _dtype(dtype_name), gen)
+    return paged, k, v, q
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", SKEWED_DTYPES)
+@pytest.mark.parametrize("split", ["auto", "fixed64"])
+def test_batch_decode_skewed_lengths(dtype, split, workspace):
+    """Most requests short, three ~32k long (and one empty): split-KV must split the long
+    ones (auto: batch x kv_heads leaves the GPU mostly idle otherwise)."""
+    rnd = random.Random(7)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    lens = [rnd.randint(1, 300) for _ in range(36)] + [32768, 32768 - 5, 32000 + 7, 0, 1]
+    rnd.shuffle(lens)
+    paged, k, v, q = _llama_inputs(lens, dtype, gen, rnd)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=split == "fixed64")
+    wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=128,
+                 page_size=16, q_data_type=_dtype(dtype), **_split_kwargs(split))
+    out, lse = wrapper.run(q, (k, v), return_lse=True)  # out/lse allocated by run()
+    assert out.dtype == _dtype(dtype) and lse.dtype == torch.float32 and lse.shape == (len(lens), LLAMA_HEADS[0])
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens)
+    check_decode(out, lse, ref_out, ref_lse, lens, _dtype(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_table", GRAPH_TABLES)
+def test_batch_decode_cuda_graph_replay(page_table, workspace):
+    """run() captured once (batch 16), replayed after plan() with new lengths at batch 16,
+    then at batch 9 with q padded to 16 rows: the live rows match the reference."""
+    capacity, hq, hk, d, ps, pool = 16, *LLAMA_HEADS, 128, 16, 4096
+    dtype = torch.bfloat16
+    rnd = random.Random(11)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    _, k, v = make_cache("tuple", "NHD", pool, ps, hk, d, dtype, gen)
+    indptr_buf = torch.zeros(capacity + 1, dtype=torch.int32, device=DEV)
+    indices_buf = torch.zeros(pool, dtype=torch.int32, device=DEV)
+    last_buf = torch.zeros(capacity, dtype=torch.int32, device=DEV)
+    max_pages = 512
+    bt_buf = torch.zeros(capacity, max_pages, dtype=torch.int32, device=DEV)
+    seq_buf = torch.zeros(capacity, dtype=torch.int32, device=DEV)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr_buf,
+        paged_kv_indices_buffer=indices_buf, paged_kv_last_page_len_buffer=last_buf)
+    q_buf = _randn((capacity, hq, d), dtype, gen)
+    out_buf = torch.full((capacity, hq, d), float("nan"), dtype=dtype, device=DEV)
+    lse_buf = torch.full((capacity, hq), float("nan"), dtype=torch.float32, device=DEV)
+    rounds = [
+        [rnd.randint(1, 1500) for _ in range(16)],
+        [0, 8000] + [rnd.randint(1, 200) for _ in range(14)],  # a long one: a different split
+        [3000, 0, 1, 16, 17] + [rnd.randint(1, 900) for _ in range(4)],  # batch 9 < 16
+    ]
+    graph = None
+    for lens in rounds:
+        batch = len(lens)
+        paged = make_page_table(page_table, lens, ps, pool, rnd, host_indptr=True)
+        if page_table == "csr":
+            args = paged.plan_args
+        else:  # the block table lives in fixed buffers, updated in place between plans
+            bt, seq = paged.plan_args["block_tables"], paged.plan_args["seq_lens"]
+            assert bt.shape[1] <= max_pages
+            bt_buf.zero_()
+            bt_buf[:batch, : bt.shape[1]] = bt
+            seq_buf[:batch] = seq
+            args = dict(indptr=None, indices=None, last_page_len=None, block_tables=bt_buf[:batch],
+                        seq_lens=seq_buf[:batch])
+            paged = paged._replace(table=block_page_table(bt_buf[:batch], seq_buf[:batch]))
+        wrapper.plan(**args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, q_data_type=dtype)
+        q_buf.copy_(_randn(q_buf.shape, dtype, gen))  # rows past `batch` are padding
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True)
+        out_buf.fill_(float("nan"))
+        lse_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens)
+        check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,head_dim,kv_layout,page_table", TAIL_CASES)
+def test_batch_decode_ignores_slots_past_kv_len(kv_dtype, head_dim, kv_layout, page_table, workspace):
+    """Slots at or past a request's length in its last page hold NaN (stale or never
+    written memory, e.g. a torch.empty fp8 cache): they must not reach the output."""
+    rnd = random.Random(5)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    lens = [1, 15, 16, 17, 0, 100, 33, 250]
+    paged, k, v, q = _llama_inputs(lens, "bfloat16", gen, rnd, page_table, kv_layout, head_dim, kv_dtype)
+    for which, cache in enumerate((k, v)):
+        nan_past_lengths(cache, paged.table, lens, 16, kv_layout, which)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=head_dim,
+                 page_size=16, q_data_type=torch.bfloat16, kv_data_type=_dtype(kv_dtype))
+    _, out = poisoned(q.shape, q.dtype)
+    _, lse = poisoned(q.shape[:2], torch.float32)
+    wrapper.run(q, (k, v), out=out, lse=lse, return_lse=True)
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout)
+    check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_batch_decode_all_requests_empty(workspace):
+    """A batch of padding only (a CUDA-graph batch with no live request): zeros, -inf."""
+    rnd = random.Random(3)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    lens = [0, 0, 0, 0]
+    paged, k, v, q = _llama_inputs(lens, "bfloat16", gen, rnd, host_indptr=False)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=128,
+                 page_size=16, q_data_type="bfloat16")
+    _, out = poisoned(q.shape, q.dtype)
+    _, lse = poisoned(q.shape[:2], torch.float32)
+    wrapper.run(q, (k, v), out=out, lse=lse, return_lse=True)
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens)
+    check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_layout,return_lse,options", [
+    ("NHD", False, {}),
+    ("HND", True, {}),
+    ("NHD", True, dict(window_left=100, sm_scale=0.05)),
+])
+def test_single_decode(kv_layout, return_lse, options):
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    (hq, hk), d, kv_len, dtype = LLAMA_HEADS, 128, 3001, torch.bfloat16
+    q = _randn((hq, d), dtype, gen)
+    shape = (kv_len, hk, d) if kv_layout == "NHD" else (hk, kv_len, d)
+    k, v = _randn(shape, dtype, gen), _randn(shape, dtype, gen)
+    result = fij.single_decode_with_kv_cache(q, k, v, kv_layout=kv_layout, return_lse=return_lse, **options)
+    out, lse = result if return_lse else (result, None)
+    assert out.shape == (hq, d) and out.dtype == dtype
+    # the reference sees one request on a single page of kv_len slots
+    table = csr_page_table(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                           torch.tensor([kv_len], dtype=torch.int32))
+    ref_out, ref_lse = decode_ref(q[None], k[None], v[None], table, [kv_len], kv_layout,
+                                  options.get("sm_scale"), options.get("window_left", -1))
+    if lse is not None:
+        assert lse.shape == (hq,) and lse.dtype == torch.float32
+        lse = lse[None]
+    check_decode(out[None], lse, ref_out, ref_lse, [kv_len], dtype)
+
+
+# --- merge_state / merge_states ------------------------------------------------------------------
+def _states(shape_v, dtype, gen):
+    """Random partial states with LSEs spread over a wide range."""
+    v = _randn(shape_v, _dtype(dtype), gen)
+    s = torch.randn(shape_v[:-1], generator=gen, device=DEV) * 6
+    return v, s
+
+
+def _check_merge(v, s, ref_v, ref_s, dtype: str, empty: torch.Tensor) -> None:
+    """`empty` [n, H]: every input state of that row and head has LSE -inf: the merged v
+    must be zeros and its LSE -inf; elsewhere v within TOL, LSE within MERGE_LSE_TOL."""
+    assert v.dtype == _dtype(dtype) and s.dtype == torch.float32
+    v64, s64 = v.double().cpu(), s.double().cpu()
+    assert not torch.isnan(v64).any() and not torch.isnan(s64).any(), "NaN in the merged state"
+    ref_v, ref_s, empty = ref_v.double().cpu(), ref_s.double().cpu(), empty.cpu()
+    live = ~empty
+    err = float((v64[live] - ref_v[live]).norm() / ref_v[live].norm())
+    assert err < TOL[_dtype(dtype)], f"relative error {err:.2e}"
+    assert float((s64[live] - ref_s[live]).abs().max()) < MERGE_LSE_TOL
+    assert bool((v64[empty] == 0).all()), "merging only empty states must give zeros"
+    assert bool(torch.isneginf(s64[empty]).all()), "merging only empty states must give lse -inf"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", MERGE_DTYPES)
+@pytest.mark.parametrize("head_dim", MERGE_HEAD_DIMS)
+def test_merge_state(dtype, head_dim):
+    """Rows 0-9: a empty (-inf; its v is finite garbage with weight 0), rows 10-19: b empty,
+    rows 20-29: both empty (v zeros, as decode writes them): zeros and -inf."""
+    gen = torch.Generator(device=DEV).manual_seed(head_dim)
+    n, heads = 300, 8
+    v_a, s_a = _states((n, heads, head_dim), dtype, gen)
+    v_b, s_b = _states((n, heads, head_dim), dtype, gen)
+    s_a[0:10] = -math.inf
+    s_b[10:20] = -math.inf
+    s_a[20:30] = s_b[20:30] = -math.inf
+    v_a[20:30] = v_b[20:30] = 0
+    v, s = fij.merge_state(v_a, s_a, v_b, s_b)
+    ref_v, ref_s = merge_state_ref(v_a, s_a, v_b, s_b)
+    assert v.shape == (n, heads, head_dim) and s.shape == (n, heads)
+    _check_merge(v, s, ref_v, ref_s, dtype, torch.isneginf(s_a) & torch.isneginf(s_b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", MERGE_DTYPES)
+@pytest.mark.parametrize("num_states", [1, 3, 16])
+def test_merge_states(dtype, num_states):
+    gen = torch.Generator(device=DEV).manual_seed(num_states)
+    n, heads, head_dim = 257, 4, 128
+    v, s = _states((n, num_states, heads, head_dim), dtype, gen)
+    s[0:5, 0] = -math.inf  # some states empty (with one state: all of them, v garbage)
+    s[5:9] = -math.inf  # every state empty: zeros, -inf
+    v[5:9] = 0
+    v_out, s_out = fij.merge_states(v, s)
+    ref_v, ref_s = merge_states_ref(v, s)
+    assert v_out.shape == (n, heads, head_dim) and s_out.shape == (n, heads)
+    _check_merge(v_out, s_out, ref_v, ref_s, dtype, torch.isneginf(s).all(dim=1))
+
+
+# --- on the CPU: the grid's coverage, the AOT matrix ---------------------------------------------
+def test_cases_cover_every_pair_of_options():
+    names = list(OPTIONS)
+    seen = {(a, b): set() for a, b in itertools.combinations(names, 2)}
+    seen.update({t: set() for t in TRIPLES})
+    for case in CASES:
+        assert all(getattr(case, n) in OPTIONS[n] for n in names), case
+        assert case.split != "fixed64" or case.tensor_cores, "fixed_split_size needs use_tensor_cores=True"
+        for key, values in seen.items():
+            values.add(tuple(getattr(case, n) for n in key))
+    for key, values in seen.items():
+        wanted = set(itertools.product(*(OPTIONS[n] for n in key)))
+        if key == ("split", "tensor_cores"):
+            wanted.discard(("fixed64", False))
+        assert not wanted - values, f"{key}: no case has {sorted(wanted - values, key=repr)[:5]}"
+
+
+def test_tests_matrix_has_every_decode_module():
+    needed = specs_needed()
+    have = set(parse_matrix(MATRIX))
+    missing = sorted(s.name for s in needed - have)
+    assert not missing, f"scripts/matrices/tests lacks {missing}"
+    decode = {s for s in needed if isinstance(s, DecodeSpec)}
+    assert len(decode) <= 40, f"{len(decode)} decode modules; keep the tests' build moderate"
+
+
+# --- argument checks (no GPU: they fire before any build or launch) ------------------------------
+PLAN = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+
+
+def _wrapper(device: str = "cpu", **kwargs):
+    workspace = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
+    return fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **kwargs)
+
+
+def _csr(batch: int, device: str = "cpu", pages_each: int = 2):
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_each
+    indices = torch.arange(batch * pages_each, dtype=torch.int32, device=device)
+    last = torch.full((batch,), 5, dtype=torch.int32, device=device)
+    return indptr, indices, last
+
+
+def _cache(num_pages: int, dtype=torch.float16, device: str = "cpu", head_dim: int = 128):
+    return (torch.randn(num_pages, 16, 8, head_dim, device=device).to(dtype),
+            torch.randn(num_pages, 16, 8, head_dim, device=device).to(dtype))
+
+
+def test_plan_rejects_unsupported_head_dim():
+    with pytest.raises(ValueError) as info:
+        _wrapper().plan(*_csr(2), **(PLAN | dict(head_dim=96)))
+    message = str(info.value)
+    assert "head_dim" in message and "96" in message
+    assert all(str(d) in message for d in (64, 128, 256)), f"supported head dims not listed: {message}"
+
+
+def test_plan_rejects_heads_not_a_multiple():
+    with pytest.raises(ValueError, match="num_qo_heads|num_kv_heads"):
+        _wrapper().plan(*_csr(2), **(PLAN | dict(num_qo_heads=12)))
+
+
+def test_plan_rejects_unknown_pos_encoding_mode():
+    with pytest.raises(ValueError, match="pos_encoding_mode"):
+        _wrapper().plan(*_csr(2), **PLAN, pos_encoding_mode="ROPE_NEOX_SOMETHING")
+
+
+def test_run_before_plan_is_an_error():
+    q = torch.randn(2, 32, 128, dtype=torch.float16)
+    with pytest.raises((RuntimeError, ValueError), match="plan"):
+        _wrapper().run(q, _cache(4))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _planned(device: str, batch: int = 3, **plan_kwargs):
+    """A wrapper planned for `batch` requests (fp16, 32/8 heads, head_dim 128, page 16).
+    On the CPU, plan() may need CUDA tensors: then the check is left to the gpu variant."""
+    try:
+        wrapper = _wrapper(device)
+        wrapper.plan(*_csr(batch, device), **PLAN, **plan_kwargs)
+    except Exception as exc:  # noqa: BLE001
+        if device == "cpu":
+            pytest.skip(f"plan() with CPU tensors raised {type(exc).__name__}: {exc}; the gpu variant checks this")
+        raise
+    return wrapper
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(3, 32, 64), (3, 16, 128), (3, 32 * 128), (1, 3, 32, 128)])
+def test_run_rejects_q_of_the_wrong_shape(device, shape):
+    wrapper = _planned(device)
+    q = torch.randn(*shape, device=device).to(torch.float16)
+    with pytest.raises(ValueError, match=r"\bq\b"):
+        wrapper.run(q, _cache(6, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_run_rejects_a_batch_size_other_than_planned(device):
+    wrapper = _planned(device, batch=3)
+    q = torch.randn(4, 32, 128, device=device).to(torch.float16)
+    with pytest.raises(ValueError, match="batch|plan"):
+        wrapper.run(q, _cache(8, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_run_rejects_a_kv_dtype_other_than_planned(device):
+    wrapper = _planned(device, q_data_type=torch.float16, kv_data_type=torch.float16)
+    q = torch.randn(3, 32, 128, device=device).to(torch.float16)
+    with pytest.raises((TypeError, ValueError), match=r"(?i)cache|\bkv"):
+        wrapper.run(q, _cache(6, torch.float8_e4m3fn, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_graph_wrapper_rejects_a_batch_above_capacity(device):
+    """The first plan()'s batch is the capacity: a later plan() or a run() with more
+    requests is an error before anything launches."""
+    capacity = 4
+    try:
+        wrapper = _wrapper(device, use_cuda_graph=True,
+                           paged_kv_indptr_buffer=torch.zeros(capacity + 1, dtype=torch.int32, device=device),
+                           paged_kv_indices_buffer=torch.zeros(64, dtype=torch.int32, device=device),
+                           paged_kv_last_page_len_buffer=torch.zeros(capacity, dtype=torch.int32, device=device))
+        wrapper.plan(*_csr(capacity, device), **PLAN)
+    except Exception as exc:  # noqa: BLE001
+        if device == "cpu":
+            pytest.skip(f"a CUDA-graph wrapper on CPU tensors raised {type(exc).__name__}: {exc}")
+        raise
+    q = torch.randn(capacity + 1, 32, 128, device=device).to(torch.float16)
+    with pytest.raises(ValueError, match="batch|capacity|captured"):
+        wrapper.run(q, _cache(2 * capacity, device=device))
+    with pytest.raises(ValueError, match="batch|capacity|captured"):
+        wrapper.plan(*_csr(capacity + 1, device), **PLAN)
