@@ -109,14 +109,18 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const __grid_c
   constexpr int D = Traits::kHeadDim;
   extern __shared__ __align__(16) unsigned char smem[];
 
-  if (static_cast<int>(blockIdx.x) >= p.work[0]) return;  // a CUDA-graph grid covers the capacity
-  const int32_t* item = p.work + 1 + 4 * blockIdx.x;
+  // blockIdx.y = work item, blockIdx.x = (kv head, head tile): blocks launch in linear
+  // order, so a CUDA-graph grid sized for the capacity runs every real item before any
+  // idle one (with items on x, idle and real blocks interleaved and loaded SMs unevenly:
+  // +45% at b=64, kv=4k).
+  if (static_cast<int>(blockIdx.y) >= p.work[0]) return;
+  const int32_t* item = p.work + 1 + 4 * blockIdx.y;
   const int b = item[0], chunk_start = item[1], chunk_end = item[2], partial_row = item[3];
   const int tiles_per_kv_head = (p.group + Traits::kBdy - 1) / Traits::kBdy;
-  const int kv_head = blockIdx.y / tiles_per_kv_head;
+  const int kv_head = blockIdx.x / tiles_per_kv_head;
   const int x = threadIdx.x, y = threadIdx.y, z = threadIdx.z;
   const int tid = x + Traits::kBdx * (y + Traits::kBdy * z);
-  const int qo_head = kv_head * p.group + (blockIdx.y % tiles_per_kv_head) * Traits::kBdy + y;
+  const int qo_head = kv_head * p.group + (blockIdx.x % tiles_per_kv_head) * Traits::kBdy + y;
 
   PageTable<Traits::kTable> table{p.table};
   const int kv_len = table.kv_len(b);
@@ -279,7 +283,7 @@ int launch_decode(const DecodeParams& p, int grid_items, int num_kv_heads, cudaS
     if (err != cudaSuccess) return static_cast<int>(err);
   }
   const int tiles = (p.group + Traits::kBdy - 1) / Traits::kBdy;
-  const dim3 grid(grid_items, num_kv_heads * tiles);
+  const dim3 grid(num_kv_heads * tiles, grid_items);
   const dim3 block(Traits::kBdx, Traits::kBdy, Traits::kBdz);
   decode_kernel<Traits><<<grid, block, Traits::kSmemBytes, stream>>>(p);
   return last_launch_error();

@@ -55,14 +55,15 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     """Chunk size for the work list, and the list: (request, start, end, partial_row) rows
     and merge_indptr. Pure function of host values (unit-tested without a GPU).
 
-    No split when disabled, or when one item per request already gives target_blocks
-    blocks; otherwise the chunk is sized so that the items of all requests give about
-    target_blocks blocks (never below _MIN_CHUNK tokens), then doubled until the list fits
-    the capacities (CUDA-graph buffers, the workspace).
+    The chunk is the total work spread over about target_blocks blocks (never below
+    _MIN_CHUNK tokens); a request no longer than the chunk is one item, so a uniform batch
+    that fills the GPU is not split, while the long requests of a skewed one are (56 x 256
+    + 8 x 8k tokens: unsplit, the eight 8k requests ran 5x longer than the rest). The chunk
+    is then doubled until the list fits the capacities (CUDA-graph buffers, the workspace).
     """
     batch = len(kv_lens)
     longest = int(kv_lens.max()) if batch else 0
-    if disable_split_kv or batch * blocks_per_item >= target_blocks or longest == 0:
+    if disable_split_kv or longest == 0:
         chunk = max(longest, 1)
     elif fixed_split_size:
         chunk = int(fixed_split_size)
