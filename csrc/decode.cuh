@@ -31,6 +31,10 @@ struct DecodeTraits {
   // A group of 8 runs as two tiles of 4 (8 heads x 16 accumulators would cost occupancy).
   static constexpr int kHeads = GroupTile < 4 ? GroupTile : 4;
   static constexpr int kThreads = 128;
+  // 4 blocks of 128 threads per SM: at most 128 registers (136 uncapped at 4 heads gave 3
+  // blocks per SM and ran bf16 b=64 kv=4k 10% slower than the one-head-per-thread kernel).
+  // head_dim 256 keeps its registers (capped at 128 its RoPE variant spilled 96 bytes).
+  static constexpr int kMinBlocksPerSM = HeadDim <= 128 ? 4 : 2;
   static constexpr int kBdz = kThreads / kBdx;  // token lanes
   static constexpr int kTileTokens = 32;         // a stage moves 16 KB of bf16 K+V at head_dim 128
   static constexpr int kTokensPerZ = kTileTokens / kBdz;
@@ -159,7 +163,7 @@ struct SoftmaxState {
 
 // --- the kernel -----------------------------------------------------------------------------
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) decode_kernel(const __grid_constant__ DecodeParams p) {
   using Q = typename Traits::Q;
   using KV = typename Traits::KV;
   constexpr int D = Traits::kHeadDim;
