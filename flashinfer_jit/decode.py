@@ -21,7 +21,8 @@ import math
 import numpy as np
 import torch
 
-from .checks import dtype_str, expect_choice
+from . import env
+from .checks import aligned16, dtype_str, expect_choice, same_cuda_device
 from .jit import get_module, op_cache
 from .page_table import PageTable, unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
@@ -159,27 +160,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # 32-token K/V stages in flight, so 3 per SM already cover the memory latency, and a
         # split costs a partial-state write and a merge launch.
         target = _SPLIT_BLOCKS_PER_SM * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
-        row_bytes = (num_qo_heads * head_dim + num_qo_heads) * 4
-        max_partials = self._workspace.numel() * self._workspace.element_size() // row_bytes
+        partial_o, partial_lse = self._partial_views(num_qo_heads, head_dim)
         max_items = capacity + -(-2 * target // blocks_per_item) if self._use_cuda_graph else None
         _, work, merge_indptr, any_split = plan_split(kv_lens, blocks_per_item, target, fixed_split_size,
-                                                      disable_split_kv, max_items, max_partials)
+                                                      disable_split_kv, max_items, partial_o.shape[0])
         if self._use_cuda_graph and self._plan is not None and self._plan["max_items"] != max_items:
             raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
         grid_items = max_items if self._use_cuda_graph else len(work)
-        packed = self._pack(work, merge_indptr, table_host, capacity, grid_items)
+        offsets = self._offsets(table_layout, capacity, grid_items)
+        packed = self._pack(work, merge_indptr, table_host, capacity, offsets)
         device_buf = self._device_buffer(packed.numel(), device)
         device_buf.copy_(packed, non_blocking=non_blocking)  # the one host-to-device copy
         if device.type == "cuda":
             self._copy_event = torch.cuda.Event()
             self._copy_event.record()
-        offsets = self._offsets(table_layout, capacity, grid_items)
         work_dev = device_buf[offsets["work"]:offsets["work"] + 1 + 4 * grid_items]
         merge_dev = device_buf[offsets["merge"]:offsets["merge"] + capacity + 1]
         tensors = self._device_page_table(table_layout, device_buf, offsets, capacity, indices, block_tables)
         sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         self._plan = dict(
-            spec=spec, batch=batch, capacity=capacity, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            spec=spec, op=None, debug=env.debug(), partial_o=partial_o, partial_lse=partial_lse, batch=batch,
+            capacity=capacity, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, work=work_dev,
             merge_indptr=merge_dev, page_table=PageTable(table_layout, tensors, capacity), grid_items=grid_items,
             merge_rows=capacity if (self._use_cuda_graph or any_split) else 0, max_items=max_items,
@@ -232,10 +233,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     "end": table + 2 * capacity + 1}
         return {"work": work, "merge": merge, "seq_lens": table, "end": table + capacity}
 
-    def _pack(self, work, merge_indptr, table_host, capacity, grid_items) -> torch.Tensor:
+    def _pack(self, work, merge_indptr, table_host, capacity, offsets) -> torch.Tensor:
         """Everything plan() ships, in one pinned host buffer (padded to the capacity)."""
-        layout = "csr" if "indptr" in table_host else "block"
-        offsets = self._offsets("csr" if layout == "csr" else "block_table", capacity, grid_items)
         host = self._host_buffer(offsets["end"])
         host[:] = 0
         host[0] = len(work)
@@ -243,7 +242,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         batch = len(merge_indptr) - 1
         host[offsets["merge"]:offsets["merge"] + batch + 1] = merge_indptr
         host[offsets["merge"] + batch + 1:offsets["merge"] + capacity + 1] = merge_indptr[-1]
-        if layout == "csr":
+        if "indptr" in offsets:
             host[offsets["indptr"]:offsets["indptr"] + batch + 1] = table_host["indptr"]
             host[offsets["indptr"] + batch + 1:offsets["indptr"] + capacity + 1] = table_host["indptr"][-1]
             host[offsets["last_page_len"]:offsets["last_page_len"] + batch] = table_host["last_page_len"]
@@ -327,24 +326,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
             (1.0 if k_scale is None else float(k_scale))
         logit_scale = logit_scale / plan["soft_cap"] if plan["soft_cap"] else logit_scale * _LOG2E
         wl = plan["window_left"] if window_left is None else int(window_left)
-        partial_o, partial_lse = self._partials(plan)
-        _decode_op(plan["spec"], False)(
+        if plan["op"] is None:  # the module loads (or builds) at the first run() after a plan()
+            plan["op"] = _decode_op(plan["spec"], plan["debug"])
+        plan["op"](
             q, cache.k, cache.v, plan["page_table"].tensors, plan["work"], plan["merge_indptr"], out,
-            lse if lse is not None else _empty_f32(q.device), partial_o, partial_lse, logit_scale,
+            lse if lse is not None else _empty_f32(q.device), plan["partial_o"], plan["partial_lse"], logit_scale,
             1.0 if v_scale is None else float(v_scale), plan["soft_cap"], wl, plan["rope_scale"],
             plan["rope_theta"], plan["grid_items"], plan["merge_rows"])
         return (out, lse) if return_lse else out
 
     forward = run
 
-    def _partials(self, plan):
-        rows = self._workspace.numel() * self._workspace.element_size() // \
-            ((plan["num_qo_heads"] * plan["head_dim"] + plan["num_qo_heads"]) * 4)
+    def _partial_views(self, num_qo_heads: int, head_dim: int):
+        """Split-KV's partial outputs [rows, heads, head_dim] and LSEs [rows, heads] (float32)
+        as views of the workspace; rows = as many as it holds."""
+        rows = self._workspace.numel() * self._workspace.element_size() // ((num_qo_heads * head_dim + num_qo_heads) * 4)
         flat = self._workspace.view(torch.uint8).view(torch.float32) if self._workspace.dtype == torch.uint8 \
             else self._workspace.view(torch.float32)
-        o = flat[: rows * plan["num_qo_heads"] * plan["head_dim"]].view(rows, plan["num_qo_heads"], plan["head_dim"])
-        s = flat[rows * plan["num_qo_heads"] * plan["head_dim"]:][: rows * plan["num_qo_heads"]]
-        return o, s.view(rows, plan["num_qo_heads"])
+        o = flat[: rows * num_qo_heads * head_dim].view(rows, num_qo_heads, head_dim)
+        s = flat[rows * num_qo_heads * head_dim:][: rows * num_qo_heads]
+        return o, s.view(rows, num_qo_heads)
 
     def _check_run(self, q, cache, plan) -> None:
         hq, d = plan["num_qo_heads"], plan["head_dim"]
@@ -359,7 +360,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"captured capacity {plan['capacity']}")
         elif q.shape[0] != plan["batch"]:
             raise ValueError(f"q: batch size {q.shape[0]} differs from the planned {plan['batch']}")
-        if q.stride(-1) != 1 or q.data_ptr() % 16 or any((s * q.element_size()) % 16 for s in q.stride()[:-1]):
+        if q.stride(-1) != 1 or not aligned16(q):
             raise ValueError("q: head_dim must be contiguous and rows 16-byte aligned")
         if cache.k.dtype != plan["kv_dtype"]:
             raise TypeError(f"paged_kv_cache: planned for a {dtype_str(plan['kv_dtype'])} cache, got "
@@ -369,10 +370,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"{plan['page_size']} ({self._kv_layout}); got {cache.num_kv_heads}, {cache.head_dim}, "
                              f"{cache.page_size}")
         for name, t in (("k_cache", cache.k), ("v_cache", cache.v)):
-            if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1])
-                                        if n > 1):
+            if not aligned16(t):
                 raise ValueError(f"paged_kv_cache ({name}): pages, tokens and heads must start on 16-byte boundaries")
-        if not (q.is_cuda and cache.k.device == q.device and cache.v.device == q.device):
+        if not same_cuda_device((q, cache.k, cache.v)):
             raise ValueError(f"q and paged_kv_cache: expected CUDA tensors on one device, got {q.device}, "
                              f"{cache.k.device}")
 

@@ -150,7 +150,7 @@ def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False,
 
 
 def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1, rope_theta=1e4):
-    q_rope, k_rope = _outputs_like(q, k, rotary_dim)
+    q_rope, k_rope = _outputs_like(q, k)
     _run_rope(q, k, q_rope, k_rope, rotary_dim=rotary_dim, interleave=interleave, indptr=indptr,
               offsets=offsets, rope_scale=rope_scale, rope_theta=rope_theta)
     return q_rope, k_rope
@@ -162,7 +162,7 @@ def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
 
 
 def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1, rope_theta=1e4):
-    q_rope, k_rope = _outputs_like(q, k, rotary_dim)
+    q_rope, k_rope = _outputs_like(q, k)
     _run_rope(q, k, q_rope, k_rope, rotary_dim=rotary_dim, interleave=interleave, pos_ids=pos_ids,
               rope_scale=rope_scale, rope_theta=rope_theta)
     return q_rope, k_rope
@@ -177,7 +177,7 @@ def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleav
 
 def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8,
                        rope_theta=5e5, low_freq_factor=1, high_freq_factor=4, old_context_len=8192):
-    q_rope, k_rope = _outputs_like(q, k, rotary_dim)
+    q_rope, k_rope = _outputs_like(q, k)
     _run_rope(q, k, q_rope, k_rope, rotary_dim=rotary_dim, interleave=interleave, indptr=indptr,
               offsets=offsets, rope_scale=rope_scale, rope_theta=rope_theta,
               smooth=_llama31_smooth(low_freq_factor, high_freq_factor, old_context_len))
@@ -194,14 +194,14 @@ def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleav
 
 def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8,
                                rope_theta=5e5, low_freq_factor=1, high_freq_factor=4, old_context_len=8192):
-    q_rope, k_rope = _outputs_like(q, k, rotary_dim)
+    q_rope, k_rope = _outputs_like(q, k)
     _run_rope(q, k, q_rope, k_rope, rotary_dim=rotary_dim, interleave=interleave, pos_ids=pos_ids,
               rope_scale=rope_scale, rope_theta=rope_theta,
               smooth=_llama31_smooth(low_freq_factor, high_freq_factor, old_context_len))
     return q_rope, k_rope
 
 
-def _outputs_like(q, k, rotary_dim):
+def _outputs_like(q, k):
     import torch
 
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
@@ -252,7 +252,7 @@ def _quantize_dtype(quantize_dtype, *outs):
     return quantize_dtype
 
 
-def _as_rows(t, name: str, heads_if_2d: int = 1):
+def _as_rows(t, name: str):
     """MLA passes 2-D k tensors [nnz, dim]: one head."""
     import torch
 
