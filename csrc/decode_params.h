@@ -27,6 +27,11 @@ struct DecodeParams {
   float soft_cap = 0.f;      // c: logits = c * tanh(logits / c); 0 = off
   int32_t window_left = -1;  // keys j >= kv_len - 1 - window_left; -1 = all
   float rope_rcp_scale = 1.f, rope_log2_theta = 13.287712f;
+  // Split-KV merged inside the decode kernel (tensor-core kernel): the last block done with
+  // a request's chunks merges their partial states. merge_counters[B * gridDim.x] start
+  // at 0 and are left at 0; null: a separate merge kernel runs instead.
+  int32_t* merge_counters = nullptr;
+  const int32_t* merge_indptr = nullptr;  // [B+1] partial rows of each request
 };
 
 struct MergeParams {

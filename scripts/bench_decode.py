@@ -443,7 +443,7 @@ def build_ours(cases) -> dict:
     from flashinfer_jit.specs import DecodeSpec
     from flashinfer_jit.specs.decode import group_tile
 
-    specs = sorted({DecodeSpec(Q_DTYPE, c.kv_dtype, HEAD_DIM, group_tile(*GQA_HEADS[c.gqa]), "csr", "NHD")
+    specs = sorted({DecodeSpec(Q_DTYPE, c.kv_dtype, HEAD_DIM, group_tile(*GQA_HEADS[c.gqa], HEAD_DIM), "csr", "NHD")
                     for c in cases}, key=lambda s: s.name)
     t0 = time.perf_counter()
     try:

@@ -148,7 +148,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def decode_spec(q_dtype, kv_dtype, head_dim, heads, page_table, kv_layout, rope=False, soft_cap=False):
-    return DecodeSpec(q_dtype, kv_dtype, head_dim, group_tile(*heads), page_table, kv_layout, rope, soft_cap)
+    return DecodeSpec(q_dtype, kv_dtype, head_dim, group_tile(*heads, head_dim), page_table, kv_layout, rope, soft_cap)
 
 
 def case_spec(case: Case) -> DecodeSpec:

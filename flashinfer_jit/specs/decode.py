@@ -8,15 +8,24 @@ from dataclasses import dataclass
 from .append import HEAD_DIMS, PAGED_KV_DTYPES
 from .base import KV_LAYOUTS, PAGE_TABLES, Spec, choice
 
-GROUP_TILES = (1, 2, 4, 8)
+GROUP_TILES = (1, 2, 4, 8, 16)
 
 
-def group_tile(num_qo_heads: int, num_kv_heads: int) -> int:
-    """Query heads one thread block handles per KV head: the GQA group, capped at 8 (a
-    larger group, e.g. MQA with 32 or 64 query heads, takes several tiles that re-read
-    the same K/V from L2)."""
+def group_tile(num_qo_heads: int, num_kv_heads: int, head_dim: int = 128) -> int:
+    """Query heads one thread block handles per KV head: the GQA group, capped at 16 (8 at
+    head_dim 256; a larger group, e.g. MQA with 32 or 64 query heads, takes several tiles that re-read
+    the same K/V from L2). Tiles of 4 or more heads run on tensor cores (the heads are
+    the rows of the mma tiles) unless RoPE is applied in the kernel; see uses_tensor_cores."""
     group = num_qo_heads // num_kv_heads
-    return max(t for t in GROUP_TILES if group % t == 0)
+    cap = 16 if head_dim <= 128 else 8  # 16 heads x 256 dims of accumulators would spill
+    return max(t for t in GROUP_TILES if group % t == 0 and t <= cap)
+
+
+def uses_tensor_cores(group_tile: int, rope: bool) -> bool:
+    """Which kernel a DecodeSpec compiles to: csrc/decode_mma.cuh (tensor cores) for
+    tiles of 4, 8 or 16 query heads without in-kernel RoPE, csrc/decode.cuh (CUDA cores)
+    otherwise. Mirrors the choice in templates/decode.cu.j2."""
+    return group_tile >= 4 and not rope
 
 
 @dataclass(frozen=True)
@@ -43,12 +52,15 @@ class DecodeSpec(Spec):
 
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split
-        # some requests (merge_rows > 0), the merge of their partial states.
+        # some requests (merge_rows > 0), the merge of their partial states: inside the
+        # kernel when merge_counters (int32, >= batch x blocks per item, zeros) is given and
+        # the spec builds the tensor-core kernel, else as a second kernel.
         return {"decode": (
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] page_table, Tensor work, "
             "Tensor merge_indptr, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_o, "
             "Tensor(d!) partial_lse, float logit_scale, float v_scale, float soft_cap, int window_left, "
-            "float rope_scale, float rope_theta, int grid_items, int merge_rows) -> ()")}
+            "float rope_scale, float rope_theta, int grid_items, int merge_rows, "
+            "Tensor(e!)? merge_counters=None) -> ()")}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,646 @@
+// Batch decode on tensor cores, for GQA groups of 4 or more query heads per KV head.
+//
+// The CUDA-core kernel (decode.cuh) spends 2 x group FMAs per K/V element; at group 8 and
+// an fp8 cache that is most of the GPU's FMA issue rate at HBM speed. Here the group's
+// query heads are the rows of an mma.sync tile, so one K/V element costs a fraction of a
+// tensor-core instruction whatever the group:
+//   S   = Q K^T    m16n8k16: rows = query heads (16, padded: group 4 and 8 leave rows
+//                  idle, which costs nothing that matters), cols = a warp's 8 tokens
+//   O^T = V^T P^T  m16n8k8 (k16 for fp8): rows = head_dim, cols = query heads, k = the
+//                  warp's tokens. The
+//                  S accumulator of a lane (head g, tokens 2c, 2c+1) is exactly the P^T
+//                  fragment this product needs, and the transposed output keeps only the
+//                  8 head columns (32 accumulators per lane at head_dim 128, not 64).
+// A block takes one work item for one KV head and a tile of up to 16 of its query heads.
+// Four warps split each K/V tile (8 tokens each, 16 for fp8), with their own online
+// softmax; their states merge through shared memory at the end. K/V tiles arrive by
+// cp.async, kStages deep, their page ids looked up one tile before their copies are issued.
+// A request split over several blocks (split-KV) is merged by the last of its blocks to
+// finish (a counter per request and head tile), not by a second kernel.
+//
+// Fragments are read from shared memory with a permuted head_dim order where that saves
+// instructions (the dot product does not care which k index holds which dim, as long as
+// q uses the same order): a lane reads 16 contiguous bytes of a K row and feeds them to
+// consecutive k-steps. fp8 K/V are widened to fp16 in registers by bit operations (e4m3:
+// the value times 2^-8, exactly, subnormals included; e5m2: exact); the 2^8 goes into the
+// logit and V scales. q, fp16 or bf16, runs in the K/V type's mma (fp16 for fp8 caches).
+#pragma once
+#include <math_constants.h>
+
+#include "common.cuh"
+#include "decode_params.h"
+#include "page_table.cuh"
+
+namespace fij {
+
+template <typename TKV>
+struct MmaTypeOf {  // 16-bit caches run in their own type; fp8 runs in fp16
+  using type = __half;
+};
+template <>
+struct MmaTypeOf<__nv_bfloat16> {
+  using type = __nv_bfloat16;
+};
+
+template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap>
+struct DecodeMmaTraits {
+  using Q = TQ;
+  using KV = TKV;
+  using M = typename MmaTypeOf<TKV>::type;
+  static constexpr bool kFp8 = sizeof(TKV) == 1;
+  static constexpr bool kE4M3 = std::is_same_v<TKV, __nv_fp8_e4m3>;
+  // e4m3 widened by bit operations is the value times 2^-8 (see widen_fp8x2).
+  static constexpr float kWidenScale = kE4M3 ? 256.f : 1.f;
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kRows = GroupTile;              // query heads of the tile: 4, 8 or 16
+  static constexpr int kHeadTiles = (kRows + 7) / 8;   // 8-column tiles of O^T
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  // Tokens per warp per tile: 8 (one m16n8k8 for O^T) for 16-bit caches; 16 (m16n8k16)
+  // for fp8, whose tiles would otherwise carry half the bytes for the same fixed costs.
+  static constexpr int kWarpTokens = kFp8 ? 16 : 8;
+  static constexpr int kNTiles = kWarpTokens / 8;           // 8-token column tiles of S
+  static constexpr int kTileTokens = kWarps * kWarpTokens;  // 32 or 64
+  static constexpr int kChunk = 16;                         // bytes per cp.async / LDS.128
+  static constexpr int kElemsPerChunk = kChunk / int(sizeof(TKV));
+  static constexpr int kChunksPerRow = HeadDim * int(sizeof(TKV)) / kChunk;  // R
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;              // tokens per copy pass
+  static constexpr int kTokensPerThread = kTileTokens / kRowsPerPass;        // per tile
+  static constexpr int kKSteps = HeadDim / 16;       // k-steps of S = Q K^T
+  static constexpr int kStepsPerChunk = kElemsPerChunk / 4;
+  static constexpr int kMTiles = HeadDim / 16;       // 16-dim row tiles of O^T
+  static constexpr int kStageBytes = 2 * kTileTokens * HeadDim * int(sizeof(TKV));
+  // About 48 KB of stages: four blocks fit an SM at head_dim <= 128 (one wave for
+  // 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per block.
+  static constexpr int kStages = (49152 / kStageBytes) < 2 ? 2 : ((49152 / kStageBytes) > 8 ? 8 : 49152 / kStageBytes);
+  static constexpr int kMergeBytes = kWarps * kHeadTiles * 8 * (HeadDim + 2) * 4;
+  static constexpr int kSmemBytes =
+      kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+  static constexpr int kMinBlocksPerSM = HeadDim <= 128 ? 4 : 2;
+  static constexpr PageTableLayout kTable = Table;
+  static constexpr bool kSoftCap = SoftCap;
+  static_assert(kRows == 4 || kRows == 8 || kRows == 16, "tensor-core decode takes 4, 8 or 16 heads a tile");
+  static_assert(kChunksPerRow >= 4 && kThreads % kChunksPerRow == 0 && kTileTokens % kRowsPerPass == 0,
+                "rows must split into 16-byte chunks over the block");
+};
+
+// --- small pieces ---------------------------------------------------------------------------
+namespace mma_detail {
+
+FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+FIJ_DEVICE void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+FIJ_DEVICE void wait_groups() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+FIJ_DEVICE uint4 lds128(const void* smem) {
+  uint4 v;
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+FIJ_DEVICE uint2 lds64(const void* smem) {
+  uint2 v;
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+FIJ_DEVICE void ldmatrix_x4_trans(const void* smem, uint32_t (&r)[4]) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// D += A B, m16n8k16 / m16n8k8, fp32 accumulators.
+template <typename T>
+FIJ_DEVICE void mma_k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+template <typename T>
+FIJ_DEVICE void mma_k8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+  }
+}
+
+FIJ_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// Two fp8 values, placed in bytes 1 and 3 of x (bytes 0 and 2 are ignored), as an fp16x2
+// (byte 1 -> low half). e5m2 is the top byte of the fp16 with the same value. e4m3 (bias
+// 7) shifted right by one under its sign is an fp16 (bias 15) of the value times 2^-8,
+// for normal and subnormal inputs alike.
+template <typename TKV>
+FIJ_DEVICE uint32_t widen_fp8x2(uint32_t x) {
+  if constexpr (std::is_same_v<TKV, __nv_fp8_e5m2>) {
+    return x & 0xff00ff00u;
+  } else {
+    return (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
+  }
+}
+
+template <typename T>
+FIJ_DEVICE uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// Two 16-bit q values (one 32-bit word) in the mma's type.
+template <typename TQ, typename TM>
+FIJ_DEVICE uint32_t q_word(uint32_t w) {
+  if constexpr (std::is_same_v<TQ, TM>) {
+    return w;
+  } else {
+    const TQ* v = reinterpret_cast<const TQ*>(&w);
+    return pack2<TM>(static_cast<float>(v[0]), static_cast<float>(v[1]));
+  }
+}
+
+// Eight dims (8x .. 8x+7) of one output row, and its LSE.
+template <typename Q>
+FIJ_DEVICE void store_out(const DecodeParams& p, int b, int qo_head, int x, const float (&acc)[8], float norm,
+                          float lse) {
+  Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 8 * x;
+  Vec16 raw;
+  Q* ov = reinterpret_cast<Q*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) ov[e] = static_cast<Q>(acc[e] * norm);
+  store_vec16(out, raw);
+  if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
+}
+
+}  // namespace mma_detail
+
+// --- the kernel -----------------------------------------------------------------------------
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
+    decode_mma_kernel(const __grid_constant__ DecodeParams p) {
+  using namespace mma_detail;
+  using Q = typename Traits::Q;
+  using KV = typename Traits::KV;
+  using MT = typename Traits::M;
+  constexpr int D = Traits::kHeadDim;
+  constexpr int R = Traits::kChunksPerRow;
+  constexpr int E = Traits::kElemsPerChunk;
+  constexpr int HT = Traits::kHeadTiles;
+  constexpr int kRowBytes = D * int(sizeof(KV));
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  if (static_cast<int>(blockIdx.y) >= p.work[0]) return;
+  const int32_t* item = p.work + 1 + 4 * blockIdx.y;
+  const int b = item[0], chunk_start = item[1], chunk_end = item[2], partial_row = item[3];
+  const int tiles_per_kv_head = p.group / Traits::kRows;
+  const int kv_head = blockIdx.x / tiles_per_kv_head;
+  const int head0 = kv_head * p.group + (blockIdx.x % tiles_per_kv_head) * Traits::kRows;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, c = lane % 4;
+
+  PageTable<Traits::kTable> table{p.table};
+  // plan() clips every chunk to its request's length, so the length itself (one more
+  // dependent load before the first page id) is read only for a sliding window.
+  const int start = p.window_left >= 0 ? max(chunk_start, table.kv_len(b) - 1 - p.window_left) : chunk_start;
+  const int end = chunk_end;
+  const int num_tiles = end > start ? (end - start + Traits::kTileTokens - 1) / Traits::kTileTokens : 0;
+
+  // --- q as the A fragments of S = Q K^T, in the permuted dim order of the K reads -----------
+  // (issued first: its loads do not wait for the page table)
+  // k-step P*kStepsPerChunk + h, lane (g, c): a0/a2 = q[g][E*(4P+c) + 4h + {0,1} / {2,3}],
+  // a1/a3 the same for row g + 8 (zero unless the tile has 16 heads).
+  uint32_t qa[Traits::kKSteps][4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = g + 8 * half;
+    const bool live = row < Traits::kRows;
+#pragma unroll
+    for (int P = 0; P < R / 4; ++P) {
+      uint32_t w[E / 2];
+      const Q* src = static_cast<const Q*>(p.q) + b * p.q_stride_b + (head0 + row) * p.q_stride_h + E * (4 * P + c);
+#pragma unroll
+      for (int v = 0; v < E / 8; ++v) {
+        const uint4 raw = live ? *reinterpret_cast<const uint4*>(src + 8 * v) : make_uint4(0, 0, 0, 0);
+        w[4 * v + 0] = q_word<Q, MT>(raw.x);
+        w[4 * v + 1] = q_word<Q, MT>(raw.y);
+        w[4 * v + 2] = q_word<Q, MT>(raw.z);
+        w[4 * v + 3] = q_word<Q, MT>(raw.w);
+      }
+#pragma unroll
+      for (int h = 0; h < Traits::kStepsPerChunk; ++h) {
+        qa[P * Traits::kStepsPerChunk + h][half] = w[2 * h];
+        qa[P * Traits::kStepsPerChunk + h][2 + half] = w[2 * h + 1];
+      }
+    }
+  }
+
+  // Shared-memory swizzles (16-byte chunk q of token row t). K rows are read as 2 rows x 4
+  // chunks per 8 lanes, V rows as 8 rows of one chunk (ldmatrix) or 4 rows x 2 chunks
+  // (fp8): flipping bit 2 by the row parity, resp. XOR with the row's low 3 bits, keeps
+  // each 8-lane phase on distinct banks. Rows of 4 chunks (64 bytes) need no swizzle.
+  auto k_off = [](int t, int q) { return t * kRowBytes + ((R >= 8 ? q ^ ((t & 1) << 2) : q) * 16); };
+  auto v_off = [](int t, int q) { return t * kRowBytes + ((R >= 8 ? q ^ (t & 7) : q) * 16); };
+  auto stage_k = [&](int s) { return smem + s * Traits::kStageBytes; };
+  auto stage_v = [&](int s) { return smem + s * Traits::kStageBytes + Traits::kStageBytes / 2; };
+
+  // --- copies: thread tid moves chunk (tid % R) of tokens tid / R + kRowsPerPass * i ---------
+  const int my_chunk = tid % R, my_row = tid / R;
+  constexpr int TPT = Traits::kTokensPerThread;
+  constexpr bool kSeparate = Traits::kTable == PageTableLayout::kBlockTableKVSeparate;
+  // Page ids (-1: past the end) and slots of this thread's tokens of a tile.
+  struct Pages {
+    int k[TPT], v[kSeparate ? TPT : 1], slot[TPT];
+  };
+  auto lookup = [&](int tile, Pages& pg) {
+    const int j0 = start + tile * Traits::kTileTokens + my_row;
+    int logical = j0 / p.table.page_size;
+    int s = j0 - logical * p.table.page_size;
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      const bool valid = j0 + i * Traits::kRowsPerPass < end;
+      pg.k[i] = valid ? table.k_page(b, logical) : -1;
+      if constexpr (kSeparate) pg.v[i] = valid ? table.v_page(b, logical) : -1;
+      pg.slot[i] = s;
+      s += Traits::kRowsPerPass;
+      while (s >= p.table.page_size) {
+        s -= p.table.page_size;
+        ++logical;
+      }
+    }
+  };
+  auto issue = [&](int s, const Pages& pg) {  // the tile's copies into stage s
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      const int t = my_row + i * Traits::kRowsPerPass;
+      const bool valid = pg.k[i] >= 0;
+      int vp = pg.k[i];
+      if constexpr (kSeparate) vp = pg.v[i];
+      const KV* k_src = valid ? paged_ptr<KV>(p.kv.k, pg.k[i], pg.slot[i], kv_head) + my_chunk * E
+                              : static_cast<const KV*>(p.kv.k.data);
+      const KV* v_src = valid ? paged_ptr<KV>(p.kv.v, vp, pg.slot[i], kv_head) + my_chunk * E
+                              : static_cast<const KV*>(p.kv.v.data);
+      cp_async_16(stage_k(s) + k_off(t, my_chunk), k_src, valid);  // past the end: zeros
+      cp_async_16(stage_v(s) + v_off(t, my_chunk), v_src, valid);
+    }
+  };
+
+  // Prologue: the page ids of tiles 0 .. kStages-1 requested together (one round trip, not
+  // one per tile), then tiles 0 .. kStages-2 in flight.
+  Pages next;
+  {
+    Pages first[Traits::kStages - 1];
+#pragma unroll
+    for (int s = 0; s < Traits::kStages - 1; ++s)
+      if (s < num_tiles) lookup(s, first[s]);
+    if (Traits::kStages - 1 < num_tiles) lookup(Traits::kStages - 1, next);
+#pragma unroll
+    for (int s = 0; s < Traits::kStages - 1; ++s) {
+      if (s < num_tiles) issue(s, first[s]);
+      commit();  // empty groups keep the wait counts uniform
+    }
+  }
+
+  const float logit_scale = p.logit_scale * Traits::kWidenScale;  // soft cap: inside the tanh
+  // Online softmax of heads g + 8t (this lane's S rows); d sums this lane's tokens only.
+  float m[HT], d[HT];
+  float o[Traits::kMTiles][HT][4];
+#pragma unroll
+  for (int t = 0; t < HT; ++t) {
+    m[t] = -CUDART_INF_F;
+    d[t] = 0.f;
+#pragma unroll
+    for (int i = 0; i < Traits::kMTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[i][t][e] = 0.f;
+  }
+
+  const int wt = warp * Traits::kWarpTokens;  // this warp's first token row in a tile
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    wait_groups<Traits::kStages - 2>();
+    __syncthreads();  // tile's stage is complete; the stage refilled below is free
+    if (tile + Traits::kStages - 1 < num_tiles) issue((tile + Traits::kStages - 1) % Traits::kStages, next);
+    commit();
+    if (tile + Traits::kStages < num_tiles) lookup(tile + Traits::kStages, next);
+
+    const unsigned char* ks = stage_k(tile % Traits::kStages);
+    const unsigned char* vs = stage_v(tile % Traits::kStages);
+
+    // S = Q K^T: lane (g, c) reads token wt + 8n + g, chunks 4P + c.
+    constexpr int NT = Traits::kNTiles;
+    float s_acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_acc[n][e] = 0.f;
+#pragma unroll
+      for (int P = 0; P < R / 4; ++P) {
+        const uint4 raw = lds128(ks + k_off(wt + 8 * n + g, 4 * P + c));
+        uint32_t w[E / 2];
+        if constexpr (Traits::kFp8) {
+          const uint32_t r4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            w[2 * v] = widen_fp8x2<KV>(prmt(r4[v], 0, 0x1100));
+            w[2 * v + 1] = widen_fp8x2<KV>(prmt(r4[v], 0, 0x3322));
+          }
+        } else {
+          w[0] = raw.x;
+          w[1] = raw.y;
+          w[2] = raw.z;
+          w[3] = raw.w;
+        }
+#pragma unroll
+        for (int h = 0; h < Traits::kStepsPerChunk; ++h)
+          mma_k16<MT>(s_acc[n], qa[P * Traits::kStepsPerChunk + h], w[2 * h], w[2 * h + 1]);
+      }
+    }
+
+    // Online softmax over the warp's tokens: s_acc[n][2t + e] is head g + 8t, token
+    // 8n + 2c + e.
+    const int j0 = start + tile * Traits::kTileTokens + wt + 2 * c;
+    float prob[HT][NT][2];
+    bool grew = false;
+    float alpha[HT];
+#pragma unroll
+    for (int t = 0; t < HT; ++t) {
+      float sv[NT][2];
+      float mx = -CUDART_INF_F;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = s_acc[n][2 * t + e];
+          if constexpr (Traits::kSoftCap) v = p.soft_cap * tanhf(v * logit_scale) * 1.4426950408889634f;
+          else v *= logit_scale;
+          sv[n][e] = j0 + 8 * n + e < end ? v : -CUDART_INF_F;
+          mx = fmaxf(mx, sv[n][e]);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[t], mx);
+      alpha[t] = 1.f;
+      if (m_new > m[t]) {  // m_new is finite here; exp2(-inf) = 0 for the first keys
+        alpha[t] = exp2f(m[t] - m_new);
+        grew = true;
+      }
+      m[t] = m_new;
+      d[t] *= alpha[t];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          prob[t][n][e] = m_new == -CUDART_INF_F ? 0.f : exp2f(sv[n][e] - m_new);
+          d[t] += prob[t][n][e];
+        }
+      }
+    }
+    // O^T columns of this lane are heads 2c, 2c+1 (+8t): their factors sit in lanes 8c, 8c+4.
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int t = 0; t < HT; ++t) {
+        const float a0 = __shfl_sync(0xffffffffu, alpha[t], 8 * c);
+        const float a1 = __shfl_sync(0xffffffffu, alpha[t], 8 * c + 4);
+#pragma unroll
+        for (int i = 0; i < Traits::kMTiles; ++i) {
+          o[i][t][0] *= a0;
+          o[i][t][1] *= a1;
+          o[i][t][2] *= a0;
+          o[i][t][3] *= a1;
+        }
+      }
+    }
+    // P^T as B fragments: n-tile n of S is k-rows 8n .. 8n+7 of the O^T product.
+    uint32_t pb[HT][NT];
+#pragma unroll
+    for (int t = 0; t < HT; ++t)
+#pragma unroll
+      for (int n = 0; n < NT; ++n) pb[t][n] = pack2<MT>(prob[t][n][0], prob[t][n][1]);
+
+    // O^T += V^T P^T over the warp's 8 tokens.
+    if constexpr (!Traits::kFp8) {
+      static_assert(NT == 1, "16-bit caches take 8 tokens per warp");
+      // ldmatrix.trans: lane l addresses token wt + l % 8 of chunk 4k + l / 8; registers
+      // 0/1 are rows g / g+8 (dims 16(2k) + g, + 8 + g) of m-tile 2k, 2/3 those of 2k + 1.
+#pragma unroll
+      for (int k = 0; k < Traits::kMTiles / 2; ++k) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(vs + v_off(wt + lane % 8, 4 * k + lane / 8), r);
+#pragma unroll
+        for (int t = 0; t < HT; ++t) {
+          mma_k8<MT>(o[2 * k][t], r[0], r[1], pb[t][0]);
+          mma_k8<MT>(o[2 * k + 1][t], r[2], r[3], pb[t][0]);
+        }
+      }
+    } else {
+      // Lane (g, c) reads tokens wt + 8n + 2c, + 1 (n < NT), bytes [g D/8, (g+1) D/8) of each
+      // row, and pairs them by dim: m-tile i row g = dim g D/8 + 2i, row g + 8 = dim
+      // g D/8 + 2i + 1; k-rows 8n + 2c, + 1 are the pair.
+      constexpr int kSeg = D / 8;  // bytes (= dims) per lane per row: 8, 16 or 32
+      uint32_t rows[NT][2][kSeg / 4];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int r2 = 0; r2 < 2; ++r2) {
+          const int t = wt + 8 * n + 2 * c + r2;
+          if constexpr (kSeg == 8) {
+            const uint2 raw = lds64(vs + v_off(t, g / 2) + (g % 2) * 8);
+            rows[n][r2][0] = raw.x;
+            rows[n][r2][1] = raw.y;
+          } else {
+#pragma unroll
+            for (int q = 0; q < kSeg / 16; ++q) {
+              const uint4 raw = lds128(vs + v_off(t, g * (kSeg / 16) + q));
+              rows[n][r2][4 * q + 0] = raw.x;
+              rows[n][r2][4 * q + 1] = raw.y;
+              rows[n][r2][4 * q + 2] = raw.z;
+              rows[n][r2][4 * q + 3] = raw.w;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < Traits::kMTiles; ++i) {
+        // dims 2i, 2i+1 of the segment: bytes (2i) % 4 and + 1 of word (2i) / 4; the
+        // fp8 of the first token goes to byte 1, of the second to byte 3.
+        const int wi = (2 * i) / 4;
+        const uint32_t b0 = (2 * i) % 4, b1 = b0 + 1;
+        const uint32_t sel0 = b0 | (b0 << 4) | ((4 + b0) << 8) | ((4 + b0) << 12);
+        const uint32_t sel1 = b1 | (b1 << 4) | ((4 + b1) << 8) | ((4 + b1) << 12);
+        uint32_t a[NT][2];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          a[n][0] = widen_fp8x2<KV>(prmt(rows[n][0][wi], rows[n][1][wi], sel0));
+          a[n][1] = widen_fp8x2<KV>(prmt(rows[n][0][wi], rows[n][1][wi], sel1));
+        }
+#pragma unroll
+        for (int t = 0; t < HT; ++t) {
+          if constexpr (NT == 1) {
+            mma_k8<MT>(o[i][t], a[0][0], a[0][1], pb[t][0]);
+          } else {
+            const uint32_t af[4] = {a[0][0], a[0][1], a[1][0], a[1][1]};
+            mma_k16<MT>(o[i][t], af, pb[t][0], pb[t][1]);
+          }
+        }
+      }
+    }
+  }
+
+  // --- merge the warps: m, d per head and O per (head, dim) through shared memory ------------
+  wait_groups<0>();
+  __syncthreads();  // every warp is done with the stages
+  constexpr int kHeadsPad = 8 * HT;
+  float* red_o = reinterpret_cast<float*>(smem);                         // [warp][head][D]
+  float* red_md = red_o + Traits::kWarps * kHeadsPad * D;                // [warp][head][2]
+#pragma unroll
+  for (int t = 0; t < HT; ++t) {
+    d[t] += __shfl_xor_sync(0xffffffffu, d[t], 1);
+    d[t] += __shfl_xor_sync(0xffffffffu, d[t], 2);
+    if (c == 0) {
+      red_md[(warp * kHeadsPad + g + 8 * t) * 2] = m[t];
+      red_md[(warp * kHeadsPad + g + 8 * t) * 2 + 1] = d[t];
+    }
+#pragma unroll
+    for (int i = 0; i < Traits::kMTiles; ++i) {
+      int dim_lo, dim_hi;  // dims of rows g and g + 8 of m-tile i
+      if constexpr (Traits::kFp8) {
+        dim_lo = g * (D / 8) + 2 * i;
+        dim_hi = dim_lo + 1;
+      } else {
+        dim_lo = 16 * i + g;
+        dim_hi = dim_lo + 8;
+      }
+      float* base = red_o + (warp * kHeadsPad + 8 * t + 2 * c) * D;
+      base[dim_lo] = o[i][t][0];
+      base[D + dim_lo] = o[i][t][1];
+      base[dim_hi] = o[i][t][2];
+      base[D + dim_hi] = o[i][t][3];
+    }
+  }
+  __syncthreads();
+
+  // Thread -> (head, 8 dims); heads past the group tile are padding and never written.
+  constexpr int kSlots = Traits::kRows * D / 8;
+  for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
+    const int h = slot_i / (D / 8), x = slot_i % (D / 8);
+    float mw[Traits::kWarps], mx = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < Traits::kWarps; ++w) {
+      mw[w] = red_md[(w * kHeadsPad + h) * 2];
+      mx = fmaxf(mx, mw[w]);
+    }
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, den = 0.f;
+    if (mx != -CUDART_INF_F) {
+#pragma unroll
+      for (int w = 0; w < Traits::kWarps; ++w) {
+        const float wgt = exp2f(mw[w] - mx);
+        den += wgt * red_md[(w * kHeadsPad + h) * 2 + 1];
+        const float4* src = reinterpret_cast<const float4*>(red_o + (w * kHeadsPad + h) * D + 8 * x);
+        const float4 u = src[0], v = src[1];
+        acc[0] += wgt * u.x;
+        acc[1] += wgt * u.y;
+        acc[2] += wgt * u.z;
+        acc[3] += wgt * u.w;
+        acc[4] += wgt * v.x;
+        acc[5] += wgt * v.y;
+        acc[6] += wgt * v.z;
+        acc[7] += wgt * v.w;
+      }
+    }
+    const bool empty = den == 0.f;  // no key: zeros and -inf, never NaN
+    const float norm = empty ? 0.f : p.v_scale * Traits::kWidenScale / den;
+    const float lse = empty ? -CUDART_INF_F : mx + log2f(den);
+    const int qo_head = head0 + h;
+    if (partial_row < 0) {
+      store_out<Q>(p, b, qo_head, x, acc, norm, lse);
+    } else {
+      float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + 8 * x;
+      reinterpret_cast<float4*>(out)[0] = make_float4(acc[0] * norm, acc[1] * norm, acc[2] * norm, acc[3] * norm);
+      reinterpret_cast<float4*>(out)[1] = make_float4(acc[4] * norm, acc[5] * norm, acc[6] * norm, acc[7] * norm);
+      if (x == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
+    }
+  }
+  if (partial_row < 0 || p.merge_counters == nullptr) return;
+
+  // --- split request: the last of its blocks (for this head tile) merges the partials -------
+  __shared__ int last_block;
+  __threadfence();  // this block's partial state is visible before the counter moves
+  __syncthreads();
+  if (tid == 0) {
+    const int count = p.merge_indptr[b + 1] - p.merge_indptr[b];
+    int* counter = p.merge_counters + b * gridDim.x + blockIdx.x;
+    last_block = atomicAdd(counter, 1) == count - 1;
+    if (last_block) *counter = 0;  // every other block of the request has counted: reset
+  }
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  const int begin = p.merge_indptr[b], count = p.merge_indptr[b + 1] - begin;
+  for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
+    const int h = slot_i / (D / 8), x = slot_i % (D / 8);
+    const int qo_head = head0 + h;
+    // Partials of other blocks are read from L2 (ld.cg): L1 is not coherent across SMs.
+    float mx = -CUDART_INF_F;
+    for (int i = 0; i < count; ++i)
+      mx = fmaxf(mx, __ldcg(p.partial_lse + int64_t(begin + i) * p.num_qo_heads + qo_head));
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, den = 0.f;
+    if (mx != -CUDART_INF_F) {
+      for (int i = 0; i < count; ++i) {
+        const int64_t r = int64_t(begin + i) * p.num_qo_heads + qo_head;
+        const float wgt = exp2f(__ldcg(p.partial_lse + r) - mx);
+        den += wgt;
+        const float4* src = reinterpret_cast<const float4*>(p.partial_o + r * D + 8 * x);
+        const float4 u = __ldcg(src), v = __ldcg(src + 1);
+        acc[0] += wgt * u.x;
+        acc[1] += wgt * u.y;
+        acc[2] += wgt * u.z;
+        acc[3] += wgt * u.w;
+        acc[4] += wgt * v.x;
+        acc[5] += wgt * v.y;
+        acc[6] += wgt * v.z;
+        acc[7] += wgt * v.w;
+      }
+    }
+    const bool empty = den == 0.f;
+    store_out<Q>(p, b, qo_head, x, acc, empty ? 0.f : 1.f / den, empty ? -CUDART_INF_F : mx + log2f(den));
+  }
+}
+
+template <class Traits>
+int launch_decode_mma(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream) {
+  if (grid_items <= 0) return 0;
+  if constexpr (Traits::kSmemBytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(decode_mma_kernel<Traits>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  const dim3 grid(num_kv_heads * (p.group / Traits::kRows), grid_items);
+  decode_mma_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  return last_launch_error();
+}
+
+}  // namespace fij
