@@ -74,8 +74,8 @@ struct DecodeMmaTraits {
   // 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per block.
   static constexpr int kStages = (49152 / kStageBytes) < 2 ? 2 : ((49152 / kStageBytes) > 8 ? 8 : 49152 / kStageBytes);
   static constexpr int kMergeBytes = kWarps * kHeadTiles * 8 * (HeadDim + 2) * 4;
-  static constexpr int kSmemBytes =
-      kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+  static constexpr int kFlagOffset = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+  static constexpr int kSmemBytes = kFlagOffset + 16;  // + the split-merge flag: over 48 KB, asked for
   static constexpr int kMinBlocksPerSM = HeadDim <= 128 ? 4 : 2;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
@@ -587,7 +587,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   if (partial_row < 0 || p.merge_counters == nullptr) return;
 
   // --- split request: the last of its blocks (for this head tile) merges the partials -------
-  __shared__ int last_block;
+  int& last_block = *reinterpret_cast<int*>(smem + Traits::kFlagOffset);
   __threadfence();  // this block's partial state is visible before the counter moves
   __syncthreads();
   if (tid == 0) {
@@ -633,10 +633,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 template <class Traits>
 int launch_decode_mma(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream) {
   if (grid_items <= 0) return 0;
-  if constexpr (Traits::kSmemBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(decode_mma_kernel<Traits>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-    if (err != cudaSuccess) return static_cast<int>(err);
+  if constexpr (Traits::kSmemBytes > 48 * 1024) {  // asked for once per device
+    static bool granted[64] = {};
+    int device = 0;
+    cudaGetDevice(&device);
+    if (device < 0 || device >= 64 || !granted[device]) {
+      const cudaError_t err = cudaFuncSetAttribute(decode_mma_kernel<Traits>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+      if (err != cudaSuccess) return static_cast<int>(err);
+      if (device >= 0 && device < 64) granted[device] = true;
+    }
   }
   const dim3 grid(num_kv_heads * (p.group / Traits::kRows), grid_items);
   decode_mma_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);

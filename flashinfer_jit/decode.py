@@ -7,6 +7,15 @@ GPU (split-KV), and writes the work list, the merge index and the small page-tab
 into one pinned buffer that reaches the device in one copy. run() validates q and the
 cache against the plan and launches one op (decode kernel + merge of split requests).
 
+Both run on the host between kernel launches, so their Python costs are budgeted (issue:
+plan() <= 50 us for 256 requests, run() <= 10 us on top of the op call; measured by
+scripts/bench_decode_host.py): plan() validates its scalar arguments once per distinct
+set (serving engines repeat them every step), reads host tensors without copies, fills
+one of two pinned buffers in turn (waiting only if the copy before last is still
+queued) and keeps its device views while the offsets stay; run() checks q and the cache
+in full only when their shapes, strides, dtypes or devices differ from the last call
+that passed (addresses: at every call).
+
 With use_cuda_graph=True every buffer has a fixed size set by the first plan() (its batch
 size is the capacity), the decode grid covers the capacity and exits early past the
 planned work, so a graph captured around run() stays valid across later plan() calls with
@@ -24,15 +33,18 @@ import torch
 from . import env
 from .checks import aligned16, dtype_str, expect_choice, same_cuda_device
 from .jit import get_module, op_cache
-from .page_table import PageTable, unpack_paged_kv_cache
+from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
 from .specs.base import dtype_name
-from .specs.decode import DecodeSpec, group_tile
+from .specs.decode import DecodeSpec, group_tile, uses_tensor_cores
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
 _MIN_CHUNK = 64  # tokens; two 32-token tiles, so a chunk still pipelines its loads
 _SPLIT_BLOCKS_PER_SM = 3
+_MMA_BLOCKS_PER_SM = 4
+_MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
+_Tensor = torch.Tensor
 
 
 @functools.cache
@@ -63,14 +75,11 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     is then doubled until the list fits the capacities (CUDA-graph buffers, the workspace).
     """
     batch = len(kv_lens)
-    longest = int(kv_lens.max()) if batch else 0
-    if disable_split_kv or longest == 0:
-        chunk = max(longest, 1)
-    elif fixed_split_size:
-        chunk = int(fixed_split_size)
-    else:
-        wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / target_blocks)
-        chunk = max(_MIN_CHUNK, -(-wanted // 32) * 32)
+    chunk, longest = _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv)
+    if _nothing_splits(chunk, longest, batch, max_items):
+        work = _one_item_per_request(batch).copy()
+        work[:, 2] = kv_lens
+        return chunk, work, np.zeros(batch + 1, dtype=np.int32), False
     while True:
         n_chunks = np.maximum(1, -(-kv_lens // chunk))
         split = n_chunks > 1
@@ -91,7 +100,103 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     np.cumsum(np.where(split, n_chunks, 0), out=merge_indptr[1:])
     partial_row = np.where(split[request], merge_indptr[request] + local, -1)
     work = np.stack([request, start, end, partial_row], axis=1).astype(np.int32)
+    if split.any():
+        # Longest items first: blocks start in work-list order, so the short items fill
+        # the SMs that the long ones leave free instead of trailing after them.
+        work = work[np.argsort(start - end, kind="stable")]
     return chunk, work, merge_indptr.astype(np.int32), bool(split.any())
+
+
+def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
+                disable_split_kv) -> tuple:
+    """(chunk, longest request) before the chunk is fitted to the capacities."""
+    longest = int(np.maximum.reduce(kv_lens)) if len(kv_lens) else 0
+    if disable_split_kv or longest == 0:
+        return max(longest, 1), longest
+    if fixed_split_size:
+        return int(fixed_split_size), longest
+    wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / target_blocks)
+    return max(_MIN_CHUNK, -(-wanted // 32) * 32), longest
+
+
+def _nothing_splits(chunk: int, longest: int, batch: int, max_items: int | None) -> bool:
+    """One item per request, no partial rows (any batch that fills the GPU): plan_split's
+    general path gives the same list with ~20 more numpy calls."""
+    return chunk >= longest and (max_items is None or batch <= max_items)
+
+
+@functools.lru_cache(maxsize=16)
+def _one_item_per_request(batch: int) -> np.ndarray:
+    """Work rows (request, 0, 0, -1), read-only: callers copy, then fill in the ends."""
+    rows = np.zeros((batch, 4), dtype=np.int32)
+    rows[:, 0] = np.arange(batch)
+    rows[:, 3] = -1
+    rows.setflags(write=False)
+    return rows
+
+
+def _new_event(device: torch.device):
+    """A CUDA event of `device` whose record() takes the stream in C++ (torch.Event):
+    torch.cuda.Event.record() first builds the current stream in Python, 4 of its 5 us
+    on the GPU host. (The fallback, for a torch without torch.Event, records on the
+    current device's stream, as plan() always did.)"""
+    return torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()
+
+
+def _int32_vector(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """The values of a host or device tensor as numpy (no copy for a host tensor: plan()
+    reads them before it returns)."""
+    return t.numpy() if t.is_cpu else t.cpu().numpy()
+
+
+class _Config:
+    """What plan() derives from its scalar arguments (heads, dtypes, options), checked
+    once: a serving engine re-plans with the same ones at every step, so plan() looks
+    them up by value instead of re-validating them."""
+
+    __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
+                 "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
+                 "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
+                 "specs", "tensor_cores")
+
+    def spec(self, table_layout: str, kv_layout: str) -> DecodeSpec:
+        spec = self.specs.get(table_layout)
+        if spec is None:  # validated once per page-table layout (an invalid one raises every time)
+            spec = DecodeSpec(dtype_name(self.q_dtype), dtype_name(self.kv_dtype), self.head_dim, self.tile,
+                              table_layout, kv_layout, self.rope, self.soft_cap != 0.0)
+            spec.validate()
+            self.specs[table_layout] = spec
+        return spec
+
+
+class _Plan:
+    """One plan()'s result: the op's planned arguments (args: page-table tensors, work,
+    merge_indptr, partial_o, partial_lse, soft_cap, rope_scale, rope_theta, grid_items,
+    merge_rows) and what run() has already checked against it (checked: the signature of
+    the last q and cache that passed every check, q_standard: whether that q had
+    contiguous strides, so that empty_like(q) is contiguous too, no_lse: the empty LSE
+    tensor on its device)."""
+
+    __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked",
+                 "q_standard", "no_lse")
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """Everything run()'s checks read from q and the cache but the addresses (checked for
+    alignment at every call)."""
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+            v.shape, v.stride(), v.dtype, v.device)
+
+
+class _HostSlot:
+    """A pinned host buffer (tensor, and its numpy view), the event of the last copy from
+    it (pending until seen complete) and that copy's source and destination views."""
+
+    __slots__ = ("tensor", "array", "event", "pending", "copy_end", "copy_buf", "copy_src", "copy_dst")
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -104,6 +209,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise TypeError("float_workspace_buffer: expected a tensor (e.g. 128 MB of uint8 on the GPU)")
         expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
         self._workspace = float_workspace_buffer
+        self._device = float_workspace_buffer.device
+        self._device_is_cpu = self._device.type == "cpu"
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
         # use_tensor_cores selects FlashInfer's prefill-based decode; this kernel runs on CUDA
@@ -112,6 +219,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self._plan = None
         self._capacity = None  # CUDA-graph mode: fixed at the first plan()
+        self._configs = {}  # plan()'s scalar arguments -> _Config
+        self._host_slots = [None, None]
+        self._host_turn = 0
+        self._buf = None  # the device side of the packed plan buffer
+        self._views_key = self._views_buf = self._views = None
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -123,6 +235,82 @@ class BatchDecodeWithPagedKVCacheWrapper:
              logits_soft_cap=None, q_data_type="float16", kv_data_type=None, data_type=None, sm_scale=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True, block_tables=None, seq_lens=None,
              fixed_split_size=None, disable_split_kv: bool = False) -> None:
+        args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
+                q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
+                disable_split_kv)
+        key = (args, tuple(map(type, args)))  # with the types: 1 == True == 1.0, but only ints pass the checks
+        try:
+            config = self._configs.get(key)
+        except TypeError:  # an unhashable argument: checked (and most likely rejected) without caching
+            config, key = None, None
+        if config is None:
+            config = self._configure(*args)
+            if key is not None:
+                if len(self._configs) >= _MAX_CONFIGS:
+                    self._configs.clear()
+                self._configs[key] = config
+        layout, table_host, kv_lens = self._host_page_table(indptr, indices, last_page_len, block_tables,
+                                                            seq_lens, page_size)
+        spec = config.spec(layout, self._kv_layout)
+        batch = len(kv_lens)
+        graph = self._use_cuda_graph
+        if graph:
+            if self._capacity is None:
+                self._capacity = batch
+            elif batch > self._capacity:
+                raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
+                                 "wrapper was first planned (captured) with")
+        capacity = self._capacity if graph else batch
+        max_items = capacity + -(-2 * config.target // config.blocks_per_item) if graph else None
+        chunk, longest = _chunk_size(kv_lens, config.blocks_per_item, config.target, config.fixed_split_size,
+                                     config.disable_split_kv)
+        if _nothing_splits(chunk, longest, batch, max_items):
+            work = merge_indptr = None  # _pack writes one item per request straight into the buffer
+            items, any_split = batch, False
+        else:  # (plan_split sizes the chunk again: the rare path)
+            _, work, merge_indptr, any_split = plan_split(kv_lens, config.blocks_per_item, config.target,
+                                                          config.fixed_split_size, config.disable_split_kv,
+                                                          max_items, config.partial_o.shape[0])
+            items = len(work)
+        previous = self._plan
+        if graph and previous is not None and previous.max_items != max_items:
+            raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
+        grid_items = max_items if graph else items
+        ids = indices if layout == "csr" else block_tables
+        # Page ids on the host (rare: engines keep them on the device) travel in the packed
+        # buffer too, so plan() makes one host-to-device copy whatever it is given.
+        fold_ids = not graph and ids.is_cpu and not self._device_is_cpu
+        offsets = _offsets(layout, capacity, grid_items, ids.numel() if fold_ids else 0)
+        slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
+        self._ship(slot, offsets[-1], non_blocking)
+        views = self._device_views(layout, offsets, ids.shape if fold_ids else None)
+        merge_dev, work_dev, table_dev, ids_dev = views
+        if not fold_ids:
+            ids_dev = self._device_ids(layout, ids)
+        tables = (table_dev[0], ids_dev, table_dev[1]) if layout == "csr" else (ids_dev, table_dev[0])
+        plan = _Plan()
+        plan.config, plan.spec, plan.op = config, spec, None
+        plan.batch, plan.capacity, plan.max_items = batch, capacity, max_items
+        merge_rows = capacity if (graph or any_split) else 0
+        # The tensor-core kernel merges split requests itself: the last block of a request
+        # (per head tile) to finish, counted in zeroed int32s that it resets.
+        counters = self._merge_counters(capacity * config.blocks_per_item) if merge_rows and config.tensor_cores \
+            else None
+        plan.args = (tables, work_dev, merge_dev, config.partial_o, config.partial_lse, config.soft_cap,
+                     config.rope_scale, config.rope_theta, grid_items, merge_rows, counters)
+        if previous is not None and previous.config is config and previous.batch == batch \
+                and previous.capacity == capacity:
+            # run()'s checks depend on the configuration and the batch alone: what passed
+            # them under the previous plan still does
+            plan.checked, plan.q_standard, plan.no_lse = previous.checked, previous.q_standard, previous.no_lse
+        else:
+            plan.checked, plan.q_standard, plan.no_lse = None, False, None
+        self._plan = plan
+
+    def _configure(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+                   logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
+                   fixed_split_size, disable_split_kv) -> _Config:
+        """plan()'s scalar arguments checked, and what follows from them."""
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -138,58 +326,36 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"logits_soft_cap: expected None or a positive float, got {logits_soft_cap!r}")
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size <= 0):
             raise ValueError(f"fixed_split_size: expected a positive int, got {fixed_split_size!r}")
-        q_dtype = _as_dtype(data_type, "data_type") or _as_dtype(q_data_type, "q_data_type", torch.float16)
-        kv_dtype = _as_dtype(kv_data_type, "kv_data_type", q_dtype)
-        table_layout, table_host, kv_lens = self._host_page_table(indptr, indices, last_page_len, block_tables,
-                                                                  seq_lens, page_size)
-        batch = len(kv_lens)
-        tile = group_tile(num_qo_heads, num_kv_heads)
-        spec = DecodeSpec(dtype_name(q_dtype), dtype_name(kv_dtype), head_dim, tile, table_layout,
-                          self._kv_layout, pos_encoding_mode == "ROPE_LLAMA", logits_soft_cap is not None)
-        spec.validate()
-        device = self._workspace.device
-        if self._use_cuda_graph:
-            if self._capacity is None:
-                self._capacity = batch
-            elif batch > self._capacity:
-                raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
-                                 "wrapper was first planned (captured) with")
-        capacity = self._capacity if self._use_cuda_graph else batch
-        blocks_per_item = num_kv_heads * (num_qo_heads // num_kv_heads // tile)
-        # Split only when the batch gives fewer than ~3 blocks per SM: each block keeps two
-        # 32-token K/V stages in flight, so 3 per SM already cover the memory latency, and a
-        # split costs a partial-state write and a merge launch.
-        target = _SPLIT_BLOCKS_PER_SM * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
-        partial_o, partial_lse = self._partial_views(num_qo_heads, head_dim)
-        max_items = capacity + -(-2 * target // blocks_per_item) if self._use_cuda_graph else None
-        _, work, merge_indptr, any_split = plan_split(kv_lens, blocks_per_item, target, fixed_split_size,
-                                                      disable_split_kv, max_items, partial_o.shape[0])
-        if self._use_cuda_graph and self._plan is not None and self._plan["max_items"] != max_items:
-            raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
-        grid_items = max_items if self._use_cuda_graph else len(work)
-        offsets = self._offsets(table_layout, capacity, grid_items)
-        packed = self._pack(work, merge_indptr, table_host, capacity, offsets)
-        device_buf = self._device_buffer(packed.numel(), device)
-        device_buf.copy_(packed, non_blocking=non_blocking)  # the one host-to-device copy
-        if device.type == "cuda":
-            self._copy_event = torch.cuda.Event()
-            self._copy_event.record()
-        work_dev = device_buf[offsets["work"]:offsets["work"] + 1 + 4 * grid_items]
-        merge_dev = device_buf[offsets["merge"]:offsets["merge"] + capacity + 1]
-        tensors = self._device_page_table(table_layout, device_buf, offsets, capacity, indices, block_tables)
-        sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-        self._plan = dict(
-            spec=spec, op=None, debug=env.debug(), partial_o=partial_o, partial_lse=partial_lse, batch=batch,
-            capacity=capacity, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, work=work_dev,
-            merge_indptr=merge_dev, page_table=PageTable(table_layout, tensors, capacity), grid_items=grid_items,
-            merge_rows=capacity if (self._use_cuda_graph or any_split) else 0, max_items=max_items,
-            sm_scale=sm_scale, soft_cap=float(logits_soft_cap or 0.0), window_left=window_left,
-            rope_scale=float(1.0 if rope_scale is None else rope_scale),
-            rope_theta=float(1e4 if rope_theta is None else rope_theta))
+        c = _Config()
+        c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
+        c.q_dtype = _as_dtype(data_type, "data_type") or _as_dtype(q_data_type, "q_data_type", torch.float16)
+        c.kv_dtype = _as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
+        c.tile = group_tile(num_qo_heads, num_kv_heads, head_dim)
+        c.blocks_per_item = num_kv_heads * (num_qo_heads // num_kv_heads // c.tile)
+        # Split only when the batch gives fewer blocks than the SMs hold at once: 4 blocks of
+        # the tensor-core kernel per SM at head_dim <= 128 (one wave for 64 requests x 8 KV
+        # heads on 132 SMs), about 3 of the CUDA-core kernel (two 32-token stages in flight
+        # each); a split costs a partial-state write and the merge.
+        device = self._device
+        c.rope = pos_encoding_mode == "ROPE_LLAMA"
+        c.tensor_cores = uses_tensor_cores(c.tile, c.rope)
+        per_sm = _MMA_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
+        c.target = per_sm * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
+        c.partial_o, c.partial_lse = self._partial_views(num_qo_heads, head_dim)
+        c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        c.soft_cap = float(logits_soft_cap or 0.0)
+        # the logit scale of a run() without q_scale / k_scale (base 2 unless soft-capped)
+        c.logit_scale = c.sm_scale / c.soft_cap if c.soft_cap else c.sm_scale * _LOG2E
+        c.window_left = window_left
+        c.rope_scale = float(1.0 if rope_scale is None else rope_scale)
+        c.rope_theta = float(1e4 if rope_theta is None else rope_theta)
+        c.fixed_split_size, c.disable_split_kv = fixed_split_size, disable_split_kv
+        c.specs = {}
+        return c
 
     def _host_page_table(self, indptr, indices, last_page_len, block_tables, seq_lens, page_size):
-        """(layout, host arrays to ship, kv lengths) from CSR or block-table arguments."""
+        """(layout, host int arrays to ship, kv lengths as int64) from CSR or block-table
+        arguments."""
         if block_tables is not None:
             if indptr is not None or last_page_len is not None:
                 raise ValueError("give either indptr/indices/last_page_len or block_tables/seq_lens, not both")
@@ -202,90 +368,141 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"seq_lens: expected int32 [{block_tables.shape[0]}] (one length per request)")
             if block_tables.stride(-1) != 1:
                 raise ValueError("block_tables: the max_pages dimension must be contiguous")
-            lens = seq_lens.cpu().numpy().astype(np.int64)
-            if (lens < 0).any() or (lens > block_tables.shape[-1] * page_size).any():
+            lens = _host_array(seq_lens).astype(np.int64)
+            if np.minimum.reduce(lens, initial=0) < 0 or \
+                    np.maximum.reduce(lens, initial=0) > block_tables.shape[-1] * page_size:
                 raise ValueError(f"seq_lens: expected 0..max_pages * page_size ({block_tables.shape[-1] * page_size})")
             layout = "block_table_kv_separate" if block_tables.dim() == 3 else "block_table"
-            return layout, {"seq_lens": lens}, lens
-        for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-                raise ValueError(f"{name}: expected a 1-D int32 tensor (or block_tables= and seq_lens=)")
+            return layout, (lens,), lens
+        if not (_int32_vector(indptr) and _int32_vector(indices) and _int32_vector(last_page_len)):
+            for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+                if not _int32_vector(t):
+                    raise ValueError(f"{name}: expected a 1-D int32 tensor (or block_tables= and seq_lens=)")
         if indptr.shape[0] < 1 or last_page_len.shape[0] != indptr.shape[0] - 1:
             raise ValueError(f"last_page_len: expected {indptr.shape[0] - 1} entries (batch size), got "
                              f"{last_page_len.shape[0]}")
-        ptr = indptr.cpu().numpy().astype(np.int64)
-        last = last_page_len.cpu().numpy().astype(np.int64)
-        pages = ptr[1:] - ptr[:-1]
-        if ptr[0] != 0 or (pages < 0).any() or ptr[-1] > indices.shape[0]:
+        ptr = indptr.numpy() if indptr.is_cpu else indptr.cpu().numpy()
+        last = last_page_len.numpy() if last_page_len.is_cpu else last_page_len.cpu().numpy()
+        # Few numpy calls: each costs 0.5-1.5 us, about as much on 256 requests as on 1.
+        # Page counts in int64, exact whatever the offsets.
+        offsets = ptr.astype(np.int64)
+        pages = offsets[1:] - offsets[:-1]
+        fewest = np.minimum.reduce(pages, initial=1)
+        if ptr[0] != 0 or fewest < 0 or ptr[-1] > indices.shape[0]:
             raise ValueError("indptr: expected non-decreasing offsets from 0 to at most len(indices)")
-        if ((pages > 0) & ((last < 1) | (last > page_size))).any():
+        unused = page_size - last  # slots past the last token; 0..page_size - 1 when valid
+        if fewest == 0:  # requests without pages: their last_page_len is ignored, length 0
+            unused *= pages > 0
+        # as unsigned, a negative count (last_page_len > page_size) wraps above page_size
+        if np.maximum.reduce(unused.view(np.uint32), initial=0) >= page_size:
             raise ValueError(f"last_page_len: expected 1..page_size ({page_size}) for every request with pages")
-        lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-        return "csr", {"indptr": ptr, "last_page_len": last}, lens
+        lens = pages * page_size
+        lens -= unused
+        return "csr", (ptr, last), lens
 
-    @staticmethod
-    def _offsets(layout: str, capacity: int, grid_items: int) -> dict:
-        work = 0
-        merge = 1 + 4 * grid_items
-        table = merge + capacity + 1
-        if layout == "csr":
-            return {"work": work, "merge": merge, "indptr": table, "last_page_len": table + capacity + 1,
-                    "end": table + 2 * capacity + 1}
-        return {"work": work, "merge": merge, "seq_lens": table, "end": table + capacity}
-
-    def _pack(self, work, merge_indptr, table_host, capacity, offsets) -> torch.Tensor:
-        """Everything plan() ships, in one pinned host buffer (padded to the capacity)."""
-        host = self._host_buffer(offsets["end"])
-        host[:] = 0
-        host[0] = len(work)
-        host[1:1 + 4 * len(work)] = work.reshape(-1)
-        batch = len(merge_indptr) - 1
-        host[offsets["merge"]:offsets["merge"] + batch + 1] = merge_indptr
-        host[offsets["merge"] + batch + 1:offsets["merge"] + capacity + 1] = merge_indptr[-1]
-        if "indptr" in offsets:
-            host[offsets["indptr"]:offsets["indptr"] + batch + 1] = table_host["indptr"]
-            host[offsets["indptr"] + batch + 1:offsets["indptr"] + capacity + 1] = table_host["indptr"][-1]
-            host[offsets["last_page_len"]:offsets["last_page_len"] + batch] = table_host["last_page_len"]
+    def _pack(self, offsets, capacity, table_host, kv_lens, work, merge_indptr, host_ids) -> _HostSlot:
+        """Everything plan() ships, in one pinned host buffer, padded to the capacity (see
+        _offsets); work None: one item per request, nothing to merge. Every element up to
+        the end is written (no stale values from earlier plans)."""
+        merge, table, work_at, ids_at, end = offsets
+        slot = self._host_buffer(end)
+        host = slot.array
+        batch = len(kv_lens)
+        pad = capacity > batch  # CUDA-graph mode with fewer requests than captured
+        if work is None:
+            host[merge:table] = 0
+            items = batch
+            rows = host[work_at + 1:work_at + 1 + 4 * batch].reshape(batch, 4)
+            rows[...] = _one_item_per_request(batch)
+            rows[:, 2] = kv_lens
         else:
-            host[offsets["seq_lens"]:offsets["seq_lens"] + batch] = table_host["seq_lens"]
-        return self._host_tensor[: offsets["end"]]
+            host[merge:merge + batch + 1] = merge_indptr
+            if pad:
+                host[merge + batch + 1:table] = merge_indptr[-1]
+            items = len(work)
+            host[work_at + 1:work_at + 1 + 4 * items] = work.reshape(-1)
+        host[work_at] = items
+        if work_at + 1 + 4 * items < ids_at:  # CUDA-graph grid: rows past the planned items, never read
+            host[work_at + 1 + 4 * items:ids_at] = 0
+        if len(table_host) == 2:  # csr: indptr [capacity + 1], last_page_len [capacity]
+            ptr, last = table_host
+            last_at = table + capacity + 1
+            host[table:table + batch + 1] = ptr
+            host[last_at:last_at + batch] = last
+            if pad:
+                host[table + batch + 1:last_at] = ptr[-1]
+                host[last_at + batch:work_at] = 0
+        else:  # seq_lens [capacity]
+            host[table:table + batch] = table_host[0]
+            if pad:
+                host[table + batch:work_at] = 0
+        if host_ids is not None:
+            host[ids_at:end] = host_ids.numpy().reshape(-1)
+        return slot
 
-    def _host_buffer(self, size: int) -> np.ndarray:
-        """A persistent pinned host buffer (pinning per plan() would cost more than the plan).
-        The previous plan's copy from it may still be queued: wait for that copy first."""
-        event = getattr(self, "_copy_event", None)
-        if event is not None:
-            event.synchronize()
-        tensor = getattr(self, "_host_tensor", None)
-        if tensor is None or tensor.numel() < size:
-            tensor = torch.zeros(max(size, 4096), dtype=torch.int32)
-            if torch.cuda.is_available():
-                tensor = tensor.pin_memory()
-            self._host_tensor = tensor
-        return tensor.numpy()[:size]
+    def _host_buffer(self, size: int) -> _HostSlot:
+        """One of two persistent pinned host buffers, in turn (pinning per plan() would cost
+        more than the plan): plan() fills one while the copy from the other may still be in
+        flight, so it waits only if the copy made two plans ago is still queued (the GPU
+        more than a whole step behind)."""
+        self._host_turn ^= 1
+        slot = self._host_slots[self._host_turn]
+        if slot is not None and slot.pending:
+            if not slot.event.query():
+                slot.event.synchronize()
+            slot.pending = False
+        if slot is None or slot.tensor.numel() < size:
+            slot = _HostSlot()
+            slot.tensor = torch.empty(max(4096, 1 << (size - 1).bit_length()), dtype=torch.int32,
+                                      pin_memory=self._device.type == "cuda")
+            slot.array = slot.tensor.numpy()
+            slot.event = _new_event(self._device) if self._device.type == "cuda" else None
+            slot.pending, slot.copy_end, slot.copy_buf = False, None, None
+            self._host_slots[self._host_turn] = slot
+        return slot
 
-    def _device_buffer(self, size: int, device) -> torch.Tensor:
-        buf = getattr(self, "_buf", None)
-        if buf is None or buf.numel() < size:
+    def _ship(self, slot: _HostSlot, end: int, non_blocking: bool) -> None:
+        """The one host-to-device copy of plan(), between views kept while the size and
+        the device buffer stay. The event tells a later plan() when the slot is free."""
+        buf = self._buf
+        if buf is None or buf.numel() < end:
             if self._use_cuda_graph and buf is not None:
                 raise ValueError("a CUDA-graph wrapper cannot grow its plan buffers after the first plan()")
-            buf = torch.empty(size, dtype=torch.int32, device=device)
-            self._buf = buf
-        return buf[:size]
+            # CUDA-graph buffers are sized once, exactly; others leave room to grow
+            size = end if self._use_cuda_graph else max(4096, 1 << (end - 1).bit_length())
+            buf = self._buf = torch.empty(size, dtype=torch.int32, device=self._device)
+        if slot.copy_end != end or slot.copy_buf is not buf:
+            slot.copy_end, slot.copy_buf, slot.copy_src, slot.copy_dst = end, buf, slot.tensor[:end], buf[:end]
+        slot.copy_dst.copy_(slot.copy_src, non_blocking=non_blocking)
+        if non_blocking and slot.event is not None:
+            slot.event.record()
+            slot.pending = True
 
-    def _device_page_table(self, layout, device_buf, offsets, capacity, indices, block_tables):
-        if layout == "csr":
-            indptr = device_buf[offsets["indptr"]:offsets["indptr"] + capacity + 1]
-            last = device_buf[offsets["last_page_len"]:offsets["last_page_len"] + capacity]
-            return (indptr, self._device_copy("indices", indices), last)
-        seq = device_buf[offsets["seq_lens"]:offsets["seq_lens"] + capacity]
-        return (self._device_copy("block_tables", block_tables), seq)
+    def _device_views(self, layout: str, offsets: tuple, ids_shape):
+        """(merge_indptr, work, page-table arrays, folded page ids or None): views of the
+        device buffer, made again only when the offsets or the buffer change (slicing a
+        CUDA tensor costs 1.5 us on the GPU host)."""
+        buf = self._buf
+        key = (layout, offsets, ids_shape)
+        if key != self._views_key or buf is not self._views_buf:
+            merge, table, work_at, ids_at, end = offsets
+            if layout == "csr":  # indptr [capacity + 1], last_page_len [capacity]
+                last_at = table + (table - merge)  # indptr and merge_indptr: capacity + 1 each
+                table_dev = (buf[table:last_at], buf[last_at:work_at])
+            else:
+                table_dev = (buf[table:work_at],)
+            ids = buf[ids_at:end].view(ids_shape) if ids_shape is not None else None
+            self._views = (buf[merge:table], buf[work_at:ids_at], table_dev, ids)
+            self._views_key, self._views_buf = key, buf
+        return self._views
 
-    def _device_copy(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """Page ids on the device. In CUDA-graph mode they go into a fixed buffer (the
-        user's paged_kv_indices_buffer, or one allocated at the first plan), so a replay
-        reads the current plan's ids."""
-        device = self._workspace.device
+    def _device_ids(self, layout: str, t: torch.Tensor) -> torch.Tensor:
+        """Page ids (indices or block_tables) on the device. In CUDA-graph mode they go into
+        a fixed buffer (the user's paged_kv_indices_buffer, or one allocated at the first
+        plan), so a replay reads the current plan's ids: a device-to-device copy, skipped
+        when the ids given already are that buffer's start (engines fill it in place)."""
+        name = "indices" if layout == "csr" else "block_tables"
+        device = self._device
         if not self._use_cuda_graph:
             return t.to(device, non_blocking=True) if t.device != device else t
         key = "_fixed_" + name
@@ -296,11 +513,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             setattr(self, key, fixed)
         if name == "indices":
             if t.numel() > fixed.numel():
-                raise ValueError(f"indices: {t.numel()} page ids exceed the {fixed.numel()} the CUDA-graph buffer holds")
-            fixed[: t.numel()].copy_(t, non_blocking=True)
+                raise ValueError(f"indices: {t.numel()} page ids exceed the {fixed.numel()} the CUDA-graph buffer "
+                                 "holds")
+            in_place = t.data_ptr() == fixed.data_ptr() and t.device == fixed.device and \
+                (t.numel() < 2 or t.stride(0) == 1)
+            if not in_place:
+                fixed[: t.numel()].copy_(t, non_blocking=True)
             return fixed
         if t.shape[1:] != fixed.shape[1:] or t.shape[0] > fixed.shape[0]:
-            raise ValueError(f"block_tables: shape {tuple(t.shape)} does not fit the CUDA-graph buffer {tuple(fixed.shape)}")
+            raise ValueError(f"block_tables: shape {tuple(t.shape)} does not fit the CUDA-graph buffer "
+                             f"{tuple(fixed.shape)}")
         fixed[: t.shape[0]].copy_(t, non_blocking=True)
         return fixed
 
@@ -310,32 +532,55 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() before plan(): call plan() with this batch's page table first")
-        cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        self._check_run(q, cache, plan)
-        batch_rows = q.shape[0]
-        if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
+            k, v = paged_kv_cache
+        else:  # one [num_pages, 2, ...] tensor: its K and V views (or its error)
+            k, v, _ = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        # The checks in full only for a q or cache unlike the last that passed them (in
+        # shape, strides, dtype or device); alignment depends on the address: every call.
+        if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor \
+                or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or _signature(q, k, v) != plan.checked:
+            k, v = self._check_run(q, paged_kv_cache, plan)
+        config = plan.config
+        if out is None:  # empty_like: 1.8 us on the GPU host, torch.empty(shape, dtype=, device=) 4.9
+            out = torch.empty_like(q) if plan.q_standard else torch.empty_like(q, memory_format=torch.contiguous_format)
         elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
             raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(q.dtype)}")
         if return_lse and lse is None:
-            lse = torch.empty(batch_rows, plan["num_qo_heads"], dtype=torch.float32, device=q.device)
-        if lse is not None and (lse.shape != (batch_rows, plan["num_qo_heads"]) or lse.dtype != torch.float32
+            lse = torch.empty(q.shape[0], config.num_qo_heads, dtype=torch.float32, device=q.device)
+        if lse is not None and (lse.shape != (q.shape[0], config.num_qo_heads) or lse.dtype != torch.float32
                                 or not lse.is_contiguous()):
-            raise ValueError(f"lse: expected a contiguous float32 [{batch_rows}, {plan['num_qo_heads']}] tensor")
-        logit_scale = plan["sm_scale"] * (1.0 if q_scale is None else float(q_scale)) * \
-            (1.0 if k_scale is None else float(k_scale))
-        logit_scale = logit_scale / plan["soft_cap"] if plan["soft_cap"] else logit_scale * _LOG2E
-        wl = plan["window_left"] if window_left is None else int(window_left)
-        if plan["op"] is None:  # the module loads (or builds) at the first run() after a plan()
-            plan["op"] = _decode_op(plan["spec"], plan["debug"])
-        plan["op"](
-            q, cache.k, cache.v, plan["page_table"].tensors, plan["work"], plan["merge_indptr"], out,
-            lse if lse is not None else _empty_f32(q.device), plan["partial_o"], plan["partial_lse"], logit_scale,
-            1.0 if v_scale is None else float(v_scale), plan["soft_cap"], wl, plan["rope_scale"],
-            plan["rope_theta"], plan["grid_items"], plan["merge_rows"])
+            raise ValueError(f"lse: expected a contiguous float32 [{q.shape[0]}, {config.num_qo_heads}] tensor")
+        if q_scale is None and k_scale is None:
+            logit_scale = config.logit_scale
+        else:
+            logit_scale = config.sm_scale * (1.0 if q_scale is None else float(q_scale)) * \
+                (1.0 if k_scale is None else float(k_scale))
+            logit_scale = logit_scale / config.soft_cap if config.soft_cap else logit_scale * _LOG2E
+        op = plan.op
+        if op is None:  # the module loads (or builds) at the first run() after a plan(), in the debug mode then
+            op = plan.op = _decode_op(plan.spec, env.debug())
+        tables, work, merge_indptr, partial_o, partial_lse, soft_cap, rope_scale, rope_theta, grid_items, \
+            merge_rows, counters = plan.args
+        op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
+           logit_scale, 1.0 if v_scale is None else float(v_scale), soft_cap,
+           config.window_left if window_left is None else int(window_left), rope_scale, rope_theta, grid_items,
+           merge_rows, counters)
         return (out, lse) if return_lse else out
 
     forward = run
+
+    def _merge_counters(self, size: int) -> torch.Tensor:
+        """Zeroed int32 counters for the in-kernel merge, kept across plans (the kernel
+        leaves them at zero); grown, never shrunk. A CUDA-graph wrapper sizes them at its
+        first plan (the capacity and heads are fixed from then on)."""
+        counters = getattr(self, "_counters", None)
+        if counters is None or counters.numel() < size:
+            if counters is not None and self._use_cuda_graph:
+                raise ValueError("a CUDA-graph wrapper cannot grow its merge counters after the first plan()")
+            counters = torch.zeros(max(size, 1024), dtype=torch.int32, device=self._device)
+            self._counters = counters
+        return counters
 
     def _partial_views(self, num_qo_heads: int, head_dim: int):
         """Split-KV's partial outputs [rows, heads, head_dim] and LSEs [rows, heads] (float32)
@@ -347,27 +592,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
         s = flat[rows * num_qo_heads * head_dim:][: rows * num_qo_heads]
         return o, s.view(rows, num_qo_heads)
 
-    def _check_run(self, q, cache, plan) -> None:
-        hq, d = plan["num_qo_heads"], plan["head_dim"]
+    def _check_run(self, q, paged_kv_cache, plan: _Plan):
+        """run()'s checks in full; returns the cache's (k, v) and remembers the signature
+        of what passed, so that later calls like it skip them."""
+        cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        config = plan.config
+        hq, d = config.num_qo_heads, config.head_dim
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1] != hq or q.shape[2] != d:
             raise ValueError(f"q: expected [batch, num_qo_heads={hq}, head_dim={d}], got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-        if q.dtype != plan["q_dtype"]:
-            raise TypeError(f"q: planned for {dtype_str(plan['q_dtype'])}, got {dtype_str(q.dtype)}")
+        if q.dtype != config.q_dtype:
+            raise TypeError(f"q: planned for {dtype_str(config.q_dtype)}, got {dtype_str(q.dtype)}")
         if self._use_cuda_graph:
-            if not plan["batch"] <= q.shape[0] <= plan["capacity"]:
-                raise ValueError(f"q: batch {q.shape[0]} must lie between the planned {plan['batch']} and the "
-                                 f"captured capacity {plan['capacity']}")
-        elif q.shape[0] != plan["batch"]:
-            raise ValueError(f"q: batch size {q.shape[0]} differs from the planned {plan['batch']}")
+            if not plan.batch <= q.shape[0] <= plan.capacity:
+                raise ValueError(f"q: batch {q.shape[0]} must lie between the planned {plan.batch} and the "
+                                 f"captured capacity {plan.capacity}")
+        elif q.shape[0] != plan.batch:
+            raise ValueError(f"q: batch size {q.shape[0]} differs from the planned {plan.batch}")
         if q.stride(-1) != 1 or not aligned16(q):
             raise ValueError("q: head_dim must be contiguous and rows 16-byte aligned")
-        if cache.k.dtype != plan["kv_dtype"]:
-            raise TypeError(f"paged_kv_cache: planned for a {dtype_str(plan['kv_dtype'])} cache, got "
+        if cache.k.dtype != config.kv_dtype:
+            raise TypeError(f"paged_kv_cache: planned for a {dtype_str(config.kv_dtype)} cache, got "
                             f"{dtype_str(cache.k.dtype)}")
-        if cache.num_kv_heads != plan["num_kv_heads"] or cache.head_dim != d or cache.page_size != plan["page_size"]:
-            raise ValueError(f"paged_kv_cache: expected {plan['num_kv_heads']} kv heads, head_dim {d}, page size "
-                             f"{plan['page_size']} ({self._kv_layout}); got {cache.num_kv_heads}, {cache.head_dim}, "
+        if cache.num_kv_heads != config.num_kv_heads or cache.head_dim != d or cache.page_size != config.page_size:
+            raise ValueError(f"paged_kv_cache: expected {config.num_kv_heads} kv heads, head_dim {d}, page size "
+                             f"{config.page_size} ({self._kv_layout}); got {cache.num_kv_heads}, {cache.head_dim}, "
                              f"{cache.page_size}")
         for name, t in (("k_cache", cache.k), ("v_cache", cache.v)):
             if not aligned16(t):
@@ -375,6 +624,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not same_cuda_device((q, cache.k, cache.v)):
             raise ValueError(f"q and paged_kv_cache: expected CUDA tensors on one device, got {q.device}, "
                              f"{cache.k.device}")
+        plan.checked = _signature(q, cache.k, cache.v)
+        plan.q_standard = q.stride() == (hq * d, d, 1)
+        plan.no_lse = _empty_f32(q.device)
+        return cache.k, cache.v
+
+
+def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple:
+    """(merge, table, work, ids, end) offsets of the packed plan buffer, in int32 elements:
+    merge_indptr [capacity + 1]; the page-table arrays (csr: indptr [capacity + 1] and
+    last_page_len [capacity]; block tables: seq_lens [capacity]); the work list (count,
+    then 4 ints per item, grid_items of them); page ids from the host, if any. The
+    variable-length parts come last, so the other views keep their offsets."""
+    table = capacity + 1
+    work = table + (2 * capacity + 1 if layout == "csr" else capacity)
+    ids = work + 1 + 4 * grid_items
+    return (0, table, work, ids, ids + num_ids)
 
 
 @functools.cache

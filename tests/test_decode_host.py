@@ -1,0 +1,550 @@
+"""The host side of batch decode (flashinfer_jit/decode.py), on the CPU: no GPU, no build.
+
+The op is replaced by a recorder (and, on CPU tensors, the CUDA-device check by a
+same-device one), so each test sees exactly what run() would hand the kernel:
+  - plan()'s work list, merge index, page-table arrays, grid size and merge rows equal
+    those of the straightforward implementation it replaced (plan_split_reference and
+    expected_op_args below, written as that code computed them), for uniform, skewed
+    and empty batches, every page-table layout, fixed_split_size, disable_split_kv and
+    CUDA-graph padding, across consecutive plans that reuse buffers and views;
+  - plan() copies to the device once (twice in CUDA-graph mode, where the page ids go
+    into the fixed buffer, unless they already are it);
+  - run()'s fast path (the checks skipped for a q and cache like the last that passed)
+    raises exactly the errors of a fresh wrapper for bad inputs, after a successful call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import flashinfer_jit as fij
+from flashinfer_jit import decode
+from flashinfer_jit.specs.decode import group_tile
+
+HQ, HK, D, PS = 32, 8, 128, 16
+WORKSPACE_BYTES = 1 << 20
+CPU_SMS = 132  # plan()'s SM count without a CUDA device
+
+
+def cpu_target_blocks(hq: int, hk: int, d: int, rope: bool = False) -> int:
+    """plan()'s split target: 4 blocks per SM for the tensor-core kernel (head_dim <= 128),
+    3 for the CUDA-core one."""
+    tile = group_tile(hq, hk, d)
+    return (4 if tile >= 4 and not rope and d <= 128 else 3) * CPU_SMS
+
+
+class Recorder:
+    """Stands in for the decode op: keeps the arguments of each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+    @property
+    def last(self) -> dict:
+        names = ("q", "k", "v", "page_table", "work", "merge_indptr", "out", "lse", "partial_o", "partial_lse",
+                 "logit_scale", "v_scale", "soft_cap", "window_left", "rope_scale", "rope_theta", "grid_items",
+                 "merge_rows")
+        return dict(zip(names, self.calls[-1]))
+
+
+@pytest.fixture
+def op(monkeypatch):
+    recorder = Recorder()
+    monkeypatch.setattr(decode, "_decode_op", lambda spec, debug: recorder)
+    monkeypatch.setattr(decode, "same_cuda_device", lambda ts: all(t.device == ts[0].device for t in ts))
+    return recorder
+
+
+# --- the implementation plan() replaced, as the reference --------------------------------------
+def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
+                         max_items=None, max_partials=None):
+    batch = len(kv_lens)
+    longest = int(kv_lens.max()) if batch else 0
+    if disable_split_kv or longest == 0:
+        chunk = max(longest, 1)
+    elif fixed_split_size:
+        chunk = int(fixed_split_size)
+    else:
+        wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / target_blocks)
+        chunk = max(64, -(-wanted // 32) * 32)
+    while True:
+        n_chunks = np.maximum(1, -(-kv_lens // chunk))
+        split = n_chunks > 1
+        items = int(n_chunks.sum())
+        partials = int(n_chunks[split].sum())
+        if (max_items is None or items <= max_items) and (max_partials is None or partials <= max_partials):
+            break
+        if chunk >= longest:
+            raise ValueError("does not fit")
+        chunk = min(longest, chunk * 2)
+    request = np.repeat(np.arange(batch, dtype=np.int64), n_chunks)
+    first = np.cumsum(n_chunks) - n_chunks
+    local = np.arange(items, dtype=np.int64) - np.repeat(first, n_chunks)
+    start = local * chunk
+    end = np.minimum(start + chunk, kv_lens[request])
+    merge_indptr = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum(np.where(split, n_chunks, 0), out=merge_indptr[1:])
+    partial_row = np.where(split[request], merge_indptr[request] + local, -1)
+    work = np.stack([request, start, end, partial_row], axis=1).astype(np.int32)
+    if split.any():  # longest items first (stable)
+        work = work[np.argsort(start - end, kind="stable")]
+    return chunk, work, merge_indptr.astype(np.int32), bool(split.any())
+
+
+def _pad(values, length: int, fill) -> list:
+    values = [int(x) for x in values]
+    return values + [int(fill)] * (length - len(values))
+
+
+def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = HQ, hk: int = HK, d: int = D,
+                     fixed_split_size=None, disable_split_kv=False, target=None) -> dict:
+    """The op's planned arguments as the replaced plan() computed them (capacity: the
+    CUDA-graph capacity, None outside CUDA-graph mode; target: blocks per SM x SMs), with
+    the later changes: split items longest first, 4 blocks per SM for tensor cores."""
+    target = cpu_target_blocks(hq, hk, d) if target is None else target
+    lens = np.asarray(lens, dtype=np.int64)
+    batch = len(lens)
+    graph = capacity is not None
+    capacity = capacity if graph else batch
+    blocks_per_item = hk * (hq // hk // group_tile(hq, hk, d))
+    partial_rows = WORKSPACE_BYTES // ((hq * d + hq) * 4)
+    max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
+    _, work, merge, any_split = plan_split_reference(lens, blocks_per_item, target, fixed_split_size,
+                                                     disable_split_kv, max_items, partial_rows)
+    grid_items = max_items if graph else len(work)
+    expected = {"work": [len(work)] + _pad(work.reshape(-1), 4 * grid_items, 0),
+                "merge_indptr": _pad(merge, capacity + 1, merge[-1]), "grid_items": grid_items,
+                "merge_rows": capacity if (graph or any_split) else 0}
+    if "indptr" in table:
+        expected["page_table"] = [_pad(table["indptr"], capacity + 1, table["indptr"][-1]),
+                                  table["indices"].tolist(), _pad(table["last_page_len"], capacity, 0)]
+    else:
+        expected["page_table"] = [table["block_tables"].tolist(), _pad(table["seq_lens"], capacity, 0)]
+    return expected
+
+
+def actual_op_args(recorder: Recorder, table: dict, graph: bool, args: dict | None = None) -> dict:
+    args = args or recorder.last
+    tables = [t.tolist() for t in args["page_table"]]
+    if graph:  # the fixed id buffers hold the current plan's ids first
+        ids = table["indices"] if "indices" in table else table["block_tables"]
+        at = 1 if "indices" in table else 0
+        tables[at] = tables[at][:len(ids)]
+    return {"work": args["work"].tolist(), "merge_indptr": args["merge_indptr"].tolist(),
+            "grid_items": args["grid_items"], "merge_rows": args["merge_rows"], "page_table": tables}
+
+
+# --- inputs --------------------------------------------------------------------------------------
+def csr(lens, page_size: int = PS, seed: int = 0, junk_last: bool = False) -> dict:
+    """CSR page table on the CPU; junk_last: requests without pages get a last_page_len
+    outside 1..page_size (it must be ignored)."""
+    rnd = random.Random(seed)
+    pages = [-(-n // page_size) for n in lens]
+    starts = np.concatenate([[0], np.cumsum(pages)]).astype(np.int64)
+    ids = rnd.sample(range(int(starts[-1]) + 8), int(starts[-1]))
+    last = [n - (p - 1) * page_size if p else (rnd.choice([-3, 0, 99]) if junk_last else 0)
+            for n, p in zip(lens, pages)]
+    return dict(indptr=torch.tensor(starts, dtype=torch.int32), indices=torch.tensor(ids, dtype=torch.int32),
+                last_page_len=torch.tensor(last, dtype=torch.int32))
+
+
+def block_table(lens, kv_separate: bool = False, page_size: int = PS, seed: int = 0) -> dict:
+    rnd = random.Random(seed)
+    width = max([-(-n // page_size) for n in lens] + [0]) + 1
+    shape = (len(lens), 2, width) if kv_separate else (len(lens), width)
+    bt = torch.tensor(np.array([rnd.randrange(1000) for _ in range(int(np.prod(shape)))]).reshape(shape),
+                      dtype=torch.int32)
+    return dict(block_tables=bt, seq_lens=torch.tensor(lens, dtype=torch.int32))
+
+
+def wrapper(graph_capacity: int | None = None, pool: int = 4096, **kwargs):
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    if graph_capacity is None:
+        return fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **kwargs)
+    buf = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731
+    return fij.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=buf(graph_capacity + 1),
+        paged_kv_indices_buffer=buf(pool), paged_kv_last_page_len_buffer=buf(graph_capacity), **kwargs)
+
+
+def qkv(batch: int, num_pages: int = 64, dtype=torch.float16, kv_dtype=None):
+    q = torch.randn(batch, HQ, D).to(dtype)
+    cache = tuple(torch.randn(num_pages, PS, HK, D).to(kv_dtype or dtype) for _ in range(2))
+    return q, cache
+
+
+def plan_and_capture(w, table: dict, op: Recorder, q_rows: int, **kwargs) -> None:
+    w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16,
+           **kwargs)
+    q, cache = qkv(q_rows)
+    w.run(q, cache)
+
+
+SKEWED = [300, 17, 0, 1, 16, 32768, 32763, 32007, 0, 5] + [random.Random(1).randint(1, 300) for _ in range(30)]
+BATCHES = {
+    "uniform_256x2048": [2048] * 256,
+    "uniform_small": [100, 200, 300],
+    "skewed": SKEWED,
+    "one_long": [50000],
+    "zero_lengths": [0, 7, 0, 4096, 0, 16, 17],
+    "all_empty": [0, 0, 0, 0],
+    "no_requests": [],
+    "page_multiples": [16, 32, 48, 4096],
+}
+SPLITS = {"auto": {}, "fixed64": dict(fixed_split_size=64), "no_split": dict(disable_split_kv=True)}
+
+
+# --- plan(): the same op arguments as the replaced implementation --------------------------------
+@pytest.mark.parametrize("name", sorted(BATCHES))
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("layout", ["csr", "block_table", "block_table_kv_separate"])
+def test_plan_matches_the_reference(name, split, layout, op):
+    lens = BATCHES[name]
+    if layout == "csr":
+        table = csr(lens, junk_last=True)
+    else:
+        table = block_table(lens, kv_separate=layout == "block_table_kv_separate")
+    w = wrapper()
+    plan_and_capture(w, table, op, len(lens), **SPLITS[split])
+    assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens, **SPLITS[split])
+
+
+def test_consecutive_plans_reuse_buffers_and_stay_exact(op):
+    """Plans in turn (the two host buffers alternate, views are kept while the offsets
+    stay, buffers grow): each run sees its own plan's values."""
+    rnd = random.Random(7)
+    w = wrapper()
+    batches = [[2048] * 64, [2049] * 64, [rnd.randint(0, 9000) for _ in range(64)], [30000, 1, 0],
+               [2048] * 256, [rnd.randint(1, 300) for _ in range(256)], [5, 6], [2048] * 64]
+    for i, lens in enumerate(batches):
+        table = csr(lens, seed=i) if i % 3 else block_table(lens, seed=i)
+        plan_and_capture(w, table, op, len(lens))
+        assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens), f"plan {i}"
+
+
+def test_plan_configurations_in_turn(op):
+    """Scalar arguments are looked up by value (and type): plans alternating between
+    configurations get each one's own scalars."""
+    w = wrapper()
+    table, lens = csr([100, 2000, 37]), [100, 2000, 37]
+    options = [dict(), dict(sm_scale=0.07, logits_soft_cap=30.0), dict(window_left=37, rope_theta=5e5),
+               dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=8.0)]
+    for opts in options + options:
+        plan_and_capture(w, table, op, 3, **opts)
+        args = op.last
+        sm_scale = opts.get("sm_scale", 1 / math.sqrt(D))
+        cap = opts.get("logits_soft_cap", 0.0)
+        assert args["logit_scale"] == (sm_scale / cap if cap else sm_scale * 1.4426950408889634)
+        assert args["soft_cap"] == cap and args["window_left"] == opts.get("window_left", -1)
+        assert args["rope_scale"] == opts.get("rope_scale", 1.0) and args["rope_theta"] == opts.get("rope_theta", 1e4)
+        assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens)
+    # equal values of another type are checked again, not taken from the cache
+    with pytest.raises(ValueError, match="head_dim"):
+        w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=float(D), page_size=PS,
+               q_data_type=torch.float16)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        w.plan(**table, num_qo_heads=HQ, num_kv_heads=True, head_dim=D, page_size=PS)
+
+
+@pytest.mark.parametrize("layout", ["csr", "block_table"])
+def test_cuda_graph_plans_pad_to_the_capacity(layout, op):
+    """CUDA-graph mode on CPU tensors: the capacity is the first batch; later, smaller
+    batches are padded (merge_indptr and indptr repeat their last entry, lengths 0)."""
+    capacity = 16
+    w = wrapper(graph_capacity=capacity)
+    rnd = random.Random(3)
+    rounds = [[rnd.randint(1, 1500) for _ in range(16)], [0, 8000] + [rnd.randint(1, 200) for _ in range(14)],
+              [3000, 0, 1, 16, 17] + [rnd.randint(1, 900) for _ in range(4)], [2048] * 16]
+    for i, lens in enumerate(rounds):
+        table = csr(lens, seed=i) if layout == "csr" else block_table(lens, seed=i)
+        if layout == "block_table":  # the fixed buffer keeps its width: pad the table to it
+            width = 8000 // PS + 2
+            bt = torch.zeros(len(lens), width, dtype=torch.int32)
+            bt[:, :table["block_tables"].shape[1]] = table["block_tables"]
+            table["block_tables"] = bt
+        plan_and_capture(w, table, op, capacity)
+        assert actual_op_args(op, table, graph=True) == expected_op_args(table, lens, capacity=capacity), f"plan {i}"
+
+
+def test_plan_split_fast_path_matches_the_general_one():
+    rnd = np.random.default_rng(0)
+    for trial in range(300):
+        batch = int(rnd.integers(0, 40))
+        lens = rnd.integers(0, 5000, batch) * (rnd.random(batch) < 0.9)
+        if trial % 3 == 0:
+            lens = np.full(batch, int(rnd.integers(0, 3000)))
+        args = (lens.astype(np.int64), int(rnd.integers(1, 64)), int(rnd.integers(100, 1000)),
+                [None, 64, 1000][trial % 3 == 1], trial % 7 == 0, [None, batch, batch + 20][trial % 3],
+                [None, 0, 100000][trial % 3])
+        try:
+            expected = plan_split_reference(*args)
+        except ValueError:
+            with pytest.raises(ValueError):
+                decode.plan_split(*args)
+            continue
+        chunk, work, merge, any_split = decode.plan_split(*args)
+        assert (chunk, any_split) == expected[::3] and work.dtype == np.int32 and merge.dtype == np.int32
+        np.testing.assert_array_equal(work, expected[1])
+        np.testing.assert_array_equal(merge, expected[2])
+
+
+# --- plan(): one copy to the device --------------------------------------------------------------
+@contextlib.contextmanager
+def counting_copies():
+    """Tensor.copy_ calls (destination shape, source shape) while in the with-block."""
+    copies = []
+    original = torch.Tensor.copy_
+
+    def copy_(self, src, non_blocking=False):
+        copies.append((tuple(self.shape), tuple(src.shape)))
+        return original(self, src, non_blocking)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "copy_", copy_)
+        yield copies
+
+
+def test_plan_copies_once():
+    w = wrapper()
+    for lens in ([2048] * 256, [10, 20000, 0], [2048] * 256):
+        table = csr(lens)
+        with counting_copies() as copies:
+            w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)
+        assert len(copies) == 1, copies
+
+
+def test_cuda_graph_plan_skips_the_id_copy_into_its_own_buffer():
+    """The id copy into the fixed buffer is skipped when the ids given are that buffer
+    (engines fill paged_kv_indices_buffer in place and pass a slice of it)."""
+    w = wrapper(graph_capacity=4, pool=256)
+    table = csr([100, 200, 300, 400])
+    with counting_copies() as copies:
+        w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)
+    assert len(copies) == 2  # the packed buffer, then the ids into the fixed buffer
+    fixed = w._user_buffers[1]
+    n = table["indices"].numel()
+    fixed[:n].copy_(table["indices"])
+    with counting_copies() as copies:
+        w.plan(**(table | dict(indices=fixed[:n])), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)
+    assert len(copies) == 1
+    assert w._plan.args[0][1] is fixed
+
+
+# --- run(): the fast path raises what the full checks raise --------------------------------------
+def _planned(batch: int = 3, graph_capacity: int | None = None, **kwargs):
+    w = wrapper(graph_capacity)
+    w.plan(**csr([40] * batch), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS,
+           q_data_type=torch.float16, **kwargs)
+    return w
+
+
+def _misaligned_q(batch: int):
+    flat = torch.zeros(batch * HQ * D + 1, dtype=torch.float16)
+    return flat[1:].view(batch, HQ, D)  # 2 bytes past a 16-byte boundary
+
+
+BAD_RUNS = {
+    "q_wrong_heads": lambda: (torch.zeros(3, 16, D, dtype=torch.float16), qkv(3)[1]),
+    "q_wrong_head_dim": lambda: (torch.zeros(3, HQ, 64, dtype=torch.float16), qkv(3)[1]),
+    "q_2d": lambda: (torch.zeros(3, HQ * D, dtype=torch.float16), qkv(3)[1]),
+    "q_4d": lambda: (torch.zeros(1, 3, HQ, D, dtype=torch.float16), qkv(3)[1]),
+    "q_dtype": lambda: (torch.zeros(3, HQ, D, dtype=torch.bfloat16), qkv(3)[1]),
+    "q_batch": lambda: (torch.zeros(4, HQ, D, dtype=torch.float16), qkv(3)[1]),
+    "q_not_a_tensor": lambda: (np.zeros((3, HQ, D), np.float16), qkv(3)[1]),
+    "q_misaligned": lambda: (_misaligned_q(3), qkv(3)[1]),
+    "q_head_dim_strided": lambda: (torch.zeros(3, HQ, 2 * D, dtype=torch.float16)[..., ::2], qkv(3)[1]),
+    "kv_dtype": lambda: (qkv(3)[0], qkv(3, kv_dtype=torch.float8_e4m3fn)[1]),
+    "kv_heads": lambda: (qkv(3)[0], tuple(torch.zeros(8, PS, 4, D, dtype=torch.float16) for _ in range(2))),
+    "kv_page_size": lambda: (qkv(3)[0], tuple(torch.zeros(8, 32, HK, D, dtype=torch.float16) for _ in range(2))),
+    "kv_shapes_differ": lambda: (qkv(3)[0], (torch.zeros(8, PS, HK, D, dtype=torch.float16),
+                                             torch.zeros(9, PS, HK, D, dtype=torch.float16))),
+    "kv_not_tensors": lambda: (qkv(3)[0], ([1, 2], [3, 4])),
+    "kv_one_tensor_bad": lambda: (qkv(3)[0], torch.zeros(8, 3, PS, HK, D, dtype=torch.float16)),
+    "kv_misaligned": lambda: (qkv(3)[0], (torch.zeros(8 * PS * HK * D + 1, dtype=torch.float16)[1:]
+                                          .view(8, PS, HK, D),) * 2),
+    "kv_wrong_device": lambda: (qkv(3)[0], tuple(torch.zeros(8, PS, HK, D, dtype=torch.float16, device="meta")
+                                                 for _ in range(2))),
+}
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc), str(exc)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(BAD_RUNS))
+def test_run_fast_path_rejects_what_the_full_checks_reject(name, op):
+    q_bad, cache_bad = BAD_RUNS[name]()
+    fresh = _error(lambda: _planned().run(q_bad, cache_bad))
+    assert fresh is not None, f"{name}: a fresh wrapper accepted it"
+    primed = _planned()
+    q, cache = qkv(3)
+    primed.run(q, cache)  # passes the checks: later calls like it skip them
+    calls = len(op.calls)
+    assert _error(lambda: primed.run(q_bad, cache_bad)) == fresh
+    assert len(op.calls) == calls, "nothing may launch after a failed check"
+    primed.run(q, cache)  # and the good input still runs
+    assert len(op.calls) == calls + 1
+
+
+def test_run_fast_path_skips_the_checks_only_for_the_same_signature(op, monkeypatch):
+    w = _planned()
+    checks = []
+    full = w._check_run
+    monkeypatch.setattr(w, "_check_run", lambda *a: checks.append(1) or full(*a))
+    q, cache = qkv(3)
+    for _ in range(3):
+        w.run(q, cache)
+    assert len(checks) == 1
+    w.run(torch.randn(3, HQ, D).to(torch.float16), tuple(c.clone() for c in cache))  # other tensors, same kind
+    assert len(checks) == 1
+    w.run(q.transpose(0, 1).contiguous().transpose(0, 1), cache)  # other strides
+    assert len(checks) == 2
+    w.run(q, cache)  # the last signature that passed is the one remembered
+    assert len(checks) == 3
+    w.plan(**csr([40] * 3, seed=5), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS,
+           q_data_type=torch.float16)
+    w.run(q, cache)  # a new plan, same configuration and batch: still checked
+    assert len(checks) == 3
+    w.plan(**csr([40] * 4), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    with pytest.raises(ValueError, match="batch"):
+        w.run(q, cache)  # another batch size: checked in full again
+    w.plan(**csr([40] * 3), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.bfloat16)
+    with pytest.raises(TypeError, match="q: planned for bfloat16"):
+        w.run(q, cache)  # another configuration
+
+
+def test_cuda_graph_run_above_capacity_after_a_good_run(op):
+    w = _planned(batch=4, graph_capacity=4)
+    q, cache = qkv(4)
+    w.run(q, cache)
+    with pytest.raises(ValueError, match="capacity"):
+        w.run(torch.zeros(5, HQ, D, dtype=torch.float16), cache)
+    w.plan(**csr([40] * 2), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    w.run(q, cache)  # 2 planned, q padded to the captured 4
+    assert op.last["merge_rows"] == 4 and op.last["page_table"][0].tolist() == [0, 3, 6, 6, 6]
+    with pytest.raises(ValueError, match="between the planned 2"):
+        w.run(torch.zeros(1, HQ, D, dtype=torch.float16), cache)
+
+
+def test_run_outputs_and_scales(op):
+    w = _planned(logits_soft_cap=None, sm_scale=0.1)
+    q, cache = qkv(3)
+    out = w.run(q, cache)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert op.last["lse"].numel() == 0 and op.last["v_scale"] == 1.0
+    assert op.last["logit_scale"] == 0.1 * 1.4426950408889634
+    out, lse = w.run(q, cache, return_lse=True, q_scale=2.0, k_scale=0.5, v_scale=3.0, window_left=5)
+    assert lse.shape == (3, HQ) and lse.dtype == torch.float32 and op.last["lse"] is lse
+    assert op.last["logit_scale"] == 0.1 * 2.0 * 0.5 * 1.4426950408889634
+    assert op.last["v_scale"] == 3.0 and op.last["window_left"] == 5
+    q_strided = torch.randn(3, HQ, 2 * D).to(torch.float16)[..., :D]  # rows of a wider buffer
+    out = w.run(q_strided, cache)
+    assert out.is_contiguous()
+    with pytest.raises(ValueError, match="out"):
+        w.run(q, cache, out=torch.empty(3, HQ, D, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="lse"):
+        w.run(q, cache, lse=torch.empty(3, HQ + 1), return_lse=True)
+    # one [num_pages, 2, ...] tensor: its K and V views reach the op
+    single = torch.randn(8, 2, PS, HK, D).to(torch.float16)
+    w.run(q, single)
+    assert op.last["k"].data_ptr() == single.data_ptr() and op.last["v"].data_ptr() == single[:, 1].data_ptr()
+
+
+@pytest.mark.gpu
+def test_host_page_ids_travel_in_the_one_copy(op):
+    """A CUDA workspace with page ids on the host: they go with the packed buffer."""
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    lens = [100, 0, 3000, 17]
+    table = csr(lens)
+    with counting_copies() as copies:
+        w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)
+    assert len(copies) == 1
+    q = torch.randn(4, HQ, D, device="cuda").to(torch.float16)
+    cache = tuple(torch.randn(8, PS, HK, D, device="cuda").to(torch.float16) for _ in range(2))
+    w.run(q, cache)
+    assert op.last["page_table"][1].device.type == "cuda"
+    target = cpu_target_blocks(HQ, HK, D) // CPU_SMS * torch.cuda.get_device_properties(0).multi_processor_count
+    assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens, target=target)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_plans_ahead_of_a_busy_gpu_keep_their_values(graph, op):
+    """plan() after plan() while the GPU is still busy (the copies queue up; the host
+    buffers alternate, the third plan waits for the first copy): each run sees its own
+    plan's values (snapshots taken in stream order, compared after a sync)."""
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    capacity = 40
+    kwargs = dict(use_cuda_graph=True, paged_kv_indices_buffer=torch.zeros(16384, dtype=torch.int32, device="cuda")) \
+        if graph else {}
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **kwargs)
+    target = cpu_target_blocks(HQ, HK, D) // CPU_SMS * torch.cuda.get_device_properties(0).multi_processor_count
+    rnd = random.Random(9)
+    busy = torch.randn(2048, 2048, device="cuda")
+    q = torch.randn(capacity, HQ, D, device="cuda").to(torch.float16)
+    cache = tuple(torch.randn(8, PS, HK, D, device="cuda").to(torch.float16) for _ in range(2))
+    seen = []
+    for i in range(8):
+        for _ in range(20):  # a few ms of work ahead of each plan's copy
+            busy = torch.tanh(busy @ busy)
+        lens = [capacity * 100] + [rnd.randint(0, 3000) for _ in range(capacity - 1 - i % 5)]
+        table = csr(lens, seed=i)
+        w.plan(**(table | dict(indices=table["indices"].cuda())), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D,
+               page_size=PS)
+        w.run(q if graph else q[:len(lens)], cache)
+        args = dict(op.last)  # device tensors a later plan() may overwrite: copied in stream order
+        args["page_table"] = [t.clone() for t in args["page_table"]]
+        args["work"], args["merge_indptr"] = args["work"].clone(), args["merge_indptr"].clone()
+        seen.append((args, table, lens))
+    torch.cuda.synchronize()
+    for i, (args, table, lens) in enumerate(seen):
+        want = expected_op_args(table, lens, capacity=capacity if graph else None, target=target)
+        assert actual_op_args(op, table, graph, args) == want, f"plan {i}"
+
+
+# --- plan(): bad page-table values -----------------------------------------------------------------
+BAD_TABLES = {
+    "indptr_not_from_0": (dict(indptr=[1, 2, 3]), "indptr"),
+    "indptr_decreasing": (dict(indptr=[0, 5, 3]), "indptr"),
+    "indptr_past_indices": (dict(indptr=[0, 2, 9]), "indptr"),
+    "indptr_wraps_int32": (dict(indptr=[0, 2**31 - 1, -2]), "indptr"),
+    "last_0": (dict(last_page_len=[0, 3]), "last_page_len"),
+    "last_above_page": (dict(last_page_len=[PS + 1, 3]), "last_page_len"),
+    "last_negative": (dict(last_page_len=[3, -1]), "last_page_len"),
+    "last_int32_min": (dict(last_page_len=[3, -2**31]), "last_page_len"),
+    "last_int32_max": (dict(last_page_len=[2**31 - 1, 3]), "last_page_len"),
+    "last_wrong_length": (dict(last_page_len=[3]), "last_page_len"),
+    "indptr_int64": (dict(indptr=torch.tensor([0, 2, 4])), "indptr"),
+    "seq_lens_negative": (dict(seq_lens=[-1, 5]), "seq_lens"),
+    "seq_lens_past_table": (dict(seq_lens=[3 * PS + 1, 5]), "seq_lens"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_TABLES))
+def test_plan_rejects_bad_page_table_values(name):
+    change, match = BAD_TABLES[name]
+    if "seq_lens" in change:
+        table = dict(block_tables=torch.zeros(2, 3, dtype=torch.int32),
+                     seq_lens=torch.tensor(change["seq_lens"], dtype=torch.int32))
+    else:
+        table = dict(indptr=[0, 2, 4], indices=list(range(8)), last_page_len=[3, 4]) | change
+        table = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.int32)
+                 for k, v in table.items()}
+    w = wrapper()
+    w.plan(**csr([40, 40]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)  # a good plan first
+    with pytest.raises(ValueError, match=match):
+        w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)
