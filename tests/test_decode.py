@@ -430,6 +430,28 @@ def test_batch_decode_skewed_lengths(dtype, split, workspace):
 
 
 @pytest.mark.gpu
+def test_batch_decode_merges_thousands_of_partials():
+    """fixed_split_size=8 over 32k tokens: 4096 partial states of one request, more than
+    the tensor-core kernel's in-kernel merge keeps weights for in shared memory (3070 at
+    32 heads x 128 dims): both of its loops run, against the reference."""
+    rnd = random.Random(5)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    lens = [32768, 100, 0]
+    paged, k, v, q = _llama_inputs(lens, "bfloat16", gen, rnd)
+    workspace = torch.empty(160 << 20, dtype=torch.uint8, device=DEV)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=128,
+                 page_size=16, q_data_type=torch.bfloat16, fixed_split_size=8)
+    out_buf, out = poisoned((len(lens), LLAMA_HEADS[0], 128), torch.bfloat16)
+    lse_buf, lse = poisoned((len(lens), LLAMA_HEADS[0]), torch.float32)
+    wrapper.run(q, (k, v), out=out, lse=lse)
+    assert_sentinels(out_buf, "out")
+    assert_sentinels(lse_buf, "lse")
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens)
+    check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_table", GRAPH_TABLES)
 def test_batch_decode_cuda_graph_replay(page_table, workspace):
     """run() captured once (batch 16), replayed after plan() with new lengths at batch 16,
