@@ -69,19 +69,23 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     and merge_indptr. Pure function of host values (unit-tested without a GPU).
 
     The chunk is the total work spread over about target_blocks blocks (never below
-    _MIN_CHUNK tokens); a request no longer than the chunk is one item, so a uniform batch
-    that fills the GPU is not split, while the long requests of a skewed one are (56 x 256
-    + 8 x 8k tokens: unsplit, the eight 8k requests ran 5x longer than the rest). The chunk
-    is then doubled until the list fits the capacities (CUDA-graph buffers, the workspace).
+    _MIN_CHUNK tokens). A request takes round(length / chunk) chunks (at least one), of
+    equal size rounded up to whole 32-token tiles: a uniform batch that about fills the
+    GPU is not split (with a fixed chunk and a remainder, 64 x 4k tokens became 64 x
+    (4000 + 96): twice the blocks and a merge, for nothing), while the long requests of a
+    skewed one are (56 x 256 + 8 x 8k tokens: unsplit, the eight 8k requests ran 5x longer
+    than the rest). fixed_split_size is the chunk length itself (FlashInfer's meaning).
+    The chunk is doubled until the list fits the capacities (CUDA-graph buffers, the
+    workspace). Split requests' items are listed longest first.
     """
     batch = len(kv_lens)
-    chunk, longest = _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv)
-    if _nothing_splits(chunk, longest, batch, max_items):
+    chunk, longest, auto = _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv)
+    if _nothing_splits(chunk, longest, batch, max_items, auto):
         work = _one_item_per_request(batch).copy()
         work[:, 2] = kv_lens
         return chunk, work, np.zeros(batch + 1, dtype=np.int32), False
     while True:
-        n_chunks = np.maximum(1, -(-kv_lens // chunk))
+        size, n_chunks = _chunk_lengths(kv_lens, chunk, auto)
         split = n_chunks > 1
         items = int(n_chunks.sum())
         partials = int(n_chunks[split].sum())
@@ -94,8 +98,8 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     request = np.repeat(np.arange(batch, dtype=np.int64), n_chunks)
     first = np.cumsum(n_chunks) - n_chunks
     local = np.arange(items, dtype=np.int64) - np.repeat(first, n_chunks)
-    start = local * chunk
-    end = np.minimum(start + chunk, kv_lens[request])
+    start = local * size[request]
+    end = np.minimum(start + size[request], kv_lens[request])
     merge_indptr = np.zeros(batch + 1, dtype=np.int64)
     np.cumsum(np.where(split, n_chunks, 0), out=merge_indptr[1:])
     partial_row = np.where(split[request], merge_indptr[request] + local, -1)
@@ -107,22 +111,34 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     return chunk, work, merge_indptr.astype(np.int32), bool(split.any())
 
 
+def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
+    """(chunk length, number of chunks) per request. auto: round(length / chunk) chunks
+    of equal length in whole 32-token tiles; else chunks of `chunk` tokens."""
+    if not auto:
+        return np.full_like(kv_lens, chunk), np.maximum(1, -(-kv_lens // chunk))
+    wanted = np.maximum(1, (2 * kv_lens + chunk) // (2 * chunk))  # round half up
+    size = np.maximum(32, -(-(-(-kv_lens // wanted)) // 32) * 32)
+    return size, np.maximum(1, -(-kv_lens // size))
+
+
 def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
                 disable_split_kv) -> tuple:
-    """(chunk, longest request) before the chunk is fitted to the capacities."""
+    """(chunk, longest request, auto) before the chunk is fitted to the capacities; auto:
+    the chunk is a target that requests round to (not a fixed length)."""
     longest = int(np.maximum.reduce(kv_lens)) if len(kv_lens) else 0
     if disable_split_kv or longest == 0:
-        return max(longest, 1), longest
+        return max(longest, 1), longest, False
     if fixed_split_size:
-        return int(fixed_split_size), longest
+        return int(fixed_split_size), longest, False
     wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / target_blocks)
-    return max(_MIN_CHUNK, -(-wanted // 32) * 32), longest
+    return max(_MIN_CHUNK, -(-wanted // 32) * 32), longest, True
 
 
-def _nothing_splits(chunk: int, longest: int, batch: int, max_items: int | None) -> bool:
+def _nothing_splits(chunk: int, longest: int, batch: int, max_items: int | None, auto: bool) -> bool:
     """One item per request, no partial rows (any batch that fills the GPU): plan_split's
     general path gives the same list with ~20 more numpy calls."""
-    return chunk >= longest and (max_items is None or batch <= max_items)
+    fits = 2 * longest < 3 * chunk if auto else chunk >= longest  # auto: round(longest / chunk) <= 1
+    return fits and (max_items is None or batch <= max_items)
 
 
 @functools.lru_cache(maxsize=16)
@@ -262,9 +278,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  "wrapper was first planned (captured) with")
         capacity = self._capacity if graph else batch
         max_items = capacity + -(-2 * config.target // config.blocks_per_item) if graph else None
-        chunk, longest = _chunk_size(kv_lens, config.blocks_per_item, config.target, config.fixed_split_size,
-                                     config.disable_split_kv)
-        if _nothing_splits(chunk, longest, batch, max_items):
+        chunk, longest, auto = _chunk_size(kv_lens, config.blocks_per_item, config.target, config.fixed_split_size,
+                                           config.disable_split_kv)
+        if _nothing_splits(chunk, longest, batch, max_items, auto):
             work = merge_indptr = None  # _pack writes one item per request straight into the buffer
             items, any_split = batch, False
         else:  # (plan_split sizes the chunk again: the rare path)

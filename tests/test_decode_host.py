@@ -67,37 +67,50 @@ def op(monkeypatch):
 # --- the implementation plan() replaced, as the reference --------------------------------------
 def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
                          max_items=None, max_partials=None):
+    """Written out longhand, one request at a time: the chunk target, round(length /
+    chunk) equal chunks in whole 32-token tiles (fixed_split_size: chunks of that length),
+    doubled until the capacities fit; split items longest first."""
     batch = len(kv_lens)
     longest = int(kv_lens.max()) if batch else 0
+    auto = False
     if disable_split_kv or longest == 0:
         chunk = max(longest, 1)
     elif fixed_split_size:
         chunk = int(fixed_split_size)
     else:
         wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / target_blocks)
-        chunk = max(64, -(-wanted // 32) * 32)
+        chunk, auto = max(64, -(-wanted // 32) * 32), True
+
+    def pieces(n, chunk):  # [(start, end)] of one request
+        if not auto:
+            count = max(1, math.ceil(n / chunk))
+            return [(i * chunk, min(n, (i + 1) * chunk)) for i in range(count)]
+        count = max(1, math.floor(n / chunk + 0.5))
+        size = max(32, math.ceil(math.ceil(n / count) / 32) * 32)
+        count = max(1, math.ceil(n / size))
+        return [(i * size, min(n, (i + 1) * size)) for i in range(count)]
+
     while True:
-        n_chunks = np.maximum(1, -(-kv_lens // chunk))
-        split = n_chunks > 1
-        items = int(n_chunks.sum())
-        partials = int(n_chunks[split].sum())
+        per_request = [pieces(int(n), chunk) for n in kv_lens]
+        items = sum(len(p) for p in per_request)
+        partials = sum(len(p) for p in per_request if len(p) > 1)
         if (max_items is None or items <= max_items) and (max_partials is None or partials <= max_partials):
             break
         if chunk >= longest:
             raise ValueError("does not fit")
         chunk = min(longest, chunk * 2)
-    request = np.repeat(np.arange(batch, dtype=np.int64), n_chunks)
-    first = np.cumsum(n_chunks) - n_chunks
-    local = np.arange(items, dtype=np.int64) - np.repeat(first, n_chunks)
-    start = local * chunk
-    end = np.minimum(start + chunk, kv_lens[request])
-    merge_indptr = np.zeros(batch + 1, dtype=np.int64)
-    np.cumsum(np.where(split, n_chunks, 0), out=merge_indptr[1:])
-    partial_row = np.where(split[request], merge_indptr[request] + local, -1)
-    work = np.stack([request, start, end, partial_row], axis=1).astype(np.int32)
-    if split.any():  # longest items first (stable)
-        work = work[np.argsort(start - end, kind="stable")]
-    return chunk, work, merge_indptr.astype(np.int32), bool(split.any())
+    rows, merge, row = [], [0], 0
+    for b, p in enumerate(per_request):
+        split = len(p) > 1
+        for i, (s, e) in enumerate(p):
+            rows.append((b, s, e, row + i if split else -1))
+        row += len(p) if split else 0
+        merge.append(row)
+    work = np.array(rows, dtype=np.int32).reshape(-1, 4)
+    any_split = any(len(p) > 1 for p in per_request)
+    if any_split:  # longest items first (stable)
+        work = work[np.argsort(work[:, 1] - work[:, 2], kind="stable")]
+    return chunk, work, np.array(merge, dtype=np.int32), any_split
 
 
 def _pad(values, length: int, fill) -> list:
