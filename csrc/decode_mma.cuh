@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   __threadfence();
   // Parallel over partials: per head, the lanes of a warp find the largest LSE and the
   // weights 2^(lse_i - max) (kept in shared memory); then each thread sums one (head,
-  // 4 dims) over the partials with 8 loads in flight. (A serial loop over the partials'
+  // 4 dims) over the partials with 16 loads in flight. (A serial loop over the partials'
   // L2 latency cost ~10 us at 64 partials.)
   const int begin = p.merge_indptr[b], count = p.merge_indptr[b + 1] - begin;
   constexpr int kRowsT = Traits::kRows;
@@ -637,7 +637,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const int64_t row_stride = int64_t(p.num_qo_heads) * D;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     const int cached = min(count, kMaxParts);
-#pragma unroll 8
+#pragma unroll 16
     for (int i = 0; i < cached; ++i) {
       const float w = weight[i * kRowsT + h];
       const float4 u = __ldcg(reinterpret_cast<const float4*>(src + i * row_stride));

@@ -41,6 +41,11 @@ from .specs.decode import DecodeSpec, group_tile, uses_tensor_cores
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
 _MIN_CHUNK = 64  # tokens; two 32-token tiles, so a chunk still pipelines its loads
+# Tensor-core kernel: up to 128 tokens, as far as that keeps a request in <= 32 chunks.
+# Its in-kernel merge reads 16 partials per round trip, and a 64-token chunk's two tiles
+# are in flight from its first load on (H100, b=1, 32/8 heads: kv=4k 16.2 -> 13.8 us with
+# 128-token chunks; kv=512 7.5 -> 10.0 us, so short requests keep 64).
+_MMA_MIN_CHUNK = 128
 _SPLIT_BLOCKS_PER_SM = 3
 _MMA_BLOCKS_PER_SM = 4
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
@@ -64,12 +69,12 @@ def _as_dtype(value, name: str, default=None) -> torch.dtype:
 
 
 def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size, disable_split_kv,
-               max_items: int | None = None, max_partials: int | None = None):
+               max_items: int | None = None, max_partials: int | None = None, min_chunk: int = _MIN_CHUNK):
     """Chunk size for the work list, and the list: (request, start, end, partial_row) rows
     and merge_indptr. Pure function of host values (unit-tested without a GPU).
 
     The chunk is the total work spread over about target_blocks blocks (never below
-    _MIN_CHUNK tokens). A request takes round(length / chunk) chunks (at least one), of
+    min_chunk tokens). A request takes round(length / chunk) chunks (at least one), of
     equal size rounded up to whole 32-token tiles: a uniform batch that about fills the
     GPU is not split (with a fixed chunk and a remainder, 64 x 4k tokens became 64 x
     (4000 + 96): twice the blocks and a merge, for nothing), while the long requests of a
@@ -79,7 +84,8 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     workspace). Split requests' items are listed longest first.
     """
     batch = len(kv_lens)
-    chunk, longest, auto = _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv)
+    chunk, longest, auto = _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
+                                       min_chunk)
     if _nothing_splits(chunk, longest, batch, max_items, auto):
         work = _one_item_per_request(batch).copy()
         work[:, 2] = kv_lens
@@ -122,7 +128,7 @@ def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
 
 
 def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
-                disable_split_kv) -> tuple:
+                disable_split_kv, min_chunk: int = _MIN_CHUNK) -> tuple:
     """(chunk, longest request, auto) before the chunk is fitted to the capacities; auto:
     the chunk is a target that requests round to (not a fixed length)."""
     longest = int(np.maximum.reduce(kv_lens)) if len(kv_lens) else 0
@@ -131,7 +137,9 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
     if fixed_split_size:
         return int(fixed_split_size), longest, False
     wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / target_blocks)
-    return max(_MIN_CHUNK, -(-wanted // 32) * 32), longest, True
+    # min_chunk applies only as far as it keeps the longest request in <= 32 chunks
+    floor = min(min_chunk, max(_MIN_CHUNK, -(-(-(-longest // 32)) // 32) * 32))
+    return max(floor, -(-wanted // 32) * 32), longest, True
 
 
 def _nothing_splits(chunk: int, longest: int, batch: int, max_items: int | None, auto: bool) -> bool:
@@ -177,7 +185,7 @@ class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
-                 "specs", "tensor_cores")
+                 "specs", "tensor_cores", "min_chunk")
 
     def spec(self, table_layout: str, kv_layout: str) -> DecodeSpec:
         spec = self.specs.get(table_layout)
@@ -279,14 +287,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         capacity = self._capacity if graph else batch
         max_items = capacity + -(-2 * config.target // config.blocks_per_item) if graph else None
         chunk, longest, auto = _chunk_size(kv_lens, config.blocks_per_item, config.target, config.fixed_split_size,
-                                           config.disable_split_kv)
+                                           config.disable_split_kv, config.min_chunk)
         if _nothing_splits(chunk, longest, batch, max_items, auto):
             work = merge_indptr = None  # _pack writes one item per request straight into the buffer
             items, any_split = batch, False
         else:  # (plan_split sizes the chunk again: the rare path)
             _, work, merge_indptr, any_split = plan_split(kv_lens, config.blocks_per_item, config.target,
                                                           config.fixed_split_size, config.disable_split_kv,
-                                                          max_items, config.partial_o.shape[0])
+                                                          max_items, config.partial_o.shape[0], config.min_chunk)
             items = len(work)
         previous = self._plan
         if graph and previous is not None and previous.max_items != max_items:
@@ -356,6 +364,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.rope = pos_encoding_mode == "ROPE_LLAMA"
         c.tensor_cores = uses_tensor_cores(c.tile, c.rope)
         per_sm = _MMA_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
+        c.min_chunk = _MMA_MIN_CHUNK if c.tensor_cores else _MIN_CHUNK
         c.target = per_sm * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
         c.partial_o, c.partial_lse = self._partial_views(num_qo_heads, head_dim)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

@@ -66,7 +66,7 @@ def op(monkeypatch):
 
 # --- the implementation plan() replaced, as the reference --------------------------------------
 def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
-                         max_items=None, max_partials=None):
+                         max_items=None, max_partials=None, min_chunk=64):
     """Written out longhand, one request at a time: the chunk target, round(length /
     chunk) equal chunks in whole 32-token tiles (fixed_split_size: chunks of that length),
     doubled until the capacities fit; split items longest first."""
@@ -79,7 +79,8 @@ def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_si
         chunk = int(fixed_split_size)
     else:
         wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / target_blocks)
-        chunk, auto = max(64, -(-wanted // 32) * 32), True
+        floor = min(min_chunk, max(64, math.ceil(math.ceil(longest / 32) / 32) * 32))
+        chunk, auto = max(floor, -(-wanted // 32) * 32), True
 
     def pieces(n, chunk):  # [(start, end)] of one request
         if not auto:
@@ -119,11 +120,12 @@ def _pad(values, length: int, fill) -> list:
 
 
 def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = HQ, hk: int = HK, d: int = D,
-                     fixed_split_size=None, disable_split_kv=False, target=None) -> dict:
+                     fixed_split_size=None, disable_split_kv=False, target=None, rope=False) -> dict:
     """The op's planned arguments as the replaced plan() computed them (capacity: the
     CUDA-graph capacity, None outside CUDA-graph mode; target: blocks per SM x SMs), with
     the later changes: split items longest first, 4 blocks per SM for tensor cores."""
-    target = cpu_target_blocks(hq, hk, d) if target is None else target
+    target = cpu_target_blocks(hq, hk, d, rope) if target is None else target
+    tensor_cores = group_tile(hq, hk, d) >= 4 and not rope
     lens = np.asarray(lens, dtype=np.int64)
     batch = len(lens)
     graph = capacity is not None
@@ -132,7 +134,8 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
     partial_rows = WORKSPACE_BYTES // ((hq * d + hq) * 4)
     max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
     _, work, merge, any_split = plan_split_reference(lens, blocks_per_item, target, fixed_split_size,
-                                                     disable_split_kv, max_items, partial_rows)
+                                                     disable_split_kv, max_items, partial_rows,
+                                                     min_chunk=128 if tensor_cores else 64)
     grid_items = max_items if graph else len(work)
     expected = {"work": [len(work)] + _pad(work.reshape(-1), 4 * grid_items, 0),
                 "merge_indptr": _pad(merge, capacity + 1, merge[-1]), "grid_items": grid_items,
@@ -259,7 +262,8 @@ def test_plan_configurations_in_turn(op):
         assert args["logit_scale"] == (sm_scale / cap if cap else sm_scale * 1.4426950408889634)
         assert args["soft_cap"] == cap and args["window_left"] == opts.get("window_left", -1)
         assert args["rope_scale"] == opts.get("rope_scale", 1.0) and args["rope_theta"] == opts.get("rope_theta", 1e4)
-        assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens)
+        rope = opts.get("pos_encoding_mode") == "ROPE_LLAMA"
+        assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens, rope=rope)
     # equal values of another type are checked again, not taken from the cache
     with pytest.raises(ValueError, match="head_dim"):
         w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=float(D), page_size=PS,
