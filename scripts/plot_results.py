@@ -82,6 +82,36 @@ def plot_kvcache(plt, data: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_decode(plt, data: dict, out: Path) -> None:
+    """Achieved KV bandwidth against kv_len per batch size, ours (solid) and the faster
+    FlashInfer path (dashed), one panel per KV dtype x GQA group; the copy ceiling dotted."""
+    copy = data["copy"]["gb_per_s"]
+    panels = [("bfloat16", 4), ("bfloat16", 8), ("float8_e4m3fn", 4), ("float8_e4m3fn", 8)]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8), sharey=True)
+    for ax, (dtype, gqa) in zip(axes, panels):
+        rows = [r for r in data["rows"] if r["kv_dtype"] == dtype and r["gqa"] == gqa and isinstance(r.get("kv_len"), int)
+                and "impls" in r]
+        for batch, color in zip(sorted({r["batch"] for r in rows}), ("C0", "C1", "C2", "C3")):
+            sel = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["kv_len"])
+            lens = [r["kv_len"] for r in sel]
+            ours = [r["impls"]["ours"].get("gb_per_s", float("nan")) / 1e3 for r in sel]
+            fi = [r["impls"][r["flashinfer_best"]].get("gb_per_s", float("nan")) / 1e3 if r.get("flashinfer_best")
+                  else float("nan") for r in sel]
+            ax.plot(lens, ours, "-o", color=color, label=f"b={batch} flashinfer_jit")
+            ax.plot(lens, fi, "--x", color=color, alpha=0.6, label=f"b={batch} FlashInfer (faster path)")
+        ax.axhline(copy / 1e3, color="k", linestyle=":", label="copy bandwidth")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dtype.replace('float8_', '')} KV, {gqa * 8}/8 heads")
+        ax.set_xlabel("kv_len (tokens)")
+    axes[0].set_ylabel("KV bytes read / time (TB/s)")
+    axes[-1].legend(fontsize=6, loc="lower right")
+    fig.suptitle(f"batch decode, head_dim 128, page 16 ({data['meta'].get('device', '')}, "
+                 f"{data['meta'].get('date', '')[:10]})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--date", default="", help="prefix of the result files to plot (default: newest)")
@@ -94,7 +124,8 @@ def main() -> None:
     FIGURES.mkdir(parents=True, exist_ok=True)
     plot_append(plt, _load(f"{args.date}*append.json"), FIGURES / "append_bandwidth.png")
     plot_kvcache(plt, _load(f"{args.date}*kvcache.json"), FIGURES / "kvcache_bandwidth.png")
-    print(f"wrote {FIGURES}/append_bandwidth.png, kvcache_bandwidth.png")
+    plot_decode(plt, _load(f"{args.date}*decode_mma.json"), FIGURES / "decode_bandwidth.png")
+    print(f"wrote {FIGURES}/append_bandwidth.png, kvcache_bandwidth.png, decode_bandwidth.png")
 
 
 if __name__ == "__main__":
