@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   __threadfence();
   // Parallel over partials: per head, the lanes of a warp find the largest LSE and the
   // weights 2^(lse_i - max) (kept in shared memory); then each thread sums one (head,
-  // 4 dims) over the partials with 16 loads in flight. (A serial loop over the partials'
+  // 4 dims) over the partials, 16 loads in flight. (A serial loop over the partials'
   // L2 latency cost ~10 us at 64 partials.)
   const int begin = p.merge_indptr[b], count = p.merge_indptr[b + 1] - begin;
   constexpr int kRowsT = Traits::kRows;
@@ -637,14 +637,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const int64_t row_stride = int64_t(p.num_qo_heads) * D;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     const int cached = min(count, kMaxParts);
-#pragma unroll 16
-    for (int i = 0; i < cached; ++i) {
-      const float w = weight[i * kRowsT + h];
-      const float4 u = __ldcg(reinterpret_cast<const float4*>(src + i * row_stride));
-      acc.x += w * u.x;
-      acc.y += w * u.y;
-      acc.z += w * u.z;
-      acc.w += w * u.w;
+    // Batches of 16 predicated loads, all issued before any is used (a runtime-count loop
+    // unrolled by the compiler leaves a serial remainder: 8 partials ran one by one).
+    for (int i0 = 0; i0 < cached; i0 += 16) {
+      float4 u[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        u[j] = i0 + j < cached ? __ldcg(reinterpret_cast<const float4*>(src + (i0 + j) * row_stride))
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float w = i0 + j < cached ? weight[(i0 + j) * kRowsT + h] : 0.f;
+        acc.x += w * u[j].x;
+        acc.y += w * u[j].y;
+        acc.z += w * u[j].z;
+        acc.w += w * u[j].w;
+      }
     }
     for (int i = cached; i < count; ++i) {  // beyond the shared-memory weights (rare)
       const float w = head_m[h] == -CUDART_INF_F ? 0.f : exp2f(part_lse(i, h) - head_m[h]);

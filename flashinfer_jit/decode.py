@@ -41,10 +41,10 @@ from .specs.decode import DecodeSpec, group_tile, uses_tensor_cores
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
 _MIN_CHUNK = 64  # tokens; two 32-token tiles, so a chunk still pipelines its loads
-# Tensor-core kernel: up to 128 tokens, as far as that keeps a request in <= 32 chunks.
+# Tensor-core kernel: up to 128 tokens, as far as that keeps a request in <= 16 chunks.
 # Its in-kernel merge reads 16 partials per round trip, and a 64-token chunk's two tiles
 # are in flight from its first load on (H100, b=1, 32/8 heads: kv=4k 16.2 -> 13.8 us with
-# 128-token chunks; kv=512 7.5 -> 10.0 us, so short requests keep 64).
+# 128-token chunks; kv=2k 64/8 heads 13.4 -> 12.6 us; kv=512 keeps 64-token chunks).
 _MMA_MIN_CHUNK = 128
 _SPLIT_BLOCKS_PER_SM = 3
 _MMA_BLOCKS_PER_SM = 4
@@ -137,8 +137,8 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
     if fixed_split_size:
         return int(fixed_split_size), longest, False
     wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / target_blocks)
-    # min_chunk applies only as far as it keeps the longest request in <= 32 chunks
-    floor = min(min_chunk, max(_MIN_CHUNK, -(-(-(-longest // 32)) // 32) * 32))
+    # min_chunk applies only as far as it keeps the longest request in <= 16 chunks
+    floor = min(min_chunk, max(_MIN_CHUNK, -(-(-(-longest // 16)) // 32) * 32))
     return max(floor, -(-wanted // 32) * 32), longest, True
 
 

@@ -79,7 +79,7 @@ def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_si
         chunk = int(fixed_split_size)
     else:
         wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / target_blocks)
-        floor = min(min_chunk, max(64, math.ceil(math.ceil(longest / 32) / 32) * 32))
+        floor = min(min_chunk, max(64, math.ceil(math.ceil(longest / 16) / 32) * 32))
         chunk, auto = max(floor, -(-wanted // 32) * 32), True
 
     def pieces(n, chunk):  # [(start, end)] of one request
