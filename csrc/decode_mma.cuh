@@ -640,7 +640,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     // Batches of 16 loads, all issued before any is used. Past the end a load repeats the
     // last partial with weight 0: unconditional loads issue back to back (a runtime-count
     // loop unrolled by the compiler left a serial remainder, 8 partials one by one; loads
-    // under a condition became a branch each and were 4% slower at 64 partials).
+    // under a condition were 4% slower at 64 partials).
     for (int i0 = 0; i0 < cached; i0 += 16) {
       float4 u[16];
 #pragma unroll
