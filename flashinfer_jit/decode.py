@@ -237,8 +237,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._device_is_cpu = self._device.type == "cpu"
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
-        # use_tensor_cores selects FlashInfer's prefill-based decode; this kernel runs on CUDA
-        # cores for every group size (decode is bound by memory, not by arithmetic).
+        # Accepted for FlashInfer compatibility and ignored: the spec picks the kernel (tensor
+        # cores for groups of 4+ query heads without in-kernel RoPE, CUDA cores otherwise;
+        # specs.decode.uses_tensor_cores), whatever the caller asks.
         self._use_tensor_cores = bool(use_tensor_cores)
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self._plan = None

@@ -1,5 +1,6 @@
-"""Spec of batch decode over the paged KV cache (csrc/decode.cuh) and of the merge of
-partial attention states (merge_state / merge_states, split-KV's second step)."""
+"""Spec of batch decode over the paged KV cache (csrc/decode_mma.cuh on tensor cores,
+csrc/decode.cuh on CUDA cores) and of the merge of partial attention states
+(merge_state / merge_states)."""
 
 from __future__ import annotations
 
