@@ -69,7 +69,8 @@ def _as_dtype(value, name: str, default=None) -> torch.dtype:
 
 
 def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size, disable_split_kv,
-               max_items: int | None = None, max_partials: int | None = None, min_chunk: int = _MIN_CHUNK):
+               max_items: int | None = None, max_partials: int | None = None, min_chunk: int = _MIN_CHUNK,
+               sized: tuple | None = None):
     """Chunk size for the work list, and the list: (request, start, end, partial_row) rows
     and merge_indptr. Pure function of host values (unit-tested without a GPU).
 
@@ -81,11 +82,12 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     skewed one are (56 x 256 + 8 x 8k tokens: unsplit, the eight 8k requests ran 5x longer
     than the rest). fixed_split_size is the chunk length itself (FlashInfer's meaning).
     The chunk is doubled until the list fits the capacities (CUDA-graph buffers, the
-    workspace). Split requests' items are listed longest first.
+    workspace). Split requests' items are listed longest first. sized: _chunk_size's
+    result for these arguments, when the caller already has it.
     """
     batch = len(kv_lens)
-    chunk, longest, auto = _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
-                                       min_chunk)
+    chunk, longest, auto = sized or _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size,
+                                                disable_split_kv, min_chunk)
     if _nothing_splits(chunk, longest, batch, max_items, auto):
         work = _one_item_per_request(batch).copy()
         work[:, 2] = kv_lens
@@ -117,13 +119,21 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     return chunk, work, merge_indptr.astype(np.int32), bool(split.any())
 
 
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _round_up(a, multiple: int):
+    return _ceil_div(a, multiple) * multiple
+
+
 def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
     """(chunk length, number of chunks) per request. auto: round(length / chunk) chunks
     of equal length in whole 32-token tiles; else chunks of `chunk` tokens."""
     if not auto:
         return np.full_like(kv_lens, chunk), np.maximum(1, -(-kv_lens // chunk))
     wanted = np.maximum(1, (2 * kv_lens + chunk) // (2 * chunk))  # round half up
-    size = np.maximum(32, -(-(-(-kv_lens // wanted)) // 32) * 32)
+    size = np.maximum(32, _round_up(_ceil_div(kv_lens, wanted), 32))
     return size, np.maximum(1, -(-kv_lens // size))
 
 
@@ -138,7 +148,7 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
         return int(fixed_split_size), longest, False
     wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / target_blocks)
     # min_chunk applies only as far as it keeps the longest request in <= 16 chunks
-    floor = min(min_chunk, max(_MIN_CHUNK, -(-(-(-longest // 16)) // 32) * 32))
+    floor = min(min_chunk, max(_MIN_CHUNK, _round_up(_ceil_div(longest, 16), 32)))
     return max(floor, -(-wanted // 32) * 32), longest, True
 
 
@@ -287,15 +297,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  "wrapper was first planned (captured) with")
         capacity = self._capacity if graph else batch
         max_items = capacity + -(-2 * config.target // config.blocks_per_item) if graph else None
-        chunk, longest, auto = _chunk_size(kv_lens, config.blocks_per_item, config.target, config.fixed_split_size,
-                                           config.disable_split_kv, config.min_chunk)
-        if _nothing_splits(chunk, longest, batch, max_items, auto):
+        sized = _chunk_size(kv_lens, config.blocks_per_item, config.target, config.fixed_split_size,
+                            config.disable_split_kv, config.min_chunk)
+        if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
             work = merge_indptr = None  # _pack writes one item per request straight into the buffer
             items, any_split = batch, False
-        else:  # (plan_split sizes the chunk again: the rare path)
+        else:
             _, work, merge_indptr, any_split = plan_split(kv_lens, config.blocks_per_item, config.target,
                                                           config.fixed_split_size, config.disable_split_kv,
-                                                          max_items, config.partial_o.shape[0], config.min_chunk)
+                                                          max_items, config.partial_o.shape[0], config.min_chunk,
+                                                          sized)
             items = len(work)
         previous = self._plan
         if graph and previous is not None and previous.max_items != max_items:
