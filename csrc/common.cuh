@@ -56,4 +56,71 @@ inline int num_sms() {
 // The launchers return cudaError_t as an int so the host binding needs no CUDA header.
 inline int last_launch_error() { return static_cast<int>(cudaGetLastError()); }
 
+// --- asynchronous copies (sm_80+) -----------------------------------------------------------
+// 16 bytes global -> shared, bypassing L1; valid false writes 16 zero bytes (src unread).
+FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+FIJ_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N>
+FIJ_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// --- programmatic dependent launch (sm_90+) -------------------------------------------------
+// A kernel launched with launch_kernel(..., pdl = true) may start while the kernel before it
+// in the stream is finishing. pdl_wait() returns once that kernel has completed and its
+// writes are visible: nothing it may have written is read, and nothing is written, before
+// it. pdl_trigger() lets the next such kernel start launching. Both are no-ops for a
+// kernel launched without the attribute (and before sm_90).
+FIJ_DEVICE void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+FIJ_DEVICE void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Lets Kernel use `bytes` of dynamic shared memory (above 48 KB it must be asked for), once
+// per device and kernel: cudaFuncSetAttribute costs ~1 us of host time per call.
+template <auto* Kernel>
+inline int allow_dynamic_smem(int bytes) {
+  if (bytes <= 48 * 1024) return 0;
+  static bool granted[64] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  const bool known = device >= 0 && device < 64;
+  if (known && granted[device]) return 0;
+  const cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && known) granted[device] = true;
+  return static_cast<int>(err);
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent
+// launch when pdl (the kernel must call pdl_wait() before touching what earlier kernels
+// write). Returns the launch's cudaError_t as an int.
+template <typename... Params, typename... Args>
+inline int launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, bool pdl,
+                         Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+}
+
 }  // namespace fij

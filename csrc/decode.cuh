@@ -54,15 +54,6 @@ struct DecodeTraits {
 };
 
 // --- small pieces ---------------------------------------------------------------------------
-FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? 16 : 0;  // 0: zero-fill (tokens past the chunk's end)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
-}
-FIJ_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-FIJ_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 template <typename T>
 FIJ_DEVICE void load8_float(const T* ptr, float (&x)[8]) {
   if constexpr (sizeof(T) == 2) {
@@ -188,6 +179,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
   const int start = max(chunk_start, window_start);
   const int end = min(chunk_end, kv_len);
 
+  pdl_wait();  // q, K, V and the outputs only after the kernel before (programmatic launch)
+
   // q of the tile's heads: 8 dims each per lane, rotated at position kv_len - 1, scaled.
   float q[H][8], freq[8];
   if constexpr (Traits::kRope) {
@@ -305,6 +298,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
   }
 
   // Merge the kBdz token lanes' states through shared memory; z = 0 writes.
+  pdl_trigger();  // the next kernel may start launching
+
   float* merge_o = reinterpret_cast<float*>(smem);       // [z][h][D]
   float* merge_md = merge_o + Traits::kBdz * H * D;       // [z][h][2]
   if constexpr (Traits::kBdz > 1) {
@@ -363,18 +358,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
 }
 
 template <class Traits>
-int launch_decode(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream) {
+int launch_decode(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream, bool pdl) {
   if (grid_items <= 0) return 0;
-  if constexpr (Traits::kSmemBytes > 48 * 1024) {  // must be asked for, per device
-    const cudaError_t err = cudaFuncSetAttribute(decode_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 Traits::kSmemBytes);
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
-  const int tiles = p.group / Traits::kHeads;
-  const dim3 grid(num_kv_heads * tiles, grid_items);
-  const dim3 block(Traits::kBdx, Traits::kBdz);
-  decode_kernel<Traits><<<grid, block, Traits::kSmemBytes, stream>>>(p);
-  return last_launch_error();
+  if (const int err = allow_dynamic_smem<decode_kernel<Traits>>(Traits::kSmemBytes)) return err;
+  const dim3 grid(num_kv_heads * (p.group / Traits::kHeads), grid_items);
+  return launch_kernel(decode_kernel<Traits>, grid, dim3(Traits::kBdx, Traits::kBdz), Traits::kSmemBytes, stream, pdl,
+                       p);
 }
 
 }  // namespace fij

@@ -87,14 +87,6 @@ struct DecodeMmaTraits {
 // --- small pieces ---------------------------------------------------------------------------
 namespace mma_detail {
 
-FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
-}
-FIJ_DEVICE void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-FIJ_DEVICE void wait_groups() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 FIJ_DEVICE uint4 lds128(const void* smem) {
   uint4 v;
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -229,35 +221,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const int end = chunk_end;
   const int num_tiles = end > start ? (end - start + Traits::kTileTokens - 1) / Traits::kTileTokens : 0;
 
-  // --- q as the A fragments of S = Q K^T, in the permuted dim order of the K reads -----------
-  // (issued first: its loads do not wait for the page table)
-  // k-step P*kStepsPerChunk + h, lane (g, c): a0/a2 = q[g][E*(4P+c) + 4h + {0,1} / {2,3}],
-  // a1/a3 the same for row g + 8 (zero unless the tile has 16 heads).
-  uint32_t qa[Traits::kKSteps][4];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = g + 8 * half;
-    const bool live = row < Traits::kRows;
-#pragma unroll
-    for (int P = 0; P < R / 4; ++P) {
-      uint32_t w[E / 2];
-      const Q* src = static_cast<const Q*>(p.q) + b * p.q_stride_b + (head0 + row) * p.q_stride_h + E * (4 * P + c);
-#pragma unroll
-      for (int v = 0; v < E / 8; ++v) {
-        const uint4 raw = live ? *reinterpret_cast<const uint4*>(src + 8 * v) : make_uint4(0, 0, 0, 0);
-        w[4 * v + 0] = q_word<Q, MT>(raw.x);
-        w[4 * v + 1] = q_word<Q, MT>(raw.y);
-        w[4 * v + 2] = q_word<Q, MT>(raw.z);
-        w[4 * v + 3] = q_word<Q, MT>(raw.w);
-      }
-#pragma unroll
-      for (int h = 0; h < Traits::kStepsPerChunk; ++h) {
-        qa[P * Traits::kStepsPerChunk + h][half] = w[2 * h];
-        qa[P * Traits::kStepsPerChunk + h][2 + half] = w[2 * h + 1];
-      }
-    }
-  }
-
   // Shared-memory swizzles (16-byte chunk q of token row t). K rows are read as 2 rows x 4
   // chunks per 8 lanes, V rows as 8 rows of one chunk (ldmatrix) or 4 rows x 2 chunks
   // (fp8): flipping bit 2 by the row parity, resp. XOR with the row's low 3 bits, keeps
@@ -310,18 +273,49 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 
   // Prologue: the page ids of tiles 0 .. kStages-1 requested together (one round trip, not
   // one per tile), then tiles 0 .. kStages-2 in flight.
-  Pages next;
-  {
-    Pages first[Traits::kStages - 1];
+  Pages next, first[Traits::kStages - 1];
 #pragma unroll
-    for (int s = 0; s < Traits::kStages - 1; ++s)
-      if (s < num_tiles) lookup(s, first[s]);
-    if (Traits::kStages - 1 < num_tiles) lookup(Traits::kStages - 1, next);
+  for (int s = 0; s < Traits::kStages - 1; ++s)
+    if (s < num_tiles) lookup(s, first[s]);
+  if (Traits::kStages - 1 < num_tiles) lookup(Traits::kStages - 1, next);
+
+  // So far only the plan's work list and the page table were read. Under a programmatic
+  // dependent launch the kernel before this one may still be running: q, K, V, the
+  // partial states and the merge counters are touched only after it has finished.
+  pdl_wait();
+
+  // --- q as the A fragments of S = Q K^T, in the permuted dim order of the K reads -----------
+  // k-step P*kStepsPerChunk + h, lane (g, c): a0/a2 = q[g][E*(4P+c) + 4h + {0,1} / {2,3}],
+  // a1/a3 the same for row g + 8 (zero unless the tile has 16 heads).
+  uint32_t qa[Traits::kKSteps][4];
 #pragma unroll
-    for (int s = 0; s < Traits::kStages - 1; ++s) {
-      if (s < num_tiles) issue(s, first[s]);
-      commit();  // empty groups keep the wait counts uniform
+  for (int half = 0; half < 2; ++half) {
+    const int row = g + 8 * half;
+    const bool live = row < Traits::kRows;
+#pragma unroll
+    for (int P = 0; P < R / 4; ++P) {
+      uint32_t w[E / 2];
+      const Q* src = static_cast<const Q*>(p.q) + b * p.q_stride_b + (head0 + row) * p.q_stride_h + E * (4 * P + c);
+#pragma unroll
+      for (int v = 0; v < E / 8; ++v) {
+        const uint4 raw = live ? *reinterpret_cast<const uint4*>(src + 8 * v) : make_uint4(0, 0, 0, 0);
+        w[4 * v + 0] = q_word<Q, MT>(raw.x);
+        w[4 * v + 1] = q_word<Q, MT>(raw.y);
+        w[4 * v + 2] = q_word<Q, MT>(raw.z);
+        w[4 * v + 3] = q_word<Q, MT>(raw.w);
+      }
+#pragma unroll
+      for (int h = 0; h < Traits::kStepsPerChunk; ++h) {
+        qa[P * Traits::kStepsPerChunk + h][half] = w[2 * h];
+        qa[P * Traits::kStepsPerChunk + h][2 + half] = w[2 * h + 1];
+      }
     }
+  }
+
+#pragma unroll
+  for (int s = 0; s < Traits::kStages - 1; ++s) {
+    if (s < num_tiles) issue(s, first[s]);
+    cp_async_commit();  // empty groups keep the wait counts uniform
   }
 
   const float logit_scale = p.logit_scale * Traits::kWidenScale;  // soft cap: inside the tanh
@@ -340,10 +334,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 
   const int wt = warp * Traits::kWarpTokens;  // this warp's first token row in a tile
   for (int tile = 0; tile < num_tiles; ++tile) {
-    wait_groups<Traits::kStages - 2>();
+    cp_async_wait<Traits::kStages - 2>();
     __syncthreads();  // tile's stage is complete; the stage refilled below is free
     if (tile + Traits::kStages - 1 < num_tiles) issue((tile + Traits::kStages - 1) % Traits::kStages, next);
-    commit();
+    cp_async_commit();
     if (tile + Traits::kStages < num_tiles) lookup(tile + Traits::kStages, next);
 
     const unsigned char* ks = stage_k(tile % Traits::kStages);
@@ -510,8 +504,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     }
   }
 
+  pdl_trigger();  // the next kernel may start launching: its blocks wait for this grid to end
+
   // --- merge the warps: m, d per head and O per (head, dim) through shared memory ------------
-  wait_groups<0>();
+  cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages
   constexpr int kHeadsPad = 8 * HT;
   float* red_o = reinterpret_cast<float*>(smem);                         // [warp][head][D]
@@ -680,22 +676,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 }
 
 template <class Traits>
-int launch_decode_mma(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream) {
+int launch_decode_mma(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream, bool pdl) {
   if (grid_items <= 0) return 0;
-  if constexpr (Traits::kSmemBytes > 48 * 1024) {  // asked for once per device
-    static bool granted[64] = {};
-    int device = 0;
-    cudaGetDevice(&device);
-    if (device < 0 || device >= 64 || !granted[device]) {
-      const cudaError_t err = cudaFuncSetAttribute(decode_mma_kernel<Traits>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-      if (err != cudaSuccess) return static_cast<int>(err);
-      if (device >= 0 && device < 64) granted[device] = true;
-    }
-  }
+  if (const int err = allow_dynamic_smem<decode_mma_kernel<Traits>>(Traits::kSmemBytes)) return err;
   const dim3 grid(num_kv_heads * (p.group / Traits::kRows), grid_items);
-  decode_mma_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  return last_launch_error();
+  return launch_kernel(decode_mma_kernel<Traits>, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream, pdl, p);
 }
 
 }  // namespace fij

@@ -52,6 +52,7 @@ template <typename TOut>
 __global__ void merge_splits_kernel(const __grid_constant__ MergeParams p) {
   const int row = blockIdx.x, head = blockIdx.y;
   if (row >= p.num_rows) return;
+  pdl_wait();  // the partial states come from the decode kernel before
   const int begin = p.merge_indptr[row], count = p.merge_indptr[row + 1] - begin;
   if (count <= 0) return;  // not split: the decode kernel wrote this row itself
   auto state = [&](int i) {
@@ -75,10 +76,10 @@ __global__ void merge_states_kernel(const __grid_constant__ MergeParams p) {
 }
 
 template <typename TOut>
-int launch_merge_splits(const MergeParams& p, cudaStream_t stream) {
+int launch_merge_splits(const MergeParams& p, cudaStream_t stream, bool pdl) {
   if (p.num_rows <= 0) return 0;
-  merge_splits_kernel<TOut><<<dim3(p.num_rows, p.num_heads), p.head_dim / 4, 0, stream>>>(p);
-  return last_launch_error();
+  return launch_kernel(merge_splits_kernel<TOut>, dim3(p.num_rows, p.num_heads), dim3(p.head_dim / 4), 0, stream, pdl,
+                       p);
 }
 
 template <typename T>

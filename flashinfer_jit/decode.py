@@ -259,6 +259,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._host_turn = 0
         self._buf = None  # the device side of the packed plan buffer
         self._views_key = self._views_buf = self._views = None
+        self._pdl = supports_pdl(self._device)  # run(enable_pdl=None): as FlashInfer, on from sm_90
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -602,7 +603,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
            logit_scale, 1.0 if v_scale is None else float(v_scale), soft_cap,
            config.window_left if window_left is None else int(window_left), rope_scale, rope_theta, grid_items,
-           merge_rows, counters)
+           merge_rows, counters, self._pdl if enable_pdl is None else bool(enable_pdl))
         return (out, lse) if return_lse else out
 
     forward = run
@@ -677,6 +678,16 @@ def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple
     work = table + (2 * capacity + 1 if layout == "csr" else capacity)
     ids = work + 1 + 4 * grid_items
     return (0, table, work, ids, ids + num_ids)
+
+
+@functools.cache
+def supports_pdl(device) -> bool:
+    """Whether kernels on `device` can be programmatic dependent launches (sm_90 and
+    later): FlashInfer's default for enable_pdl=None."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.cache

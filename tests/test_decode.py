@@ -512,6 +512,57 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
         check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
 
 
+PDL_CASES = [  # (q/kv dtype, num_qo_heads, page_table, kv_layout): tensor-core and CUDA-core kernels
+    ("bfloat16", 32, "csr", "NHD"), ("float16", 16, "block_table_kv_separate", "HND")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("enable_pdl", [True, False], ids=["pdl", "no_pdl"])
+@pytest.mark.parametrize("dtype,num_qo_heads,page_table,kv_layout", PDL_CASES)
+def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, enable_pdl, graph, workspace):
+    """Six run()s back to back, each taking the previous output as its q, split into 64-token
+    chunks so that they share the partial states and merge counters: with programmatic
+    dependent launch a run may start while the previous one finishes, and must still read
+    that run's finished output and not clobber the partials it is merging. Outputs are
+    NaN-poisoned; each step is checked against the reference from the q it was given."""
+    hk, d, ps, steps = 8, 128, 16, 6
+    rnd = random.Random(13)
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    lens = [rnd.randint(300, 2500) for _ in range(5)] + [0, 7]
+    num_pages = sum(-(-n // ps) for n in lens) + 3
+    paged = make_page_table(page_table, lens, ps, num_pages, rnd, host_indptr=True)
+    _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, _dtype(dtype), gen)
+    nan_pages(k, paged.k_unused)
+    nan_pages(v, paged.v_unused)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper.plan(**paged.plan_args, num_qo_heads=num_qo_heads, num_kv_heads=hk, head_dim=d, page_size=ps,
+                 q_data_type=_dtype(dtype), fixed_split_size=64)
+    qs = [_randn((len(lens), num_qo_heads, d), _dtype(dtype), gen)]
+    qs += [torch.full_like(qs[0], float("nan")) for _ in range(steps)]  # qs[i + 1] = run(qs[i])
+    # rows of empty requests come out zero, and a zero q is a fine input for the next step
+
+    def chain():
+        for i in range(steps):
+            wrapper.run(qs[i], (k, v), out=qs[i + 1], enable_pdl=enable_pdl)
+
+    if graph:
+        chain()  # warm-up outside the capture (module load)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain()
+        for t in qs[1:]:
+            t.fill_(float("nan"))
+        g.replay()
+    else:
+        chain()
+    torch.cuda.synchronize()
+    for i in range(steps):
+        ref_out, _ = decode_ref(qs[i], k, v, paged.table, lens)
+        check_decode(qs[i + 1], None, ref_out, None, lens, _dtype(dtype))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype,head_dim,kv_layout,page_table", TAIL_CASES)
 def test_batch_decode_ignores_slots_past_kv_len(kv_dtype, head_dim, kv_layout, page_table, workspace):

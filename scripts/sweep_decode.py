@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""Tuning sweeps for batch decode (issue 4): what the planner's defaults rest on.
+
+In one process on one GPU, ours only (bench_decode.py compares with FlashInfer):
+  - split: small batches (b=1, 16) x kv_len, bf16 and fp8 KV, GQA-4 and GQA-8: device
+    time of run() by CUDA-graph replay for the planner's own choice, each
+    fixed_split_size of 32..4096 tokens and disable_split_kv, with programmatic dependent
+    launch (enable_pdl) on and off;
+  - layout: b=64 kv=4k, bf16 and fp8 KV, NHD and HND pages (same bytes, other order);
+  - host: where run()'s host time goes (run() itself, the op alone with run()'s
+    arguments, run() with the op replaced by a no-op, one torch launch, a ctypes call).
+Every timed configuration is checked first: one replay writes every output element
+(outputs are NaN-poisoned) and agrees with the planner's default (rel. L2 < 1e-2).
+Head_dim 128, page 16, CSR page table, bf16 q; inputs rotate over sets of > 4x L2.
+
+  python3 scripts/sweep_decode.py [--out FILE] [--only split,layout,host]
+Writes JSON (--out, default $OUT/sweep_decode.json) and prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+
+HEAD_DIM, PAGE_SIZE = 128, 16
+HEADS = {4: (32, 8), 8: (64, 8)}  # gqa -> (num_qo_heads, num_kv_heads)
+SPLIT_CASES = [  # (kv dtype, gqa, batch, kv_len)
+    ("bfloat16", 4, 1, 2048), ("bfloat16", 4, 1, 8192), ("bfloat16", 4, 1, 32768),
+    ("float8_e4m3fn", 4, 1, 2048), ("float8_e4m3fn", 4, 1, 32768),
+    ("bfloat16", 8, 1, 2048), ("bfloat16", 8, 1, 32768),
+    ("bfloat16", 4, 16, 2048), ("bfloat16", 4, 16, 8192),
+]
+SPLITS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+LAYOUT_CASES = [("bfloat16", 4, 64, 4096), ("float8_e4m3fn", 4, 64, 4096)]
+
+
+class Inputs:
+    """A page table for `batch` requests of kv_len tokens and n_sets (q, K, V, out) sets."""
+
+    def __init__(self, kv_dtype: str, gqa: int, batch: int, kv_len: int, layout: str = "NHD", seed: int = 0):
+        import torch
+
+        hq, hk = HEADS[gqa]
+        self.hq, self.hk, self.batch, self.kv_len, self.layout = hq, hk, batch, kv_len, layout
+        self.kv_dtype = getattr(torch, kv_dtype)
+        pages = -(-kv_len // PAGE_SIZE)
+        self.num_pages = pages * batch
+        gen = torch.Generator().manual_seed(seed)
+        self.indptr = torch.arange(0, self.num_pages + 1, pages, dtype=torch.int32)
+        self.last = torch.full((batch,), kv_len - (pages - 1) * PAGE_SIZE, dtype=torch.int32)
+        self.indices = torch.randperm(self.num_pages, generator=gen).to(torch.int32).cuda()
+        self.kv_bytes = 2 * batch * kv_len * hk * HEAD_DIM * self.kv_dtype.itemsize
+        shape = (self.num_pages, PAGE_SIZE, hk, HEAD_DIM) if layout == "NHD" else (self.num_pages, hk, PAGE_SIZE, HEAD_DIM)
+        self.n_sets = max(1, min(bc.rotation_sets(self.kv_bytes), int(12e9 // self.kv_bytes)))
+
+        def cache():
+            return torch.randn(shape, device="cuda", dtype=torch.bfloat16).to(self.kv_dtype)
+
+        self.sets = [dict(q=torch.randn(batch, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16), k=cache(),
+                          v=cache(), out=torch.empty(batch, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
+                     for _ in range(self.n_sets)]
+
+    def wrapper(self, **plan_kwargs):
+        import torch
+
+        import flashinfer_jit as fij
+
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, self.layout)
+        w.plan(self.indptr, self.indices, self.last, self.hq, self.hk, HEAD_DIM, PAGE_SIZE,
+               q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype, **plan_kwargs)
+        return w
+
+
+def timed(inputs: Inputs, reference=None, pdl: bool = True, **plan_kwargs) -> dict:
+    """Graph-replay µs of run() under plan(**plan_kwargs); checks one replay's output."""
+    import torch
+
+    w = inputs.wrapper(**plan_kwargs)
+    items = int(w._plan.args[8])  # grid items: work items the kernel runs
+
+    def run(i):
+        s = inputs.sets[i]
+        w.run(s["q"], (s["k"], s["v"]), out=s["out"], enable_pdl=pdl)
+
+    inner = inputs.n_sets * max(1, -(-8 // inputs.n_sets))
+    graph = bc.capture_graph(run, inputs.n_sets, inner)
+    out0 = inputs.sets[0]["out"]
+    out0.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    result = {"grid_items": items, "wrote_all": not bool(torch.isnan(out0).any())}
+    if reference is not None:
+        result["rel_diff"] = float((out0.float() - reference.float()).norm() / reference.float().norm())
+    else:
+        result["_out0"] = out0.clone()
+    t = bc.time_graph(graph, inner, reps=40)
+    result |= {"median_us": t["median_us"], "tb_per_s": inputs.kv_bytes / t["median_us"] / 1e6}
+    return result
+
+
+def sweep_split(copy_gbps: float) -> list:
+    rows = []
+    for kv, gqa, batch, kv_len in SPLIT_CASES:
+        inputs = Inputs(kv, gqa, batch, kv_len)
+        label = f"{kv[:5]} gqa{gqa} b={batch} kv={kv_len}"
+        auto = timed(inputs, pdl=True)
+        ref = auto.pop("_out0")
+        row = {"case": label, "kv_dtype": kv, "gqa": gqa, "batch": batch, "kv_len": kv_len,
+               "kv_bytes": inputs.kv_bytes, "results": {"auto pdl": auto}}
+        row["results"]["auto nopdl"] = timed(inputs, ref, pdl=False)
+        for split in SPLITS:
+            if split < kv_len:
+                for pdl in (True, False):
+                    row["results"][f"{split} {'pdl' if pdl else 'nopdl'}"] = \
+                        timed(inputs, ref, pdl=pdl, fixed_split_size=split)
+        row["results"]["nosplit pdl"] = timed(inputs, ref, pdl=True, disable_split_kv=True)
+        best = min(row["results"].items(), key=lambda kv_: kv_[1]["median_us"])
+        row["best"] = best[0]
+        bc.log(f"{label}: auto {auto['median_us']:.1f} us (pdl), {row['results']['auto nopdl']['median_us']:.1f} "
+               f"(no pdl); best {best[0]} {best[1]['median_us']:.1f} us")
+        rows.append(row)
+        del inputs
+        import torch
+
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_layout() -> list:
+    rows = []
+    for kv, gqa, batch, kv_len in LAYOUT_CASES:
+        for layout in ("NHD", "HND"):
+            inputs = Inputs(kv, gqa, batch, kv_len, layout)
+            r = timed(inputs, pdl=True)
+            r.pop("_out0")
+            rows.append({"case": f"{kv[:5]} gqa{gqa} b={batch} kv={kv_len} {layout}", "layout": layout,
+                         "kv_dtype": kv, "kv_bytes": inputs.kv_bytes} | r)
+            bc.log(f"{rows[-1]['case']}: {r['median_us']:.1f} us {r['tb_per_s']:.2f} TB/s")
+            del inputs
+    return rows
+
+
+def host_breakdown() -> dict:
+    """µs of host time per call (enqueue rate while the device lags behind)."""
+    import torch
+
+    from bench_decode import enqueue_us
+
+    from flashinfer_jit import decode as decode_mod
+
+    out = {}
+    for label, (batch, kv_len) in {"b=1 kv=16": (1, 16), "b=64 kv=4k": (64, 4096)}.items():
+        inputs = Inputs("bfloat16", 4, batch, kv_len)
+        inputs.sets = inputs.sets[:1]
+        s = inputs.sets[0]
+        w = inputs.wrapper()
+        r = {"run": enqueue_us(lambda: w.run(s["q"], (s["k"], s["v"]), out=s["out"])),
+             "run_new_out": enqueue_us(lambda: w.run(s["q"], (s["k"], s["v"])))}
+        plan = w._plan
+        a = plan.args
+        args = (s["q"], s["k"], s["v"], a[0], a[1], a[2], s["out"], plan.no_lse, a[3], a[4], 1.0, 1.0, a[5], -1,
+                a[6], a[7], a[8], a[9], a[10], True)
+        op = plan.op
+        r["op_alone"] = enqueue_us(lambda: op(*args))
+        r["op_alone_C"] = enqueue_us(lambda: op._op(*args))
+        plan.op = lambda *a_: None
+        r["run_python_only"] = bc.time_python(lambda: w.run(s["q"], (s["k"], s["v"]), out=s["out"]), 20000)
+        plan.op = op
+        out[label] = r
+        bc.log(f"host {label}: {r}")
+    buf = torch.zeros(1, device="cuda")
+    out["torch_add_"] = enqueue_us(lambda: buf.add_(1))
+    libc = ctypes.CDLL(None)
+    labs = libc.labs
+    out["ctypes_call_3_args_us"] = bc.time_python(lambda: labs(-5), 200000)
+    q = torch.zeros(4, device="cuda")
+    out["data_ptr_us"] = bc.time_python(lambda: q.data_ptr(), 200000)
+    out["raw_stream_us"] = bc.time_python(lambda: torch._C._cuda_getCurrentRawStream(0), 200000)
+    out["empty_like_us"] = bc.time_python(lambda: torch.empty_like(q), 50000)
+    del decode_mod
+    return out
+
+
+def build_modules() -> None:
+    """The modules the sweeps use, in one parallel build (run() would build them one by one)."""
+    from flashinfer_jit.jit import build_many
+    from flashinfer_jit.specs import DecodeSpec
+    from flashinfer_jit.specs.decode import group_tile
+
+    specs = {DecodeSpec("bfloat16", kv, HEAD_DIM, group_tile(*HEADS[gqa], HEAD_DIM), "csr", layout)
+             for kv, gqa, _, _ in SPLIT_CASES + LAYOUT_CASES for layout in ("NHD", "HND")}
+    report = build_many(sorted(specs, key=lambda s: s.name), jobs=16)
+    bc.log(f"modules: {len(report.built)} built, {len(report.cached)} cached, failed {dict(report.failed)}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--only", default="split,layout,host")
+    args = p.parse_args(argv)
+    out_path = args.out or bc.default_out("sweep_decode.json")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("sweep_decode: no CUDA GPU visible", file=sys.stderr)
+        return 2
+    parts = set(args.only.split(","))
+    t0 = time.perf_counter()
+    build_modules()
+    res = {"meta": bc.run_metadata(), "config": {"head_dim": HEAD_DIM, "page_size": PAGE_SIZE, "q": "bfloat16",
+                                                 "page_table": "csr", "timed_by": "cuda-graph replay, median"}}
+    res["copy"] = bc.copy_bandwidth()
+    if "split" in parts:
+        res["split"] = sweep_split(res["copy"]["gb_per_s"])
+        bc.write_json(out_path, res)
+    if "layout" in parts:
+        res["layout"] = sweep_layout()
+        bc.write_json(out_path, res)
+    if "host" in parts:
+        res["host"] = host_breakdown()
+    res["seconds"] = time.perf_counter() - t0
+    bc.write_json(out_path, res)
+    for row in res.get("split", []):
+        cells = ", ".join(f"{k} {v['median_us']:.1f}" + ("" if v["wrote_all"] and v.get("rel_diff", 0) < 1e-2 else " BAD")
+                          for k, v in row["results"].items())
+        print(f"{row['case']}: {cells}")
+    for row in res.get("layout", []):
+        print(f"{row['case']}: {row['median_us']:.1f} us {row['tb_per_s']:.2f} TB/s wrote_all={row['wrote_all']}")
+    if "host" in res:
+        print("host:", res["host"])
+    print(f"(JSON: {out_path}; {res['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
