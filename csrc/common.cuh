@@ -12,6 +12,8 @@
 
 #define FIJ_DEVICE __device__ __forceinline__
 #define FIJ_HOST_DEVICE __host__ __device__ __forceinline__
+// A C entry point of a module (modules build with hidden visibility), for ctypes.
+#define FIJ_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace fij {
 

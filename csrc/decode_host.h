@@ -1,6 +1,7 @@
 // Host side of batch decode and merge_states: tensors -> params.
 #pragma once
 #include <cmath>
+#include <cstring>
 
 #include "decode_params.h"
 #include "torch_binding.h"

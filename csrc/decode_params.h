@@ -50,4 +50,15 @@ struct MergeParams {
   int32_t num_states = 0;
 };
 
+// One decode call, resolved: what the torch op builds from its arguments, and what run()'s
+// fast path (<namespace>_decode_fast, called through ctypes) launches again with the
+// per-call pointers replaced. Valid while the plan's buffers live.
+struct DecodeLaunch {
+  DecodeParams params;
+  MergeParams merge;  // the separate merge kernel's; num_rows 0: none (not split, or merged in-kernel)
+  int32_t grid_items = 0;
+  int32_t num_kv_heads = 0;
+  int32_t device = 0;
+};
+
 }  // namespace fij

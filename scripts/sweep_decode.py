@@ -7,8 +7,8 @@ In one process on one GPU, ours only (bench_decode.py compares with FlashInfer):
     fixed_split_size of 32..4096 tokens and disable_split_kv, with programmatic dependent
     launch (enable_pdl) on and off;
   - layout: b=64 kv=4k, bf16 and fp8 KV, NHD and HND pages (same bytes, other order);
-  - host: where run()'s host time goes (run() itself, the op alone with run()'s
-    arguments, run() with the op replaced by a no-op, one torch launch, a ctypes call).
+  - host: where run()'s host time goes (run() on its fast path, run() through the torch
+    op as after a plan(), the op alone, run()'s Python alone, one torch launch, a ctypes call).
 Every timed configuration is checked first: one replay writes every output element
 (outputs are NaN-poisoned) and agrees with the planner's default (rel. L2 < 1e-2).
 Head_dim 128, page 16, CSR page table, bf16 q; inputs rotate over sets of > 4x L2.
@@ -153,26 +153,30 @@ def host_breakdown() -> dict:
 
     from bench_decode import enqueue_us
 
-    from flashinfer_jit import decode as decode_mod
-
     out = {}
     for label, (batch, kv_len) in {"b=1 kv=16": (1, 16), "b=64 kv=4k": (64, 4096)}.items():
         inputs = Inputs("bfloat16", 4, batch, kv_len)
         inputs.sets = inputs.sets[:1]
         s = inputs.sets[0]
         w = inputs.wrapper()
-        r = {"run": enqueue_us(lambda: w.run(s["q"], (s["k"], s["v"]), out=s["out"])),
-             "run_new_out": enqueue_us(lambda: w.run(s["q"], (s["k"], s["v"])))}
+        call = lambda: w.run(s["q"], (s["k"], s["v"]), out=s["out"])  # noqa: E731
+        r = {"run": enqueue_us(call), "run_new_out": enqueue_us(lambda: w.run(s["q"], (s["k"], s["v"])))}
         plan = w._plan
+
+        def through_op():  # as the first run() after a plan(): the op, which prepares the fast path
+            plan.fast = None
+            call()
+
+        r["run_through_op"] = enqueue_us(through_op)
         a = plan.args
         args = (s["q"], s["k"], s["v"], a[0], a[1], a[2], s["out"], plan.no_lse, a[3], a[4], 1.0, 1.0, a[5], -1,
                 a[6], a[7], a[8], a[9], a[10], True)
-        op = plan.op
-        r["op_alone"] = enqueue_us(lambda: op(*args))
-        r["op_alone_C"] = enqueue_us(lambda: op._op(*args))
-        plan.op = lambda *a_: None
-        r["run_python_only"] = bc.time_python(lambda: w.run(s["q"], (s["k"], s["v"]), out=s["out"]), 20000)
-        plan.op = op
+        r["op_alone"] = enqueue_us(lambda: plan.op(*args))
+        call()
+        fast = plan.fast
+        plan.fast = lambda *a_: 0
+        r["run_python_only"] = bc.time_python(call, 20000)
+        plan.fast = fast
         out[label] = r
         bc.log(f"host {label}: {r}")
     buf = torch.zeros(1, device="cuda")
@@ -184,7 +188,6 @@ def host_breakdown() -> dict:
     out["data_ptr_us"] = bc.time_python(lambda: q.data_ptr(), 200000)
     out["raw_stream_us"] = bc.time_python(lambda: torch._C._cuda_getCurrentRawStream(0), 200000)
     out["empty_like_us"] = bc.time_python(lambda: torch.empty_like(q), 50000)
-    del decode_mod
     return out
 
 

@@ -292,6 +292,7 @@ def check_decode(out, lse, ref_out, ref_lse, lens, dtype: torch.dtype) -> None:
             assert bool((out[b] == 0).all()), f"request {b} has length 0 but its output is not zero"
             continue
         err = float((out[b] - ref[b]).norm() / ref[b].norm())
+        assert not math.isnan(err), f"request {b} (kv_len {n}): NaN error (the reference read a poisoned slot?)"
         worst = max(worst, (err, b))
     if worst[1] is not None:
         err, b = worst
@@ -559,8 +560,50 @@ def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, e
         chain()
     torch.cuda.synchronize()
     for i in range(steps):
-        ref_out, _ = decode_ref(qs[i], k, v, paged.table, lens)
+        ref_out, _ = decode_ref(qs[i], k, v, paged.table, lens, kv_layout)
         check_decode(qs[i + 1], None, ref_out, None, lens, _dtype(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,num_qo_heads,page_table,kv_layout", PDL_CASES)
+def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, workspace):
+    """run() after the first of a plan takes the fast path (the launch the op prepared,
+    replayed with new pointers through the module's C entry point): new q, cache, out and
+    lse tensors at every call, k/v scales, window_left, LSE on and off, split requests
+    (merged in the kernel or, CUDA-core kernel, by the merge kernel); each call against
+    the reference, outputs NaN-poisoned, then a q of another layout (full checks again)."""
+    hk, d, ps = 8, 128, 16
+    rnd = random.Random(17)
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    lens = [rnd.randint(1, 3000) for _ in range(6)] + [0, 2048]
+    num_pages = sum(-(-n // ps) for n in lens) + 3
+    paged = make_page_table(page_table, lens, ps, num_pages, rnd, host_indptr=True)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper.plan(**paged.plan_args, num_qo_heads=num_qo_heads, num_kv_heads=hk, head_dim=d, page_size=ps,
+                 q_data_type=_dtype(dtype), fixed_split_size=256)
+    calls = [dict(), dict(k_scale=0.7, v_scale=1.5, return_lse=True), dict(window_left=300, return_lse=True),
+             dict(), dict(k_scale=1.3)]
+    for i, kwargs in enumerate(calls):
+        _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, _dtype(dtype), gen)
+        nan_pages(k, paged.k_unused)
+        nan_pages(v, paged.v_unused)
+        q = _randn((len(lens), num_qo_heads, d), _dtype(dtype), gen)
+        out_buf, out = poisoned(q.shape, q.dtype)
+        lse = torch.full((len(lens), num_qo_heads), float("nan"), device=DEV) if kwargs.get("return_lse") else None
+        result = wrapper.run(q, (k, v), out=out, lse=lse, **kwargs)
+        if i > 0:
+            assert wrapper._plan.fast is not None, "the second and later runs should take the fast path"
+        ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout, k_scale=kwargs.get("k_scale", 1.0),
+                                      v_scale=kwargs.get("v_scale", 1.0), window_left=kwargs.get("window_left", -1))
+        assert_sentinels(out_buf, "out")
+        if kwargs.get("return_lse"):
+            assert result[1] is lse
+        check_decode(out, lse, ref_out, ref_lse, lens, _dtype(dtype))
+    # q as a strided view (another signature): checked in full, then through the op again
+    q_wide = _randn((len(lens), num_qo_heads, 2 * d), _dtype(dtype), gen)[..., :d]
+    out = wrapper.run(q_wide, (k, v))
+    ref_out, _ = decode_ref(q_wide, k, v, paged.table, lens, kv_layout)
+    check_decode(out, None, ref_out, None, lens, _dtype(dtype))
 
 
 @pytest.mark.gpu

@@ -60,6 +60,7 @@ class Recorder:
 def op(monkeypatch):
     recorder = Recorder()
     monkeypatch.setattr(decode, "_decode_op", lambda spec, debug: recorder)
+    monkeypatch.setattr(decode, "_decode_fast", lambda spec, debug: None)  # every call reaches the recorder
     monkeypatch.setattr(decode, "same_cuda_device", lambda ts: all(t.device == ts[0].device for t in ts))
     return recorder
 

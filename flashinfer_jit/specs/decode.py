@@ -57,13 +57,15 @@ class DecodeSpec(Spec):
         # kernel when merge_counters (int32, >= batch x blocks per item, zeros) is given and
         # the spec builds the tensor-core kernel, else as a second kernel. enable_pdl: the
         # launches are programmatic dependent launches (they may start while the kernel
-        # before them in the stream finishes; see DecodeParams / common.cuh).
+        # before them in the stream finishes; see common.cuh). prepared: a CPU byte tensor
+        # that receives the resolved launch (csrc/decode_params.h DecodeLaunch) for run()'s
+        # fast path, <namespace>_decode_fast.
         return {"decode": (
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] page_table, Tensor work, "
             "Tensor merge_indptr, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_o, "
             "Tensor(d!) partial_lse, float logit_scale, float v_scale, float soft_cap, int window_left, "
             "float rope_scale, float rope_theta, int grid_items, int merge_rows, "
-            "Tensor(e!)? merge_counters=None, bool enable_pdl=False) -> ()")}
+            "Tensor(e!)? merge_counters=None, bool enable_pdl=False, Tensor(f!)? prepared=None) -> ()")}
 
 
 @dataclass(frozen=True)
