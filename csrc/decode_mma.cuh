@@ -21,9 +21,8 @@
 // Fragments are read from shared memory with a permuted head_dim order where that saves
 // instructions (the dot product does not care which k index holds which dim, as long as
 // q uses the same order): a lane reads 16 contiguous bytes of a K row and feeds them to
-// consecutive k-steps. fp8 K/V are widened to fp16 in registers by bit operations (e4m3:
-// the value times 2^-8, exactly, subnormals included; e5m2: exact); the 2^8 goes into the
-// logit and V scales. q, fp16 or bf16, runs in the K/V type's mma (fp16 for fp8 caches).
+// consecutive k-steps. fp8 K/V are widened to fp16 in registers, exactly (one cvt per
+// pair on sm_89+). q, fp16 or bf16, runs in the K/V type's mma (fp16 for fp8 caches).
 #pragma once
 #include <math_constants.h>
 
@@ -48,9 +47,6 @@ struct DecodeMmaTraits {
   using KV = TKV;
   using M = typename MmaTypeOf<TKV>::type;
   static constexpr bool kFp8 = sizeof(TKV) == 1;
-  static constexpr bool kE4M3 = std::is_same_v<TKV, __nv_fp8_e4m3>;
-  // e4m3 widened by bit operations is the value times 2^-8 (see widen_fp8x2).
-  static constexpr float kWidenScale = kE4M3 ? 256.f : 1.f;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kRows = GroupTile;              // query heads of the tile: 4, 8 or 16
   static constexpr int kHeadTiles = (kRows + 7) / 8;   // 8-column tiles of O^T
@@ -134,23 +130,48 @@ FIJ_DEVICE void mma_k8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
   }
 }
 
+// a x b as 64 bits from 32-bit operands (one IMAD.WIDE).
+FIJ_DEVICE int64_t mul_wide(int a, int b) {
+  int64_t r;
+  asm("mul.wide.s32 %0, %1, %2;\n" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 FIJ_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
 }
 
-// Two fp8 values, placed in bytes 1 and 3 of x (bytes 0 and 2 are ignored), as an fp16x2
-// (byte 1 -> low half). e5m2 is the top byte of the fp16 with the same value. e4m3 (bias
-// 7) shifted right by one under its sign is an fp16 (bias 15) of the value times 2^-8,
-// for normal and subnormal inputs alike.
+// Four fp8 values (bytes 0..3 of x) as two fp16x2, exactly: (byte 0, byte 1) -> lo,
+// (byte 2, byte 3) -> hi, first byte in the low half. sm_89+: one cvt per pair. Before
+// that, bit operations: e5m2 is the top byte of the fp16 of the same value; e4m3 (bias 7)
+// shifted right by one under its sign is the fp16 (bias 15) of the value times 2^-8,
+// subnormals included, scaled back by an exact multiply.
 template <typename TKV>
-FIJ_DEVICE uint32_t widen_fp8x2(uint32_t x) {
+FIJ_DEVICE void fp8x4_to_half2x2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if constexpr (std::is_same_v<TKV, __nv_fp8_e5m2>) {
-    return x & 0xff00ff00u;
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(x));
   } else {
-    return (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(x));
   }
+#else
+  const uint32_t a = prmt(x, 0, 0x1100), b = prmt(x, 0, 0x3322);  // bytes to positions 1 and 3
+  if constexpr (std::is_same_v<TKV, __nv_fp8_e5m2>) {
+    lo = a & 0xff00ff00u;
+    hi = b & 0xff00ff00u;
+  } else {
+    const __half2 k = __floats2half2_rn(256.f, 256.f);
+    uint32_t wa = (a & 0x80008000u) | ((a >> 1) & 0x3f803f80u), wb = (b & 0x80008000u) | ((b >> 1) & 0x3f803f80u);
+    const __half2 ha = __hmul2(*reinterpret_cast<const __half2*>(&wa), k);
+    const __half2 hb = __hmul2(*reinterpret_cast<const __half2*>(&wb), k);
+    lo = *reinterpret_cast<const uint32_t*>(&ha);
+    hi = *reinterpret_cast<const uint32_t*>(&hb);
+  }
+#endif
 }
 
 template <typename T>
@@ -238,35 +259,48 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   struct Pages {
     int k[TPT], v[kSeparate ? TPT : 1], slot[TPT];
   };
-  auto lookup = [&](int tile, Pages& pg) {
+  // Token j's page slot: shifts for a power-of-two page size (a uniform branch), else a
+  // division; the request's page-id rows are looked up once.
+  const int page_size = p.table.page_size;
+  const bool pow2_pages = (page_size & (page_size - 1)) == 0;
+  const int page_shift = __ffs(page_size) - 1;
+  const int32_t* k_row = table.k_row(b);
+  const int32_t* v_row = kSeparate ? table.v_row(b) : k_row;
+  auto lookup_as = [&](auto pow2, int tile, Pages& pg) {
     const int j0 = start + tile * Traits::kTileTokens + my_row;
-    int logical = j0 / p.table.page_size;
-    int s = j0 - logical * p.table.page_size;
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
-      const bool valid = j0 + i * Traits::kRowsPerPass < end;
-      pg.k[i] = valid ? table.k_page(b, logical) : -1;
-      if constexpr (kSeparate) pg.v[i] = valid ? table.v_page(b, logical) : -1;
-      pg.slot[i] = s;
-      s += Traits::kRowsPerPass;
-      while (s >= p.table.page_size) {
-        s -= p.table.page_size;
-        ++logical;
-      }
+      const int j = j0 + i * Traits::kRowsPerPass;
+      const int logical = decltype(pow2)::value ? j >> page_shift : j / page_size;
+      const bool valid = j < end;
+      pg.k[i] = valid ? k_row[logical] : -1;
+      if constexpr (kSeparate) pg.v[i] = valid ? v_row[logical] : -1;
+      pg.slot[i] = j - logical * page_size;
     }
   };
+  auto lookup = [&](int tile, Pages& pg) {
+    if (pow2_pages) {
+      lookup_as(std::true_type{}, tile, pg);
+    } else {
+      lookup_as(std::false_type{}, tile, pg);
+    }
+  };
+  // Element offsets in 32 bits but for page x stride_page (the host checks that the
+  // strides fit); this thread's head and chunk folded into the bases once.
+  const int k_sp = static_cast<int>(p.kv.k.stride_page), k_st = static_cast<int>(p.kv.k.stride_token);
+  const int v_sp = static_cast<int>(p.kv.v.stride_page), v_st = static_cast<int>(p.kv.v.stride_token);
+  const KV* k_base = static_cast<const KV*>(p.kv.k.data) + (kv_head * static_cast<int>(p.kv.k.stride_head) + my_chunk * E);
+  const KV* v_base = static_cast<const KV*>(p.kv.v.data) + (kv_head * static_cast<int>(p.kv.v.stride_head) + my_chunk * E);
   auto issue = [&](int s, const Pages& pg) {  // the tile's copies into stage s
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const int t = my_row + i * Traits::kRowsPerPass;
       const bool valid = pg.k[i] >= 0;
-      int vp = pg.k[i];
-      if constexpr (kSeparate) vp = pg.v[i];
-      const KV* k_src = valid ? paged_ptr<KV>(p.kv.k, pg.k[i], pg.slot[i], kv_head) + my_chunk * E
-                              : static_cast<const KV*>(p.kv.k.data);
-      const KV* v_src = valid ? paged_ptr<KV>(p.kv.v, vp, pg.slot[i], kv_head) + my_chunk * E
-                              : static_cast<const KV*>(p.kv.v.data);
-      cp_async_16(stage_k(s) + k_off(t, my_chunk), k_src, valid);  // past the end: zeros
+      const int vp = kSeparate ? pg.v[kSeparate ? i : 0] : pg.k[i];
+      // past the end: zeros, from an address that is never read
+      const KV* k_src = valid ? k_base + (mul_wide(pg.k[i], k_sp) + pg.slot[i] * k_st) : k_base;
+      const KV* v_src = valid ? v_base + (mul_wide(vp, v_sp) + pg.slot[i] * v_st) : v_base;
+      cp_async_16(stage_k(s) + k_off(t, my_chunk), k_src, valid);
       cp_async_16(stage_v(s) + v_off(t, my_chunk), v_src, valid);
     }
   };
@@ -318,7 +352,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     cp_async_commit();  // empty groups keep the wait counts uniform
   }
 
-  const float logit_scale = p.logit_scale * Traits::kWidenScale;  // soft cap: inside the tanh
+  const float logit_scale = p.logit_scale;  // soft cap: inside the tanh
   // Online softmax of heads g + 8t (this lane's S rows); d sums this lane's tokens only.
   float m[HT], d[HT];
   float o[Traits::kMTiles][HT][4];
@@ -357,10 +391,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
         if constexpr (Traits::kFp8) {
           const uint32_t r4[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            w[2 * v] = widen_fp8x2<KV>(prmt(r4[v], 0, 0x1100));
-            w[2 * v + 1] = widen_fp8x2<KV>(prmt(r4[v], 0, 0x3322));
-          }
+          for (int v = 0; v < 4; ++v) fp8x4_to_half2x2<KV>(r4[v], w[2 * v], w[2 * v + 1]);
         } else {
           w[0] = raw.x;
           w[1] = raw.y;
@@ -479,18 +510,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       }
 #pragma unroll
       for (int i = 0; i < Traits::kMTiles; ++i) {
-        // dims 2i, 2i+1 of the segment: bytes (2i) % 4 and + 1 of word (2i) / 4; the
-        // fp8 of the first token goes to byte 1, of the second to byte 3.
+        // dims 2i, 2i+1 of the segment: bytes (2i) % 4 and + 1 of word (2i) / 4, each
+        // paired with the same dim of the second token.
         const int wi = (2 * i) / 4;
         const uint32_t b0 = (2 * i) % 4, b1 = b0 + 1;
-        const uint32_t sel0 = b0 | (b0 << 4) | ((4 + b0) << 8) | ((4 + b0) << 12);
-        const uint32_t sel1 = b1 | (b1 << 4) | ((4 + b1) << 8) | ((4 + b1) << 12);
+        // [token 0 dim 2i, token 1 dim 2i, token 0 dim 2i+1, token 1 dim 2i+1]
+        const uint32_t sel = b0 | ((4 + b0) << 4) | (b1 << 8) | ((4 + b1) << 12);
         uint32_t a[NT][2];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          a[n][0] = widen_fp8x2<KV>(prmt(rows[n][0][wi], rows[n][1][wi], sel0));
-          a[n][1] = widen_fp8x2<KV>(prmt(rows[n][0][wi], rows[n][1][wi], sel1));
-        }
+        for (int n = 0; n < NT; ++n) fp8x4_to_half2x2<KV>(prmt(rows[n][0][wi], rows[n][1][wi], sel), a[n][0], a[n][1]);
 #pragma unroll
         for (int t = 0; t < HT; ++t) {
           if constexpr (NT == 1) {
@@ -568,7 +596,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       }
     }
     const bool empty = den == 0.f;  // no key: zeros and -inf, never NaN
-    const float norm = empty ? 0.f : p.v_scale * Traits::kWidenScale / den;
+    const float norm = empty ? 0.f : p.v_scale / den;
     const float lse = empty ? -CUDART_INF_F : mx + log2f(den);
     const int qo_head = head0 + h;
     if (partial_row < 0) {

@@ -38,6 +38,22 @@ struct PageTable {
     }
   }
 
+  // Request b's page ids, K and V: row[logical_page] (one lookup of the row per request).
+  FIJ_DEVICE const int32_t* k_row(int b) const {
+    if constexpr (L == PageTableLayout::kCSR) {
+      return p.indices + p.indptr[b];
+    } else {
+      return p.block_tables + int64_t(b) * p.block_stride_batch;
+    }
+  }
+  FIJ_DEVICE const int32_t* v_row(int b) const {
+    if constexpr (L == PageTableLayout::kBlockTableKVSeparate) {
+      return k_row(b) + p.block_stride_kv;
+    } else {
+      return k_row(b);
+    }
+  }
+
   FIJ_DEVICE int v_page(int b, int logical_page) const {
     if constexpr (L == PageTableLayout::kBlockTableKVSeparate) {
       return p.block_tables[b * p.block_stride_batch + p.block_stride_kv + logical_page];

@@ -44,6 +44,11 @@ inline void expect_cuda(const at::Tensor& t, const char* name) {
 inline PagedTensor make_paged_tensor(const at::Tensor& t, KVLayout layout) {
   TORCH_CHECK(t.dim() == 4 || t.dim() == 3, "a paged cache must be 3-D or 4-D");
   TORCH_CHECK(t.stride(-1) == 1, "the head_dim axis of a paged cache must be contiguous");
+  // Kernels keep element offsets within a page in 32 bits (page x stride_page in 64).
+  for (int d = 0; d < t.dim(); ++d) {
+    TORCH_CHECK(t.stride(d) >= 0 && t.stride(d) <= INT32_MAX, "a paged cache's strides must lie in [0, 2^31) elements, got ",
+                t.strides());
+  }
   PagedTensor p;
   p.data = t.data_ptr();
   p.stride_page = t.stride(0);
