@@ -607,6 +607,29 @@ def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [5, 12])
+@pytest.mark.parametrize("kv_dtype,head_dim,kv_layout,page_table", [
+    ("bfloat16", 128, "NHD", "csr"), ("float8_e4m3fn", 256, "HND", "block_table_kv_separate")])
+def test_batch_decode_page_size_not_a_power_of_two(kv_dtype, head_dim, kv_layout, page_table, page_size, workspace):
+    """Page sizes that are not powers of two take the division path of the tensor-core
+    kernel's page lookup (powers of two shift)."""
+    rnd = random.Random(page_size)
+    gen = torch.Generator(device=DEV).manual_seed(page_size)
+    lens = [1, page_size, page_size + 1, 0, 700, 2049]
+    paged, k, v, q = _llama_inputs(lens, "bfloat16", gen, rnd, page_table, kv_layout, head_dim, kv_dtype,
+                                   page_size=page_size)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=head_dim,
+                 page_size=page_size, q_data_type=torch.bfloat16, kv_data_type=_dtype(kv_dtype), fixed_split_size=96)
+    out_buf, out = poisoned(q.shape, q.dtype)
+    lse_buf, lse = poisoned((len(lens), LLAMA_HEADS[0]), torch.float32)
+    wrapper.run(q, (k, v), out=out, lse=lse)
+    assert_sentinels(out_buf, "out")
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout)
+    check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype,head_dim,kv_layout,page_table", TAIL_CASES)
 def test_batch_decode_ignores_slots_past_kv_len(kv_dtype, head_dim, kv_layout, page_table, workspace):
     """Slots at or past a request's length in its last page hold NaN (stale or never
