@@ -636,22 +636,46 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   auto part_lse = [&](int i, int h) {
     return __ldcg(p.partial_lse + int64_t(begin + i) * p.num_qo_heads + head0 + h);
   };
-  for (int h = warp; h < kRowsT; h += Traits::kWarps) {
-    float mx = -CUDART_INF_F;
-    for (int i = lane; i < count; i += 32) mx = fmaxf(mx, part_lse(i, h));
+  // Warp w takes heads w, w + 4, ...; their LSEs of partials lane, lane + 32, ... load
+  // together, and partials 0..31 stay in registers for the weights (one round trip for
+  // every head when count <= 32, not two per head).
+  constexpr int kHeadsPerWarp = (kRowsT + Traits::kWarps - 1) / Traits::kWarps;
+  float lse0[kHeadsPerWarp], mx[kHeadsPerWarp], den[kHeadsPerWarp];
 #pragma unroll
-    for (int off = 16; off >= 1; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float den = 0.f;
-    for (int i = lane; i < count; i += 32) {
-      const float w = mx == -CUDART_INF_F ? 0.f : exp2f(part_lse(i, h) - mx);
-      den += w;
+  for (int j = 0; j < kHeadsPerWarp; ++j) {
+    const int h = warp + j * Traits::kWarps;
+    lse0[j] = h < kRowsT && lane < count ? part_lse(lane, h) : -CUDART_INF_F;
+  }
+#pragma unroll
+  for (int j = 0; j < kHeadsPerWarp; ++j) {
+    const int h = warp + j * Traits::kWarps;
+    mx[j] = lse0[j];
+    if (h < kRowsT)
+      for (int i = lane + 32; i < count; i += 32) mx[j] = fmaxf(mx[j], part_lse(i, h));
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], off));
+  }
+#pragma unroll
+  for (int j = 0; j < kHeadsPerWarp; ++j) {
+    const int h = warp + j * Traits::kWarps;
+    if (h >= kRowsT) continue;  // warp-uniform
+    const bool none = mx[j] == -CUDART_INF_F;
+    den[j] = 0.f;
+    if (lane < count) {
+      const float w = none ? 0.f : exp2f(lse0[j] - mx[j]);
+      den[j] = w;
+      if (lane < kMaxParts) weight[lane * kRowsT + h] = w;
+    }
+    for (int i = lane + 32; i < count; i += 32) {
+      const float w = none ? 0.f : exp2f(part_lse(i, h) - mx[j]);
+      den[j] += w;
       if (i < kMaxParts) weight[i * kRowsT + h] = w;
     }
 #pragma unroll
-    for (int off = 16; off >= 1; off /= 2) den += __shfl_xor_sync(0xffffffffu, den, off);
+    for (int off = 16; off >= 1; off /= 2) den[j] += __shfl_xor_sync(0xffffffffu, den[j], off);
     if (lane == 0) {
-      head_m[h] = mx;
-      head_den[h] = den;
+      head_m[h] = mx[j];
+      head_den[h] = den[j];
     }
   }
   __syncthreads();

@@ -33,7 +33,7 @@ HEADS = {4: (32, 8), 8: (64, 8)}  # gqa -> (num_qo_heads, num_kv_heads)
 SPLIT_CASES = [  # (kv dtype, gqa, batch, kv_len)
     ("bfloat16", 4, 1, 2048), ("bfloat16", 4, 1, 8192), ("bfloat16", 4, 1, 32768),
     ("float8_e4m3fn", 4, 1, 2048), ("float8_e4m3fn", 4, 1, 32768),
-    ("bfloat16", 8, 1, 2048), ("bfloat16", 8, 1, 32768),
+    ("bfloat16", 8, 1, 2048), ("bfloat16", 8, 1, 8192), ("bfloat16", 8, 1, 32768), ("float8_e4m3fn", 8, 1, 8192),
     ("bfloat16", 4, 16, 2048), ("bfloat16", 4, 16, 8192),
 ]
 SPLITS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
