@@ -47,6 +47,10 @@ _MIN_CHUNK = 64  # tokens; two 32-token tiles, so a chunk still pipelines its lo
 # are in flight from its first load on (H100, b=1, 32/8 heads: kv=4k 16.2 -> 13.8 us with
 # 128-token chunks; kv=2k 64/8 heads 13.4 -> 12.6 us; kv=512 keeps 64-token chunks).
 _MMA_MIN_CHUNK = 128
+# At most this many chunks per request on the tensor-core kernel: its last block merges
+# them all, 64 partials of 8 heads took longer than the KV reads they sped up (b=1
+# sweeps, docs/performance.md): b=1 kv=8k GQA-8 23.8 us at 64 chunks, 20.3 at 32.
+_MMA_MAX_CHUNKS = 32
 _SPLIT_BLOCKS_PER_SM = 3
 _MMA_BLOCKS_PER_SM = 4
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
@@ -71,12 +75,12 @@ def _as_dtype(value, name: str, default=None) -> torch.dtype:
 
 def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size, disable_split_kv,
                max_items: int | None = None, max_partials: int | None = None, min_chunk: int = _MIN_CHUNK,
-               sized: tuple | None = None):
+               sized: tuple | None = None, max_chunks: int | None = None):
     """Chunk size for the work list, and the list: (request, start, end, partial_row) rows
     and merge_indptr. Pure function of host values (unit-tested without a GPU).
 
     The chunk is the total work spread over about target_blocks blocks (never below
-    min_chunk tokens). A request takes round(length / chunk) chunks (at least one), of
+    min_chunk tokens, nor so small that the longest request gets over max_chunks). A request takes round(length / chunk) chunks (at least one), of
     equal size rounded up to whole 32-token tiles: a uniform batch that about fills the
     GPU is not split (with a fixed chunk and a remainder, 64 x 4k tokens became 64 x
     (4000 + 96): twice the blocks and a merge, for nothing), while the long requests of a
@@ -88,7 +92,7 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     """
     batch = len(kv_lens)
     chunk, longest, auto = sized or _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size,
-                                                disable_split_kv, min_chunk)
+                                                disable_split_kv, min_chunk, max_chunks)
     if _nothing_splits(chunk, longest, batch, max_items, auto):
         work = _one_item_per_request(batch).copy()
         work[:, 2] = kv_lens
@@ -139,7 +143,7 @@ def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
 
 
 def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
-                disable_split_kv, min_chunk: int = _MIN_CHUNK) -> tuple:
+                disable_split_kv, min_chunk: int = _MIN_CHUNK, max_chunks: int | None = None) -> tuple:
     """(chunk, longest request, auto) before the chunk is fitted to the capacities; auto:
     the chunk is a target that requests round to (not a fixed length)."""
     longest = int(np.maximum.reduce(kv_lens)) if len(kv_lens) else 0
@@ -150,6 +154,8 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
     wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / target_blocks)
     # min_chunk applies only as far as it keeps the longest request in <= 16 chunks
     floor = min(min_chunk, max(_MIN_CHUNK, _round_up(_ceil_div(longest, 16), 32)))
+    if max_chunks:
+        floor = max(floor, _round_up(_ceil_div(longest, max_chunks), 32))
     return max(floor, -(-wanted // 32) * 32), longest, True
 
 
@@ -196,7 +202,7 @@ class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
-                 "specs", "tensor_cores", "min_chunk")
+                 "specs", "tensor_cores", "min_chunk", "max_chunks")
 
     def spec(self, table_layout: str, kv_layout: str) -> DecodeSpec:
         spec = self.specs.get(table_layout)
@@ -302,7 +308,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         capacity = self._capacity if graph else batch
         max_items = capacity + -(-2 * config.target // config.blocks_per_item) if graph else None
         sized = _chunk_size(kv_lens, config.blocks_per_item, config.target, config.fixed_split_size,
-                            config.disable_split_kv, config.min_chunk)
+                            config.disable_split_kv, config.min_chunk, config.max_chunks)
         if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
             work = merge_indptr = None  # _pack writes one item per request straight into the buffer
             items, any_split = batch, False
@@ -310,7 +316,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             _, work, merge_indptr, any_split = plan_split(kv_lens, config.blocks_per_item, config.target,
                                                           config.fixed_split_size, config.disable_split_kv,
                                                           max_items, config.partial_o.shape[0], config.min_chunk,
-                                                          sized)
+                                                          sized, config.max_chunks)
             items = len(work)
         previous = self._plan
         if graph and previous is not None and previous.max_items != max_items:
@@ -382,6 +388,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.tensor_cores = uses_tensor_cores(c.tile, c.rope)
         per_sm = _MMA_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
         c.min_chunk = _MMA_MIN_CHUNK if c.tensor_cores else _MIN_CHUNK
+        c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
         c.target = per_sm * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
         c.partial_o, c.partial_lse = self._partial_views(num_qo_heads, head_dim)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

@@ -67,7 +67,7 @@ def op(monkeypatch):
 
 # --- the implementation plan() replaced, as the reference --------------------------------------
 def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
-                         max_items=None, max_partials=None, min_chunk=64):
+                         max_items=None, max_partials=None, min_chunk=64, max_chunks=None):
     """Written out longhand, one request at a time: the chunk target, round(length /
     chunk) equal chunks in whole 32-token tiles (fixed_split_size: chunks of that length),
     doubled until the capacities fit; split items longest first."""
@@ -81,6 +81,8 @@ def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_si
     else:
         wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / target_blocks)
         floor = min(min_chunk, max(64, math.ceil(math.ceil(longest / 16) / 32) * 32))
+        if max_chunks:  # the longest request in at most max_chunks chunks
+            floor = max(floor, math.ceil(math.ceil(longest / max_chunks) / 32) * 32)
         chunk, auto = max(floor, -(-wanted // 32) * 32), True
 
     def pieces(n, chunk):  # [(start, end)] of one request
@@ -136,7 +138,8 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
     max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
     _, work, merge, any_split = plan_split_reference(lens, blocks_per_item, target, fixed_split_size,
                                                      disable_split_kv, max_items, partial_rows,
-                                                     min_chunk=128 if tensor_cores else 64)
+                                                     min_chunk=128 if tensor_cores else 64,
+                                                     max_chunks=32 if tensor_cores else None)
     grid_items = max_items if graph else len(work)
     expected = {"work": [len(work)] + _pad(work.reshape(-1), 4 * grid_items, 0),
                 "merge_indptr": _pad(merge, capacity + 1, merge[-1]), "grid_items": grid_items,
@@ -303,13 +306,14 @@ def test_plan_split_fast_path_matches_the_general_one():
         args = (lens.astype(np.int64), int(rnd.integers(1, 64)), int(rnd.integers(100, 1000)),
                 [None, 64, 1000][trial % 3 == 1], trial % 7 == 0, [None, batch, batch + 20][trial % 3],
                 [None, 0, 100000][trial % 3])
+        min_chunk, max_chunks = [(64, None), (128, 32), (128, 16)][trial % 3]
         try:
-            expected = plan_split_reference(*args)
+            expected = plan_split_reference(*args, min_chunk=min_chunk, max_chunks=max_chunks)
         except ValueError:
             with pytest.raises(ValueError):
-                decode.plan_split(*args)
+                decode.plan_split(*args, min_chunk=min_chunk, max_chunks=max_chunks)
             continue
-        chunk, work, merge, any_split = decode.plan_split(*args)
+        chunk, work, merge, any_split = decode.plan_split(*args, min_chunk=min_chunk, max_chunks=max_chunks)
         assert (chunk, any_split) == expected[::3] and work.dtype == np.int32 and merge.dtype == np.int32
         np.testing.assert_array_equal(work, expected[1])
         np.testing.assert_array_equal(merge, expected[2])
