@@ -735,27 +735,33 @@ def _decode_op(spec: DecodeSpec, debug: bool):
 
 
 @op_cache
+def _module_library(spec: DecodeSpec) -> tuple:
+    """(the loaded module's shared library through ctypes, its namespace)."""
+    module = get_module(spec)
+    return ctypes.CDLL(str(module.path / module.manifest["library"])), module.namespace
+
+
+@op_cache
 def _decode_fast(spec: DecodeSpec, debug: bool):
     """(the module's C entry point <namespace>_decode_fast, bytes of a prepared launch)
     for run()'s fast path; None in the debug mode (every launch through the op) or
     without a CUDA device."""
     if debug or not torch.cuda.is_available():
         return None
-    module = get_module(spec)
-    lib = ctypes.CDLL(str(module.path / module.manifest["library"]))
-    fn = getattr(lib, f"{module.namespace}_decode_fast")
+    lib, namespace = _module_library(spec)
+    fn = getattr(lib, f"{namespace}_decode_fast")
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
                                            ctypes.c_int]
     fn.restype = ctypes.c_int
-    size = getattr(lib, f"{module.namespace}_decode_launch_bytes")
+    size = getattr(lib, f"{namespace}_decode_launch_bytes")
     size.restype = ctypes.c_int
     return fn, int(size())
 
 
-@functools.cache
+@op_cache
 def _fast_error(spec: DecodeSpec, code: int) -> str:
-    module = get_module(spec)
-    fn = getattr(ctypes.CDLL(str(module.path / module.manifest["library"])), f"{module.namespace}_error_string")
+    lib, namespace = _module_library(spec)
+    fn = getattr(lib, f"{namespace}_error_string")
     fn.restype = ctypes.c_char_p
     fn.argtypes = [ctypes.c_int]
     return fn(code).decode()
