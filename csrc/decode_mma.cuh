@@ -11,10 +11,12 @@
 //                  S accumulator of a lane (head g, tokens 2c, 2c+1) is exactly the P^T
 //                  fragment this product needs, and the transposed output keeps only the
 //                  8 head columns (32 accumulators per lane at head_dim 128, not 64).
-// A block takes one work item for one KV head and a tile of up to 16 of its query heads.
+// A block takes one work item for one KV head and a tile of up to 16 of its query heads
+// (or for two adjacent KV heads and all their query heads, two warps each: kKvHeads).
 // Four warps split each K/V tile (8 tokens each, 16 for fp8), with their own online
 // softmax; their states merge through shared memory at the end. K/V tiles arrive by
-// cp.async, kStages deep, their page ids looked up one tile before their copies are issued.
+// cp.async, kStages deep, their page ids looked up one tile before their copies are issued;
+// each warp copies its own rows and waits only for them (no block barrier per tile).
 // A request split over several blocks (split-KV) is merged by the last of its blocks to
 // finish (a counter per request and head tile), not by a second kernel.
 //
@@ -41,7 +43,8 @@ struct MmaTypeOf<__nv_bfloat16> {
   using type = __nv_bfloat16;
 };
 
-template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap>
+template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
+          int KvHeads = 1>
 struct DecodeMmaTraits {
   using Q = TQ;
   using KV = TKV;
@@ -50,34 +53,52 @@ struct DecodeMmaTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kRows = GroupTile;              // query heads of the tile: 4, 8 or 16
   static constexpr int kHeadTiles = (kRows + 7) / 8;   // 8-column tiles of O^T
-  static constexpr int kWarps = 4;
+  // KV heads a block takes: 1, or 2 adjacent heads (warps 0-3 the first, 4-7 the second,
+  // on the same tokens) when a head's row is 128 bytes or less in an NHD cache. Two heads'
+  // rows of a token are then adjacent in memory and requested together: an fp8 head_dim
+  // 128 row alone (128 of every 1024 bytes at 8 KV heads) reached ~5% less of the DRAM
+  // bandwidth than with pairs at large batch (b=256: 2.85 -> 3.0 TB/s). A paired block is
+  // two blocks' worth of warps, stages and registers, so an SM holds as many warps.
+  static constexpr int kKvHeads = KvHeads;
+  static constexpr int kWarpsPerHead = 4;
+  static constexpr int kWarps = kWarpsPerHead * kKvHeads;
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockRows = kKvHeads * kRows;  // query heads a block writes (contiguous)
   // Tokens per warp per tile: 8 (one m16n8k8 for O^T) for 16-bit caches; 16 (m16n8k16)
   // for fp8, whose tiles would otherwise carry half the bytes for the same fixed costs.
   static constexpr int kWarpTokens = kFp8 ? 16 : 8;
   static constexpr int kNTiles = kWarpTokens / 8;           // 8-token column tiles of S
-  static constexpr int kTileTokens = kWarps * kWarpTokens;  // 32 or 64
+  static constexpr int kTileTokens = kWarpsPerHead * kWarpTokens;  // a head's tokens per tile: 32 or 64
   static constexpr int kChunk = 16;                         // bytes per cp.async / LDS.128
   static constexpr int kElemsPerChunk = kChunk / int(sizeof(TKV));
   static constexpr int kChunksPerRow = HeadDim * int(sizeof(TKV)) / kChunk;  // R
-  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;              // tokens per copy pass
-  static constexpr int kTokensPerThread = kTileTokens / kRowsPerPass;        // per tile
+  // A warp copies its own token rows of a tile (and only it reads them), so the main loop
+  // needs no block barrier: warps wait for their own copies and drift apart, which keeps
+  // an SM's requests flowing instead of arriving in per-tile bursts.
+  static constexpr int kRowsPerPass = 32 / kChunksPerRow;                    // a warp's rows per copy pass
+  static constexpr int kTokensPerThread = kWarpTokens / kRowsPerPass;        // per tile
   static constexpr int kKSteps = HeadDim / 16;       // k-steps of S = Q K^T
   static constexpr int kStepsPerChunk = kElemsPerChunk / 4;
   static constexpr int kMTiles = HeadDim / 16;       // 16-dim row tiles of O^T
-  static constexpr int kStageBytes = 2 * kTileTokens * HeadDim * int(sizeof(TKV));
-  // About 48 KB of stages: four blocks fit an SM at head_dim <= 128 (one wave for
-  // 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per block.
-  static constexpr int kStages = (49152 / kStageBytes) < 2 ? 2 : ((49152 / kStageBytes) > 8 ? 8 : 49152 / kStageBytes);
+  static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
+  // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
+  // wave for 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per warp.
+  static constexpr int kStageBudget = 49152 * kKvHeads;
+  static constexpr int kStages = (kStageBudget / kStageBytes) < 2 ? 2
+                                 : ((kStageBudget / kStageBytes) > 8 ? 8 : kStageBudget / kStageBytes);
   static constexpr int kMergeBytes = kWarps * kHeadTiles * 8 * (HeadDim + 2) * 4;
   static constexpr int kFlagOffset = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
   static constexpr int kSmemBytes = kFlagOffset + 16;  // + the split-merge flag: over 48 KB, asked for
-  static constexpr int kMinBlocksPerSM = HeadDim <= 128 ? 4 : 2;
+  // Blocks per SM the registers must allow (128 threads each; twice that paired): 4 at
+  // head_dim <= 128 (128 registers), but 3 for 16-head tiles, whose 64 O accumulators a
+  // lane spilled at 128 registers (bf16 96 bytes, fp8 with the soft cap 196); 2 at 256.
+  static constexpr int kMinBlocksPerSM = (HeadDim <= 128 ? (kRows == 16 ? 3 : 4) : 2) / kKvHeads;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
   static_assert(kRows == 4 || kRows == 8 || kRows == 16, "tensor-core decode takes 4, 8 or 16 heads a tile");
-  static_assert(kChunksPerRow >= 4 && kThreads % kChunksPerRow == 0 && kTileTokens % kRowsPerPass == 0,
-                "rows must split into 16-byte chunks over the block");
+  static_assert(kKvHeads == 1 || (kKvHeads == 2 && kRows <= 8), "a block takes one KV head or a pair (tiles <= 8)");
+  static_assert(kChunksPerRow >= 4 && 32 % kChunksPerRow == 0 && kWarpTokens % kRowsPerPass == 0,
+                "rows must split into 16-byte chunks over a warp");
 };
 
 // --- small pieces ---------------------------------------------------------------------------
@@ -226,14 +247,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   constexpr int kRowBytes = D * int(sizeof(KV));
   extern __shared__ __align__(128) unsigned char smem[];
 
-  if (static_cast<int>(blockIdx.y) >= p.work[0]) return;
+  // The item count and the item load together (rows up to gridDim.y exist: a CUDA-graph
+  // grid's spare rows are zeros), not one after the other.
+  const int num_items = p.work[0];
   const int32_t* item = p.work + 1 + 4 * blockIdx.y;
   const int b = item[0], chunk_start = item[1], chunk_end = item[2], partial_row = item[3];
-  const int tiles_per_kv_head = p.group / Traits::kRows;
-  const int kv_head = blockIdx.x / tiles_per_kv_head;
-  const int head0 = kv_head * p.group + (blockIdx.x % tiles_per_kv_head) * Traits::kRows;
+  if (static_cast<int>(blockIdx.y) >= num_items) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, c = lane % 4;
+  // Block x: KV head (pair) blockIdx.x / tiles, query-head tile blockIdx.x % tiles (one
+  // tile when paired, so the block's kBlockRows query heads are contiguous from block_head0).
+  const int tiles_per_kv_head = p.group / Traits::kRows;
+  const int head_slot = warp / Traits::kWarpsPerHead;  // which KV head of the block this warp takes
+  const int kv_head = static_cast<int>(blockIdx.x) / tiles_per_kv_head * Traits::kKvHeads + head_slot;
+  const int block_head0 = static_cast<int>(blockIdx.x) / tiles_per_kv_head * Traits::kKvHeads * p.group +
+                          static_cast<int>(blockIdx.x) % tiles_per_kv_head * Traits::kRows;
+  const int head0 = block_head0 + head_slot * Traits::kRows;  // this warp's first query head
 
   PageTable<Traits::kTable> table{p.table};
   // plan() clips every chunk to its request's length, so the length itself (one more
@@ -251,8 +280,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   auto stage_k = [&](int s) { return smem + s * Traits::kStageBytes; };
   auto stage_v = [&](int s) { return smem + s * Traits::kStageBytes + Traits::kStageBytes / 2; };
 
-  // --- copies: thread tid moves chunk (tid % R) of tokens tid / R + kRowsPerPass * i ---------
-  const int my_chunk = tid % R, my_row = tid / R;
+  // --- copies: lane moves chunk (lane % R) of its warp's tokens lane / R + kRowsPerPass * i ---
+  // Stage rows: warp w owns rows [w kWarpTokens, (w + 1) kWarpTokens) of every stage; they
+  // hold its head's tokens tok_w + 0 .. kWarpTokens - 1 of the tile.
+  const int wt = warp * Traits::kWarpTokens;                                 // the warp's first stage row
+  const int tok_w = warp % Traits::kWarpsPerHead * Traits::kWarpTokens;      // ... and its first token of a tile
+  const int my_chunk = lane % R, my_row = wt + lane / R, my_tok = tok_w + lane / R;
   constexpr int TPT = Traits::kTokensPerThread;
   constexpr bool kSeparate = Traits::kTable == PageTableLayout::kBlockTableKVSeparate;
   // Page ids (-1: past the end) and slots of this thread's tokens of a tile.
@@ -267,7 +300,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const int32_t* k_row = table.k_row(b);
   const int32_t* v_row = kSeparate ? table.v_row(b) : k_row;
   auto lookup_as = [&](auto pow2, int tile, Pages& pg) {
-    const int j0 = start + tile * Traits::kTileTokens + my_row;
+    const int j0 = start + tile * Traits::kTileTokens + my_tok;
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const int j = j0 + i * Traits::kRowsPerPass;
@@ -317,6 +350,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // dependent launch the kernel before this one may still be running: q, K, V, the
   // partial states and the merge counters are touched only after it has finished.
   pdl_wait();
+  // The next kernel's blocks may launch now (into free slots) and read their own work
+  // items and page ids while this grid streams; they wait for all of it to finish before
+  // touching anything it writes. (Triggering after the main loop left their launch and
+  // prologue on the critical path of small grids.)
+  pdl_trigger();
 
   // --- q as the A fragments of S = Q K^T, in the permuted dim order of the K reads -----------
   // k-step P*kStepsPerChunk + h, lane (g, c): a0/a2 = q[g][E*(4P+c) + 4h + {0,1} / {2,3}],
@@ -366,10 +404,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       for (int e = 0; e < 4; ++e) o[i][t][e] = 0.f;
   }
 
-  const int wt = warp * Traits::kWarpTokens;  // this warp's first token row in a tile
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<Traits::kStages - 2>();
-    __syncthreads();  // tile's stage is complete; the stage refilled below is free
+    __syncwarp();  // the warp's rows of the tile are in; its rows of the stage refilled below are free
     if (tile + Traits::kStages - 1 < num_tiles) issue((tile + Traits::kStages - 1) % Traits::kStages, next);
     cp_async_commit();
     if (tile + Traits::kStages < num_tiles) lookup(tile + Traits::kStages, next);
@@ -406,7 +443,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 
     // Online softmax over the warp's tokens: s_acc[n][2t + e] is head g + 8t, token
     // 8n + 2c + e.
-    const int j0 = start + tile * Traits::kTileTokens + wt + 2 * c;
+    const int j0 = start + tile * Traits::kTileTokens + tok_w + 2 * c;
     float prob[HT][NT][2];
     bool grew = false;
     float alpha[HT];
@@ -532,8 +569,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     }
   }
 
-  pdl_trigger();  // the next kernel may start launching: its blocks wait for this grid to end
-
   // --- merge the warps: m, d per head and O per (head, dim) through shared memory ------------
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages
@@ -567,23 +602,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   }
   __syncthreads();
 
-  // Thread -> (head, 8 dims); heads past the group tile are padding and never written.
-  constexpr int kSlots = Traits::kRows * D / 8;
+  // Thread -> (block row h, 8 dims); rows past the group tile are padding and never written.
+  // Row h is local row h % kRows of the warps that took KV head slot h / kRows.
+  constexpr int kSlots = Traits::kBlockRows * D / 8;
+  constexpr int kWph = Traits::kWarpsPerHead;
   for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 8), x = slot_i % (D / 8);
-    float mw[Traits::kWarps], mx = -CUDART_INF_F;
+    const int w0 = h / Traits::kRows * kWph, hl = h % Traits::kRows;
+    float mw[kWph], mx = -CUDART_INF_F;
 #pragma unroll
-    for (int w = 0; w < Traits::kWarps; ++w) {
-      mw[w] = red_md[(w * kHeadsPad + h) * 2];
+    for (int w = 0; w < kWph; ++w) {
+      mw[w] = red_md[((w0 + w) * kHeadsPad + hl) * 2];
       mx = fmaxf(mx, mw[w]);
     }
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, den = 0.f;
     if (mx != -CUDART_INF_F) {
 #pragma unroll
-      for (int w = 0; w < Traits::kWarps; ++w) {
+      for (int w = 0; w < kWph; ++w) {
         const float wgt = exp2f(mw[w] - mx);
-        den += wgt * red_md[(w * kHeadsPad + h) * 2 + 1];
-        const float4* src = reinterpret_cast<const float4*>(red_o + (w * kHeadsPad + h) * D + 8 * x);
+        den += wgt * red_md[((w0 + w) * kHeadsPad + hl) * 2 + 1];
+        const float4* src = reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * D + 8 * x);
         const float4 u = src[0], v = src[1];
         acc[0] += wgt * u.x;
         acc[1] += wgt * u.y;
@@ -598,7 +636,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const bool empty = den == 0.f;  // no key: zeros and -inf, never NaN
     const float norm = empty ? 0.f : p.v_scale / den;
     const float lse = empty ? -CUDART_INF_F : mx + log2f(den);
-    const int qo_head = head0 + h;
+    const int qo_head = block_head0 + h;
     if (partial_row < 0) {
       store_out<Q>(p, b, qo_head, x, acc, norm, lse);
     } else {
@@ -628,13 +666,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // 4 dims) over the partials, 16 loads in flight. (A serial loop over the partials'
   // L2 latency cost ~10 us at 64 partials.)
   const int begin = p.merge_indptr[b], count = p.merge_indptr[b + 1] - begin;
-  constexpr int kRowsT = Traits::kRows;
-  float* head_m = reinterpret_cast<float*>(smem);  // [kRows]
-  float* head_den = head_m + kRowsT;                // [kRows]
-  float* weight = head_den + kRowsT;                // [partial][kRows], the first kMaxParts
+  constexpr int kRowsT = Traits::kBlockRows;
+  float* head_m = reinterpret_cast<float*>(smem);  // [kRowsT]
+  float* head_den = head_m + kRowsT;                // [kRowsT]
+  float* weight = head_den + kRowsT;                // [partial][kRowsT], the first kMaxParts
   constexpr int kMaxParts = (Traits::kFlagOffset / 4 - 2 * kRowsT) / kRowsT;
   auto part_lse = [&](int i, int h) {
-    return __ldcg(p.partial_lse + int64_t(begin + i) * p.num_qo_heads + head0 + h);
+    return __ldcg(p.partial_lse + int64_t(begin + i) * p.num_qo_heads + block_head0 + h);
   };
   // Warp w takes heads w, w + 4, ...; their LSEs of partials lane, lane + 32, ... load
   // together, and partials 0..31 stay in registers for the weights (one round trip for
@@ -681,7 +719,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   __syncthreads();
   for (int slot_i = tid; slot_i < kRowsT * (D / 4); slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 4), x4 = slot_i % (D / 4);
-    const float* src = p.partial_o + (int64_t(begin) * p.num_qo_heads + head0 + h) * D + 4 * x4;
+    const float* src = p.partial_o + (int64_t(begin) * p.num_qo_heads + block_head0 + h) * D + 4 * x4;
     const int64_t row_stride = int64_t(p.num_qo_heads) * D;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     const int cached = min(count, kMaxParts);
@@ -714,7 +752,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const float den = head_den[h];
     const bool empty = den == 0.f;  // every partial empty: zeros and -inf
     const float norm = empty ? 0.f : 1.f / den;
-    const int qo_head = head0 + h;
+    const int qo_head = block_head0 + h;
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4;
     uint2 raw;
     Q* ov = reinterpret_cast<Q*>(&raw);
@@ -731,7 +769,7 @@ template <class Traits>
 int launch_decode_mma(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream, bool pdl) {
   if (grid_items <= 0) return 0;
   if (const int err = allow_dynamic_smem<decode_mma_kernel<Traits>>(Traits::kSmemBytes)) return err;
-  const dim3 grid(num_kv_heads * (p.group / Traits::kRows), grid_items);
+  const dim3 grid(num_kv_heads / Traits::kKvHeads * (p.group / Traits::kRows), grid_items);
   return launch_kernel(decode_mma_kernel<Traits>, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream, pdl, p);
 }
 

@@ -37,7 +37,7 @@ from .jit import get_module, op_cache
 from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
 from .specs.base import dtype_name
-from .specs.decode import DecodeSpec, group_tile, uses_tensor_cores
+from .specs.decode import DecodeSpec, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
@@ -202,7 +202,7 @@ class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
-                 "specs", "tensor_cores", "min_chunk", "max_chunks")
+                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms")
 
     def spec(self, table_layout: str, kv_layout: str) -> DecodeSpec:
         spec = self.specs.get(table_layout)
@@ -222,10 +222,11 @@ class _Plan:
     contiguous strides, so that empty_like(q) is contiguous too, no_lse: the empty LSE
     tensor on its device), and run()'s fast path once a call through the op has prepared
     it for that signature (fast: the module's C entry point, prepared: the resolved launch,
-    a CPU byte tensor, prepared_ptr its address, device_index: q's device)."""
+    a CPU byte tensor, prepared_ptr its address, device_index: q's device;
+    kv_heads_per_block: 2 where the blocks take KV-head pairs)."""
 
     __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked",
-                 "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index")
+                 "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block")
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -306,14 +307,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
                                  "wrapper was first planned (captured) with")
         capacity = self._capacity if graph else batch
-        max_items = capacity + -(-2 * config.target // config.blocks_per_item) if graph else None
-        sized = _chunk_size(kv_lens, config.blocks_per_item, config.target, config.fixed_split_size,
-                            config.disable_split_kv, config.min_chunk, config.max_chunks)
+        per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
+        max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
+        if sized is None:
+            sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
+                                config.disable_split_kv, config.min_chunk, config.max_chunks)
         if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
             work = merge_indptr = None  # _pack writes one item per request straight into the buffer
             items, any_split = batch, False
         else:
-            _, work, merge_indptr, any_split = plan_split(kv_lens, config.blocks_per_item, config.target,
+            _, work, merge_indptr, any_split = plan_split(kv_lens, blocks_per_item, target,
                                                           config.fixed_split_size, config.disable_split_kv,
                                                           max_items, config.partial_o.shape[0], config.min_chunk,
                                                           sized, config.max_chunks)
@@ -337,12 +340,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan = _Plan()
         plan.config, plan.spec, plan.op = config, spec, None
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
-        plan.batch, plan.capacity, plan.max_items = batch, capacity, max_items
+        plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
         merge_rows = capacity if (graph or any_split) else 0
         # The tensor-core kernel merges split requests itself: the last block of a request
-        # (per head tile) to finish, counted in zeroed int32s that it resets.
-        counters = self._merge_counters(capacity * config.blocks_per_item) if merge_rows and config.tensor_cores \
-            else None
+        # (per head tile) to finish, counted in zeroed int32s that it resets. One per
+        # request, KV head and tile, as the op checks, whether or not blocks pair KV heads.
+        counters = self._merge_counters(capacity * (config.num_qo_heads // config.tile)) \
+            if merge_rows and config.tensor_cores else None
         plan.args = (tables, work_dev, merge_dev, config.partial_o, config.partial_lse, config.soft_cap,
                      config.rope_scale, config.rope_theta, grid_items, merge_rows, counters)
         if previous is not None and previous.config is config and previous.batch == batch \
@@ -353,6 +357,28 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             plan.checked, plan.q_standard, plan.no_lse = None, False, None
         self._plan = plan
+
+    def _pairing(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
+        """(KV heads per block, blocks per item, target blocks, _chunk_size's result or
+        None). Blocks of KV-head pairs (where the module has them) have two blocks' warps
+        and shared memory, so half the blocks and half the target; they are chosen only
+        where their grid still gives every SM a block (small batches keep one-head blocks:
+        b=1 fp8 kv=2k ran 9.8 us paired, 8.0 us not). A CUDA-graph wrapper decides by its
+        capacity, once (its grid is fixed at capture)."""
+        if not config.pairs:
+            return 1, config.blocks_per_item, config.target, None
+        bpi, target = config.blocks_per_item // 2, config.target // 2
+        if self._use_cuda_graph:
+            return (2, bpi, target, None) if capacity * bpi >= config.sms else (1, config.blocks_per_item,
+                                                                                config.target, None)
+        sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
+                            config.min_chunk, config.max_chunks)
+        chunk, longest, auto = sized
+        items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
+            else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())
+        if items * bpi >= config.sms:
+            return 2, bpi, target, sized
+        return 1, config.blocks_per_item, config.target, None
 
     def _configure(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                    logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
@@ -378,18 +404,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.q_dtype = _as_dtype(data_type, "data_type") or _as_dtype(q_data_type, "q_data_type", torch.float16)
         c.kv_dtype = _as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
         c.tile = group_tile(num_qo_heads, num_kv_heads, head_dim)
+        c.rope = pos_encoding_mode == "ROPE_LLAMA"
+        paired = pairs_kv_heads(dtype_name(c.kv_dtype), head_dim, c.tile, c.rope, self._kv_layout)
+        # blocks may take KV-head pairs (half as many blocks per item; plan() decides)
+        c.pairs = kv_heads_per_block(paired, num_qo_heads, num_kv_heads, c.tile) == 2
         c.blocks_per_item = num_kv_heads * (num_qo_heads // num_kv_heads // c.tile)
         # Split only when the batch gives fewer blocks than the SMs hold at once: 4 blocks of
         # the tensor-core kernel per SM at head_dim <= 128 (one wave for 64 requests x 8 KV
         # heads on 132 SMs), about 3 of the CUDA-core kernel (two 32-token stages in flight
         # each); a split costs a partial-state write and the merge.
         device = self._device
-        c.rope = pos_encoding_mode == "ROPE_LLAMA"
         c.tensor_cores = uses_tensor_cores(c.tile, c.rope)
         per_sm = _MMA_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
+        if c.tensor_cores and head_dim <= 128 and c.tile == 16:
+            per_sm = 3  # 16-head tiles take more registers (csrc/decode_mma.cuh kMinBlocksPerSM)
         c.min_chunk = _MMA_MIN_CHUNK if c.tensor_cores else _MIN_CHUNK
         c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
-        c.target = per_sm * (_num_sms(device.index or 0) if device.type == "cuda" else 132)
+        c.sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+        c.target = per_sm * c.sms
         c.partial_o, c.partial_lse = self._partial_views(num_qo_heads, head_dim)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         c.soft_cap = float(logits_soft_cap or 0.0)
@@ -634,7 +666,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             prepared = plan.prepared = torch.empty(entry[1], dtype=torch.uint8)
         op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
-           prepared)
+           prepared, plan.kv_heads_per_block)
         if prepared is not None:  # later calls with this signature take the fast path
             plan.prepared_ptr, plan.device_index, plan.fast = prepared.data_ptr(), q.get_device(), entry[0]
         return (out, lse) if return_lse else out

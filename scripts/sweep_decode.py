@@ -14,6 +14,7 @@ Every timed configuration is checked first: one replay writes every output eleme
 Head_dim 128, page 16, CSR page table, bf16 q; inputs rotate over sets of > 4x L2.
 
   python3 scripts/sweep_decode.py [--out FILE] [--only split,layout,host]
+                                  [--splits 512,1008,1024] [--cases 'bfloa gqa4 b=1 kv=32768;...']
 Writes JSON (--out, default $OUT/sweep_decode.json) and prints tables.
 """
 
@@ -105,17 +106,19 @@ def timed(inputs: Inputs, reference=None, pdl: bool = True, **plan_kwargs) -> di
     return result
 
 
-def sweep_split(copy_gbps: float) -> list:
+def sweep_split(copy_gbps: float, splits=SPLITS, only_cases=None) -> list:
     rows = []
     for kv, gqa, batch, kv_len in SPLIT_CASES:
-        inputs = Inputs(kv, gqa, batch, kv_len)
         label = f"{kv[:5]} gqa{gqa} b={batch} kv={kv_len}"
+        if only_cases and not any(c == label for c in only_cases):
+            continue
+        inputs = Inputs(kv, gqa, batch, kv_len)
         auto = timed(inputs, pdl=True)
         ref = auto.pop("_out0")
         row = {"case": label, "kv_dtype": kv, "gqa": gqa, "batch": batch, "kv_len": kv_len,
                "kv_bytes": inputs.kv_bytes, "results": {"auto pdl": auto}}
         row["results"]["auto nopdl"] = timed(inputs, ref, pdl=False)
-        for split in SPLITS:
+        for split in splits:
             if split < kv_len:
                 for pdl in (True, False):
                     row["results"][f"{split} {'pdl' if pdl else 'nopdl'}"] = \
@@ -170,7 +173,7 @@ def host_breakdown() -> dict:
         r["run_through_op"] = enqueue_us(through_op)
         a = plan.args
         args = (s["q"], s["k"], s["v"], a[0], a[1], a[2], s["out"], plan.no_lse, a[3], a[4], 1.0, 1.0, a[5], -1,
-                a[6], a[7], a[8], a[9], a[10], True)
+                a[6], a[7], a[8], a[9], a[10], True, None, plan.kv_heads_per_block)
         r["op_alone"] = enqueue_us(lambda: plan.op(*args))
         call()
         fast = plan.fast
@@ -207,6 +210,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--only", default="split,layout,host")
+    p.add_argument("--splits", default=",".join(map(str, SPLITS)),
+                   help="fixed_split_size values for the split sweep (tokens, comma-separated)")
+    p.add_argument("--cases", default="",
+                   help="split cases to run, by label, ';'-separated (e.g. 'bfloa gqa4 b=1 kv=2048'); default all")
     args = p.parse_args(argv)
     out_path = args.out or bc.default_out("sweep_decode.json")
     import torch
@@ -221,7 +228,9 @@ def main(argv=None) -> int:
                                                  "page_table": "csr", "timed_by": "cuda-graph replay, median"}}
     res["copy"] = bc.copy_bandwidth()
     if "split" in parts:
-        res["split"] = sweep_split(res["copy"]["gb_per_s"])
+        splits = tuple(int(x) for x in args.splits.split(",") if x)
+        only_cases = [c.strip() for c in args.cases.split(";") if c.strip()]
+        res["split"] = sweep_split(res["copy"]["gb_per_s"], splits, only_cases)
         bc.write_json(out_path, res)
     if "layout" in parts:
         res["layout"] = sweep_layout()

@@ -163,6 +163,7 @@ def specs_needed() -> set:
     specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, t, "NHD") for t in GRAPH_TABLES}
     specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, "csr", lay) for lay in SINGLE_LAYOUTS}
     specs |= {decode_spec("bfloat16", kv, hd, LLAMA_HEADS, t, lay) for kv, hd, lay, t in TAIL_CASES}
+    specs |= {_pair_spec(c) for c in PAIR_CASES}
     # split-KV's merge runs in the output dtype (= q dtype)
     specs |= {MergeSpec(c.q_dtype, c.head_dim) for c in CASES}
     specs |= {MergeSpec(d, hd) for d in MERGE_DTYPES for hd in MERGE_HEAD_DIMS}
@@ -513,6 +514,50 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
         check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
 
 
+@pytest.mark.gpu
+def test_batch_decode_cuda_graph_paired_kv_heads_large_batch(workspace):
+    """A CUDA-graph wrapper over an fp8 NHD cache, whose blocks pair KV heads, at a
+    capacity of 192 requests (more merge counters than the smallest allocation): replays
+    after plans at 192 and at 150 requests match the reference."""
+    capacity, (hq, hk), d, ps = 192, LLAMA_HEADS, 128, 16
+    rnd = random.Random(21)
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    rounds = [[rnd.randint(1, 400) for _ in range(capacity)],
+              [0, 3000] + [rnd.randint(1, 300) for _ in range(148)]]
+    pool = max(sum(-(-n // ps) for n in lens) for lens in rounds) + 8
+    _, k, v = make_cache("tuple", "NHD", pool, ps, hk, d, torch.float8_e4m3fn, gen)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True,
+        paged_kv_indptr_buffer=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32, device=DEV),
+        paged_kv_last_page_len_buffer=torch.zeros(capacity, dtype=torch.int32, device=DEV))
+    q_buf = _randn((capacity, hq, d), torch.bfloat16, gen)
+    out_buf = torch.full((capacity, hq, d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    scales = dict(k_scale=0.5, v_scale=2.0)
+    graph = None
+    for lens in rounds:
+        paged = make_page_table("csr", lens, ps, pool, rnd, host_indptr=True)
+        wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+        assert wrapper._plan.kv_heads_per_block == 2
+        q_buf.copy_(_randn(q_buf.shape, torch.bfloat16, gen))
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                wrapper.run(q_buf, (k, v), out=out_buf, **scales)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wrapper.run(q_buf, (k, v), out=out_buf, **scales)
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        batch = len(lens)
+        ref_out, _ = decode_ref(q_buf[:batch], k, v, paged.table, lens, **scales)
+        check_decode(out_buf[:batch], None, ref_out, None, lens, torch.bfloat16)
+
+
 PDL_CASES = [  # (q/kv dtype, num_qo_heads, page_table, kv_layout): tensor-core and CUDA-core kernels
     ("bfloat16", 32, "csr", "NHD"), ("float16", 16, "block_table_kv_separate", "HND")]
 
@@ -648,6 +693,62 @@ def test_batch_decode_ignores_slots_past_kv_len(kv_dtype, head_dim, kv_layout, p
     wrapper.run(q, (k, v), out=out, lse=lse, return_lse=True)
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout)
     check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
+
+
+# Blocks that take pairs of KV heads (rows of <= 128 bytes in an NHD cache, group = one
+# tile, an even number of KV heads), and configurations of the same modules that do not
+# pair: (q dtype, kv dtype, head_dim, heads, page table, cache form, split, soft cap,
+# window_left, paired).
+PAIR_CASES = [
+    ("bfloat16", "float8_e4m3fn", 128, (32, 8), "csr", "tuple", "auto", None, -1, True),
+    ("bfloat16", "float8_e4m3fn", 128, (12, 3), "csr", "tuple", "fixed64", None, 37, False),  # odd KV heads
+    ("bfloat16", "float8_e4m3fn", 128, (32, 4), "csr", "single", "fixed64", None, -1, True),  # group 8
+    ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "halves", "fixed64", None, -1, False),  # 16-head tiles
+    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "halves", "fixed64", 30.0, 37, True),
+    ("float16", "float16", 64, (16, 4), "block_table", "single", "fixed64", None, -1, True),
+]
+
+
+def _pair_spec(c) -> DecodeSpec:
+    return decode_spec(c[0], c[1], c[2], c[3], c[4], "NHD", soft_cap=c[7] is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"{SHORT[c[1]]}-hd{c[2]}-{c[3][0]}x{c[3][1]}-{c[4]}-{c[6]}")
+def test_batch_decode_paired_kv_heads(case, workspace):
+    """The tensor-core kernel's blocks of two adjacent KV heads (warps 0-3 on one, 4-7 on
+    the other; their query heads written as one block), split and merged in the kernel,
+    next to one-head blocks of the same modules and of a 16-head-tile module."""
+    q_name, kv_name, d, (hq, hk), page_table, form, split, soft_cap, window_left, paired = case
+    spec = _pair_spec(case)
+    assert spec.pairs_kv_heads == (spec.group_tile <= 8)
+    rnd = random.Random(hq * 7 + hk)
+    gen = torch.Generator(device=DEV).manual_seed(hq * 7 + hk)
+    # 40 requests: with >= 2 KV-head pairs and the splits below, the paired grid gives
+    # every SM a block, so plan() pairs (see DecodeWrapper._pairing)
+    lens = [0, 1, 17, 300, 2100, 64, 1000, 33] + [rnd.randint(1, 200) for _ in range(32)]
+    ps = 16
+    num_pages = sum(-(-n // ps) for n in lens) + 5
+    paged = make_page_table(page_table, lens, ps, num_pages, rnd)
+    cache, k, v = make_cache(form, "NHD", num_pages, ps, hk, d, _dtype(kv_name), gen)
+    nan_pages(k, paged.k_unused)
+    nan_pages(v, paged.v_unused)
+    q = _randn((len(lens), hq, d), _dtype(q_name), gen, 4.0 if soft_cap else 1.0)
+    scales = dict(k_scale=0.5, v_scale=2.0) if kv_name.startswith("float8") else {}
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
+                 window_left=window_left, logits_soft_cap=soft_cap, q_data_type=q_name, kv_data_type=kv_name,
+                 **_split_kwargs(split))
+    # pairs where the paired grid gives every SM a block: 8 requests x >= 4 chunks x 4 pairs
+    assert wrapper._plan.kv_heads_per_block == (2 if paired else 1)
+    out_buf, out = poisoned(q.shape, q.dtype)
+    lse_buf, lse = poisoned((len(lens), hq), torch.float32)
+    wrapper.run(q, cache, out=out, lse=lse, **scales)
+    torch.cuda.synchronize()
+    assert_sentinels(out_buf, "out")
+    assert_sentinels(lse_buf, "lse")
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, "NHD", None, window_left, soft_cap, **scales)
+    check_decode(out, lse, ref_out, ref_lse, lens, _dtype(q_name))
 
 
 @pytest.mark.gpu

@@ -319,6 +319,46 @@ def test_plan_split_fast_path_matches_the_general_one():
         np.testing.assert_array_equal(merge, expected[2])
 
 
+@pytest.mark.parametrize("kv_dtype,kv_layout,lens,graph,pairs", [
+    (torch.float8_e4m3fn, "NHD", [4096] * 64, False, 2),  # 64 requests x 4 pairs >= 132 SMs
+    (torch.float8_e4m3fn, "NHD", [2048], False, 1),  # 16 chunks x 4 pairs: half the SMs idle
+    (torch.float8_e4m3fn, "NHD", [8192] * 16, False, 2),  # split (chunks counted before the 1 MB workspace caps them)
+    (torch.float8_e4m3fn, "HND", [4096] * 64, False, 1),  # a head's page is contiguous already
+    (torch.bfloat16, "NHD", [4096] * 64, False, 1),  # 256-byte rows
+    (torch.float8_e4m3fn, "NHD", [100] * 64, True, 2),  # CUDA graph: by the capacity
+    (torch.float8_e4m3fn, "NHD", [100] * 16, True, 1),
+])
+def test_plan_pairs_kv_heads_where_the_grid_fills_the_sms(kv_dtype, kv_layout, lens, graph, pairs, op):
+    """Blocks take KV-head pairs (rows of <= 128 bytes in NHD) only where the paired grid
+    still gives every SM a block; the op receives the choice, and the work list is sized
+    for it (half the blocks per item, half the target)."""
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
+    kwargs = {}
+    if graph:
+        buf = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731
+        kwargs = dict(use_cuda_graph=True, paged_kv_indptr_buffer=buf(len(lens) + 1),
+                      paged_kv_indices_buffer=buf(8192), paged_kv_last_page_len_buffer=buf(len(lens)))
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout, **kwargs)
+    table = csr(lens)
+    w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.bfloat16,
+           kv_data_type=kv_dtype)
+    assert w._plan.kv_heads_per_block == pairs
+    q = torch.randn(len(lens), HQ, D).to(torch.bfloat16)
+    shape = (64, PS, HK, D) if kv_layout == "NHD" else (64, HK, PS, D)
+    k = torch.randn(shape).to(kv_dtype)
+    w.run(q, (k, k.clone()))
+    assert op.calls[-1][-1] == pairs
+    # the work list is the one plan_split gives for the chosen blocks per item and target
+    blocks_per_item, target = HK // pairs, cpu_target_blocks(HQ, HK, D) // pairs
+    capacity = len(lens)
+    max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
+    _, work, _, _ = plan_split_reference(np.asarray(lens, dtype=np.int64), blocks_per_item, target, None, False,
+                                         max_items, WORKSPACE_BYTES // ((HQ * D + HQ) * 4), min_chunk=128,
+                                         max_chunks=32)
+    assert op.last["work"].tolist()[0] == len(work)
+    assert op.last["grid_items"] == (max_items if graph else len(work))
+
+
 # --- plan(): one copy to the device --------------------------------------------------------------
 @contextlib.contextmanager
 def counting_copies():

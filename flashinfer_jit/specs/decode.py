@@ -29,6 +29,26 @@ def uses_tensor_cores(group_tile: int, rope: bool) -> bool:
     return group_tile >= 4 and not rope
 
 
+def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv_layout: str) -> bool:
+    """Whether a decode module also holds the tensor-core kernel whose blocks take two
+    adjacent KV heads (csrc/decode_mma.cuh, kKvHeads = 2): a head's K/V row of <= 128
+    bytes in an NHD cache (fp8 at head_dim <= 128, 16-bit at 64), for tiles of 4 or 8
+    query heads (16-head tiles need more registers than a pair's block can have). Both
+    heads' rows of a token are then requested together, not 128 of every
+    num_kv_heads x 128 bytes."""
+    row_bytes = head_dim * (1 if dtype_kv.startswith("float8") else 2)
+    return uses_tensor_cores(group_tile, rope) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128
+
+
+def kv_heads_per_block(paired_kernel: bool, num_qo_heads: int, num_kv_heads: int, group_tile: int) -> int:
+    """KV heads one block of the decode kernel can take (the module's launch checks the
+    same, templates/decode.cu.j2): 2 when the module has the paired kernel, the group is
+    one tile and the KV heads pair up, else 1. plan() pairs only where the paired grid
+    still fills the SMs (fewer, larger blocks leave SMs idle in small batches)."""
+    paired = paired_kernel and num_qo_heads // num_kv_heads == group_tile and num_kv_heads % 2 == 0
+    return 2 if paired else 1
+
+
 @dataclass(frozen=True)
 class DecodeSpec(Spec):
     """One query token per request against its paged K/V. Compile-time: dtypes, head_dim,
@@ -51,6 +71,14 @@ class DecodeSpec(Spec):
         if self.dtype_kv in ("float16", "bfloat16") and self.dtype_kv != self.dtype_q:
             raise ValueError(f"DecodeSpec: a {self.dtype_kv} cache needs q of the same dtype, got {self.dtype_q}")
 
+    @property
+    def pairs_kv_heads(self) -> bool:
+        """Whether the module also holds the paired tensor-core kernel (see pairs_kv_heads)."""
+        return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.rope, self.kv_layout)
+
+    def context(self) -> dict:
+        return super().context() | {"pair_kv_heads": self.pairs_kv_heads}
+
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split
         # some requests (merge_rows > 0), the merge of their partial states: inside the
@@ -59,13 +87,15 @@ class DecodeSpec(Spec):
         # launches are programmatic dependent launches (they may start while the kernel
         # before them in the stream finishes; see common.cuh). prepared: a CPU byte tensor
         # that receives the resolved launch (csrc/decode_params.h DecodeLaunch) for run()'s
-        # fast path, <namespace>_decode_fast.
+        # fast path, <namespace>_decode_fast. kv_heads_per_block: 2 where the module has the
+        # paired tensor-core kernel and plan() chose it (see kv_heads_per_block), else 1.
         return {"decode": (
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] page_table, Tensor work, "
             "Tensor merge_indptr, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_o, "
             "Tensor(d!) partial_lse, float logit_scale, float v_scale, float soft_cap, int window_left, "
             "float rope_scale, float rope_theta, int grid_items, int merge_rows, "
-            "Tensor(e!)? merge_counters=None, bool enable_pdl=False, Tensor(f!)? prepared=None) -> ()")}
+            "Tensor(e!)? merge_counters=None, bool enable_pdl=False, Tensor(f!)? prepared=None, "
+            "int kv_heads_per_block=1) -> ()")}
 
 
 @dataclass(frozen=True)
