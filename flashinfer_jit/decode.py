@@ -229,6 +229,22 @@ class _Plan:
                  "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block")
 
 
+def _same_launch(a: _Plan, b: _Plan) -> bool:
+    """Whether two plans of one configuration and batch give the op the same launch
+    (DecodeLaunch): the same device views (plan() keeps them while the buffer offsets
+    stay), page ids at the same address and strides, grid, merge rows, counters and
+    blocks. The views and counters are compared as objects (the older plan holds them)."""
+    (ta, *rest_a), (tb, *rest_b) = a.args, b.args
+    if a.kv_heads_per_block != b.kv_heads_per_block or rest_a[0] is not rest_b[0] or rest_a[1] is not rest_b[1] \
+            or rest_a[7:9] != rest_b[7:9] or rest_a[9] is not rest_b[9] or len(ta) != len(tb):
+        return False
+    csr = len(ta) == 3  # (indptr, indices, last_page_len); block tables: (ids, seq_lens)
+    ids = 1 if csr else 0
+    x, y = ta[ids], tb[ids]  # the launch holds a block table's width (max_pages), not the CSR ids' count
+    return all(u is w for i, (u, w) in enumerate(zip(ta, tb)) if i != ids) and x.data_ptr() == y.data_ptr() \
+        and x.stride() == y.stride() and (csr or x.shape == y.shape)
+
+
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     """Everything run()'s checks read from q and the cache but the addresses (checked for
     alignment at every call)."""
@@ -354,6 +370,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # run()'s checks depend on the configuration and the batch alone: what passed
             # them under the previous plan still does
             plan.checked, plan.q_standard, plan.no_lse = previous.checked, previous.q_standard, previous.no_lse
+            if previous.prepared is not None and _same_launch(previous, plan):
+                # the launch the op resolved under the previous plan is this plan's too (same
+                # buffers, page ids, grid): run() takes the fast path from its first call
+                plan.fast, plan.prepared, plan.prepared_ptr = previous.fast, previous.prepared, previous.prepared_ptr
+                plan.device_index = previous.device_index
         else:
             plan.checked, plan.q_standard, plan.no_lse = None, False, None
         self._plan = plan

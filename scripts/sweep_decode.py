@@ -8,7 +8,9 @@ In one process on one GPU, ours only (bench_decode.py compares with FlashInfer):
     launch (enable_pdl) on and off;
   - layout: b=64 kv=4k, bf16 and fp8 KV, NHD and HND pages (same bytes, other order);
   - host: where run()'s host time goes (run() on its fast path, run() through the torch
-    op as after a plan(), the op alone, run()'s Python alone, one torch launch, a ctypes call).
+    op as after a plan() with another launch, the op alone, plan() and plan() + run() where
+    the launch stays (the fast path from the first run), run()'s Python alone, one torch
+    launch, a ctypes call).
 Every timed configuration is checked first: one replay writes every output element
 (outputs are NaN-poisoned) and agrees with the planner's default (rel. L2 < 1e-2).
 Head_dim 128, page 16, CSR page table, bf16 q; inputs rotate over sets of > 4x L2.
@@ -74,9 +76,14 @@ class Inputs:
 
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, self.layout)
+        self.plan(w, **plan_kwargs)
+        return w
+
+    def plan(self, w, **plan_kwargs) -> None:
+        import torch
+
         w.plan(self.indptr, self.indices, self.last, self.hq, self.hk, HEAD_DIM, PAGE_SIZE,
                q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype, **plan_kwargs)
-        return w
 
 
 def timed(inputs: Inputs, reference=None, pdl: bool = True, **plan_kwargs) -> dict:
@@ -171,6 +178,10 @@ def host_breakdown() -> dict:
             call()
 
         r["run_through_op"] = enqueue_us(through_op)
+        # a decode step: plan() (same launch as the last plan: its first run() is fast), run()
+        r["plan_alone"] = enqueue_us(lambda: inputs.plan(w))
+        r["plan_then_run"] = enqueue_us(lambda: (inputs.plan(w), call()))
+        plan = w._plan
         a = plan.args
         args = (s["q"], s["k"], s["v"], a[0], a[1], a[2], s["out"], plan.no_lse, a[3], a[4], 1.0, 1.0, a[5], -1,
                 a[6], a[7], a[8], a[9], a[10], True, None, plan.kv_heads_per_block)

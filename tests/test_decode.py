@@ -652,6 +652,37 @@ def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, 
 
 
 @pytest.mark.gpu
+def test_batch_decode_replan_keeps_the_fast_path(workspace):
+    """A plan() whose launch is the previous plan's (same batch, work-item count and page-id
+    buffer; other lengths) lets its first run() take the fast path; one with another
+    item count goes through the op again. Every run against the reference."""
+    (hq, hk), d, ps, pool = LLAMA_HEADS, 128, 16, 512
+    gen = torch.Generator(device=DEV).manual_seed(31)
+    rnd = random.Random(31)
+    _, k, v = make_cache("tuple", "NHD", pool, ps, hk, d, torch.bfloat16, gen)
+    ids_buf = torch.empty(pool, dtype=torch.int32, device=DEV)  # the engine's persistent page-id buffer
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    # fixed 256-token chunks: 2 + 4 + 1 items, 2 + 4 + 1 again, then 2 + 1 + 1
+    for lens, fast_first in (([300, 1000, 50], False), ([500, 800, 200], True), ([400, 100, 20], False)):
+        pages = [-(-n // ps) for n in lens]
+        indptr = torch.tensor([0] + list(itertools.accumulate(pages)), dtype=torch.int32)
+        ids_buf[: int(indptr[-1])] = torch.tensor(rnd.sample(range(pool), int(indptr[-1])), dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, pages)], dtype=torch.int32)
+        indices = ids_buf[: int(indptr[-1])]
+        wrapper.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16, fixed_split_size=256)
+        assert (wrapper._plan.fast is not None) == fast_first
+        for _ in range(2):
+            q = _randn((len(lens), hq, d), torch.bfloat16, gen)
+            out_buf, out = poisoned(q.shape, q.dtype)
+            wrapper.run(q, (k, v), out=out)
+            assert wrapper._plan.fast is not None
+            assert_sentinels(out_buf, "out")
+            table = csr_page_table(indptr.to(DEV), indices.clone(), last.to(DEV))
+            ref_out, _ = decode_ref(q, k, v, table, lens)
+            check_decode(out, None, ref_out, None, lens, torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [5, 12])
 @pytest.mark.parametrize("kv_dtype,head_dim,kv_layout,page_table", [
     ("bfloat16", 128, "NHD", "csr"), ("float8_e4m3fn", 256, "HND", "block_table_kv_separate")])
