@@ -44,7 +44,7 @@ struct MmaTypeOf<__nv_bfloat16> {
 };
 
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
-          int KvHeads = 1, int WarpsPerHead = 4>
+          int KvHeads = 1>
 struct DecodeMmaTraits {
   using Q = TQ;
   using KV = TKV;
@@ -59,14 +59,10 @@ struct DecodeMmaTraits {
   // 128 row alone (128 of every 1024 bytes at 8 KV heads) reached ~5% less of the DRAM
   // bandwidth than with pairs at large batch (b=256: 2.85 -> 3.0 TB/s). A paired block is
   // two blocks' worth of warps, stages and registers, so an SM holds as many warps.
-  // Warps per KV head: 4, or 8 for small batches (a block of 8 warps on one head: twice
-  // the warps and bytes in flight per SM that the split grid would give, and half the
-  // tiles per warp, with no more partial states to merge).
   static constexpr int kKvHeads = KvHeads;
-  static constexpr int kWarpsPerHead = WarpsPerHead;
+  static constexpr int kWarpsPerHead = 4;
   static constexpr int kWarps = kWarpsPerHead * kKvHeads;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kScale = kWarps / 4;  // in blocks of the 4-warp kernel
   static constexpr int kBlockRows = kKvHeads * kRows;  // query heads a block writes (contiguous)
   // Tokens per warp per tile: 8 (one m16n8k8 for O^T) for 16-bit caches; 16 (m16n8k16)
   // for fp8, whose tiles would otherwise carry half the bytes for the same fixed costs.
@@ -87,7 +83,7 @@ struct DecodeMmaTraits {
   static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
   // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
   // wave for 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per warp.
-  static constexpr int kStageBudget = 49152 * kScale;
+  static constexpr int kStageBudget = 49152 * kKvHeads;
   static constexpr int kStages = (kStageBudget / kStageBytes) < 2 ? 2
                                  : ((kStageBudget / kStageBytes) > 8 ? 8 : kStageBudget / kStageBytes);
   static constexpr int kMergeBytes = kWarps * kHeadTiles * 8 * (HeadDim + 2) * 4;
@@ -96,13 +92,11 @@ struct DecodeMmaTraits {
   // Blocks per SM the registers must allow (128 threads each; twice that paired): 4 at
   // head_dim <= 128 (128 registers), but 3 for 16-head tiles, whose 64 O accumulators a
   // lane spilled at 128 registers (bf16 96 bytes, fp8 with the soft cap 196); 2 at 256.
-  static constexpr int kMinBlocksPerSM = (HeadDim <= 128 ? (kRows == 16 ? 3 : 4) : 2) / kScale;
+  static constexpr int kMinBlocksPerSM = (HeadDim <= 128 ? (kRows == 16 ? 3 : 4) : 2) / kKvHeads;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
   static_assert(kRows == 4 || kRows == 8 || kRows == 16, "tensor-core decode takes 4, 8 or 16 heads a tile");
   static_assert(kKvHeads == 1 || (kKvHeads == 2 && kRows <= 8), "a block takes one KV head or a pair (tiles <= 8)");
-  static_assert(kWarpsPerHead == 4 || (kWarpsPerHead == 8 && kKvHeads == 1 && kRows <= 8 && HeadDim <= 128),
-                "8 warps a head: one KV head, tiles <= 8, head_dim <= 128");
   static_assert(kChunksPerRow >= 4 && 32 % kChunksPerRow == 0 && kWarpTokens % kRowsPerPass == 0,
                 "rows must split into 16-byte chunks over a warp");
 };

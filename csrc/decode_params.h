@@ -60,7 +60,6 @@ struct DecodeLaunch {
   int32_t num_kv_heads = 0;
   int32_t device = 0;
   int32_t kv_heads_per_block = 1;  // 2: the tensor-core kernel's blocks take KV-head pairs (plan()'s choice)
-  int32_t warps_per_head = 4;      // 8: its blocks have 8 warps on one KV head (plan()'s choice, small batches)
 };
 
 }  // namespace fij

@@ -37,7 +37,7 @@ from .jit import get_module, op_cache
 from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
 from .specs.base import dtype_name
-from .specs.decode import DecodeSpec, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores, wide_blocks
+from .specs.decode import DecodeSpec, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
@@ -202,7 +202,7 @@ class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
-                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "wide", "sms")
+                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms")
 
     def spec(self, table_layout: str, kv_layout: str) -> DecodeSpec:
         spec = self.specs.get(table_layout)
@@ -223,12 +223,10 @@ class _Plan:
     tensor on its device), and run()'s fast path once a call through the op has prepared
     it for that signature (fast: the module's C entry point, prepared: the resolved launch,
     a CPU byte tensor, prepared_ptr its address, device_index: q's device;
-    kv_heads_per_block: 2 where the blocks take KV-head pairs; warps_per_head: 8 where
-    blocks have 8 warps on one head)."""
+    kv_heads_per_block: 2 where the blocks take KV-head pairs)."""
 
     __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked",
-                 "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block",
-                 "warps_per_head")
+                 "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block")
 
 
 def _same_launch(a: _Plan, b: _Plan) -> bool:
@@ -237,7 +235,7 @@ def _same_launch(a: _Plan, b: _Plan) -> bool:
     stay), page ids at the same address and strides, grid, merge rows, counters and
     blocks. The views and counters are compared as objects (the older plan holds them)."""
     (ta, *rest_a), (tb, *rest_b) = a.args, b.args
-    if (a.kv_heads_per_block, a.warps_per_head) != (b.kv_heads_per_block, b.warps_per_head) or rest_a[0] is not rest_b[0] or rest_a[1] is not rest_b[1] \
+    if a.kv_heads_per_block != b.kv_heads_per_block or rest_a[0] is not rest_b[0] or rest_a[1] is not rest_b[1] \
             or rest_a[7:9] != rest_b[7:9] or rest_a[9] is not rest_b[9] or len(ta) != len(tb):
         return False
     csr = len(ta) == 3  # (indptr, indices, last_page_len); block tables: (ids, seq_lens)
@@ -282,7 +280,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self._plan = None
         self._capacity = None  # CUDA-graph mode: fixed at the first plan()
-        self._block_override = None  # tests: (KV heads per block, warps per head) for every plan()
         self._configs = {}  # plan()'s scalar arguments -> _Config
         self._host_slots = [None, None]
         self._host_turn = 0
@@ -326,7 +323,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
                                  "wrapper was first planned (captured) with")
         capacity = self._capacity if graph else batch
-        per_block, warps, blocks_per_item, target, sized = self._block_shape(config, kv_lens, capacity)
+        per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
         max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
         if sized is None:
             sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
@@ -359,8 +356,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan = _Plan()
         plan.config, plan.spec, plan.op = config, spec, None
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
-        plan.batch, plan.capacity, plan.max_items = batch, capacity, max_items
-        plan.kv_heads_per_block, plan.warps_per_head = per_block, warps
+        plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
         merge_rows = capacity if (graph or any_split) else 0
         # The tensor-core kernel merges split requests itself: the last block of a request
         # (per head tile) to finish, counted in zeroed int32s that it resets. One per
@@ -383,40 +379,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
             plan.checked, plan.q_standard, plan.no_lse = None, False, None
         self._plan = plan
 
-    def _block_shape(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
-        """(KV heads per block, warps per KV head, blocks per item, target blocks,
-        _chunk_size's result or None): the tensor-core kernel's block, where the module has
-        more than one (a CUDA-graph wrapper decides by its capacity, once: its grid is fixed
-        at capture). A block of 8 warps (a pair's, or 8 on one head) is two 4-warp blocks'
-        worth of warps, stages and registers: half the blocks per SM, so half the target.
-        - KV-head pairs (rows <= 128 bytes in NHD) where the paired grid still gives every SM
-          a block (b=1 fp8 kv=2k ran 9.8 us paired, 8.1 not).
-        - Else 8 warps on one head where the unsplit 4-warp grid would fill at most half the
-          SMs' 4-warp slots (small batches, which split): more warps and bytes in flight per
-          SM than the split grid gives, without more partial states.
-        - Else 4 warps on one head."""
-        if self._block_override is not None:  # tests: one block shape whatever the batch
-            per_block, warps = self._block_override
-            bpi = config.blocks_per_item // per_block
-            target = config.target if (per_block, warps) == (1, 4) else config.target // 2
-            return per_block, warps, bpi, target, None
-        graph = self._use_cuda_graph
-        if config.pairs:
-            bpi, target = config.blocks_per_item // 2, config.target // 2
-            if graph:
-                if capacity * bpi >= config.sms:
-                    return 2, 4, bpi, target, None
-            else:
-                sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
-                                    config.min_chunk, config.max_chunks)
-                chunk, longest, auto = sized
-                items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
-                    else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())
-                if items * bpi >= config.sms:
-                    return 2, 4, bpi, target, sized
-        if config.wide and 2 * capacity * config.blocks_per_item <= config.target:
-            return 1, 8, config.blocks_per_item, config.target // 2, None
-        return 1, 4, config.blocks_per_item, config.target, None
+    def _pairing(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
+        """(KV heads per block, blocks per item, target blocks, _chunk_size's result or
+        None). Blocks of KV-head pairs (where the module has them) have two blocks' warps
+        and shared memory, so half the blocks and half the target; they are chosen only
+        where their grid still gives every SM a block (small batches keep one-head blocks:
+        b=1 fp8 kv=2k ran 9.8 us paired, 8.0 us not). A CUDA-graph wrapper decides by its
+        capacity, once (its grid is fixed at capture)."""
+        if not config.pairs:
+            return 1, config.blocks_per_item, config.target, None
+        bpi, target = config.blocks_per_item // 2, config.target // 2
+        if self._use_cuda_graph:
+            return (2, bpi, target, None) if capacity * bpi >= config.sms else (1, config.blocks_per_item,
+                                                                                config.target, None)
+        sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
+                            config.min_chunk, config.max_chunks)
+        chunk, longest, auto = sized
+        items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
+            else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())
+        if items * bpi >= config.sms:
+            return 2, bpi, target, sized
+        return 1, config.blocks_per_item, config.target, None
 
     def _configure(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                    logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
@@ -446,7 +429,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         paired = pairs_kv_heads(dtype_name(c.kv_dtype), head_dim, c.tile, c.rope, self._kv_layout)
         # blocks may take KV-head pairs (half as many blocks per item; plan() decides)
         c.pairs = kv_heads_per_block(paired, num_qo_heads, num_kv_heads, c.tile) == 2
-        c.wide = wide_blocks(head_dim, c.tile, c.rope)  # 8-warp blocks on one head (plan() decides)
         c.blocks_per_item = num_kv_heads * (num_qo_heads // num_kv_heads // c.tile)
         # Split only when the batch gives fewer blocks than the SMs hold at once: 4 blocks of
         # the tensor-core kernel per SM at head_dim <= 128 (one wave for 64 requests x 8 KV
@@ -705,7 +687,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             prepared = plan.prepared = torch.empty(entry[1], dtype=torch.uint8)
         op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
-           prepared, plan.kv_heads_per_block, plan.warps_per_head)
+           prepared, plan.kv_heads_per_block)
         if prepared is not None:  # later calls with this signature take the fast path
             plan.prepared_ptr, plan.device_index, plan.fast = prepared.data_ptr(), q.get_device(), entry[0]
         return (out, lse) if return_lse else out

@@ -180,7 +180,7 @@ def host_breakdown() -> dict:
         r["run_through_op"] = enqueue_us(through_op)
         a = plan.args
         args = (s["q"], s["k"], s["v"], a[0], a[1], a[2], s["out"], plan.no_lse, a[3], a[4], 1.0, 1.0, a[5], -1,
-                a[6], a[7], a[8], a[9], a[10], True, None, plan.kv_heads_per_block, plan.warps_per_head)
+                a[6], a[7], a[8], a[9], a[10], True, None, plan.kv_heads_per_block)
         r["op_alone"] = enqueue_us(lambda: plan.op(*args))
         call()
         fast = plan.fast

@@ -514,51 +514,6 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
         check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
 
 
-SHAPE_CASES = [  # (q dtype, kv dtype, head_dim, heads, page table, cache form, split, soft cap, window_left)
-    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "tuple", "auto", None, 300),
-    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "halves", "fixed64", 30.0, -1),
-    ("float16", "float16", 64, (16, 4), "block_table", "single", "no_split", None, 37),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 4), (1, 8), (2, 4)], ids=["4warps", "8warps", "pairs"])
-@pytest.mark.parametrize("case", SHAPE_CASES, ids=lambda c: f"{SHORT[c[1]]}-hd{c[2]}-{c[3][0]}x{c[3][1]}-{c[6]}")
-def test_batch_decode_block_shapes(case, shape, workspace):
-    """Each block shape of the tensor-core kernel on the same inputs, whatever plan()
-    would choose for the batch: 4 warps on a KV head, 8 warps on a KV head, 4 warps on
-    each of two adjacent KV heads (where rows are <= 128 bytes in NHD)."""
-    q_name, kv_name, d, (hq, hk), page_table, form, split, soft_cap, window_left = case
-    spec = decode_spec(q_name, kv_name, d, (hq, hk), page_table, "NHD", soft_cap=soft_cap is not None)
-    if shape == (2, 4) and not spec.pairs_kv_heads:
-        pytest.skip("256-byte rows: the module has no paired kernel")
-    rnd = random.Random(hq + 3 * d)
-    gen = torch.Generator(device=DEV).manual_seed(hq + 3 * d)
-    lens = [0, 1, 17, 300, 2100, 64, 1000, 33]
-    ps = 16
-    num_pages = sum(-(-n // ps) for n in lens) + 5
-    paged = make_page_table(page_table, lens, ps, num_pages, rnd)
-    cache, k, v = make_cache(form, "NHD", num_pages, ps, hk, d, _dtype(kv_name), gen)
-    nan_pages(k, paged.k_unused)
-    nan_pages(v, paged.v_unused)
-    q = _randn((len(lens), hq, d), _dtype(q_name), gen, 4.0 if soft_cap else 1.0)
-    scales = dict(k_scale=0.5, v_scale=2.0) if kv_name.startswith("float8") else {}
-    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-    wrapper._block_override = shape
-    wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
-                 window_left=window_left, logits_soft_cap=soft_cap, q_data_type=q_name, kv_data_type=kv_name,
-                 **_split_kwargs(split))
-    assert (wrapper._plan.kv_heads_per_block, wrapper._plan.warps_per_head) == shape
-    out_buf, out = poisoned(q.shape, q.dtype)
-    lse_buf, lse = poisoned((len(lens), hq), torch.float32)
-    wrapper.run(q, cache, out=out, lse=lse, **scales)
-    torch.cuda.synchronize()
-    assert_sentinels(out_buf, "out")
-    assert_sentinels(lse_buf, "lse")
-    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, "NHD", None, window_left, soft_cap, **scales)
-    check_decode(out, lse, ref_out, ref_lse, lens, _dtype(q_name))
-
-
 @pytest.mark.gpu
 def test_batch_decode_cuda_graph_paired_kv_heads_large_batch(workspace):
     """A CUDA-graph wrapper over an fp8 NHD cache, whose blocks pair KV heads, at a
@@ -801,7 +756,7 @@ def test_batch_decode_paired_kv_heads(case, workspace):
     rnd = random.Random(hq * 7 + hk)
     gen = torch.Generator(device=DEV).manual_seed(hq * 7 + hk)
     # 40 requests: with >= 2 KV-head pairs and the splits below, the paired grid gives
-    # every SM a block, so plan() pairs (see DecodeWrapper._block_shape)
+    # every SM a block, so plan() pairs (see DecodeWrapper._pairing)
     lens = [0, 1, 17, 300, 2100, 64, 1000, 33] + [rnd.randint(1, 200) for _ in range(32)]
     ps = 16
     num_pages = sum(-(-n // ps) for n in lens) + 5

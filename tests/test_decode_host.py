@@ -134,10 +134,6 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
     graph = capacity is not None
     capacity = capacity if graph else batch
     blocks_per_item = hk * (hq // hk // group_tile(hq, hk, d))
-    # small batches (the unsplit grid fills at most half the 4-warp slots) take 8-warp
-    # blocks, two slots each: half the target (16-bit caches here: no KV-head pairs)
-    if tensor_cores and group_tile(hq, hk, d) <= 8 and d <= 128 and 2 * capacity * blocks_per_item <= target:
-        target //= 2
     partial_rows = WORKSPACE_BYTES // ((hq * d + hq) * 4)
     max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
     _, work, merge, any_split = plan_split_reference(lens, blocks_per_item, target, fixed_split_size,
@@ -323,23 +319,19 @@ def test_plan_split_fast_path_matches_the_general_one():
         np.testing.assert_array_equal(merge, expected[2])
 
 
-@pytest.mark.parametrize("kv_dtype,kv_layout,lens,graph,shape", [
-    (torch.float8_e4m3fn, "NHD", [4096] * 64, False, (2, 4)),  # 64 requests x 4 pairs >= 132 SMs
-    (torch.float8_e4m3fn, "NHD", [2048], False, (1, 8)),  # pairs: 16 chunks x 4 leave SMs idle
-    (torch.float8_e4m3fn, "NHD", [8192] * 16, False, (2, 4)),  # split (chunks counted before the 1 MB workspace caps them)
-    (torch.float8_e4m3fn, "HND", [4096] * 64, False, (1, 4)),  # a head's page is contiguous already
-    (torch.bfloat16, "NHD", [4096] * 64, False, (1, 4)),  # 256-byte rows; 512 blocks fill the SMs
-    (torch.bfloat16, "NHD", [2048] * 33, False, (1, 8)),  # 264 blocks: half the 4-warp slots
-    (torch.bfloat16, "NHD", [2048] * 34, False, (1, 4)),
-    (torch.float8_e4m3fn, "NHD", [100] * 64, True, (2, 4)),  # CUDA graph: by the capacity
-    (torch.float8_e4m3fn, "NHD", [100] * 16, True, (1, 8)),
+@pytest.mark.parametrize("kv_dtype,kv_layout,lens,graph,pairs", [
+    (torch.float8_e4m3fn, "NHD", [4096] * 64, False, 2),  # 64 requests x 4 pairs >= 132 SMs
+    (torch.float8_e4m3fn, "NHD", [2048], False, 1),  # 16 chunks x 4 pairs: half the SMs idle
+    (torch.float8_e4m3fn, "NHD", [8192] * 16, False, 2),  # split (chunks counted before the 1 MB workspace caps them)
+    (torch.float8_e4m3fn, "HND", [4096] * 64, False, 1),  # a head's page is contiguous already
+    (torch.bfloat16, "NHD", [4096] * 64, False, 1),  # 256-byte rows
+    (torch.float8_e4m3fn, "NHD", [100] * 64, True, 2),  # CUDA graph: by the capacity
+    (torch.float8_e4m3fn, "NHD", [100] * 16, True, 1),
 ])
-def test_plan_chooses_the_block_shape(kv_dtype, kv_layout, lens, graph, shape, op):
-    """The tensor-core kernel's block: KV-head pairs (rows of <= 128 bytes in NHD) where
-    the paired grid still gives every SM a block, else 8 warps on one head where the unsplit
-    4-warp grid fills at most half the SMs' slots, else 4 warps. The op receives the choice,
-    and the work list is sized for it (8-warp blocks: half the target; pairs: also half the
-    blocks per item)."""
+def test_plan_pairs_kv_heads_where_the_grid_fills_the_sms(kv_dtype, kv_layout, lens, graph, pairs, op):
+    """Blocks take KV-head pairs (rows of <= 128 bytes in NHD) only where the paired grid
+    still gives every SM a block; the op receives the choice, and the work list is sized
+    for it (half the blocks per item, half the target)."""
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
     kwargs = {}
     if graph:
@@ -350,15 +342,14 @@ def test_plan_chooses_the_block_shape(kv_dtype, kv_layout, lens, graph, shape, o
     table = csr(lens)
     w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.bfloat16,
            kv_data_type=kv_dtype)
-    assert (w._plan.kv_heads_per_block, w._plan.warps_per_head) == shape
+    assert w._plan.kv_heads_per_block == pairs
     q = torch.randn(len(lens), HQ, D).to(torch.bfloat16)
-    kv_shape = (64, PS, HK, D) if kv_layout == "NHD" else (64, HK, PS, D)
-    k = torch.randn(kv_shape).to(kv_dtype)
+    shape = (64, PS, HK, D) if kv_layout == "NHD" else (64, HK, PS, D)
+    k = torch.randn(shape).to(kv_dtype)
     w.run(q, (k, k.clone()))
-    assert tuple(op.calls[-1][-2:]) == shape
+    assert op.calls[-1][-1] == pairs
     # the work list is the one plan_split gives for the chosen blocks per item and target
-    blocks_per_item = HK // shape[0]
-    target = cpu_target_blocks(HQ, HK, D) // (1 if shape == (1, 4) else 2)
+    blocks_per_item, target = HK // pairs, cpu_target_blocks(HQ, HK, D) // pairs
     capacity = len(lens)
     max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
     _, work, _, _ = plan_split_reference(np.asarray(lens, dtype=np.int64), blocks_per_item, target, None, False,

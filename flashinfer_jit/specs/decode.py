@@ -40,13 +40,6 @@ def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv
     return uses_tensor_cores(group_tile, rope) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128
 
 
-def wide_blocks(head_dim: int, group_tile: int, rope: bool) -> bool:
-    """Whether a decode module also holds the tensor-core kernel with 8 warps on one KV
-    head (csrc/decode_mma.cuh, kWarpsPerHead = 8), which plan() takes for small batches:
-    head_dim <= 128 and tiles of 4 or 8 heads (16-head tiles need more registers)."""
-    return uses_tensor_cores(group_tile, rope) and group_tile <= 8 and head_dim <= 128
-
-
 def kv_heads_per_block(paired_kernel: bool, num_qo_heads: int, num_kv_heads: int, group_tile: int) -> int:
     """KV heads one block of the decode kernel can take (the module's launch checks the
     same, templates/decode.cu.j2): 2 when the module has the paired kernel, the group is
@@ -84,8 +77,7 @@ class DecodeSpec(Spec):
         return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.rope, self.kv_layout)
 
     def context(self) -> dict:
-        return super().context() | {"pair_kv_heads": self.pairs_kv_heads,
-                                    "wide_blocks": wide_blocks(self.head_dim, self.group_tile, self.rope)}
+        return super().context() | {"pair_kv_heads": self.pairs_kv_heads}
 
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split
@@ -96,16 +88,14 @@ class DecodeSpec(Spec):
         # before them in the stream finishes; see common.cuh). prepared: a CPU byte tensor
         # that receives the resolved launch (csrc/decode_params.h DecodeLaunch) for run()'s
         # fast path, <namespace>_decode_fast. kv_heads_per_block: 2 where the module has the
-        # paired tensor-core kernel and plan() chose it (see kv_heads_per_block), else 1;
-        # warps_per_head: 8 where the module has the 8-warp kernel and plan() chose it
-        # (see wide_blocks), else 4.
+        # paired tensor-core kernel and plan() chose it (see kv_heads_per_block), else 1.
         return {"decode": (
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] page_table, Tensor work, "
             "Tensor merge_indptr, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_o, "
             "Tensor(d!) partial_lse, float logit_scale, float v_scale, float soft_cap, int window_left, "
             "float rope_scale, float rope_theta, int grid_items, int merge_rows, "
             "Tensor(e!)? merge_counters=None, bool enable_pdl=False, Tensor(f!)? prepared=None, "
-            "int kv_heads_per_block=1, int warps_per_head=4) -> ()")}
+            "int kv_heads_per_block=1) -> ()")}
 
 
 @dataclass(frozen=True)
