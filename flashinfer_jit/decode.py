@@ -360,9 +360,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         merge_rows = capacity if (graph or any_split) else 0
         # The tensor-core kernel merges split requests itself: the last block of a request
         # (per head tile) to finish, counted in zeroed int32s that it resets. One per
-        # request, KV head and tile, as the op checks, whether or not blocks pair KV heads.
-        counters = self._merge_counters(capacity * (config.num_qo_heads // config.tile)) \
-            if merge_rows and config.tensor_cores else None
+        # request, KV head and tile (config.blocks_per_item, one-head blocks), as the op
+        # checks, whether or not blocks pair KV heads.
+        counters = self._merge_counters(capacity * config.blocks_per_item) if merge_rows and config.tensor_cores \
+            else None
         plan.args = (tables, work_dev, merge_dev, config.partial_o, config.partial_lse, config.soft_cap,
                      config.rope_scale, config.rope_theta, grid_items, merge_rows, counters)
         if previous is not None and previous.config is config and previous.batch == batch \

@@ -569,11 +569,7 @@ def main(argv=None) -> int:
     res["warm_load"] = bench_warm_load()
     if args.cold_build == "yes" or (args.cold_build == "auto" and not args.quick):
         res["cold_build"] = bench_cold_build()
-    res["seconds"] = time.perf_counter() - started
-    bc.write_json(args.out, res)
-    print(report(res))
-    print(f"(JSON: {args.out}; {res['seconds']:.0f} s)")
-    return 0
+    return bc.finish(args.out, res, report, started)
 
 
 if __name__ == "__main__":

@@ -220,6 +220,16 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def finish(path: str, res: dict, report, started: float) -> int:
+    """The end of a benchmark run: the total seconds into res, the JSON written, the
+    report printed. Returns the exit status (0)."""
+    res["seconds"] = time.perf_counter() - started
+    write_json(path, res)
+    print(report(res))
+    print(f"(JSON: {path}; {res['seconds']:.0f} s)")
+    return 0
+
+
 def table(rows: list[list], headers: list[str]) -> str:
     text = [[str(h) for h in headers]] + [[_cell(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in text) for i in range(len(headers))]

@@ -612,11 +612,7 @@ def main(argv=None) -> int:
     res["flashinfer"] = peer.info
     res["host"] = bench_host(fi)
     res["skipped"] = skipped
-    res["seconds"] = time.perf_counter() - started
-    bc.write_json(args.out, res)
-    print(report(res))
-    print(f"(JSON: {args.out}; {res['seconds']:.0f} s)")
-    return 0
+    return bc.finish(args.out, res, report, started)
 
 
 if __name__ == "__main__":
