@@ -64,6 +64,16 @@ FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
+// Brings `bytes` (a multiple of 16, 16-byte aligned) at gmem into L2 without waiting: one
+// bulk request on sm_90+, one per 128-byte line before.
+FIJ_DEVICE void prefetch_l2(const void* gmem, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
+#else
+  for (int off = 0; off < bytes; off += 128)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(static_cast<const char*>(gmem) + off));
+#endif
+}
 FIJ_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Wait until at most N committed groups of this thread are still in flight.
 template <int N>

@@ -32,6 +32,9 @@ struct DecodeParams {
   // at 0 and are left at 0; null: a separate merge kernel runs instead.
   int32_t* merge_counters = nullptr;
   const int32_t* merge_indptr = nullptr;  // [B+1] partial rows of each request
+  // Set by the launcher: the launch is a programmatic dependent one (the tensor-core kernel
+  // then prefetches small grids' K/V into L2 while the kernel before it finishes).
+  int32_t dependent_launch = 0;
 };
 
 struct MergeParams {

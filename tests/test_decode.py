@@ -164,6 +164,7 @@ def specs_needed() -> set:
     specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, "csr", lay) for lay in SINGLE_LAYOUTS}
     specs |= {decode_spec("bfloat16", kv, hd, LLAMA_HEADS, t, lay) for kv, hd, lay, t in TAIL_CASES}
     specs |= {_pair_spec(c) for c in PAIR_CASES}
+    specs |= {decode_spec("bfloat16", kv, 128, LLAMA_HEADS, "csr", "NHD") for kv in ("bfloat16", "float8_e4m3fn")}
     # split-KV's merge runs in the output dtype (= q dtype)
     specs |= {MergeSpec(c.q_dtype, c.head_dim) for c in CASES}
     specs |= {MergeSpec(d, hd) for d in MERGE_DTYPES for hd in MERGE_HEAD_DIMS}
@@ -607,6 +608,53 @@ def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, e
     for i in range(steps):
         ref_out, _ = decode_ref(qs[i], k, v, paged.table, lens, kv_layout)
         check_decode(qs[i + 1], None, ref_out, None, lens, _dtype(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_batch_decode_reads_the_cache_the_kernel_before_wrote(kv_dtype, graph, workspace):
+    """A small grid under programmatic dependent launch prefetches its K/V into L2 before
+    the kernel before it has finished: each run() follows kernels that rewrite the whole
+    cache (and q), and must read their values, never older ones."""
+    hq, hk, d, ps, steps = 32, 8, 128, 16, 4
+    rnd = random.Random(29)
+    gen = torch.Generator(device=DEV).manual_seed(29)
+    lens = [2000]  # b=1: 16 chunks of 128 tokens, 8 MB or less, prefetched
+    num_pages = -(-lens[0] // ps) + 3
+    paged = make_page_table("csr", lens, ps, num_pages, rnd, host_indptr=True)
+    _, k, v = make_cache("tuple", "NHD", num_pages, ps, hk, d, _dtype(kv_dtype), gen)
+    fresh = [(_randn(k.shape, torch.bfloat16, gen).to(k.dtype), _randn(v.shape, torch.bfloat16, gen).to(v.dtype),
+              _randn((1, hq, d), torch.bfloat16, gen)) for _ in range(steps)]
+    q = torch.empty(1, hq, d, dtype=torch.bfloat16, device=DEV)
+    outs = [torch.full_like(q, float("nan")) for _ in range(steps)]
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
+                 q_data_type="bfloat16", kv_data_type=kv_dtype)
+
+    def steps_():
+        for i, (k_new, v_new, q_new) in enumerate(fresh):
+            k.copy_(k_new)
+            v.copy_(v_new)
+            q.copy_(q_new)
+            wrapper.run(q, (k, v), out=outs[i], enable_pdl=True)
+
+    if graph:
+        steps_()  # warm-up outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            steps_()
+        for t in outs:
+            t.fill_(float("nan"))
+        k.zero_()
+        g.replay()
+    else:
+        steps_()
+    torch.cuda.synchronize()
+    for i, (k_new, v_new, q_new) in enumerate(fresh):
+        ref_out, _ = decode_ref(q_new, k_new, v_new, paged.table, lens)
+        check_decode(outs[i], None, ref_out, None, lens, torch.bfloat16)
 
 
 @pytest.mark.gpu
