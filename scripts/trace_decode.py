@@ -154,7 +154,8 @@ def _inner(cases: list[tuple[str, int, int]], out: str) -> int:
             for slot, name in KEYS.items():
                 col = (last if slot in MERGE_KEYS else k)[:, slot]
                 if len(col):
-                    row[name] = [(col.min() - e0) / 1e3, float(np.median(col) - e0) / 1e3, (col.max() - e0) / 1e3]
+                    rel = col - e0  # int64: the timer (ns since an epoch) has no exact float64
+                    row[name] = [rel.min() / 1e3, float(np.median(rel)) / 1e3, rel.max() / 1e3]
             rows.append(row)
         label = f"{kv} b={batch} kv={kv_len}"
         median = {key: (float(np.median([r[key] for r in rows])) if key in ("blocks", "last_blocks", "period")
