@@ -94,8 +94,11 @@ struct DecodeMmaTraits {
   // lane spilled at 128 registers (bf16 96 bytes, fp8 with the soft cap 196); 2 at 256.
   static constexpr int kMinBlocksPerSM = (HeadDim <= 128 ? (kRows == 16 ? 3 : 4) : 2) / kKvHeads;
   // A grid whose K/V fit in this many bytes prefetches them into L2 before
-  // griddepcontrol.wait, under a programmatic dependent launch (see the prologue).
-  static constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
+  // griddepcontrol.wait, under a programmatic dependent launch (see the prologue). Measured
+  // on the H100 (b=1, 8 KV heads, A/B over budgets of 0-24 MB): 16 MB paid for fp8 (kv=8k
+  // 14.2 -> 13.3 us, b=16 kv=512 16.7 -> 15.9) but lost for bf16 (kv=4k 12.1 -> 12.6, GQA-8
+  // 14.0 -> 14.4); 8 MB kept bf16 kv=2k's gain (8.7 -> 8.1) and fp8 kv=4k's (11.2 -> 10.5).
+  static constexpr int64_t kPrefetchBytes = int64_t(kFp8 ? 16 : 8) << 20;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
   static_assert(kRows == 4 || kRows == 8 || kRows == 16, "tensor-core decode takes 4, 8 or 16 heads a tile");
