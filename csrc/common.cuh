@@ -76,6 +76,13 @@ FIJ_DEVICE void prefetch_l2(const void* gmem, int bytes) {
 }
 FIJ_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N>
+FIJ_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// --- atomics -------------------------------------------------------------------------------
 // *addr += v at GPU scope with acquire-release semantics (sm_70+); returns the old value.
 // Release: what this thread (and, through a block barrier before it, its block) wrote is
 // visible to whoever acquires a later value; acquire: the same, the other way.
@@ -83,11 +90,6 @@ FIJ_DEVICE int atomic_add_acq_rel(int* addr, int v) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(v) : "memory");
   return old;
-}
-// Wait until at most N committed groups of this thread are still in flight.
-template <int N>
-FIJ_DEVICE void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // --- programmatic dependent launch (sm_90+) -------------------------------------------------

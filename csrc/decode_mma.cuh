@@ -366,20 +366,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const int64_t share = Traits::kPrefetchBytes / (int64_t(gridDim.x) * num_items * kTokenBytes);
     const int count = end - start;
     if (count > 0 && count <= share) {
-      const char* k_data = static_cast<const char*>(p.kv.k.data);
-      const char* v_data = static_cast<const char*>(p.kv.v.data);
-      const int kv_head0 = kv_head - head_slot;
+      // the block's first head's rows (k_base / v_base are this thread's head and chunk)
+      const int first_head = kv_head - head_slot;
+      const KV* k_rows = static_cast<const KV*>(p.kv.k.data) + first_head * static_cast<int>(p.kv.k.stride_head);
+      const KV* v_rows = static_cast<const KV*>(p.kv.v.data) + first_head * static_cast<int>(p.kv.v.stride_head);
       for (int i = tid; i < count; i += Traits::kThreads) {
         const int j = start + i;
         const int logical = pow2_pages ? j >> page_shift : j / page_size;
         const int slot = j - logical * page_size;
-        const int64_t kp = k_row[logical], vp = kSeparate ? v_row[logical] : kp;
+        const int kp = k_row[logical], vp = kSeparate ? v_row[logical] : kp;
 #pragma unroll
         for (int h = 0; h < Traits::kKvHeads; ++h) {
-          prefetch_l2(k_data + (kp * p.kv.k.stride_page + int64_t(slot) * p.kv.k.stride_token +
-                                int64_t(kv_head0 + h) * p.kv.k.stride_head) * int64_t(sizeof(KV)), kRowBytes);
-          prefetch_l2(v_data + (vp * p.kv.v.stride_page + int64_t(slot) * p.kv.v.stride_token +
-                                int64_t(kv_head0 + h) * p.kv.v.stride_head) * int64_t(sizeof(KV)), kRowBytes);
+          prefetch_l2(k_rows + (mul_wide(kp, k_sp) + slot * k_st + h * static_cast<int>(p.kv.k.stride_head)), kRowBytes);
+          prefetch_l2(v_rows + (mul_wide(vp, v_sp) + slot * v_st + h * static_cast<int>(p.kv.v.stride_head)), kRowBytes);
         }
       }
     }

@@ -179,18 +179,28 @@ def _inner(cases: list[tuple[str, int, int]], out: str) -> int:
 def _parse_cases(text: str) -> list[tuple[str, int, int]]:
     cases = []
     for item in filter(None, (c.strip() for c in text.split(","))):
-        kv, batch, kv_len = item.split(":")
-        cases.append((kv, int(batch), int(kv_len)))
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("bfloat16", "float8_e4m3fn", "float8_e5m2") \
+                or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
+            raise argparse.ArgumentTypeError(f"--cases: expected kv_dtype:batch:kv_len items (kv_dtype bfloat16, "
+                                             f"float8_e4m3fn or float8_e5m2; positive ints), got {item!r}")
+        cases.append((parts[0], int(parts[1]), int(parts[2])))
+    if not cases:
+        raise argparse.ArgumentTypeError("--cases: no case given")
     return cases
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="bfloat16:1:2048,float8_e4m3fn:1:2048,bfloat16:1:32768")
+    p.add_argument("--cases", default="bfloat16:1:2048,float8_e4m3fn:1:2048,bfloat16:1:32768",
+                   help="kv_dtype:batch:kv_len, comma-separated")
     p.add_argument("--out", default=None)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    cases = _parse_cases(args.cases)
+    try:
+        cases = _parse_cases(args.cases)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_common as bc
 
