@@ -52,7 +52,14 @@ _MMA_MIN_CHUNK = 128
 # sweeps, docs/performance.md): b=1 kv=8k GQA-8 23.8 us at 64 chunks, 20.3 at 32.
 _MMA_MAX_CHUNKS = 32
 _SPLIT_BLOCKS_PER_SM = 3
-_MMA_BLOCKS_PER_SM = 4
+# Split small batches into about 2 blocks of the tensor-core kernel per SM (tiles of 4 or 8
+# heads, head_dim <= 128), not the 4 an SM holds: half the partial states to write and merge,
+# and the grid's blocks land evenly. Same-machine A/B on the H100 against 4 per SM (the
+# chunk sizes that halve the items): bf16 b=16 kv=2k 52.0 -> 50.7 us, kv=8k 184.5 -> 181.7,
+# GQA-8 kv=8k 186.9 -> 183.4, fp8 b=16 kv=2k 34.4 -> 31.0, b=2 kv=32k 96.4 -> 94.1, b=4
+# kv=8k 51.7 -> 50.4; b=32 kv=4k unsplit 179.2 instead of 184.7 split; b=1 as before (its
+# 32-chunk cap binds first).
+_MMA_SPLIT_BLOCKS_PER_SM = 2
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -130,6 +137,20 @@ def _ceil_div(a, b):
 
 def _round_up(a, multiple: int):
     return _ceil_div(a, multiple) * multiple
+
+
+def graph_grid_items(capacity: int, blocks_per_item: int, target_blocks: int, sms: int) -> int:
+    """Work items (grid rows) of a CUDA-graph wrapper, whose grid is fixed at capture: the
+    capacity, plus spare rows for the split of a smaller batch (2 x target_blocks worth),
+    but only while the grid stays under 2 blocks per SM; plan_split fits later splits
+    into them. Idle rows cost more than their blocks' exit: from 2 blocks per SM up, the
+    H100's block scheduler placed the working blocks of a split b=1 unevenly (128 blocks
+    on 112 SMs, up to 3 on one), and the slowest decided the merge (bf16 kv=2k 8.1 us
+    with a grid of 256 blocks, 8.9 with 264, 9.2 with 1064; eager: 8.0). Fewer, longer
+    chunks cost little where they are needed (b=2 kv=32k: 94.9 us in 32 items, 96.6 in 64)."""
+    spare = -(-2 * target_blocks // blocks_per_item)
+    under_two_per_sm = (2 * sms - 1) // blocks_per_item - capacity
+    return capacity + max(0, min(spare, under_two_per_sm))
 
 
 def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
@@ -324,7 +345,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  "wrapper was first planned (captured) with")
         capacity = self._capacity if graph else batch
         per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
-        max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
+        max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
         if sized is None:
             sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
                                 config.disable_split_kv, config.min_chunk, config.max_chunks)
@@ -431,13 +452,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # blocks may take KV-head pairs (half as many blocks per item; plan() decides)
         c.pairs = kv_heads_per_block(paired, num_qo_heads, num_kv_heads, c.tile) == 2
         c.blocks_per_item = num_kv_heads * (num_qo_heads // num_kv_heads // c.tile)
-        # Split only when the batch gives fewer blocks than the SMs hold at once: 4 blocks of
-        # the tensor-core kernel per SM at head_dim <= 128 (one wave for 64 requests x 8 KV
-        # heads on 132 SMs), about 3 of the CUDA-core kernel (two 32-token stages in flight
-        # each); a split costs a partial-state write and the merge.
+        # Split only when the batch gives fewer blocks than the split target: 2 blocks of the
+        # tensor-core kernel per SM at head_dim <= 128 and tiles of 4 or 8 heads (see
+        # _MMA_SPLIT_BLOCKS_PER_SM), 3 for 16-head tiles (as many as their registers allow
+        # at once; not measured against fewer), about 3 of the CUDA-core kernel (two 32-token
+        # stages in flight each); a split costs a partial-state write and the merge.
         device = self._device
         c.tensor_cores = uses_tensor_cores(c.tile, c.rope)
-        per_sm = _MMA_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
+        per_sm = _MMA_SPLIT_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
         if c.tensor_cores and head_dim <= 128 and c.tile == 16:
             per_sm = 3  # 16-head tiles take more registers (csrc/decode_mma.cuh kMinBlocksPerSM)
         c.min_chunk = _MMA_MIN_CHUNK if c.tensor_cores else _MIN_CHUNK

@@ -24,6 +24,7 @@ folder unless set). Without it the FlashInfer columns say why.
 Writes JSON (--out, default $OUT/bench_decode.json) and prints the table last.
   PYTHONPATH=.peers/site python3 scripts/bench_decode.py [--quick] [--time-limit S] [--out FILE]
   python3 scripts/bench_decode.py --list     (the cases and skips; no GPU needed)
+  python3 scripts/bench_decode.py --cases 'bf16 gqa4 b=256 kv=32k;bf16 gqa8 b=256 kv=32k' --max-cache-gb 40
 """
 
 from __future__ import annotations
@@ -420,8 +421,16 @@ def parse_args(argv=None):
                    help="seconds to wait for FlashInfer's first-use builds (default 150)")
     p.add_argument("--graph-mode", choices=("auto", "yes", "no"), default="auto",
                    help="also time ours with use_cuda_graph=True (auto: not with --quick)")
+    p.add_argument("--cases", default="",
+                   help="only these cases: labels as --list prints them, ';'-separated (e.g. 'bf16 gqa4 b=256 kv=32k')")
     p.add_argument("--list", action="store_true", help="print the cases and skips, then exit (no GPU needed)")
     args = p.parse_args(argv)
+    if args.cases:
+        labels = {c.label for c in case_list(args.quick)}
+        args.cases = [c.strip() for c in args.cases.split(";") if c.strip()]
+        unknown = [c for c in args.cases if c not in labels]
+        if unknown or not args.cases:
+            p.error(f"--cases: unknown {unknown or args.cases!r}; the cases are: {'; '.join(sorted(labels))}")
     args.out = args.out or bc.default_out("bench_decode.json")
     return args
 
@@ -429,6 +438,8 @@ def parse_args(argv=None):
 def planned(args) -> tuple[list[Case], list[dict]]:
     cases, skipped = [], []
     for case in case_list(args.quick):
+        if args.cases and case.label not in args.cases:
+            continue
         if case.cache_bytes() > args.max_cache_gb * 1e9:
             skipped.append({"case": case.label, "reason": f"K+V cache {case.cache_bytes() / 1e9:.1f} GB > "
                                                           f"--max-cache-gb {args.max_cache_gb:g}"})

@@ -69,13 +69,23 @@ class Inputs:
                           v=cache(), out=torch.empty(batch, hq, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
                      for _ in range(self.n_sets)]
 
-    def wrapper(self, **plan_kwargs):
+    def wrapper(self, use_cuda_graph: bool = False, **plan_kwargs):
+        """A planned wrapper; use_cuda_graph: a CUDA-graph one, with its own page-table
+        buffers of this batch."""
         import torch
 
         import flashinfer_jit as fij
 
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, self.layout)
+        kwargs = {}
+        if use_cuda_graph:
+            def buffer(n):
+                return torch.empty(n, dtype=torch.int32, device="cuda")
+
+            kwargs = dict(use_cuda_graph=True, paged_kv_indptr_buffer=buffer(self.batch + 1),
+                          paged_kv_indices_buffer=buffer(self.num_pages),
+                          paged_kv_last_page_len_buffer=buffer(self.batch))
+        w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, self.layout, **kwargs)
         self.plan(w, **plan_kwargs)
         return w
 
@@ -86,11 +96,12 @@ class Inputs:
                q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype, **plan_kwargs)
 
 
-def timed(inputs: Inputs, reference=None, pdl: bool = True, **plan_kwargs) -> dict:
-    """Graph-replay µs of run() under plan(**plan_kwargs); checks one replay's output."""
+def timed(inputs: Inputs, reference=None, pdl: bool = True, use_cuda_graph: bool = False, **plan_kwargs) -> dict:
+    """Graph-replay µs of run() under plan(**plan_kwargs); checks one replay's output.
+    use_cuda_graph: the wrapper's CUDA-graph mode (the replay is a graph either way)."""
     import torch
 
-    w = inputs.wrapper(**plan_kwargs)
+    w = inputs.wrapper(use_cuda_graph, **plan_kwargs)
     items = int(w._plan.args[8])  # grid items: work items the kernel runs
 
     def run(i):

@@ -22,7 +22,7 @@ the end of the kernel before (negative: the block was resident before that):
 
 as min / median / max over blocks (the merge stamps over the last blocks only).
 
-    python3 scripts/trace_decode.py [--cases 'bfloat16:1:2048,float8_e4m3fn:1:2048'] [--out FILE]
+    python3 scripts/trace_decode.py [--cases 'bfloat16:1:2048,float8_e4m3fn:1:2048'] [--graph-mode] [--out FILE]
 
 Cases are kv dtype : batch : kv_len, GQA-4 (32/8 heads), head_dim 128, page 16, bf16 q,
 CSR with permuted pages. Stamps cost a few registers and stores; compare periods with
@@ -71,6 +71,8 @@ def _instrument(root: Path) -> None:
            f" blockIdx.x + gridDim.x * blockIdx.y) * {SLOTS};\n"
            "  if (threadIdx.x == 0) {\n    fij_trace[trace_base + 7] = reinterpret_cast<unsigned long long>(p.q);\n"
            "    fij_trace[trace_base + 5] = fij_trace[trace_base + 6] = fij_trace[trace_base + 8] = 0;\n"
+           "    unsigned smid;\n    asm volatile(\"mov.u32 %0, %smid;\" : \"=r\"(smid));\n"
+           "    fij_trace[trace_base + 10] = smid;\n"
            "    fij_trace[trace_base + 0] = trace_now();\n  }\n")
     insert("  pdl_wait();\n", stamp(1))
     insert("    const unsigned char* ks = stage_k(tile % Traits::kStages);",
@@ -99,7 +101,7 @@ FIJ_EXPORT int fij_trace_clear() {{
 """)
 
 
-def _inner(cases: list[tuple[str, int, int]], out: str) -> int:
+def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = False) -> int:
     """In the instrumented copy: build, replay, read the stamps, print the timeline."""
     import ctypes
 
@@ -117,7 +119,8 @@ def _inner(cases: list[tuple[str, int, int]], out: str) -> int:
     if report.failed:
         print(f"trace_decode: build failed: {dict(report.failed)}", file=sys.stderr)
         return 1
-    result = {"meta": bc.run_metadata(), "units": "us from the previous kernel's end", "cases": {}}
+    result = {"meta": bc.run_metadata(), "units": "us from the previous kernel's end", "use_cuda_graph": use_cuda_graph,
+              "cases": {}}
     for kv, batch, kv_len in cases:
         module = get_module(specs[kv])
         lib = ctypes.CDLL(str(module.path / module.manifest["library"]))
@@ -126,7 +129,7 @@ def _inner(cases: list[tuple[str, int, int]], out: str) -> int:
         if len(set(slots)) != len(slots):
             print(f"trace_decode: {kv}:{batch}:{kv_len}: two input sets share a stamp slot", file=sys.stderr)
             return 1
-        w = inputs.wrapper()
+        w = inputs.wrapper(use_cuda_graph)
 
         def run(i, w=w, inputs=inputs):
             s = inputs.sets[i]
@@ -150,7 +153,13 @@ def _inner(cases: list[tuple[str, int, int]], out: str) -> int:
         for i in range(1, len(kernels)):
             k, e0 = kernels[i], ends[i - 1]
             last = k[k[:, 6] != 0]
-            row = {"blocks": len(k), "last_blocks": len(last), "period": (ends[i] - e0) / 1e3}
+            per_sm = np.bincount(k[:, 10], minlength=1)
+            row = {"blocks": len(k), "last_blocks": len(last), "period": (ends[i] - e0) / 1e3,
+                   "sms_used": int((per_sm > 0).sum()), "most_blocks_on_an_sm": int(per_sm.max())}
+            # loop_end of the blocks by how many of this kernel's blocks shared their SM
+            sharing = per_sm[k[:, 10]]
+            row["loop_end_by_sharing"] = {int(n): float(np.median(k[sharing == n, 3] - e0)) / 1e3
+                                          for n in np.unique(sharing)}
             for slot, name in KEYS.items():
                 col = (last if slot in MERGE_KEYS else k)[:, slot]
                 if len(col):
@@ -158,16 +167,21 @@ def _inner(cases: list[tuple[str, int, int]], out: str) -> int:
                     row[name] = [rel.min() / 1e3, float(np.median(rel)) / 1e3, rel.max() / 1e3]
             rows.append(row)
         label = f"{kv} b={batch} kv={kv_len}"
-        median = {key: (float(np.median([r[key] for r in rows])) if key in ("blocks", "last_blocks", "period")
+        scalars = ("blocks", "last_blocks", "period", "sms_used", "most_blocks_on_an_sm")
+        median = {key: (float(np.median([r[key] for r in rows])) if key in scalars
                         else [float(np.median([r[key][j] for r in rows if key in r])) for j in range(3)])
-                  for key in rows[0]}
+                  for key in rows[0] if key != "loop_end_by_sharing"}
         result["cases"][label] = {"median_over_kernels": median, "kernels": rows[:4]}
         print(f"\n{label}: {median['blocks']:.0f} blocks, {median['last_blocks']:.0f} merging; "
-              f"period {median['period']:.2f} us (median over {len(rows)} kernels)")
+              f"period {median['period']:.2f} us (median over {len(rows)} kernels); on {median['sms_used']:.0f} SMs, "
+              f"up to {median['most_blocks_on_an_sm']:.0f} on one")
         for name in KEYS.values():
             if name in median:
                 lo, mid, hi = median[name]
                 print(f"  {name:9s} {lo:8.2f} {mid:8.2f} {hi:8.2f}")
+        for r in rows[:3]:
+            print("  loop_end median by blocks sharing the SM: " +
+                  ", ".join(f"{n}: {t:.2f}" for n, t in r["loop_end_by_sharing"].items()))
         del graph, w, inputs
         torch.cuda.empty_cache()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="bfloat16:1:2048,float8_e4m3fn:1:2048,bfloat16:1:32768",
                    help="kv_dtype:batch:kv_len, comma-separated")
     p.add_argument("--out", default=None)
+    p.add_argument("--graph-mode", action="store_true",
+                   help="the wrapper in CUDA-graph mode (use_cuda_graph=True, its grid padded to the capacity)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -206,7 +222,7 @@ def main(argv=None) -> int:
 
     out = args.out or bc.default_out("trace_decode.json")
     if args.inner:
-        return _inner(cases, out)
+        return _inner(cases, out, args.graph_mode)
     with tempfile.TemporaryDirectory(prefix="fij_trace_") as tmp:
         copy = Path(tmp) / "src"
         for name in ("csrc", "templates", "flashinfer_jit", "scripts"):
@@ -215,6 +231,7 @@ def main(argv=None) -> int:
         _instrument(copy)
         env = dict(os.environ, PYTHONPATH=str(copy), FLASHINFER_JIT_CACHE_DIR=str(Path(tmp) / "cache"))
         cmd = [sys.executable, str(copy / "scripts" / "trace_decode.py"), "--inner", "--cases", args.cases,
+               *(["--graph-mode"] if args.graph_mode else []),
                "--out", str(Path(out).resolve())]
         return subprocess.call(cmd, env=env, cwd=tmp)
 

@@ -33,10 +33,10 @@ CPU_SMS = 132  # plan()'s SM count without a CUDA device
 
 
 def cpu_target_blocks(hq: int, hk: int, d: int, rope: bool = False) -> int:
-    """plan()'s split target: 4 blocks per SM for the tensor-core kernel (head_dim <= 128),
-    3 for the CUDA-core one."""
+    """plan()'s split target: 2 blocks per SM for the tensor-core kernel (head_dim <= 128,
+    tiles of 4 or 8 heads), 3 for its 16-head tiles and for the CUDA-core kernel."""
     tile = group_tile(hq, hk, d)
-    return (4 if tile >= 4 and not rope and d <= 128 else 3) * CPU_SMS
+    return (2 if tile in (4, 8) and not rope and d <= 128 else 3) * CPU_SMS
 
 
 class Recorder:
@@ -135,7 +135,7 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
     capacity = capacity if graph else batch
     blocks_per_item = hk * (hq // hk // group_tile(hq, hk, d))
     partial_rows = WORKSPACE_BYTES // ((hq * d + hq) * 4)
-    max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
+    max_items = decode.graph_grid_items(capacity, blocks_per_item, target, CPU_SMS) if graph else None
     _, work, merge, any_split = plan_split_reference(lens, blocks_per_item, target, fixed_split_size,
                                                      disable_split_kv, max_items, partial_rows,
                                                      min_chunk=128 if tensor_cores else 64,
@@ -322,7 +322,8 @@ def test_plan_split_fast_path_matches_the_general_one():
 @pytest.mark.parametrize("kv_dtype,kv_layout,lens,graph,pairs", [
     (torch.float8_e4m3fn, "NHD", [4096] * 64, False, 2),  # 64 requests x 4 pairs >= 132 SMs
     (torch.float8_e4m3fn, "NHD", [2048], False, 1),  # 16 chunks x 4 pairs: half the SMs idle
-    (torch.float8_e4m3fn, "NHD", [8192] * 16, False, 2),  # split (chunks counted before the 1 MB workspace caps them)
+    (torch.float8_e4m3fn, "NHD", [8192] * 20, False, 2),  # split: 2 chunks each, 40 items x 4 pairs >= 132 SMs
+    (torch.float8_e4m3fn, "NHD", [8192] * 16, False, 1),  # split: 32 items x 4 pairs < 132 SMs
     (torch.float8_e4m3fn, "HND", [4096] * 64, False, 1),  # a head's page is contiguous already
     (torch.bfloat16, "NHD", [4096] * 64, False, 1),  # 256-byte rows
     (torch.float8_e4m3fn, "NHD", [100] * 64, True, 2),  # CUDA graph: by the capacity
@@ -351,12 +352,31 @@ def test_plan_pairs_kv_heads_where_the_grid_fills_the_sms(kv_dtype, kv_layout, l
     # the work list is the one plan_split gives for the chosen blocks per item and target
     blocks_per_item, target = HK // pairs, cpu_target_blocks(HQ, HK, D) // pairs
     capacity = len(lens)
-    max_items = capacity + -(-2 * target // blocks_per_item) if graph else None
+    max_items = decode.graph_grid_items(capacity, blocks_per_item, target, CPU_SMS) if graph else None
     _, work, _, _ = plan_split_reference(np.asarray(lens, dtype=np.int64), blocks_per_item, target, None, False,
                                          max_items, WORKSPACE_BYTES // ((HQ * D + HQ) * 4), min_chunk=128,
                                          max_chunks=32)
     assert op.last["work"].tolist()[0] == len(work)
     assert op.last["grid_items"] == (max_items if graph else len(work))
+
+
+@pytest.mark.parametrize("capacity, blocks_per_item, target, expected", [
+    (1, 8, 528, 32),     # b=1, 8 head tiles: 256 blocks, under 2 per SM (264)
+    (16, 8, 528, 32),    # the spares stop at 32 rows
+    (32, 8, 528, 32),    # 256 blocks of requests: no spare fits under 2 per SM
+    (33, 8, 528, 33),    # the capacity itself is over: no spares, never fewer than the capacity
+    (256, 8, 528, 256),
+    (1, 4, 264, 65),     # paired blocks: 4 per item
+    (1, 64, 396, 4),     # 64 head tiles (CUDA cores, MHA): 4 rows, 256 blocks
+    (1, 1, 6, 13),       # a small target: its 2 x target / blocks per item spares, not more
+])
+def test_graph_grid_items_stays_under_two_blocks_per_sm(capacity, blocks_per_item, target, expected):
+    """A CUDA-graph wrapper's grid rows: the capacity plus spare rows for splits, as long as
+    the whole grid stays under 2 blocks per SM (132 SMs here)."""
+    rows = decode.graph_grid_items(capacity, blocks_per_item, target, CPU_SMS)
+    assert rows == expected
+    assert rows >= capacity
+    assert rows == capacity or rows * blocks_per_item < 2 * CPU_SMS
 
 
 # --- plan(): one copy to the device --------------------------------------------------------------
