@@ -59,6 +59,9 @@ _SPLIT_BLOCKS_PER_SM = 3
 # GQA-8 kv=8k 186.9 -> 183.4, fp8 b=16 kv=2k 34.4 -> 31.0, b=2 kv=32k 96.4 -> 94.1, b=4
 # kv=8k 51.7 -> 50.4; b=32 kv=4k unsplit 179.2 instead of 184.7 split; b=1 as before (its
 # 32-chunk cap binds first).
+# Not for a skewed batch, though (some requests under half a chunk, others split): its long
+# requests split to 4 per SM, as before (56 x 256 + 8 x 8k tokens: 116.3 us; 122.6 at 2 per
+# SM, 124.7 with the target counted over the long requests alone).
 _MMA_SPLIT_BLOCKS_PER_SM = 2
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
@@ -82,11 +85,12 @@ def _as_dtype(value, name: str, default=None) -> torch.dtype:
 
 def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size, disable_split_kv,
                max_items: int | None = None, max_partials: int | None = None, min_chunk: int = _MIN_CHUNK,
-               sized: tuple | None = None, max_chunks: int | None = None):
+               sized: tuple | None = None, max_chunks: int | None = None, skewed_target_blocks: int | None = None):
     """Chunk size for the work list, and the list: (request, start, end, partial_row) rows
     and merge_indptr. Pure function of host values (unit-tested without a GPU).
 
-    The chunk is the total work spread over about target_blocks blocks (never below
+    The chunk is the total work spread over about target_blocks blocks (skewed_target_blocks
+    where some requests are under half a chunk and others split; never below
     min_chunk tokens, nor so small that the longest request gets over max_chunks). A request takes round(length / chunk) chunks (at least one), of
     equal size rounded up to whole 32-token tiles: a uniform batch that about fills the
     GPU is not split (with a fixed chunk and a remainder, 64 x 4k tokens became 64 x
@@ -99,7 +103,7 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     """
     batch = len(kv_lens)
     chunk, longest, auto = sized or _chunk_size(kv_lens, blocks_per_item, target_blocks, fixed_split_size,
-                                                disable_split_kv, min_chunk, max_chunks)
+                                                disable_split_kv, min_chunk, max_chunks, skewed_target_blocks)
     if _nothing_splits(chunk, longest, batch, max_items, auto):
         work = _one_item_per_request(batch).copy()
         work[:, 2] = kv_lens
@@ -143,14 +147,17 @@ def graph_grid_items(capacity: int, blocks_per_item: int, target_blocks: int, sm
     """Work items (grid rows) of a CUDA-graph wrapper, whose grid is fixed at capture: the
     capacity, plus spare rows for the split of a smaller batch (2 x target_blocks worth),
     but only while the grid stays under 2 blocks per SM; plan_split fits later splits
-    into them. Idle rows cost more than their blocks' exit: from 2 blocks per SM up, the
+    into them. (A capacity that fills 2 blocks per SM by itself keeps every spare row: the
+    long requests of a skewed batch need them, and idle rows cost nothing measurable
+    there.) Idle rows cost more than their blocks' exit: from 2 blocks per SM up, the
     H100's block scheduler placed the working blocks of a split b=1 unevenly (128 blocks
     on 112 SMs, up to 3 on one), and the slowest decided the merge (bf16 kv=2k 8.1 us
     with a grid of 256 blocks, 8.9 with 264, 9.2 with 1064; eager: 8.0). Fewer, longer
     chunks cost little where they are needed (b=2 kv=32k: 94.9 us in 32 items, 96.6 in 64)."""
     spare = -(-2 * target_blocks // blocks_per_item)
-    under_two_per_sm = (2 * sms - 1) // blocks_per_item - capacity
-    return capacity + max(0, min(spare, under_two_per_sm))
+    if capacity * blocks_per_item >= 2 * sms:  # the batch alone fills that: spares for its long requests
+        return capacity + spare
+    return capacity + min(spare, (2 * sms - 1) // blocks_per_item - capacity)
 
 
 def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
@@ -164,15 +171,21 @@ def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
 
 
 def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
-                disable_split_kv, min_chunk: int = _MIN_CHUNK, max_chunks: int | None = None) -> tuple:
+                disable_split_kv, min_chunk: int = _MIN_CHUNK, max_chunks: int | None = None,
+                skewed_target_blocks: int | None = None) -> tuple:
     """(chunk, longest request, auto) before the chunk is fitted to the capacities; auto:
-    the chunk is a target that requests round to (not a fixed length)."""
+    the chunk is a target that requests round to (not a fixed length). skewed_target_blocks:
+    the target instead where the batch mixes requests under half a chunk with split ones."""
     longest = int(np.maximum.reduce(kv_lens)) if len(kv_lens) else 0
     if disable_split_kv or longest == 0:
         return max(longest, 1), longest, False
     if fixed_split_size:
         return int(fixed_split_size), longest, False
     wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / target_blocks)
+    if skewed_target_blocks and 2 * longest >= 3 * wanted and bool(((kv_lens > 0) & (2 * kv_lens < wanted)).any()):
+        # Something splits, and some requests are under half a chunk (they stay whole):
+        # a skewed batch, whose long requests split finer (see _MMA_SPLIT_BLOCKS_PER_SM).
+        wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / skewed_target_blocks)
     # min_chunk applies only as far as it keeps the longest request in <= 16 chunks
     floor = min(min_chunk, max(_MIN_CHUNK, _round_up(_ceil_div(longest, 16), 32)))
     if max_chunks:
@@ -223,7 +236,7 @@ class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
-                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms")
+                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor")
 
     def spec(self, table_layout: str, kv_layout: str) -> DecodeSpec:
         spec = self.specs.get(table_layout)
@@ -346,9 +359,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         capacity = self._capacity if graph else batch
         per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
         max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
+        skewed_target = target * config.skew_factor if config.skew_factor else None
         if sized is None:
             sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
-                                config.disable_split_kv, config.min_chunk, config.max_chunks)
+                                config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target)
         if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
             work = merge_indptr = None  # _pack writes one item per request straight into the buffer
             items, any_split = batch, False
@@ -356,7 +370,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             _, work, merge_indptr, any_split = plan_split(kv_lens, blocks_per_item, target,
                                                           config.fixed_split_size, config.disable_split_kv,
                                                           max_items, config.partial_o.shape[0], config.min_chunk,
-                                                          sized, config.max_chunks)
+                                                          sized, config.max_chunks, skewed_target)
             items = len(work)
         previous = self._plan
         if graph and previous is not None and previous.max_items != max_items:
@@ -415,7 +429,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return (2, bpi, target, None) if capacity * bpi >= config.sms else (1, config.blocks_per_item,
                                                                                 config.target, None)
         sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
-                            config.min_chunk, config.max_chunks)
+                            config.min_chunk, config.max_chunks, target * config.skew_factor if config.skew_factor
+                            else None)
         chunk, longest, auto = sized
         items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
             else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())
@@ -466,6 +481,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
         c.sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
         c.target = per_sm * c.sms
+        # skewed batches split to 4 blocks per SM on those tiles (see _MMA_SPLIT_BLOCKS_PER_SM)
+        c.skew_factor = 2 if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None
         c.partial_o, c.partial_lse = self._partial_views(num_qo_heads, head_dim)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         c.soft_cap = float(logits_soft_cap or 0.0)

@@ -35,8 +35,16 @@ CPU_SMS = 132  # plan()'s SM count without a CUDA device
 def cpu_target_blocks(hq: int, hk: int, d: int, rope: bool = False) -> int:
     """plan()'s split target: 2 blocks per SM for the tensor-core kernel (head_dim <= 128,
     tiles of 4 or 8 heads), 3 for its 16-head tiles and for the CUDA-core kernel."""
-    tile = group_tile(hq, hk, d)
-    return (2 if tile in (4, 8) and not rope and d <= 128 else 3) * CPU_SMS
+    return (2 if _two_per_sm(hq, hk, d, rope) else 3) * CPU_SMS
+
+
+def _two_per_sm(hq: int, hk: int, d: int, rope: bool = False) -> bool:
+    return group_tile(hq, hk, d) in (4, 8) and not rope and d <= 128
+
+
+def skewed_target(target: int, hq: int, hk: int, d: int, rope: bool = False) -> int | None:
+    """The target of a skewed batch: twice the split target where that is 2 per SM."""
+    return 2 * target if _two_per_sm(hq, hk, d, rope) else None
 
 
 class Recorder:
@@ -67,9 +75,10 @@ def op(monkeypatch):
 
 # --- the implementation plan() replaced, as the reference --------------------------------------
 def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
-                         max_items=None, max_partials=None, min_chunk=64, max_chunks=None):
-    """Written out longhand, one request at a time: the chunk target, round(length /
-    chunk) equal chunks in whole 32-token tiles (fixed_split_size: chunks of that length),
+                         max_items=None, max_partials=None, min_chunk=64, max_chunks=None, skewed_target=None):
+    """Written out longhand, one request at a time: the chunk target (skewed_target where
+    a request under half a chunk stays whole while others split), round(length / chunk)
+    equal chunks in whole 32-token tiles (fixed_split_size: chunks of that length),
     doubled until the capacities fit; split items longest first."""
     batch = len(kv_lens)
     longest = int(kv_lens.max()) if batch else 0
@@ -80,6 +89,8 @@ def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_si
         chunk = int(fixed_split_size)
     else:
         wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / target_blocks)
+        if skewed_target and 2 * longest >= 3 * wanted and any(0 < 2 * int(n) < wanted for n in kv_lens):
+            wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / skewed_target)
         floor = min(min_chunk, max(64, math.ceil(math.ceil(longest / 16) / 32) * 32))
         if max_chunks:  # the longest request in at most max_chunks chunks
             floor = max(floor, math.ceil(math.ceil(longest / max_chunks) / 32) * 32)
@@ -126,7 +137,8 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
                      fixed_split_size=None, disable_split_kv=False, target=None, rope=False) -> dict:
     """The op's planned arguments as the replaced plan() computed them (capacity: the
     CUDA-graph capacity, None outside CUDA-graph mode; target: blocks per SM x SMs), with
-    the later changes: split items longest first, 4 blocks per SM for tensor cores."""
+    the later changes: split items longest first, 2 blocks per SM for tensor cores (4 for
+    skewed batches), CUDA-graph grids under 2 blocks per SM."""
     target = cpu_target_blocks(hq, hk, d, rope) if target is None else target
     tensor_cores = group_tile(hq, hk, d) >= 4 and not rope
     lens = np.asarray(lens, dtype=np.int64)
@@ -139,7 +151,8 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
     _, work, merge, any_split = plan_split_reference(lens, blocks_per_item, target, fixed_split_size,
                                                      disable_split_kv, max_items, partial_rows,
                                                      min_chunk=128 if tensor_cores else 64,
-                                                     max_chunks=32 if tensor_cores else None)
+                                                     max_chunks=32 if tensor_cores else None,
+                                                     skewed_target=skewed_target(target, hq, hk, d, rope))
     grid_items = max_items if graph else len(work)
     expected = {"work": [len(work)] + _pad(work.reshape(-1), 4 * grid_items, 0),
                 "merge_indptr": _pad(merge, capacity + 1, merge[-1]), "grid_items": grid_items,
@@ -307,13 +320,15 @@ def test_plan_split_fast_path_matches_the_general_one():
                 [None, 64, 1000][trial % 3 == 1], trial % 7 == 0, [None, batch, batch + 20][trial % 3],
                 [None, 0, 100000][trial % 3])
         min_chunk, max_chunks = [(64, None), (128, 32), (128, 16)][trial % 3]
+        skewed = [None, 2 * args[2]][trial % 2]
         try:
-            expected = plan_split_reference(*args, min_chunk=min_chunk, max_chunks=max_chunks)
+            expected = plan_split_reference(*args, min_chunk=min_chunk, max_chunks=max_chunks, skewed_target=skewed)
         except ValueError:
             with pytest.raises(ValueError):
-                decode.plan_split(*args, min_chunk=min_chunk, max_chunks=max_chunks)
+                decode.plan_split(*args, min_chunk=min_chunk, max_chunks=max_chunks, skewed_target_blocks=skewed)
             continue
-        chunk, work, merge, any_split = decode.plan_split(*args, min_chunk=min_chunk, max_chunks=max_chunks)
+        chunk, work, merge, any_split = decode.plan_split(*args, min_chunk=min_chunk, max_chunks=max_chunks,
+                                                          skewed_target_blocks=skewed)
         assert (chunk, any_split) == expected[::3] and work.dtype == np.int32 and merge.dtype == np.int32
         np.testing.assert_array_equal(work, expected[1])
         np.testing.assert_array_equal(merge, expected[2])
@@ -355,28 +370,49 @@ def test_plan_pairs_kv_heads_where_the_grid_fills_the_sms(kv_dtype, kv_layout, l
     max_items = decode.graph_grid_items(capacity, blocks_per_item, target, CPU_SMS) if graph else None
     _, work, _, _ = plan_split_reference(np.asarray(lens, dtype=np.int64), blocks_per_item, target, None, False,
                                          max_items, WORKSPACE_BYTES // ((HQ * D + HQ) * 4), min_chunk=128,
-                                         max_chunks=32)
+                                         max_chunks=32, skewed_target=skewed_target(target, HQ, HK, D))
     assert op.last["work"].tolist()[0] == len(work)
     assert op.last["grid_items"] == (max_items if graph else len(work))
+
+
+def test_plan_split_targets_two_blocks_per_sm_but_four_for_skewed_batches():
+    """Tensor-core plans (32/8 heads, 132 SMs): a uniform batch splits to about 2 blocks per
+    SM, a skewed one (short requests beside long ones) to about 4."""
+    target = cpu_target_blocks(HQ, HK, D)
+    skewed = skewed_target(target, HQ, HK, D)
+    assert (target, skewed) == (2 * CPU_SMS, 4 * CPU_SMS)
+
+    def chunks(lens):
+        _, work, merge, _ = decode.plan_split(np.asarray(lens, dtype=np.int64), HK, target, None, False,
+                                              min_chunk=128, max_chunks=32, skewed_target_blocks=skewed)
+        return np.diff(merge).tolist(), len(work)
+
+    assert chunks([2048] * 16) == ([2] * 16, 32)  # 256 blocks
+    assert chunks([8192] * 16) == ([2] * 16, 32)
+    per_request, items = chunks([256] * 56 + [8192] * 8)
+    assert per_request == [0] * 56 + [7] * 8 and items == 56 + 56  # 7 chunks of the 8k requests, not 3
+    assert chunks([0] * 4 + [8192] * 8)[0] == [0] * 4 + [4] * 8  # empty requests do not make a batch skewed
+    assert chunks([2048])[1] == 16  # b=1: the 128-token floor
 
 
 @pytest.mark.parametrize("capacity, blocks_per_item, target, expected", [
     (1, 8, 528, 32),     # b=1, 8 head tiles: 256 blocks, under 2 per SM (264)
     (16, 8, 528, 32),    # the spares stop at 32 rows
     (32, 8, 528, 32),    # 256 blocks of requests: no spare fits under 2 per SM
-    (33, 8, 528, 33),    # the capacity itself is over: no spares, never fewer than the capacity
-    (256, 8, 528, 256),
+    (33, 8, 528, 165),   # the capacity fills 2 per SM itself: every spare (skewed batches split)
+    (256, 8, 528, 388),
     (1, 4, 264, 65),     # paired blocks: 4 per item
     (1, 64, 396, 4),     # 64 head tiles (CUDA cores, MHA): 4 rows, 256 blocks
     (1, 1, 6, 13),       # a small target: its 2 x target / blocks per item spares, not more
 ])
-def test_graph_grid_items_stays_under_two_blocks_per_sm(capacity, blocks_per_item, target, expected):
+def test_graph_grid_items_spares_under_two_blocks_per_sm(capacity, blocks_per_item, target, expected):
     """A CUDA-graph wrapper's grid rows: the capacity plus spare rows for splits, as long as
-    the whole grid stays under 2 blocks per SM (132 SMs here)."""
+    the whole grid stays under 2 blocks per SM (132 SMs here), or all of them where the
+    capacity alone fills 2 blocks per SM."""
     rows = decode.graph_grid_items(capacity, blocks_per_item, target, CPU_SMS)
     assert rows == expected
     assert rows >= capacity
-    assert rows == capacity or rows * blocks_per_item < 2 * CPU_SMS
+    assert capacity * blocks_per_item >= 2 * CPU_SMS or rows * blocks_per_item < 2 * CPU_SMS
 
 
 # --- plan(): one copy to the device --------------------------------------------------------------
