@@ -124,7 +124,7 @@ def main() -> None:
     FIGURES.mkdir(parents=True, exist_ok=True)
     plot_append(plt, _load(f"{args.date}*append.json"), FIGURES / "append_bandwidth.png")
     plot_kvcache(plt, _load(f"{args.date}*kvcache.json"), FIGURES / "kvcache_bandwidth.png")
-    plot_decode(plt, _load(f"{args.date}*decode_mma_fdcd4ee.json"), FIGURES / "decode_bandwidth.png")
+    plot_decode(plt, _load(f"{args.date}*decode_mma_96af433.json"), FIGURES / "decode_bandwidth.png")
     print(f"wrote {FIGURES}/append_bandwidth.png, kvcache_bandwidth.png, decode_bandwidth.png")
 
 
