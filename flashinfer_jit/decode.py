@@ -145,17 +145,19 @@ def _round_up(a, multiple: int):
 
 def graph_grid_items(capacity: int, blocks_per_item: int, target_blocks: int, sms: int) -> int:
     """Work items (grid rows) of a CUDA-graph wrapper, whose grid is fixed at capture: the
-    capacity, plus spare rows for the split of a smaller batch (2 x target_blocks worth),
-    but only while the grid stays under 2 blocks per SM; plan_split fits later splits
-    into them. (A capacity that fills 2 blocks per SM by itself keeps every spare row: the
-    long requests of a skewed batch need them, and idle rows cost nothing measurable
-    there.) Idle rows cost more than their blocks' exit: from 2 blocks per SM up, the
-    H100's block scheduler placed the working blocks of a split b=1 unevenly (128 blocks
-    on 112 SMs, up to 3 on one), and the slowest decided the merge (bf16 kv=2k 8.1 us
-    with a grid of 256 blocks, 8.9 with 264, 9.2 with 1064; eager: 8.0). Fewer, longer
-    chunks cost little where they are needed (b=2 kv=32k: 94.9 us in 32 items, 96.6 in 64)."""
+    capacity, plus 2 x target_blocks / blocks_per_item spare rows for splitting the long
+    requests of a later batch (plan_split fits its splits into the rows there are). A
+    capacity under one block per SM gets only the spare rows that keep the grid under 2
+    blocks per SM: from 2 per SM up, the H100's block scheduler placed the working blocks
+    of a split b=1 unevenly (128 blocks on 112 SMs, up to 3 on one), and the slowest
+    decided the merge (bf16 kv=2k 8.1 us with a grid of 256 blocks, 8.9 with 264, 9.2 with
+    1064; eager 8.0). Fewer, longer chunks cost little there (b=2 kv=32k: 94.9 us in 32
+    items, 96.6 in 64). Larger capacities keep every spare row: a skewed batch needs them
+    to split its long requests (56 x 256 + 8 x 8k tokens at capacity 64 ran 212 us without
+    them, 116 with), and idle rows cost nothing measurable there (b=16 grids of 64 and 148
+    rows: 51.95 / 51.97 us)."""
     spare = -(-2 * target_blocks // blocks_per_item)
-    if capacity * blocks_per_item >= 2 * sms:  # the batch alone fills that: spares for its long requests
+    if capacity * blocks_per_item >= sms:
         return capacity + spare
     return capacity + min(spare, (2 * sms - 1) // blocks_per_item - capacity)
 
@@ -181,11 +183,12 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
         return max(longest, 1), longest, False
     if fixed_split_size:
         return int(fixed_split_size), longest, False
-    wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / target_blocks)
+    total = int(np.add.reduce(kv_lens))
+    wanted = math.ceil(total * blocks_per_item / target_blocks)
     if skewed_target_blocks and 2 * longest >= 3 * wanted and bool(((kv_lens > 0) & (2 * kv_lens < wanted)).any()):
         # Something splits, and some requests are under half a chunk (they stay whole):
         # a skewed batch, whose long requests split finer (see _MMA_SPLIT_BLOCKS_PER_SM).
-        wanted = math.ceil(int(np.add.reduce(kv_lens)) * blocks_per_item / skewed_target_blocks)
+        wanted = math.ceil(total * blocks_per_item / skewed_target_blocks)
     # min_chunk applies only as far as it keeps the longest request in <= 16 chunks
     floor = min(min_chunk, max(_MIN_CHUNK, _round_up(_ceil_div(longest, 16), 32)))
     if max_chunks:
@@ -237,6 +240,10 @@ class _Config:
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor")
+
+    def skewed_target(self, target: int) -> int | None:
+        """The split target for a skewed batch, given the (possibly paired) one."""
+        return target * self.skew_factor if self.skew_factor else None
 
     def spec(self, table_layout: str, kv_layout: str) -> DecodeSpec:
         spec = self.specs.get(table_layout)
@@ -359,7 +366,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         capacity = self._capacity if graph else batch
         per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
         max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
-        skewed_target = target * config.skew_factor if config.skew_factor else None
+        skewed_target = config.skewed_target(target)
         if sized is None:
             sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
                                 config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target)
@@ -429,8 +436,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return (2, bpi, target, None) if capacity * bpi >= config.sms else (1, config.blocks_per_item,
                                                                                 config.target, None)
         sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
-                            config.min_chunk, config.max_chunks, target * config.skew_factor if config.skew_factor
-                            else None)
+                            config.min_chunk, config.max_chunks, config.skewed_target(target))
         chunk, longest, auto = sized
         items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
             else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())

@@ -397,9 +397,9 @@ def test_plan_split_targets_two_blocks_per_sm_but_four_for_skewed_batches():
 
 @pytest.mark.parametrize("capacity, blocks_per_item, target, expected", [
     (1, 8, 528, 32),     # b=1, 8 head tiles: 256 blocks, under 2 per SM (264)
-    (16, 8, 528, 32),    # the spares stop at 32 rows
-    (32, 8, 528, 32),    # 256 blocks of requests: no spare fits under 2 per SM
-    (33, 8, 528, 165),   # the capacity fills 2 per SM itself: every spare (skewed batches split)
+    (16, 8, 528, 32),    # 128 blocks of requests: the spares stop at 32 rows
+    (17, 8, 528, 149),   # 136 blocks, one per SM: every spare (a skewed batch splits its long requests)
+    (64, 4, 132, 130),   # paired fp8 blocks at capacity 64 (half the blocks, half the target)
     (256, 8, 528, 388),
     (1, 4, 264, 65),     # paired blocks: 4 per item
     (1, 64, 396, 4),     # 64 head tiles (CUDA cores, MHA): 4 rows, 256 blocks
@@ -408,11 +408,11 @@ def test_plan_split_targets_two_blocks_per_sm_but_four_for_skewed_batches():
 def test_graph_grid_items_spares_under_two_blocks_per_sm(capacity, blocks_per_item, target, expected):
     """A CUDA-graph wrapper's grid rows: the capacity plus spare rows for splits, as long as
     the whole grid stays under 2 blocks per SM (132 SMs here), or all of them where the
-    capacity alone fills 2 blocks per SM."""
+    capacity alone gives every SM a block."""
     rows = decode.graph_grid_items(capacity, blocks_per_item, target, CPU_SMS)
     assert rows == expected
     assert rows >= capacity
-    assert capacity * blocks_per_item >= 2 * CPU_SMS or rows * blocks_per_item < 2 * CPU_SMS
+    assert capacity * blocks_per_item >= CPU_SMS or rows * blocks_per_item < 2 * CPU_SMS
 
 
 # --- plan(): one copy to the device --------------------------------------------------------------
