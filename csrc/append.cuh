@@ -43,6 +43,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   const T* key = static_cast<const T*>(p.append_key);
   const T* value = static_cast<const T*>(p.append_value);
+  // 16-byte vector l of a token: head .x, first element .y
+  auto head_col = [](int l) {
+    return make_int2(l / Traits::kVecsPerHead, (l % Traits::kVecsPerHead) * Traits::kVecElems);
+  };
 
   for (int token = blockIdx.x * tokens_per_step + sub_token; token < p.nnz;
        token += gridDim.x * tokens_per_step) {
@@ -56,10 +60,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       for (int i = 0; i < Traits::kUnroll; ++i) {
         const int l = base + i * threads;
         if (l < vecs_per_token) {
-          const int h = l / Traits::kVecsPerHead;
-          const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
-          k[i] = load_vec16_streaming(key + token * p.key_stride_token + h * p.key_stride_head + c);
-          v[i] = load_vec16_streaming(value + token * p.value_stride_token + h * p.value_stride_head + c);
+          const int2 hc = head_col(l);
+          k[i] = load_vec16_streaming(key + token * p.key_stride_token + hc.x * p.key_stride_head + hc.y);
+          v[i] = load_vec16_streaming(value + token * p.value_stride_token + hc.x * p.value_stride_head + hc.y);
         }
       }
       int k_page, v_page, slot;  // padding (batch index -1) and out-of-table slots: skipped
@@ -71,10 +74,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       for (int i = 0; i < Traits::kUnroll; ++i) {
         const int l = base + i * threads;
         if (l < vecs_per_token) {
-          const int h = l / Traits::kVecsPerHead;
-          const int c = (l % Traits::kVecsPerHead) * Traits::kVecElems;
-          store_vec16(paged_ptr<T>(p.kv.k, k_page, slot, h) + c, k[i]);
-          store_vec16(paged_ptr<T>(p.kv.v, v_page, slot, h) + c, v[i]);
+          const int2 hc = head_col(l);
+          store_vec16(paged_ptr<T>(p.kv.k, k_page, slot, hc.x) + hc.y, k[i]);
+          store_vec16(paged_ptr<T>(p.kv.v, v_page, slot, hc.x) + hc.y, v[i]);
         }
       }
     }

@@ -14,12 +14,8 @@ inline AppendParams make_append_params(const at::Tensor& append_key, const at::T
   expect_cuda(k_cache, "k_cache");
   TORCH_CHECK(append_key.dim() == 3 && append_value.dim() == 3, "append_key/value must be [nnz, heads, dim]");
   AppendParams p;
-  p.append_key = append_key.const_data_ptr();
-  p.append_value = append_value.const_data_ptr();
-  p.key_stride_token = append_key.stride(0);
-  p.key_stride_head = append_key.stride(1);
-  p.value_stride_token = append_value.stride(0);
-  p.value_stride_head = append_value.stride(1);
+  rows_of(append_key, p.append_key, p.key_stride_token, p.key_stride_head);
+  rows_of(append_value, p.append_value, p.value_stride_token, p.value_stride_head);
   p.batch_indices = int32_ptr(batch_indices);
   p.positions = int32_ptr(positions);
   p.nnz = static_cast<int32_t>(append_key.size(0));

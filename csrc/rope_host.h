@@ -14,20 +14,12 @@ inline RopeRows make_rope_rows(const at::Tensor& rope_in, const at::Tensor& nope
                                const at::Tensor& rope_out, const at::Tensor& nope_out) {
   TORCH_CHECK(rope_in.dim() == 3, "rope inputs must be [nnz, heads, dim]");
   RopeRows r;
-  r.rope_in = rope_in.const_data_ptr();
-  r.rope_out = rope_out.data_ptr();
-  r.rope_in_stride_token = rope_in.stride(0);
-  r.rope_in_stride_head = rope_in.stride(1);
-  r.rope_out_stride_token = rope_out.stride(0);
-  r.rope_out_stride_head = rope_out.stride(1);
+  rows_of(rope_in, r.rope_in, r.rope_in_stride_token, r.rope_in_stride_head);
+  rows_of(rope_out, r.rope_out, r.rope_out_stride_token, r.rope_out_stride_head);
   if (nope_in.numel() > 0) {
     TORCH_CHECK(nope_in.dim() == 3 && nope_out.dim() == 3, "nope parts must be [nnz, heads, dim]");
-    r.nope_in = nope_in.const_data_ptr();
-    r.nope_out = nope_out.data_ptr();
-    r.nope_in_stride_token = nope_in.stride(0);
-    r.nope_in_stride_head = nope_in.stride(1);
-    r.nope_out_stride_token = nope_out.stride(0);
-    r.nope_out_stride_head = nope_out.stride(1);
+    rows_of(nope_in, r.nope_in, r.nope_in_stride_token, r.nope_in_stride_head);
+    rows_of(nope_out, r.nope_out, r.nope_out_stride_token, r.nope_out_stride_head);
   }
   r.num_heads = static_cast<int32_t>(rope_in.size(1));
   return r;
@@ -87,9 +79,7 @@ inline void add_append_params(RopeParams& p, const at::Tensor& v, const at::Tens
   if (v.numel() > 0) {
     TORCH_CHECK(v.dim() == 3, "v must be [nnz, num_kv_heads, head_dim]");
     p.v_cache = make_paged_tensor(v_cache, layout);
-    p.v_in = v.const_data_ptr();
-    p.v_in_stride_token = v.stride(0);
-    p.v_in_stride_head = v.stride(1);
+    rows_of(v, p.v_in, p.v_in_stride_token, p.v_in_stride_head);
     p.num_v_heads = static_cast<int32_t>(v.size(1));
     p.v_dim = static_cast<int32_t>(v.size(2));
   }

@@ -33,6 +33,19 @@ inline const int32_t* int32_ptr(const at::Tensor& t) {
   return t.numel() == 0 ? nullptr : static_cast<const int32_t*>(t.const_data_ptr());
 }
 
+// A [tokens, heads, dim] tensor's data and its token and head strides (elements), for
+// params that take rows with any strides (const data for inputs, mutable for outputs).
+inline void rows_of(const at::Tensor& t, const void*& data, int64_t& stride_token, int64_t& stride_head) {
+  data = t.const_data_ptr();
+  stride_token = t.stride(0);
+  stride_head = t.stride(1);
+}
+inline void rows_of(const at::Tensor& t, void*& data, int64_t& stride_token, int64_t& stride_head) {
+  data = t.data_ptr();
+  stride_token = t.stride(0);
+  stride_head = t.stride(1);
+}
+
 // The Python side has validated shapes, dtypes and devices; these checks only guard
 // against a caller going around it with torch.ops directly.
 inline void expect_cuda(const at::Tensor& t, const char* name) {

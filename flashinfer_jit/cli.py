@@ -130,31 +130,30 @@ def tool_output(cmd: list[str]) -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
+def check_tool(name: str, path: str | None, missing: str, version_line=lambda lines: lines[0]) -> Check:
+    """A tool found at `path` (with the line of its --version output that version_line
+    picks), or the `missing` explanation and fix."""
+    if path is None:
+        return Check(name, False, missing)
+    return Check(name, True, f"{path} ({version_line(tool_output([path, '--version']))})")
+
+
 def check_nvcc() -> Check:
-    nvcc = toolchain.find_nvcc()
-    if nvcc is None:
-        return Check("nvcc", False, "not found (CUDA_HOME unset or wrong, no nvcc on PATH, no "
-                     "/usr/local/cuda); fix: set CUDA_HOME to the CUDA toolkit folder (the one "
-                     "holding bin/nvcc) or put nvcc on PATH")
-    lines = tool_output([nvcc, "--version"])
-    release = next((l for l in lines if "release" in l), lines[-1] if lines else "?")
-    return Check("nvcc", True, f"{nvcc} ({release})")
+    return check_tool("nvcc", toolchain.find_nvcc(),
+                      "not found (CUDA_HOME unset or wrong, no nvcc on PATH, no /usr/local/cuda); fix: set "
+                      "CUDA_HOME to the CUDA toolkit folder (the one holding bin/nvcc) or put nvcc on PATH",
+                      lambda lines: next((l for l in lines if "release" in l), lines[-1] if lines else "?"))
 
 
 def check_cxx() -> Check:
-    cxx = toolchain.find_cxx()
-    if cxx is None:
-        return Check("c++", False, "no host C++ compiler; fix: install g++ (e.g. "
-                     "`apt-get install g++`) or set CXX to one")
-    return Check("c++", True, f"{cxx} ({tool_output([cxx, '--version'])[0]})")
+    return check_tool("c++", toolchain.find_cxx(),
+                      "no host C++ compiler; fix: install g++ (e.g. `apt-get install g++`) or set CXX to one")
 
 
 def check_ninja() -> Check:
-    ninja = toolchain.find_ninja()
-    if ninja is None:
-        return Check("ninja", False, "not found; fix: `pip install ninja` or install it with "
-                     "your package manager so that `ninja` is on PATH")
-    return Check("ninja", True, f"{ninja} ({tool_output([ninja, '--version'])[0]})")
+    return check_tool("ninja", toolchain.find_ninja(),
+                      "not found; fix: `pip install ninja` or install it with your package manager so that "
+                      "`ninja` is on PATH")
 
 
 def check_torch() -> Check:

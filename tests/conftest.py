@@ -7,6 +7,7 @@ target defaults to Hopper (9.0a) unless FLASHINFER_JIT_CUDA_ARCH_LIST says other
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -37,3 +38,17 @@ def fresh_cache(tmp_path, monkeypatch):
     jit.clear_registry()
     yield root
     jit.clear_registry()
+
+
+@pytest.fixture
+def source_copy(tmp_path, monkeypatch) -> dict:
+    """A private copy of csrc/ and templates/, made the package's source folders: a test may
+    edit them. {"csrc": path, "templates": path}."""
+    from flashinfer_jit import env
+
+    copies = {}
+    for kind in ("csrc", "templates"):
+        copies[kind] = tmp_path / kind
+        shutil.copytree(env.source_dir(kind), copies[kind])
+    monkeypatch.setattr(env, "source_dir", lambda kind: copies[kind])
+    return copies

@@ -116,16 +116,6 @@ def compiles(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if line.strip() != "--version"]
 
 
-def source_copy(tmp_path: Path, monkeypatch) -> dict[str, Path]:
-    """A private copy of csrc/ and templates/, made the package's source folders."""
-    copies = {}
-    for kind in ("csrc", "templates"):
-        copies[kind] = tmp_path / kind
-        shutil.copytree(env.source_dir(kind), copies[kind])
-    monkeypatch.setattr(env, "source_dir", lambda kind: copies[kind])
-    return copies
-
-
 def empty_path(tmp_path: Path) -> str:
     """A PATH with no tools at all (subprocesses start python by its full path)."""
     empty = tmp_path / "bin-without-tools"
@@ -211,8 +201,8 @@ def test_key_ignores_dict_order(monkeypatch):
 
 
 @needs_toolchain
-def test_key_changes_with_a_reached_header_only(tmp_path, monkeypatch):
-    copies = source_copy(tmp_path, monkeypatch)
+def test_key_changes_with_a_reached_header_only(source_copy):
+    copies = source_copy
     append = AppendSpec("float16", 128)
     before, before_append = jit.prepare(SPEC), jit.prepare(append)
 
@@ -521,8 +511,8 @@ def test_verify_entry_reports_malformed_manifests(tmp_path):
 
 @pytest.mark.slow
 @needs_toolchain
-def test_compile_error_raises_build_error(fresh_cache, tmp_path, monkeypatch):
-    copies = source_copy(tmp_path, monkeypatch)
+def test_compile_error_raises_build_error(fresh_cache, source_copy):
+    copies = source_copy
     template = copies["templates"] / "batch_indices.cu.j2"
     template.write_text(template.read_text() + "this is not C++ at all;\n")
 

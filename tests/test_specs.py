@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 
 import jinja2
 import pytest
@@ -145,18 +144,8 @@ def test_render_rejects_invalid_spec_before_templates():
         render.render(AppendSpec("float16", 96))
 
 
-def _source_copy(tmp_path, monkeypatch):
-    """A private copy of csrc/ and templates/, made the package's source folders."""
-    copies = {}
-    for kind in ("csrc", "templates"):
-        copies[kind] = tmp_path / kind
-        shutil.copytree(env.source_dir(kind), copies[kind])
-    monkeypatch.setattr(env, "source_dir", lambda kind: copies[kind])
-    return copies
-
-
-def test_strict_undefined_fails_at_render(tmp_path, monkeypatch):
-    copies = _source_copy(tmp_path, monkeypatch)
+def test_strict_undefined_fails_at_render(source_copy):
+    copies = source_copy
     template = copies["templates"] / "batch_indices.cu.j2"
     template.write_text(template.read_text() + "constexpr int kX = {{ not_a_spec_field }};\n")
     with pytest.raises(jinja2.UndefinedError, match="not_a_spec_field"):
@@ -188,10 +177,10 @@ def test_included_headers_cycles_system_headers_and_missing(tmp_path):
         render.included_headers({"k.cu": '#include "missing.h"\n'}, csrc)
 
 
-def test_template_edit_is_seen_even_with_the_same_mtime(tmp_path, monkeypatch):
+def test_template_edit_is_seen_even_with_the_same_mtime(source_copy):
     """Nothing depends on modification times: an edit that keeps the file's mtime (a
     coarse file system, a checkout tool) still reaches the rendered source."""
-    copies = _source_copy(tmp_path, monkeypatch)
+    copies = source_copy
     template = copies["templates"] / "batch_indices.cu.j2"
     stamp = template.stat()
     assert "// edited" not in render.render(BatchIndicesSpec()).sources["kernel.cu"]
