@@ -59,10 +59,11 @@ _SPLIT_BLOCKS_PER_SM = 3
 # GQA-8 kv=8k 186.9 -> 183.4, fp8 b=16 kv=2k 34.4 -> 31.0, b=2 kv=32k 96.4 -> 94.1, b=4
 # kv=8k 51.7 -> 50.4; b=32 kv=4k unsplit 179.2 instead of 184.7 split; b=1 as before (its
 # 32-chunk cap binds first).
+_MMA_SPLIT_BLOCKS_PER_SM = 2
 # Not for a skewed batch, though (some requests under half a chunk, others split): its long
 # requests split to 4 per SM, as before (56 x 256 + 8 x 8k tokens: 116.3 us; 122.6 at 2 per
 # SM, 124.7 with the target counted over the long requests alone).
-_MMA_SPLIT_BLOCKS_PER_SM = 2
+_MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -90,13 +91,13 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
     and merge_indptr. Pure function of host values (unit-tested without a GPU).
 
     The chunk is the total work spread over about target_blocks blocks (skewed_target_blocks
-    where some requests are under half a chunk and others split; never below
-    min_chunk tokens, nor so small that the longest request gets over max_chunks). A request takes round(length / chunk) chunks (at least one), of
-    equal size rounded up to whole 32-token tiles: a uniform batch that about fills the
-    GPU is not split (with a fixed chunk and a remainder, 64 x 4k tokens became 64 x
-    (4000 + 96): twice the blocks and a merge, for nothing), while the long requests of a
-    skewed one are (56 x 256 + 8 x 8k tokens: unsplit, the eight 8k requests ran 5x longer
-    than the rest). fixed_split_size is the chunk length itself (FlashInfer's meaning).
+    where some requests are under half a chunk and others split), never below min_chunk
+    tokens, nor so small that the longest request gets over max_chunks. A request takes
+    round(length / chunk) chunks (at least one), of equal size rounded up to whole 32-token
+    tiles: a uniform batch that about fills the GPU is not split (with a fixed chunk and a
+    remainder, 64 x 4k tokens became 64 x (4000 + 96): twice the blocks and a merge, for
+    nothing), while the long requests of a skewed one are (56 x 256 + 8 x 8k tokens:
+    unsplit, the eight 8k requests ran 5x longer than the rest). fixed_split_size is the chunk length itself (FlashInfer's meaning).
     The chunk is doubled until the list fits the capacities (CUDA-graph buffers, the
     workspace). Split requests' items are listed longest first. sized: _chunk_size's
     result for these arguments, when the caller already has it.
@@ -187,7 +188,7 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
     wanted = math.ceil(total * blocks_per_item / target_blocks)
     if skewed_target_blocks and 2 * longest >= 3 * wanted and bool(((kv_lens > 0) & (2 * kv_lens < wanted)).any()):
         # Something splits, and some requests are under half a chunk (they stay whole):
-        # a skewed batch, whose long requests split finer (see _MMA_SPLIT_BLOCKS_PER_SM).
+        # a skewed batch, whose long requests split finer (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM).
         wanted = math.ceil(total * blocks_per_item / skewed_target_blocks)
     # min_chunk applies only as far as it keeps the longest request in <= 16 chunks
     floor = min(min_chunk, max(_MIN_CHUNK, _round_up(_ceil_div(longest, 16), 32)))
@@ -487,8 +488,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
         c.sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
         c.target = per_sm * c.sms
-        # skewed batches split to 4 blocks per SM on those tiles (see _MMA_SPLIT_BLOCKS_PER_SM)
-        c.skew_factor = 2 if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None
+        # skewed batches split to more blocks per SM on those tiles (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM)
+        c.skew_factor = _MMA_SKEWED_SPLIT_BLOCKS_PER_SM // per_sm if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None
         c.partial_o, c.partial_lse = self._partial_views(num_qo_heads, head_dim)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         c.soft_cap = float(logits_soft_cap or 0.0)

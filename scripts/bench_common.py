@@ -117,6 +117,18 @@ def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 10, re
     return summarize([s.elapsed_time(e) * 1e3 / inner for s, e in zip(starts, ends)])
 
 
+def cuda_graph_buffers(batch: int, num_pages: int) -> dict:
+    """Keyword arguments for a decode wrapper in CUDA-graph mode: use_cuda_graph and its
+    fixed page-table buffers for `batch` requests over `num_pages` pages."""
+    import torch
+
+    def buffer(n):
+        return torch.empty(n, dtype=torch.int32, device="cuda")
+
+    return dict(use_cuda_graph=True, paged_kv_indptr_buffer=buffer(batch + 1),
+                paged_kv_indices_buffer=buffer(num_pages), paged_kv_last_page_len_buffer=buffer(batch))
+
+
 def capture_graph(fn: Callable[[int], object], n_sets: int = 1, inner: int = 20):
     """`inner` calls of fn(set_index) captured in one CUDA graph (after a warm-up on a
     side stream, so module loads and allocations stay out of the capture)."""

@@ -273,12 +273,7 @@ def make_runner(impl: str, inputs: Inputs, fi, graph_mode: bool = False):
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     kv_dtype = getattr(torch, inputs.case.kv_dtype)
     if impl == "ours":
-        kwargs = {}
-        if graph_mode:
-            batch = inputs.case.batch
-            buffer = lambda n: torch.empty(n, dtype=torch.int32, device="cuda")  # noqa: E731
-            kwargs = dict(use_cuda_graph=True, paged_kv_indptr_buffer=buffer(batch + 1),
-                          paged_kv_indices_buffer=buffer(inputs.num_pages), paged_kv_last_page_len_buffer=buffer(batch))
+        kwargs = bc.cuda_graph_buffers(inputs.case.batch, inputs.num_pages) if graph_mode else {}
         wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **kwargs)
     else:
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=impl == "flashinfer_tc")

@@ -77,14 +77,7 @@ class Inputs:
         import flashinfer_jit as fij
 
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        kwargs = {}
-        if use_cuda_graph:
-            def buffer(n):
-                return torch.empty(n, dtype=torch.int32, device="cuda")
-
-            kwargs = dict(use_cuda_graph=True, paged_kv_indptr_buffer=buffer(self.batch + 1),
-                          paged_kv_indices_buffer=buffer(self.num_pages),
-                          paged_kv_last_page_len_buffer=buffer(self.batch))
+        kwargs = bc.cuda_graph_buffers(self.batch, self.num_pages) if use_cuda_graph else {}
         w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, self.layout, **kwargs)
         self.plan(w, **plan_kwargs)
         return w
