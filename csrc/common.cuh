@@ -92,6 +92,58 @@ FIJ_DEVICE int atomic_add_acq_rel(int* addr, int v) {
   return old;
 }
 
+// --- thread-block clusters (sm_90+) --------------------------------------------------------
+// A block's rank in its cluster; the address of `smem` (this block's shared memory) in block
+// `rank`'s shared memory, and stores there; the cluster barrier in its two halves: every
+// thread of every block arrives (release: its earlier stores, remote ones included, are
+// visible to the threads that return from the wait after it; relaxed: no ordering, as at the
+// start, where it only tells that the block runs) and later waits (acquire). A block may
+// write another's shared memory only after a barrier phase that both arrived at: before
+// it, the other block may not have started. Never called before sm_90 (plan() asks for
+// clusters only there); the fallbacks keep older targets compiling.
+FIJ_DEVICE unsigned cluster_ctarank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+FIJ_DEVICE unsigned map_shared_rank(const void* smem, unsigned rank) {
+  unsigned r = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %0, %1;\n" : "+r"(r) : "r"(rank));
+#endif
+  return r;
+}
+FIJ_DEVICE void st_cluster_f32x4(unsigned addr, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#endif
+}
+FIJ_DEVICE void st_cluster_f32(unsigned addr, float a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(addr), "f"(a) : "memory");
+#endif
+}
+FIJ_DEVICE void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+FIJ_DEVICE void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+FIJ_DEVICE void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
 // --- programmatic dependent launch (sm_90+) -------------------------------------------------
 // A kernel launched with launch_kernel(..., pdl = true) may start while the kernel before it
 // in the stream is finishing. pdl_wait() returns once that kernel has completed and its
@@ -109,41 +161,66 @@ FIJ_DEVICE void pdl_trigger() {
 #endif
 }
 
-// Lets Kernel use `bytes` of dynamic shared memory (above 48 KB it must be asked for), once
-// per device and kernel: cudaFuncSetAttribute costs ~1 us of host time per call.
-template <auto* Kernel>
-inline int allow_dynamic_smem(int bytes) {
-  if (bytes <= 48 * 1024) return 0;
+// cudaFuncSetAttribute(Kernel, Attr, value) once per device and kernel: it costs ~1 us of
+// host time per call.
+template <auto* Kernel, cudaFuncAttribute Attr>
+inline int set_attribute_once(int value) {
   static bool granted[64] = {};
   int device = 0;
   cudaGetDevice(&device);
   const bool known = device >= 0 && device < 64;
   if (known && granted[device]) return 0;
-  const cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const cudaError_t err = cudaFuncSetAttribute(Kernel, Attr, value);
   if (err == cudaSuccess && known) granted[device] = true;
   return static_cast<int>(err);
+}
+
+// Lets Kernel use `bytes` of dynamic shared memory (above 48 KB it must be asked for).
+template <auto* Kernel>
+inline int allow_dynamic_smem(int bytes) {
+  return bytes <= 48 * 1024 ? 0 : set_attribute_once<Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(bytes);
+}
+
+// Lets Kernel run in clusters of more than 8 blocks (the H100 takes up to 16, a
+// non-portable size).
+template <auto* Kernel>
+inline int allow_cluster_size(int blocks) {
+  return blocks <= 8 ? 0 : set_attribute_once<Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
 }
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent
 // launch when pdl (the kernel must call pdl_wait() before touching what earlier kernels
 // write). Returns the launch's cudaError_t as an int.
+// cluster_y > 1: the grid's blocks form clusters of (1, cluster_y, 1) (over 8 needs the
+// kernel's non-portable cluster size allowed: allow_cluster_size).
 template <typename... Params, typename... Args>
-inline int launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, bool pdl,
-                         Args&&... args) {
+inline int launch_kernel_ex(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, bool pdl,
+                            int cluster_y, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
+  config.attrs = attr;
   if (pdl) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
+    attr[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_y > 1) {
+    attr[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attr[config.numAttrs].val.clusterDim.x = 1;
+    attr[config.numAttrs].val.clusterDim.y = static_cast<unsigned>(cluster_y);
+    attr[config.numAttrs++].val.clusterDim.z = 1;
   }
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+template <typename... Params, typename... Args>
+inline int launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream, bool pdl,
+                         Args&&... args) {
+  return launch_kernel_ex(kernel, grid, block, smem, stream, pdl, 1, std::forward<Args>(args)...);
 }
 
 }  // namespace fij

@@ -44,7 +44,7 @@ struct MmaTypeOf<__nv_bfloat16> {
 };
 
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
-          int KvHeads = 1>
+          int KvHeads = 1, int Cluster = 1>
 struct DecodeMmaTraits {
   using Q = TQ;
   using KV = TKV;
@@ -60,6 +60,15 @@ struct DecodeMmaTraits {
   // bandwidth than with pairs at large batch (b=256: 2.85 -> 3.0 TB/s). A paired block is
   // two blocks' worth of warps, stages and registers, so an SM holds as many warps.
   static constexpr int kKvHeads = KvHeads;
+  // Blocks per thread-block cluster along the grid's y (work items), 1 = none. A request
+  // split over a cluster (plan(): small batches, one chunk per block of the cluster) is
+  // merged through distributed shared memory instead of global partial states and a
+  // counter: each block sends its state's dims to the block that merges them (block r:
+  // dims [r kSlice, (r + 1) kSlice) of every head), one cluster barrier, and every block
+  // writes its slice of the output. Its blocks run about one per SM, so their stages take
+  // twice the shared memory (more tiles in flight per SM).
+  static constexpr int kCluster = Cluster;
+  static constexpr int kSlice = HeadDim / Cluster;
   static constexpr int kWarpsPerHead = 4;
   static constexpr int kWarps = kWarpsPerHead * kKvHeads;
   static constexpr int kThreads = 32 * kWarps;
@@ -83,12 +92,16 @@ struct DecodeMmaTraits {
   static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
   // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
   // wave for 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per warp.
-  static constexpr int kStageBudget = 49152 * kKvHeads;
+  static constexpr int kStageBudget = (kCluster > 1 ? 98304 : 49152) * kKvHeads;
   static constexpr int kStages = (kStageBudget / kStageBytes) < 2 ? 2
                                  : ((kStageBudget / kStageBytes) > 8 ? 8 : kStageBudget / kStageBytes);
   static constexpr int kMergeBytes = kWarps * kHeadTiles * 8 * (HeadDim + 2) * 4;
   static constexpr int kFlagOffset = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
-  static constexpr int kSmemBytes = kFlagOffset + 16;  // + the split-merge flag: over 48 KB, asked for
+  // + the split-merge flag, + a cluster's receive buffer: [kCluster][kBlockRows] LSEs, then
+  // [kCluster][kBlockRows][kSlice] output dims (over 48 KB, asked for)
+  static constexpr int kRecvOffset = kFlagOffset + 16;
+  static constexpr int kRecvBytes = kCluster > 1 ? kCluster * kBlockRows * (kSlice + 1) * 4 : 0;
+  static constexpr int kSmemBytes = kRecvOffset + kRecvBytes;
   // Blocks per SM the registers must allow (128 threads each; twice that paired): 4 at
   // head_dim <= 128 (128 registers), but 3 for 16-head tiles, whose 64 O accumulators a
   // lane spilled at 128 registers (bf16 96 bytes, fp8 with the soft cap 196); 2 at 256.
@@ -103,6 +116,8 @@ struct DecodeMmaTraits {
   static constexpr bool kSoftCap = SoftCap;
   static_assert(kRows == 4 || kRows == 8 || kRows == 16, "tensor-core decode takes 4, 8 or 16 heads a tile");
   static_assert(kKvHeads == 1 || (kKvHeads == 2 && kRows <= 8), "a block takes one KV head or a pair (tiles <= 8)");
+  static_assert(kCluster == 1 || (kKvHeads == 1 && HeadDim % kCluster == 0 && kSlice % 8 == 0 && kCluster <= 16),
+                "a cluster's blocks take one KV head and merge slices of whole 8-dim groups");
   static_assert(kChunksPerRow >= 4 && 32 % kChunksPerRow == 0 && kWarpTokens % kRowsPerPass == 0,
                 "rows must split into 16-byte chunks over a warp");
 };
@@ -236,6 +251,55 @@ FIJ_DEVICE void store_out(const DecodeParams& p, int b, int qo_head, int x, cons
   if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
 }
 
+// A request split over a cluster, once every block of the cluster has sent its state's
+// dims to the blocks that merge them and the cluster barrier has passed (the kernel):
+// this block (rank r) merges dims [r kSlice, (r + 1) kSlice) of its heads over the
+// cluster's states, in rank order (deterministic), and writes them; rank 0 writes the LSEs.
+template <class Traits>
+FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, unsigned rank,
+                              const unsigned char* smem) {
+  using Q = typename Traits::Q;
+  constexpr int C = Traits::kCluster, H = Traits::kBlockRows, S = Traits::kSlice;
+  const float* recv_lse = reinterpret_cast<const float*>(smem + Traits::kRecvOffset);  // [C][H]
+  const float* recv_o = recv_lse + C * H;                                                // [C][H][S]
+  for (int i = threadIdx.x; i < H * (S / 4); i += Traits::kThreads) {
+    const int h = i / (S / 4), x4 = i % (S / 4);
+    float lse[C], mx = -CUDART_INF_F;
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      lse[r] = recv_lse[r * H + h];
+      mx = fmaxf(mx, lse[r]);
+    }
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float den = 0.f;
+    if (mx != -CUDART_INF_F) {
+#pragma unroll
+      for (int r = 0; r < C; ++r) {
+        const float w = exp2f(lse[r] - mx);
+        const float4 u = *reinterpret_cast<const float4*>(recv_o + (r * H + h) * S + 4 * x4);
+        den += w;
+        acc.x += w * u.x;
+        acc.y += w * u.y;
+        acc.z += w * u.z;
+        acc.w += w * u.w;
+      }
+    }
+    const bool empty = den == 0.f;  // no key in any chunk: zeros and -inf
+    const float norm = empty ? 0.f : 1.f / den;
+    const int qo_head = block_head0 + h;
+    Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + rank * S + 4 * x4;
+    uint2 raw;
+    Q* ov = reinterpret_cast<Q*>(&raw);
+    ov[0] = static_cast<Q>(acc.x * norm);
+    ov[1] = static_cast<Q>(acc.y * norm);
+    ov[2] = static_cast<Q>(acc.z * norm);
+    ov[3] = static_cast<Q>(acc.w * norm);
+    *reinterpret_cast<uint2*>(out) = raw;
+    if (p.lse != nullptr && rank == 0 && x4 == 0)
+      p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : mx + log2f(den);
+  }
+}
+
 }  // namespace mma_detail
 
 // --- the kernel -----------------------------------------------------------------------------
@@ -258,9 +322,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const int num_items = p.work[0];
   const int32_t* item = p.work + 1 + 4 * blockIdx.y;
   const int b = item[0], chunk_start = item[1], chunk_end = item[2], partial_row = item[3];
+  // (In a cluster grid the item count is a multiple of the cluster size: whole clusters exit.)
   if (static_cast<int>(blockIdx.y) >= num_items) return;
+  // A cluster's first barrier phase: every block has started (so its shared memory may
+  // be written) once the wait before the first remote store returns, long after this.
+  if constexpr (Traits::kCluster > 1) cluster_arrive_relaxed();
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, c = lane % 4;
+  const unsigned rank = Traits::kCluster > 1 ? cluster_ctarank() : 0;  // in the cluster (its chunk of the request)
   // Block x: KV head (pair) blockIdx.x / tiles, query-head tile blockIdx.x % tiles (one
   // tile when paired, so the block's kBlockRows query heads are contiguous from block_head0).
   const int tiles_per_kv_head = p.group / Traits::kRows;
@@ -644,6 +713,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // Row h is local row h % kRows of the warps that took KV head slot h / kRows.
   constexpr int kSlots = Traits::kBlockRows * D / 8;
   constexpr int kWph = Traits::kWarpsPerHead;
+  if constexpr (Traits::kCluster > 1) cluster_wait();  // every block of the cluster has started
   for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 8), x = slot_i % (D / 8);
     const int w0 = h / Traits::kRows * kWph, hl = h % Traits::kRows;
@@ -675,7 +745,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const float norm = empty ? 0.f : p.v_scale / den;
     const float lse = empty ? -CUDART_INF_F : mx + log2f(den);
     const int qo_head = block_head0 + h;
-    if (partial_row < 0) {
+    if constexpr (Traits::kCluster > 1) {
+      // dims 8x .. 8x+7 of head h to the block that merges them, at this block's rank
+      const unsigned dst = 8 * x / Traits::kSlice;
+      float* recv_lse = reinterpret_cast<float*>(smem + Traits::kRecvOffset);
+      float* slot = recv_lse + Traits::kCluster * Traits::kBlockRows +
+                    (rank * Traits::kBlockRows + h) * Traits::kSlice + 8 * x % Traits::kSlice;
+      const unsigned o_at = map_shared_rank(slot, dst);
+      st_cluster_f32x4(o_at, acc[0] * norm, acc[1] * norm, acc[2] * norm, acc[3] * norm);
+      st_cluster_f32x4(o_at + 16, acc[4] * norm, acc[5] * norm, acc[6] * norm, acc[7] * norm);
+      if (8 * x % Traits::kSlice == 0) st_cluster_f32(map_shared_rank(recv_lse + rank * Traits::kBlockRows + h, dst), lse);
+    } else if (partial_row < 0) {
       store_out<Q>(p, b, qo_head, x, acc, norm, lse);
     } else {
       float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + 8 * x;
@@ -683,6 +763,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       reinterpret_cast<float4*>(out)[1] = make_float4(acc[4] * norm, acc[5] * norm, acc[6] * norm, acc[7] * norm);
       if (x == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
     }
+  }
+  if constexpr (Traits::kCluster > 1) {
+    // the barrier's release orders this block's remote stores before every block's acquire
+    cluster_arrive_release();
+    cluster_wait();
+    cluster_merge<Traits>(p, b, block_head0, rank, smem);
+    return;
   }
   if (partial_row < 0 || p.merge_counters == nullptr) return;
 
@@ -809,12 +896,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 template <class Traits>
 int launch_decode_mma(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream, bool pdl) {
   if (grid_items <= 0) return 0;
+  if (grid_items % Traits::kCluster != 0) return static_cast<int>(cudaErrorInvalidValue);  // whole clusters only
   if (const int err = allow_dynamic_smem<decode_mma_kernel<Traits>>(Traits::kSmemBytes)) return err;
+  if (const int err = allow_cluster_size<decode_mma_kernel<Traits>>(Traits::kCluster)) return err;
   const dim3 grid(num_kv_heads / Traits::kKvHeads * (p.group / Traits::kRows), grid_items);
   DecodeParams params = p;
   params.dependent_launch = pdl ? 1 : 0;
-  return launch_kernel(decode_mma_kernel<Traits>, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream, pdl,
-                       params);
+  return launch_kernel_ex(decode_mma_kernel<Traits>, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream, pdl,
+                          Traits::kCluster, params);
 }
 
 }  // namespace fij

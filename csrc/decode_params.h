@@ -63,6 +63,7 @@ struct DecodeLaunch {
   int32_t num_kv_heads = 0;
   int32_t device = 0;
   int32_t kv_heads_per_block = 1;  // 2: the tensor-core kernel's blocks take KV-head pairs (plan()'s choice)
+  int32_t cluster = 1;  // > 1: the tensor-core kernel's blocks run in clusters of this many (plan()'s choice)
 };
 
 }  // namespace fij

@@ -37,7 +37,7 @@ from .jit import get_module, op_cache
 from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
 from .specs.base import dtype_name
-from .specs.decode import DecodeSpec, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
+from .specs.decode import DecodeSpec, cluster_blocks, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
@@ -64,6 +64,12 @@ _MMA_SPLIT_BLOCKS_PER_SM = 2
 # requests split to 4 per SM, as before (56 x 256 + 8 x 8k tokens: 116.3 us; 122.6 at 2 per
 # SM, 124.7 with the target counted over the long requests alone).
 _MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
+# Small batches on sm_90+: each request split over one thread-block cluster (16 blocks at
+# head_dim >= 128, one chunk each), merged through distributed shared memory in the same
+# kernel: no partial states in global memory, no counter, no last-block round trips. Taken
+# where batch x blocks per item x cluster fits the SMs (one block per SM: b=1 at 8 KV heads)
+# and the longest request gives every block of its cluster this many tokens.
+_CLUSTER_MIN_CHUNK = 64
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -134,6 +140,20 @@ def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fi
         # the SMs that the long ones leave free instead of trailing after them.
         work = work[np.argsort(start - end, kind="stable")]
     return chunk, work, merge_indptr.astype(np.int32), bool(split.any())
+
+
+def plan_cluster(kv_lens: np.ndarray, cluster: int) -> np.ndarray:
+    """Work rows (request, start, end, -1) of the cluster split: every request in `cluster`
+    chunks of equal length in whole 32-token tiles (the last ones may be empty), chunk i of
+    request r at row r x cluster + i (the block of rank i in its cluster). Pure function
+    of host values (unit-tested without a GPU)."""
+    batch = len(kv_lens)
+    lens = np.asarray(kv_lens, dtype=np.int64)
+    size = np.maximum(32, _round_up(_ceil_div(lens, cluster), 32))
+    request = np.repeat(np.arange(batch, dtype=np.int64), cluster)
+    start = np.minimum(np.tile(np.arange(cluster, dtype=np.int64), batch) * size[request], lens[request])
+    end = np.minimum(start + size[request], lens[request])
+    return np.stack([request, start, end, np.full_like(start, -1)], axis=1).astype(np.int32)
 
 
 def _ceil_div(a, b):
@@ -240,7 +260,7 @@ class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
-                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor")
+                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -265,10 +285,12 @@ class _Plan:
     tensor on its device), and run()'s fast path once a call through the op has prepared
     it for that signature (fast: the module's C entry point, prepared: the resolved launch,
     a CPU byte tensor, prepared_ptr its address, device_index: q's device;
-    kv_heads_per_block: 2 where the blocks take KV-head pairs)."""
+    kv_heads_per_block: 2 where the blocks take KV-head pairs; cluster: blocks per
+    thread-block cluster of the cluster split, 1 without)."""
 
     __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked",
-                 "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block")
+                 "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block",
+                 "cluster")
 
 
 def _same_launch(a: _Plan, b: _Plan) -> bool:
@@ -277,7 +299,7 @@ def _same_launch(a: _Plan, b: _Plan) -> bool:
     stay), page ids at the same address and strides, grid, merge rows, counters and
     blocks. The views and counters are compared as objects (the older plan holds them)."""
     (ta, *rest_a), (tb, *rest_b) = a.args, b.args
-    if a.kv_heads_per_block != b.kv_heads_per_block or rest_a[0] is not rest_b[0] or rest_a[1] is not rest_b[1] \
+    if a.kv_heads_per_block != b.kv_heads_per_block or a.cluster != b.cluster or rest_a[0] is not rest_b[0] or rest_a[1] is not rest_b[1] \
             or rest_a[7:9] != rest_b[7:9] or rest_a[9] is not rest_b[9] or len(ta) != len(tb):
         return False
     csr = len(ta) == 3  # (indptr, indices, last_page_len); block tables: (ids, seq_lens)
@@ -365,21 +387,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
                                  "wrapper was first planned (captured) with")
         capacity = self._capacity if graph else batch
-        per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
-        max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
-        skewed_target = config.skewed_target(target)
-        if sized is None:
-            sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
-                                config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target)
-        if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
-            work = merge_indptr = None  # _pack writes one item per request straight into the buffer
-            items, any_split = batch, False
-        else:
-            _, work, merge_indptr, any_split = plan_split(kv_lens, blocks_per_item, target,
-                                                          config.fixed_split_size, config.disable_split_kv,
-                                                          max_items, config.partial_o.shape[0], config.min_chunk,
-                                                          sized, config.max_chunks, skewed_target)
+        cluster = self._cluster_size(config, kv_lens, capacity)
+        if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
+            per_block, max_items, any_split = 1, capacity * cluster if graph else None, False
+            work, merge_indptr = plan_cluster(kv_lens, cluster), np.zeros(batch + 1, dtype=np.int32)
             items = len(work)
+        else:
+            per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
+            max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
+            skewed_target = config.skewed_target(target)
+            if sized is None:
+                sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
+                                    config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target)
+            if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
+                work = merge_indptr = None  # _pack writes one item per request straight into the buffer
+                items, any_split = batch, False
+            else:
+                _, work, merge_indptr, any_split = plan_split(kv_lens, blocks_per_item, target,
+                                                              config.fixed_split_size, config.disable_split_kv,
+                                                              max_items, config.partial_o.shape[0], config.min_chunk,
+                                                              sized, config.max_chunks, skewed_target)
+                items = len(work)
         previous = self._plan
         if graph and previous is not None and previous.max_items != max_items:
             raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
@@ -400,7 +428,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.config, plan.spec, plan.op = config, spec, None
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
-        merge_rows = capacity if (graph or any_split) else 0
+        plan.cluster = cluster
+        merge_rows = capacity if (cluster == 1 and (graph or any_split)) else 0
         # The tensor-core kernel merges split requests itself: the last block of a request
         # (per head tile) to finish, counted in zeroed int32s that it resets. One per
         # request, KV head and tile (config.blocks_per_item, one-head blocks), as the op
@@ -422,6 +451,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             plan.checked, plan.q_standard, plan.no_lse = None, False, None
         self._plan = plan
+
+    def _cluster_size(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> int:
+        """Blocks per cluster of the cluster split, or 1 (not taken): where the module and
+        device have it, no split size is forced, capacity x blocks per item x cluster fits
+        the SMs, and the longest request gives each block _CLUSTER_MIN_CHUNK tokens. A
+        CUDA-graph wrapper decides by its capacity alone, once (its grid is fixed at
+        capture; a later plan of short requests leaves blocks with empty chunks)."""
+        c = config.cluster
+        if c <= 1 or config.fixed_split_size or config.disable_split_kv or \
+                capacity * config.blocks_per_item * c > config.sms:
+            return 1
+        if self._use_cuda_graph:
+            return c
+        return c if len(kv_lens) and int(np.maximum.reduce(kv_lens)) >= _CLUSTER_MIN_CHUNK * c else 1
 
     def _pairing(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
         """(KV heads per block, blocks per item, target blocks, _chunk_size's result or
@@ -487,6 +530,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.min_chunk = _MMA_MIN_CHUNK if c.tensor_cores else _MIN_CHUNK
         c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
         c.sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+        c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
+            env.decode_clusters() else 1
         c.target = per_sm * c.sms
         # skewed batches split to more blocks per SM on those tiles (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM)
         c.skew_factor = _MMA_SKEWED_SPLIT_BLOCKS_PER_SM // per_sm if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None
@@ -734,7 +779,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             prepared = plan.prepared = torch.empty(entry[1], dtype=torch.uint8)
         op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
-           prepared, plan.kv_heads_per_block)
+           prepared, plan.kv_heads_per_block, plan.cluster)
         if prepared is not None:  # later calls with this signature take the fast path
             plan.prepared_ptr, plan.device_index, plan.fast = prepared.data_ptr(), q.get_device(), entry[0]
         return (out, lse) if return_lse else out
@@ -818,6 +863,15 @@ def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple
 def supports_pdl(device) -> bool:
     """Whether kernels on `device` can be programmatic dependent launches (sm_90 and
     later): FlashInfer's default for enable_pdl=None."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
+def supports_clusters(device) -> bool:
+    """Whether `device` runs thread-block clusters (sm_90 and later)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
@@ -912,4 +966,4 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     return result.squeeze(0)
 
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "plan_split"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "plan_split", "plan_cluster"]

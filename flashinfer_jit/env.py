@@ -62,6 +62,12 @@ def jit_disabled() -> bool:
     return _flag("FLASHINFER_JIT_DISABLE_JIT")
 
 
+def decode_clusters() -> bool:
+    """FLASHINFER_JIT_DECODE_CLUSTERS=0 keeps batch decode off its thread-block-cluster split
+    (small batches then split with partial states in the workspace, as before sm_90)."""
+    return os.environ.get("FLASHINFER_JIT_DECODE_CLUSTERS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def max_jobs() -> int | None:
     value = os.environ.get("MAX_JOBS")
     return int(value) if value else None

@@ -7,6 +7,10 @@ In one process on one GPU, ours only (bench_decode.py compares with FlashInfer):
     fixed_split_size of 32..4096 tokens and disable_split_kv, with programmatic dependent
     launch (enable_pdl) on and off;
   - layout: b=64 kv=4k, bf16 and fp8 KV, NHD and HND pages (same bytes, other order);
+  - cluster: small batches split over thread-block clusters (plan()'s choice on sm_90+)
+    against the split with partial states (FLASHINFER_JIT_DECODE_CLUSTERS=0), eager and
+    CUDA-graph wrappers, in interleaved rounds (a case under the planner's 64 tokens per
+    block is forced onto clusters, to show where that line lies);
   - host: where run()'s host time goes (run() on its fast path, run() through the torch
     op as after a plan() with another launch, the op alone, plan() and plan() + run() where
     the launch stays (the fast path from the first run), run()'s Python alone, one torch
@@ -41,6 +45,8 @@ SPLIT_CASES = [  # (kv dtype, gqa, batch, kv_len)
 ]
 SPLITS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 LAYOUT_CASES = [("bfloat16", 4, 64, 4096), ("float8_e4m3fn", 4, 64, 4096)]
+CLUSTER_CASES = [(kv, 4, 1, n) for kv in ("bfloat16", "float8_e4m3fn") for n in (512, 1024, 2048, 4096, 8192, 32768)]
+CLUSTER_CASES += [("bfloat16", 8, 1, n) for n in (2048, 8192, 32768)] + [("float8_e4m3fn", 8, 1, 8192)]
 
 
 class Inputs:
@@ -147,6 +153,52 @@ def sweep_split(copy_gbps: float, splits=SPLITS, only_cases=None) -> list:
     return rows
 
 
+def sweep_cluster(only_cases=None, rounds: int = 3) -> list:
+    """Per case and round: the cluster split (forced where the planner would not take it)
+    and the split with partial states, eager and CUDA-graph wrappers, each checked against
+    the first output."""
+    import os
+
+    import torch
+
+    from flashinfer_jit import decode
+
+    rows = []
+    for kv, gqa, batch, kv_len in CLUSTER_CASES:
+        label = f"{kv[:5]} gqa{gqa} b={batch} kv={kv_len}"
+        if only_cases and label not in only_cases:
+            continue
+        inputs = Inputs(kv, gqa, batch, kv_len)
+        row = {"case": label, "kv_dtype": kv, "gqa": gqa, "batch": batch, "kv_len": kv_len,
+               "kv_bytes": inputs.kv_bytes, "rounds": []}
+        ref = None
+        for _ in range(rounds):
+            results = {}
+            for variant in ("cluster", "partials"):
+                for graph in (False, True):
+                    os.environ["FLASHINFER_JIT_DECODE_CLUSTERS"] = "1" if variant == "cluster" else "0"
+                    saved = decode._CLUSTER_MIN_CHUNK
+                    decode._CLUSTER_MIN_CHUNK = 1  # forced onto clusters below the planner's line
+                    try:
+                        r = timed(inputs, ref, pdl=True, use_cuda_graph=graph)
+                    finally:
+                        decode._CLUSTER_MIN_CHUNK = saved
+                        os.environ.pop("FLASHINFER_JIT_DECODE_CLUSTERS", None)
+                    if ref is None:
+                        ref = r.pop("_out0")
+                    results[f"{variant}{' graph' if graph else ''}"] = r
+            row["rounds"].append(results)
+        row["median_us"] = {k: float(sorted(r[k]["median_us"] for r in row["rounds"])[rounds // 2])
+                            for k in row["rounds"][0]}
+        row["ok"] = all(v["wrote_all"] and v.get("rel_diff", 0) < 1e-2 for r in row["rounds"] for v in r.values())
+        bc.log(f"cluster {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["median_us"].items()) +
+               ("" if row["ok"] else " BAD OUTPUT"))
+        rows.append(row)
+        del inputs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_layout() -> list:
     rows = []
     for kv, gqa, batch, kv_len in LAYOUT_CASES:
@@ -184,7 +236,7 @@ def host_breakdown() -> dict:
         r["run_through_op"] = enqueue_us(through_op)
         a = plan.args
         args = (s["q"], s["k"], s["v"], a[0], a[1], a[2], s["out"], plan.no_lse, a[3], a[4], 1.0, 1.0, a[5], -1,
-                a[6], a[7], a[8], a[9], a[10], True, None, plan.kv_heads_per_block)
+                a[6], a[7], a[8], a[9], a[10], True, None, plan.kv_heads_per_block, plan.cluster)
         r["op_alone"] = enqueue_us(lambda: plan.op(*args))
         call()
         fast = plan.fast
@@ -217,7 +269,7 @@ def build_modules() -> None:
     from flashinfer_jit.specs.decode import group_tile
 
     specs = {DecodeSpec("bfloat16", kv, HEAD_DIM, group_tile(*HEADS[gqa], HEAD_DIM), "csr", layout)
-             for kv, gqa, _, _ in SPLIT_CASES + LAYOUT_CASES for layout in ("NHD", "HND")}
+             for kv, gqa, _, _ in SPLIT_CASES + LAYOUT_CASES + CLUSTER_CASES for layout in ("NHD", "HND")}
     report = build_many(sorted(specs, key=lambda s: s.name), jobs=16)
     bc.log(f"modules: {len(report.built)} built, {len(report.cached)} cached, failed {dict(report.failed)}")
 
@@ -225,7 +277,7 @@ def build_modules() -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--only", default="split,layout,host")
+    p.add_argument("--only", default="split,layout,host", help="comma-separated: split, layout, cluster, host")
     p.add_argument("--splits", default=",".join(map(str, SPLITS)),
                    help="fixed_split_size values for the split sweep (tokens, comma-separated)")
     p.add_argument("--cases", default="",
@@ -248,6 +300,10 @@ def main(argv=None) -> int:
         only_cases = [c.strip() for c in args.cases.split(";") if c.strip()]
         res["split"] = sweep_split(res["copy"]["gb_per_s"], splits, only_cases)
         bc.write_json(out_path, res)
+    if "cluster" in parts:
+        only_cases = [c.strip() for c in args.cases.split(";") if c.strip()]
+        res["cluster"] = sweep_cluster(only_cases)
+        bc.write_json(out_path, res)
     if "layout" in parts:
         res["layout"] = sweep_layout()
         bc.write_json(out_path, res)
@@ -259,6 +315,9 @@ def main(argv=None) -> int:
         cells = ", ".join(f"{k} {v['median_us']:.1f}" + ("" if v["wrote_all"] and v.get("rel_diff", 0) < 1e-2 else " BAD")
                           for k, v in row["results"].items())
         print(f"{row['case']}: {cells}")
+    for row in res.get("cluster", []):
+        print(f"{row['case']}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["median_us"].items()) +
+              ("" if row["ok"] else " BAD"))
     for row in res.get("layout", []):
         print(f"{row['case']}: {row['median_us']:.1f} us {row['tb_per_s']:.2f} TB/s wrote_all={row['wrote_all']}")
     if "host" in res:

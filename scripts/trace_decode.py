@@ -81,6 +81,13 @@ def _instrument(root: Path) -> None:
     insert("\n  // Thread -> (block row h, 8 dims)", stamp(9), before=True)
     insert("  if (partial_row < 0 || p.merge_counters == nullptr) return;",
            "  if (threadIdx.x == 0) fij_trace[trace_base + 4] = trace_now();\n", before=True)
+    # the cluster split: states sent (partial), the cluster barrier passed (counted), merged
+    insert("    // the barrier's release orders this block's remote stores before every block's acquire",
+           "    if (threadIdx.x == 0) fij_trace[trace_base + 4] = trace_now();\n", before=True)
+    insert("    cluster_arrive_release();\n    cluster_wait();\n",
+           "    if (threadIdx.x == 0) fij_trace[trace_base + 5] = trace_now();\n")
+    insert("    cluster_merge<Traits>(p, b, block_head0, rank, smem);\n",
+           "    if (threadIdx.x == 0) fij_trace[trace_base + 6] = trace_now();\n")
     insert("  __syncthreads();\n  if (!last_block) return;", stamp(5))
     insert("  __syncthreads();\n  for (int slot_i = tid; slot_i < kRowsT * (D / 4); slot_i += Traits::kThreads) {",
            "\n    if (slot_i == tid && tid == 0) fij_trace[trace_base + 8] = trace_now();")

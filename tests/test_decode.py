@@ -164,6 +164,8 @@ def specs_needed() -> set:
     specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, "csr", lay) for lay in SINGLE_LAYOUTS}
     specs |= {decode_spec("bfloat16", kv, hd, LLAMA_HEADS, t, lay) for kv, hd, lay, t in TAIL_CASES}
     specs |= {_pair_spec(c) for c in PAIR_CASES}
+    specs |= {_cluster_spec(c) for c in CLUSTER_CASES}
+    specs |= {decode_spec("bfloat16", "bfloat16", 128, (16, 4), "csr", "NHD")}  # the CUDA-graph cluster test
     specs |= {decode_spec("bfloat16", kv, 128, LLAMA_HEADS, "csr", "NHD") for kv in ("bfloat16", "float8_e4m3fn")}
     # split-KV's merge runs in the output dtype (= q dtype)
     specs |= {MergeSpec(c.q_dtype, c.head_dim) for c in CASES}
@@ -828,6 +830,121 @@ def test_batch_decode_paired_kv_heads(case, workspace):
     assert_sentinels(lse_buf, "lse")
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, "NHD", None, window_left, soft_cap, **scales)
     check_decode(out, lse, ref_out, ref_lse, lens, _dtype(q_name))
+
+
+# The cluster split (sm_90+: one request over a thread-block cluster, merged in distributed
+# shared memory): (q dtype, kv dtype, head_dim, heads, page table, KV layout, cache form,
+# soft cap, window_left, kv_len), on modules other tests build. head_dim 64 takes clusters
+# of 8, the others 16; (64, 2) is 16-head tiles; 1000 and 1100 tokens leave the last
+# chunks short or empty.
+CLUSTER_CASES = [
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 2048),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 32768),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "HND", "single", None, 700, 3000),
+    ("bfloat16", "float8_e4m3fn", 256, (32, 8), "block_table_kv_separate", "HND", "tuple", None, -1, 5000),
+    ("bfloat16", "bfloat16", 64, (64, 8), "block_table_kv_separate", "HND", "halves", 30.0, -1, 1100),
+    ("float16", "float16", 64, (32, 8), "block_table", "NHD", "tuple", None, -1, 1024),
+    ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "NHD", "halves", None, 37, 1000),
+    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "NHD", "single", 30.0, -1, 4500),
+]
+
+
+def _cluster_spec(c) -> DecodeSpec:
+    return decode_spec(c[0], c[1], c[2], c[3], c[4], c[5], soft_cap=c[7] is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CLUSTER_CASES,
+                         ids=lambda c: f"{SHORT[c[1]]}-hd{c[2]}-{c[3][0]}x{c[3][1]}-{TABLE_TAG[c[4]]}-{c[5]}-{c[9]}")
+def test_batch_decode_cluster_split(case, workspace, monkeypatch):
+    """b=1 split over a thread-block cluster (plan()'s choice on sm_90+), against the
+    reference; bit-identical over repeated runs (the merge sums in rank order); and the
+    same request planned without clusters (FLASHINFER_JIT_DECODE_CLUSTERS=0: partial
+    states and the last-block merge) agrees with it."""
+    q_name, kv_name, d, (hq, hk), page_table, kv_layout, form, soft_cap, window_left, kv_len = case
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    rnd = random.Random(kv_len + hq)
+    gen = torch.Generator(device=DEV).manual_seed(kv_len + hq)
+    lens, ps = [kv_len], 16
+    num_pages = -(-kv_len // ps) + 5
+    paged = make_page_table(page_table, lens, ps, num_pages, rnd)
+    cache, k, v = make_cache(form, kv_layout, num_pages, ps, hk, d, _dtype(kv_name), gen)
+    nan_pages(k, paged.k_unused)
+    nan_pages(v, paged.v_unused)
+    nan_past_lengths(k, paged.table, lens, ps, kv_layout, 0)
+    nan_past_lengths(v, paged.table, lens, ps, kv_layout, 1)
+    q = _randn((1, hq, d), _dtype(q_name), gen, 4.0 if soft_cap else 1.0)
+    scales = dict(k_scale=0.5, v_scale=2.0) if kv_name.startswith("float8") else {}
+    plan_kwargs = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, window_left=window_left,
+                       logits_soft_cap=soft_cap, q_data_type=q_name, kv_data_type=kv_name)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper.plan(**paged.plan_args, **plan_kwargs)
+    assert wrapper._plan.cluster == (8 if d == 64 else 16)
+    outs = []
+    for _ in range(3):
+        out_buf, out = poisoned(q.shape, q.dtype)
+        lse_buf, lse = poisoned((1, hq), torch.float32)
+        wrapper.run(q, cache, out=out, lse=lse, **scales)
+        torch.cuda.synchronize()
+        assert_sentinels(out_buf, "out")
+        assert_sentinels(lse_buf, "lse")
+        outs.append((out.clone(), lse.clone()))
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout, None, window_left, soft_cap, **scales)
+    check_decode(outs[0][0], outs[0][1], ref_out, ref_lse, lens, _dtype(q_name))
+    for o, s in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(s, outs[0][1]), "cluster split not deterministic"
+    monkeypatch.setenv("FLASHINFER_JIT_DECODE_CLUSTERS", "0")
+    plain = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    plain.plan(**paged.plan_args, **plan_kwargs)
+    assert plain._plan.cluster == 1
+    out2, lse2 = plain.run(q, cache, return_lse=True, **scales)
+    check_decode(out2, lse2, outs[0][0], outs[0][1], lens, _dtype(q_name))
+
+
+@pytest.mark.gpu
+def test_batch_decode_cuda_graph_cluster_split(workspace):
+    """A CUDA-graph wrapper of capacity 2 at 4 KV heads (2 x 4 blocks per item x 16 fits
+    the SMs) takes the cluster split for good: replays after plans with long, short and
+    empty requests, and at batch 1 with q padded to 2 rows, match the reference."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    capacity, hq, hk, d, ps, pool = 2, 16, 4, 128, 16, 2048
+    dtype = torch.bfloat16
+    rnd = random.Random(17)
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    _, k, v = make_cache("tuple", "NHD", pool, ps, hk, d, dtype, gen)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True,
+        paged_kv_indptr_buffer=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32, device=DEV),
+        paged_kv_last_page_len_buffer=torch.zeros(capacity, dtype=torch.int32, device=DEV))
+    q_buf = _randn((capacity, hq, d), dtype, gen)
+    out_buf = torch.full((capacity, hq, d), float("nan"), dtype=dtype, device=DEV)
+    lse_buf = torch.full((capacity, hq), float("nan"), dtype=torch.float32, device=DEV)
+    graph = None
+    for lens in ([3000, 20000], [0, 77], [1], [5000]):
+        batch = len(lens)
+        paged = make_page_table("csr", lens, ps, pool, rnd, host_indptr=True)
+        wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
+                     q_data_type=dtype)
+        assert wrapper._plan.cluster == 16
+        q_buf.copy_(_randn(q_buf.shape, dtype, gen))
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf)
+        out_buf.fill_(float("nan"))
+        lse_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens)
+        check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
 
 
 @pytest.mark.gpu

@@ -60,7 +60,7 @@ class Recorder:
     def last(self) -> dict:
         names = ("q", "k", "v", "page_table", "work", "merge_indptr", "out", "lse", "partial_o", "partial_lse",
                  "logit_scale", "v_scale", "soft_cap", "window_left", "rope_scale", "rope_theta", "grid_items",
-                 "merge_rows")
+                 "merge_rows", "merge_counters", "enable_pdl", "prepared", "kv_heads_per_block", "cluster_size")
         return dict(zip(names, self.calls[-1]))
 
 
@@ -363,7 +363,7 @@ def test_plan_pairs_kv_heads_where_the_grid_fills_the_sms(kv_dtype, kv_layout, l
     shape = (64, PS, HK, D) if kv_layout == "NHD" else (64, HK, PS, D)
     k = torch.randn(shape).to(kv_dtype)
     w.run(q, (k, k.clone()))
-    assert op.calls[-1][-1] == pairs
+    assert op.last["kv_heads_per_block"] == pairs and op.last["cluster_size"] == 1
     # the work list is the one plan_split gives for the chosen blocks per item and target
     blocks_per_item, target = HK // pairs, cpu_target_blocks(HQ, HK, D) // pairs
     capacity = len(lens)
@@ -413,6 +413,97 @@ def test_graph_grid_items_spares_under_two_blocks_per_sm(capacity, blocks_per_it
     assert rows == expected
     assert rows >= capacity
     assert capacity * blocks_per_item >= CPU_SMS or rows * blocks_per_item < 2 * CPU_SMS
+
+
+# --- plan(): the cluster split (sm_90+) ----------------------------------------------------------
+@pytest.mark.parametrize("lens,cluster", [([2048], 16), ([1000, 0, 33], 16), ([31], 8), ([0], 16), ([], 16),
+                                          ([32768, 5000], 8)])
+def test_plan_cluster_covers_each_request_in_equal_tiles(lens, cluster):
+    """Row r x cluster + i is chunk i of request r; a request's chunks tile [0, length) in
+    order, all of one length in whole 32-token tiles (the last ones shorter or empty);
+    no partial rows."""
+    work = decode.plan_cluster(np.array(lens, dtype=np.int64), cluster)
+    assert work.dtype == np.int32 and work.shape == (len(lens) * cluster, 4)
+    for r, n in enumerate(lens):
+        rows = work[r * cluster:(r + 1) * cluster]
+        assert (rows[:, 0] == r).all() and (rows[:, 3] == -1).all()
+        size = max(32, -(-(-(-n // cluster)) // 32) * 32)
+        assert rows[0, 1] == 0 and rows[-1, 2] == n and (rows[1:, 1] == rows[:-1, 2]).all()
+        assert ((rows[:, 2] - rows[:, 1]) <= size).all() and ((rows[:, 1] % 32 == 0) | (rows[:, 1] == n)).all()
+        full = rows[:, 2] - rows[:, 1] == size
+        assert full[: int(full.sum())].all(), "the full chunks come first"
+
+
+@pytest.fixture
+def clusters(monkeypatch):
+    """plan() on the CPU as on an sm_90 device (thread-block clusters)."""
+    monkeypatch.setattr(decode, "supports_clusters", lambda device: True)
+
+
+@pytest.mark.parametrize("lens,hk,d,expected", [
+    ([2048], 8, 128, 16),          # 8 blocks per item x 16 <= 132 SMs
+    ([32768], 8, 128, 16),
+    ([1024], 8, 128, 16),          # 64 tokens per block: the least taken
+    ([1023], 8, 128, 1),           # under 64 tokens per block: the split with partial states
+    ([2048, 2048], 8, 128, 1),     # 2 x 8 x 16 = 256 blocks > 132 SMs
+    ([2048, 2048], 4, 128, 16),    # 2 x 4 x 16 = 128
+    ([2048], 8, 64, 8),            # head_dim 64: clusters of 8 (8-dim slices)
+    ([2048], 8, 256, 16),
+])
+def test_plan_takes_the_cluster_split_for_small_batches(lens, hk, d, expected, op, clusters):
+    w = wrapper()
+    table = csr(lens)
+    hq = 4 * hk
+    w.plan(**table, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS, q_data_type=torch.float16)
+    assert w._plan.cluster == expected
+    w.run(torch.randn(len(lens), hq, d).to(torch.float16),
+          tuple(torch.randn(64, PS, hk, d).to(torch.float16) for _ in range(2)))
+    last = op.last
+    assert last["cluster_size"] == expected and last["kv_heads_per_block"] == 1
+    if expected > 1:
+        assert last["grid_items"] == len(lens) * expected and last["merge_rows"] == 0
+        assert last["merge_counters"] is None
+        n = int(last["work"][0])
+        work = last["work"][1:1 + 4 * n].reshape(n, 4).numpy()
+        np.testing.assert_array_equal(work, decode.plan_cluster(np.array(lens), expected))
+        assert (last["merge_indptr"] == 0).all()
+
+
+@pytest.mark.parametrize("kwargs", [dict(fixed_split_size=256), dict(disable_split_kv=True)])
+def test_plan_cluster_split_yields_to_forced_splits(kwargs, op, clusters):
+    w = wrapper()
+    w.plan(**csr([4096]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16,
+           **kwargs)
+    assert w._plan.cluster == 1
+
+
+def test_plan_cluster_split_off_by_environment(op, clusters, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_DECODE_CLUSTERS", "0")
+    w = wrapper()
+    w.plan(**csr([4096]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    assert w._plan.cluster == 1
+
+
+def test_plan_cluster_split_off_without_clusters(op):
+    """No sm_90 device (here: the CPU), no cluster split."""
+    w = wrapper()
+    w.plan(**csr([4096]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    assert w._plan.cluster == 1
+
+
+def test_cuda_graph_cluster_split_by_capacity(op, clusters):
+    """A CUDA-graph wrapper of capacity 1 takes the cluster split for good: a later plan
+    of a short request still runs 16 blocks (most of them empty), over the same grid,
+    and padding requests' clusters are past the item count."""
+    w = wrapper(graph_capacity=1)
+    for lens in ([5000], [10], [0]):
+        plan_and_capture(w, csr(lens), op, 1)
+        last = op.last
+        assert w._plan.cluster == 16 and last["cluster_size"] == 16 and last["grid_items"] == 16
+        assert int(last["work"][0]) == 16 and last["merge_rows"] == 0
+    w2 = wrapper(graph_capacity=2)  # capacity 2 (its first plan): 2 x 8 x 16 > 132, partial states
+    plan_and_capture(w2, csr([5000, 10]), op, 2)
+    assert w2._plan.cluster == 1
 
 
 # --- plan(): one copy to the device --------------------------------------------------------------

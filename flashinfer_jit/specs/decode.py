@@ -40,6 +40,13 @@ def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv
     return uses_tensor_cores(group_tile, rope) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128
 
 
+def cluster_blocks(head_dim: int) -> int:
+    """Blocks per thread-block cluster of the tensor-core kernel's cluster split (csrc/decode_mma.cuh,
+    kCluster): 16 (the H100's largest, non-portable), fewer where a block's slice of the
+    output would be under 8 dims (head_dim 64: 8)."""
+    return min(16, head_dim // 8)
+
+
 def kv_heads_per_block(paired_kernel: bool, num_qo_heads: int, num_kv_heads: int, group_tile: int) -> int:
     """KV heads one block of the decode kernel can take (the module's launch checks the
     same, templates/decode.cu.j2): 2 when the module has the paired kernel, the group is
@@ -77,7 +84,7 @@ class DecodeSpec(Spec):
         return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.rope, self.kv_layout)
 
     def context(self) -> dict:
-        return super().context() | {"pair_kv_heads": self.pairs_kv_heads}
+        return super().context() | {"pair_kv_heads": self.pairs_kv_heads, "cluster_blocks": cluster_blocks(self.head_dim)}
 
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split
@@ -89,13 +96,15 @@ class DecodeSpec(Spec):
         # that receives the resolved launch (csrc/decode_params.h DecodeLaunch) for run()'s
         # fast path, <namespace>_decode_fast. kv_heads_per_block: 2 where the module has the
         # paired tensor-core kernel and plan() chose it (see kv_heads_per_block), else 1.
+        # cluster_size: cluster_blocks(head_dim) where plan() splits each request over a
+        # thread-block cluster (tensor-core kernel, sm_90+; no partial rows), else 1.
         return {"decode": (
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] page_table, Tensor work, "
             "Tensor merge_indptr, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_o, "
             "Tensor(d!) partial_lse, float logit_scale, float v_scale, float soft_cap, int window_left, "
             "float rope_scale, float rope_theta, int grid_items, int merge_rows, "
             "Tensor(e!)? merge_counters=None, bool enable_pdl=False, Tensor(f!)? prepared=None, "
-            "int kv_heads_per_block=1) -> ()")}
+            "int kv_heads_per_block=1, int cluster_size=1) -> ()")}
 
 
 @dataclass(frozen=True)
