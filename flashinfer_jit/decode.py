@@ -64,12 +64,18 @@ _MMA_SPLIT_BLOCKS_PER_SM = 2
 # requests split to 4 per SM, as before (56 x 256 + 8 x 8k tokens: 116.3 us; 122.6 at 2 per
 # SM, 124.7 with the target counted over the long requests alone).
 _MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
-# Small batches on sm_90+: each request split over one thread-block cluster (16 blocks at
-# head_dim >= 128, one chunk each), merged through distributed shared memory in the same
-# kernel: no partial states in global memory, no counter, no last-block round trips. Taken
-# where batch x blocks per item x cluster fits the SMs (one block per SM: b=1 at 8 KV heads)
-# and the longest request gives every block of its cluster this many tokens.
+# Small batches on sm_90+: each request split over one thread-block cluster (8 blocks, one
+# chunk each), merged through distributed shared memory in the same kernel: no partial
+# states in global memory, no counter, no last-block round trips (the merge's tail after
+# the last block's loop: ~1.6 us, against ~3.3 us). But b=1 at 8 KV heads is then 64
+# blocks, one per SM on half the SMs, and one SM streams ~25 GB/s: the split pays only
+# while each block reads little. Taken where batch x blocks per item x cluster fits the
+# SMs, the longest request gives each block >= _CLUSTER_MIN_CHUNK tokens and <=
+# _CLUSTER_MAX_BLOCK_BYTES of K and V. H100, b=1, 32/8 heads, head_dim 128 (same-machine
+# A/B, sweep_decode.py --only cluster): bf16 kv=512 5.85 -> 4.30 us, fp8 kv=2k 7.15 ->
+# 6.72; bf16 kv=2k 7.99 -> 8.11 (128 KB a block), kv=8k 17.6 -> 23.5, kv=32k 50.9 -> 81.8.
 _CLUSTER_MIN_CHUNK = 64
+_CLUSTER_MAX_BLOCK_BYTES = 64 << 10
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -260,7 +266,8 @@ class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
-                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster")
+                 "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
+                 "token_bytes")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -454,17 +461,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _cluster_size(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> int:
         """Blocks per cluster of the cluster split, or 1 (not taken): where the module and
-        device have it, no split size is forced, capacity x blocks per item x cluster fits
-        the SMs, and the longest request gives each block _CLUSTER_MIN_CHUNK tokens. A
-        CUDA-graph wrapper decides by its capacity alone, once (its grid is fixed at
-        capture; a later plan of short requests leaves blocks with empty chunks)."""
+        device have it, no split size is forced, batch x blocks per item x cluster fits
+        the SMs, and the longest request gives each block between _CLUSTER_MIN_CHUNK
+        tokens and _CLUSTER_MAX_BLOCK_BYTES of K and V. Not in CUDA-graph mode: its grid
+        is fixed at capture, and a later plan of long requests would run slower on it."""
         c = config.cluster
-        if c <= 1 or config.fixed_split_size or config.disable_split_kv or \
-                capacity * config.blocks_per_item * c > config.sms:
+        if c <= 1 or self._use_cuda_graph or config.fixed_split_size or config.disable_split_kv or \
+                capacity * config.blocks_per_item * c > config.sms or not len(kv_lens):
             return 1
-        if self._use_cuda_graph:
-            return c
-        return c if len(kv_lens) and int(np.maximum.reduce(kv_lens)) >= _CLUSTER_MIN_CHUNK * c else 1
+        longest = int(np.maximum.reduce(kv_lens))
+        block_bytes = -(-longest // c) * config.token_bytes
+        return c if longest >= _CLUSTER_MIN_CHUNK * c and block_bytes <= _CLUSTER_MAX_BLOCK_BYTES else 1
 
     def _pairing(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
         """(KV heads per block, blocks per item, target blocks, _chunk_size's result or
@@ -532,6 +539,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
         c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
             env.decode_clusters() else 1
+        c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
         c.target = per_sm * c.sms
         # skewed batches split to more blocks per SM on those tiles (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM)
         c.skew_factor = _MMA_SKEWED_SPLIT_BLOCKS_PER_SM // per_sm if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None

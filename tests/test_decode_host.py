@@ -440,24 +440,28 @@ def clusters(monkeypatch):
     monkeypatch.setattr(decode, "supports_clusters", lambda device: True)
 
 
-@pytest.mark.parametrize("lens,hk,d,expected", [
-    ([2048], 8, 128, 16),          # 8 blocks per item x 16 <= 132 SMs
-    ([32768], 8, 128, 16),
-    ([1024], 8, 128, 16),          # 64 tokens per block: the least taken
-    ([1023], 8, 128, 1),           # under 64 tokens per block: the split with partial states
-    ([2048, 2048], 8, 128, 1),     # 2 x 8 x 16 = 256 blocks > 132 SMs
-    ([2048, 2048], 4, 128, 16),    # 2 x 4 x 16 = 128
-    ([2048], 8, 64, 8),            # head_dim 64: clusters of 8 (8-dim slices)
-    ([2048], 8, 256, 16),
+@pytest.mark.parametrize("lens,hk,d,kv_dtype,expected", [
+    ([1024], 8, 128, torch.float16, 8),         # 8 blocks per item x 8 <= 132 SMs; 64 KB a block
+    ([512], 8, 128, torch.float16, 8),          # 64 tokens per block: the least taken
+    ([511], 8, 128, torch.float16, 1),          # fewer: the split with partial states
+    ([1025], 8, 128, torch.float16, 1),         # over 64 KB a block
+    ([2048], 8, 128, torch.float8_e4m3fn, 8),   # fp8: half the bytes
+    ([2049], 8, 128, torch.float8_e4m3fn, 1),
+    ([1000, 0, 700], 4, 128, torch.float16, 8),  # 3 x 4 x 8 = 96 blocks
+    ([1000, 1000, 1000], 8, 128, torch.float16, 1),  # 3 x 8 x 8 = 192 > 132 SMs
+    ([2048], 8, 64, torch.float16, 8),
+    ([512], 8, 256, torch.float16, 8),
+    ([513], 8, 256, torch.float16, 1),
 ])
-def test_plan_takes_the_cluster_split_for_small_batches(lens, hk, d, expected, op, clusters):
+def test_plan_takes_the_cluster_split_for_small_batches(lens, hk, d, kv_dtype, expected, op, clusters):
     w = wrapper()
     table = csr(lens)
     hq = 4 * hk
-    w.plan(**table, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS, q_data_type=torch.float16)
+    w.plan(**table, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS, q_data_type=torch.float16,
+           kv_data_type=kv_dtype)
     assert w._plan.cluster == expected
     w.run(torch.randn(len(lens), hq, d).to(torch.float16),
-          tuple(torch.randn(64, PS, hk, d).to(torch.float16) for _ in range(2)))
+          tuple(torch.randn(64, PS, hk, d).to(kv_dtype) for _ in range(2)))
     last = op.last
     assert last["cluster_size"] == expected and last["kv_heads_per_block"] == 1
     if expected > 1:
@@ -472,7 +476,7 @@ def test_plan_takes_the_cluster_split_for_small_batches(lens, hk, d, expected, o
 @pytest.mark.parametrize("kwargs", [dict(fixed_split_size=256), dict(disable_split_kv=True)])
 def test_plan_cluster_split_yields_to_forced_splits(kwargs, op, clusters):
     w = wrapper()
-    w.plan(**csr([4096]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16,
+    w.plan(**csr([1000]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16,
            **kwargs)
     assert w._plan.cluster == 1
 
@@ -480,30 +484,23 @@ def test_plan_cluster_split_yields_to_forced_splits(kwargs, op, clusters):
 def test_plan_cluster_split_off_by_environment(op, clusters, monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_DECODE_CLUSTERS", "0")
     w = wrapper()
-    w.plan(**csr([4096]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    w.plan(**csr([1000]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
     assert w._plan.cluster == 1
 
 
 def test_plan_cluster_split_off_without_clusters(op):
     """No sm_90 device (here: the CPU), no cluster split."""
     w = wrapper()
-    w.plan(**csr([4096]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    w.plan(**csr([1000]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
     assert w._plan.cluster == 1
 
 
-def test_cuda_graph_cluster_split_by_capacity(op, clusters):
-    """A CUDA-graph wrapper of capacity 1 takes the cluster split for good: a later plan
-    of a short request still runs 16 blocks (most of them empty), over the same grid,
-    and padding requests' clusters are past the item count."""
+def test_cuda_graph_wrapper_keeps_the_split_with_partial_states(op, clusters):
+    """A CUDA-graph wrapper's grid is fixed at capture: no cluster split, whose blocks
+    would read far more than they should at a later plan's longer requests."""
     w = wrapper(graph_capacity=1)
-    for lens in ([5000], [10], [0]):
-        plan_and_capture(w, csr(lens), op, 1)
-        last = op.last
-        assert w._plan.cluster == 16 and last["cluster_size"] == 16 and last["grid_items"] == 16
-        assert int(last["work"][0]) == 16 and last["merge_rows"] == 0
-    w2 = wrapper(graph_capacity=2)  # capacity 2 (its first plan): 2 x 8 x 16 > 132, partial states
-    plan_and_capture(w2, csr([5000, 10]), op, 2)
-    assert w2._plan.cluster == 1
+    plan_and_capture(w, csr([1000]), op, 1)
+    assert w._plan.cluster == 1 and op.last["cluster_size"] == 1
 
 
 # --- plan(): one copy to the device --------------------------------------------------------------

@@ -42,9 +42,11 @@ def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv
 
 def cluster_blocks(head_dim: int) -> int:
     """Blocks per thread-block cluster of the tensor-core kernel's cluster split (csrc/decode_mma.cuh,
-    kCluster): 16 (the H100's largest, non-portable), fewer where a block's slice of the
-    output would be under 8 dims (head_dim 64: 8)."""
-    return min(16, head_dim // 8)
+    kCluster): 8. Measured on the H100 (b=1, 8 KV heads): clusters of 16 were placed two
+    blocks to an SM (128 blocks on 80-84 SMs; with one block per SM forced, 7 clusters of
+    16 fit the GPCs and the 8th doubled up), which made every row slower; clusters of 8
+    took one SM each."""
+    return min(8, head_dim // 8)
 
 
 def kv_heads_per_block(paired_kernel: bool, num_qo_heads: int, num_kv_heads: int, group_tile: int) -> int:
