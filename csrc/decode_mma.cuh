@@ -251,6 +251,18 @@ FIJ_DEVICE void store_out(const DecodeParams& p, int b, int qo_head, int x, cons
   if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
 }
 
+// Four dims of one output row, acc x norm, at out (8-byte aligned).
+template <typename Q>
+FIJ_DEVICE void store_out4(Q* out, const float4& acc, float norm) {
+  uint2 raw;
+  Q* ov = reinterpret_cast<Q*>(&raw);
+  ov[0] = static_cast<Q>(acc.x * norm);
+  ov[1] = static_cast<Q>(acc.y * norm);
+  ov[2] = static_cast<Q>(acc.z * norm);
+  ov[3] = static_cast<Q>(acc.w * norm);
+  *reinterpret_cast<uint2*>(out) = raw;
+}
+
 // A request split over a cluster, once every block of the cluster has sent its state's
 // dims to the blocks that merge them and the cluster barrier has passed (the kernel):
 // this block (rank r) merges dims [r kSlice, (r + 1) kSlice) of its heads over the
@@ -288,13 +300,7 @@ FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, uns
     const float norm = empty ? 0.f : 1.f / den;
     const int qo_head = block_head0 + h;
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + rank * S + 4 * x4;
-    uint2 raw;
-    Q* ov = reinterpret_cast<Q*>(&raw);
-    ov[0] = static_cast<Q>(acc.x * norm);
-    ov[1] = static_cast<Q>(acc.y * norm);
-    ov[2] = static_cast<Q>(acc.z * norm);
-    ov[3] = static_cast<Q>(acc.w * norm);
-    *reinterpret_cast<uint2*>(out) = raw;
+    store_out4(out, acc, norm);
     if (p.lse != nullptr && rank == 0 && x4 == 0)
       p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : mx + log2f(den);
   }
@@ -882,13 +888,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const float norm = empty ? 0.f : 1.f / den;
     const int qo_head = block_head0 + h;
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4;
-    uint2 raw;
-    Q* ov = reinterpret_cast<Q*>(&raw);
-    ov[0] = static_cast<Q>(acc.x * norm);
-    ov[1] = static_cast<Q>(acc.y * norm);
-    ov[2] = static_cast<Q>(acc.z * norm);
-    ov[3] = static_cast<Q>(acc.w * norm);
-    *reinterpret_cast<uint2*>(out) = raw;
+    store_out4(out, acc, norm);
     if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : head_m[h] + log2f(den);
   }
 }

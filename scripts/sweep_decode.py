@@ -10,7 +10,8 @@ In one process on one GPU, ours only (bench_decode.py compares with FlashInfer):
   - cluster: small batches split over thread-block clusters (plan()'s choice on sm_90+)
     against the split with partial states (FLASHINFER_JIT_DECODE_CLUSTERS=0), eager and
     CUDA-graph wrappers, in interleaved rounds (a case under the planner's 64 tokens per
-    block is forced onto clusters, to show where that line lies);
+    block is forced onto clusters; one over its 64 KB a block, or in CUDA-graph mode,
+    runs the split with partial states in both columns);
   - host: where run()'s host time goes (run() on its fast path, run() through the torch
     op as after a plan() with another launch, the op alone, plan() and plan() + run() where
     the launch stays (the fast path from the first run), run()'s Python alone, one torch
