@@ -22,6 +22,7 @@ Head_dim 128, page 16, CSR page table, bf16 q; inputs rotate over sets of > 4x L
 
   python3 scripts/sweep_decode.py [--out FILE] [--only split,layout,host]
                                   [--splits 512,1008,1024] [--cases 'bfloa gqa4 b=1 kv=32768;...']
+                                  [--sets 1]   (1: the same inputs every replay, a warm L2)
 Writes JSON (--out, default $OUT/sweep_decode.json) and prints tables.
 """
 
@@ -45,6 +46,7 @@ SPLIT_CASES = [  # (kv dtype, gqa, batch, kv_len)
     ("bfloat16", 4, 16, 2048), ("bfloat16", 4, 16, 8192),
 ]
 SPLITS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+FORCE_SETS = 0  # --sets: input sets to rotate over (0: enough to exceed 4x L2; 1: a warm L2)
 LAYOUT_CASES = [("bfloat16", 4, 64, 4096), ("float8_e4m3fn", 4, 64, 4096)]
 CLUSTER_CASES = [(kv, 4, 1, n) for kv in ("bfloat16", "float8_e4m3fn") for n in (512, 1024, 2048, 4096, 8192, 32768)]
 CLUSTER_CASES += [("bfloat16", 8, 1, n) for n in (2048, 8192, 32768)] + [("float8_e4m3fn", 8, 1, 8192)]
@@ -68,6 +70,8 @@ class Inputs:
         self.kv_bytes = 2 * batch * kv_len * hk * HEAD_DIM * self.kv_dtype.itemsize
         shape = (self.num_pages, PAGE_SIZE, hk, HEAD_DIM) if layout == "NHD" else (self.num_pages, hk, PAGE_SIZE, HEAD_DIM)
         self.n_sets = max(1, min(bc.rotation_sets(self.kv_bytes), int(12e9 // self.kv_bytes)))
+        if FORCE_SETS:
+            self.n_sets = FORCE_SETS
 
         def cache():
             return torch.randn(shape, device="cuda", dtype=torch.bfloat16).to(self.kv_dtype)
@@ -237,7 +241,8 @@ def host_breakdown() -> dict:
         r["run_through_op"] = enqueue_us(through_op)
         a = plan.args
         args = (s["q"], s["k"], s["v"], a[0], a[1], a[2], s["out"], plan.no_lse, a[3], a[4], 1.0, 1.0, a[5], -1,
-                a[6], a[7], a[8], a[9], a[10], True, None, plan.kv_heads_per_block, plan.cluster)
+                a[6], a[7], a[8], a[9], a[10], True, None, plan.kv_heads_per_block, plan.cluster,
+                plan.cluster_warps)
         r["op_alone"] = enqueue_us(lambda: plan.op(*args))
         call()
         fast = plan.fast
@@ -286,7 +291,11 @@ def main(argv=None) -> int:
                    help="fixed_split_size values for the split sweep (tokens, comma-separated)")
     p.add_argument("--cases", default="",
                    help="split cases to run, by label, ';'-separated (e.g. 'bfloa gqa4 b=1 kv=2048'); default all")
+    p.add_argument("--sets", type=int, default=0,
+                   help="input sets to rotate over (default: enough for 4x L2; 1 keeps a small case in L2)")
     args = p.parse_args(argv)
+    global FORCE_SETS
+    FORCE_SETS = args.sets
     out_path = args.out or bc.default_out("sweep_decode.json")
     import torch
 
@@ -297,7 +306,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     build_modules(parts)
     res = {"meta": bc.run_metadata(), "config": {"head_dim": HEAD_DIM, "page_size": PAGE_SIZE, "q": "bfloat16",
-                                                 "page_table": "csr", "timed_by": "cuda-graph replay, median"}}
+                                                 "page_table": "csr", "timed_by": "cuda-graph replay, median",
+                                                 "sets": FORCE_SETS or "auto"}}
     res["copy"] = bc.copy_bandwidth()
     if "split" in parts:
         splits = tuple(int(x) for x in args.splits.split(",") if x)

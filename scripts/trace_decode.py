@@ -12,6 +12,7 @@ the end of the kernel before (negative: the block was resident before that):
   entry      the block starts (under PDL, while the kernel before still runs)
   wait       griddepcontrol.wait returns (the kernel before has finished)
   tile0      warp 0's first K/V tile has arrived
+  tile1..3   ... its second to fourth (blocks with that many tiles)
   loop_end   every warp of the block is done with its chunk
   warps      the block's warps have merged their states in shared memory
   partial    the block's output or partial state is written
@@ -22,7 +23,8 @@ the end of the kernel before (negative: the block was resident before that):
 
 as min / median / max over blocks (the merge stamps over the last blocks only).
 
-    python3 scripts/trace_decode.py [--cases 'bfloat16:1:2048,float8_e4m3fn:1:2048'] [--graph-mode] [--out FILE]
+    python3 scripts/trace_decode.py [--cases 'bfloat16:1:2048,float8_e4m3fn:1:2048'] [--graph-mode]
+                                    [--sets 2] [--out FILE]
 
 Cases are kv dtype : batch : kv_len, GQA-4 (32/8 heads), head_dim 128, page 16, bf16 q,
 CSR with permuted pages. Stamps cost a few registers and stores; compare periods with
@@ -42,8 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOTS = 16  # stamps per block
-KEYS = {0: "entry", 1: "wait", 2: "tile0", 3: "loop_end", 9: "warps", 4: "partial", 5: "counted", 8: "weights",
-        6: "merged"}
+KEYS = {0: "entry", 1: "wait", 2: "tile0", 11: "tile1", 12: "tile2", 13: "tile3", 3: "loop_end", 9: "warps",
+        4: "partial", 5: "counted", 8: "weights", 6: "merged"}
 MERGE_KEYS = (5, 8, 6)  # stamped by the last block of a split request only
 
 
@@ -76,7 +78,9 @@ def _instrument(root: Path) -> None:
            "    fij_trace[trace_base + 0] = trace_now();\n  }\n")
     insert("  pdl_wait();\n", stamp(1))
     insert("    const unsigned char* ks = stage_k(tile % Traits::kStages);",
-           "    if (tile == 0 && threadIdx.x == 0) fij_trace[trace_base + 2] = trace_now();\n", before=True)
+           "    if (tile == 0 && threadIdx.x == 0) fij_trace[trace_base + 2] = trace_now();\n"
+           "    if (tile >= 1 && tile <= 3 && threadIdx.x == 0) fij_trace[trace_base + 10 + tile] = trace_now();\n",
+           before=True)
     insert("  cp_async_wait<0>();\n  __syncthreads();  // every warp is done with the stages", stamp(3))
     insert("\n  // Thread -> (block row h, 8 dims)", stamp(9), before=True)
     insert("  if (partial_row < 0 || p.merge_counters == nullptr) return;",
@@ -89,7 +93,7 @@ def _instrument(root: Path) -> None:
     insert("    cluster_merge<Traits>(p, b, block_head0, rank, smem);\n",
            "    if (threadIdx.x == 0) fij_trace[trace_base + 6] = trace_now();\n")
     insert("  __syncthreads();\n  if (!last_block) return;", stamp(5))
-    insert("  __syncthreads();\n  for (int slot_i = tid; slot_i < kRowsT * (D / 4); slot_i += Traits::kThreads) {",
+    insert("  __syncthreads();\n  for (int slot_i = tid; slot_i < kSlotsT; slot_i += Traits::kThreads) {",
            "\n    if (slot_i == tid && tid == 0) fij_trace[trace_base + 8] = trace_now();")
     end = ("    if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : "
            "head_m[h] + log2f(den);\n  }\n")
@@ -108,7 +112,7 @@ FIJ_EXPORT int fij_trace_clear() {{
 """)
 
 
-def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = False) -> int:
+def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = False, sets: int = 0) -> int:
     """In the instrumented copy: build, replay, read the stamps, print the timeline."""
     import ctypes
 
@@ -118,6 +122,11 @@ def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = F
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_common as bc
     import sweep_decode as sd
+
+    if sets == 1:
+        print("trace_decode: --sets 1 leaves no kernel before a kernel to time from; use 2", file=sys.stderr)
+        return 1
+    sd.FORCE_SETS = sets
     from flashinfer_jit.jit import build_many, get_module
     from flashinfer_jit.specs import DecodeSpec
 
@@ -127,7 +136,7 @@ def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = F
         print(f"trace_decode: build failed: {dict(report.failed)}", file=sys.stderr)
         return 1
     result = {"meta": bc.run_metadata(), "units": "us from the previous kernel's end", "use_cuda_graph": use_cuda_graph,
-              "cases": {}}
+              "sets": sets or "auto", "cases": {}}
     for kv, batch, kv_len in cases:
         module = get_module(specs[kv])
         lib = ctypes.CDLL(str(module.path / module.manifest["library"]))
@@ -169,6 +178,8 @@ def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = F
                                           for n in np.unique(sharing)}
             for slot, name in KEYS.items():
                 col = (last if slot in MERGE_KEYS else k)[:, slot]
+                if slot in (11, 12, 13):
+                    col = col[col != 0]  # blocks with fewer tiles
                 if len(col):
                     rel = col - e0  # int64: the timer (ns since an epoch) has no exact float64
                     row[name] = [rel.min() / 1e3, float(np.median(rel)) / 1e3, rel.max() / 1e3]
@@ -218,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--graph-mode", action="store_true",
                    help="the wrapper in CUDA-graph mode (use_cuda_graph=True, its grid padded to the capacity)")
+    p.add_argument("--sets", type=int, default=0,
+                   help="input sets to rotate over (default: > 4x L2; 2 keeps a small case in L2)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -229,7 +242,7 @@ def main(argv=None) -> int:
 
     out = args.out or bc.default_out("trace_decode.json")
     if args.inner:
-        return _inner(cases, out, args.graph_mode)
+        return _inner(cases, out, args.graph_mode, args.sets)
     with tempfile.TemporaryDirectory(prefix="fij_trace_") as tmp:
         copy = Path(tmp) / "src"
         for name in ("csrc", "templates", "flashinfer_jit", "scripts"):
@@ -238,7 +251,7 @@ def main(argv=None) -> int:
         _instrument(copy)
         env = dict(os.environ, PYTHONPATH=str(copy), FLASHINFER_JIT_CACHE_DIR=str(Path(tmp) / "cache"))
         cmd = [sys.executable, str(copy / "scripts" / "trace_decode.py"), "--inner", "--cases", args.cases,
-               *(["--graph-mode"] if args.graph_mode else []),
+               *(["--graph-mode"] if args.graph_mode else []), "--sets", str(args.sets),
                "--out", str(Path(out).resolve())]
         return subprocess.call(cmd, env=env, cwd=tmp)
 
