@@ -13,8 +13,9 @@
 //                  8 head columns (32 accumulators per lane at head_dim 128, not 64).
 // A block takes one work item for one KV head and a tile of up to 16 of its query heads
 // (or for two adjacent KV heads and all their query heads, two warps each: kKvHeads).
-// Four warps split each K/V tile (8 tokens each, 16 for fp8), with their own online
-// softmax; their states merge through shared memory at the end. K/V tiles arrive by
+// Four warps split each K/V tile (8 tokens each, 16 for fp8; eight warps in the cluster
+// split's kernel for larger blocks), with their own online softmax; their states merge
+// through shared memory at the end. K/V tiles arrive by
 // cp.async, kStages deep, their page ids looked up one tile before their copies are issued;
 // each warp copies its own rows and waits only for them (no block barrier per tile).
 // A request split over several blocks (split-KV) is merged by the last of its blocks to
@@ -44,7 +45,7 @@ struct MmaTypeOf<__nv_bfloat16> {
 };
 
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
-          int KvHeads = 1, int Cluster = 1>
+          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4>
 struct DecodeMmaTraits {
   using Q = TQ;
   using KV = TKV;
@@ -69,7 +70,12 @@ struct DecodeMmaTraits {
   // twice the shared memory (more tiles in flight per SM).
   static constexpr int kCluster = Cluster;
   static constexpr int kSlice = HeadDim / Cluster;
-  static constexpr int kWarpsPerHead = 4;
+  // Warps on one KV head's tokens: 4, or 8 for clusters whose blocks read more than 64 KB
+  // (plan()'s choice). One block per SM with 4 warps (one a scheduler) streamed ~25-30
+  // GB/s, its per-tile latency chain unhidden: 8 warps took b=1 kv=2k (128 KB a block)
+  // 7.29 -> 7.09 us, GQA-8 8.32 -> 6.73 (H100); at <= 64 KB a block 4 warps stay faster
+  // (kv=512 4.18 against 4.45 us), and 16 warps lost everywhere (kv=2k 8.66).
+  static constexpr int kWarpsPerHead = WarpsPerHead;
   static constexpr int kWarps = kWarpsPerHead * kKvHeads;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockRows = kKvHeads * kRows;  // query heads a block writes (contiguous)
@@ -89,6 +95,13 @@ struct DecodeMmaTraits {
   static constexpr int kKSteps = HeadDim / 16;       // k-steps of S = Q K^T
   static constexpr int kStepsPerChunk = kElemsPerChunk / 4;
   static constexpr int kMTiles = HeadDim / 16;       // 16-dim row tiles of O^T
+  // S = Q K^T accumulates in two independent chains (alternate k-steps) for 16-bit caches:
+  // a block alone on its SM (small batches) is bound by each warp's latency chain per
+  // tile, and one chain of 8 dependent mma was the longest part of it. H100, same-machine
+  // A/B: b=1 kv=2k bf16 8.28 -> 7.60 us, kv=8k 17.7 -> 17.3, b=16 kv=2k 50.6 -> 50.0, a
+  // single block per head (kv=2k unsplit) 45.4 -> 40.5; b=64 level. Four chains gained
+  // nothing more; fp8 tiles already have two n-tiles (two chains), and more spilled.
+  static constexpr int kSChains = kNTiles == 1 && kChunksPerRow >= 8 ? 2 : 1;
   static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
   // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
   // wave for 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per warp.
@@ -105,7 +118,9 @@ struct DecodeMmaTraits {
   // Blocks per SM the registers must allow (128 threads each; twice that paired): 4 at
   // head_dim <= 128 (128 registers), but 3 for 16-head tiles, whose 64 O accumulators a
   // lane spilled at 128 registers (bf16 96 bytes, fp8 with the soft cap 196); 2 at 256.
-  static constexpr int kMinBlocksPerSM = (HeadDim <= 128 ? (kRows == 16 ? 3 : 4) : 2) / kKvHeads;
+  // (In units of 4-warp blocks: a paired or 8-warp block counts twice, at least one.)
+  static constexpr int kMinBlocks4 = HeadDim <= 128 ? (kRows == 16 ? 3 : 4) : 2;
+  static constexpr int kMinBlocksPerSM = kMinBlocks4 / (kWarps / 4) > 0 ? kMinBlocks4 / (kWarps / 4) : 1;
   // A grid whose K/V fit in this many bytes prefetches them into L2 before
   // griddepcontrol.wait, under a programmatic dependent launch (see the prologue). Measured
   // on the H100 (b=1, 8 KV heads, A/B over budgets of 0-24 MB): 16 MB paid for fp8 (kv=8k
@@ -118,6 +133,8 @@ struct DecodeMmaTraits {
   static_assert(kKvHeads == 1 || (kKvHeads == 2 && kRows <= 8), "a block takes one KV head or a pair (tiles <= 8)");
   static_assert(kCluster == 1 || (kKvHeads == 1 && HeadDim % kCluster == 0 && kSlice % 8 == 0 && kCluster <= 16),
                 "a cluster's blocks take one KV head and merge slices of whole 8-dim groups");
+  static_assert(kWarpsPerHead == 4 || (kWarpsPerHead == 8 && kCluster > 1),
+                "8 warps a head: the cluster split's kernel for larger blocks");
   static_assert(kChunksPerRow >= 4 && 32 % kChunksPerRow == 0 && kWarpTokens % kRowsPerPass == 0,
                 "rows must split into 16-byte chunks over a warp");
 };
@@ -468,6 +485,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // touching anything it writes. (Triggering after the main loop left their launch and
   // prologue on the critical path of small grids.)
   pdl_trigger();
+  // The first tile's copies go out before q is loaded, the rest after: with q's loads
+  // queued behind every prologue copy the first S waited longer (b=1 kv=2k, clusters of
+  // 8 with 5 tiles in flight: fp8 6.8 -> 7.1 us), and with all of them after q the first
+  // tile arrived later (bf16, 3 stages: 7.6 -> 7.35 us with one tile first; H100).
+  if (num_tiles > 0) issue(0, first[0]);
+  cp_async_commit();
 
   // --- q as the A fragments of S = Q K^T, in the permuted dim order of the K reads -----------
   // k-step P*kStepsPerChunk + h, lane (g, c): a0/a2 = q[g][E*(4P+c) + 4h + {0,1} / {2,3}],
@@ -498,7 +521,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   }
 
 #pragma unroll
-  for (int s = 0; s < Traits::kStages - 1; ++s) {
+  for (int s = 1; s < Traits::kStages - 1; ++s) {
     if (s < num_tiles) issue(s, first[s]);
     cp_async_commit();  // empty groups keep the wait counts uniform
   }
@@ -529,11 +552,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 
     // S = Q K^T: lane (g, c) reads token wt + 8n + g, chunks 4P + c.
     constexpr int NT = Traits::kNTiles;
-    float s_acc[NT][4];
+    // kSChains accumulator chains per n-tile (k-step % chains), summed at the end: one
+    // chain of a row's 8 dependent mma was a warp's longest latency chain per tile.
+    constexpr int kChains = Traits::kSChains;
+    float s_acc[NT][4], s_alt[kChains > 1 ? kChains - 1 : 1][NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s_acc[n][e] = 0.f;
+      for (int e = 0; e < 4; ++e) {
+        s_acc[n][e] = 0.f;
+#pragma unroll
+        for (int x = 0; x < kChains - 1; ++x) s_alt[x][n][e] = 0.f;
+      }
 #pragma unroll
       for (int P = 0; P < R / 4; ++P) {
         const uint4 raw = lds128(ks + k_off(wt + 8 * n + g, 4 * P + c));
@@ -549,9 +579,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
           w[3] = raw.w;
         }
 #pragma unroll
-        for (int h = 0; h < Traits::kStepsPerChunk; ++h)
-          mma_k16<MT>(s_acc[n], qa[P * Traits::kStepsPerChunk + h], w[2 * h], w[2 * h + 1]);
+        for (int h = 0; h < Traits::kStepsPerChunk; ++h) {
+          const int step = P * Traits::kStepsPerChunk + h, chain = step % kChains;
+          mma_k16<MT>(chain == 0 ? s_acc[n] : s_alt[chain > 0 ? chain - 1 : 0][n], qa[step], w[2 * h], w[2 * h + 1]);
+        }
       }
+#pragma unroll
+      for (int x = 0; x < kChains - 1; ++x)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[n][e] += s_alt[x][n][e];
     }
 
     // Online softmax over the warp's tokens: s_acc[n][2t + e] is head g + 8t, token
@@ -812,6 +848,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // together, and partials 0..31 stay in registers for the weights (one round trip for
   // every head when count <= 32, not two per head).
   constexpr int kHeadsPerWarp = (kRowsT + Traits::kWarps - 1) / Traits::kWarps;
+  constexpr int kSlotsT = kRowsT * (D / 4);
+  const int64_t row_stride = int64_t(p.num_qo_heads) * D;
+  auto slot_src = [&](int slot_i) {
+    return p.partial_o + (int64_t(begin) * p.num_qo_heads + block_head0 + slot_i / (D / 4)) * D + 4 * (slot_i % (D / 4));
+  };
   float lse0[kHeadsPerWarp], mx[kHeadsPerWarp], den[kHeadsPerWarp];
 #pragma unroll
   for (int j = 0; j < kHeadsPerWarp; ++j) {
@@ -851,10 +892,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     }
   }
   __syncthreads();
-  for (int slot_i = tid; slot_i < kRowsT * (D / 4); slot_i += Traits::kThreads) {
+  for (int slot_i = tid; slot_i < kSlotsT; slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 4), x4 = slot_i % (D / 4);
-    const float* src = p.partial_o + (int64_t(begin) * p.num_qo_heads + block_head0 + h) * D + 4 * x4;
-    const int64_t row_stride = int64_t(p.num_qo_heads) * D;
+    const float* src = slot_src(slot_i);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     const int cached = min(count, kMaxParts);
     // Batches of 16 loads, all issued before any is used. Past the end a load repeats the

@@ -64,6 +64,7 @@ struct DecodeLaunch {
   int32_t device = 0;
   int32_t kv_heads_per_block = 1;  // 2: the tensor-core kernel's blocks take KV-head pairs (plan()'s choice)
   int32_t cluster = 1;  // > 1: the tensor-core kernel's blocks run in clusters of this many (plan()'s choice)
+  int32_t cluster_warps = 4;  // ... of blocks of this many warps: 4, or 8 (plan()'s choice)
 };
 
 }  // namespace fij

@@ -74,8 +74,17 @@ _MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
 # _CLUSTER_MAX_BLOCK_BYTES of K and V. H100, b=1, 32/8 heads, head_dim 128 (same-machine
 # A/B, sweep_decode.py --only cluster): bf16 kv=512 5.85 -> 4.30 us, fp8 kv=2k 7.15 ->
 # 6.72; bf16 kv=2k 7.99 -> 8.11 (128 KB a block), kv=8k 17.6 -> 23.5, kv=32k 50.9 -> 81.8.
+# Above that, up to _WIDE_CLUSTER_MAX_BLOCK_BYTES, the clusters' blocks have 8 warps
+# (twice the warps per SM hide the per-tile latency chain; H100 A/B against the split with
+# partial states): bf16 kv=2k 7.29 -> 7.09 us, kv=4k 11.55 -> 10.97, kv=8k 17.17 ->
+# 16.82, GQA-8 kv=2k 8.32 -> 6.73, kv=8k 19.09 -> 16.94, fp8 kv=4k 9.63 -> 9.11; from 1 MB a
+# block they lose (fp8 kv=32k 31.3 -> 35.4, bf16 kv=32k 50.6 -> 53.2), and fp8 from 256 KB
+# (kv=8k: 12.4 -> 14.7, GQA-8 14.0 -> 14.7): an fp8 byte is twice the tokens' work, and
+# the split prefetches fp8 grids of up to 16 MB into L2. At <= 64 KB 4 warps stay faster
+# (bf16 kv=512 4.18 against 4.45 us, fp8 kv=2k 6.78 against 7.11).
 _CLUSTER_MIN_CHUNK = 64
 _CLUSTER_MAX_BLOCK_BYTES = 64 << 10
+_WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}  # by the cache's bytes per element
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -293,11 +302,12 @@ class _Plan:
     it for that signature (fast: the module's C entry point, prepared: the resolved launch,
     a CPU byte tensor, prepared_ptr its address, device_index: q's device;
     kv_heads_per_block: 2 where the blocks take KV-head pairs; cluster: blocks per
-    thread-block cluster of the cluster split, 1 without)."""
+    thread-block cluster of the cluster split, 1 without; cluster_warps: warps per block
+    of that split, 4 or 8)."""
 
     __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked",
                  "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block",
-                 "cluster")
+                 "cluster", "cluster_warps")
 
 
 def _same_launch(a: _Plan, b: _Plan) -> bool:
@@ -306,7 +316,8 @@ def _same_launch(a: _Plan, b: _Plan) -> bool:
     stay), page ids at the same address and strides, grid, merge rows, counters and
     blocks. The views and counters are compared as objects (the older plan holds them)."""
     (ta, *rest_a), (tb, *rest_b) = a.args, b.args
-    if a.kv_heads_per_block != b.kv_heads_per_block or a.cluster != b.cluster or rest_a[0] is not rest_b[0] or rest_a[1] is not rest_b[1] \
+    if a.kv_heads_per_block != b.kv_heads_per_block or (a.cluster, a.cluster_warps) != (b.cluster, b.cluster_warps) \
+            or rest_a[0] is not rest_b[0] or rest_a[1] is not rest_b[1] \
             or rest_a[7:9] != rest_b[7:9] or rest_a[9] is not rest_b[9] or len(ta) != len(tb):
         return False
     csr = len(ta) == 3  # (indptr, indices, last_page_len); block tables: (ids, seq_lens)
@@ -394,7 +405,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
                                  "wrapper was first planned (captured) with")
         capacity = self._capacity if graph else batch
-        cluster = self._cluster_size(config, kv_lens, capacity)
+        cluster, cluster_warps = self._cluster_shape(config, kv_lens, capacity)
         if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
             per_block, max_items, any_split = 1, capacity * cluster if graph else None, False
             work, merge_indptr = plan_cluster(kv_lens, cluster), np.zeros(batch + 1, dtype=np.int32)
@@ -435,7 +446,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.config, plan.spec, plan.op = config, spec, None
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
-        plan.cluster = cluster
+        plan.cluster, plan.cluster_warps = cluster, cluster_warps
         merge_rows = capacity if (cluster == 1 and (graph or any_split)) else 0
         # The tensor-core kernel merges split requests itself: the last block of a request
         # (per head tile) to finish, counted in zeroed int32s that it resets. One per
@@ -459,19 +470,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
             plan.checked, plan.q_standard, plan.no_lse = None, False, None
         self._plan = plan
 
-    def _cluster_size(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> int:
-        """Blocks per cluster of the cluster split, or 1 (not taken): where the module and
-        device have it, no split size is forced, batch x blocks per item x cluster fits
-        the SMs, and the longest request gives each block between _CLUSTER_MIN_CHUNK
-        tokens and _CLUSTER_MAX_BLOCK_BYTES of K and V. Not in CUDA-graph mode: its grid
+    def _cluster_shape(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple[int, int]:
+        """(blocks per cluster, warps per block) of the cluster split, or (1, 4) (not
+        taken): where the module and device have it, no split size is forced, batch x
+        blocks per item x cluster fits the SMs, and the longest request gives each block at
+        least _CLUSTER_MIN_CHUNK tokens and at most _WIDE_CLUSTER_MAX_BLOCK_BYTES of K and V (by dtype);
+        blocks of 8 warps above _CLUSTER_MAX_BLOCK_BYTES. Not in CUDA-graph mode: its grid
         is fixed at capture, and a later plan of long requests would run slower on it."""
         c = config.cluster
         if c <= 1 or self._use_cuda_graph or config.fixed_split_size or config.disable_split_kv or \
                 capacity * config.blocks_per_item * c > config.sms or not len(kv_lens):
-            return 1
+            return 1, 4
         longest = int(np.maximum.reduce(kv_lens))
         block_bytes = -(-longest // c) * config.token_bytes
-        return c if longest >= _CLUSTER_MIN_CHUNK * c and block_bytes <= _CLUSTER_MAX_BLOCK_BYTES else 1
+        if longest < _CLUSTER_MIN_CHUNK * c or block_bytes > _WIDE_CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize]:
+            return 1, 4
+        return c, 4 if block_bytes <= _CLUSTER_MAX_BLOCK_BYTES else 8
 
     def _pairing(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
         """(KV heads per block, blocks per item, target blocks, _chunk_size's result or
@@ -787,7 +801,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             prepared = plan.prepared = torch.empty(entry[1], dtype=torch.uint8)
         op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
-           prepared, plan.kv_heads_per_block, plan.cluster)
+           prepared, plan.kv_heads_per_block, plan.cluster, plan.cluster_warps)
         if prepared is not None:  # later calls with this signature take the fast path
             plan.prepared_ptr, plan.device_index, plan.fast = prepared.data_ptr(), q.get_device(), entry[0]
         return (out, lse) if return_lse else out

@@ -833,18 +833,25 @@ def test_batch_decode_paired_kv_heads(case, workspace):
 
 # The cluster split (sm_90+: one request over a thread-block cluster, merged in distributed
 # shared memory): (q dtype, kv dtype, head_dim, heads, page table, KV layout, cache form,
-# soft cap, window_left, kv_len), on modules other tests build; lengths where plan() takes
-# it (clusters of 8, <= 64 KB of K and V a block). (64, 2) is 16-head tiles; 700, 900,
-# 1000 and 1100 tokens leave the last chunk short.
+# soft cap, window_left, kv_len, warps per block), on modules other tests build; lengths
+# where plan() takes it (clusters of 8; blocks of 4 warps to 64 KB of K and V a block, of
+# 8 warps to 512 KB, fp8 128 KB). (64, 2) is 16-head tiles; 700, 900, 1000 and 1100 tokens leave the
+# last chunk short; a window of 700 in 3000 tokens leaves most blocks empty.
 CLUSTER_CASES = [
-    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 1024),
-    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 700),
-    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "HND", "single", None, 300, 900),
-    ("bfloat16", "float8_e4m3fn", 256, (32, 8), "block_table_kv_separate", "HND", "tuple", None, -1, 1000),
-    ("bfloat16", "bfloat16", 64, (64, 8), "block_table_kv_separate", "HND", "halves", 30.0, -1, 1100),
-    ("float16", "float16", 64, (32, 8), "block_table", "NHD", "tuple", None, -1, 2048),
-    ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "NHD", "halves", None, 37, 1100),
-    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "NHD", "single", 30.0, -1, 2000),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 1024, 4),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 700, 4),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "HND", "single", None, 300, 900, 4),
+    ("bfloat16", "float8_e4m3fn", 256, (32, 8), "block_table_kv_separate", "HND", "tuple", None, -1, 1000, 4),
+    ("bfloat16", "bfloat16", 64, (64, 8), "block_table_kv_separate", "HND", "halves", 30.0, -1, 1100, 4),
+    ("float16", "float16", 64, (32, 8), "block_table", "NHD", "tuple", None, -1, 2048, 4),
+    ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "NHD", "halves", None, 37, 1100, 4),
+    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "NHD", "single", 30.0, -1, 2000, 4),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 2048, 8),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "HND", "single", None, 700, 3000, 8),
+    ("bfloat16", "float8_e4m3fn", 256, (32, 8), "block_table_kv_separate", "HND", "tuple", None, -1, 2000, 8),
+    ("bfloat16", "bfloat16", 64, (64, 8), "block_table_kv_separate", "HND", "halves", 30.0, -1, 5000, 8),
+    ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "NHD", "halves", None, -1, 4000, 8),
+    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "NHD", "single", 30.0, -1, 4000, 8),
 ]
 
 
@@ -854,13 +861,13 @@ def _cluster_spec(c) -> DecodeSpec:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CLUSTER_CASES,
-                         ids=lambda c: f"{SHORT[c[1]]}-hd{c[2]}-{c[3][0]}x{c[3][1]}-{TABLE_TAG[c[4]]}-{c[5]}-{c[9]}")
+                         ids=lambda c: f"{SHORT[c[1]]}-hd{c[2]}-{c[3][0]}x{c[3][1]}-{TABLE_TAG[c[4]]}-{c[5]}-{c[9]}-w{c[10]}")
 def test_batch_decode_cluster_split(case, workspace, monkeypatch):
     """b=1 split over a thread-block cluster (plan()'s choice on sm_90+), against the
     reference; bit-identical over repeated runs (the merge sums in rank order); and the
     same request planned without clusters (FLASHINFER_JIT_DECODE_CLUSTERS=0: partial
     states and the last-block merge) agrees with it."""
-    q_name, kv_name, d, (hq, hk), page_table, kv_layout, form, soft_cap, window_left, kv_len = case
+    q_name, kv_name, d, (hq, hk), page_table, kv_layout, form, soft_cap, window_left, kv_len, warps = case
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need sm_90")
     rnd = random.Random(kv_len + hq)
@@ -879,7 +886,7 @@ def test_batch_decode_cluster_split(case, workspace, monkeypatch):
                        logits_soft_cap=soft_cap, q_data_type=q_name, kv_data_type=kv_name)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, **plan_kwargs)
-    assert wrapper._plan.cluster == 8
+    assert wrapper._plan.cluster == 8 and wrapper._plan.cluster_warps == warps
     outs = []
     for _ in range(3):
         out_buf, out = poisoned(q.shape, q.dtype)

@@ -60,7 +60,8 @@ class Recorder:
     def last(self) -> dict:
         names = ("q", "k", "v", "page_table", "work", "merge_indptr", "out", "lse", "partial_o", "partial_lse",
                  "logit_scale", "v_scale", "soft_cap", "window_left", "rope_scale", "rope_theta", "grid_items",
-                 "merge_rows", "merge_counters", "enable_pdl", "prepared", "kv_heads_per_block", "cluster_size")
+                 "merge_rows", "merge_counters", "enable_pdl", "prepared", "kv_heads_per_block", "cluster_size",
+                 "cluster_warps")
         return dict(zip(names, self.calls[-1]))
 
 
@@ -440,30 +441,36 @@ def clusters(monkeypatch):
     monkeypatch.setattr(decode, "supports_clusters", lambda device: True)
 
 
-@pytest.mark.parametrize("lens,hk,d,kv_dtype,expected", [
-    ([1024], 8, 128, torch.float16, 8),         # 8 blocks per item x 8 <= 132 SMs; 64 KB a block
-    ([512], 8, 128, torch.float16, 8),          # 64 tokens per block: the least taken
-    ([511], 8, 128, torch.float16, 1),          # fewer: the split with partial states
-    ([1025], 8, 128, torch.float16, 1),         # over 64 KB a block
-    ([2048], 8, 128, torch.float8_e4m3fn, 8),   # fp8: half the bytes
-    ([2049], 8, 128, torch.float8_e4m3fn, 1),
-    ([1000, 0, 700], 4, 128, torch.float16, 8),  # 3 x 4 x 8 = 96 blocks
-    ([1000, 1000, 1000], 8, 128, torch.float16, 1),  # 3 x 8 x 8 = 192 > 132 SMs
-    ([2048], 8, 64, torch.float16, 8),
-    ([512], 8, 256, torch.float16, 8),
-    ([513], 8, 256, torch.float16, 1),
+@pytest.mark.parametrize("lens,hk,d,kv_dtype,expected,warps", [
+    ([1024], 8, 128, torch.float16, 8, 4),         # 8 blocks per item x 8 <= 132 SMs; 64 KB a block
+    ([512], 8, 128, torch.float16, 8, 4),          # 64 tokens per block: the least taken
+    ([511], 8, 128, torch.float16, 1, 4),          # fewer: the split with partial states
+    ([1025], 8, 128, torch.float16, 8, 8),         # over 64 KB a block: 8-warp blocks
+    ([8192], 8, 128, torch.float16, 8, 8),         # 512 KB a block: the most taken
+    ([8193], 8, 128, torch.float16, 1, 4),         # over it: the split with partial states
+    ([2048], 8, 128, torch.float8_e4m3fn, 8, 4),   # fp8: half the bytes
+    ([2049], 8, 128, torch.float8_e4m3fn, 8, 8),
+    ([4096], 8, 128, torch.float8_e4m3fn, 8, 8),   # fp8: 128 KB a block at most
+    ([4097], 8, 128, torch.float8_e4m3fn, 1, 4),
+    ([1000, 0, 700], 4, 128, torch.float16, 8, 4),  # 3 x 4 x 8 = 96 blocks
+    ([1000, 1000, 1000], 8, 128, torch.float16, 1, 4),  # 3 x 8 x 8 = 192 > 132 SMs
+    ([2048], 8, 64, torch.float16, 8, 4),
+    ([512], 8, 256, torch.float16, 8, 4),
+    ([513], 8, 256, torch.float16, 8, 8),
+    ([4096], 8, 256, torch.float16, 8, 8),
+    ([4097], 8, 256, torch.float16, 1, 4),
 ])
-def test_plan_takes_the_cluster_split_for_small_batches(lens, hk, d, kv_dtype, expected, op, clusters):
+def test_plan_takes_the_cluster_split_for_small_batches(lens, hk, d, kv_dtype, expected, warps, op, clusters):
     w = wrapper()
     table = csr(lens)
     hq = 4 * hk
     w.plan(**table, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS, q_data_type=torch.float16,
            kv_data_type=kv_dtype)
-    assert w._plan.cluster == expected
+    assert w._plan.cluster == expected and w._plan.cluster_warps == warps
     w.run(torch.randn(len(lens), hq, d).to(torch.float16),
           tuple(torch.randn(64, PS, hk, d).to(kv_dtype) for _ in range(2)))
     last = op.last
-    assert last["cluster_size"] == expected and last["kv_heads_per_block"] == 1
+    assert last["cluster_size"] == expected and last["cluster_warps"] == warps and last["kv_heads_per_block"] == 1
     if expected > 1:
         assert last["grid_items"] == len(lens) * expected and last["merge_rows"] == 0
         assert last["merge_counters"] is None
