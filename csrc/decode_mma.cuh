@@ -102,13 +102,24 @@ struct DecodeMmaTraits {
   // single block per head (kv=2k unsplit) 45.4 -> 40.5; b=64 level. Four chains gained
   // nothing more; fp8 tiles already have two n-tiles (two chains), and more spilled.
   static constexpr int kSChains = kNTiles == 1 && kChunksPerRow >= 8 ? 2 : 1;
+  // The warps' merge: padding of the O rows in shared memory (floats), and output dims per
+  // thread. Unpadded, a warp's stores of its O accumulators (rows 2c, 2c + 1 of lanes c)
+  // fell 4-way (16-bit) or 16-way (fp8) on the same banks. H100, same-machine A/B: padded
+  // by 4 floats and 4 dims a thread (twice the threads share the merge), bf16 b=1 kv=2k
+  // 7.08 -> 6.42 us (8-warp clusters), 7.37 -> 7.14 (split), kv=32k 50.5 -> 49.9, fp8 b=64
+  // kv=4k 187.4 -> 185.4, bf16 356.1 -> 355.4; 8 dims a thread with the padding: 6.57.
+  static constexpr int kORowPad = 4;
+  static constexpr int kSlotDims = 4;
   static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
   // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
   // wave for 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per warp.
   static constexpr int kStageBudget = (kCluster > 1 ? 98304 : 49152) * kKvHeads;
   static constexpr int kStages = (kStageBudget / kStageBytes) < 2 ? 2
                                  : ((kStageBudget / kStageBytes) > 8 ? 8 : kStageBudget / kStageBytes);
-  static constexpr int kMergeBytes = kWarps * kHeadTiles * 8 * (HeadDim + 2) * 4;
+  // The warps' states in shared memory: O rows of kOStride floats (padded by 4: the rows a
+  // warp's lanes store at once, 2 apart, then fall on distinct banks), then m and d.
+  static constexpr int kOStride = HeadDim + kORowPad;
+  static constexpr int kMergeBytes = kWarps * kHeadTiles * 8 * (kOStride + 2) * 4;
   static constexpr int kFlagOffset = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
   // + the split-merge flag, + a cluster's receive buffer: [kCluster][kBlockRows] LSEs, then
   // [kCluster][kBlockRows][kSlice] output dims (over 48 KB, asked for)
@@ -722,8 +733,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages
   constexpr int kHeadsPad = 8 * HT;
-  float* red_o = reinterpret_cast<float*>(smem);                         // [warp][head][D]
-  float* red_md = red_o + Traits::kWarps * kHeadsPad * D;                // [warp][head][2]
+  constexpr int OS = Traits::kOStride;
+  float* red_o = reinterpret_cast<float*>(smem);                         // [warp][head][OS]
+  float* red_md = red_o + Traits::kWarps * kHeadsPad * OS;               // [warp][head][2]
 #pragma unroll
   for (int t = 0; t < HT; ++t) {
     d[t] += __shfl_xor_sync(0xffffffffu, d[t], 1);
@@ -742,22 +754,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
         dim_lo = 16 * i + g;
         dim_hi = dim_lo + 8;
       }
-      float* base = red_o + (warp * kHeadsPad + 8 * t + 2 * c) * D;
+      float* base = red_o + (warp * kHeadsPad + 8 * t + 2 * c) * OS;
       base[dim_lo] = o[i][t][0];
-      base[D + dim_lo] = o[i][t][1];
+      base[OS + dim_lo] = o[i][t][1];
       base[dim_hi] = o[i][t][2];
-      base[D + dim_hi] = o[i][t][3];
+      base[OS + dim_hi] = o[i][t][3];
     }
   }
   __syncthreads();
 
-  // Thread -> (block row h, 8 dims); rows past the group tile are padding and never written.
-  // Row h is local row h % kRows of the warps that took KV head slot h / kRows.
-  constexpr int kSlots = Traits::kBlockRows * D / 8;
+  // Thread -> (block row h, kSlotDims dims); rows past the group tile are padding and never
+  // written. Row h is local row h % kRows of the warps that took KV head slot h / kRows.
+  constexpr int SD = Traits::kSlotDims;
+  constexpr int kSlots = Traits::kBlockRows * D / SD;
   constexpr int kWph = Traits::kWarpsPerHead;
   if constexpr (Traits::kCluster > 1) cluster_wait();  // every block of the cluster has started
   for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
-    const int h = slot_i / (D / 8), x = slot_i % (D / 8);
+    const int h = slot_i / (D / SD), x = slot_i % (D / SD);
     const int w0 = h / Traits::kRows * kWph, hl = h % Traits::kRows;
     float mw[kWph], mx = -CUDART_INF_F;
 #pragma unroll
@@ -771,16 +784,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       for (int w = 0; w < kWph; ++w) {
         const float wgt = exp2f(mw[w] - mx);
         den += wgt * red_md[((w0 + w) * kHeadsPad + hl) * 2 + 1];
-        const float4* src = reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * D + 8 * x);
-        const float4 u = src[0], v = src[1];
-        acc[0] += wgt * u.x;
-        acc[1] += wgt * u.y;
-        acc[2] += wgt * u.z;
-        acc[3] += wgt * u.w;
-        acc[4] += wgt * v.x;
-        acc[5] += wgt * v.y;
-        acc[6] += wgt * v.z;
-        acc[7] += wgt * v.w;
+        const float4* src = reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * OS + SD * x);
+#pragma unroll
+        for (int v = 0; v < SD / 4; ++v) {
+          const float4 u = src[v];
+          acc[4 * v + 0] += wgt * u.x;
+          acc[4 * v + 1] += wgt * u.y;
+          acc[4 * v + 2] += wgt * u.z;
+          acc[4 * v + 3] += wgt * u.w;
+        }
       }
     }
     const bool empty = den == 0.f;  // no key: zeros and -inf, never NaN
@@ -788,21 +800,31 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const float lse = empty ? -CUDART_INF_F : mx + log2f(den);
     const int qo_head = block_head0 + h;
     if constexpr (Traits::kCluster > 1) {
-      // dims 8x .. 8x+7 of head h to the block that merges them, at this block's rank
-      const unsigned dst = 8 * x / Traits::kSlice;
+      // dims SD x .. SD x + SD-1 of head h to the block that merges them, at this block's rank
+      const unsigned dst = SD * x / Traits::kSlice;
       float* recv_lse = reinterpret_cast<float*>(smem + Traits::kRecvOffset);
       float* slot = recv_lse + Traits::kCluster * Traits::kBlockRows +
-                    (rank * Traits::kBlockRows + h) * Traits::kSlice + 8 * x % Traits::kSlice;
+                    (rank * Traits::kBlockRows + h) * Traits::kSlice + SD * x % Traits::kSlice;
       const unsigned o_at = map_shared_rank(slot, dst);
-      st_cluster_f32x4(o_at, acc[0] * norm, acc[1] * norm, acc[2] * norm, acc[3] * norm);
-      st_cluster_f32x4(o_at + 16, acc[4] * norm, acc[5] * norm, acc[6] * norm, acc[7] * norm);
-      if (8 * x % Traits::kSlice == 0) st_cluster_f32(map_shared_rank(recv_lse + rank * Traits::kBlockRows + h, dst), lse);
+#pragma unroll
+      for (int v = 0; v < SD / 4; ++v)
+        st_cluster_f32x4(o_at + 16 * v, acc[4 * v] * norm, acc[4 * v + 1] * norm, acc[4 * v + 2] * norm,
+                         acc[4 * v + 3] * norm);
+      if (SD * x % Traits::kSlice == 0) st_cluster_f32(map_shared_rank(recv_lse + rank * Traits::kBlockRows + h, dst), lse);
     } else if (partial_row < 0) {
-      store_out<Q>(p, b, qo_head, x, acc, norm, lse);
+      if constexpr (SD == 8) {
+        store_out<Q>(p, b, qo_head, x, acc, norm, lse);
+      } else {
+        Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + SD * x;
+        store_out4(out, make_float4(acc[0], acc[1], acc[2], acc[3]), norm);
+        if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
+      }
     } else {
-      float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + 8 * x;
-      reinterpret_cast<float4*>(out)[0] = make_float4(acc[0] * norm, acc[1] * norm, acc[2] * norm, acc[3] * norm);
-      reinterpret_cast<float4*>(out)[1] = make_float4(acc[4] * norm, acc[5] * norm, acc[6] * norm, acc[7] * norm);
+      float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + SD * x;
+#pragma unroll
+      for (int v = 0; v < SD / 4; ++v)
+        reinterpret_cast<float4*>(out)[v] =
+            make_float4(acc[4 * v] * norm, acc[4 * v + 1] * norm, acc[4 * v + 2] * norm, acc[4 * v + 3] * norm);
       if (x == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
     }
   }

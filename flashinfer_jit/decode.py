@@ -80,11 +80,13 @@ _MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
 # 16.82, GQA-8 kv=2k 8.32 -> 6.73, kv=8k 19.09 -> 16.94, fp8 kv=4k 9.63 -> 9.11; from 1 MB a
 # block they lose (fp8 kv=32k 31.3 -> 35.4, bf16 kv=32k 50.6 -> 53.2), and fp8 from 256 KB
 # (kv=8k: 12.4 -> 14.7, GQA-8 14.0 -> 14.7): an fp8 byte is twice the tokens' work, and
-# the split prefetches fp8 grids of up to 16 MB into L2. At <= 64 KB 4 warps stay faster
-# (bf16 kv=512 4.18 against 4.45 us, fp8 kv=2k 6.78 against 7.11).
+# the split prefetches fp8 grids of up to 16 MB into L2. 4 warps stay faster to 128 tokens
+# a block: bf16 to 64 KB (kv=512 4.18 against 4.45 us), fp8 to 32 KB (with the warps'
+# merge padded, fp8 kv=2k took 6.15 us with 8 warps, 6.67 with 4, 6.60 split; kv=1k 4.81
+# with 4 warps, 5.66 split).
 _CLUSTER_MIN_CHUNK = 64
-_CLUSTER_MAX_BLOCK_BYTES = 64 << 10
-_WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}  # by the cache's bytes per element
+_CLUSTER_MAX_BLOCK_BYTES = {2: 64 << 10, 1: 32 << 10}  # by the cache's bytes per element
+_WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -485,7 +487,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         block_bytes = -(-longest // c) * config.token_bytes
         if longest < _CLUSTER_MIN_CHUNK * c or block_bytes > _WIDE_CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize]:
             return 1, 4
-        return c, 4 if block_bytes <= _CLUSTER_MAX_BLOCK_BYTES else 8
+        return c, 4 if block_bytes <= _CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize] else 8
 
     def _pairing(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
         """(KV heads per block, blocks per item, target blocks, _chunk_size's result or

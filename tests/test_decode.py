@@ -834,18 +834,20 @@ def test_batch_decode_paired_kv_heads(case, workspace):
 # The cluster split (sm_90+: one request over a thread-block cluster, merged in distributed
 # shared memory): (q dtype, kv dtype, head_dim, heads, page table, KV layout, cache form,
 # soft cap, window_left, kv_len, warps per block), on modules other tests build; lengths
-# where plan() takes it (clusters of 8; blocks of 4 warps to 64 KB of K and V a block, of
-# 8 warps to 512 KB, fp8 128 KB). (64, 2) is 16-head tiles; 700, 900, 1000 and 1100 tokens leave the
+# where plan() takes it (clusters of 8; blocks of 4 warps to 64 KB of K and V a block (fp8
+# 32 KB), of 8 warps to 512 KB (fp8 128 KB)). (64, 2) is 16-head tiles; 700, 900, 1000 and 1100 tokens leave the
 # last chunk short; a window of 700 in 3000 tokens leaves most blocks empty.
 CLUSTER_CASES = [
     ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 1024, 4),
     ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 700, 4),
     ("bfloat16", "bfloat16", 128, (32, 8), "csr", "HND", "single", None, 300, 900, 4),
-    ("bfloat16", "float8_e4m3fn", 256, (32, 8), "block_table_kv_separate", "HND", "tuple", None, -1, 1000, 4),
+    ("bfloat16", "float8_e4m3fn", 256, (32, 8), "block_table_kv_separate", "HND", "tuple", None, -1, 1000, 8),
     ("bfloat16", "bfloat16", 64, (64, 8), "block_table_kv_separate", "HND", "halves", 30.0, -1, 1100, 4),
     ("float16", "float16", 64, (32, 8), "block_table", "NHD", "tuple", None, -1, 2048, 4),
-    ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "NHD", "halves", None, 37, 1100, 4),
-    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "NHD", "single", 30.0, -1, 2000, 4),
+    ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "NHD", "halves", None, 37, 1100, 8),
+    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "NHD", "single", 30.0, -1, 2000, 8),
+    ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "NHD", "single", 30.0, -1, 1000, 4),
+    ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "NHD", "halves", None, 37, 512, 4),
     ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 2048, 8),
     ("bfloat16", "bfloat16", 128, (32, 8), "csr", "HND", "single", None, 700, 3000, 8),
     ("bfloat16", "float8_e4m3fn", 256, (32, 8), "block_table_kv_separate", "HND", "tuple", None, -1, 2000, 8),

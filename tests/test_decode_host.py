@@ -448,8 +448,9 @@ def clusters(monkeypatch):
     ([1025], 8, 128, torch.float16, 8, 8),         # over 64 KB a block: 8-warp blocks
     ([8192], 8, 128, torch.float16, 8, 8),         # 512 KB a block: the most taken
     ([8193], 8, 128, torch.float16, 1, 4),         # over it: the split with partial states
-    ([2048], 8, 128, torch.float8_e4m3fn, 8, 4),   # fp8: half the bytes
-    ([2049], 8, 128, torch.float8_e4m3fn, 8, 8),
+    ([1024], 8, 128, torch.float8_e4m3fn, 8, 4),   # fp8: 4 warps to 32 KB a block
+    ([1025], 8, 128, torch.float8_e4m3fn, 8, 8),
+    ([2048], 8, 128, torch.float8_e4m3fn, 8, 8),
     ([4096], 8, 128, torch.float8_e4m3fn, 8, 8),   # fp8: 128 KB a block at most
     ([4097], 8, 128, torch.float8_e4m3fn, 1, 4),
     ([1000, 0, 700], 4, 128, torch.float16, 8, 4),  # 3 x 4 x 8 = 96 blocks
