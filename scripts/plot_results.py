@@ -13,6 +13,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS, FIGURES = REPO / "docs" / "results", REPO / "docs" / "figures"
+# the decode figure's run (docs/performance.md's table): the full benchmark at this commit
+DECODE_RESULT = "2026-11-23_h100_decode_mma_718855f.json"
 
 
 def _load(pattern: str) -> dict:
@@ -106,7 +108,7 @@ def plot_decode(plt, data: dict, out: Path) -> None:
     axes[0].set_ylabel("KV bytes read / time (TB/s)")
     axes[-1].legend(fontsize=6, loc="lower right")
     fig.suptitle(f"batch decode, head_dim 128, page 16 ({data['meta'].get('device', '')}, "
-                 f"{data['meta'].get('date', '')[:10]})", fontsize=9)
+                 f"{data['meta'].get('date', '')[:10]}, {DECODE_RESULT.rsplit('_', 1)[-1][:-5]})", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -124,7 +126,7 @@ def main() -> None:
     FIGURES.mkdir(parents=True, exist_ok=True)
     plot_append(plt, _load(f"{args.date}*append.json"), FIGURES / "append_bandwidth.png")
     plot_kvcache(plt, _load(f"{args.date}*kvcache.json"), FIGURES / "kvcache_bandwidth.png")
-    plot_decode(plt, _load(f"{args.date}*decode_mma_96af433.json"), FIGURES / "decode_bandwidth.png")
+    plot_decode(plt, _load(DECODE_RESULT), FIGURES / "decode_bandwidth.png")
     print(f"wrote {FIGURES}/append_bandwidth.png, kvcache_bandwidth.png, decode_bandwidth.png")
 
 
