@@ -102,14 +102,14 @@ struct DecodeMmaTraits {
   // single block per head (kv=2k unsplit) 45.4 -> 40.5; b=64 level. Four chains gained
   // nothing more; fp8 tiles already have two n-tiles (two chains), and more spilled.
   static constexpr int kSChains = kNTiles == 1 && kChunksPerRow >= 8 ? 2 : 1;
-  // The warps' merge: padding of the O rows in shared memory (floats), and output dims per
-  // thread. Unpadded, a warp's stores of its O accumulators (rows 2c, 2c + 1 of lanes c)
-  // fell 4-way (16-bit) or 16-way (fp8) on the same banks. H100, same-machine A/B: padded
-  // by 4 floats and 4 dims a thread (twice the threads share the merge), bf16 b=1 kv=2k
-  // 7.08 -> 6.42 us (8-warp clusters), 7.37 -> 7.14 (split), kv=32k 50.5 -> 49.9, fp8 b=64
-  // kv=4k 187.4 -> 185.4, bf16 356.1 -> 355.4; 8 dims a thread with the padding: 6.57.
+  // The warps' merge: padding of the O rows in shared memory (floats); each thread then
+  // merges and stores 4 output dims. Unpadded, a warp's stores of its O accumulators (rows
+  // 2c, 2c + 1 of lanes c) fell 4-way (16-bit) or 16-way (fp8) on the same banks. H100,
+  // same-machine A/B: padded by 4 floats and 4 dims a thread (8 before: twice the threads
+  // share the merge), bf16 b=1 kv=2k 7.08 -> 6.42 us (8-warp clusters), 7.37 -> 7.14
+  // (split), kv=32k 50.5 -> 49.9, fp8 b=64 kv=4k 187.4 -> 185.4, bf16 356.1 -> 355.4; 8
+  // dims a thread with the padding: 6.57.
   static constexpr int kORowPad = 4;
-  static constexpr int kSlotDims = 4;
   static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
   // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
   // wave for 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per warp.
@@ -264,19 +264,6 @@ FIJ_DEVICE uint32_t q_word(uint32_t w) {
     const TQ* v = reinterpret_cast<const TQ*>(&w);
     return pack2<TM>(static_cast<float>(v[0]), static_cast<float>(v[1]));
   }
-}
-
-// Eight dims (8x .. 8x+7) of one output row, and its LSE.
-template <typename Q>
-FIJ_DEVICE void store_out(const DecodeParams& p, int b, int qo_head, int x, const float (&acc)[8], float norm,
-                          float lse) {
-  Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 8 * x;
-  Vec16 raw;
-  Q* ov = reinterpret_cast<Q*>(&raw);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) ov[e] = static_cast<Q>(acc[e] * norm);
-  store_vec16(out, raw);
-  if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
 }
 
 // Four dims of one output row, acc x norm, at out (8-byte aligned).
@@ -563,18 +550,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 
     // S = Q K^T: lane (g, c) reads token wt + 8n + g, chunks 4P + c.
     constexpr int NT = Traits::kNTiles;
-    // kSChains accumulator chains per n-tile (k-step % chains), summed at the end: one
+    // Odd k-steps go to a second accumulator where kSChains is 2, summed at the end: one
     // chain of a row's 8 dependent mma was a warp's longest latency chain per tile.
-    constexpr int kChains = Traits::kSChains;
-    float s_acc[NT][4], s_alt[kChains > 1 ? kChains - 1 : 1][NT][4];
+    constexpr bool kTwoChains = Traits::kSChains == 2;
+    float s_acc[NT][4], s_alt[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s_acc[n][e] = 0.f;
-#pragma unroll
-        for (int x = 0; x < kChains - 1; ++x) s_alt[x][n][e] = 0.f;
-      }
+      for (int e = 0; e < 4; ++e) s_acc[n][e] = s_alt[n][e] = 0.f;
 #pragma unroll
       for (int P = 0; P < R / 4; ++P) {
         const uint4 raw = lds128(ks + k_off(wt + 8 * n + g, 4 * P + c));
@@ -591,14 +574,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
         }
 #pragma unroll
         for (int h = 0; h < Traits::kStepsPerChunk; ++h) {
-          const int step = P * Traits::kStepsPerChunk + h, chain = step % kChains;
-          mma_k16<MT>(chain == 0 ? s_acc[n] : s_alt[chain > 0 ? chain - 1 : 0][n], qa[step], w[2 * h], w[2 * h + 1]);
+          const int step = P * Traits::kStepsPerChunk + h;
+          mma_k16<MT>(kTwoChains && step % 2 ? s_alt[n] : s_acc[n], qa[step], w[2 * h], w[2 * h + 1]);
         }
       }
+      if constexpr (kTwoChains)
 #pragma unroll
-      for (int x = 0; x < kChains - 1; ++x)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s_acc[n][e] += s_alt[x][n][e];
+        for (int e = 0; e < 4; ++e) s_acc[n][e] += s_alt[n][e];
     }
 
     // Online softmax over the warp's tokens: s_acc[n][2t + e] is head g + 8t, token
@@ -763,14 +745,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   }
   __syncthreads();
 
-  // Thread -> (block row h, kSlotDims dims); rows past the group tile are padding and never
-  // written. Row h is local row h % kRows of the warps that took KV head slot h / kRows.
-  constexpr int SD = Traits::kSlotDims;
-  constexpr int kSlots = Traits::kBlockRows * D / SD;
+  // Thread -> (block row h, 4 dims); rows past the group tile are padding and never written.
+  // Row h is local row h % kRows of the warps that took KV head slot h / kRows.
+  constexpr int kSlots = Traits::kBlockRows * D / 4;
   constexpr int kWph = Traits::kWarpsPerHead;
   if constexpr (Traits::kCluster > 1) cluster_wait();  // every block of the cluster has started
   for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
-    const int h = slot_i / (D / SD), x = slot_i % (D / SD);
+    const int h = slot_i / (D / 4), x4 = slot_i % (D / 4);
     const int w0 = h / Traits::kRows * kWph, hl = h % Traits::kRows;
     float mw[kWph], mx = -CUDART_INF_F;
 #pragma unroll
@@ -778,21 +759,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       mw[w] = red_md[((w0 + w) * kHeadsPad + hl) * 2];
       mx = fmaxf(mx, mw[w]);
     }
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, den = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float den = 0.f;
     if (mx != -CUDART_INF_F) {
 #pragma unroll
       for (int w = 0; w < kWph; ++w) {
         const float wgt = exp2f(mw[w] - mx);
         den += wgt * red_md[((w0 + w) * kHeadsPad + hl) * 2 + 1];
-        const float4* src = reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * OS + SD * x);
-#pragma unroll
-        for (int v = 0; v < SD / 4; ++v) {
-          const float4 u = src[v];
-          acc[4 * v + 0] += wgt * u.x;
-          acc[4 * v + 1] += wgt * u.y;
-          acc[4 * v + 2] += wgt * u.z;
-          acc[4 * v + 3] += wgt * u.w;
-        }
+        const float4 u = *reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * OS + 4 * x4);
+        acc.x += wgt * u.x;
+        acc.y += wgt * u.y;
+        acc.z += wgt * u.z;
+        acc.w += wgt * u.w;
       }
     }
     const bool empty = den == 0.f;  // no key: zeros and -inf, never NaN
@@ -800,32 +778,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const float lse = empty ? -CUDART_INF_F : mx + log2f(den);
     const int qo_head = block_head0 + h;
     if constexpr (Traits::kCluster > 1) {
-      // dims SD x .. SD x + SD-1 of head h to the block that merges them, at this block's rank
-      const unsigned dst = SD * x / Traits::kSlice;
+      // dims 4 x4 .. 4 x4 + 3 of head h to the block that merges them, at this block's rank
+      const unsigned dst = 4 * x4 / Traits::kSlice;
       float* recv_lse = reinterpret_cast<float*>(smem + Traits::kRecvOffset);
       float* slot = recv_lse + Traits::kCluster * Traits::kBlockRows +
-                    (rank * Traits::kBlockRows + h) * Traits::kSlice + SD * x % Traits::kSlice;
-      const unsigned o_at = map_shared_rank(slot, dst);
-#pragma unroll
-      for (int v = 0; v < SD / 4; ++v)
-        st_cluster_f32x4(o_at + 16 * v, acc[4 * v] * norm, acc[4 * v + 1] * norm, acc[4 * v + 2] * norm,
-                         acc[4 * v + 3] * norm);
-      if (SD * x % Traits::kSlice == 0) st_cluster_f32(map_shared_rank(recv_lse + rank * Traits::kBlockRows + h, dst), lse);
+                    (rank * Traits::kBlockRows + h) * Traits::kSlice + 4 * x4 % Traits::kSlice;
+      st_cluster_f32x4(map_shared_rank(slot, dst), acc.x * norm, acc.y * norm, acc.z * norm, acc.w * norm);
+      if (4 * x4 % Traits::kSlice == 0) st_cluster_f32(map_shared_rank(recv_lse + rank * Traits::kBlockRows + h, dst), lse);
     } else if (partial_row < 0) {
-      if constexpr (SD == 8) {
-        store_out<Q>(p, b, qo_head, x, acc, norm, lse);
-      } else {
-        Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + SD * x;
-        store_out4(out, make_float4(acc[0], acc[1], acc[2], acc[3]), norm);
-        if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
-      }
+      store_out4(static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4, acc, norm);
+      if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
     } else {
-      float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + SD * x;
-#pragma unroll
-      for (int v = 0; v < SD / 4; ++v)
-        reinterpret_cast<float4*>(out)[v] =
-            make_float4(acc[4 * v] * norm, acc[4 * v + 1] * norm, acc[4 * v + 2] * norm, acc[4 * v + 3] * norm);
-      if (x == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
+      float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + 4 * x4;
+      *reinterpret_cast<float4*>(out) = make_float4(acc.x * norm, acc.y * norm, acc.z * norm, acc.w * norm);
+      if (x4 == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
     }
   }
   if constexpr (Traits::kCluster > 1) {

@@ -82,7 +82,7 @@ def _instrument(root: Path) -> None:
            "    if (tile >= 1 && tile <= 3 && threadIdx.x == 0) fij_trace[trace_base + 10 + tile] = trace_now();\n",
            before=True)
     insert("  cp_async_wait<0>();\n  __syncthreads();  // every warp is done with the stages", stamp(3))
-    insert("\n  // Thread -> (block row h, kSlotDims dims)", stamp(9), before=True)
+    insert("\n  // Thread -> (block row h, 4 dims)", stamp(9), before=True)
     insert("  if (partial_row < 0 || p.merge_counters == nullptr) return;",
            "  if (threadIdx.x == 0) fij_trace[trace_base + 4] = trace_now();\n", before=True)
     # the cluster split: states sent (partial), the cluster barrier passed (counted), merged
