@@ -21,10 +21,12 @@ the end of the kernel before (negative: the block was resident before that):
   merged     ... has written the merged output: the kernel's end
   period     this kernel's end - the previous kernel's end (its share of a replay)
 
-as min / median / max over blocks (the merge stamps over the last blocks only).
+as min / median / max over blocks (the merge stamps over the last blocks only). --raw also
+keeps every block's stamps of the first timed kernel (with its SM and grid position) in
+the JSON, for per-block questions (which blocks finish last, and why).
 
     python3 scripts/trace_decode.py [--cases 'bfloat16:1:2048,float8_e4m3fn:1:2048'] [--graph-mode]
-                                    [--sets 2] [--out FILE]
+                                    [--sets 2] [--raw] [--out FILE]
 
 Cases are kv dtype : batch : kv_len, GQA-4 (32/8 heads), head_dim 128, page 16, bf16 q,
 CSR with permuted pages. Stamps cost a few registers and stores; compare periods with
@@ -75,6 +77,7 @@ def _instrument(root: Path) -> None:
            "    fij_trace[trace_base + 5] = fij_trace[trace_base + 6] = fij_trace[trace_base + 8] = 0;\n"
            "    unsigned smid;\n    asm volatile(\"mov.u32 %0, %smid;\" : \"=r\"(smid));\n"
            "    fij_trace[trace_base + 10] = smid;\n"
+           "    fij_trace[trace_base + 14] = blockIdx.x;\n    fij_trace[trace_base + 15] = blockIdx.y;\n"
            "    fij_trace[trace_base + 0] = trace_now();\n  }\n")
     insert("  pdl_wait();\n", stamp(1))
     insert("    const unsigned char* ks = stage_k(tile % Traits::kStages);",
@@ -112,7 +115,8 @@ FIJ_EXPORT int fij_trace_clear() {{
 """)
 
 
-def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = False, sets: int = 0) -> int:
+def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = False, sets: int = 0,
+           raw: bool = False) -> int:
     """In the instrumented copy: build, replay, read the stamps, print the timeline."""
     import ctypes
 
@@ -178,17 +182,24 @@ def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = F
                                           for n in np.unique(sharing)}
             for slot, name in KEYS.items():
                 col = (last if slot in MERGE_KEYS else k)[:, slot]
-                if slot in (11, 12, 13):
-                    col = col[col != 0]  # blocks with fewer tiles
+                if slot in (11, 12, 13, *MERGE_KEYS):
+                    col = col[col != 0]  # blocks with fewer tiles; merges without that step
                 if len(col):
                     rel = col - e0  # int64: the timer (ns since an epoch) has no exact float64
                     row[name] = [rel.min() / 1e3, float(np.median(rel)) / 1e3, rel.max() / 1e3]
+            if raw and i == 1:
+                # per block: x, y (work item), SM, then stamps in us from e0 (0: not stamped)
+                rel = np.where(k[:, [0, 1, 2, 11, 12, 13, 3, 9, 4]] != 0, k[:, [0, 1, 2, 11, 12, 13, 3, 9, 4]] - e0, 0)
+                row["raw_columns"] = ["x", "y", "sm", "entry", "wait", "tile0", "tile1", "tile2", "tile3",
+                                      "loop_end", "warps", "partial"]
+                row["raw"] = [[int(x), int(y), int(sm), *[round(float(t) / 1e3, 3) for t in r]]
+                              for x, y, sm, r in zip(k[:, 14], k[:, 15], k[:, 10], rel)]
             rows.append(row)
         label = f"{kv} b={batch} kv={kv_len}"
         scalars = ("blocks", "last_blocks", "period", "sms_used", "most_blocks_on_an_sm")
         median = {key: (float(np.median([r[key] for r in rows])) if key in scalars
                         else [float(np.median([r[key][j] for r in rows if key in r])) for j in range(3)])
-                  for key in rows[0] if key != "loop_end_by_sharing"}
+                  for key in rows[0] if key not in ("loop_end_by_sharing", "raw", "raw_columns")}
         result["cases"][label] = {"median_over_kernels": median, "kernels": rows[:4]}
         print(f"\n{label}: {median['blocks']:.0f} blocks, {median['last_blocks']:.0f} merging; "
               f"period {median['period']:.2f} us (median over {len(rows)} kernels); on {median['sms_used']:.0f} SMs, "
@@ -231,6 +242,8 @@ def main(argv=None) -> int:
                    help="the wrapper in CUDA-graph mode (use_cuda_graph=True, its grid padded to the capacity)")
     p.add_argument("--sets", type=int, default=0,
                    help="input sets to rotate over (default: > 4x L2; 2 keeps a small case in L2)")
+    p.add_argument("--raw", action="store_true",
+                   help="also keep every block's stamps (and SM, work item) of the first timed kernel in the JSON")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -242,7 +255,7 @@ def main(argv=None) -> int:
 
     out = args.out or bc.default_out("trace_decode.json")
     if args.inner:
-        return _inner(cases, out, args.graph_mode, args.sets)
+        return _inner(cases, out, args.graph_mode, args.sets, args.raw)
     with tempfile.TemporaryDirectory(prefix="fij_trace_") as tmp:
         copy = Path(tmp) / "src"
         for name in ("csrc", "templates", "flashinfer_jit", "scripts"):
@@ -251,7 +264,8 @@ def main(argv=None) -> int:
         _instrument(copy)
         env = dict(os.environ, PYTHONPATH=str(copy), FLASHINFER_JIT_CACHE_DIR=str(Path(tmp) / "cache"))
         cmd = [sys.executable, str(copy / "scripts" / "trace_decode.py"), "--inner", "--cases", args.cases,
-               *(["--graph-mode"] if args.graph_mode else []), "--sets", str(args.sets),
+               *(["--graph-mode"] if args.graph_mode else []), *(["--raw"] if args.raw else []),
+               "--sets", str(args.sets),
                "--out", str(Path(out).resolve())]
         return subprocess.call(cmd, env=env, cwd=tmp)
 
