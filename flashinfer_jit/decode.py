@@ -409,7 +409,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         capacity = self._capacity if graph else batch
         cluster, cluster_warps = self._cluster_shape(config, kv_lens, capacity)
         if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
-            per_block, max_items, any_split = 1, capacity * cluster if graph else None, False
+            per_block, max_items, any_split = 1, None, False  # never in CUDA-graph mode (_cluster_shape)
             work, merge_indptr = plan_cluster(kv_lens, cluster), np.zeros(batch + 1, dtype=np.int32)
             items = len(work)
         else:
@@ -449,7 +449,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
         plan.cluster, plan.cluster_warps = cluster, cluster_warps
-        merge_rows = capacity if (cluster == 1 and (graph or any_split)) else 0
+        merge_rows = capacity if (graph or any_split) else 0
         # The tensor-core kernel merges split requests itself: the last block of a request
         # (per head tile) to finish, counted in zeroed int32s that it resets. One per
         # request, KV head and tile (config.blocks_per_item, one-head blocks), as the op
@@ -884,22 +884,22 @@ def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple
 
 
 @functools.cache
+def _sm90_or_later(device) -> bool:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def supports_pdl(device) -> bool:
     """Whether kernels on `device` can be programmatic dependent launches (sm_90 and
     later): FlashInfer's default for enable_pdl=None."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _sm90_or_later(device)
 
 
-@functools.cache
 def supports_clusters(device) -> bool:
     """Whether `device` runs thread-block clusters (sm_90 and later)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _sm90_or_later(device)
 
 
 @functools.cache
