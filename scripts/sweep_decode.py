@@ -22,6 +22,7 @@ Head_dim 128, page 16, CSR page table, bf16 q; inputs rotate over sets of > 4x L
 
   python3 scripts/sweep_decode.py [--out FILE] [--only split,layout,host]
                                   [--splits 512,1008,1024] [--cases 'bfloa gqa4 b=1 kv=32768;...']
+                                  [--layout-cases bfloat16:4:1:32768,...]
                                   [--sets 1]   (1: the same inputs every replay, a warm L2)
 Writes JSON (--out, default $OUT/sweep_decode.json) and prints tables.
 """
@@ -204,9 +205,9 @@ def sweep_cluster(only_cases=None, rounds: int = 3) -> list:
     return rows
 
 
-def sweep_layout() -> list:
+def sweep_layout(cases=LAYOUT_CASES) -> list:
     rows = []
-    for kv, gqa, batch, kv_len in LAYOUT_CASES:
+    for kv, gqa, batch, kv_len in cases:
         for layout in ("NHD", "HND"):
             inputs = Inputs(kv, gqa, batch, kv_len, layout)
             r = timed(inputs, pdl=True)
@@ -268,7 +269,7 @@ def host_breakdown() -> dict:
     return out
 
 
-def build_modules(parts=("split", "layout", "cluster", "host")) -> None:
+def build_modules(parts=("split", "layout", "cluster", "host"), layout_cases=LAYOUT_CASES) -> None:
     """The modules the chosen sweeps use, in one parallel build (run() would build them one by one)."""
     from flashinfer_jit.jit import build_many
     from flashinfer_jit.specs import DecodeSpec
@@ -276,7 +277,7 @@ def build_modules(parts=("split", "layout", "cluster", "host")) -> None:
 
     cases = [(c, "NHD") for part, group in (("split", SPLIT_CASES), ("cluster", CLUSTER_CASES), ("host", SPLIT_CASES[:1]))
              if part in parts for c in group]
-    cases += [(c, layout) for c in LAYOUT_CASES for layout in ("NHD", "HND")] if "layout" in parts else []
+    cases += [(c, layout) for c in layout_cases for layout in ("NHD", "HND")] if "layout" in parts else []
     specs = {DecodeSpec("bfloat16", kv, HEAD_DIM, group_tile(*HEADS[gqa], HEAD_DIM), "csr", layout)
              for (kv, gqa, _, _), layout in cases}
     report = build_many(sorted(specs, key=lambda s: s.name), jobs=16)
@@ -291,6 +292,9 @@ def main(argv=None) -> int:
                    help="fixed_split_size values for the split sweep (tokens, comma-separated)")
     p.add_argument("--cases", default="",
                    help="split cases to run, by label, ';'-separated (e.g. 'bfloa gqa4 b=1 kv=2048'); default all")
+    p.add_argument("--layout-cases", default="",
+                   help="layout sweep cases, kv_dtype:gqa:batch:kv_len, comma-separated "
+                        "(e.g. bfloat16:4:1:32768); default b=64 kv=4k bf16 and fp8")
     p.add_argument("--sets", type=int, default=0,
                    help="input sets to rotate over (default: enough for 4x L2; 1 keeps a small case in L2)")
     args = p.parse_args(argv)
@@ -303,8 +307,10 @@ def main(argv=None) -> int:
         print("sweep_decode: no CUDA GPU visible", file=sys.stderr)
         return 2
     parts = set(args.only.split(","))
+    layout_cases = [(kv, int(g), int(b), int(n)) for kv, g, b, n in
+                    (c.split(":") for c in args.layout_cases.split(",") if c)] or LAYOUT_CASES
     t0 = time.perf_counter()
-    build_modules(parts)
+    build_modules(parts, layout_cases)
     res = {"meta": bc.run_metadata(), "config": {"head_dim": HEAD_DIM, "page_size": PAGE_SIZE, "q": "bfloat16",
                                                  "page_table": "csr", "timed_by": "cuda-graph replay, median",
                                                  "sets": FORCE_SETS or "auto"}}
@@ -319,7 +325,7 @@ def main(argv=None) -> int:
         res["cluster"] = sweep_cluster(only_cases)
         bc.write_json(out_path, res)
     if "layout" in parts:
-        res["layout"] = sweep_layout()
+        res["layout"] = sweep_layout(layout_cases)
         bc.write_json(out_path, res)
     if "host" in parts:
         res["host"] = host_breakdown()
