@@ -284,6 +284,18 @@ def build_modules(parts=("split", "layout", "cluster", "host"), layout_cases=LAY
     bc.log(f"modules: {len(report.built)} built, {len(report.cached)} cached, failed {dict(report.failed)}")
 
 
+def parse_layout_cases(text: str) -> list:
+    """--layout-cases: 'kv_dtype:gqa:batch:kv_len,...' as (kv_dtype, gqa, batch, kv_len) tuples."""
+    cases = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 4 or not all(x.isdigit() for x in parts[1:]) or int(parts[1]) not in HEADS:
+            raise argparse.ArgumentTypeError(
+                f"expected kv_dtype:gqa:batch:kv_len with gqa in {sorted(HEADS)}, got {item!r}")
+        cases.append((parts[0], int(parts[1]), int(parts[2]), int(parts[3])))
+    return cases
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
@@ -292,7 +304,7 @@ def main(argv=None) -> int:
                    help="fixed_split_size values for the split sweep (tokens, comma-separated)")
     p.add_argument("--cases", default="",
                    help="split cases to run, by label, ';'-separated (e.g. 'bfloa gqa4 b=1 kv=2048'); default all")
-    p.add_argument("--layout-cases", default="",
+    p.add_argument("--layout-cases", type=parse_layout_cases, default=[],
                    help="layout sweep cases, kv_dtype:gqa:batch:kv_len, comma-separated "
                         "(e.g. bfloat16:4:1:32768); default b=64 kv=4k bf16 and fp8")
     p.add_argument("--sets", type=int, default=0,
@@ -307,8 +319,7 @@ def main(argv=None) -> int:
         print("sweep_decode: no CUDA GPU visible", file=sys.stderr)
         return 2
     parts = set(args.only.split(","))
-    layout_cases = [(kv, int(g), int(b), int(n)) for kv, g, b, n in
-                    (c.split(":") for c in args.layout_cases.split(",") if c)] or LAYOUT_CASES
+    layout_cases = args.layout_cases or LAYOUT_CASES
     t0 = time.perf_counter()
     build_modules(parts, layout_cases)
     res = {"meta": bc.run_metadata(), "config": {"head_dim": HEAD_DIM, "page_size": PAGE_SIZE, "q": "bfloat16",
