@@ -138,6 +138,14 @@ struct DecodeMmaTraits {
   // 14.2 -> 13.3 us, b=16 kv=512 16.7 -> 15.9) but lost for bf16 (kv=4k 12.1 -> 12.6, GQA-8
   // 14.0 -> 14.4); 8 MB kept bf16 kv=2k's gain (8.7 -> 8.1) and fp8 kv=4k's (11.2 -> 10.5).
   static constexpr int64_t kPrefetchBytes = int64_t(kFp8 ? 16 : 8) << 20;
+  // The in-kernel merge's partial outputs are stored in bf16 when the output is bf16 (as
+  // FlashInfer stores its tmp_v in the output dtype): the last block of a request reads
+  // every partial through one SM, and half the bytes took 0.3-0.4 us off each split case
+  // on the H100 (b=1 kv=32k 50.4 -> 50.0 us, b=16 kv=2k 49.9 -> 49.5, fp8 kv=32k 30.3 ->
+  // 30.0, in two same-machine A/B pairs). A bf16 output rounds to the same 8 bits anyway;
+  // fp16 outputs keep float32 partials (fp16's range could clip a partial that the
+  // output's average would not).
+  static constexpr bool kBf16Partials = std::is_same_v<Q, __nv_bfloat16>;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
   static_assert(kRows == 4 || kRows == 8 || kRows == 16, "tensor-core decode takes 4, 8 or 16 heads a tile");
@@ -789,8 +797,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       store_out4(static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4, acc, norm);
       if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
     } else {
-      float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + 4 * x4;
-      *reinterpret_cast<float4*>(out) = make_float4(acc.x * norm, acc.y * norm, acc.z * norm, acc.w * norm);
+      const int64_t at = (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + 4 * x4;
+      if (Traits::kBf16Partials && p.merge_counters != nullptr) {  // read by the merge below only
+        store_out4(reinterpret_cast<Q*>(p.partial_o) + at, acc, norm);
+      } else {  // float32, as the separate merge kernel reads them
+        *reinterpret_cast<float4*>(p.partial_o + at) = make_float4(acc.x * norm, acc.y * norm, acc.z * norm, acc.w * norm);
+      }
       if (x4 == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
     }
   }
@@ -838,8 +850,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   constexpr int kHeadsPerWarp = (kRowsT + Traits::kWarps - 1) / Traits::kWarps;
   constexpr int kSlotsT = kRowsT * (D / 4);
   const int64_t row_stride = int64_t(p.num_qo_heads) * D;
+  // Partial outputs: bf16 or float32 elements (kBf16Partials), 4 dims a load.
+  using PartialT = std::conditional_t<Traits::kBf16Partials, Q, float>;
   auto slot_src = [&](int slot_i) {
-    return p.partial_o + (int64_t(begin) * p.num_qo_heads + block_head0 + slot_i / (D / 4)) * D + 4 * (slot_i % (D / 4));
+    return reinterpret_cast<const PartialT*>(p.partial_o) +
+           (int64_t(begin) * p.num_qo_heads + block_head0 + slot_i / (D / 4)) * D + 4 * (slot_i % (D / 4));
+  };
+  auto load4 = [](const PartialT* src) {
+    if constexpr (Traits::kBf16Partials) {
+      const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(src));
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      return make_float4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      return __ldcg(reinterpret_cast<const float4*>(src));
+    }
   };
   float lse0[kHeadsPerWarp], mx[kHeadsPerWarp], den[kHeadsPerWarp];
 #pragma unroll
@@ -882,7 +907,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   __syncthreads();
   for (int slot_i = tid; slot_i < kSlotsT; slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 4), x4 = slot_i % (D / 4);
-    const float* src = slot_src(slot_i);
+    const PartialT* src = slot_src(slot_i);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     const int cached = min(count, kMaxParts);
     // Batches of 16 loads, all issued before any is used. Past the end a load repeats the
@@ -893,7 +918,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       float4 u[16];
 #pragma unroll
       for (int j = 0; j < 16; ++j)
-        u[j] = __ldcg(reinterpret_cast<const float4*>(src + min(i0 + j, cached - 1) * row_stride));
+        u[j] = load4(src + min(i0 + j, cached - 1) * row_stride);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const float w = i0 + j < cached ? weight[(i0 + j) * kRowsT + h] : 0.f;
@@ -905,7 +930,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     }
     for (int i = cached; i < count; ++i) {  // beyond the shared-memory weights (rare)
       const float w = head_m[h] == -CUDART_INF_F ? 0.f : exp2f(part_lse(i, h) - head_m[h]);
-      const float4 u = __ldcg(reinterpret_cast<const float4*>(src + i * row_stride));
+      const float4 u = load4(src + i * row_stride);
       acc.x += w * u.x;
       acc.y += w * u.y;
       acc.z += w * u.z;

@@ -18,7 +18,9 @@ struct DecodeParams {
   void* out = nullptr;  // [B, num_qo_heads, head_dim], q's dtype
   int64_t out_stride_b = 0, out_stride_h = 0;
   float* lse = nullptr;  // [B, num_qo_heads], base 2; null: not written
-  float* partial_o = nullptr;    // [rows, num_qo_heads, head_dim], normalized
+  // [rows, num_qo_heads, head_dim], normalized; float32, but bf16 elements (packed at the
+  // front of the buffer) where the tensor-core kernel merges them itself and q is bf16
+  float* partial_o = nullptr;
   float* partial_lse = nullptr;  // [rows, num_qo_heads]
   int32_t num_qo_heads = 0;
   int32_t group = 1;  // num_qo_heads / num_kv_heads

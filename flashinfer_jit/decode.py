@@ -824,7 +824,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _partial_views(self, num_qo_heads: int, head_dim: int):
         """Split-KV's partial outputs [rows, heads, head_dim] and LSEs [rows, heads] (float32)
-        as views of the workspace; rows = as many as it holds."""
+        as views of the workspace; rows = as many as it holds. (The tensor-core kernel's own
+        merge of a bf16 output packs its partial outputs as bf16 at the front of the view.)"""
         rows = self._workspace.numel() * self._workspace.element_size() // ((num_qo_heads * head_dim + num_qo_heads) * 4)
         flat = self._workspace.view(torch.uint8).view(torch.float32) if self._workspace.dtype == torch.uint8 \
             else self._workspace.view(torch.float32)
