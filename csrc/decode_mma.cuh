@@ -139,12 +139,13 @@ struct DecodeMmaTraits {
   // 14.0 -> 14.4); 8 MB kept bf16 kv=2k's gain (8.7 -> 8.1) and fp8 kv=4k's (11.2 -> 10.5).
   static constexpr int64_t kPrefetchBytes = int64_t(kFp8 ? 16 : 8) << 20;
   // The in-kernel merge's partial outputs are stored in bf16 when the output is bf16 (as
-  // FlashInfer stores its tmp_v in the output dtype): the last block of a request reads
-  // every partial through one SM, and half the bytes took 0.3-0.4 us off each split case
-  // on the H100 (b=1 kv=32k 50.4 -> 50.0 us, b=16 kv=2k 49.9 -> 49.5, fp8 kv=32k 30.3 ->
-  // 30.0, in two same-machine A/B pairs). A bf16 output rounds to the same 8 bits anyway;
-  // fp16 outputs keep float32 partials (fp16's range could clip a partial that the
-  // output's average would not).
+  // FlashInfer stores its tmp_v in the output dtype): half the bytes written by every
+  // block and read by the last one took 0.3-0.4 us off each split case on the H100 (b=1
+  // kv=32k 50.4 -> 50.0 us, b=16 kv=2k 49.9 -> 49.5, fp8 kv=32k 30.3 -> 30.0, in two
+  // same-machine A/B pairs; a one-replay timeline did not place the gain: its merge step
+  // took 1.24 us against 1.26). A bf16 output rounds to the same 8 bits anyway; fp16
+  // outputs keep float32 partials (fp16's range could clip a partial that the output's
+  // average would not).
   static constexpr bool kBf16Partials = std::is_same_v<Q, __nv_bfloat16>;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;

@@ -48,6 +48,7 @@ SPLIT_CASES = [  # (kv dtype, gqa, batch, kv_len)
 ]
 SPLITS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 FORCE_SETS = 0  # --sets: input sets to rotate over (0: enough to exceed 4x L2; 1: a warm L2)
+MIN_SETS = 1  # at least this many sets when FORCE_SETS is 0 (trace_decode needs 2: a kernel before a kernel)
 LAYOUT_CASES = [("bfloat16", 4, 64, 4096), ("float8_e4m3fn", 4, 64, 4096)]
 CLUSTER_CASES = [(kv, 4, 1, n) for kv in ("bfloat16", "float8_e4m3fn") for n in (512, 1024, 2048, 4096, 8192, 32768)]
 CLUSTER_CASES += [("bfloat16", 8, 1, n) for n in (2048, 8192, 32768)] + [("float8_e4m3fn", 8, 1, 8192)]
@@ -70,7 +71,7 @@ class Inputs:
         self.indices = torch.randperm(self.num_pages, generator=gen).to(torch.int32).cuda()
         self.kv_bytes = 2 * batch * kv_len * hk * HEAD_DIM * self.kv_dtype.itemsize
         shape = (self.num_pages, PAGE_SIZE, hk, HEAD_DIM) if layout == "NHD" else (self.num_pages, hk, PAGE_SIZE, HEAD_DIM)
-        self.n_sets = max(1, min(bc.rotation_sets(self.kv_bytes), int(12e9 // self.kv_bytes)))
+        self.n_sets = max(MIN_SETS, min(bc.rotation_sets(self.kv_bytes), int(12e9 // self.kv_bytes)))
         if FORCE_SETS:
             self.n_sets = FORCE_SETS
 

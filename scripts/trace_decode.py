@@ -131,6 +131,7 @@ def _inner(cases: list[tuple[str, int, int]], out: str, use_cuda_graph: bool = F
         print("trace_decode: --sets 1 leaves no kernel before a kernel to time from; use 2", file=sys.stderr)
         return 1
     sd.FORCE_SETS = sets
+    sd.MIN_SETS = 2  # a period needs the kernel before (a case over 12 GB still gets 2 sets)
     from flashinfer_jit.jit import build_many, get_module
     from flashinfer_jit.specs import DecodeSpec
 
