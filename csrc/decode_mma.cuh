@@ -287,6 +287,20 @@ FIJ_DEVICE void store_out4(Q* out, const float4& acc, float norm) {
   *reinterpret_cast<uint2*>(out) = raw;
 }
 
+// Four dims at src (float32, or 16-bit elements widened: store_out4's inverse), from L2:
+// other blocks of this grid wrote them.
+template <typename T>
+FIJ_DEVICE float4 load4_cg(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return __ldcg(reinterpret_cast<const float4*>(src));
+  } else {
+    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(src));
+    const T* v = reinterpret_cast<const T*>(&raw);
+    return make_float4(static_cast<float>(v[0]), static_cast<float>(v[1]), static_cast<float>(v[2]),
+                       static_cast<float>(v[3]));
+  }
+}
+
 // A request split over a cluster, once every block of the cluster has sent its state's
 // dims to the blocks that merge them and the cluster barrier has passed (the kernel):
 // this block (rank r) merges dims [r kSlice, (r + 1) kSlice) of its heads over the
@@ -857,16 +871,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     return reinterpret_cast<const PartialT*>(p.partial_o) +
            (int64_t(begin) * p.num_qo_heads + block_head0 + slot_i / (D / 4)) * D + 4 * (slot_i % (D / 4));
   };
-  auto load4 = [](const PartialT* src) {
-    if constexpr (Traits::kBf16Partials) {
-      const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(src));
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      return make_float4(lo.x, lo.y, hi.x, hi.y);
-    } else {
-      return __ldcg(reinterpret_cast<const float4*>(src));
-    }
-  };
   float lse0[kHeadsPerWarp], mx[kHeadsPerWarp], den[kHeadsPerWarp];
 #pragma unroll
   for (int j = 0; j < kHeadsPerWarp; ++j) {
@@ -919,7 +923,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       float4 u[16];
 #pragma unroll
       for (int j = 0; j < 16; ++j)
-        u[j] = load4(src + min(i0 + j, cached - 1) * row_stride);
+        u[j] = load4_cg(src + min(i0 + j, cached - 1) * row_stride);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const float w = i0 + j < cached ? weight[(i0 + j) * kRowsT + h] : 0.f;
@@ -931,7 +935,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     }
     for (int i = cached; i < count; ++i) {  // beyond the shared-memory weights (rare)
       const float w = head_m[h] == -CUDART_INF_F ? 0.f : exp2f(part_lse(i, h) - head_m[h]);
-      const float4 u = load4(src + i * row_stride);
+      const float4 u = load4_cg(src + i * row_stride);
       acc.x += w * u.x;
       acc.y += w * u.y;
       acc.z += w * u.z;
