@@ -5,7 +5,8 @@ text replaced, built into its own cache and run in its own process, one after th
 A diagnostic for tuning (what docs/performance.md's "rejected" and "kept" entries rest
 on), not a benchmark: the product's sources are not touched. A variant is
 NAME=FILE:OLD=>NEW[;FILE:OLD=>NEW...] (each OLD must occur exactly once in FILE; NAME
-alone is the unchanged tree). The command runs in each copy with {out} replaced by the
+alone is the unchanged tree; NAME=@FILE reads the edits from a JSON list of [FILE, OLD, NEW]
+triples, for code with semicolons). The command runs in each copy with {out} replaced by the
 variant's result file; its JSON, whatever it is, lands in one combined file.
 
     python3 scripts/variants_decode.py --out $OUT/variants.json \\
@@ -32,6 +33,14 @@ def parse_variant(text: str) -> tuple[str, list[tuple[str, str, str]]]:
     name, _, edits = text.partition("=")
     if not name.isidentifier():
         raise argparse.ArgumentTypeError(f"--variant: a name of letters, digits and _ first, got {text!r}")
+    if edits.startswith("@"):
+        try:
+            triples = json.loads(Path(edits[1:]).read_text())
+        except (OSError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"--variant {name}: cannot read the edits in {edits[1:]}: {e}")
+        if not all(isinstance(t, list) and len(t) == 3 and all(isinstance(x, str) for x in t) for t in triples):
+            raise argparse.ArgumentTypeError(f"--variant {name}: {edits[1:]} must hold a list of [FILE, OLD, NEW]")
+        return name, [tuple(t) for t in triples]
     changes = []
     for edit in filter(None, edits.split(";")):
         path, sep, rest = edit.partition(":")

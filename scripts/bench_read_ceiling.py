@@ -1,0 +1,77 @@
+"""Read-bandwidth ceilings: how fast a kernel that only reads can stream a buffer the size
+of a decode's KV cache, with each way a decode kernel can issue its loads (16-byte loads to
+registers, 16-byte cp.async to shared memory, bulk copies on an mbarrier), per-block
+contiguous chunks (a split decode's blocks) or a grid-stride sweep, and the copy ceiling
+(read + write) measured the same way. Decode reads its KV once and writes next to nothing,
+so its ceiling is the best of these reads, not the copy.
+
+    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--out F]
+
+(--quick: 128 MiB only, the size of bf16 b=1 kv=32k's K and V at 8 KV heads.)
+
+Builds scripts/ceilings/read_ceiling.cu with nvcc for sm_90a (the device's nvcc), runs it,
+and writes its rows with the run's metadata to JSON. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+
+SRC = Path(__file__).resolve().parent / "ceilings" / "read_ceiling.cu"
+
+
+def build(arch: str) -> Path:
+    out = Path(tempfile.mkdtemp(prefix="read_ceiling_")) / "read_ceiling"
+    cmd = ["nvcc", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+           "-diag-suppress", "1886", "-o", str(out), str(SRC)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+    return out
+
+
+def report(res: dict) -> str:
+    rows = []
+    best = {}
+    for r in res["rows"]:
+        rows.append([r["bytes"] >> 20, r["kind"], r["variant"], r["blocks"], r["threads"], r["us"], r["gbps"]])
+        if r["kind"] != "copy":
+            key = r["bytes"]
+            if key not in best or r["gbps"] > best[key]["gbps"]:
+                best[key] = r
+    lines = [bc.table(rows, ["MiB", "kind", "variant", "blocks", "threads", "us", "GB/s"])]
+    for size, r in sorted(best.items()):
+        lines.append(f"best read of {size >> 20} MiB: {r['gbps']:.0f} GB/s ({r['kind']} {r['variant']}, "
+                     f"{r['blocks']} x {r['threads']}), {r['us']:.1f} us")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--quick", action="store_true", help="128 MiB only")
+    ap.add_argument("--arch", default="90a")
+    ap.add_argument("--out", default=bc.default_out("read_ceiling.json"))
+    args = ap.parse_args()
+    started = time.perf_counter()
+    sizes = [128] if args.quick else args.sizes_mib
+    exe = build(args.arch)
+    proc = subprocess.run([str(exe)] + [str(s) for s in sizes], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"read_ceiling failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}")
+    data = json.loads(proc.stdout)
+    res = {"meta": bc.run_metadata(), **data}
+    return bc.finish(args.out, res, report, started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+// Read-bandwidth ceilings for decode: how fast can a kernel only *read* a buffer the size
+// of a decode's KV cache (nothing written back), with each of the ways a decode kernel can
+// issue its loads? Decode reads K/V once and writes almost nothing, so its ceiling is a
+// read stream, not the copy (read + write) that bench_common.copy_bandwidth measures.
+//
+// Built and run by scripts/bench_read_ceiling.py (nvcc -arch=sm_90a). Prints one JSON
+// object on stdout. Every kernel folds the bytes it reads into a value that decides a
+// (never taken) store, so no load can be dropped.
+//
+// Timing: a CUDA graph of `inner` launches, each reading the next of `sets` buffers
+// (sets x size >= 4x L2, so every launch reads DRAM), replayed after a warm-up; the figure
+// is the median over replays of (replay time / inner), as bench_decode times run().
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                               \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+enum Hint { kNone = 0, kL2_128 = 1, kL2_256 = 2 };
+
+template <int H>
+__device__ __forceinline__ int4 ldg16(const int4* p) {
+  int4 v;
+  if constexpr (H == kL2_256)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  else if constexpr (H == kL2_128)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned fold(int4 v) { return unsigned(v.x ^ v.y ^ v.z ^ v.w); }
+
+__device__ __forceinline__ void sink_if(unsigned acc, unsigned* sink) {
+  if (acc == 0x9E3779B9u) atomicAdd(sink, 1u);  // data is random: (almost) never taken
+}
+
+// Each block reads one contiguous chunk (as a split decode block reads its chunk), its
+// threads U 16-byte loads in flight each, a warp's loads coalesced.
+template <int U, int H>
+__global__ void read_chunk_ldg(const int4* __restrict__ base, size_t chunk16, unsigned* sink) {
+  const int4* p = base + size_t(blockIdx.x) * chunk16;
+  unsigned acc = 0;
+  const size_t step = size_t(blockDim.x) * U;
+  size_t i = threadIdx.x;
+  for (; i + (U - 1) * blockDim.x < chunk16; i += step) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = ldg16<H>(p + i + size_t(u) * blockDim.x);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= fold(v[u]);
+  }
+  for (; i < chunk16; i += blockDim.x) acc ^= fold(ldg16<H>(p + i));
+  sink_if(acc, sink);
+}
+
+// Grid-stride: consecutive blocks read consecutive pieces (the whole grid sweeps the
+// buffer front to back, as a large-batch decode's many requests roughly do).
+template <int U, int H>
+__global__ void read_stride_ldg(const int4* __restrict__ p, size_t n16, unsigned* sink) {
+  unsigned acc = 0;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + (U - 1) * stride < n16; i += U * stride) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = ldg16<H>(p + i + size_t(u) * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= fold(v[u]);
+  }
+  for (; i < n16; i += stride) acc ^= fold(ldg16<H>(p + i));
+  sink_if(acc, sink);
+}
+
+// cp.async 16 B a thread into S shared-memory stages of `stage` bytes (the decode kernel's
+// path: 16-byte cp.async, 3 stages of 16 KB a block), chunked per block.
+template <int S, int H, bool Pdl = false>
+__global__ void read_chunk_cpasync(const char* __restrict__ base, size_t chunk, int stage, unsigned* sink) {
+  extern __shared__ __align__(16) char smem[];
+  if constexpr (Pdl) {  // as the decode kernel: wait for the kernel before, then let the next one launch
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+  }
+  const char* p = base + size_t(blockIdx.x) * chunk;
+  const int tiles = int(chunk / stage);
+  const int per_thread = stage / 16 / blockDim.x;
+  auto issue = [&](int t) {
+    if (t < tiles) {
+      char* dst = smem + (t % S) * stage;
+      for (int j = 0; j < per_thread; ++j) {
+        const int off = (j * blockDim.x + threadIdx.x) * 16;
+        const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + off));
+        if constexpr (H == kL2_256)
+          asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(p + size_t(t) * stage + off));
+        else if constexpr (H == kL2_128)
+          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(d), "l"(p + size_t(t) * stage + off));
+        else
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(p + size_t(t) * stage + off));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int t = 0; t < S - 1; ++t) issue(t);
+  unsigned acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+    issue(t + S - 1);
+    asm volatile("cp.async.wait_group %0;" ::"n"(S - 1));
+    // each thread reads back what it copied (the decode's warps read their own rows)
+    const char* src = smem + (t % S) * stage;
+    for (int j = 0; j < per_thread; ++j)
+      acc ^= fold(*reinterpret_cast<const int4*>(src + (j * blockDim.x + threadIdx.x) * 16));
+  }
+  sink_if(acc, sink);
+}
+
+// The bulk copy engine (cp.async.bulk, 1-D, no tensor map), completing on an mbarrier per
+// stage; one thread issues, every thread waits for the stage's bytes, reads them, and a
+// block barrier frees the stage.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(bytes));
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned phase) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "{\n .reg .pred P;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+      " @!P bra WAIT_%=;\n}\n" ::"r"(a), "r"(phase));
+}
+template <int S>
+__global__ void read_chunk_bulk(const char* __restrict__ base, size_t chunk, int stage, unsigned* sink) {
+  extern __shared__ __align__(128) char bulk_smem[];
+  char* smem = bulk_smem;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * stage);
+  const char* p = base + size_t(blockIdx.x) * chunk;
+  const int tiles = int(chunk / stage);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(&bars[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncthreads();
+  auto issue = [&](int t) {
+    if (threadIdx.x == 0 && t < tiles) {
+      uint64_t* bar = &bars[t % S];
+      mbar_expect_tx(bar, stage);
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+              static_cast<unsigned>(__cvta_generic_to_shared(smem + (t % S) * stage))),
+          "l"(p + size_t(t) * stage), "r"(stage), "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+          : "memory");
+    }
+  };
+  for (int t = 0; t < S; ++t) issue(t);
+  unsigned acc = 0;
+  const int per_thread = stage / 16 / blockDim.x;
+  for (int t = 0; t < tiles; ++t) {
+    mbar_wait(&bars[t % S], (t / S) & 1);
+    const char* src = smem + (t % S) * stage;
+    for (int j = 0; j < per_thread; ++j)
+      acc ^= fold(*reinterpret_cast<const int4*>(src + (j * blockDim.x + threadIdx.x) * 16));
+    __syncthreads();
+    issue(t + S);
+  }
+  sink_if(acc, sink);
+}
+
+__global__ void fill(uint32_t* p, size_t n, uint32_t seed) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32);
+    x ^= x >> 15; x *= 2246822519u; x ^= x >> 13; x *= 3266489917u; x ^= x >> 16;
+    p[i] = x;
+  }
+}
+
+struct Ctx {
+  std::vector<char*> bufs;
+  size_t size = 0;
+  unsigned* sink = nullptr;
+  cudaStream_t stream;
+  int inner = 20, warmup = 3, reps = 30;
+};
+
+template <typename Launch>
+double time_graph(Ctx& c, Launch launch) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < c.inner; ++i) launch(c.bufs[i % c.bufs.size()]);
+  CK(cudaStreamEndCapture(c.stream, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < c.warmup; ++i) CK(cudaGraphLaunch(ge, c.stream));
+  std::vector<double> us;
+  for (int r = 0; r < c.reps; ++r) {
+    CK(cudaEventRecord(e0, c.stream));
+    CK(cudaGraphLaunch(ge, c.stream));
+    CK(cudaEventRecord(e1, c.stream));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    us.push_back(1000.0 * ms / c.inner);
+  }
+  CK(cudaGetLastError());
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+static bool first_row = true;
+static void row(const char* kind, const char* variant, size_t bytes, int blocks, int threads, double us) {
+  printf("%s\n    {\"kind\": \"%s\", \"variant\": \"%s\", \"bytes\": %zu, \"blocks\": %d, \"threads\": %d, "
+         "\"us\": %.3f, \"gbps\": %.1f}",
+         first_row ? "" : ",", kind, variant, bytes, blocks, threads, us, bytes / us / 1e3);
+  first_row = false;
+  fflush(stdout);
+}
+
+template <int U, int H>
+void run_ldg(Ctx& c, int blocks, int threads, bool chunked, const char* name) {
+  const size_t n16 = c.size / 16;
+  double us;
+  if (chunked) {
+    if (n16 % blocks) return;
+    const size_t chunk16 = n16 / blocks;
+    us = time_graph(c, [&](char* b) {
+      read_chunk_ldg<U, H><<<blocks, threads, 0, c.stream>>>(reinterpret_cast<const int4*>(b), chunk16, c.sink);
+    });
+  } else {
+    us = time_graph(c, [&](char* b) {
+      read_stride_ldg<U, H><<<blocks, threads, 0, c.stream>>>(reinterpret_cast<const int4*>(b), n16, c.sink);
+    });
+  }
+  row(chunked ? "ldg_chunk" : "ldg_stride", name, c.size, blocks, threads, us);
+}
+
+template <int S, int H, bool Pdl = false>
+void run_cpasync(Ctx& c, int blocks, int threads, int stage, const char* name) {
+  const size_t chunk = c.size / blocks;
+  if (c.size % blocks || chunk % stage || stage % (16 * threads)) return;
+  auto k = read_chunk_cpasync<S, H, Pdl>;
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S * stage));
+  double us = time_graph(c, [&](char* b) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = S * stage;
+    cfg.stream = c.stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = Pdl ? 1 : 0;
+    CK(cudaLaunchKernelEx(&cfg, k, static_cast<const char*>(b), chunk, stage, c.sink));
+  });
+  row(Pdl ? "cpasync_chunk_pdl" : "cpasync_chunk", name, c.size, blocks, threads, us);
+}
+
+template <int S>
+void run_bulk(Ctx& c, int blocks, int threads, int stage, const char* name) {
+  const size_t chunk = c.size / blocks;
+  if (c.size % blocks || chunk % stage || stage % (16 * threads)) return;
+  auto k = read_chunk_bulk<S>;
+  const int smem = S * stage + 8 * S;
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  double us = time_graph(c, [&](char* b) { k<<<blocks, threads, smem, c.stream>>>(b, chunk, stage, c.sink); });
+  row("bulk_chunk", name, c.size, blocks, threads, us);
+}
+
+int main(int argc, char** argv) {
+  // argv: size_mib ... (each a buffer size to measure)
+  std::vector<size_t> sizes;
+  for (int i = 1; i < argc; ++i) sizes.push_back(size_t(atoll(argv[i])) << 20);
+  if (sizes.empty()) sizes = {128, 1024};
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+  Ctx c;
+  CK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
+  CK(cudaMalloc(&c.sink, 4));
+  CK(cudaMemset(c.sink, 0, 4));
+  printf("{\"device\": \"%s\", \"sms\": %d, \"l2_bytes\": %d, \"rows\": [", prop.name, sms, prop.l2CacheSize);
+  for (size_t size : sizes) {
+    c.size = size;
+    const size_t want = std::max<size_t>(4 * size_t(prop.l2CacheSize), 2 * size);
+    const int sets = int(std::min<size_t>(16, (want + size - 1) / size));
+    for (char* b : c.bufs) CK(cudaFree(b));
+    c.bufs.clear();
+    for (int i = 0; i < sets; ++i) {
+      char* b;
+      CK(cudaMalloc(&b, size));
+      fill<<<4 * sms, 256, 0, c.stream>>>(reinterpret_cast<uint32_t*>(b), size / 4, 0x1234u + i);
+      c.bufs.push_back(b);
+    }
+    CK(cudaStreamSynchronize(c.stream));
+    c.inner = size >= (size_t(1) << 30) ? 6 : 20;
+    // the copy ceiling, the same way (read + write counted)
+    {
+      char* dst;
+      CK(cudaMalloc(&dst, size));
+      double us = time_graph(c, [&](char* b) { CK(cudaMemcpyAsync(dst, b, size, cudaMemcpyDeviceToDevice, c.stream)); });
+      row("copy", "cudaMemcpyAsync d2d, read + write counted", 2 * size, 0, 0, us);
+      CK(cudaFree(dst));
+    }
+    // the decode's own shape at b=1 kv=32k: 256 blocks x 128 threads, a contiguous chunk each
+    for (int blocks : {256, 2 * sms, 4 * sms, 8 * sms}) {
+      for (int threads : {128, 256}) {
+        run_ldg<4, kNone>(c, blocks, threads, true, "U=4");
+        run_ldg<8, kNone>(c, blocks, threads, true, "U=8");
+        run_ldg<16, kNone>(c, blocks, threads, true, "U=16");
+        run_ldg<8, kL2_256>(c, blocks, threads, true, "U=8 L2::256B");
+        run_ldg<8, kNone>(c, blocks, threads, false, "U=8");
+        run_ldg<16, kNone>(c, blocks, threads, false, "U=16");
+        run_ldg<8, kL2_256>(c, blocks, threads, false, "U=8 L2::256B");
+      }
+    }
+    for (int blocks : {256, 2 * sms, 4 * sms}) {
+      run_cpasync<3, kNone>(c, blocks, 128, 16384, "3 x 16 KB (the decode's)");
+      run_cpasync<3, kNone, true>(c, blocks, 128, 16384, "3 x 16 KB, programmatic dependent launches");
+      run_cpasync<4, kNone, true>(c, blocks, 128, 16384, "4 x 16 KB, programmatic dependent launches");
+      run_cpasync<3, kL2_256>(c, blocks, 128, 16384, "3 x 16 KB L2::256B");
+      run_cpasync<4, kNone>(c, blocks, 128, 16384, "4 x 16 KB");
+      run_cpasync<6, kNone>(c, blocks, 128, 8192, "6 x 8 KB");
+      run_cpasync<3, kNone>(c, blocks, 256, 32768, "3 x 32 KB, 256 threads");
+      run_bulk<3>(c, blocks, 128, 16384, "3 x 16 KB");
+      run_bulk<4>(c, blocks, 128, 16384, "4 x 16 KB");
+      run_bulk<6>(c, blocks, 128, 8192, "6 x 8 KB");
+      run_bulk<3>(c, blocks, 128, 32768, "3 x 32 KB");
+      run_bulk<2>(c, blocks, 128, 32768, "2 x 32 KB");
+    }
+  }
+  unsigned hits = 0;
+  CK(cudaMemcpy(&hits, c.sink, 4, cudaMemcpyDeviceToHost));
+  printf("\n], \"sink_hits\": %u}\n", hits);
+  return 0;
+}
