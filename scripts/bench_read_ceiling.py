@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,12 @@ def main() -> int:
     started = time.perf_counter()
     sizes = [128] if args.quick else args.sizes_mib
     exe = build(args.arch)
-    proc = subprocess.run([str(exe)] + [str(s) for s in sizes], capture_output=True, text=True)
+    try:
+        proc = subprocess.run([str(exe)] + [str(s) for s in sizes], capture_output=True, text=True)
+    finally:
+        shutil.rmtree(exe.parent, ignore_errors=True)
+    if proc.stderr:
+        print(proc.stderr, end="", file=sys.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"read_ceiling failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}")
     data = json.loads(proc.stdout)

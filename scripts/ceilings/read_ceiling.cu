@@ -239,12 +239,21 @@ static void row(const char* kind, const char* variant, size_t bytes, int blocks,
   fflush(stdout);
 }
 
+// Whether `blocks` equal chunks of c.size split into whole stages of whole 16-byte passes
+// of `threads`; says so on stderr when not (the row is left out).
+static bool chunks_fit(const Ctx& c, int blocks, int threads, int stage, const char* name) {
+  const bool fit = c.size % (size_t(blocks) * stage) == 0 && stage % (16 * threads) == 0;
+  if (!fit) fprintf(stderr, "read_ceiling: %s left out: %zu bytes do not split into %d x %d-byte stages\n", name,
+                    c.size, blocks, stage);
+  return fit;
+}
+
 template <int U, int H>
 void run_ldg(Ctx& c, int blocks, int threads, bool chunked, const char* name) {
   const size_t n16 = c.size / 16;
   double us;
   if (chunked) {
-    if (n16 % blocks) return;
+    if (!chunks_fit(c, blocks, threads, 16 * threads, name)) return;
     const size_t chunk16 = n16 / blocks;
     us = time_graph(c, [&](char* b) {
       read_chunk_ldg<U, H><<<blocks, threads, 0, c.stream>>>(reinterpret_cast<const int4*>(b), chunk16, c.sink);
@@ -260,7 +269,7 @@ void run_ldg(Ctx& c, int blocks, int threads, bool chunked, const char* name) {
 template <int S, int H, bool Pdl = false>
 void run_cpasync(Ctx& c, int blocks, int threads, int stage, const char* name) {
   const size_t chunk = c.size / blocks;
-  if (c.size % blocks || chunk % stage || stage % (16 * threads)) return;
+  if (!chunks_fit(c, blocks, threads, stage, name)) return;
   auto k = read_chunk_cpasync<S, H, Pdl>;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S * stage));
   double us = time_graph(c, [&](char* b) {
@@ -282,7 +291,7 @@ void run_cpasync(Ctx& c, int blocks, int threads, int stage, const char* name) {
 template <int S>
 void run_bulk(Ctx& c, int blocks, int threads, int stage, const char* name) {
   const size_t chunk = c.size / blocks;
-  if (c.size % blocks || chunk % stage || stage % (16 * threads)) return;
+  if (!chunks_fit(c, blocks, threads, stage, name)) return;
   auto k = read_chunk_bulk<S>;
   const int smem = S * stage + 8 * S;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -326,31 +335,32 @@ int main(int argc, char** argv) {
       CK(cudaFree(dst));
     }
     // the decode's own shape at b=1 kv=32k: 256 blocks x 128 threads, a contiguous chunk each
-    for (int blocks : {256, 2 * sms, 4 * sms, 8 * sms}) {
-      for (int threads : {128, 256}) {
-        run_ldg<4, kNone>(c, blocks, threads, true, "U=4");
-        run_ldg<8, kNone>(c, blocks, threads, true, "U=8");
-        run_ldg<16, kNone>(c, blocks, threads, true, "U=16");
-        run_ldg<8, kL2_256>(c, blocks, threads, true, "U=8 L2::256B");
+    // a contiguous chunk a block, on the decode's grid at b=1 kv=32k (256 blocks: 8 KV
+    // heads x 32 chunks); the grid-stride sweep over more grid sizes
+    constexpr int kChunkBlocks = 256;
+    for (int threads : {128, 256}) {
+      run_ldg<4, kNone>(c, kChunkBlocks, threads, true, "U=4");
+      run_ldg<8, kNone>(c, kChunkBlocks, threads, true, "U=8");
+      run_ldg<16, kNone>(c, kChunkBlocks, threads, true, "U=16");
+      run_ldg<8, kL2_256>(c, kChunkBlocks, threads, true, "U=8 L2::256B");
+      for (int blocks : {kChunkBlocks, 2 * sms, 4 * sms, 8 * sms}) {
         run_ldg<8, kNone>(c, blocks, threads, false, "U=8");
         run_ldg<16, kNone>(c, blocks, threads, false, "U=16");
         run_ldg<8, kL2_256>(c, blocks, threads, false, "U=8 L2::256B");
       }
     }
-    for (int blocks : {256, 2 * sms, 4 * sms}) {
-      run_cpasync<3, kNone>(c, blocks, 128, 16384, "3 x 16 KB (the decode's)");
-      run_cpasync<3, kNone, true>(c, blocks, 128, 16384, "3 x 16 KB, programmatic dependent launches");
-      run_cpasync<4, kNone, true>(c, blocks, 128, 16384, "4 x 16 KB, programmatic dependent launches");
-      run_cpasync<3, kL2_256>(c, blocks, 128, 16384, "3 x 16 KB L2::256B");
-      run_cpasync<4, kNone>(c, blocks, 128, 16384, "4 x 16 KB");
-      run_cpasync<6, kNone>(c, blocks, 128, 8192, "6 x 8 KB");
-      run_cpasync<3, kNone>(c, blocks, 256, 32768, "3 x 32 KB, 256 threads");
-      run_bulk<3>(c, blocks, 128, 16384, "3 x 16 KB");
-      run_bulk<4>(c, blocks, 128, 16384, "4 x 16 KB");
-      run_bulk<6>(c, blocks, 128, 8192, "6 x 8 KB");
-      run_bulk<3>(c, blocks, 128, 32768, "3 x 32 KB");
-      run_bulk<2>(c, blocks, 128, 32768, "2 x 32 KB");
-    }
+    run_cpasync<3, kNone>(c, kChunkBlocks, 128, 16384, "3 x 16 KB (the decode's)");
+    run_cpasync<3, kNone, true>(c, kChunkBlocks, 128, 16384, "3 x 16 KB, programmatic dependent launches");
+    run_cpasync<4, kNone, true>(c, kChunkBlocks, 128, 16384, "4 x 16 KB, programmatic dependent launches");
+    run_cpasync<3, kL2_256>(c, kChunkBlocks, 128, 16384, "3 x 16 KB L2::256B");
+    run_cpasync<4, kNone>(c, kChunkBlocks, 128, 16384, "4 x 16 KB");
+    run_cpasync<6, kNone>(c, kChunkBlocks, 128, 8192, "6 x 8 KB");
+    run_cpasync<3, kNone>(c, kChunkBlocks, 256, 32768, "3 x 32 KB, 256 threads");
+    run_bulk<3>(c, kChunkBlocks, 128, 16384, "3 x 16 KB");
+    run_bulk<4>(c, kChunkBlocks, 128, 16384, "4 x 16 KB");
+    run_bulk<6>(c, kChunkBlocks, 128, 8192, "6 x 8 KB");
+    run_bulk<3>(c, kChunkBlocks, 128, 32768, "3 x 32 KB");
+    run_bulk<2>(c, kChunkBlocks, 128, 32768, "2 x 32 KB");
   }
   unsigned hits = 0;
   CK(cudaMemcpy(&hits, c.sink, 4, cudaMemcpyDeviceToHost));
