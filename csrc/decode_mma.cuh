@@ -367,17 +367,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const int32_t* item = p.work + 1 + 4 * blockIdx.y;
   const int b = item[0], chunk_start = item[1], chunk_end = item[2], partial_row = item[3];
   // (In a cluster grid the item count is a multiple of the cluster size: whole clusters exit.)
-  if (static_cast<int>(blockIdx.y) >= num_items) {
-    // A grid without any item (a CUDA-graph wrapper's launch that this plan leaves idle,
-    // see DecodeLaunch::graph_cluster_items) still completes only after the kernel before
-    // it: the next kernel's wait covers this grid alone, so one block waits. It lets the
-    // next kernel launch first, so that one's prologue still overlaps.
-    if (num_items == 0 && blockIdx.x == 0 && blockIdx.y == 0) {
-      pdl_trigger();
-      pdl_wait();
-    }
-    return;
-  }
+  if (static_cast<int>(blockIdx.y) >= num_items) return;
   // A cluster's first barrier phase: every block has started (so its shared memory may
   // be written) once the wait before the first remote store returns, long after this.
   if constexpr (Traits::kCluster > 1) cluster_arrive_relaxed();

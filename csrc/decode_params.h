@@ -67,14 +67,6 @@ struct DecodeLaunch {
   int32_t kv_heads_per_block = 1;  // 2: the tensor-core kernel's blocks take KV-head pairs (plan()'s choice)
   int32_t cluster = 1;  // > 1: the tensor-core kernel's blocks run in clusters of this many (plan()'s choice)
   int32_t cluster_warps = 4;  // ... of blocks of this many warps: 4, or 8 (plan()'s choice)
-  // A CUDA-graph wrapper of small capacity (tensor-core kernel, sm_90+) launches the
-  // cluster split too, before the launch above and over its own work list: its grid is
-  // fixed at capture, and each plan() fills one of the two lists and leaves the other
-  // without items (a grid without items waits for the kernel before it and exits).
-  // graph_cluster_items 0: no such launch.
-  const int32_t* graph_cluster_work = nullptr;
-  int32_t graph_cluster_items = 0;  // grid rows (whole clusters)
-  int32_t graph_cluster_warps = 8;  // warps per block of that launch
 };
 
 }  // namespace fij

@@ -87,13 +87,6 @@ _MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
 _CLUSTER_MIN_CHUNK = 64
 _CLUSTER_MAX_BLOCK_BYTES = {2: 64 << 10, 1: 32 << 10}  # by the cache's bytes per element
 _WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}
-# CUDA-graph wrappers whose capacity fits the cluster split (batch x blocks per item x
-# cluster <= SMs: b <= 2 at 8 KV heads) launch it beside the split with partial states,
-# one kernel each, their grids fixed at capture; each plan() gives one of them the work
-# and the other none (a grid without items waits for the kernel before it and exits).
-# The cluster launch has blocks of this many warps whatever the lengths (it is fixed at
-# capture; 8 warps carry the 64-512 KB blocks where the cluster split wins most).
-_GRAPH_CLUSTER_WARPS = 8
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -312,37 +305,11 @@ class _Plan:
     a CPU byte tensor, prepared_ptr its address, device_index: q's device;
     kv_heads_per_block: 2 where the blocks take KV-head pairs; cluster: blocks per
     thread-block cluster of the cluster split, 1 without; cluster_warps: warps per block
-    of that split, 4 or 8; graph_cluster: (work list view, grid rows) of a CUDA-graph
-    wrapper's cluster launch, or (None, 0))."""
+    of that split, 4 or 8)."""
 
     __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked",
                  "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block",
-                 "cluster", "cluster_warps", "graph_cluster")
-
-
-def _cluster_capacity(config: _Config, capacity: int) -> bool:
-    """Whether `capacity` requests can take the cluster split at all: the module and device
-    have it, no split size is forced, and capacity x blocks per item x cluster fits the SMs."""
-    c = config.cluster
-    return c > 1 and not config.fixed_split_size and not config.disable_split_kv and \
-        capacity * config.blocks_per_item * c <= config.sms
-
-
-def _cluster_warps(config: _Config, kv_lens: np.ndarray) -> int:
-    """Warps per block of the cluster split for these lengths (4 to _CLUSTER_MAX_BLOCK_BYTES
-    a block, 8 to _WIDE_CLUSTER_MAX_BLOCK_BYTES), or 0 where it does not pay: the longest
-    request gives a block under _CLUSTER_MIN_CHUNK tokens or over the wide limit."""
-    if not len(kv_lens):
-        return 0
-    c = config.cluster
-    longest = int(np.maximum.reduce(kv_lens))
-    block_bytes = -(-longest // c) * config.token_bytes
-    if longest < _CLUSTER_MIN_CHUNK * c or block_bytes > _WIDE_CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize]:
-        return 0
-    return 4 if block_bytes <= _CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize] else 8
-
-
-_NO_WORK = np.zeros((0, 4), dtype=np.int32)
+                 "cluster", "cluster_warps")
 
 
 def _same_launch(a: _Plan, b: _Plan) -> bool:
@@ -352,7 +319,6 @@ def _same_launch(a: _Plan, b: _Plan) -> bool:
     blocks. The views and counters are compared as objects (the older plan holds them)."""
     (ta, *rest_a), (tb, *rest_b) = a.args, b.args
     if a.kv_heads_per_block != b.kv_heads_per_block or (a.cluster, a.cluster_warps) != (b.cluster, b.cluster_warps) \
-            or a.graph_cluster[0] is not b.graph_cluster[0] or a.graph_cluster[1] != b.graph_cluster[1] \
             or rest_a[0] is not rest_b[0] or rest_a[1] is not rest_b[1] \
             or rest_a[7:9] != rest_b[7:9] or rest_a[9] is not rest_b[9] or len(ta) != len(tb):
         return False
@@ -442,11 +408,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  "wrapper was first planned (captured) with")
         capacity = self._capacity if graph else batch
         cluster, cluster_warps = self._cluster_shape(config, kv_lens, capacity)
-        # CUDA-graph mode: the cluster launch's rows (0: none) and whether this plan uses it
-        graph_rows = self._graph_cluster_rows(config, capacity) if graph else 0
-        graph_cluster = None
-        if graph_rows and _cluster_warps(config, kv_lens):
-            graph_cluster = plan_cluster(kv_lens, config.cluster)
         if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
             per_block, max_items, any_split = 1, None, False  # never in CUDA-graph mode (_cluster_shape)
             work, merge_indptr = plan_cluster(kv_lens, cluster), np.zeros(batch + 1, dtype=np.int32)
@@ -455,13 +416,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
             max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
             skewed_target = config.skewed_target(target)
-            if sized is None and graph_cluster is None:
+            if sized is None:
                 sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
                                     config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target)
-            if graph_cluster is not None:  # the cluster launch has the work, this one none
-                work, merge_indptr = _NO_WORK, np.zeros(batch + 1, dtype=np.int32)
-                items, any_split = 0, False
-            elif _nothing_splits(*sized[:2], batch, max_items, sized[2]):
+            if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
                 work = merge_indptr = None  # _pack writes one item per request straight into the buffer
                 items, any_split = batch, False
             else:
@@ -478,12 +436,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # Page ids on the host (rare: engines keep them on the device) travel in the packed
         # buffer too, so plan() makes one host-to-device copy whatever it is given.
         fold_ids = not graph and ids.is_cpu and not self._device_is_cpu
-        offsets = _offsets(layout, capacity, grid_items, ids.numel() if fold_ids else 0, graph_rows)
-        slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None,
-                          graph_cluster, graph_rows)
+        offsets = _offsets(layout, capacity, grid_items, ids.numel() if fold_ids else 0)
+        slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
         self._ship(slot, offsets[-1], non_blocking)
-        views = self._device_views(layout, offsets, ids.shape if fold_ids else None, graph_rows)
-        merge_dev, work_dev, table_dev, ids_dev, graph_work_dev = views
+        views = self._device_views(layout, offsets, ids.shape if fold_ids else None)
+        merge_dev, work_dev, table_dev, ids_dev = views
         if not fold_ids:
             ids_dev = self._device_ids(layout, ids)
         tables = (table_dev[0], ids_dev, table_dev[1]) if layout == "csr" else (ids_dev, table_dev[0])
@@ -492,7 +449,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
         plan.cluster, plan.cluster_warps = cluster, cluster_warps
-        plan.graph_cluster = (graph_work_dev, graph_rows) if graph_rows else (None, 0)
         merge_rows = capacity if (graph or any_split) else 0
         # The tensor-core kernel merges split requests itself: the last block of a request
         # (per head tile) to finish, counted in zeroed int32s that it resets. One per
@@ -523,15 +479,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         least _CLUSTER_MIN_CHUNK tokens and at most _WIDE_CLUSTER_MAX_BLOCK_BYTES of K and V (by dtype);
         blocks of 8 warps above _CLUSTER_MAX_BLOCK_BYTES. Not in CUDA-graph mode: its grid
         is fixed at capture, and a later plan of long requests would run slower on it."""
-        if self._use_cuda_graph or not _cluster_capacity(config, capacity):
+        c = config.cluster
+        if c <= 1 or self._use_cuda_graph or config.fixed_split_size or config.disable_split_kv or \
+                capacity * config.blocks_per_item * c > config.sms or not len(kv_lens):
             return 1, 4
-        warps = _cluster_warps(config, kv_lens)
-        return (config.cluster, warps) if warps else (1, 4)
-
-    def _graph_cluster_rows(self, config: _Config, capacity: int) -> int:
-        """Grid rows of a CUDA-graph wrapper's cluster launch (see _GRAPH_CLUSTER_WARPS):
-        capacity x cluster where the capacity fits the cluster split, else 0 (none)."""
-        return capacity * config.cluster if _cluster_capacity(config, capacity) else 0
+        longest = int(np.maximum.reduce(kv_lens))
+        block_bytes = -(-longest // c) * config.token_bytes
+        if longest < _CLUSTER_MIN_CHUNK * c or block_bytes > _WIDE_CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize]:
+            return 1, 4
+        return c, 4 if block_bytes <= _CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize] else 8
 
     def _pairing(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
         """(KV heads per block, blocks per item, target blocks, _chunk_size's result or
@@ -662,15 +618,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lens -= unused
         return "csr", (ptr, last), lens
 
-    def _pack(self, offsets, capacity, table_host, kv_lens, work, merge_indptr, host_ids, graph_cluster=None,
-              graph_rows: int = 0) -> _HostSlot:
+    def _pack(self, offsets, capacity, table_host, kv_lens, work, merge_indptr, host_ids) -> _HostSlot:
         """Everything plan() ships, in one pinned host buffer, padded to the capacity (see
-        _offsets); work None: one item per request, nothing to merge; graph_cluster: the
-        rows of a CUDA-graph wrapper's cluster launch (graph_rows of them fit), or None:
-        none for this plan. Every element up to the end is written (no stale values from
-        earlier plans)."""
+        _offsets); work None: one item per request, nothing to merge. Every element up to
+        the end is written (no stale values from earlier plans)."""
         merge, table, work_at, ids_at, end = offsets
-        graph_at = ids_at - (1 + 4 * graph_rows if graph_rows else 0)
         slot = self._host_buffer(end)
         host = slot.array
         batch = len(kv_lens)
@@ -688,14 +640,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             items = len(work)
             host[work_at + 1:work_at + 1 + 4 * items] = work.reshape(-1)
         host[work_at] = items
-        if work_at + 1 + 4 * items < graph_at:  # CUDA-graph grid: rows past the planned items, never read
-            host[work_at + 1 + 4 * items:graph_at] = 0
-        if graph_rows:
-            rows = 0 if graph_cluster is None else len(graph_cluster)
-            host[graph_at] = rows
-            if rows:
-                host[graph_at + 1:graph_at + 1 + 4 * rows] = graph_cluster.reshape(-1)
-            host[graph_at + 1 + 4 * rows:ids_at] = 0
+        if work_at + 1 + 4 * items < ids_at:  # CUDA-graph grid: rows past the planned items, never read
+            host[work_at + 1 + 4 * items:ids_at] = 0
         if len(table_host) == 2:  # csr: indptr [capacity + 1], last_page_len [capacity]
             ptr, last = table_host
             last_at = table + capacity + 1
@@ -750,12 +696,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             slot.event.record()
             slot.pending = True
 
-    def _device_views(self, layout: str, offsets: tuple, ids_shape, graph_rows: int = 0):
-        """(merge_indptr, work, page-table arrays, folded page ids or None, the cluster
-        launch's work list or None): views of the device buffer, made again only when the
-        offsets or the buffer change (slicing a CUDA tensor costs 1.5 us on the GPU host)."""
+    def _device_views(self, layout: str, offsets: tuple, ids_shape):
+        """(merge_indptr, work, page-table arrays, folded page ids or None): views of the
+        device buffer, made again only when the offsets or the buffer change (slicing a
+        CUDA tensor costs 1.5 us on the GPU host)."""
         buf = self._buf
-        key = (layout, offsets, ids_shape, graph_rows)
+        key = (layout, offsets, ids_shape)
         if key != self._views_key or buf is not self._views_buf:
             merge, table, work_at, ids_at, end = offsets
             if layout == "csr":  # indptr [capacity + 1], last_page_len [capacity]
@@ -764,9 +710,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             else:
                 table_dev = (buf[table:work_at],)
             ids = buf[ids_at:end].view(ids_shape) if ids_shape is not None else None
-            graph_at = ids_at - (1 + 4 * graph_rows if graph_rows else 0)
-            graph_work = buf[graph_at:ids_at] if graph_rows else None
-            self._views = (buf[merge:table], buf[work_at:graph_at], table_dev, ids, graph_work)
+            self._views = (buf[merge:table], buf[work_at:ids_at], table_dev, ids)
             self._views_key, self._views_buf = key, buf
         return self._views
 
@@ -857,11 +801,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         prepared = None
         if entry is not None:
             prepared = plan.prepared = torch.empty(entry[1], dtype=torch.uint8)
-        graph_work, graph_rows = plan.graph_cluster
         op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
-           prepared, plan.kv_heads_per_block, plan.cluster, plan.cluster_warps, graph_work, graph_rows,
-           _GRAPH_CLUSTER_WARPS)
+           prepared, plan.kv_heads_per_block, plan.cluster, plan.cluster_warps)
         if prepared is not None:  # later calls with this signature take the fast path
             plan.prepared_ptr, plan.device_index, plan.fast = prepared.data_ptr(), q.get_device(), entry[0]
         return (out, lse) if return_lse else out
@@ -930,17 +872,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return cache.k, cache.v
 
 
-def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int, graph_rows: int = 0) -> tuple:
+def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple:
     """(merge, table, work, ids, end) offsets of the packed plan buffer, in int32 elements:
     merge_indptr [capacity + 1]; the page-table arrays (csr: indptr [capacity + 1] and
     last_page_len [capacity]; block tables: seq_lens [capacity]); the work list (count,
-    then 4 ints per item, grid_items of them), then a CUDA-graph wrapper's cluster work
-    list (count, 4 ints per row, graph_rows rows; only where graph_rows > 0); page ids from
-    the host, if any. The variable-length parts come last, so the other views keep their
-    offsets."""
+    then 4 ints per item, grid_items of them); page ids from the host, if any. The
+    variable-length parts come last, so the other views keep their offsets."""
     table = capacity + 1
     work = table + (2 * capacity + 1 if layout == "csr" else capacity)
-    ids = work + 1 + 4 * grid_items + (1 + 4 * graph_rows if graph_rows else 0)
+    ids = work + 1 + 4 * grid_items
     return (0, table, work, ids, ids + num_ids)
 
 

@@ -165,7 +165,6 @@ def specs_needed() -> set:
     specs |= {decode_spec("bfloat16", kv, hd, LLAMA_HEADS, t, lay) for kv, hd, lay, t in TAIL_CASES}
     specs |= {_pair_spec(c) for c in PAIR_CASES}
     specs |= {_cluster_spec(c) for c in CLUSTER_CASES}
-    specs |= {decode_spec("bfloat16", c[0], 128, c[1], c[2], "NHD") for c in GRAPH_CLUSTER_CASES}
     specs |= {decode_spec("bfloat16", kv, 128, LLAMA_HEADS, "csr", "NHD") for kv in ("bfloat16", "float8_e4m3fn")}
     # split-KV's merge runs in the output dtype (= q dtype)
     specs |= {MergeSpec(c.q_dtype, c.head_dim) for c in CASES}
@@ -515,81 +514,6 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
         torch.cuda.synchronize()
         ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens)
         check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
-
-
-# CUDA-graph wrappers of capacity 1 and 2 (8 KV heads) launch the cluster split beside the
-# split with partial states; each plan gives one of them the work. (kv dtype, group heads,
-# page table, capacity, rounds of lengths): 512-8192 tokens (fp8 512-4096) run on clusters,
-# fewer or more on the split.
-GRAPH_CLUSTER_CASES = [
-    ("bfloat16", (32, 8), "csr", 1, [[1000], [20000], [300], [8192], [0], [2048], [8193]]),
-    ("bfloat16", (32, 8), "block_table", 2, [[2048, 600], [20000, 5], [700], [0, 0], [8192, 8192], [8193, 3]]),
-    ("float8_e4m3fn", (64, 8), "csr", 1, [[2048], [600], [12000], [4096], [4097]]),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GRAPH_CLUSTER_CASES, ids=lambda c: f"{SHORT[c[0]]}-{c[1][0]}x{c[1][1]}-{TABLE_TAG[c[2]]}-cap{c[3]}")
-def test_batch_decode_cuda_graph_cluster_launch(case, workspace):
-    """run() captured once by a wrapper whose capacity fits the cluster split, replayed
-    after plans that move the work between its two launches (and a padded batch): every
-    live row matches the reference, NaN-poisoned outputs fully written."""
-    kv_name, (hq, hk), page_table, capacity, rounds = case
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("thread-block clusters need sm_90")
-    d, ps, pool = 128, 16, 4096
-    rnd = random.Random(23)
-    gen = torch.Generator(device=DEV).manual_seed(23)
-    kv_dtype = _dtype(kv_name)
-    _, k, v = make_cache("tuple", "NHD", pool, ps, hk, d, kv_dtype, gen)
-    scales = dict(k_scale=0.5, v_scale=2.0) if kv_name.startswith("float8") else {}
-    max_pages = pool // capacity
-    bt_buf = torch.zeros(capacity, max_pages, dtype=torch.int32, device=DEV)
-    seq_buf = torch.zeros(capacity, dtype=torch.int32, device=DEV)
-    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_cuda_graph=True,
-        paged_kv_indptr_buffer=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
-        paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32, device=DEV),
-        paged_kv_last_page_len_buffer=torch.zeros(capacity, dtype=torch.int32, device=DEV))
-    q_buf = _randn((capacity, hq, d), torch.bfloat16, gen)
-    out_buf = torch.full((capacity, hq, d), float("nan"), dtype=torch.bfloat16, device=DEV)
-    lse_buf = torch.full((capacity, hq), float("nan"), dtype=torch.float32, device=DEV)
-    graph, paths = None, set()
-    for lens in rounds:
-        batch = len(lens)
-        paged = make_page_table(page_table, lens, ps, pool, rnd, host_indptr=True)
-        if page_table == "csr":
-            args = paged.plan_args
-        else:
-            bt, seq = paged.plan_args["block_tables"], paged.plan_args["seq_lens"]
-            bt_buf.zero_()
-            bt_buf[:batch, : bt.shape[1]] = bt
-            seq_buf[:batch] = seq
-            args = dict(indptr=None, indices=None, last_page_len=None, block_tables=bt_buf[:batch],
-                        seq_lens=seq_buf[:batch])
-            paged = paged._replace(table=block_page_table(bt_buf[:batch], seq_buf[:batch]))
-        wrapper.plan(**args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, q_data_type="bfloat16",
-                     kv_data_type=kv_name)
-        graph_work, graph_rows = wrapper._plan.graph_cluster
-        assert graph_rows == capacity * 8
-        paths.add(int(graph_work[0].item()) > 0)
-        q_buf.copy_(_randn(q_buf.shape, torch.bfloat16, gen))
-        if graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, **scales)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, **scales)
-        out_buf.fill_(float("nan"))
-        lse_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens, **scales)
-        check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, torch.bfloat16)
-    assert paths == {True, False}, "the rounds must use both launches"
 
 
 @pytest.mark.gpu

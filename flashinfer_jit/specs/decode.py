@@ -101,18 +101,13 @@ class DecodeSpec(Spec):
         # cluster_size: cluster_blocks(head_dim) where plan() splits each request over a
         # thread-block cluster (tensor-core kernel, sm_90+; no partial rows), else 1;
         # cluster_warps: that cluster kernel's warps per block, 4 or 8 (plan()'s choice).
-        # graph_cluster_items > 0 (CUDA-graph wrappers of small capacity, tensor-core kernel):
-        # the cluster split runs as well, first, over graph_cluster_work (a count, then 4 ints
-        # per row, graph_cluster_items rows, blocks of graph_cluster_warps warps); plan()
-        # gives one of the two work lists no items.
         return {"decode": (
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] page_table, Tensor work, "
             "Tensor merge_indptr, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_o, "
             "Tensor(d!) partial_lse, float logit_scale, float v_scale, float soft_cap, int window_left, "
             "float rope_scale, float rope_theta, int grid_items, int merge_rows, "
             "Tensor(e!)? merge_counters=None, bool enable_pdl=False, Tensor(f!)? prepared=None, "
-            "int kv_heads_per_block=1, int cluster_size=1, int cluster_warps=4, Tensor? graph_cluster_work=None, "
-            "int graph_cluster_items=0, int graph_cluster_warps=8) -> ()")}
+            "int kv_heads_per_block=1, int cluster_size=1, int cluster_warps=4) -> ()")}
 
 
 @dataclass(frozen=True)
