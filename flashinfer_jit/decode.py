@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from .jit import get_module, op_cache
 from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
 from .specs.base import dtype_name
-from .specs.decode import DecodeSpec, cluster_blocks, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
+from .specs.decode import DecodePlanSpec, DecodeSpec, cluster_blocks, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
@@ -278,7 +279,7 @@ class _Config:
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
-                 "token_bytes")
+                 "token_bytes", "native")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -312,6 +313,61 @@ class _Plan:
                  "cluster", "cluster_warps")
 
 
+class _NativeConfig(ctypes.Structure):
+    """csrc/decode_plan.h DecodePlanConfig (same fields, same order; the planner module
+    reports its size, checked at load)."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "page_size", "blocks_per_item", "target", "pairs", "sms", "cluster", "fixed_split_size", "disable_split_kv",
+        "min_chunk", "max_chunks", "skew_factor", "token_bytes", "cluster_max_block_bytes",
+        "wide_cluster_max_block_bytes")] + [("max_partials", ctypes.c_int64)]
+
+
+def _native_config(config: _Config):
+    """(the C++ planner, the address of its configuration struct for `config`, the
+    struct), or False: no planner
+    (FLASHINFER_JIT_NATIVE_PLAN=0 or none loads)."""
+    if not env.native_decode_plan():
+        return False
+    fn = _native_planner()
+    if fn is None:
+        return False
+    itemsize = config.kv_dtype.itemsize
+    struct = _NativeConfig(
+        page_size=config.page_size, blocks_per_item=config.blocks_per_item, target=config.target,
+        pairs=int(config.pairs), sms=config.sms, cluster=config.cluster,
+        fixed_split_size=int(config.fixed_split_size or 0), disable_split_kv=int(bool(config.disable_split_kv)),
+        min_chunk=config.min_chunk, max_chunks=int(config.max_chunks or 0), skew_factor=int(config.skew_factor or 0),
+        token_bytes=config.token_bytes, cluster_max_block_bytes=_CLUSTER_MAX_BLOCK_BYTES[itemsize],
+        wide_cluster_max_block_bytes=_WIDE_CLUSTER_MAX_BLOCK_BYTES[itemsize],
+        max_partials=int(config.partial_o.shape[0]))
+    return fn, ctypes.addressof(struct), struct
+
+
+@op_cache
+def _native_planner():
+    """The C++ planner's entry point (<namespace>_decode_plan of the DecodePlanSpec module,
+    built or loaded at the first plan()), or None with a warning where it cannot be had:
+    plan() then runs its numpy path, slower on the host but the same plan."""
+    try:
+        module = get_module(DecodePlanSpec())
+        lib = ctypes.CDLL(str(module.path / module.manifest["library"]))
+        fn = getattr(lib, f"{module.namespace}_decode_plan")
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p, ctypes.c_longlong,
+                                                                            ctypes.c_void_p]
+        fn.restype = ctypes.c_longlong
+        size = int(module.config_bytes())
+        if size != ctypes.sizeof(_NativeConfig):
+            raise RuntimeError(f"its configuration struct has {size} bytes, decode.py's mirror "
+                               f"{ctypes.sizeof(_NativeConfig)}")
+        return fn
+    except Exception as exc:  # noqa: BLE001 - any failure leaves plan() on its numpy path, said once
+        warnings.warn(f"flashinfer_jit: batch decode's plan() runs its numpy path (the C++ planner "
+                      f"{DecodePlanSpec().name} is unavailable: {type(exc).__name__}: {exc})", RuntimeWarning,
+                      stacklevel=3)
+        return None
+
+
 def _same_launch(a: _Plan, b: _Plan) -> bool:
     """Whether two plans of one configuration and batch give the op the same launch
     (DecodeLaunch): the same device views (plan() keeps them while the buffer offsets
@@ -340,7 +396,7 @@ class _HostSlot:
     """A pinned host buffer (tensor, and its numpy view), the event of the last copy from
     it (pending until seen complete) and that copy's source and destination views."""
 
-    __slots__ = ("tensor", "array", "event", "pending", "copy_end", "copy_buf", "copy_src", "copy_dst")
+    __slots__ = ("tensor", "array", "address", "event", "pending", "copy_end", "copy_buf", "copy_src", "copy_dst")
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -370,6 +426,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._buf = None  # the device side of the packed plan buffer
         self._views_key = self._views_buf = self._views = None
         self._pdl = supports_pdl(self._device)  # run(enable_pdl=None): as FlashInfer, on from sm_90
+        self._native_result = self._native_result_ptr = None  # the C++ planner's int64 results
+        # eager GPU wrappers fold page ids given on the host into the plan buffer (numpy path)
+        self._folds_host_ids = not self._use_cuda_graph and not self._device_is_cpu
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -395,49 +454,60 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if len(self._configs) >= _MAX_CONFIGS:
                     self._configs.clear()
                 self._configs[key] = config
-        layout, table_host, kv_lens = self._host_page_table(indptr, indices, last_page_len, block_tables,
-                                                            seq_lens, page_size)
-        spec = config.spec(layout, self._kv_layout)
-        batch = len(kv_lens)
         graph = self._use_cuda_graph
-        if graph:
-            if self._capacity is None:
-                self._capacity = batch
-            elif batch > self._capacity:
-                raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
-                                 "wrapper was first planned (captured) with")
-        capacity = self._capacity if graph else batch
-        cluster, cluster_warps = self._cluster_shape(config, kv_lens, capacity)
-        if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
-            per_block, max_items, any_split = 1, None, False  # never in CUDA-graph mode (_cluster_shape)
-            work, merge_indptr = plan_cluster(kv_lens, cluster), np.zeros(batch + 1, dtype=np.int32)
-            items = len(work)
+        native = self._plan_native(config, indptr, indices, last_page_len, block_tables, seq_lens, page_size)
+        if native is not None:  # the C++ planner filled a host slot (page ids not folded into it)
+            layout, batch, capacity, slot, items, grid_items, any_split, cluster, cluster_warps, per_block = native
+            spec = config.spec(layout, self._kv_layout)
+            max_items, fold_ids = (grid_items if graph else None), False
+            ids = indices if layout == "csr" else block_tables
+            offsets = _offsets(layout, capacity, grid_items, 0)
+            previous = self._plan
+            if graph and previous is not None and previous.max_items != max_items:
+                raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
         else:
-            per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
-            max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
-            skewed_target = config.skewed_target(target)
-            if sized is None:
-                sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
-                                    config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target)
-            if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
-                work = merge_indptr = None  # _pack writes one item per request straight into the buffer
-                items, any_split = batch, False
-            else:
-                _, work, merge_indptr, any_split = plan_split(kv_lens, blocks_per_item, target,
-                                                              config.fixed_split_size, config.disable_split_kv,
-                                                              max_items, config.partial_o.shape[0], config.min_chunk,
-                                                              sized, config.max_chunks, skewed_target)
+            layout, table_host, kv_lens = self._host_page_table(indptr, indices, last_page_len, block_tables,
+                                                                seq_lens, page_size)
+            spec = config.spec(layout, self._kv_layout)
+            batch = len(kv_lens)
+            if graph:
+                if self._capacity is None:
+                    self._capacity = batch
+                elif batch > self._capacity:
+                    raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
+                                     "wrapper was first planned (captured) with")
+            capacity = self._capacity if graph else batch
+            cluster, cluster_warps = self._cluster_shape(config, kv_lens, capacity)
+            if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
+                per_block, max_items, any_split = 1, None, False  # never in CUDA-graph mode (_cluster_shape)
+                work, merge_indptr = plan_cluster(kv_lens, cluster), np.zeros(batch + 1, dtype=np.int32)
                 items = len(work)
-        previous = self._plan
-        if graph and previous is not None and previous.max_items != max_items:
-            raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
-        grid_items = max_items if graph else items
-        ids = indices if layout == "csr" else block_tables
-        # Page ids on the host (rare: engines keep them on the device) travel in the packed
-        # buffer too, so plan() makes one host-to-device copy whatever it is given.
-        fold_ids = not graph and ids.is_cpu and not self._device_is_cpu
-        offsets = _offsets(layout, capacity, grid_items, ids.numel() if fold_ids else 0)
-        slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
+            else:
+                per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
+                max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
+                skewed_target = config.skewed_target(target)
+                if sized is None:
+                    sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
+                                        config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target)
+                if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
+                    work = merge_indptr = None  # _pack writes one item per request straight into the buffer
+                    items, any_split = batch, False
+                else:
+                    _, work, merge_indptr, any_split = plan_split(
+                        kv_lens, blocks_per_item, target, config.fixed_split_size, config.disable_split_kv,
+                        max_items, config.partial_o.shape[0], config.min_chunk, sized, config.max_chunks,
+                        skewed_target)
+                    items = len(work)
+            previous = self._plan
+            if graph and previous is not None and previous.max_items != max_items:
+                raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
+            grid_items = max_items if graph else items
+            ids = indices if layout == "csr" else block_tables
+            # Page ids on the host (rare: engines keep them on the device) travel in the packed
+            # buffer too, so plan() makes one host-to-device copy whatever it is given.
+            fold_ids = not graph and ids.is_cpu and not self._device_is_cpu
+            offsets = _offsets(layout, capacity, grid_items, ids.numel() if fold_ids else 0)
+            slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
         self._ship(slot, offsets[-1], non_blocking)
         views = self._device_views(layout, offsets, ids.shape if fold_ids else None)
         merge_dev, work_dev, table_dev, ids_dev = views
@@ -569,7 +639,74 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.rope_theta = float(1e4 if rope_theta is None else rope_theta)
         c.fixed_split_size, c.disable_split_kv = fixed_split_size, disable_split_kv
         c.specs = {}
+        c.native = None  # the C++ planner's (function, configuration struct), False: none; at the first plan()
         return c
+
+    def _plan_native(self, config: _Config, indptr, indices, last_page_len, block_tables, seq_lens,
+                     page_size) -> tuple | None:
+        """plan()'s host part by the C++ planner (csrc/decode_plan.h, one ctypes call):
+        (layout, batch, capacity, filled host slot, work items, grid items, any split,
+        cluster, cluster warps, KV heads per block). None where the numpy path runs
+        instead: no planner module (FLASHINFER_JIT_NATIVE_PLAN=0, or it failed to load: a
+        warning says why), page ids on the host of an eager GPU wrapper (they travel in the
+        packed buffer), or arguments the planner does not take as they are (the numpy
+        path then plans them, or raises its error)."""
+        native = config.native
+        if native is None:
+            native = config.native = _native_config(config)
+        if native is False:
+            return None
+        if block_tables is None:
+            if type(indptr) is not _Tensor or type(last_page_len) is not _Tensor or type(indices) is not _Tensor or \
+                    not (_int32_vector(indptr) and _int32_vector(indices) and _int32_vector(last_page_len)):
+                return None
+            batch = indptr.shape[0] - 1
+            if batch < 0 or last_page_len.shape[0] != batch or (indices.is_cpu and self._folds_host_ids):
+                return None
+            ptr = indptr if indptr.is_cpu else indptr.cpu()
+            last = last_page_len if last_page_len.is_cpu else last_page_len.cpu()
+            if (batch and last.stride(0) != 1) or ptr.stride(0) != 1:
+                return None
+            layout, a, b, c, limit = "csr", ptr.data_ptr(), last.data_ptr(), None, indices.shape[0]
+        else:
+            if indptr is not None or last_page_len is not None or type(block_tables) is not _Tensor or \
+                    type(seq_lens) is not _Tensor or block_tables.dtype != torch.int32 or \
+                    seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+                return None
+            dims = block_tables.dim()
+            if dims not in (2, 3) or (dims == 3 and block_tables.shape[1] != 2) or \
+                    seq_lens.shape[0] != block_tables.shape[0] or block_tables.stride(-1) != 1 or \
+                    (block_tables.is_cpu and self._folds_host_ids):
+                return None
+            seq = seq_lens if seq_lens.is_cpu else seq_lens.cpu()
+            batch = seq.shape[0]
+            if batch and seq.stride(0) != 1:
+                return None
+            layout = "block_table_kv_separate" if dims == 3 else "block_table"
+            a, b, c, limit = None, None, seq.data_ptr(), block_tables.shape[-1] * page_size
+        capacity = 0  # eager
+        if self._use_cuda_graph:
+            capacity = self._capacity
+            if capacity is None:
+                capacity = self._capacity = batch
+            elif batch > capacity:
+                return None  # the numpy path raises
+        fn, config_ptr, _ = native
+        result = self._native_result
+        if result is None:
+            result = self._native_result = np.zeros(6, dtype=np.int64)
+            self._native_result_ptr = result.ctypes.data
+        slot = self._host_buffer(7 * batch + 8)  # a list without splits fits; a split one may ask for more
+        code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array), self._native_result_ptr)
+        if code > 0:  # the list needs a larger slot: the same slot, grown
+            self._host_turn ^= 1
+            slot = self._host_buffer(code)
+            code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array),
+                      self._native_result_ptr)
+        if code != 0:
+            return None
+        items, any_split, cluster, warps, per_block, grid_items = result.tolist()
+        return layout, batch, capacity or batch, slot, items, grid_items, bool(any_split), cluster, warps, per_block
 
     def _host_page_table(self, indptr, indices, last_page_len, block_tables, seq_lens, page_size):
         """(layout, host int arrays to ship, kv lengths as int64) from CSR or block-table
@@ -674,6 +811,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             slot.tensor = torch.empty(max(4096, 1 << (size - 1).bit_length()), dtype=torch.int32,
                                       pin_memory=self._device.type == "cuda")
             slot.array = slot.tensor.numpy()
+            slot.address = slot.tensor.data_ptr()
             slot.event = _new_event(self._device) if self._device.type == "cuda" else None
             slot.pending, slot.copy_end, slot.copy_buf = False, None, None
             self._host_slots[self._host_turn] = slot

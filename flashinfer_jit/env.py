@@ -68,6 +68,12 @@ def decode_clusters() -> bool:
     return os.environ.get("FLASHINFER_JIT_DECODE_CLUSTERS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def native_decode_plan() -> bool:
+    """FLASHINFER_JIT_NATIVE_PLAN=0 keeps batch decode's plan() on its numpy path (the
+    reference the C++ planner is tested against) instead of the C++ planner module."""
+    return os.environ.get("FLASHINFER_JIT_NATIVE_PLAN", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def max_jobs() -> int | None:
     value = os.environ.get("MAX_JOBS")
     return int(value) if value else None

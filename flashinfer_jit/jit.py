@@ -54,7 +54,9 @@ class Prepared:
 
 def prepare(spec: Spec, archs: tuple[str, ...] | None = None) -> Prepared:
     module = render(spec)
-    flags = build.make_flags(archs or env.target_archs(), env.debug(),
+    # host-only modules (no device code) build without target archs: one entry for every GPU
+    archs = () if spec.HOST_ONLY else (archs or env.target_archs())
+    flags = build.make_flags(archs, env.debug(),
                              toolchain.torch_identity()["cxx11_abi"])
     content = cache.content_key(module, flags, toolchain.torch_identity())
     try:

@@ -6,7 +6,8 @@ the host for 256 requests; run() adds <= 10 us of host time to the op call. Meas
   (a) plan() for 256 requests x 2048 tokens, page 16, 32 query / 8 KV heads, head_dim
       128, bf16, CSR page table with host int32 indptr / last_page_len and the indices
       on the device; two batches of slightly different lengths alternate (lengths change
-      at every decode step, so nothing may be cached by value). Also in CUDA-graph mode.
+      at every decode step, so nothing may be cached by value). Also in CUDA-graph mode,
+      and both again on the numpy path (FLASHINFER_JIT_NATIVE_PLAN=0) the C++ planner replaced.
       Without a GPU everything (indices, workspace) lives on the CPU.
   (b) run() with the op replaced by a no-op (jit's module is never loaded): the Python
       overhead alone, b=1 and b=256, with out= given and with out allocated by run().
@@ -151,6 +152,25 @@ class StubbedOp:
             setattr(decode_mod, name, value)
 
 
+class NumpyPlanner:
+    """plan() on its numpy path (FLASHINFER_JIT_NATIVE_PLAN=0) for a with-block."""
+
+    def __enter__(self):
+        import os  # noqa: PLC0415
+
+        self.saved = os.environ.get("FLASHINFER_JIT_NATIVE_PLAN")
+        os.environ["FLASHINFER_JIT_NATIVE_PLAN"] = "0"
+        return self
+
+    def __exit__(self, *exc):
+        import os  # noqa: PLC0415
+
+        if self.saved is None:
+            os.environ.pop("FLASHINFER_JIT_NATIVE_PLAN", None)
+        else:
+            os.environ["FLASHINFER_JIT_NATIVE_PLAN"] = self.saved
+
+
 def flashinfer_or_reason():
     try:
         import flashinfer  # noqa: PLC0415
@@ -182,6 +202,10 @@ def main() -> int:
 
     res["plan_256"]["ours"] = _guard(bench_plan, fij, device, args.rounds, sync)
     res["plan_256"]["ours_cuda_graph"] = _guard(bench_plan, fij, device, args.rounds, sync, graph=True)
+    # the same plans on the numpy path (FLASHINFER_JIT_NATIVE_PLAN=0), the C++ planner's reference
+    with NumpyPlanner():
+        res["plan_256"]["ours_numpy"] = _guard(bench_plan, fij, device, args.rounds, sync)
+        res["plan_256"]["ours_numpy_cuda_graph"] = _guard(bench_plan, fij, device, args.rounds, sync, graph=True)
     with StubbedOp():
         for batch in (1, PLAN_BATCH):
             res["run_stub"][f"b={batch}"] = _guard(bench_run, fij, batch, device, args.rounds, sync, 2000)

@@ -1,4 +1,5 @@
-"""The host side of batch decode (flashinfer_jit/decode.py), on the CPU: no GPU, no build.
+"""The host side of batch decode (flashinfer_jit/decode.py), on the CPU: no GPU; one build,
+the C++ planner module (DecodePlanSpec, host code only) that plan() calls.
 
 The op is replaced by a recorder (and, on CPU tensors, the CUDA-device check by a
 same-device one), so each test sees exactly what run() would hand the kernel:
@@ -7,6 +8,8 @@ same-device one), so each test sees exactly what run() would hand the kernel:
     expected_op_args below, written as that code computed them), for uniform, skewed
     and empty batches, every page-table layout, fixed_split_size, disable_split_kv and
     CUDA-graph padding, across consecutive plans that reuse buffers and views;
+  - plan() through the C++ planner ships the same buffer and launch as through its numpy
+    path, which the tests above also check against the references;
   - plan() copies to the device once (twice in CUDA-graph mode, where the page ids go
     into the fixed buffer, unless they already are it);
   - run()'s fast path (the checks skipped for a q and cache like the last that passed)
@@ -16,6 +19,7 @@ same-device one), so each test sees exactly what run() would hand the kernel:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 
@@ -762,3 +766,149 @@ def test_plan_rejects_bad_page_table_values(name):
     w.plan(**csr([40, 40]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)  # a good plan first
     with pytest.raises(ValueError, match=match):
         w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)
+
+
+# --- plan(): the C++ planner against the numpy path ------------------------------------------------
+def _shipped(w) -> tuple:
+    """What a plan leaves for the device and the op: the shipped buffer up to its end, its
+    layout (views key) and the op's launch arguments."""
+    plan = w._plan
+    end = w._views_key[1][-1]
+    return (w._buf[:end].clone(), w._views_key, plan.args[8], plan.args[9], plan.args[10] is not None,
+            plan.kv_heads_per_block, plan.cluster, plan.cluster_warps, plan.batch, plan.capacity)
+
+
+PLAN_CONFIGS = [  # (num_qo_heads, num_kv_heads, head_dim, kv dtype, plan kwargs)
+    (32, 8, 128, torch.float16, {}),
+    (64, 8, 128, torch.float16, {}),
+    (32, 8, 128, torch.float8_e4m3fn, {}),           # paired KV heads where the grid fills the SMs
+    (64, 8, 128, torch.float8_e4m3fn, {}),
+    (128, 8, 128, torch.float16, {}),                # 16-head tiles
+    (32, 32, 128, torch.float16, {}),                # the CUDA-core kernel (group 1)
+    (32, 8, 64, torch.float16, dict(pos_encoding_mode="ROPE_LLAMA")),
+    (32, 8, 256, torch.float16, {}),
+    (32, 8, 128, torch.float16, dict(fixed_split_size=96)),
+    (32, 8, 128, torch.float16, dict(disable_split_kv=True)),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _planner_batches(table: str) -> list:
+    """(lengths, page-table arguments) of the planner tests, made once per layout."""
+    rnd = random.Random(7)
+    batches = [[2048] * 256, [1000], [700, 0, 33], [], [0, 0], [32768], [5] * 3, [8192, 8193],
+               [rnd.randint(1, 300) for _ in range(56)] + [8192] * 8]
+    for _ in range(6):
+        lens = [rnd.choice([0, 1, 16, 17, rnd.randint(1, 3000)]) for _ in range(rnd.randint(1, 300))]
+        lens[rnd.randrange(len(lens))] = rnd.randint(1, 40000)  # one long request, or none
+        batches.append(lens)
+    return [(lens, csr(lens, seed=i) if table == "csr" else
+             block_table(lens, kv_separate=table == "block_table_kv_separate", seed=i))
+            for i, lens in enumerate(batches)]
+
+
+@pytest.mark.parametrize("config", range(len(PLAN_CONFIGS)))
+@pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])
+@pytest.mark.parametrize("with_clusters", [False, True], ids=["sm80", "sm90"])
+def test_native_planner_matches_the_numpy_path(config, table, with_clusters, op, monkeypatch):
+    """plan() through the C++ planner (csrc/decode_plan.h) ships the same buffer and
+    launch as through the numpy path (FLASHINFER_JIT_NATIVE_PLAN=0), over random
+    batches: uniform, skewed, short, long, empty requests, one request, none; with and
+    without the cluster split; and with a workspace so small that chunks double."""
+    if with_clusters:
+        monkeypatch.setattr(decode, "supports_clusters", lambda device: True)
+    hq, hk, d, kv_dtype, kwargs = PLAN_CONFIGS[config]
+    for workspace_bytes in (WORKSPACE_BYTES, 64 << 10):
+        ws = torch.zeros(workspace_bytes, dtype=torch.uint8)
+        native = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        numpy_ws = torch.zeros(workspace_bytes, dtype=torch.uint8)
+        reference = fij.BatchDecodeWithPagedKVCacheWrapper(numpy_ws, "NHD")
+        numpy_plans = []  # the native wrapper's plans that took the numpy path
+        numpy_path = native._host_page_table  # the numpy path's first step
+        native._host_page_table = lambda *a: numpy_plans.append(a) or numpy_path(*a)
+        for lens, args in _planner_batches(table):
+            plan_kwargs = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS,
+                               q_data_type=torch.float16, kv_data_type=kv_dtype, **kwargs)
+            errors = []
+            for w, flag in ((native, "1"), (reference, "0")):
+                monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
+                w._configs.clear()  # the planner choice is made per configuration
+                try:
+                    w.plan(**args, **plan_kwargs)
+                    errors.append(None)
+                except ValueError as exc:
+                    errors.append(str(exc))
+            assert errors[0] == errors[1], lens
+            if errors[0] is not None:
+                continue
+            assert not numpy_plans, f"the C++ planner left {len(lens)} requests to the numpy path"
+            assert reference._plan.config.native is False
+            a, b = _shipped(native), _shipped(reference)
+            assert torch.equal(a[0], b[0]), f"buffers differ for {len(lens)} requests"
+            assert a[1:] == b[1:]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(last_page_len=torch.tensor([0], dtype=torch.int32)),
+    dict(last_page_len=torch.tensor([PS + 1], dtype=torch.int32)),
+    dict(indptr=torch.tensor([1, 3], dtype=torch.int32)),
+    dict(indptr=torch.tensor([0, 99], dtype=torch.int32)),
+])
+def test_native_planner_leaves_bad_csr_to_the_numpy_errors(bad, op):
+    """Input the planner rejects reaches the numpy path, which raises its own message."""
+    args = csr([40]) | bad
+    w = wrapper()
+    with pytest.raises(ValueError, match="last_page_len|indptr"):
+        w.plan(**args, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+
+
+@pytest.mark.parametrize("config", [0, 1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("table", ["csr", "block_table"])
+@pytest.mark.parametrize("capacity", [1, 8, 300])
+def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table, capacity, op, monkeypatch):
+    """The same in CUDA-graph mode: arrays padded to the capacity, the grid fixed by it
+    (spare rows zero), KV-head pairs decided by it; consecutive plans of fewer requests."""
+    hq, hk, d, kv_dtype, kwargs = PLAN_CONFIGS[config]
+    plan_kwargs = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS, q_data_type=torch.float16,
+                       kv_data_type=kv_dtype, **kwargs)
+    pool = 1 << 20
+    wrappers = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
+        w = wrapper(graph_capacity=capacity, pool=pool, )
+        first = [3000] * capacity  # the capture-time plan sets the capacity
+        args = csr(first) if table == "csr" else block_table(first)
+        w.plan(**args, **plan_kwargs)
+        wrappers.append(w)
+    native, reference = wrappers
+    compared = 0
+    numpy_plans = []
+    numpy_path = native._host_page_table
+    native._host_page_table = lambda *a: numpy_plans.append(a) or numpy_path(*a)
+    singles = [([n], csr([n], seed=n) if table == "csr" else block_table([n], seed=n)) for n in (5, 0, 2048, 2999)]
+    for lens, args in _planner_batches(table) + singles:
+        if not lens or len(lens) > capacity:
+            continue
+        if table == "block_table":  # the capture's width, as an engine's block-table buffer has
+            fixed = native._fixed_block_tables.shape[1]
+            bt = args["block_tables"]
+            if bt.shape[1] > fixed:
+                continue
+            args = dict(args, block_tables=torch.nn.functional.pad(bt, (0, fixed - bt.shape[1]), value=7))
+        errors = []
+        for w, flag in ((native, "1"), (reference, "0")):
+            monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
+            try:
+                w.plan(**args, **plan_kwargs)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+        assert errors[0] == errors[1], lens
+        if errors[0] is not None:
+            continue
+        assert not numpy_plans, f"the C++ planner left {len(lens)} requests to the numpy path"
+        a, b = _shipped(native), _shipped(reference)
+        assert torch.equal(a[0], b[0]), f"buffers differ for {len(lens)} requests"
+        assert a[1:] == b[1:]
+        compared += 1
+    assert compared >= 5, compared

@@ -2,13 +2,13 @@
 
 from .append import AppendSpec, BatchIndicesSpec
 from .base import Spec
-from .decode import DecodeSpec, MergeSpec
+from .decode import DecodePlanSpec, DecodeSpec, MergeSpec
 from .flatten import FlattenSpec
 from .rope import RopeSpec
 
 FAMILIES: dict[str, type[Spec]] = {
-    cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec)
+    cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec, DecodePlanSpec)
 }
 
-__all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "DecodeSpec", "MergeSpec",
+__all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "DecodeSpec", "MergeSpec", "DecodePlanSpec",
            "FAMILIES"]

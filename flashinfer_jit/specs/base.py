@@ -48,6 +48,9 @@ class Spec:
     FAMILY: ClassVar[str]
     # output file name -> template file (under templates/)
     TEMPLATES: ClassVar[dict[str, str]]
+    # True: the module has host code only (its kernel.cu holds no device code), so it
+    # builds for no target arch and one entry serves every GPU
+    HOST_ONLY: ClassVar[bool] = False
 
     # --- what a family provides -------------------------------------------------
     def check(self) -> None:

@@ -123,3 +123,17 @@ class MergeSpec(Spec):
 
     def op_schemas(self) -> dict[str, str]:
         return {"merge_states": "(Tensor v, Tensor s, Tensor(a!) v_out, Tensor(b!) s_out) -> ()"}
+
+
+@dataclass(frozen=True)
+class DecodePlanSpec(Spec):
+    """Batch decode's plan() on the host, in C++ (csrc/decode_plan.h): one module for every
+    decode configuration (the configuration is a run-time struct), called through ctypes;
+    its one op reports the size of that struct."""
+
+    FAMILY = "decode_plan"
+    TEMPLATES = {"kernel.cu": "decode_plan.cu.j2", "binding.cc": "decode_plan_binding.cc.j2"}
+    HOST_ONLY = True
+
+    def op_schemas(self) -> dict[str, str]:
+        return {"config_bytes": "() -> int"}
