@@ -778,6 +778,31 @@ def _shipped(w) -> tuple:
             plan.kv_heads_per_block, plan.cluster, plan.cluster_warps, plan.batch, plan.capacity)
 
 
+def _plan_both(native, reference, numpy_plans: list, lens, args: dict, plan_kwargs: dict, monkeypatch,
+               fresh_configs: bool) -> bool:
+    """Plans `args` on the C++ planner's wrapper and on the numpy path's; both raise the
+    same error, or ship the same buffer and launch (True: compared)."""
+    errors = []
+    for w, flag in ((native, "1"), (reference, "0")):
+        monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
+        if fresh_configs:
+            w._configs.clear()  # the planner choice is made per configuration
+        try:
+            w.plan(**args, **plan_kwargs)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    assert errors[0] == errors[1], lens
+    if errors[0] is not None:
+        return False
+    assert not numpy_plans, f"the C++ planner left {len(lens)} requests to the numpy path"
+    assert reference._plan.config.native is False
+    a, b = _shipped(native), _shipped(reference)
+    assert torch.equal(a[0], b[0]), f"buffers differ for {len(lens)} requests"
+    assert a[1:] == b[1:]
+    return True
+
+
 PLAN_CONFIGS = [  # (num_qo_heads, num_kv_heads, head_dim, kv dtype, plan kwargs)
     (32, 8, 128, torch.float16, {}),
     (64, 8, 128, torch.float16, {}),
@@ -826,26 +851,10 @@ def test_native_planner_matches_the_numpy_path(config, table, with_clusters, op,
         numpy_plans = []  # the native wrapper's plans that took the numpy path
         numpy_path = native._host_page_table  # the numpy path's first step
         native._host_page_table = lambda *a: numpy_plans.append(a) or numpy_path(*a)
+        plan_kwargs = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS,
+                           q_data_type=torch.float16, kv_data_type=kv_dtype, **kwargs)
         for lens, args in _planner_batches(table):
-            plan_kwargs = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS,
-                               q_data_type=torch.float16, kv_data_type=kv_dtype, **kwargs)
-            errors = []
-            for w, flag in ((native, "1"), (reference, "0")):
-                monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
-                w._configs.clear()  # the planner choice is made per configuration
-                try:
-                    w.plan(**args, **plan_kwargs)
-                    errors.append(None)
-                except ValueError as exc:
-                    errors.append(str(exc))
-            assert errors[0] == errors[1], lens
-            if errors[0] is not None:
-                continue
-            assert not numpy_plans, f"the C++ planner left {len(lens)} requests to the numpy path"
-            assert reference._plan.config.native is False
-            a, b = _shipped(native), _shipped(reference)
-            assert torch.equal(a[0], b[0]), f"buffers differ for {len(lens)} requests"
-            assert a[1:] == b[1:]
+            _plan_both(native, reference, numpy_plans, lens, args, plan_kwargs, monkeypatch, fresh_configs=True)
 
 
 @pytest.mark.parametrize("bad", [
@@ -895,20 +904,6 @@ def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table,
             if bt.shape[1] > fixed:
                 continue
             args = dict(args, block_tables=torch.nn.functional.pad(bt, (0, fixed - bt.shape[1]), value=7))
-        errors = []
-        for w, flag in ((native, "1"), (reference, "0")):
-            monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
-            try:
-                w.plan(**args, **plan_kwargs)
-                errors.append(None)
-            except ValueError as exc:
-                errors.append(str(exc))
-        assert errors[0] == errors[1], lens
-        if errors[0] is not None:
-            continue
-        assert not numpy_plans, f"the C++ planner left {len(lens)} requests to the numpy path"
-        a, b = _shipped(native), _shipped(reference)
-        assert torch.equal(a[0], b[0]), f"buffers differ for {len(lens)} requests"
-        assert a[1:] == b[1:]
-        compared += 1
+        compared += _plan_both(native, reference, numpy_plans, lens, args, plan_kwargs, monkeypatch,
+                               fresh_configs=False)
     assert compared >= 5, compared
