@@ -426,7 +426,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._buf = None  # the device side of the packed plan buffer
         self._views_key = self._views_buf = self._views = None
         self._pdl = supports_pdl(self._device)  # run(enable_pdl=None): as FlashInfer, on from sm_90
-        self._native_result = self._native_result_ptr = None  # the C++ planner's int64 results
+        self._native_result = np.zeros(6, dtype=np.int64)  # the C++ planner's results (DecodePlanResult)
+        self._native_result_ptr = self._native_result.ctypes.data
         # eager GPU wrappers fold page ids given on the host into the plan buffer (numpy path)
         self._folds_host_ids = not self._use_cuda_graph and not self._device_is_cpu
 
@@ -462,9 +463,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             max_items, fold_ids = (grid_items if graph else None), False
             ids = indices if layout == "csr" else block_tables
             offsets = _offsets(layout, capacity, grid_items, 0)
-            previous = self._plan
-            if graph and previous is not None and previous.max_items != max_items:
-                raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
         else:
             layout, table_host, kv_lens = self._host_page_table(indptr, indices, last_page_len, block_tables,
                                                                 seq_lens, page_size)
@@ -498,16 +496,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                         max_items, config.partial_o.shape[0], config.min_chunk, sized, config.max_chunks,
                         skewed_target)
                     items = len(work)
-            previous = self._plan
-            if graph and previous is not None and previous.max_items != max_items:
-                raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
             grid_items = max_items if graph else items
             ids = indices if layout == "csr" else block_tables
             # Page ids on the host (rare: engines keep them on the device) travel in the packed
             # buffer too, so plan() makes one host-to-device copy whatever it is given.
-            fold_ids = not graph and ids.is_cpu and not self._device_is_cpu
+            fold_ids = ids.is_cpu and self._folds_host_ids
             offsets = _offsets(layout, capacity, grid_items, ids.numel() if fold_ids else 0)
             slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
+        previous = self._plan
+        if graph and previous is not None and previous.max_items != max_items:
+            raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
         self._ship(slot, offsets[-1], non_blocking)
         views = self._device_views(layout, offsets, ids.shape if fold_ids else None)
         merge_dev, work_dev, table_dev, ids_dev = views
@@ -657,8 +655,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if native is False:
             return None
         if block_tables is None:
-            if type(indptr) is not _Tensor or type(last_page_len) is not _Tensor or type(indices) is not _Tensor or \
-                    not (_int32_vector(indptr) and _int32_vector(indices) and _int32_vector(last_page_len)):
+            if not (_int32_vector(indptr) and _int32_vector(indices) and _int32_vector(last_page_len)):
                 return None
             batch = indptr.shape[0] - 1
             if batch < 0 or last_page_len.shape[0] != batch or (indices.is_cpu and self._folds_host_ids):
@@ -669,9 +666,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 return None
             layout, a, b, c, limit = "csr", ptr.data_ptr(), last.data_ptr(), None, indices.shape[0]
         else:
-            if indptr is not None or last_page_len is not None or type(block_tables) is not _Tensor or \
-                    type(seq_lens) is not _Tensor or block_tables.dtype != torch.int32 or \
-                    seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+            if indptr is not None or last_page_len is not None or not isinstance(block_tables, _Tensor) or \
+                    block_tables.dtype != torch.int32 or not _int32_vector(seq_lens):
                 return None
             dims = block_tables.dim()
             if dims not in (2, 3) or (dims == 3 and block_tables.shape[1] != 2) or \
@@ -693,9 +689,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 return None  # the numpy path raises
         fn, config_ptr, _ = native
         result = self._native_result
-        if result is None:
-            result = self._native_result = np.zeros(6, dtype=np.int64)
-            self._native_result_ptr = result.ctypes.data
         slot = self._host_buffer(7 * batch + 8)  # a list without splits fits; a split one may ask for more
         code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array), self._native_result_ptr)
         if code > 0:  # the list needs a larger slot: the same slot, grown

@@ -18,6 +18,11 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _on_unless_off(name: str) -> bool:
+    """A switch that is on unless set to 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def source_dir(kind: str) -> Path:
     """`csrc` or `templates`: the checkout's top-level folder, else the installed copy."""
     checkout = PACKAGE_DIR.parent / kind
@@ -65,13 +70,13 @@ def jit_disabled() -> bool:
 def decode_clusters() -> bool:
     """FLASHINFER_JIT_DECODE_CLUSTERS=0 keeps batch decode off its thread-block-cluster split
     (small batches then split with partial states in the workspace, as before sm_90)."""
-    return os.environ.get("FLASHINFER_JIT_DECODE_CLUSTERS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _on_unless_off("FLASHINFER_JIT_DECODE_CLUSTERS")
 
 
 def native_decode_plan() -> bool:
     """FLASHINFER_JIT_NATIVE_PLAN=0 keeps batch decode's plan() on its numpy path (the
     reference the C++ planner is tested against) instead of the C++ planner module."""
-    return os.environ.get("FLASHINFER_JIT_NATIVE_PLAN", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _on_unless_off("FLASHINFER_JIT_NATIVE_PLAN")
 
 
 def max_jobs() -> int | None:

@@ -29,10 +29,12 @@ a short summary.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
@@ -152,25 +154,6 @@ class StubbedOp:
             setattr(decode_mod, name, value)
 
 
-class NumpyPlanner:
-    """plan() on its numpy path (FLASHINFER_JIT_NATIVE_PLAN=0) for a with-block."""
-
-    def __enter__(self):
-        import os  # noqa: PLC0415
-
-        self.saved = os.environ.get("FLASHINFER_JIT_NATIVE_PLAN")
-        os.environ["FLASHINFER_JIT_NATIVE_PLAN"] = "0"
-        return self
-
-    def __exit__(self, *exc):
-        import os  # noqa: PLC0415
-
-        if self.saved is None:
-            os.environ.pop("FLASHINFER_JIT_NATIVE_PLAN", None)
-        else:
-            os.environ["FLASHINFER_JIT_NATIVE_PLAN"] = self.saved
-
-
 def flashinfer_or_reason():
     try:
         import flashinfer  # noqa: PLC0415
@@ -203,7 +186,7 @@ def main() -> int:
     res["plan_256"]["ours"] = _guard(bench_plan, fij, device, args.rounds, sync)
     res["plan_256"]["ours_cuda_graph"] = _guard(bench_plan, fij, device, args.rounds, sync, graph=True)
     # the same plans on the numpy path (FLASHINFER_JIT_NATIVE_PLAN=0), the C++ planner's reference
-    with NumpyPlanner():
+    with mock.patch.dict(os.environ, {"FLASHINFER_JIT_NATIVE_PLAN": "0"}):
         res["plan_256"]["ours_numpy"] = _guard(bench_plan, fij, device, args.rounds, sync)
         res["plan_256"]["ours_numpy_cuda_graph"] = _guard(bench_plan, fij, device, args.rounds, sync, graph=True)
     with StubbedOp():

@@ -884,7 +884,7 @@ def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table,
     wrappers = []
     for flag in ("1", "0"):
         monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
-        w = wrapper(graph_capacity=capacity, pool=pool, )
+        w = wrapper(graph_capacity=capacity, pool=pool)
         first = [3000] * capacity  # the capture-time plan sets the capacity
         args = csr(first) if table == "csr" else block_table(first)
         w.plan(**args, **plan_kwargs)
