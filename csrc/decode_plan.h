@@ -54,9 +54,33 @@ struct Sized {
   bool automatic;
 };
 
+constexpr int64_t kWaveSplitMinBytes = int64_t(2) << 20;      // decode.py _WAVE_SPLIT_MIN_BYTES
+constexpr int64_t kWaveSplitManyMinBytes = int64_t(4) << 20;  // decode.py _WAVE_SPLIT_MANY_MIN_BYTES
+constexpr int64_t kWaveSplitWaves = 12;                       // decode.py _WAVE_SPLIT_WAVES
+
+// decode.py _wave_chunks
+inline int64_t wave_chunks(const std::vector<int64_t>& lens, int64_t longest, int64_t blocks, int64_t wave,
+                           int64_t block_bytes) {
+  if (block_bytes < kWaveSplitMinBytes || blocks <= wave) return 1;
+  for (const int64_t n : lens)
+    if (4 * n < 3 * longest) return 1;
+  if (2 * blocks >= 7 * wave) {
+    if (block_bytes < kWaveSplitManyMinBytes) return 1;
+    return std::max<int64_t>(1, std::min<int64_t>(4, (2 * kWaveSplitWaves * wave + blocks) / (2 * blocks)));
+  }
+  int64_t best = 1, best_cost = -1;
+  for (int64_t k = 1; k <= 4; ++k) {
+    const int64_t idle = (wave - (k * blocks) % wave) % wave;
+    const int64_t cost = idle * (12 / k);
+    if (best_cost < 0 || cost < best_cost) best = k, best_cost = cost;
+  }
+  return best;
+}
+
 // decode.py _chunk_size
 inline Sized chunk_size(const std::vector<int64_t>& lens, int64_t longest, int64_t total, int64_t blocks_per_item,
-                        int64_t target, const DecodePlanConfig& c, int64_t skewed_target) {
+                        int64_t target, const DecodePlanConfig& c, int64_t skewed_target,
+                        int64_t block_token_bytes) {
   if (c.disable_split_kv || longest == 0) return {std::max<int64_t>(longest, 1), longest, false};
   if (c.fixed_split_size) return {c.fixed_split_size, longest, false};
   int64_t wanted = div_up(total * blocks_per_item, target);
@@ -67,7 +91,13 @@ inline Sized chunk_size(const std::vector<int64_t>& lens, int64_t longest, int64
   }
   int64_t floor = std::min<int64_t>(c.min_chunk, std::max(kMinChunk, up_to(div_up(longest, 16), 32)));
   if (c.max_chunks) floor = std::max(floor, up_to(div_up(longest, c.max_chunks), 32));
-  return {std::max(floor, div_up(wanted, 32) * 32), longest, true};
+  int64_t chunk = std::max(floor, div_up(wanted, 32) * 32);
+  if (skewed_target && block_token_bytes && 2 * longest < 3 * chunk) {  // nothing splits by the target
+    const int64_t k = wave_chunks(lens, longest, int64_t(lens.size()) * blocks_per_item, skewed_target,
+                                  longest * block_token_bytes);
+    if (k > 1) chunk = std::max(floor, up_to(div_up(longest, k), 32));
+  }
+  return {chunk, longest, true};
 }
 
 // decode.py _nothing_splits (max_items < 0: no cap)
@@ -183,7 +213,8 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
       if (cap * (bpi / 2) >= c.sms) per_block = 2, bpi /= 2, target /= 2;
     } else if (c.pairs) {
       const int64_t bpi2 = bpi / 2, target2 = target / 2;
-      const Sized s = chunk_size(lens, longest, total, bpi2, target2, c, c.skew_factor ? target2 * c.skew_factor : 0);
+      const Sized s = chunk_size(lens, longest, total, bpi2, target2, c, c.skew_factor ? target2 * c.skew_factor : 0,
+                                 2 * int64_t(c.token_bytes));
       const int64_t n = nothing_splits(s) ? batch : count_items(lens, s);
       if (n * bpi2 >= c.sms) {
         per_block = 2, bpi = bpi2, target = target2, sized = s, have_sized = true;
@@ -191,7 +222,7 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
     }
     if (graph) max_items = graph_grid_items(cap, bpi, target, c.sms);
     const int64_t skewed = c.skew_factor ? target * c.skew_factor : 0;
-    if (!have_sized) sized = chunk_size(lens, longest, total, bpi, target, c, skewed);
+    if (!have_sized) sized = chunk_size(lens, longest, total, bpi, target, c, skewed, per_block * int64_t(c.token_bytes));
     if (nothing_splits(sized, batch, max_items)) {
       one_per_request = true;
       items = batch;

@@ -86,6 +86,27 @@ _MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
 # merge padded, fp8 kv=2k took 6.15 us with 8 warps, 6.67 with 4, 6.60 split; kv=1k 4.81
 # with 4 warps, 5.66 split).
 _CLUSTER_MIN_CHUNK = 64
+# Large uniform batches that fill the GPU (nothing splits by the target above) still
+# split when their grid's waves end badly: the tensor-core blocks of a wave (4 per SM at
+# head_dim <= 128, the skewed target's blocks) all read as much and end together, and the
+# last wave's empty slots idle for a whole block. H100, 32/8 and 64/8 heads, head_dim 128,
+# page 16, CUDA-graph replay, unsplit -> split (FlashInfer 0.5.3's tensor-core path in the
+# same run; docs/performance.md, session 15):
+# - a last wave under ~80% full, blocks of >= _WAVE_SPLIT_MIN_BYTES: the k in 1..4 chunks
+#   leaving the fewest idle block-slots (empty slots of the last wave / k): b=80 kv=16k
+#   (1.2 waves) 1878 -> 1761 us in 4 chunks (FlashInfer 1799), b=96 kv=32k (1.45) 4376 ->
+#   4203 in 2 (4231), b=96 kv=8k 1096 -> 1061 (1065), b=160 kv=8k (2.4) 1822 -> 1766
+#   (1769); fuller last waves tie at k = 1 and stay whole (b=128 kv=32k: 5595 unsplit, 5612-5648
+#   split; b=192 kv=16k 4197, 3 chunks 4233);
+# - 3.5 waves or more, blocks of >= _WAVE_SPLIT_MANY_MIN_BYTES: about _WAVE_SPLIT_WAVES
+#   waves (k = 12 / waves, rounded, at most 4; the measured mechanism is open: 2 chunks
+#   of b=256 lost, 3 and 4 won): b=256 kv=32k 11270 -> 11127 us (FlashInfer 11224), kv=16k
+#   5634 -> 5579 (5629), kv=8k 2823 -> 2807 (2826), GQA-8 kv=32k 11282 -> 11146, fp8 kv=32k
+#   5782 -> 5664, b=512 kv=8k 5646 -> 5594 (5633), fp8 2906 -> 2861; 2 MB blocks gained
+#   nothing (b=256 kv=4k 1414.5 unsplit, 1418-1421 split; b=1024 kv=4k 5578, 5617+ split).
+_WAVE_SPLIT_MIN_BYTES = 2 << 20  # K and V bytes a block reads (two KV heads' where paired)
+_WAVE_SPLIT_MANY_MIN_BYTES = 4 << 20
+_WAVE_SPLIT_WAVES = 12
 _CLUSTER_MAX_BLOCK_BYTES = {2: 64 << 10, 1: 32 << 10}  # by the cache's bytes per element
 _WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
@@ -213,10 +234,13 @@ def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
 
 def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
                 disable_split_kv, min_chunk: int = _MIN_CHUNK, max_chunks: int | None = None,
-                skewed_target_blocks: int | None = None) -> tuple:
+                skewed_target_blocks: int | None = None, block_token_bytes: int = 0) -> tuple:
     """(chunk, longest request, auto) before the chunk is fitted to the capacities; auto:
     the chunk is a target that requests round to (not a fixed length). skewed_target_blocks:
-    the target instead where the batch mixes requests under half a chunk with split ones."""
+    the target instead where the batch mixes requests under half a chunk with split ones;
+    it is also the blocks that run at once (4 per SM), which the wave split of a batch that
+    fills the GPU counts with block_token_bytes, a block's K and V bytes per token (0: no
+    wave split)."""
     longest = int(np.maximum.reduce(kv_lens)) if len(kv_lens) else 0
     if disable_split_kv or longest == 0:
         return max(longest, 1), longest, False
@@ -232,7 +256,27 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
     floor = min(min_chunk, max(_MIN_CHUNK, _round_up(_ceil_div(longest, 16), 32)))
     if max_chunks:
         floor = max(floor, _round_up(_ceil_div(longest, max_chunks), 32))
-    return max(floor, -(-wanted // 32) * 32), longest, True
+    chunk = max(floor, -(-wanted // 32) * 32)
+    if skewed_target_blocks and block_token_bytes and 2 * longest < 3 * chunk:  # nothing splits by the target
+        k = _wave_chunks(kv_lens, longest, len(kv_lens) * blocks_per_item, skewed_target_blocks,
+                         longest * block_token_bytes)
+        if k > 1:
+            chunk = max(floor, _round_up(_ceil_div(longest, k), 32))
+    return chunk, longest, True
+
+
+def _wave_chunks(kv_lens: np.ndarray, longest: int, blocks: int, wave: int, block_bytes: int) -> int:
+    """Chunks per request (1: none) for a grid of `blocks` equal blocks of `block_bytes`,
+    `wave` of which run at once (see _WAVE_SPLIT_MIN_BYTES). Only for near-uniform batches
+    (every request at least 3/4 of the longest): the rule counts equal blocks."""
+    if block_bytes < _WAVE_SPLIT_MIN_BYTES or blocks <= wave or 4 * int(np.minimum.reduce(kv_lens)) < 3 * longest:
+        return 1
+    if 2 * blocks >= 7 * wave:
+        if block_bytes < _WAVE_SPLIT_MANY_MIN_BYTES:
+            return 1
+        return max(1, min(4, (2 * _WAVE_SPLIT_WAVES * wave + blocks) // (2 * blocks)))
+    # idle block-slots of the last wave, in twelfths of an unsplit block; ties keep fewer chunks
+    return min((1, 2, 3, 4), key=lambda k: (-k * blocks) % wave * (12 // k))
 
 
 def _nothing_splits(chunk: int, longest: int, batch: int, max_items: int | None, auto: bool) -> bool:
@@ -486,7 +530,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 skewed_target = config.skewed_target(target)
                 if sized is None:
                     sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
-                                        config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target)
+                                        config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target,
+                                        per_block * config.token_bytes)
                 if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
                     work = merge_indptr = None  # _pack writes one item per request straight into the buffer
                     items, any_split = batch, False
@@ -571,7 +616,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return (2, bpi, target, None) if capacity * bpi >= config.sms else (1, config.blocks_per_item,
                                                                                 config.target, None)
         sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
-                            config.min_chunk, config.max_chunks, config.skewed_target(target))
+                            config.min_chunk, config.max_chunks, config.skewed_target(target), 2 * config.token_bytes)
         chunk, longest, auto = sized
         items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
             else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())

@@ -420,6 +420,81 @@ def test_graph_grid_items_spares_under_two_blocks_per_sm(capacity, blocks_per_it
     assert capacity * blocks_per_item >= CPU_SMS or rows * blocks_per_item < 2 * CPU_SMS
 
 
+# --- plan(): the wave split of large uniform batches ----------------------------------------------
+WAVE_CASES = [  # (requests, tokens each, num_qo_heads, kv dtype, chunks per request) on 132 SMs
+    (256, 32768, 32, torch.bfloat16, 3),   # 2048 blocks = 3.9 waves of 528, 16 MB each: ~12 waves
+    (256, 8192, 64, torch.bfloat16, 3),    # 4 MB blocks
+    (512, 8192, 32, torch.bfloat16, 2),    # 7.8 waves
+    (256, 8192, 32, torch.float8_e4m3fn, 3),  # paired blocks (4 MB): 1024 blocks, 264 at once
+    (256, 4096, 32, torch.bfloat16, 1),    # 2 MB blocks: not at 3.5+ waves
+    (1024, 4096, 32, torch.bfloat16, 1),   # 15.5 waves already
+    (80, 16384, 32, torch.bfloat16, 4),    # 1.21 waves: 4.85 leaves the fewest idle slots
+    (96, 32768, 32, torch.bfloat16, 2),    # 1.45 waves -> 2.91 (4 ties, fewer chunks win)
+    (160, 8192, 32, torch.bfloat16, 2),    # 2.42 -> 4.85
+    (96, 2048, 32, torch.bfloat16, 1),     # 1 MB blocks
+    (128, 32768, 32, torch.bfloat16, 1),   # 1.94 waves: every k leaves as many idle slots
+    (192, 16384, 32, torch.bfloat16, 1),   # 2.91
+    (64, 32768, 32, torch.bfloat16, 1),    # one wave
+    (128, 32768, 32, torch.float8_e4m3fn, 1),  # paired: 512 blocks, 1.94 waves
+    (256, 32768, 128, torch.bfloat16, 1),  # 16-head tiles: their residency is not measured
+    (96, 32768, 8, torch.bfloat16, 1),     # the CUDA-core kernel (8/8 heads): not measured
+]
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "numpy"])
+@pytest.mark.parametrize("batch,kv_len,hq,kv_dtype,chunks", WAVE_CASES)
+def test_plan_splits_large_uniform_batches_by_their_waves(batch, kv_len, hq, kv_dtype, chunks, native, op,
+                                                           monkeypatch):
+    """A batch that fills the GPU still splits where its grid's last wave would leave slots
+    idle for a long block (decode.py _WAVE_SPLIT_MIN_BYTES): each request in `chunks`
+    chunks of equal whole tiles, by both planners."""
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.plan(**csr([kv_len] * batch), num_qo_heads=hq, num_kv_heads=HK, head_dim=D, page_size=PS,
+           q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    assert (w._plan.config.native is not False) == (native == "1")
+    assert w._plan.args[8] == batch * chunks  # grid items
+    assert w._plan.args[9] == (batch if chunks > 1 else 0)  # merge rows
+    work = w._plan.args[1]
+    rows = work[1:1 + 4 * batch * chunks].view(-1, 4).tolist()
+    assert int(work[0]) == batch * chunks
+    size = max(32, -(-(-(-kv_len // chunks)) // 32) * 32)
+    for r in (0, batch - 1):  # each request's chunks: equal whole tiles, covering it once
+        spans = sorted((start, end) for req, start, end, _ in rows if req == r)
+        assert spans == [(i * size, min(kv_len, (i + 1) * size)) for i in range(chunks)]
+
+
+@pytest.mark.parametrize("case", [
+    dict(lens=[32768] * 255 + [16000]),   # not uniform: a request under 3/4 of the longest
+    dict(lens=[32768] * 255 + [0]),        # an empty request
+    dict(lens=[32768] * 256, fixed_split_size=32768),
+    dict(lens=[32768] * 256, disable_split_kv=True),
+])
+def test_wave_split_only_for_uniform_batches_and_automatic_splits(case, op):
+    case = dict(case)
+    lens = case.pop("lens")
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.plan(**csr(lens), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.bfloat16,
+           **case)
+    assert w._plan.args[8] == len(lens) and w._plan.args[9] == 0
+
+
+def test_wave_split_in_cuda_graph_mode_fits_the_captured_grid(op):
+    """A CUDA-graph wrapper's grid is fixed at capture (capacity + spare rows): the wave
+    split of b=256 does not fit it, so the chunk doubles back to whole requests, as any
+    split that outgrows the grid does."""
+    lens = [32768] * 256
+    buf = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(  # a workspace that holds the split's partial rows
+        torch.zeros(64 << 20, dtype=torch.uint8), "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=buf(257),
+        paged_kv_indices_buffer=buf(256 * 2048), paged_kv_last_page_len_buffer=buf(256))
+    w.plan(**csr(lens), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.bfloat16)
+    rows = decode.graph_grid_items(256, HK, cpu_target_blocks(HQ, HK, D), CPU_SMS)
+    assert w._plan.args[8] == rows
+    work = w._plan.args[1]
+    assert int(work[0]) == 256  # items: one per request
+
+
 # --- plan(): the cluster split (sm_90+) ----------------------------------------------------------
 @pytest.mark.parametrize("lens,cluster", [([2048], 16), ([1000, 0, 33], 16), ([31], 8), ([0], 16), ([], 16),
                                           ([32768, 5000], 8)])
@@ -821,7 +896,7 @@ PLAN_CONFIGS = [  # (num_qo_heads, num_kv_heads, head_dim, kv dtype, plan kwargs
 def _planner_batches(table: str) -> list:
     """(lengths, page-table arguments) of the planner tests, made once per layout."""
     rnd = random.Random(7)
-    batches = [[2048] * 256, [1000], [700, 0, 33], [], [0, 0], [32768], [5] * 3, [8192, 8193],
+    batches = [[2048] * 256, [1000], [700, 0, 33], [], [0, 0], [32768], [5] * 3, [8192, 8193], [8192] * 160,
                [rnd.randint(1, 300) for _ in range(56)] + [8192] * 8]
     for _ in range(6):
         lens = [rnd.choice([0, 1, 16, 17, rnd.randint(1, 3000)]) for _ in range(rnd.randint(1, 300))]
