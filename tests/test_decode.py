@@ -456,6 +456,34 @@ def test_batch_decode_merges_thousands_of_partials():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,batch,kv_len,chunks,pairs", [
+    ("bfloat16", 80, 16384, 4, 1),  # 1.2 waves of 528 blocks on 132 SMs -> 4.8
+    ("float8_e4m3fn", 256, 8192, 3, 2),  # 3.9 waves of 4 MB paired blocks -> 11.6
+])
+def test_batch_decode_wave_split_large_batch(kv_dtype, batch, kv_len, chunks, pairs, workspace):
+    """A large uniform batch that plan() splits by its grid's waves (decode.py
+    _WAVE_SPLIT_MIN_BYTES) matches the reference; NaN-poisoned out and LSE, every row
+    written. (The chunk counts hold on 132 SMs, where the rule was measured.)"""
+    rnd = random.Random(31)
+    gen = torch.Generator(device=DEV).manual_seed(31)
+    lens = [kv_len] * batch
+    paged, k, v, q = _llama_inputs(lens, "bfloat16", gen, rnd, kv_dtype_name=kv_dtype)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=128,
+                 page_size=16, q_data_type=torch.bfloat16, kv_data_type=_dtype(kv_dtype))
+    if torch.cuda.get_device_properties(DEV).multi_processor_count == 132:
+        assert wrapper._plan.args[8] == batch * chunks and wrapper._plan.kv_heads_per_block == pairs
+    scales = dict(k_scale=0.5, v_scale=2.0) if pairs == 2 else {}
+    out_buf, out = poisoned((batch, LLAMA_HEADS[0], 128), torch.bfloat16)
+    lse_buf, lse = poisoned((batch, LLAMA_HEADS[0]), torch.float32)
+    wrapper.run(q, (k, v), out=out, lse=lse, **scales)
+    assert_sentinels(out_buf, "out")
+    assert_sentinels(lse_buf, "lse")
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, **scales)
+    check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_table", GRAPH_TABLES)
 def test_batch_decode_cuda_graph_replay(page_table, workspace):
     """run() captured once (batch 16), replayed after plan() with new lengths at batch 16,
