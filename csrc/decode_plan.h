@@ -54,18 +54,19 @@ struct Sized {
   bool automatic;
 };
 
-constexpr int64_t kWaveSplitMinBytes = int64_t(2) << 20;      // decode.py _WAVE_SPLIT_MIN_BYTES
-constexpr int64_t kWaveSplitManyMinBytes = int64_t(4) << 20;  // decode.py _WAVE_SPLIT_MANY_MIN_BYTES
+constexpr int64_t kWaveSplitMinBytes = 1000000000;      // decode.py _WAVE_SPLIT_MIN_BYTES
+constexpr int64_t kWaveSplitManyMinBytes = 2000000000;  // decode.py _WAVE_SPLIT_MANY_MIN_BYTES
 constexpr int64_t kWaveSplitWaves = 12;                       // decode.py _WAVE_SPLIT_WAVES
 
 // decode.py _wave_chunks
 inline int64_t wave_chunks(const std::vector<int64_t>& lens, int64_t longest, int64_t blocks, int64_t wave,
                            int64_t block_bytes) {
-  if (block_bytes < kWaveSplitMinBytes || blocks <= wave) return 1;
+  const int64_t wave_bytes = block_bytes * wave;
+  if (wave_bytes < kWaveSplitMinBytes || blocks <= wave) return 1;
   for (const int64_t n : lens)
     if (4 * n < 3 * longest) return 1;
   if (2 * blocks >= 7 * wave) {
-    if (block_bytes < kWaveSplitManyMinBytes) return 1;
+    if (wave_bytes < kWaveSplitManyMinBytes) return 1;
     return std::max<int64_t>(1, std::min<int64_t>(4, (2 * kWaveSplitWaves * wave + blocks) / (2 * blocks)));
   }
   int64_t best = 1, best_cost = -1;

@@ -89,23 +89,26 @@ _CLUSTER_MIN_CHUNK = 64
 # Large uniform batches that fill the GPU (nothing splits by the target above) still
 # split when their grid's waves end badly: the tensor-core blocks of a wave (4 per SM at
 # head_dim <= 128, the skewed target's blocks) all read as much and end together, and the
-# last wave's empty slots idle for a whole block. H100, 32/8 and 64/8 heads, head_dim 128,
-# page 16, CUDA-graph replay, unsplit -> split (FlashInfer 0.5.3's tensor-core path in the
-# same run; docs/performance.md, session 15):
-# - a last wave under ~80% full, blocks of >= _WAVE_SPLIT_MIN_BYTES: the k in 1..4 chunks
+# last wave's empty slots idle for as long as a wave takes. What counts is the K and V a
+# whole wave reads (block bytes x blocks at once): its time. H100, 32/8 and 64/8 heads,
+# head_dim 128, page 16, CUDA-graph replay, unsplit -> split (FlashInfer 0.5.3's
+# tensor-core path in the same run; docs/performance.md, session 15):
+# - a last wave under ~80% full, waves of >= _WAVE_SPLIT_MIN_BYTES: the k in 1..4 chunks
 #   leaving the fewest idle block-slots (empty slots of the last wave / k): b=80 kv=16k
 #   (1.2 waves) 1878 -> 1761 us in 4 chunks (FlashInfer 1799), b=96 kv=32k (1.45) 4376 ->
-#   4203 in 2 (4231), b=96 kv=8k 1096 -> 1061 (1065), b=160 kv=8k (2.4) 1822 -> 1766
-#   (1769); fuller last waves tie at k = 1 and stay whole (b=128 kv=32k: 5595 unsplit, 5612-5648
+#   4203 in 2 (4231), kv=8k 1096 -> 1061 (1065), kv=4k (1.1 GB waves) 549 -> 536 (537),
+#   b=160 kv=8k (2.4) 1822 -> 1766 (1769); b=96 kv=2k (0.55 GB waves) 276 either way.
+#   Fuller last waves tie at k = 1 and stay whole (b=128 kv=32k: 5595 unsplit, 5612-5648
 #   split; b=192 kv=16k 4197, 3 chunks 4233);
-# - 3.5 waves or more, blocks of >= _WAVE_SPLIT_MANY_MIN_BYTES: about _WAVE_SPLIT_WAVES
-#   waves (k = 12 / waves, rounded, at most 4; the measured mechanism is open: 2 chunks
+# - 3.5 waves or more, waves of >= _WAVE_SPLIT_MANY_MIN_BYTES: about _WAVE_SPLIT_WAVES
+#   waves (k = 12 / waves, rounded, at most 4; the mechanism is not established: 2 chunks
 #   of b=256 lost, 3 and 4 won): b=256 kv=32k 11270 -> 11127 us (FlashInfer 11224), kv=16k
-#   5634 -> 5579 (5629), kv=8k 2823 -> 2807 (2826), GQA-8 kv=32k 11282 -> 11146, fp8 kv=32k
-#   5782 -> 5664, b=512 kv=8k 5646 -> 5594 (5633), fp8 2906 -> 2861; 2 MB blocks gained
-#   nothing (b=256 kv=4k 1414.5 unsplit, 1418-1421 split; b=1024 kv=4k 5578, 5617+ split).
-_WAVE_SPLIT_MIN_BYTES = 2 << 20  # K and V bytes a block reads (two KV heads' where paired)
-_WAVE_SPLIT_MANY_MIN_BYTES = 4 << 20
+#   5634 -> 5579 (5629), kv=8k 2823 -> 2807 (2826), GQA-8 kv=32k 11282 -> 11146, fp8
+#   (paired blocks, 264 at once) kv=32k 5782 -> 5664, b=512 kv=8k 5646 -> 5594 (5633).
+#   1.1 GB waves gained nothing: b=256 kv=4k 1414.5 unsplit, 1418-1421 split, b=1024 kv=4k
+#   5578 against 5617+, fp8 b=256 kv=8k 1447-1464 unsplit, 1445-1465 in 3 chunks.
+_WAVE_SPLIT_MIN_BYTES = 1_000_000_000  # K and V bytes a wave of blocks reads
+_WAVE_SPLIT_MANY_MIN_BYTES = 2_000_000_000
 _WAVE_SPLIT_WAVES = 12
 _CLUSTER_MAX_BLOCK_BYTES = {2: 64 << 10, 1: 32 << 10}  # by the cache's bytes per element
 _WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}
@@ -269,10 +272,11 @@ def _wave_chunks(kv_lens: np.ndarray, longest: int, blocks: int, wave: int, bloc
     """Chunks per request (1: none) for a grid of `blocks` equal blocks of `block_bytes`,
     `wave` of which run at once (see _WAVE_SPLIT_MIN_BYTES). Only for near-uniform batches
     (every request at least 3/4 of the longest): the rule counts equal blocks."""
-    if block_bytes < _WAVE_SPLIT_MIN_BYTES or blocks <= wave or 4 * int(np.minimum.reduce(kv_lens)) < 3 * longest:
+    wave_bytes = block_bytes * wave
+    if wave_bytes < _WAVE_SPLIT_MIN_BYTES or blocks <= wave or 4 * int(np.minimum.reduce(kv_lens)) < 3 * longest:
         return 1
     if 2 * blocks >= 7 * wave:
-        if block_bytes < _WAVE_SPLIT_MANY_MIN_BYTES:
+        if wave_bytes < _WAVE_SPLIT_MANY_MIN_BYTES:
             return 1
         return max(1, min(4, (2 * _WAVE_SPLIT_WAVES * wave + blocks) // (2 * blocks)))
     # idle block-slots of the last wave, in twelfths of an unsplit block; ties keep fewer chunks

@@ -425,13 +425,16 @@ WAVE_CASES = [  # (requests, tokens each, num_qo_heads, kv dtype, chunks per req
     (256, 32768, 32, torch.bfloat16, 3),   # 2048 blocks = 3.9 waves of 528, 16 MB each: ~12 waves
     (256, 8192, 64, torch.bfloat16, 3),    # 4 MB blocks
     (512, 8192, 32, torch.bfloat16, 2),    # 7.8 waves
-    (256, 8192, 32, torch.float8_e4m3fn, 3),  # paired blocks (4 MB): 1024 blocks, 264 at once
-    (256, 4096, 32, torch.bfloat16, 1),    # 2 MB blocks: not at 3.5+ waves
+    (256, 32768, 32, torch.float8_e4m3fn, 3),  # paired blocks (16 MB): 1024 blocks, 264 at once
+    (256, 8192, 32, torch.float8_e4m3fn, 1),   # paired 4 MB blocks: a 1.1 GB wave
+    (160, 16384, 32, torch.float8_e4m3fn, 2),  # paired, 2.42 waves -> 4.85
+    (256, 4096, 32, torch.bfloat16, 1),    # 2 MB blocks, 1.1 GB waves: not at 3.5+ waves
+    (96, 4096, 32, torch.bfloat16, 2),     # ... but at 1.45
     (1024, 4096, 32, torch.bfloat16, 1),   # 15.5 waves already
     (80, 16384, 32, torch.bfloat16, 4),    # 1.21 waves: 4.85 leaves the fewest idle slots
     (96, 32768, 32, torch.bfloat16, 2),    # 1.45 waves -> 2.91 (4 ties, fewer chunks win)
     (160, 8192, 32, torch.bfloat16, 2),    # 2.42 -> 4.85
-    (96, 2048, 32, torch.bfloat16, 1),     # 1 MB blocks
+    (96, 2048, 32, torch.bfloat16, 1),     # 1 MB blocks: 0.55 GB waves
     (128, 32768, 32, torch.bfloat16, 1),   # 1.94 waves: every k leaves as many idle slots
     (192, 16384, 32, torch.bfloat16, 1),   # 2.91
     (64, 32768, 32, torch.bfloat16, 1),    # one wave
