@@ -106,7 +106,7 @@ _CLUSTER_MIN_CHUNK = 64
 #   5634 -> 5579 (5629), kv=8k 2823 -> 2807 (2826), GQA-8 kv=32k 11282 -> 11146, fp8
 #   (paired blocks, 264 at once) kv=32k 5782 -> 5664, b=512 kv=8k 5646 -> 5594 (5633).
 #   1.1 GB waves gained nothing: b=256 kv=4k 1414.5 unsplit, 1418-1421 split, b=1024 kv=4k
-#   5578 against 5617+, fp8 b=256 kv=8k 1447-1464 unsplit, 1445-1465 in 3 chunks.
+#   5578 against 5617+, fp8 b=256 kv=8k 1447-1464 unsplit, 1454-1465 in 3 chunks.
 _WAVE_SPLIT_MIN_BYTES = 1_000_000_000  # K and V bytes a wave of blocks reads
 _WAVE_SPLIT_MANY_MIN_BYTES = 2_000_000_000
 _WAVE_SPLIT_WAVES = 12
