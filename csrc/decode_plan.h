@@ -56,7 +56,7 @@ struct Sized {
 
 constexpr int64_t kWaveSplitMinBytes = 1000000000;      // decode.py _WAVE_SPLIT_MIN_BYTES
 constexpr int64_t kWaveSplitManyMinBytes = 2000000000;  // decode.py _WAVE_SPLIT_MANY_MIN_BYTES
-constexpr int64_t kWaveSplitWaves = 12;                       // decode.py _WAVE_SPLIT_WAVES
+constexpr int64_t kWaveSplitWaves = 12;                 // decode.py _WAVE_SPLIT_WAVES
 
 // decode.py _wave_chunks
 inline int64_t wave_chunks(const std::vector<int64_t>& lens, int64_t longest, int64_t blocks, int64_t wave,
@@ -223,7 +223,8 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
     }
     if (graph) max_items = graph_grid_items(cap, bpi, target, c.sms);
     const int64_t skewed = c.skew_factor ? target * c.skew_factor : 0;
-    if (!have_sized) sized = chunk_size(lens, longest, total, bpi, target, c, skewed, per_block * int64_t(c.token_bytes));
+    if (!have_sized)
+      sized = chunk_size(lens, longest, total, bpi, target, c, skewed, per_block * int64_t(c.token_bytes));
     if (nothing_splits(sized, batch, max_items)) {
       one_per_request = true;
       items = batch;
