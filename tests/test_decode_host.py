@@ -461,7 +461,7 @@ def test_plan_splits_large_uniform_batches_by_their_waves(batch, kv_len, hq, kv_
     work = w._plan.args[1]
     rows = work[1:1 + 4 * batch * chunks].view(-1, 4).tolist()
     assert int(work[0]) == batch * chunks
-    size = max(32, -(-(-(-kv_len // chunks)) // 32) * 32)
+    size = math.ceil(kv_len / chunks / 32) * 32  # whole 32-token tiles
     for r in (0, batch - 1):  # each request's chunks: equal whole tiles, covering it once
         spans = sorted((start, end) for req, start, end, _ in rows if req == r)
         assert spans == [(i * size, min(kv_len, (i + 1) * size)) for i in range(chunks)]
