@@ -76,6 +76,10 @@ struct DecodeMmaTraits {
   // 7.29 -> 7.09 us, GQA-8 8.32 -> 6.73 (H100); at <= 64 KB a block 4 warps stay faster
   // (kv=512 4.18 against 4.45 us), and 16 warps lost everywhere (kv=2k 8.66).
   static constexpr int kWarpsPerHead = WarpsPerHead;
+  // The cluster split's 8-warp kernel ("wide"): one block per SM on at most half the SMs
+  // (plan()), each streaming twice a split block's rate; its main loop takes its page ids
+  // and copies in another order (see the kernel).
+  static constexpr bool kWide = kCluster > 1 && kWarpsPerHead == 8;
   static constexpr int kWarps = kWarpsPerHead * kKvHeads;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockRows = kKvHeads * kRows;  // query heads a block writes (contiguous)
@@ -418,6 +422,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const int page_shift = __ffs(page_size) - 1;
   const int32_t* k_row = table.k_row(b);
   const int32_t* v_row = kSeparate ? table.v_row(b) : k_row;
+  // The wide kernel reads its page ids through the read-only path (ld.global.nc). Its blocks
+  // stream ~47 GB/s each, a split block ~23, and the lookups held them back: H100, b=1
+  // kv=32k (2 MB a block), the kernel with page ids computed instead of read (an identity
+  // page table) ran 47.6 us against 52.0 with them read through L1; through the read-only
+  // path, with the main loop below, 49.7 against 52.9 (random pages), kv=8k 15.0 against
+  // 16.5. (Every page id of a chunk in two registers a lane, read by shuffles, lost to it:
+  // 50.9 and 15.7.)
   auto lookup_as = [&](auto pow2, int tile, Pages& pg) {
     const int j0 = start + tile * Traits::kTileTokens + my_tok;
 #pragma unroll
@@ -425,8 +436,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       const int j = j0 + i * Traits::kRowsPerPass;
       const int logical = decltype(pow2)::value ? j >> page_shift : j / page_size;
       const bool valid = j < end;
-      pg.k[i] = valid ? k_row[logical] : -1;
-      if constexpr (kSeparate) pg.v[i] = valid ? v_row[logical] : -1;
+      if constexpr (Traits::kWide) {
+        pg.k[i] = valid ? __ldg(k_row + logical) : -1;
+        if constexpr (kSeparate) pg.v[i] = valid ? __ldg(v_row + logical) : -1;
+      } else {
+        pg.k[i] = valid ? k_row[logical] : -1;
+        if constexpr (kSeparate) pg.v[i] = valid ? v_row[logical] : -1;
+      }
       pg.slot[i] = j - logical * page_size;
     }
   };
@@ -562,11 +578,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   }
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<Traits::kStages - 2>();
-    __syncwarp();  // the warp's rows of the tile are in; its rows of the stage refilled below are free
-    if (tile + Traits::kStages - 1 < num_tiles) issue((tile + Traits::kStages - 1) % Traits::kStages, next);
-    cp_async_commit();
-    if (tile + Traits::kStages < num_tiles) lookup(tile + Traits::kStages, next);
+    if constexpr (Traits::kWide) {
+      // The next page ids first (their loads ahead of this tile's copies), then the copies
+      // into the stage of the tile before (this warp is done with its rows there), then
+      // the wait for this tile: all kStages tiles in flight during the wait. H100, b=1
+      // kv=32k: 53.0 -> 50.3 us with the lookups still through L1, 49.7 through the
+      // read-only path (the split kernels, two blocks an SM, gained nothing from the order).
+      const Pages cur = next;
+      if (tile + Traits::kStages < num_tiles) lookup(tile + Traits::kStages, next);
+      __syncwarp();
+      if (tile + Traits::kStages - 1 < num_tiles) issue((tile + Traits::kStages - 1) % Traits::kStages, cur);
+      cp_async_commit();
+      cp_async_wait<Traits::kStages - 1>();
+      __syncwarp();  // the warp's rows of the tile are in
+    } else {
+      cp_async_wait<Traits::kStages - 2>();
+      __syncwarp();  // the warp's rows of the tile are in; its rows of the stage refilled below are free
+      if (tile + Traits::kStages - 1 < num_tiles) issue((tile + Traits::kStages - 1) % Traits::kStages, next);
+      cp_async_commit();
+      if (tile + Traits::kStages < num_tiles) lookup(tile + Traits::kStages, next);
+    }
 
     const unsigned char* ks = stage_k(tile % Traits::kStages);
     const unsigned char* vs = stage_v(tile % Traits::kStages);

@@ -26,7 +26,7 @@ struct DecodePlanConfig {
   int32_t max_chunks;       // 0: none
   int32_t skew_factor;      // 0: none
   int32_t token_bytes;      // K and V bytes of one token and KV head
-  int32_t cluster_max_block_bytes, wide_cluster_max_block_bytes;
+  int32_t cluster_max_block_bytes, wide_cluster_max_block_bytes;  // 4-warp, 8-warp cluster blocks
   int64_t max_partials;     // partial rows the workspace holds
 };
 
@@ -183,9 +183,13 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
   if (!graph && c.cluster > 1 && !c.fixed_split_size && !c.disable_split_kv && batch > 0 &&
       batch * c.blocks_per_item * c.cluster <= c.sms) {
     const int64_t block_bytes = div_up(longest, c.cluster) * c.token_bytes;
-    if (longest >= kClusterMinChunk * c.cluster && block_bytes <= c.wide_cluster_max_block_bytes) {
-      cluster = c.cluster;
-      cluster_warps = block_bytes <= c.cluster_max_block_bytes ? 4 : 8;
+    if (longest >= kClusterMinChunk * c.cluster) {
+      if (block_bytes <= c.cluster_max_block_bytes) {
+        cluster = c.cluster;
+      } else if (block_bytes <= c.wide_cluster_max_block_bytes && 2 * batch * c.blocks_per_item * c.cluster <= c.sms) {
+        cluster = c.cluster;  // 8-warp blocks, one per SM on at most half the SMs
+        cluster_warps = 8;
+      }
     }
   }
 

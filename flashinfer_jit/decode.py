@@ -112,6 +112,18 @@ _WAVE_SPLIT_MANY_MIN_BYTES = 2_000_000_000
 _WAVE_SPLIT_WAVES = 12
 _CLUSTER_MAX_BLOCK_BYTES = {2: 64 << 10, 1: 32 << 10}  # by the cache's bytes per element
 _WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}
+# 16-bit caches at head_dim 128: up to _LONG_CLUSTER_MAX_BLOCK_BYTES (4096 tokens). The
+# 8-warp blocks read their page ids through the read-only path (csrc/decode_mma.cuh kWide);
+# H100, 32/8 heads, same-machine A/B against the split with partial states: b=1 kv=32k (2 MB
+# a block) 49.9 -> 49.7 us, GQA-8 52.0 -> 50.1, kv=16k 27.9 -> 26.7, and (512 KB, 8-warp
+# clusters before) kv=8k 16.6 -> 15.0 (16.5 with the old lookups), GQA-8 18.6 -> 15.5.
+# 8-warp blocks run one per SM, and only where the grid takes at most half the SMs (b=1 at
+# 8 KV heads: 64 blocks): at b=2 (128 blocks) they lost at 256 KB a block (kv=4k 16.1 ->
+# 17.4) and beyond (kv=16k 49.7 -> 53.9, kv=32k 93.6 -> 101.2), tied at 128 KB (kv=2k
+# 10.47 -> 10.40): 128 one-block-per-SM clusters stream slower than 256 split blocks (a
+# pure read of 128 MiB in clusters of 8: 56.9 us on 128 blocks, 45.2 on 64;
+# scripts/bench_read_ceiling.py).
+_LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -327,7 +339,7 @@ class _Config:
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
-                 "token_bytes", "native")
+                 "token_bytes", "wide_cluster_max_bytes", "native")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -387,7 +399,7 @@ def _native_config(config: _Config):
         fixed_split_size=int(config.fixed_split_size or 0), disable_split_kv=int(bool(config.disable_split_kv)),
         min_chunk=config.min_chunk, max_chunks=int(config.max_chunks or 0), skew_factor=int(config.skew_factor or 0),
         token_bytes=config.token_bytes, cluster_max_block_bytes=_CLUSTER_MAX_BLOCK_BYTES[itemsize],
-        wide_cluster_max_block_bytes=_WIDE_CLUSTER_MAX_BLOCK_BYTES[itemsize],
+        wide_cluster_max_block_bytes=config.wide_cluster_max_bytes,
         max_partials=int(config.partial_o.shape[0]))
     return fn, ctypes.addressof(struct), struct
 
@@ -593,8 +605,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """(blocks per cluster, warps per block) of the cluster split, or (1, 4) (not
         taken): where the module and device have it, no split size is forced, batch x
         blocks per item x cluster fits the SMs, and the longest request gives each block at
-        least _CLUSTER_MIN_CHUNK tokens and at most _WIDE_CLUSTER_MAX_BLOCK_BYTES of K and V (by dtype);
-        blocks of 8 warps above _CLUSTER_MAX_BLOCK_BYTES. Not in CUDA-graph mode: its grid
+        least _CLUSTER_MIN_CHUNK tokens and at most the configuration's wide_cluster_max_bytes
+        of K and V; blocks of 8 warps above _CLUSTER_MAX_BLOCK_BYTES, only where the grid
+        takes at most half the SMs. Not in CUDA-graph mode: its grid
         is fixed at capture, and a later plan of long requests would run slower on it."""
         c = config.cluster
         if c <= 1 or self._use_cuda_graph or config.fixed_split_size or config.disable_split_kv or \
@@ -602,9 +615,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return 1, 4
         longest = int(np.maximum.reduce(kv_lens))
         block_bytes = -(-longest // c) * config.token_bytes
-        if longest < _CLUSTER_MIN_CHUNK * c or block_bytes > _WIDE_CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize]:
+        if longest < _CLUSTER_MIN_CHUNK * c:
             return 1, 4
-        return c, 4 if block_bytes <= _CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize] else 8
+        if block_bytes <= _CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize]:
+            return c, 4
+        if block_bytes > config.wide_cluster_max_bytes or 2 * capacity * config.blocks_per_item * c > config.sms:
+            return 1, 4
+        return c, 8
 
     def _pairing(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple:
         """(KV heads per block, blocks per item, target blocks, _chunk_size's result or
@@ -673,6 +690,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
             env.decode_clusters() else 1
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
+        # the cluster split's 8-warp blocks: 2 MB of a 16-bit cache at head_dim 128 (measured there only)
+        c.wide_cluster_max_bytes = _LONG_CLUSTER_MAX_BLOCK_BYTES if c.kv_dtype.itemsize == 2 and head_dim == 128 \
+            else _WIDE_CLUSTER_MAX_BLOCK_BYTES[c.kv_dtype.itemsize]
         c.target = per_sm * c.sms
         # skewed batches split to more blocks per SM on those tiles (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM)
         c.skew_factor = _MMA_SKEWED_SPLIT_BLOCKS_PER_SM // per_sm if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None

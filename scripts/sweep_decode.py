@@ -52,6 +52,8 @@ MIN_SETS = 1  # at least this many sets when FORCE_SETS is 0 (trace_decode needs
 LAYOUT_CASES = [("bfloat16", 4, 64, 4096), ("float8_e4m3fn", 4, 64, 4096)]
 CLUSTER_CASES = [(kv, 4, 1, n) for kv in ("bfloat16", "float8_e4m3fn") for n in (512, 1024, 2048, 4096, 8192, 32768)]
 CLUSTER_CASES += [("bfloat16", 8, 1, n) for n in (2048, 8192, 32768)] + [("float8_e4m3fn", 8, 1, 8192)]
+# b=2 at 8 KV heads: 128 one-block-per-SM clusters (where the long blocks stop paying)
+CLUSTER_CASES += [("bfloat16", 4, 1, 16384)] + [("bfloat16", 4, 2, n) for n in (2048, 4096, 16384)]
 
 
 class Inputs:

@@ -861,10 +861,15 @@ def test_batch_decode_paired_kv_heads(case, workspace):
 
 # The cluster split (sm_90+: one request over a thread-block cluster, merged in distributed
 # shared memory): (q dtype, kv dtype, head_dim, heads, page table, KV layout, cache form,
-# soft cap, window_left, kv_len, warps per block), on modules other tests build; lengths
-# where plan() takes it (clusters of 8; blocks of 4 warps to 64 KB of K and V a block (fp8
-# 32 KB), of 8 warps to 512 KB (fp8 128 KB)). (64, 2) is 16-head tiles; 700, 900, 1000 and 1100 tokens leave the
-# last chunk short; a window of 700 in 3000 tokens leaves most blocks empty.
+# soft cap, window_left, kv_len, warps per block[, page size: 16]), on modules other tests
+# build (but one); lengths where plan() takes it (clusters of 8; blocks of 4 warps to 64 KB
+# of K and V a block (fp8 32 KB), of 8 warps to 512 KB (fp8 128 KB), and at head_dim 128 of
+# a 16-bit cache to 2 MB). (64, 2) is 16-head tiles; 700, 900, 1000 and 1100 tokens leave the
+# last chunk short; a window of 700 in 3000 tokens leaves most blocks empty. From 512 KB
+# (over 8192 tokens) the 8-warp blocks take their page ids from registers (up to 64
+# tiles, 32768 tokens: both registers of a lane) where a warp's tokens of a tile lie in one
+# page, and read them otherwise (pages of 1 token, K and V page ids apart, a window's
+# first block).
 CLUSTER_CASES = [
     ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 1024, 4),
     ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 700, 4),
@@ -882,6 +887,11 @@ CLUSTER_CASES = [
     ("bfloat16", "bfloat16", 64, (64, 8), "block_table_kv_separate", "HND", "halves", 30.0, -1, 5000, 8),
     ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "NHD", "halves", None, -1, 4000, 8),
     ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "NHD", "single", 30.0, -1, 4000, 8),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", "tuple", None, -1, 32768, 8),
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "HND", "single", None, 9000, 30000, 8),
+    ("bfloat16", "bfloat16", 128, (32, 8), "block_table", "NHD", "tuple", None, -1, 20000, 8, 8),
+    ("float16", "float16", 128, (32, 8), "csr", "NHD", "halves", None, -1, 12000, 8, 1),
+    ("bfloat16", "bfloat16", 128, (64, 8), "block_table_kv_separate", "NHD", "tuple", 30.0, -1, 24000, 8),
 ]
 
 
@@ -891,18 +901,19 @@ def _cluster_spec(c) -> DecodeSpec:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CLUSTER_CASES,
-                         ids=lambda c: f"{SHORT[c[1]]}-hd{c[2]}-{c[3][0]}x{c[3][1]}-{TABLE_TAG[c[4]]}-{c[5]}-{c[9]}-w{c[10]}")
+                         ids=lambda c: f"{SHORT[c[1]]}-hd{c[2]}-{c[3][0]}x{c[3][1]}-{TABLE_TAG[c[4]]}-{c[5]}-{c[9]}-w{c[10]}"
+                                       + (f"-p{c[11]}" if len(c) > 11 else ""))
 def test_batch_decode_cluster_split(case, workspace, monkeypatch):
     """b=1 split over a thread-block cluster (plan()'s choice on sm_90+), against the
     reference; bit-identical over repeated runs (the merge sums in rank order); and the
     same request planned without clusters (FLASHINFER_JIT_DECODE_CLUSTERS=0: partial
     states and the last-block merge) agrees with it."""
-    q_name, kv_name, d, (hq, hk), page_table, kv_layout, form, soft_cap, window_left, kv_len, warps = case
+    q_name, kv_name, d, (hq, hk), page_table, kv_layout, form, soft_cap, window_left, kv_len, warps = case[:11]
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need sm_90")
     rnd = random.Random(kv_len + hq)
     gen = torch.Generator(device=DEV).manual_seed(kv_len + hq)
-    lens, ps = [kv_len], 16
+    lens, ps = [kv_len], case[11] if len(case) > 11 else 16
     num_pages = -(-kv_len // ps) + 5
     paged = make_page_table(page_table, lens, ps, num_pages, rnd)
     cache, k, v = make_cache(form, kv_layout, num_pages, ps, hk, d, _dtype(kv_name), gen)

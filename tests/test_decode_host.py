@@ -528,8 +528,14 @@ def clusters(monkeypatch):
     ([512], 8, 128, torch.float16, 8, 4),          # 64 tokens per block: the least taken
     ([511], 8, 128, torch.float16, 1, 4),          # fewer: the split with partial states
     ([1025], 8, 128, torch.float16, 8, 8),         # over 64 KB a block: 8-warp blocks
-    ([8192], 8, 128, torch.float16, 8, 8),         # 512 KB a block: the most taken
-    ([8193], 8, 128, torch.float16, 1, 4),         # over it: the split with partial states
+    ([8192], 8, 128, torch.float16, 8, 8),         # 512 KB a block
+    ([32768], 8, 128, torch.float16, 8, 8),        # 2 MB a block (16-bit, head_dim 128): the most taken
+    ([32769], 8, 128, torch.float16, 1, 4),        # over it: the split with partial states
+    ([1024, 1024], 8, 128, torch.float16, 8, 4),   # 128 blocks of 4 warps
+    ([1025, 1025], 8, 128, torch.float16, 1, 4),   # 128 blocks of 8 warps: more than half the SMs
+    ([30000, 0], 4, 128, torch.float16, 8, 8),     # 2 x 4 x 8 = 64 blocks of 8 warps
+    ([8193], 8, 64, torch.float16, 8, 8),          # 256 KB a block at head_dim 64
+    ([16385], 8, 64, torch.float16, 1, 4),         # over 512 KB at head_dim 64: not measured, split
     ([1024], 8, 128, torch.float8_e4m3fn, 8, 4),   # fp8: 4 warps to 32 KB a block
     ([1025], 8, 128, torch.float8_e4m3fn, 8, 8),
     ([2048], 8, 128, torch.float8_e4m3fn, 8, 8),

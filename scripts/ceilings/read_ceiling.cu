@@ -267,7 +267,7 @@ void run_ldg(Ctx& c, int blocks, int threads, bool chunked, const char* name) {
 }
 
 template <int S, int H, bool Pdl = false>
-void run_cpasync(Ctx& c, int blocks, int threads, int stage, const char* name) {
+void run_cpasync(Ctx& c, int blocks, int threads, int stage, const char* name, int cluster = 1) {
   const size_t chunk = c.size / blocks;
   if (!chunks_fit(c, blocks, threads, stage, name)) return;
   auto k = read_chunk_cpasync<S, H, Pdl>;
@@ -278,11 +278,20 @@ void run_cpasync(Ctx& c, int blocks, int threads, int stage, const char* name) {
     cfg.blockDim = dim3(threads);
     cfg.dynamicSmemBytes = S * stage;
     cfg.stream = c.stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute attr[2];
+    int n = 0;
+    if (Pdl) {
+      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster > 1) {  // blocks in clusters along x (as the decode's cluster split places them)
+      attr[n].id = cudaLaunchAttributeClusterDimension;
+      attr[n].val.clusterDim.x = cluster;
+      attr[n].val.clusterDim.y = 1;
+      attr[n++].val.clusterDim.z = 1;
+    }
     cfg.attrs = attr;
-    cfg.numAttrs = Pdl ? 1 : 0;
+    cfg.numAttrs = n;
     CK(cudaLaunchKernelEx(&cfg, k, static_cast<const char*>(b), chunk, stage, c.sink));
   });
   row(Pdl ? "cpasync_chunk_pdl" : "cpasync_chunk", name, c.size, blocks, threads, us);
@@ -356,6 +365,15 @@ int main(int argc, char** argv) {
     run_cpasync<4, kNone>(c, kChunkBlocks, 128, 16384, "4 x 16 KB");
     run_cpasync<6, kNone>(c, kChunkBlocks, 128, 8192, "6 x 8 KB");
     run_cpasync<3, kNone>(c, kChunkBlocks, 256, 32768, "3 x 32 KB, 256 threads");
+    // Fewer, wider blocks, one per SM (a cluster split's grid at b=1: 8 KV heads x 8 or 16
+    // blocks), deeper stages: can half the SMs stream the buffer at the full rate?
+    for (int blocks : {64, 128}) {
+      run_cpasync<4, kNone, true>(c, blocks, 256, 32768, "4 x 32 KB, 256 threads, PDL", 1);
+      run_cpasync<6, kNone, true>(c, blocks, 256, 32768, "6 x 32 KB, 256 threads, PDL", 1);
+      run_cpasync<4, kNone, true>(c, blocks, 256, 32768, "4 x 32 KB, 256 threads, PDL, clusters of 8", 8);
+      run_cpasync<6, kNone, true>(c, blocks, 256, 32768, "6 x 32 KB, 256 threads, PDL, clusters of 8", 8);
+      run_cpasync<3, kNone, true>(c, blocks, 256, 32768, "3 x 32 KB, 256 threads, PDL, clusters of 8", 8);
+    }
     run_bulk<3>(c, kChunkBlocks, 128, 16384, "3 x 16 KB");
     run_bulk<4>(c, kChunkBlocks, 128, 16384, "4 x 16 KB");
     run_bulk<6>(c, kChunkBlocks, 128, 8192, "6 x 8 KB");
