@@ -79,7 +79,8 @@ _MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
 # (twice the warps per SM hide the per-tile latency chain; H100 A/B against the split with
 # partial states): bf16 kv=2k 7.29 -> 7.09 us, kv=4k 11.55 -> 10.97, kv=8k 17.17 ->
 # 16.82, GQA-8 kv=2k 8.32 -> 6.73, kv=8k 19.09 -> 16.94, fp8 kv=4k 9.63 -> 9.11; from 1 MB a
-# block they lose (fp8 kv=32k 31.3 -> 35.4, bf16 kv=32k 50.6 -> 53.2), and fp8 from 256 KB
+# block they lost (fp8 kv=32k 31.3 -> 35.4, bf16 kv=32k 50.6 -> 53.2, the latter until the
+# lookups of _LONG_CLUSTER_MAX_BLOCK_BYTES below), and fp8 from 256 KB
 # (kv=8k: 12.4 -> 14.7, GQA-8 14.0 -> 14.7): an fp8 byte is twice the tokens' work, and
 # the split prefetches fp8 grids of up to 16 MB into L2. 4 warps stay faster to 128 tokens
 # a block: bf16 to 64 KB (kv=512 4.18 against 4.45 us), fp8 to 32 KB (with the warps'
