@@ -429,6 +429,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // path, with the main loop below, 49.7 against 52.9 (random pages), kv=8k 15.0 against
   // 16.5. (Every page id of a chunk in two registers a lane, read by shuffles, lost to it:
   // 50.9 and 15.7.)
+  auto page_id = [](const int32_t* row, int logical) {
+    if constexpr (Traits::kWide) {
+      return __ldg(row + logical);
+    } else {
+      return row[logical];
+    }
+  };
   auto lookup_as = [&](auto pow2, int tile, Pages& pg) {
     const int j0 = start + tile * Traits::kTileTokens + my_tok;
 #pragma unroll
@@ -436,13 +443,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       const int j = j0 + i * Traits::kRowsPerPass;
       const int logical = decltype(pow2)::value ? j >> page_shift : j / page_size;
       const bool valid = j < end;
-      if constexpr (Traits::kWide) {
-        pg.k[i] = valid ? __ldg(k_row + logical) : -1;
-        if constexpr (kSeparate) pg.v[i] = valid ? __ldg(v_row + logical) : -1;
-      } else {
-        pg.k[i] = valid ? k_row[logical] : -1;
-        if constexpr (kSeparate) pg.v[i] = valid ? v_row[logical] : -1;
-      }
+      pg.k[i] = valid ? page_id(k_row, logical) : -1;
+      if constexpr (kSeparate) pg.v[i] = valid ? page_id(v_row, logical) : -1;
       pg.slot[i] = j - logical * page_size;
     }
   };

@@ -340,7 +340,7 @@ class _Config:
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
-                 "token_bytes", "wide_cluster_max_bytes", "native")
+                 "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "native")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -393,13 +393,12 @@ def _native_config(config: _Config):
     fn = _native_planner()
     if fn is None:
         return False
-    itemsize = config.kv_dtype.itemsize
     struct = _NativeConfig(
         page_size=config.page_size, blocks_per_item=config.blocks_per_item, target=config.target,
         pairs=int(config.pairs), sms=config.sms, cluster=config.cluster,
         fixed_split_size=int(config.fixed_split_size or 0), disable_split_kv=int(bool(config.disable_split_kv)),
         min_chunk=config.min_chunk, max_chunks=int(config.max_chunks or 0), skew_factor=int(config.skew_factor or 0),
-        token_bytes=config.token_bytes, cluster_max_block_bytes=_CLUSTER_MAX_BLOCK_BYTES[itemsize],
+        token_bytes=config.token_bytes, cluster_max_block_bytes=config.cluster_max_bytes,
         wide_cluster_max_block_bytes=config.wide_cluster_max_bytes,
         max_partials=int(config.partial_o.shape[0]))
     return fn, ctypes.addressof(struct), struct
@@ -618,7 +617,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         block_bytes = -(-longest // c) * config.token_bytes
         if longest < _CLUSTER_MIN_CHUNK * c:
             return 1, 4
-        if block_bytes <= _CLUSTER_MAX_BLOCK_BYTES[config.kv_dtype.itemsize]:
+        if block_bytes <= config.cluster_max_bytes:
             return c, 4
         if block_bytes > config.wide_cluster_max_bytes or 2 * capacity * config.blocks_per_item * c > config.sms:
             return 1, 4
@@ -691,7 +690,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
             env.decode_clusters() else 1
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
-        # the cluster split's 8-warp blocks: 2 MB of a 16-bit cache at head_dim 128 (measured there only)
+        # the cluster split's blocks of 4 warps, and of 8: 2 MB of a 16-bit cache at head_dim 128
+        # (measured there only)
+        c.cluster_max_bytes = _CLUSTER_MAX_BLOCK_BYTES[c.kv_dtype.itemsize]
         c.wide_cluster_max_bytes = _LONG_CLUSTER_MAX_BLOCK_BYTES if c.kv_dtype.itemsize == 2 and head_dim == 128 \
             else _WIDE_CLUSTER_MAX_BLOCK_BYTES[c.kv_dtype.itemsize]
         c.target = per_sm * c.sms
