@@ -436,23 +436,28 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       return row[logical];
     }
   };
-  auto lookup_as = [&](auto pow2, int tile, Pages& pg) {
+  // Token j's page (j / page_size) as the high half of j x page_magic, which is exact or one
+  // short for every 0 <= j < 2^31 and page size, then corrected by its remainder: one loop
+  // body for every page size. (A uniform branch between shifts for power-of-two pages and a
+  // division kept both bodies in the main loop, 482 instructions against 370 now, and the
+  // wide kernel lost to it: H100, same-machine A/B, b=1 kv=2k 6.42 -> 6.10 us, kv=8k 15.42
+  // -> 15.10, kv=32k 49.94 -> 49.66; the split kernels level.)
+  const uint32_t page_magic = 0xFFFFFFFFu / static_cast<uint32_t>(page_size);
+  auto lookup = [&](int tile, Pages& pg) {
     const int j0 = start + tile * Traits::kTileTokens + my_tok;
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const int j = j0 + i * Traits::kRowsPerPass;
-      const int logical = decltype(pow2)::value ? j >> page_shift : j / page_size;
+      int logical = static_cast<int>(__umulhi(static_cast<uint32_t>(j), page_magic));
+      int slot = j - logical * page_size;
+      if (slot >= page_size) {
+        ++logical;
+        slot -= page_size;
+      }
       const bool valid = j < end;
       pg.k[i] = valid ? page_id(k_row, logical) : -1;
       if constexpr (kSeparate) pg.v[i] = valid ? page_id(v_row, logical) : -1;
-      pg.slot[i] = j - logical * page_size;
-    }
-  };
-  auto lookup = [&](int tile, Pages& pg) {
-    if (pow2_pages) {
-      lookup_as(std::true_type{}, tile, pg);
-    } else {
-      lookup_as(std::false_type{}, tile, pg);
+      pg.slot[i] = slot;
     }
   };
   // Element offsets in 32 bits but for page x stride_page (the host checks that the
@@ -528,6 +533,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // queued behind every prologue copy the first S waited longer (b=1 kv=2k, clusters of
   // 8 with 5 tiles in flight: fp8 6.8 -> 7.1 us), and with all of them after q the first
   // tile arrived later (bf16, 3 stages: 7.6 -> 7.35 us with one tile first; H100).
+  const Q* q_rows = static_cast<const Q*>(p.q) + b * p.q_stride_b + head0 * p.q_stride_h;  // row r: + r q_row_stride
+  const int q_row_stride = p.q_stride_h;
   if (num_tiles > 0) issue(0, first[0]);
   cp_async_commit();
 
@@ -542,7 +549,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 #pragma unroll
     for (int P = 0; P < R / 4; ++P) {
       uint32_t w[E / 2];
-      const Q* src = static_cast<const Q*>(p.q) + b * p.q_stride_b + (head0 + row) * p.q_stride_h + E * (4 * P + c);
+      const Q* src = q_rows + row * q_row_stride + E * (4 * P + c);
 #pragma unroll
       for (int v = 0; v < E / 8; ++v) {
         const uint4 raw = live ? *reinterpret_cast<const uint4*>(src + 8 * v) : make_uint4(0, 0, 0, 0);

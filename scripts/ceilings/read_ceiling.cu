@@ -130,6 +130,82 @@ __global__ void read_chunk_cpasync(const char* __restrict__ base, size_t chunk, 
   sink_if(acc, sink);
 }
 
+// The decode's own access pattern: K and V caches of `pages` pages x 16 tokens x 8 heads x
+// 128 dims (16-bit, NHD; a token's head rows 256 bytes apart), each block reading its heads'
+// rows ([hpb] adjacent heads: hpb x 256 contiguous bytes a token) of a chunk of tokens, a
+// tile of 16 KB of K and 16 KB of V a stage, as the cluster split's 8-warp kernel does
+// (its warps copy 16 bytes a lane with cp.async, S stages, one wait a tile). The physical
+// page of logical page l: Ids 0: l (pages in order), 1: an odd multiple of l mod pages (a
+// fixed scramble, nothing read), 2: table[l] read through ld.global.nc one tile ahead (the
+// decode's lookups), table holding the same scramble.
+template <int S, int Ids, int Half = 16384>
+__global__ void read_paged_cpasync(const char* __restrict__ k, const char* __restrict__ v, const int* __restrict__ table,
+                                   int pages, int hpb, int chunk_tokens, unsigned* sink) {
+  extern __shared__ __align__(16) char smem[];
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+  constexpr int kTokenBytes = 8 * 256, kPageBytes = 16 * kTokenBytes, kHalf = Half;
+  const int groups = 8 / hpb;
+  const int per_group = gridDim.x / groups;
+  const int group = blockIdx.x / per_group, chunk = blockIdx.x % per_group;
+  const int row_bytes = 256 * hpb, row_chunks = row_bytes / 16;
+  const int tile_tokens = kHalf / row_bytes;
+  const int tok0 = chunk * chunk_tokens;
+  const int tiles = chunk_tokens / tile_tokens;
+  const size_t head_off = size_t(group) * row_bytes;
+  constexpr int kPer = kHalf / 16 / 256;  // 16-byte copies a thread, K and V each (256 threads)
+  auto phys = [&](int logical) {
+    if constexpr (Ids == 0) return logical;
+    else if constexpr (Ids == 1) return (logical * 1031 + 7) & (pages - 1);
+    else return __ldg(table + logical);
+  };
+  int ids[kPer], next[kPer];
+  auto lookup = [&](int t, int* out) {
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int q = threadIdx.x + 256 * u;
+      const int j = tok0 + t * tile_tokens + q / row_chunks;
+      out[u] = t < tiles ? phys(j >> 4) : 0;
+    }
+  };
+  auto issue = [&](int t, const int* pg) {
+    if (t < tiles) {
+      char* dst = smem + (t % S) * 2 * kHalf;
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int q = threadIdx.x + 256 * u;
+        const int j = tok0 + t * tile_tokens + q / row_chunks;
+        const size_t off = size_t(pg[u]) * kPageBytes + (j & 15) * kTokenBytes + head_off + (q % row_chunks) * 16;
+        const unsigned dk = static_cast<unsigned>(__cvta_generic_to_shared(dst + q * 16));
+        const unsigned dv = static_cast<unsigned>(__cvta_generic_to_shared(dst + kHalf + q * 16));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dk), "l"(k + off));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dv), "l"(v + off));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int t = 0; t < S - 1; ++t) {
+    lookup(t, ids);
+    issue(t, ids);
+  }
+  lookup(S - 1, next);
+  unsigned acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) ids[u] = next[u];
+    lookup(t + S, next);
+    issue(t + S - 1, ids);
+    asm volatile("cp.async.wait_group %0;" ::"n"(S - 1));
+    const char* src = smem + (t % S) * 2 * kHalf;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int q = threadIdx.x + 256 * u;
+      acc ^= fold(*reinterpret_cast<const int4*>(src + q * 16)) ^ fold(*reinterpret_cast<const int4*>(src + kHalf + q * 16));
+    }
+  }
+  sink_if(acc, sink);
+}
+
 // The bulk copy engine (cp.async.bulk, 1-D, no tensor map), completing on an mbarrier per
 // stage; one thread issues, every thread waits for the stage's bytes, reads them, and a
 // block barrier frees the stage.
@@ -308,10 +384,77 @@ void run_bulk(Ctx& c, int blocks, int threads, int stage, const char* name) {
   row("bulk_chunk", name, c.size, blocks, threads, us);
 }
 
+// The paged rows above over a buffer of c.size bytes (K its first half, V its second), 256
+// threads a block in clusters of 8 along x, under PDL; blocks = 64 (one per SM on half the
+// SMs, as the cluster split's grid at b=1 kv=32k) or more.
+template <int S, int Ids, int Half = 16384>
+void run_paged(Ctx& c, const int* table, int hpb, int blocks, const char* name) {
+  constexpr int kPageBytes = 16 * 8 * 256;
+  const int pages = int(c.size / 2 / kPageBytes);
+  const int per_group = blocks / (8 / hpb);
+  const int chunk_tokens = pages * 16 / per_group;
+  const int tile_tokens = Half / (256 * hpb);
+  if (per_group * (8 / hpb) != blocks || chunk_tokens % tile_tokens != 0 || (pages & (pages - 1)) != 0) {
+    fprintf(stderr, "read_ceiling: paged %s left out\n", name);
+    return;
+  }
+  auto kern = read_paged_cpasync<S, Ids, Half>;
+  const int smem = S * 2 * Half;
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  double us = time_graph(c, [&](char* b) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c.stream;
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = 8;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 2;
+    CK(cudaLaunchKernelEx(&cfg, kern, static_cast<const char*>(b), static_cast<const char*>(b) + c.size / 2, table, pages,
+                          hpb, chunk_tokens, c.sink));
+  });
+  char label[160];
+  snprintf(label, sizeof label, "%s, %d head%s a block (%d-byte rows)", name, hpb, hpb > 1 ? "s" : "", 256 * hpb);
+  row("cpasync_paged", label, c.size, blocks, 256, us);
+}
+
+static void paged_rows(Ctx& c) {
+  const int pages = int(c.size / 2 / (16 * 8 * 256));
+  std::vector<int> host(pages);
+  for (int l = 0; l < pages; ++l) host[l] = (l * 1031 + 7) & (pages - 1);
+  int* table;
+  CK(cudaMalloc(&table, pages * sizeof(int)));
+  CK(cudaMemcpy(table, host.data(), pages * sizeof(int), cudaMemcpyHostToDevice));
+  for (int hpb : {1, 2, 8}) {
+    run_paged<3, 0>(c, table, hpb, 64, "3 x 32 KB, pages in order");
+    run_paged<3, 1>(c, table, hpb, 64, "3 x 32 KB, pages scrambled (computed)");
+    run_paged<3, 2>(c, table, hpb, 64, "3 x 32 KB, pages scrambled (table, one tile ahead)");
+    run_paged<4, 1>(c, table, hpb, 64, "4 x 32 KB, pages scrambled (computed)");
+  }
+  // stage count against bytes in flight (one head a block)
+  run_paged<2, 1>(c, table, 1, 64, "2 x 32 KB, pages scrambled (computed)");
+  run_paged<4, 1, 8192>(c, table, 1, 64, "4 x 16 KB, pages scrambled (computed)");
+  run_paged<6, 1, 8192>(c, table, 1, 64, "6 x 16 KB, pages scrambled (computed)");
+  run_paged<8, 1, 8192>(c, table, 1, 64, "8 x 16 KB, pages scrambled (computed)");
+  run_paged<3, 1>(c, table, 1, 128, "3 x 32 KB, pages scrambled (computed)");
+  run_paged<3, 1>(c, table, 8, 128, "3 x 32 KB, pages scrambled (computed)");
+  CK(cudaFree(table));
+}
+
 int main(int argc, char** argv) {
-  // argv: size_mib ... (each a buffer size to measure)
+  // argv: [paged] size_mib ... (each a buffer size to measure; paged: only the paged rows)
   std::vector<size_t> sizes;
-  for (int i = 1; i < argc; ++i) sizes.push_back(size_t(atoll(argv[i])) << 20);
+  bool paged_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (strcmp(argv[i], "paged") == 0) paged_only = true;
+    else sizes.push_back(size_t(atoll(argv[i])) << 20);
+  }
   if (sizes.empty()) sizes = {128, 1024};
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -335,6 +478,10 @@ int main(int argc, char** argv) {
     }
     CK(cudaStreamSynchronize(c.stream));
     c.inner = size >= (size_t(1) << 30) ? 6 : 20;
+    if (paged_only) {
+      paged_rows(c);
+      continue;
+    }
     // the copy ceiling, the same way (read + write counted)
     {
       char* dst;
@@ -379,6 +526,7 @@ int main(int argc, char** argv) {
     run_bulk<6>(c, kChunkBlocks, 128, 8192, "6 x 8 KB");
     run_bulk<3>(c, kChunkBlocks, 128, 32768, "3 x 32 KB");
     run_bulk<2>(c, kChunkBlocks, 128, 32768, "2 x 32 KB");
+    paged_rows(c);
   }
   unsigned hits = 0;
   CK(cudaMemcpy(&hits, c.sink, 4, cudaMemcpyDeviceToHost));
