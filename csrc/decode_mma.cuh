@@ -436,28 +436,48 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       return row[logical];
     }
   };
-  // Token j's page (j / page_size) as the high half of j x page_magic, which is exact or one
-  // short for every 0 <= j < 2^31 and page size, then corrected by its remainder: one loop
-  // body for every page size. (A uniform branch between shifts for power-of-two pages and a
-  // division kept both bodies in the main loop, 482 instructions against 370 now, and the
-  // wide kernel lost to it: H100, same-machine A/B, b=1 kv=2k 6.42 -> 6.10 us, kv=8k 15.42
-  // -> 15.10, kv=32k 49.94 -> 49.66; the split kernels level.)
-  const uint32_t page_magic = 0xFFFFFFFFu / static_cast<uint32_t>(page_size);
-  auto lookup = [&](int tile, Pages& pg) {
+  auto lookup_as = [&](auto pow2, int tile, Pages& pg) {
     const int j0 = start + tile * Traits::kTileTokens + my_tok;
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const int j = j0 + i * Traits::kRowsPerPass;
-      int logical = static_cast<int>(__umulhi(static_cast<uint32_t>(j), page_magic));
-      int slot = j - logical * page_size;
-      if (slot >= page_size) {
-        ++logical;
-        slot -= page_size;
-      }
+      const int logical = decltype(pow2)::value ? j >> page_shift : j / page_size;
       const bool valid = j < end;
       pg.k[i] = valid ? page_id(k_row, logical) : -1;
       if constexpr (kSeparate) pg.v[i] = valid ? page_id(v_row, logical) : -1;
-      pg.slot[i] = slot;
+      pg.slot[i] = j - logical * page_size;
+    }
+  };
+  // The wide kernel finds token j's page (j / page_size) as the high half of j x
+  // page_magic, which is exact or one short for every 0 <= j < 2^31 and page size, then
+  // corrected by its remainder: one main-loop body for every page size. With the uniform
+  // branch between shifts (power-of-two pages) and a division, both bodies stayed in its
+  // loop (482 instructions, 370 now) and it lost to them: H100, same-machine A/B, b=1
+  // kv=2k 6.42 -> 6.10 us, kv=8k 15.42 -> 15.10, kv=32k 49.94 -> 49.66. The split kernels
+  // keep the branch: at b=1 they were level, at b=256 the multiply-high cost them 0.2-0.3%
+  // (kv=4k 1414.0 -> 1417.9 us, kv=2k 711.3 -> 714.0, two rounds each).
+  const uint32_t page_magic = 0xFFFFFFFFu / static_cast<uint32_t>(page_size);
+  auto lookup = [&](int tile, Pages& pg) {
+    if constexpr (Traits::kWide) {
+      const int j0 = start + tile * Traits::kTileTokens + my_tok;
+#pragma unroll
+      for (int i = 0; i < TPT; ++i) {
+        const int j = j0 + i * Traits::kRowsPerPass;
+        int logical = static_cast<int>(__umulhi(static_cast<uint32_t>(j), page_magic));
+        int slot = j - logical * page_size;
+        if (slot >= page_size) {
+          ++logical;
+          slot -= page_size;
+        }
+        const bool valid = j < end;
+        pg.k[i] = valid ? page_id(k_row, logical) : -1;
+        if constexpr (kSeparate) pg.v[i] = valid ? page_id(v_row, logical) : -1;
+        pg.slot[i] = slot;
+      }
+    } else if (pow2_pages) {
+      lookup_as(std::true_type{}, tile, pg);
+    } else {
+      lookup_as(std::false_type{}, tile, pg);
     }
   };
   // Element offsets in 32 bits but for page x stride_page (the host checks that the
