@@ -306,6 +306,33 @@ double time_graph(Ctx& c, Launch launch) {
   return us[us.size() / 2];
 }
 
+// kernel<<<blocks, threads, smem, c.stream>>>(args...) through cudaLaunchKernelEx: as a
+// programmatic dependent launch when pdl, in clusters of `cluster` blocks along x when > 1
+// (as the decode's cluster split places them).
+template <typename Kernel, typename... Args>
+void launch_ex(Ctx& c, Kernel kernel, int blocks, int threads, int smem, bool pdl, int cluster, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = c.stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 static bool first_row = true;
 static void row(const char* kind, const char* variant, size_t bytes, int blocks, int threads, double us) {
   printf("%s\n    {\"kind\": \"%s\", \"variant\": \"%s\", \"bytes\": %zu, \"blocks\": %d, \"threads\": %d, "
@@ -349,26 +376,7 @@ void run_cpasync(Ctx& c, int blocks, int threads, int stage, const char* name, i
   auto k = read_chunk_cpasync<S, H, Pdl>;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S * stage));
   double us = time_graph(c, [&](char* b) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = S * stage;
-    cfg.stream = c.stream;
-    cudaLaunchAttribute attr[2];
-    int n = 0;
-    if (Pdl) {
-      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    if (cluster > 1) {  // blocks in clusters along x (as the decode's cluster split places them)
-      attr[n].id = cudaLaunchAttributeClusterDimension;
-      attr[n].val.clusterDim.x = cluster;
-      attr[n].val.clusterDim.y = 1;
-      attr[n++].val.clusterDim.z = 1;
-    }
-    cfg.attrs = attr;
-    cfg.numAttrs = n;
-    CK(cudaLaunchKernelEx(&cfg, k, static_cast<const char*>(b), chunk, stage, c.sink));
+    launch_ex(c, k, blocks, threads, S * stage, Pdl, cluster, static_cast<const char*>(b), chunk, stage, c.sink);
   });
   row(Pdl ? "cpasync_chunk_pdl" : "cpasync_chunk", name, c.size, blocks, threads, us);
 }
@@ -402,22 +410,8 @@ void run_paged(Ctx& c, const int* table, int hpb, int blocks, const char* name) 
   const int smem = S * 2 * Half;
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   double us = time_graph(c, [&](char* b) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(256);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = c.stream;
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = 8;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 2;
-    CK(cudaLaunchKernelEx(&cfg, kern, static_cast<const char*>(b), static_cast<const char*>(b) + c.size / 2, table, pages,
-                          hpb, chunk_tokens, c.sink));
+    launch_ex(c, kern, blocks, 256, smem, true, 8, static_cast<const char*>(b), static_cast<const char*>(b) + c.size / 2,
+              table, pages, hpb, chunk_tokens, c.sink);
   });
   char label[160];
   snprintf(label, sizeof label, "%s, %d head%s a block (%d-byte rows)", name, hpb, hpb > 1 ? "s" : "", 256 * hpb);
