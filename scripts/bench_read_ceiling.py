@@ -9,8 +9,10 @@ so its ceiling is the best of these reads, not the copy.
 
 (--quick: 128 MiB only, the size of bf16 b=1 kv=32k's K and V at 8 KV heads. --paged: only
 the rows of the decode's own access pattern, 16-token pages of 8 KV heads read a head (or
-2 or 8 adjacent heads) a block, pages in order, scrambled, or looked up in a table; the
-full run ends with them too.)
+2 or 8 adjacent heads) a block, pages in order, scrambled, or looked up in a table (one
+tile ahead, or copied into shared memory before the wait), and the same on larger
+non-portable clusters of 10-16 blocks; each row's label says on how many SMs the last
+launch ran and at most how many blocks an SM took. The full run ends with them too.)
 
 Builds scripts/ceilings/read_ceiling.cu with nvcc for sm_90a (the device's nvcc), runs it,
 and writes its rows with the run's metadata to JSON. Needs a GPU.

@@ -137,27 +137,50 @@ __global__ void read_chunk_cpasync(const char* __restrict__ base, size_t chunk, 
 // (its warps copy 16 bytes a lane with cp.async, S stages, one wait a tile). The physical
 // page of logical page l: Ids 0: l (pages in order), 1: an odd multiple of l mod pages (a
 // fixed scramble, nothing read), 2: table[l] read through ld.global.nc one tile ahead (the
-// decode's lookups), table holding the same scramble.
+// decode's lookups), 3: the chunk's table entries copied into shared memory before the
+// wait (while the kernel before runs), then read from there; table holding the same
+// scramble. Each head's tiles are split over its blocks as evenly as whole tiles allow.
 template <int S, int Ids, int Half = 16384>
 __global__ void read_paged_cpasync(const char* __restrict__ k, const char* __restrict__ v, const int* __restrict__ table,
-                                   int pages, int hpb, int chunk_tokens, unsigned* sink) {
+                                   int pages, int hpb, int head_tiles, unsigned* sink, int* smids) {
   extern __shared__ __align__(16) char smem[];
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
+  if constexpr (Ids != 3) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+  }
   constexpr int kTokenBytes = 8 * 256, kPageBytes = 16 * kTokenBytes, kHalf = Half;
   const int groups = 8 / hpb;
   const int per_group = gridDim.x / groups;
   const int group = blockIdx.x / per_group, chunk = blockIdx.x % per_group;
   const int row_bytes = 256 * hpb, row_chunks = row_bytes / 16;
   const int tile_tokens = kHalf / row_bytes;
-  const int tok0 = chunk * chunk_tokens;
-  const int tiles = chunk_tokens / tile_tokens;
+  // the head's tiles split as evenly as whole tiles allow (chunks differ by one tile at most)
+  const int t0 = int(int64_t(chunk) * head_tiles / per_group), t1 = int(int64_t(chunk + 1) * head_tiles / per_group);
+  const int tok0 = t0 * tile_tokens;
+  const int tiles = t1 - t0;
+  if (smids != nullptr && threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    smids[blockIdx.x] = int(sm);
+  }
   const size_t head_off = size_t(group) * row_bytes;
   constexpr int kPer = kHalf / 16 / 256;  // 16-byte copies a thread, K and V each (256 threads)
+  // Ids 3: the chunk's page ids into shared memory (after the stages) before the wait,
+  // while the kernel before still runs (the page table is an input no kernel before writes)
+  int* chunk_ids = reinterpret_cast<int*>(smem + S * 2 * kHalf);
+  const int page0 = tok0 / 16;
+  if constexpr (Ids == 3) {
+    const int n = (tiles * tile_tokens + 15) / 16;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) chunk_ids[i] = __ldg(table + page0 + i);
+    __syncthreads();
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+  }
   auto phys = [&](int logical) {
     if constexpr (Ids == 0) return logical;
     else if constexpr (Ids == 1) return (logical * 1031 + 7) & (pages - 1);
-    else return __ldg(table + logical);
+    else if constexpr (Ids == 2) return __ldg(table + logical);
+    else return chunk_ids[logical - page0];
   };
   int ids[kPer], next[kPer];
   auto lookup = [&](int t, int* out) {
@@ -393,28 +416,44 @@ void run_bulk(Ctx& c, int blocks, int threads, int stage, const char* name) {
 }
 
 // The paged rows above over a buffer of c.size bytes (K its first half, V its second), 256
-// threads a block in clusters of 8 along x, under PDL; blocks = 64 (one per SM on half the
-// SMs, as the cluster split's grid at b=1 kv=32k) or more.
+// threads a block in clusters of `cluster` blocks along x (8 unless given), under PDL;
+// blocks = 64 (one per SM on half the SMs, as the cluster split's grid at b=1 kv=32k) or
+// more. Each head's tiles are split over its blocks as evenly as whole tiles allow. The
+// label gets where the last launch's blocks ran: on how many SMs, at most how many an SM.
 template <int S, int Ids, int Half = 16384>
-void run_paged(Ctx& c, const int* table, int hpb, int blocks, const char* name) {
+void run_paged(Ctx& c, const int* table, int hpb, int blocks, const char* name, int cluster = 8) {
   constexpr int kPageBytes = 16 * 8 * 256;
   const int pages = int(c.size / 2 / kPageBytes);
   const int per_group = blocks / (8 / hpb);
-  const int chunk_tokens = pages * 16 / per_group;
   const int tile_tokens = Half / (256 * hpb);
-  if (per_group * (8 / hpb) != blocks || chunk_tokens % tile_tokens != 0 || (pages & (pages - 1)) != 0) {
+  const int head_tiles = pages * 16 / tile_tokens;
+  if (per_group * (8 / hpb) != blocks || blocks % cluster != 0 || head_tiles < per_group ||
+      (pages * 16) % tile_tokens != 0 || (pages & (pages - 1)) != 0) {
     fprintf(stderr, "read_ceiling: paged %s left out\n", name);
     return;
   }
   auto kern = read_paged_cpasync<S, Ids, Half>;
-  const int smem = S * 2 * Half;
+  const int max_tiles = (head_tiles + per_group - 1) / per_group;
+  const int smem = S * 2 * Half + (Ids == 3 ? (max_tiles * tile_tokens + 15) / 16 * 4 : 0);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (cluster > 8) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  int* smids;
+  CK(cudaMalloc(&smids, blocks * sizeof(int)));
   double us = time_graph(c, [&](char* b) {
-    launch_ex(c, kern, blocks, 256, smem, true, 8, static_cast<const char*>(b), static_cast<const char*>(b) + c.size / 2,
-              table, pages, hpb, chunk_tokens, c.sink);
+    launch_ex(c, kern, blocks, 256, smem, true, cluster, static_cast<const char*>(b),
+              static_cast<const char*>(b) + c.size / 2, table, pages, hpb, head_tiles, c.sink, smids);
   });
-  char label[160];
-  snprintf(label, sizeof label, "%s, %d head%s a block (%d-byte rows)", name, hpb, hpb > 1 ? "s" : "", 256 * hpb);
+  std::vector<int> host(blocks), per_sm(1024, 0);
+  CK(cudaMemcpy(host.data(), smids, blocks * sizeof(int), cudaMemcpyDeviceToHost));
+  CK(cudaFree(smids));
+  int used = 0, most = 0;
+  for (int sm : host) {
+    if (per_sm[sm & 1023]++ == 0) ++used;
+    most = std::max(most, per_sm[sm & 1023]);
+  }
+  char label[200];
+  snprintf(label, sizeof label, "%s, %d head%s a block (%d-byte rows), clusters of %d, on %d SMs (at most %d an SM)",
+           name, hpb, hpb > 1 ? "s" : "", 256 * hpb, cluster, used, most);
   row("cpasync_paged", label, c.size, blocks, 256, us);
 }
 
@@ -429,6 +468,7 @@ static void paged_rows(Ctx& c) {
     run_paged<3, 0>(c, table, hpb, 64, "3 x 32 KB, pages in order");
     run_paged<3, 1>(c, table, hpb, 64, "3 x 32 KB, pages scrambled (computed)");
     run_paged<3, 2>(c, table, hpb, 64, "3 x 32 KB, pages scrambled (table, one tile ahead)");
+    run_paged<3, 3>(c, table, hpb, 64, "3 x 32 KB, pages scrambled (table into shared memory before the wait)");
     run_paged<4, 1>(c, table, hpb, 64, "4 x 32 KB, pages scrambled (computed)");
   }
   // stage count against bytes in flight (one head a block)
@@ -438,6 +478,11 @@ static void paged_rows(Ctx& c) {
   run_paged<8, 1, 8192>(c, table, 1, 64, "8 x 16 KB, pages scrambled (computed)");
   run_paged<3, 1>(c, table, 1, 128, "3 x 32 KB, pages scrambled (computed)");
   run_paged<3, 1>(c, table, 8, 128, "3 x 32 KB, pages scrambled (computed)");
+  // more blocks a head in larger (non-portable) clusters: 80, 96, 112, 128 blocks
+  for (int cl : {10, 12, 14, 16}) {
+    run_paged<3, 1>(c, table, 1, 8 * cl, "3 x 32 KB, pages scrambled (computed)", cl);
+    run_paged<3, 2>(c, table, 1, 8 * cl, "3 x 32 KB, pages scrambled (table, one tile ahead)", cl);
+  }
   CK(cudaFree(table));
 }
 
