@@ -436,14 +436,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
       return row[logical];
     }
   };
-  // The tile's page ids and slots of this thread's tokens; page_of(j) is token j's page
-  // (j / page_size).
-  auto fill = [&](int tile, Pages& pg, auto page_of) {
+  auto lookup_as = [&](auto pow2, int tile, Pages& pg) {
     const int j0 = start + tile * Traits::kTileTokens + my_tok;
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const int j = j0 + i * Traits::kRowsPerPass;
-      const int logical = page_of(j);
+      const int logical = decltype(pow2)::value ? j >> page_shift : j / page_size;
       const bool valid = j < end;
       pg.k[i] = valid ? page_id(k_row, logical) : -1;
       if constexpr (kSeparate) pg.v[i] = valid ? page_id(v_row, logical) : -1;
@@ -461,14 +459,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const uint32_t page_magic = 0xFFFFFFFFu / static_cast<uint32_t>(page_size);
   auto lookup = [&](int tile, Pages& pg) {
     if constexpr (Traits::kWide) {
-      fill(tile, pg, [&](int j) {
-        const int logical = static_cast<int>(__umulhi(static_cast<uint32_t>(j), page_magic));
-        return j - logical * page_size >= page_size ? logical + 1 : logical;
-      });
+      const int j0 = start + tile * Traits::kTileTokens + my_tok;
+#pragma unroll
+      for (int i = 0; i < TPT; ++i) {
+        const int j = j0 + i * Traits::kRowsPerPass;
+        int logical = static_cast<int>(__umulhi(static_cast<uint32_t>(j), page_magic));
+        int slot = j - logical * page_size;
+        if (slot >= page_size) {
+          ++logical;
+          slot -= page_size;
+        }
+        const bool valid = j < end;
+        pg.k[i] = valid ? page_id(k_row, logical) : -1;
+        if constexpr (kSeparate) pg.v[i] = valid ? page_id(v_row, logical) : -1;
+        pg.slot[i] = slot;
+      }
     } else if (pow2_pages) {
-      fill(tile, pg, [&](int j) { return j >> page_shift; });
+      lookup_as(std::true_type{}, tile, pg);
     } else {
-      fill(tile, pg, [&](int j) { return j / page_size; });
+      lookup_as(std::false_type{}, tile, pg);
     }
   };
   // Element offsets in 32 bits but for page x stride_page (the host checks that the
@@ -545,7 +554,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // 8 with 5 tiles in flight: fp8 6.8 -> 7.1 us), and with all of them after q the first
   // tile arrived later (bf16, 3 stages: 7.6 -> 7.35 us with one tile first; H100).
   const Q* q_rows = static_cast<const Q*>(p.q) + b * p.q_stride_b + head0 * p.q_stride_h;  // row r: + r q_row_stride
-  const int q_row_stride = p.q_stride_h;  // in 32 bits (a tile's rows are < 16 heads apart)
+  const int q_row_stride = p.q_stride_h;
   if (num_tiles > 0) issue(0, first[0]);
   cp_async_commit();
 
