@@ -455,7 +455,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // loop (482 instructions, 370 now) and it lost to them: H100, same-machine A/B, b=1
   // kv=2k 6.42 -> 6.10 us, kv=8k 15.42 -> 15.10, kv=32k 49.94 -> 49.66. The split kernels
   // keep the branch: at b=1 they were level, at b=256 the multiply-high cost them 0.2-0.3%
-  // (kv=4k 1414.0 -> 1417.9 us, kv=2k 711.3 -> 714.0, two rounds each).
+  // (kv=4k 1414.0 -> 1417.9 us, kv=2k 711.3 -> 714.0, two rounds each). Its loop below
+  // repeats lookup_as's on purpose: one loop for both, given each kernel's token -> page
+  // function, compiled the 8-warp kernel otherwise and cost it (3 same-machine A/B pairs:
+  // kv=2k 6.10 -> 6.14 us, GQA-8 kv=32k 50.25 -> 50.39, kv=32k level).
   const uint32_t page_magic = 0xFFFFFFFFu / static_cast<uint32_t>(page_size);
   auto lookup = [&](int tile, Pages& pg) {
     if constexpr (Traits::kWide) {
@@ -554,7 +557,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // 8 with 5 tiles in flight: fp8 6.8 -> 7.1 us), and with all of them after q the first
   // tile arrived later (bf16, 3 stages: 7.6 -> 7.35 us with one tile first; H100).
   const Q* q_rows = static_cast<const Q*>(p.q) + b * p.q_stride_b + head0 * p.q_stride_h;  // row r: + r q_row_stride
-  const int q_row_stride = p.q_stride_h;
+  const int q_row_stride = p.q_stride_h;  // in 32 bits (the tile's rows are < 16 heads apart)
   if (num_tiles > 0) issue(0, first[0]);
   cp_async_commit();
 
