@@ -5,14 +5,18 @@ contiguous chunks (a split decode's blocks) or a grid-stride sweep, and the copy
 (read + write) measured the same way. Decode reads its KV once and writes next to nothing,
 so its ceiling is the best of these reads, not the copy.
 
-    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--paged] [--out F]
+    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--paged | --bulk | --locality] [--out F]
 
 (--quick: 128 MiB only, the size of bf16 b=1 kv=32k's K and V at 8 KV heads. --paged: only
 the rows of the decode's own access pattern, 16-token pages of 8 KV heads read a head (or
 2 or 8 adjacent heads) a block, pages in order, scrambled, or looked up in a table (one
 tile ahead, or copied into shared memory before the wait), and the same on larger
 non-portable clusters of 10-16 blocks; each row's label says on how many SMs the last
-launch ran and at most how many blocks an SM took. The full run ends with them too.)
+launch ran and at most how many blocks an SM took. The full run ends with them too.
+--bulk: that pattern (one head a block, 64 blocks) through 16-byte cp.async against
+256-byte bulk copies on per-warp mbarriers. --locality: its page orders, in order,
+scrambled, scrambled within 2 MB, and scrambled with each block's chunk sorted by page id.
+Both run their rows in two interleaved rounds.)
 
 Builds scripts/ceilings/read_ceiling.cu with nvcc for sm_90a (the device's nvcc), runs it,
 and writes its rows with the run's metadata to JSON. Needs a GPU.
@@ -66,6 +70,11 @@ def main() -> int:
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--quick", action="store_true", help="128 MiB only")
     ap.add_argument("--paged", action="store_true", help="only the paged rows (the decode's access pattern)")
+    ap.add_argument("--bulk", action="store_true",
+                    help="only cp.async against bulk copies on the paged pattern (one head a block, 64 blocks)")
+    ap.add_argument("--locality", action="store_true",
+                    help="only the paged pattern's page orders: in order, scrambled, scrambled within 2 MB, "
+                         "each block's chunk sorted by physical page")
     ap.add_argument("--arch", default="90a")
     ap.add_argument("--out", default=bc.default_out("read_ceiling.json"))
     args = ap.parse_args()
@@ -73,7 +82,7 @@ def main() -> int:
     sizes = [128] if args.quick else args.sizes_mib
     exe = build(args.arch)
     try:
-        proc = subprocess.run([str(exe)] + (["paged"] if args.paged else []) + [str(s) for s in sizes],
+        proc = subprocess.run([str(exe)] + (["paged"] if args.paged else []) + (["bulk"] if args.bulk else []) + (["locality"] if args.locality else []) + [str(s) for s in sizes],
                               capture_output=True, text=True)
     finally:
         shutil.rmtree(exe.parent, ignore_errors=True)

@@ -139,7 +139,9 @@ __global__ void read_chunk_cpasync(const char* __restrict__ base, size_t chunk, 
 // fixed scramble, nothing read), 2: table[l] read through ld.global.nc one tile ahead (the
 // decode's lookups), 3: the chunk's table entries copied into shared memory before the
 // wait (while the kernel before runs), then read from there; table holding the same
-// scramble. Each head's tiles are split over its blocks as evenly as whole tiles allow.
+// scramble (or another: locality_rows), 4: scrambled within 2 MB windows (64 pages of 32
+// KB), nothing read. Each head's tiles are split over its blocks as evenly as whole tiles
+// allow.
 template <int S, int Ids, int Half = 16384>
 __global__ void read_paged_cpasync(const char* __restrict__ k, const char* __restrict__ v, const int* __restrict__ table,
                                    int pages, int hpb, int head_tiles, unsigned* sink, int* smids) {
@@ -179,6 +181,7 @@ __global__ void read_paged_cpasync(const char* __restrict__ k, const char* __res
   auto phys = [&](int logical) {
     if constexpr (Ids == 0) return logical;
     else if constexpr (Ids == 1) return (logical * 1031 + 7) & (pages - 1);
+    else if constexpr (Ids == 4) return (logical & ~63) | ((logical * 37 + 5) & 63);  // scrambled within 2 MB
     else if constexpr (Ids == 2) return __ldg(table + logical);
     else return chunk_ids[logical - page0];
   };
@@ -278,6 +281,90 @@ __global__ void read_chunk_bulk(const char* __restrict__ base, size_t chunk, int
       acc ^= fold(*reinterpret_cast<const int4*>(src + (j * blockDim.x + threadIdx.x) * 16));
     __syncthreads();
     issue(t + S);
+  }
+  sink_if(acc, sink);
+}
+
+// The decode's paged pattern (one head a block, 64 blocks of 8 warps in clusters of 8, as
+// read_paged_cpasync with hpb 1) through the bulk copy engine: each warp's 8 token rows of
+// K and of V a tile (256 bytes each) as 16 one-dimensional bulk copies (one a lane, lanes
+// 0-15), completing on an mbarrier of the warp's for the stage, rows 272 bytes apart in
+// shared memory (a stride that keeps ldmatrix's 8-row phases on distinct banks without a
+// swizzle, which a bulk copy cannot apply). A warp waits for its own barrier only, as the
+// kernel's warps wait for their own cp.async groups. Ids as read_paged_cpasync (0, 2, 3).
+template <int S, int Ids>
+__global__ void read_paged_bulk(const char* __restrict__ k, const char* __restrict__ v, const int* __restrict__ table,
+                                int pages, int head_tiles, unsigned* sink, int* smids) {
+  extern __shared__ __align__(128) char smem[];
+  constexpr int kTokenBytes = 8 * 256, kPageBytes = 16 * kTokenBytes, kStride = 272, kTileTokens = 64;
+  constexpr int kWarpBytes = 2 * 8 * kStride, kStage = 8 * kWarpBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * kStage);  // [warp][stage]
+  int* chunk_ids = reinterpret_cast<int*>(bars + 8 * S);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int per_group = gridDim.x / 8;
+  const int group = blockIdx.x / per_group, chunk = blockIdx.x % per_group;
+  const int t0 = int(int64_t(chunk) * head_tiles / per_group), t1 = int(int64_t(chunk + 1) * head_tiles / per_group);
+  const int tok0 = t0 * kTileTokens, tiles = t1 - t0, page0 = tok0 / 16;
+  if (smids != nullptr && threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    smids[blockIdx.x] = int(sm);
+  }
+  if (lane == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(&bars[warp * S + s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  if constexpr (Ids == 3) {
+    for (int i = threadIdx.x; i < tiles * kTileTokens / 16; i += blockDim.x) chunk_ids[i] = __ldg(table + page0 + i);
+  }
+  __syncthreads();
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+  const size_t head_off = size_t(group) * 256;
+  const int r = lane & 7;
+  const char* src_base = (lane & 8 ? v : k) + head_off;
+  auto phys = [&](int logical) {
+    if constexpr (Ids == 0) return logical;
+    else if constexpr (Ids == 2) return __ldg(table + logical);
+    else return chunk_ids[logical - page0];
+  };
+  auto lookup = [&](int t) {  // this lane's row of tile t: its page
+    const int j = tok0 + t * kTileTokens + warp * 8 + r;
+    return t < tiles ? phys(j >> 4) : 0;
+  };
+  auto issue = [&](int t, int pg) {
+    if (t < tiles) {
+      const int s = t % S;
+      uint64_t* bar = &bars[warp * S + s];
+      if (lane == 0) mbar_expect_tx(bar, 16 * 256);
+      __syncwarp();
+      if (lane < 16) {
+        const int j = tok0 + t * kTileTokens + warp * 8 + r;
+        const char* src = src_base + size_t(pg) * kPageBytes + (j & 15) * kTokenBytes;
+        char* dst = smem + s * kStage + warp * kWarpBytes + (lane >> 3) * 8 * kStride + r * kStride;
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];" ::"r"(
+                static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+            "l"(src), "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+            : "memory");
+      }
+    }
+  };
+  for (int t = 0; t < S - 1; ++t) issue(t, lookup(t));
+  int next = lookup(S - 1);
+  unsigned acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+    const int cur = next;
+    next = lookup(t + S);
+    __syncwarp();  // every lane is done with the stage refilled now (tile t - 1's)
+    issue(t + S - 1, cur);
+    mbar_wait(&bars[warp * S + t % S], (t / S) & 1);
+    const char* src = smem + (t % S) * kStage + warp * kWarpBytes;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {  // 16 rows x 256 bytes, a lane 16 bytes of every other row
+      const int row = 2 * u + (lane >> 4), col = (lane & 15) * 16;
+      acc ^= fold(*reinterpret_cast<const int4*>(src + row * kStride + col));
+    }
   }
   sink_if(acc, sink);
 }
@@ -415,6 +502,40 @@ void run_bulk(Ctx& c, int blocks, int threads, int stage, const char* name) {
   row("bulk_chunk", name, c.size, blocks, threads, us);
 }
 
+// A paged row's time, and where its last launch's blocks ran: on how many SMs, at most how
+// many blocks an SM (launch(buffer, smids) records each block's SM in smids).
+struct Placed {
+  double us;
+  int used, most;
+};
+template <typename Launch>
+Placed time_placed(Ctx& c, int blocks, Launch launch) {
+  int* smids;
+  CK(cudaMalloc(&smids, blocks * sizeof(int)));
+  Placed r{time_graph(c, [&](char* b) { launch(b, smids); }), 0, 0};
+  std::vector<int> host(blocks), per_sm(1024, 0);
+  CK(cudaMemcpy(host.data(), smids, blocks * sizeof(int), cudaMemcpyDeviceToHost));
+  CK(cudaFree(smids));
+  for (int sm : host) {
+    if (per_sm[sm & 1023]++ == 0) ++r.used;
+    r.most = std::max(r.most, per_sm[sm & 1023]);
+  }
+  return r;
+}
+
+// The paged rows' page table: logical page l at (l x 1031 + 7) mod pages (the scramble that
+// Ids 1 computes), each of `sorted_chunks` equal runs of it sorted when > 0. On the device.
+static int* scrambled_table(int pages, int sorted_chunks = 0) {
+  std::vector<int> host(pages);
+  for (int l = 0; l < pages; ++l) host[l] = (l * 1031 + 7) & (pages - 1);
+  for (int b = 0; b < sorted_chunks; ++b)
+    std::sort(host.begin() + size_t(b) * pages / sorted_chunks, host.begin() + size_t(b + 1) * pages / sorted_chunks);
+  int* table;
+  CK(cudaMalloc(&table, pages * sizeof(int)));
+  CK(cudaMemcpy(table, host.data(), pages * sizeof(int), cudaMemcpyHostToDevice));
+  return table;
+}
+
 // The paged rows above over a buffer of c.size bytes (K its first half, V its second), 256
 // threads a block in clusters of `cluster` blocks along x (8 unless given), under PDL;
 // blocks = 64 (one per SM on half the SMs, as the cluster split's grid at b=1 kv=32k) or
@@ -437,33 +558,42 @@ void run_paged(Ctx& c, const int* table, int hpb, int blocks, const char* name, 
   const int smem = S * 2 * Half + (Ids == 3 ? (max_tiles * tile_tokens + 15) / 16 * 4 : 0);
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (cluster > 8) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  int* smids;
-  CK(cudaMalloc(&smids, blocks * sizeof(int)));
-  double us = time_graph(c, [&](char* b) {
+  const Placed r = time_placed(c, blocks, [&](char* b, int* smids) {
     launch_ex(c, kern, blocks, 256, smem, true, cluster, static_cast<const char*>(b),
               static_cast<const char*>(b) + c.size / 2, table, pages, hpb, head_tiles, c.sink, smids);
   });
-  std::vector<int> host(blocks), per_sm(1024, 0);
-  CK(cudaMemcpy(host.data(), smids, blocks * sizeof(int), cudaMemcpyDeviceToHost));
-  CK(cudaFree(smids));
-  int used = 0, most = 0;
-  for (int sm : host) {
-    if (per_sm[sm & 1023]++ == 0) ++used;
-    most = std::max(most, per_sm[sm & 1023]);
-  }
   char label[200];
   snprintf(label, sizeof label, "%s, %d head%s a block (%d-byte rows), clusters of %d, on %d SMs (at most %d an SM)",
-           name, hpb, hpb > 1 ? "s" : "", 256 * hpb, cluster, used, most);
-  row("cpasync_paged", label, c.size, blocks, 256, us);
+           name, hpb, hpb > 1 ? "s" : "", 256 * hpb, cluster, r.used, r.most);
+  row("cpasync_paged", label, c.size, blocks, 256, r.us);
+}
+
+template <int S, int Ids>
+void run_paged_bulk(Ctx& c, const int* table, int blocks, const char* name) {
+  constexpr int kPageBytes = 16 * 8 * 256, kTileTokens = 64;
+  const int pages = int(c.size / 2 / kPageBytes);
+  const int per_group = blocks / 8;
+  const int head_tiles = pages * 16 / kTileTokens;
+  if (per_group * 8 != blocks || blocks % 8 != 0 || head_tiles < per_group) {
+    fprintf(stderr, "read_ceiling: paged bulk %s left out\n", name);
+    return;
+  }
+  auto kern = read_paged_bulk<S, Ids>;
+  const int max_tiles = (head_tiles + per_group - 1) / per_group;
+  const int smem = S * 8 * 2 * 8 * 272 + 8 * S * 8 + max_tiles * kTileTokens / 16 * 4;
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const Placed r = time_placed(c, blocks, [&](char* b, int* smids) {
+    launch_ex(c, kern, blocks, 256, smem, true, 8, static_cast<const char*>(b), static_cast<const char*>(b) + c.size / 2,
+              table, pages, head_tiles, c.sink, smids);
+  });
+  char label[200];
+  snprintf(label, sizeof label, "%s, 1 head a block (256-byte rows), clusters of 8, on %d SMs (at most %d an SM)", name,
+           r.used, r.most);
+  row("bulk_paged", label, c.size, blocks, 256, r.us);
 }
 
 static void paged_rows(Ctx& c) {
-  const int pages = int(c.size / 2 / (16 * 8 * 256));
-  std::vector<int> host(pages);
-  for (int l = 0; l < pages; ++l) host[l] = (l * 1031 + 7) & (pages - 1);
-  int* table;
-  CK(cudaMalloc(&table, pages * sizeof(int)));
-  CK(cudaMemcpy(table, host.data(), pages * sizeof(int), cudaMemcpyHostToDevice));
+  int* table = scrambled_table(int(c.size / 2 / (16 * 8 * 256)));
   for (int hpb : {1, 2, 8}) {
     run_paged<3, 0>(c, table, hpb, 64, "3 x 32 KB, pages in order");
     run_paged<3, 1>(c, table, hpb, 64, "3 x 32 KB, pages scrambled (computed)");
@@ -486,12 +616,52 @@ static void paged_rows(Ctx& c) {
   CK(cudaFree(table));
 }
 
+// Where scrambled pages lose against pages in order (one head a block, 64 blocks, 3 x 32 KB
+// cp.async stages): pages scrambled only within 2 MB windows (64 records of 32 KB), and the
+// scrambled table with each block's chunk sorted by physical page (the same pages, read
+// in address order), against in order and scrambled all over; two interleaved rounds.
+static void locality_rows(Ctx& c) {
+  const int pages = int(c.size / 2 / (16 * 8 * 256));
+  // 8 blocks a head, each a chunk of pages / 8 (whole tiles of 4 pages)
+  int *table = scrambled_table(pages), *table_sorted = scrambled_table(pages, 8);
+  for (int round = 0; round < 2; ++round) {
+    run_paged<3, 0>(c, table, 1, 64, "3 x 32 KB, pages in order");
+    run_paged<3, 1>(c, table, 1, 64, "3 x 32 KB, pages scrambled (computed)");
+    run_paged<3, 4>(c, table, 1, 64, "3 x 32 KB, pages scrambled within 2 MB (computed)");
+    run_paged<3, 2>(c, table, 1, 64, "3 x 32 KB, pages scrambled (table, one tile ahead)");
+    run_paged<3, 2>(c, table_sorted, 1, 64, "3 x 32 KB, pages scrambled, each chunk sorted (table, one tile ahead)");
+    run_paged<3, 3>(c, table, 1, 64, "3 x 32 KB, pages scrambled (table into shared memory before the wait)");
+    run_paged<3, 3>(c, table_sorted, 1, 64, "3 x 32 KB, pages scrambled, each chunk sorted (table into shared memory before the wait)");
+  }
+  CK(cudaFree(table));
+  CK(cudaFree(table_sorted));
+}
+
+// cp.async against bulk copies on the paged pattern (one head a block, 64 blocks), the
+// rows interleaved over two rounds.
+static void bulk_rows(Ctx& c) {
+  int* table = scrambled_table(int(c.size / 2 / (16 * 8 * 256)));
+  for (int round = 0; round < 2; ++round) {
+    run_paged<3, 0>(c, table, 1, 64, "3 x 32 KB, pages in order");
+    run_paged<3, 2>(c, table, 1, 64, "3 x 32 KB, pages scrambled (table, one tile ahead)");
+    run_paged<3, 3>(c, table, 1, 64, "3 x 32 KB, pages scrambled (table into shared memory before the wait)");
+    run_paged_bulk<3, 0>(c, table, 64, "3 x 32 KB, pages in order");
+    run_paged_bulk<3, 2>(c, table, 64, "3 x 32 KB, pages scrambled (table, one tile ahead)");
+    run_paged_bulk<3, 3>(c, table, 64, "3 x 32 KB, pages scrambled (table into shared memory before the wait)");
+    run_paged_bulk<2, 3>(c, table, 64, "2 x 32 KB, pages scrambled (table into shared memory before the wait)");
+  }
+  CK(cudaFree(table));
+}
+
 int main(int argc, char** argv) {
-  // argv: [paged] size_mib ... (each a buffer size to measure; paged: only the paged rows)
+  // argv: [paged | bulk | locality] size_mib ... (each a buffer size to measure; paged: only the
+  // paged rows; bulk: only cp.async against bulk copies on the paged pattern)
   std::vector<size_t> sizes;
-  bool paged_only = false;
+  bool paged_only = false, bulk_only = false, locality_only = false;
   for (int i = 1; i < argc; ++i) {
     if (strcmp(argv[i], "paged") == 0) paged_only = true;
+    else if (strcmp(argv[i], "bulk") == 0) bulk_only = true;
+    else if (strcmp(argv[i], "locality") == 0) locality_only = true;
     else sizes.push_back(size_t(atoll(argv[i])) << 20);
   }
   if (sizes.empty()) sizes = {128, 1024};
@@ -519,6 +689,14 @@ int main(int argc, char** argv) {
     c.inner = size >= (size_t(1) << 30) ? 6 : 20;
     if (paged_only) {
       paged_rows(c);
+      continue;
+    }
+    if (bulk_only) {
+      bulk_rows(c);
+      continue;
+    }
+    if (locality_only) {
+      locality_rows(c);
       continue;
     }
     // the copy ceiling, the same way (read + write counted)
