@@ -69,10 +69,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--quick", action="store_true", help="128 MiB only")
-    ap.add_argument("--paged", action="store_true", help="only the paged rows (the decode's access pattern)")
-    ap.add_argument("--bulk", action="store_true",
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--paged", action="store_true", help="only the paged rows (the decode's access pattern)")
+    only.add_argument("--bulk", action="store_true",
                     help="only cp.async against bulk copies on the paged pattern (one head a block, 64 blocks)")
-    ap.add_argument("--locality", action="store_true",
+    only.add_argument("--locality", action="store_true",
                     help="only the paged pattern's page orders: in order, scrambled, scrambled within 2 MB, "
                          "each block's chunk sorted by physical page")
     ap.add_argument("--arch", default="90a")
@@ -82,8 +83,8 @@ def main() -> int:
     sizes = [128] if args.quick else args.sizes_mib
     exe = build(args.arch)
     try:
-        proc = subprocess.run([str(exe)] + (["paged"] if args.paged else []) + (["bulk"] if args.bulk else []) + (["locality"] if args.locality else []) + [str(s) for s in sizes],
-                              capture_output=True, text=True)
+        modes = [m for m in ("paged", "bulk", "locality") if getattr(args, m)]
+        proc = subprocess.run([str(exe)] + modes + [str(s) for s in sizes], capture_output=True, text=True)
     finally:
         shutil.rmtree(exe.parent, ignore_errors=True)
     if proc.stderr:

@@ -130,6 +130,21 @@ __global__ void read_chunk_cpasync(const char* __restrict__ base, size_t chunk, 
   sink_if(acc, sink);
 }
 
+// The paged rows' blocks: which SM each ran on (when smids is given), and the tiles
+// [t0, t0 + tiles) of its head's head_tiles that block `chunk` of per_group takes, split as
+// evenly as whole tiles allow (chunks differ by one tile at most).
+__device__ __forceinline__ void record_sm(int* smids) {
+  if (smids != nullptr && threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    smids[blockIdx.x] = int(sm);
+  }
+}
+__device__ __forceinline__ int2 chunk_tiles(int chunk, int head_tiles, int per_group) {
+  const int t0 = int(int64_t(chunk) * head_tiles / per_group), t1 = int(int64_t(chunk + 1) * head_tiles / per_group);
+  return make_int2(t0, t1 - t0);
+}
+
 // The decode's own access pattern: K and V caches of `pages` pages x 16 tokens x 8 heads x
 // 128 dims (16-bit, NHD; a token's head rows 256 bytes apart), each block reading its heads'
 // rows ([hpb] adjacent heads: hpb x 256 contiguous bytes a token) of a chunk of tokens, a
@@ -156,15 +171,9 @@ __global__ void read_paged_cpasync(const char* __restrict__ k, const char* __res
   const int group = blockIdx.x / per_group, chunk = blockIdx.x % per_group;
   const int row_bytes = 256 * hpb, row_chunks = row_bytes / 16;
   const int tile_tokens = kHalf / row_bytes;
-  // the head's tiles split as evenly as whole tiles allow (chunks differ by one tile at most)
-  const int t0 = int(int64_t(chunk) * head_tiles / per_group), t1 = int(int64_t(chunk + 1) * head_tiles / per_group);
-  const int tok0 = t0 * tile_tokens;
-  const int tiles = t1 - t0;
-  if (smids != nullptr && threadIdx.x == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    smids[blockIdx.x] = int(sm);
-  }
+  const int2 range = chunk_tiles(chunk, head_tiles, per_group);
+  const int tok0 = range.x * tile_tokens, tiles = range.y;
+  record_sm(smids);
   const size_t head_off = size_t(group) * row_bytes;
   constexpr int kPer = kHalf / 16 / 256;  // 16-byte copies a thread, K and V each (256 threads)
   // Ids 3: the chunk's page ids into shared memory (after the stages) before the wait,
@@ -292,24 +301,23 @@ __global__ void read_chunk_bulk(const char* __restrict__ base, size_t chunk, int
 // shared memory (a stride that keeps ldmatrix's 8-row phases on distinct banks without a
 // swizzle, which a bulk copy cannot apply). A warp waits for its own barrier only, as the
 // kernel's warps wait for their own cp.async groups. Ids as read_paged_cpasync (0, 2, 3).
+constexpr int kBulkRowStride = 272;                                // bytes between rows in shared memory
+constexpr int kBulkWarpBytes = 2 * 8 * kBulkRowStride;             // a warp's 8 K and 8 V rows
+constexpr int kBulkStageBytes = 8 * kBulkWarpBytes;                // 8 warps
 template <int S, int Ids>
 __global__ void read_paged_bulk(const char* __restrict__ k, const char* __restrict__ v, const int* __restrict__ table,
                                 int pages, int head_tiles, unsigned* sink, int* smids) {
   extern __shared__ __align__(128) char smem[];
-  constexpr int kTokenBytes = 8 * 256, kPageBytes = 16 * kTokenBytes, kStride = 272, kTileTokens = 64;
-  constexpr int kWarpBytes = 2 * 8 * kStride, kStage = 8 * kWarpBytes;
+  constexpr int kTokenBytes = 8 * 256, kPageBytes = 16 * kTokenBytes, kTileTokens = 64;
+  constexpr int kStride = kBulkRowStride, kWarpBytes = kBulkWarpBytes, kStage = kBulkStageBytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S * kStage);  // [warp][stage]
   int* chunk_ids = reinterpret_cast<int*>(bars + 8 * S);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int per_group = gridDim.x / 8;
   const int group = blockIdx.x / per_group, chunk = blockIdx.x % per_group;
-  const int t0 = int(int64_t(chunk) * head_tiles / per_group), t1 = int(int64_t(chunk + 1) * head_tiles / per_group);
-  const int tok0 = t0 * kTileTokens, tiles = t1 - t0, page0 = tok0 / 16;
-  if (smids != nullptr && threadIdx.x == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    smids[blockIdx.x] = int(sm);
-  }
+  const int2 range = chunk_tiles(chunk, head_tiles, per_group);
+  const int tok0 = range.x * kTileTokens, tiles = range.y, page0 = tok0 / 16;
+  record_sm(smids);
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(&bars[warp * S + s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;");
@@ -574,13 +582,13 @@ void run_paged_bulk(Ctx& c, const int* table, int blocks, const char* name) {
   const int pages = int(c.size / 2 / kPageBytes);
   const int per_group = blocks / 8;
   const int head_tiles = pages * 16 / kTileTokens;
-  if (per_group * 8 != blocks || blocks % 8 != 0 || head_tiles < per_group) {
+  if (per_group * 8 != blocks || head_tiles < per_group) {
     fprintf(stderr, "read_ceiling: paged bulk %s left out\n", name);
     return;
   }
   auto kern = read_paged_bulk<S, Ids>;
   const int max_tiles = (head_tiles + per_group - 1) / per_group;
-  const int smem = S * 8 * 2 * 8 * 272 + 8 * S * 8 + max_tiles * kTileTokens / 16 * 4;
+  const int smem = S * kBulkStageBytes + 8 * S * 8 + max_tiles * kTileTokens / 16 * 4;  // stages, barriers, ids
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const Placed r = time_placed(c, blocks, [&](char* b, int* smids) {
     launch_ex(c, kern, blocks, 256, smem, true, 8, static_cast<const char*>(b), static_cast<const char*>(b) + c.size / 2,
