@@ -45,6 +45,7 @@ namespace plan_detail {
 
 constexpr int64_t kMinChunk = 64;        // decode.py _MIN_CHUNK
 constexpr int64_t kClusterMinChunk = 64; // decode.py _CLUSTER_MIN_CHUNK
+constexpr int64_t kLongClusterBlockBytes = int64_t(2) << 20;  // decode.py _LONG_CLUSTER_MAX_BLOCK_BYTES
 
 inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t up_to(int64_t a, int64_t m) { return div_up(a, m) * m; }
@@ -178,10 +179,14 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
     total += n;
   }
 
-  // decode.py _cluster_shape (never in CUDA-graph mode)
+  // decode.py _cluster_shape (a CUDA-graph wrapper decides by its capacity alone)
   int32_t cluster = 1, cluster_warps = 4;
-  if (!graph && c.cluster > 1 && !c.fixed_split_size && !c.disable_split_kv && batch > 0 &&
-      batch * c.blocks_per_item * c.cluster <= c.sms) {
+  if (graph) {
+    if (c.cluster > 1 && !c.fixed_split_size && !c.disable_split_kv &&
+        c.wide_cluster_max_block_bytes >= kLongClusterBlockBytes && 2 * cap * c.blocks_per_item * c.cluster <= c.sms)
+      cluster = c.cluster, cluster_warps = 8;
+  } else if (c.cluster > 1 && !c.fixed_split_size && !c.disable_split_kv && batch > 0 &&
+             batch * c.blocks_per_item * c.cluster <= c.sms) {
     const int64_t block_bytes = div_up(longest, c.cluster) * c.token_bytes;
     if (longest >= kClusterMinChunk * c.cluster) {
       if (block_bytes <= c.cluster_max_block_bytes) {
@@ -200,6 +205,7 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
   merge.assign(batch + 1, 0);
   if (cluster > 1) {  // decode.py plan_cluster
     items = batch * cluster;
+    if (graph) max_items = cap * cluster;
     rows.resize(4 * items);
     for (int64_t r = 0; r < batch; ++r) {
       const int64_t sz = std::max<int64_t>(32, up_to(div_up(lens[r], cluster), 32));

@@ -537,7 +537,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             capacity = self._capacity if graph else batch
             cluster, cluster_warps = self._cluster_shape(config, kv_lens, capacity)
             if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
-                per_block, max_items, any_split = 1, None, False  # never in CUDA-graph mode (_cluster_shape)
+                # (a CUDA-graph grid: a cluster for each request it can take, the unused ones exit)
+                per_block, max_items, any_split = 1, (capacity * cluster if graph else None), False
                 work, merge_indptr = plan_cluster(kv_lens, cluster), np.zeros(batch + 1, dtype=np.int32)
                 items = len(work)
             else:
@@ -607,11 +608,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         blocks per item x cluster fits the SMs, and the longest request gives each block at
         least _CLUSTER_MIN_CHUNK tokens and at most the configuration's wide_cluster_max_bytes
         of K and V; blocks of 8 warps above _CLUSTER_MAX_BLOCK_BYTES, only where the grid
-        takes at most half the SMs. Not in CUDA-graph mode: its grid
-        is fixed at capture, and a later plan of long requests would run slower on it."""
+        takes at most half the SMs. A CUDA-graph wrapper, whose grid and kernel are fixed at
+        capture, decides by its capacity alone, whatever the lengths: 8-warp clusters where
+        its configuration has them up to _LONG_CLUSTER_MAX_BLOCK_BYTES (16-bit caches at
+        head_dim 128) and they take at most half the SMs, else none (4-warp clusters lose
+        from 128 KB a block: a later plan of long requests would run much slower on them)."""
         c = config.cluster
-        if c <= 1 or self._use_cuda_graph or config.fixed_split_size or config.disable_split_kv or \
-                capacity * config.blocks_per_item * c > config.sms or not len(kv_lens):
+        if c <= 1 or config.fixed_split_size or config.disable_split_kv:
+            return 1, 4
+        if self._use_cuda_graph:
+            if config.wide_cluster_max_bytes >= _LONG_CLUSTER_MAX_BLOCK_BYTES and \
+                    2 * capacity * config.blocks_per_item * c <= config.sms:
+                return c, 8
+            return 1, 4
+        if capacity * config.blocks_per_item * c > config.sms or not len(kv_lens):
             return 1, 4
         longest = int(np.maximum.reduce(kv_lens))
         block_bytes = -(-longest // c) * config.token_bytes

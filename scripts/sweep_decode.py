@@ -10,8 +10,9 @@ In one process on one GPU, ours only (bench_decode.py compares with FlashInfer):
   - cluster: small batches split over thread-block clusters (plan()'s choice on sm_90+)
     against the split with partial states (FLASHINFER_JIT_DECODE_CLUSTERS=0), eager and
     CUDA-graph wrappers, in interleaved rounds (a case under the planner's 64 tokens per
-    block is forced onto clusters; one over its 64 KB a block, or in CUDA-graph mode,
-    runs the split with partial states in both columns);
+    block is forced onto clusters; an eager case over the planner's bytes a block runs the
+    split with partial states in both columns; a CUDA-graph wrapper takes clusters by its
+    capacity, whatever the lengths);
   - host: where run()'s host time goes (run() on its fast path, run() through the torch
     op as after a plan() with another launch, the op alone, plan() and plan() + run() where
     the launch stays (the fast path from the first run), run()'s Python alone, one torch
@@ -54,6 +55,9 @@ CLUSTER_CASES = [(kv, 4, 1, n) for kv in ("bfloat16", "float8_e4m3fn") for n in 
 CLUSTER_CASES += [("bfloat16", 8, 1, n) for n in (2048, 8192, 32768)] + [("float8_e4m3fn", 8, 1, 8192)]
 # b=2 at 8 KV heads: 128 one-block-per-SM clusters (where the long blocks stop paying)
 CLUSTER_CASES += [("bfloat16", 4, 1, 16384)] + [("bfloat16", 4, 2, n) for n in (2048, 4096, 16384)]
+# b=1 past an eager plan's 2 MB a block: eager columns split with partial states, a CUDA-graph
+# wrapper (capacity 1) keeps its 8-warp clusters at any length
+CLUSTER_CASES += [("bfloat16", 4, 1, n) for n in (65536, 131072)]
 
 
 class Inputs:

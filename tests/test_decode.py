@@ -545,6 +545,55 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("capacity,hk,rounds", [
+    (1, 8, [[5000], [40000], [0], [100], [17], [32768]]),  # 40000: over an eager plan's 2 MB a block
+    (2, 4, [[3000, 20000], [0, 700], [9000]]),             # 2 x 4 KV heads x 8: 64 blocks; then batch 1 < 2
+], ids=["cap1-8kv", "cap2-4kv"])
+def test_batch_decode_cuda_graph_cluster_split(capacity, hk, rounds, workspace):
+    """A CUDA-graph wrapper small enough for 8-warp clusters (sm_90+: capacity x KV heads x
+    8 blocks within half the SMs, bf16 at head_dim 128) takes them at capture whatever the
+    lengths; replays after plan() with other lengths, an empty request and a smaller batch
+    match the reference, and every live output row is written (NaN-poisoned)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    hq, d, ps, pool, dtype = 4 * hk, 128, 16, 4096, torch.bfloat16
+    rnd = random.Random(29 + capacity)
+    gen = torch.Generator(device=DEV).manual_seed(29 + capacity)
+    _, k, v = make_cache("tuple", "NHD", pool, ps, hk, d, dtype, gen)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True,
+        paged_kv_indptr_buffer=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32, device=DEV),
+        paged_kv_last_page_len_buffer=torch.zeros(capacity, dtype=torch.int32, device=DEV))
+    q_buf = _randn((capacity, hq, d), dtype, gen)
+    out_buf = torch.full((capacity, hq, d), float("nan"), dtype=dtype, device=DEV)
+    lse_buf = torch.full((capacity, hq), float("nan"), dtype=torch.float32, device=DEV)
+    graph = None
+    for lens in rounds:
+        batch = len(lens)
+        paged = make_page_table("csr", lens, ps, pool, rnd, host_indptr=True)
+        wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, q_data_type=dtype)
+        assert (wrapper._plan.cluster, wrapper._plan.cluster_warps) == (8, 8)
+        q_buf.copy_(_randn(q_buf.shape, dtype, gen))
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True)
+        out_buf.fill_(float("nan"))
+        lse_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out_buf[:batch].isnan().any() and not lse_buf[:batch].isnan().any(), lens
+        ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens)
+        check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
+
+
+@pytest.mark.gpu
 def test_batch_decode_cuda_graph_paired_kv_heads_large_batch(workspace):
     """A CUDA-graph wrapper over an fp8 NHD cache, whose blocks pair KV heads, at a
     capacity of 192 requests (more merge counters than the smallest allocation): replays

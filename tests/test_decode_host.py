@@ -591,12 +591,57 @@ def test_plan_cluster_split_off_without_clusters(op):
     assert w._plan.cluster == 1
 
 
-def test_cuda_graph_wrapper_keeps_the_split_with_partial_states(op, clusters):
-    """A CUDA-graph wrapper's grid is fixed at capture: no cluster split, whose blocks
-    would read far more than they should at a later plan's longer requests."""
-    w = wrapper(graph_capacity=1)
-    plan_and_capture(w, csr([1000]), op, 1)
-    assert w._plan.cluster == 1 and op.last["cluster_size"] == 1
+def test_cuda_graph_wrapper_takes_8_warp_clusters_by_its_capacity(op, clusters):
+    """A CUDA-graph wrapper's grid and kernel are fixed at capture: it decides the cluster
+    split by its capacity alone. At capacity 1 (8 KV heads x 8 blocks: half the SMs), a
+    16-bit cache at head_dim 128 takes 8-warp clusters whatever the lengths of this plan
+    or a later one; each request gets a cluster, the rows of the ones it lacks are zeros."""
+    w = wrapper(graph_capacity=1, pool=8192)
+    plan_and_capture(w, csr([10]), op, 1)  # too short for the eager planner's clusters
+    first = op.last
+    assert w._plan.cluster == 8 and w._plan.cluster_warps == 8
+    assert first["cluster_size"] == 8 and first["cluster_warps"] == 8 and first["grid_items"] == 8
+    for lens in ([100000], [0], [3000]):  # longer than an eager plan's 2 MB a block, empty, mid
+        w.plan(**csr(lens), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS,
+               q_data_type=torch.float16)
+        q, cache = qkv(1)
+        w.run(q, cache)
+        last = op.last
+        assert (last["cluster_size"], last["cluster_warps"], last["grid_items"]) == (8, 8, 8)
+        work = last["work"][1:1 + 4 * 8].reshape(8, 4).numpy()
+        assert int(last["work"][0]) == 8
+        np.testing.assert_array_equal(work, decode.plan_cluster(np.array(lens), 8))
+
+
+@pytest.mark.parametrize("capacity,hk,d,kv_dtype", [
+    (2, 8, 128, torch.float16),           # 2 x 8 x 8 = 128 blocks of 8 warps: over half the SMs
+    (1, 8, 128, torch.float8_e4m3fn),     # fp8: 8-warp clusters lose from 128 KB a block
+    (1, 8, 64, torch.float16),            # head_dim 64: measured to 512 KB a block only
+])
+def test_cuda_graph_wrapper_keeps_the_split_with_partial_states(capacity, hk, d, kv_dtype, op, clusters):
+    """Elsewhere a CUDA-graph wrapper keeps the split with partial states: a fixed cluster
+    shape would run a later plan's long requests much slower."""
+    w = wrapper(graph_capacity=capacity)
+    w.plan(**csr([1000] * capacity), num_qo_heads=4 * hk, num_kv_heads=hk, head_dim=d, page_size=PS,
+           q_data_type=torch.float16, kv_data_type=kv_dtype)
+    assert w._plan.cluster == 1
+
+
+def test_cuda_graph_wrapper_cluster_grid_takes_padding(op, clusters):
+    """At capacity 2 with 4 KV heads (2 x 4 x 8 = 64 blocks), a plan of one request fills
+    the first cluster's rows; the second cluster's rows are zeros past the item count."""
+    w = wrapper(graph_capacity=2)
+    kw = dict(num_qo_heads=16, num_kv_heads=4, head_dim=128, page_size=PS, q_data_type=torch.float16)
+    w.plan(**csr([500, 700]), **kw)
+    assert w._plan.cluster == 8 and w._plan.cluster_warps == 8
+    w.plan(**csr([4000]), **kw)
+    w.run(torch.randn(1, 16, 128).to(torch.float16), tuple(torch.randn(300, PS, 4, 128).to(torch.float16)
+                                                             for _ in range(2)))
+    last = op.last
+    assert last["grid_items"] == 16 and int(last["work"][0]) == 8
+    work = last["work"][1:1 + 4 * 16].reshape(16, 4).numpy()
+    np.testing.assert_array_equal(work[:8], decode.plan_cluster(np.array([4000]), 8))
+    assert (work[8:] == 0).all()
 
 
 # --- plan(): one copy to the device --------------------------------------------------------------
@@ -958,9 +1003,14 @@ def test_native_planner_leaves_bad_csr_to_the_numpy_errors(bad, op):
 @pytest.mark.parametrize("config", [0, 1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("table", ["csr", "block_table"])
 @pytest.mark.parametrize("capacity", [1, 8, 300])
-def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table, capacity, op, monkeypatch):
+@pytest.mark.parametrize("with_clusters", [False, True], ids=["sm80", "sm90"])
+def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table, capacity, with_clusters, op,
+                                                                  monkeypatch):
     """The same in CUDA-graph mode: arrays padded to the capacity, the grid fixed by it
-    (spare rows zero), KV-head pairs decided by it; consecutive plans of fewer requests."""
+    (spare rows zero), KV-head pairs and clusters decided by it; consecutive plans of
+    fewer requests."""
+    if with_clusters:
+        monkeypatch.setattr(decode, "supports_clusters", lambda device: True)
     hq, hk, d, kv_dtype, kwargs = PLAN_CONFIGS[config]
     plan_kwargs = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=PS, q_data_type=torch.float16,
                        kv_data_type=kv_dtype, **kwargs)
