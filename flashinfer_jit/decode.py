@@ -579,7 +579,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
         plan.cluster, plan.cluster_warps = cluster, cluster_warps
-        merge_rows = capacity if (graph or any_split) else 0
+        # (a CUDA-graph grid keeps partial rows for a later plan's splits, but a cluster
+        # grid never splits: it merges on chip)
+        merge_rows = capacity if ((graph and cluster == 1) or any_split) else 0
         # The tensor-core kernel merges split requests itself: the last block of a request
         # (per head tile) to finish, counted in zeroed int32s that it resets. One per
         # request, KV head and tile (config.blocks_per_item, one-head blocks), as the op

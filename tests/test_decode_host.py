@@ -608,6 +608,7 @@ def test_cuda_graph_wrapper_takes_8_warp_clusters_by_its_capacity(op, clusters):
         w.run(q, cache)
         last = op.last
         assert (last["cluster_size"], last["cluster_warps"], last["grid_items"]) == (8, 8, 8)
+        assert last["merge_rows"] == 0 and last["merge_counters"] is None  # merged on chip
         work = last["work"][1:1 + 4 * 8].reshape(8, 4).numpy()
         assert int(last["work"][0]) == 8
         np.testing.assert_array_equal(work, decode.plan_cluster(np.array(lens), 8))
@@ -638,7 +639,7 @@ def test_cuda_graph_wrapper_cluster_grid_takes_padding(op, clusters):
     w.run(torch.randn(1, 16, 128).to(torch.float16), tuple(torch.randn(300, PS, 4, 128).to(torch.float16)
                                                              for _ in range(2)))
     last = op.last
-    assert last["grid_items"] == 16 and int(last["work"][0]) == 8
+    assert last["grid_items"] == 16 and int(last["work"][0]) == 8 and last["merge_rows"] == 0
     work = last["work"][1:1 + 4 * 16].reshape(16, 4).numpy()
     np.testing.assert_array_equal(work[:8], decode.plan_cluster(np.array([4000]), 8))
     assert (work[8:] == 0).all()
