@@ -483,6 +483,19 @@ def test_batch_decode_wave_split_large_batch(kv_dtype, batch, kv_len, chunks, pa
     check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
 
 
+def _graph_of(call):
+    """call() run once on a side stream (warm-up, as capture needs), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_table", GRAPH_TABLES)
 def test_batch_decode_cuda_graph_replay(page_table, workspace):
@@ -528,14 +541,7 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
         wrapper.plan(**args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, q_data_type=dtype)
         q_buf.copy_(_randn(q_buf.shape, dtype, gen))  # rows past `batch` are padding
         if graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True)
+            graph = _graph_of(lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True))
         out_buf.fill_(float("nan"))
         lse_buf.fill_(float("nan"))
         graph.replay()
@@ -576,14 +582,7 @@ def test_batch_decode_cuda_graph_cluster_split(capacity, hk, rounds, workspace):
         assert (wrapper._plan.cluster, wrapper._plan.cluster_warps) == (8, 8)
         q_buf.copy_(_randn(q_buf.shape, dtype, gen))
         if graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True)
+            graph = _graph_of(lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True))
         out_buf.fill_(float("nan"))
         lse_buf.fill_(float("nan"))
         graph.replay()
