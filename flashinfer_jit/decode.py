@@ -1012,13 +1012,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         tables, work, merge_indptr, partial_o, partial_lse, soft_cap, rope_scale, rope_theta, grid_items, \
             merge_rows, counters = plan.args
         entry = _decode_fast(plan.spec, env.debug()) if plan.checked is not None else None
-        prepared = None
-        if entry is not None:
-            prepared = plan.prepared = torch.empty(entry[1], dtype=torch.uint8)
+        prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
         op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
            prepared, plan.kv_heads_per_block, plan.cluster, plan.cluster_warps)
         if prepared is not None:  # later calls with this signature take the fast path
+            # (kept only once the op returned: an op that raised leaves the last launch and
+            # its buffer together)
+            plan.prepared = prepared
             plan.prepared_ptr, plan.device_index, plan.fast = prepared.data_ptr(), q.get_device(), entry[0]
         return (out, lse) if return_lse else out
 
