@@ -620,14 +620,7 @@ def test_batch_decode_cuda_graph_paired_kv_heads_large_batch(workspace):
         assert wrapper._plan.kv_heads_per_block == 2
         q_buf.copy_(_randn(q_buf.shape, torch.bfloat16, gen))
         if graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                wrapper.run(q_buf, (k, v), out=out_buf, **scales)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                wrapper.run(q_buf, (k, v), out=out_buf, **scales)
+            graph = _graph_of(lambda: wrapper.run(q_buf, (k, v), out=out_buf, **scales))
         out_buf.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
