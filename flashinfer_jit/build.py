@@ -88,7 +88,7 @@ nvcc = {_q(tc.nvcc)}
 cxx = {_q(tc.cxx)}
 nvcc_flags = {' '.join(flags.nvcc)} {threads}
 cxx_flags = {' '.join(flags.cxx)} {torch_inc}
-ldflags = {' '.join(flags.ld)} -L{_q(tc.torch_lib)} -L{_q(tc.cuda_lib)} -Wl,-rpath,{_q(tc.torch_lib)} -Wl,-rpath,{_q(tc.cuda_lib)}
+ldflags = {' '.join(flags.ld)}{''.join(' ' + _q(p) for p in tc.cxx_runtime)} -L{_q(tc.torch_lib)} -L{_q(tc.cuda_lib)} -Wl,-rpath,{_q(tc.torch_lib)} -Wl,-rpath,{_q(tc.cuda_lib)}
 
 # Each step writes its output to $out.log (merged into the entry's build.log by
 # collect_logs, so an entry built among many in one AOT ninja keeps its own ptxas report)

@@ -32,10 +32,16 @@ class Toolchain:
     torch_include: tuple[str, ...]
     torch_lib: str
     cxx11_abi: bool
+    # Link inputs that make the module use the process's shared libstdc++ (see
+    # shared_libstdcxx); empty where the compiler links it shared by itself.
+    cxx_runtime: tuple[str, ...] = ()
 
     def compiler_identity(self) -> dict:
-        """The compilers' part of the cache key: versions, never install paths."""
-        return {"nvcc": self.nvcc_version, "cxx": self.cxx_version}
+        """The compilers' part of the cache key: versions, never install paths (plus a
+        mark where the C++ runtime is named on the link line: entries linked before that,
+        with a private libstdc++, are not reused)."""
+        ident = {"nvcc": self.nvcc_version, "cxx": self.cxx_version}
+        return ident | ({"cxx_runtime": "shared libstdc++ named"} if self.cxx_runtime else {})
 
 
 def _version_line(cmd: list[str], what: str) -> str:
@@ -124,6 +130,54 @@ def find_cxx() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
+def _print_file_name(cxx: str, name: str) -> str | None:
+    """Where `cxx` finds library file `name` when linking; None where it does not (GCC
+    and clang then echo the bare name). Remembered on disk like the version line."""
+    memo_key = _binary_key(cxx)
+    memo_key = memo_key and f"{memo_key}|print-file-name={name}"
+    memo = _read_version_memo()
+    if memo_key and memo_key in memo:
+        out = memo[memo_key]
+    else:
+        try:
+            out = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True,
+                                 timeout=60, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if memo_key:
+            _write_version_memo({**memo, memo_key: out})
+    return out if os.path.isabs(out) and os.path.exists(out) else None
+
+
+def _loaded_libstdcxx() -> str | None:
+    """The libstdc++.so.6 mapped into this process (torch's), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def shared_libstdcxx(cxx: str) -> tuple[str, ...]:
+    """Extra link inputs so a module shares the process's libstdc++.
+
+    A compiler that has only libstdc++.a on its library path (a relocated GCC such as
+    /opt/gcc, where `-print-file-name=libstdc++.so` finds nothing) links a private copy of
+    libstdc++ into every module. That copy's iostreams then meet the process's locale
+    objects, and the first error message that formats a number (`TORCH_CHECK(..., n)`)
+    crashes with SIGSEGV instead of raising. Naming the shared libstdc++.so.6 on the link
+    line before the compiler's implicit -lstdc++ resolves every C++ runtime symbol from
+    it, so nothing is taken from the archive."""
+    if _print_file_name(cxx, "libstdc++.so") is not None:
+        return ()
+    shared = _print_file_name(cxx, "libstdc++.so.6") or _loaded_libstdcxx()
+    return (shared,) if shared else ()
+
+
 @functools.cache
 def nvcc_version() -> str:
     nvcc = find_nvcc()
@@ -170,6 +224,7 @@ def get() -> Toolchain:
                        str(torch_dir / "include" / "torch" / "csrc" / "api" / "include")),
         torch_lib=str(torch_dir / "lib"),
         cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        cxx_runtime=shared_libstdcxx(cxx),
     )
 
 

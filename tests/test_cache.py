@@ -305,6 +305,8 @@ def test_real_module_builds_links_and_registers_its_op(built):
         needed = [line.split("[")[-1].rstrip("]") for line in dynamic if "NEEDED" in line]
         assert any(n.startswith("libcudart") for n in needed), needed
         assert not any("torch_cuda" in n or "c10_cuda" in n for n in needed), needed
+        # ...and the C++ runtime is the process's shared one, no private copy of it.
+        assert "libstdc++.so.6" in needed, needed
 
 
 @pytest.mark.slow
@@ -564,6 +566,88 @@ def test_unwritable_cache_dir_falls_back_then_fails_clearly(tmp_path, monkeypatc
     jit.clear_registry()
     with pytest.raises(CacheError, match="no writable cache directory.*FLASHINFER_JIT_CACHE_DIR"):
         jit.get_module(SPEC)
+    jit.clear_registry()
+
+
+# --- the C++ runtime: one shared libstdc++ per process ------------------------------------------
+# A compiler whose library path holds only libstdc++.a (a relocated GCC, like the H100
+# machine's /opt/gcc) links a private libstdc++ into each module; its iostreams crash on
+# the process's locale as soon as a TORCH_CHECK message formats a number.
+STATIC_ONLY_CXX = """#!/bin/sh
+# g++ as a toolchain with only libstdc++.a would behave: no libstdc++.so on its path.
+for a in "$@"; do
+  case "$a" in -print-file-name=libstdc++.so) echo libstdc++.so; exit 0;; esac
+done
+case " $* " in *" -shared "*) exec "{real}" -static-libstdc++ "$@";; esac
+exec "{real}" "$@"
+"""
+FORMATS_A_NUMBER = "#include <sstream>\n#include <string>\n" \
+    "std::string message(long n) {{ std::ostringstream s; s << \"n = \" << n; return s.str(); }}\n"
+OSTREAM_INSERT_LONG = "_ZNSo9_M_insertIlEERSoT_"  # std::ostream::_M_insert<long>
+
+
+def static_only_cxx(tmp_path: Path) -> str:
+    real = shutil.which(toolchain.find_cxx() or "g++")
+    wrapper = tmp_path / "static-only-g++"
+    wrapper.write_text(STATIC_ONLY_CXX.format(real=real))
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def dynamic_symbols(library: Path) -> tuple[set[str], list[str]]:
+    """(defined dynamic symbols, NEEDED libraries) of a shared object."""
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
+                        check=True).stdout
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    needed = [line.split("[")[-1].rstrip("]") for line in dynamic.splitlines() if "NEEDED" in line]
+    return {line.split()[-1] for line in nm.splitlines() if line.strip()}, needed
+
+
+needs_binutils = pytest.mark.skipif(not (shutil.which("nm") and shutil.which("readelf")),
+                                    reason="needs nm and readelf")
+
+
+@needs_toolchain
+@needs_binutils
+def test_a_static_only_compiler_links_the_shared_libstdcxx(tmp_path):
+    """The simulated compiler does link a private libstdc++ on its own (so the check
+    below can fail); with shared_libstdcxx's inputs the library takes every C++ runtime
+    symbol from libstdc++.so.6 instead."""
+    cxx = static_only_cxx(tmp_path)
+    (tmp_path / "m.cc").write_text(FORMATS_A_NUMBER.format())
+    subprocess.run([cxx, "-fPIC", "-c", str(tmp_path / "m.cc"), "-o", str(tmp_path / "m.o")], check=True)
+    subprocess.run([cxx, str(tmp_path / "m.o"), "-shared", "-o", str(tmp_path / "private.so")], check=True)
+    defined, needed = dynamic_symbols(tmp_path / "private.so")
+    assert OSTREAM_INSERT_LONG in defined and "libstdc++.so.6" not in needed
+
+    runtime = toolchain.shared_libstdcxx(cxx)
+    assert len(runtime) == 1 and os.path.basename(runtime[0]).startswith("libstdc++.so.6"), runtime
+    subprocess.run([cxx, str(tmp_path / "m.o"), "-shared", *runtime, "-o", str(tmp_path / "shared.so")],
+                   check=True)
+    defined, needed = dynamic_symbols(tmp_path / "shared.so")
+    assert OSTREAM_INSERT_LONG not in defined and "libstdc++.so.6" in needed
+    # A compiler that finds libstdc++.so links it shared by itself: nothing to add.
+    assert toolchain.shared_libstdcxx(shutil.which(toolchain.find_cxx())) == ()
+
+
+@pytest.mark.slow
+@needs_toolchain
+@needs_binutils
+def test_module_built_by_a_static_only_compiler_shares_libstdcxx(fresh_cache, fresh_toolchain, tmp_path,
+                                                                monkeypatch):
+    """A real module built with CXX set to such a compiler: its key says so (entries
+    linked the old way are not reused) and its library holds no libstdc++ of its own."""
+    plain = jit.prepare(SPEC).key
+    toolchain.get.cache_clear()
+    monkeypatch.setenv("CXX", static_only_cxx(tmp_path))
+    assert toolchain.get().compiler_identity()["cxx_runtime"]
+    prep = jit.prepare(SPEC)
+    assert prep.key != plain
+    module = jit.get_module(SPEC)
+    defined, needed = dynamic_symbols(module.path / f"{SPEC.name}.so")
+    assert not any(name.startswith(("_ZNSo", "_ZNSt7num_put", "_ZNSt6locale")) for name in defined)
+    assert "libstdc++.so.6" in needed
     jit.clear_registry()
 
 

@@ -19,6 +19,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -1224,3 +1227,31 @@ def test_cuda_graph_wrapper_rejects_a_batch_above_capacity(device):
         wrapper.run(q, _cache(2 * capacity, device=device))
     with pytest.raises(ValueError, match="batch|capacity|captured"):
         wrapper.plan(*_csr(capacity + 1, device), **PLAN)
+
+
+# The op's own TORCH_CHECKs, reached only by going around the Python checks: each raises
+# RuntimeError with its numbers in the message. A module linked with a private
+# libstdc++ (a compiler with only libstdc++.a, like the H100 machine's /opt/gcc) crashed
+# here with SIGSEGV while formatting the number; a subprocess keeps that from ending pytest.
+OP_CHECKS = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_decode import _cache, _planned
+    for field, value in (("kv_heads_per_block", 3), ("cluster", 3)):
+        wrapper = _planned("cuda")
+        setattr(wrapper._plan, field, value)
+        try:
+            wrapper.run(torch.randn(3, 32, 128, device="cuda").to(torch.float16), _cache(6, device="cuda"))
+            print(field, "RETURNED")
+        except RuntimeError as exc:
+            print(field, "RAISED", str(exc).splitlines()[0])
+""")
+
+
+@pytest.mark.gpu
+def test_op_check_failures_raise_instead_of_crashing():
+    proc = subprocess.run([sys.executable, "-c", OP_CHECKS.format(tests=str(Path(__file__).parent))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "kv_heads_per_block RAISED kv_heads_per_block: expected 1 or 2, got 3" in proc.stdout, proc.stdout
+    assert "cluster RAISED cluster_size: expected 1" in proc.stdout, proc.stdout
