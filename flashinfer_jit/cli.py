@@ -146,8 +146,13 @@ def check_nvcc() -> Check:
 
 
 def check_cxx() -> Check:
-    return check_tool("c++", toolchain.find_cxx(),
-                      "no host C++ compiler; fix: install g++ (e.g. `apt-get install g++`) or set CXX to one")
+    check = check_tool("c++", toolchain.find_cxx(),
+                       "no host C++ compiler; fix: install g++ (e.g. `apt-get install g++`) or set CXX to one")
+    if check.ok:
+        runtime = toolchain.shared_libstdcxx(toolchain.find_cxx())
+        if runtime:  # a compiler with only libstdc++.a on its path (see shared_libstdcxx)
+            return Check(check.name, True, f"{check.detail}; it has no libstdc++.so, so modules link {runtime[0]}")
+    return check
 
 
 def check_ninja() -> Check:
