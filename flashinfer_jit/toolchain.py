@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import env
 from .errors import ToolchainError
@@ -46,16 +47,22 @@ class Toolchain:
 
 def _version_line(cmd: list[str], what: str) -> str:
     """The version line of a compiler. Running `nvcc --version` costs tens of ms per
-    process, so the answer is remembered on disk keyed by the binary's resolved path,
-    size, mtime and inode: replacing or upgrading the binary changes the key."""
-    memo_key = _binary_key(cmd[0])
+    process, so the answer is remembered on disk (`_memoized`)."""
+    return _memoized(cmd[0], "", lambda: _run_version(cmd, what))
+
+
+def _memoized(binary: str, question: str, answer: Callable[[], str]) -> str:
+    """answer(), remembered on disk keyed by the binary's resolved path, size, mtime and
+    inode, plus `question`: replacing or upgrading the binary changes the key."""
+    memo_key = _binary_key(binary)
+    memo_key = memo_key and memo_key + question
     memo = _read_version_memo()
     if memo_key and memo_key in memo:
         return memo[memo_key]
-    line = _run_version(cmd, what)
+    value = answer()
     if memo_key:
-        _write_version_memo({**memo, memo_key: line})
-    return line
+        _write_version_memo({**memo, memo_key: value})
+    return value
 
 
 def _binary_key(binary: str) -> str | None:
@@ -133,19 +140,14 @@ def find_cxx() -> str | None:
 def _print_file_name(cxx: str, name: str) -> str | None:
     """Where `cxx` finds library file `name` when linking; None where it does not (GCC
     and clang then echo the bare name). Remembered on disk like the version line."""
-    memo_key = _binary_key(cxx)
-    memo_key = memo_key and f"{memo_key}|print-file-name={name}"
-    memo = _read_version_memo()
-    if memo_key and memo_key in memo:
-        out = memo[memo_key]
-    else:
-        try:
-            out = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True,
-                                 timeout=60, check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-        if memo_key:
-            _write_version_memo({**memo, memo_key: out})
+    def ask() -> str:
+        return subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True,
+                              timeout=60, check=True).stdout.strip()
+
+    try:
+        out = _memoized(cxx, f"|print-file-name={name}", ask)
+    except (OSError, subprocess.SubprocessError):
+        return None
     return out if os.path.isabs(out) and os.path.exists(out) else None
 
 

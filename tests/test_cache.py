@@ -116,6 +116,13 @@ def compiles(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if line.strip() != "--version"]
 
 
+def needed_libraries(library: Path) -> list[str]:
+    """The NEEDED entries of a shared object (readelf -d)."""
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    return [line.split("[")[-1].rstrip("]") for line in dynamic.splitlines() if "NEEDED" in line]
+
+
 def empty_path(tmp_path: Path) -> str:
     """A PATH with no tools at all (subprocesses start python by its full path)."""
     empty = tmp_path / "bin-without-tools"
@@ -300,9 +307,7 @@ def test_real_module_builds_links_and_registers_its_op(built):
 
     # Of the CUDA libraries only cudart is linked: CPU torch loads the same module.
     if shutil.which("readelf"):
-        dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True,
-                                 text=True).stdout.splitlines()
-        needed = [line.split("[")[-1].rstrip("]") for line in dynamic if "NEEDED" in line]
+        needed = needed_libraries(library)
         assert any(n.startswith("libcudart") for n in needed), needed
         assert not any("torch_cuda" in n or "c10_cuda" in n for n in needed), needed
         # ...and the C++ runtime is the process's shared one, no private copy of it.
@@ -582,7 +587,7 @@ case " $* " in *" -shared "*) exec "{real}" -static-libstdc++ "$@";; esac
 exec "{real}" "$@"
 """
 FORMATS_A_NUMBER = "#include <sstream>\n#include <string>\n" \
-    "std::string message(long n) {{ std::ostringstream s; s << \"n = \" << n; return s.str(); }}\n"
+    "std::string message(long n) { std::ostringstream s; s << \"n = \" << n; return s.str(); }\n"
 OSTREAM_INSERT_LONG = "_ZNSo9_M_insertIlEERSoT_"  # std::ostream::_M_insert<long>
 
 
@@ -598,10 +603,7 @@ def dynamic_symbols(library: Path) -> tuple[set[str], list[str]]:
     """(defined dynamic symbols, NEEDED libraries) of a shared object."""
     nm = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
                         check=True).stdout
-    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True,
-                             check=True).stdout
-    needed = [line.split("[")[-1].rstrip("]") for line in dynamic.splitlines() if "NEEDED" in line]
-    return {line.split()[-1] for line in nm.splitlines() if line.strip()}, needed
+    return {line.split()[-1] for line in nm.splitlines() if line.strip()}, needed_libraries(library)
 
 
 needs_binutils = pytest.mark.skipif(not (shutil.which("nm") and shutil.which("readelf")),
@@ -615,7 +617,7 @@ def test_a_static_only_compiler_links_the_shared_libstdcxx(tmp_path):
     below can fail); with shared_libstdcxx's inputs the library takes every C++ runtime
     symbol from libstdc++.so.6 instead."""
     cxx = static_only_cxx(tmp_path)
-    (tmp_path / "m.cc").write_text(FORMATS_A_NUMBER.format())
+    (tmp_path / "m.cc").write_text(FORMATS_A_NUMBER)
     subprocess.run([cxx, "-fPIC", "-c", str(tmp_path / "m.cc"), "-o", str(tmp_path / "m.o")], check=True)
     subprocess.run([cxx, str(tmp_path / "m.o"), "-shared", "-o", str(tmp_path / "private.so")], check=True)
     defined, needed = dynamic_symbols(tmp_path / "private.so")
@@ -635,7 +637,7 @@ def test_a_static_only_compiler_links_the_shared_libstdcxx(tmp_path):
 
 
 @needs_toolchain
-def test_doctor_names_the_shared_libstdcxx_of_a_static_only_compiler(tmp_path, monkeypatch, capsys):
+def test_doctor_names_the_shared_libstdcxx_of_a_static_only_compiler(tmp_path, monkeypatch):
     from flashinfer_jit import cli
 
     monkeypatch.setenv("CXX", static_only_cxx(tmp_path))
