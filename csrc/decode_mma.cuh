@@ -1,9 +1,13 @@
-// Batch decode on tensor cores, for GQA groups of 4 or more query heads per KV head.
+// Batch decode on tensor cores, for every GQA group (MHA included) without in-kernel RoPE.
 //
 // The CUDA-core kernel (decode.cuh) spends 2 x group FMAs per K/V element; at group 8 and
 // an fp8 cache that is most of the GPU's FMA issue rate at HBM speed. Here the group's
 // query heads are the rows of an mma.sync tile, so one K/V element costs a fraction of a
-// tensor-core instruction whatever the group:
+// tensor-core instruction whatever the group. Tiles of 1 or 2 heads leave more of the
+// tile's rows idle but run the same instructions per K/V byte as a 4-head tile, and beat
+// the CUDA-core kernel there too (H100, bf16 q: MHA 32/32 b=1 kv=2k 19.0 -> 16.6 us, b=64
+// kv=2k 747 -> 714, an fp8 cache at group 2 b=64 kv=4k 549 -> 364; fp8 arithmetic was
+// the CUDA-core kernel's limit):
 //   S   = Q K^T    m16n8k16: rows = query heads (16, padded: group 4 and 8 leave rows
 //                  idle, which costs nothing that matters), cols = a warp's 8 tokens
 //   O^T = V^T P^T  m16n8k8 (k16 for fp8): rows = head_dim, cols = query heads, k = the
@@ -52,7 +56,7 @@ struct DecodeMmaTraits {
   using M = typename MmaTypeOf<TKV>::type;
   static constexpr bool kFp8 = sizeof(TKV) == 1;
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kRows = GroupTile;              // query heads of the tile: 4, 8 or 16
+  static constexpr int kRows = GroupTile;              // query heads of the tile: 1, 2, 4, 8 or 16
   static constexpr int kHeadTiles = (kRows + 7) / 8;   // 8-column tiles of O^T
   // KV heads a block takes: 1, or 2 adjacent heads (warps 0-3 the first, 4-7 the second,
   // on the same tokens) when a head's row is 128 bytes or less in an NHD cache. Two heads'
@@ -153,7 +157,8 @@ struct DecodeMmaTraits {
   static constexpr bool kBf16Partials = std::is_same_v<Q, __nv_bfloat16>;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
-  static_assert(kRows == 4 || kRows == 8 || kRows == 16, "tensor-core decode takes 4, 8 or 16 heads a tile");
+  static_assert(kRows == 1 || kRows == 2 || kRows == 4 || kRows == 8 || kRows == 16,
+                "tensor-core decode takes 1, 2, 4, 8 or 16 heads a tile");
   static_assert(kKvHeads == 1 || (kKvHeads == 2 && kRows <= 8), "a block takes one KV head or a pair (tiles <= 8)");
   static_assert(kCluster == 1 || (kKvHeads == 1 && HeadDim % kCluster == 0 && kSlice % 8 == 0 && kCluster <= 16),
                 "a cluster's blocks take one KV head and merge slices of whole 8-dim groups");

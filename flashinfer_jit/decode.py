@@ -474,7 +474,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
         # Accepted for FlashInfer compatibility and ignored: the spec picks the kernel (tensor
-        # cores for groups of 4+ query heads without in-kernel RoPE, CUDA cores otherwise;
+        # cores without in-kernel RoPE, whatever the group, CUDA cores with it;
         # specs.decode.uses_tensor_cores), whatever the caller asks.
         self._use_tensor_cores = bool(use_tensor_cores)
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)

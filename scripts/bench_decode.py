@@ -45,8 +45,12 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
 
-HEAD_DIM, PAGE_SIZE, NUM_KV_HEADS = 128, 16, 8
-GQA_HEADS = {4: (32, 8), 8: (64, 8)}
+HEAD_DIM, PAGE_SIZE = 128, 16
+# group -> (num_qo_heads, num_kv_heads). The issue's table is GQA-4 and GQA-8 (8 KV heads,
+# Llama-3-like); --groups 1,2 adds MHA (32/32, Llama-2-7B-like) and group 2 (32/16), which
+# run on the CUDA-core kernel (csrc/decode.cuh).
+GQA_HEADS = {1: (32, 32), 2: (32, 16), 4: (32, 8), 8: (64, 8)}
+ISSUE_GROUPS = (4, 8)
 Q_DTYPE = "bfloat16"
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 BATCHES = (1, 16, 64, 256)
@@ -100,7 +104,7 @@ class Case(NamedTuple):
 
     def cache_bytes(self) -> int:
         item = 1 if self.kv_dtype.startswith("float8") else 2
-        return 2 * sum(self.lens) * NUM_KV_HEADS * HEAD_DIM * item
+        return 2 * sum(self.lens) * GQA_HEADS[self.gqa][1] * HEAD_DIM * item
 
     def bytes_moved(self) -> int:
         """K and V rows each request reads (KV dtype) + q read + out written (bf16)."""
@@ -127,18 +131,21 @@ def skewed() -> Case:
     return Case("bfloat16", 4, short_n + long_n, None, tuple(lens))
 
 
-def case_list(quick: bool) -> list[Case]:
-    """The issue's reference rows first (measured even when time runs short), then the rest."""
+def case_list(quick: bool, groups=ISSUE_GROUPS) -> list[Case]:
+    """The issue's reference rows first (measured even when time runs short), then the rest;
+    only rows of the given GQA groups."""
     first = [uniform("bfloat16", 4, 64, 4096), uniform("float8_e4m3fn", 4, 64, 4096), skewed(),
              uniform("bfloat16", 4, 1, 2048), uniform("bfloat16", 4, 1, 32768), uniform("bfloat16", 4, 256, 512)]
     if quick:
         rest = [uniform(kv, 4, b, n) for kv in KV_DTYPES for b, n in ((1, 2048), (1, 8192), (64, 2048), (64, 8192))]
         rest += [uniform("float8_e4m3fn", 4, 1, 32768), uniform("bfloat16", 8, 64, 4096)]
     else:
-        rest = [uniform(kv, gqa, b, n) for kv in KV_DTYPES for gqa in GQA_HEADS for b in BATCHES for n in KV_LENS]
+        rest = [uniform(kv, gqa, b, n) for kv in KV_DTYPES for gqa in groups for b in BATCHES for n in KV_LENS]
+    if quick and tuple(groups) != ISSUE_GROUPS:
+        rest += [uniform(kv, gqa, b, n) for kv in KV_DTYPES for gqa in groups for b, n in ((1, 2048), (64, 4096))]
     cases = []
     for c in first + rest:
-        if c not in cases:
+        if c.gqa in groups and c not in cases:
             cases.append(c)
     return cases
 
@@ -418,10 +425,19 @@ def parse_args(argv=None):
                    help="also time ours with use_cuda_graph=True (auto: not with --quick)")
     p.add_argument("--cases", default="",
                    help="only these cases: labels as --list prints them, ';'-separated (e.g. 'bf16 gqa4 b=256 kv=32k')")
+    p.add_argument("--groups", default=",".join(map(str, ISSUE_GROUPS)),
+                   help="GQA groups of the rows, of " + ", ".join(f"{g} ({hq}/{hk} heads)" for g, (hq, hk) in
+                                                              GQA_HEADS.items()) + " (default: the issue's 4,8)")
     p.add_argument("--list", action="store_true", help="print the cases and skips, then exit (no GPU needed)")
     args = p.parse_args(argv)
+    try:
+        args.groups = tuple(sorted({int(g) for g in args.groups.split(",") if g.strip()}))
+    except ValueError:
+        args.groups = ()
+    if not args.groups or not set(args.groups) <= set(GQA_HEADS):
+        p.error(f"--groups: a comma-separated list of {sorted(GQA_HEADS)}, got {args.groups!r}")
     if args.cases:
-        labels = {c.label for c in case_list(args.quick)}
+        labels = {c.label for c in case_list(args.quick, args.groups)}
         args.cases = [c.strip() for c in args.cases.split(";") if c.strip()]
         unknown = [c for c in args.cases if c not in labels]
         if unknown or not args.cases:
@@ -432,7 +448,7 @@ def parse_args(argv=None):
 
 def planned(args) -> tuple[list[Case], list[dict]]:
     cases, skipped = [], []
-    for case in case_list(args.quick):
+    for case in case_list(args.quick, args.groups):
         if args.cases and case.label not in args.cases:
             continue
         if case.cache_bytes() > args.max_cache_gb * 1e9:
@@ -604,7 +620,7 @@ def main(argv=None) -> int:
     peer = Peer(not args.no_flashinfer, args.flashinfer_timeout)
     res = {"meta": bc.run_metadata(), "config": {
         "q_dtype": Q_DTYPE, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE, "kv_layout": "NHD", "page_table": "csr",
-        "gqa_heads": {str(k): v for k, v in GQA_HEADS.items()}, "quick": args.quick, "reps": args.reps,
+        "gqa_heads": {str(k): v for k, v in GQA_HEADS.items()}, "groups": list(args.groups), "quick": args.quick, "reps": args.reps,
         "time_limit_s": args.time_limit,
         "bytes_counted": "K+V rows each request reads (KV dtype) + q read + out written (bf16)",
         "speedup": "FlashInfer median µs / ours (> 1: ours faster)"}}

@@ -168,6 +168,7 @@ def specs_needed() -> set:
     specs |= {decode_spec("bfloat16", kv, hd, LLAMA_HEADS, t, lay) for kv, hd, lay, t in TAIL_CASES}
     specs |= {_pair_spec(c) for c in PAIR_CASES}
     specs |= {_cluster_spec(c) for c in CLUSTER_CASES}
+    specs |= {decode_spec(d, d, 128, (hq, 8), t, lay, rope=pe == "ROPE_LLAMA") for d, hq, t, lay, pe in PDL_CASES}
     specs |= {decode_spec("bfloat16", kv, 128, LLAMA_HEADS, "csr", "NHD") for kv in ("bfloat16", "float8_e4m3fn")}
     # split-KV's merge runs in the output dtype (= q dtype)
     specs |= {MergeSpec(c.q_dtype, c.head_dim) for c in CASES}
@@ -632,15 +633,18 @@ def test_batch_decode_cuda_graph_paired_kv_heads_large_batch(workspace):
         check_decode(out_buf[:batch], None, ref_out, None, lens, torch.bfloat16)
 
 
-PDL_CASES = [  # (q/kv dtype, num_qo_heads, page_table, kv_layout): tensor-core and CUDA-core kernels
-    ("bfloat16", 32, "csr", "NHD"), ("float16", 16, "block_table_kv_separate", "HND")]
+PDL_CASES = [  # (q/kv dtype, num_qo_heads, page_table, kv_layout, pos_encoding_mode): the tensor-core
+    # kernel (groups of 4 and 2) and the CUDA-core kernel (in-kernel RoPE, its split merged by a second kernel)
+    ("bfloat16", 32, "csr", "NHD", "NONE"), ("float16", 16, "block_table_kv_separate", "HND", "NONE"),
+    ("float16", 8, "csr", "NHD", "ROPE_LLAMA")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("enable_pdl", [True, False], ids=["pdl", "no_pdl"])
-@pytest.mark.parametrize("dtype,num_qo_heads,page_table,kv_layout", PDL_CASES)
-def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, enable_pdl, graph, workspace):
+@pytest.mark.parametrize("dtype,num_qo_heads,page_table,kv_layout,pos_encoding_mode", PDL_CASES)
+def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, pos_encoding_mode, enable_pdl, graph,
+                                   workspace):
     """Six run()s back to back, each taking the previous output as its q, split into 64-token
     chunks so that they share the partial states and merge counters: with programmatic
     dependent launch a run may start while the previous one finishes, and must still read
@@ -657,7 +661,7 @@ def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, e
     nan_pages(v, paged.v_unused)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=num_qo_heads, num_kv_heads=hk, head_dim=d, page_size=ps,
-                 q_data_type=_dtype(dtype), fixed_split_size=64)
+                 q_data_type=_dtype(dtype), fixed_split_size=64, pos_encoding_mode=pos_encoding_mode)
     qs = [_randn((len(lens), num_qo_heads, d), _dtype(dtype), gen)]
     qs += [torch.full_like(qs[0], float("nan")) for _ in range(steps)]  # qs[i + 1] = run(qs[i])
     # rows of empty requests come out zero, and a zero q is a fine input for the next step
@@ -679,7 +683,7 @@ def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, e
         chain()
     torch.cuda.synchronize()
     for i in range(steps):
-        ref_out, _ = decode_ref(qs[i], k, v, paged.table, lens, kv_layout)
+        ref_out, _ = decode_ref(qs[i], k, v, paged.table, lens, kv_layout, pos_encoding_mode=pos_encoding_mode)
         check_decode(qs[i + 1], None, ref_out, None, lens, _dtype(dtype))
 
 
@@ -731,8 +735,8 @@ def test_batch_decode_reads_the_cache_the_kernel_before_wrote(kv_dtype, graph, w
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,num_qo_heads,page_table,kv_layout", PDL_CASES)
-def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, workspace):
+@pytest.mark.parametrize("dtype,num_qo_heads,page_table,kv_layout,pos_encoding_mode", PDL_CASES)
+def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, pos_encoding_mode, workspace):
     """run() after the first of a plan takes the fast path (the launch the op prepared,
     replayed with new pointers through the module's C entry point): new q, cache, out and
     lse tensors at every call, k/v scales, window_left, LSE on and off, split requests
@@ -746,7 +750,7 @@ def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, 
     paged = make_page_table(page_table, lens, ps, num_pages, rnd, host_indptr=True)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=num_qo_heads, num_kv_heads=hk, head_dim=d, page_size=ps,
-                 q_data_type=_dtype(dtype), fixed_split_size=256)
+                 q_data_type=_dtype(dtype), fixed_split_size=256, pos_encoding_mode=pos_encoding_mode)
     calls = [dict(), dict(k_scale=0.7, v_scale=1.5, return_lse=True), dict(window_left=300, return_lse=True),
              dict(), dict(k_scale=1.3)]
     for i, kwargs in enumerate(calls):
@@ -760,7 +764,8 @@ def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, 
         if i > 0:
             assert wrapper._plan.fast is not None, "the second and later runs should take the fast path"
         ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout, k_scale=kwargs.get("k_scale", 1.0),
-                                      v_scale=kwargs.get("v_scale", 1.0), window_left=kwargs.get("window_left", -1))
+                                      v_scale=kwargs.get("v_scale", 1.0), window_left=kwargs.get("window_left", -1),
+                                      pos_encoding_mode=pos_encoding_mode)
         assert_sentinels(out_buf, "out")
         if kwargs.get("return_lse"):
             assert result[1] is lse
@@ -768,7 +773,7 @@ def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, 
     # q as a strided view (another signature): checked in full, then through the op again
     q_wide = _randn((len(lens), num_qo_heads, 2 * d), _dtype(dtype), gen)[..., :d]
     out = wrapper.run(q_wide, (k, v))
-    ref_out, _ = decode_ref(q_wide, k, v, paged.table, lens, kv_layout)
+    ref_out, _ = decode_ref(q_wide, k, v, paged.table, lens, kv_layout, pos_encoding_mode=pos_encoding_mode)
     check_decode(out, None, ref_out, None, lens, _dtype(dtype))
 
 
@@ -858,6 +863,8 @@ PAIR_CASES = [
     ("bfloat16", "float8_e4m3fn", 128, (64, 2), "csr", "halves", "fixed64", None, -1, False),  # 16-head tiles
     ("float16", "float8_e5m2", 128, (64, 8), "block_table_kv_separate", "halves", "fixed64", 30.0, 37, True),
     ("float16", "float16", 64, (16, 4), "block_table", "single", "fixed64", None, -1, True),
+    ("bfloat16", "float8_e4m3fn", 128, (32, 32), "csr", "tuple", "auto", None, -1, True),  # MHA: 1-head tiles
+    ("float16", "float16", 64, (16, 8), "block_table", "single", "fixed64", None, -1, True),  # 2-head tiles
 ]
 
 
@@ -936,6 +943,10 @@ CLUSTER_CASES = [
     ("bfloat16", "bfloat16", 128, (32, 8), "block_table", "NHD", "tuple", None, -1, 20000, 8, 8),
     ("float16", "float16", 128, (32, 8), "csr", "NHD", "halves", None, -1, 12000, 8, 1),
     ("bfloat16", "bfloat16", 128, (64, 8), "block_table_kv_separate", "NHD", "tuple", 30.0, -1, 24000, 8),
+    # 1- and 2-head tiles (MHA, GQA-2)
+    ("bfloat16", "bfloat16", 128, (8, 8), "csr", "NHD", "tuple", None, -1, 1024, 4),
+    ("bfloat16", "bfloat16", 128, (8, 8), "csr", "NHD", "tuple", None, -1, 32768, 8),
+    ("bfloat16", "float8_e4m3fn", 128, (16, 8), "csr", "NHD", "tuple", None, 300, 4000, 8),
 ]
 
 

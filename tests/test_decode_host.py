@@ -38,12 +38,12 @@ CPU_SMS = 132  # plan()'s SM count without a CUDA device
 
 def cpu_target_blocks(hq: int, hk: int, d: int, rope: bool = False) -> int:
     """plan()'s split target: 2 blocks per SM for the tensor-core kernel (head_dim <= 128,
-    tiles of 4 or 8 heads), 3 for its 16-head tiles and for the CUDA-core kernel."""
+    tiles of 1 to 8 heads), 3 for its 16-head tiles and for the CUDA-core kernel."""
     return (2 if _two_per_sm(hq, hk, d, rope) else 3) * CPU_SMS
 
 
 def _two_per_sm(hq: int, hk: int, d: int, rope: bool = False) -> bool:
-    return group_tile(hq, hk, d) in (4, 8) and not rope and d <= 128
+    return group_tile(hq, hk, d) <= 8 and not rope and d <= 128
 
 
 def skewed_target(target: int, hq: int, hk: int, d: int, rope: bool = False) -> int | None:
@@ -145,7 +145,7 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
     the later changes: split items longest first, 2 blocks per SM for tensor cores (4 for
     skewed batches), CUDA-graph grids under 2 blocks per SM."""
     target = cpu_target_blocks(hq, hk, d, rope) if target is None else target
-    tensor_cores = group_tile(hq, hk, d) >= 4 and not rope
+    tensor_cores = not rope  # every tile without in-kernel RoPE (specs.decode.uses_tensor_cores)
     lens = np.asarray(lens, dtype=np.int64)
     batch = len(lens)
     graph = capacity is not None
@@ -440,7 +440,7 @@ WAVE_CASES = [  # (requests, tokens each, num_qo_heads, kv dtype, chunks per req
     (64, 32768, 32, torch.bfloat16, 1),    # one wave
     (128, 32768, 32, torch.float8_e4m3fn, 1),  # paired: 512 blocks, 1.94 waves
     (256, 32768, 128, torch.bfloat16, 1),  # 16-head tiles: their residency is not measured
-    (96, 32768, 8, torch.bfloat16, 1),     # the CUDA-core kernel (8/8 heads): not measured
+    (96, 32768, 8, torch.bfloat16, 2),     # groups of 1 (8/8 heads) take the same tensor-core blocks
 ]
 
 
@@ -939,7 +939,7 @@ PLAN_CONFIGS = [  # (num_qo_heads, num_kv_heads, head_dim, kv dtype, plan kwargs
     (32, 8, 128, torch.float8_e4m3fn, {}),           # paired KV heads where the grid fills the SMs
     (64, 8, 128, torch.float8_e4m3fn, {}),
     (128, 8, 128, torch.float16, {}),                # 16-head tiles
-    (32, 32, 128, torch.float16, {}),                # the CUDA-core kernel (group 1)
+    (32, 32, 128, torch.float16, {}),                # group 1 (tensor cores, 1-head tiles)
     (32, 8, 64, torch.float16, dict(pos_encoding_mode="ROPE_LLAMA")),
     (32, 8, 256, torch.float16, {}),
     (32, 8, 128, torch.float16, dict(fixed_split_size=96)),

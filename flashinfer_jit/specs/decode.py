@@ -15,18 +15,19 @@ GROUP_TILES = (1, 2, 4, 8, 16)
 def group_tile(num_qo_heads: int, num_kv_heads: int, head_dim: int = 128) -> int:
     """Query heads one thread block handles per KV head: the GQA group, capped at 16 (8 at
     head_dim 256; a larger group, e.g. MQA with 32 or 64 query heads, takes several tiles that re-read
-    the same K/V from L2). Tiles of 4 or more heads run on tensor cores (the heads are
-    the rows of the mma tiles) unless RoPE is applied in the kernel; see uses_tensor_cores."""
+    the same K/V from L2). Every tile runs on tensor cores (the heads are the rows of the
+    mma tiles) unless RoPE is applied in the kernel; see uses_tensor_cores."""
     group = num_qo_heads // num_kv_heads
     cap = 16 if head_dim <= 128 else 8  # 16 heads x 256 dims of accumulators would spill
     return max(t for t in GROUP_TILES if group % t == 0 and t <= cap)
 
 
 def uses_tensor_cores(group_tile: int, rope: bool) -> bool:
-    """Which kernel a DecodeSpec compiles to: csrc/decode_mma.cuh (tensor cores) for
-    tiles of 4, 8 or 16 query heads without in-kernel RoPE, csrc/decode.cuh (CUDA cores)
-    otherwise. Mirrors the choice in templates/decode.cu.j2."""
-    return group_tile >= 4 and not rope
+    """Which kernel a DecodeSpec compiles to: csrc/decode_mma.cuh (tensor cores) without
+    in-kernel RoPE, whatever the tile (1 and 2 heads too: the mma's idle rows cost nothing
+    that matters, and per KV byte it runs the instructions of a 4-head tile), csrc/decode.cuh
+    (CUDA cores) with it. The templates take this choice from the spec's context."""
+    return not rope
 
 
 def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv_layout: str) -> bool:
@@ -86,7 +87,8 @@ class DecodeSpec(Spec):
         return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.rope, self.kv_layout)
 
     def context(self) -> dict:
-        return super().context() | {"pair_kv_heads": self.pairs_kv_heads, "cluster_blocks": cluster_blocks(self.head_dim)}
+        return super().context() | {"pair_kv_heads": self.pairs_kv_heads, "cluster_blocks": cluster_blocks(self.head_dim),
+                                    "tensor_cores": uses_tensor_cores(self.group_tile, self.rope)}
 
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split
