@@ -692,7 +692,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # at once; not measured against fewer), about 3 of the CUDA-core kernel (two 32-token
         # stages in flight each); a split costs a partial-state write and the merge.
         device = self._device
-        c.tensor_cores = uses_tensor_cores(c.tile, c.rope)
+        c.tensor_cores = uses_tensor_cores(c.rope)
         per_sm = _MMA_SPLIT_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
         if c.tensor_cores and head_dim <= 128 and c.tile == 16:
             per_sm = 3  # 16-head tiles take more registers (csrc/decode_mma.cuh kMinBlocksPerSM)

@@ -47,8 +47,8 @@ import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
 
 HEAD_DIM, PAGE_SIZE = 128, 16
 # group -> (num_qo_heads, num_kv_heads). The issue's table is GQA-4 and GQA-8 (8 KV heads,
-# Llama-3-like); --groups 1,2 adds MHA (32/32, Llama-2-7B-like) and group 2 (32/16), which
-# run on the CUDA-core kernel (csrc/decode.cuh).
+# Llama-3-like); --groups 1,2 adds MHA (32/32, Llama-2-7B-like) and group 2 (32/16), whose
+# 1- and 2-head tiles run on the same tensor-core kernel.
 GQA_HEADS = {1: (32, 32), 2: (32, 16), 4: (32, 8), 8: (64, 8)}
 ISSUE_GROUPS = (4, 8)
 Q_DTYPE = "bfloat16"
@@ -620,7 +620,8 @@ def main(argv=None) -> int:
     peer = Peer(not args.no_flashinfer, args.flashinfer_timeout)
     res = {"meta": bc.run_metadata(), "config": {
         "q_dtype": Q_DTYPE, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE, "kv_layout": "NHD", "page_table": "csr",
-        "gqa_heads": {str(k): v for k, v in GQA_HEADS.items()}, "groups": list(args.groups), "quick": args.quick, "reps": args.reps,
+        "gqa_heads": {str(k): v for k, v in GQA_HEADS.items()}, "groups": list(args.groups), "quick": args.quick,
+        "reps": args.reps,
         "time_limit_s": args.time_limit,
         "bytes_counted": "K+V rows each request reads (KV dtype) + q read + out written (bf16)",
         "speedup": "FlashInfer median µs / ours (> 1: ours faster)"}}

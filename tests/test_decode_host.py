@@ -29,7 +29,7 @@ import torch
 
 import flashinfer_jit as fij
 from flashinfer_jit import decode
-from flashinfer_jit.specs.decode import group_tile
+from flashinfer_jit.specs.decode import group_tile, uses_tensor_cores
 
 HQ, HK, D, PS = 32, 8, 128, 16
 WORKSPACE_BYTES = 1 << 20
@@ -145,7 +145,7 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
     the later changes: split items longest first, 2 blocks per SM for tensor cores (4 for
     skewed batches), CUDA-graph grids under 2 blocks per SM."""
     target = cpu_target_blocks(hq, hk, d, rope) if target is None else target
-    tensor_cores = not rope  # every tile without in-kernel RoPE (specs.decode.uses_tensor_cores)
+    tensor_cores = uses_tensor_cores(rope)
     lens = np.asarray(lens, dtype=np.int64)
     batch = len(lens)
     graph = capacity is not None

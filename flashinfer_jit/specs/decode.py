@@ -22,11 +22,12 @@ def group_tile(num_qo_heads: int, num_kv_heads: int, head_dim: int = 128) -> int
     return max(t for t in GROUP_TILES if group % t == 0 and t <= cap)
 
 
-def uses_tensor_cores(group_tile: int, rope: bool) -> bool:
+def uses_tensor_cores(rope: bool) -> bool:
     """Which kernel a DecodeSpec compiles to: csrc/decode_mma.cuh (tensor cores) without
-    in-kernel RoPE, whatever the tile (1 and 2 heads too: the mma's idle rows cost nothing
-    that matters, and per KV byte it runs the instructions of a 4-head tile), csrc/decode.cuh
-    (CUDA cores) with it. The templates take this choice from the spec's context."""
+    in-kernel RoPE, whatever the group tile (1 and 2 heads too: the mma's idle rows cost
+    nothing that matters, and per KV byte it runs the instructions of a 4-head tile),
+    csrc/decode.cuh (CUDA cores) with it. The templates take this choice from the spec's
+    context."""
     return not rope
 
 
@@ -38,7 +39,7 @@ def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv
     heads' rows of a token are then requested together, not 128 of every
     num_kv_heads x 128 bytes."""
     row_bytes = head_dim * (1 if dtype_kv.startswith("float8") else 2)
-    return uses_tensor_cores(group_tile, rope) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128
+    return uses_tensor_cores(rope) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128
 
 
 def cluster_blocks(head_dim: int) -> int:
@@ -88,7 +89,7 @@ class DecodeSpec(Spec):
 
     def context(self) -> dict:
         return super().context() | {"pair_kv_heads": self.pairs_kv_heads, "cluster_blocks": cluster_blocks(self.head_dim),
-                                    "tensor_cores": uses_tensor_cores(self.group_tile, self.rope)}
+                                    "tensor_cores": uses_tensor_cores(self.rope)}
 
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split
