@@ -95,15 +95,38 @@ def summarize(samples_us: Sequence[float]) -> dict:
             "min_us": s[0], "runs": len(s)}
 
 
+# The warm-up runs at least this long (milliseconds; FIJ_BENCH_WARMUP_MS overrides it, 0: the
+# count alone), as triton.testing.do_bench's does (25 ms): a few calls of a heavy case (3
+# replays of 2 x 0.36 ms) left the GPU in a slower state for most of the timed runs. H100,
+# fp8 MHA b=256 kv=512 in the full bench_decode run: replays of 363 and 424 us in one
+# sample (median 424), 364 in the next impl's sample of the same inputs.
+WARMUP_MS = 25.0
+
+
+def warmup_ms() -> float:
+    return float(os.environ.get("FIJ_BENCH_WARMUP_MS", WARMUP_MS))
+
+
 def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 10, reps: int = 50,
               inner: int = 1) -> dict:
-    """Median device time of one call of fn(set_index), by CUDA events. Each sample
-    times `inner` back-to-back calls (on rotating sets) and divides by `inner`."""
+    """Median device time of one call of fn(set_index), by CUDA events, after `warmup`
+    calls and at least warmup_ms() of them. Each sample times `inner` back-to-back calls
+    (on rotating sets) and divides by `inner`."""
     import torch
 
     for i in range(warmup):
         fn(i % n_sets)
     torch.cuda.synchronize()
+    if warmup_ms() > 0:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(0)
+        end.record()
+        end.synchronize()
+        more = math.ceil(warmup_ms() / max(start.elapsed_time(end), 1e-3))
+        for i in range(min(more, 100_000)):
+            fn(i % n_sets)
+        torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     call = 0
