@@ -125,6 +125,17 @@ _WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}
 # pure read of 128 MiB in clusters of 8: 56.9 us on 128 blocks, 45.2 on 64;
 # scripts/bench_read_ceiling.py).
 _LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
+# ... but only on GPUs whose DRAM peak (memory clock x bus width) is at most
+# _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S. Those 64 one-per-SM blocks stream at most ~2.8 TB/s
+# (~44 GB/s an SM) on the H100 and the H200 alike: near the H100's copy rate (3.0 TB/s
+# measured, 3.35 peak), two thirds of the H200's (4.2 measured, 4.9 peak). H200, b=1, 32/8
+# heads, same-machine A/B (bench_decode.py, clusters on / off, two rounds): bf16 kv=32k
+# 47.8 -> 36.3 us with the split with partial states (FlashInfer's tensor-core path 42.1),
+# GQA-8 48.0-48.5 -> 38.3 (42.3), kv=8k (512 KB a block, not long) 14.8 -> 13.8 but GQA-8
+# 15.2 -> 15.8, kv=2k 6.0 -> 7.0, fp8 kv=32k 23.8 either way. Above the peak the 16-bit
+# blocks at head_dim 128 keep _WIDE_CLUSTER_MAX_BLOCK_BYTES (kv=16k, 1 MB a block, was not
+# measured there).
+_LONG_CLUSTER_MAX_PEAK_BYTES_PER_S = 4.0e12
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
 
@@ -132,6 +143,17 @@ _Tensor = torch.Tensor
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _peak_dram_bytes_per_s(device: torch.device) -> float | None:
+    """A CUDA device's DRAM peak, 2 x memory clock x bus width (H100 SXM: 3.35e12, H200:
+    4.9e12), or None (not a CUDA device, or torch does not report them)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device.index or 0)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
 
 
 def _as_dtype(value, name: str, default=None) -> torch.dtype:
@@ -703,9 +725,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             env.decode_clusters() else 1
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
         # the cluster split's blocks of 4 warps, and of 8: 2 MB of a 16-bit cache at head_dim 128
-        # (measured there only)
+        # (measured there only) on GPUs of up to _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S
         c.cluster_max_bytes = _CLUSTER_MAX_BLOCK_BYTES[c.kv_dtype.itemsize]
-        c.wide_cluster_max_bytes = _LONG_CLUSTER_MAX_BLOCK_BYTES if c.kv_dtype.itemsize == 2 and head_dim == 128 \
+        peak = _peak_dram_bytes_per_s(device)
+        long_clusters = peak is None or peak <= _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S
+        c.wide_cluster_max_bytes = _LONG_CLUSTER_MAX_BLOCK_BYTES \
+            if long_clusters and c.kv_dtype.itemsize == 2 and head_dim == 128 \
             else _WIDE_CLUSTER_MAX_BLOCK_BYTES[c.kv_dtype.itemsize]
         c.target = per_sm * c.sms
         # skewed batches split to more blocks per SM on those tiles (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM)

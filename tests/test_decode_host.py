@@ -569,6 +569,39 @@ def test_plan_takes_the_cluster_split_for_small_batches(lens, hk, d, kv_dtype, e
         assert (last["merge_indptr"] == 0).all()
 
 
+@pytest.mark.parametrize("peak,lens,expected,warps", [
+    (3.35e12, [32768], 8, 8),   # H100 SXM: 2 MB a block on 8-warp clusters
+    (4.0e12, [32768], 8, 8),    # at the limit: still taken
+    (4.9e12, [32768], 1, 4),    # H200: the 64 blocks' ~2.8 TB/s is below the split's rate
+    (4.9e12, [8192], 8, 8),     # 512 KB a block: the wide clusters' limit stays
+    (4.9e12, [8193], 1, 4),
+    (4.9e12, [1024], 8, 4),     # the 4-warp clusters are unchanged
+])
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_plan_long_clusters_only_up_to_a_dram_peak(peak, lens, expected, warps, native, op, clusters, monkeypatch):
+    """The 8-warp clusters over 512 KB a block (16-bit caches, head_dim 128) are taken only
+    on GPUs whose DRAM peak is at most _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S; both planners
+    take the limit from the configuration."""
+    monkeypatch.setattr(decode, "_peak_dram_bytes_per_s", lambda device: peak)
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
+    w = wrapper()
+    w.plan(**csr(lens), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    assert (w._plan.cluster, w._plan.cluster_warps) == (expected, warps)
+
+
+def test_cuda_graph_wrapper_keeps_the_split_above_the_dram_peak(op, clusters, monkeypatch):
+    """A CUDA-graph wrapper takes its 8-warp clusters for any later length, so not where
+    long requests would run slower on them."""
+    monkeypatch.setattr(decode, "_peak_dram_bytes_per_s", lambda device: 4.9e12)
+    w = wrapper(graph_capacity=1, pool=8192)
+    w.plan(**csr([10]), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    assert w._plan.cluster == 1
+
+
+def test_peak_dram_bytes_per_s_is_none_off_cuda():
+    assert decode._peak_dram_bytes_per_s(torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize("kwargs", [dict(fixed_split_size=256), dict(disable_split_kv=True)])
 def test_plan_cluster_split_yields_to_forced_splits(kwargs, op, clusters):
     w = wrapper()
