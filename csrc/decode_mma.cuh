@@ -573,9 +573,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // (lanes 0-3) loads, and rows 8-15 never, it allocated the kernel's registers otherwise
   // and spilled 8-28 bytes at the 128-register cap (3-5 spilled words reloaded a tile in
   // the main loop), in every kernel of the tile, bf16 and fp8 alike (nvcc 13.0, sm_90a).
-  // With the count opaque (both halves: hiding row 0's alone still spilled) none spills.
+  // With the count opaque (both halves: hiding row 0's alone still spilled) none spills on
+  // a CSR or block table; with separate K and V page ids the spills fell (fp8 44 -> 12 B)
+  // except in the 4-warp cluster kernel (bf16 36 -> 140 B), which keeps the count visible.
   int tile_rows = Traits::kRows;
-  if constexpr (Traits::kRows == 1) asm("" : "+r"(tile_rows));
+  if constexpr (Traits::kRows == 1 && !(kSeparate && Traits::kCluster > 1 && !Traits::kWide))
+    asm("" : "+r"(tile_rows));
   uint32_t qa[Traits::kKSteps][4];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
