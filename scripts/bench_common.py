@@ -99,7 +99,10 @@ def summarize(samples_us: Sequence[float]) -> dict:
 # count alone), as triton.testing.do_bench's does (25 ms): a few calls of a heavy case (3
 # replays of 2 x 0.36 ms) left the GPU in a slower state for most of the timed runs. H100,
 # fp8 MHA b=256 kv=512 in the full bench_decode run: replays of 363 and 424 us in one
-# sample (median 424), 364 in the next impl's sample of the same inputs.
+# sample (median 424), 364 in the next impl's sample of the same inputs; A/B, two rounds:
+# 423.2 / 423.8 us with the count alone, 363.9 / 364.0 with 25 ms (bf16 GQA-2 b=256
+# kv=512: 417.2 / 418.8 -> 357.4 / 357.4). Which GPU state the short warm-up left is not
+# established.
 WARMUP_MS = 25.0
 
 
