@@ -120,13 +120,14 @@ def time_cuda(fn: Callable[[int], object], n_sets: int = 1, warmup: int = 10, re
     for i in range(warmup):
         fn(i % n_sets)
     torch.cuda.synchronize()
-    if warmup_ms() > 0:
+    least_ms = warmup_ms()
+    if least_ms > 0:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(0)
         end.record()
         end.synchronize()
-        more = math.ceil(warmup_ms() / max(start.elapsed_time(end), 1e-3))
+        more = math.ceil(least_ms / max(start.elapsed_time(end), 1e-3))
         for i in range(min(more, 100_000)):
             fn(i % n_sets)
         torch.cuda.synchronize()
