@@ -14,6 +14,13 @@ Measures, in one process on one GPU (issue 4):
     wrapper on the same inputs (use_tensor_cores False and True: each, and the faster);
     a replay is checked to have written every output row, and FlashInfer's output is
     compared with ours;
+  - per uniform bf16 case, the same requests on a dense K/V cache ([B, H_kv, L, D], gathered
+    from the paged one, so the outputs are compared with ours), and ours on the same cache
+    read in page order (an identity page table: what the random one costs): torch's
+    scaled_dot_product_attention with each of its cuDNN, flash and memory-efficient backends
+    (enable_gqa for grouped heads), and a plain PyTorch reference (two matmuls and a float32
+    softmax), timed the same way (fp8 K/V and the skewed mix have no dense peer; a dense
+    copy over --sdpa-max-gb is skipped; each says why);
   - host time of plan() for 256 requests and host time of run() (ours and FlashInfer).
 
 FlashInfer is optional: the carried peer on PYTHONPATH (.peers/site; scripts/gpu_check.sh
@@ -251,6 +258,17 @@ class Inputs:
         hq, hk = GQA_HEADS[self.case.gqa]
         return (self.indptr, self.indices, self.last_page_len, hq, hk, HEAD_DIM, PAGE_SIZE)
 
+    def in_page_order(self) -> "Inputs":
+        """The same sets and lengths with an identity page table (outputs differ: other
+        tokens sit at each position)."""
+        import copy
+
+        import torch
+
+        alt = copy.copy(self)
+        alt.indices = torch.arange(self.num_pages, dtype=torch.int32, device=self.indices.device)
+        return alt
+
     def release(self):
         self.sets = None
 
@@ -295,6 +313,119 @@ def make_runner(impl: str, inputs: Inputs, fi, graph_mode: bool = False):
     return plan, run
 
 
+# --- dense peers: torch's SDPA backends and a plain PyTorch reference ----------------------------
+# A dense engine keeps each request's K and V contiguous ([B, H_kv, L, D]), so these read the
+# same bytes as the paged decode without its page table. Our output is the reference.
+SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
+                 "sdpa_efficient": "EFFICIENT_ATTENTION"}
+DENSE_IMPLS = (*SDPA_BACKENDS, "torch_eager")
+
+
+def dense_from_paged(cache, pages, kv_len: int):
+    """[B, H_kv, kv_len, D] from a paged NHD cache [num_pages, page, H_kv, D] and each
+    request's page ids [B, pages a request] (uniform lengths), a request at a time so the
+    staging stays one request's size."""
+    import torch
+
+    batch, heads, dim = pages.shape[0], cache.shape[2], cache.shape[3]
+    dense = torch.empty(batch, heads, kv_len, dim, dtype=cache.dtype, device=cache.device)
+    for b in range(batch):
+        dense[b].copy_(cache[pages[b]].reshape(-1, heads, dim)[:kv_len].transpose(0, 1))
+    return dense
+
+
+def eager_attention(q, k, v):
+    """The plain PyTorch reference: q [B, H_qo, 1, D], k/v [B, H_kv, L, D] (H_qo a multiple
+    of H_kv, grouped by reshaping q, no copy of K/V), scores and softmax in float32, the
+    probabilities back in q's dtype for the second matmul. Returns [B, H_qo, 1, D]."""
+    import torch
+
+    batch, hq, _, dim = q.shape
+    hk = k.shape[1]
+    qg = q.reshape(batch, hk, hq // hk, dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * dim ** -0.5
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(batch, hq, 1, dim)
+
+
+def dense_skip_reason(case: Case, n_sets: int, max_gb: float) -> str | None:
+    if case.kv_len is None:
+        return "variable lengths: a dense cache would pad every request to the longest"
+    if case.kv_dtype != "bfloat16":
+        return f"scaled_dot_product_attention takes no {case.kv_dtype} K/V"
+    if case.cache_bytes() > max_gb * 1e9:
+        return f"dense K/V copy {case.cache_bytes() / 1e9:.1f} GB > --sdpa-max-gb {max_gb:g}"
+    return None
+
+
+class DenseInputs:
+    """The paged sets' requests as dense K/V (the same values) and q as [B, H_qo, 1, D];
+    "out" holds the last output a run() returned for the set."""
+
+    def __init__(self, paged: Inputs, n_sets: int):
+        self.case, self.n_sets = paged.case, n_sets
+        pages = paged.indices.long().view(paged.case.batch, -1)
+        self.sets = [dict(q=s["q"].unsqueeze(2), k=dense_from_paged(s["k"], pages, paged.case.kv_len),
+                          v=dense_from_paged(s["v"], pages, paged.case.kv_len), out=None)
+                     for s in paged.sets[:n_sets]]
+
+    def release(self):
+        self.sets = None
+
+
+def make_dense_runner(impl: str, dense: DenseInputs):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hk = GQA_HEADS[dense.case.gqa]
+    if impl == "torch_eager":
+        attend = eager_attention
+    else:
+        backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
+
+        def attend(q, k, v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hk)
+
+    def run(i):
+        s = dense.sets[i]
+        s["out"] = attend(s["q"], s["k"], s["v"])
+
+    return (lambda: None), run
+
+
+def measure_dense(row: dict, inputs: Inputs, reps: int, copy_gbps: float, reference, max_gb: float) -> None:
+    """The dense peers on this case's requests (set 0's output checked against ours)."""
+    import torch
+
+    n_sets = max(1, min(inputs.n_sets, int(max_gb * 1e9 // max(1, inputs.case.cache_bytes()))))
+    reason = dense_skip_reason(inputs.case, n_sets, max_gb)
+    if reason is None and reference is None:
+        reason = "no output of ours to compare with"
+    if reason is not None:
+        for impl in DENSE_IMPLS:
+            row["impls"][impl] = {"skipped": reason}
+        return
+    # Ours on the same caches read in page order (an identity page table: each request's
+    # tokens contiguous, as a dense [B, L, H_kv, D] cache): what the scrambled table costs.
+    row["impls"]["ours_pages_in_order"] = measure("ours", inputs.in_page_order(), None, reps, copy_gbps)
+    dense = DenseInputs(inputs, n_sets)
+    for impl in DENSE_IMPLS:
+        row["impls"][impl] = measure(impl, dense, None, reps, copy_gbps, reference) | {"input_sets": n_sets}
+    dense.release()
+    torch.cuda.empty_cache()
+    ours = row["impls"].get("ours", {}).get("median_us")
+    times = {k: row["impls"][k].get("median_us") for k in SDPA_BACKENDS}
+    times = {k: v for k, v in times.items() if v}
+    if ours and times:
+        best = min(times, key=times.get)
+        row["sdpa_best"] = best
+        row["speedup_vs_sdpa_best"] = times[best] / ours
+    eager = row["impls"]["torch_eager"].get("median_us")
+    if ours and eager:
+        row["speedup_vs_torch_eager"] = eager / ours
+
+
 def measure(impl: str, inputs: Inputs, fi, reps: int, copy_gbps: float, reference=None, graph_mode=False,
             keep_output=False) -> dict:
     """Plan, capture `inner` run() calls (all sets) in a CUDA graph, check one replay wrote
@@ -303,19 +434,19 @@ def measure(impl: str, inputs: Inputs, fi, reps: int, copy_gbps: float, referenc
     import torch
 
     try:
-        plan, run = make_runner(impl, inputs, fi, graph_mode)
+        plan, run = make_dense_runner(impl, inputs) if impl in DENSE_IMPLS else make_runner(impl, inputs, fi, graph_mode)
         plan()
         heavy = inputs.case.bytes_moved() > (1 << 30)
         inner = inputs.n_sets * max(1, math.ceil((2 if heavy else 8) / inputs.n_sets))
         graph = bc.capture_graph(run, inputs.n_sets, inner)
-        out0 = inputs.sets[0]["out"]
+        out0 = inputs.sets[0]["out"]  # a dense peer's: set 0's output of its last captured call
         out0.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         wrote = not bool(torch.isnan(out0).any())
         result = {}
         if reference is not None:
-            diff = float((out0.float() - reference.float()).norm() / reference.float().norm())
+            diff = float((out0.float().reshape(reference.shape) - reference.float()).norm() / reference.float().norm())
             result["rel_diff_vs_ours"] = diff
             result["agrees_with_ours"] = diff < 2e-2
         if keep_output:
@@ -419,6 +550,11 @@ def parse_args(argv=None):
     p.add_argument("--keep-gb", type=float, default=16.0,
                    help="GB of inputs kept for FlashInfer while its build is still running (default 16)")
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer")
+    p.add_argument("--no-sdpa", dest="sdpa", action="store_false",
+                   help="skip the dense peers (torch SDPA backends and the PyTorch reference)")
+    p.add_argument("--sdpa-max-gb", type=float, default=12.0,
+                   help="GB of dense K/V copies the dense peers may take (default 12); a case whose "
+                        "one set exceeds it has no dense peer")
     p.add_argument("--flashinfer-timeout", type=float, default=150.0,
                    help="seconds to wait for FlashInfer's first-use builds (default 150)")
     p.add_argument("--graph-mode", choices=("auto", "yes", "no"), default="auto",
@@ -508,7 +644,10 @@ def bench_cases(cases, args, peer: Peer, copy_gbps: float, deadline: float, skip
         row["impls"]["ours"] = ours
         if graph_mode:
             row["impls"]["ours_use_cuda_graph"] = measure("ours", inputs, None, reps, copy_gbps, graph_mode=True)
-        bc.log(f"{case.label}: ours {ours.get('median_us', float('nan')):.1f} µs")
+        if args.sdpa:
+            measure_dense(row, inputs, reps, copy_gbps, reference, args.sdpa_max_gb)
+        bc.log(f"{case.label}: ours {ours.get('median_us', float('nan')):.1f} µs"
+               + (f", SDPA best {row['speedup_vs_sdpa_best']:.2f}x" if "speedup_vs_sdpa_best" in row else ""))
         rows.append(row)
         if peer.procs and fi is None and not peer.done() and \
                 kept_bytes + case.cache_bytes() * n_sets <= args.keep_gb * 1e9:
@@ -581,15 +720,20 @@ def report(res: dict) -> str:
         ours, cc, tc = (r["impls"].get(k, {}) for k in ("ours", "flashinfer_cc", "flashinfer_tc"))
         agree = all(x.get("agrees_with_ours", True) for x in (cc, tc))
         targets = {k: v for k, v in r.get("targets", {}).items() if k != ">= 1.0x FlashInfer"}  # see "x FI best"
+        sdpa = r["impls"].get(r.get("sdpa_best", ""), {})
+        agree = agree and all(r["impls"].get(k, {}).get("agrees_with_ours", True) for k in DENSE_IMPLS)
         rows.append([r["case"], ours.get("median_us"), _tb(ours), _pct(ours), cc.get("median_us"),
                      tc.get("median_us"), r.get("speedup_vs_flashinfer_best"),
+                     f"{sdpa['median_us']:.1f} {r['sdpa_best'][5:]}" if "median_us" in sdpa else None,
+                     r.get("speedup_vs_sdpa_best"), r["impls"].get("torch_eager", {}).get("median_us"),
+                     r["impls"].get("ours_pages_in_order", {}).get("median_us"),
                      r["impls"].get("ours_use_cuda_graph", {}).get("median_us"),
                      " ".join(("ok " if ok else "MISS ") + name for name, ok in targets.items()) or "-",
                      ("" if agree else "DIFFERS ") + ("" if ours.get("replay_wrote_output", True) else "NO-OUTPUT")
                      + (ours.get("error", "")[:40] if "error" in ours else "")])
     lines.append("")
     lines.append(bc.table(rows, ["case", "ours us", "TB/s", "% copy", "FI cc us", "FI tc us", "x FI best",
-                                 "ours graph-mode us", "targets", "notes"]))
+                                 "SDPA best us", "x SDPA", "eager us", "ours in-order us", "ours graph-mode us", "targets", "notes"]))
     return "\n".join(lines)
 
 
@@ -624,7 +768,10 @@ def main(argv=None) -> int:
         "reps": args.reps,
         "time_limit_s": args.time_limit,
         "bytes_counted": "K+V rows each request reads (KV dtype) + q read + out written (bf16)",
-        "speedup": "FlashInfer median µs / ours (> 1: ours faster)"}}
+        "speedup": "FlashInfer median µs / ours (> 1: ours faster)",
+        "dense_peers": "torch SDPA (cuDNN, flash, efficient backends) and eager PyTorch on a dense copy of "
+                       "the same K/V; speedup_vs_sdpa_best = the fastest backend's µs / ours" if args.sdpa else
+                       "--no-sdpa"}}
     res["build_ours"] = build_ours(cases)
     bc.log(f"our modules: {res['build_ours']}")
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """CPU checks of the tuning and benchmark scripts that nothing else imports: the read
-ceiling's CUDA source still compiles, and variants_decode.py reads edits from a file."""
+ceiling's CUDA source still compiles, variants_decode.py reads edits from a file, and
+bench_decode.py's dense peers gather the paged cache and attend as a float64 reference does."""
 
 from __future__ import annotations
 
@@ -38,3 +39,40 @@ def test_variant_edits_from_a_file(tmp_path):
         vd.parse_variant(f"x=@{f}")
     with pytest.raises(argparse.ArgumentTypeError, match="cannot read"):
         vd.parse_variant(f"x=@{tmp_path / 'missing.json'}")
+
+
+def test_bench_decode_dense_peer_matches_a_float64_reference():
+    torch = pytest.importorskip("torch")
+    import bench_decode as bd
+
+    gen = torch.Generator().manual_seed(7)
+    batch, hq, hk, dim, page, kv_len = 3, 8, 2, 64, 16, 37  # a partial last page
+    pages_each = -(-kv_len // page)
+    cache_k = torch.randn(batch * pages_each + 2, page, hk, dim, generator=gen)
+    cache_v = torch.randn(batch * pages_each + 2, page, hk, dim, generator=gen)
+    ids = torch.randperm(batch * pages_each + 2, generator=gen)[:batch * pages_each].view(batch, pages_each)
+    k = bd.dense_from_paged(cache_k, ids, kv_len)
+    v = bd.dense_from_paged(cache_v, ids, kv_len)
+    assert k.shape == (batch, hk, kv_len, dim) and k.is_contiguous()
+    for b in range(batch):
+        for t in (0, page - 1, page, kv_len - 1):
+            assert torch.equal(k[b, :, t], cache_k[ids[b, t // page], t % page])
+            assert torch.equal(v[b, :, t], cache_v[ids[b, t // page], t % page])
+    q = torch.randn(batch, hq, 1, dim, generator=gen)
+    out = bd.eager_attention(q, k, v)
+    kk = k.double().repeat_interleave(hq // hk, dim=1)  # query head h reads KV head h // group
+    vv = v.double().repeat_interleave(hq // hk, dim=1)
+    ref = torch.softmax(q.double() @ kk.transpose(-1, -2) / dim ** 0.5, dim=-1) @ vv
+    assert out.shape == (batch, hq, 1, dim)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_decode_dense_peers_say_why_they_skip():
+    import bench_decode as bd
+
+    fp8 = bd.uniform("float8_e4m3fn", 4, 1, 2048)
+    assert "float8_e4m3fn" in bd.dense_skip_reason(fp8, 1, 12.0)
+    assert "variable lengths" in bd.dense_skip_reason(bd.skewed(), 1, 12.0)
+    big = bd.uniform("bfloat16", 4, 256, 32768)
+    assert "--sdpa-max-gb 12" in bd.dense_skip_reason(big, 1, 12.0)
+    assert bd.dense_skip_reason(bd.uniform("bfloat16", 8, 64, 4096), 2, 12.0) is None
