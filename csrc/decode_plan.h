@@ -79,6 +79,20 @@ inline int64_t wave_chunks(const std::vector<int64_t>& lens, int64_t longest, in
   return best;
 }
 
+constexpr int64_t kFullGridMinTenths = 7;          // decode.py _FULL_GRID_MIN_TENTHS
+constexpr int64_t kFullGridMostTenths = 9;         // decode.py _FULL_GRID_MOST_TENTHS
+constexpr int64_t kFullGridSplitMinTokens = 3072;  // decode.py _FULL_GRID_SPLIT_MIN_TOKENS
+constexpr int64_t kPartGridSplitMinTokens = 1024;  // decode.py _PART_GRID_SPLIT_MIN_TOKENS
+
+// decode.py _full_grid_chunks
+inline int64_t full_grid_chunks(int64_t blocks, int64_t target, int64_t sms, int64_t longest) {
+  const int64_t heads = blocks * 2 * sms / target;
+  if (10 * heads < kFullGridMinTenths * sms || blocks >= target) return 0;
+  const bool most = 10 * heads >= kFullGridMostTenths * sms;
+  if (target / blocks < 2 || longest < (most ? kFullGridSplitMinTokens : kPartGridSplitMinTokens)) return 1;
+  return 2;
+}
+
 // decode.py _chunk_size
 inline Sized chunk_size(const std::vector<int64_t>& lens, int64_t longest, int64_t total, int64_t blocks_per_item,
                         int64_t target, const DecodePlanConfig& c, int64_t skewed_target,
@@ -86,13 +100,19 @@ inline Sized chunk_size(const std::vector<int64_t>& lens, int64_t longest, int64
   if (c.disable_split_kv || longest == 0) return {std::max<int64_t>(longest, 1), longest, false};
   if (c.fixed_split_size) return {c.fixed_split_size, longest, false};
   int64_t wanted = div_up(total * blocks_per_item, target);
+  bool skewed = false;
   if (skewed_target && 2 * longest >= 3 * wanted) {
     bool short_one = false;
     for (const int64_t n : lens) short_one |= n > 0 && 2 * n < wanted;
-    if (short_one) wanted = div_up(total * blocks_per_item, skewed_target);
+    if (short_one) wanted = div_up(total * blocks_per_item, skewed_target), skewed = true;
   }
   int64_t floor = std::min<int64_t>(c.min_chunk, std::max(kMinChunk, up_to(div_up(longest, 16), 32)));
   if (c.max_chunks) floor = std::max(floor, up_to(div_up(longest, c.max_chunks), 32));
+  if (skewed_target && c.sms && !skewed) {
+    const int64_t k = full_grid_chunks(int64_t(lens.size()) * blocks_per_item, target, c.sms, longest);
+    if (k == 1) return {longest, longest, true};
+    if (k) return {std::max(floor, up_to(div_up(longest, k), 32)), longest, true};
+  }
   int64_t chunk = std::max(floor, div_up(wanted, 32) * 32);
   if (skewed_target && block_token_bytes && 2 * longest < 3 * chunk) {  // nothing splits by the target
     const int64_t k = wave_chunks(lens, longest, int64_t(lens.size()) * blocks_per_item, skewed_target,

@@ -108,6 +108,31 @@ _CLUSTER_MIN_CHUNK = 64
 #   (paired blocks, 264 at once) kv=32k 5782 -> 5664, b=512 kv=8k 5646 -> 5594 (5633).
 #   1.1 GB waves gained nothing: b=256 kv=4k 1414.5 unsplit, 1418-1421 split, b=1024 kv=4k
 #   5578 against 5617+, fp8 b=256 kv=8k 1447-1464 unsplit, 1454-1465 in 3 chunks.
+# Batches whose unsplit grid (tensor-core kernel, 2 blocks an SM as the target) already
+# covers >= 7/10 of the SMs: splitting adds partial states and a merge (~2-4 us) to gain
+# only the idle SMs, and chunks rounded to the target put a grid just over 2 blocks an SM
+# (b=12, 32/8 heads: 288 blocks; b=20: 320). So such a grid splits in two at most (k =
+# target // blocks), and only where its longest request has >= _FULL_GRID_SPLIT_MIN_TOKENS
+# (>= _PART_GRID_SPLIT_MIN_TOKENS where the grid covers under 9/10 of the SMs); from the
+# SM count up it stays whole. Tokens, not bytes: fp8 paid for the split at the lengths
+# bf16 did. H100, head_dim 128, page 16, CUDA-graph replay (sweep_decode.py --only split,
+# two rounds each, session 25), unsplit / as the target split before:
+# - 128 blocks (b=16 at 8 KV heads), 32/8 heads bf16: kv=256 9.0 / 10.6 us, kv=512 14.7 /
+#   16.2, kv=1k 26.8 / 27.7, kv=2k 49.8 / 49.5; kv=4k 95.7 / 93.0 and kv=8k 187.3 / 180.0
+#   (split); 64/8 heads kv=512 15.2 / 17.6, kv=1k 27.4 / 29.3, kv=2k 50.5 / 50.9; fp8
+#   kv=512 10.9 / 10.6, GQA-8 11.1 / 12.1, kv=1k 16.4 / 17.9, kv=2k 29.2 / 29.6; kv=4k 54.3
+#   / 51.8 and kv=8k 103.7 / 96.6 (split);
+# - 96 blocks (b=12): kv=256 7.8 / 9.7, kv=512 12.9 / 14.7 (2 chunks 13.7), fp8 kv=512 10.5
+#   / 11.8 (2 chunks 9.8); in 2 chunks kv=1k 22.4 (unsplit 22.9, 3 chunks 25.0), kv=2k 38.9
+#   (42.4, 45.2), kv=8k 138.6 (159.4);
+# - 160 blocks (b=20): kv=512 17.6 / 21.2, kv=1k 32.0 / 37.2, kv=2k 60.2 / 68.0, GQA-8 kv=2k
+#   60.9 / 70.7, kv=8k 230.0 / 255.0, kv=32k 905 / 1005 (16 chunks: 885), fp8 kv=512 12.5
+#   / 16.2, kv=8k 129.0 / 138.6;
+# - b=10 (80 blocks, under 7/10) keeps the target: kv=2k 33.2 against 40.7 unsplit.
+_FULL_GRID_MIN_TENTHS = 7
+_FULL_GRID_MOST_TENTHS = 9
+_FULL_GRID_SPLIT_MIN_TOKENS = 3072
+_PART_GRID_SPLIT_MIN_TOKENS = 1024
 _WAVE_SPLIT_MIN_BYTES = 1_000_000_000  # K and V bytes a wave of blocks reads
 _WAVE_SPLIT_MANY_MIN_BYTES = 2_000_000_000
 _WAVE_SPLIT_WAVES = 12
@@ -272,13 +297,14 @@ def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
 
 def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
                 disable_split_kv, min_chunk: int = _MIN_CHUNK, max_chunks: int | None = None,
-                skewed_target_blocks: int | None = None, block_token_bytes: int = 0) -> tuple:
+                skewed_target_blocks: int | None = None, block_token_bytes: int = 0, sms: int = 0) -> tuple:
     """(chunk, longest request, auto) before the chunk is fitted to the capacities; auto:
     the chunk is a target that requests round to (not a fixed length). skewed_target_blocks:
     the target instead where the batch mixes requests under half a chunk with split ones;
     it is also the blocks that run at once (4 per SM), which the wave split of a batch that
     fills the GPU counts with block_token_bytes, a block's K and V bytes per token (0: no
-    wave split)."""
+    wave split). With skewed_target_blocks and sms, a batch that is not skewed and whose
+    unsplit grid already covers most SMs splits as _full_grid_chunks says."""
     longest = int(np.maximum.reduce(kv_lens)) if len(kv_lens) else 0
     if disable_split_kv or longest == 0:
         return max(longest, 1), longest, False
@@ -286,14 +312,22 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
         return int(fixed_split_size), longest, False
     total = int(np.add.reduce(kv_lens))
     wanted = math.ceil(total * blocks_per_item / target_blocks)
+    skewed = False
     if skewed_target_blocks and 2 * longest >= 3 * wanted and bool(((kv_lens > 0) & (2 * kv_lens < wanted)).any()):
         # Something splits, and some requests are under half a chunk (they stay whole):
         # a skewed batch, whose long requests split finer (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM).
         wanted = math.ceil(total * blocks_per_item / skewed_target_blocks)
+        skewed = True
     # min_chunk applies only as far as it keeps the longest request in <= 16 chunks
     floor = min(min_chunk, max(_MIN_CHUNK, _round_up(_ceil_div(longest, 16), 32)))
     if max_chunks:
         floor = max(floor, _round_up(_ceil_div(longest, max_chunks), 32))
+    if skewed_target_blocks and sms and not skewed:
+        k = _full_grid_chunks(len(kv_lens) * blocks_per_item, target_blocks, sms, longest)
+        if k == 1:
+            return longest, longest, True
+        if k:
+            return max(floor, _round_up(_ceil_div(longest, k), 32)), longest, True
     chunk = max(floor, -(-wanted // 32) * 32)
     if skewed_target_blocks and block_token_bytes and 2 * longest < 3 * chunk:  # nothing splits by the target
         k = _wave_chunks(kv_lens, longest, len(kv_lens) * blocks_per_item, skewed_target_blocks,
@@ -316,6 +350,22 @@ def _wave_chunks(kv_lens: np.ndarray, longest: int, blocks: int, wave: int, bloc
         return max(1, min(4, (2 * _WAVE_SPLIT_WAVES * wave + blocks) // (2 * blocks)))
     # idle block-slots of the last wave, in twelfths of an unsplit block; ties keep fewer chunks
     return min((1, 2, 3, 4), key=lambda k: (-k * blocks) % wave * (12 // k))
+
+
+def _full_grid_chunks(blocks: int, target_blocks: int, sms: int, longest: int) -> int:
+    """Chunks per request (1: none) for an unsplit grid of `blocks` blocks, the longest
+    request `longest` tokens, that covers at least _FULL_GRID_MIN_TENTHS of the SMs but
+    stays under target_blocks; 0 where it is smaller or larger (the target decides). The
+    tensor-core target is 2 one-head blocks an SM, so blocks x 2 x sms / target_blocks is
+    the grid in one-head blocks, whether its blocks take one KV head or a pair (half the
+    blocks, half the target). See _FULL_GRID_MIN_TENTHS."""
+    heads = blocks * 2 * sms // target_blocks
+    if 10 * heads < _FULL_GRID_MIN_TENTHS * sms or blocks >= target_blocks:
+        return 0
+    most = 10 * heads >= _FULL_GRID_MOST_TENTHS * sms
+    if target_blocks // blocks < 2 or longest < (_FULL_GRID_SPLIT_MIN_TOKENS if most else _PART_GRID_SPLIT_MIN_TOKENS):
+        return 1
+    return 2
 
 
 def _nothing_splits(chunk: int, longest: int, batch: int, max_items: int | None, auto: bool) -> bool:
@@ -570,7 +620,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if sized is None:
                     sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
                                         config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target,
-                                        per_block * config.token_bytes)
+                                        per_block * config.token_bytes, config.sms)
                 if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
                     work = merge_indptr = None  # _pack writes one item per request straight into the buffer
                     items, any_split = batch, False
@@ -671,7 +721,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return (2, bpi, target, None) if capacity * bpi >= config.sms else (1, config.blocks_per_item,
                                                                                 config.target, None)
         sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
-                            config.min_chunk, config.max_chunks, config.skewed_target(target), 2 * config.token_bytes)
+                            config.min_chunk, config.max_chunks, config.skewed_target(target), 2 * config.token_bytes,
+                            config.sms)
         chunk, longest, auto = sized
         items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
             else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())

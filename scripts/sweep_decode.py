@@ -40,12 +40,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
 HEAD_DIM, PAGE_SIZE = 128, 16
-HEADS = {4: (32, 8), 8: (64, 8)}  # gqa -> (num_qo_heads, num_kv_heads)
+HEADS = {1: (32, 32), 2: (32, 16), 4: (32, 8), 8: (64, 8)}  # gqa -> (num_qo_heads, num_kv_heads)
 SPLIT_CASES = [  # (kv dtype, gqa, batch, kv_len)
     ("bfloat16", 4, 1, 2048), ("bfloat16", 4, 1, 8192), ("bfloat16", 4, 1, 32768),
     ("float8_e4m3fn", 4, 1, 2048), ("float8_e4m3fn", 4, 1, 32768),
     ("bfloat16", 8, 1, 2048), ("bfloat16", 8, 1, 8192), ("bfloat16", 8, 1, 32768), ("float8_e4m3fn", 8, 1, 8192),
     ("bfloat16", 4, 16, 2048), ("bfloat16", 4, 16, 8192),
+    # b=16 at short lengths, where cuDNN's SDPA on a dense cache led (bench_decode.py, session 25)
+    ("bfloat16", 4, 16, 512), ("bfloat16", 8, 16, 512), ("bfloat16", 8, 16, 2048),
+    ("bfloat16", 4, 16, 4096), ("bfloat16", 4, 16, 32768), ("bfloat16", 8, 16, 8192),
+    ("float8_e4m3fn", 4, 16, 512), ("float8_e4m3fn", 4, 16, 2048), ("float8_e4m3fn", 4, 16, 8192),
+    ("bfloat16", 4, 12, 512), ("bfloat16", 4, 12, 2048), ("bfloat16", 4, 8, 512), ("bfloat16", 4, 8, 2048),
+    ("bfloat16", 4, 20, 512), ("bfloat16", 4, 24, 512), ("bfloat16", 4, 24, 2048),
+    ("bfloat16", 4, 16, 256), ("bfloat16", 4, 16, 1024), ("bfloat16", 8, 16, 1024), ("bfloat16", 4, 12, 1024),
+    ("bfloat16", 4, 20, 1024), ("bfloat16", 4, 20, 2048), ("bfloat16", 4, 32, 512), ("bfloat16", 4, 12, 256),
+    ("float8_e4m3fn", 4, 16, 1024), ("float8_e4m3fn", 4, 12, 512), ("float8_e4m3fn", 8, 16, 512),
+    ("float8_e4m3fn", 4, 20, 512), ("bfloat16", 4, 10, 512), ("bfloat16", 4, 10, 2048),
+    ("bfloat16", 4, 20, 8192), ("float8_e4m3fn", 4, 20, 8192), ("bfloat16", 4, 20, 32768),
+    ("float8_e4m3fn", 4, 16, 4096), ("bfloat16", 4, 12, 8192), ("bfloat16", 8, 20, 2048),
+    # the same grids of MHA (32/32 heads) and GQA-2 (32/16): 128 blocks at b=4 / b=8
+    ("bfloat16", 1, 4, 512), ("bfloat16", 1, 4, 2048), ("bfloat16", 1, 4, 4096), ("bfloat16", 1, 3, 2048),
+    ("bfloat16", 2, 8, 512), ("bfloat16", 2, 8, 2048), ("float8_e4m3fn", 1, 4, 2048), ("bfloat16", 1, 5, 2048),
 ]
 SPLITS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 FORCE_SETS = 0  # --sets: input sets to rotate over (0: enough to exceed 4x L2; 1: a warm L2)

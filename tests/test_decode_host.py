@@ -80,11 +80,16 @@ def op(monkeypatch):
 
 # --- the implementation plan() replaced, as the reference --------------------------------------
 def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
-                         max_items=None, max_partials=None, min_chunk=64, max_chunks=None, skewed_target=None):
+                         max_items=None, max_partials=None, min_chunk=64, max_chunks=None, skewed_target=None,
+                         full_grid=False, sms=CPU_SMS):
     """Written out longhand, one request at a time: the chunk target (skewed_target where
     a request under half a chunk stays whole while others split), round(length / chunk)
     equal chunks in whole 32-token tiles (fixed_split_size: chunks of that length),
-    doubled until the capacities fit; split items longest first."""
+    doubled until the capacities fit; split items longest first. full_grid (with
+    skewed_target, the tensor-core kernel, as plan() sizes it): a batch that is not skewed
+    and whose unsplit grid covers 70% of the SMs to under the target splits in two only
+    where its longest request has >= 3072 tokens (1024 where the grid covers < 90%) and two
+    chunks stay within the target, else not at all."""
     batch = len(kv_lens)
     longest = int(kv_lens.max()) if batch else 0
     auto = False
@@ -94,12 +99,21 @@ def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_si
         chunk = int(fixed_split_size)
     else:
         wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / target_blocks)
-        if skewed_target and 2 * longest >= 3 * wanted and any(0 < 2 * int(n) < wanted for n in kv_lens):
+        skewed = skewed_target and 2 * longest >= 3 * wanted and any(0 < 2 * int(n) < wanted for n in kv_lens)
+        if skewed:
             wanted = math.ceil(int(kv_lens.sum()) * blocks_per_item / skewed_target)
         floor = min(min_chunk, max(64, math.ceil(math.ceil(longest / 16) / 32) * 32))
         if max_chunks:  # the longest request in at most max_chunks chunks
             floor = max(floor, math.ceil(math.ceil(longest / max_chunks) / 32) * 32)
         chunk, auto = max(floor, -(-wanted // 32) * 32), True
+        blocks = batch * blocks_per_item
+        heads = blocks * 2 * sms / target_blocks  # the target is 2 one-head blocks an SM
+        if skewed_target and full_grid and not skewed and 0.7 * sms <= heads and blocks < target_blocks:
+            enough = longest >= (3072 if heads >= 0.9 * sms else 1024)
+            if 2 * blocks <= target_blocks and enough:
+                chunk = max(floor, math.ceil(longest / 2 / 32) * 32)
+            else:
+                chunk = longest
 
     def pieces(n, chunk):  # [(start, end)] of one request
         if not auto:
@@ -157,7 +171,8 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
                                                      disable_split_kv, max_items, partial_rows,
                                                      min_chunk=128 if tensor_cores else 64,
                                                      max_chunks=32 if tensor_cores else None,
-                                                     skewed_target=skewed_target(target, hq, hk, d, rope))
+                                                     skewed_target=skewed_target(target, hq, hk, d, rope),
+                                                     full_grid=True)
     grid_items = max_items if graph else len(work)
     expected = {"work": [len(work)] + _pad(work.reshape(-1), 4 * grid_items, 0),
                 "merge_indptr": _pad(merge, capacity + 1, merge[-1]), "grid_items": grid_items,
@@ -342,7 +357,8 @@ def test_plan_split_fast_path_matches_the_general_one():
 @pytest.mark.parametrize("kv_dtype,kv_layout,lens,graph,pairs", [
     (torch.float8_e4m3fn, "NHD", [4096] * 64, False, 2),  # 64 requests x 4 pairs >= 132 SMs
     (torch.float8_e4m3fn, "NHD", [2048], False, 1),  # 16 chunks x 4 pairs: half the SMs idle
-    (torch.float8_e4m3fn, "NHD", [8192] * 20, False, 2),  # split: 2 chunks each, 40 items x 4 pairs >= 132 SMs
+    (torch.float8_e4m3fn, "NHD", [8192] * 11, False, 2),  # split: 3 chunks each, 33 items x 4 pairs >= 132 SMs
+    (torch.float8_e4m3fn, "NHD", [8192] * 20, False, 1),  # 160 one-head blocks cover the SMs: whole
     (torch.float8_e4m3fn, "NHD", [8192] * 16, False, 1),  # split: 32 items x 4 pairs < 132 SMs
     (torch.float8_e4m3fn, "HND", [4096] * 64, False, 1),  # a head's page is contiguous already
     (torch.bfloat16, "NHD", [4096] * 64, False, 1),  # 256-byte rows
@@ -375,7 +391,8 @@ def test_plan_pairs_kv_heads_where_the_grid_fills_the_sms(kv_dtype, kv_layout, l
     max_items = decode.graph_grid_items(capacity, blocks_per_item, target, CPU_SMS) if graph else None
     _, work, _, _ = plan_split_reference(np.asarray(lens, dtype=np.int64), blocks_per_item, target, None, False,
                                          max_items, WORKSPACE_BYTES // ((HQ * D + HQ) * 4), min_chunk=128,
-                                         max_chunks=32, skewed_target=skewed_target(target, HQ, HK, D))
+                                         max_chunks=32, skewed_target=skewed_target(target, HQ, HK, D),
+                                         full_grid=True)
     assert op.last["work"].tolist()[0] == len(work)
     assert op.last["grid_items"] == (max_items if graph else len(work))
 
@@ -465,6 +482,41 @@ def test_plan_splits_large_uniform_batches_by_their_waves(batch, kv_len, hq, kv_
     for r in (0, batch - 1):  # each request's chunks: equal whole tiles, covering it once
         spans = sorted((start, end) for req, start, end, _ in rows if req == r)
         assert spans == [(i * size, min(kv_len, (i + 1) * size)) for i in range(chunks)]
+
+
+FULL_GRID_CASES = [  # (batch, kv_len, num_qo_heads, kv dtype, chunks): 8 KV heads, 132 SMs
+    (16, 512, 32, torch.bfloat16, 1),     # 128 blocks (>= 9/10 of the SMs): the target split 2 chunks
+    (16, 2048, 64, torch.bfloat16, 1),
+    (16, 3072, 32, torch.bfloat16, 2),    # from 3072 tokens: in two
+    (16, 8192, 32, torch.float8_e4m3fn, 2),
+    (16, 2048, 32, torch.float8_e4m3fn, 1),  # fp8 by tokens too (paired sizing: 64 pairs, the same grid)
+    (12, 512, 32, torch.bfloat16, 1),     # 96 blocks (7/10 to 9/10): the target split 3 chunks
+    (12, 1024, 32, torch.bfloat16, 2),    # from 1024 tokens: two chunks, not the target's three
+    (12, 8192, 32, torch.bfloat16, 2),
+    (20, 2048, 32, torch.bfloat16, 1),    # 160 blocks: over the SMs, under the target: whole
+    (20, 32768, 32, torch.bfloat16, 1),
+    (20, 8192, 32, torch.float8_e4m3fn, 1),
+    (10, 2048, 32, torch.bfloat16, 3),    # 80 blocks (under 7/10): the target's split
+    (8, 512, 32, torch.bfloat16, 4),
+    (16, 512, 8, torch.bfloat16, 1),      # 1-head tiles (8/8 heads) as well
+]
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "numpy"])
+@pytest.mark.parametrize("batch,kv_len,hq,kv_dtype,chunks", FULL_GRID_CASES)
+def test_plan_splits_a_grid_that_covers_the_sms_in_two_at_most(batch, kv_len, hq, kv_dtype, chunks, native, op,
+                                                              monkeypatch):
+    """A uniform batch whose unsplit grid covers >= 7/10 of the SMs (decode.py
+    _FULL_GRID_MIN_TENTHS) stays whole, or splits in two where its requests are long, by
+    both planners; smaller grids keep the target's split."""
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.plan(**csr([kv_len] * batch), num_qo_heads=hq, num_kv_heads=HK, head_dim=D, page_size=PS,
+           q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    assert (w._plan.config.native is not False) == (native == "1")
+    assert w._plan.cluster == 1
+    assert w._plan.args[8] == batch * chunks  # grid items
+    assert w._plan.args[9] == (batch if chunks > 1 else 0)  # merge rows
 
 
 @pytest.mark.parametrize("case", [
@@ -985,7 +1037,8 @@ def _planner_batches(table: str) -> list:
     """(lengths, page-table arguments) of the planner tests, made once per layout."""
     rnd = random.Random(7)
     batches = [[2048] * 256, [1000], [700, 0, 33], [], [0, 0], [32768], [5] * 3, [8192, 8193], [8192] * 160,
-               [rnd.randint(1, 300) for _ in range(56)] + [8192] * 8]
+               [rnd.randint(1, 300) for _ in range(56)] + [8192] * 8,
+               [512] * 16, [4096] * 16, [1024, 3000] * 6, [2048] * 20]  # grids that cover the SMs unsplit
     for _ in range(6):
         lens = [rnd.choice([0, 1, 16, 17, rnd.randint(1, 3000)]) for _ in range(rnd.randint(1, 300))]
         lens[rnd.randrange(len(lens))] = rnd.randint(1, 40000)  # one long request, or none
