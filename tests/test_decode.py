@@ -464,11 +464,15 @@ def test_batch_decode_merges_thousands_of_partials():
 @pytest.mark.parametrize("kv_dtype,batch,kv_len,chunks,pairs", [
     ("bfloat16", 80, 16384, 4, 1),  # 1.2 waves of 528 blocks on 132 SMs -> 4.8
     ("float8_e4m3fn", 160, 16384, 2, 2),  # 2.4 waves of 8 MB paired blocks (264 at once) -> 4.8
+    ("bfloat16", 16, 512, 1, 1),  # 128 blocks cover the SMs: whole (decode.py _FULL_GRID_MIN_TENTHS)
+    ("bfloat16", 12, 2048, 2, 1),  # 96 blocks: two chunks, not the target's three
+    ("float8_e4m3fn", 16, 4096, 2, 1),  # 128 blocks, 4096 tokens: in two
 ])
 def test_batch_decode_wave_split_large_batch(kv_dtype, batch, kv_len, chunks, pairs, workspace):
-    """A large uniform batch that plan() splits by its grid's waves (decode.py
-    _WAVE_SPLIT_MIN_BYTES) matches the reference; NaN-poisoned out and LSE, every row
-    written. (The chunk counts hold on 132 SMs, where the rule was measured.)"""
+    """A uniform batch that plan() splits by its grid's waves (decode.py
+    _WAVE_SPLIT_MIN_BYTES), or whose unsplit grid covers the SMs (_FULL_GRID_MIN_TENTHS),
+    matches the reference; NaN-poisoned out and LSE, every row written. (The chunk counts
+    hold on 132 SMs, where the rules were measured.)"""
     rnd = random.Random(31)
     gen = torch.Generator(device=DEV).manual_seed(31)
     lens = [kv_len] * batch
@@ -478,7 +482,7 @@ def test_batch_decode_wave_split_large_batch(kv_dtype, batch, kv_len, chunks, pa
                  page_size=16, q_data_type=torch.bfloat16, kv_data_type=_dtype(kv_dtype))
     if torch.cuda.get_device_properties(DEV).multi_processor_count == 132:
         assert wrapper._plan.args[8] == batch * chunks and wrapper._plan.kv_heads_per_block == pairs
-    scales = dict(k_scale=0.5, v_scale=2.0) if pairs == 2 else {}
+    scales = dict(k_scale=0.5, v_scale=2.0) if kv_dtype.startswith("float8") else {}
     out_buf, out = poisoned((batch, LLAMA_HEADS[0], 128), torch.bfloat16)
     lse_buf, lse = poisoned((batch, LLAMA_HEADS[0]), torch.float32)
     wrapper.run(q, (k, v), out=out, lse=lse, **scales)
