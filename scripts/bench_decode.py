@@ -414,16 +414,23 @@ def measure_dense(row: dict, inputs: Inputs, reps: int, copy_gbps: float, refere
         row["impls"][impl] = measure(impl, dense, None, reps, copy_gbps, reference) | {"input_sets": n_sets}
     dense.release()
     torch.cuda.empty_cache()
+    _fastest_peer(row, SDPA_BACKENDS, "sdpa")
     ours = row["impls"].get("ours", {}).get("median_us")
-    times = {k: row["impls"][k].get("median_us") for k in SDPA_BACKENDS}
-    times = {k: v for k, v in times.items() if v}
-    if ours and times:
-        best = min(times, key=times.get)
-        row["sdpa_best"] = best
-        row["speedup_vs_sdpa_best"] = times[best] / ours
     eager = row["impls"]["torch_eager"].get("median_us")
     if ours and eager:
         row["speedup_vs_torch_eager"] = eager / ours
+
+
+def _fastest_peer(row: dict, impls, name: str) -> None:
+    """row[name + "_best"]: the fastest of the peers `impls` measured in the row, and
+    row["speedup_vs_" + name + "_best"]: its µs over ours (> 1: ours faster)."""
+    ours = row["impls"].get("ours", {}).get("median_us")
+    times = {k: row["impls"][k].get("median_us") for k in impls}
+    times = {k: v for k, v in times.items() if v}
+    if ours and times:
+        best = min(times, key=times.get)
+        row[f"{name}_best"] = best
+        row[f"speedup_vs_{name}_best"] = times[best] / ours
 
 
 def measure(impl: str, inputs: Inputs, fi, reps: int, copy_gbps: float, reference=None, graph_mode=False,
@@ -467,14 +474,11 @@ FI_IMPLS = ("flashinfer_cc", "flashinfer_tc")
 def measure_flashinfer(row: dict, inputs: Inputs, fi, reps: int, copy_gbps: float, reference) -> None:
     for impl in FI_IMPLS:
         row["impls"][impl] = measure(impl, inputs, fi, reps, copy_gbps, reference)
+    _fastest_peer(row, FI_IMPLS, "flashinfer")
     ours = row["impls"].get("ours", {}).get("median_us")
-    times = {impl: row["impls"][impl].get("median_us") for impl in FI_IMPLS}
-    times = {k: v for k, v in times.items() if v}
-    if ours and times:
-        best = min(times, key=times.get)
-        row["flashinfer_best"] = best
-        row["speedup_vs_flashinfer_best"] = times[best] / ours
-        row["speedup_vs_flashinfer"] = {k: v / ours for k, v in times.items()}
+    if "flashinfer_best" in row:
+        row["speedup_vs_flashinfer"] = {k: row["impls"][k]["median_us"] / ours for k in FI_IMPLS
+                                        if row["impls"][k].get("median_us")}
 
 
 # --- host costs -----------------------------------------------------------------------------------
