@@ -27,6 +27,7 @@ struct DecodePlanConfig {
   int32_t skew_factor;      // 0: none
   int32_t token_bytes;      // K and V bytes of one token and KV head
   int32_t cluster_max_block_bytes, wide_cluster_max_block_bytes;  // 4-warp, 8-warp cluster blocks
+  int32_t full_grid_min_tokens;  // decode.py _full_grid_chunks's most_min_tokens
   int64_t max_partials;     // partial rows the workspace holds
 };
 
@@ -81,15 +82,15 @@ inline int64_t wave_chunks(const std::vector<int64_t>& lens, int64_t longest, in
 
 constexpr int64_t kFullGridMinTenths = 7;          // decode.py _FULL_GRID_MIN_TENTHS
 constexpr int64_t kFullGridMostTenths = 9;         // decode.py _FULL_GRID_MOST_TENTHS
-constexpr int64_t kFullGridSplitMinTokens = 3072;  // decode.py _FULL_GRID_SPLIT_MIN_TOKENS
 constexpr int64_t kPartGridSplitMinTokens = 1024;  // decode.py _PART_GRID_SPLIT_MIN_TOKENS
 
 // decode.py _full_grid_chunks
-inline int64_t full_grid_chunks(int64_t blocks, int64_t target, int64_t sms, int64_t longest) {
+inline int64_t full_grid_chunks(int64_t blocks, int64_t target, int64_t sms, int64_t longest,
+                                int64_t most_min_tokens) {
   const int64_t heads = blocks * 2 * sms / target;
   if (10 * heads < kFullGridMinTenths * sms || blocks >= target) return 0;
   const bool most = 10 * heads >= kFullGridMostTenths * sms;
-  if (target / blocks < 2 || longest < (most ? kFullGridSplitMinTokens : kPartGridSplitMinTokens)) return 1;
+  if (target / blocks < 2 || longest < (most ? most_min_tokens : kPartGridSplitMinTokens)) return 1;
   return 2;
 }
 
@@ -109,7 +110,8 @@ inline Sized chunk_size(const std::vector<int64_t>& lens, int64_t longest, int64
   int64_t floor = std::min<int64_t>(c.min_chunk, std::max(kMinChunk, up_to(div_up(longest, 16), 32)));
   if (c.max_chunks) floor = std::max(floor, up_to(div_up(longest, c.max_chunks), 32));
   if (skewed_target && c.sms && !skewed) {
-    const int64_t k = full_grid_chunks(int64_t(lens.size()) * blocks_per_item, target, c.sms, longest);
+    const int64_t k = full_grid_chunks(int64_t(lens.size()) * blocks_per_item, target, c.sms, longest,
+                                       c.full_grid_min_tokens);
     if (k == 1) return {longest, longest, true};
     if (k) return {std::max(floor, up_to(div_up(longest, k), 32)), longest, true};
   }

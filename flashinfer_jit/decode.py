@@ -133,6 +133,11 @@ _FULL_GRID_MIN_TENTHS = 7
 _FULL_GRID_MOST_TENTHS = 9
 _FULL_GRID_SPLIT_MIN_TOKENS = 3072
 _PART_GRID_SPLIT_MIN_TOKENS = 1024
+# ... but on GPUs whose DRAM peak is over _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S one block an SM
+# streams too slowly for the rest, and the grid that covers >= 9/10 of the SMs splits from
+# _PART_GRID_SPLIT_MIN_TOKENS too. H200 (4.81e12), 32/8 heads bf16, same call: b=16 kv=2k
+# 42.0 us whole, 36.4 in two chunks; kv=512 12.9 whole, 13.4 in two (GQA-8 13.4 / 14.8);
+# kv=4k 80.5 / 66.2; b=12 kv=2k in two 29.9 (whole 40.7); b=20 kv=2k whole 48.9 (two 56.5).
 _WAVE_SPLIT_MIN_BYTES = 1_000_000_000  # K and V bytes a wave of blocks reads
 _WAVE_SPLIT_MANY_MIN_BYTES = 2_000_000_000
 _WAVE_SPLIT_WAVES = 12
@@ -297,14 +302,16 @@ def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
 
 def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
                 disable_split_kv, min_chunk: int = _MIN_CHUNK, max_chunks: int | None = None,
-                skewed_target_blocks: int | None = None, block_token_bytes: int = 0, sms: int = 0) -> tuple:
+                skewed_target_blocks: int | None = None, block_token_bytes: int = 0, sms: int = 0,
+                full_grid_min_tokens: int = _FULL_GRID_SPLIT_MIN_TOKENS) -> tuple:
     """(chunk, longest request, auto) before the chunk is fitted to the capacities; auto:
     the chunk is a target that requests round to (not a fixed length). skewed_target_blocks:
     the target instead where the batch mixes requests under half a chunk with split ones;
     it is also the blocks that run at once (4 per SM), which the wave split of a batch that
     fills the GPU counts with block_token_bytes, a block's K and V bytes per token (0: no
     wave split). With skewed_target_blocks and sms, a batch that is not skewed and whose
-    unsplit grid already covers most SMs splits as _full_grid_chunks says."""
+    unsplit grid already covers most SMs splits as _full_grid_chunks says (with
+    full_grid_min_tokens for a grid over 9/10 of the SMs)."""
     longest = int(np.maximum.reduce(kv_lens)) if len(kv_lens) else 0
     if disable_split_kv or longest == 0:
         return max(longest, 1), longest, False
@@ -323,7 +330,7 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
     if max_chunks:
         floor = max(floor, _round_up(_ceil_div(longest, max_chunks), 32))
     if skewed_target_blocks and sms and not skewed:
-        k = _full_grid_chunks(len(kv_lens) * blocks_per_item, target_blocks, sms, longest)
+        k = _full_grid_chunks(len(kv_lens) * blocks_per_item, target_blocks, sms, longest, full_grid_min_tokens)
         if k == 1:
             return longest, longest, True
         if k:
@@ -352,18 +359,20 @@ def _wave_chunks(kv_lens: np.ndarray, longest: int, blocks: int, wave: int, bloc
     return min((1, 2, 3, 4), key=lambda k: (-k * blocks) % wave * (12 // k))
 
 
-def _full_grid_chunks(blocks: int, target_blocks: int, sms: int, longest: int) -> int:
+def _full_grid_chunks(blocks: int, target_blocks: int, sms: int, longest: int,
+                      most_min_tokens: int = _FULL_GRID_SPLIT_MIN_TOKENS) -> int:
     """Chunks per request (1: none) for an unsplit grid of `blocks` blocks, the longest
     request `longest` tokens, that covers at least _FULL_GRID_MIN_TENTHS of the SMs but
     stays under target_blocks; 0 where it is smaller or larger (the target decides). The
     tensor-core target is 2 one-head blocks an SM, so blocks x 2 x sms / target_blocks is
     the grid in one-head blocks, whether its blocks take one KV head or a pair (half the
-    blocks, half the target). See _FULL_GRID_MIN_TENTHS."""
+    blocks, half the target). most_min_tokens: the split's length where the grid covers
+    >= _FULL_GRID_MOST_TENTHS of the SMs. See _FULL_GRID_MIN_TENTHS."""
     heads = blocks * 2 * sms // target_blocks
     if 10 * heads < _FULL_GRID_MIN_TENTHS * sms or blocks >= target_blocks:
         return 0
     most = 10 * heads >= _FULL_GRID_MOST_TENTHS * sms
-    if target_blocks // blocks < 2 or longest < (_FULL_GRID_SPLIT_MIN_TOKENS if most else _PART_GRID_SPLIT_MIN_TOKENS):
+    if target_blocks // blocks < 2 or longest < (most_min_tokens if most else _PART_GRID_SPLIT_MIN_TOKENS):
         return 1
     return 2
 
@@ -412,7 +421,7 @@ class _Config:
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
-                 "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "native")
+                 "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "full_grid_min_tokens", "native")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -453,7 +462,7 @@ class _NativeConfig(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "page_size", "blocks_per_item", "target", "pairs", "sms", "cluster", "fixed_split_size", "disable_split_kv",
         "min_chunk", "max_chunks", "skew_factor", "token_bytes", "cluster_max_block_bytes",
-        "wide_cluster_max_block_bytes")] + [("max_partials", ctypes.c_int64)]
+        "wide_cluster_max_block_bytes", "full_grid_min_tokens")] + [("max_partials", ctypes.c_int64)]
 
 
 def _native_config(config: _Config):
@@ -471,7 +480,7 @@ def _native_config(config: _Config):
         fixed_split_size=int(config.fixed_split_size or 0), disable_split_kv=int(bool(config.disable_split_kv)),
         min_chunk=config.min_chunk, max_chunks=int(config.max_chunks or 0), skew_factor=int(config.skew_factor or 0),
         token_bytes=config.token_bytes, cluster_max_block_bytes=config.cluster_max_bytes,
-        wide_cluster_max_block_bytes=config.wide_cluster_max_bytes,
+        wide_cluster_max_block_bytes=config.wide_cluster_max_bytes, full_grid_min_tokens=config.full_grid_min_tokens,
         max_partials=int(config.partial_o.shape[0]))
     return fn, ctypes.addressof(struct), struct
 
@@ -620,7 +629,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if sized is None:
                     sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
                                         config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target,
-                                        per_block * config.token_bytes, config.sms)
+                                        per_block * config.token_bytes, config.sms, config.full_grid_min_tokens)
                 if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
                     work = merge_indptr = None  # _pack writes one item per request straight into the buffer
                     items, any_split = batch, False
@@ -722,7 +731,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                                                 config.target, None)
         sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
                             config.min_chunk, config.max_chunks, config.skewed_target(target), 2 * config.token_bytes,
-                            config.sms)
+                            config.sms, config.full_grid_min_tokens)
         chunk, longest, auto = sized
         items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
             else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())
@@ -783,6 +792,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.wide_cluster_max_bytes = _LONG_CLUSTER_MAX_BLOCK_BYTES \
             if long_clusters and c.kv_dtype.itemsize == 2 and head_dim == 128 \
             else _WIDE_CLUSTER_MAX_BLOCK_BYTES[c.kv_dtype.itemsize]
+        c.full_grid_min_tokens = _FULL_GRID_SPLIT_MIN_TOKENS if long_clusters else _PART_GRID_SPLIT_MIN_TOKENS
         c.target = per_sm * c.sms
         # skewed batches split to more blocks per SM on those tiles (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM)
         c.skew_factor = _MMA_SKEWED_SPLIT_BLOCKS_PER_SM // per_sm if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None

@@ -81,15 +81,15 @@ def op(monkeypatch):
 # --- the implementation plan() replaced, as the reference --------------------------------------
 def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_size, disable_split_kv,
                          max_items=None, max_partials=None, min_chunk=64, max_chunks=None, skewed_target=None,
-                         full_grid=False, sms=CPU_SMS):
+                         full_grid=None, sms=CPU_SMS):
     """Written out longhand, one request at a time: the chunk target (skewed_target where
     a request under half a chunk stays whole while others split), round(length / chunk)
     equal chunks in whole 32-token tiles (fixed_split_size: chunks of that length),
-    doubled until the capacities fit; split items longest first. full_grid (with
-    skewed_target, the tensor-core kernel, as plan() sizes it): a batch that is not skewed
+    doubled until the capacities fit; split items longest first. full_grid (tokens, with
+    skewed_target: the tensor-core kernel, as plan() sizes it): a batch that is not skewed
     and whose unsplit grid covers 70% of the SMs to under the target splits in two only
-    where its longest request has >= 3072 tokens (1024 where the grid covers < 90%) and two
-    chunks stay within the target, else not at all."""
+    where its longest request has >= full_grid tokens (1024 where the grid covers < 90%) and
+    two chunks stay within the target, else not at all."""
     batch = len(kv_lens)
     longest = int(kv_lens.max()) if batch else 0
     auto = False
@@ -109,7 +109,7 @@ def plan_split_reference(kv_lens, blocks_per_item, target_blocks, fixed_split_si
         blocks = batch * blocks_per_item
         heads = blocks * 2 * sms / target_blocks  # the target is 2 one-head blocks an SM
         if skewed_target and full_grid and not skewed and 0.7 * sms <= heads and blocks < target_blocks:
-            enough = longest >= (3072 if heads >= 0.9 * sms else 1024)
+            enough = longest >= (full_grid if heads >= 0.9 * sms else 1024)
             if 2 * blocks <= target_blocks and enough:
                 chunk = max(floor, math.ceil(longest / 2 / 32) * 32)
             else:
@@ -172,7 +172,7 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
                                                      min_chunk=128 if tensor_cores else 64,
                                                      max_chunks=32 if tensor_cores else None,
                                                      skewed_target=skewed_target(target, hq, hk, d, rope),
-                                                     full_grid=True)
+                                                     full_grid=3072)
     grid_items = max_items if graph else len(work)
     expected = {"work": [len(work)] + _pad(work.reshape(-1), 4 * grid_items, 0),
                 "merge_indptr": _pad(merge, capacity + 1, merge[-1]), "grid_items": grid_items,
@@ -392,7 +392,7 @@ def test_plan_pairs_kv_heads_where_the_grid_fills_the_sms(kv_dtype, kv_layout, l
     _, work, _, _ = plan_split_reference(np.asarray(lens, dtype=np.int64), blocks_per_item, target, None, False,
                                          max_items, WORKSPACE_BYTES // ((HQ * D + HQ) * 4), min_chunk=128,
                                          max_chunks=32, skewed_target=skewed_target(target, HQ, HK, D),
-                                         full_grid=True)
+                                         full_grid=3072)
     assert op.last["work"].tolist()[0] == len(work)
     assert op.last["grid_items"] == (max_items if graph else len(work))
 
@@ -500,6 +500,27 @@ FULL_GRID_CASES = [  # (batch, kv_len, num_qo_heads, kv dtype, chunks): 8 KV hea
     (8, 512, 32, torch.bfloat16, 4),
     (16, 512, 8, torch.bfloat16, 1),      # 1-head tiles (8/8 heads) as well
 ]
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "numpy"])
+@pytest.mark.parametrize("peak,batch,kv_len,chunks", [
+    (4.9e12, 16, 2048, 2),   # H200: over the 4 TB/s peak, 128 blocks split from 1024 tokens
+    (4.9e12, 16, 1024, 2),
+    (4.9e12, 16, 512, 1),
+    (4.9e12, 20, 2048, 1),   # over the SM count: whole on any GPU
+    (3.35e12, 16, 2048, 1),  # H100
+    (3.35e12, 16, 3072, 2),
+])
+def test_plan_full_grid_split_length_follows_the_dram_peak(peak, batch, kv_len, chunks, native, op, monkeypatch):
+    """A grid that covers >= 9/10 of the SMs splits in two from 3072 tokens where the DRAM
+    peak is at most _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S, from 1024 above it; both planners."""
+    monkeypatch.setattr(decode, "_peak_dram_bytes_per_s", lambda device: peak)
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.plan(**csr([kv_len] * batch), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS,
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    assert (w._plan.config.native is not False) == (native == "1")
+    assert w._plan.args[8] == batch * chunks
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "numpy"])
