@@ -348,7 +348,7 @@ def eager_attention(q, k, v):
     return torch.matmul(probs, v).reshape(batch, hq, 1, dim)
 
 
-def dense_skip_reason(case: Case, n_sets: int, max_gb: float) -> str | None:
+def dense_skip_reason(case: Case, max_gb: float) -> str | None:
     if case.kv_len is None:
         return "variable lengths: a dense cache would pad every request to the longest"
     if case.kv_dtype != "bfloat16":
@@ -399,7 +399,7 @@ def measure_dense(row: dict, inputs: Inputs, reps: int, copy_gbps: float, refere
     import torch
 
     n_sets = max(1, min(inputs.n_sets, int(max_gb * 1e9 // max(1, inputs.case.cache_bytes()))))
-    reason = dense_skip_reason(inputs.case, n_sets, max_gb)
+    reason = dense_skip_reason(inputs.case, max_gb)
     if reason is None and reference is None:
         reason = "no output of ours to compare with"
     if reason is not None:
@@ -722,10 +722,9 @@ def report(res: dict) -> str:
     rows = []
     for r in res["rows"]:
         ours, cc, tc = (r["impls"].get(k, {}) for k in ("ours", "flashinfer_cc", "flashinfer_tc"))
-        agree = all(x.get("agrees_with_ours", True) for x in (cc, tc))
+        agree = all(r["impls"].get(k, {}).get("agrees_with_ours", True) for k in (*FI_IMPLS, *DENSE_IMPLS))
         targets = {k: v for k, v in r.get("targets", {}).items() if k != ">= 1.0x FlashInfer"}  # see "x FI best"
         sdpa = r["impls"].get(r.get("sdpa_best", ""), {})
-        agree = agree and all(r["impls"].get(k, {}).get("agrees_with_ours", True) for k in DENSE_IMPLS)
         rows.append([r["case"], ours.get("median_us"), _tb(ours), _pct(ours), cc.get("median_us"),
                      tc.get("median_us"), r.get("speedup_vs_flashinfer_best"),
                      f"{sdpa['median_us']:.1f} {r['sdpa_best'][5:]}" if "median_us" in sdpa else None,

@@ -46,7 +46,11 @@ SPLIT_CASES = [  # (kv dtype, gqa, batch, kv_len)
     ("float8_e4m3fn", 4, 1, 2048), ("float8_e4m3fn", 4, 1, 32768),
     ("bfloat16", 8, 1, 2048), ("bfloat16", 8, 1, 8192), ("bfloat16", 8, 1, 32768), ("float8_e4m3fn", 8, 1, 8192),
     ("bfloat16", 4, 16, 2048), ("bfloat16", 4, 16, 8192),
-    # b=16 at short lengths, where cuDNN's SDPA on a dense cache led (bench_decode.py, session 25)
+]
+# Grids whose unsplit blocks cover most SMs (decode.py _FULL_GRID_MIN_TENTHS; session 25:
+# b=16 at short lengths, where cuDNN's SDPA on a dense cache led): run only when --cases
+# names them.
+FULL_GRID_CASES = [
     ("bfloat16", 4, 16, 512), ("bfloat16", 8, 16, 512), ("bfloat16", 8, 16, 2048),
     ("bfloat16", 4, 16, 4096), ("bfloat16", 4, 16, 32768), ("bfloat16", 8, 16, 8192),
     ("float8_e4m3fn", 4, 16, 512), ("float8_e4m3fn", 4, 16, 2048), ("float8_e4m3fn", 4, 16, 8192),
@@ -151,12 +155,22 @@ def timed(inputs: Inputs, reference=None, pdl: bool = True, use_cuda_graph: bool
     return result
 
 
+def _label(kv: str, gqa: int, batch: int, kv_len: int) -> str:
+    return f"{kv[:5]} gqa{gqa} b={batch} kv={kv_len}"
+
+
+def split_cases(only_cases=None) -> list:
+    """The split sweep's cases: SPLIT_CASES, or those of SPLIT_CASES and FULL_GRID_CASES
+    that only_cases names (labels)."""
+    if not only_cases:
+        return SPLIT_CASES
+    return [c for c in SPLIT_CASES + FULL_GRID_CASES if _label(*c) in only_cases]
+
+
 def sweep_split(copy_gbps: float, splits=SPLITS, only_cases=None) -> list:
     rows = []
-    for kv, gqa, batch, kv_len in SPLIT_CASES:
-        label = f"{kv[:5]} gqa{gqa} b={batch} kv={kv_len}"
-        if only_cases and not any(c == label for c in only_cases):
-            continue
+    for kv, gqa, batch, kv_len in split_cases(only_cases):
+        label = _label(kv, gqa, batch, kv_len)
         inputs = Inputs(kv, gqa, batch, kv_len)
         auto = timed(inputs, pdl=True)
         ref = auto.pop("_out0")
@@ -193,7 +207,7 @@ def sweep_cluster(only_cases=None, rounds: int = 3) -> list:
 
     rows = []
     for kv, gqa, batch, kv_len in CLUSTER_CASES:
-        label = f"{kv[:5]} gqa{gqa} b={batch} kv={kv_len}"
+        label = _label(kv, gqa, batch, kv_len)
         if only_cases and label not in only_cases:
             continue
         inputs = Inputs(kv, gqa, batch, kv_len)
@@ -291,13 +305,14 @@ def host_breakdown() -> dict:
     return out
 
 
-def build_modules(parts=("split", "layout", "cluster", "host"), layout_cases=LAYOUT_CASES) -> None:
+def build_modules(parts=("split", "layout", "cluster", "host"), layout_cases=LAYOUT_CASES, only_cases=None) -> None:
     """The modules the chosen sweeps use, in one parallel build (run() would build them one by one)."""
     from flashinfer_jit.jit import build_many
     from flashinfer_jit.specs import DecodeSpec
     from flashinfer_jit.specs.decode import group_tile
 
-    cases = [(c, "NHD") for part, group in (("split", SPLIT_CASES), ("cluster", CLUSTER_CASES), ("host", SPLIT_CASES[:1]))
+    groups = (("split", split_cases(only_cases)), ("cluster", CLUSTER_CASES), ("host", SPLIT_CASES[:1]))
+    cases = [(c, "NHD") for part, group in groups
              if part in parts for c in group]
     cases += [(c, layout) for c in layout_cases for layout in ("NHD", "HND")] if "layout" in parts else []
     specs = {DecodeSpec("bfloat16", kv, HEAD_DIM, group_tile(*HEADS[gqa], HEAD_DIM), "csr", layout)
@@ -325,7 +340,8 @@ def main(argv=None) -> int:
     p.add_argument("--splits", default=",".join(map(str, SPLITS)),
                    help="fixed_split_size values for the split sweep (tokens, comma-separated)")
     p.add_argument("--cases", default="",
-                   help="split cases to run, by label, ';'-separated (e.g. 'bfloa gqa4 b=1 kv=2048'); default all")
+                   help="split cases to run, by label, ';'-separated (e.g. 'bfloa gqa4 b=1 kv=2048'), of SPLIT_CASES "
+                        "and FULL_GRID_CASES; default SPLIT_CASES")
     p.add_argument("--layout-cases", type=parse_layout_cases, default=[],
                    help="layout sweep cases, kv_dtype:gqa:batch:kv_len, comma-separated "
                         "(e.g. bfloat16:4:1:32768); default b=64 kv=4k bf16 and fp8")
@@ -343,18 +359,17 @@ def main(argv=None) -> int:
     parts = set(args.only.split(","))
     layout_cases = args.layout_cases or LAYOUT_CASES
     t0 = time.perf_counter()
-    build_modules(parts, layout_cases)
+    only_cases = [c.strip() for c in args.cases.split(";") if c.strip()]
+    build_modules(parts, layout_cases, only_cases)
     res = {"meta": bc.run_metadata(), "config": {"head_dim": HEAD_DIM, "page_size": PAGE_SIZE, "q": "bfloat16",
                                                  "page_table": "csr", "timed_by": "cuda-graph replay, median",
                                                  "sets": FORCE_SETS or "auto"}}
     res["copy"] = bc.copy_bandwidth()
     if "split" in parts:
         splits = tuple(int(x) for x in args.splits.split(",") if x)
-        only_cases = [c.strip() for c in args.cases.split(";") if c.strip()]
         res["split"] = sweep_split(res["copy"]["gb_per_s"], splits, only_cases)
         bc.write_json(out_path, res)
     if "cluster" in parts:
-        only_cases = [c.strip() for c in args.cases.split(";") if c.strip()]
         res["cluster"] = sweep_cluster(only_cases)
         bc.write_json(out_path, res)
     if "layout" in parts:

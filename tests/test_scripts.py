@@ -71,8 +71,16 @@ def test_bench_decode_dense_peers_say_why_they_skip():
     import bench_decode as bd
 
     fp8 = bd.uniform("float8_e4m3fn", 4, 1, 2048)
-    assert "float8_e4m3fn" in bd.dense_skip_reason(fp8, 1, 12.0)
-    assert "variable lengths" in bd.dense_skip_reason(bd.skewed(), 1, 12.0)
+    assert "float8_e4m3fn" in bd.dense_skip_reason(fp8, 12.0)
+    assert "variable lengths" in bd.dense_skip_reason(bd.skewed(), 12.0)
     big = bd.uniform("bfloat16", 4, 256, 32768)
-    assert "--sdpa-max-gb 12" in bd.dense_skip_reason(big, 1, 12.0)
-    assert bd.dense_skip_reason(bd.uniform("bfloat16", 8, 64, 4096), 2, 12.0) is None
+    assert "--sdpa-max-gb 12" in bd.dense_skip_reason(big, 12.0)
+    assert bd.dense_skip_reason(bd.uniform("bfloat16", 8, 64, 4096), 12.0) is None
+
+
+def test_sweep_decode_runs_full_grid_cases_only_when_named():
+    import sweep_decode as sd
+
+    assert sd.split_cases() == sd.SPLIT_CASES
+    picked = sd.split_cases(["bfloa gqa4 b=16 kv=512", "bfloa gqa4 b=1 kv=2048"])
+    assert picked == [("bfloat16", 4, 1, 2048), ("bfloat16", 4, 16, 512)]
