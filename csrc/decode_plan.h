@@ -31,7 +31,7 @@ struct DecodePlanConfig {
   int64_t max_partials;     // partial rows the workspace holds
 };
 
-// The planner's result besides the buffer (decode.py reads it as int64[5]).
+// The planner's result besides the buffer (decode.py reads it as int64[kPlanResults]).
 enum DecodePlanResult {
   kPlanItems,
   kPlanAnySplit,
@@ -39,6 +39,7 @@ enum DecodePlanResult {
   kPlanClusterWarps,
   kPlanKvHeadsPerBlock,
   kPlanGridItems,  // work-list rows (a CUDA-graph wrapper's fixed grid: decode.py graph_grid_items)
+  kPlanLongest,    // the longest request's tokens (plan()'s page reordering sizes its grid by it)
   kPlanResults
 };
 
@@ -340,6 +341,7 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
   result[kPlanClusterWarps] = cluster_warps;
   result[kPlanKvHeadsPerBlock] = per_block;
   result[kPlanGridItems] = grid_items;
+  result[kPlanLongest] = longest;
   return 0;
 }
 

@@ -38,7 +38,7 @@ from .jit import get_module, op_cache
 from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
 from .specs.base import dtype_name
-from .specs.decode import DecodePlanSpec, DecodeSpec, cluster_blocks, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
+from .specs.decode import DecodePlanSpec, DecodeSpec, PageOrderSpec, cluster_blocks, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
@@ -421,7 +421,8 @@ class _Config:
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
-                 "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "full_grid_min_tokens", "native")
+                 "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "full_grid_min_tokens", "native",
+                 "orders_pages")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -448,11 +449,12 @@ class _Plan:
     a CPU byte tensor, prepared_ptr its address, device_index: q's device;
     kv_heads_per_block: 2 where the blocks take KV-head pairs; cluster: blocks per
     thread-block cluster of the cluster split, 1 without; cluster_warps: warps per block
-    of that split, 4 or 8)."""
+    of that split, 4 or 8; unordered: where args' page ids are the reordered copy (plan's
+    sort_pages), the page-table tensors with the ids as given, for a run() with a window)."""
 
     __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked",
                  "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block",
-                 "cluster", "cluster_warps")
+                 "cluster", "cluster_warps", "unordered")
 
 
 class _NativeConfig(ctypes.Structure):
@@ -463,6 +465,42 @@ class _NativeConfig(ctypes.Structure):
         "page_size", "blocks_per_item", "target", "pairs", "sms", "cluster", "fixed_split_size", "disable_split_kv",
         "min_chunk", "max_chunks", "skew_factor", "token_bytes", "cluster_max_block_bytes",
         "wide_cluster_max_block_bytes", "full_grid_min_tokens")] + [("max_partials", ctypes.c_int64)]
+
+
+class _PageOrderParams(ctypes.Structure):
+    """csrc/page_order.cuh PageOrderParams (same fields, same order; the module reports its
+    size, checked at load)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("indptr", "seq_lens", "src", "dst")] + \
+        [(name, ctypes.c_int64) for name in ("src_row", "dst_row", "src_v", "dst_v", "row_pages", "longest_pages")] + \
+        [(name, ctypes.c_int32) for name in ("page_size", "batch", "sort")]
+
+
+@op_cache
+def _page_orderer():
+    """(<namespace>_order_pages, <namespace>_error_string) of the PageOrderSpec module
+    through ctypes, built or loaded at the first plan() that reorders pages; None with a
+    warning where it cannot be had: plan() then keeps the pages as given (same results,
+    slower reads)."""
+    try:
+        module = get_module(PageOrderSpec())
+        lib = ctypes.CDLL(str(module.path / module.manifest["library"]))
+        fn = getattr(lib, f"{module.namespace}_order_pages")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        error = getattr(lib, f"{module.namespace}_error_string")
+        error.argtypes = [ctypes.c_int]
+        error.restype = ctypes.c_char_p
+        size = int(module.params_bytes())
+        if size != ctypes.sizeof(_PageOrderParams):
+            raise RuntimeError(f"its params struct has {size} bytes, decode.py's mirror "
+                               f"{ctypes.sizeof(_PageOrderParams)}")
+        return fn, error
+    except Exception as exc:  # noqa: BLE001 - plan() keeps the pages as given, said once
+        warnings.warn(f"flashinfer_jit: batch decode's plan() keeps each request's pages as given (the page-order "
+                      f"module {PageOrderSpec().name} is unavailable: {type(exc).__name__}: {exc})", RuntimeWarning,
+                      stacklevel=3)
+        return None
 
 
 def _native_config(config: _Config):
@@ -567,10 +605,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._buf = None  # the device side of the packed plan buffer
         self._views_key = self._views_buf = self._views = None
         self._pdl = supports_pdl(self._device)  # run(enable_pdl=None): as FlashInfer, on from sm_90
-        self._native_result = np.zeros(6, dtype=np.int64)  # the C++ planner's results (DecodePlanResult)
+        self._native_result = np.zeros(7, dtype=np.int64)  # the C++ planner's results (DecodePlanResult)
         self._native_result_ptr = self._native_result.ctypes.data
         # eager GPU wrappers fold page ids given on the host into the plan buffer (numpy path)
         self._folds_host_ids = not self._use_cuda_graph and not self._device_is_cpu
+        # plan()'s reordered page ids (_order_pages): the buffer, its view for the current
+        # shape, the kernel's params; a CUDA-graph wrapper decides at its first plan whether
+        # its captured run() reads the reordered buffer (then every plan writes it)
+        self._order_buf = self._order_view = None
+        self._order_params = _PageOrderParams()
+        self._graph_orders = None
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -581,10 +625,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
              head_dim=None, page_size=None, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap=None, q_data_type="float16", kv_data_type=None, data_type=None, sm_scale=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True, block_tables=None, seq_lens=None,
-             fixed_split_size=None, disable_split_kv: bool = False) -> None:
+             fixed_split_size=None, disable_split_kv: bool = False, sort_pages: bool = True) -> None:
+        """sort_pages (not in FlashInfer): where nothing depends on a token's position (no
+        RoPE in the kernel, no window), run() reads each request's full pages in ascending
+        page-id order, from a copy plan() writes on the GPU; the output is the same up to
+        rounding (the sums run in another order). False: the pages as given."""
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                 q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
-                disable_split_kv)
+                disable_split_kv, sort_pages)
         key = (args, tuple(map(type, args)))  # with the types: 1 == True == 1.0, but only ints pass the checks
         try:
             config = self._configs.get(key)
@@ -599,7 +647,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         graph = self._use_cuda_graph
         native = self._plan_native(config, indptr, indices, last_page_len, block_tables, seq_lens, page_size)
         if native is not None:  # the C++ planner filled a host slot (page ids not folded into it)
-            layout, batch, capacity, slot, items, grid_items, any_split, cluster, cluster_warps, per_block = native
+            layout, batch, capacity, slot, items, grid_items, any_split, cluster, cluster_warps, per_block, \
+                longest = native
             spec = config.spec(layout, self._kv_layout)
             max_items, fold_ids = (grid_items if graph else None), False
             ids = indices if layout == "csr" else block_tables
@@ -609,6 +658,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                                 seq_lens, page_size)
             spec = config.spec(layout, self._kv_layout)
             batch = len(kv_lens)
+            longest = int(np.maximum.reduce(kv_lens, initial=0))
             if graph:
                 if self._capacity is None:
                     self._capacity = batch
@@ -655,11 +705,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not fold_ids:
             ids_dev = self._device_ids(layout, ids)
         tables = (table_dev[0], ids_dev, table_dev[1]) if layout == "csr" else (ids_dev, table_dev[0])
+        unordered = None
+        ordered = self._order_pages(config, ids_dev, table_dev[0], layout == "csr", batch, longest)
+        if ordered is not None:
+            unordered = tables
+            tables = (table_dev[0], ordered, table_dev[1]) if layout == "csr" else (ordered, table_dev[0])
         plan = _Plan()
         plan.config, plan.spec, plan.op = config, spec, None
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
-        plan.cluster, plan.cluster_warps = cluster, cluster_warps
+        plan.cluster, plan.cluster_warps, plan.unordered = cluster, cluster_warps, unordered
         # (a CUDA-graph grid keeps partial rows for a later plan's splits, but a cluster
         # grid never splits: it merges on chip)
         merge_rows = capacity if ((graph and cluster == 1) or any_split) else 0
@@ -741,7 +796,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _configure(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                    logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
-                   fixed_split_size, disable_split_kv) -> _Config:
+                   fixed_split_size, disable_split_kv, sort_pages) -> _Config:
         """plan()'s scalar arguments checked, and what follows from them."""
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("page_size", page_size)):
@@ -758,6 +813,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"logits_soft_cap: expected None or a positive float, got {logits_soft_cap!r}")
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size <= 0):
             raise ValueError(f"fixed_split_size: expected a positive int, got {fixed_split_size!r}")
+        if not isinstance(sort_pages, bool):
+            raise ValueError(f"sort_pages: expected True or False, got {sort_pages!r}")
         c = _Config()
         c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         c.q_dtype = _as_dtype(data_type, "data_type") or _as_dtype(q_data_type, "q_data_type", torch.float16)
@@ -807,6 +864,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.fixed_split_size, c.disable_split_kv = fixed_split_size, disable_split_kv
         c.specs = {}
         c.native = None  # the C++ planner's (function, configuration struct), False: none; at the first plan()
+        # whole pages in any order give the same attention where no term depends on a
+        # token's position: plan() may read them in page-id order (_order_pages)
+        c.orders_pages = sort_pages and not c.rope and window_left < 0 and device.type == "cuda"
         return c
 
     def _plan_native(self, config: _Config, indptr, indices, last_page_len, block_tables, seq_lens,
@@ -867,8 +927,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                       self._native_result_ptr)
         if code != 0:
             return None
-        items, any_split, cluster, warps, per_block, grid_items = result.tolist()
-        return layout, batch, capacity or batch, slot, items, grid_items, bool(any_split), cluster, warps, per_block
+        items, any_split, cluster, warps, per_block, grid_items, longest = result.tolist()
+        return layout, batch, capacity or batch, slot, items, grid_items, bool(any_split), cluster, warps, per_block, \
+            longest
 
     def _host_page_table(self, indptr, indices, last_page_len, block_tables, seq_lens, page_size):
         """(layout, host int arrays to ship, kv lengths as int64) from CSR or block-table
@@ -1044,6 +1105,49 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fixed[: t.shape[0]].copy_(t, non_blocking=True)
         return fixed
 
+    def _order_pages(self, config: _Config, ids: torch.Tensor, lens: torch.Tensor, csr: bool, batch: int,
+                     longest: int) -> torch.Tensor | None:
+        """The page ids (indices, or block tables: [batch, max_pages] or [batch, 2,
+        max_pages]) with each request's full pages in ascending page-id order (K ids, V ids
+        alongside; csrc/page_order.cuh), written on the device into this wrapper's buffer,
+        or None: run() reads the ids as given. lens: the device's indptr (csr) or seq_lens.
+
+        The H100 streams pages in address order faster (session 26: bf16 b=1 kv=32k
+        49.5 -> 48.1 us, b=16 kv=2k 49.7 -> 48.4); one launch per plan(), read by every layer's
+        run(). Eager plans skip it where no request has 3 pages (nothing to reorder)."""
+        graph = self._use_cuda_graph
+        if graph:
+            if self._graph_orders is None:  # the first plan decides for the captured run()
+                self._graph_orders = config.orders_pages and _page_orderer() is not None
+            if not self._graph_orders:
+                return None
+        elif not config.orders_pages or longest <= 2 * config.page_size or _page_orderer() is None:
+            return None
+        n = ids.numel()
+        buf = self._order_buf
+        if buf is None or buf.numel() < n:  # (a CUDA-graph wrapper's ids are its fixed buffer: one size)
+            size = n if graph else max(4096, 1 << max(n - 1, 0).bit_length())
+            buf = self._order_buf = torch.empty(size, dtype=torch.int32, device=self._device)
+            self._order_view = None
+        view = self._order_view
+        if view is None or view.shape != ids.shape:
+            view = self._order_view = buf[:n].view(ids.shape)
+        p = self._order_params
+        p.indptr, p.seq_lens = (lens.data_ptr(), None) if csr else (None, lens.data_ptr())
+        p.src, p.dst = ids.data_ptr(), view.data_ptr()
+        if csr:
+            p.src_row = p.dst_row = p.src_v = p.dst_v = p.row_pages = 0
+        else:
+            p.src_row, p.dst_row, p.row_pages = ids.stride(0), view.stride(0), ids.shape[-1]
+            p.src_v, p.dst_v = (ids.stride(1), view.stride(1)) if ids.dim() == 3 else (0, 0)
+        p.longest_pages = -(-longest // config.page_size)
+        p.page_size, p.batch, p.sort = config.page_size, batch, int(config.orders_pages)
+        fn, error = _page_orderer()
+        code = fn(ctypes.addressof(p), _raw_stream(self._device.index))
+        if code:
+            raise RuntimeError(f"{PageOrderSpec().name}: order_pages: CUDA error {code} ({error(code).decode()})")
+        return view
+
     # --- run ----------------------------------------------------------------------------------
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, window_left=None):
@@ -1083,8 +1187,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         v_scale = 1.0 if v_scale is None else float(v_scale)
         window = config.window_left if window_left is None else int(window_left)
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
+        # a window masks by position: the pages in the order given, not plan()'s reordered copy
+        as_given = window >= 0 and plan.unordered is not None
         fast = plan.fast
-        if fast is not None and out.is_contiguous() and not _compiling():
+        if fast is not None and not as_given and out.is_contiguous() and not _compiling():
             # The launch the op resolved at an earlier call with this q and cache signature,
             # with this call's pointers: no dispatcher, ~2 us of host time instead of ~12.
             code = fast(plan.prepared_ptr, qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
@@ -1097,7 +1203,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             op = plan.op = _decode_op(plan.spec, env.debug())
         tables, work, merge_indptr, partial_o, partial_lse, soft_cap, rope_scale, rope_theta, grid_items, \
             merge_rows, counters = plan.args
-        entry = _decode_fast(plan.spec, env.debug()) if plan.checked is not None else None
+        if as_given:
+            tables = plan.unordered
+        entry = _decode_fast(plan.spec, env.debug()) if plan.checked is not None and not as_given else None
         prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
         op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,

@@ -32,8 +32,9 @@ import flashinfer_jit as fij
 from flashinfer_jit import decode as decode_module
 from flashinfer_jit.matrix import parse_matrix
 from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
-from flashinfer_jit.reference.decode import decode_ref, merge_state_ref, merge_states_ref
-from flashinfer_jit.specs import DecodeSpec, MergeSpec
+from flashinfer_jit.jit import get_module
+from flashinfer_jit.reference.decode import decode_ref, merge_state_ref, merge_states_ref, ordered_pages_ref
+from flashinfer_jit.specs import DecodeSpec, MergeSpec, PageOrderSpec
 from flashinfer_jit.specs.decode import group_tile
 
 DEV = "cuda"
@@ -174,6 +175,8 @@ def specs_needed() -> set:
     # split-KV's merge runs in the output dtype (= q dtype)
     specs |= {MergeSpec(c.q_dtype, c.head_dim) for c in CASES}
     specs |= {MergeSpec(d, hd) for d in MERGE_DTYPES for hd in MERGE_HEAD_DIMS}
+    specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, t, "NHD") for t, _ in ORDER_CASES}
+    specs.add(PageOrderSpec())  # plan()'s page reordering
     return specs
 
 
@@ -555,6 +558,7 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
         lse_buf.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+        assert wrapper._graph_orders, "the captured run() should read the pages in page-id order"
         ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens)
         check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
 
@@ -813,6 +817,90 @@ def test_batch_decode_replan_keeps_the_fast_path(workspace):
             table = csr_page_table(indptr.to(DEV), indices.clone(), last.to(DEV))
             ref_out, _ = decode_ref(q, k, v, table, lens)
             check_decode(out, None, ref_out, None, lens, torch.bfloat16)
+
+
+# plan()'s page reordering (sort_pages): (page table, page size); page 1 and 16 with a
+# request longer than one sorted segment (1024 pages)
+ORDER_CASES = [("csr", 16), ("csr", 1), ("block_table", 16), ("block_table_kv_separate", 16),
+               ("block_table_kv_separate", 1), ("csr", 5)]
+
+
+def _ordered_table(plan, paged: Paged) -> PageTable:
+    """The plan's reordered page table, in the layout of `paged`."""
+    tables = plan.args[0]
+    if paged.table.layout == "csr":
+        return csr_page_table(*tables)
+    return block_page_table(tables[0], tables[1][: paged.table.batch_size],
+                            kv_separate=paged.table.layout == "block_table_kv_separate")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_table,page_size", ORDER_CASES)
+def test_batch_decode_orders_pages(page_table, page_size, workspace):
+    """plan() reorders each request's full pages by page id (the last page kept last, K
+    and V ids together), exactly as the reference ordering, a 1024-page segment at a time;
+    run() on it matches the float64 reference of the pages as given (NaN-poisoned
+    outputs); sort_pages=False keeps the ids as given; a run() with a window reads the
+    pages as given; RoPE and window plans do not reorder."""
+    (hq, hk), d, ps = LLAMA_HEADS, 128, page_size
+    rnd = random.Random(41 + page_size)
+    gen = torch.Generator(device=DEV).manual_seed(41 + page_size)
+    long = 1100 * ps + 7  # 1101 pages: two sorted segments
+    lens = [0, 1, ps, ps + 1, 2 * ps + 3, 3 * ps, 40 * ps + 1, long, rnd.randint(1, 300 * ps)]
+    num_pages = sum(-(-n // ps) for n in lens) + 5
+    paged = make_page_table(page_table, lens, ps, num_pages, rnd, host_indptr=True)
+    _, k, v = make_cache("tuple", "NHD", num_pages, ps, hk, d, torch.bfloat16, gen)
+    nan_pages(k, paged.k_unused)
+    nan_pages(v, paged.v_unused)
+    nan_past_lengths(k, paged.table, lens, ps, "NHD", 0)
+    nan_past_lengths(v, paged.table, lens, ps, "NHD", 1)
+    plan = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, q_data_type=torch.bfloat16)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(**paged.plan_args, **plan)
+    assert wrapper._plan.unordered is not None, "plan() should reorder the pages"
+    torch.cuda.synchronize()
+    segment = int(get_module(PageOrderSpec()).segment())
+    want = ordered_pages_ref(paged.table, lens, ps, segment)
+    got = _ordered_table(wrapper._plan, paged)
+    from flashinfer_jit.reference.decode import request_pages_ref
+    host = PageTable(got.layout, tuple(t.cpu() for t in got.tensors), got.batch_size)
+    for b, n in enumerate(lens):
+        assert request_pages_ref(host, b, -(-n // ps)) == want[b], f"request {b} (kv_len {n}): pages not in order"
+    q = _randn((len(lens), hq, d), torch.bfloat16, gen)
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens)
+    outs = []
+    for call in range(2):  # the op, then the fast path
+        out_buf, out = poisoned(q.shape, q.dtype)
+        lse_buf, lse = poisoned((len(lens), hq), torch.float32)
+        wrapper.run(q, (k, v), out=out, lse=lse)
+        assert_sentinels(out_buf, "out")
+        assert_sentinels(lse_buf, "lse")
+        check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
+        outs.append(out.clone())
+    assert wrapper._plan.fast is not None
+    assert torch.equal(outs[0], outs[1]), "the fast path should repeat the op's result bit for bit"
+    # a window given to run() only: the pages as given
+    out_buf, out = poisoned(q.shape, q.dtype)
+    wrapper.run(q, (k, v), out=out, window_left=37)
+    ref_w, _ = decode_ref(q, k, v, paged.table, lens, window_left=37)
+    check_decode(out, None, ref_w, None, lens, torch.bfloat16)
+    # sort_pages=False: the ids as given, the same attention
+    wrapper.plan(**paged.plan_args, **plan, sort_pages=False)
+    assert wrapper._plan.unordered is None
+    out_buf, out = poisoned(q.shape, q.dtype)
+    wrapper.run(q, (k, v), out=out)
+    check_decode(out, None, ref_out, None, lens, torch.bfloat16)
+    # positions matter: no reordering
+    wrapper.plan(**paged.plan_args, **plan, window_left=100)
+    assert wrapper._plan.unordered is None, "a window plan should keep the pages as given"
+    out_buf, out = poisoned(q.shape, q.dtype)
+    wrapper.run(q, (k, v), out=out)
+    ref_w, _ = decode_ref(q, k, v, paged.table, lens, window_left=100)
+    check_decode(out, None, ref_w, None, lens, torch.bfloat16)
+    # (RoPE's module, CUDA cores, is not among this test's: its configuration says it)
+    rope_config = wrapper._configure(hq, hk, d, ps, "ROPE_LLAMA", -1, None, torch.bfloat16, None, None, None, None,
+                                     None, None, False, True)
+    assert not rope_config.orders_pages
 
 
 @pytest.mark.gpu
@@ -1179,6 +1267,21 @@ def test_plan_rejects_unsupported_head_dim():
 def test_plan_rejects_heads_not_a_multiple():
     with pytest.raises(ValueError, match="num_qo_heads|num_kv_heads"):
         _wrapper().plan(*_csr(2), **(PLAN | dict(num_qo_heads=12)))
+
+
+def test_plan_rejects_sort_pages_not_a_bool():
+    with pytest.raises(ValueError, match="sort_pages"):
+        _wrapper().plan(*_csr(2), **PLAN, sort_pages=1)
+
+
+def test_page_order_module_matches_its_ctypes_mirror():
+    """The page-order module builds and loads without a GPU; its params struct has the
+    size of decode.py's ctypes mirror."""
+    import ctypes
+
+    module = get_module(PageOrderSpec())
+    assert int(module.params_bytes()) == ctypes.sizeof(decode_module._PageOrderParams)
+    assert int(module.segment()) >= 256
 
 
 def test_plan_rejects_unknown_pos_encoding_mode():

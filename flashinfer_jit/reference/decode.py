@@ -44,6 +44,24 @@ def request_pages_ref(page_table: PageTable, b: int, num_pages: int) -> tuple[li
     return block_tables[b, 0, :num_pages].tolist(), block_tables[b, 1, :num_pages].tolist()
 
 
+def ordered_pages_ref(page_table: PageTable, kv_lens, page_size: int, segment: int) -> list[tuple[list, list]]:
+    """batch decode plan()'s page reordering (sort_pages): per request, (K page ids, V page
+    ids) of its pages with every page but the last (which may be partial) in ascending
+    (K id, V id) order, a `segment` of pages at a time, as the int32 ids read as unsigned."""
+    result = []
+    for b, n in enumerate(kv_lens):
+        pages = -(-int(n) // page_size)
+        k_ids, v_ids = request_pages_ref(page_table, b, pages)
+        pairs = list(zip(k_ids, v_ids))
+        ordered = []
+        for lo in range(0, max(pages - 1, 0), segment):
+            chunk = pairs[lo: min(lo + segment, pages - 1)]
+            ordered += sorted(chunk, key=lambda kv: (kv[0] & 0xFFFFFFFF, kv[1] & 0xFFFFFFFF))
+        ordered += pairs[pages - 1:]
+        result.append(([k for k, _ in ordered], [v for _, v in ordered]))
+    return result
+
+
 def gather_rows_ref(cache: torch.Tensor, pages: list[int], kv_len: int, kv_layout: str) -> torch.Tensor:
     """The first kv_len token rows [kv_len, num_kv_heads, head_dim] (float64) of the given
     pages of one cache (NHD [P, S, H, D] or HND [P, H, S, D], any strides)."""
@@ -145,4 +163,4 @@ def merge_states_ref(v, s):
     return merged.float(), s_out.float()
 
 
-__all__ = ["decode_ref", "gather_rows_ref", "merge_state_ref", "merge_states_ref", "request_pages_ref"]
+__all__ = ["decode_ref", "gather_rows_ref", "merge_state_ref", "merge_states_ref", "ordered_pages_ref", "request_pages_ref"]

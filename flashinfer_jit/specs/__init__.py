@@ -2,13 +2,14 @@
 
 from .append import AppendSpec, BatchIndicesSpec
 from .base import Spec
-from .decode import DecodePlanSpec, DecodeSpec, MergeSpec
+from .decode import DecodePlanSpec, DecodeSpec, MergeSpec, PageOrderSpec
 from .flatten import FlattenSpec
 from .rope import RopeSpec
 
 FAMILIES: dict[str, type[Spec]] = {
-    cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec, DecodePlanSpec)
+    cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec, DecodePlanSpec,
+                PageOrderSpec)
 }
 
 __all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "DecodeSpec", "MergeSpec", "DecodePlanSpec",
-           "FAMILIES"]
+           "PageOrderSpec", "FAMILIES"]

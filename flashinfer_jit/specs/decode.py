@@ -140,3 +140,16 @@ class DecodePlanSpec(Spec):
 
     def op_schemas(self) -> dict[str, str]:
         return {"config_bytes": "() -> int"}
+
+
+@dataclass(frozen=True)
+class PageOrderSpec(Spec):
+    """Batch decode's plan(): each request's full pages in ascending page-id order
+    (csrc/page_order.cuh), one module for every decode configuration, launched through
+    ctypes; its ops report the size of the params struct and the pages sorted together."""
+
+    FAMILY = "page_order"
+    TEMPLATES = {"kernel.cu": "page_order.cu.j2", "binding.cc": "page_order_binding.cc.j2"}
+
+    def op_schemas(self) -> dict[str, str]:
+        return {"params_bytes": "() -> int", "segment": "() -> int"}
