@@ -29,7 +29,10 @@ import torch
 
 import flashinfer_jit as fij
 from flashinfer_jit import decode
-from flashinfer_jit.specs.decode import group_tile, uses_tensor_cores
+from flashinfer_jit.jit import get_module
+from flashinfer_jit.page_table import csr_page_table
+from flashinfer_jit.reference.decode import ordered_pages_ref
+from flashinfer_jit.specs.decode import PageOrderSpec, group_tile, uses_tensor_cores
 
 HQ, HK, D, PS = 32, 8, 128, 16
 WORKSPACE_BYTES = 1 << 20
@@ -153,11 +156,13 @@ def _pad(values, length: int, fill) -> list:
 
 
 def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = HQ, hk: int = HK, d: int = D,
-                     fixed_split_size=None, disable_split_kv=False, target=None, rope=False) -> dict:
+                     fixed_split_size=None, disable_split_kv=False, target=None, rope=False,
+                     page_order: bool = False) -> dict:
     """The op's planned arguments as the replaced plan() computed them (capacity: the
     CUDA-graph capacity, None outside CUDA-graph mode; target: blocks per SM x SMs), with
     the later changes: split items longest first, 2 blocks per SM for tensor cores (4 for
-    skewed batches), CUDA-graph grids under 2 blocks per SM."""
+    skewed batches), CUDA-graph grids under 2 blocks per SM; page_order: a CSR table's ids
+    as a GPU plan() reorders them (each request's full pages by page id)."""
     target = cpu_target_blocks(hq, hk, d, rope) if target is None else target
     tensor_cores = uses_tensor_cores(rope)
     lens = np.asarray(lens, dtype=np.int64)
@@ -178,8 +183,13 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
                 "merge_indptr": _pad(merge, capacity + 1, merge[-1]), "grid_items": grid_items,
                 "merge_rows": capacity if (graph or any_split) else 0}
     if "indptr" in table:
+        ids = table["indices"].tolist()
+        if page_order:
+            csr_table = csr_page_table(table["indptr"], table["indices"], table["last_page_len"])
+            segment = int(get_module(PageOrderSpec()).segment())
+            ids = [i for k_ids, _ in ordered_pages_ref(csr_table, lens, PS, segment) for i in k_ids]
         expected["page_table"] = [_pad(table["indptr"], capacity + 1, table["indptr"][-1]),
-                                  table["indices"].tolist(), _pad(table["last_page_len"], capacity, 0)]
+                                  ids, _pad(table["last_page_len"], capacity, 0)]
     else:
         expected["page_table"] = [table["block_tables"].tolist(), _pad(table["seq_lens"], capacity, 0)]
     return expected
@@ -932,7 +942,7 @@ def test_host_page_ids_travel_in_the_one_copy(op):
     w.run(q, cache)
     assert op.last["page_table"][1].device.type == "cuda"
     target = cpu_target_blocks(HQ, HK, D) // CPU_SMS * torch.cuda.get_device_properties(0).multi_processor_count
-    assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens, target=target)
+    assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens, target=target, page_order=True)
 
 
 @pytest.mark.gpu
@@ -966,7 +976,7 @@ def test_plans_ahead_of_a_busy_gpu_keep_their_values(graph, op):
         seen.append((args, table, lens))
     torch.cuda.synchronize()
     for i, (args, table, lens) in enumerate(seen):
-        want = expected_op_args(table, lens, capacity=capacity if graph else None, target=target)
+        want = expected_op_args(table, lens, capacity=capacity if graph else None, target=target, page_order=True)
         assert actual_op_args(op, table, graph, args) == want, f"plan {i}"
 
 
