@@ -8,10 +8,12 @@
 // whole pages: only the last page, which may be partial, must stay last. plan() writes the
 // reordered table once; every run() (every layer) reads it.
 //
-// One block per (request, segment of kSegment pages): a bitonic sort in shared memory of
-// (K page id, V page id) pairs packed in 64 bits (V 0 where one id serves both). A request
-// longer than one segment is sorted a segment at a time: ascending runs of kSegment pages
-// (16k tokens at page 16) stream as well (runs of 64 pages shuffled: 48.4 us at kv=32k).
+// One block per (request, segment of kSegment pages), a thread per page: a bitonic sort of
+// (K page id, V page id) pairs packed in 64 bits (V 0 where one id serves both), exchanged
+// through shuffles within a warp and through shared memory across warps (15 of a 1024-page
+// sort's 55 steps). A request longer than one segment is sorted a segment at a time:
+// ascending runs of kSegment pages (16k tokens at page 16) stream as well (runs of 64 pages
+// shuffled: 48.4 us at kv=32k).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -36,8 +38,7 @@ struct PageOrderParams {
 
 namespace page_order {
 
-constexpr int kSegment = 1024;  // pages sorted together: 8 KB of 64-bit keys
-constexpr int kThreads = 256;
+constexpr int kSegment = 1024;  // pages sorted together: one a thread of a 1024-thread block
 
 // (first id of the request in src, in dst, its pages)
 struct Request {
@@ -65,49 +66,62 @@ __device__ __forceinline__ void store_key(const PageOrderParams& p, int64_t at, 
   if (p.src_v) p.dst[at + p.dst_v] = static_cast<int32_t>(key & 0xffffffffull);
 }
 
-// Ascending bitonic sort of keys[0, width), width a power of two; every thread calls it.
-__device__ __forceinline__ void bitonic_sort(unsigned long long* keys, int width) {
-  for (int size = 2; size <= width; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < width / 2; t += kThreads) {
-        const int i = 2 * t - (t & (stride - 1));  // the lower element of pair t
-        const unsigned long long a = keys[i], b = keys[i + stride];
-        if ((a > b) == ((i & size) == 0)) keys[i] = b, keys[i + stride] = a;
+// Thread t's key after an ascending bitonic sort of the block's keys (blockDim.x, a power
+// of two; every thread calls it). Element t meets t ^ stride: within a warp by a shuffle,
+// else through one of two shared buffers in turn (one barrier a step: a buffer is written
+// again only two steps later, after the barrier between).
+__device__ __forceinline__ unsigned long long bitonic_sort(unsigned long long key, unsigned long long* buf) {
+  const unsigned t = threadIdx.x, width = blockDim.x;
+  int turn = 0;
+  for (unsigned size = 2; size <= width; size <<= 1) {
+    for (unsigned stride = size >> 1; stride > 0; stride >>= 1) {
+      unsigned long long other;
+      if (stride >= 32) {
+        unsigned long long* b = buf + turn * kSegment;
+        turn ^= 1;
+        b[t] = key;
+        __syncthreads();
+        other = b[t ^ stride];
+      } else {
+        other = __shfl_xor_sync(0xffffffffu, key, stride);
       }
-      __syncthreads();
+      const bool keep_min = ((t & stride) == 0) == ((t & size) == 0);
+      key = keep_min ? min(key, other) : max(key, other);
     }
   }
+  return key;
 }
 
-__global__ void __launch_bounds__(kThreads) order_pages_kernel(const PageOrderParams p) {
-  __shared__ unsigned long long keys[kSegment];
+__global__ void __launch_bounds__(kSegment) order_pages_kernel(const PageOrderParams p) {
+  __shared__ unsigned long long buf[2 * kSegment];
   const Request req = request_of(p, blockIdx.x);
-  if (req.pages <= 0) return;
+  if (req.pages <= 0) return;  // (whole block: no barrier is skipped by some threads only)
   const int64_t full = req.pages - 1;  // the last page stays last: it may be partial
   if (blockIdx.y == 0 && threadIdx.x == 0) store_key(p, req.dst + full, load_key(p, req.src + full));
-  const int64_t lo = int64_t(blockIdx.y) * kSegment;
+  const int64_t lo = int64_t(blockIdx.y) * blockDim.x;
   if (lo >= full) return;
-  const int n = full - lo < kSegment ? static_cast<int>(full - lo) : kSegment;
+  const int64_t n = full - lo;  // pages of this segment: threadIdx.x < n (at most blockDim.x)
+  const int t = threadIdx.x;
   if (!p.sort) {
-    for (int i = threadIdx.x; i < n; i += kThreads) store_key(p, req.dst + lo + i, load_key(p, req.src + lo + i));
+    if (t < n) store_key(p, req.dst + lo + t, load_key(p, req.src + lo + t));
     return;
   }
-  int width = 2;
-  while (width < n) width <<= 1;
-  for (int i = threadIdx.x; i < width; i += kThreads) keys[i] = i < n ? load_key(p, req.src + lo + i) : ~0ull;
-  __syncthreads();
-  bitonic_sort(keys, width);
-  for (int i = threadIdx.x; i < n; i += kThreads) store_key(p, req.dst + lo + i, keys[i]);
+  const unsigned long long key = bitonic_sort(t < n ? load_key(p, req.src + lo + t) : ~0ull, buf);
+  if (t < n) store_key(p, req.dst + lo + t, key);
 }
 
 }  // namespace page_order
 
 inline cudaError_t launch_order_pages(const PageOrderParams& p, cudaStream_t stream) {
   if (p.batch <= 0) return cudaSuccess;
-  const int64_t segments = (p.longest_pages - 1 + page_order::kSegment - 1) / page_order::kSegment;
+  // a thread per page of the longest request's full pages, up to a segment (32 at least)
+  const int64_t full = p.longest_pages > 1 ? p.longest_pages - 1 : 1;
+  int threads = 32;
+  while (threads < full && threads < page_order::kSegment) threads <<= 1;
+  const int64_t segments = (full + threads - 1) / threads;
   if (segments > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(segments > 1 ? segments : 1));
-  page_order::order_pages_kernel<<<grid, page_order::kThreads, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(segments));
+  page_order::order_pages_kernel<<<grid, threads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

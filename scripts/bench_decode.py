@@ -515,7 +515,7 @@ def bench_host(fi) -> dict:
     out = {"plan_256_requests": {}, "run": {}}
     big = Inputs(uniform("bfloat16", 4, 256, 2048), 1, seed=3)
     impls = ["ours"] + (list(FI_IMPLS) if fi is not None else [])
-    for impl in impls:
+    for impl in ["ours_pages_as_given", *impls]:  # (as given: plan() without its reordering launch)
         try:
             plan, _ = make_runner(impl, big, fi)
             out["plan_256_requests"][impl] = bc.time_host(plan, 200, sync_each=False) | \
