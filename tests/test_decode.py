@@ -819,8 +819,8 @@ def test_batch_decode_replan_keeps_the_fast_path(workspace):
             check_decode(out, None, ref_out, None, lens, torch.bfloat16)
 
 
-# plan()'s page reordering (sort_pages): (page table, page size); page 1 and 16 with a
-# request longer than one sorted segment (1024 pages)
+# plan()'s page reordering (sort_pages): (page table, page size), each with a request longer
+# than one sorted segment
 ORDER_CASES = [("csr", 16), ("csr", 1), ("block_table", 16), ("block_table_kv_separate", 16),
                ("block_table_kv_separate", 1), ("csr", 5)]
 
@@ -838,14 +838,15 @@ def _ordered_table(plan, paged: Paged) -> PageTable:
 @pytest.mark.parametrize("page_table,page_size", ORDER_CASES)
 def test_batch_decode_orders_pages(page_table, page_size, workspace):
     """plan() reorders each request's full pages by page id (the last page kept last, K
-    and V ids together), exactly as the reference ordering, a 1024-page segment at a time;
+    and V ids together), exactly as the reference ordering, a segment (4096 pages) at a time;
     run() on it matches the float64 reference of the pages as given (NaN-poisoned
     outputs); sort_pages=False keeps the ids as given; a run() with a window reads the
     pages as given; RoPE and window plans do not reorder."""
     (hq, hk), d, ps = LLAMA_HEADS, 128, page_size
     rnd = random.Random(41 + page_size)
     gen = torch.Generator(device=DEV).manual_seed(41 + page_size)
-    long = 1100 * ps + 7  # 1101 pages: two sorted segments
+    segment = int(get_module(PageOrderSpec()).segment())
+    long = (segment + 100) * ps + 7  # two sorted segments
     lens = [0, 1, ps, ps + 1, 2 * ps + 3, 3 * ps, 40 * ps + 1, long, rnd.randint(1, 300 * ps)]
     num_pages = sum(-(-n // ps) for n in lens) + 5
     paged = make_page_table(page_table, lens, ps, num_pages, rnd, host_indptr=True)
@@ -859,7 +860,6 @@ def test_batch_decode_orders_pages(page_table, page_size, workspace):
     wrapper.plan(**paged.plan_args, **plan)
     assert wrapper._plan.unordered is not None, "plan() should reorder the pages"
     torch.cuda.synchronize()
-    segment = int(get_module(PageOrderSpec()).segment())
     want = ordered_pages_ref(paged.table, lens, ps, segment)
     got = _ordered_table(wrapper._plan, paged)
     from flashinfer_jit.reference.decode import request_pages_ref
