@@ -8,12 +8,15 @@
 // whole pages: only the last page, which may be partial, must stay last. plan() writes the
 // reordered table once; every run() (every layer) reads it.
 //
-// One block per (request, segment of kSegment pages), four pages a thread: a bitonic sort
-// of (K page id, V page id) pairs packed in 64 bits (V 0 where one id serves both). A
-// thread's keys are elements t, t + W, t + 2W, t + 3W (W threads); they meet their partners
-// in registers (strides >= W), through shuffles (< 32) or through shared memory. A request
-// of more full pages is sorted a segment at a time. Whole requests matter: bf16 b=1 kv=32k
-// (2047 full pages) ran 48.3 us sorted in two halves of 1024 against 47.9 in one piece.
+// One block per (request, segment of up to kSegment pages): a bitonic sort of the page ids
+// (32-bit keys), or of (K id, V id) pairs packed in 64 bits where K and V pages are apart.
+// Each of the block's W threads holds K keys, elements t, t + W, ..: they meet their
+// partners in registers (strides >= W), through shuffles (< 32) or through shared memory.
+// The fewest keys a thread that cover the longest request with W <= 1024 threads (more
+// threads a step, fewer steps a thread: b=1 kv=32k's 2047 ids took 18 us on 512 threads of 4
+// 64-bit keys). A request of more full pages is sorted a segment at a time. Whole requests
+// matter: bf16 b=1 kv=32k (2047 full pages) ran 48.3 us sorted in two halves of 1024, 47.9 in
+// one piece.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -38,9 +41,9 @@ struct PageOrderParams {
 
 namespace page_order {
 
-constexpr int kKeys = 4;          // pages a thread
+constexpr int kMaxKeys = 4;  // keys a thread
 constexpr int kMaxThreads = 1024;
-constexpr int kSegment = kKeys * kMaxThreads;  // pages sorted together (64k tokens at page 16)
+constexpr int kSegment = kMaxKeys * kMaxThreads;  // pages sorted together (64k tokens at page 16)
 
 // (first id of the request in src, in dst, its pages)
 struct Request {
@@ -57,54 +60,70 @@ __device__ __forceinline__ Request request_of(const PageOrderParams& p, int r) {
   return {r * p.src_row, r * p.dst_row, pages};
 }
 
-__device__ __forceinline__ unsigned long long load_key(const PageOrderParams& p, int64_t at) {
-  const unsigned long long k = static_cast<uint32_t>(p.src[at]);
-  const unsigned long long v = p.src_v ? static_cast<uint32_t>(p.src[at + p.src_v]) : 0u;
-  return (k << 32) | v;
+// Key: uint32_t (the page id, K and V alike) or unsigned long long (K id << 32 | V id).
+template <typename Key>
+__device__ __forceinline__ Key load_key(const PageOrderParams& p, int64_t at) {
+  if constexpr (sizeof(Key) == 4) {
+    return static_cast<uint32_t>(p.src[at]);
+  } else {
+    return (static_cast<Key>(static_cast<uint32_t>(p.src[at])) << 32) | static_cast<uint32_t>(p.src[at + p.src_v]);
+  }
 }
 
-__device__ __forceinline__ void store_key(const PageOrderParams& p, int64_t at, unsigned long long key) {
-  p.dst[at] = static_cast<int32_t>(key >> 32);
-  if (p.src_v) p.dst[at + p.dst_v] = static_cast<int32_t>(key & 0xffffffffull);
+template <typename Key>
+__device__ __forceinline__ void store_key(const PageOrderParams& p, int64_t at, Key key) {
+  if constexpr (sizeof(Key) == 4) {
+    p.dst[at] = static_cast<int32_t>(key);
+  } else {
+    p.dst[at] = static_cast<int32_t>(key >> 32);
+    p.dst[at + p.dst_v] = static_cast<int32_t>(key & 0xffffffffull);
+  }
 }
 
 // Elements i < j in one thread's registers: the smaller at i where ascending.
-__device__ __forceinline__ void order_pair(unsigned long long& a, unsigned long long& b, bool ascending) {
-  const unsigned long long lo = min(a, b), hi = max(a, b);
+template <typename Key>
+__device__ __forceinline__ void order_pair(Key& a, Key& b, bool ascending) {
+  const Key lo = min(a, b), hi = max(a, b);
   a = ascending ? lo : hi;
   b = ascending ? hi : lo;
 }
 
-// Ascending bitonic sort of the block's kKeys x W keys, element r W + t in key[r] of thread
-// t (W = blockDim.x, a power of two >= 32; every thread calls it).
-__device__ __forceinline__ void bitonic_sort(unsigned long long (&key)[kKeys], unsigned long long* buf) {
-  const unsigned t = threadIdx.x, W = blockDim.x, width = kKeys * W;
+// Ascending bitonic sort of the block's K x W keys, element r W + t in key[r] of thread t
+// (W = blockDim.x, a power of two >= 32; every thread calls it).
+template <typename Key, int K>
+__device__ __forceinline__ void bitonic_sort(Key (&key)[K], Key* buf) {
+  const unsigned t = threadIdx.x, W = blockDim.x, width = K * W;
   for (unsigned size = 2; size <= width; size <<= 1) {
     for (unsigned stride = size >> 1; stride > 0; stride >>= 1) {
       if (stride >= W) {  // partners in this thread: registers r and r + stride / W
-        if (stride == W) {
+        if constexpr (K >= 2) {
+          if (stride == W) {
 #pragma unroll
-          for (int r = 0; r < kKeys; r += 2) order_pair(key[r], key[r + 1], ((t + r * W) & size) == 0);
-        } else {
+            for (int r = 0; r < K; r += 2) order_pair(key[r], key[r + 1], ((t + r * W) & size) == 0);
+          }
+        }
+        if constexpr (K >= 4) {
+          if (stride == 2 * W) {
 #pragma unroll
-          for (int r = 0; r < kKeys / 2; ++r) order_pair(key[r], key[r + 2], ((t + r * W) & size) == 0);
+            for (int r = 0; r < 2; ++r) order_pair(key[r], key[r + 2], ((t + r * W) & size) == 0);
+          }
         }
         continue;
       }
-      unsigned long long other[kKeys];
+      Key other[K];
       if (stride >= 32) {
         __syncthreads();  // the last step's reads are done
 #pragma unroll
-        for (int r = 0; r < kKeys; ++r) buf[r * W + t] = key[r];
+        for (int r = 0; r < K; ++r) buf[r * W + t] = key[r];
         __syncthreads();
 #pragma unroll
-        for (int r = 0; r < kKeys; ++r) other[r] = buf[r * W + (t ^ stride)];
+        for (int r = 0; r < K; ++r) other[r] = buf[r * W + (t ^ stride)];
       } else {
 #pragma unroll
-        for (int r = 0; r < kKeys; ++r) other[r] = __shfl_xor_sync(0xffffffffu, key[r], stride);
+        for (int r = 0; r < K; ++r) other[r] = __shfl_xor_sync(0xffffffffu, key[r], stride);
       }
 #pragma unroll
-      for (int r = 0; r < kKeys; ++r) {
+      for (int r = 0; r < K; ++r) {
         const bool keep_min = ((t & stride) == 0) == (((t + r * W) & size) == 0);
         key[r] = keep_min ? min(key[r], other[r]) : max(key[r], other[r]);
       }
@@ -112,43 +131,58 @@ __device__ __forceinline__ void bitonic_sort(unsigned long long (&key)[kKeys], u
   }
 }
 
+template <typename Key, int K>
 __global__ void __launch_bounds__(kMaxThreads) order_pages_kernel(const PageOrderParams p) {
-  __shared__ unsigned long long buf[kSegment];
+  __shared__ Key buf[K * kMaxThreads];
   const Request req = request_of(p, blockIdx.x);
   if (req.pages <= 0) return;  // (whole blocks return: no barrier is left waiting)
   const int64_t full = req.pages - 1;  // the last page stays last: it may be partial
-  if (blockIdx.y == 0 && threadIdx.x == 0) store_key(p, req.dst + full, load_key(p, req.src + full));
+  if (blockIdx.y == 0 && threadIdx.x == 0) store_key<Key>(p, req.dst + full, load_key<Key>(p, req.src + full));
   const int W = blockDim.x;
-  const int64_t lo = int64_t(blockIdx.y) * kKeys * W;
+  const int64_t lo = int64_t(blockIdx.y) * K * W;
   if (lo >= full) return;
-  const int64_t n = full - lo;  // pages of this segment: element j < n (at most kKeys W)
+  const int64_t n = full - lo;  // pages of this segment: element j < n (at most K W)
   const int t = threadIdx.x;
   if (!p.sort) {
-    for (int64_t j = t; j < n && j < kKeys * W; j += W) store_key(p, req.dst + lo + j, load_key(p, req.src + lo + j));
+#pragma unroll
+    for (int r = 0; r < K; ++r)
+      if (r * W + t < n) store_key<Key>(p, req.dst + lo + r * W + t, load_key<Key>(p, req.src + lo + r * W + t));
     return;
   }
-  unsigned long long key[kKeys];
+  Key key[K];
 #pragma unroll
-  for (int r = 0; r < kKeys; ++r) key[r] = r * W + t < n ? load_key(p, req.src + lo + r * W + t) : ~0ull;
-  bitonic_sort(key, buf);
+  for (int r = 0; r < K; ++r) key[r] = r * W + t < n ? load_key<Key>(p, req.src + lo + r * W + t) : ~Key(0);
+  bitonic_sort<Key, K>(key, buf);
 #pragma unroll
-  for (int r = 0; r < kKeys; ++r)
-    if (r * W + t < n) store_key(p, req.dst + lo + r * W + t, key[r]);
+  for (int r = 0; r < K; ++r)
+    if (r * W + t < n) store_key<Key>(p, req.dst + lo + r * W + t, key[r]);
+}
+
+template <typename Key>
+inline void launch(const PageOrderParams& p, int keys, dim3 grid, int threads, cudaStream_t stream) {
+  if (keys == 1) order_pages_kernel<Key, 1><<<grid, threads, 0, stream>>>(p);
+  else if (keys == 2) order_pages_kernel<Key, 2><<<grid, threads, 0, stream>>>(p);
+  else order_pages_kernel<Key, 4><<<grid, threads, 0, stream>>>(p);
 }
 
 }  // namespace page_order
 
 inline cudaError_t launch_order_pages(const PageOrderParams& p, cudaStream_t stream) {
   if (p.batch <= 0) return cudaSuccess;
-  // kKeys pages a thread of the longest request's full pages, up to a segment (32 threads at least)
+  // the longest request's full pages over up to 1024 threads of 1, 2 or 4 keys (32 threads at least)
   const int64_t full = p.longest_pages > 1 ? p.longest_pages - 1 : 1;
+  const int keys = full <= page_order::kMaxThreads ? 1 : full <= 2 * page_order::kMaxThreads ? 2 : page_order::kMaxKeys;
   int threads = 32;
-  while (page_order::kKeys * int64_t(threads) < full && threads < page_order::kMaxThreads) threads <<= 1;
-  const int64_t per_block = int64_t(page_order::kKeys) * threads;
+  while (int64_t(keys) * threads < full && threads < page_order::kMaxThreads) threads <<= 1;
+  const int64_t per_block = int64_t(keys) * threads;
   const int64_t segments = (full + per_block - 1) / per_block;
   if (segments > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(segments));
-  page_order::order_pages_kernel<<<grid, threads, 0, stream>>>(p);
+  if (p.src_v) {
+    page_order::launch<unsigned long long>(p, keys, grid, threads, stream);
+  } else {
+    page_order::launch<uint32_t>(p, keys, grid, threads, stream);
+  }
   return cudaGetLastError();
 }
 

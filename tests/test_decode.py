@@ -33,7 +33,8 @@ from flashinfer_jit import decode as decode_module
 from flashinfer_jit.matrix import parse_matrix
 from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
 from flashinfer_jit.jit import get_module
-from flashinfer_jit.reference.decode import decode_ref, merge_state_ref, merge_states_ref, ordered_pages_ref
+from flashinfer_jit.reference.decode import (decode_ref, merge_state_ref, merge_states_ref, ordered_pages_ref,
+                                             request_pages_ref)
 from flashinfer_jit.specs import DecodeSpec, MergeSpec, PageOrderSpec
 from flashinfer_jit.specs.decode import group_tile
 
@@ -834,6 +835,15 @@ def _ordered_table(plan, paged: Paged) -> PageTable:
                             kv_separate=paged.table.layout == "block_table_kv_separate")
 
 
+def _check_order(wrapper, paged: Paged, lens, page_size: int, segment: int) -> None:
+    """The plan's page ids of every request as the reference ordering has them."""
+    want = ordered_pages_ref(paged.table, lens, page_size, segment)
+    got = _ordered_table(wrapper._plan, paged)
+    host = PageTable(got.layout, tuple(t.cpu() for t in got.tensors), got.batch_size)
+    for b, n in enumerate(lens):
+        assert request_pages_ref(host, b, -(-n // page_size)) == want[b], f"request {b} (kv_len {n}): pages not in order"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_table,page_size", ORDER_CASES)
 def test_batch_decode_orders_pages(page_table, page_size, workspace):
@@ -860,12 +870,7 @@ def test_batch_decode_orders_pages(page_table, page_size, workspace):
     wrapper.plan(**paged.plan_args, **plan)
     assert wrapper._plan.unordered is not None, "plan() should reorder the pages"
     torch.cuda.synchronize()
-    want = ordered_pages_ref(paged.table, lens, ps, segment)
-    got = _ordered_table(wrapper._plan, paged)
-    from flashinfer_jit.reference.decode import request_pages_ref
-    host = PageTable(got.layout, tuple(t.cpu() for t in got.tensors), got.batch_size)
-    for b, n in enumerate(lens):
-        assert request_pages_ref(host, b, -(-n // ps)) == want[b], f"request {b} (kv_len {n}): pages not in order"
+    _check_order(wrapper, paged, lens, ps, segment)
     q = _randn((len(lens), hq, d), torch.bfloat16, gen)
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens)
     outs = []
@@ -898,6 +903,12 @@ def test_batch_decode_orders_pages(page_table, page_size, workspace):
     ref_w, _ = decode_ref(q, k, v, paged.table, lens, window_left=100)
     check_decode(out, None, ref_w, None, lens, torch.bfloat16)
     # (RoPE's module, CUDA cores, is not among this test's: its configuration says it)
+    # the kernel's other shapes (1, 2 or 4 keys a thread): the page tables alone
+    for more in ([0, 3 * ps, 900 * ps + 5], [1500 * ps + 3, 20 * ps, 1], [3000 * ps, 2 * ps]):
+        more_paged = make_page_table(page_table, more, ps, sum(-(-n // ps) for n in more) + 5, rnd, host_indptr=True)
+        wrapper.plan(**more_paged.plan_args, **plan)
+        torch.cuda.synchronize()
+        _check_order(wrapper, more_paged, more, ps, segment)
     rope_config = wrapper._configure(hq, hk, d, ps, "ROPE_LLAMA", -1, None, torch.bfloat16, None, None, None, None,
                                      None, None, False, True)
     assert not rope_config.orders_pages
