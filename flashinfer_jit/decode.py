@@ -37,7 +37,7 @@ from .checks import aligned16, dtype_str, expect_choice, same_cuda_device
 from .jit import get_module, op_cache
 from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
-from .specs.base import dtype_name
+from .specs.base import Spec, dtype_name
 from .specs.decode import DecodePlanSpec, DecodeSpec, PageOrderSpec, cluster_blocks, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
@@ -483,15 +483,14 @@ def _page_orderer():
     warning where it cannot be had: plan() then keeps the pages as given (same results,
     slower reads)."""
     try:
-        module = get_module(PageOrderSpec())
-        lib = ctypes.CDLL(str(module.path / module.manifest["library"]))
-        fn = getattr(lib, f"{module.namespace}_order_pages")
+        lib, namespace = _module_library(PageOrderSpec())
+        fn = getattr(lib, f"{namespace}_order_pages")
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        error = getattr(lib, f"{module.namespace}_error_string")
+        error = getattr(lib, f"{namespace}_error_string")
         error.argtypes = [ctypes.c_int]
         error.restype = ctypes.c_char_p
-        size = int(module.params_bytes())
+        size = int(get_module(PageOrderSpec()).params_bytes())
         if size != ctypes.sizeof(_PageOrderParams):
             raise RuntimeError(f"its params struct has {size} bytes, decode.py's mirror "
                                f"{ctypes.sizeof(_PageOrderParams)}")
@@ -529,13 +528,12 @@ def _native_planner():
     built or loaded at the first plan()), or None with a warning where it cannot be had:
     plan() then runs its numpy path, slower on the host but the same plan."""
     try:
-        module = get_module(DecodePlanSpec())
-        lib = ctypes.CDLL(str(module.path / module.manifest["library"]))
-        fn = getattr(lib, f"{module.namespace}_decode_plan")
+        lib, namespace = _module_library(DecodePlanSpec())
+        fn = getattr(lib, f"{namespace}_decode_plan")
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p, ctypes.c_longlong,
                                                                             ctypes.c_void_p]
         fn.restype = ctypes.c_longlong
-        size = int(module.config_bytes())
+        size = int(get_module(DecodePlanSpec()).config_bytes())
         if size != ctypes.sizeof(_NativeConfig):
             raise RuntimeError(f"its configuration struct has {size} bytes, decode.py's mirror "
                                f"{ctypes.sizeof(_NativeConfig)}")
@@ -705,6 +703,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not fold_ids:
             ids_dev = self._device_ids(layout, ids)
         tables = (table_dev[0], ids_dev, table_dev[1]) if layout == "csr" else (ids_dev, table_dev[0])
+        # (the ids as given stay on the device too, in CUDA-graph mode in the fixed buffer: a
+        # run() with a window reads them)
         unordered = None
         ordered = self._order_pages(config, ids_dev, table_dev[0], layout == "csr", batch, longest)
         if ordered is not None:
@@ -1324,8 +1324,9 @@ def _decode_op(spec: DecodeSpec, debug: bool):
 
 
 @op_cache
-def _module_library(spec: DecodeSpec) -> tuple:
-    """(the loaded module's shared library through ctypes, its namespace)."""
+def _module_library(spec: Spec) -> tuple:
+    """(the loaded module's shared library through ctypes, its namespace): the decode
+    modules' fast path, the C++ planner and the page-order kernel."""
     module = get_module(spec)
     return ctypes.CDLL(str(module.path / module.manifest["library"])), module.namespace
 
