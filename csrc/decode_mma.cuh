@@ -139,6 +139,10 @@ struct DecodeMmaTraits {
   // lane spilled at 128 registers (bf16 96 bytes, fp8 with the soft cap 196); 2 at 256.
   // (In units of 4-warp blocks: a paired or 8-warp block counts twice, at least one.)
   static constexpr int kMinBlocks4 = HeadDim <= 128 ? (kRows == 16 ? 3 : 4) : 2;
+  // The 8-warp kernel runs one block per SM but keeps room for two: under PDL the next
+  // grid's blocks wait beside it. With one block's bound it took 144 registers and lost
+  // (H100, b=1: kv=2k 5.95 -> 7.14 us, kv=8k 15.0 -> 16.7, kv=32k 48.0 -> 48.5), as stages
+  // past ~100 KB of shared memory did.
   static constexpr int kMinBlocksPerSM = kMinBlocks4 / (kWarps / 4) > 0 ? kMinBlocks4 / (kWarps / 4) : 1;
   // A grid whose K/V fit in this many bytes prefetches them into L2 before
   // griddepcontrol.wait, under a programmatic dependent launch (see the prologue). Measured
@@ -433,7 +437,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // page table) ran 47.6 us against 52.0 with them read through L1; through the read-only
   // path, with the main loop below, 49.7 against 52.9 (random pages), kv=8k 15.0 against
   // 16.5. (Every page id of a chunk in two registers a lane, read by shuffles, lost to it:
-  // 50.9 and 15.7.)
+  // 50.9 and 15.7. Nor are the lookups what holds the loop back: on an identity table,
+  // ids computed from the row's first one ran kv=32k in 50.1 us against 47.8 looked up.)
   auto page_id = [](const int32_t* row, int logical) {
     if constexpr (Traits::kWide) {
       return __ldg(row + logical);
@@ -901,6 +906,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   }
   if constexpr (Traits::kCluster > 1) {
     // the barrier's release orders this block's remote stores before every block's acquire
+    // (st.async stores counted on the receiver's mbarrier instead of the barrier: kv=32k
+    // level, kv=2k 5.90 -> 5.98 us; the chain, not its protocol, is the merge's ~0.7 us)
     cluster_arrive_release();
     cluster_wait();
     cluster_merge<Traits>(p, b, block_head0, rank, smem);
