@@ -476,6 +476,22 @@ class _PageOrderParams(ctypes.Structure):
         [(name, ctypes.c_int32) for name in ("page_size", "batch", "sort")]
 
 
+def _ctypes_entry(spec: Spec, symbol: str, argtypes: list, restype, mirror: type | None = None,
+                  size_op: str = ""):
+    """<namespace>_<symbol> of spec's module through ctypes; with a mirror, once the struct
+    it takes (whose size the module's op `size_op` reports) matches decode.py's ctypes
+    mirror of it."""
+    lib, namespace = _module_library(spec)
+    if mirror is not None:
+        size = int(getattr(get_module(spec), size_op)())
+        if size != ctypes.sizeof(mirror):
+            raise RuntimeError(f"its struct has {size} bytes, decode.py's mirror {mirror.__name__} "
+                               f"{ctypes.sizeof(mirror)}")
+    fn = getattr(lib, f"{namespace}_{symbol}")
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 @op_cache
 def _page_orderer():
     """(<namespace>_order_pages, <namespace>_error_string) of the PageOrderSpec module
@@ -483,17 +499,9 @@ def _page_orderer():
     warning where it cannot be had: plan() then keeps the pages as given (same results,
     slower reads)."""
     try:
-        lib, namespace = _module_library(PageOrderSpec())
-        fn = getattr(lib, f"{namespace}_order_pages")
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        error = getattr(lib, f"{namespace}_error_string")
-        error.argtypes = [ctypes.c_int]
-        error.restype = ctypes.c_char_p
-        size = int(get_module(PageOrderSpec()).params_bytes())
-        if size != ctypes.sizeof(_PageOrderParams):
-            raise RuntimeError(f"its params struct has {size} bytes, decode.py's mirror "
-                               f"{ctypes.sizeof(_PageOrderParams)}")
+        fn = _ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int,
+                           _PageOrderParams, "params_bytes")
+        error = _ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p)
         return fn, error
     except Exception as exc:  # noqa: BLE001 - plan() keeps the pages as given, said once
         warnings.warn(f"flashinfer_jit: batch decode's plan() keeps each request's pages as given (the page-order "
@@ -528,16 +536,9 @@ def _native_planner():
     built or loaded at the first plan()), or None with a warning where it cannot be had:
     plan() then runs its numpy path, slower on the host but the same plan."""
     try:
-        lib, namespace = _module_library(DecodePlanSpec())
-        fn = getattr(lib, f"{namespace}_decode_plan")
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p, ctypes.c_longlong,
-                                                                            ctypes.c_void_p]
-        fn.restype = ctypes.c_longlong
-        size = int(get_module(DecodePlanSpec()).config_bytes())
-        if size != ctypes.sizeof(_NativeConfig):
-            raise RuntimeError(f"its configuration struct has {size} bytes, decode.py's mirror "
-                               f"{ctypes.sizeof(_NativeConfig)}")
-        return fn
+        return _ctypes_entry(DecodePlanSpec(), "decode_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 +
+                             [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _NativeConfig,
+                             "config_bytes")
     except Exception as exc:  # noqa: BLE001 - any failure leaves plan() on its numpy path, said once
         warnings.warn(f"flashinfer_jit: batch decode's plan() runs its numpy path (the C++ planner "
                       f"{DecodePlanSpec().name} is unavailable: {type(exc).__name__}: {exc})", RuntimeWarning,
@@ -1338,23 +1339,14 @@ def _decode_fast(spec: DecodeSpec, debug: bool):
     without a CUDA device."""
     if debug or not torch.cuda.is_available():
         return None
-    lib, namespace = _module_library(spec)
-    fn = getattr(lib, f"{namespace}_decode_fast")
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
-                                           ctypes.c_int]
-    fn.restype = ctypes.c_int
-    size = getattr(lib, f"{namespace}_decode_launch_bytes")
-    size.restype = ctypes.c_int
-    return fn, int(size())
+    fn = _ctypes_entry(spec, "decode_fast", [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
+                                                                       ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
+    return fn, int(_ctypes_entry(spec, "decode_launch_bytes", [], ctypes.c_int)())
 
 
 @op_cache
 def _fast_error(spec: DecodeSpec, code: int) -> str:
-    lib, namespace = _module_library(spec)
-    fn = getattr(lib, f"{namespace}_error_string")
-    fn.restype = ctypes.c_char_p
-    fn.argtypes = [ctypes.c_int]
-    return fn(code).decode()
+    return _ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
 
 
 def _raw_stream(device_index: int) -> int:
