@@ -177,6 +177,7 @@ def specs_needed() -> set:
     specs |= {MergeSpec(c.q_dtype, c.head_dim) for c in CASES}
     specs |= {MergeSpec(d, hd) for d in MERGE_DTYPES for hd in MERGE_HEAD_DIMS}
     specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, t, "NHD") for t, _ in ORDER_CASES}
+    specs |= {decode_spec(q, kv, 128, h, t, lay, soft_cap=cap is not None) for q, kv, h, t, lay, cap, _ in GROWING_CASES}
     specs.add(PageOrderSpec())  # plan()'s page reordering
     return specs
 
@@ -1116,6 +1117,88 @@ def test_batch_decode_cluster_split(case, workspace, monkeypatch):
     assert plain._plan.cluster == 1
     out2, lse2 = plain.run(q, cache, return_lse=True, **scales)
     check_decode(out2, lse2, outs[0][0], outs[0][1], lens, _dtype(q_name))
+
+
+# Logits that climb, in steps below and above the kernel's lazy-rescaling threshold (the
+# tensor-core kernels move a head's running max only when a key exceeds it by more than 8,
+# in log2 units), with spikes and an attention sink: (q dtype, KV dtype, heads, page table,
+# layout, soft cap, lengths). Every spec is one the tests above load already.
+GROWING_CASES = [
+    ("bfloat16", "bfloat16", (32, 8), "csr", "NHD", None, [32768]),  # the 8-warp cluster kernel
+    ("bfloat16", "bfloat16", (32, 8), "csr", "NHD", None, [3000, 2048, 517, 4096, 1, 0]),  # split, partials
+    ("float16", "float16", (32, 8), "csr", "NHD", None, [9000, 1500]),  # P in fp16
+    ("bfloat16", "float8_e4m3fn", (32, 8), "csr", "NHD", None, [6000]),  # fp8 K/V, P in fp16
+    ("bfloat16", "bfloat16", (64, 8), "block_table_kv_separate", "NHD", 30.0, [5000, 300]),  # soft cap, 8-head tiles
+]
+
+
+def _growing_logits(n: int, sink: bool, gen: torch.Generator) -> torch.Tensor:
+    """Target logits (natural units, q k sm_scale) of n tokens: unit noise on a staircase of
+    ten steps of 3 (4.3 in log2: below the threshold) and, every ~700 tokens, a spike of
+    +9 (13 in log2: above it); or an attention sink, token 0 at +20 over decreasing noise."""
+    t = torch.arange(n, device=DEV, dtype=torch.float32)
+    noise = torch.randn(n, generator=gen, device=DEV)
+    if sink:
+        s = noise - 4.0 * t / max(n, 1)
+        s[0] += 20.0
+        return s
+    s = noise + 3.0 * torch.floor(10.0 * t / max(n, 1))
+    s[(t.long() * 7919 + 13) % 700 == 0] += 9.0
+    return s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GROWING_CASES,
+                         ids=lambda c: f"{SHORT[c[0]]}-{SHORT[c[1]]}-{c[2][0]}x{c[2][1]}-{TABLE_TAG[c[3]]}"
+                                       + ("-cap" if c[5] else "") + f"-b{len(c[6])}")
+def test_batch_decode_growing_logits(case, workspace, monkeypatch):
+    """Logits whose running max keeps moving, by less and by more than the lazy-rescaling
+    threshold, and a sink the max never leaves: against the float64 reference (outputs
+    and LSEs), NaN-poisoned outputs. Each KV head's keys are noise plus a multiple of one
+    unit direction u, and its query heads point along u, so q k sm_scale follows the
+    schedule (the reference reads the same rounded K)."""
+    q_name, kv_name, (hq, hk), page_table, kv_layout, soft_cap, lens = case
+    from flashinfer_jit.reference.decode import request_pages_ref
+
+    _long_clusters_on_any_gpu(monkeypatch)
+    rnd = random.Random(len(lens) + hq)
+    gen = torch.Generator(device=DEV).manual_seed(17 + len(lens))
+    d, ps = 128, 16
+    num_pages = sum(-(-n // ps) for n in lens) + 3
+    paged = make_page_table(page_table, lens, ps, num_pages, rnd)
+    _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, _dtype(kv_name), gen)
+    nan_pages(k, paged.k_unused)
+    nan_pages(v, paged.v_unused)
+    u = torch.nn.functional.normalize(torch.randn(hk, d, generator=gen, device=DEV), dim=-1)  # [hk, d]
+    host = PageTable(paged.table.layout, tuple(t.cpu() for t in paged.table.tensors), paged.table.batch_size)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        k_pages = torch.tensor(request_pages_ref(host, b, -(-n // ps))[0], device=DEV)
+        pos = torch.arange(n, device=DEV)
+        page, slot = k_pages[pos // ps], pos % ps
+        target = torch.stack([_growing_logits(n, (b + h) % 3 == 2, gen) for h in range(hk)], dim=1)  # [n, hk]
+        noise = 0.5 * torch.randn(n, hk, d, generator=gen, device=DEV)
+        keys = noise + (target - (noise * u).sum(-1)).unsqueeze(-1) * u  # k . u = target
+        if kv_layout == "NHD":
+            k[page, slot] = keys.to(k.dtype)
+        else:
+            k[page, :, slot] = keys.to(k.dtype)
+    group = hq // hk
+    q = (math.sqrt(d) * u.repeat_interleave(group, 0) + 0.05 * torch.randn(hq, d, generator=gen, device=DEV))
+    q = q.unsqueeze(0).expand(len(lens), hq, d).to(_dtype(q_name)).contiguous()
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
+                 logits_soft_cap=soft_cap, q_data_type=q_name, kv_data_type=kv_name)
+    out_buf, out = poisoned(q.shape, q.dtype)
+    lse_buf, lse = poisoned(q.shape[:2], torch.float32)
+    wrapper.run(q, (k, v), out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert_sentinels(out_buf, "out")
+    assert_sentinels(lse_buf, "lse")
+    ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout, None, -1, soft_cap)
+    assert float(ref_lse.max()) > 30.0, "the schedule did not reach large logits (log2 units)"
+    check_decode(out, lse, ref_out, ref_lse, lens, _dtype(q_name))
 
 
 @pytest.mark.gpu
