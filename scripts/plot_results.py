@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS, FIGURES = REPO / "docs" / "results", REPO / "docs" / "figures"
 # the decode figure's run (docs/performance.md's table): the full benchmark at this commit
-DECODE_RESULT = "2026-11-23_h100_decode_mma_341f46d.json"
+DECODE_RESULT = "2026-11-26_h100_decode_full_4a1b234.json"
 
 
 def _load(pattern: str) -> dict:
