@@ -263,12 +263,15 @@ def nan_pages(cache: torch.Tensor, pages) -> None:
         cache.index_fill_(0, index, float("nan"))
 
 
+def _on_host(table: PageTable) -> PageTable:
+    """The same page table with its tensors on the host (for request_pages_ref)."""
+    return PageTable(table.layout, tuple(t.cpu() for t in table.tensors), table.batch_size)
+
+
 def nan_past_lengths(cache: torch.Tensor, table: PageTable, lens, page_size: int, kv_layout: str, which: int):
     """NaN into every slot at or past each request's length in its last page (`which`:
     0 for the K cache, 1 for the V cache)."""
-    from flashinfer_jit.reference.decode import request_pages_ref
-
-    host = PageTable(table.layout, tuple(t.cpu() for t in table.tensors), table.batch_size)
+    host = _on_host(table)
     raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
     nan = 0x7F if cache.element_size() == 1 else float("nan")
     for b, n in enumerate(lens):
@@ -840,7 +843,7 @@ def _check_order(wrapper, paged: Paged, lens, page_size: int, segment: int) -> N
     """The plan's page ids of every request as the reference ordering has them."""
     want = ordered_pages_ref(paged.table, lens, page_size, segment)
     got = _ordered_table(wrapper._plan, paged)
-    host = PageTable(got.layout, tuple(t.cpu() for t in got.tensors), got.batch_size)
+    host = _on_host(got)
     for b, n in enumerate(lens):
         assert request_pages_ref(host, b, -(-n // page_size)) == want[b], f"request {b} (kv_len {n}): pages not in order"
 
@@ -1158,8 +1161,6 @@ def test_batch_decode_growing_logits(case, workspace, monkeypatch):
     unit direction u, and its query heads point along u, so q k sm_scale follows the
     schedule (the reference reads the same rounded K)."""
     q_name, kv_name, (hq, hk), page_table, kv_layout, soft_cap, lens = case
-    from flashinfer_jit.reference.decode import request_pages_ref
-
     _long_clusters_on_any_gpu(monkeypatch)
     rnd = random.Random(len(lens) + hq)
     gen = torch.Generator(device=DEV).manual_seed(17 + len(lens))
@@ -1170,7 +1171,7 @@ def test_batch_decode_growing_logits(case, workspace, monkeypatch):
     nan_pages(k, paged.k_unused)
     nan_pages(v, paged.v_unused)
     u = torch.nn.functional.normalize(torch.randn(hk, d, generator=gen, device=DEV), dim=-1)  # [hk, d]
-    host = PageTable(paged.table.layout, tuple(t.cpu() for t in paged.table.tensors), paged.table.batch_size)
+    host = _on_host(paged.table)
     for b, n in enumerate(lens):
         if n == 0:
             continue
