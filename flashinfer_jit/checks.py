@@ -9,6 +9,8 @@ caller asks for them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from typing import Iterable
@@ -108,3 +110,32 @@ def index_ok(t, length: int | None = None) -> bool:
     """Fast path of expect_index_vector."""
     return isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 and \
         t.is_contiguous() and (length is None or t.shape[0] == length)
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def as_int32_index(t, name: str):
+    """An index tensor as the kernels take it: int32 as given (the fast path, no copy), int64
+    (FlashInfer accepts both) narrowed to int32 in a new tensor on the same device. Values
+    past int32 would wrap: page ids, offsets and positions of a serving engine stay far
+    below 2^31. None passes through; any other dtype is a TypeError naming `name`."""
+    if t is None or not isinstance(t, torch.Tensor) or t.dtype == torch.int32:
+        return t
+    if t.dtype == torch.int64:
+        return t.to(torch.int32)
+    raise TypeError(f"{name}: expected an int32 or int64 tensor, got {dtype_str(t.dtype)}")
+
+
+def soft_cap_value(logits_soft_cap, name: str = "logits_soft_cap") -> float:
+    """FlashInfer's soft cap: None or 0.0 is off (0.0 returned), a positive number is the cap;
+    anything else is a ValueError naming `name`."""
+    if logits_soft_cap is None:
+        return 0.0
+    try:
+        value = float(logits_soft_cap)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected None, 0.0 (off) or a positive float, got {logits_soft_cap!r}") from None
+    if not value >= 0.0 or math.isinf(value):
+        raise ValueError(f"{name}: expected None, 0.0 (off) or a positive float, got {logits_soft_cap!r}")
+    return value
