@@ -49,14 +49,22 @@ struct MmaTypeOf<__nv_bfloat16> {
 };
 
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
-          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4>
+          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1>
 struct DecodeMmaTraits {
   using Q = TQ;
   using KV = TKV;
   using M = typename MmaTypeOf<TKV>::type;
   static constexpr bool kFp8 = sizeof(TKV) == 1;
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kRows = GroupTile;              // query heads of the tile: 1, 2, 4, 8 or 16
+  // Query tokens per request (multi-token decode: speculative verification, plan()'s
+  // q_len_per_req), causal among themselves: token t of N sees keys 0 .. kv_len - N + t.
+  // A tile's rows are (token, query head) pairs, token-major: row r = token r / GroupTile,
+  // head r % GroupTile of the tile, so the request's tokens share every K/V tile read.
+  static constexpr int kQTokens = QTokens;
+  static constexpr int kTileHeads = GroupTile;         // query heads of the tile
+  static constexpr int kLiveRows = QTokens * GroupTile;  // rows with a query
+  // mma rows of the tile: 1, 2, 4, 8 or 16 (rows past kLiveRows idle)
+  static constexpr int kRows = kLiveRows <= 1 ? 1 : kLiveRows <= 2 ? 2 : kLiveRows <= 4 ? 4 : kLiveRows <= 8 ? 8 : 16;
   static constexpr int kHeadTiles = (kRows + 7) / 8;   // 8-column tiles of O^T
   // KV heads a block takes: 1, or 2 adjacent heads (warps 0-3 the first, 4-7 the second,
   // on the same tokens) when a head's row is 128 bytes or less in an NHD cache. Two heads'
@@ -86,7 +94,7 @@ struct DecodeMmaTraits {
   static constexpr bool kWide = kCluster > 1 && kWarpsPerHead == 8;
   static constexpr int kWarps = kWarpsPerHead * kKvHeads;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlockRows = kKvHeads * kRows;  // query heads a block writes (contiguous)
+  static constexpr int kBlockRows = kKvHeads * kLiveRows;  // query rows a block writes (see row_head)
   // Tokens per warp per tile: 8 (one m16n8k8 for O^T) for 16-bit caches; 16 (m16n8k16)
   // for fp8, whose tiles would otherwise carry half the bytes for the same fixed costs.
   static constexpr int kWarpTokens = kFp8 ? 16 : 8;
@@ -161,8 +169,9 @@ struct DecodeMmaTraits {
   static constexpr bool kBf16Partials = std::is_same_v<Q, __nv_bfloat16>;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
-  static_assert(kRows == 1 || kRows == 2 || kRows == 4 || kRows == 8 || kRows == 16,
-                "tensor-core decode takes 1, 2, 4, 8 or 16 heads a tile");
+  static_assert(kLiveRows >= 1 && kLiveRows <= 16, "tensor-core decode takes 1 to 16 (token, head) rows a tile");
+  static_assert(kQTokens == 1 || (kKvHeads == 1 && kCluster == 1),
+                "multi-token tiles take one KV head a block, without the cluster split");
   static_assert(kKvHeads == 1 || (kKvHeads == 2 && kRows <= 8), "a block takes one KV head or a pair (tiles <= 8)");
   static_assert(kCluster == 1 || (kKvHeads == 1 && HeadDim % kCluster == 0 && kSlice % 8 == 0 && kCluster <= 16),
                 "a cluster's blocks take one KV head and merge slices of whole 8-dim groups");
@@ -389,17 +398,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const unsigned rank = Traits::kCluster > 1 ? cluster_ctarank() : 0;  // in the cluster (its chunk of the request)
   // Block x: KV head (pair) blockIdx.x / tiles, query-head tile blockIdx.x % tiles (one
   // tile when paired, so the block's kBlockRows query heads are contiguous from block_head0).
-  const int tiles_per_kv_head = p.group / Traits::kRows;
+  const int tiles_per_kv_head = p.group / Traits::kTileHeads;
   const int head_slot = warp / Traits::kWarpsPerHead;  // which KV head of the block this warp takes
   const int kv_head = static_cast<int>(blockIdx.x) / tiles_per_kv_head * Traits::kKvHeads + head_slot;
   const int block_head0 = static_cast<int>(blockIdx.x) / tiles_per_kv_head * Traits::kKvHeads * p.group +
-                          static_cast<int>(blockIdx.x) % tiles_per_kv_head * Traits::kRows;
-  const int head0 = block_head0 + head_slot * Traits::kRows;  // this warp's first query head
+                          static_cast<int>(blockIdx.x) % tiles_per_kv_head * Traits::kTileHeads;
+  const int head0 = block_head0 + head_slot * Traits::kTileHeads;  // this warp's first query head
+  // Row r of a block -> its query "head" from block_head0: with N query tokens a request's
+  // rows are N x num_qo_heads (token-major, q seen as [B, N x Hq, D]; p.num_qo_heads counts
+  // them), and row r is token r / kTileHeads, head r % kTileHeads of the tile. One token: r.
+  const int heads_per_token = p.num_qo_heads / Traits::kQTokens;
+  auto row_head = [&](int r) {
+    return Traits::kQTokens == 1 ? r : r / Traits::kTileHeads * heads_per_token + r % Traits::kTileHeads;
+  };
 
   PageTable<Traits::kTable> table{p.table};
   // plan() clips every chunk to its request's length, so the length itself (one more
   // dependent load before the first page id) is read only for a sliding window.
-  const int start = p.window_left >= 0 ? max(chunk_start, table.kv_len(b) - 1 - p.window_left) : chunk_start;
+  // (With N query tokens the earliest, token 0 at kv_len - N, sets the window's start.)
+  const int start =
+      p.window_left >= 0 ? max(chunk_start, table.kv_len(b) - Traits::kQTokens - p.window_left) : chunk_start;
   const int end = chunk_end;
   const int num_tiles = end > start ? (end - start + Traits::kTileTokens - 1) / Traits::kTileTokens : 0;
 
@@ -581,7 +599,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // With the count opaque (both halves: hiding row 0's alone still spilled) none spills on
   // a CSR or block table; with separate K and V page ids the spills fell (fp8 44 -> 12 B)
   // except in the 4-warp cluster kernel (bf16 36 -> 140 B), which keeps the count visible.
-  int tile_rows = Traits::kRows;
+  int tile_rows = Traits::kLiveRows;
   if constexpr (Traits::kRows == 1 && !(kSeparate && Traits::kCluster > 1 && !Traits::kWide))
     asm("" : "+r"(tile_rows));
   uint32_t qa[Traits::kKSteps][4];
@@ -592,7 +610,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 #pragma unroll
     for (int P = 0; P < R / 4; ++P) {
       uint32_t w[E / 2];
-      const Q* src = q_rows + row * q_row_stride + E * (4 * P + c);
+      const Q* src = q_rows + row_head(row) * q_row_stride + E * (4 * P + c);
 #pragma unroll
       for (int v = 0; v < E / 8; ++v) {
         const uint4 raw = live ? *reinterpret_cast<const uint4*>(src + 8 * v) : make_uint4(0, 0, 0, 0);
@@ -616,6 +634,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   }
 
   const float logit_scale = p.logit_scale;  // soft cap: inside the tanh
+  // Multi-token tiles mask per row: token t of N sees keys up to kv_len - N + t (causal
+  // among the request's tokens) and, with a window, from kv_len - N + t - window_left.
+  int row_end[HT], row_lo[HT];
+  if constexpr (Traits::kQTokens > 1) {
+    const int kv_len = table.kv_len(b);
+#pragma unroll
+    for (int t = 0; t < HT; ++t) {
+      const int tok = min(g + 8 * t, Traits::kLiveRows - 1) / Traits::kTileHeads;
+      row_end[t] = min(end, kv_len - (Traits::kQTokens - 1 - tok));
+      row_lo[t] = p.window_left >= 0 ? kv_len - Traits::kQTokens + tok - p.window_left : 0;
+    }
+  }
   // Online softmax of heads g + 8t (this lane's S rows); d sums this lane's tokens only.
   float m[HT], d[HT];
   float o[Traits::kMTiles][HT][4];
@@ -714,7 +744,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
           float v = s_acc[n][2 * t + e];
           if constexpr (Traits::kSoftCap) v = p.soft_cap * tanhf(v * logit_scale) * 1.4426950408889634f;
           else v *= logit_scale;
-          sv[t][n][e] = j0 + 8 * n + e < end ? v : -CUDART_INF_F;
+          const int j = j0 + 8 * n + e;
+          bool valid;
+          if constexpr (Traits::kQTokens > 1) valid = j < row_end[t] && j >= row_lo[t];
+          else valid = j < end;
+          sv[t][n][e] = valid ? v : -CUDART_INF_F;
           lmx[t] = fmaxf(lmx[t], sv[t][n][e]);
         }
       }
@@ -863,13 +897,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   __syncthreads();
 
   // Thread -> (block row h, 4 dims); rows past the group tile are padding and never written.
-  // Row h is local row h % kRows of the warps that took KV head slot h / kRows.
+  // Row h is local row h % kLiveRows of the warps that took KV head slot h / kLiveRows.
   constexpr int kSlots = Traits::kBlockRows * D / 4;
   constexpr int kWph = Traits::kWarpsPerHead;
   if constexpr (Traits::kCluster > 1) cluster_wait();  // every block of the cluster has started
   for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 4), x4 = slot_i % (D / 4);
-    const int w0 = h / Traits::kRows * kWph, hl = h % Traits::kRows;
+    const int w0 = h / Traits::kLiveRows * kWph, hl = h % Traits::kLiveRows;
     float mw[kWph], mx = -CUDART_INF_F;
 #pragma unroll
     for (int w = 0; w < kWph; ++w) {
@@ -893,7 +927,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const bool empty = den == 0.f;  // no key: zeros and -inf, never NaN
     const float norm = empty ? 0.f : p.v_scale / den;
     const float lse = empty ? -CUDART_INF_F : mx + log2f(den);
-    const int qo_head = block_head0 + h;
+    const int qo_head = block_head0 + row_head(h);
     if constexpr (Traits::kCluster > 1) {
       // dims 4 x4 .. 4 x4 + 3 of head h to the block that merges them, at this block's rank
       const unsigned dst = 4 * x4 / Traits::kSlice;
@@ -953,7 +987,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   float* weight = head_den + kRowsT;                // [partial][kRowsT], the first kMaxParts
   constexpr int kMaxParts = (Traits::kFlagOffset / 4 - 2 * kRowsT) / kRowsT;
   auto part_lse = [&](int i, int h) {
-    return __ldcg(p.partial_lse + int64_t(begin + i) * p.num_qo_heads + block_head0 + h);
+    return __ldcg(p.partial_lse + int64_t(begin + i) * p.num_qo_heads + block_head0 + row_head(h));
   };
   // Warp w takes heads w, w + 4, ...; their LSEs of partials lane, lane + 32, ... load
   // together, and partials 0..31 stay in registers for the weights (one round trip for
@@ -965,7 +999,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   using PartialT = std::conditional_t<Traits::kBf16Partials, Q, float>;
   auto slot_src = [&](int slot_i) {
     return reinterpret_cast<const PartialT*>(p.partial_o) +
-           (int64_t(begin) * p.num_qo_heads + block_head0 + slot_i / (D / 4)) * D + 4 * (slot_i % (D / 4));
+           (int64_t(begin) * p.num_qo_heads + block_head0 + row_head(slot_i / (D / 4))) * D + 4 * (slot_i % (D / 4));
   };
   float lse0[kHeadsPerWarp], mx[kHeadsPerWarp], den[kHeadsPerWarp];
 #pragma unroll
@@ -1040,7 +1074,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     const float den = head_den[h];
     const bool empty = den == 0.f;  // every partial empty: zeros and -inf
     const float norm = empty ? 0.f : 1.f / den;
-    const int qo_head = block_head0 + h;
+    const int qo_head = block_head0 + row_head(h);
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4;
     store_out4(out, acc, norm);
     if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : head_m[h] + log2f(den);
@@ -1053,7 +1087,7 @@ int launch_decode_mma(const DecodeParams& p, int grid_items, int num_kv_heads, c
   if (grid_items % Traits::kCluster != 0) return static_cast<int>(cudaErrorInvalidValue);  // whole clusters only
   if (const int err = allow_dynamic_smem<decode_mma_kernel<Traits>>(Traits::kSmemBytes)) return err;
   if (const int err = allow_cluster_size<decode_mma_kernel<Traits>>(Traits::kCluster)) return err;
-  const dim3 grid(num_kv_heads / Traits::kKvHeads * (p.group / Traits::kRows), grid_items);
+  const dim3 grid(num_kv_heads / Traits::kKvHeads * (p.group / Traits::kTileHeads), grid_items);
   DecodeParams params = p;
   params.dependent_launch = pdl ? 1 : 0;
   return launch_kernel_ex(decode_mma_kernel<Traits>, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream, pdl,

@@ -33,12 +33,13 @@ import numpy as np
 import torch
 
 from . import env
-from .checks import aligned16, dtype_str, expect_choice, same_cuda_device
+from .checks import aligned16, as_int32_index, dtype_str, expect_choice, same_cuda_device, soft_cap_value
 from .jit import get_module, op_cache
 from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
 from .specs.base import Spec, dtype_name
-from .specs.decode import DecodePlanSpec, DecodeSpec, PageOrderSpec, cluster_blocks, group_tile, kv_heads_per_block, pairs_kv_heads, uses_tensor_cores
+from .specs.decode import (MAX_Q_TOKENS, DecodePlanSpec, DecodeSpec, PageOrderSpec, cluster_blocks, group_tile,
+                           kv_heads_per_block, max_tile_rows, pairs_kv_heads, uses_tensor_cores)
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _LOG2E = 1.4426950408889634
@@ -422,7 +423,7 @@ class _Config:
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
                  "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "full_grid_min_tokens", "native",
-                 "orders_pages")
+                 "orders_pages", "q_tokens")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -432,7 +433,7 @@ class _Config:
         spec = self.specs.get(table_layout)
         if spec is None:  # validated once per page-table layout (an invalid one raises every time)
             spec = DecodeSpec(dtype_name(self.q_dtype), dtype_name(self.kv_dtype), self.head_dim, self.tile,
-                              table_layout, kv_layout, self.rope, self.soft_cap != 0.0)
+                              table_layout, kv_layout, self.rope, self.soft_cap != 0.0, self.q_tokens)
             spec.validate()
             self.specs[table_layout] = spec
         return spec
@@ -578,7 +579,10 @@ class _HostSlot:
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
-    """FlashInfer's decode wrapper: plan() once per batch, run() per layer."""
+    """FlashInfer's decode wrapper: plan() once per batch, run() per layer.
+
+    backend: "auto" (and FlashInfer's "fa2") run this library's kernels; other FlashInfer
+    backends ("trtllm-gen", ...) are a ValueError."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
@@ -586,6 +590,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not isinstance(float_workspace_buffer, torch.Tensor):
             raise TypeError("float_workspace_buffer: expected a tensor (e.g. 128 MB of uint8 on the GPU)")
         expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
+        expect_choice(backend, "backend", ("auto", "fa2"))
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
         self._device_is_cpu = self._device.type == "cpu"
@@ -597,6 +602,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._use_tensor_cores = bool(use_tensor_cores)
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self._plan = None
+        self._traced = None  # plan()'s values for a run() under torch.compile
         self._capacity = None  # CUDA-graph mode: fixed at the first plan()
         self._configs = {}  # plan()'s scalar arguments -> _Config
         self._host_slots = [None, None]
@@ -624,14 +630,33 @@ class BatchDecodeWithPagedKVCacheWrapper:
              head_dim=None, page_size=None, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap=None, q_data_type="float16", kv_data_type=None, data_type=None, sm_scale=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True, block_tables=None, seq_lens=None,
-             fixed_split_size=None, disable_split_kv: bool = False, sort_pages: bool = True) -> None:
-        """sort_pages (not in FlashInfer): where nothing depends on a token's position (no
-        RoPE in the kernel, no window), run() reads each request's full pages in ascending
-        page-id order, from a copy plan() writes on the GPU; the output is the same up to
-        rounding (the sums run in another order). False: the pages as given."""
+             fixed_split_size=None, disable_split_kv: bool = False, sort_pages: bool = True,
+             q_len_per_req: int = 1) -> None:
+        """Index tensors may be int32 (used as given) or int64 (narrowed once).
+        logits_soft_cap None or 0.0: off.
+
+        q_len_per_req: query tokens per request (speculative-decoding verification, MTP):
+        run() then takes q [batch x q_len_per_req, num_qo_heads, head_dim], request-major,
+        and token t of a request attends to its keys 0 .. kv_len - q_len_per_req + t (causal
+        among the request's tokens). One kernel reads each request's K/V once for all its
+        tokens (a tile's rows are (token, query head) pairs). Up to 16 tokens (8 at head_dim
+        256), without in-kernel RoPE.
+
+        sort_pages (not in FlashInfer): where nothing depends on a token's position (no
+        RoPE in the kernel, no window, one query token), run() reads each request's full
+        pages in ascending page-id order, from a copy plan() writes on the GPU; the output is
+        the same up to rounding (the sums run in another order). False: the pages as given."""
+        if indptr is not None and indptr.dtype != torch.int32:
+            indptr, indices, last_page_len = (as_int32_index(indptr, "indptr"), as_int32_index(indices, "indices"),
+                                              as_int32_index(last_page_len, "last_page_len"))
+        elif indices is not None and indices.dtype != torch.int32 or \
+                last_page_len is not None and last_page_len.dtype != torch.int32:
+            indices, last_page_len = as_int32_index(indices, "indices"), as_int32_index(last_page_len, "last_page_len")
+        if block_tables is not None and (block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32):
+            block_tables, seq_lens = as_int32_index(block_tables, "block_tables"), as_int32_index(seq_lens, "seq_lens")
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                 q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
-                disable_split_kv, sort_pages)
+                disable_split_kv, sort_pages, q_len_per_req)
         key = (args, tuple(map(type, args)))  # with the types: 1 == True == 1.0, but only ints pass the checks
         try:
             config = self._configs.get(key)
@@ -712,7 +737,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             unordered = tables
             tables = (table_dev[0], ordered, table_dev[1]) if layout == "csr" else (ordered, table_dev[0])
         plan = _Plan()
-        plan.config, plan.spec, plan.op = config, spec, None
+        plan.config, plan.spec = config, spec
+        # the module now, not at the first run(): a run() under torch.compile only calls it
+        plan.op = previous.op if previous is not None and previous.spec is spec else \
+            (None if self._device_is_cpu else _decode_op(spec, env.debug()))
         plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
         plan.cluster, plan.cluster_warps, plan.unordered = cluster, cluster_warps, unordered
@@ -740,6 +768,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             plan.checked, plan.q_standard, plan.no_lse = None, False, None
         self._plan = plan
+        # what a run() under torch.compile reads (plain values Dynamo traces; see _run_traced)
+        self._traced = (plan.op, plan.args, unordered, config.num_qo_heads, config.head_dim, config.q_tokens,
+                        config.q_dtype, config.kv_dtype, config.sm_scale, config.soft_cap, config.window_left,
+                        per_block, cluster, cluster_warps)
 
     def _cluster_shape(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple[int, int]:
         """(blocks per cluster, warps per block) of the cluster split, or (1, 4) (not
@@ -797,7 +829,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _configure(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                    logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
-                   fixed_split_size, disable_split_kv, sort_pages) -> _Config:
+                   fixed_split_size, disable_split_kv, sort_pages, q_len_per_req) -> _Config:
         """plan()'s scalar arguments checked, and what follows from them."""
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("page_size", page_size)):
@@ -810,8 +842,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"head_dim: {head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
         if not isinstance(window_left, int) or window_left < -1:
             raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
-        if logits_soft_cap is not None and not logits_soft_cap > 0:
-            raise ValueError(f"logits_soft_cap: expected None or a positive float, got {logits_soft_cap!r}")
+        soft_cap = soft_cap_value(logits_soft_cap)
+        if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or \
+                not 1 <= q_len_per_req <= MAX_Q_TOKENS:
+            raise ValueError(f"q_len_per_req: expected an int in 1..{MAX_Q_TOKENS}, got {q_len_per_req!r}")
+        if q_len_per_req > 1:
+            if pos_encoding_mode != "NONE":
+                raise ValueError(f"q_len_per_req={q_len_per_req}: multi-token decode takes pos_encoding_mode='NONE' "
+                                 f"(rotate q and k before the append), got {pos_encoding_mode!r}")
+            if q_len_per_req > max_tile_rows(head_dim):
+                raise ValueError(f"q_len_per_req: at most {max_tile_rows(head_dim)} tokens at head_dim {head_dim}, "
+                                 f"got {q_len_per_req}")
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size <= 0):
             raise ValueError(f"fixed_split_size: expected a positive int, got {fixed_split_size!r}")
         if not isinstance(sort_pages, bool):
@@ -820,9 +861,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         c.q_dtype = _as_dtype(data_type, "data_type") or _as_dtype(q_data_type, "q_data_type", torch.float16)
         c.kv_dtype = _as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
-        c.tile = group_tile(num_qo_heads, num_kv_heads, head_dim)
+        c.q_tokens = q_len_per_req
+        c.tile = group_tile(num_qo_heads, num_kv_heads, head_dim, q_len_per_req)
         c.rope = pos_encoding_mode == "ROPE_LLAMA"
-        paired = pairs_kv_heads(dtype_name(c.kv_dtype), head_dim, c.tile, c.rope, self._kv_layout)
+        paired = pairs_kv_heads(dtype_name(c.kv_dtype), head_dim, c.tile, c.rope, self._kv_layout, q_len_per_req)
         # blocks may take KV-head pairs (half as many blocks per item; plan() decides)
         c.pairs = kv_heads_per_block(paired, num_qo_heads, num_kv_heads, c.tile) == 2
         c.blocks_per_item = num_kv_heads * (num_qo_heads // num_kv_heads // c.tile)
@@ -840,7 +882,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
         c.sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
         c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
-            env.decode_clusters() else 1
+            env.decode_clusters() and q_len_per_req == 1 else 1
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
         # the cluster split's blocks of 4 warps, and of 8: 2 MB of a 16-bit cache at head_dim 128
         # (measured there only) on GPUs of up to _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S
@@ -854,9 +896,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.target = per_sm * c.sms
         # skewed batches split to more blocks per SM on those tiles (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM)
         c.skew_factor = _MMA_SKEWED_SPLIT_BLOCKS_PER_SM // per_sm if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None
-        c.partial_o, c.partial_lse = self._partial_views(num_qo_heads, head_dim)
+        # partial states of (token, head) rows: q_len_per_req x num_qo_heads per request
+        c.partial_o, c.partial_lse = self._partial_views(num_qo_heads * q_len_per_req, head_dim)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-        c.soft_cap = float(logits_soft_cap or 0.0)
+        c.soft_cap = soft_cap
         # the logit scale of a run() without q_scale / k_scale (base 2 unless soft-capped)
         c.logit_scale = c.sm_scale / c.soft_cap if c.soft_cap else c.sm_scale * _LOG2E
         c.window_left = window_left
@@ -867,7 +910,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.native = None  # the C++ planner's (function, configuration struct), False: none; at the first plan()
         # whole pages in any order give the same attention where no term depends on a
         # token's position: plan() may read them in page-id order (_order_pages)
-        c.orders_pages = sort_pages and not c.rope and window_left < 0 and device.type == "cuda"
+        # (not with several query tokens: their causal limits are positions too)
+        c.orders_pages = sort_pages and not c.rope and window_left < 0 and device.type == "cuda" and q_len_per_req == 1
         return c
 
     def _plan_native(self, config: _Config, indptr, indices, last_page_len, block_tables, seq_lens,
@@ -1152,10 +1196,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     # --- run ----------------------------------------------------------------------------------
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse: bool = False, enable_pdl=None, window_left=None):
+            return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None):
+        """q [batch x q_len_per_req, num_qo_heads, head_dim] (q_len_per_req as planned;
+        passing it here only checks it). Returns out (and lse [tokens, num_qo_heads], base 2,
+        with return_lse). Under torch.compile, run() traces to the module's op alone."""
+        if _compiling():
+            return self._run_traced(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+                                    window_left, sinks, q_len_per_req)
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() before plan(): call plan() with this batch's page table first")
+        if sinks is not None:
+            raise ValueError("sinks: attention sinks are not supported by batch decode yet (expected None)")
+        if q_len_per_req is not None and q_len_per_req != plan.config.q_tokens:
+            raise ValueError(f"q_len_per_req: run() got {q_len_per_req}, plan() was given {plan.config.q_tokens}; "
+                             "pass q_len_per_req to plan()")
         if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
             k, v = paged_kv_cache
         else:  # one [num_pages, 2, ...] tensor: its K and V views (or its error)
@@ -1173,8 +1228,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         config = plan.config
         if out is None:  # empty_like: 1.8 us on the GPU host, torch.empty(shape, dtype=, device=) 4.9
             out = torch.empty_like(q) if plan.q_standard else torch.empty_like(q, memory_format=torch.contiguous_format)
-        elif type(out) is not _Tensor or out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-            raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(q.dtype)}")
+        elif type(out) is not _Tensor or out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or \
+                (config.q_tokens > 1 and out.stride(0) != config.num_qo_heads * out.stride(1)):
+            raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(q.dtype)}"
+                             + (", heads packed (stride(0) = num_qo_heads x stride(1))" if config.q_tokens > 1 else ""))
         if return_lse and lse is None:
             lse = torch.empty(q.shape[0], config.num_qo_heads, dtype=torch.float32, device=q.device)
         if lse is not None and (type(lse) is not _Tensor or lse.shape != (q.shape[0], config.num_qo_heads)
@@ -1209,7 +1266,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             tables = plan.unordered
         entry = _decode_fast(plan.spec, env.debug()) if plan.checked is not None and not as_given else None
         prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
-        op(q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
+        q_op, out_op, lse_op = _token_rows(q, out, plan.no_lse if lse is None else lse, config)
+        op(q_op, k, v, tables, work, merge_indptr, out_op, lse_op, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
            prepared, plan.kv_heads_per_block, plan.cluster, plan.cluster_warps)
         if prepared is not None:  # later calls with this signature take the fast path
@@ -1219,7 +1277,65 @@ class BatchDecodeWithPagedKVCacheWrapper:
             plan.prepared_ptr, plan.device_index, plan.fast = prepared.data_ptr(), q.get_device(), entry[0]
         return (out, lse) if return_lse else out
 
+    def _run_traced(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+                    window_left, sinks, q_len_per_req):
+        """run() as torch.compile traces it: checks of shapes and dtypes only (no addresses,
+        no host caches), then the module's op, which the graph records (a torch op with a
+        fake implementation). It reads plain values that plan() leaves in self._traced; the
+        plan's buffers enter the graph as inputs, so a re-plan between calls changes their
+        contents, not the graph."""
+        traced = self._traced
+        if traced is None:
+            raise RuntimeError("run() before plan(): call plan() with this batch's page table first (outside the "
+                               "compiled region)")
+        op, args, unordered, hq, d, n, q_dtype, kv_dtype, sm_scale, cap, window_planned, per_block, cluster, \
+            cluster_warps = traced
+        if op is None:
+            raise RuntimeError("run() under torch.compile needs plan() on a CUDA device first")
+        if sinks is not None:
+            raise ValueError("sinks: attention sinks are not supported by batch decode yet (expected None)")
+        if q_len_per_req is not None and q_len_per_req != n:
+            raise ValueError(f"q_len_per_req: run() got {q_len_per_req}, plan() was given {n}")
+        if type(paged_kv_cache) is tuple:
+            k, v = paged_kv_cache
+        else:
+            k, v, _ = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        if q.dim() != 3 or q.shape[1] != hq or q.shape[2] != d or q.dtype != q_dtype or k.dtype != kv_dtype:
+            raise ValueError(f"q: expected {dtype_str(q_dtype)} [tokens, {hq}, {d}] and a {dtype_str(kv_dtype)} "
+                             "cache as planned")
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if lse is None:
+            lse = torch.empty((q.shape[0], hq) if return_lse else (0,), dtype=torch.float32, device=q.device)
+        scale = sm_scale * (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
+        logit_scale = scale / cap if cap else scale * _LOG2E
+        window = window_planned if window_left is None else window_left
+        tables, work, merge_indptr, partial_o, partial_lse, soft_cap, rope_scale, rope_theta, grid_items, \
+            merge_rows, counters = args
+        if window >= 0 and unordered is not None:
+            tables = unordered
+        if n > 1:
+            rows = q.shape[0] // n
+            q_op, out_op = q.view(rows, n * hq, d), out.view(rows, n * hq, d)
+            lse_op = lse.view(rows, n * hq) if return_lse else lse
+        else:
+            q_op, out_op, lse_op = q, out, lse
+        op(q_op, k, v, list(tables), work, merge_indptr, out_op, lse_op, partial_o, partial_lse, logit_scale,
+           1.0 if v_scale is None else v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows,
+           counters, self._pdl if enable_pdl is None else enable_pdl, None, per_block, cluster, cluster_warps)
+        return (out, lse) if return_lse else out
+
     forward = run
+    begin_forward = plan  # FlashInfer's older names
+
+    def end_forward(self) -> None:
+        """FlashInfer's older API: nothing to release."""
+
+    def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
+        """run(..., return_lse=True), as FlashInfer names it."""
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    forward_return_lse = run_return_lse
 
     def _merge_counters(self, size: int) -> torch.Tensor:
         """Zeroed int32 counters for the in-kernel merge, kept across plans (the kernel
@@ -1255,12 +1371,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         if q.dtype != config.q_dtype:
             raise TypeError(f"q: planned for {dtype_str(config.q_dtype)}, got {dtype_str(q.dtype)}")
+        n = config.q_tokens
+        per = f" x q_len_per_req {n}" if n > 1 else ""
         if self._use_cuda_graph:
-            if not plan.batch <= q.shape[0] <= plan.capacity:
-                raise ValueError(f"q: batch {q.shape[0]} must lie between the planned {plan.batch} and the "
-                                 f"captured capacity {plan.capacity}")
-        elif q.shape[0] != plan.batch:
-            raise ValueError(f"q: batch size {q.shape[0]} differs from the planned {plan.batch}")
+            if not plan.batch * n <= q.shape[0] <= plan.capacity * n or q.shape[0] % n:
+                raise ValueError(f"q: batch {q.shape[0]} must lie between the planned {plan.batch}{per} and the "
+                                 f"captured capacity {plan.capacity}{per}")
+        elif q.shape[0] != plan.batch * n:
+            raise ValueError(f"q: batch size {q.shape[0]} differs from the planned {plan.batch}{per}")
+        if n > 1 and q.shape[0] > 1 and q.stride(0) != hq * q.stride(1):
+            raise ValueError(f"q: multi-token decode reads a request's tokens as one row of heads: expected "
+                             f"stride(0) = num_qo_heads x stride(1) = {hq * q.stride(1)}, got {q.stride(0)}")
         if q.stride(-1) != 1 or not aligned16(q):
             raise ValueError("q: head_dim must be contiguous and rows 16-byte aligned")
         if cache.k.dtype != config.kv_dtype:
@@ -1281,6 +1402,52 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.q_standard = q.stride() == (hq * d, d, 1)
         plan.no_lse = _empty_f32(q.device)
         return cache.k, cache.v
+
+
+def _token_rows(q, out, lse, config: _Config) -> tuple:
+    """q, out [batch x N, Hq, D] and lse [batch x N, Hq] as the op takes them for N query
+    tokens a request: [batch, N x Hq, D] and [batch, N x Hq] (the heads of a request's tokens
+    in one row; run() checks that the strides allow it). One token: as given."""
+    n = config.q_tokens
+    if n == 1:
+        return q, out, lse
+    rows, hq = q.shape[0] // n, config.num_qo_heads
+    q_op = q.as_strided((rows, n * hq, q.shape[2]), (n * q.stride(0), q.stride(1), q.stride(2)))
+    out_op = out.as_strided((rows, n * hq, out.shape[2]), (n * out.stride(0), out.stride(1), out.stride(2)))
+    return q_op, out_op, lse.view(rows, n * hq) if lse.numel() else lse
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """FlashInfer's CUDA-graph decode wrapper: BatchDecodeWithPagedKVCacheWrapper with
+    use_cuda_graph=True and the caller's fixed page-table buffers (indptr [max_batch + 1],
+    indices [max_pages], last_page_len [max_batch], int32 on the GPU). The first plan()
+    fixes the capacity; a run() captured in a graph replays correctly after later plans of
+    up to that many requests."""
+
+    def __init__(self, workspace_buffer, indptr_buffer, indices_buffer, last_page_len_buffer, kv_layout: str = "NHD",
+                 use_tensor_cores: bool = False):
+        super().__init__(workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+                         paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
+                         paged_kv_last_page_len_buffer=last_page_len_buffer)
+
+
+def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                     page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
+                     q_data_type=None, kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
+                     rope_theta=None, non_blocking: bool = True, fixed_split_size=None, disable_split_kv: bool = False,
+                     global_override_indptr_cpu=None) -> None:
+    """FlashInfer's fast_decode_plan(wrapper, ...) (SGLang's multi-step draft path, which
+    binds it as the wrapper's begin_forward): plan() of `self`, reading the lengths from
+    global_override_indptr_cpu (indptr on the host, no device-to-host copy) when given.
+    plan() itself already makes one host-to-device copy and no other."""
+    if global_override_indptr_cpu is not None:
+        indptr = global_override_indptr_cpu
+    self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+              pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+              q_data_type=q_data_type if q_data_type is not None else (data_type or "float16"),
+              kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
+              rope_theta=rope_theta, non_blocking=non_blocking, fixed_split_size=fixed_split_size,
+              disable_split_kv=disable_split_kv)
 
 
 def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple:
@@ -1356,10 +1523,35 @@ def _raw_stream(device_index: int) -> int:
 _compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
+_SINGLE_PLANS = 32  # single_decode_with_kv_cache's planned wrappers kept (by configuration and length)
+
+
 @functools.cache
-def _single_wrapper(device: torch.device, kv_layout: str) -> BatchDecodeWithPagedKVCacheWrapper:
-    workspace = torch.empty(32 << 20, dtype=torch.uint8, device=device)
-    return BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+def _single_workspace(device: torch.device) -> torch.Tensor:
+    """One workspace per device for single_decode_with_kv_cache's wrappers (their runs are
+    ordered on the caller's stream, as FlashInfer's shared workspace is)."""
+    return torch.empty(32 << 20, dtype=torch.uint8, device=device)
+
+
+_single_plans: dict = {}
+
+
+def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict, kv_layout: str,
+                    device: torch.device) -> BatchDecodeWithPagedKVCacheWrapper:
+    """A wrapper planned for one request of this configuration and length (heads: num_qo_heads,
+    num_kv_heads, head_dim): planned once, so that later calls (and a CUDA graph captured
+    around them, e.g. by torch.compile's reduce-overhead mode) only run. The oldest of
+    _SINGLE_PLANS is dropped past that. key None: planned, not kept."""
+    wrapper = _single_plans.get(key) if key is not None else None
+    if wrapper is None:
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(device), kv_layout)
+        wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=device),
+                     torch.tensor([kv_len], dtype=torch.int32), *heads, max(kv_len, 1), **options)
+        if key is not None:
+            if len(_single_plans) >= _SINGLE_PLANS:
+                _single_plans.pop(next(iter(_single_plans)))
+            _single_plans[key] = wrapper
+    return wrapper
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
@@ -1380,13 +1572,17 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     kv_len = k.shape[0] if kv_layout == "NHD" else k.shape[1]
     num_kv_heads = k.shape[1] if kv_layout == "NHD" else k.shape[0]
-    wrapper = _single_wrapper(q.device, kv_layout)
     dev = q.device
-    wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=dev),
-                 torch.tensor([kv_len], dtype=torch.int32), q.shape[0], num_kv_heads, q.shape[1], max(kv_len, 1),
-                 pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                 q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=sm_scale, rope_scale=rope_scale,
-                 rope_theta=rope_theta)
+    options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                   q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=sm_scale, rope_scale=rope_scale,
+                   rope_theta=rope_theta)
+    heads = (q.shape[0], num_kv_heads, q.shape[1])
+    key = (dev, kv_layout, kv_len) + heads + tuple((v, type(v)) for v in options.values())
+    try:
+        hash(key)
+    except TypeError:  # an unhashable option: planned without the cache (and most likely rejected)
+        key = None
+    wrapper = _single_planned(key, heads, kv_len, options, kv_layout, dev)
     result = wrapper.run(q.unsqueeze(0), (k.unsqueeze(0), v.unsqueeze(0)), q_scale=q_scale, k_scale=k_scale,
                          v_scale=v_scale, return_lse=return_lse)
     if return_lse:
@@ -1394,4 +1590,5 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     return result.squeeze(0)
 
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "plan_split", "plan_cluster"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
+           "single_decode_with_kv_cache", "plan_split", "plan_cluster"]

@@ -37,10 +37,12 @@ def dtype_name(dtype: Any) -> str:
     return text[len("torch."):] if text.startswith("torch.") else text
 
 
-def choice(*values: Any, tag: str = "{}", default: Any = dataclasses.MISSING):
+def choice(*values: Any, tag: str = "{}", default: Any = dataclasses.MISSING, name_default: bool = True):
     """A spec field restricted to `values`; `tag` formats it in the readable name
-    ('hd{}' -> 'hd128'). Dtype values are tagged with their short names."""
-    return field(default=default, metadata={"choices": tuple(values), "tag": tag})
+    ('hd{}' -> 'hd128'). Dtype values are tagged with their short names. name_default=False
+    leaves the default value out of the name (a field added to a family later, so that
+    existing names read as before)."""
+    return field(default=default, metadata={"choices": tuple(values), "tag": tag, "name_default": name_default})
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ class Spec:
             if isinstance(value, bool):
                 if value:
                     parts.append(f.metadata["tag"].format("").strip("_") or f.name)
+                continue
+            if not f.metadata.get("name_default", True) and value == f.default:
                 continue
             if isinstance(value, str):
                 value = DTYPES[value][1] if value in DTYPES else PAGE_TABLE_TAGS.get(value, value)

@@ -12,14 +12,28 @@ from .base import KV_LAYOUTS, PAGE_TABLES, Spec, choice
 GROUP_TILES = (1, 2, 4, 8, 16)
 
 
-def group_tile(num_qo_heads: int, num_kv_heads: int, head_dim: int = 128) -> int:
-    """Query heads one thread block handles per KV head: the GQA group, capped at 16 (8 at
-    head_dim 256; a larger group, e.g. MQA with 32 or 64 query heads, takes several tiles that re-read
-    the same K/V from L2). Every tile runs on tensor cores (the heads are the rows of the
-    mma tiles) unless RoPE is applied in the kernel; see uses_tensor_cores."""
+MAX_Q_TOKENS = 16
+
+
+def max_tile_rows(head_dim: int) -> int:
+    """Rows of a tensor-core decode tile: 16, 8 at head_dim 256 (16 rows x 256 dims of
+    accumulators would spill)."""
+    return 16 if head_dim <= 128 else 8
+
+
+def group_tile(num_qo_heads: int, num_kv_heads: int, head_dim: int = 128, q_tokens: int = 1) -> int:
+    """Query heads one thread block handles per KV head: the GQA group, capped so that its
+    rows (q_tokens x heads, padded to a power of two) fit a tile of max_tile_rows (a larger
+    group, e.g. MQA with 32 or 64 query heads, takes several tiles that re-read the same K/V
+    from L2). Every tile runs on tensor cores (the rows of the mma tiles are (token, head)
+    pairs) unless RoPE is applied in the kernel; see uses_tensor_cores."""
     group = num_qo_heads // num_kv_heads
-    cap = 16 if head_dim <= 128 else 8  # 16 heads x 256 dims of accumulators would spill
-    return max(t for t in GROUP_TILES if group % t == 0 and t <= cap)
+    cap = max_tile_rows(head_dim)
+    return max(t for t in GROUP_TILES if group % t == 0 and _pow2_ceil(t * q_tokens) <= cap)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def uses_tensor_cores(rope: bool) -> bool:
@@ -31,15 +45,16 @@ def uses_tensor_cores(rope: bool) -> bool:
     return not rope
 
 
-def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv_layout: str) -> bool:
+def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv_layout: str,
+                   q_tokens: int = 1) -> bool:
     """Whether a decode module also holds the tensor-core kernel whose blocks take two
     adjacent KV heads (csrc/decode_mma.cuh, kKvHeads = 2): a head's K/V row of <= 128
     bytes in an NHD cache (fp8 at head_dim <= 128, 16-bit at 64), for tiles of 4 or 8
     query heads (16-head tiles need more registers than a pair's block can have). Both
     heads' rows of a token are then requested together, not 128 of every
-    num_kv_heads x 128 bytes."""
+    num_kv_heads x 128 bytes. Multi-token tiles (q_tokens > 1) take one KV head a block."""
     row_bytes = head_dim * (1 if dtype_kv.startswith("float8") else 2)
-    return uses_tensor_cores(rope) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128
+    return uses_tensor_cores(rope) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128 and q_tokens == 1
 
 
 def cluster_blocks(head_dim: int) -> int:
@@ -77,15 +92,24 @@ class DecodeSpec(Spec):
     kv_layout: str = choice(*KV_LAYOUTS, default="NHD")
     rope: bool = choice(False, True, tag="rope", default=False)
     soft_cap: bool = choice(False, True, tag="cap", default=False)
+    # query tokens per request (plan()'s q_len_per_req), causal among themselves
+    q_tokens: int = choice(*range(1, MAX_Q_TOKENS + 1), tag="q{}", default=1, name_default=False)
 
     def check(self) -> None:
         if self.dtype_kv in ("float16", "bfloat16") and self.dtype_kv != self.dtype_q:
             raise ValueError(f"DecodeSpec: a {self.dtype_kv} cache needs q of the same dtype, got {self.dtype_q}")
+        if self.q_tokens > 1:
+            if self.rope:
+                raise ValueError("DecodeSpec: q_tokens > 1 (multi-token decode) runs on tensor cores, without "
+                                 "in-kernel RoPE (rotate q and k before the append instead)")
+            if _pow2_ceil(self.q_tokens * self.group_tile) > max_tile_rows(self.head_dim):
+                raise ValueError(f"DecodeSpec: q_tokens x group_tile = {self.q_tokens} x {self.group_tile} rows exceed "
+                                 f"a tile of {max_tile_rows(self.head_dim)} at head_dim {self.head_dim}")
 
     @property
     def pairs_kv_heads(self) -> bool:
         """Whether the module also holds the paired tensor-core kernel (see pairs_kv_heads)."""
-        return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.rope, self.kv_layout)
+        return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.rope, self.kv_layout, self.q_tokens)
 
     def context(self) -> dict:
         return super().context() | {"pair_kv_heads": self.pairs_kv_heads, "cluster_blocks": cluster_blocks(self.head_dim),
