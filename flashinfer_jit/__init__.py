@@ -32,6 +32,8 @@ _EXPORTS = {
     "rope_quantize_fp8_append_paged_kv_cache": "rope",
     # attention
     "BatchDecodeWithPagedKVCacheWrapper": "decode",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper": "decode",
+    "fast_decode_plan": "decode",
     "single_decode_with_kv_cache": "decode",
     "merge_state": "cascade",
     "merge_states": "cascade",
@@ -49,6 +51,7 @@ _EXPORTS = {
     "ToolchainError": "errors",
     "CacheError": "errors",
     "specs": None,
+    "decode": None,
 }
 
 __all__ = sorted(_EXPORTS)

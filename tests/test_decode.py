@@ -178,6 +178,8 @@ def specs_needed() -> set:
     specs |= {MergeSpec(d, hd) for d in MERGE_DTYPES for hd in MERGE_HEAD_DIMS}
     specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, t, "NHD") for t, _ in ORDER_CASES}
     specs |= {decode_spec(q, kv, 128, h, t, lay, soft_cap=cap is not None) for q, kv, h, t, lay, cap, _ in GROWING_CASES}
+    specs |= {_multi_spec(c) for c in MULTI_CASES}
+    specs.add(DecodeSpec("bfloat16", "bfloat16", 128, 4, q_tokens=4))  # the multi-token CUDA-graph replay
     specs.add(PageOrderSpec())  # plan()'s page reordering
     return specs
 
@@ -1327,7 +1329,8 @@ def test_tests_matrix_has_every_decode_module():
     missing = sorted(s.name for s in needed - have)
     assert not missing, f"scripts/matrices/tests lacks {missing}"
     decode = {s for s in needed if isinstance(s, DecodeSpec)}
-    assert len(decode) <= 40, f"{len(decode)} decode modules; keep the tests' build moderate"
+    # 7 of them multi-token (q_len_per_req) modules
+    assert len(decode) <= 48, f"{len(decode)} decode modules; keep the tests' build moderate"
 
 
 # --- argument checks (no GPU: they fire before any build or launch) ------------------------------
@@ -1479,3 +1482,135 @@ def test_op_check_failures_raise_instead_of_crashing():
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "kv_heads_per_block RAISED kv_heads_per_block: expected 1 or 2, got 3" in proc.stdout, proc.stdout
     assert "cluster RAISED cluster_size: expected 1" in proc.stdout, proc.stdout
+
+
+# --- multi-token decode (plan(q_len_per_req=N)) ----------------------------------------------------
+# (q, kv, head_dim, heads, page table, KV layout, soft cap, N, page size, window_left, split)
+MULTI_CASES = [
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", None, 4, 16, -1, "auto"),  # 4 tokens x 4 heads: 16 rows
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", None, 4, 16, -1, "fixed64"),  # split, merged in the kernel
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", None, 4, 16, 37, "auto"),  # a window per token
+    ("bfloat16", "bfloat16", 128, (32, 8), "csr", "NHD", None, 2, 16, -1, "auto"),  # 8 rows
+    ("float16", "float8_e4m3fn", 128, (32, 16), "block_table_kv_separate", "NHD", 30.0, 3, 16, -1, "fixed64"),
+    ("bfloat16", "bfloat16", 128, (64, 8), "block_table", "HND", None, 4, 7, -1, "auto"),  # 2 tiles a KV head
+    ("float16", "float16", 128, (8, 8), "csr", "NHD", None, 16, 16, -1, "auto"),  # MHA: 16 tokens x 1 head
+    ("bfloat16", "bfloat16", 256, (16, 8), "csr", "HND", None, 4, 16, -1, "fixed64"),  # 8 rows at head_dim 256
+    ("float16", "float16", 64, (32, 8), "csr", "NHD", None, 5, 16, -1, "auto"),  # 5 x 2 heads: 10 of 16 rows
+]
+
+
+def _multi_spec(c) -> DecodeSpec:
+    q, kv, hd, heads, table, layout, cap, n = c[:8]
+    return DecodeSpec(q, kv, hd, group_tile(*heads, hd, n), table, layout, False, cap is not None, n)
+
+
+def _visible_keys(lens, n_tok: int, window_left: int = -1) -> list[int]:
+    """Keys each query row of a multi-token batch sees (0: zeros and -inf expected)."""
+    rows = []
+    for n in lens:
+        for t in range(n_tok):
+            pos = n - n_tok + t
+            seen = max(0, pos + 1) if n else 0
+            rows.append(min(seen, window_left + 1) if window_left >= 0 else seen)
+    return rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MULTI_CASES,
+                         ids=lambda c: f"{SHORT[c[0]]}-{SHORT[c[1]]}-hd{c[2]}-{c[3][0]}x{c[3][1]}-{TABLE_TAG[c[4]]}-"
+                                       f"{c[5]}-q{c[7]}-p{c[8]}" + ("-cap" if c[6] else "") +
+                                       (f"-w{c[9]}" if c[9] >= 0 else "") + (f"-{c[10]}" if c[10] != "auto" else ""))
+def test_batch_decode_multi_token(case, workspace):
+    """N query tokens a request, causal among themselves, against the float64 reference:
+    random lengths (one padding request of length 0, one shorter than N, one of exactly N),
+    NaN-poisoned outputs, unused pages NaN."""
+    q_name, kv_name, d, (hq, hk), table_layout, kv_layout, cap, n_tok, ps, window, split = case
+    seed = sum(map(ord, str(case)))
+    rnd = random.Random(seed)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q_dtype, kv_dtype = _dtype(q_name), _dtype(kv_name)
+    lens = [rnd.randint(n_tok, 700) for _ in range(9)] + [0, n_tok - 1, n_tok, 1537]
+    rnd.shuffle(lens)
+    batch = len(lens)
+    num_pages = sum(-(-n // ps) for n in lens) + 5
+    paged = make_page_table(table_layout, lens, ps, num_pages, rnd)
+    cache, k_cache, v_cache = make_cache("tuple", kv_layout, num_pages, ps, hk, d, kv_dtype, gen)
+    nan_pages(k_cache, paged.k_unused)
+    nan_pages(v_cache, paged.v_unused)
+    q = _randn((batch * n_tok, hq, d), q_dtype, gen, 4.0 if cap else 1.0)
+    scales = dict(k_scale=0.5, v_scale=2.0) if kv_dtype.itemsize == 1 else {}
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, window_left=window,
+                 logits_soft_cap=cap, q_data_type=q_dtype, kv_data_type=kv_dtype, q_len_per_req=n_tok,
+                 **_split_kwargs(split))
+    assert wrapper._plan.spec == _multi_spec(case)
+    out_buf, out = poisoned((batch * n_tok, hq, d), q_dtype)
+    lse_buf, lse = poisoned((batch * n_tok, hq), torch.float32)
+    for _ in range(2):  # the op, then run()'s fast path
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        result, result_lse = wrapper.run(q, cache, out=out, lse=lse, return_lse=True, **scales)
+        torch.cuda.synchronize()
+        assert result.data_ptr() == out.data_ptr() and result_lse.data_ptr() == lse.data_ptr()
+        assert_sentinels(out_buf, "out")
+        assert_sentinels(lse_buf, "lse")
+        ref_out, ref_lse = decode_ref(q, k_cache, v_cache, paged.table, lens, kv_layout, None, window, cap,
+                                      q_len_per_req=n_tok, **scales)
+        check_decode(out, lse, ref_out, ref_lse, _visible_keys(lens, n_tok, window), q_dtype)
+
+
+@pytest.mark.gpu
+def test_batch_decode_multi_token_cuda_graph_replay(workspace):
+    """A run() of 4 tokens a request captured at capacity 8, replayed after plans of fewer
+    requests and other lengths (the unused rows of q stay as they are)."""
+    hq, hk, d, ps, n_tok = 32, 8, 128, 16, 4
+    rnd = random.Random(44)
+    gen = torch.Generator(device=DEV).manual_seed(44)
+    capacity, num_pages = 8, 8 * 140 + 8
+    k_cache = _randn((num_pages, ps, hk, d), torch.bfloat16, gen)
+    v_cache = _randn((num_pages, ps, hk, d), torch.bfloat16, gen)
+    indptr_buf = torch.zeros(capacity + 1, dtype=torch.int32, device=DEV)
+    indices_buf = torch.zeros(num_pages, dtype=torch.int32, device=DEV)
+    last_buf = torch.zeros(capacity, dtype=torch.int32, device=DEV)
+    wrapper = fij.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(workspace, indptr_buf, indices_buf, last_buf, "NHD")
+    q = _randn((capacity * n_tok, hq, d), torch.bfloat16, gen)
+    out = torch.full_like(q, float("nan"))
+    graph = None
+    for lens in ([rnd.randint(4, 2000) for _ in range(capacity)], [5, 1200, 4, 0, 2222], [3000, 17]):
+        paged = make_page_table("csr", lens, ps, num_pages, rnd)
+        wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
+                     q_data_type=torch.bfloat16, q_len_per_req=n_tok)
+        q.copy_(_randn(q.shape, torch.bfloat16, gen))
+        out.fill_(float("nan"))
+        if graph is None:
+            graph = _graph_of(lambda: wrapper.run(q, (k_cache, v_cache), out=out))
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = len(lens) * n_tok
+        ref_out, _ = decode_ref(q[:rows], k_cache, v_cache, paged.table, lens, "NHD", q_len_per_req=n_tok)
+        check_decode(out[:rows], None, ref_out, None, _visible_keys(lens, n_tok), torch.bfloat16)
+
+
+def test_multi_token_plan_rejects_what_it_cannot_run():
+    """q_len_per_req: an int in 1..16 (8 at head_dim 256), without in-kernel RoPE; run()
+    with another value than planned, or q of the wrong row count: errors before any launch."""
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), "NHD")
+    table = dict(indptr=torch.tensor([0, 2], dtype=torch.int32), indices=torch.tensor([0, 1], dtype=torch.int32),
+                 last_page_len=torch.tensor([3], dtype=torch.int32))
+    base = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_data_type=torch.bfloat16)
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match="q_len_per_req"):
+            w.plan(**table, **base, q_len_per_req=bad)
+    with pytest.raises(ValueError, match="pos_encoding_mode"):
+        w.plan(**table, **base, q_len_per_req=4, pos_encoding_mode="ROPE_LLAMA")
+    with pytest.raises(ValueError, match="at most 8 tokens at head_dim 256"):
+        w.plan(**table, **(base | dict(head_dim=256)), q_len_per_req=9)
+    assert group_tile(32, 8, 128, 4) == 4 and group_tile(64, 8, 128, 4) == 4 and group_tile(32, 8, 64, 5) == 2
+    assert group_tile(8, 8, 128, 16) == 1 and group_tile(16, 8, 256, 4) == 2
+    spec = DecodeSpec("bfloat16", "bfloat16", 128, 4, q_tokens=4)
+    assert spec.name.endswith("_q4") and "_q" not in DecodeSpec("bfloat16", "bfloat16", 128, 4).name
+    assert not spec.pairs_kv_heads
+    with pytest.raises(ValueError, match="rows exceed"):
+        DecodeSpec("bfloat16", "bfloat16", 128, 8, q_tokens=4).validate()
+    with pytest.raises(ValueError, match="RoPE"):
+        DecodeSpec("bfloat16", "bfloat16", 128, 4, rope=True, q_tokens=2).validate()

@@ -14,6 +14,10 @@ everything is vectorized over heads and tokens, in float64 on the caches' device
   out = sum_j softmax(logits)_j * v_j * v_scale,  lse = log2(sum_j exp(logits_j))
 fp8 K/V are dequantized as float(value). A request of length 0: out zeros, lse -inf.
 Query head h reads KV head h // (num_qo_heads // num_kv_heads).
+
+q_len_per_req N (multi-token decode): q holds N rows a request (request-major); row t of
+request b sits at position kv_len - N + t and sees keys 0 .. kv_len - N + t (and, with a
+window, from kv_len - N + t - w); a row that sees no key gives zeros and -inf.
 """
 
 from __future__ import annotations
@@ -86,18 +90,20 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, rope_scale: float, rope_thet
 
 def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="NHD", sm_scale=None,
                window_left=-1, logits_soft_cap=None, pos_encoding_mode="NONE", rope_scale=1.0,
-               rope_theta=1e4, k_scale=1.0, v_scale=1.0, q_scale=1.0):
-    """(out float32 [B, Hq, D], lse float32 [B, Hq], base 2) on q's device.
+               rope_theta=1e4, k_scale=1.0, v_scale=1.0, q_scale=1.0, q_len_per_req=1):
+    """(out float32 [B x N, Hq, D], lse float32 [B x N, Hq], base 2) on q's device.
 
-    q [B, Hq, D]; k_cache/v_cache NHD or HND (for a single [P, 2, ...] tensor pass its
-    [:, 0] and [:, 1]); kv_lens [B] (tensor or list). None for a scale or a RoPE
-    parameter means its default, as in the API.
+    q [B x N, Hq, D] (N = q_len_per_req); k_cache/v_cache NHD or HND (for a single
+    [P, 2, ...] tensor pass its [:, 0] and [:, 1]); kv_lens [B] (tensor or list). None for
+    a scale or a RoPE parameter means its default, as in the API.
     """
     if kv_layout not in ("NHD", "HND"):
         raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
     if pos_encoding_mode not in ("NONE", "ROPE_LLAMA"):
         raise ValueError(f"pos_encoding_mode: expected 'NONE' or 'ROPE_LLAMA', got {pos_encoding_mode!r}")
-    batch, num_qo_heads, head_dim = q.shape
+    n_tok = q_len_per_req
+    rows, num_qo_heads, head_dim = q.shape
+    batch = rows // n_tok
     page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
     num_kv_heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
     if num_qo_heads % num_kv_heads:
@@ -111,10 +117,14 @@ def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="N
     lens = kv_lens.tolist() if isinstance(kv_lens, torch.Tensor) else list(kv_lens)
     table = PageTable(page_table.layout, tuple(t.cpu() for t in page_table.tensors), page_table.batch_size)
     device = k_cache.device
-    out = torch.zeros(batch, num_qo_heads, head_dim, dtype=torch.float64, device=device)
-    lse = torch.full((batch, num_qo_heads), -math.inf, dtype=torch.float64, device=device)
+    out = torch.zeros(rows, num_qo_heads, head_dim, dtype=torch.float64, device=device)
+    lse = torch.full((rows, num_qo_heads), -math.inf, dtype=torch.float64, device=device)
     for b, n in enumerate(lens):
         if n == 0:
+            continue
+        if n_tok > 1:
+            _multi_token_rows(q, k_cache, v_cache, table, b, n, n_tok, kv_layout, page_size, scale, v_scale,
+                              window_left, logits_soft_cap, out, lse)
             continue
         k_pages, v_pages = request_pages_ref(table, b, -(-n // page_size))
         k = gather_rows_ref(k_cache, k_pages, n, kv_layout)
@@ -135,6 +145,36 @@ def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="N
         out[b] = (torch.einsum("kgn,nkd->kgd", p, v) * v_scale).reshape(num_qo_heads, head_dim)
         lse[b] = (lse_e / LN2).reshape(num_qo_heads)
     return out.float().to(q.device), lse.float().to(q.device)
+
+
+def _multi_token_rows(q, k_cache, v_cache, table, b, n, n_tok, kv_layout, page_size, scale, v_scale, window_left,
+                      logits_soft_cap, out, lse) -> None:
+    """Rows b x N .. b x N + N - 1 of decode_ref's out and lse for request b (n keys)."""
+    device = k_cache.device
+    num_qo_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
+    group = num_qo_heads // num_kv_heads
+    k_pages, v_pages = request_pages_ref(table, b, -(-n // page_size))
+    k = gather_rows_ref(k_cache, k_pages, n, kv_layout)
+    v = gather_rows_ref(v_cache, v_pages, n, kv_layout)
+    keys = torch.arange(n, device=device)
+    for t in range(n_tok):
+        row = b * n_tok + t
+        pos = n - n_tok + t
+        keep = keys <= pos
+        if window_left >= 0:
+            keep &= keys >= pos - window_left
+        if not bool(keep.any()):
+            continue
+        qg = q[row].to(device).double().view(num_kv_heads, group, head_dim)
+        logits = torch.einsum("kgd,nkd->kgn", qg, k) * scale
+        if logits_soft_cap is not None and logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        logits = logits.masked_fill(~keep, -math.inf)
+        lse_e = torch.logsumexp(logits, dim=-1)
+        p = torch.exp(logits - lse_e[..., None])
+        out[row] = (torch.einsum("kgn,nkd->kgd", p, v) * v_scale).reshape(num_qo_heads, head_dim)
+        lse[row] = (lse_e / LN2).reshape(num_qo_heads)
 
 
 def merge_state_ref(v_a, s_a, v_b, s_b):
