@@ -1536,6 +1536,11 @@ def _single_workspace(device: torch.device) -> torch.Tensor:
 _single_plans: dict = {}
 
 
+@functools.cache
+def _allocation_stream(device: torch.device):
+    return torch.cuda.Stream(device)
+
+
 def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict, kv_layout: str,
                     device: torch.device) -> BatchDecodeWithPagedKVCacheWrapper:
     """A wrapper planned for one request of this configuration and length (heads: num_qo_heads,
@@ -1544,9 +1549,18 @@ def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict,
     _SINGLE_PLANS is dropped past that. key None: planned, not kept."""
     wrapper = _single_plans.get(key) if key is not None else None
     if wrapper is None:
-        wrapper = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(device), kv_layout)
-        wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=device),
-                     torch.tensor([kv_len], dtype=torch.int32), *heads, max(kv_len, 1), **options)
+        # Its buffers live on after the call: allocated from a side stream, so that they stay
+        # out of a CUDA-graph memory pool that routes the current stream's allocations (the
+        # warm-up of torch.compile's reduce-overhead mode counts them as leaked otherwise).
+        current = torch.cuda.current_stream(device)
+        side = _allocation_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            wrapper = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(device), kv_layout)
+            wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=device),
+                         torch.tensor([kv_len], dtype=torch.int32), *heads, max(kv_len, 1), **options)
+            _empty_f32(device)  # run()'s placeholder LSE, kept per device
+        current.wait_stream(side)
         if key is not None:
             if len(_single_plans) >= _SINGLE_PLANS:
                 _single_plans.pop(next(iter(_single_plans)))
