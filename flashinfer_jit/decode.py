@@ -1350,15 +1350,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return counters
 
     def _partial_views(self, num_qo_heads: int, head_dim: int):
-        """Split-KV's partial outputs [rows, heads, head_dim] and LSEs [rows, heads] (float32)
-        as views of the workspace; rows = as many as it holds. (The tensor-core kernel's own
-        merge of a bf16 output packs its partial outputs as bf16 at the front of the view.)"""
+        """Split-KV's partial outputs [rows, heads, head_dim] (float32; the tensor-core
+        kernel's own merge of a bf16 output packs them as bf16 at the front) as a view of
+        the workspace, rows = as many as it holds, and their LSEs [rows, heads] (float32) in
+        a buffer of the wrapper's own. Not both in the workspace: a run() under
+        torch.compile hands the op both as mutated inputs, and two mutated views of one
+        buffer become a synthetic base that the graph copies whole (and, seen with torch
+        2.11's inductor, read past its end)."""
+        # (rows as when the LSEs shared the workspace: the same plans, whatever the buffer)
         rows = self._workspace.numel() * self._workspace.element_size() // ((num_qo_heads * head_dim + num_qo_heads) * 4)
         flat = self._workspace.view(torch.uint8).view(torch.float32) if self._workspace.dtype == torch.uint8 \
             else self._workspace.view(torch.float32)
         o = flat[: rows * num_qo_heads * head_dim].view(rows, num_qo_heads, head_dim)
-        s = flat[rows * num_qo_heads * head_dim:][: rows * num_qo_heads]
-        return o, s.view(rows, num_qo_heads)
+        need = rows * num_qo_heads
+        lse = getattr(self, "_partial_lse_buf", None)
+        if lse is None or lse.numel() < need:
+            if lse is not None and self._use_cuda_graph:
+                raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
+            lse = self._partial_lse_buf = torch.empty(need, dtype=torch.float32, device=self._device)
+        return o, lse[:need].view(rows, num_qo_heads)
 
     def _check_run(self, q, paged_kv_cache, plan: _Plan):
         """run()'s checks in full; returns the cache's (k, v) and remembers the signature
