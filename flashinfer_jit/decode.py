@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -1546,9 +1547,27 @@ def _single_workspace(device: torch.device) -> torch.Tensor:
 _single_plans: dict = {}
 
 
-@functools.cache
-def _allocation_stream(device: torch.device):
-    return torch.cuda.Stream(device)
+def _outside_graph_pool(fn, device: torch.device):
+    """fn() in a helper thread on the caller's current stream (so in stream order): its
+    allocations, which outlive the call, then stay out of a CUDA-graph memory pool that
+    routes the calling thread's allocations (torch.compile's reduce-overhead warm-up counts
+    them as leaked otherwise). Exceptions reach the caller."""
+    stream = torch.cuda.current_stream(device)
+    result, error = [], []
+
+    def target():
+        try:
+            with torch.cuda.stream(stream):
+                result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="flashinfer_jit-plan")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict, kv_layout: str,
@@ -1559,18 +1578,14 @@ def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict,
     _SINGLE_PLANS is dropped past that. key None: planned, not kept."""
     wrapper = _single_plans.get(key) if key is not None else None
     if wrapper is None:
-        # Its buffers live on after the call: allocated from a side stream, so that they stay
-        # out of a CUDA-graph memory pool that routes the current stream's allocations (the
-        # warm-up of torch.compile's reduce-overhead mode counts them as leaked otherwise).
-        current = torch.cuda.current_stream(device)
-        side = _allocation_stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            wrapper = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(device), kv_layout)
-            wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=device),
-                         torch.tensor([kv_len], dtype=torch.int32), *heads, max(kv_len, 1), **options)
+        def planned():
+            w = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(device), kv_layout)
+            w.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=device),
+                   torch.tensor([kv_len], dtype=torch.int32), *heads, max(kv_len, 1), **options)
             _empty_f32(device)  # run()'s placeholder LSE, kept per device
-        current.wait_stream(side)
+            return w
+
+        wrapper = _outside_graph_pool(planned, device)
         if key is not None:
             if len(_single_plans) >= _SINGLE_PLANS:
                 _single_plans.pop(next(iter(_single_plans)))
