@@ -5,9 +5,8 @@
 // query heads are the rows of an mma.sync tile, so one K/V element costs a fraction of a
 // tensor-core instruction whatever the group. Tiles of 1 or 2 heads leave more of the
 // tile's rows idle but run the same instructions per K/V byte as a 4-head tile, and beat
-// the CUDA-core kernel there too (H100, bf16 q: MHA 32/32 b=1 kv=2k 19.0 -> 16.6 us, b=64
-// kv=2k 747 -> 714, an fp8 cache at group 2 b=64 kv=4k 549 -> 364; fp8 arithmetic was
-// the CUDA-core kernel's limit):
+// the CUDA-core kernel there too, most of all with fp8 caches, whose arithmetic limited
+// the CUDA-core kernel (docs/decode.md). The two products:
 //   S   = Q K^T    m16n8k16: rows = query heads (16, padded: group 4 and 8 leave rows
 //                  idle, which costs nothing that matters), cols = a warp's 8 tokens
 //   O^T = V^T P^T  m16n8k8 (k16 for fp8): rows = head_dim, cols = query heads, k = the
@@ -70,8 +69,8 @@ struct DecodeMmaTraits {
   // on the same tokens) when a head's row is 128 bytes or less in an NHD cache. Two heads'
   // rows of a token are then adjacent in memory and requested together: an fp8 head_dim
   // 128 row alone (128 of every 1024 bytes at 8 KV heads) reached ~5% less of the DRAM
-  // bandwidth than with pairs at large batch (b=256: 2.85 -> 3.0 TB/s). A paired block is
-  // two blocks' worth of warps, stages and registers, so an SM holds as many warps.
+  // bandwidth than pairs at large batch (docs/decode.md). A paired block is two blocks'
+  // worth of warps, stages and registers, so an SM holds as many warps.
   static constexpr int kKvHeads = KvHeads;
   // Blocks per thread-block cluster along the grid's y (work items), 1 = none. A request
   // split over a cluster (plan(): small batches, one chunk per block of the cluster) is
@@ -83,10 +82,9 @@ struct DecodeMmaTraits {
   static constexpr int kCluster = Cluster;
   static constexpr int kSlice = HeadDim / Cluster;
   // Warps on one KV head's tokens: 4, or 8 for clusters whose blocks read more than 64 KB
-  // (plan()'s choice). One block per SM with 4 warps (one a scheduler) streamed ~25-30
-  // GB/s, its per-tile latency chain unhidden: 8 warps took b=1 kv=2k (128 KB a block)
-  // 7.29 -> 7.09 us, GQA-8 8.32 -> 6.73 (H100); at <= 64 KB a block 4 warps stay faster
-  // (kv=512 4.18 against 4.45 us), and 16 warps lost everywhere (kv=2k 8.66).
+  // (plan()'s choice). A block alone on its SM with 4 warps (one a scheduler) leaves its
+  // per-tile latency chain unhidden; 8 warps hide it, but at <= 64 KB a block 4 warps stay
+  // faster (docs/decode.md).
   static constexpr int kWarpsPerHead = WarpsPerHead;
   // The cluster split's 8-warp kernel ("wide"): one block per SM on at most half the SMs
   // (plan()), each streaming twice a split block's rate; its main loop takes its page ids
@@ -113,18 +111,13 @@ struct DecodeMmaTraits {
   static constexpr int kMTiles = HeadDim / 16;       // 16-dim row tiles of O^T
   // S = Q K^T accumulates in two independent chains (alternate k-steps) for 16-bit caches:
   // a block alone on its SM (small batches) is bound by each warp's latency chain per
-  // tile, and one chain of 8 dependent mma was the longest part of it. H100, same-machine
-  // A/B: b=1 kv=2k bf16 8.28 -> 7.60 us, kv=8k 17.7 -> 17.3, b=16 kv=2k 50.6 -> 50.0, a
-  // single block per head (kv=2k unsplit) 45.4 -> 40.5; b=64 level. Four chains gained
-  // nothing more; fp8 tiles already have two n-tiles (two chains), and more spilled.
+  // tile, and one chain of 8 dependent mma was the longest part of it (docs/decode.md).
+  // fp8 tiles already have two n-tiles (two chains).
   static constexpr int kSChains = kNTiles == 1 && kChunksPerRow >= 8 ? 2 : 1;
   // The warps' merge: padding of the O rows in shared memory (floats); each thread then
-  // merges and stores 4 output dims. Unpadded, a warp's stores of its O accumulators (rows
-  // 2c, 2c + 1 of lanes c) fell 4-way (16-bit) or 16-way (fp8) on the same banks. H100,
-  // same-machine A/B: padded by 4 floats and 4 dims a thread (8 before: twice the threads
-  // share the merge), bf16 b=1 kv=2k 7.08 -> 6.42 us (8-warp clusters), 7.37 -> 7.14
-  // (split), kv=32k 50.5 -> 49.9, fp8 b=64 kv=4k 187.4 -> 185.4, bf16 356.1 -> 355.4; 8
-  // dims a thread with the padding: 6.57.
+  // merges and stores 4 output dims (twice the threads of 8 dims a thread). Unpadded, a
+  // warp's stores of its O accumulators (rows 2c, 2c + 1 of lanes c) fell 4-way (16-bit)
+  // or 16-way (fp8) on the same banks (docs/decode.md).
   static constexpr int kORowPad = 4;
   static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
   // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
@@ -144,26 +137,22 @@ struct DecodeMmaTraits {
   static constexpr int kSmemBytes = kRecvOffset + kRecvBytes;
   // Blocks per SM the registers must allow (128 threads each; twice that paired): 4 at
   // head_dim <= 128 (128 registers), but 3 for 16-head tiles, whose 64 O accumulators a
-  // lane spilled at 128 registers (bf16 96 bytes, fp8 with the soft cap 196); 2 at 256.
+  // lane spilled at 128 registers; 2 at 256.
   // (In units of 4-warp blocks: a paired or 8-warp block counts twice, at least one.)
   static constexpr int kMinBlocks4 = HeadDim <= 128 ? (kRows == 16 ? 3 : 4) : 2;
   // The 8-warp kernel runs one block per SM but keeps room for two: under PDL the next
-  // grid's blocks wait beside it. With one block's bound it took 144 registers and lost
-  // (H100, b=1: kv=2k 5.95 -> 7.14 us, kv=8k 15.0 -> 16.7, kv=32k 48.0 -> 48.5), as stages
-  // past ~100 KB of shared memory did.
+  // grid's blocks wait beside it. With one block's bound it took 144 registers and ran
+  // slower, as stages past ~100 KB of shared memory did (docs/history/decode.md).
   static constexpr int kMinBlocksPerSM = kMinBlocks4 / (kWarps / 4) > 0 ? kMinBlocks4 / (kWarps / 4) : 1;
   // A grid whose K/V fit in this many bytes prefetches them into L2 before
-  // griddepcontrol.wait, under a programmatic dependent launch (see the prologue). Measured
-  // on the H100 (b=1, 8 KV heads, A/B over budgets of 0-24 MB): 16 MB paid for fp8 (kv=8k
-  // 14.2 -> 13.3 us, b=16 kv=512 16.7 -> 15.9) but lost for bf16 (kv=4k 12.1 -> 12.6, GQA-8
-  // 14.0 -> 14.4); 8 MB kept bf16 kv=2k's gain (8.7 -> 8.1) and fp8 kv=4k's (11.2 -> 10.5).
+  // griddepcontrol.wait, under a programmatic dependent launch (see the prologue). From a
+  // sweep of budgets of 0-24 MB on the H100: 16 MB paid for fp8 but not for bf16, 8 MB kept
+  // bf16's gain (docs/decode.md).
   static constexpr int64_t kPrefetchBytes = int64_t(kFp8 ? 16 : 8) << 20;
   // The in-kernel merge's partial outputs are stored in bf16 when the output is bf16 (as
   // FlashInfer stores its tmp_v in the output dtype): half the bytes written by every
-  // block and read by the last one took 0.3-0.4 us off each split case on the H100 (b=1
-  // kv=32k 50.4 -> 50.0 us, b=16 kv=2k 49.9 -> 49.5, fp8 kv=32k 30.3 -> 30.0, in two
-  // same-machine A/B pairs; a one-replay timeline did not place the gain: its merge step
-  // took 1.24 us against 1.26). A bf16 output rounds to the same 8 bits anyway; fp16
+  // block and read by the last one took a little off each split case on the H100
+  // (docs/decode.md). A bf16 output rounds to the same 8 bits anyway; fp16
   // outputs keep float32 partials (fp16's range could clip a partial that the output's
   // average would not).
   static constexpr bool kBf16Partials = std::is_same_v<Q, __nv_bfloat16>;
@@ -449,14 +438,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const int page_shift = __ffs(page_size) - 1;
   const int32_t* k_row = table.k_row(b);
   const int32_t* v_row = kSeparate ? table.v_row(b) : k_row;
-  // The wide kernel reads its page ids through the read-only path (ld.global.nc). Its blocks
-  // stream ~47 GB/s each, a split block ~23, and the lookups held them back: H100, b=1
-  // kv=32k (2 MB a block), the kernel with page ids computed instead of read (an identity
-  // page table) ran 47.6 us against 52.0 with them read through L1; through the read-only
-  // path, with the main loop below, 49.7 against 52.9 (random pages), kv=8k 15.0 against
-  // 16.5. (Every page id of a chunk in two registers a lane, read by shuffles, lost to it:
-  // 50.9 and 15.7. Nor are the lookups what holds the loop back: on an identity table,
-  // ids computed from the row's first one ran kv=32k in 50.1 us against 47.8 looked up.)
+  // The wide kernel reads its page ids through the read-only path (ld.global.nc): each of
+  // its blocks streams about twice a split block's rate, and lookups through L1 held them
+  // back (docs/decode.md).
   auto page_id = [](const int32_t* row, int logical) {
     if constexpr (Traits::kWide) {
       return __ldg(row + logical);
@@ -478,15 +462,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   };
   // The wide kernel finds token j's page (j / page_size) as the high half of j x
   // page_magic, which is exact or one short for every 0 <= j < 2^31 and page size, then
-  // corrected by its remainder: one main-loop body for every page size. With the uniform
-  // branch between shifts (power-of-two pages) and a division, both bodies stayed in its
-  // loop (482 instructions, 370 now) and it lost to them: H100, same-machine A/B, b=1
-  // kv=2k 6.42 -> 6.10 us, kv=8k 15.42 -> 15.10, kv=32k 49.94 -> 49.66. The split kernels
-  // keep the branch: at b=1 they were level, at b=256 the multiply-high cost them 0.2-0.3%
-  // (kv=4k 1414.0 -> 1417.9 us, kv=2k 711.3 -> 714.0, two rounds each). Its loop below
-  // repeats lookup_as's on purpose: one loop for both, given each kernel's token -> page
-  // function, compiled the 8-warp kernel otherwise and cost it (3 same-machine A/B pairs:
-  // kv=2k 6.10 -> 6.14 us, GQA-8 kv=32k 50.25 -> 50.39, kv=32k level).
+  // corrected by its remainder: one main-loop body for every page size, where the uniform
+  // branch between shifts (power-of-two pages) and a division kept both bodies in its loop
+  // and slowed it. The split kernels keep the branch (the multiply-high cost them a little
+  // at large batch). Its loop below repeats lookup_as's on purpose: one loop for both
+  // compiled the 8-warp kernel otherwise and slowed it (docs/history/decode.md).
   const uint32_t page_magic = 0xFFFFFFFFu / static_cast<uint32_t>(page_size);
   auto lookup = [&](int tile, Pages& pg) {
     if constexpr (Traits::kWide) {
@@ -542,10 +522,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // A small grid (its K/V within kPrefetchBytes, each block's chunk within its equal
   // share) launched as a programmatic dependent launch brings its chunk into L2 now, a
   // thread a token, while the kernel before it still runs: the first tiles then come
-  // from L2 (b=1 kv=2k: 8.8 -> 8.2 us, H100). Larger grids do not: the prefetched lines
-  // were evicted before use while the kernel before streamed its own (b=1 kv=32k 51.4 ->
-  // 54.8 us with 16 MB of the first tokens), and without a dependent launch nothing
-  // overlaps (b=1 kv=2k 9.9 -> 11.9 us). Safe before the wait even if the kernel before
+  // from L2. Larger grids do not: the prefetched lines were evicted before use while the
+  // kernel before streamed its own, and without a dependent launch nothing overlaps
+  // (docs/decode.md). Safe before the wait even if the kernel before
   // writes K/V: a prefetch moves nothing into this block, every write lands in L2, and
   // the copies below read L2.
   if (p.dependent_launch) {
@@ -581,9 +560,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // prologue on the critical path of small grids.)
   pdl_trigger();
   // The first tile's copies go out before q is loaded, the rest after: with q's loads
-  // queued behind every prologue copy the first S waited longer (b=1 kv=2k, clusters of
-  // 8 with 5 tiles in flight: fp8 6.8 -> 7.1 us), and with all of them after q the first
-  // tile arrived later (bf16, 3 stages: 7.6 -> 7.35 us with one tile first; H100).
+  // queued behind every prologue copy the first S waited longer, and with all of them
+  // after q the first tile arrived later.
   const Q* q_rows = static_cast<const Q*>(p.q) + b * p.q_stride_b + head0 * p.q_stride_h;  // row r: + r q_row_stride
   const int q_row_stride = p.q_stride_h;  // in 32 bits (the tile's rows are < 16 heads apart)
   if (num_tiles > 0) issue(0, first[0]);
@@ -593,12 +571,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // k-step P*kStepsPerChunk + h, lane (g, c): a0/a2 = q[g][E*(4P+c) + 4h + {0,1} / {2,3}],
   // a1/a3 the same for row g + 8 (zero unless the tile has 16 heads).
   // A 1-head tile's row count is hidden from the compiler here. Seeing that only row 0
-  // (lanes 0-3) loads, and rows 8-15 never, it allocated the kernel's registers otherwise
-  // and spilled 8-28 bytes at the 128-register cap (3-5 spilled words reloaded a tile in
-  // the main loop), in every kernel of the tile, bf16 and fp8 alike (nvcc 13.0, sm_90a).
-  // With the count opaque (both halves: hiding row 0's alone still spilled) none spills on
-  // a CSR or block table; with separate K and V page ids the spills fell (fp8 44 -> 12 B)
-  // except in the 4-warp cluster kernel (bf16 36 -> 140 B), which keeps the count visible.
+  // (lanes 0-3) loads, and rows 8-15 never, nvcc 13.0 (sm_90a) allocated the kernel's
+  // registers otherwise and spilled at the 128-register cap, in every kernel of the tile.
+  // With the count opaque (both halves) none spills on a CSR or block table and fewer with
+  // separate K and V page ids, except in the 4-warp cluster kernel with separate ids,
+  // which spills more that way and keeps the count visible.
   int tile_rows = Traits::kLiveRows;
   if constexpr (Traits::kRows == 1 && !(kSeparate && Traits::kCluster > 1 && !Traits::kWide))
     asm("" : "+r"(tile_rows));
@@ -663,9 +640,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     if constexpr (Traits::kWide) {
       // The next page ids first (their loads ahead of this tile's copies), then the copies
       // into the stage of the tile before (this warp is done with its rows there), then
-      // the wait for this tile: all kStages tiles in flight during the wait. H100, b=1
-      // kv=32k: 53.0 -> 50.3 us with the lookups still through L1, 49.7 through the
-      // read-only path (the split kernels, two blocks an SM, gained nothing from the order).
+      // the wait for this tile: all kStages tiles in flight during the wait (the split
+      // kernels, two blocks an SM, gained nothing from this order; docs/decode.md).
       const Pages cur = next;
       if (tile + Traits::kStages < num_tiles) lookup(tile + Traits::kStages, next);
       __syncwarp();
@@ -727,10 +703,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     // neither the shuffles for the row max nor the rescale of O. Probabilities then reach
     // 2^kLazy (P in bf16 or fp16 keeps its relative precision; d and O are float32), and
     // m + log2(d) is the same LSE. A small grid's warps are bound by each tile's latency
-    // chain, which this shortens. H100, same-machine A/B, bf16 b=1: kv=32k 48.0 -> 47.2 us,
-    // GQA-8 48.4 -> 47.5, kv=8k 14.87 -> 14.71, kv=2k 5.90 -> 5.71; fp8 kv=32k 29.4 -> 29.0;
-    // b=16 kv=2k level. (The same chain's latency costs too: a select in its index
-    // arithmetic cost kv=32k 0.6 us, an integer modulo 5.2.)
+    // chain, which this shortens (docs/decode.md).
     constexpr float kLazy = 8.f;
     float prob[HT][NT][2], sv[HT][NT][2], lmx[HT];
     bool over = false;
@@ -951,8 +924,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   }
   if constexpr (Traits::kCluster > 1) {
     // the barrier's release orders this block's remote stores before every block's acquire
-    // (st.async stores counted on the receiver's mbarrier instead of the barrier: kv=32k
-    // level, kv=2k 5.90 -> 5.98 us; the chain, not its protocol, is the merge's ~0.7 us)
+    // (st.async stores counted on the receiver's mbarrier were no faster: the chain, not
+    // its protocol, is the merge's time; docs/history/decode.md)
     cluster_arrive_release();
     cluster_wait();
     cluster_merge<Traits>(p, b, block_head0, rank, smem);
@@ -963,9 +936,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // --- split request: the last of its blocks (for this head tile) merges the partials -------
   // One thread counts for the block with an acquire-release atomic: the block barrier
   // puts every thread's partial-state stores before its release, and the last block's
-  // acquire (then its barrier) puts the other blocks' states before its loads. Fences
-  // around a relaxed atomicAdd cost ~0.3 us more per split request on the H100 (b=1
-  // kv=2k 8.2 -> 7.9 us, kv=32k 51.2 -> 50.9 in a same-machine A/B).
+  // acquire (then its barrier) puts the other blocks' states before its loads (fences
+  // around a relaxed atomicAdd were slower; docs/history/decode.md).
   int& last_block = *reinterpret_cast<int*>(smem + Traits::kFlagOffset);
   __syncthreads();
   if (tid == 0) {
@@ -978,8 +950,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   if (!last_block) return;
   // Parallel over partials: per head, the lanes of a warp find the largest LSE and the
   // weights 2^(lse_i - max) (kept in shared memory); then each thread sums one (head,
-  // 4 dims) over the partials, 16 loads in flight. (A serial loop over the partials'
-  // L2 latency cost ~10 us at 64 partials.)
+  // 4 dims) over the partials, 16 loads in flight (a serial loop waits for L2 once per
+  // partial).
   const int begin = p.merge_indptr[b], count = p.merge_indptr[b + 1] - begin;
   constexpr int kRowsT = Traits::kBlockRows;
   float* head_m = reinterpret_cast<float*>(smem);  // [kRowsT]
@@ -1046,9 +1018,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     const int cached = min(count, kMaxParts);
     // Batches of 16 loads, all issued before any is used. Past the end a load repeats the
-    // last partial with weight 0: unconditional loads issue back to back (a runtime-count
-    // loop unrolled by the compiler left a serial remainder, 8 partials one by one; loads
-    // under a condition were 4% slower at 64 partials).
+    // last partial with weight 0: unconditional loads issue back to back (a run-time-count
+    // loop unrolled by the compiler left a serial remainder; loads under a condition were
+    // slower).
     for (int i0 = 0; i0 < cached; i0 += 16) {
       float4 u[16];
 #pragma unroll

@@ -1,22 +1,20 @@
 // Each request's full pages in ascending page-id order, for batch decode's plan().
 //
 // Why: a decode kernel streams each request's pages in page-table order, and the H100
-// streams pages in ascending address order faster than in a random one (session 26,
-// docs/performance.md: bf16 b=1 kv=32k 49.5 -> 48.1 us, b=16 kv=2k 49.7 -> 48.4 on the same
-// pages; shuffled 2 MB windows gained nothing, so it is not the TLB). Attention with no
-// position-dependent term (no RoPE in the kernel, no window) is the same over any order of
-// whole pages: only the last page, which may be partial, must stay last. plan() writes the
-// reordered table once; every run() (every layer) reads it.
+// streams pages faster in ascending address order than in a random one (about 3% at b=1
+// kv=32k; docs/decode.md). Attention with no position-dependent term (no RoPE in the
+// kernel, no window) is the same over any order of whole pages: only the last page, which
+// may be partial, must stay last. plan() writes the reordered table once; every run()
+// (every layer) reads it.
 //
 // One block per (request, segment of up to kSegment pages): a bitonic sort of the page ids
 // (32-bit keys), or of (K id, V id) pairs packed in 64 bits where K and V pages are apart.
 // Each of the block's W threads holds K keys, elements t, t + W, ..: they meet their
 // partners in registers (strides >= W), through shuffles (< 32) or through shared memory.
-// The fewest keys a thread that cover the longest request with W <= 1024 threads (more
-// threads a step, fewer steps a thread: b=1 kv=32k's 2047 ids took 18 us on 512 threads of 4
-// 64-bit keys). A request of more full pages is sorted a segment at a time. Whole requests
-// matter: bf16 b=1 kv=32k (2047 full pages) ran 48.3 us sorted in two halves of 1024, 47.9 in
-// one piece.
+// The launch takes the fewest keys a thread that cover the longest request with W <= 1024
+// threads (more threads a step beat fewer steps a thread), and sorts a longer request a
+// segment at a time; one segment covers 64k tokens at page 16, and a request sorted whole
+// reads faster than one sorted in pieces.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -47,69 +47,46 @@ _LOG2E = 1.4426950408889634
 _MIN_CHUNK = 64  # tokens; two 32-token tiles, so a chunk still pipelines its loads
 # Tensor-core kernel: up to 128 tokens, as far as that keeps a request in <= 16 chunks.
 # Its in-kernel merge reads 16 partials per round trip, and a 64-token chunk's two tiles
-# are in flight from its first load on (H100, b=1, 32/8 heads: kv=4k 16.2 -> 13.8 us with
-# 128-token chunks; kv=2k 64/8 heads 13.4 -> 12.6 us; kv=512 keeps 64-token chunks).
+# are in flight from its first load on, so the longer chunks ran small batches faster
+# (docs/decode.md).
 _MMA_MIN_CHUNK = 128
 # At most this many chunks per request on the tensor-core kernel: its last block merges
-# them all, 64 partials of 8 heads took longer than the KV reads they sped up (b=1
-# sweeps, docs/performance.md): b=1 kv=8k GQA-8 23.8 us at 64 chunks, 20.3 at 32.
+# them all, and 64 partials of 8 heads took longer than the KV reads they sped up.
 _MMA_MAX_CHUNKS = 32
 _SPLIT_BLOCKS_PER_SM = 3
 # Split small batches into about 2 blocks of the tensor-core kernel per SM (tiles of 4 or 8
 # heads, head_dim <= 128), not the 4 an SM holds: half the partial states to write and merge,
-# and the grid's blocks land evenly. Same-machine A/B on the H100 against 4 per SM (the
-# chunk sizes that halve the items): bf16 b=16 kv=2k 52.0 -> 50.7 us, kv=8k 184.5 -> 181.7,
-# GQA-8 kv=8k 186.9 -> 183.4, fp8 b=16 kv=2k 34.4 -> 31.0, b=2 kv=32k 96.4 -> 94.1, b=4
-# kv=8k 51.7 -> 50.4; b=32 kv=4k unsplit 179.2 instead of 184.7 split; b=1 as before (its
-# 32-chunk cap binds first).
+# and the grid's blocks land evenly (docs/decode.md).
 _MMA_SPLIT_BLOCKS_PER_SM = 2
 # Not for a skewed batch, though (some requests under half a chunk, others split): its long
-# requests split to 4 per SM, as before (56 x 256 + 8 x 8k tokens: 116.3 us; 122.6 at 2 per
-# SM, 124.7 with the target counted over the long requests alone).
+# requests split to 4 per SM, which ran such batches faster than 2.
 _MMA_SKEWED_SPLIT_BLOCKS_PER_SM = 4
 # Small batches on sm_90+: each request split over one thread-block cluster (8 blocks, one
 # chunk each), merged through distributed shared memory in the same kernel: no partial
-# states in global memory, no counter, no last-block round trips (the merge's tail after
-# the last block's loop: ~1.6 us, against ~3.3 us). But b=1 at 8 KV heads is then 64
-# blocks, one per SM on half the SMs, and one SM streams ~25 GB/s: the split pays only
-# while each block reads little. Taken where batch x blocks per item x cluster fits the
-# SMs, the longest request gives each block >= _CLUSTER_MIN_CHUNK tokens and <=
-# _CLUSTER_MAX_BLOCK_BYTES of K and V. H100, b=1, 32/8 heads, head_dim 128 (same-machine
-# A/B, sweep_decode.py --only cluster): bf16 kv=512 5.85 -> 4.30 us, fp8 kv=2k 7.15 ->
-# 6.72; bf16 kv=2k 7.99 -> 8.11 (128 KB a block), kv=8k 17.6 -> 23.5, kv=32k 50.9 -> 81.8.
+# states in global memory, no counter, no last-block round trips. But b=1 at 8 KV heads is
+# then 64 blocks, one per SM on half the SMs, and one block an SM streams slowly: the split
+# pays only while each block reads little. Taken where batch x blocks per item x cluster
+# fits the SMs, the longest request gives each block >= _CLUSTER_MIN_CHUNK tokens and <=
+# _CLUSTER_MAX_BLOCK_BYTES of K and V (128 tokens, where 4 warps a block stay faster).
 # Above that, up to _WIDE_CLUSTER_MAX_BLOCK_BYTES, the clusters' blocks have 8 warps
-# (twice the warps per SM hide the per-tile latency chain; H100 A/B against the split with
-# partial states): bf16 kv=2k 7.29 -> 7.09 us, kv=4k 11.55 -> 10.97, kv=8k 17.17 ->
-# 16.82, GQA-8 kv=2k 8.32 -> 6.73, kv=8k 19.09 -> 16.94, fp8 kv=4k 9.63 -> 9.11; from 1 MB a
-# block they lost (fp8 kv=32k 31.3 -> 35.4, bf16 kv=32k 50.6 -> 53.2, the latter until the
-# lookups of _LONG_CLUSTER_MAX_BLOCK_BYTES below), and fp8 from 256 KB
-# (kv=8k: 12.4 -> 14.7, GQA-8 14.0 -> 14.7): an fp8 byte is twice the tokens' work, and
-# the split prefetches fp8 grids of up to 16 MB into L2. 4 warps stay faster to 128 tokens
-# a block: bf16 to 64 KB (kv=512 4.18 against 4.45 us), fp8 to 32 KB (with the warps'
-# merge padded, fp8 kv=2k took 6.15 us with 8 warps, 6.67 with 4, 6.60 split; kv=1k 4.81
-# with 4 warps, 5.66 split).
+# (twice the warps per SM hide the per-tile latency chain); fp8 stops at a quarter of
+# bf16's bytes: an fp8 byte is twice the tokens' work, and the split prefetches fp8 grids
+# of up to 16 MB into L2. Each bound is where the split with partial states overtook the
+# clusters (sweep_decode.py --only cluster; docs/decode.md).
 _CLUSTER_MIN_CHUNK = 64
 # Large uniform batches that fill the GPU (nothing splits by the target above) still
 # split when their grid's waves end badly: the tensor-core blocks of a wave (4 per SM at
 # head_dim <= 128, the skewed target's blocks) all read as much and end together, and the
 # last wave's empty slots idle for as long as a wave takes. What counts is the K and V a
-# whole wave reads (block bytes x blocks at once): its time. H100, 32/8 and 64/8 heads,
-# head_dim 128, page 16, CUDA-graph replay, unsplit -> split (FlashInfer 0.5.3's
-# tensor-core path in the same run; docs/performance.md, session 15):
+# whole wave reads (block bytes x blocks at once): its time.
 # - a last wave under ~80% full, waves of >= _WAVE_SPLIT_MIN_BYTES: the k in 1..4 chunks
-#   leaving the fewest idle block-slots (empty slots of the last wave / k): b=80 kv=16k
-#   (1.2 waves) 1878 -> 1761 us in 4 chunks (FlashInfer 1799), b=96 kv=32k (1.45) 4376 ->
-#   4203 in 2 (4231), kv=8k 1096 -> 1061 (1065), kv=4k (1.1 GB waves) 549 -> 536 (537),
-#   b=160 kv=8k (2.4) 1822 -> 1766 (1769); b=96 kv=2k (0.55 GB waves) 276 either way.
-#   Fuller last waves tie at k = 1 and stay whole (b=128 kv=32k: 5595 unsplit, 5612-5648
-#   split; b=192 kv=16k 4197, 3 chunks 4233);
+#   leaving the fewest idle block-slots (empty slots of the last wave / k); fuller last
+#   waves tie at k = 1 and stay whole;
 # - 3.5 waves or more, waves of >= _WAVE_SPLIT_MANY_MIN_BYTES: about _WAVE_SPLIT_WAVES
 #   waves (k = 12 / waves, rounded, at most 4; the mechanism is not established: 2 chunks
-#   of b=256 lost, 3 and 4 won): b=256 kv=32k 11270 -> 11127 us (FlashInfer 11224), kv=16k
-#   5634 -> 5579 (5629), kv=8k 2823 -> 2807 (2826), GQA-8 kv=32k 11282 -> 11146, fp8
-#   (paired blocks, 264 at once) kv=32k 5782 -> 5664, b=512 kv=8k 5646 -> 5594 (5633).
-#   1.1 GB waves gained nothing: b=256 kv=4k 1414.5 unsplit, 1418-1421 split, b=1024 kv=4k
-#   5578 against 5617+, fp8 b=256 kv=8k 1447-1464 unsplit, 1454-1465 in 3 chunks.
+#   of b=256 lost, 3 and 4 won). Waves of ~1.1 GB gained nothing.
+# Measured on the H100 against FlashInfer 0.5.3's tensor-core path in the same runs
+# (2026-11-23, 8a99a11; docs/decode.md).
 # Batches whose unsplit grid (tensor-core kernel, 2 blocks an SM as the target) already
 # covers >= 7/10 of the SMs: splitting adds partial states and a merge (~2-4 us) to gain
 # only the idle SMs, and chunks rounded to the target put a grid just over 2 blocks an SM
@@ -117,56 +94,34 @@ _CLUSTER_MIN_CHUNK = 64
 # target // blocks), and only where its longest request has >= _FULL_GRID_SPLIT_MIN_TOKENS
 # (>= _PART_GRID_SPLIT_MIN_TOKENS where the grid covers under 9/10 of the SMs); from the
 # SM count up it stays whole. Tokens, not bytes: fp8 paid for the split at the lengths
-# bf16 did. H100, head_dim 128, page 16, CUDA-graph replay (sweep_decode.py --only split,
-# two rounds each, session 25), unsplit / as the target split before:
-# - 128 blocks (b=16 at 8 KV heads), 32/8 heads bf16: kv=256 9.0 / 10.6 us, kv=512 14.7 /
-#   16.2, kv=1k 26.8 / 27.7, kv=2k 49.8 / 49.5; kv=4k 95.7 / 93.0 and kv=8k 187.3 / 180.0
-#   (split); 64/8 heads kv=512 15.2 / 17.6, kv=1k 27.4 / 29.3, kv=2k 50.5 / 50.9; fp8
-#   kv=512 10.9 / 10.6, GQA-8 11.1 / 12.1, kv=1k 16.4 / 17.9, kv=2k 29.2 / 29.6; kv=4k 54.3
-#   / 51.8 and kv=8k 103.7 / 96.6 (split);
-# - 96 blocks (b=12): kv=256 7.8 / 9.7, kv=512 12.9 / 14.7 (2 chunks 13.7), fp8 kv=512 10.5
-#   / 11.8 (2 chunks 9.8); in 2 chunks kv=1k 22.4 (unsplit 22.9, 3 chunks 25.0), kv=2k 38.9
-#   (42.4, 45.2), kv=8k 138.6 (159.4);
-# - 160 blocks (b=20): kv=512 17.6 / 21.2, kv=1k 32.0 / 37.2, kv=2k 60.2 / 68.0, GQA-8 kv=2k
-#   60.9 / 70.7, kv=8k 230.0 / 255.0, kv=32k 905 / 1005 (16 chunks: 885), fp8 kv=512 12.5
-#   / 16.2, kv=8k 129.0 / 138.6;
-# - b=10 (80 blocks, under 7/10) keeps the target: kv=2k 33.2 against 40.7 unsplit.
+# bf16 did. Swept on the H100 (sweep_decode.py --only split, 2026-11-26, e8c4075;
+# docs/decode.md).
 _FULL_GRID_MIN_TENTHS = 7
 _FULL_GRID_MOST_TENTHS = 9
 _FULL_GRID_SPLIT_MIN_TOKENS = 3072
 _PART_GRID_SPLIT_MIN_TOKENS = 1024
 # ... but on GPUs whose DRAM peak is over _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S one block an SM
 # streams too slowly for the rest, and the grid that covers >= 9/10 of the SMs splits from
-# _PART_GRID_SPLIT_MIN_TOKENS too. H200 (4.81e12), 32/8 heads bf16, same call: b=16 kv=2k
-# 42.0 us whole, 36.4 in two chunks; kv=512 12.9 whole, 13.4 in two (GQA-8 13.4 / 14.8);
-# kv=4k 80.5 / 66.2; b=12 kv=2k in two 29.9 (whole 40.7); b=20 kv=2k whole 48.9 (two 56.5).
+# _PART_GRID_SPLIT_MIN_TOKENS too (measured on the H200; docs/decode.md).
 _WAVE_SPLIT_MIN_BYTES = 1_000_000_000  # K and V bytes a wave of blocks reads
 _WAVE_SPLIT_MANY_MIN_BYTES = 2_000_000_000
 _WAVE_SPLIT_WAVES = 12
 _CLUSTER_MAX_BLOCK_BYTES = {2: 64 << 10, 1: 32 << 10}  # by the cache's bytes per element
 _WIDE_CLUSTER_MAX_BLOCK_BYTES = {2: 512 << 10, 1: 128 << 10}
-# 16-bit caches at head_dim 128: up to _LONG_CLUSTER_MAX_BLOCK_BYTES (4096 tokens). The
-# 8-warp blocks read their page ids through the read-only path (csrc/decode_mma.cuh kWide);
-# H100, 32/8 heads, same-machine A/B against the split with partial states: b=1 kv=32k (2 MB
-# a block) 49.9 -> 49.7 us, GQA-8 52.0 -> 50.1, kv=16k 27.9 -> 26.7, and (512 KB, 8-warp
-# clusters before) kv=8k 16.6 -> 15.0 (16.5 with the old lookups), GQA-8 18.6 -> 15.5.
-# 8-warp blocks run one per SM, and only where the grid takes at most half the SMs (b=1 at
-# 8 KV heads: 64 blocks): at b=2 (128 blocks) they lost at 256 KB a block (kv=4k 16.1 ->
-# 17.4) and beyond (kv=16k 49.7 -> 53.9, kv=32k 93.6 -> 101.2), tied at 128 KB (kv=2k
-# 10.47 -> 10.40): 128 one-block-per-SM clusters stream slower than 256 split blocks (a
-# pure read of 128 MiB in clusters of 8: 56.9 us on 128 blocks, 45.2 on 64;
-# scripts/bench_read_ceiling.py).
+# 16-bit caches at head_dim 128: up to _LONG_CLUSTER_MAX_BLOCK_BYTES (4096 tokens), where
+# the 8-warp blocks, reading their page ids through the read-only path (csrc/decode_mma.cuh
+# kWide), beat the split with partial states at b=1. 8-warp blocks run one per SM, and only
+# where the grid takes at most half the SMs (b=1 at 8 KV heads: 64 blocks): at b=2 (128
+# blocks) they lost from 256 KB a block, as 128 one-block-per-SM clusters stream slower
+# than 256 split blocks (a pure read shows the same: scripts/bench_read_ceiling.py;
+# docs/decode.md).
 _LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
 # ... but only on GPUs whose DRAM peak (memory clock x bus width) is at most
 # _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S. Those 64 one-per-SM blocks stream at most ~2.8 TB/s
-# (~44 GB/s an SM) on the H100 and the H200 alike: near the H100's copy rate (3.0 TB/s
-# measured, 3.35 peak), two thirds of the H200's (4.2 measured, 4.9 peak). H200, b=1, 32/8
-# heads, same-machine A/B (bench_decode.py, clusters on / off, two rounds): bf16 kv=32k
-# 47.8 -> 36.3 us with the split with partial states (FlashInfer's tensor-core path 42.1),
-# GQA-8 48.0-48.5 -> 38.3 (42.3), kv=8k (512 KB a block, not long) 14.8 -> 13.8 but GQA-8
-# 15.2 -> 15.8, kv=2k 6.0 -> 7.0, fp8 kv=32k 23.8 either way. Above the peak the 16-bit
-# blocks at head_dim 128 keep _WIDE_CLUSTER_MAX_BLOCK_BYTES (kv=16k, 1 MB a block, was not
-# measured there).
+# on the H100 and the H200 alike: near the H100's copy rate (3.0 TB/s), two thirds of the
+# H200's (4.2), where the split with partial states ran long requests faster. Above the
+# peak the 16-bit blocks at head_dim 128 keep _WIDE_CLUSTER_MAX_BLOCK_BYTES
+# (docs/decode.md).
 _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S = 4.0e12
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
@@ -279,13 +234,10 @@ def graph_grid_items(capacity: int, blocks_per_item: int, target_blocks: int, sm
     requests of a later batch (plan_split fits its splits into the rows there are). A
     capacity under one block per SM gets only the spare rows that keep the grid under 2
     blocks per SM: from 2 per SM up, the H100's block scheduler placed the working blocks
-    of a split b=1 unevenly (128 blocks on 112 SMs, up to 3 on one), and the slowest
-    decided the merge (bf16 kv=2k 8.1 us with a grid of 256 blocks, 8.9 with 264, 9.2 with
-    1064; eager 8.0). Fewer, longer chunks cost little there (b=2 kv=32k: 94.9 us in 32
-    items, 96.6 in 64). Larger capacities keep every spare row: a skewed batch needs them
-    to split its long requests (56 x 256 + 8 x 8k tokens at capacity 64 ran 212 us without
-    them, 116 with), and idle rows cost nothing measurable there (b=16 grids of 64 and 148
-    rows: 51.95 / 51.97 us)."""
+    of a split b=1 unevenly (up to 3 on one SM), and the slowest decided the merge; fewer,
+    longer chunks cost little there. Larger capacities keep every spare row: a skewed
+    batch needs them to split its long requests, and idle rows cost nothing measurable
+    there (docs/decode.md)."""
     spare = -(-2 * target_blocks // blocks_per_item)
     if capacity * blocks_per_item >= sms:
         return capacity + spare
@@ -809,8 +761,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """(KV heads per block, blocks per item, target blocks, _chunk_size's result or
         None). Blocks of KV-head pairs (where the module has them) have two blocks' warps
         and shared memory, so half the blocks and half the target; they are chosen only
-        where their grid still gives every SM a block (small batches keep one-head blocks:
-        b=1 fp8 kv=2k ran 9.8 us paired, 8.0 us not). A CUDA-graph wrapper decides by its
+        where their grid still gives every SM a block (small batches keep one-head blocks,
+        which ran them faster). A CUDA-graph wrapper decides by its
         capacity, once (its grid is fixed at capture)."""
         if not config.pairs:
             return 1, config.blocks_per_item, config.target, None
@@ -1158,9 +1110,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         alongside; csrc/page_order.cuh), written on the device into this wrapper's buffer,
         or None: run() reads the ids as given. lens: the device's indptr (csr) or seq_lens.
 
-        The H100 streams pages in address order faster (session 26, A/B rounds: bf16 b=1
-        kv=32k 49.3 -> 47.9 us, b=16 kv=2k 49.8 -> 48.6): one launch per plan() (3.6 us of
-        GPU time at b=16 kv=2k, 12 at b=1 kv=32k), read by every layer's run(). Eager plans
+        The H100 streams pages faster in address order (about 3% at b=1 kv=32k;
+        docs/decode.md): one launch per plan() (~12 us of GPU time at b=1 kv=32k), read by
+        every layer's run(). Eager plans
         skip it where no request has 3 pages (nothing to reorder)."""
         graph = self._use_cuda_graph
         if graph:

@@ -102,7 +102,7 @@ def summarize(samples_us: Sequence[float]) -> dict:
 # sample (median 424), 364 in the next impl's sample of the same inputs; A/B, two rounds:
 # 423.2 / 423.8 us with the count alone, 363.9 / 364.0 with 25 ms (bf16 GQA-2 b=256
 # kv=512: 417.2 / 418.8 -> 357.4 / 357.4). Which GPU state the short warm-up left is not
-# established. 25 ms still left the first measurements of a row slow (session 26: in one
+# established. 25 ms still left the first measurements of a row slow (2026-11-26, 2917729: in one
 # bench_decode row, ours 48.5 us eager, the same kernel 48.0 in graph mode measured later;
 # A/B of the first rows, two rounds each, 25 -> 200 ms: bf16 b=1 kv=32k 48.7 / 48.3 -> 47.9 /
 # 48.0, fp8 b=64 kv=4k 186.1 / 186.3 -> 185.0 / 184.8, bf16 b=64 kv=4k and b=16 kv=2k level),

@@ -787,8 +787,9 @@ def main(argv=None) -> int:
     res["build_ours"] = build_ours(cases)
     bc.log(f"our modules: {res['build_ours']}")
     # Nothing is timed while FlashInfer's warm-up processes build (16 compiler jobs) and hold
-    # CUDA contexts of their own: in session 26's full run with them alongside, b=1 kv=32k (the
-    # fifth row) read 48.7 us, against 47.9-48.0 in runs of the first rows without them.
+    # CUDA contexts of their own: in a full run with them alongside (2026-11-26, before ec03e28),
+    # b=1 kv=32k (the fifth row) read 48.7 us, against 47.9-48.0 in runs of the first rows
+    # without them.
     peer.ready(deadline)
     torch.manual_seed(0)
     res["copy"] = bc.copy_bandwidth()

@@ -47,9 +47,9 @@ SPLIT_CASES = [  # (kv dtype, gqa, batch, kv_len)
     ("bfloat16", 8, 1, 2048), ("bfloat16", 8, 1, 8192), ("bfloat16", 8, 1, 32768), ("float8_e4m3fn", 8, 1, 8192),
     ("bfloat16", 4, 16, 2048), ("bfloat16", 4, 16, 8192),
 ]
-# Grids whose unsplit blocks cover most SMs (decode.py _FULL_GRID_MIN_TENTHS; session 25:
-# b=16 at short lengths, where cuDNN's SDPA on a dense cache led): run only when --cases
-# names them.
+# Grids whose unsplit blocks cover most SMs (decode.py _FULL_GRID_MIN_TENTHS; swept for
+# e8c4075 on 2026-11-26: b=16 at short lengths, where cuDNN's SDPA on a dense cache led):
+# run only when --cases names them.
 FULL_GRID_CASES = [
     ("bfloat16", 4, 16, 512), ("bfloat16", 8, 16, 512), ("bfloat16", 8, 16, 2048),
     ("bfloat16", 4, 16, 4096), ("bfloat16", 4, 16, 32768), ("bfloat16", 8, 16, 8192),
@@ -68,7 +68,7 @@ FULL_GRID_CASES = [
 ]
 SPLITS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 FORCE_SETS = 0  # --sets: input sets to rotate over (0: enough to exceed 4x L2; 1: a warm L2)
-MIN_SETS = 1  # at least this many sets when FORCE_SETS is 0 (trace_decode needs 2: a kernel before a kernel)
+MIN_SETS = 1  # at least this many sets when FORCE_SETS is 0
 LAYOUT_CASES = [("bfloat16", 4, 64, 4096), ("float8_e4m3fn", 4, 64, 4096)]
 CLUSTER_CASES = [(kv, 4, 1, n) for kv in ("bfloat16", "float8_e4m3fn") for n in (512, 1024, 2048, 4096, 8192, 32768)]
 CLUSTER_CASES += [("bfloat16", 8, 1, n) for n in (2048, 8192, 32768)] + [("float8_e4m3fn", 8, 1, 8192)]

@@ -59,10 +59,9 @@ def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv
 
 def cluster_blocks(head_dim: int) -> int:
     """Blocks per thread-block cluster of the tensor-core kernel's cluster split (csrc/decode_mma.cuh,
-    kCluster): 8. Measured on the H100 (b=1, 8 KV heads): clusters of 16 were placed two
-    blocks to an SM (128 blocks on 80-84 SMs; with one block per SM forced, 7 clusters of
-    16 fit the GPCs and the 8th doubled up), which made every row slower; clusters of 8
-    took one SM each."""
+    kCluster): 8. On the H100 (b=1, 8 KV heads) clusters of 16 were placed two blocks to
+    an SM (7 clusters of 16 fit the GPCs, the 8th doubled up), which made every row
+    slower; clusters of 8 took one SM each (docs/decode.md)."""
     return min(8, head_dim // 8)
 
 
