@@ -159,8 +159,7 @@ struct DecodeMmaTraits {
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
   static_assert(kLiveRows >= 1 && kLiveRows <= 16, "tensor-core decode takes 1 to 16 (token, head) rows a tile");
-  static_assert(kQTokens == 1 || (kKvHeads == 1 && kCluster == 1),
-                "multi-token tiles take one KV head a block, without the cluster split");
+  static_assert(kQTokens == 1 || kKvHeads == 1, "multi-token tiles take one KV head a block");
   static_assert(kKvHeads == 1 || (kKvHeads == 2 && kRows <= 8), "a block takes one KV head or a pair (tiles <= 8)");
   static_assert(kCluster == 1 || (kKvHeads == 1 && HeadDim % kCluster == 0 && kSlice % 8 == 0 && kCluster <= 16),
                 "a cluster's blocks take one KV head and merge slices of whole 8-dim groups");
@@ -347,7 +346,10 @@ FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, uns
     }
     const bool empty = den == 0.f;  // no key in any chunk: zeros and -inf
     const float norm = empty ? 0.f : 1.f / den;
-    const int qo_head = block_head0 + h;
+    // row h -> its (token, head) as the kernel's row_head maps it
+    const int qo_head = block_head0 + (Traits::kQTokens == 1 ? h
+                                           : h / Traits::kTileHeads * (p.num_qo_heads / Traits::kQTokens) +
+                                                 h % Traits::kTileHeads);
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + rank * S + 4 * x4;
     store_out4(out, acc, norm);
     if (p.lse != nullptr && rank == 0 && x4 == 0)

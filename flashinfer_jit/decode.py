@@ -829,13 +829,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         device = self._device
         c.tensor_cores = uses_tensor_cores(c.rope)
         per_sm = _MMA_SPLIT_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
-        if c.tensor_cores and head_dim <= 128 and c.tile == 16:
+        if c.tensor_cores and head_dim <= 128 and c.tile * q_len_per_req > 8:  # 16-row tiles
             per_sm = 3  # 16-head tiles take more registers (csrc/decode_mma.cuh kMinBlocksPerSM)
         c.min_chunk = _MMA_MIN_CHUNK if c.tensor_cores else _MIN_CHUNK
         c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
         c.sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
         c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
-            env.decode_clusters() and q_len_per_req == 1 else 1
+            env.decode_clusters() else 1
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
         # the cluster split's blocks of 4 warps, and of 8: 2 MB of a 16-bit cache at head_dim 128
         # (measured there only) on GPUs of up to _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S

@@ -26,7 +26,7 @@ HQ, HK, D, PAGE = 32, 8, 128, 16
 
 def rows(quick: bool) -> list[dict]:
     """(batch, tokens a request, kv_len, cache dtype): the issue's row first."""
-    out = [dict(batch=64, tokens=4, kv_len=4096, kv="bfloat16")]
+    out = [dict(batch=64, tokens=4, kv_len=4096, kv="bfloat16", split_probes=(2, 3, 4))]
     if not quick:
         out += [dict(batch=64, tokens=2, kv_len=4096, kv="bfloat16"),
                 dict(batch=64, tokens=8, kv_len=4096, kv="bfloat16"),
@@ -57,10 +57,10 @@ def measure_row(row: dict, fi, reps: int) -> dict:
     scales = dict(k_scale=1.0, v_scale=1.0) if kv_dtype.itemsize == 1 else {}
     result = dict(row, kv_bytes=kv_bytes, impls={})
 
-    def ours(tokens: int, q):
+    def ours(tokens: int, q, **split):
         w = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **bc.cuda_graph_buffers(b, num_pages))
         w.plan(indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
-               q_len_per_req=tokens)
+               q_len_per_req=tokens, **split)
         out = torch.empty_like(q)
         t = bc.time_cuda_graph(lambda _: w.run(q, (k_cache, v_cache), out=out, **scales), 1, inner=10, reps=reps)
         w.run(q, (k_cache, v_cache), out=out, **scales)
@@ -72,6 +72,8 @@ def measure_row(row: dict, fi, reps: int) -> dict:
     result["impls"]["ours_one_token"] = t_one
     result["multi_over_one"] = t_multi["median_us"] / t_one["median_us"]
     result["kv_tb_per_s"] = kv_bytes / t_multi["median_us"] / 1e6
+    for chunks in row.get("split_probes", ()):  # the plan's choice against fixed splits
+        result["impls"][f"ours_multi_{chunks}_chunks"] = ours(n, q_multi, fixed_split_size=-(-kv_len // chunks))[0]
     if fi is not None:
         for backend in ("fa2", "fa3"):
             try:

@@ -179,6 +179,8 @@ def specs_needed() -> set:
     specs |= {decode_spec("bfloat16", "bfloat16", 128, LLAMA_HEADS, t, "NHD") for t, _ in ORDER_CASES}
     specs |= {decode_spec(q, kv, 128, h, t, lay, soft_cap=cap is not None) for q, kv, h, t, lay, cap, _ in GROWING_CASES}
     specs |= {_multi_spec(c) for c in MULTI_CASES}
+    specs |= {DecodeSpec(q, kv, 128, group_tile(*h, 128, n), t, lay, False, cap is not None, n)
+              for q, kv, h, t, lay, cap, n, _, _ in MULTI_CLUSTER_CASES}
     specs.add(DecodeSpec("bfloat16", "bfloat16", 128, 4, q_tokens=4))  # the multi-token CUDA-graph replay
     specs.add(PageOrderSpec())  # plan()'s page reordering
     return specs
@@ -1617,3 +1619,46 @@ def test_multi_token_plan_rejects_what_it_cannot_run():
         DecodeSpec("bfloat16", "bfloat16", 128, 8, q_tokens=4).validate()
     with pytest.raises(ValueError, match="RoPE"):
         DecodeSpec("bfloat16", "bfloat16", 128, 4, rope=True, q_tokens=2).validate()
+
+
+# (q, kv, heads, page table, KV layout, soft cap, N, lengths, expected warps a cluster block)
+MULTI_CLUSTER_CASES = [
+    ("bfloat16", "bfloat16", (32, 8), "csr", "NHD", None, 4, [1000], 4),  # 125 tokens (64 KB) a block
+    ("bfloat16", "bfloat16", (32, 8), "csr", "NHD", None, 4, [5000], 8),  # 8-warp blocks
+    ("bfloat16", "bfloat16", (32, 8), "csr", "NHD", None, 4, [32768], 8),  # 2 MB a block
+    ("bfloat16", "bfloat16", (64, 8), "block_table", "HND", None, 4, [9000], 8),  # two tiles a KV head
+    ("float16", "float8_e4m3fn", (32, 16), "block_table_kv_separate", "NHD", 30.0, 3, [3001], 8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MULTI_CLUSTER_CASES,
+                         ids=lambda c: f"{SHORT[c[1]]}-{c[2][0]}x{c[2][1]}-{TABLE_TAG[c[3]]}-{c[4]}-q{c[6]}-{c[7][0]}")
+def test_batch_decode_multi_token_cluster_split(case, workspace, monkeypatch):
+    """Small multi-token batches split over thread-block clusters (merged through
+    distributed shared memory), against the float64 reference."""
+    _long_clusters_on_any_gpu(monkeypatch)
+    q_name, kv_name, (hq, hk), table_layout, kv_layout, cap, n_tok, lens, warps = case
+    d, ps = 128, 16
+    rnd = random.Random(len(lens) * 31 + lens[0])
+    gen = torch.Generator(device=DEV).manual_seed(lens[0])
+    q_dtype, kv_dtype = _dtype(q_name), _dtype(kv_name)
+    num_pages = sum(-(-n // ps) for n in lens) + 5
+    paged = make_page_table(table_layout, lens, ps, num_pages, rnd)
+    cache, k_cache, v_cache = make_cache("tuple", kv_layout, num_pages, ps, hk, d, kv_dtype, gen)
+    nan_pages(k_cache, paged.k_unused)
+    nan_pages(v_cache, paged.v_unused)
+    q = _randn((len(lens) * n_tok, hq, d), q_dtype, gen, 4.0 if cap else 1.0)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, logits_soft_cap=cap,
+                 q_data_type=q_dtype, kv_data_type=kv_dtype, q_len_per_req=n_tok)
+    assert (wrapper._plan.cluster, wrapper._plan.cluster_warps) == (8, warps)
+    out_buf, out = poisoned(q.shape, q_dtype)
+    lse_buf, lse = poisoned(q.shape[:2], torch.float32)
+    wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    assert_sentinels(out_buf, "out")
+    assert_sentinels(lse_buf, "lse")
+    ref_out, ref_lse = decode_ref(q, k_cache, v_cache, paged.table, lens, kv_layout, logits_soft_cap=cap,
+                                  q_len_per_req=n_tok)
+    check_decode(out, lse, ref_out, ref_lse, _visible_keys(lens, n_tok), q_dtype)
