@@ -28,6 +28,7 @@ struct DecodePlanConfig {
   int32_t token_bytes;      // K and V bytes of one token and KV head
   int32_t cluster_max_block_bytes, wide_cluster_max_block_bytes;  // 4-warp, 8-warp cluster blocks
   int32_t full_grid_min_tokens;  // decode.py _full_grid_chunks's most_min_tokens
+  int32_t wave_token_bytes;  // token_bytes x query tokens a request: the wave split's measure of a block
   int64_t max_partials;     // partial rows the workspace holds
 };
 
@@ -248,7 +249,7 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
     } else if (c.pairs) {
       const int64_t bpi2 = bpi / 2, target2 = target / 2;
       const Sized s = chunk_size(lens, longest, total, bpi2, target2, c, c.skew_factor ? target2 * c.skew_factor : 0,
-                                 2 * int64_t(c.token_bytes));
+                                 2 * int64_t(c.wave_token_bytes));
       const int64_t n = nothing_splits(s) ? batch : count_items(lens, s);
       if (n * bpi2 >= c.sms) {
         per_block = 2, bpi = bpi2, target = target2, sized = s, have_sized = true;
@@ -257,7 +258,7 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
     if (graph) max_items = graph_grid_items(cap, bpi, target, c.sms);
     const int64_t skewed = c.skew_factor ? target * c.skew_factor : 0;
     if (!have_sized)
-      sized = chunk_size(lens, longest, total, bpi, target, c, skewed, per_block * int64_t(c.token_bytes));
+      sized = chunk_size(lens, longest, total, bpi, target, c, skewed, per_block * int64_t(c.wave_token_bytes));
     if (nothing_splits(sized, batch, max_items)) {
       one_per_request = true;
       items = batch;

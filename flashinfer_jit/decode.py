@@ -376,7 +376,7 @@ class _Config:
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
                  "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "full_grid_min_tokens", "native",
-                 "orders_pages", "q_tokens")
+                 "orders_pages", "q_tokens", "wave_token_bytes")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -418,7 +418,7 @@ class _NativeConfig(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "page_size", "blocks_per_item", "target", "pairs", "sms", "cluster", "fixed_split_size", "disable_split_kv",
         "min_chunk", "max_chunks", "skew_factor", "token_bytes", "cluster_max_block_bytes",
-        "wide_cluster_max_block_bytes", "full_grid_min_tokens")] + [("max_partials", ctypes.c_int64)]
+        "wide_cluster_max_block_bytes", "full_grid_min_tokens", "wave_token_bytes")] + [("max_partials", ctypes.c_int64)]
 
 
 class _PageOrderParams(ctypes.Structure):
@@ -480,7 +480,7 @@ def _native_config(config: _Config):
         min_chunk=config.min_chunk, max_chunks=int(config.max_chunks or 0), skew_factor=int(config.skew_factor or 0),
         token_bytes=config.token_bytes, cluster_max_block_bytes=config.cluster_max_bytes,
         wide_cluster_max_block_bytes=config.wide_cluster_max_bytes, full_grid_min_tokens=config.full_grid_min_tokens,
-        max_partials=int(config.partial_o.shape[0]))
+        wave_token_bytes=config.wave_token_bytes, max_partials=int(config.partial_o.shape[0]))
     return fn, ctypes.addressof(struct), struct
 
 
@@ -656,7 +656,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if sized is None:
                     sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
                                         config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target,
-                                        per_block * config.token_bytes, config.sms, config.full_grid_min_tokens)
+                                        per_block * config.wave_token_bytes, config.sms, config.full_grid_min_tokens)
                 if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
                     work = merge_indptr = None  # _pack writes one item per request straight into the buffer
                     items, any_split = batch, False
@@ -771,7 +771,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return (2, bpi, target, None) if capacity * bpi >= config.sms else (1, config.blocks_per_item,
                                                                                 config.target, None)
         sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
-                            config.min_chunk, config.max_chunks, config.skewed_target(target), 2 * config.token_bytes,
+                            config.min_chunk, config.max_chunks, config.skewed_target(target), 2 * config.wave_token_bytes,
                             config.sms, config.full_grid_min_tokens)
         chunk, longest, auto = sized
         items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
@@ -837,6 +837,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
             env.decode_clusters() else 1
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
+        # The wave split (_wave_chunks) weighs a block by the K and V it reads; a block of N
+        # query tokens takes about N times as long for the same bytes (its mma rows; H200,
+        # b=64 x 4 tokens kv=4k: 302.7 us whole, 266.0 / 262.2 / 267.0 in 2 / 3 / 4 chunks,
+        # docs/decode.md), so its bytes count N times.
+        c.wave_token_bytes = c.token_bytes * q_len_per_req
         # the cluster split's blocks of 4 warps, and of 8: 2 MB of a 16-bit cache at head_dim 128
         # (measured there only) on GPUs of up to _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S
         c.cluster_max_bytes = _CLUSTER_MAX_BLOCK_BYTES[c.kv_dtype.itemsize]
@@ -849,6 +854,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.target = per_sm * c.sms
         # skewed batches split to more blocks per SM on those tiles (_MMA_SKEWED_SPLIT_BLOCKS_PER_SM)
         c.skew_factor = _MMA_SKEWED_SPLIT_BLOCKS_PER_SM // per_sm if per_sm == _MMA_SPLIT_BLOCKS_PER_SM else None
+        if q_len_per_req > 1 and per_sm == 3:
+            # 16-row multi-token tiles (168 registers) run 3 blocks an SM: the skewed target,
+            # which the wave split counts as the blocks at once, is the target itself
+            c.skew_factor = 1
         # partial states of (token, head) rows: q_len_per_req x num_qo_heads per request
         c.partial_o, c.partial_lse = self._partial_views(num_qo_heads * q_len_per_req, head_dim)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

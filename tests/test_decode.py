@@ -1626,8 +1626,8 @@ MULTI_CLUSTER_CASES = [
     ("bfloat16", "bfloat16", (32, 8), "csr", "NHD", None, 4, [1000], 4),  # 125 tokens (64 KB) a block
     ("bfloat16", "bfloat16", (32, 8), "csr", "NHD", None, 4, [5000], 8),  # 8-warp blocks
     ("bfloat16", "bfloat16", (32, 8), "csr", "NHD", None, 4, [32768], 8),  # 2 MB a block
-    ("bfloat16", "bfloat16", (64, 8), "block_table", "HND", None, 4, [9000], 8),  # two tiles a KV head
-    ("float16", "float8_e4m3fn", (32, 16), "block_table_kv_separate", "NHD", 30.0, 3, [3001], 8),
+    ("bfloat16", "bfloat16", (64, 8), "block_table", "HND", None, 4, [1000], 4),  # two tiles a KV head
+    ("float16", "float8_e4m3fn", (32, 16), "block_table_kv_separate", "NHD", 30.0, 3, [1001], 4),
 ]
 
 

@@ -471,6 +471,26 @@ WAVE_CASES = [  # (requests, tokens each, num_qo_heads, kv dtype, chunks per req
 ]
 
 
+MULTI_TOKEN_WAVE_CASES = [  # (batch, kv_len, num_qo_heads, q_len_per_req, chunks): 8 KV heads, 132 SMs
+    (64, 4096, 32, 4, 3),  # 512 blocks of 16 rows, 396 at once: 3 chunks leave the fewest idle
+    (64, 4096, 32, 2, 1),  # 8-row tiles, 4 an SM: one wave
+    (64, 4096, 64, 8, 2),  # 4 tiles a KV head: 2048 blocks, 5.2 waves: about 12 waves (the 1-token rule)
+]
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "numpy"])
+@pytest.mark.parametrize("batch,kv_len,hq,n_tok,chunks", MULTI_TOKEN_WAVE_CASES)
+def test_plan_multi_token_waves(batch, kv_len, hq, n_tok, chunks, native, op, monkeypatch):
+    """A block of N query tokens weighs N times its bytes in the wave split, and 16-row tiles
+    count 3 blocks an SM: the b=64 x 4 tokens batch splits in 3 (measured best on the H200)."""
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.plan(**csr([kv_len] * batch), num_qo_heads=hq, num_kv_heads=HK, head_dim=D, page_size=PS,
+           q_data_type=torch.bfloat16, q_len_per_req=n_tok)
+    assert (w._plan.config.native is not False) == (native == "1")
+    assert w._plan.args[8] == batch * chunks  # grid items
+
+
 @pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "numpy"])
 @pytest.mark.parametrize("batch,kv_len,hq,kv_dtype,chunks", WAVE_CASES)
 def test_plan_splits_large_uniform_batches_by_their_waves(batch, kv_len, hq, kv_dtype, chunks, native, op,
@@ -1051,6 +1071,8 @@ def _plan_both(native, reference, numpy_plans: list, lens, args: dict, plan_kwar
 
 PLAN_CONFIGS = [  # (num_qo_heads, num_kv_heads, head_dim, kv dtype, plan kwargs)
     (32, 8, 128, torch.float16, {}),
+    (32, 8, 128, torch.float16, dict(q_len_per_req=4)),  # 16-row multi-token tiles: 3 an SM
+    (64, 8, 128, torch.float8_e4m3fn, dict(q_len_per_req=2)),
     (64, 8, 128, torch.float16, {}),
     (32, 8, 128, torch.float8_e4m3fn, {}),           # paired KV heads where the grid fills the SMs
     (64, 8, 128, torch.float8_e4m3fn, {}),
