@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import env
-from .checks import (aligned16, expect_dim, expect_index_vector, expect_same_cuda_device,
-                     expect_vector_aligned, index_ok, same_cuda_device)
+from .checks import (aligned16, as_int32_index, expect_dim, expect_index_vector, expect_same_cuda_device,
+                     expect_vector_aligned, index_ok, index_vector, same_cuda_device)
 from .jit import get_module, op_cache
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import AppendSpec, BatchIndicesSpec
@@ -34,7 +34,13 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         raise ValueError("give either kv_indices/kv_indptr/kv_last_page_len or page_table=, not both")
     args = (append_key, append_value, batch_indices, positions, cache, page_table)
     if not _append_args_ok(*args):
-        _explain_append_args(*args)  # raises, naming the argument
+        # int64 indices (FlashInfer takes them) are narrowed once; anything else unusual
+        # is checked one argument at a time
+        batch_indices = as_int32_index(batch_indices, "batch_indices")
+        positions = as_int32_index(positions, "positions")
+        args = (append_key, append_value, batch_indices, positions, cache, page_table)
+        if not _append_args_ok(*args):
+            _explain_append_args(*args)  # raises, naming the argument
     debug = env.debug()
     if debug:
         check_append_values(batch_indices, positions, page_table, cache.num_pages, cache.page_size)
@@ -118,15 +124,16 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     """Per appended token: its request and its position in that request's KV.
 
     append_indptr[B+1] splits the nnz tokens among requests; seq_lens[B] are the KV
-    lengths after the append. Entries past append_indptr[-1] (padding to a captured
-    size) get batch index -1 and position 0. Returns (batch_indices, positions), int32.
+    lengths after the append (int32 or int64). Entries past append_indptr[-1] (padding
+    to a captured size) get batch index -1 and position 0. Returns (batch_indices,
+    positions), int32.
     """
     import torch
 
-    expect_index_vector(append_indptr, "append_indptr", what="[batch_size + 1]")
+    append_indptr = index_vector(append_indptr, "append_indptr", what="[batch_size + 1]")
     if append_indptr.shape[0] < 1:
         raise ValueError("append_indptr: expected batch_size + 1 >= 1 entries, got 0")
-    expect_index_vector(seq_lens, "seq_lens", append_indptr.shape[0] - 1, "[batch_size]")
+    seq_lens = index_vector(seq_lens, "seq_lens", append_indptr.shape[0] - 1, "[batch_size]")
     if not isinstance(nnz, int) or isinstance(nnz, bool) or nnz < 0:
         raise ValueError(f"nnz: expected a non-negative int, got {nnz!r}")
     expect_same_cuda_device({"append_indptr": append_indptr, "seq_lens": seq_lens})
@@ -138,11 +145,11 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
-    """KV length of each request of a CSR page table; 0 for a request without pages."""
-    import torch
-
-    expect_index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
-    expect_index_vector(kv_last_page_len, "kv_last_page_len", kv_indptr.shape[0] - 1, "[batch_size]")
+    """KV length of each request of a CSR page table (int32 or int64 in, int32 out); 0 for
+    a request without pages."""
+    kv_indptr = index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
+    kv_last_page_len = index_vector(kv_last_page_len, "kv_last_page_len", kv_indptr.shape[0] - 1,
+                                    "[batch_size]")
     pages = kv_indptr[1:] - kv_indptr[:-1]
     return torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len,
                        torch.zeros_like(pages)).to(torch.int32)

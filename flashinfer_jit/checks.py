@@ -40,7 +40,7 @@ def expect_shape(t, name: str, shape: tuple, what: str) -> None:
 
 def expect_index_vector(t, name: str, length: int | None = None, what: str = "") -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected an int32 tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {type(t).__name__}")
     expect_dtype(t, name, (torch.int32,))
     expect_dim(t, name, 1, what)
     if length is not None and t.shape[0] != length:
@@ -125,6 +125,15 @@ def as_int32_index(t, name: str):
     if t.dtype == torch.int64:
         return t.to(torch.int32)
     raise TypeError(f"{name}: expected an int32 or int64 tensor, got {dtype_str(t.dtype)}")
+
+
+def index_vector(t, name: str, length: int | None = None, what: str = ""):
+    """as_int32_index, then expect_index_vector: the int32 vector the kernels read."""
+    if index_ok(t, length):  # int32 as given: one cheap pass
+        return t
+    t = as_int32_index(t, name)
+    expect_index_vector(t, name, length, what)
+    return t
 
 
 def soft_cap_value(logits_soft_cap, name: str = "logits_soft_cap") -> float:

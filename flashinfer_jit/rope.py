@@ -16,8 +16,8 @@ import functools
 import torch
 
 from . import env
-from .checks import (aligned16, dtype_str, expect_index_vector, expect_same_cuda_device,
-                     expect_vector_aligned, index_ok, same_cuda_device)
+from .checks import (aligned16, as_int32_index, dtype_str, expect_index_vector, expect_same_cuda_device,
+                     expect_vector_aligned, index_ok, index_vector, same_cuda_device)
 from .jit import get_module, op_cache
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import RopeSpec
@@ -82,12 +82,12 @@ def _run_rope(q, k, q_out, k_out, *, rotary_dim, interleave, pos_ids=None, indpt
     nnz = q.shape[0]
     empty = _empty_int32(q.device)
     if pos_ids is not None:
-        expect_index_vector(pos_ids, "pos_ids", nnz, "[nnz] (one per token)")
+        pos_ids = index_vector(pos_ids, "pos_ids", nnz, "[nnz] (one per token)")
         positions, named = "pos_ids", {"pos_ids": pos_ids}
         indptr = offsets = empty
     else:
-        expect_index_vector(indptr, "indptr", what="[batch_size + 1]")
-        expect_index_vector(offsets, "offsets", indptr.shape[0] - 1, "[batch_size]")
+        indptr = index_vector(indptr, "indptr", what="[batch_size + 1]")
+        offsets = index_vector(offsets, "offsets", indptr.shape[0] - 1, "[batch_size]")
         positions, named = "indptr", {"indptr": indptr, "offsets": offsets}
         pos_ids = empty
     if cos_sin_cache is not None:
@@ -324,7 +324,7 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
         if o.numel():
             expect_vector_aligned(o, name, 8)
     _check_cos_sin_cache(cos_sin_cache, q_rope.shape[2])
-    expect_index_vector(pos_ids, "pos_ids", q_rope.shape[0], "[nnz]")
+    pos_ids = index_vector(pos_ids, "pos_ids", q_rope.shape[0], "[nnz]")
     spec = RopeSpec(dtype_name(q_rope.dtype), dtype_name(qdt), not is_neox, "pos_ids", "cache").validate()
     expect_same_cuda_device({"q_rope": q_rope, "k_rope": k_rope, "pos_ids": pos_ids,
                              "cos_sin_cache": cos_sin_cache, **{f"out{i}": o for i, o in enumerate(outs)}})
@@ -357,6 +357,9 @@ def rope_quantize_fp8_append_paged_kv_cache(
         args = _fused_fast(q_rope, k_rope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
                            batch_indices, positions, quantize_dtype, page_size, kv_layout, q_rope_out)
     if args is None:  # anything unusual, or bad input: the detailed path (raises naming the argument)
+        pos_ids = as_int32_index(pos_ids, "pos_ids")  # int64 indices are narrowed once, here
+        batch_indices = as_int32_index(batch_indices, "batch_indices")
+        positions = as_int32_index(positions, "positions")
         args = _fused_slow(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                            kv_indices, kv_indptr, batch_indices, positions, quantize_dtype, page_size,
                            kv_layout, q_rope_out, q_nope_out, page_table)
