@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from . import env
-from .checks import (aligned16, as_int32_index, expect_dim, expect_index_vector, expect_same_cuda_device,
-                     expect_vector_aligned, index_ok, index_vector, same_cuda_device)
+from .checks import (aligned16, as_int32_index, dtype_str, expect_dim, expect_index_vector,
+                     expect_same_cuda_device, expect_vector_aligned, index_ok, index_vector,
+                     same_cuda_device)
 from .jit import get_module, op_cache
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import AppendSpec, BatchIndicesSpec
@@ -120,28 +121,47 @@ def check_append_values(batch_indices, positions, page_table: PageTable, num_pag
                          "(expected 0 <= position < pages_of_request * page_size)")
 
 
-def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices=None, positions=None):
     """Per appended token: its request and its position in that request's KV.
 
     append_indptr[B+1] splits the nnz tokens among requests; seq_lens[B] are the KV
     lengths after the append (int32 or int64). Entries past append_indptr[-1] (padding
     to a captured size) get batch index -1 and position 0. Returns (batch_indices,
-    positions), int32.
+    positions), int32 [nnz]: the caller's buffers when given (FlashInfer's current
+    form, e.g. the persistent buffers of a captured CUDA graph), written in place; new
+    tensors otherwise.
     """
-    import torch
-
     append_indptr = index_vector(append_indptr, "append_indptr", what="[batch_size + 1]")
     if append_indptr.shape[0] < 1:
         raise ValueError("append_indptr: expected batch_size + 1 >= 1 entries, got 0")
     seq_lens = index_vector(seq_lens, "seq_lens", append_indptr.shape[0] - 1, "[batch_size]")
-    if not isinstance(nnz, int) or isinstance(nnz, bool) or nnz < 0:
+    if not isinstance(nnz, (int, torch.SymInt)) or isinstance(nnz, bool) or nnz < 0:
         raise ValueError(f"nnz: expected a non-negative int, got {nnz!r}")
-    expect_same_cuda_device({"append_indptr": append_indptr, "seq_lens": seq_lens})
-    batch_indices = torch.empty(nnz, dtype=torch.int32, device=append_indptr.device)
-    positions = torch.empty(nnz, dtype=torch.int32, device=append_indptr.device)
-    get_module(_BATCH_INDICES_SPEC).get_batch_indices_positions(append_indptr, seq_lens,
-                                                                batch_indices, positions)
+    device = append_indptr.device
+    batch_indices = _output_index(batch_indices, "batch_indices", nnz, device)
+    positions = _output_index(positions, "positions", nnz, device)
+    expect_same_cuda_device({"append_indptr": append_indptr, "seq_lens": seq_lens,
+                             "batch_indices": batch_indices, "positions": positions})
+    get_module(_BATCH_INDICES_SPEC).get_batch_indices_positions(append_indptr, seq_lens, batch_indices,
+                                                                positions)
     return batch_indices, positions
+
+
+def _output_index(out, name: str, nnz: int, device):
+    """A caller's int32 [nnz] output buffer, checked, or a new one."""
+    if out is None:
+        return torch.empty(nnz, dtype=torch.int32, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: expected None or an int32 tensor [nnz] to write into, got "
+                        f"{type(out).__name__}")
+    if out.dtype != torch.int32:  # written in place: no narrowing here
+        raise TypeError(f"{name}: the output buffer must be int32, got {dtype_str(out.dtype)}")
+    if tuple(out.shape) != (nnz,):
+        raise ValueError(f"{name}: expected an output buffer of shape [nnz] = ({nnz},), got "
+                         f"{tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: the output buffer must be contiguous")
+    return out
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
