@@ -303,11 +303,13 @@ def _fp8_inputs(q_rope, k_rope, q_nope, k_nope):
 
 def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True,
                       quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0, q_rope_out=None,
-                      k_rope_out=None, q_nope_out=None, k_nope_out=None, enable_pdl=False):
+                      k_rope_out=None, q_nope_out=None, k_nope_out=None, enable_pdl=False, backend="cuda"):
     """RoPE on the rope parts, then every part quantized to fp8 (x * scale).
-    Returns (q_rope_out, k_rope_out, q_nope_out, k_nope_out)."""
+    Returns (q_rope_out, k_rope_out, q_nope_out, k_nope_out). backend: "cuda" (FlashInfer's
+    default) or "auto" run this package's kernel; FlashInfer's "cutile" is not available."""
     import torch
 
+    _check_backend(backend)
     k_rope_in, k_nope_in = k_rope, k_nope
     q_rope, k_rope, q_nope, k_nope, mla = _fp8_inputs(q_rope, k_rope, q_nope, k_nope)
     qdt = _quantize_dtype(quantize_dtype, q_rope_out, k_rope_out, q_nope_out, k_nope_out)
@@ -336,6 +338,30 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
                           empty, empty, cos_sin_cache, 1.0, 1e4, 0.0, 0.0, float(quant_scale_q),
                           float(quant_scale_kv))
     return tuple(outs)
+
+
+def mla_rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True,
+                          quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0, q_rope_out=None,
+                          k_rope_out=None, q_nope_out=None, k_nope_out=None, enable_pdl=False):
+    """FlashInfer's MLA name for rope_quantize_fp8 (k_rope, k_nope 2-D [nnz, dim]: one
+    latent head); the same arguments and return value."""
+    return rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, quantize_dtype,
+                             quant_scale_q, quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out,
+                             enable_pdl)
+
+
+_BACKENDS = ("auto", "cuda")  # both run this package's kernel
+_FLASHINFER_ONLY_BACKENDS = ("cutile",)  # FlashInfer's cuda.tile kernel: not here
+
+
+def _check_backend(backend) -> None:
+    if backend in _BACKENDS:
+        return
+    if backend in _FLASHINFER_ONLY_BACKENDS:
+        raise ValueError(f"backend: {backend!r} is FlashInfer's cuda.tile kernel, which flashinfer_jit does "
+                         f"not have; use {' or '.join(map(repr, _BACKENDS))} (this package's CUDA kernel)")
+    raise ValueError(f"backend: expected {', '.join(map(repr, _BACKENDS + _FLASHINFER_ONLY_BACKENDS))}, "
+                     f"got {backend!r}")
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
