@@ -50,6 +50,10 @@ _EXPORTS = {
     "ToolchainError": "errors",
     "CacheError": "errors",
     "specs": None,
+    # submodules at FlashInfer's paths (flashinfer_jit.page.get_seq_lens, ...)
+    "page": None,
+    "rope": None,
+    "cascade": None,
 }
 
 __all__ = sorted(_EXPORTS)

@@ -532,3 +532,11 @@ def _fused_slow(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged
         k_rope_cache, k_nope_cache, k_offset = cache.k, cache.k, rope_dim
     return (q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, k_rope_cache, k_nope_cache, k_offset,
             v_cache, page_table, layout, qdt, num_pages, cache_page_size)
+
+
+# FlashInfer's public names of flashinfer.rope (`from flashinfer_jit.rope import ...`)
+__all__ = ["apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace",
+           "apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",
+           "apply_llama31_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache",
+           "apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "rope_quantize_fp8",
+           "rope_quantize_fp8_append_paged_kv_cache"]
