@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import env
-from .checks import (aligned16, as_int32_index, dtype_str, expect_dim, expect_index_vector,
+from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_dim, expect_index_vector,
                      expect_same_cuda_device, expect_vector_aligned, index_ok, index_vector,
                      same_cuda_device)
-from .jit import get_module, op_cache
+from .jit import get_module, op_cache, traced_op
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import AppendSpec, BatchIndicesSpec
 from .specs.append import HEAD_DIMS, PAGED_KV_DTYPES
@@ -42,17 +42,29 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         args = (append_key, append_value, batch_indices, positions, cache, page_table)
         if not _append_args_ok(*args):
             _explain_append_args(*args)  # raises, naming the argument
-    debug = env.debug()
-    if debug:
-        check_append_values(batch_indices, positions, page_table, cache.num_pages, cache.page_size)
-    _append_op(cache.k.dtype, cache.k.shape[3], kv_layout, page_table.layout, debug)(
-        append_key, append_value, batch_indices, positions, cache.k, cache.v, page_table.tensors)
+    config = (cache.k.dtype, cache.k.shape[3], kv_layout, page_table.layout)
+    if compiling():  # Dynamo traces this: no value checks (a device sync), the op by its name
+        op = traced_op(_append_namespace(*config), "append_paged_kv_cache")
+    else:
+        debug = env.debug()
+        if debug:
+            check_append_values(batch_indices, positions, page_table, cache.num_pages, cache.page_size)
+        op = _append_op(*config, debug)
+    op(append_key, append_value, batch_indices, positions, cache.k, cache.v, page_table.tensors)
+
+
+def _append_spec(dtype, head_dim: int, kv_layout: str, table_layout: str) -> AppendSpec:
+    return AppendSpec(dtype_name(dtype), head_dim, kv_layout, table_layout).validate()
 
 
 @op_cache
 def _append_op(dtype, head_dim: int, kv_layout: str, table_layout: str, debug: bool):
-    return get_module(AppendSpec(dtype_name(dtype), head_dim, kv_layout, table_layout).validate()
-                      ).append_paged_kv_cache
+    return get_module(_append_spec(dtype, head_dim, kv_layout, table_layout)).append_paged_kv_cache
+
+
+@torch.compiler.assume_constant_result
+def _append_namespace(dtype, head_dim: int, kv_layout: str, table_layout: str) -> str:
+    return get_module(_append_spec(dtype, head_dim, kv_layout, table_layout)).namespace
 
 
 _SUPPORTED = {(d, h) for d in PAGED_KV_DTYPES for h in HEAD_DIMS}
@@ -142,8 +154,11 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices
     positions = _output_index(positions, "positions", nnz, device)
     expect_same_cuda_device({"append_indptr": append_indptr, "seq_lens": seq_lens,
                              "batch_indices": batch_indices, "positions": positions})
-    get_module(_BATCH_INDICES_SPEC).get_batch_indices_positions(append_indptr, seq_lens, batch_indices,
-                                                                positions)
+    if compiling():
+        op = traced_op(_batch_indices_namespace(), "get_batch_indices_positions")
+    else:
+        op = get_module(_BATCH_INDICES_SPEC).get_batch_indices_positions
+    op(append_indptr, seq_lens, batch_indices, positions)
     return batch_indices, positions
 
 
@@ -162,6 +177,11 @@ def _output_index(out, name: str, nnz: int, device):
     if not out.is_contiguous():
         raise ValueError(f"{name}: the output buffer must be contiguous")
     return out
+
+
+@torch.compiler.assume_constant_result
+def _batch_indices_namespace() -> str:
+    return get_module(_BATCH_INDICES_SPEC).namespace
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):

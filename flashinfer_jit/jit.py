@@ -344,6 +344,17 @@ def op_cache(fn):
     return cached
 
 
+def traced_op(namespace: str, op: str):
+    """The op `op` of the loaded module whose namespace is `namespace`, for a wrapper that
+    torch.compile traces. Dynamo cannot trace the registry (a cache around file locks and a
+    build), so each family resolves the namespace in a function marked
+    torch.compiler.assume_constant_result, which runs once, at trace time, and enters the
+    graph as a constant string; the op is then an attribute chain Dynamo follows."""
+    import torch
+
+    return getattr(getattr(torch.ops, namespace), op).default
+
+
 def clear_registry() -> None:
     _registry.cache_clear()
     for cached in _op_caches:
