@@ -13,6 +13,10 @@ inline AppendParams make_append_params(const at::Tensor& append_key, const at::T
   expect_cuda(append_key, "append_key");
   expect_cuda(k_cache, "k_cache");
   TORCH_CHECK(append_key.dim() == 3 && append_value.dim() == 3, "append_key/value must be [nnz, heads, dim]");
+  expect_aligned(append_key, 16, "append_key");
+  expect_aligned(append_value, 16, "append_value");
+  expect_aligned(k_cache, 16, "k_cache");
+  expect_aligned(v_cache, 16, "v_cache");
   AppendParams p;
   rows_of(append_key, p.append_key, p.key_stride_token, p.key_stride_head);
   rows_of(append_value, p.append_value, p.value_stride_token, p.value_stride_head);

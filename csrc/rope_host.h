@@ -13,6 +13,9 @@ namespace fij {
 inline RopeRows make_rope_rows(const at::Tensor& rope_in, const at::Tensor& nope_in,
                                const at::Tensor& rope_out, const at::Tensor& nope_out) {
   TORCH_CHECK(rope_in.dim() == 3, "rope inputs must be [nnz, heads, dim]");
+  for (const at::Tensor* t : {&rope_in, &nope_in, &rope_out, &nope_out}) {
+    expect_aligned(*t, 8 * t->element_size(), "a RoPE input or output");  // 8-element vectors
+  }
   RopeRows r;
   rows_of(rope_in, r.rope_in, r.rope_in_stride_token, r.rope_in_stride_head);
   rows_of(rope_out, r.rope_out, r.rope_out_stride_token, r.rope_out_stride_head);
@@ -70,6 +73,9 @@ inline void add_append_params(RopeParams& p, const at::Tensor& v, const at::Tens
                               const at::Tensor& v_cache, at::TensorList page_table,
                               const at::Tensor& batch_indices, const at::Tensor& positions,
                               KVLayout layout, PageTableLayout table) {
+  for (const at::Tensor* t : {&v, &k_rope_cache, &k_nope_cache, &v_cache}) {
+    expect_aligned(*t, 8 * t->element_size(), "v or a paged cache");  // 8-element vectors
+  }
   p.k_rope_cache = make_paged_tensor(k_rope_cache, layout);
   p.k_nope_cache = make_paged_tensor(k_nope_cache, layout);
   p.k_nope_cache.data = static_cast<char*>(p.k_nope_cache.data) + k_nope_offset * k_nope_cache.element_size();

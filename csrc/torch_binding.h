@@ -52,6 +52,22 @@ inline void expect_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
 }
 
+// Kernels that move `bytes` at a time need the start and every stride but the last (of a
+// dimension longer than 1) to be multiples of it, or the access faults and takes the CUDA
+// context with it. Python checks this before launch with a clearer message, except while
+// torch.compile traces the wrapper (no data pointers then): this is the run-time check.
+inline void expect_aligned(const at::Tensor& t, int64_t bytes, const char* name) {
+  if (t.numel() == 0) return;
+  const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % bytes);
+  bool ok = misaligned == 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    ok = ok && (t.size(d) == 1 || (t.stride(d) * t.element_size()) % bytes == 0);
+  }
+  TORCH_CHECK(ok, name, ": the start address and every stride but the last must be multiples of ", bytes,
+              " bytes (vector accesses); got address % ", bytes, " = ", misaligned, ", strides ", t.strides(),
+              " of ", t.element_size(), "-byte elements");
+}
+
 // One paged tensor laid out NHD [pages, page_size, heads, dim] or HND
 // [pages, heads, page_size, dim]; a 3-D MLA cache [pages, page_size, dim] has one head.
 inline PagedTensor make_paged_tensor(const at::Tensor& t, KVLayout layout) {

@@ -29,6 +29,7 @@ _EXPORTS = {
     "apply_rope_with_cos_sin_cache": "rope",
     "apply_rope_with_cos_sin_cache_inplace": "rope",
     "rope_quantize_fp8": "rope",
+    "mla_rope_quantize_fp8": "rope",
     "rope_quantize_fp8_append_paged_kv_cache": "rope",
     # attention
     "BatchDecodeWithPagedKVCacheWrapper": "decode",
@@ -51,7 +52,11 @@ _EXPORTS = {
     "ToolchainError": "errors",
     "CacheError": "errors",
     "specs": None,
+    # submodules at FlashInfer's paths (flashinfer_jit.page.get_seq_lens, ...)
     "decode": None,
+    "page": None,
+    "rope": None,
+    "cascade": None,
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import env
-from .checks import (aligned16, expect_dim, expect_index_vector, expect_same_cuda_device,
-                     expect_vector_aligned, index_ok, same_cuda_device)
-from .jit import get_module, op_cache
+from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_dim, expect_index_vector,
+                     expect_same_cuda_device, expect_vector_aligned, index_ok, index_vector,
+                     same_cuda_device)
+from .jit import get_module, op_cache, traced_op
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import AppendSpec, BatchIndicesSpec
 from .specs.append import HEAD_DIMS, PAGED_KV_DTYPES
@@ -34,18 +35,36 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         raise ValueError("give either kv_indices/kv_indptr/kv_last_page_len or page_table=, not both")
     args = (append_key, append_value, batch_indices, positions, cache, page_table)
     if not _append_args_ok(*args):
-        _explain_append_args(*args)  # raises, naming the argument
-    debug = env.debug()
-    if debug:
-        check_append_values(batch_indices, positions, page_table, cache.num_pages, cache.page_size)
-    _append_op(cache.k.dtype, cache.k.shape[3], kv_layout, page_table.layout, debug)(
-        append_key, append_value, batch_indices, positions, cache.k, cache.v, page_table.tensors)
+        # int64 indices (FlashInfer takes them) are narrowed once; anything else unusual
+        # is checked one argument at a time
+        batch_indices = as_int32_index(batch_indices, "batch_indices")
+        positions = as_int32_index(positions, "positions")
+        args = (append_key, append_value, batch_indices, positions, cache, page_table)
+        if not _append_args_ok(*args):
+            _explain_append_args(*args)  # raises, naming the argument
+    config = (cache.k.dtype, cache.k.shape[3], kv_layout, page_table.layout)
+    if compiling():  # Dynamo traces this: no value checks (a device sync), the op by its name
+        op = traced_op(_append_namespace(*config), "append_paged_kv_cache")
+    else:
+        debug = env.debug()
+        if debug:
+            check_append_values(batch_indices, positions, page_table, cache.num_pages, cache.page_size)
+        op = _append_op(*config, debug)
+    op(append_key, append_value, batch_indices, positions, cache.k, cache.v, page_table.tensors)
+
+
+def _append_spec(dtype, head_dim: int, kv_layout: str, table_layout: str) -> AppendSpec:
+    return AppendSpec(dtype_name(dtype), head_dim, kv_layout, table_layout).validate()
 
 
 @op_cache
 def _append_op(dtype, head_dim: int, kv_layout: str, table_layout: str, debug: bool):
-    return get_module(AppendSpec(dtype_name(dtype), head_dim, kv_layout, table_layout).validate()
-                      ).append_paged_kv_cache
+    return get_module(_append_spec(dtype, head_dim, kv_layout, table_layout)).append_paged_kv_cache
+
+
+@torch.compiler.assume_constant_result
+def _append_namespace(dtype, head_dim: int, kv_layout: str, table_layout: str) -> str:
+    return get_module(_append_spec(dtype, head_dim, kv_layout, table_layout)).namespace
 
 
 _SUPPORTED = {(d, h) for d in PAGED_KV_DTYPES for h in HEAD_DIMS}
@@ -114,35 +133,63 @@ def check_append_values(batch_indices, positions, page_table: PageTable, num_pag
                          "(expected 0 <= position < pages_of_request * page_size)")
 
 
-def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices=None, positions=None):
     """Per appended token: its request and its position in that request's KV.
 
     append_indptr[B+1] splits the nnz tokens among requests; seq_lens[B] are the KV
-    lengths after the append. Entries past append_indptr[-1] (padding to a captured
-    size) get batch index -1 and position 0. Returns (batch_indices, positions), int32.
+    lengths after the append (int32 or int64). Entries past append_indptr[-1] (padding
+    to a captured size) get batch index -1 and position 0. Returns (batch_indices,
+    positions), int32 [nnz]: the caller's buffers when given (FlashInfer's current
+    form, e.g. the persistent buffers of a captured CUDA graph), written in place; new
+    tensors otherwise.
     """
-    import torch
-
-    expect_index_vector(append_indptr, "append_indptr", what="[batch_size + 1]")
+    append_indptr = index_vector(append_indptr, "append_indptr", what="[batch_size + 1]")
     if append_indptr.shape[0] < 1:
         raise ValueError("append_indptr: expected batch_size + 1 >= 1 entries, got 0")
-    expect_index_vector(seq_lens, "seq_lens", append_indptr.shape[0] - 1, "[batch_size]")
-    if not isinstance(nnz, int) or isinstance(nnz, bool) or nnz < 0:
+    seq_lens = index_vector(seq_lens, "seq_lens", append_indptr.shape[0] - 1, "[batch_size]")
+    if not isinstance(nnz, (int, torch.SymInt)) or isinstance(nnz, bool) or nnz < 0:
         raise ValueError(f"nnz: expected a non-negative int, got {nnz!r}")
-    expect_same_cuda_device({"append_indptr": append_indptr, "seq_lens": seq_lens})
-    batch_indices = torch.empty(nnz, dtype=torch.int32, device=append_indptr.device)
-    positions = torch.empty(nnz, dtype=torch.int32, device=append_indptr.device)
-    get_module(_BATCH_INDICES_SPEC).get_batch_indices_positions(append_indptr, seq_lens,
-                                                                batch_indices, positions)
+    device = append_indptr.device
+    batch_indices = _output_index(batch_indices, "batch_indices", nnz, device)
+    positions = _output_index(positions, "positions", nnz, device)
+    expect_same_cuda_device({"append_indptr": append_indptr, "seq_lens": seq_lens,
+                             "batch_indices": batch_indices, "positions": positions})
+    if compiling():
+        op = traced_op(_batch_indices_namespace(), "get_batch_indices_positions")
+    else:
+        op = get_module(_BATCH_INDICES_SPEC).get_batch_indices_positions
+    op(append_indptr, seq_lens, batch_indices, positions)
     return batch_indices, positions
 
 
-def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
-    """KV length of each request of a CSR page table; 0 for a request without pages."""
-    import torch
+def _output_index(out, name: str, nnz: int, device):
+    """A caller's int32 [nnz] output buffer, checked, or a new one."""
+    if out is None:
+        return torch.empty(nnz, dtype=torch.int32, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: expected None or an int32 tensor [nnz] to write into, got "
+                        f"{type(out).__name__}")
+    if out.dtype != torch.int32:  # written in place: no narrowing here
+        raise TypeError(f"{name}: the output buffer must be int32, got {dtype_str(out.dtype)}")
+    if tuple(out.shape) != (nnz,):
+        raise ValueError(f"{name}: expected an output buffer of shape [nnz] = ({nnz},), got "
+                         f"{tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: the output buffer must be contiguous")
+    return out
 
-    expect_index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
-    expect_index_vector(kv_last_page_len, "kv_last_page_len", kv_indptr.shape[0] - 1, "[batch_size]")
+
+@torch.compiler.assume_constant_result
+def _batch_indices_namespace() -> str:
+    return get_module(_BATCH_INDICES_SPEC).namespace
+
+
+def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
+    """KV length of each request of a CSR page table (int32 or int64 in, int32 out); 0 for
+    a request without pages."""
+    kv_indptr = index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
+    kv_last_page_len = index_vector(kv_last_page_len, "kv_last_page_len", kv_indptr.shape[0] - 1,
+                                    "[batch_size]")
     pages = kv_indptr[1:] - kv_indptr[:-1]
     return torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len,
                        torch.zeros_like(pages)).to(torch.int32)

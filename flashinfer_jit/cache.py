@@ -259,5 +259,19 @@ def iter_entries(root: Path | None = None) -> Iterator[tuple[Path, dict | None]]
                 yield child, read_manifest(child)
 
 
+def typical_build_seconds(root: Path, family: str, limit: int = 16) -> tuple[float, int] | None:
+    """(median seconds, count) of the lazy builds of `family` published under `root`, from
+    at most `limit` manifests; None if there are none. AOT manifests are left out: their
+    seconds are compile steps summed, not the wall time a waiting call sees."""
+    seconds = []
+    for path in sorted(root.glob(f"{family}_*"))[:limit]:
+        manifest = read_manifest(path)
+        if manifest and manifest.get("family") == family and manifest.get("built_by") == "jit":
+            seconds.append(float(manifest.get("build_seconds", 0.0)))
+    if not seconds:
+        return None
+    return sorted(seconds)[len(seconds) // 2], len(seconds)
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -56,3 +56,8 @@ def merge_state(v_a, s_a, v_b, s_b):
     if s_a.shape != v_a.shape[:2] or s_b.shape != v_a.shape[:2]:
         raise ValueError(f"s_a/s_b: expected {tuple(v_a.shape[:2])}")
     return merge_states(torch.stack([v_a, v_b], dim=1), torch.stack([s_a, s_b], dim=1))
+
+
+# FlashInfer's names of flashinfer.cascade that this package has (its cascade wrappers and
+# merge_state_in_place it has not)
+__all__ = ["merge_state", "merge_states"]

@@ -15,6 +15,12 @@ import torch
 
 from typing import Iterable
 
+# True while torch.compile's Dynamo traces a call (the only part of torch.compile that runs
+# this Python; AOTAutograd and Inductor see the graph it records). Tensors are fakes then,
+# with no data pointer, so the checks that read one pass and the ops' bindings check the
+# same at run time (csrc/torch_binding.h: expect_aligned). False in eager mode at ~30 ns.
+compiling = torch.compiler.is_dynamo_compiling
+
 
 def dtype_str(dtype) -> str:
     return str(dtype).replace("torch.", "")
@@ -40,7 +46,7 @@ def expect_shape(t, name: str, shape: tuple, what: str) -> None:
 
 def expect_index_vector(t, name: str, length: int | None = None, what: str = "") -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected an int32 tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {type(t).__name__}")
     expect_dtype(t, name, (torch.int32,))
     expect_dim(t, name, 1, what)
     if length is not None and t.shape[0] != length:
@@ -75,6 +81,8 @@ def expect_vector_aligned(t, name: str, vector_bytes: int = 16) -> None:
     """The kernels move `vector_bytes` at a time: the start address and every stride but
     the last (of a dimension longer than 1) must be multiples of it, or the access would
     fault ("misaligned address") and take the CUDA context down with it."""
+    if compiling():
+        return
     size = t.element_size()
     misaligned = t.data_ptr() % vector_bytes != 0 or any(
         (stride * size) % vector_bytes for stride, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
@@ -96,6 +104,8 @@ def same_cuda_device(tensors) -> bool:
 
 def aligned16(*tensors) -> bool:
     """Fast path of expect_vector_aligned(t, name, 16) for several tensors."""
+    if compiling():
+        return True
     for t in tensors:
         if t.data_ptr() % 16:
             return False
@@ -125,6 +135,15 @@ def as_int32_index(t, name: str):
     if t.dtype == torch.int64:
         return t.to(torch.int32)
     raise TypeError(f"{name}: expected an int32 or int64 tensor, got {dtype_str(t.dtype)}")
+
+
+def index_vector(t, name: str, length: int | None = None, what: str = ""):
+    """as_int32_index, then expect_index_vector: the int32 vector the kernels read."""
+    if index_ok(t, length):  # int32 as given: one cheap pass
+        return t
+    t = as_int32_index(t, name)
+    expect_index_vector(t, name, length, what)
+    return t
 
 
 def soft_cap_value(logits_soft_cap, name: str = "logits_soft_cap") -> float:

@@ -67,6 +67,23 @@ def jit_disabled() -> bool:
     return _flag("FLASHINFER_JIT_DISABLE_JIT")
 
 
+_LOG_LEVELS = {"CRITICAL": 50, "ERROR": 40, "WARNING": 30, "WARN": 30, "INFO": 20, "DEBUG": 10}
+
+
+def log_level() -> int | None:
+    """FLASHINFER_JIT_LOG_LEVEL: the level of the `flashinfer_jit` logger (a name such as
+    WARNING or DEBUG, or a number); None when unset."""
+    value = os.environ.get("FLASHINFER_JIT_LOG_LEVEL", "").strip()
+    if not value:
+        return None
+    if value.isdigit():
+        return int(value)
+    if value.upper() in _LOG_LEVELS:
+        return _LOG_LEVELS[value.upper()]
+    raise ValueError(f"FLASHINFER_JIT_LOG_LEVEL: cannot read {value!r}; expected DEBUG, INFO, WARNING, "
+                     "ERROR, CRITICAL or a number")
+
+
 def decode_clusters() -> bool:
     """FLASHINFER_JIT_DECODE_CLUSTERS=0 keeps batch decode off its thread-block-cluster split
     (small batches then split with partial states in the workspace, as before sm_90)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import env
-from .checks import expect_choice, expect_index_vector, expect_same_cuda_device
+from .checks import expect_choice, expect_same_cuda_device, index_vector
 from .jit import get_module
 from .page_table import PageTable, block_page_table, csr_page_table
 from .specs import FlattenSpec
@@ -46,7 +46,7 @@ def flatten_kv_cache(k_cache, v_cache, kv_seqlens, page_table, out_size: int | N
 
     cache = unpack_paged_kv_cache((k_cache, v_cache), kv_layout, name="k_cache/v_cache")
     expect_choice(layout, "layout", ("shd", "hsd"))
-    expect_index_vector(kv_seqlens, "kv_seqlens", what="[batch_size]")
+    kv_seqlens = index_vector(kv_seqlens, "kv_seqlens", what="[batch_size]")
     table = _page_table_arg(page_table, kv_seqlens)
     if table.batch_size != kv_seqlens.shape[0]:
         raise ValueError(f"kv_seqlens: {kv_seqlens.shape[0]} requests, the page table has {table.batch_size}")

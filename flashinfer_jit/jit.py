@@ -11,16 +11,16 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
-from . import build, cache, env, toolchain
+from . import build, cache, env, log, toolchain
 from .errors import JitDisabledError, ToolchainError
 from .render import RenderedModule, render
 from .specs.base import NAMESPACE_PLACEHOLDER, Spec
@@ -151,9 +151,11 @@ def _build_one(prep: Prepared, entry: cache.Entry, jobs: int | None = None) -> N
 
 
 def load_or_build(spec: Spec) -> LoadedModule:
+    logger = log.configure()
     prep = prepare(spec)
     path = find_published(prep)
     if path is not None:
+        logger.debug("loading %s from the cache (%s)", prep.name, path)
         return load(spec, path)
     if env.jit_disabled():
         raise JitDisabledError(
@@ -162,14 +164,35 @@ def load_or_build(spec: Spec) -> LoadedModule:
             "set; prebuild it with `flashinfer-jit aot` or unset the variable"
         )
     entry = prep.entry(cache.build_root())
-    with FileLock(str(entry.lock_path)):
+    with _entry_lock(entry, prep.name):
         # Someone may have published it while we waited for the lock.
         manifest = cache.read_manifest(entry.path)
         if manifest is None or cache.verify_entry(entry.path, manifest) is not None:
-            if env.verbose():  # only here: a process that waited and loads builds nothing
-                print(f"flashinfer_jit: building {entry.dirname}", file=sys.stderr)
+            # only here: a process that waited and loads builds nothing
+            logger.info("building %s on first use (not in the cache at %s); expect %s, once: later "
+                        "calls and processes load it from the cache", prep.name, entry.root,
+                        log.expected_time(cache.typical_build_seconds(entry.root, spec.FAMILY)))
+            start = time.perf_counter()
             _build_one(prep, entry)
+            logger.info("built %s in %.1f s", prep.name, time.perf_counter() - start)
     return load(spec, entry.path)
+
+
+@contextmanager
+def _entry_lock(entry: cache.Entry, name: str):
+    """The entry's file lock; a wait for another process's build is announced."""
+    lock = FileLock(str(entry.lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.logger.info("waiting for another process that is building %s (lock %s)", name, entry.lock_path)
+        start = time.perf_counter()
+        lock.acquire()
+        log.logger.info("waited %.1f s for %s", time.perf_counter() - start, name)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @dataclass
@@ -319,6 +342,17 @@ def op_cache(fn):
     cached = functools.cache(fn)
     _op_caches.append(cached)
     return cached
+
+
+def traced_op(namespace: str, op: str):
+    """The op `op` of the loaded module whose namespace is `namespace`, for a wrapper that
+    torch.compile traces. Dynamo cannot trace the registry (a cache around file locks and a
+    build), so each family resolves the namespace in a function marked
+    torch.compiler.assume_constant_result, which runs once, at trace time, and enters the
+    graph as a constant string; the op is then an attribute chain Dynamo follows."""
+    import torch
+
+    return getattr(getattr(torch.ops, namespace), op).default
 
 
 def clear_registry() -> None:

@@ -15,8 +15,8 @@ import torch
 
 from typing import NamedTuple
 
-from .checks import (expect_choice, expect_dim, expect_dtype, expect_index_vector,
-                     expect_last_dim_contiguous, index_ok)
+from .checks import (as_int32_index, expect_choice, expect_dim, expect_last_dim_contiguous, index_ok,
+                     index_vector)
 from .specs.base import KV_LAYOUTS, PAGE_TABLES, dtype_name
 
 
@@ -87,25 +87,25 @@ def csr_page_table(kv_indptr, kv_indices, kv_last_page_len=None) -> PageTable:
     if index_ok(kv_indptr) and kv_indptr.shape[0] >= 1 and index_ok(kv_indices) and \
             kv_last_page_len is not None and index_ok(kv_last_page_len, kv_indptr.shape[0] - 1):
         return PageTable("csr", (kv_indptr, kv_indices, kv_last_page_len), kv_indptr.shape[0] - 1)
-    if not isinstance(kv_indptr, torch.Tensor):
-        raise TypeError(f"kv_indptr: expected an int32 tensor, got {type(kv_indptr).__name__}")
-    expect_index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
+    # Anything else, int64 tensors included (narrowed to int32 once, here), is checked in turn.
+    kv_indptr = index_vector(kv_indptr, "kv_indptr", what="[batch_size + 1]")
     if kv_indptr.shape[0] < 1:
         raise ValueError("kv_indptr: expected batch_size + 1 >= 1 entries, got 0")
     batch = kv_indptr.shape[0] - 1
-    expect_index_vector(kv_indices, "kv_indices", what="[number of pages used]")
+    kv_indices = index_vector(kv_indices, "kv_indices", what="[number of pages used]")
     if kv_last_page_len is None:
         kv_last_page_len = torch.empty(0, dtype=torch.int32, device=kv_indptr.device)
     else:
-        expect_index_vector(kv_last_page_len, "kv_last_page_len", batch, "[batch_size] (one per request)")
+        kv_last_page_len = index_vector(kv_last_page_len, "kv_last_page_len", batch,
+                                        "[batch_size] (one per request)")
     return PageTable("csr", (kv_indptr, kv_indices, kv_last_page_len), batch)
 
 
 def block_page_table(block_tables, seq_lens, kv_separate: bool = False) -> PageTable:
     name = "block_tables"
     if not isinstance(block_tables, torch.Tensor):
-        raise TypeError(f"{name}: expected an int32 tensor, got {type(block_tables).__name__}")
-    expect_dtype(block_tables, name, (torch.int32,))
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {type(block_tables).__name__}")
+    block_tables = as_int32_index(block_tables, name)
     if kv_separate:
         if block_tables.dim() != 3 or block_tables.shape[1] != 2:
             raise ValueError(f"{name}: block_table_kv_separate expects [batch_size, 2, max_pages] "
@@ -115,7 +115,7 @@ def block_page_table(block_tables, seq_lens, kv_separate: bool = False) -> PageT
     if block_tables.stride(-1) != 1:
         raise ValueError(f"{name}: the max_pages dimension must be contiguous")
     batch = block_tables.shape[0]
-    expect_index_vector(seq_lens, "seq_lens", batch, "[batch_size]")
+    seq_lens = index_vector(seq_lens, "seq_lens", batch, "[batch_size]")
     return PageTable("block_table_kv_separate" if kv_separate else "block_table",
                      (block_tables, seq_lens), batch)
 

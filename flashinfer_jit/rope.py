@@ -16,9 +16,9 @@ import functools
 import torch
 
 from . import env
-from .checks import (aligned16, dtype_str, expect_index_vector, expect_same_cuda_device,
-                     expect_vector_aligned, index_ok, same_cuda_device)
-from .jit import get_module, op_cache
+from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_index_vector,
+                     expect_same_cuda_device, expect_vector_aligned, index_ok, index_vector, same_cuda_device)
+from .jit import get_module, op_cache, traced_op
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import RopeSpec
 from .specs.base import FP8_DTYPES, dtype_name
@@ -82,12 +82,12 @@ def _run_rope(q, k, q_out, k_out, *, rotary_dim, interleave, pos_ids=None, indpt
     nnz = q.shape[0]
     empty = _empty_int32(q.device)
     if pos_ids is not None:
-        expect_index_vector(pos_ids, "pos_ids", nnz, "[nnz] (one per token)")
+        pos_ids = index_vector(pos_ids, "pos_ids", nnz, "[nnz] (one per token)")
         positions, named = "pos_ids", {"pos_ids": pos_ids}
         indptr = offsets = empty
     else:
-        expect_index_vector(indptr, "indptr", what="[batch_size + 1]")
-        expect_index_vector(offsets, "offsets", indptr.shape[0] - 1, "[batch_size]")
+        indptr = index_vector(indptr, "indptr", what="[batch_size + 1]")
+        offsets = index_vector(offsets, "offsets", indptr.shape[0] - 1, "[batch_size]")
         positions, named = "indptr", {"indptr": indptr, "offsets": offsets}
         pos_ids = empty
     if cos_sin_cache is not None:
@@ -95,14 +95,19 @@ def _run_rope(q, k, q_out, k_out, *, rotary_dim, interleave, pos_ids=None, indpt
         named["cos_sin_cache"] = cos_sin_cache
     if rope_scale <= 0 or rope_theta <= 0:
         raise ValueError(f"rope_scale and rope_theta must be positive, got {rope_scale}, {rope_theta}")
-    for name, t in (("q", q), ("k", k), ("q_out", q_out), ("k_out", k_out)):
-        expect_vector_aligned(t, name, 8 * t.element_size())
+    if not aligned16(q, k, q_out, k_out):  # 8 elements of 16 bits: 16 bytes, checked in one pass
+        for name, t in (("q", q), ("k", k), ("q_out", q_out), ("k_out", k_out)):
+            expect_vector_aligned(t, name, 8 * t.element_size())
     if not same_cuda_device((q, k, q_out, k_out, *named.values())):
         expect_same_cuda_device({"q": q, "k": k, "q_out": q_out, "k_out": k_out, **named})
-    debug = env.debug()
-    if debug and cos_sin_cache is not None:
-        _check_positions_in_cache(pos_ids, cos_sin_cache)
-    op = _rope_op(q.dtype, interleave, positions, cos_sin_cache is not None, debug)
+    config = (q.dtype, q.dtype, interleave, positions, cos_sin_cache is not None, "none", "NHD")
+    if compiling():  # Dynamo traces this: no value checks (a device sync), the op by its name
+        op = traced_op(_rope_namespace(*config), "rope")
+    else:
+        debug = env.debug()
+        if debug and cos_sin_cache is not None:
+            _check_positions_in_cache(pos_ids, cos_sin_cache)
+        op = _rope_op(*config, debug)
     if rd == head_dim:  # the whole row rotates: no views needed
         parts = (q, k, empty, empty, q_out, k_out, empty, empty)
     else:
@@ -112,16 +117,29 @@ def _run_rope(q, k, q_out, k_out, *, rotary_dim, interleave, pos_ids=None, indpt
        float(rope_scale), float(rope_theta), float(smooth[0]), float(smooth[1]), 1.0, 1.0)
 
 
+def _rope_spec(dtype_in, dtype_out, interleave: bool, positions: str, cached_angles: bool,
+               table_layout: str = "none", kv_layout: str = "NHD") -> RopeSpec:
+    return RopeSpec(dtype_name(dtype_in), dtype_name(dtype_out), interleave, positions,
+                    "cache" if cached_angles else "computed", table_layout, kv_layout).validate()
+
+
 @op_cache
-def _rope_op(dtype, interleave: bool, positions: str, cached_angles: bool, debug: bool):
-    spec = RopeSpec(dtype_name(dtype), dtype_name(dtype), interleave, positions,
-                    "cache" if cached_angles else "computed").validate()
-    return get_module(spec).rope
+def _rope_op(dtype_in, dtype_out, interleave: bool, positions: str, cached_angles: bool, table_layout: str,
+             kv_layout: str, debug: bool):
+    """The module's one op: `rope`, or `rope_append` where a page table is given."""
+    spec = _rope_spec(dtype_in, dtype_out, interleave, positions, cached_angles, table_layout, kv_layout)
+    return getattr(get_module(spec), "rope_append" if spec.append else "rope")
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
+def _rope_namespace(dtype_in, dtype_out, interleave: bool, positions: str, cached_angles: bool,
+                    table_layout: str, kv_layout: str) -> str:
+    spec = _rope_spec(dtype_in, dtype_out, interleave, positions, cached_angles, table_layout, kv_layout)
+    return get_module(spec).namespace
+
+
 def _empty_f32(device):
-    return torch.empty(0, dtype=torch.float32, device=device)
+    return _new_empty(device, torch.float32) if compiling() else _cached_empty(device, torch.float32)
 
 
 def _check_cos_sin_cache(cos_sin_cache, rope_dim: int) -> None:
@@ -245,8 +263,9 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
 def _quantize_dtype(quantize_dtype, *outs):
     import torch
 
-    if quantize_dtype is None:
-        quantize_dtype = next((o.dtype for o in outs if o is not None), torch.float8_e4m3fn)
+    if quantize_dtype is None:  # the first given output's, else e4m3 (FlashInfer's rule)
+        given = [o.dtype for o in outs if o is not None]
+        quantize_dtype = given[0] if given else torch.float8_e4m3fn
     if dtype_name(quantize_dtype) not in FP8_DTYPES:
         raise TypeError(f"quantize_dtype: expected float8_e4m3fn or float8_e5m2, got {dtype_str(quantize_dtype)}")
     return quantize_dtype
@@ -303,11 +322,11 @@ def _fp8_inputs(q_rope, k_rope, q_nope, k_nope):
 
 def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True,
                       quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0, q_rope_out=None,
-                      k_rope_out=None, q_nope_out=None, k_nope_out=None, enable_pdl=False):
+                      k_rope_out=None, q_nope_out=None, k_nope_out=None, enable_pdl=False, backend="cuda"):
     """RoPE on the rope parts, then every part quantized to fp8 (x * scale).
-    Returns (q_rope_out, k_rope_out, q_nope_out, k_nope_out)."""
-    import torch
-
+    Returns (q_rope_out, k_rope_out, q_nope_out, k_nope_out). backend: "cuda" (FlashInfer's
+    default) or "auto" run this package's kernel; FlashInfer's "cutile" is not available."""
+    _check_backend(backend)
     k_rope_in, k_nope_in = k_rope, k_nope
     q_rope, k_rope, q_nope, k_nope, mla = _fp8_inputs(q_rope, k_rope, q_nope, k_nope)
     qdt = _quantize_dtype(quantize_dtype, q_rope_out, k_rope_out, q_nope_out, k_nope_out)
@@ -324,18 +343,46 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
         if o.numel():
             expect_vector_aligned(o, name, 8)
     _check_cos_sin_cache(cos_sin_cache, q_rope.shape[2])
-    expect_index_vector(pos_ids, "pos_ids", q_rope.shape[0], "[nnz]")
-    spec = RopeSpec(dtype_name(q_rope.dtype), dtype_name(qdt), not is_neox, "pos_ids", "cache").validate()
+    pos_ids = index_vector(pos_ids, "pos_ids", q_rope.shape[0], "[nnz]")
+    config = (q_rope.dtype, qdt, not is_neox, "pos_ids", True, "none", "NHD")
     expect_same_cuda_device({"q_rope": q_rope, "k_rope": k_rope, "pos_ids": pos_ids,
                              "cos_sin_cache": cos_sin_cache, **{f"out{i}": o for i, o in enumerate(outs)}})
-    if env.debug():
-        _check_positions_in_cache(pos_ids, cos_sin_cache)
-    empty = torch.empty(0, dtype=torch.int32, device=q_rope.device)
+    if compiling():
+        op = traced_op(_rope_namespace(*config), "rope")
+    else:
+        debug = env.debug()
+        if debug:
+            _check_positions_in_cache(pos_ids, cos_sin_cache)
+        op = _rope_op(*config, debug)
+    empty = _empty_int32(q_rope.device)
     rows = [o.unsqueeze(1) if o.dim() == 2 else o for o in outs]
-    get_module(spec).rope(q_rope, k_rope, q_nope, k_nope, rows[0], rows[1], rows[2], rows[3], pos_ids,
-                          empty, empty, cos_sin_cache, 1.0, 1e4, 0.0, 0.0, float(quant_scale_q),
-                          float(quant_scale_kv))
+    op(q_rope, k_rope, q_nope, k_nope, rows[0], rows[1], rows[2], rows[3], pos_ids, empty, empty,
+       cos_sin_cache, 1.0, 1e4, 0.0, 0.0, float(quant_scale_q), float(quant_scale_kv))
     return tuple(outs)
+
+
+def mla_rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True,
+                          quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0, q_rope_out=None,
+                          k_rope_out=None, q_nope_out=None, k_nope_out=None, enable_pdl=False):
+    """FlashInfer's MLA name for rope_quantize_fp8 (k_rope, k_nope 2-D [nnz, dim]: one
+    latent head); the same arguments and return value."""
+    return rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, quantize_dtype,
+                             quant_scale_q, quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out,
+                             enable_pdl)
+
+
+_BACKENDS = ("auto", "cuda")  # both run this package's kernel
+_FLASHINFER_ONLY_BACKENDS = ("cutile",)  # FlashInfer's cuda.tile kernel: not here
+
+
+def _check_backend(backend) -> None:
+    if backend in _BACKENDS:
+        return
+    if backend in _FLASHINFER_ONLY_BACKENDS:
+        raise ValueError(f"backend: {backend!r} is FlashInfer's cuda.tile kernel, which flashinfer_jit does "
+                         f"not have; use {' or '.join(map(repr, _BACKENDS))} (this package's CUDA kernel)")
+    raise ValueError(f"backend: expected {', '.join(map(repr, _BACKENDS + _FLASHINFER_ONLY_BACKENDS))}, "
+                     f"got {backend!r}")
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
@@ -357,36 +404,43 @@ def rope_quantize_fp8_append_paged_kv_cache(
         args = _fused_fast(q_rope, k_rope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
                            batch_indices, positions, quantize_dtype, page_size, kv_layout, q_rope_out)
     if args is None:  # anything unusual, or bad input: the detailed path (raises naming the argument)
+        pos_ids = as_int32_index(pos_ids, "pos_ids")  # int64 indices are narrowed once, here
+        batch_indices = as_int32_index(batch_indices, "batch_indices")
+        positions = as_int32_index(positions, "positions")
         args = _fused_slow(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                            kv_indices, kv_indptr, batch_indices, positions, quantize_dtype, page_size,
                            kv_layout, q_rope_out, q_nope_out, page_table)
     (q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, k_rope_cache, k_nope_cache, nope_offset,
      v_cache, table, layout, qdt, num_pages, cache_page_size) = args
-    debug = env.debug()
-    if debug:
-        from .append import check_append_values
+    config = (q_rope.dtype, qdt, not is_neox, "pos_ids", True, table.layout, layout)
+    if compiling():  # Dynamo traces this: no value checks (a device sync), the op by its name
+        op = traced_op(_rope_namespace(*config), "rope_append")
+    else:
+        debug = env.debug()
+        if debug:
+            from .append import check_append_values
 
-        _check_positions_in_cache(pos_ids, cos_sin_cache, batch_indices >= 0)
-        check_append_values(batch_indices, positions, table, num_pages, cache_page_size)
+            _check_positions_in_cache(pos_ids, cos_sin_cache, batch_indices >= 0)
+            check_append_values(batch_indices, positions, table, num_pages, cache_page_size)
+        op = _rope_op(*config, debug)
     empty = _empty_int32(q_rope.device)
-    _rope_append_op(q_rope.dtype, qdt, not is_neox, table.layout, layout, debug)(
-        q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, pos_ids, empty, empty, cos_sin_cache,
-        1.0, 1e4, 0.0, 0.0, float(quant_scale_q), float(quant_scale_kv), k_rope_cache, k_nope_cache,
-        nope_offset, v_cache, table.tensors, batch_indices, positions)
+    op(q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, pos_ids, empty, empty, cos_sin_cache,
+       1.0, 1e4, 0.0, 0.0, float(quant_scale_q), float(quant_scale_kv), k_rope_cache, k_nope_cache,
+       nope_offset, v_cache, table.tensors, batch_indices, positions)
     return q_rope_out, q_nope_out
 
 
-@op_cache
-def _rope_append_op(dtype_in, dtype_out, interleave: bool, table_layout: str, kv_layout: str, debug: bool):
-    spec = RopeSpec(dtype_name(dtype_in), dtype_name(dtype_out), interleave, "pos_ids", "cache",
-                    table_layout, kv_layout).validate()
-    return get_module(spec).rope_append
-
-
-@functools.cache
 def _empty_int32(device):
-    """A 0-element int32 placeholder per device, for absent optional tensors."""
-    return torch.empty(0, dtype=torch.int32, device=device)
+    """A 0-element int32 placeholder for absent optional tensors: one per device, made once;
+    a new one while torch.compile traces (Dynamo would trace through the cache, warning)."""
+    return _new_empty(device, torch.int32) if compiling() else _cached_empty(device, torch.int32)
+
+
+def _new_empty(device, dtype):
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+_cached_empty = functools.cache(_new_empty)
 
 
 def _fused_fast(q_rope, k_rope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
@@ -492,8 +546,8 @@ def _fused_slow(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged
                     ("paged_kv_cache (v_cache)", v_cache), ("q_rope_out", q_rope_out), ("q_nope_out", q_nope_out)):
         if t.numel():
             expect_vector_aligned(t, name, 8)
-    RopeSpec(dtype_name(q_rope.dtype), dtype_name(qdt), False, "pos_ids", "cache", page_table.layout,
-             layout).validate()
+    if not compiling():  # an unsupported combination: ValueError before the device check
+        _rope_spec(q_rope.dtype, qdt, False, "pos_ids", True, page_table.layout, layout)
     expect_same_cuda_device({"q_rope": q_rope, "k_rope": k_rope, "pos_ids": pos_ids, "cos_sin_cache": cos_sin_cache,
                              "batch_indices": batch_indices, "positions": positions,
                              "paged_kv_cache": k_rope_cache,
@@ -503,3 +557,11 @@ def _fused_slow(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged
         k_rope_cache, k_nope_cache, k_offset = cache.k, cache.k, rope_dim
     return (q_rope, k_rope, q_nope, k_nope, v, q_rope_out, q_nope_out, k_rope_cache, k_nope_cache, k_offset,
             v_cache, page_table, layout, qdt, num_pages, cache_page_size)
+
+
+# FlashInfer's public names of flashinfer.rope (`from flashinfer_jit.rope import ...`)
+__all__ = ["apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace",
+           "apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",
+           "apply_llama31_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache",
+           "apply_rope_with_cos_sin_cache_inplace", "mla_rope_quantize_fp8", "rope_quantize_fp8",
+           "rope_quantize_fp8_append_paged_kv_cache"]

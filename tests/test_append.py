@@ -547,11 +547,11 @@ def test_cpu_tensors_rejected_last(no_build):
     (lambda a: {"append_key": a["append_key"][..., :64], "append_value": a["append_value"][..., :64]},
      ValueError, "append_key.*head_dim=128"),
     (lambda a: {"append_value": a["append_value"][:-1]}, ValueError, "append_value"),
-    (lambda a: {"kv_indices": a["kv_indices"].long()}, TypeError, "kv_indices"),
-    (lambda a: {"kv_indptr": a["kv_indptr"].long()}, TypeError, "kv_indptr"),
+    (lambda a: {"kv_indices": a["kv_indices"].short()}, TypeError, "kv_indices.*int32 or int64"),
+    (lambda a: {"kv_indptr": a["kv_indptr"].float()}, TypeError, "kv_indptr.*int32 or int64"),
     (lambda a: {"kv_last_page_len": a["kv_last_page_len"][:-1]}, ValueError, "kv_last_page_len"),
     (lambda a: {"batch_indices": a["batch_indices"][:-1]}, ValueError, "batch_indices"),
-    (lambda a: {"positions": a["positions"].long()}, TypeError, "positions"),
+    (lambda a: {"positions": a["positions"].short()}, TypeError, "positions.*int32 or int64"),
     (lambda a: {"kv_layout": "NCHW"}, ValueError, "kv_layout"),
     (lambda a: {"paged_kv_cache": a["paged_kv_cache"][0]}, ValueError, "paged_kv_cache"),
     (lambda a: {"paged_kv_cache": (a["paged_kv_cache"][0], a["paged_kv_cache"][1].half())},
@@ -560,7 +560,7 @@ def test_cpu_tensors_rejected_last(no_build):
      ValueError, "contiguous"),
     (lambda a: {"kv_indptr": None}, TypeError, "kv_indptr"),
 ], ids=["key_dtype", "value_dtype", "key_rank", "heads", "head_dim", "value_shape",
-        "indices_int64", "indptr_int64", "last_page_len_len", "batch_indices_len", "positions_int64",
+        "indices_int16", "indptr_float", "last_page_len_len", "batch_indices_len", "positions_int16",
         "kv_layout", "cache_rank", "cache_dtypes_differ", "cache_not_contiguous", "no_page_table"])
 def test_append_argument_errors(change, error, match, no_build):
     args = cpu_args()
@@ -612,7 +612,7 @@ def test_block_table_layout_shape_errors(no_build):
     with pytest.raises(ValueError, match="block_tables"):
         block_page_table(torch.zeros(4, 2, 3, dtype=torch.int32), seq_lens)
     with pytest.raises(TypeError, match="block_tables"):
-        block_page_table(bt2.long(), seq_lens)
+        block_page_table(bt2.float(), seq_lens)
     with pytest.raises(ValueError, match="seq_lens"):
         block_page_table(bt2, seq_lens[:3])
 
@@ -628,11 +628,11 @@ def test_get_batch_indices_positions_argument_errors():
     indptr = torch.tensor([0, 3, 5], dtype=torch.int32)
     seq_lens = torch.tensor([4, 9], dtype=torch.int32)
     with pytest.raises(TypeError, match="append_indptr"):
-        fij.get_batch_indices_positions(indptr.long(), seq_lens, 8)
+        fij.get_batch_indices_positions(indptr.short(), seq_lens, 8)
     with pytest.raises(ValueError, match="seq_lens"):
         fij.get_batch_indices_positions(indptr, seq_lens[:1], 8)
     with pytest.raises(TypeError, match="seq_lens"):
-        fij.get_batch_indices_positions(indptr, seq_lens.long(), 8)
+        fij.get_batch_indices_positions(indptr, seq_lens.float(), 8)
     with pytest.raises(ValueError, match="nnz"):
         fij.get_batch_indices_positions(indptr, seq_lens, -1)
     with pytest.raises(ValueError, match="expected CUDA tensors"):

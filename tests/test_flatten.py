@@ -133,7 +133,7 @@ def test_flatten_rejects_bad_arguments():
     with pytest.raises(ValueError, match="layout"):
         fij.flatten_kv_cache(k, k, seqlens, bt, layout="sdh")
     with pytest.raises(TypeError, match="kv_seqlens"):
-        fij.flatten_kv_cache(k, k, seqlens.long(), bt)
+        fij.flatten_kv_cache(k, k, seqlens.short(), bt)
     with pytest.raises(ValueError, match="kv_seqlens: 2 requests"):
         fij.flatten_kv_cache(k, k, torch.tensor([1, 2], dtype=torch.int32), bt)
     with pytest.raises(ValueError, match="k_scale"):

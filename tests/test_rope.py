@@ -245,7 +245,7 @@ def test_rope_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rotary_dim"):
         fij.apply_rope_pos_ids(q, k, pos, rotary_dim=40)
     with pytest.raises(TypeError, match="pos_ids"):
-        fij.apply_rope_pos_ids(q, k, pos.long())
+        fij.apply_rope_pos_ids(q, k, pos.short())
     with pytest.raises(ValueError, match="pos_ids"):
         fij.apply_rope_pos_ids(q, k, pos[:3])
     with pytest.raises(TypeError, match="cos_sin_cache"):
