@@ -1590,5 +1590,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     return result.squeeze(0)
 
 
+# FlashInfer's decode names (plan_split and plan_cluster, the planners' pure functions, stay
+# importable for tests and tools)
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
-           "single_decode_with_kv_cache", "plan_split", "plan_cluster"]
+           "single_decode_with_kv_cache"]
