@@ -29,6 +29,7 @@ struct DecodePlanConfig {
   int32_t cluster_max_block_bytes, wide_cluster_max_block_bytes;  // 4-warp, 8-warp cluster blocks
   int32_t full_grid_min_tokens;  // decode.py _full_grid_chunks's most_min_tokens
   int32_t wave_token_bytes;  // token_bytes x query tokens a request: the wave split's measure of a block
+  int32_t graph_chunks;     // a CUDA-graph grid holds this many chunks of every request (1: the usual spare rows)
   int64_t max_partials;     // partial rows the workspace holds
 };
 
@@ -133,9 +134,10 @@ inline bool nothing_splits(const Sized& s, int64_t batch = 0, int64_t max_items 
 }
 
 // decode.py graph_grid_items
-inline int64_t graph_grid_items(int64_t capacity, int64_t blocks_per_item, int64_t target, int64_t sms) {
+inline int64_t graph_grid_items(int64_t capacity, int64_t blocks_per_item, int64_t target, int64_t sms,
+                                int64_t graph_chunks) {
   const int64_t spare = div_up(2 * target, blocks_per_item);
-  if (capacity * blocks_per_item >= sms) return capacity + spare;
+  if (capacity * blocks_per_item >= sms) return std::max(capacity + spare, capacity * graph_chunks);
   return capacity + std::min(spare, (2 * sms - 1) / blocks_per_item - capacity);
 }
 
@@ -255,7 +257,7 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
         per_block = 2, bpi = bpi2, target = target2, sized = s, have_sized = true;
       }
     }
-    if (graph) max_items = graph_grid_items(cap, bpi, target, c.sms);
+    if (graph) max_items = graph_grid_items(cap, bpi, target, c.sms, c.graph_chunks);
     const int64_t skewed = c.skew_factor ? target * c.skew_factor : 0;
     if (!have_sized)
       sized = chunk_size(lens, longest, total, bpi, target, c, skewed, per_block * int64_t(c.wave_token_bytes));

@@ -228,7 +228,7 @@ def _round_up(a, multiple: int):
     return _ceil_div(a, multiple) * multiple
 
 
-def graph_grid_items(capacity: int, blocks_per_item: int, target_blocks: int, sms: int) -> int:
+def graph_grid_items(capacity: int, blocks_per_item: int, target_blocks: int, sms: int, graph_chunks: int = 1) -> int:
     """Work items (grid rows) of a CUDA-graph wrapper, whose grid is fixed at capture: the
     capacity, plus 2 x target_blocks / blocks_per_item spare rows for splitting the long
     requests of a later batch (plan_split fits its splits into the rows there are). A
@@ -240,7 +240,9 @@ def graph_grid_items(capacity: int, blocks_per_item: int, target_blocks: int, sm
     there (docs/decode.md)."""
     spare = -(-2 * target_blocks // blocks_per_item)
     if capacity * blocks_per_item >= sms:
-        return capacity + spare
+        # (graph_chunks: room for that many chunks of every request, for the wave split of
+        # multi-token tiles at the capacity; see _Config.graph_chunks)
+        return max(capacity + spare, capacity * graph_chunks)
     return capacity + min(spare, (2 * sms - 1) // blocks_per_item - capacity)
 
 
@@ -376,7 +378,7 @@ class _Config:
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
                  "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "full_grid_min_tokens", "native",
-                 "orders_pages", "q_tokens", "wave_token_bytes")
+                 "orders_pages", "q_tokens", "wave_token_bytes", "graph_chunks")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -418,7 +420,8 @@ class _NativeConfig(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "page_size", "blocks_per_item", "target", "pairs", "sms", "cluster", "fixed_split_size", "disable_split_kv",
         "min_chunk", "max_chunks", "skew_factor", "token_bytes", "cluster_max_block_bytes",
-        "wide_cluster_max_block_bytes", "full_grid_min_tokens", "wave_token_bytes")] + [("max_partials", ctypes.c_int64)]
+        "wide_cluster_max_block_bytes", "full_grid_min_tokens", "wave_token_bytes", "graph_chunks")] + \
+        [("max_partials", ctypes.c_int64)]
 
 
 class _PageOrderParams(ctypes.Structure):
@@ -480,7 +483,8 @@ def _native_config(config: _Config):
         min_chunk=config.min_chunk, max_chunks=int(config.max_chunks or 0), skew_factor=int(config.skew_factor or 0),
         token_bytes=config.token_bytes, cluster_max_block_bytes=config.cluster_max_bytes,
         wide_cluster_max_block_bytes=config.wide_cluster_max_bytes, full_grid_min_tokens=config.full_grid_min_tokens,
-        wave_token_bytes=config.wave_token_bytes, max_partials=int(config.partial_o.shape[0]))
+        wave_token_bytes=config.wave_token_bytes, graph_chunks=config.graph_chunks,
+        max_partials=int(config.partial_o.shape[0]))
     return fn, ctypes.addressof(struct), struct
 
 
@@ -651,7 +655,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 items = len(work)
             else:
                 per_block, blocks_per_item, target, sized = self._pairing(config, kv_lens, capacity)
-                max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms) if graph else None
+                max_items = graph_grid_items(capacity, blocks_per_item, target, config.sms, config.graph_chunks) \
+                    if graph else None
                 skewed_target = config.skewed_target(target)
                 if sized is None:
                     sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
@@ -842,6 +847,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # b=64 x 4 tokens kv=4k: 302.7 us whole, 266.0 / 262.2 / 267.0 in 2 / 3 / 4 chunks,
         # docs/decode.md), so its bytes count N times.
         c.wave_token_bytes = c.token_bytes * q_len_per_req
+        # A CUDA-graph grid of multi-token tiles keeps rows for 3 chunks of every request, so
+        # that a batch at the capacity can take its wave split (the usual spare rows hold 2
+        # blocks an SM; H100, b=64 x 4 tokens kv=4k in a graph: 398.7 us whole, 373.0 in 2-4
+        # chunks). Idle rows cost nothing measurable (b=16 grids of 64 and 148 rows: 51.95 /
+        # 51.97 us).
+        c.graph_chunks = 3 if q_len_per_req > 1 else 1
         # the cluster split's blocks of 4 warps, and of 8: 2 MB of a 16-bit cache at head_dim 128
         # (measured there only) on GPUs of up to _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S
         c.cluster_max_bytes = _CLUSTER_MAX_BLOCK_BYTES[c.kv_dtype.itemsize]

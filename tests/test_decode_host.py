@@ -489,6 +489,11 @@ def test_plan_multi_token_waves(batch, kv_len, hq, n_tok, chunks, native, op, mo
            q_data_type=torch.bfloat16, q_len_per_req=n_tok)
     assert (w._plan.config.native is not False) == (native == "1")
     assert w._plan.args[8] == batch * chunks  # grid items
+    # a CUDA-graph wrapper at that capacity has the rows for the same split
+    g = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD", use_cuda_graph=True)
+    g.plan(**csr([kv_len] * batch), num_qo_heads=hq, num_kv_heads=HK, head_dim=D, page_size=PS,
+           q_data_type=torch.bfloat16, q_len_per_req=n_tok)
+    assert int(g._plan.args[1][0]) == batch * chunks and g._plan.args[8] >= batch * chunks
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "numpy"])
