@@ -65,13 +65,13 @@ constexpr int64_t kWaveSplitWaves = 12;                 // decode.py _WAVE_SPLIT
 
 // decode.py _wave_chunks
 inline int64_t wave_chunks(const std::vector<int64_t>& lens, int64_t longest, int64_t blocks, int64_t wave,
-                           int64_t block_bytes) {
+                           int64_t block_bytes, bool many_waves) {
   const int64_t wave_bytes = block_bytes * wave;
   if (wave_bytes < kWaveSplitMinBytes || blocks <= wave) return 1;
   for (const int64_t n : lens)
     if (4 * n < 3 * longest) return 1;
   if (2 * blocks >= 7 * wave) {
-    if (wave_bytes < kWaveSplitManyMinBytes) return 1;
+    if (!many_waves || wave_bytes < kWaveSplitManyMinBytes) return 1;
     return std::max<int64_t>(1, std::min<int64_t>(4, (2 * kWaveSplitWaves * wave + blocks) / (2 * blocks)));
   }
   int64_t best = 1, best_cost = -1;
@@ -121,7 +121,7 @@ inline Sized chunk_size(const std::vector<int64_t>& lens, int64_t longest, int64
   int64_t chunk = std::max(floor, div_up(wanted, 32) * 32);
   if (skewed_target && block_token_bytes && 2 * longest < 3 * chunk) {  // nothing splits by the target
     const int64_t k = wave_chunks(lens, longest, int64_t(lens.size()) * blocks_per_item, skewed_target,
-                                  longest * block_token_bytes);
+                                  longest * block_token_bytes, c.wave_token_bytes == c.token_bytes);
     if (k > 1) chunk = std::max(floor, up_to(div_up(longest, k), 32));
   }
   return {chunk, longest, true};

@@ -259,7 +259,7 @@ def _chunk_lengths(kv_lens: np.ndarray, chunk: int, auto: bool) -> tuple:
 def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size,
                 disable_split_kv, min_chunk: int = _MIN_CHUNK, max_chunks: int | None = None,
                 skewed_target_blocks: int | None = None, block_token_bytes: int = 0, sms: int = 0,
-                full_grid_min_tokens: int = _FULL_GRID_SPLIT_MIN_TOKENS) -> tuple:
+                full_grid_min_tokens: int = _FULL_GRID_SPLIT_MIN_TOKENS, many_waves: bool = True) -> tuple:
     """(chunk, longest request, auto) before the chunk is fitted to the capacities; auto:
     the chunk is a target that requests round to (not a fixed length). skewed_target_blocks:
     the target instead where the batch mixes requests under half a chunk with split ones;
@@ -294,21 +294,24 @@ def _chunk_size(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, f
     chunk = max(floor, -(-wanted // 32) * 32)
     if skewed_target_blocks and block_token_bytes and 2 * longest < 3 * chunk:  # nothing splits by the target
         k = _wave_chunks(kv_lens, longest, len(kv_lens) * blocks_per_item, skewed_target_blocks,
-                         longest * block_token_bytes)
+                         longest * block_token_bytes, many_waves)
         if k > 1:
             chunk = max(floor, _round_up(_ceil_div(longest, k), 32))
     return chunk, longest, True
 
 
-def _wave_chunks(kv_lens: np.ndarray, longest: int, blocks: int, wave: int, block_bytes: int) -> int:
+def _wave_chunks(kv_lens: np.ndarray, longest: int, blocks: int, wave: int, block_bytes: int,
+                 many_waves: bool = True) -> int:
     """Chunks per request (1: none) for a grid of `blocks` equal blocks of `block_bytes`,
     `wave` of which run at once (see _WAVE_SPLIT_MIN_BYTES). Only for near-uniform batches
-    (every request at least 3/4 of the longest): the rule counts equal blocks."""
+    (every request at least 3/4 of the longest): the rule counts equal blocks. many_waves
+    False: no split from 3.5 waves up (multi-token tiles: H100, b=64 x 8 tokens, 5.2 waves,
+    419.6 us whole, 434.9 in two chunks)."""
     wave_bytes = block_bytes * wave
     if wave_bytes < _WAVE_SPLIT_MIN_BYTES or blocks <= wave or 4 * int(np.minimum.reduce(kv_lens)) < 3 * longest:
         return 1
     if 2 * blocks >= 7 * wave:
-        if wave_bytes < _WAVE_SPLIT_MANY_MIN_BYTES:
+        if not many_waves or wave_bytes < _WAVE_SPLIT_MANY_MIN_BYTES:
             return 1
         return max(1, min(4, (2 * _WAVE_SPLIT_WAVES * wave + blocks) // (2 * blocks)))
     # idle block-slots of the last wave, in twelfths of an unsplit block; ties keep fewer chunks
@@ -661,7 +664,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if sized is None:
                     sized = _chunk_size(kv_lens, blocks_per_item, target, config.fixed_split_size,
                                         config.disable_split_kv, config.min_chunk, config.max_chunks, skewed_target,
-                                        per_block * config.wave_token_bytes, config.sms, config.full_grid_min_tokens)
+                                        per_block * config.wave_token_bytes, config.sms, config.full_grid_min_tokens,
+                                        config.q_tokens == 1)
                 if _nothing_splits(*sized[:2], batch, max_items, sized[2]):
                     work = merge_indptr = None  # _pack writes one item per request straight into the buffer
                     items, any_split = batch, False
@@ -777,7 +781,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                                                 config.target, None)
         sized = _chunk_size(kv_lens, bpi, target, config.fixed_split_size, config.disable_split_kv,
                             config.min_chunk, config.max_chunks, config.skewed_target(target), 2 * config.wave_token_bytes,
-                            config.sms, config.full_grid_min_tokens)
+                            config.sms, config.full_grid_min_tokens, config.q_tokens == 1)
         chunk, longest, auto = sized
         items = len(kv_lens) if _nothing_splits(chunk, longest, len(kv_lens), None, auto) \
             else int(_chunk_lengths(kv_lens, chunk, auto)[1].sum())
