@@ -137,7 +137,10 @@ inline bool nothing_splits(const Sized& s, int64_t batch = 0, int64_t max_items 
 inline int64_t graph_grid_items(int64_t capacity, int64_t blocks_per_item, int64_t target, int64_t sms,
                                 int64_t graph_chunks) {
   const int64_t spare = div_up(2 * target, blocks_per_item);
-  if (capacity * blocks_per_item >= sms) return std::max(capacity + spare, capacity * graph_chunks);
+  if (capacity * blocks_per_item >= sms) {
+    const bool few_waves = 2 * capacity * blocks_per_item < 7 * target;  // where the wave split may take them
+    return std::max(capacity + spare, few_waves ? capacity * graph_chunks : 0);
+  }
   return capacity + std::min(spare, (2 * sms - 1) / blocks_per_item - capacity);
 }
 
