@@ -241,9 +241,8 @@ def graph_grid_items(capacity: int, blocks_per_item: int, target_blocks: int, sm
     spare = -(-2 * target_blocks // blocks_per_item)
     if capacity * blocks_per_item >= sms:
         # (graph_chunks: room for that many chunks of every request, for the wave split of
-        # multi-token tiles at the capacity, under 3.5 waves where it may take them; see
-        # _Config.graph_chunks. Past that the rows cost: b=64 x 8 tokens, 4096 blocks and
-        # 2048 idle ones, 434.0 us against 419.6 without them on the H100.)
+        # multi-token tiles at the capacity; only under 3.5 waves, where that split may
+        # happen, since idle rows of a large grid cost time: docs/decode.md)
         few_waves = 2 * capacity * blocks_per_item < 7 * target_blocks
         return max(capacity + spare, capacity * graph_chunks if few_waves else 0)
     return capacity + min(spare, (2 * sms - 1) // blocks_per_item - capacity)
@@ -308,8 +307,7 @@ def _wave_chunks(kv_lens: np.ndarray, longest: int, blocks: int, wave: int, bloc
     """Chunks per request (1: none) for a grid of `blocks` equal blocks of `block_bytes`,
     `wave` of which run at once (see _WAVE_SPLIT_MIN_BYTES). Only for near-uniform batches
     (every request at least 3/4 of the longest): the rule counts equal blocks. many_waves
-    False: no split from 3.5 waves up (multi-token tiles: H100, b=64 x 8 tokens, 5.2 waves,
-    419.6 us whole, 434.9 in two chunks)."""
+    False: no split from 3.5 waves up (multi-token tiles lost there; docs/decode.md)."""
     wave_bytes = block_bytes * wave
     if wave_bytes < _WAVE_SPLIT_MIN_BYTES or blocks <= wave or 4 * int(np.minimum.reduce(kv_lens)) < 3 * longest:
         return 1
@@ -850,15 +848,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             env.decode_clusters() else 1
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
         # The wave split (_wave_chunks) weighs a block by the K and V it reads; a block of N
-        # query tokens takes about N times as long for the same bytes (its mma rows; H200,
-        # b=64 x 4 tokens kv=4k: 302.7 us whole, 266.0 / 262.2 / 267.0 in 2 / 3 / 4 chunks,
-        # docs/decode.md), so its bytes count N times.
+        # query tokens takes about N times as long for the same bytes, so they count N times
+        # (docs/decode.md, multi-token decode, has the measurements).
         c.wave_token_bytes = c.token_bytes * q_len_per_req
         # A CUDA-graph grid of multi-token tiles keeps rows for 3 chunks of every request, so
-        # that a batch at the capacity can take its wave split (the usual spare rows hold 2
-        # blocks an SM; H100, b=64 x 4 tokens kv=4k in a graph: 398.7 us whole, 373.0 in 2-4
-        # chunks). Idle rows cost nothing measurable (b=16 grids of 64 and 148 rows: 51.95 /
-        # 51.97 us).
+        # that a batch at the capacity can still take its wave split (see graph_grid_items).
         c.graph_chunks = 3 if q_len_per_req > 1 else 1
         # the cluster split's blocks of 4 warps, and of 8: 2 MB of a 16-bit cache at head_dim 128
         # (measured there only) on GPUs of up to _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S
