@@ -27,7 +27,7 @@ import math
 import torch
 
 from ..page_table import PageTable
-from .rope import inv_freq_ref, rotate_ref
+from .rope import rope_at_positions_ref
 
 LN2 = math.log(2.0)
 
@@ -81,13 +81,6 @@ def gather_rows_ref(cache: torch.Tensor, pages: list[int], kv_len: int, kv_layou
     return picked.reshape(-1, heads, dim)[:kv_len].float().double()
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, rope_scale: float, rope_theta: float) -> torch.Tensor:
-    """x [n, H, D] float64 rotated NeoX style at `positions` [n]."""
-    inv_freq = inv_freq_ref(x.shape[-1], rope_scale, rope_theta).to(x.device)
-    angle = positions.double().to(x.device)[:, None] * inv_freq[None, :]
-    return rotate_ref(x, torch.cos(angle), torch.sin(angle), interleave=False)
-
-
 def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="NHD", sm_scale=None,
                window_left=-1, logits_soft_cap=None, pos_encoding_mode="NONE", rope_scale=1.0,
                rope_theta=1e4, k_scale=1.0, v_scale=1.0, q_scale=1.0, q_len_per_req=1):
@@ -131,8 +124,8 @@ def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="N
         v = gather_rows_ref(v_cache, v_pages, n, kv_layout)
         qb = q[b].to(device).double()
         if pos_encoding_mode == "ROPE_LLAMA":
-            qb = _rope(qb[None], torch.tensor([n - 1]), rope_scale, rope_theta)[0]
-            k = _rope(k, torch.arange(n), rope_scale, rope_theta)
+            qb = rope_at_positions_ref(qb[None], torch.tensor([n - 1]), rope_scale, rope_theta)[0]
+            k = rope_at_positions_ref(k, torch.arange(n), rope_scale, rope_theta)
         qg = qb.view(num_kv_heads, group, head_dim)
         logits = torch.einsum("kgd,nkd->kgn", qg, k) * scale  # [Hk, group, n]
         if logits_soft_cap is not None and logits_soft_cap > 0:

@@ -43,6 +43,14 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
 
 
+def rope_at_positions_ref(x: torch.Tensor, positions: torch.Tensor, rope_scale: float = 1.0,
+                          rope_theta: float = 1e4) -> torch.Tensor:
+    """x [n, H, D] (float64) rotated NeoX style (halves) over all D dims at `positions` [n],
+    on x's device: the attention kernels' ROPE_LLAMA (decode, prefill)."""
+    cos, sin = cos_sin_from_freq(positions, inv_freq_ref(x.shape[-1], rope_scale, rope_theta))
+    return rotate_ref(x, cos.to(x.device), sin.to(x.device), interleave=False)
+
+
 def positions_from_indptr(indptr: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     indptr, offsets = indptr.cpu().long(), offsets.cpu().long()
     counts = indptr[1:] - indptr[:-1]
