@@ -11,21 +11,9 @@ from flashinfer_jit import render
 from flashinfer_jit.matrix import MatrixError, parse_matrix_text
 from flashinfer_jit.specs import FAMILIES
 from flashinfer_jit.specs.prefill import HEAD_DIM_PAIRS, PrefillSpec
+from test_specs import combinations, is_valid
 
 BF16 = dict(dtype_q="bfloat16", dtype_kv="bfloat16", dtype_o="bfloat16")
-
-
-def every_combination():
-    supported = PrefillSpec.supported()
-    return [PrefillSpec(**dict(zip(supported, values))) for values in itertools.product(*supported.values())]
-
-
-def valid(spec) -> bool:
-    try:
-        spec.validate()
-        return True
-    except ValueError:
-        return False
 
 
 @pytest.mark.parametrize("spec, name", [
@@ -43,8 +31,8 @@ def test_readable_names(spec, name):
 
 
 def test_valid_combinations_have_distinct_names_and_the_rest_raise_value_error():
-    specs = every_combination()
-    good = [s for s in specs if valid(s)]
+    specs = combinations(PrefillSpec)
+    good = [s for s in specs if is_valid(s)]
     assert len({s.name for s in good}) == len(good)
     # 2 q x kv (paged: same or 2 fp8; ragged: same) x 2 out x (paged: 3 page tables x 2 layouts)
     # x 3 masks x 2 cap x 2 sinks x (4 head pairs x 2 RoPE, less RoPE at 192/128)
@@ -52,7 +40,7 @@ def test_valid_combinations_have_distinct_names_and_the_rest_raise_value_error()
     ragged = 2 * 1 * 2 * 1 * 3 * 2 * 2 * (2 * 4 - 1)
     assert len(good) == paged + ragged
     for spec in specs:
-        if not valid(spec):
+        if not is_valid(spec):
             with pytest.raises(ValueError, match="PrefillSpec"):
                 spec.validate()
 
