@@ -28,17 +28,21 @@ import ctypes
 import functools
 import math
 import threading
-import warnings
 
 import numpy as np
 import torch
 
 from . import env
 from .checks import aligned16, as_int32_index, dtype_str, expect_choice, same_cuda_device, soft_cap_value
+# (under decode's own names: plan() and run() look them up here, where the tests patch them)
+from .device import empty_f32 as _empty_f32, new_event as _new_event, num_sms as _num_sms
+from .device import peak_dram_bytes_per_s as _peak_dram_bytes_per_s, raw_stream as _raw_stream
+from .device import supports_clusters, supports_pdl
 from .jit import get_module, op_cache
+from .native import ctypes_entry, optional_entry
 from .page_table import unpack_paged_kv_cache
 from .specs.append import HEAD_DIMS
-from .specs.base import Spec, dtype_name
+from .specs.base import dtype_name
 from .specs.decode import (MAX_Q_TOKENS, DecodePlanSpec, DecodeSpec, PageOrderSpec, cluster_blocks, group_tile,
                            kv_heads_per_block, max_tile_rows, pairs_kv_heads, uses_tensor_cores)
 
@@ -125,22 +129,6 @@ _LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
 _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S = 4.0e12
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _peak_dram_bytes_per_s(device: torch.device) -> float | None:
-    """A CUDA device's DRAM peak, 2 x memory clock x bus width (H100 SXM: 3.35e12, H200:
-    4.9e12), or None (not a CUDA device, or torch does not report them)."""
-    if device.type != "cuda":
-        return None
-    props = torch.cuda.get_device_properties(device.index or 0)
-    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
-    return 2.0 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
 
 
 def _as_dtype(value, name: str, default=None) -> torch.dtype:
@@ -354,14 +342,6 @@ def _one_item_per_request(batch: int) -> np.ndarray:
     return rows
 
 
-def _new_event(device: torch.device):
-    """A CUDA event of `device` whose record() takes the stream in C++ (torch.Event):
-    torch.cuda.Event.record() first builds the current stream in Python, 4 of its 5 us
-    on the GPU host. (The fallback, for a torch without torch.Event, records on the
-    current device's stream, as plan() always did.)"""
-    return torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()
-
-
 def _int32_vector(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1
 
@@ -437,38 +417,19 @@ class _PageOrderParams(ctypes.Structure):
         [(name, ctypes.c_int32) for name in ("page_size", "batch", "sort")]
 
 
-def _ctypes_entry(spec: Spec, symbol: str, argtypes: list, restype, mirror: type | None = None,
-                  size_op: str = ""):
-    """<namespace>_<symbol> of spec's module through ctypes; with a mirror, once the struct
-    it takes (whose size the module's op `size_op` reports) matches decode.py's ctypes
-    mirror of it."""
-    lib, namespace = _module_library(spec)
-    if mirror is not None:
-        size = int(getattr(get_module(spec), size_op)())
-        if size != ctypes.sizeof(mirror):
-            raise RuntimeError(f"its struct has {size} bytes, decode.py's mirror {mirror.__name__} "
-                               f"{ctypes.sizeof(mirror)}")
-    fn = getattr(lib, f"{namespace}_{symbol}")
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
-
-
 @op_cache
 def _page_orderer():
     """(<namespace>_order_pages, <namespace>_error_string) of the PageOrderSpec module
     through ctypes, built or loaded at the first plan() that reorders pages; None with a
     warning where it cannot be had: plan() then keeps the pages as given (same results,
     slower reads)."""
-    try:
-        fn = _ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int,
-                           _PageOrderParams, "params_bytes")
-        error = _ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p)
-        return fn, error
-    except Exception as exc:  # noqa: BLE001 - plan() keeps the pages as given, said once
-        warnings.warn(f"flashinfer_jit: batch decode's plan() keeps each request's pages as given (the page-order "
-                      f"module {PageOrderSpec().name} is unavailable: {type(exc).__name__}: {exc})", RuntimeWarning,
-                      stacklevel=3)
-        return None
+    def load():
+        return (ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int,
+                             _PageOrderParams, "params_bytes"),
+                ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p))
+
+    return optional_entry(load, "batch decode's plan() keeps each request's pages as given",
+                          f"the page-order module {PageOrderSpec().name}")
 
 
 def _native_config(config: _Config):
@@ -497,15 +458,13 @@ def _native_planner():
     """The C++ planner's entry point (<namespace>_decode_plan of the DecodePlanSpec module,
     built or loaded at the first plan()), or None with a warning where it cannot be had:
     plan() then runs its numpy path, slower on the host but the same plan."""
-    try:
-        return _ctypes_entry(DecodePlanSpec(), "decode_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 +
-                             [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _NativeConfig,
-                             "config_bytes")
-    except Exception as exc:  # noqa: BLE001 - any failure leaves plan() on its numpy path, said once
-        warnings.warn(f"flashinfer_jit: batch decode's plan() runs its numpy path (the C++ planner "
-                      f"{DecodePlanSpec().name} is unavailable: {type(exc).__name__}: {exc})", RuntimeWarning,
-                      stacklevel=3)
-        return None
+    def load():
+        return ctypes_entry(DecodePlanSpec(), "decode_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 +
+                            [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _NativeConfig,
+                            "config_bytes")
+
+    return optional_entry(load, "batch decode's plan() runs its numpy path",
+                          f"the C++ planner {DecodePlanSpec().name}")
 
 
 def _same_launch(a: _Plan, b: _Plan) -> bool:
@@ -1446,41 +1405,9 @@ def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple
     return (0, table, work, ids, ids + num_ids)
 
 
-@functools.cache
-def _sm90_or_later(device) -> bool:
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def supports_pdl(device) -> bool:
-    """Whether kernels on `device` can be programmatic dependent launches (sm_90 and
-    later): FlashInfer's default for enable_pdl=None."""
-    return _sm90_or_later(device)
-
-
-def supports_clusters(device) -> bool:
-    """Whether `device` runs thread-block clusters (sm_90 and later)."""
-    return _sm90_or_later(device)
-
-
-@functools.cache
-def _empty_f32(device):
-    return torch.empty(0, dtype=torch.float32, device=device)
-
-
 @op_cache
 def _decode_op(spec: DecodeSpec, debug: bool):
     return get_module(spec).decode
-
-
-@op_cache
-def _module_library(spec: Spec) -> tuple:
-    """(the loaded module's shared library through ctypes, its namespace): the decode
-    modules' fast path, the C++ planner and the page-order kernel."""
-    module = get_module(spec)
-    return ctypes.CDLL(str(module.path / module.manifest["library"])), module.namespace
 
 
 @op_cache
@@ -1490,18 +1417,14 @@ def _decode_fast(spec: DecodeSpec, debug: bool):
     without a CUDA device."""
     if debug or not torch.cuda.is_available():
         return None
-    fn = _ctypes_entry(spec, "decode_fast", [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
+    fn = ctypes_entry(spec, "decode_fast", [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
                                                                        ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
-    return fn, int(_ctypes_entry(spec, "decode_launch_bytes", [], ctypes.c_int)())
+    return fn, int(ctypes_entry(spec, "decode_launch_bytes", [], ctypes.c_int)())
 
 
 @op_cache
 def _fast_error(spec: DecodeSpec, code: int) -> str:
-    return _ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
-
-
-def _raw_stream(device_index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device_index)
+    return ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
 
 
 _compiling = getattr(torch.compiler, "is_compiling", lambda: False)
