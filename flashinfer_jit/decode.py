@@ -33,14 +33,16 @@ import numpy as np
 import torch
 
 from . import env
+from .capacity import cannot_grow, graph_capacity, grown_size, heads_fixed
 from .checks import aligned16, as_int32_index, dtype_str, expect_choice, same_cuda_device, soft_cap_value
 # (under decode's own names: plan() and run() look them up here, where the tests patch them)
-from .device import empty_f32 as _empty_f32, new_event as _new_event, num_sms as _num_sms
+from .device import empty_f32 as _empty_f32, num_sms as _num_sms
 from .device import peak_dram_bytes_per_s as _peak_dram_bytes_per_s, raw_stream as _raw_stream
 from .device import supports_clusters, supports_pdl
 from .jit import get_module, op_cache
 from .native import ctypes_entry, optional_entry
 from .page_table import unpack_paged_kv_cache
+from .plan_buffer import HostSlot, PlanBuffer
 from .specs.append import HEAD_DIMS
 from .specs.base import dtype_name
 from .specs.decode import (MAX_Q_TOKENS, DecodePlanSpec, DecodeSpec, PageOrderSpec, cluster_blocks, group_tile,
@@ -491,13 +493,6 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
             v.shape, v.stride(), v.dtype, v.device)
 
 
-class _HostSlot:
-    """A pinned host buffer (tensor, and its numpy view), the event of the last copy from
-    it (pending until seen complete) and that copy's source and destination views."""
-
-    __slots__ = ("tensor", "array", "address", "event", "pending", "copy_end", "copy_buf", "copy_src", "copy_dst")
-
-
 class BatchDecodeWithPagedKVCacheWrapper:
     """FlashInfer's decode wrapper: plan() once per batch, run() per layer.
 
@@ -525,10 +520,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._traced = None  # plan()'s values for a run() under torch.compile
         self._capacity = None  # CUDA-graph mode: fixed at the first plan()
         self._configs = {}  # plan()'s scalar arguments -> _Config
-        self._host_slots = [None, None]
-        self._host_turn = 0
-        self._buf = None  # the device side of the packed plan buffer
-        self._views_key = self._views_buf = self._views = None
+        self._plan_buffer = PlanBuffer(self._device, self._use_cuda_graph)
         self._pdl = supports_pdl(self._device)  # run(enable_pdl=None): as FlashInfer, on from sm_90
         self._native_result = np.zeros(7, dtype=np.int64)  # the C++ planner's results (DecodePlanResult)
         self._native_result_ptr = self._native_result.ctypes.data
@@ -604,11 +596,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             batch = len(kv_lens)
             longest = int(np.maximum.reduce(kv_lens, initial=0))
             if graph:
-                if self._capacity is None:
-                    self._capacity = batch
-                elif batch > self._capacity:
-                    raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
-                                     "wrapper was first planned (captured) with")
+                self._capacity = graph_capacity(self._capacity, batch)
             capacity = self._capacity if graph else batch
             cluster, cluster_warps = self._cluster_shape(config, kv_lens, capacity)
             if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
@@ -644,10 +632,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
         previous = self._plan
         if graph and previous is not None and previous.max_items != max_items:
-            raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
-        self._ship(slot, offsets[-1], non_blocking)
-        views = self._device_views(layout, offsets, ids.shape if fold_ids else None)
-        merge_dev, work_dev, table_dev, ids_dev = views
+            raise heads_fixed()
+        plan_buffer = self._plan_buffer
+        plan_buffer.ship(slot, offsets[-1], non_blocking)
+        merge_dev, work_dev, table_dev, ids_dev = plan_buffer.views(
+            (layout, offsets, ids.shape if fold_ids else None), _carve_views)
         if not fold_ids:
             ids_dev = self._device_ids(layout, ids)
         tables = (table_dev[0], ids_dev, table_dev[1]) if layout == "csr" else (ids_dev, table_dev[0])
@@ -893,14 +882,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if capacity is None:
                 capacity = self._capacity = batch
             elif batch > capacity:
-                return None  # the numpy path raises
+                return None  # the numpy path raises graph_capacity's error, after its checks of the table
         fn, config_ptr, _ = native
         result = self._native_result
-        slot = self._host_buffer(7 * batch + 8)  # a list without splits fits; a split one may ask for more
+        plan_buffer = self._plan_buffer
+        slot = plan_buffer.host(7 * batch + 8)  # a list without splits fits; a split one may ask for more
         code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array), self._native_result_ptr)
         if code > 0:  # the list needs a larger slot: the same slot, grown
-            self._host_turn ^= 1
-            slot = self._host_buffer(code)
+            slot = plan_buffer.regrow(code)
             code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array),
                       self._native_result_ptr)
         if code != 0:
@@ -956,12 +945,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lens -= unused
         return "csr", (ptr, last), lens
 
-    def _pack(self, offsets, capacity, table_host, kv_lens, work, merge_indptr, host_ids) -> _HostSlot:
+    def _pack(self, offsets, capacity, table_host, kv_lens, work, merge_indptr, host_ids) -> HostSlot:
         """Everything plan() ships, in one pinned host buffer, padded to the capacity (see
         _offsets); work None: one item per request, nothing to merge. Every element up to
         the end is written (no stale values from earlier plans)."""
         merge, table, work_at, ids_at, end = offsets
-        slot = self._host_buffer(end)
+        slot = self._plan_buffer.host(end)
         host = slot.array
         batch = len(kv_lens)
         pad = capacity > batch  # CUDA-graph mode with fewer requests than captured
@@ -995,63 +984,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if host_ids is not None:
             host[ids_at:end] = host_ids.numpy().reshape(-1)
         return slot
-
-    def _host_buffer(self, size: int) -> _HostSlot:
-        """One of two persistent pinned host buffers, in turn (pinning per plan() would cost
-        more than the plan): plan() fills one while the copy from the other may still be in
-        flight, so it waits only if the copy made two plans ago is still queued (the GPU
-        more than a whole step behind)."""
-        self._host_turn ^= 1
-        slot = self._host_slots[self._host_turn]
-        if slot is not None and slot.pending:
-            if not slot.event.query():
-                slot.event.synchronize()
-            slot.pending = False
-        if slot is None or slot.tensor.numel() < size:
-            slot = _HostSlot()
-            slot.tensor = torch.empty(max(4096, 1 << (size - 1).bit_length()), dtype=torch.int32,
-                                      pin_memory=self._device.type == "cuda")
-            slot.array = slot.tensor.numpy()
-            slot.address = slot.tensor.data_ptr()
-            slot.event = _new_event(self._device) if self._device.type == "cuda" else None
-            slot.pending, slot.copy_end, slot.copy_buf = False, None, None
-            self._host_slots[self._host_turn] = slot
-        return slot
-
-    def _ship(self, slot: _HostSlot, end: int, non_blocking: bool) -> None:
-        """The one host-to-device copy of plan(), between views kept while the size and
-        the device buffer stay. The event tells a later plan() when the slot is free."""
-        buf = self._buf
-        if buf is None or buf.numel() < end:
-            if self._use_cuda_graph and buf is not None:
-                raise ValueError("a CUDA-graph wrapper cannot grow its plan buffers after the first plan()")
-            # CUDA-graph buffers are sized once, exactly; others leave room to grow
-            size = end if self._use_cuda_graph else max(4096, 1 << (end - 1).bit_length())
-            buf = self._buf = torch.empty(size, dtype=torch.int32, device=self._device)
-        if slot.copy_end != end or slot.copy_buf is not buf:
-            slot.copy_end, slot.copy_buf, slot.copy_src, slot.copy_dst = end, buf, slot.tensor[:end], buf[:end]
-        slot.copy_dst.copy_(slot.copy_src, non_blocking=non_blocking)
-        if non_blocking and slot.event is not None:
-            slot.event.record()
-            slot.pending = True
-
-    def _device_views(self, layout: str, offsets: tuple, ids_shape):
-        """(merge_indptr, work, page-table arrays, folded page ids or None): views of the
-        device buffer, made again only when the offsets or the buffer change (slicing a
-        CUDA tensor costs 1.5 us on the GPU host)."""
-        buf = self._buf
-        key = (layout, offsets, ids_shape)
-        if key != self._views_key or buf is not self._views_buf:
-            merge, table, work_at, ids_at, end = offsets
-            if layout == "csr":  # indptr [capacity + 1], last_page_len [capacity]
-                last_at = table + (table - merge)  # indptr and merge_indptr: capacity + 1 each
-                table_dev = (buf[table:last_at], buf[last_at:work_at])
-            else:
-                table_dev = (buf[table:work_at],)
-            ids = buf[ids_at:end].view(ids_shape) if ids_shape is not None else None
-            self._views = (buf[merge:table], buf[work_at:ids_at], table_dev, ids)
-            self._views_key, self._views_buf = key, buf
-        return self._views
 
     def _device_ids(self, layout: str, t: torch.Tensor) -> torch.Tensor:
         """Page ids (indices or block_tables) on the device. In CUDA-graph mode they go into
@@ -1105,7 +1037,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         n = ids.numel()
         buf = self._order_buf
         if buf is None or buf.numel() < n:  # (a CUDA-graph wrapper's ids are its fixed buffer: one size)
-            size = n if graph else max(4096, 1 << max(n - 1, 0).bit_length())
+            size = n if graph else grown_size(n)
             buf = self._order_buf = torch.empty(size, dtype=torch.int32, device=self._device)
             self._order_view = None
         view = self._order_view
@@ -1277,7 +1209,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         counters = getattr(self, "_counters", None)
         if counters is None or counters.numel() < size:
             if counters is not None and self._use_cuda_graph:
-                raise ValueError("a CUDA-graph wrapper cannot grow its merge counters after the first plan()")
+                raise cannot_grow("merge counters")
             counters = torch.zeros(max(size, 1024), dtype=torch.int32, device=self._device)
             self._counters = counters
         return counters
@@ -1299,7 +1231,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lse = getattr(self, "_partial_lse_buf", None)
         if lse is None or lse.numel() < need:
             if lse is not None and self._use_cuda_graph:
-                raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
+                raise heads_fixed()
             lse = self._partial_lse_buf = torch.empty(need, dtype=torch.float32, device=self._device)
         return o, lse[:need].view(rows, num_qo_heads)
 
@@ -1403,6 +1335,19 @@ def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple
     work = table + (2 * capacity + 1 if layout == "csr" else capacity)
     ids = work + 1 + 4 * grid_items
     return (0, table, work, ids, ids + num_ids)
+
+
+def _carve_views(buf: torch.Tensor, key: tuple) -> tuple:
+    """(merge_indptr, work, page-table arrays, folded page ids or None): views of the
+    device buffer for key (layout, _offsets' result, the folded ids' shape or None)."""
+    layout, (merge, table, work_at, ids_at, end), ids_shape = key
+    if layout == "csr":  # indptr [capacity + 1], last_page_len [capacity]
+        last_at = table + (table - merge)  # indptr and merge_indptr: capacity + 1 each
+        table_dev = (buf[table:last_at], buf[last_at:work_at])
+    else:
+        table_dev = (buf[table:work_at],)
+    ids = buf[ids_at:end].view(ids_shape) if ids_shape is not None else None
+    return buf[merge:table], buf[work_at:ids_at], table_dev, ids
 
 
 @op_cache
