@@ -36,9 +36,8 @@ from . import env
 from .capacity import cannot_grow, graph_capacity, grown_size, heads_fixed
 from .checks import aligned16, as_int32_index, dtype_str, expect_choice, same_cuda_device, soft_cap_value
 # (under decode's own names: plan() and run() look them up here, where the tests patch them)
-from .device import empty_f32 as _empty_f32, num_sms as _num_sms
-from .device import peak_dram_bytes_per_s as _peak_dram_bytes_per_s, raw_stream as _raw_stream
-from .device import supports_clusters, supports_pdl
+from .device import (empty_f32 as _empty_f32, num_sms as _num_sms, peak_dram_bytes_per_s as _peak_dram_bytes_per_s,
+                     raw_stream as _raw_stream, supports_clusters, supports_pdl)
 from .jit import get_module, op_cache
 from .native import ctypes_entry, optional_entry
 from .page_table import unpack_paged_kv_cache
