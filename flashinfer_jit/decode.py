@@ -28,17 +28,22 @@ import ctypes
 import functools
 import math
 import threading
-import warnings
 
 import numpy as np
 import torch
 
 from . import env
+from .capacity import cannot_grow, graph_capacity, grown_size, heads_fixed
 from .checks import aligned16, as_int32_index, dtype_str, expect_choice, same_cuda_device, soft_cap_value
+# (under decode's own names: plan() and run() look them up here, where the tests patch them)
+from .device import (empty_f32 as _empty_f32, num_sms as _num_sms, peak_dram_bytes_per_s as _peak_dram_bytes_per_s,
+                     raw_stream as _raw_stream, supports_clusters, supports_pdl)
 from .jit import get_module, op_cache
+from .native import ctypes_entry, optional_entry
 from .page_table import unpack_paged_kv_cache
+from .plan_buffer import HostSlot, PlanBuffer
 from .specs.append import HEAD_DIMS
-from .specs.base import Spec, dtype_name
+from .specs.base import dtype_name
 from .specs.decode import (MAX_Q_TOKENS, DecodePlanSpec, DecodeSpec, PageOrderSpec, cluster_blocks, group_tile,
                            kv_heads_per_block, max_tile_rows, pairs_kv_heads, uses_tensor_cores)
 
@@ -125,22 +130,6 @@ _LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
 _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S = 4.0e12
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _Tensor = torch.Tensor
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _peak_dram_bytes_per_s(device: torch.device) -> float | None:
-    """A CUDA device's DRAM peak, 2 x memory clock x bus width (H100 SXM: 3.35e12, H200:
-    4.9e12), or None (not a CUDA device, or torch does not report them)."""
-    if device.type != "cuda":
-        return None
-    props = torch.cuda.get_device_properties(device.index or 0)
-    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
-    return 2.0 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
 
 
 def _as_dtype(value, name: str, default=None) -> torch.dtype:
@@ -354,14 +343,6 @@ def _one_item_per_request(batch: int) -> np.ndarray:
     return rows
 
 
-def _new_event(device: torch.device):
-    """A CUDA event of `device` whose record() takes the stream in C++ (torch.Event):
-    torch.cuda.Event.record() first builds the current stream in Python, 4 of its 5 us
-    on the GPU host. (The fallback, for a torch without torch.Event, records on the
-    current device's stream, as plan() always did.)"""
-    return torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()
-
-
 def _int32_vector(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1
 
@@ -437,38 +418,19 @@ class _PageOrderParams(ctypes.Structure):
         [(name, ctypes.c_int32) for name in ("page_size", "batch", "sort")]
 
 
-def _ctypes_entry(spec: Spec, symbol: str, argtypes: list, restype, mirror: type | None = None,
-                  size_op: str = ""):
-    """<namespace>_<symbol> of spec's module through ctypes; with a mirror, once the struct
-    it takes (whose size the module's op `size_op` reports) matches decode.py's ctypes
-    mirror of it."""
-    lib, namespace = _module_library(spec)
-    if mirror is not None:
-        size = int(getattr(get_module(spec), size_op)())
-        if size != ctypes.sizeof(mirror):
-            raise RuntimeError(f"its struct has {size} bytes, decode.py's mirror {mirror.__name__} "
-                               f"{ctypes.sizeof(mirror)}")
-    fn = getattr(lib, f"{namespace}_{symbol}")
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
-
-
 @op_cache
 def _page_orderer():
     """(<namespace>_order_pages, <namespace>_error_string) of the PageOrderSpec module
     through ctypes, built or loaded at the first plan() that reorders pages; None with a
     warning where it cannot be had: plan() then keeps the pages as given (same results,
     slower reads)."""
-    try:
-        fn = _ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int,
-                           _PageOrderParams, "params_bytes")
-        error = _ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p)
-        return fn, error
-    except Exception as exc:  # noqa: BLE001 - plan() keeps the pages as given, said once
-        warnings.warn(f"flashinfer_jit: batch decode's plan() keeps each request's pages as given (the page-order "
-                      f"module {PageOrderSpec().name} is unavailable: {type(exc).__name__}: {exc})", RuntimeWarning,
-                      stacklevel=3)
-        return None
+    def load():
+        return (ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int,
+                             _PageOrderParams, "params_bytes"),
+                ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p))
+
+    return optional_entry(load, "batch decode's plan() keeps each request's pages as given",
+                          f"the page-order module {PageOrderSpec().name}")
 
 
 def _native_config(config: _Config):
@@ -497,15 +459,13 @@ def _native_planner():
     """The C++ planner's entry point (<namespace>_decode_plan of the DecodePlanSpec module,
     built or loaded at the first plan()), or None with a warning where it cannot be had:
     plan() then runs its numpy path, slower on the host but the same plan."""
-    try:
-        return _ctypes_entry(DecodePlanSpec(), "decode_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 +
-                             [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _NativeConfig,
-                             "config_bytes")
-    except Exception as exc:  # noqa: BLE001 - any failure leaves plan() on its numpy path, said once
-        warnings.warn(f"flashinfer_jit: batch decode's plan() runs its numpy path (the C++ planner "
-                      f"{DecodePlanSpec().name} is unavailable: {type(exc).__name__}: {exc})", RuntimeWarning,
-                      stacklevel=3)
-        return None
+    def load():
+        return ctypes_entry(DecodePlanSpec(), "decode_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 +
+                            [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _NativeConfig,
+                            "config_bytes")
+
+    return optional_entry(load, "batch decode's plan() runs its numpy path",
+                          f"the C++ planner {DecodePlanSpec().name}")
 
 
 def _same_launch(a: _Plan, b: _Plan) -> bool:
@@ -530,13 +490,6 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     alignment at every call)."""
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
             v.shape, v.stride(), v.dtype, v.device)
-
-
-class _HostSlot:
-    """A pinned host buffer (tensor, and its numpy view), the event of the last copy from
-    it (pending until seen complete) and that copy's source and destination views."""
-
-    __slots__ = ("tensor", "array", "address", "event", "pending", "copy_end", "copy_buf", "copy_src", "copy_dst")
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -566,10 +519,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._traced = None  # plan()'s values for a run() under torch.compile
         self._capacity = None  # CUDA-graph mode: fixed at the first plan()
         self._configs = {}  # plan()'s scalar arguments -> _Config
-        self._host_slots = [None, None]
-        self._host_turn = 0
-        self._buf = None  # the device side of the packed plan buffer
-        self._views_key = self._views_buf = self._views = None
+        self._plan_buffer = PlanBuffer(self._device, self._use_cuda_graph)
         self._pdl = supports_pdl(self._device)  # run(enable_pdl=None): as FlashInfer, on from sm_90
         self._native_result = np.zeros(7, dtype=np.int64)  # the C++ planner's results (DecodePlanResult)
         self._native_result_ptr = self._native_result.ctypes.data
@@ -645,11 +595,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             batch = len(kv_lens)
             longest = int(np.maximum.reduce(kv_lens, initial=0))
             if graph:
-                if self._capacity is None:
-                    self._capacity = batch
-                elif batch > self._capacity:
-                    raise ValueError(f"batch size {batch} exceeds the {self._capacity} requests this CUDA-graph "
-                                     "wrapper was first planned (captured) with")
+                self._capacity = graph_capacity(self._capacity, batch)
             capacity = self._capacity if graph else batch
             cluster, cluster_warps = self._cluster_shape(config, kv_lens, capacity)
             if cluster > 1:  # each request over one cluster, merged on chip: no partial rows
@@ -685,10 +631,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
         previous = self._plan
         if graph and previous is not None and previous.max_items != max_items:
-            raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
-        self._ship(slot, offsets[-1], non_blocking)
-        views = self._device_views(layout, offsets, ids.shape if fold_ids else None)
-        merge_dev, work_dev, table_dev, ids_dev = views
+            raise heads_fixed()
+        plan_buffer = self._plan_buffer
+        plan_buffer.ship(slot, offsets[-1], non_blocking)
+        merge_dev, work_dev, table_dev, ids_dev = plan_buffer.views(
+            (layout, offsets, ids.shape if fold_ids else None), _carve_views)
         if not fold_ids:
             ids_dev = self._device_ids(layout, ids)
         tables = (table_dev[0], ids_dev, table_dev[1]) if layout == "csr" else (ids_dev, table_dev[0])
@@ -934,14 +881,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if capacity is None:
                 capacity = self._capacity = batch
             elif batch > capacity:
-                return None  # the numpy path raises
+                return None  # the numpy path raises graph_capacity's error, after its checks of the table
         fn, config_ptr, _ = native
         result = self._native_result
-        slot = self._host_buffer(7 * batch + 8)  # a list without splits fits; a split one may ask for more
+        plan_buffer = self._plan_buffer
+        slot = plan_buffer.host(7 * batch + 8)  # a list without splits fits; a split one may ask for more
         code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array), self._native_result_ptr)
         if code > 0:  # the list needs a larger slot: the same slot, grown
-            self._host_turn ^= 1
-            slot = self._host_buffer(code)
+            slot = plan_buffer.regrow(code)
             code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array),
                       self._native_result_ptr)
         if code != 0:
@@ -997,12 +944,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lens -= unused
         return "csr", (ptr, last), lens
 
-    def _pack(self, offsets, capacity, table_host, kv_lens, work, merge_indptr, host_ids) -> _HostSlot:
+    def _pack(self, offsets, capacity, table_host, kv_lens, work, merge_indptr, host_ids) -> HostSlot:
         """Everything plan() ships, in one pinned host buffer, padded to the capacity (see
         _offsets); work None: one item per request, nothing to merge. Every element up to
         the end is written (no stale values from earlier plans)."""
         merge, table, work_at, ids_at, end = offsets
-        slot = self._host_buffer(end)
+        slot = self._plan_buffer.host(end)
         host = slot.array
         batch = len(kv_lens)
         pad = capacity > batch  # CUDA-graph mode with fewer requests than captured
@@ -1036,63 +983,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if host_ids is not None:
             host[ids_at:end] = host_ids.numpy().reshape(-1)
         return slot
-
-    def _host_buffer(self, size: int) -> _HostSlot:
-        """One of two persistent pinned host buffers, in turn (pinning per plan() would cost
-        more than the plan): plan() fills one while the copy from the other may still be in
-        flight, so it waits only if the copy made two plans ago is still queued (the GPU
-        more than a whole step behind)."""
-        self._host_turn ^= 1
-        slot = self._host_slots[self._host_turn]
-        if slot is not None and slot.pending:
-            if not slot.event.query():
-                slot.event.synchronize()
-            slot.pending = False
-        if slot is None or slot.tensor.numel() < size:
-            slot = _HostSlot()
-            slot.tensor = torch.empty(max(4096, 1 << (size - 1).bit_length()), dtype=torch.int32,
-                                      pin_memory=self._device.type == "cuda")
-            slot.array = slot.tensor.numpy()
-            slot.address = slot.tensor.data_ptr()
-            slot.event = _new_event(self._device) if self._device.type == "cuda" else None
-            slot.pending, slot.copy_end, slot.copy_buf = False, None, None
-            self._host_slots[self._host_turn] = slot
-        return slot
-
-    def _ship(self, slot: _HostSlot, end: int, non_blocking: bool) -> None:
-        """The one host-to-device copy of plan(), between views kept while the size and
-        the device buffer stay. The event tells a later plan() when the slot is free."""
-        buf = self._buf
-        if buf is None or buf.numel() < end:
-            if self._use_cuda_graph and buf is not None:
-                raise ValueError("a CUDA-graph wrapper cannot grow its plan buffers after the first plan()")
-            # CUDA-graph buffers are sized once, exactly; others leave room to grow
-            size = end if self._use_cuda_graph else max(4096, 1 << (end - 1).bit_length())
-            buf = self._buf = torch.empty(size, dtype=torch.int32, device=self._device)
-        if slot.copy_end != end or slot.copy_buf is not buf:
-            slot.copy_end, slot.copy_buf, slot.copy_src, slot.copy_dst = end, buf, slot.tensor[:end], buf[:end]
-        slot.copy_dst.copy_(slot.copy_src, non_blocking=non_blocking)
-        if non_blocking and slot.event is not None:
-            slot.event.record()
-            slot.pending = True
-
-    def _device_views(self, layout: str, offsets: tuple, ids_shape):
-        """(merge_indptr, work, page-table arrays, folded page ids or None): views of the
-        device buffer, made again only when the offsets or the buffer change (slicing a
-        CUDA tensor costs 1.5 us on the GPU host)."""
-        buf = self._buf
-        key = (layout, offsets, ids_shape)
-        if key != self._views_key or buf is not self._views_buf:
-            merge, table, work_at, ids_at, end = offsets
-            if layout == "csr":  # indptr [capacity + 1], last_page_len [capacity]
-                last_at = table + (table - merge)  # indptr and merge_indptr: capacity + 1 each
-                table_dev = (buf[table:last_at], buf[last_at:work_at])
-            else:
-                table_dev = (buf[table:work_at],)
-            ids = buf[ids_at:end].view(ids_shape) if ids_shape is not None else None
-            self._views = (buf[merge:table], buf[work_at:ids_at], table_dev, ids)
-            self._views_key, self._views_buf = key, buf
-        return self._views
 
     def _device_ids(self, layout: str, t: torch.Tensor) -> torch.Tensor:
         """Page ids (indices or block_tables) on the device. In CUDA-graph mode they go into
@@ -1146,7 +1036,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         n = ids.numel()
         buf = self._order_buf
         if buf is None or buf.numel() < n:  # (a CUDA-graph wrapper's ids are its fixed buffer: one size)
-            size = n if graph else max(4096, 1 << max(n - 1, 0).bit_length())
+            size = n if graph else grown_size(n)
             buf = self._order_buf = torch.empty(size, dtype=torch.int32, device=self._device)
             self._order_view = None
         view = self._order_view
@@ -1318,7 +1208,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         counters = getattr(self, "_counters", None)
         if counters is None or counters.numel() < size:
             if counters is not None and self._use_cuda_graph:
-                raise ValueError("a CUDA-graph wrapper cannot grow its merge counters after the first plan()")
+                raise cannot_grow("merge counters")
             counters = torch.zeros(max(size, 1024), dtype=torch.int32, device=self._device)
             self._counters = counters
         return counters
@@ -1340,7 +1230,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lse = getattr(self, "_partial_lse_buf", None)
         if lse is None or lse.numel() < need:
             if lse is not None and self._use_cuda_graph:
-                raise ValueError("a CUDA-graph wrapper keeps its head configuration; make a new wrapper")
+                raise heads_fixed()
             lse = self._partial_lse_buf = torch.empty(need, dtype=torch.float32, device=self._device)
         return o, lse[:need].view(rows, num_qo_heads)
 
@@ -1446,41 +1336,22 @@ def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple
     return (0, table, work, ids, ids + num_ids)
 
 
-@functools.cache
-def _sm90_or_later(device) -> bool:
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def supports_pdl(device) -> bool:
-    """Whether kernels on `device` can be programmatic dependent launches (sm_90 and
-    later): FlashInfer's default for enable_pdl=None."""
-    return _sm90_or_later(device)
-
-
-def supports_clusters(device) -> bool:
-    """Whether `device` runs thread-block clusters (sm_90 and later)."""
-    return _sm90_or_later(device)
-
-
-@functools.cache
-def _empty_f32(device):
-    return torch.empty(0, dtype=torch.float32, device=device)
+def _carve_views(buf: torch.Tensor, key: tuple) -> tuple:
+    """(merge_indptr, work, page-table arrays, folded page ids or None): views of the
+    device buffer for key (layout, _offsets' result, the folded ids' shape or None)."""
+    layout, (merge, table, work_at, ids_at, end), ids_shape = key
+    if layout == "csr":  # indptr [capacity + 1], last_page_len [capacity]
+        last_at = table + (table - merge)  # indptr and merge_indptr: capacity + 1 each
+        table_dev = (buf[table:last_at], buf[last_at:work_at])
+    else:
+        table_dev = (buf[table:work_at],)
+    ids = buf[ids_at:end].view(ids_shape) if ids_shape is not None else None
+    return buf[merge:table], buf[work_at:ids_at], table_dev, ids
 
 
 @op_cache
 def _decode_op(spec: DecodeSpec, debug: bool):
     return get_module(spec).decode
-
-
-@op_cache
-def _module_library(spec: Spec) -> tuple:
-    """(the loaded module's shared library through ctypes, its namespace): the decode
-    modules' fast path, the C++ planner and the page-order kernel."""
-    module = get_module(spec)
-    return ctypes.CDLL(str(module.path / module.manifest["library"])), module.namespace
 
 
 @op_cache
@@ -1490,18 +1361,14 @@ def _decode_fast(spec: DecodeSpec, debug: bool):
     without a CUDA device."""
     if debug or not torch.cuda.is_available():
         return None
-    fn = _ctypes_entry(spec, "decode_fast", [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
+    fn = ctypes_entry(spec, "decode_fast", [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
                                                                        ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
-    return fn, int(_ctypes_entry(spec, "decode_launch_bytes", [], ctypes.c_int)())
+    return fn, int(ctypes_entry(spec, "decode_launch_bytes", [], ctypes.c_int)())
 
 
 @op_cache
 def _fast_error(spec: DecodeSpec, code: int) -> str:
-    return _ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
-
-
-def _raw_stream(device_index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device_index)
+    return ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
 
 
 _compiling = getattr(torch.compiler, "is_compiling", lambda: False)

@@ -1044,8 +1044,9 @@ def _shipped(w) -> tuple:
     """What a plan leaves for the device and the op: the shipped buffer up to its end, its
     layout (views key) and the op's launch arguments."""
     plan = w._plan
-    end = w._views_key[1][-1]
-    return (w._buf[:end].clone(), w._views_key, plan.args[8], plan.args[9], plan.args[10] is not None,
+    shipped = w._plan_buffer
+    end = shipped.views_key[1][-1]
+    return (shipped.buf[:end].clone(), shipped.views_key, plan.args[8], plan.args[9], plan.args[10] is not None,
             plan.kv_heads_per_block, plan.cluster, plan.cluster_warps, plan.batch, plan.capacity)
 
 

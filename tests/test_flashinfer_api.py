@@ -1082,8 +1082,9 @@ def test_soft_cap_zero_is_off_and_int64_plans_like_int32():
         plans.append(w)
     a, b = plans
     assert a._plan.spec == b._plan.spec and not b._plan.spec.soft_cap and b._plan.config.soft_cap == 0.0
-    end = a._views_key[1][-1]  # the packed plan buffer's used length
-    assert a._views_key == b._views_key and torch.equal(a._buf[:end], b._buf[:end])
+    shipped_a, shipped_b = a._plan_buffer, b._plan_buffer
+    end = shipped_a.views_key[1][-1]  # the packed plan buffer's used length
+    assert shipped_a.views_key == shipped_b.views_key and torch.equal(shipped_a.buf[:end], shipped_b.buf[:end])
     for bad in (-1.0, float("nan"), "x"):
         with pytest.raises(ValueError, match="logits_soft_cap"):
             b.plan(*_decode_csr(lens), DEC_HQ, DEC_HK, DEC_D, DEC_PS, logits_soft_cap=bad)

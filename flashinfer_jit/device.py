@@ -1,0 +1,67 @@
+"""What the host code of every attention family (decode; prefill and POD next) asks about a
+device, and the small per-device objects it keeps.
+
+Facts that cannot change in a process are cached per device (functools.cache): plan()
+reads them per configuration, run() at every call. Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def peak_dram_bytes_per_s(device: torch.device) -> float | None:
+    """A CUDA device's DRAM peak, 2 x memory clock x bus width (H100 SXM: 3.35e12, H200:
+    4.9e12), or None (not a CUDA device, or torch does not report them)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device.index or 0)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+@functools.cache
+def sm90_or_later(device) -> bool:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def supports_pdl(device) -> bool:
+    """Whether kernels on `device` can be programmatic dependent launches (sm_90 and
+    later): FlashInfer's default for enable_pdl=None."""
+    return sm90_or_later(device)
+
+
+def supports_clusters(device) -> bool:
+    """Whether `device` runs thread-block clusters (sm_90 and later)."""
+    return sm90_or_later(device)
+
+
+def raw_stream(device_index: int) -> int:
+    """The current stream of a CUDA device as the address a C entry point takes."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+@functools.cache
+def empty_f32(device):
+    """An empty float32 tensor on `device`, kept: the placeholder for an output not asked
+    for (an op takes a tensor either way)."""
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def new_event(device: torch.device):
+    """A CUDA event of `device` whose record() takes the stream in C++ (torch.Event):
+    torch.cuda.Event.record() first builds the current stream in Python, 4 of its 5 us
+    on the GPU host. (The fallback, for a torch without torch.Event, records on the
+    current device's stream.)"""
+    return torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()

@@ -1,0 +1,91 @@
+"""The packed plan buffer: everything one plan() ships to the device (work list, merge
+index, page-table arrays), in one pinned host buffer and one host-to-device copy.
+
+A family lays out its buffer (decode: decode._offsets) and fills a host slot; a PlanBuffer,
+one per wrapper and so per device, owns the two pinned host slots, the device buffer and
+the views of it. It runs in plan() on every step of a serving engine, so it keeps what it
+can: the slots (pinning per plan() would cost more than the plan), the copy's source and
+destination views, and the device views while the offsets stay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .capacity import cannot_grow, grown_size
+from .device import new_event
+
+
+class HostSlot:
+    """A pinned host buffer (tensor, its numpy view and address), the event of the last
+    copy from it (pending until seen complete) and that copy's source and destination views."""
+
+    __slots__ = ("tensor", "array", "address", "event", "pending", "copy_end", "copy_buf", "copy_src", "copy_dst")
+
+
+class PlanBuffer:
+    """fixed (a CUDA-graph wrapper): the device buffer is sized at the first ship(), exactly,
+    and cannot grow after it (see capacity)."""
+
+    __slots__ = ("device", "fixed", "slots", "turn", "buf", "views_key", "views_buf", "views_made")
+
+    def __init__(self, device: torch.device, fixed: bool):
+        self.device, self.fixed = device, fixed
+        self.slots = [None, None]
+        self.turn = 0
+        self.buf = None  # the device side
+        self.views_key = self.views_buf = self.views_made = None
+
+    def host(self, size: int) -> HostSlot:
+        """One of the two pinned host slots, in turn, holding at least `size` int32s: plan()
+        fills one while the copy from the other may still be in flight, so it waits only if
+        the copy made two plans ago is still queued (the GPU more than a whole step behind)."""
+        self.turn ^= 1
+        slot = self.slots[self.turn]
+        if slot is not None and slot.pending:
+            if not slot.event.query():
+                slot.event.synchronize()
+            slot.pending = False
+        if slot is None or slot.tensor.numel() < size:
+            cuda = self.device.type == "cuda"
+            slot = HostSlot()
+            slot.tensor = torch.empty(grown_size(size), dtype=torch.int32, pin_memory=cuda)
+            slot.array = slot.tensor.numpy()
+            slot.address = slot.tensor.data_ptr()
+            slot.event = new_event(self.device) if cuda else None
+            slot.pending, slot.copy_end, slot.copy_buf = False, None, None
+            self.slots[self.turn] = slot
+        return slot
+
+    def regrow(self, size: int) -> HostSlot:
+        """The slot host() gave last, again, holding at least `size` (a planner that found
+        it too small)."""
+        self.turn ^= 1
+        return self.host(size)
+
+    def ship(self, slot: HostSlot, end: int, non_blocking: bool) -> None:
+        """The one host-to-device copy of plan(), of the slot's first `end` elements, between
+        views kept while the size and the device buffer stay. The event tells a later plan()
+        when the slot is free."""
+        buf = self.buf
+        if buf is None or buf.numel() < end:
+            if self.fixed and buf is not None:
+                raise cannot_grow("plan buffers")
+            buf = self.buf = torch.empty(end if self.fixed else grown_size(end), dtype=torch.int32,
+                                         device=self.device)
+        if slot.copy_end != end or slot.copy_buf is not buf:
+            slot.copy_end, slot.copy_buf, slot.copy_src, slot.copy_dst = end, buf, slot.tensor[:end], buf[:end]
+        slot.copy_dst.copy_(slot.copy_src, non_blocking=non_blocking)
+        if non_blocking and slot.event is not None:
+            slot.event.record()
+            slot.pending = True
+
+    def views(self, key, carve):
+        """carve(device buffer, key): the family's views of the device buffer for a layout
+        `key` (its offsets), made again only when the key or the buffer change (slicing a
+        CUDA tensor costs 1.5 us on the GPU host)."""
+        buf = self.buf
+        if key != self.views_key or buf is not self.views_buf:
+            self.views_made = carve(buf, key)
+            self.views_key, self.views_buf = key, buf
+        return self.views_made

@@ -1,0 +1,144 @@
+"""The shared host layer on the CPU (no GPU, no build): the packed plan buffer's host slots
+and device buffer (plan_buffer), the buffer-size and CUDA-graph capacity rules (capacity),
+the ctypes loading of C entry points (native) and the device facts' CPU answers (device).
+Decode's tests cover them again through plan() and run()."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import pytest
+import torch
+
+from flashinfer_jit import capacity, device, native
+from flashinfer_jit.plan_buffer import PlanBuffer
+
+CPU = torch.device("cpu")
+
+
+class FakeEvent:
+    def __init__(self, done: bool):
+        self.done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_host_slots_alternate_and_grow():
+    pb = PlanBuffer(CPU, fixed=False)
+    a, b = pb.host(10), pb.host(10)
+    assert a is not b and pb.host(10) is a and pb.host(10) is b
+    assert a.tensor.numel() == 4096 and a.event is None and not a.tensor.is_pinned()
+    assert a.address == a.tensor.data_ptr() and a.array.shape == (4096,)
+    grown = pb.host(5000)  # a's turn: a new slot of the next power of two takes its place
+    assert grown is not a and grown.tensor.numel() == 8192 and pb.slots == [b, grown]
+    again = pb.regrow(20000)  # the slot just given, grown; the turn stays
+    assert again.tensor.numel() == 32768 and pb.slots == [b, again]
+    assert pb.host(10) is b
+
+
+def test_host_slot_waits_only_for_a_copy_still_queued():
+    pb = PlanBuffer(CPU, fixed=False)
+    a, b = pb.host(10), pb.host(10)
+    a.event, a.pending = FakeEvent(done=True), True
+    b.event, b.pending = FakeEvent(done=False), True
+    assert pb.host(10) is a and not a.pending and not a.event.waited
+    assert pb.host(10) is b and not b.pending and b.event.waited
+
+
+def test_ship_copies_into_a_device_buffer_that_grows_unless_fixed():
+    pb = PlanBuffer(CPU, fixed=False)
+    slot = pb.host(6000)
+    slot.array[:6000] = range(6000)
+    pb.ship(slot, 10, non_blocking=True)
+    first = pb.buf
+    assert first.numel() == 4096 and torch.equal(first[:10], torch.arange(10, dtype=torch.int32))
+    pb.ship(slot, 5000, non_blocking=False)
+    assert pb.buf is not first and pb.buf.numel() == 8192 and int(pb.buf[4999]) == 4999
+
+    fixed = PlanBuffer(CPU, fixed=True)
+    slot = fixed.host(20)
+    fixed.ship(slot, 12, non_blocking=True)
+    assert fixed.buf.numel() == 12
+    fixed.ship(slot, 12, non_blocking=True)  # the same size: the same buffer
+    with pytest.raises(ValueError, match="cannot grow its plan buffers after the first plan"):
+        fixed.ship(slot, 13, non_blocking=True)
+
+
+def test_views_are_carved_again_only_for_a_new_key_or_buffer():
+    pb = PlanBuffer(CPU, fixed=False)
+    carved = []
+
+    def carve(buf, key):
+        carved.append(key)
+        return buf[: key[0]], buf[key[0]: key[1]]
+
+    slot = pb.host(10)
+    pb.ship(slot, 10, non_blocking=False)
+    first = pb.views((2, 5), carve)
+    assert pb.views((2, 5), carve) is first and carved == [(2, 5)] and pb.views_key == (2, 5)
+    assert pb.views((3, 5), carve)[0].numel() == 3 and len(carved) == 2
+    pb.ship(pb.host(9000), 9000, non_blocking=False)  # a new device buffer
+    views = pb.views((3, 5), carve)
+    assert len(carved) == 3 and views[0].data_ptr() == pb.buf.data_ptr()
+
+
+def test_capacity_rules():
+    assert [capacity.grown_size(n) for n in (0, 1, 4096, 4097)] == [4096, 4096, 4096, 8192]
+    assert capacity.grown_size(3, floor=1024) == 1024
+    assert capacity.graph_capacity(None, 7) == 7 and capacity.graph_capacity(7, 3) == 7
+    with pytest.raises(ValueError, match="batch size 8 exceeds the 7 requests"):
+        capacity.graph_capacity(7, 8)
+    assert "merge counters" in str(capacity.cannot_grow("merge counters"))
+
+
+class Mirror(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_int64)]
+
+
+class FakeModule:
+    def __init__(self, struct_bytes: int):
+        self.struct_bytes = struct_bytes
+
+    def params_bytes(self):
+        return self.struct_bytes
+
+
+class FakeLibrary:
+    class ns_run:  # stands for a ctypes function: takes argtypes / restype
+        pass
+
+
+def test_ctypes_entry_checks_the_struct_size_against_the_mirror(monkeypatch):
+    monkeypatch.setattr(native, "module_library", lambda spec: (FakeLibrary, "ns"))
+    monkeypatch.setattr(native, "get_module", lambda spec: FakeModule(ctypes.sizeof(Mirror)))
+    fn = native.ctypes_entry("spec", "run", [ctypes.c_void_p], ctypes.c_int, Mirror, "params_bytes")
+    assert fn is FakeLibrary.ns_run and fn.argtypes == [ctypes.c_void_p] and fn.restype is ctypes.c_int
+    monkeypatch.setattr(native, "get_module", lambda spec: FakeModule(ctypes.sizeof(Mirror) + 8))
+    with pytest.raises(RuntimeError, match=f"24 bytes, the ctypes mirror Mirror {ctypes.sizeof(Mirror)}"):
+        native.ctypes_entry("spec", "run", [ctypes.c_void_p], ctypes.c_int, Mirror, "params_bytes")
+
+
+def test_optional_entry_warns_and_falls_back():
+    assert native.optional_entry(lambda: 3, "plan() does without", "the helper") == 3
+
+    def broken():
+        raise RuntimeError("no compiler")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.optional_entry(broken, "plan() runs its numpy path", "the C++ planner x") is None
+    assert [str(w.message) for w in caught] == [
+        "flashinfer_jit: plan() runs its numpy path (the C++ planner x is unavailable: RuntimeError: no compiler)"]
+    assert caught[0].category is RuntimeWarning
+
+
+def test_device_facts_on_the_cpu():
+    assert not device.supports_pdl(CPU) and not device.supports_clusters("cpu")
+    assert device.peak_dram_bytes_per_s(CPU) is None
+    empty = device.empty_f32(CPU)
+    assert device.empty_f32(CPU) is empty and empty.numel() == 0 and empty.dtype == torch.float32
