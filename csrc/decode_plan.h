@@ -121,6 +121,7 @@ inline Sized chunk_size(const std::vector<int64_t>& lens, int64_t longest, int64
   int64_t chunk = std::max(floor, div_up(wanted, 32) * 32);
   if (skewed_target && block_token_bytes && 2 * longest < 3 * chunk) {  // nothing splits by the target
     const int64_t k = wave_chunks(lens, longest, int64_t(lens.size()) * blocks_per_item, skewed_target,
+                                  // (many waves split one-token tiles only: wave_token_bytes is token_bytes there)
                                   longest * block_token_bytes, c.wave_token_bytes == c.token_bytes);
     if (k > 1) chunk = std::max(floor, up_to(div_up(longest, k), 32));
   }

@@ -122,9 +122,6 @@ def index_ok(t, length: int | None = None) -> bool:
         t.is_contiguous() and (length is None or t.shape[0] == length)
 
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
-
 def as_int32_index(t, name: str):
     """An index tensor as the kernels take it: int32 as given (the fast path, no copy), int64
     (FlashInfer accepts both) narrowed to int32 in a new tensor on the same device. Values

@@ -34,7 +34,7 @@ import torch
 
 from . import env
 from .capacity import cannot_grow, graph_capacity, grown_size, heads_fixed
-from .checks import aligned16, as_int32_index, dtype_str, expect_choice, same_cuda_device, soft_cap_value
+from .checks import aligned16, as_int32_index, compiling, dtype_str, expect_choice, same_cuda_device, soft_cap_value
 # (under decode's own names: plan() and run() look them up here, where the tests patch them)
 from .device import (empty_f32 as _empty_f32, num_sms as _num_sms, peak_dram_bytes_per_s as _peak_dram_bytes_per_s,
                      raw_stream as _raw_stream, supports_clusters, supports_pdl)
@@ -129,6 +129,7 @@ _LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
 # (docs/decode.md).
 _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S = 4.0e12
 _MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
+_TABLE_ARGS = ("indptr", "indices", "last_page_len", "block_tables", "seq_lens")  # plan()'s index tensors
 _Tensor = torch.Tensor
 
 
@@ -517,6 +518,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self._plan = None
         self._traced = None  # plan()'s values for a run() under torch.compile
+        self._partial_lse_buf = None  # split-KV's partial LSEs (_partial_views)
         self._capacity = None  # CUDA-graph mode: fixed at the first plan()
         self._configs = {}  # plan()'s scalar arguments -> _Config
         self._plan_buffer = PlanBuffer(self._device, self._use_cuda_graph)
@@ -557,14 +559,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         RoPE in the kernel, no window, one query token), run() reads each request's full
         pages in ascending page-id order, from a copy plan() writes on the GPU; the output is
         the same up to rounding (the sums run in another order). False: the pages as given."""
-        if indptr is not None and indptr.dtype != torch.int32:
-            indptr, indices, last_page_len = (as_int32_index(indptr, "indptr"), as_int32_index(indices, "indices"),
-                                              as_int32_index(last_page_len, "last_page_len"))
-        elif indices is not None and indices.dtype != torch.int32 or \
-                last_page_len is not None and last_page_len.dtype != torch.int32:
-            indices, last_page_len = as_int32_index(indices, "indices"), as_int32_index(last_page_len, "last_page_len")
-        if block_tables is not None and (block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32):
-            block_tables, seq_lens = as_int32_index(block_tables, "block_tables"), as_int32_index(seq_lens, "seq_lens")
+        tables = (indptr, indices, last_page_len, block_tables, seq_lens)
+        if any(type(t) is _Tensor and t.dtype is not torch.int32 for t in tables):  # int64: narrowed once
+            indptr, indices, last_page_len, block_tables, seq_lens = map(as_int32_index, tables, _TABLE_ARGS)
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                 q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
                 disable_split_kv, sort_pages, q_len_per_req)
@@ -822,7 +819,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         c.soft_cap = soft_cap
         # the logit scale of a run() without q_scale / k_scale (base 2 unless soft-capped)
-        c.logit_scale = c.sm_scale / c.soft_cap if c.soft_cap else c.sm_scale * _LOG2E
+        c.logit_scale = _logit_scale(c.sm_scale, c.soft_cap, None, None)
         c.window_left = window_left
         c.rope_scale = float(1.0 if rope_scale is None else rope_scale)
         c.rope_theta = float(1e4 if rope_theta is None else rope_theta)
@@ -1064,7 +1061,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """q [batch x q_len_per_req, num_qo_heads, head_dim] (q_len_per_req as planned;
         passing it here only checks it). Returns out (and lse [tokens, num_qo_heads], base 2,
         with return_lse). Under torch.compile, run() traces to the module's op alone."""
-        if _compiling():
+        if compiling():
             return self._run_traced(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
                                     window_left, sinks, q_len_per_req)
         plan = self._plan
@@ -1104,16 +1101,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_scale is None and k_scale is None:
             logit_scale = config.logit_scale
         else:
-            logit_scale = config.sm_scale * (1.0 if q_scale is None else float(q_scale)) * \
-                (1.0 if k_scale is None else float(k_scale))
-            logit_scale = logit_scale / config.soft_cap if config.soft_cap else logit_scale * _LOG2E
+            logit_scale = _logit_scale(config.sm_scale, config.soft_cap, q_scale, k_scale)
         v_scale = 1.0 if v_scale is None else float(v_scale)
         window = config.window_left if window_left is None else int(window_left)
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
         # a window masks by position: the pages in the order given, not plan()'s reordered copy
         as_given = window >= 0 and plan.unordered is not None
         fast = plan.fast
-        if fast is not None and not as_given and out.is_contiguous() and not _compiling():
+        if fast is not None and not as_given and out.is_contiguous():
             # The launch the op resolved at an earlier call with this q and cache signature,
             # with this call's pointers: no dispatcher, ~2 us of host time instead of ~12.
             code = fast(plan.prepared_ptr, qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
@@ -1130,7 +1125,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             tables = plan.unordered
         entry = _decode_fast(plan.spec, env.debug()) if plan.checked is not None and not as_given else None
         prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
-        q_op, out_op, lse_op = _token_rows(q, out, plan.no_lse if lse is None else lse, config)
+        q_op, out_op, lse_op = _token_rows(q, out, plan.no_lse if lse is None else lse, config.q_tokens,
+                                           config.num_qo_heads)
         op(q_op, k, v, tables, work, merge_indptr, out_op, lse_op, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
            prepared, plan.kv_heads_per_block, plan.cluster, plan.cluster_warps)
@@ -1171,19 +1167,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if lse is None:
             lse = torch.empty((q.shape[0], hq) if return_lse else (0,), dtype=torch.float32, device=q.device)
-        scale = sm_scale * (1.0 if q_scale is None else q_scale) * (1.0 if k_scale is None else k_scale)
-        logit_scale = scale / cap if cap else scale * _LOG2E
+        logit_scale = _logit_scale(sm_scale, cap, q_scale, k_scale)
         window = window_planned if window_left is None else window_left
         tables, work, merge_indptr, partial_o, partial_lse, soft_cap, rope_scale, rope_theta, grid_items, \
             merge_rows, counters = args
         if window >= 0 and unordered is not None:
             tables = unordered
-        if n > 1:
-            rows = q.shape[0] // n
-            q_op, out_op = q.view(rows, n * hq, d), out.view(rows, n * hq, d)
-            lse_op = lse.view(rows, n * hq) if return_lse else lse
-        else:
-            q_op, out_op, lse_op = q, out, lse
+        q_op, out_op, lse_op = _token_rows(q, out, lse, n, hq)
         op(q_op, k, v, list(tables), work, merge_indptr, out_op, lse_op, partial_o, partial_lse, logit_scale,
            1.0 if v_scale is None else v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows,
            counters, self._pdl if enable_pdl is None else enable_pdl, None, per_block, cluster, cluster_warps)
@@ -1227,7 +1217,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             else self._workspace.view(torch.float32)
         o = flat[: rows * num_qo_heads * head_dim].view(rows, num_qo_heads, head_dim)
         need = rows * num_qo_heads
-        lse = getattr(self, "_partial_lse_buf", None)
+        lse = self._partial_lse_buf
         if lse is None or lse.numel() < need:
             if lse is not None and self._use_cuda_graph:
                 raise heads_fixed()
@@ -1278,17 +1268,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return cache.k, cache.v
 
 
-def _token_rows(q, out, lse, config: _Config) -> tuple:
-    """q, out [batch x N, Hq, D] and lse [batch x N, Hq] as the op takes them for N query
-    tokens a request: [batch, N x Hq, D] and [batch, N x Hq] (the heads of a request's tokens
+def _token_rows(q, out, lse, n: int, hq: int) -> tuple:
+    """q, out [batch x n, hq, D] and lse [batch x n, hq] as the op takes them for n query
+    tokens a request: [batch, n x hq, D] and [batch, n x hq] (the heads of a request's tokens
     in one row; run() checks that the strides allow it). One token: as given."""
-    n = config.q_tokens
     if n == 1:
         return q, out, lse
-    rows, hq = q.shape[0] // n, config.num_qo_heads
-    q_op = q.as_strided((rows, n * hq, q.shape[2]), (n * q.stride(0), q.stride(1), q.stride(2)))
-    out_op = out.as_strided((rows, n * hq, out.shape[2]), (n * out.stride(0), out.stride(1), out.stride(2)))
-    return q_op, out_op, lse.view(rows, n * hq) if lse.numel() else lse
+    rows = q.shape[0] // n
+    return (q.view(rows, n * hq, q.shape[2]), out.view(rows, n * hq, out.shape[2]),
+            lse.view(rows, n * hq) if lse.numel() else lse)
+
+
+def _logit_scale(sm_scale: float, soft_cap: float, q_scale, k_scale) -> float:
+    """The kernel's logit scale: sm_scale x q_scale x k_scale, divided by the soft cap (the
+    kernel applies it inside the tanh) or else in log2 units (the kernel uses exp2)."""
+    scale = sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+    return scale / soft_cap if soft_cap else scale * _LOG2E
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
@@ -1371,7 +1366,6 @@ def _fast_error(spec: DecodeSpec, code: int) -> str:
     return ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
 
 
-_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 _SINGLE_PLANS = 32  # single_decode_with_kv_cache's planned wrappers kept (by configuration and length)

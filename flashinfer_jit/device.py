@@ -53,10 +53,14 @@ def raw_stream(device_index: int) -> int:
 
 
 @functools.cache
-def empty_f32(device):
-    """An empty float32 tensor on `device`, kept: the placeholder for an output not asked
-    for (an op takes a tensor either way)."""
-    return torch.empty(0, dtype=torch.float32, device=device)
+def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of `dtype` on `device`, kept: what an op gets for an optional tensor
+    or an output not asked for (it takes a tensor either way)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def empty_f32(device) -> torch.Tensor:
+    return placeholder(device, torch.float32)
 
 
 def new_event(device: torch.device):

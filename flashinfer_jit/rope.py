@@ -19,6 +19,7 @@ from . import env
 from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_index_vector,
                      expect_same_cuda_device, expect_vector_aligned, index_ok, index_vector, same_cuda_device)
 from .jit import get_module, op_cache, traced_op
+from .device import placeholder
 from .page_table import PageTable, csr_page_table, unpack_paged_kv_cache
 from .specs import RopeSpec
 from .specs.base import FP8_DTYPES, dtype_name
@@ -139,7 +140,7 @@ def _rope_namespace(dtype_in, dtype_out, interleave: bool, positions: str, cache
 
 
 def _empty_f32(device):
-    return _new_empty(device, torch.float32) if compiling() else _cached_empty(device, torch.float32)
+    return _new_empty(device, torch.float32) if compiling() else placeholder(device, torch.float32)
 
 
 def _check_cos_sin_cache(cos_sin_cache, rope_dim: int) -> None:
@@ -433,14 +434,11 @@ def rope_quantize_fp8_append_paged_kv_cache(
 def _empty_int32(device):
     """A 0-element int32 placeholder for absent optional tensors: one per device, made once;
     a new one while torch.compile traces (Dynamo would trace through the cache, warning)."""
-    return _new_empty(device, torch.int32) if compiling() else _cached_empty(device, torch.int32)
+    return _new_empty(device, torch.int32) if compiling() else placeholder(device, torch.int32)
 
 
 def _new_empty(device, dtype):
     return torch.empty(0, dtype=dtype, device=device)
-
-
-_cached_empty = functools.cache(_new_empty)
 
 
 def _fused_fast(q_rope, k_rope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
