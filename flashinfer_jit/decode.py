@@ -516,6 +516,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # specs.decode.uses_tensor_cores), whatever the caller asks.
         self._use_tensor_cores = bool(use_tensor_cores)
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        for name, buf in zip(("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"),
+                             self._user_buffers):
+            if buf is None:
+                continue
+            if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int32 or buf.dim() != 1 or \
+                    not buf.is_contiguous():
+                got = f"{dtype_str(buf.dtype)} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
+                raise TypeError(f"{name}: expected a contiguous 1-D int32 tensor (the kernels read it as the page "
+                                f"table), got {got}")
+            if buf.device != self._device:
+                raise ValueError(f"{name}: expected it on the workspace's device {self._device}, got {buf.device}")
         self._plan = None
         self._traced = None  # plan()'s values for a run() under torch.compile
         self._partial_lse_buf = None  # split-KV's partial LSEs (_partial_views)

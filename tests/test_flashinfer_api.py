@@ -1092,6 +1092,19 @@ def test_soft_cap_zero_is_off_and_int64_plans_like_int32():
         b.plan(*_decode_csr(lens, dtype=torch.int16), DEC_HQ, DEC_HK, DEC_D, DEC_PS)
 
 
+def test_cuda_graph_wrapper_buffers_are_checked():
+    ws = torch.zeros(1 << 20, dtype=torch.uint8)
+    i32 = torch.zeros(9, dtype=torch.int32)
+    with pytest.raises(TypeError, match="indices_buffer: expected a contiguous 1-D int32"):
+        flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, i32, torch.zeros(64, dtype=torch.int64), i32[:8])
+    with pytest.raises(TypeError, match="indptr_buffer"):
+        flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, [0] * 9, i32, i32[:8])
+    with pytest.raises(ValueError, match="workspace's device"):
+        flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, i32.to("meta"), i32, i32[:8])
+    w = flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, i32, i32, i32[:8])
+    assert w.is_cuda_graph_enabled
+
+
 def test_backend_and_sinks_are_checked():
     ws = torch.zeros(1 << 20, dtype=torch.uint8)
     with pytest.raises(ValueError, match="backend"):
