@@ -36,6 +36,10 @@ _EXPORTS = {
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper": "decode",
     "fast_decode_plan": "decode",
     "single_decode_with_kv_cache": "decode",
+    "BatchPrefillWithPagedKVCacheWrapper": "prefill",
+    "BatchPrefillWithRaggedKVCacheWrapper": "prefill",
+    "single_prefill_with_kv_cache": "prefill",
+    "single_prefill_with_kv_cache_return_lse": "prefill",
     "merge_state": "cascade",
     "merge_states": "cascade",
     # page tables
@@ -54,6 +58,7 @@ _EXPORTS = {
     "specs": None,
     # submodules at FlashInfer's paths (flashinfer_jit.page.get_seq_lens, ...)
     "decode": None,
+    "prefill": None,
     "page": None,
     "rope": None,
     "cascade": None,

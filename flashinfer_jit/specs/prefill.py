@@ -1,10 +1,5 @@
-"""Spec of batch prefill over paged or ragged K/V (docs/prefill.md).
-
-No kernel exists yet: PrefillSpec has no templates and is deliberately not in
-specs.FAMILIES, so nothing renders, builds or lists it (matrix files, the AOT CLI, the
-spec tests that walk every family). The kernel's work adds the templates and op schemas
-and registers the family then. Its reference is flashinfer_jit/reference/prefill.py.
-"""
+"""Spec of batch prefill over paged or ragged K/V on tensor cores (csrc/prefill.cuh,
+docs/prefill.md). Its reference is flashinfer_jit/reference/prefill.py."""
 
 from __future__ import annotations
 
@@ -45,7 +40,7 @@ class PrefillSpec(Spec):
     """
 
     FAMILY = "prefill"
-    TEMPLATES = {}  # none yet: see the module docstring
+    TEMPLATES = {"kernel.cu": "prefill.cu.j2", "binding.cc": "prefill_binding.cc.j2"}
 
     dtype_q: str = choice("float16", "bfloat16")
     dtype_kv: str = choice(*PAGED_KV_DTYPES)
@@ -80,5 +75,36 @@ class PrefillSpec(Spec):
             raise ValueError("PrefillSpec: pos_encoding='rope_llama' rotates every head dim; with head_dim_qk=192 "
                              "(DeepSeek-style) apply RoPE to the rope dims before prefill instead")
 
+    @property
+    def tile_rows(self) -> tuple[int, ...]:
+        """Query-tile sizes (rows of (token, head) pairs a block) the module holds: 64 and
+        128, or 64 alone at head_dim_qk 256 (128 rows x 256 dims of accumulators would
+        spill). plan() picks one per batch (choose_tile_rows)."""
+        return tile_rows_for(self.head_dim_qk)
+
+    def context(self) -> dict:
+        return super().context() | {"tile_rows": self.tile_rows, "mask_enum": _MASK_ENUMS[self.mask]}
+
     def op_schemas(self) -> dict[str, str]:
-        raise NotImplementedError("PrefillSpec: no prefill kernel yet (docs/prefill.md); nothing to render or build")
+        # One op runs the prefill kernel over plan()'s work list (grid blocks, tiles of
+        # tile_rows rows) and, when plan() split requests (merge_rows > 0, the number of
+        # q tokens), the merge of their partial rows. kv_index: the page table's tensors
+        # (paged) or [kv_indptr] (ragged). block_shape: [threads, shared memory bytes,
+        # registers] of a tile's block (needs a GPU).
+        return {
+            "prefill": (
+                "(Tensor q, Tensor k, Tensor v, Tensor[] kv_index, Tensor qo_indptr, Tensor work, "
+                "Tensor merge_indptr, Tensor? mask, Tensor? mask_indptr, Tensor? sinks, Tensor(a!) out, "
+                "Tensor(b!) lse, Tensor(c!) partial_o, Tensor(d!) partial_lse, float logit_scale, "
+                "float soft_cap_log2, float v_scale, int window_left, float rope_scale, float rope_theta, "
+                "int grid, int tile_rows, int merge_rows, bool enable_pdl=False) -> ()"),
+            "block_shape": "(int tile_rows) -> int[]",
+        }
+
+
+_MASK_ENUMS = {"none": "kNone", "causal": "kCausal", "custom": "kCustom"}
+
+
+def tile_rows_for(head_dim_qk: int) -> tuple[int, ...]:
+    """See PrefillSpec.tile_rows."""
+    return (64,) if head_dim_qk >= 256 else (64, 128)

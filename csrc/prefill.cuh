@@ -1,0 +1,640 @@
+// Batch prefill on tensor cores (mma.sync m16n8k16, ldmatrix, cp.async; sm_80 and later).
+//
+// The algorithm is prefill_block(): one work item (csrc/prefill_params.h PrefillItem) = a
+// tile of kRows query rows of one request and one KV head against one chunk of the
+// request's keys. The rows of a tile are (token, query head of the group) pairs, token-
+// major (row r: token r / group, head r % group), so a GQA group fills the mma rows even
+// for a request of one to a few tokens, and every K/V tile is read once for the group.
+// prefill_kernel is a thin loop over the work list around it; POD calls the same function.
+//
+// A block is 4 warps; warp w owns rows [w 16 kMFrags, (w + 1) 16 kMFrags). Per K/V tile of
+// kTileKV keys, staged kStages deep by cp.async:
+//   S = Q K^T    A = Q from shared memory (ldmatrix), B = K rows (ldmatrix): m16n8k16
+//   online softmax on S's accumulators (log2 domain, rows reduced over a lane quad)
+//   O += P V     A = P straight from S's accumulators (the C layout of two n8 tiles is the
+//                A layout of one k16 step), B = V rows (ldmatrix.trans)
+// 16-bit tiles in shared memory are swizzled (16-byte chunk c of row r at c ^ (r % 8)), so
+// the 8 rows an ldmatrix reads fall on distinct banks. fp8 K/V arrive raw and are widened
+// to fp16 tiles in one pass per tile; RoPE (ROPE_LLAMA) rotates q as it is loaded and each
+// K tile in shared memory before use.
+//
+// Masks are applied only on tiles that need them (the chunk's end, the causal diagonal,
+// the window's start, custom masks). A row that sees no key keeps m = -inf, d = 0 and
+// writes zeros and lse = -inf (sinks: the sink's term alone); no inf - inf is formed.
+#pragma once
+#include <math_constants.h>
+
+#include "common.cuh"
+#include "mma.cuh"
+#include "page_table.cuh"
+#include "prefill_params.h"
+
+namespace fij {
+
+enum class PrefillMask : int { kNone = 0, kCausal = 1, kCustom = 2 };
+
+template <typename TQ, typename TKV, typename TO, int HeadDimQK, int HeadDimVO, bool Ragged, PageTableLayout Table,
+          PrefillMask Mask, bool Rope, bool SoftCap, bool Sinks, int MFrags>
+struct PrefillTraits {
+  using Q = TQ;
+  using KV = TKV;
+  using O = TO;
+  using M = typename MmaTypeOf<TKV>::type;  // the mma's 16-bit type (fp16 for fp8 K/V)
+  static constexpr bool kFp8 = sizeof(TKV) == 1;
+  static constexpr int kDQK = HeadDimQK, kDVO = HeadDimVO;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  // Rows per warp: 16 kMFrags. Two 16-row fragments share every K/V fragment a warp reads
+  // from shared memory (half the ldmatrix traffic per mma); head_dim 256 keeps one (its
+  // 128 output accumulators a lane already).
+  static constexpr int kMFrags = MFrags;
+  static constexpr int kRows = kWarps * 16 * kMFrags;
+  // Keys a tile: 64 (32-row warps: 3-7% faster than 32 keys on the H100, for 44 bytes of
+  // spills); 32 at head_dim_qk >= 192, whose q tile takes 48-64 KB (two blocks an SM then
+  // still fit in shared memory).
+  static constexpr int kTileKV = HeadDimQK >= 192 ? 32 : 64;
+  static constexpr int kNT = kTileKV / 8;  // n8 tiles of S
+  static constexpr int kStages = 2;
+  static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
+  static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
+  static constexpr int kQBytes = kRows * kDQK * 2;
+  static constexpr int kKBytes = kTileKV * kDQK * int(sizeof(TKV)), kVBytes = kTileKV * kDVO * int(sizeof(TKV));
+  static constexpr int kStageBytes = kKBytes + kVBytes;
+  // fp8: the widened fp16 tiles the mma reads
+  static constexpr int kWideBytes = kFp8 ? kTileKV * (kDQK + kDVO) * 2 : 0;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kWideBytes;
+  // Two blocks an SM (up to 255 registers a thread; capped at 168 for three blocks, the
+  // 64-row tile spilled 180 bytes).
+  static constexpr int kMinBlocksPerSM = 2;
+  static constexpr bool kRagged = Ragged;
+  static constexpr PageTableLayout kTable = Table;
+  static constexpr PrefillMask kMask = Mask;
+  static constexpr bool kRope = Rope;
+  static constexpr bool kSoftCap = SoftCap;
+  static constexpr bool kSinks = Sinks;
+  static_assert(kDQK % 64 == 0 || kDQK == 192, "head_dim_qk: 64, 128, 192 or 256");
+  static_assert(kDVO % 16 == 0 && kQChunks % 8 == 0 && (kDVO / 8) % 8 == 0, "rows of whole 128-byte swizzle groups");
+  static_assert(kMFrags == 1 || kMFrags == 2, "16 or 32 rows a warp");
+  static_assert(!kRope || kDQK == kDVO, "RoPE rotates square heads");
+};
+
+namespace prefill_detail {
+
+// Element offset of (row, col) in a swizzled 16-bit tile of `chunks` 16-byte chunks a row;
+// col is a multiple of 8 where a whole chunk is addressed.
+template <int Chunks>
+FIJ_DEVICE int swz(int row, int col) {
+  return row * Chunks * 8 + ((((col >> 3) ^ row) & 7) | ((col >> 3) & ~7)) * 8 + (col & 7);
+}
+
+// Eight elements as floats: 16 bytes of a 16-bit type, or 8 bytes of fp8.
+template <typename T>
+FIJ_DEVICE void to_float8(const void* src, float (&x)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    const Vec16 raw = *reinterpret_cast<const Vec16*>(src);
+    const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(src);
+    const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
+  }
+}
+
+template <typename M>
+FIJ_DEVICE void store8(M* dst, const float (&x)[8]) {
+  uint4 w;
+  w.x = mma_detail::pack2<M>(x[0], x[1]);
+  w.y = mma_detail::pack2<M>(x[2], x[3]);
+  w.z = mma_detail::pack2<M>(x[4], x[5]);
+  w.w = mma_detail::pack2<M>(x[6], x[7]);
+  *reinterpret_cast<uint4*>(dst) = w;
+}
+
+// NeoX RoPE of the pair (lo = dims i .. i+7, hi = dims i + D/2 ..) at position pos.
+template <int D>
+FIJ_DEVICE void rope_pair(float (&lo)[8], float (&hi)[8], int i, float pos, float rcp_scale, float log2_theta) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float freq = rcp_scale * exp2f(-2.f * float(i + e) / float(D) * log2_theta);
+    float s, c;
+    sincosf(pos * freq, &s, &c);
+    const float a = lo[e], b = hi[e];
+    lo[e] = a * c - b * s;
+    hi[e] = b * c + a * s;
+  }
+}
+
+}  // namespace prefill_detail
+
+// Where a request's K and V rows are: the paged cache through the page table, or ragged
+// rows. locate(j) gives token j's K and V element offsets (head kv_head, dim 0) with one
+// page-table lookup for both.
+template <class Traits>
+struct KVRows {
+  const int32_t* k_ids;  // paged: the request's page ids
+  const int32_t* v_ids;
+  int64_t k_base, v_base;  // the head's offset (+ ragged: the request's first row)
+  int64_t k_stride_page, v_stride_page, k_stride_token, v_stride_token;
+  int page_size, page_shift;
+
+  FIJ_DEVICE KVRows(const PrefillParams& p, int b, int head) {
+    k_stride_token = p.kv.k.stride_token;
+    v_stride_token = p.kv.v.stride_token;
+    k_base = int64_t(head) * p.kv.k.stride_head;
+    v_base = int64_t(head) * p.kv.v.stride_head;
+    if constexpr (Traits::kRagged) {
+      const int64_t first = p.kv_indptr[b];
+      k_base += first * k_stride_token;
+      v_base += first * v_stride_token;
+      k_ids = v_ids = nullptr;
+      k_stride_page = v_stride_page = 0;
+      page_size = 1;
+      page_shift = 0;
+    } else {
+      PageTable<Traits::kTable> table{p.table};
+      k_ids = table.k_row(b);
+      v_ids = table.v_row(b);
+      k_stride_page = p.kv.k.stride_page;
+      v_stride_page = p.kv.v.stride_page;
+      page_size = p.table.page_size;
+      page_shift = p.page_shift;
+    }
+  }
+  FIJ_DEVICE void locate(int j, int64_t& k_off, int64_t& v_off) const {
+    if constexpr (Traits::kRagged) {
+      k_off = k_base + int64_t(j) * k_stride_token;
+      v_off = v_base + int64_t(j) * v_stride_token;
+    } else {
+      const int logical = page_shift >= 0 ? j >> page_shift : j / page_size;
+      const int slot = j - logical * page_size;
+      const int kp = __ldg(k_ids + logical);
+      const int vp = Traits::kTable == PageTableLayout::kBlockTableKVSeparate ? __ldg(v_ids + logical) : kp;
+      k_off = k_base + int64_t(kp) * k_stride_page + int64_t(slot) * k_stride_token;
+      v_off = v_base + int64_t(vp) * v_stride_page + int64_t(slot) * v_stride_token;
+    }
+  }
+};
+
+// Tokens a request holds: the page table's length, or its ragged rows.
+template <class Traits>
+FIJ_DEVICE int prefill_kv_len(const PrefillParams& p, int b) {
+  if constexpr (Traits::kRagged) {
+    return p.kv_indptr[b + 1] - p.kv_indptr[b];
+  } else {
+    return PageTable<Traits::kTable>{p.table}.kv_len(b);
+  }
+}
+
+// Shared-memory address of a swizzled 16-bit tile's row `row` at 16-byte chunk `chunk`
+// (only the low 3 bits of the chunk are swizzled, with row % 8).
+template <int Chunks>
+FIJ_DEVICE uint32_t swz_addr(uint32_t tile, int row, int chunk) {
+  return tile + uint32_t(row * Chunks + (chunk ^ (row & 7))) * 16u;
+}
+
+FIJ_DEVICE uint32_t smem_u32(const void* ptr) { return static_cast<uint32_t>(__cvta_generic_to_shared(ptr)); }
+
+FIJ_DEVICE void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+FIJ_DEVICE void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+FIJ_DEVICE void cp_async_16_u32(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+// 2^x in one MUFU.EX2 (flush-to-zero: the logits' exponents never need subnormals)
+FIJ_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
+// state. smem: Traits::kSmemBytes. Every thread of the block calls it.
+template <class Traits>
+FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem) {
+  using namespace mma_detail;
+  using namespace prefill_detail;
+  using Q = typename Traits::Q;
+  using KV = typename Traits::KV;
+  using M = typename Traits::M;
+  constexpr int DQK = Traits::kDQK, DVO = Traits::kDVO, TKV = Traits::kTileKV, NT = Traits::kNT;
+  constexpr int MF = Traits::kMFrags, ROWS = Traits::kRows, THREADS = Traits::kThreads;
+  constexpr int QC = Traits::kQChunks, VOC = DVO / 8;  // 16-bit chunks a row
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, c4 = lane % 4;
+
+  M* sq = reinterpret_cast<M*>(smem);
+  const uint32_t sq_u32 = smem_u32(sq);
+  unsigned char* stages = smem + Traits::kQBytes;
+  M* wide_k = reinterpret_cast<M*>(stages + Traits::kStages * Traits::kStageBytes);
+  M* wide_v = wide_k + TKV * DQK;
+  auto stage_k = [&](int s) { return reinterpret_cast<KV*>(stages + s * Traits::kStageBytes); };
+  auto stage_v = [&](int s) { return reinterpret_cast<KV*>(stages + s * Traits::kStageBytes + Traits::kKBytes); };
+
+  const int b = item.request, kv_head = item.kv_head, row0 = item.row0;
+  const int group = p.group;
+  const int qo_start = p.qo_indptr[b];
+  const int qo_len = p.qo_indptr[b + 1] - qo_start;
+  const KVRows<Traits> rows(p, b, kv_head);
+  const int kv_len = prefill_kv_len<Traits>(p, b);
+  const int live_rows = min(ROWS, qo_len * group - row0);  // rows of this tile with a query
+  const int delta = kv_len - qo_len;                         // row of token t sits at t + delta
+  const int pos_first = row0 / group + delta, pos_last = (row0 + live_rows - 1) / group + delta;
+
+  // Keys the tile reads: its chunk, cut by the causal diagonal of its last row and the
+  // window of its first row.
+  int start = item.kv_start, end = min(item.kv_end, kv_len);
+  if constexpr (Traits::kMask == PrefillMask::kCausal) end = min(end, pos_last + 1);
+  if (p.window_left >= 0) start = max(start, pos_first - p.window_left);
+  const int num_tiles = end > start ? (end - start + TKV - 1) / TKV : 0;
+
+  // --- q: the tile's rows, rotated at their positions, into swizzled shared memory --------
+  auto q_row = [&](int r) -> const Q* {  // null: a padding row
+    const int pr = row0 + r;
+    const int t = pr / group;
+    if (r >= live_rows) return nullptr;
+    return static_cast<const Q*>(p.q) + int64_t(qo_start + t) * p.q_stride_n +
+           int64_t(kv_head * group + pr % group) * p.q_stride_h;
+  };
+  if constexpr (std::is_same_v<Q, M> && !Traits::kRope) {
+    for (int i = tid; i < ROWS * QC; i += THREADS) {
+      const int r = i / QC, ch = i % QC;
+      const Q* src = q_row(r);
+      cp_async_16(sq + swz<QC>(r, ch * 8), src != nullptr ? src + ch * 8 : static_cast<const Q*>(p.q), src != nullptr);
+    }
+  } else {
+    constexpr int kPass = Traits::kRope ? QC / 2 : QC;  // RoPE: a thread takes a chunk and its partner
+    for (int i = tid; i < ROWS * kPass; i += THREADS) {
+      const int r = i / kPass, ch = i % kPass;
+      const Q* src = q_row(r);
+      float lo[8], hi[8];
+      if (src == nullptr) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) lo[e] = hi[e] = 0.f;
+      } else {
+        to_float8<Q>(src + ch * 8, lo);
+        if constexpr (Traits::kRope) {
+          to_float8<Q>(src + ch * 8 + DQK / 2, hi);
+          rope_pair<DQK>(lo, hi, ch * 8, float((row0 + r) / group + delta), p.rope_rcp_scale, p.rope_log2_theta);
+        }
+      }
+      store8<M>(sq + swz<QC>(r, ch * 8), lo);
+      if constexpr (Traits::kRope) store8<M>(sq + swz<QC>(r, ch * 8 + DQK / 2), hi);
+    }
+  }
+  cp_async_commit();
+
+  // --- K/V tiles: cp.async into stage s (16-bit: swizzled, fp8: raw rows) ------------------
+  // A thread copies the same 16-byte chunk of every (THREADS / chunks)-th row, so its
+  // shared-memory offsets step by constants; one page lookup serves a row's K and V.
+  constexpr int KC = Traits::kKChunks, VC = Traits::kVChunks;
+  static_assert(THREADS % KC == 0 && THREADS % VC == 0 && TKV % (THREADS / KC) == 0 && TKV % (THREADS / VC) == 0,
+                "a block's threads must cover whole rows of a tile");
+  constexpr int K_PASS = THREADS / KC, V_PASS = THREADS / VC;  // rows a pass
+  constexpr int KE = 16 / int(sizeof(KV));                      // elements a chunk
+  const KV* k_data = static_cast<const KV*>(p.kv.k.data);
+  const KV* v_data = static_cast<const KV*>(p.kv.v.data);
+  const uint32_t stages_u32 = smem_u32(stages);
+  auto load_tile = [&](int kv0, int s) {
+    const uint32_t k_tile = stages_u32 + s * Traits::kStageBytes, v_tile = k_tile + Traits::kKBytes;
+    if constexpr (KC == VC) {  // one lookup for the row's K and V
+#pragma unroll
+      for (int it = 0; it < TKV / K_PASS; ++it) {
+        const int r = tid / KC + it * K_PASS, ch = tid % KC, j = kv0 + r;
+        const bool valid = j < end;
+        int64_t ko = 0, vo = 0;
+        if (valid) rows.locate(j, ko, vo);
+        const uint32_t off = Traits::kFp8 ? uint32_t(r * KC + ch) * 16u : swz_addr<KC>(0, r, ch);
+        cp_async_16_u32(k_tile + off, k_data + ko + ch * KE, valid);
+        cp_async_16_u32(v_tile + off, v_data + vo + ch * KE, valid);
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < TKV / K_PASS; ++it) {
+        const int r = tid / KC + it * K_PASS, ch = tid % KC, j = kv0 + r;
+        const bool valid = j < end;
+        int64_t ko = 0, vo = 0;
+        if (valid) rows.locate(j, ko, vo);
+        cp_async_16_u32(k_tile + (Traits::kFp8 ? uint32_t(r * KC + ch) * 16u : swz_addr<KC>(0, r, ch)),
+                        k_data + ko + ch * KE, valid);
+      }
+#pragma unroll
+      for (int it = 0; it < TKV / V_PASS; ++it) {
+        const int r = tid / VC + it * V_PASS, ch = tid % VC, j = kv0 + r;
+        const bool valid = j < end;
+        int64_t ko = 0, vo = 0;
+        if (valid) rows.locate(j, ko, vo);
+        cp_async_16_u32(v_tile + (Traits::kFp8 ? uint32_t(r * VC + ch) * 16u : swz_addr<VC>(0, r, ch)),
+                        v_data + vo + ch * KE, valid);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // Rows of this lane: (mf, half) -> row warp 16 MF + mf 16 + g + 8 half; their positions.
+  int row_pos[MF][2];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_pos[mf][h] = (row0 + warp * 16 * MF + mf * 16 + g + 8 * h) / group + delta;
+
+  float o[MF][DVO / 8][4];
+  float m[MF][2], d[MF][2];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[mf][h] = -CUDART_INF_F;
+      d[mf][h] = 0.f;
+    }
+#pragma unroll
+    for (int n = 0; n < DVO / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mf][n][e] = 0.f;
+  }
+  // Logits' scale in the exponent (log2 e folded in by the host); soft-capped logits are
+  // already in the log2 domain.
+  const float ls = Traits::kSoftCap ? 1.f : p.logit_scale;
+  // A warp whose rows are all padding skips the math (it still copies and syncs).
+  const bool warp_live = warp * 16 * MF < live_rows;
+  const int64_t mask_base = Traits::kMask == PrefillMask::kCustom ? int64_t(p.mask_indptr[b]) * 8 : 0;
+
+  if (num_tiles > 0) load_tile(start, 0);
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int kv0 = start + tile * TKV;
+    if (tile + 1 < num_tiles) {
+      load_tile(kv0 + TKV, (tile + 1) % Traits::kStages);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int s = tile % Traits::kStages;
+    const M* tk;
+    const M* tv;
+    if constexpr (Traits::kFp8) {
+      // widen (and rotate) the tile into fp16 tiles
+      constexpr int kPass = Traits::kRope ? DQK / 16 : DQK / 8;
+      for (int i = tid; i < TKV * kPass; i += THREADS) {
+        const int r = i / kPass, ch = i % kPass;
+        float lo[8], hi[8];
+        to_float8<KV>(stage_k(s) + r * DQK + ch * 8, lo);
+        if constexpr (Traits::kRope) {
+          to_float8<KV>(stage_k(s) + r * DQK + ch * 8 + DQK / 2, hi);
+          rope_pair<DQK>(lo, hi, ch * 8, float(kv0 + r), p.rope_rcp_scale, p.rope_log2_theta);
+          store8<M>(wide_k + swz<QC>(r, ch * 8 + DQK / 2), hi);
+        }
+        store8<M>(wide_k + swz<QC>(r, ch * 8), lo);
+      }
+      for (int i = tid; i < TKV * VOC; i += THREADS) {
+        const int r = i / VOC, ch = i % VOC;
+        float x[8];
+        to_float8<KV>(stage_v(s) + r * DVO + ch * 8, x);
+        store8<M>(wide_v + swz<VOC>(r, ch * 8), x);
+      }
+      __syncthreads();
+      tk = wide_k;
+      tv = wide_v;
+    } else {
+      tk = reinterpret_cast<const M*>(stage_k(s));
+      tv = reinterpret_cast<const M*>(stage_v(s));
+      if constexpr (Traits::kRope) {  // rotate the K tile in place
+        for (int i = tid; i < TKV * (QC / 2); i += THREADS) {
+          const int r = i / (QC / 2), ch = i % (QC / 2);
+          M* lo_p = stage_k(s) + swz<QC>(r, ch * 8);
+          M* hi_p = stage_k(s) + swz<QC>(r, ch * 8 + DQK / 2);
+          float lo[8], hi[8];
+          to_float8<M>(lo_p, lo);
+          to_float8<M>(hi_p, hi);
+          rope_pair<DQK>(lo, hi, ch * 8, float(kv0 + r), p.rope_rcp_scale, p.rope_log2_theta);
+          store8<M>(lo_p, lo);
+          store8<M>(hi_p, hi);
+        }
+        __syncthreads();
+      }
+    }
+
+    // The tile's math; kMasked: with the masks (the chunk's end, causal, window, custom).
+    auto compute = [&](auto masked) {
+      // S = Q K^T
+      float sacc[MF][NT][4];
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[mf][n][e] = 0.f;
+      // Lane addresses: row r of a tile at chunk 2 ks + hi sits at chunk (2 ks + hi) ^ (r % 8)
+      // = 2 ks ^ (hi ^ r % 8): a per-lane base XOR a constant.
+      const uint32_t tk_u32 = smem_u32(tk);
+      const uint32_t q_lane = uint32_t((warp * 16 * MF + lane % 16) * QC) * 16u, q_x = uint32_t((lane / 16) ^ (lane % 8)) * 16u;
+      const uint32_t k_lane = uint32_t((lane % 8 + 8 * (lane / 16)) * QC) * 16u, k_x = uint32_t(((lane / 8) % 2) ^ (lane % 8)) * 16u;
+#pragma unroll
+      for (int ks = 0; ks < DQK / 16; ++ks) {
+        uint32_t a[MF][4];
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+          ldsm_x4(sq_u32 + q_lane + uint32_t(mf * 16 * QC * 16) + ((32u * ks) ^ q_x), a[mf]);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t bk[4];
+          ldsm_x4(tk_u32 + k_lane + uint32_t(np * 16 * QC * 16) + ((32u * ks) ^ k_x), bk);
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf) {
+            mma_k16<M>(sacc[mf][2 * np], a[mf], bk[0], bk[1]);
+            mma_k16<M>(sacc[mf][2 * np + 1], a[mf], bk[2], bk[3]);
+          }
+        }
+      }
+      // logits: soft-capped into the log2 domain, or left raw (the scale joins the exponent's
+      // FFMA); masked where this tile needs it (kMasked: a separate copy of the tile's code,
+      // so full tiles carry none of it)
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = sacc[mf][n][e];
+            if constexpr (Traits::kSoftCap) x = p.soft_cap_log2 * tanhf(x * p.logit_scale);
+            if constexpr (decltype(masked)::value) {
+              const int j = kv0 + n * 8 + 2 * c4 + (e & 1);
+              const int pos = row_pos[mf][e >> 1];
+              bool ok = j < end;
+              if constexpr (Traits::kMask == PrefillMask::kCausal) ok = ok && j <= pos;
+              if (p.window_left >= 0) ok = ok && j >= pos - p.window_left;
+              if constexpr (Traits::kMask == PrefillMask::kCustom) {
+                const int t = pos - delta;
+                if (ok && t < qo_len) {
+                  const int64_t bit = mask_base + int64_t(t) * kv_len + j;
+                  ok = (__ldg(p.mask + (bit >> 3)) >> (bit & 7)) & 1;
+                }
+              }
+              if (!ok) x = -CUDART_INF_F;
+            }
+            sacc[mf][n][e] = x;
+          }
+        }
+      }
+      // online softmax: per row, max over the lane quad, then rescale the state
+      float scale[MF][2];
+      bool grew = false;
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = -CUDART_INF_F;
+#pragma unroll
+          for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(sacc[mf][n][2 * h], sacc[mf][n][2 * h + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          mx = fmaxf(m[mf][h], mx * ls);  // log2 domain (ls > 0: the max commutes with the scale)
+          const float base = mx == -CUDART_INF_F ? 0.f : mx;  // no key yet: exp2(-inf) = 0, no inf - inf
+          scale[mf][h] = fast_exp2(m[mf][h] - base);
+          m[mf][h] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            sacc[mf][n][2 * h] = fast_exp2(fmaf(sacc[mf][n][2 * h], ls, -base));
+            sacc[mf][n][2 * h + 1] = fast_exp2(fmaf(sacc[mf][n][2 * h + 1], ls, -base));
+            sum += sacc[mf][n][2 * h] + sacc[mf][n][2 * h + 1];
+          }
+          d[mf][h] = d[mf][h] * scale[mf][h] + sum;  // this lane's part of the row sum
+          grew = grew || scale[mf][h] != 1.f;
+        }
+      }
+      // The output's rescale (most tiles after the first few raise no row's max: skipped
+      // when none of the warp's rows changed)
+      if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int n = 0; n < DVO / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mf][n][e] *= scale[mf][e >> 1];
+      }
+      // O += P V
+      const uint32_t v_lane = smem_u32(tv) + uint32_t((lane % 16) * VOC) * 16u, v_x = uint32_t((lane / 16) ^ (lane % 8)) * 16u;
+#pragma unroll
+      for (int kt = 0; kt < TKV / 16; ++kt) {
+        uint32_t pa[MF][4];
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) {
+          pa[mf][0] = pack2<M>(sacc[mf][2 * kt][0], sacc[mf][2 * kt][1]);
+          pa[mf][1] = pack2<M>(sacc[mf][2 * kt][2], sacc[mf][2 * kt][3]);
+          pa[mf][2] = pack2<M>(sacc[mf][2 * kt + 1][0], sacc[mf][2 * kt + 1][1]);
+          pa[mf][3] = pack2<M>(sacc[mf][2 * kt + 1][2], sacc[mf][2 * kt + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < DVO / 16; ++dp) {
+          uint32_t bv[4];
+          ldsm_x4_trans(v_lane + uint32_t(kt * 16 * VOC * 16) + ((32u * dp) ^ v_x), bv);
+#pragma unroll
+          for (int mf = 0; mf < MF; ++mf) {
+            mma_k16<M>(o[mf][2 * dp], pa[mf], bv[0], bv[1]);
+            mma_k16<M>(o[mf][2 * dp + 1], pa[mf], bv[2], bv[3]);
+          }
+        }
+      }
+    };
+    if (warp_live) {
+      bool needs_mask = kv0 + TKV > end || Traits::kMask == PrefillMask::kCustom;
+      if constexpr (Traits::kMask == PrefillMask::kCausal) needs_mask = needs_mask || kv0 + TKV - 1 > pos_first;
+      if (p.window_left >= 0) needs_mask = needs_mask || kv0 < pos_last - p.window_left;
+      if (needs_mask) {
+        compute(std::true_type{});
+      } else {
+        compute(std::false_type{});
+      }
+    }
+    __syncthreads();  // the stage (and the widened tiles) are refilled next
+  }
+  cp_async_wait<0>();  // q's copies, where no tile ran
+
+  // --- epilogue: row sums over the quad, sinks, normalize, store ----------------------------
+  if (!warp_live) return;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = d[mf][h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int r = warp * 16 * MF + mf * 16 + g + 8 * h;
+      const int pr = row0 + r;
+      const int t = pr / group, qo_head = kv_head * group + pr % group;
+      float mx = m[mf][h];
+      if constexpr (Traits::kSinks) {
+        if (item.chunk == 0 && r < live_rows) {
+          const float sink = p.sinks[qo_head] * 1.4426950408889634f;
+          const float top = fmaxf(mx, sink);
+          const float scale = exp2f(mx - top);  // mx = -inf: 0
+          sum = sum * scale + exp2f(sink - top);
+#pragma unroll
+          for (int n = 0; n < DVO / 8; ++n) {
+            o[mf][n][2 * h] *= scale;
+            o[mf][n][2 * h + 1] *= scale;
+          }
+          mx = top;
+        }
+      }
+      if (r >= live_rows) continue;
+      const float lse = sum > 0.f ? mx + log2f(sum) : -CUDART_INF_F;
+      const float norm = sum > 0.f ? p.v_scale / sum : 0.f;
+      if (item.partial_row < 0) {
+        using TO = typename Traits::O;
+        TO* dst = static_cast<TO*>(p.out) + int64_t(qo_start + t) * p.out_stride_n + int64_t(qo_head) * p.out_stride_h;
+#pragma unroll
+        for (int n = 0; n < DVO / 8; ++n) {
+          const uint32_t w = pack2<TO>(o[mf][n][2 * h] * norm, o[mf][n][2 * h + 1] * norm);
+          *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * c4) = w;
+        }
+        if (p.lse != nullptr && c4 == 0) p.lse[int64_t(qo_start + t) * p.num_qo_heads + qo_head] = lse;
+      } else {
+        const int64_t prow = int64_t(item.partial_row + t * item.chunks + item.chunk) * p.num_qo_heads + qo_head;
+        float* dst = p.partial_o + prow * DVO;
+#pragma unroll
+        for (int n = 0; n < DVO / 8; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8 + 2 * c4) = make_float2(o[mf][n][2 * h] * norm, o[mf][n][2 * h + 1] * norm);
+        if (c4 == 0) p.partial_lse[prow] = lse;
+      }
+    }
+  }
+}
+
+FIJ_DEVICE PrefillItem load_prefill_item(const int32_t* work, int i) {
+  const int32_t* w = work + 1 + kPrefillItemInts * i;
+  return PrefillItem{w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
+}
+
+// The thin kernel: block i takes items i, i + gridDim.x, ... (a CUDA-graph grid is fixed
+// and may be smaller or larger than the work list).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
+    prefill_kernel(const __grid_constant__ PrefillParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  pdl_wait();  // q, K/V and the outputs only after the kernel before (programmatic launch)
+  const int items = p.work[0];
+  for (int i = blockIdx.x; i < items; i += gridDim.x) {
+    prefill_block<Traits>(p, load_prefill_item(p.work, i), smem);
+    __syncthreads();
+  }
+  pdl_trigger();
+}
+
+template <class Traits>
+int launch_prefill(const PrefillParams& p, int grid, cudaStream_t stream, bool pdl) {
+  if (grid <= 0) return 0;
+  const int err = allow_dynamic_smem<prefill_kernel<Traits>>(Traits::kSmemBytes);
+  if (err != 0) return err;
+  return launch_kernel(prefill_kernel<Traits>, dim3(grid), dim3(Traits::kThreads), Traits::kSmemBytes, stream, pdl, p);
+}
+
+}  // namespace fij

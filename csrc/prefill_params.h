@@ -1,0 +1,59 @@
+// Parameters of batch prefill (csrc/prefill.cuh): one struct, filled once by the host
+// binding (csrc/prefill_host.h) from tensors and plan()'s work list.
+#pragma once
+#include "page_table_params.h"
+
+namespace fij {
+
+// plan() writes, in one int32 buffer copied to the device at once, the work list:
+//   work[0]                          number of work items
+//   work[1 + kPrefillItemInts*i + f] field f of item i (PrefillItem below)
+// An item is one query tile (up to a block's rows of (token, query head of the group) pairs
+// of one request, for one KV head) against one chunk of the request's keys. POD reads the
+// same list beside decode's.
+constexpr int kPrefillItemInts = 8;
+struct PrefillItem {
+  int32_t request;      // b
+  int32_t kv_head;
+  int32_t row0;         // first packed row of the tile: row r = token r / group, head r % group
+  int32_t kv_start;     // the chunk of keys [kv_start, kv_end); kv_end is capped by kv_len
+  int32_t kv_end;
+  int32_t partial_row;  // -1: the item covers every key and writes out/lse; else the first
+                        // partial row of the request (token t, chunk c: partial_row + t * chunks + c)
+  int32_t chunks;       // chunks the request is split into (1: not split)
+  int32_t chunk;        // this item's chunk (the sinks join chunk 0 only)
+};
+
+struct PrefillParams {
+  // q [qo_tokens, num_qo_heads, head_dim_qk], any token and head strides
+  const void* q = nullptr;
+  int64_t q_stride_n = 0, q_stride_h = 0;
+  const int32_t* qo_indptr = nullptr;  // [B+1]
+  // K/V: the paged cache through the page table (kv, table), or ragged rows
+  // k/v [kv_tokens, num_kv_heads, head_dim] at kv_indptr[b] + j (k_rows / v_rows, page 0)
+  PagedKVParams kv;
+  PageTableParams table;
+  const int32_t* kv_indptr = nullptr;
+  // custom mask: bit (mask_indptr[b] * 8 + t * kv_len + j) of mask, little bit order
+  const uint8_t* mask = nullptr;
+  const int32_t* mask_indptr = nullptr;
+  const float* sinks = nullptr;  // [num_qo_heads], natural-log logits; null: none
+  const int32_t* work = nullptr;
+  void* out = nullptr;  // [qo_tokens, num_qo_heads, head_dim_vo]
+  int64_t out_stride_n = 0, out_stride_h = 0;
+  float* lse = nullptr;  // [qo_tokens, num_qo_heads], base 2; null: not written
+  // split requests: [partial rows, num_qo_heads, head_dim_vo] normalized, and their LSEs
+  float* partial_o = nullptr;
+  float* partial_lse = nullptr;
+  int32_t batch_size = 0;
+  int32_t num_qo_heads = 0;
+  int32_t group = 1;          // num_qo_heads / num_kv_heads
+  float logit_scale = 1.f;    // sm_scale * q_scale * k_scale (* log2 e without soft cap; / cap with it)
+  float soft_cap_log2 = 0.f;  // cap * log2 e: logits (log2 domain) = soft_cap_log2 * tanh(acc * logit_scale)
+  float v_scale = 1.f;
+  int32_t window_left = -1;   // keys j >= pos - window_left; -1 = all
+  int32_t page_shift = -1;    // log2(page_size) for a power of two (a shift, not a division), else -1
+  float rope_rcp_scale = 1.f, rope_log2_theta = 13.287712f;
+};
+
+}  // namespace fij

@@ -1,0 +1,836 @@
+"""Batch prefill over a paged KV cache or ragged K/V on tensor cores (FlashInfer's
+BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper and
+single_prefill_with_kv_cache; docs/prefill.md).
+
+plan() runs on the host once per batch: it validates the configuration, picks the module
+(PrefillSpec), the query tile (rows of (token, query head) pairs a block) and whether long
+requests split their keys over several blocks (split-KV, when the batch alone cannot fill
+the GPU), and writes the work list, the merge index and the small index arrays into one
+pinned buffer that reaches the device in one copy (plan_buffer.PlanBuffer). run()
+validates q and K/V against the plan and launches one op: the prefill kernel over the work
+list and, for split requests, the merge of their partial states (fixed order:
+deterministic).
+
+With use_cuda_graph=True every buffer has a fixed size set by the first plan() (its batch
+is the capacity; its work list is sized for _GRAPH_ITEMS_FACTOR times its items), the
+kernel's grid is fixed (blocks loop over the work list) and no request is split, so a
+graph captured around run() replays correctly after plans with other lengths and up to the
+captured number of requests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from . import env
+from .capacity import graph_capacity
+from .checks import as_int32_index, compiling, dtype_str, expect_choice, same_cuda_device, soft_cap_value
+from .device import empty_f32, num_sms, supports_pdl
+from .jit import get_module, op_cache
+from .page_table import unpack_paged_kv_cache
+from .plan_buffer import PlanBuffer
+from .specs.base import FP8_DTYPES, dtype_name
+from .specs.prefill import HEAD_DIM_PAIRS, PrefillSpec, tile_rows_for
+
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
+_BACKENDS = ("auto", "fa2")
+_ITEM_INTS = 8  # csrc/prefill_params.h kPrefillItemInts
+_BLOCKS_PER_SM = 2  # csrc/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM
+_MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than it saves
+_GRAPH_ITEMS_FACTOR = 4
+_GRAPH_MIN_ITEMS = 4096
+_MAX_CONFIGS = 16
+_LOG2E = 1.4426950408889634
+
+
+def _fa3_error() -> ValueError:
+    return ValueError("backend='fa3': the Hopper path (wgmma, TMA) is not available yet in flashinfer_jit; "
+                      "use backend='auto' or 'fa2' (the tensor-core mma.sync path, sm_80 and later)")
+
+
+def _check_backend(backend: str) -> None:
+    if backend == "fa3":
+        raise _fa3_error()
+    expect_choice(backend, "backend", _BACKENDS)
+
+
+def _host_vector(t, name: str) -> np.ndarray:
+    """A 1-D int32/int64 index tensor (any device) as an int64 numpy array."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        got = f"{dtype_str(t.dtype)} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {got}")
+    return (t if t.is_cpu else t.cpu()).numpy().astype(np.int64)
+
+
+def _indptr_lengths(indptr, name: str, total: int | None = None, what: str = "") -> np.ndarray:
+    """Lengths from an indptr: starts at 0, non-decreasing, ends at `total` when given."""
+    ptr = _host_vector(indptr, name)
+    if ptr.shape[0] < 1:
+        raise ValueError(f"{name}: expected batch_size + 1 offsets, got an empty tensor")
+    lens = np.diff(ptr)
+    if ptr[0] != 0 or (lens.size and lens.min() < 0):
+        raise ValueError(f"{name}: expected non-decreasing offsets starting at 0, got {ptr[:8].tolist()}"
+                         f"{'...' if ptr.shape[0] > 8 else ''}")
+    if total is not None and ptr[-1] != total:
+        raise ValueError(f"{name}: its last offset {int(ptr[-1])} must equal {what} ({total})")
+    return lens
+
+
+def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads: int, tile_rows: int, causal: bool,
+              target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int):
+    """The work list of a batch: (work int32 [1 + 8 n], merge_indptr int32 [qo_tokens + 1] or
+    None (nothing split)). An item is (request, kv_head, row0, kv_start, kv_end, partial_row,
+    chunks, chunk) (csrc/prefill_params.h). Requests split their keys into chunks of `chunk`
+    keys (a multiple of 64), or, with chunk None and split True, of the size that brings the
+    items near target_blocks when the unsplit batch falls short of it (and no chunk under
+    _MIN_CHUNK keys); split False: no request splits. Items run heaviest first (causal tiles
+    near the end of long requests), so the last wave is made of short items."""
+    batch = qo_lens.shape[0]
+    tiles = -(-(qo_lens * group) // tile_rows)  # per request; 0 for qo_len 0
+    num_tiles = int(tiles.sum())
+    tile_req = np.repeat(np.arange(batch), tiles)
+    tile_first = np.cumsum(tiles) - tiles
+    row0 = (np.arange(num_tiles) - tile_first[tile_req]) * tile_rows
+    qo_t, kv_t = qo_lens[tile_req], kv_lens[tile_req]
+    # keys a tile can see: causal stops at its last row's diagonal
+    last_token = np.minimum(qo_t, (row0 + tile_rows - 1) // group + 1) - 1
+    visible = np.minimum(kv_t, last_token + kv_t - qo_t + 1) if causal else kv_t
+    visible = np.maximum(visible, 0)
+    chunks_req = np.ones(batch, dtype=np.int64)
+    if split and batch:
+        if chunk is None:
+            items = num_tiles * num_kv_heads
+            if items < target_blocks:
+                work_keys = int(visible.sum()) * num_kv_heads
+                chunk = max(_MIN_CHUNK, -(-work_keys // target_blocks))
+        if chunk is not None:
+            chunk = -(-chunk // 64) * 64
+            chunks_req = np.maximum(1, -(-kv_lens // chunk))
+            partial_rows = int((qo_lens * chunks_req * (chunks_req > 1)).sum())
+            if partial_rows > max_partial_rows:
+                chunks_req[:] = 1  # the workspace cannot hold the partial states: run unsplit
+    split_req = chunks_req > 1
+    any_split = bool(split_req.any())
+    merge_indptr = None
+    partial_base = np.full(batch, -1, dtype=np.int64)
+    if any_split:
+        per_token = np.repeat(np.where(split_req, chunks_req, 0), qo_lens)
+        merge_indptr = np.zeros(per_token.shape[0] + 1, dtype=np.int64)
+        np.cumsum(per_token, out=merge_indptr[1:])
+        qo_start = np.cumsum(qo_lens) - qo_lens
+        partial_base = np.where(split_req, merge_indptr[qo_start], -1)
+    # tiles x chunks x heads
+    n_chunks_t = chunks_req[tile_req]
+    pair_tile = np.repeat(np.arange(num_tiles), n_chunks_t)
+    pair_first = np.cumsum(n_chunks_t) - n_chunks_t
+    pair_chunk = np.arange(pair_tile.shape[0]) - pair_first[pair_tile]
+    b = tile_req[pair_tile]
+    if any_split:
+        kv_start = pair_chunk * chunk
+        kv_end = np.where(n_chunks_t[pair_tile] > 1, kv_start + chunk, kv_lens[b])
+        kv_end = np.minimum(kv_end, kv_lens[b])
+        cost = np.maximum(np.minimum(kv_end, visible[pair_tile]) - kv_start, 0)
+    else:
+        kv_start = np.zeros_like(pair_chunk)
+        kv_end = kv_lens[b]
+        cost = visible[pair_tile]
+    order = np.argsort(-cost, kind="stable")
+    n = order.shape[0]
+    fields = np.empty((n, num_kv_heads, _ITEM_INTS), dtype=np.int32)
+    fields[:, :, 0] = b[order, None]
+    fields[:, :, 1] = np.arange(num_kv_heads)[None, :]
+    fields[:, :, 2] = row0[pair_tile[order], None]
+    fields[:, :, 3] = kv_start[order, None]
+    fields[:, :, 4] = kv_end[order, None]
+    fields[:, :, 5] = partial_base[b[order], None]
+    fields[:, :, 6] = n_chunks_t[pair_tile[order], None]
+    fields[:, :, 7] = pair_chunk[order, None]
+    work = np.empty(1 + fields.size, dtype=np.int32)
+    work[0] = n * num_kv_heads
+    work[1:] = fields.reshape(-1)
+    return work, (merge_indptr.astype(np.int32) if merge_indptr is not None else None)
+
+
+def choose_tile_rows(qo_lens: np.ndarray, group: int, head_dim_qk: int) -> int:
+    """Rows of a query tile: 128 where requests average more than 64 (token, head) rows
+    (a 128-row tile's warps share every K/V fragment between two 16-row halves), else 64
+    (short chunks, speculative-decoding steps: fewer padding rows)."""
+    sizes = tile_rows_for(head_dim_qk)
+    if len(sizes) == 1 or qo_lens.shape[0] == 0:
+        return sizes[0]
+    mean_rows = float(qo_lens.sum()) * group / max(1, int((qo_lens > 0).sum()))
+    return 128 if mean_rows > 64 else 64
+
+
+class _Config:
+    __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "mask", "pos_encoding",
+                 "window_left", "soft_cap", "sm_scale", "rope_scale", "rope_theta", "q_dtype", "kv_dtype", "o_dtype",
+                 "fixed_split_size", "disable_split_kv", "group")
+
+
+class _Plan:
+    __slots__ = ("config", "spec", "op", "batch", "qo_tokens", "args", "tile_rows", "grid", "merge_rows", "layout",
+                 "mask_args", "checked")
+
+
+def _as_dtype(value, name: str, default=None) -> torch.dtype:
+    if value is None:
+        value = default
+    if isinstance(value, torch.dtype):
+        return value
+    got = getattr(torch, str(value), None) if isinstance(value, str) else None
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"{name}: expected a torch dtype or its name, got {value!r}")
+    return got
+
+
+class _PrefillWrapper:
+    """What the paged and ragged wrappers share: configuration, planning, the op call."""
+
+    _ragged = False
+
+    def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
+                 mask_indptr_buf, backend: str):
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise TypeError("float_workspace_buffer: expected a tensor (e.g. 128 MB of uint8 on the GPU)")
+        expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
+        _check_backend(backend)
+        self._workspace = float_workspace_buffer
+        self._device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = bool(use_cuda_graph)
+        for name, buf in (("qo_indptr_buf", qo_indptr_buf), ("mask_indptr_buf", mask_indptr_buf)):
+            if buf is not None and (not isinstance(buf, torch.Tensor) or buf.dim() != 1 or
+                                    buf.dtype not in (torch.int32, torch.int64)):
+                raise TypeError(f"{name}: expected a 1-D int32 tensor")
+        self._qo_indptr_buf = qo_indptr_buf
+        self._custom_mask_buf = custom_mask_buf
+        self._mask_indptr_buf = mask_indptr_buf
+        self._plan_buffer = PlanBuffer(self._device, self._use_cuda_graph)
+        self._capacity = None
+        self._graph_items = None
+        self._configs = {}
+        self._plan = None
+        self._pdl = supports_pdl(self._device)
+        nbytes = float_workspace_buffer.numel() * float_workspace_buffer.element_size()
+        # split-KV's partial states live in the workspace: float32 [rows, Hq, Dvo] + lse
+        self._workspace_f32 = float_workspace_buffer.view(torch.uint8)[: nbytes // 4 * 4].view(torch.float32) \
+            if float_workspace_buffer.is_contiguous() else None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    # --- plan ---------------------------------------------------------------------------------
+    def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
+                   pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
+                   kv_data_type, o_data_type, fixed_split_size, disable_split_kv) -> _Config:
+        c = _Config()
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim_qk", head_dim_qk)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
+        if (head_dim_qk, head_dim_vo) not in HEAD_DIM_PAIRS:
+            raise ValueError(f"head_dim_qk={head_dim_qk}, head_dim_vo={head_dim_vo}: supported (qk, vo) pairs are "
+                             f"{', '.join(map(str, HEAD_DIM_PAIRS))}")
+        expect_choice(pos_encoding_mode, "pos_encoding_mode", POS_ENCODING_MODES)
+        if not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        c.num_qo_heads, c.num_kv_heads, c.group = num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads
+        c.head_dim_qk, c.head_dim_vo, c.page_size = head_dim_qk, head_dim_vo, page_size
+        c.mask = "custom" if custom else ("causal" if causal else "none")
+        c.pos_encoding = "rope_llama" if pos_encoding_mode == "ROPE_LLAMA" else "none"
+        c.window_left = window_left
+        c.soft_cap = soft_cap_value(logits_soft_cap)
+        c.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk)
+        c.rope_scale = float(rope_scale) if rope_scale is not None else 1.0
+        c.rope_theta = float(rope_theta) if rope_theta is not None else 1e4
+        c.q_dtype = _as_dtype(q_data_type, "q_data_type", "float16")
+        c.kv_dtype = _as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
+        c.o_dtype = _as_dtype(o_data_type, "o_data_type", c.q_dtype)
+        if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size <= 0):
+            raise ValueError(f"fixed_split_size: expected None or a positive int (keys per chunk), got "
+                             f"{fixed_split_size!r}")
+        c.fixed_split_size, c.disable_split_kv = fixed_split_size, bool(disable_split_kv)
+        self._spec(c, "csr", False)  # validates the dtypes and head dims now (ValueError, nothing built)
+        return c
+
+    def _spec(self, c: _Config, page_table: str, sinks: bool) -> PrefillSpec:
+        kv_dtype = dtype_name(c.kv_dtype)
+        if self._ragged and kv_dtype in FP8_DTYPES:
+            raise ValueError(f"kv_data_type: fp8 ({kv_dtype}) K/V is for the paged cache only; ragged K/V takes q's dtype")
+        return _prefill_spec(dtype_name(c.q_dtype), kv_dtype, dtype_name(c.o_dtype), c.head_dim_qk, c.head_dim_vo,
+                             "ragged" if self._ragged else "paged", "csr" if self._ragged else page_table,
+                             "NHD" if self._ragged else self._kv_layout, c.mask, c.pos_encoding, c.soft_cap > 0, sinks)
+
+    def _config(self, args: tuple) -> _Config:
+        key = (args, tuple(map(type, args)))
+        try:
+            config = self._configs.get(key)
+        except TypeError:
+            config, key = None, None
+        if config is None:
+            config = self._configure(*args)
+            if key is not None:
+                if len(self._configs) >= _MAX_CONFIGS:
+                    self._configs.clear()
+                self._configs[key] = config
+        return config
+
+    def _plan_common(self, config: _Config, qo_indptr, kv_lens: np.ndarray, table_arrays: list, table_layout: str,
+                     kv_index_dev: list, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool) -> None:
+        qo_lens = _indptr_lengths(qo_indptr, "qo_indptr")
+        batch = qo_lens.shape[0]
+        if kv_lens.shape[0] != batch:
+            raise ValueError(f"qo_indptr: {batch} requests, but the KV side describes {kv_lens.shape[0]}")
+        if config.mask == "causal":
+            bad = np.nonzero((kv_lens > 0) & (kv_lens < qo_lens))[0]
+            if bad.size:
+                b = int(bad[0])
+                raise ValueError(f"causal: request {b} has kv_len {int(kv_lens[b])} < qo_len {int(qo_lens[b])} "
+                                 "(a causal prefill needs kv_len >= qo_len; kv_len 0 is padding)")
+        graph = self._use_cuda_graph
+        if graph:
+            self._capacity = graph_capacity(self._capacity, batch)
+        capacity = self._capacity if graph else batch
+        mask_host = None
+        if config.mask == "custom":
+            mask_host = self._mask_offsets(qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_indptr)
+        tile_rows = choose_tile_rows(qo_lens, config.group, config.head_dim_qk)
+        forced = getattr(self, "_force_tile_rows", None)  # benchmarks and tests pin the tile
+        if forced is not None:
+            tile_rows = forced
+        sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
+        target = sms * _BLOCKS_PER_SM
+        partial_cap = self._partial_capacity(config)
+        split = not graph and not config.disable_split_kv
+        work, merge_indptr = plan_work(qo_lens, kv_lens, config.group, config.num_kv_heads, tile_rows,
+                                       config.mask == "causal", target, config.fixed_split_size, split, partial_cap)
+        items = int(work[0])
+        qo_tokens = int(qo_lens.sum())
+        if graph:
+            if self._graph_items is None:
+                self._graph_items = max(_GRAPH_MIN_ITEMS, _GRAPH_ITEMS_FACTOR * items)
+            if items > self._graph_items:
+                raise ValueError(f"qo_indptr: this plan needs {items} work items, more than the {self._graph_items} "
+                                 "this CUDA-graph wrapper sized its work list for at its first plan()")
+            grid = target
+            work_cap = self._graph_items
+        else:
+            grid = items
+            work_cap = items
+        # one pinned slot, one copy: qo_indptr, the KV-side arrays, mask_indptr, merge_indptr, work
+        parts = [(capacity + 1, np.concatenate(([0], np.cumsum(qo_lens))))]
+        for arr, size in table_arrays:
+            parts.append((size(capacity), arr))
+        if mask_host is not None:
+            parts.append((capacity + 1, mask_host))
+        if merge_indptr is not None:
+            parts.append((merge_indptr.shape[0], merge_indptr))
+        parts.append((1 + _ITEM_INTS * work_cap, work))
+        sizes = [p[0] for p in parts]
+        offsets = np.concatenate(([0], np.cumsum(sizes)))
+        end = int(offsets[-1])
+        slot = self._plan_buffer.host(end)
+        for (size, arr), at in zip(parts, offsets[:-1]):
+            n = arr.shape[0]
+            slot.array[at:at + n] = arr
+            if n < size:  # capacity padding: indptrs repeat their last offset, counts are 0
+                slot.array[at + n:at + size] = arr[-1] if (size == capacity + 1 and n) else 0
+        self._plan_buffer.ship(slot, end, non_blocking)
+        buf = self._plan_buffer.buf
+        views = [buf[int(a):int(a) + s] for a, s in zip(offsets[:-1], sizes)]
+        qo_indptr_dev = views[0]
+        k = 1
+        table_dev = views[k:k + len(table_arrays)]
+        k += len(table_arrays)
+        mask_indptr_dev = None
+        if mask_host is not None:
+            mask_indptr_dev = views[k]
+            k += 1
+        merge_dev = None
+        if merge_indptr is not None:
+            merge_dev = views[k]
+            k += 1
+        work_dev = views[k]
+        plan = _Plan()
+        plan.config = config
+        plan.spec = self._spec(config, table_layout, False)
+        plan.op = None if self._device.type == "cpu" else _prefill_op(plan.spec, env.debug())
+        plan.batch, plan.qo_tokens, plan.tile_rows, plan.grid = batch, qo_tokens, tile_rows, grid
+        plan.merge_rows = qo_tokens if merge_indptr is not None else 0
+        plan.layout = table_layout
+        kv_index = self._kv_index(table_dev, kv_index_dev)
+        if plan.merge_rows:
+            rows = int(merge_indptr[-1])
+            po, pl = self._partial_views(config, rows)
+        else:
+            po = pl = empty_f32(self._device)
+        plan.args = (kv_index, qo_indptr_dev, work_dev,
+                     merge_dev if merge_dev is not None else _placeholder_i32(self._device), po, pl)
+        plan.mask_args = (self._packed_mask(config, qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_host),
+                          mask_indptr_dev) if mask_host is not None else (None, None)
+        plan.checked = None
+        self._plan = plan
+
+    def _partial_capacity(self, config: _Config) -> int:
+        """Partial rows (token x chunk) the workspace holds: float32 o [Hq, Dvo] + lse [Hq] each."""
+        if self._workspace_f32 is None:
+            return 0
+        per_row = config.num_qo_heads * (config.head_dim_vo + 1)
+        return self._workspace_f32.numel() // per_row
+
+    def _partial_views(self, config: _Config, rows: int):
+        hq, dvo = config.num_qo_heads, config.head_dim_vo
+        ws = self._workspace_f32
+        po = ws[: rows * hq * dvo].view(rows, hq, dvo)
+        pl = ws[rows * hq * dvo: rows * hq * (dvo + 1)].view(rows, hq)
+        return po, pl
+
+    def _mask_offsets(self, qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_indptr) -> np.ndarray:
+        """Byte offsets of each request's packed mask (mask_indptr of the packed form)."""
+        sizes_bits = qo_lens * kv_lens
+        if packed_custom_mask is not None:
+            if not isinstance(packed_custom_mask, torch.Tensor) or packed_custom_mask.dtype != torch.uint8:
+                raise ValueError("packed_custom_mask: expected a uint8 tensor (bits packed little-endian, "
+                                 "segment_packbits(..., bitorder='little'))")
+            nbytes = -(-sizes_bits // 8)
+            if mask_indptr is None:
+                if qo_lens.shape[0] > 1:
+                    raise ValueError("mask_indptr: required with packed_custom_mask for batch size > 1 (byte offsets "
+                                     "of each request's packed mask, as segment_packbits returns)")
+                starts = np.array([0, int(nbytes.sum())], dtype=np.int64)
+            else:
+                starts = _host_vector(mask_indptr, "mask_indptr")
+            if starts.shape[0] != qo_lens.shape[0] + 1 or starts[0] != 0 or \
+                    (np.diff(starts) != nbytes).any() or starts[-1] > packed_custom_mask.numel():
+                raise ValueError(f"mask_indptr: expected byte offsets with ceil(qo_len x kv_len / 8) = "
+                                 f"{nbytes[:8].tolist()}... bytes per request, ending within packed_custom_mask's "
+                                 f"{packed_custom_mask.numel()} bytes; got {starts[:9].tolist()}")
+            return starts
+        if not isinstance(custom_mask, torch.Tensor) or custom_mask.dtype not in (torch.bool, torch.uint8):
+            raise ValueError("custom_mask: expected a bool tensor, each request's qo_len x kv_len mask flattened, "
+                             "one after another")
+        if mask_indptr is not None:
+            starts = _host_vector(mask_indptr, "mask_indptr")
+            if starts.shape[0] != qo_lens.shape[0] + 1 or starts[0] != 0 or (np.diff(starts) != sizes_bits).any():
+                raise ValueError(f"mask_indptr: expected element offsets of qo_len x kv_len per request "
+                                 f"({sizes_bits[:8].tolist()}...); got {starts[:9].tolist()}")
+        if custom_mask.numel() != int(sizes_bits.sum()):
+            raise ValueError(f"custom_mask: expected sum(qo_len x kv_len) = {int(sizes_bits.sum())} elements, got "
+                             f"{custom_mask.numel()}")
+        return np.concatenate(([0], np.cumsum(-(-sizes_bits // 8))))
+
+    def _packed_mask(self, config, qo_lens, kv_lens, custom_mask, packed_custom_mask, byte_starts) -> torch.Tensor:
+        if packed_custom_mask is not None:
+            return packed_custom_mask.to(self._device).reshape(-1)
+        return _pack_segments(custom_mask.reshape(-1).to(self._device), qo_lens * kv_lens, byte_starts)
+
+    # --- run ----------------------------------------------------------------------------------
+    def _run(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks):
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() before plan(): call plan() once per batch first")
+        c = plan.config
+        self._check_run(q, k, v, plan)
+        spec = plan.spec
+        if sinks is not None:
+            if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or \
+                    tuple(sinks.shape) != (c.num_qo_heads,) or sinks.device != q.device:
+                raise ValueError(f"sinks: expected a float32 tensor [{c.num_qo_heads}] (one logit per query head) on "
+                                 f"{q.device}")
+            spec = self._spec(c, plan.layout, True)
+        if window_left is None:
+            window_left = c.window_left
+        elif not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        tokens = q.shape[0]
+        if out is None:
+            out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
+        else:
+            _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
+        if return_lse or lse is not None:
+            if lse is None:
+                lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
+            else:
+                _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True)
+            lse_arg = lse
+        else:
+            lse_arg = empty_f32(q.device)
+        scale = c.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+        if c.soft_cap > 0:
+            logit_scale, cap_log2 = scale / c.soft_cap, c.soft_cap * _LOG2E
+        else:
+            logit_scale, cap_log2 = scale * _LOG2E, 0.0
+        vs = 1.0 if v_scale is None else float(v_scale)
+        pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
+        op = plan.op if spec is plan.spec else _prefill_op(spec, env.debug())
+        kv_index, qo_indptr, work, merge, po, pl = plan.args
+        mask, mask_indptr = plan.mask_args
+        op(q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, sinks, out, lse_arg, po, pl, logit_scale,
+           cap_log2, vs, window_left, c.rope_scale, c.rope_theta, plan.grid, plan.tile_rows, plan.merge_rows, pdl)
+        return (out, lse) if return_lse else out
+
+    def _check_run(self, q, k, v, plan: _Plan) -> None:
+        c = plan.config
+        sig = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype) \
+            if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else None
+        if sig is not None and sig == plan.checked and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0:
+            return
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise ValueError(f"q: expected a [qo_tokens, {c.num_qo_heads}, {c.head_dim_qk}] tensor")
+        if q.dtype != c.q_dtype:
+            raise ValueError(f"q: expected {dtype_str(c.q_dtype)} (plan()'s q_data_type), got {dtype_str(q.dtype)}")
+        if q.shape[1] != c.num_qo_heads or q.shape[2] != c.head_dim_qk:
+            raise ValueError(f"q: expected [qo_tokens, {c.num_qo_heads}, {c.head_dim_qk}] (plan()'s heads), got "
+                             f"{tuple(q.shape)}")
+        if q.shape[0] < plan.qo_tokens:
+            raise ValueError(f"q: {q.shape[0]} tokens, fewer than qo_indptr[-1] = {plan.qo_tokens}")
+        if q.stride(-1) != 1:
+            raise ValueError("q: the head_dim axis must be contiguous")
+        for name, t, dim in (("k", k, c.head_dim_qk), ("v", v, c.head_dim_vo)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor")
+            if t.dtype != c.kv_dtype:
+                raise ValueError(f"{name}: expected {dtype_str(c.kv_dtype)} (plan()'s kv_data_type), got "
+                                 f"{dtype_str(t.dtype)}")
+            if t.shape[-1] != dim or t.stride(-1) != 1:
+                raise ValueError(f"{name}: expected a contiguous last dimension of head_dim {dim}, got shape "
+                                 f"{tuple(t.shape)} strides {t.stride()}")
+        if not same_cuda_device((q, k, v)):
+            raise ValueError(f"q, k and v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
+        if q.device != self._device:
+            raise ValueError(f"q: on {q.device}, but the workspace (and the plan) is on {self._device}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            es = t.element_size()
+            if t.data_ptr() % 16 or any((s * es) % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+                raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 "
+                                 f"bytes; got strides {t.stride()}")
+        self._check_kv(k, v, c)
+        plan.checked = sig
+
+    def _check_kv(self, k, v, c: _Config) -> None:
+        raise NotImplementedError
+
+
+def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = False) -> None:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        got = f"{dtype_str(t.dtype)} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected {dtype_str(dtype)} {shape} on {device}, got {got}")
+    if (contiguous and not t.is_contiguous()) or t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected {'a contiguous tensor' if contiguous else 'a contiguous last dimension'}")
+
+
+def _placeholder_i32(device) -> torch.Tensor:
+    from .device import placeholder
+    return placeholder(device, torch.int32)
+
+
+def _pack_segments(bits: torch.Tensor, sizes: np.ndarray, byte_starts: np.ndarray) -> torch.Tensor:
+    """Each request's bits packed from its own byte (segment_packbits, little bit order), on
+    the bits' device."""
+    total_bytes = int(byte_starts[-1])
+    device = bits.device
+    if total_bytes == 0:
+        return torch.zeros(1, dtype=torch.uint8, device=device)
+    seg = torch.repeat_interleave(torch.arange(sizes.shape[0], device=device),
+                                  torch.as_tensor(sizes, device=device))
+    elem_start = torch.as_tensor(np.concatenate(([0], np.cumsum(sizes)[:-1])), device=device)
+    dest = torch.as_tensor(byte_starts[:-1] * 8, device=device)[seg] + \
+        (torch.arange(bits.numel(), device=device) - elem_start[seg])
+    flat = torch.zeros(total_bytes * 8, dtype=torch.uint8, device=device)
+    flat[dest] = (bits != 0).to(torch.uint8)
+    weights = (1 << torch.arange(8, device=device, dtype=torch.int32))
+    return (flat.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
+    """FlashInfer's paged prefill wrapper: plan() once per batch, run() per layer.
+
+    backend: "auto" and "fa2" run this library's tensor-core (mma.sync) kernels; "fa3" is a
+    ValueError (the Hopper path is not available yet)."""
+
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
+                 jit_args=None, jit_kwargs=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf, custom_mask_buf,
+                         mask_indptr_buf, backend)
+        for name, buf in (("paged_kv_indptr_buf", paged_kv_indptr_buf), ("paged_kv_indices_buf", paged_kv_indices_buf),
+                          ("paged_kv_last_page_len_buf", paged_kv_last_page_len_buf)):
+            if buf is None:
+                continue
+            if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int32 or buf.dim() != 1 or \
+                    not buf.is_contiguous():
+                raise TypeError(f"{name}: expected a contiguous 1-D int32 tensor")
+            if buf.device != self._device:
+                raise ValueError(f"{name}: expected it on the workspace's device {self._device}, got {buf.device}")
+        self._indices_buf = paged_kv_indices_buf
+        self._block_tables_buf = None
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
+             num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo=None, custom_mask=None,
+             packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, sm_scale=None, window_left: int = -1, logits_soft_cap=None,
+             rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
+             non_blocking: bool = True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence=None,
+             max_sequence_kv=None, fixed_split_size=None, disable_split_kv: bool = False, mask_indptr=None) -> None:
+        """Index tensors may be int32 or int64, on the host or the device. The page table is
+        CSR (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len) or, with those None,
+        block_tables [B, max_pages] (vLLM) or [B, 2, max_pages] (K and V page ids) with
+        seq_lens [B]. custom_mask (bools) or packed_custom_mask (uint8, little bit order,
+        mask_indptr in bytes as segment_packbits returns) replace causal. o_data_type: the
+        output dtype (default q's). fixed_split_size (keys a chunk) / disable_split_kv force
+        plan()'s split-KV choice."""
+        if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
+            raise ValueError("prefix_len_ptr / token_pos_in_items_ptr / max_item_len_ptr (multi-item scoring) are not "
+                             "supported by flashinfer_jit")
+        if not isinstance(page_size, int) or not 1 <= page_size <= 1024:
+            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        args = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, bool(causal),
+                custom_mask is not None or packed_custom_mask is not None, pos_encoding_mode, window_left,
+                logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
+                fixed_split_size, disable_split_kv)
+        config = self._config(args)
+        if block_tables is not None:
+            if paged_kv_indptr is not None or paged_kv_last_page_len is not None:
+                raise ValueError("give either paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len or "
+                                 "block_tables/seq_lens, not both")
+            block_tables = as_int32_index(block_tables, "block_tables")
+            if block_tables.dim() not in (2, 3) or (block_tables.dim() == 3 and block_tables.shape[1] != 2) or \
+                    block_tables.stride(-1) != 1:
+                raise ValueError("block_tables: expected int32 [batch, max_pages] or [batch, 2, max_pages] (K and V "
+                                 "page ids), contiguous along max_pages")
+            lens = _host_vector(seq_lens, "seq_lens") if seq_lens is not None else None
+            if lens is None or lens.shape[0] != block_tables.shape[0]:
+                raise ValueError(f"seq_lens: expected [{block_tables.shape[0]}] (one KV length per request)")
+            if lens.size and (lens.min() < 0 or lens.max() > block_tables.shape[-1] * page_size):
+                raise ValueError(f"seq_lens: expected 0..max_pages x page_size ({block_tables.shape[-1] * page_size})")
+            layout = "block_table_kv_separate" if block_tables.dim() == 3 else "block_table"
+            ids = block_tables.to(self._device)
+            if self._use_cuda_graph:
+                ids = self._graph_block_tables(ids)
+            self._plan_common(config, qo_indptr, lens, [(lens, lambda cap: cap)], layout, [ids], custom_mask,
+                              packed_custom_mask, mask_indptr, non_blocking)
+            return
+        pages = _indptr_lengths(paged_kv_indptr, "paged_kv_indptr")
+        indices = as_int32_index(paged_kv_indices, "paged_kv_indices")
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
+            raise ValueError("paged_kv_indices: expected a 1-D int32 tensor of page ids")
+        if int(pages.sum()) > indices.shape[0]:
+            raise ValueError(f"paged_kv_indptr: its last offset {int(pages.sum())} exceeds len(paged_kv_indices) "
+                             f"({indices.shape[0]})")
+        last = _host_vector(paged_kv_last_page_len, "paged_kv_last_page_len")
+        if last.shape[0] != pages.shape[0]:
+            raise ValueError(f"paged_kv_last_page_len: expected {pages.shape[0]} entries (batch size), got "
+                             f"{last.shape[0]}")
+        if ((pages > 0) & ((last < 1) | (last > page_size))).any():
+            raise ValueError(f"paged_kv_last_page_len: expected 1..page_size ({page_size}) for every request with pages")
+        kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+        ptr = np.concatenate(([0], np.cumsum(pages)))
+        ids = indices.to(self._device)
+        if self._use_cuda_graph:
+            ids = self._graph_indices(ids)
+        self._plan_common(config, qo_indptr, kv_lens, [(ptr, lambda cap: cap + 1), (np.where(pages > 0, last, 0),
+                                                                                      lambda cap: cap)],
+                          "csr", [ids], custom_mask, packed_custom_mask, mask_indptr, non_blocking)
+
+    def _graph_indices(self, ids: torch.Tensor) -> torch.Tensor:
+        buf = self._indices_buf
+        if buf is None:
+            raise ValueError("paged_kv_indices_buf: a CUDA-graph wrapper needs the fixed page-id buffer (FlashInfer's "
+                             "constructor argument), sized for the most pages a plan will use")
+        if ids.shape[0] > buf.shape[0]:
+            raise ValueError(f"paged_kv_indices: {ids.shape[0]} page ids exceed paged_kv_indices_buf's {buf.shape[0]}")
+        if ids.data_ptr() != buf.data_ptr():
+            buf[: ids.shape[0]].copy_(ids, non_blocking=True)
+        return buf
+
+    def _graph_block_tables(self, bt: torch.Tensor) -> torch.Tensor:
+        if self._block_tables_buf is None:
+            self._block_tables_buf = torch.zeros_like(bt)
+        buf = self._block_tables_buf
+        if bt.dim() != buf.dim() or bt.shape[0] > buf.shape[0] or bt.shape[-1] != buf.shape[-1]:
+            raise ValueError(f"block_tables: a CUDA-graph wrapper keeps the first plan's shape {tuple(buf.shape)} "
+                             f"(fewer rows allowed), got {tuple(bt.shape)}")
+        buf[: bt.shape[0]].copy_(bt, non_blocking=True)
+        return buf
+
+    def _kv_index(self, table_dev, ids_dev):
+        if self._plan_layout_csr(table_dev):
+            indptr, last = table_dev
+            return [indptr, ids_dev[0], last]
+        return [ids_dev[0], table_dev[0]]
+
+    @staticmethod
+    def _plan_layout_csr(table_dev) -> bool:
+        return len(table_dev) == 2
+
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
+        """out [qo_tokens, num_qo_heads, head_dim_vo] (or (out, lse) with return_lse; lse float32,
+        base 2). k_scale folds into the logits' scale, v_scale multiplies the output (fp8
+        caches). sinks: float32 [num_qo_heads], gpt-oss attention sinks."""
+        if args:
+            raise TypeError("run(): pass q_scale, k_scale, v_scale, out, lse and return_lse by keyword")
+        cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        return self._run(q, cache.k, cache.v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+                         window_left, sinks)
+
+    def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    def forward(self, q, paged_kv_cache, *args, **kwargs):
+        return self.run(q, paged_kv_cache, *args, **kwargs)
+
+    def end_forward(self) -> None:
+        pass
+
+    def _check_kv(self, k, v, c: _Config) -> None:
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"paged_kv_cache: expected K and V [num_pages, page_size, {c.num_kv_heads}, head_dim] "
+                             f"({self._kv_layout}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        nhd = self._kv_layout == "NHD"
+        heads, page = (k.shape[2], k.shape[1]) if nhd else (k.shape[1], k.shape[2])
+        if heads != c.num_kv_heads:
+            raise ValueError(f"paged_kv_cache: {heads} KV heads, but plan() was given num_kv_heads={c.num_kv_heads}")
+        if page != c.page_size:
+            raise ValueError(f"paged_kv_cache: page size {page}, but plan() was given page_size={c.page_size}")
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
+    """FlashInfer's ragged prefill wrapper: K/V as rows [kv_tokens, num_kv_heads, head_dim]
+    (any token and head strides), request b's at kv_indptr[b] .. kv_indptr[b + 1]."""
+
+    _ragged = True
+
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend: str = "auto", jit_args=None, jit_kwargs=None):
+        if kv_layout != "NHD":
+            raise ValueError(f"kv_layout: ragged K/V are [kv_tokens, num_kv_heads, head_dim] (NHD), got {kv_layout!r}")
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf, custom_mask_buf,
+                         mask_indptr_buf, backend)
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo=None,
+             custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None, sm_scale=None,
+             rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
+             non_blocking: bool = True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+             max_item_len_ptr=None, fixed_split_size=None, disable_split_kv: bool = False, mask_indptr=None) -> None:
+        """As the paged wrapper's plan(), with kv_indptr [B+1] offsets of each request's rows."""
+        if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
+            raise ValueError("prefix_len_ptr / token_pos_in_items_ptr / max_item_len_ptr (multi-item scoring) are not "
+                             "supported by flashinfer_jit")
+        args = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, 0, bool(causal),
+                custom_mask is not None or packed_custom_mask is not None, pos_encoding_mode, window_left,
+                logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
+                fixed_split_size, disable_split_kv)
+        config = self._config(args)
+        kv_lens = _indptr_lengths(kv_indptr, "kv_indptr")
+        ptr = np.concatenate(([0], np.cumsum(kv_lens)))
+        self._kv_rows = int(ptr[-1])
+        self._plan_common(config, qo_indptr, kv_lens, [(ptr, lambda cap: cap + 1)], "csr", [], custom_mask,
+                          packed_custom_mask, mask_indptr, non_blocking)
+
+    def _kv_index(self, table_dev, ids_dev):
+        return [table_dev[0]]
+
+    def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
+        if args:
+            raise TypeError("run(): pass out, lse and return_lse by keyword")
+        return self._run(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
+
+    def run_return_lse(self, q, k, v, *args, **kwargs):
+        return self.run(q, k, v, *args, return_lse=True, **kwargs)
+
+    def forward(self, q, k, v, *args, **kwargs):
+        return self.run(q, k, v, *args, **kwargs)
+
+    def end_forward(self) -> None:
+        pass
+
+    def _check_kv(self, k, v, c: _Config) -> None:
+        if k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+            raise ValueError(f"k, v: expected [kv_tokens, {c.num_kv_heads}, head_dim] each, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        if k.shape[1] != c.num_kv_heads:
+            raise ValueError(f"k: {k.shape[1]} KV heads, but plan() was given num_kv_heads={c.num_kv_heads}")
+        if k.shape[0] < self._kv_rows:
+            raise ValueError(f"k: {k.shape[0]} rows, fewer than kv_indptr[-1] = {self._kv_rows}")
+
+
+@op_cache
+def _prefill_op(spec: PrefillSpec, debug: bool):
+    return get_module(spec).prefill
+
+
+def _prefill_spec(*fields) -> PrefillSpec:
+    spec = _SPECS.get(fields)
+    if spec is None:
+        names = ("dtype_q", "dtype_kv", "dtype_o", "head_dim_qk", "head_dim_vo", "kv_source", "page_table",
+                 "kv_layout", "mask", "pos_encoding", "soft_cap", "sinks")
+        spec = _SPECS[fields] = PrefillSpec(**dict(zip(names, fields))).validate()
+    return spec
+
+
+_SPECS: dict = {}
+
+
+def block_shape(spec: PrefillSpec, tile_rows: int) -> tuple[int, int, int]:
+    """(threads, shared memory bytes, registers) of the block of a tile of `tile_rows` rows
+    (the GPU tells the registers)."""
+    return tuple(get_module(spec).block_shape(tile_rows))
+
+
+# --- single request ---------------------------------------------------------------------------
+_SINGLE_WORKSPACE: dict = {}
+
+
+def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
+                                 packed_custom_mask=None, causal: bool = False, kv_layout: str = "NHD",
+                                 pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale=None,
+                                 window_left: int = -1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+                                 backend: str = "auto", return_lse: bool = False):
+    """One request: q [qo_len, Hq, Dqk], k/v [kv_len, Hk, D] (NHD) or [Hk, kv_len, D] (HND).
+    Returns out [qo_len, Hq, Dvo] (and lse [qo_len, Hq] with return_lse)."""
+    _check_backend(backend)
+    expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D tensor")
+    if scale_q is not None or scale_k is not None or scale_v is not None:
+        raise ValueError("scale_q / scale_k / scale_v (per-head fp8 scales) are not supported; use the batch "
+                         "wrappers' q_scale / k_scale / v_scale")
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    device = q.device
+    ws = _SINGLE_WORKSPACE.get(device)
+    if ws is None:
+        ws = _SINGLE_WORKSPACE[device] = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(ws)
+    qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, k.shape[0]], dtype=torch.int32)
+    mask_indptr = None
+    if packed_custom_mask is not None:
+        mask_indptr = torch.tensor([0, packed_custom_mask.numel()], dtype=torch.int32)
+    wrapper.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[2], head_dim_vo=v.shape[2],
+                 custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
+                 packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+                 window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                 rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype,
+                 mask_indptr=mask_indptr)
+    return wrapper.run(q, k, v, return_lse=return_lse)
+
+
+def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
+    """single_prefill_with_kv_cache(..., return_lse=True): (out, lse)."""
+    return single_prefill_with_kv_cache(q, k, v, *args, return_lse=True, **kwargs)
