@@ -53,7 +53,9 @@ struct PrefillTraits {
   // spills); 32 at head_dim_qk >= 192, whose q tile takes 48-64 KB (two blocks an SM then
   // still fit in shared memory).
   static constexpr int kTileKV = HeadDimQK >= 192 ? 32 : 64;
-  static constexpr int kNT = kTileKV / 8;  // n8 tiles of S
+  // Keys a softmax step takes: a 128-row tile computes its 64-key tiles in two halves (32
+  // logit accumulators a lane, not 64, leave registers for the next fragments' loads).
+  static constexpr int kSubKV = kMFrags == 2 && kTileKV == 64 ? 32 : kTileKV;
   static constexpr int kStages = 2;
   static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
@@ -224,7 +226,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   using Q = typename Traits::Q;
   using KV = typename Traits::KV;
   using M = typename Traits::M;
-  constexpr int DQK = Traits::kDQK, DVO = Traits::kDVO, TKV = Traits::kTileKV, NT = Traits::kNT;
+  constexpr int DQK = Traits::kDQK, DVO = Traits::kDVO, TKV = Traits::kTileKV, SUB = Traits::kSubKV, NTS = SUB / 8;
   constexpr int MF = Traits::kMFrags, ROWS = Traits::kRows, THREADS = Traits::kThreads;
   constexpr int QC = Traits::kQChunks, VOC = DVO / 8;  // 16-bit chunks a row
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -423,12 +425,14 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 
     // The tile's math; kMasked: with the masks (the chunk's end, causal, window, custom).
     auto compute = [&](auto masked) {
+#pragma unroll
+      for (int sub = 0; sub < TKV / SUB; ++sub) {  // keys sub SUB .. of the tile
       // S = Q K^T
-      float sacc[MF][NT][4];
+      float sacc[MF][NTS][4];
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+        for (int n = 0; n < NTS; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[mf][n][e] = 0.f;
       // Lane addresses: row r of a tile at chunk 2 ks + hi sits at chunk (2 ks + hi) ^ (r % 8)
@@ -443,9 +447,9 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         for (int mf = 0; mf < MF; ++mf)
           ldsm_x4(sq_u32 + q_lane + uint32_t(mf * 16 * QC * 16) + ((32u * ks) ^ q_x), a[mf]);
 #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
+        for (int np = 0; np < NTS / 2; ++np) {
           uint32_t bk[4];
-          ldsm_x4(tk_u32 + k_lane + uint32_t(np * 16 * QC * 16) + ((32u * ks) ^ k_x), bk);
+          ldsm_x4(tk_u32 + k_lane + uint32_t((sub * SUB + np * 16) * QC * 16) + ((32u * ks) ^ k_x), bk);
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             mma_k16<M>(sacc[mf][2 * np], a[mf], bk[0], bk[1]);
@@ -459,13 +463,13 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
       for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+        for (int n = 0; n < NTS; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float x = sacc[mf][n][e];
             if constexpr (Traits::kSoftCap) x = p.soft_cap_log2 * tanhf(x * p.logit_scale);
             if constexpr (decltype(masked)::value) {
-              const int j = kv0 + n * 8 + 2 * c4 + (e & 1);
+              const int j = kv0 + sub * SUB + n * 8 + 2 * c4 + (e & 1);
               const int pos = row_pos[mf][e >> 1];
               bool ok = j < end;
               if constexpr (Traits::kMask == PrefillMask::kCausal) ok = ok && j <= pos;
@@ -490,22 +494,32 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float mx = -CUDART_INF_F;
+          // (pairwise trees, not chains: two warps a scheduler leave a chain's latency exposed)
+          float part[NTS];
 #pragma unroll
-          for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(sacc[mf][n][2 * h], sacc[mf][n][2 * h + 1]));
+          for (int n = 0; n < NTS; ++n) part[n] = fmaxf(sacc[mf][n][2 * h], sacc[mf][n][2 * h + 1]);
+#pragma unroll
+          for (int w = 1; w < NTS; w *= 2)
+#pragma unroll
+            for (int n = 0; n + w < NTS; n += 2 * w) part[n] = fmaxf(part[n], part[n + w]);
+          float mx = part[0];
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           mx = fmaxf(m[mf][h], mx * ls);  // log2 domain (ls > 0: the max commutes with the scale)
           const float base = mx == -CUDART_INF_F ? 0.f : mx;  // no key yet: exp2(-inf) = 0, no inf - inf
           scale[mf][h] = fast_exp2(m[mf][h] - base);
           m[mf][h] = mx;
-          float sum = 0.f;
 #pragma unroll
-          for (int n = 0; n < NT; ++n) {
+          for (int n = 0; n < NTS; ++n) {
             sacc[mf][n][2 * h] = fast_exp2(fmaf(sacc[mf][n][2 * h], ls, -base));
             sacc[mf][n][2 * h + 1] = fast_exp2(fmaf(sacc[mf][n][2 * h + 1], ls, -base));
-            sum += sacc[mf][n][2 * h] + sacc[mf][n][2 * h + 1];
+            part[n] = sacc[mf][n][2 * h] + sacc[mf][n][2 * h + 1];
           }
+#pragma unroll
+          for (int w = 1; w < NTS; w *= 2)
+#pragma unroll
+            for (int n = 0; n + w < NTS; n += 2 * w) part[n] += part[n + w];
+          const float sum = part[0];
           d[mf][h] = d[mf][h] * scale[mf][h] + sum;  // this lane's part of the row sum
           grew = grew || scale[mf][h] != 1.f;
         }
@@ -523,7 +537,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       // O += P V
       const uint32_t v_lane = smem_u32(tv) + uint32_t((lane % 16) * VOC) * 16u, v_x = uint32_t((lane / 16) ^ (lane % 8)) * 16u;
 #pragma unroll
-      for (int kt = 0; kt < TKV / 16; ++kt) {
+      for (int kt = 0; kt < SUB / 16; ++kt) {
         uint32_t pa[MF][4];
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
@@ -535,13 +549,14 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
         for (int dp = 0; dp < DVO / 16; ++dp) {
           uint32_t bv[4];
-          ldsm_x4_trans(v_lane + uint32_t(kt * 16 * VOC * 16) + ((32u * dp) ^ v_x), bv);
+          ldsm_x4_trans(v_lane + uint32_t((sub * SUB + kt * 16) * VOC * 16) + ((32u * dp) ^ v_x), bv);
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             mma_k16<M>(o[mf][2 * dp], pa[mf], bv[0], bv[1]);
             mma_k16<M>(o[mf][2 * dp + 1], pa[mf], bv[2], bv[3]);
           }
         }
+      }
       }
     };
     if (warp_live) {
@@ -589,12 +604,13 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       const float lse = sum > 0.f ? mx + log2f(sum) : -CUDART_INF_F;
       const float norm = sum > 0.f ? p.v_scale / sum : 0.f;
       if (item.partial_row < 0) {
-        using TO = typename Traits::O;
-        TO* dst = static_cast<TO*>(p.out) + int64_t(qo_start + t) * p.out_stride_n + int64_t(qo_head) * p.out_stride_h;
+        // into the warp's own q rows in shared memory (swizzled: conflict-free), stored below
+        // in 16-byte pieces
+        const uint32_t row_addr = sq_u32 + uint32_t(r * QC) * 16u;
 #pragma unroll
         for (int n = 0; n < DVO / 8; ++n) {
-          const uint32_t w = pack2<TO>(o[mf][n][2 * h] * norm, o[mf][n][2 * h + 1] * norm);
-          *reinterpret_cast<uint32_t*>(dst + n * 8 + 2 * c4) = w;
+          const uint32_t w = pack2<typename Traits::O>(o[mf][n][2 * h] * norm, o[mf][n][2 * h + 1] * norm);
+          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row_addr + uint32_t((n ^ (r & 7)) * 16 + c4 * 4)), "r"(w));
         }
         if (p.lse != nullptr && c4 == 0) p.lse[int64_t(qo_start + t) * p.num_qo_heads + qo_head] = lse;
       } else {
@@ -605,6 +621,20 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           *reinterpret_cast<float2*>(dst + n * 8 + 2 * c4) = make_float2(o[mf][n][2 * h] * norm, o[mf][n][2 * h + 1] * norm);
         if (c4 == 0) p.partial_lse[prow] = lse;
       }
+    }
+  }
+  if (item.partial_row < 0) {
+    __syncwarp();
+    using TO = typename Traits::O;
+    constexpr int kWarpRows = 16 * MF;
+    for (int i = lane; i < kWarpRows * VOC; i += 32) {
+      const int rl = i / VOC, ch = i % VOC, r = warp * kWarpRows + rl;
+      if (r >= live_rows) break;  // rows are in order: the rest are padding too
+      const int pr = row0 + r;
+      const int t = pr / group, qo_head = kv_head * group + pr % group;
+      const uint4 v = lds128(sq + swz<QC>(r, ch * 8));
+      TO* dst = static_cast<TO*>(p.out) + int64_t(qo_start + t) * p.out_stride_n + int64_t(qo_head) * p.out_stride_h;
+      *reinterpret_cast<uint4*>(dst + ch * 8) = v;
     }
   }
 }

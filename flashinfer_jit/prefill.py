@@ -525,6 +525,10 @@ def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = Fal
         raise ValueError(f"{name}: expected {dtype_str(dtype)} {shape} on {device}, got {got}")
     if (contiguous and not t.is_contiguous()) or t.stride(-1) != 1:
         raise ValueError(f"{name}: expected {'a contiguous tensor' if contiguous else 'a contiguous last dimension'}")
+    es = t.element_size()
+    if t.data_ptr() % 16 or any((st * es) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+        raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 bytes "
+                         f"(16-byte stores); got strides {t.stride()}")
 
 
 def _placeholder_i32(device) -> torch.Tensor:
