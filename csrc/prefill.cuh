@@ -369,6 +369,9 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   const int64_t mask_base = Traits::kMask == PrefillMask::kCustom ? int64_t(p.mask_indptr[b]) * 8 : 0;
 
   if (num_tiles > 0) load_tile(start, 0);
+  // (not unrolled: an unrolled pair of tiles kept both stages' addresses live, registers
+  // a 128-row tile does not have)
+#pragma unroll 1
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int kv0 = start + tile * TKV;
     if (tile + 1 < num_tiles) {
