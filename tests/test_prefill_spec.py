@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from flashinfer_jit import render
-from flashinfer_jit.matrix import MatrixError, parse_matrix_text
+from flashinfer_jit.matrix import parse_matrix_text
 from flashinfer_jit.specs import FAMILIES
 from flashinfer_jit.specs.prefill import HEAD_DIM_PAIRS, PrefillSpec
 from test_specs import combinations, is_valid
@@ -70,14 +70,15 @@ def test_fp8_paged_and_every_head_dim_pair_are_accepted():
     assert spec.canonical()["params"]["mask"] == "custom"
 
 
-def test_not_registered_while_there_is_no_kernel():
-    """Nothing that renders, builds or lists every family (specs.FAMILIES: matrix files, the
-    AOT CLI, tests/test_specs.py) reaches PrefillSpec yet."""
-    assert "prefill" not in FAMILIES and PrefillSpec not in FAMILIES.values()
-    with pytest.raises(MatrixError, match="unknown family 'prefill'"):
-        parse_matrix_text("prefill dtype_q=bfloat16 dtype_kv=bfloat16 dtype_o=bfloat16 head_dim_qk=128 "
-                          "head_dim_vo=128")
-    spec = PrefillSpec(**BF16, head_dim_qk=128, head_dim_vo=128)
-    assert spec.TEMPLATES == {}
-    with pytest.raises(NotImplementedError, match="no prefill kernel yet"):
-        render.render(spec)
+def test_registered_and_rendered():
+    """The family is registered (matrix files, the AOT CLI, tests/test_specs.py reach it) and
+    renders one module holding both query tiles (one at head_dim_qk 256)."""
+    assert FAMILIES["prefill"] is PrefillSpec
+    (spec,) = parse_matrix_text("prefill dtype_q=bfloat16 dtype_kv=bfloat16 dtype_o=bfloat16 head_dim_qk=128 "
+                                "head_dim_vo=128 mask=causal")
+    assert spec.name == "prefill_bf16_bf16_bf16_hd128_vo128_paged_causal"
+    rendered = render.render(spec)
+    assert "PrefillMask::kCausal" in rendered.sources["kernel.cu"]
+    assert "prefill.cuh" in rendered.headers and "page_table.cuh" in rendered.headers
+    assert spec.tile_rows == (64, 128)
+    assert PrefillSpec(**BF16, head_dim_qk=256, head_dim_vo=256).tile_rows == (64,)
