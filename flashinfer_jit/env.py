@@ -96,6 +96,11 @@ def native_decode_plan() -> bool:
     return _on_unless_off("FLASHINFER_JIT_NATIVE_PLAN")
 
 
+def native_prefill_plan() -> bool:
+    """The same switch for batch prefill's plan() (csrc/prefill_plan.h or its numpy twin)."""
+    return _on_unless_off("FLASHINFER_JIT_NATIVE_PLAN")
+
+
 def max_jobs() -> int | None:
     value = os.environ.get("MAX_JOBS")
     return int(value) if value else None

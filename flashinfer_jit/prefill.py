@@ -20,6 +20,7 @@ captured number of requests.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
@@ -30,10 +31,11 @@ from .capacity import graph_capacity
 from .checks import as_int32_index, compiling, dtype_str, expect_choice, same_cuda_device, soft_cap_value
 from .device import empty_f32, num_sms, supports_pdl
 from .jit import get_module, op_cache
+from .native import ctypes_entry, optional_entry
 from .page_table import unpack_paged_kv_cache
 from .plan_buffer import PlanBuffer
 from .specs.base import FP8_DTYPES, dtype_name
-from .specs.prefill import HEAD_DIM_PAIRS, PrefillSpec, tile_rows_for
+from .specs.prefill import HEAD_DIM_PAIRS, PrefillPlanSpec, PrefillSpec, tile_rows_for
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _BACKENDS = ("auto", "fa2")
@@ -44,6 +46,157 @@ _GRAPH_ITEMS_FACTOR = 4
 _GRAPH_MIN_ITEMS = 4096
 _MAX_CONFIGS = 16
 _LOG2E = 1.4426950408889634
+# the K/V side of plan() (csrc/prefill_plan.h PrefillKVSide) and its arguments' names
+_CSR, _SEQ_LENS, _RAGGED = 0, 1, 2
+_SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: ("seq_lens", ""),
+               _RAGGED: ("kv_indptr", "")}
+# the planner's result slots and statuses (csrc/prefill_plan.h PrefillPlanResult / Error)
+_ITEMS, _TILE_ROWS, _QO_TOKENS, _PARTIAL_ROWS, _TABLE_AT, _MERGE_AT, _WORK_AT, _END, _KV_ROWS = range(2, 11)
+_SLOT_TOO_SMALL, _WORK_CAPACITY = 6, 7
+
+
+class _PlanConfig(ctypes.Structure):
+    """csrc/prefill_plan.h PrefillPlanConfig (same fields, same order; the planner module
+    reports its size, checked at load)."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "group", "num_kv_heads", "kv_side", "page_size", "causal", "tile_rows", "max_tile_rows", "target_blocks",
+        "min_chunk", "fixed_split_size", "split", "capacity")] + \
+        [(name, ctypes.c_int64) for name in ("work_capacity", "max_partial_rows", "max_kv_len")]
+
+
+@op_cache
+def _native_planner():
+    """(<namespace>_prefill_plan of the PrefillPlanSpec module through ctypes, None), built or
+    loaded at the first plan(); None with a warning where it cannot be had: plan() then runs
+    _plan_numpy, slower on the host but the same plan."""
+    def load():
+        return (ctypes_entry(PrefillPlanSpec(), "prefill_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] +
+                             [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _PlanConfig,
+                             "config_bytes"), None)
+
+    return optional_entry(load, "batch prefill's plan() runs its numpy path",
+                          f"the C++ planner {PrefillPlanSpec().name}")
+
+
+def _host_i32(t, name: str) -> torch.Tensor:
+    """An index vector as the planner reads it: a contiguous int32 CPU tensor (as given when
+    it is one; int64 narrowed, device tensors copied)."""
+    if type(t) is torch.Tensor and t.dtype is torch.int32 and t.is_cpu and t.dim() == 1 and t.is_contiguous():
+        return t
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        got = f"{dtype_str(t.dtype)} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {got}")
+    return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+def _expect_length(t: torch.Tensor, name: str, n: int) -> None:
+    if t.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} entries (from qo_indptr's batch size), got {t.shape[0]}")
+
+
+def _kv_lens_numpy(side: int, kv_a: torch.Tensor, kv_b, page_size: int) -> np.ndarray:
+    a = kv_a.numpy().astype(np.int64)
+    if side == _SEQ_LENS:
+        return a
+    n = np.diff(a)
+    if side == _CSR:
+        return np.where(n > 0, (n - 1) * page_size + kv_b.numpy(), 0)
+    return n
+
+
+def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, host: np.ndarray,
+                result: np.ndarray) -> int:
+    """csrc/prefill_plan.h prefill_plan() in numpy (plan_work): the same validation, layout
+    and work list; the fallback where the C++ planner cannot be loaded."""
+    result[:] = 0
+    cap = max(cfg.capacity, batch)
+    if cfg.capacity and batch > cfg.capacity:
+        result[0], result[1] = 8, batch
+        return 8
+    ptr = qo.numpy().astype(np.int64)
+    qo_lens = np.diff(ptr)
+    if ptr[0] != 0 or (qo_lens < 0).any():
+        bad = 0 if ptr[0] != 0 else int(np.nonzero(qo_lens < 0)[0][0])
+        result[0], result[1] = 1, bad
+        return 1
+    side = cfg.kv_side
+    a = kv_a.numpy().astype(np.int64)
+    if side != _SEQ_LENS:
+        d = np.diff(a)
+        if a[0] != 0 or (d < 0).any():
+            result[0], result[1] = 2, 0 if a[0] != 0 else int(np.nonzero(d < 0)[0][0])
+            return 2
+    if side == _CSR:
+        last = kv_b.numpy()
+        bad = np.nonzero((d > 0) & ((last < 1) | (last > cfg.page_size)))[0]
+        if bad.size:
+            result[0], result[1] = 3, int(bad[0])
+            return 3
+    if side == _SEQ_LENS:
+        bad = np.nonzero((a < 0) | ((a > cfg.max_kv_len) if cfg.max_kv_len > 0 else False))[0]
+        if bad.size:
+            result[0], result[1] = 5, int(bad[0])
+            return 5
+    kv_lens = _kv_lens_numpy(side, kv_a, kv_b, cfg.page_size)
+    if cfg.causal:
+        bad = np.nonzero((kv_lens > 0) & (kv_lens < qo_lens))[0]
+        if bad.size:
+            result[0], result[1] = 4, int(bad[0])
+            return 4
+    result[_KV_ROWS] = 0 if side == _SEQ_LENS else int(a[batch])
+    active = int((qo_lens > 0).sum())
+    rows_total = int(qo_lens.sum()) * cfg.group
+    tile = cfg.tile_rows or (128 if cfg.max_tile_rows >= 128 and active and rows_total > 64 * active else 64)
+    work, merge = plan_work(qo_lens, kv_lens, cfg.group, cfg.num_kv_heads, tile, bool(cfg.causal), cfg.target_blocks,
+                            cfg.fixed_split_size or None, bool(cfg.split), cfg.max_partial_rows, cfg.min_chunk)
+    items = int(work[0])
+    if cfg.work_capacity and items > cfg.work_capacity:
+        result[_ITEMS] = items
+        result[0] = 7
+        return 7
+    table_at = cap + 1
+    merge_at = table_at + (2 * cap + 1 if side == _CSR else cap if side == _SEQ_LENS else cap + 1)
+    work_at = merge_at + (merge.shape[0] if merge is not None else 0)
+    end = work_at + 1 + _ITEM_INTS * (cfg.work_capacity or items)
+    result[_ITEMS], result[_TILE_ROWS], result[_QO_TOKENS] = items, tile, int(ptr[-1])
+    result[_PARTIAL_ROWS] = int(merge[-1]) if merge is not None else 0
+    result[_TABLE_AT], result[_MERGE_AT], result[_WORK_AT], result[_END] = table_at, merge_at, work_at, end
+    if host.shape[0] < end:
+        result[0], result[1] = _SLOT_TOO_SMALL, end
+        return _SLOT_TOO_SMALL
+    host[: batch + 1] = ptr
+    host[batch + 1: cap + 1] = ptr[-1]
+    if side == _CSR:
+        host[table_at: table_at + batch + 1] = a
+        host[table_at + batch + 1: table_at + cap + 1] = a[-1]
+        host[table_at + cap + 1: table_at + cap + 1 + batch] = np.where(d > 0, kv_b.numpy(), 0)
+        host[table_at + cap + 1 + batch: merge_at] = 0
+    elif side == _SEQ_LENS:
+        host[table_at: table_at + batch] = kv_lens
+        host[table_at + batch: merge_at] = 0
+    else:
+        host[table_at: table_at + batch + 1] = a
+        host[table_at + batch + 1: merge_at] = a[-1]
+    if merge is not None:
+        host[merge_at: work_at] = merge
+    host[work_at: work_at + work.shape[0]] = work
+    return 0
+
+
+def _carve(buf: torch.Tensor, key: tuple) -> tuple:
+    """(qo_indptr, the K/V side's arrays, merge_indptr or None, work, mask_indptr or None):
+    views of the device plan buffer for key (side, capacity, and the planner's offsets)."""
+    side, cap, table_at, merge_at, work_at, end, total = key
+    if side == _CSR:
+        table = (buf[table_at: table_at + cap + 1], buf[table_at + cap + 1: table_at + 2 * cap + 1])
+    elif side == _SEQ_LENS:
+        table = (buf[table_at: table_at + cap],)
+    else:
+        table = (buf[table_at: table_at + cap + 1],)
+    merge = buf[merge_at: work_at] if work_at > merge_at else None
+    mask = buf[end: total] if total > end else None
+    return buf[: cap + 1], table, merge, buf[work_at: end], mask
 
 
 def _fa3_error() -> ValueError:
@@ -65,22 +218,8 @@ def _host_vector(t, name: str) -> np.ndarray:
     return (t if t.is_cpu else t.cpu()).numpy().astype(np.int64)
 
 
-def _indptr_lengths(indptr, name: str, total: int | None = None, what: str = "") -> np.ndarray:
-    """Lengths from an indptr: starts at 0, non-decreasing, ends at `total` when given."""
-    ptr = _host_vector(indptr, name)
-    if ptr.shape[0] < 1:
-        raise ValueError(f"{name}: expected batch_size + 1 offsets, got an empty tensor")
-    lens = np.diff(ptr)
-    if ptr[0] != 0 or (lens.size and lens.min() < 0):
-        raise ValueError(f"{name}: expected non-decreasing offsets starting at 0, got {ptr[:8].tolist()}"
-                         f"{'...' if ptr.shape[0] > 8 else ''}")
-    if total is not None and ptr[-1] != total:
-        raise ValueError(f"{name}: its last offset {int(ptr[-1])} must equal {what} ({total})")
-    return lens
-
-
 def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads: int, tile_rows: int, causal: bool,
-              target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int):
+              target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int, min_chunk: int = _MIN_CHUNK):
     """The work list of a batch: (work int32 [1 + 8 n], merge_indptr int32 [qo_tokens + 1] or
     None (nothing split)). An item is (request, kv_head, row0, kv_start, kv_end, partial_row,
     chunks, chunk) (csrc/prefill_params.h). Requests split their keys into chunks of `chunk`
@@ -105,7 +244,7 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
             items = num_tiles * num_kv_heads
             if items < target_blocks:
                 work_keys = int(visible.sum()) * num_kv_heads
-                chunk = max(_MIN_CHUNK, -(-work_keys // target_blocks))
+                chunk = max(min_chunk, -(-work_keys // target_blocks))
         if chunk is not None:
             chunk = -(-chunk // 64) * 64
             chunks_req = np.maximum(1, -(-kv_lens // chunk))
@@ -152,17 +291,6 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     work[0] = n * num_kv_heads
     work[1:] = fields.reshape(-1)
     return work, (merge_indptr.astype(np.int32) if merge_indptr is not None else None)
-
-
-def choose_tile_rows(qo_lens: np.ndarray, group: int, head_dim_qk: int) -> int:
-    """Rows of a query tile: 128 where requests average more than 64 (token, head) rows
-    (a 128-row tile's warps share every K/V fragment between two 16-row halves), else 64
-    (short chunks, speculative-decoding steps: fewer padding rows)."""
-    sizes = tile_rows_for(head_dim_qk)
-    if len(sizes) == 1 or qo_lens.shape[0] == 0:
-        return sizes[0]
-    mean_rows = float(qo_lens.sum()) * group / max(1, int((qo_lens > 0).sum()))
-    return 128 if mean_rows > 64 else 64
 
 
 class _Config:
@@ -215,6 +343,11 @@ class _PrefillWrapper:
         self._configs = {}
         self._plan = None
         self._pdl = supports_pdl(self._device)
+        self._structs = {}  # (configuration, K/V side) -> the planner's _PlanConfig
+        self._result = np.zeros(11, dtype=np.int64)  # the planner's results (PrefillPlanResult)
+        self._result_ptr = self._result.ctypes.data
+        self._slot_size = 4096
+        self._kv_rows = 0
         nbytes = float_workspace_buffer.numel() * float_workspace_buffer.element_size()
         # split-KV's partial states live in the workspace: float32 [rows, Hq, Dvo] + lse
         self._workspace_f32 = float_workspace_buffer.view(torch.uint8)[: nbytes // 4 * 4].view(torch.float32) \
@@ -283,101 +416,138 @@ class _PrefillWrapper:
                 self._configs[key] = config
         return config
 
-    def _plan_common(self, config: _Config, qo_indptr, kv_lens: np.ndarray, table_arrays: list, table_layout: str,
-                     kv_index_dev: list, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool) -> None:
-        qo_lens = _indptr_lengths(qo_indptr, "qo_indptr")
-        batch = qo_lens.shape[0]
-        if kv_lens.shape[0] != batch:
-            raise ValueError(f"qo_indptr: {batch} requests, but the KV side describes {kv_lens.shape[0]}")
-        if config.mask == "causal":
-            bad = np.nonzero((kv_lens > 0) & (kv_lens < qo_lens))[0]
-            if bad.size:
-                b = int(bad[0])
-                raise ValueError(f"causal: request {b} has kv_len {int(kv_lens[b])} < qo_len {int(qo_lens[b])} "
-                                 "(a causal prefill needs kv_len >= qo_len; kv_len 0 is padding)")
+    def _plan_common(self, config: _Config, qo_indptr, side: int, kv_a, kv_b, table_layout: str, ids_dev,
+                     max_kv_len: int, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool) -> None:
+        """side: _CSR (kv_a = page indptr, kv_b = last_page_len), _SEQ_LENS (kv_a = seq_lens)
+        or _RAGGED (kv_a = kv_indptr), host int32 vectors; ids_dev: the page ids on the device
+        (paged) or None."""
+        qo = _host_i32(qo_indptr, "qo_indptr")
+        batch = qo.shape[0] - 1
+        if batch < 0:
+            raise ValueError("qo_indptr: expected batch_size + 1 offsets, got an empty tensor")
+        _expect_length(kv_a, _SIDE_NAMES[side][0], batch + (0 if side == _SEQ_LENS else 1))
+        if kv_b is not None:
+            _expect_length(kv_b, _SIDE_NAMES[side][1], batch)
         graph = self._use_cuda_graph
         if graph:
             self._capacity = graph_capacity(self._capacity, batch)
         capacity = self._capacity if graph else batch
-        mask_host = None
+        planner = _native_planner() if env.native_prefill_plan() else None
+        cfg = self._plan_struct(config, side, capacity, max_kv_len)
+        result = self._result
+        extra = capacity + 1 if config.mask == "custom" else 0  # mask_indptr, after the work list
+        slot = self._plan_buffer.host(self._slot_size)
+        args = (qo, kv_a, kv_b, batch)
+        for _ in range(3):
+            if planner is not None:
+                fn, _mirror = planner
+                status = fn(ctypes.addressof(cfg), qo.data_ptr(), kv_a.data_ptr(),
+                            kv_b.data_ptr() if kv_b is not None else None, batch, slot.address,
+                            slot.array.shape[0] - extra, self._result_ptr)
+            else:
+                status = _plan_numpy(cfg, *args, slot.array[: slot.array.shape[0] - extra], result)
+            if status == _SLOT_TOO_SMALL:
+                self._slot_size = int(result[_END]) + extra
+                slot = self._plan_buffer.regrow(self._slot_size)
+                continue
+            if status == _WORK_CAPACITY and graph and self._graph_items is None:
+                raise AssertionError("unreachable")  # (the first graph plan sizes the work list below)
+            break
+        if status:
+            self._raise_plan_error(int(status), int(result[1]), config, side, qo, kv_a, kv_b, int(result[_ITEMS]))
+        if graph and self._graph_items is None:
+            # the first CUDA-graph plan sizes the work list for later plans with more items
+            self._graph_items = max(_GRAPH_MIN_ITEMS, _GRAPH_ITEMS_FACTOR * int(result[_ITEMS]))
+            self._plan_common(config, qo_indptr, side, kv_a, kv_b, table_layout, ids_dev, max_kv_len, custom_mask,
+                              packed_custom_mask, mask_indptr, non_blocking)
+            return
+        _, _, items, tile_rows, qo_tokens, partial_rows, table_at, merge_at, work_at, end, kv_rows = result.tolist()
+        if side == _CSR and kv_rows > ids_dev.shape[0]:
+            raise ValueError(f"paged_kv_indptr: its last offset {kv_rows} exceeds the {ids_dev.shape[0]} page ids of "
+                             "paged_kv_indices")
+        if side == _RAGGED:
+            self._kv_rows = kv_rows
+        mask_args = (None, None)
         if config.mask == "custom":
-            mask_host = self._mask_offsets(qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_indptr)
-        tile_rows = choose_tile_rows(qo_lens, config.group, config.head_dim_qk)
-        forced = getattr(self, "_force_tile_rows", None)  # benchmarks and tests pin the tile
-        if forced is not None:
-            tile_rows = forced
-        sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
-        target = sms * _BLOCKS_PER_SM
-        partial_cap = self._partial_capacity(config)
-        split = not graph and not config.disable_split_kv
-        work, merge_indptr = plan_work(qo_lens, kv_lens, config.group, config.num_kv_heads, tile_rows,
-                                       config.mask == "causal", target, config.fixed_split_size, split, partial_cap)
-        items = int(work[0])
-        qo_tokens = int(qo_lens.sum())
-        if graph:
-            if self._graph_items is None:
-                self._graph_items = max(_GRAPH_MIN_ITEMS, _GRAPH_ITEMS_FACTOR * items)
-            if items > self._graph_items:
-                raise ValueError(f"qo_indptr: this plan needs {items} work items, more than the {self._graph_items} "
-                                 "this CUDA-graph wrapper sized its work list for at its first plan()")
-            grid = target
-            work_cap = self._graph_items
-        else:
-            grid = items
-            work_cap = items
-        # one pinned slot, one copy: qo_indptr, the KV-side arrays, mask_indptr, merge_indptr, work
-        parts = [(capacity + 1, np.concatenate(([0], np.cumsum(qo_lens))))]
-        for arr, size in table_arrays:
-            parts.append((size(capacity), arr))
-        if mask_host is not None:
-            parts.append((capacity + 1, mask_host))
-        if merge_indptr is not None:
-            parts.append((merge_indptr.shape[0], merge_indptr))
-        parts.append((1 + _ITEM_INTS * work_cap, work))
-        sizes = [p[0] for p in parts]
-        offsets = np.concatenate(([0], np.cumsum(sizes)))
-        end = int(offsets[-1])
-        slot = self._plan_buffer.host(end)
-        for (size, arr), at in zip(parts, offsets[:-1]):
-            n = arr.shape[0]
-            slot.array[at:at + n] = arr
-            if n < size:  # capacity padding: indptrs repeat their last offset, counts are 0
-                slot.array[at + n:at + size] = arr[-1] if (size == capacity + 1 and n) else 0
-        self._plan_buffer.ship(slot, end, non_blocking)
-        buf = self._plan_buffer.buf
-        views = [buf[int(a):int(a) + s] for a, s in zip(offsets[:-1], sizes)]
-        qo_indptr_dev = views[0]
-        k = 1
-        table_dev = views[k:k + len(table_arrays)]
-        k += len(table_arrays)
-        mask_indptr_dev = None
-        if mask_host is not None:
-            mask_indptr_dev = views[k]
-            k += 1
-        merge_dev = None
-        if merge_indptr is not None:
-            merge_dev = views[k]
-            k += 1
-        work_dev = views[k]
+            qo_lens = np.diff(qo.numpy().astype(np.int64))
+            kv_lens = _kv_lens_numpy(side, kv_a, kv_b, config.page_size)
+            starts = self._mask_offsets(qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_indptr)
+            slot.array[end:end + batch + 1] = starts
+            slot.array[end + batch + 1:end + capacity + 1] = starts[-1]
+            mask_args = (self._packed_mask(config, qo_lens, kv_lens, custom_mask, packed_custom_mask, starts), None)
+        total = end + extra
+        self._plan_buffer.ship(slot, total, non_blocking)
+        key = (side, capacity, table_at, merge_at, work_at, end, total)
+        qo_dev, table_dev, merge_dev, work_dev, mask_indptr_dev = self._plan_buffer.views(key, _carve)
+        if mask_args[0] is not None:
+            mask_args = (mask_args[0], mask_indptr_dev)
         plan = _Plan()
         plan.config = config
-        plan.spec = self._spec(config, table_layout, False)
-        plan.op = None if self._device.type == "cpu" else _prefill_op(plan.spec, env.debug())
-        plan.batch, plan.qo_tokens, plan.tile_rows, plan.grid = batch, qo_tokens, tile_rows, grid
-        plan.merge_rows = qo_tokens if merge_indptr is not None else 0
+        previous = self._plan
+        spec = self._spec(config, table_layout, False)
+        plan.spec = spec
+        plan.op = previous.op if previous is not None and previous.spec is spec else \
+            (None if self._device.type == "cpu" else _prefill_op(spec, env.debug()))
+        plan.batch, plan.qo_tokens, plan.tile_rows = batch, qo_tokens, tile_rows
+        plan.grid = self._graph_grid() if graph else items
+        plan.merge_rows = qo_tokens if partial_rows else 0
         plan.layout = table_layout
-        kv_index = self._kv_index(table_dev, kv_index_dev)
-        if plan.merge_rows:
-            rows = int(merge_indptr[-1])
-            po, pl = self._partial_views(config, rows)
-        else:
-            po = pl = empty_f32(self._device)
-        plan.args = (kv_index, qo_indptr_dev, work_dev,
-                     merge_dev if merge_dev is not None else _placeholder_i32(self._device), po, pl)
-        plan.mask_args = (self._packed_mask(config, qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_host),
-                          mask_indptr_dev) if mask_host is not None else (None, None)
-        plan.checked = None
+        kv_index = list(table_dev) if side == _RAGGED else self._kv_index(table_dev, ids_dev)
+        po, pl = self._partial_views(config, partial_rows) if partial_rows else (empty_f32(self._device),) * 2
+        plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else _placeholder_i32(self._device),
+                     po, pl)
+        plan.mask_args = mask_args
+        plan.checked = previous.checked if previous is not None and previous.config is config and \
+            previous.qo_tokens == qo_tokens else None
         self._plan = plan
+
+    def _graph_grid(self) -> int:
+        sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
+        return sms * _BLOCKS_PER_SM
+
+    def _plan_struct(self, config: _Config, side: int, capacity: int, max_kv_len: int):
+        """The planner's configuration for this plan (kept per configuration; the per-plan
+        fields updated in place)."""
+        cfg = self._structs.get((id(config), side))
+        if cfg is None:
+            if len(self._structs) >= _MAX_CONFIGS:
+                self._structs.clear()
+            cfg = _PlanConfig(group=config.group, num_kv_heads=config.num_kv_heads, kv_side=side,
+                              page_size=config.page_size, causal=int(config.mask == "causal"),
+                              max_tile_rows=max(tile_rows_for(config.head_dim_qk)),
+                              target_blocks=self._graph_grid(), min_chunk=_MIN_CHUNK,
+                              fixed_split_size=int(config.fixed_split_size or 0),
+                              split=int(not self._use_cuda_graph and not config.disable_split_kv),
+                              max_partial_rows=self._partial_capacity(config))
+            self._structs[(id(config), side)] = cfg
+        cfg.tile_rows = int(getattr(self, "_force_tile_rows", None) or 0)  # benchmarks and tests pin the tile
+        cfg.capacity = capacity
+        cfg.work_capacity = self._graph_items or 0
+        cfg.max_kv_len = max_kv_len
+        return cfg
+
+    def _raise_plan_error(self, status: int, index: int, config: _Config, side: int, qo, kv_a, kv_b, items: int):
+        a_name, b_name = _SIDE_NAMES[side]
+        if status == 1:
+            raise ValueError(f"qo_indptr: expected non-decreasing offsets starting at 0; offset {index} to {index + 1} "
+                             f"goes from {int(qo[index])} to {int(qo[index + 1]) if index + 1 < qo.shape[0] else '?'}")
+        if status == 2:
+            raise ValueError(f"{a_name}: expected non-decreasing offsets starting at 0 (at offset {index})")
+        if status == 3:
+            raise ValueError(f"{b_name}: expected 1..page_size ({config.page_size}) for every request with pages; "
+                             f"request {index} has {int(kv_b[index])}")
+        if status == 4:
+            raise ValueError(f"causal: request {index} has kv_len < qo_len ({int(qo[index + 1] - qo[index])} query "
+                             "tokens); a causal prefill needs kv_len >= qo_len (kv_len 0 is padding)")
+        if status == 5:
+            raise ValueError(f"{a_name}: expected 0..max_pages x page_size for every request; request {index} has "
+                             f"{int(kv_a[index])}")
+        if status == 7:
+            raise ValueError(f"qo_indptr: this plan needs {items} work items, more than the {self._graph_items} this "
+                             "CUDA-graph wrapper sized its work list for at its first plan()")
+        if status == 8:
+            raise ValueError(f"qo_indptr: {index} requests exceed this CUDA-graph wrapper's capacity {self._capacity}")
+        raise RuntimeError(f"prefill plan(): planner status {status}")
 
     def _partial_capacity(self, config: _Config) -> int:
         """Partial rows (token x chunk) the workspace holds: float32 o [Hq, Dvo] + lse [Hq] each."""
@@ -612,39 +782,26 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                     block_tables.stride(-1) != 1:
                 raise ValueError("block_tables: expected int32 [batch, max_pages] or [batch, 2, max_pages] (K and V "
                                  "page ids), contiguous along max_pages")
-            lens = _host_vector(seq_lens, "seq_lens") if seq_lens is not None else None
-            if lens is None or lens.shape[0] != block_tables.shape[0]:
+            if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or \
+                    seq_lens.shape[0] != block_tables.shape[0]:
                 raise ValueError(f"seq_lens: expected [{block_tables.shape[0]}] (one KV length per request)")
-            if lens.size and (lens.min() < 0 or lens.max() > block_tables.shape[-1] * page_size):
-                raise ValueError(f"seq_lens: expected 0..max_pages x page_size ({block_tables.shape[-1] * page_size})")
             layout = "block_table_kv_separate" if block_tables.dim() == 3 else "block_table"
             ids = block_tables.to(self._device)
             if self._use_cuda_graph:
                 ids = self._graph_block_tables(ids)
-            self._plan_common(config, qo_indptr, lens, [(lens, lambda cap: cap)], layout, [ids], custom_mask,
-                              packed_custom_mask, mask_indptr, non_blocking)
+            self._plan_common(config, qo_indptr, _SEQ_LENS, _host_i32(seq_lens, "seq_lens"), None, layout, ids,
+                              block_tables.shape[-1] * page_size, custom_mask, packed_custom_mask, mask_indptr,
+                              non_blocking)
             return
-        pages = _indptr_lengths(paged_kv_indptr, "paged_kv_indptr")
         indices = as_int32_index(paged_kv_indices, "paged_kv_indices")
         if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
             raise ValueError("paged_kv_indices: expected a 1-D int32 tensor of page ids")
-        if int(pages.sum()) > indices.shape[0]:
-            raise ValueError(f"paged_kv_indptr: its last offset {int(pages.sum())} exceeds len(paged_kv_indices) "
-                             f"({indices.shape[0]})")
-        last = _host_vector(paged_kv_last_page_len, "paged_kv_last_page_len")
-        if last.shape[0] != pages.shape[0]:
-            raise ValueError(f"paged_kv_last_page_len: expected {pages.shape[0]} entries (batch size), got "
-                             f"{last.shape[0]}")
-        if ((pages > 0) & ((last < 1) | (last > page_size))).any():
-            raise ValueError(f"paged_kv_last_page_len: expected 1..page_size ({page_size}) for every request with pages")
-        kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-        ptr = np.concatenate(([0], np.cumsum(pages)))
-        ids = indices.to(self._device)
+        ids = indices if indices.device == self._device else indices.to(self._device)
         if self._use_cuda_graph:
             ids = self._graph_indices(ids)
-        self._plan_common(config, qo_indptr, kv_lens, [(ptr, lambda cap: cap + 1), (np.where(pages > 0, last, 0),
-                                                                                      lambda cap: cap)],
-                          "csr", [ids], custom_mask, packed_custom_mask, mask_indptr, non_blocking)
+        self._plan_common(config, qo_indptr, _CSR, _host_i32(paged_kv_indptr, "paged_kv_indptr"),
+                          _host_i32(paged_kv_last_page_len, "paged_kv_last_page_len"), "csr", ids, 0, custom_mask,
+                          packed_custom_mask, mask_indptr, non_blocking)
 
     def _graph_indices(self, ids: torch.Tensor) -> torch.Tensor:
         buf = self._indices_buf
@@ -668,14 +825,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         return buf
 
     def _kv_index(self, table_dev, ids_dev):
-        if self._plan_layout_csr(table_dev):
-            indptr, last = table_dev
-            return [indptr, ids_dev[0], last]
-        return [ids_dev[0], table_dev[0]]
-
-    @staticmethod
-    def _plan_layout_csr(table_dev) -> bool:
-        return len(table_dev) == 2
+        if len(table_dev) == 2:  # csr: indptr, last_page_len
+            return [table_dev[0], ids_dev, table_dev[1]]
+        return [ids_dev, table_dev[0]]
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
@@ -738,11 +890,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                 logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
-        kv_lens = _indptr_lengths(kv_indptr, "kv_indptr")
-        ptr = np.concatenate(([0], np.cumsum(kv_lens)))
-        self._kv_rows = int(ptr[-1])
-        self._plan_common(config, qo_indptr, kv_lens, [(ptr, lambda cap: cap + 1)], "csr", [], custom_mask,
-                          packed_custom_mask, mask_indptr, non_blocking)
+        self._plan_common(config, qo_indptr, _RAGGED, _host_i32(kv_indptr, "kv_indptr"), None, "csr", None, 0,
+                          custom_mask, packed_custom_mask, mask_indptr, non_blocking)
 
     def _kv_index(self, table_dev, ids_dev):
         return [table_dev[0]]

@@ -108,3 +108,17 @@ _MASK_ENUMS = {"none": "kNone", "causal": "kCausal", "custom": "kCustom"}
 def tile_rows_for(head_dim_qk: int) -> tuple[int, ...]:
     """See PrefillSpec.tile_rows."""
     return (64,) if head_dim_qk >= 256 else (64, 128)
+
+
+@dataclass(frozen=True)
+class PrefillPlanSpec(Spec):
+    """Batch prefill's plan() on the host, in C++ (csrc/prefill_plan.h): one module for every
+    prefill configuration (the configuration is a run-time struct), called through ctypes;
+    its one op reports the size of that struct."""
+
+    FAMILY = "prefill_plan"
+    TEMPLATES = {"kernel.cu": "prefill_plan.cu.j2", "binding.cc": "prefill_plan_binding.cc.j2"}
+    HOST_ONLY = True
+
+    def op_schemas(self) -> dict[str, str]:
+        return {"config_bytes": "() -> int"}

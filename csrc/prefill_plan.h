@@ -1,0 +1,253 @@
+// Batch prefill's plan() on the host, in C++ (flashinfer_jit/prefill.py calls it through
+// ctypes; its numpy twin, prefill.plan_work, is the readable specification and the
+// fallback). It validates the index arrays, picks the query tile, splits long requests'
+// keys where the batch cannot fill the GPU, and writes, into one pinned host slot that
+// reaches the device in one copy:
+//   qo_indptr [capacity + 1]
+//   the K/V side's arrays: csr: indptr [capacity + 1], last_page_len [capacity];
+//     block tables: seq_lens [capacity]; ragged: kv_indptr [capacity + 1]
+//   merge_indptr [qo_tokens + 1] (only when a request is split)
+//   the work list: count, then kPrefillItemInts ints an item (csrc/prefill_params.h)
+// Index arrays past the batch (CUDA-graph capacity) repeat their last offset or hold 0.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "prefill_params.h"
+
+namespace fij {
+
+enum class PrefillKVSide : int32_t { kCSR = 0, kSeqLens = 1, kRagged = 2 };
+
+struct PrefillPlanConfig {
+  int32_t group = 1, num_kv_heads = 1;
+  int32_t kv_side = 0;       // PrefillKVSide
+  int32_t page_size = 1;
+  int32_t causal = 0;
+  int32_t tile_rows = 0;     // 0: chosen here (64 or 128, see max_tile_rows)
+  int32_t max_tile_rows = 128;
+  int32_t target_blocks = 264;  // blocks of a full wave
+  int32_t min_chunk = 256;
+  int32_t fixed_split_size = 0;  // > 0: keys a chunk (forced)
+  int32_t split = 1;             // 0: no request splits
+  int32_t capacity = 0;          // index arrays' length (the batch, or a CUDA-graph capacity)
+  int64_t work_capacity = 0;     // > 0: the work list's fixed size in items (CUDA graphs)
+  int64_t max_partial_rows = 0;  // partial rows the workspace holds
+  int64_t max_kv_len = 0;        // > 0: block tables' seq_lens at most this (max_pages x page_size)
+};
+
+// result[]: what plan() reads back
+enum PrefillPlanResult : int {
+  kStatus = 0,      // 0, or an error below
+  kBadIndex = 1,    // the request (or offset) an error is about
+  kItems = 2,
+  kTileRows = 3,
+  kQoTokens = 4,
+  kPartialRows = 5,  // > 0: split; merge_indptr[qo_tokens] = this
+  kTableAt = 6,
+  kMergeAt = 7,
+  kWorkAt = 8,
+  kEnd = 9,  // int32s written (or needed, with kSlotTooSmall)
+  kKvRows = 10,  // ragged: kv_indptr[batch]; csr: indptr[batch] (pages)
+  kResultInts = 11
+};
+enum PrefillPlanError : int {
+  kQoIndptr = 1,       // not starting at 0 or decreasing
+  kKvIndptr = 2,       // ragged kv_indptr / csr indptr: not starting at 0 or decreasing
+  kLastPageLen = 3,    // outside 1..page_size for a request with pages
+  kCausalKvShort = 4,  // causal with 0 < kv_len < qo_len
+  kSeqLens = 5,        // negative, or over max_kv_len
+  kSlotTooSmall = 6,   // host_size < result[kEnd]
+  kWorkCapacity = 7,   // more items than work_capacity
+  kCapacity = 8,       // batch > capacity
+};
+
+inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr, const int32_t* kv_a,
+                            const int32_t* kv_b, int64_t batch, int32_t* host, int64_t host_size, int64_t* result) {
+  for (int i = 0; i < kResultInts; ++i) result[i] = 0;
+  auto fail = [&](int code, int64_t index) {
+    result[kStatus] = code;
+    result[kBadIndex] = index;
+    return int64_t(code);
+  };
+  const int64_t cap = c.capacity > batch ? c.capacity : batch;
+  if (c.capacity > 0 && batch > c.capacity) return fail(kCapacity, batch);
+  // lengths, validated
+  std::vector<int32_t> kv_len(batch);
+  if (qo_indptr[0] != 0) return fail(kQoIndptr, 0);
+  int64_t qo_tokens = 0, rows_total = 0, active = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t q = qo_indptr[b + 1] - qo_indptr[b];
+    if (q < 0) return fail(kQoIndptr, b);
+    qo_tokens += q;
+    active += q > 0;
+  }
+  const auto side = static_cast<PrefillKVSide>(c.kv_side);
+  if (side != PrefillKVSide::kSeqLens && kv_a[0] != 0) return fail(kKvIndptr, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t n;
+    if (side == PrefillKVSide::kCSR) {
+      const int32_t pages = kv_a[b + 1] - kv_a[b];
+      if (pages < 0) return fail(kKvIndptr, b);
+      if (pages > 0 && (kv_b[b] < 1 || kv_b[b] > c.page_size)) return fail(kLastPageLen, b);
+      n = pages > 0 ? (pages - 1) * c.page_size + kv_b[b] : 0;
+    } else if (side == PrefillKVSide::kSeqLens) {
+      n = kv_a[b];
+      if (n < 0 || (c.max_kv_len > 0 && n > c.max_kv_len)) return fail(kSeqLens, b);
+    } else {
+      n = kv_a[b + 1] - kv_a[b];
+      if (n < 0) return fail(kKvIndptr, b);
+    }
+    const int32_t q = qo_indptr[b + 1] - qo_indptr[b];
+    if (c.causal && n > 0 && n < q) return fail(kCausalKvShort, b);
+    kv_len[b] = n;
+  }
+  result[kKvRows] = side == PrefillKVSide::kSeqLens ? 0 : kv_a[batch];
+  // the query tile: 128 rows where requests average more than 64 (token, head) rows
+  rows_total = qo_tokens * c.group;
+  int32_t tile = c.tile_rows;
+  if (tile <= 0) tile = (c.max_tile_rows >= 128 && active > 0 && rows_total > 64 * active) ? 128 : 64;
+  // tiles, the keys each can see, and the split
+  struct Tile {
+    int32_t b, row0, visible;
+  };
+  std::vector<Tile> tiles;
+  tiles.reserve(static_cast<size_t>(rows_total / tile + batch));
+  int64_t visible_sum = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t q = qo_indptr[b + 1] - qo_indptr[b], n = kv_len[b];
+    const int64_t rows = int64_t(q) * c.group;
+    for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+      int32_t vis = n;
+      if (c.causal) {
+        const int64_t last_token = std::min<int64_t>(q, (r0 + tile - 1) / c.group + 1) - 1;
+        vis = static_cast<int32_t>(std::max<int64_t>(0, std::min<int64_t>(n, last_token + n - q + 1)));
+      }
+      tiles.push_back({static_cast<int32_t>(b), static_cast<int32_t>(r0), vis});
+      visible_sum += vis;
+    }
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  int64_t chunk = 0;
+  if (c.split && batch > 0) {
+    if (c.fixed_split_size > 0) {
+      chunk = c.fixed_split_size;
+    } else if (num_tiles * c.num_kv_heads < c.target_blocks) {
+      const int64_t work = visible_sum * c.num_kv_heads;
+      chunk = std::max<int64_t>(c.min_chunk, (work + c.target_blocks - 1) / c.target_blocks);
+    }
+    if (chunk > 0) chunk = (chunk + 63) / 64 * 64;
+  }
+  std::vector<int32_t> chunks(batch, 1);
+  int64_t partial_rows = 0;
+  if (chunk > 0) {
+    for (int64_t b = 0; b < batch; ++b) {
+      chunks[b] = static_cast<int32_t>(std::max<int64_t>(1, (kv_len[b] + chunk - 1) / chunk));
+      if (chunks[b] > 1) partial_rows += int64_t(qo_indptr[b + 1] - qo_indptr[b]) * chunks[b];
+    }
+    if (partial_rows > c.max_partial_rows) {  // the workspace cannot hold them: unsplit
+      std::fill(chunks.begin(), chunks.end(), 1);
+      partial_rows = 0;
+    }
+  }
+  // (tile, chunk) pairs, heaviest first (stable: ties keep request order)
+  struct Pair {
+    int32_t tile, chunk, cost;
+  };
+  std::vector<Pair> pairs;
+  pairs.reserve(static_cast<size_t>(num_tiles));
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const Tile& tl = tiles[t];
+    const int32_t n = chunks[tl.b];
+    for (int32_t k = 0; k < n; ++k) {
+      int32_t cost = tl.visible;
+      if (n > 1) {
+        const int64_t lo = int64_t(k) * chunk, hi = std::min<int64_t>(lo + chunk, kv_len[tl.b]);
+        cost = static_cast<int32_t>(std::max<int64_t>(0, std::min<int64_t>(hi, tl.visible) - lo));
+      }
+      pairs.push_back({static_cast<int32_t>(t), k, cost});
+    }
+  }
+  std::stable_sort(pairs.begin(), pairs.end(), [](const Pair& x, const Pair& y) { return x.cost > y.cost; });
+  const int64_t items = static_cast<int64_t>(pairs.size()) * c.num_kv_heads;
+  if (c.work_capacity > 0 && items > c.work_capacity) {
+    result[kItems] = items;
+    return fail(kWorkCapacity, items);
+  }
+  // layout
+  const int64_t table_at = cap + 1;
+  int64_t merge_at = table_at;
+  if (side == PrefillKVSide::kCSR) merge_at += 2 * cap + 1;
+  else if (side == PrefillKVSide::kSeqLens) merge_at += cap;
+  else merge_at += cap + 1;
+  const int64_t work_at = merge_at + (partial_rows > 0 ? qo_tokens + 1 : 0);
+  const int64_t work_items = c.work_capacity > 0 ? c.work_capacity : items;
+  const int64_t end = work_at + 1 + int64_t(kPrefillItemInts) * work_items;
+  result[kItems] = items;
+  result[kTileRows] = tile;
+  result[kQoTokens] = qo_tokens;
+  result[kPartialRows] = partial_rows;
+  result[kTableAt] = table_at;
+  result[kMergeAt] = merge_at;
+  result[kWorkAt] = work_at;
+  result[kEnd] = end;
+  if (host_size < end) return fail(kSlotTooSmall, end);
+  // qo_indptr and the K/V side, padded to the capacity
+  for (int64_t b = 0; b <= batch; ++b) host[b] = qo_indptr[b];
+  for (int64_t b = batch + 1; b <= cap; ++b) host[b] = qo_indptr[batch];
+  int32_t* t = host + table_at;
+  if (side == PrefillKVSide::kCSR) {
+    for (int64_t b = 0; b <= batch; ++b) t[b] = kv_a[b];
+    for (int64_t b = batch + 1; b <= cap; ++b) t[b] = kv_a[batch];
+    int32_t* last = t + cap + 1;
+    for (int64_t b = 0; b < batch; ++b) last[b] = kv_a[b + 1] > kv_a[b] ? kv_b[b] : 0;
+    for (int64_t b = batch; b < cap; ++b) last[b] = 0;
+  } else if (side == PrefillKVSide::kSeqLens) {
+    for (int64_t b = 0; b < batch; ++b) t[b] = kv_len[b];
+    for (int64_t b = batch; b < cap; ++b) t[b] = 0;
+  } else {
+    for (int64_t b = 0; b <= batch; ++b) t[b] = kv_a[b];
+    for (int64_t b = batch + 1; b <= cap; ++b) t[b] = kv_a[batch];
+  }
+  // merge_indptr over q tokens, and each split request's first partial row
+  std::vector<int32_t> partial_base(batch, -1);
+  if (partial_rows > 0) {
+    int32_t* m = host + merge_at;
+    int64_t acc = 0, token = 0;
+    m[0] = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int32_t q = qo_indptr[b + 1] - qo_indptr[b];
+      const int32_t per = chunks[b] > 1 ? chunks[b] : 0;
+      if (per) partial_base[b] = static_cast<int32_t>(acc);
+      for (int32_t i = 0; i < q; ++i) {
+        acc += per;
+        m[++token] = static_cast<int32_t>(acc);
+      }
+    }
+  }
+  // the work list
+  int32_t* w = host + work_at;
+  w[0] = static_cast<int32_t>(items);
+  int32_t* it = w + 1;
+  for (const Pair& pr : pairs) {
+    const Tile& tl = tiles[pr.tile];
+    const int32_t n = chunks[tl.b];
+    const int32_t kv_start = n > 1 ? static_cast<int32_t>(int64_t(pr.chunk) * chunk) : 0;
+    const int32_t kv_end = n > 1 ? static_cast<int32_t>(std::min<int64_t>(kv_start + chunk, kv_len[tl.b])) : kv_len[tl.b];
+    for (int32_t h = 0; h < c.num_kv_heads; ++h) {
+      it[0] = tl.b;
+      it[1] = h;
+      it[2] = tl.row0;
+      it[3] = kv_start;
+      it[4] = kv_end;
+      it[5] = partial_base[tl.b];
+      it[6] = n;
+      it[7] = pr.chunk;
+      it += kPrefillItemInts;
+    }
+  }
+  return 0;
+}
+
+}  // namespace fij

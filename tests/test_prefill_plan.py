@@ -1,0 +1,155 @@
+"""Batch prefill's plan() on the host: the C++ planner (csrc/prefill_plan.h) against its
+numpy twin (prefill._plan_numpy / plan_work), the work list's invariants, and plan()'s
+errors. CPU only: plan() on a CPU workspace validates and plans without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashinfer_jit import prefill
+from flashinfer_jit.prefill import _CSR, _RAGGED, _SEQ_LENS, _PlanConfig, _native_planner, _plan_numpy
+
+
+def _config(side, group=4, heads=8, causal=1, page_size=16, split=1, fixed=0, capacity=0, partial=10**9, tile=0):
+    return _PlanConfig(group=group, num_kv_heads=heads, kv_side=side, page_size=page_size, causal=causal,
+                       tile_rows=tile, max_tile_rows=128, target_blocks=264, min_chunk=256, fixed_split_size=fixed,
+                       split=split, capacity=capacity, work_capacity=0, max_partial_rows=partial, max_kv_len=0)
+
+
+def _batch(rng, b, side, page_size=16, long=False):
+    qo = rng.integers(0, 2000 if long else 40, b)
+    kv = qo + rng.integers(0, 3000 if long else 100, b)
+    kv[rng.random(b) < 0.1] = 0  # padding requests
+    qo_indptr = torch.tensor(np.concatenate(([0], np.cumsum(qo))), dtype=torch.int32)
+    if side == _RAGGED:
+        return qo_indptr, torch.tensor(np.concatenate(([0], np.cumsum(kv))), dtype=torch.int32), None
+    if side == _SEQ_LENS:
+        return qo_indptr, torch.tensor(kv, dtype=torch.int32), None
+    pages = -(-kv // page_size)
+    last = np.where(pages > 0, kv - (pages - 1) * page_size, 0)
+    return (qo_indptr, torch.tensor(np.concatenate(([0], np.cumsum(pages))), dtype=torch.int32),
+            torch.tensor(last, dtype=torch.int32))
+
+
+def _run_native(cfg, qo, a, b, batch):
+    fn, _ = _native_planner()
+    host = np.zeros(1 << 22, dtype=np.int32)
+    result = np.zeros(11, dtype=np.int64)
+    status = fn(__import__("ctypes").addressof(cfg), qo.data_ptr(), a.data_ptr(), b.data_ptr() if b is not None
+                else None, batch, host.ctypes.data, host.shape[0], result.ctypes.data)
+    return status, host, result
+
+
+@pytest.mark.parametrize("side", [_CSR, _SEQ_LENS, _RAGGED])
+@pytest.mark.parametrize("seed", range(4))
+def test_native_planner_matches_numpy(side, seed):
+    rng = np.random.default_rng(seed)
+    long = seed % 2 == 1
+    qo, a, b = _batch(rng, 3 if long else 37, side, long=long)
+    batch = qo.shape[0] - 1
+    for fixed in (0, 256):
+        cfg = _config(side, fixed=fixed, causal=seed % 3 != 0)
+        status, host, result = _run_native(cfg, qo, a, b, batch)
+        ref_host = np.zeros_like(host)
+        ref_result = np.zeros(11, dtype=np.int64)
+        assert _plan_numpy(cfg, qo, a, b, batch, ref_host, ref_result) == status == 0
+        np.testing.assert_array_equal(result, ref_result)
+        end = int(result[prefill._END])
+        np.testing.assert_array_equal(host[:end], ref_host[:end])
+
+
+def test_work_list_covers_every_row_and_key_once():
+    rng = np.random.default_rng(7)
+    qo, a, _ = _batch(rng, 9, _RAGGED, long=True)
+    cfg = _config(_RAGGED, fixed=512, causal=0)
+    status, host, result = _run_native(cfg, qo, a, None, qo.shape[0] - 1)
+    assert status == 0 and result[prefill._PARTIAL_ROWS] > 0
+    w = host[int(result[prefill._WORK_AT]):]
+    items = w[1: 1 + 8 * w[0]].reshape(-1, 8)
+    qo_lens, kv_lens = np.diff(qo.numpy()), np.diff(a.numpy())
+    tile = int(result[prefill._TILE_ROWS])
+    for b in range(qo_lens.shape[0]):
+        for h in range(8):
+            mine = items[(items[:, 0] == b) & (items[:, 1] == h)]
+            rows = set(mine[:, 2].tolist())
+            assert rows == set(range(0, qo_lens[b] * 4, tile))
+            for r in rows:
+                chunks = mine[mine[:, 2] == r]
+                spans = sorted(zip(chunks[:, 3].tolist(), chunks[:, 4].tolist()))
+                covered = [j for lo, hi in spans for j in range(lo, hi)]
+                assert covered == list(range(kv_lens[b]))
+
+
+@pytest.mark.parametrize("side,status", [(_CSR, 3), (_RAGGED, 2), (_SEQ_LENS, 5)])
+def test_native_planner_rejects_bad_kv_side(side, status):
+    qo = torch.tensor([0, 4, 8], dtype=torch.int32)
+    if side == _CSR:
+        a, b = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([5, 17], dtype=torch.int32)  # 17 > page
+    elif side == _RAGGED:
+        a, b = torch.tensor([0, 9, 5], dtype=torch.int32), None
+    else:
+        a, b = torch.tensor([9, -1], dtype=torch.int32), None
+    got, _, result = _run_native(_config(side), qo, a, b, 2)
+    assert got == status and result[1] == 1
+
+
+def _paged(**kwargs):
+    w = prefill.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), **kwargs)
+    return w
+
+
+def _plan(w, qo, indptr, last, causal=True, **kwargs):
+    w.plan(torch.tensor(qo, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int32),
+           torch.arange(max(indptr[-1], 1), dtype=torch.int32), torch.tensor(last, dtype=torch.int32), 8, 2, 128, 16,
+           causal=causal, q_data_type=torch.bfloat16, **kwargs)
+
+
+@pytest.mark.parametrize("qo,match", [([0, 5, 3], "qo_indptr"), ([1, 5, 9], "qo_indptr")])
+def test_plan_rejects_bad_qo_indptr(qo, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(_paged(), qo, [0, 1, 2], [5, 5], causal=False)
+
+
+def test_plan_rejects_causal_kv_shorter_than_qo():
+    with pytest.raises(ValueError, match="causal: request 1"):
+        _plan(_paged(), [0, 4, 24], [0, 1, 2], [5, 5])
+
+
+def test_plan_rejects_decreasing_kv_indptr_and_bad_last_page_len():
+    with pytest.raises(ValueError, match="paged_kv_indptr"):
+        _plan(_paged(), [0, 1, 2], [0, 2, 1], [5, 5], causal=False)
+    with pytest.raises(ValueError, match="paged_kv_last_page_len"):
+        _plan(_paged(), [0, 1, 2], [0, 1, 2], [5, 0], causal=False)
+
+
+def test_plan_rejects_unsupported_heads_and_backends():
+    with pytest.raises(ValueError, match="head_dim_qk=96"):
+        _paged().plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                      torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 8, 2, 96, 16)
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        _paged().plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                      torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 6, 4, 128, 16)
+    with pytest.raises(ValueError, match="fa3.*Hopper"):
+        _paged(backend="fa3")
+    with pytest.raises(ValueError, match="backend"):
+        _paged(backend="trtllm-gen")
+
+
+def test_plan_rejects_packed_mask_without_indptr_or_of_wrong_length():
+    mask = torch.zeros(4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="mask_indptr"):
+        _plan(_paged(), [0, 2, 4], [0, 1, 2], [5, 5], causal=False, packed_custom_mask=mask)
+    with pytest.raises(ValueError, match="mask_indptr"):
+        _plan(_paged(), [0, 2, 4], [0, 1, 2], [5, 5], causal=False, packed_custom_mask=mask,
+              mask_indptr=torch.tensor([0, 1, 3], dtype=torch.int32))
+
+
+def test_graph_wrapper_keeps_its_capacity():
+    buf = torch.zeros(64, dtype=torch.int32)
+    w = _paged(use_cuda_graph=True, paged_kv_indices_buf=buf)
+    _plan(w, [0, 3, 6], [0, 1, 2], [5, 5])
+    _plan(w, [0, 7], [0, 1], [9])  # fewer requests: fine
+    with pytest.raises(ValueError, match="capacity|exceeds"):
+        _plan(w, [0, 1, 2, 3], [0, 1, 2, 3], [5, 5, 5])
