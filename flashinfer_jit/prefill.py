@@ -46,6 +46,8 @@ _GRAPH_ITEMS_FACTOR = 4
 _GRAPH_MIN_ITEMS = 4096
 _MAX_CONFIGS = 16
 _LOG2E = 1.4426950408889634
+_Q_DTYPES = (torch.float16, torch.bfloat16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # the K/V side of plan() (csrc/prefill_plan.h PrefillKVSide) and its arguments' names
 _CSR, _SEQ_LENS, _RAGGED = 0, 1, 2
 _SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: ("seq_lens", ""),
@@ -338,7 +340,9 @@ class _PrefillWrapper:
         self._custom_mask_buf = custom_mask_buf
         self._mask_indptr_buf = mask_indptr_buf
         self._plan_buffer = PlanBuffer(self._device, self._use_cuda_graph)
-        self._capacity = None
+        # CUDA graphs: the requests a plan may hold, fixed by the constructor's qo_indptr_buf
+        # (FlashInfer's rule), else by the first plan()
+        self._capacity = qo_indptr_buf.shape[0] - 1 if self._use_cuda_graph and qo_indptr_buf is not None else None
         self._graph_items = None
         self._configs = {}
         self._plan = None
@@ -387,6 +391,11 @@ class _PrefillWrapper:
         c.q_dtype = _as_dtype(q_data_type, "q_data_type", "float16")
         c.kv_dtype = _as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
         c.o_dtype = _as_dtype(o_data_type, "o_data_type", c.q_dtype)
+        for name, value, allowed in (("q_data_type", c.q_dtype, _Q_DTYPES), ("o_data_type", c.o_dtype, _Q_DTYPES),
+                                     ("kv_data_type", c.kv_dtype, _Q_DTYPES + _FP8_DTYPES)):
+            if value not in allowed:
+                raise ValueError(f"{name}: expected one of {', '.join(dtype_str(d) for d in allowed)}, got "
+                                 f"{dtype_str(value)}")
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size <= 0):
             raise ValueError(f"fixed_split_size: expected None or a positive int (keys per chunk), got "
                              f"{fixed_split_size!r}")

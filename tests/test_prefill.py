@@ -1,0 +1,1373 @@
+"""Batch prefill (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
+single_prefill_with_kv_cache) against the float64 reference (flashinfer_jit/reference/prefill.py,
+docs/prefill.md).
+
+The option grid (q / K/V / output dtypes, head dims, GQA/MQA, paged or ragged K/V, page tables,
+KV layouts, page sizes, cache forms, masks, RoPE, window, soft cap, sm_scale, sinks, LSE,
+split-KV, strided q) is covered pairwise by CASES, a fixed list checked on the CPU by
+test_cases_cover_every_pair_of_options, so each option value meets every other at least once
+without the full product. CASES and the tests beyond it need few compiled modules (PrefillSpec,
+~40 s of nvcc each), all listed in scripts/matrices/tests (checked on the CPU too:
+test_tests_matrix_has_every_prefill_module).
+
+Every GPU test uses fresh random data. Paged caches start as NaN and only the slots of each
+request's tokens are written, so a read through a wrong page id, of an unused page or of a
+slot past a request's length shows as NaN. Outputs are NaN-poisoned (`out=`/`lse=` passed
+filled with NaN, inside SENTINEL rows that must stay untouched). Outputs are compared row by
+row with |out - ref| <= tol * (1 + |ref|) (tol by dtype, looser for fp8 K/V), LSEs (base 2)
+with |lse - ref| <= LSE_TOL * max(1, |ref|); rows that see no key must be exactly zero with
+LSE -inf (without sinks). fp8 caches are compared with the reference on the same fp8 values.
+
+The CPU tests at the end check plan()'s argument validation: it raises a ValueError/TypeError
+naming the argument before anything touches the GPU (a CPU workspace is enough).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import random
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import flashinfer_jit as fij
+from flashinfer_jit.matrix import parse_matrix
+from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
+from flashinfer_jit.reference.decode import request_pages_ref
+from flashinfer_jit.reference.prefill import prefill_ref, segment_packbits_ref
+from flashinfer_jit.specs import DecodeSpec, MergeSpec
+from flashinfer_jit.specs.decode import group_tile
+from flashinfer_jit.specs.prefill import PrefillSpec
+
+DEV = "cuda"
+# |out - ref| <= tol * (1 + |ref|), tol of the coarser of q's and the output's dtype
+TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+FP8_FACTOR = 2.5  # fp8 K/V: the kernel may round P (or q) more coarsely
+LSE_TOL = 1e-2  # base 2, relative to max(1, |lse|)
+WORKSPACE_BYTES = 128 << 20
+SENTINEL = 7.0
+MATRIX = Path(__file__).resolve().parent.parent / "scripts" / "matrices" / "tests"
+SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+TABLE_TAG = {"ragged": "ragged", "csr": "csr", "block_table": "bt", "block_table_kv_separate": "btkv"}
+FP8_NAN = 0x7F  # NaN in e4m3fn and in e5m2
+
+
+# --- the pairwise grid -----------------------------------------------------------------------------
+class Case(NamedTuple):
+    q_dtype: str
+    kv: str               # "same" (= q_dtype), or an fp8 cache dtype (paged only)
+    o_dtype: str          # "same" (o_data_type None or q's), "other" (fp16 <-> bf16)
+    dims: tuple           # (head_dim_qk, head_dim_vo)
+    heads: tuple          # (num_qo_heads, num_kv_heads)
+    source: str           # "ragged" or the page table: "csr", "block_table", "block_table_kv_separate"
+    kv_layout: str | None  # NHD / HND; None for ragged
+    page_size: int | None  # None for ragged
+    form: str             # "tuple" (k, v); "single" [P, 2, ...] (paged); "halves": K, V slices of one buffer
+    mask: str             # "none", "causal", "custom" (bool custom_mask), "packed" (packed_custom_mask + mask_indptr)
+    pos_encoding: str     # "NONE", "ROPE_LLAMA"
+    window: str           # "off"; "plan" (plan(window_left=37)); "run" (run(window_left=100) overrides plan's)
+    soft_cap: float | None
+    sm_scale: float | None
+    sinks: bool           # run(sinks=float32 [num_qo_heads])
+    return_lse: bool
+    split: str            # "auto"; "fixed" (fixed_split_size=64); "none" (disable_split_kv=True)
+    q_view: str           # "contiguous"; "strided" (q a slice of a wider buffer)
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.q_dtype if self.kv == "same" else self.kv
+
+    @property
+    def out_dtype(self) -> str:
+        if self.o_dtype == "same":
+            return self.q_dtype
+        return "bfloat16" if self.q_dtype == "float16" else "float16"
+
+    @property
+    def paged(self) -> bool:
+        return self.source != "ragged"
+
+
+OPTIONS = {
+    "q_dtype": ("float16", "bfloat16"),
+    "kv": ("same", "float8_e4m3fn", "float8_e5m2"),
+    "o_dtype": ("same", "other"),
+    "dims": ((64, 64), (128, 128), (256, 256), (192, 128)),
+    "heads": ((32, 32), (32, 16), (32, 8), (64, 8), (32, 1), (64, 1)),
+    "source": ("ragged", "csr", "block_table", "block_table_kv_separate"),
+    "kv_layout": ("NHD", "HND"),
+    "page_size": (1, 7, 16, 64),
+    "form": ("tuple", "single", "halves"),
+    "mask": ("none", "causal", "custom", "packed"),
+    "pos_encoding": ("NONE", "ROPE_LLAMA"),
+    "window": ("off", "plan", "run"),
+    "soft_cap": (None, 8.0),
+    "sm_scale": (None, 0.07),
+    "sinks": (False, True),
+    "return_lse": (False, True),
+    "split": ("auto", "fixed", "none"),
+    "q_view": ("contiguous", "strided"),
+}
+PAGED_ONLY = ("kv_layout", "page_size")  # None in ragged cases: no pair to cover there
+
+
+def compatible(values: dict) -> bool:
+    """Whether option values (some of a case's, or all) can meet in one case."""
+    if values.get("source") == "ragged":
+        if values.get("kv", "same") != "same" or values.get("form") == "single":
+            return False  # fp8 K/V and the [P, 2, ...] cache are paged only
+        if any(name in values for name in PAGED_ONLY):
+            return False
+    if values.get("dims") == (192, 128):
+        # in-kernel RoPE rotates every head dim (not DeepSeek's semantics); K and V differ in width
+        if values.get("pos_encoding") == "ROPE_LLAMA" or values.get("form") == "single":
+            return False
+    return True
+
+
+def case_values(case: Case) -> dict:
+    return {name: getattr(case, name) for name in OPTIONS
+            if not (name in PAGED_ONLY and getattr(case, name) is None)}
+
+
+# A covering array of OPTIONS, generated greedily (fixed seed) with a cost on each new compiled
+# module (reusing the modules of the tests beyond the grid where it can).
+CASES = [
+    Case('bfloat16', 'float8_e4m3fn', 'same', (64, 64), (32, 1), 'block_table_kv_separate', 'NHD', 64, 'single', 'causal', 'ROPE_LLAMA', 'run', 8.0, None, True, False, 'auto', 'strided'),
+    Case('bfloat16', 'float8_e4m3fn', 'same', (64, 64), (32, 16), 'block_table_kv_separate', 'NHD', 1, 'tuple', 'causal', 'ROPE_LLAMA', 'run', 8.0, 0.07, True, False, 'none', 'contiguous'),
+    Case('bfloat16', 'float8_e4m3fn', 'other', (128, 128), (32, 1), 'csr', 'HND', 64, 'single', 'packed', 'ROPE_LLAMA', 'plan', 8.0, None, True, False, 'none', 'contiguous'),
+    Case('bfloat16', 'float8_e4m3fn', 'other', (128, 128), (64, 8), 'csr', 'HND', 16, 'tuple', 'packed', 'ROPE_LLAMA', 'run', 8.0, 0.07, True, True, 'auto', 'contiguous'),
+    Case('bfloat16', 'float8_e4m3fn', 'same', (192, 128), (32, 8), 'block_table', 'HND', 16, 'tuple', 'none', 'NONE', 'run', None, 0.07, False, False, 'auto', 'strided'),
+    Case('bfloat16', 'float8_e5m2', 'other', (256, 256), (32, 8), 'block_table', 'NHD', 1, 'tuple', 'packed', 'NONE', 'run', 8.0, None, True, False, 'fixed', 'strided'),
+    Case('bfloat16', 'float8_e5m2', 'other', (256, 256), (32, 8), 'block_table', 'NHD', 7, 'halves', 'packed', 'NONE', 'run', 8.0, 0.07, True, True, 'none', 'contiguous'),
+    Case('bfloat16', 'same', 'same', (128, 128), (32, 8), 'csr', 'NHD', 1, 'halves', 'custom', 'NONE', 'off', None, 0.07, False, False, 'auto', 'contiguous'),
+    Case('bfloat16', 'same', 'same', (128, 128), (64, 8), 'csr', 'NHD', 7, 'tuple', 'none', 'NONE', 'off', None, 0.07, False, False, 'auto', 'strided'),
+    Case('bfloat16', 'same', 'same', (128, 128), (64, 1), 'csr', 'NHD', 1, 'single', 'none', 'NONE', 'plan', None, None, False, True, 'auto', 'contiguous'),
+    Case('bfloat16', 'same', 'same', (128, 128), (32, 32), 'csr', 'NHD', 16, 'halves', 'packed', 'NONE', 'run', None, 0.07, False, True, 'fixed', 'strided'),
+    Case('float16', 'float8_e4m3fn', 'other', (64, 64), (32, 32), 'block_table', 'NHD', 64, 'tuple', 'custom', 'ROPE_LLAMA', 'off', None, 0.07, True, True, 'auto', 'contiguous'),
+    Case('float16', 'float8_e4m3fn', 'other', (64, 64), (64, 8), 'block_table', 'NHD', 7, 'single', 'packed', 'ROPE_LLAMA', 'off', None, None, True, True, 'none', 'contiguous'),
+    Case('float16', 'float8_e4m3fn', 'other', (64, 64), (64, 1), 'block_table', 'NHD', 64, 'tuple', 'packed', 'ROPE_LLAMA', 'off', None, None, True, True, 'fixed', 'strided'),
+    Case('float16', 'float8_e4m3fn', 'other', (192, 128), (32, 32), 'csr', 'NHD', 7, 'tuple', 'causal', 'NONE', 'plan', 8.0, 0.07, True, True, 'fixed', 'strided'),
+    Case('float16', 'float8_e4m3fn', 'other', (256, 256), (32, 8), 'block_table', 'HND', 64, 'single', 'causal', 'ROPE_LLAMA', 'run', None, None, True, True, 'none', 'contiguous'),
+    Case('float16', 'float8_e4m3fn', 'other', (256, 256), (32, 16), 'block_table', 'HND', 16, 'tuple', 'causal', 'ROPE_LLAMA', 'plan', None, None, True, True, 'fixed', 'contiguous'),
+    Case('float16', 'float8_e4m3fn', 'other', (256, 256), (64, 1), 'block_table', 'HND', 1, 'halves', 'causal', 'ROPE_LLAMA', 'off', None, 0.07, True, False, 'none', 'contiguous'),
+    Case('float16', 'float8_e5m2', 'other', (64, 64), (32, 32), 'csr', 'HND', 16, 'tuple', 'none', 'NONE', 'off', 8.0, None, True, False, 'none', 'contiguous'),
+    Case('float16', 'float8_e5m2', 'other', (128, 128), (64, 1), 'block_table', 'HND', 16, 'tuple', 'causal', 'NONE', 'plan', None, None, False, False, 'auto', 'contiguous'),
+    Case('float16', 'float8_e5m2', 'other', (128, 128), (32, 8), 'block_table_kv_separate', 'HND', 16, 'halves', 'custom', 'ROPE_LLAMA', 'off', None, 0.07, True, False, 'none', 'strided'),
+    Case('float16', 'float8_e5m2', 'other', (128, 128), (32, 32), 'block_table_kv_separate', 'HND', 1, 'single', 'packed', 'ROPE_LLAMA', 'plan', None, 0.07, True, False, 'fixed', 'contiguous'),
+    Case('float16', 'float8_e5m2', 'other', (192, 128), (64, 1), 'block_table_kv_separate', 'HND', 7, 'halves', 'custom', 'NONE', 'run', 8.0, 0.07, False, False, 'fixed', 'strided'),
+    Case('float16', 'float8_e5m2', 'other', (192, 128), (64, 8), 'block_table_kv_separate', 'HND', 64, 'tuple', 'custom', 'NONE', 'plan', 8.0, 0.07, False, True, 'auto', 'contiguous'),
+    Case('float16', 'float8_e5m2', 'other', (192, 128), (32, 1), 'block_table_kv_separate', 'HND', 7, 'tuple', 'custom', 'NONE', 'off', 8.0, 0.07, False, True, 'none', 'strided'),
+    Case('float16', 'float8_e5m2', 'same', (256, 256), (32, 16), 'csr', 'NHD', 7, 'single', 'custom', 'ROPE_LLAMA', 'run', 8.0, 0.07, False, False, 'auto', 'strided'),
+    Case('float16', 'float8_e5m2', 'same', (256, 256), (64, 8), 'csr', 'NHD', 1, 'halves', 'custom', 'ROPE_LLAMA', 'plan', 8.0, 0.07, False, False, 'auto', 'contiguous'),
+    Case('float16', 'same', 'same', (128, 128), (32, 16), 'block_table_kv_separate', 'HND', 64, 'halves', 'none', 'NONE', 'plan', 8.0, 0.07, True, True, 'fixed', 'strided'),
+    Case('float16', 'same', 'other', (192, 128), (32, 1), 'block_table', 'NHD', 1, 'halves', 'custom', 'NONE', 'run', 8.0, None, True, True, 'auto', 'contiguous'),
+    Case('float16', 'same', 'same', (256, 256), (32, 1), 'block_table_kv_separate', 'NHD', 16, 'single', 'none', 'NONE', 'plan', None, 0.07, True, True, 'fixed', 'strided'),
+    Case('bfloat16', 'same', 'same', (128, 128), (64, 8), 'ragged', None, None, 'halves', 'causal', 'NONE', 'run', None, None, False, False, 'fixed', 'strided'),
+    Case('bfloat16', 'same', 'same', (128, 128), (32, 1), 'ragged', None, None, 'tuple', 'custom', 'NONE', 'plan', None, None, False, True, 'fixed', 'contiguous'),
+    Case('bfloat16', 'same', 'same', (128, 128), (32, 16), 'ragged', None, None, 'halves', 'packed', 'NONE', 'plan', None, None, False, False, 'none', 'strided'),
+    Case('bfloat16', 'same', 'same', (192, 128), (32, 16), 'ragged', None, None, 'halves', 'packed', 'NONE', 'off', 8.0, 0.07, True, False, 'auto', 'strided'),
+    Case('bfloat16', 'same', 'other', (256, 256), (64, 1), 'ragged', None, None, 'tuple', 'custom', 'ROPE_LLAMA', 'plan', None, None, False, False, 'none', 'strided'),
+    Case('bfloat16', 'same', 'other', (256, 256), (32, 32), 'ragged', None, None, 'tuple', 'packed', 'ROPE_LLAMA', 'off', None, None, False, False, 'fixed', 'contiguous'),
+    Case('float16', 'same', 'other', (64, 64), (32, 8), 'ragged', None, None, 'halves', 'none', 'ROPE_LLAMA', 'plan', None, 0.07, False, False, 'auto', 'contiguous'),
+]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _mask_kind(mask: str) -> str:
+    return "custom" if mask in ("custom", "packed") else mask
+
+
+def prefill_spec(q_dtype, kv_dtype=None, o_dtype=None, dims=(128, 128), source="csr", kv_layout="NHD", mask="none",
+                 pos_encoding="NONE", soft_cap=False, sinks=False) -> PrefillSpec:
+    """The module a plan()/run() with these arguments loads (the wrapper's mapping)."""
+    ragged = source == "ragged"
+    return PrefillSpec(
+        dtype_q=q_dtype, dtype_kv=kv_dtype or q_dtype, dtype_o=o_dtype or q_dtype, head_dim_qk=dims[0],
+        head_dim_vo=dims[1], kv_source="ragged" if ragged else "paged", page_table="csr" if ragged else source,
+        kv_layout="NHD" if ragged else kv_layout, mask=_mask_kind(mask),
+        pos_encoding="rope_llama" if pos_encoding == "ROPE_LLAMA" else "none", soft_cap=bool(soft_cap),
+        sinks=bool(sinks)).validate()
+
+
+def case_spec(case: Case) -> PrefillSpec:
+    return prefill_spec(case.q_dtype, case.kv_dtype, case.out_dtype, case.dims, case.source, case.kv_layout,
+                        case.mask, case.pos_encoding, case.soft_cap, case.sinks)
+
+
+# The tests beyond the grid: bf16, head_dim 128, Llama-like 32/8 heads (the long ones fewer),
+# CSR NHD pages or ragged K/V, no RoPE, no soft cap, no sinks.
+BF16 = "bfloat16"
+LLAMA = (32, 8)
+BASE_MASKS = ("none", "causal", "custom")
+
+
+def base_spec(source: str = "csr", mask: str = "none") -> PrefillSpec:
+    return prefill_spec(BF16, dims=(128, 128), source=source, mask=mask)
+
+
+def specs_needed() -> set:
+    """Every module the GPU tests of this file load (prefill, and the decode and merge
+    modules of the comparisons)."""
+    specs = {case_spec(c) for c in CASES}
+    specs |= {base_spec(source, mask) for source in ("csr", "ragged") for mask in BASE_MASKS}
+    # qo_len 1 against batch decode (its module: bf16, head_dim 128, GQA-4 tiles, CSR, NHD)
+    specs.add(DecodeSpec(BF16, BF16, 128, group_tile(*LLAMA, 128), "csr", "NHD", False, False))
+    specs.add(MergeSpec(BF16, 128))  # merge_state of two prefill halves
+    return specs
+
+
+def case_id(i: int, c: Case) -> str:
+    parts = [f"{i:02d}", SHORT[c.q_dtype], SHORT[c.kv_dtype], SHORT[c.out_dtype], f"hd{c.dims[0]}x{c.dims[1]}",
+             f"{c.heads[0]}x{c.heads[1]}", TABLE_TAG[c.source]]
+    if c.paged:
+        parts += [c.kv_layout, f"p{c.page_size}"]
+    parts += [c.form] * (c.form != "tuple") + [c.mask] * (c.mask != "none")
+    parts += ["rope"] * (c.pos_encoding == "ROPE_LLAMA") + [f"w{c.window}"] * (c.window != "off")
+    parts += ["cap"] * (c.soft_cap is not None) + ["sm"] * (c.sm_scale is not None) + ["sinks"] * c.sinks
+    parts += ["lse"] * c.return_lse + [c.split] * (c.split != "auto") + ["qs"] * (c.q_view == "strided")
+    return "-".join(parts)
+
+
+# --- inputs ----------------------------------------------------------------------------------------
+def _randn(shape, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen, device=DEV) * scale).to(dtype)
+
+
+def indptr_of(lens, device=DEV) -> torch.Tensor:
+    return torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32, device=device)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers (fp8 as uint8, 16-bit as int16): for index writes of
+    any dtype, and for NaN bytes."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+def nan_tensor(shape, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=DEV)
+    if t.element_size() == 1:
+        t.view(torch.uint8).fill_(FP8_NAN)
+    else:
+        t.fill_(float("nan"))
+    return t
+
+
+def make_rows(kv_lens, num_kv_heads: int, dims: tuple, dtype: torch.dtype, gen, form: str = "tuple"):
+    """Ragged K/V rows [kv_tokens, Hk, D] with random values; form "halves": K and V are
+    slices of one [kv_tokens, Hk, Dqk + Dvo] buffer (strided views)."""
+    total, (dqk, dvo) = sum(kv_lens), dims
+    if form == "halves":
+        buf = _randn((total, num_kv_heads, dqk + dvo), dtype, gen)
+        return buf[..., :dqk], buf[..., dqk:]
+    return _randn((total, num_kv_heads, dqk), dtype, gen), _randn((total, num_kv_heads, dvo), dtype, gen)
+
+
+def make_q(tokens: int, num_qo_heads: int, head_dim: int, dtype: torch.dtype, gen, scale: float = 1.0,
+           strided: bool = False) -> torch.Tensor:
+    if strided:  # q as the engine's slice of a wider buffer: token stride (Hq + 1) * D
+        return _randn((tokens, num_qo_heads + 1, head_dim), dtype, gen, scale)[:, 1:]
+    return _randn((tokens, num_qo_heads, head_dim), dtype, gen, scale)
+
+
+class Paged(NamedTuple):
+    table: PageTable      # for the reference
+    plan_args: dict       # the page-table arguments of plan()
+
+
+def make_page_table(layout: str, lens, page_size: int, num_pages: int, rnd: random.Random,
+                    host_indptr: bool = False) -> Paged:
+    """Each request's pages drawn at random from the pool (K and V independently for
+    block_table_kv_separate); block-table columns past a request's pages point at a page no
+    request uses. Page ids on the device; CSR indptr and last_page_len on the host if asked."""
+    pages = [-(-n // page_size) for n in lens]
+    total = sum(pages)
+    assert total < num_pages, "keep at least one unused page for the padding entries"
+    k_perm = rnd.sample(range(num_pages), num_pages)
+    v_perm = rnd.sample(range(num_pages), num_pages) if layout == "block_table_kv_separate" else k_perm
+    starts = list(itertools.accumulate(pages, initial=0))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    if layout == "csr":
+        host = "cpu" if host_indptr else DEV
+        indptr = torch.tensor(starts, dtype=torch.int32, device=host)
+        indices = torch.tensor(k_perm[:total], dtype=torch.int32, device=DEV)
+        last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)],
+                            dtype=torch.int32, device=host)
+        table = csr_page_table(indptr.to(DEV), indices, last.to(DEV))
+        args = dict(paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=last)
+    else:
+        width = max(pages + [0]) + 1
+        rows = []
+        for perm in ((k_perm, v_perm) if layout == "block_table_kv_separate" else (k_perm,)):
+            spare = perm[-1]
+            rows.append([perm[s: s + p] + [spare] * (width - p) for s, p in zip(starts, pages)])
+        bt = torch.tensor(rows, dtype=torch.int32, device=DEV)  # [1 or 2, B, width]
+        bt = bt[0] if layout == "block_table" else bt.transpose(0, 1).contiguous()
+        table = block_page_table(bt, seq_lens, kv_separate=layout == "block_table_kv_separate")
+        args = dict(paged_kv_indptr=None, paged_kv_indices=None, paged_kv_last_page_len=None, block_tables=bt,
+                    seq_lens=seq_lens)
+    return Paged(table, args)
+
+
+def _on_host(table: PageTable) -> PageTable:
+    return PageTable(table.layout, tuple(t.cpu() for t in table.tensors), table.batch_size)
+
+
+class KV(NamedTuple):
+    run_args: tuple       # what run() takes after q: (paged_kv_cache,) or (k, v)
+    k: torch.Tensor       # the K cache view (paged) or K rows (ragged), for the reference
+    v: torch.Tensor
+    table: PageTable | None
+    plan_args: dict       # paged: the page-table arguments; ragged: {"kv_indptr": ...}
+    kv_layout: str
+
+
+def write_rows(cache: torch.Tensor, table: PageTable, lens, page_size: int, kv_layout: str, rows: torch.Tensor,
+               which: int) -> None:
+    """Token j of request b (rows in request order) into slot j % page_size of its logical
+    page j // page_size (`which`: 0 through the K page ids, 1 through the V page ids)."""
+    host = _on_host(table)
+    page_ids, slots = [], []
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        ids = torch.tensor(request_pages_ref(host, b, -(-n // page_size))[which], dtype=torch.long)
+        j = torch.arange(n)
+        page_ids.append(ids[j // page_size])
+        slots.append(j % page_size)
+    if not page_ids:
+        return
+    page_ids, slots = torch.cat(page_ids).to(DEV), torch.cat(slots).to(DEV)
+    src = _raw(rows.to(cache.dtype).contiguous())
+    if kv_layout == "NHD":
+        _raw(cache)[page_ids, slots] = src
+    else:
+        _raw(cache)[page_ids, :, slots] = src
+
+
+def paged_kv(k_rows, v_rows, kv_lens, page_size: int, table_layout: str = "csr", kv_layout: str = "NHD",
+             form: str = "tuple", rnd: random.Random | None = None, dtype: torch.dtype | None = None,
+             host_indptr: bool = False, spare_pages: int = 3) -> KV:
+    """A paged cache holding the ragged rows (converted to `dtype`, e.g. fp8), on random pages;
+    everything else (unused pages, slots past a request's length) NaN. form: "tuple" (k, v);
+    "single" one [P, 2, ...] tensor; "halves" K and V slices of one [..., Dqk + Dvo] buffer."""
+    rnd = rnd or random.Random(0)
+    dtype = dtype or k_rows.dtype
+    hk, dqk, dvo = k_rows.shape[1], k_rows.shape[2], v_rows.shape[2]
+    num_pages = sum(-(-n // page_size) for n in kv_lens) + spare_pages
+    page = (page_size, hk) if kv_layout == "NHD" else (hk, page_size)
+    if form == "single":
+        assert dqk == dvo
+        buf = nan_tensor((num_pages, 2, *page, dqk), dtype)
+        k, v, arg = buf[:, 0], buf[:, 1], buf
+    elif form == "halves":
+        buf = nan_tensor((num_pages, *page, dqk + dvo), dtype)
+        k, v = buf[..., :dqk], buf[..., dqk:]
+        arg = (k, v)
+    else:
+        k, v = nan_tensor((num_pages, *page, dqk), dtype), nan_tensor((num_pages, *page, dvo), dtype)
+        arg = (k, v)
+    paged = make_page_table(table_layout, kv_lens, page_size, num_pages, rnd, host_indptr)
+    write_rows(k, paged.table, kv_lens, page_size, kv_layout, k_rows, 0)
+    write_rows(v, paged.table, kv_lens, page_size, kv_layout, v_rows, 1)
+    return KV((arg,), k, v, paged.table, paged.plan_args, kv_layout)
+
+
+def ragged_kv(k_rows, v_rows, kv_lens, host_indptr: bool = False) -> KV:
+    kv_indptr = indptr_of(kv_lens, "cpu" if host_indptr else DEV)
+    return KV((k_rows, v_rows), k_rows, v_rows, None, dict(kv_indptr=kv_indptr), "NHD")
+
+
+def reference(q, qo_indptr, kv: KV, **kwargs):
+    """prefill_ref on the K/V as the kernel reads them (paged through the table, or ragged)."""
+    if kv.table is not None:
+        return prefill_ref(q, qo_indptr, kv.k, kv.v, page_table=kv.table, kv_layout=kv.kv_layout, **kwargs)
+    return prefill_ref(q, qo_indptr, kv.k, kv.v, kv_indptr=kv.plan_args["kv_indptr"], **kwargs)
+
+
+def reference_by_rows(q, shapes, k_rows, v_rows, causal: bool, rows: int = 512, **kwargs):
+    """prefill_ref over ragged rows, a request and `rows` query rows at a time (bounded
+    memory for long requests). With causal, the rows a..b of a request are the request
+    (b - a rows, keys 0 .. kv_len - qo_len + b): the same positions, the same visible keys.
+    Without causal only position-free options may be given (no window, no RoPE)."""
+    assert causal or (kwargs.get("window_left", -1) < 0 and kwargs.get("pos_encoding_mode", "NONE") == "NONE")
+    outs, lses = [], []
+    q_start = kv_start = 0
+    for m, n in shapes:
+        for a in range(0, m, rows):
+            b = min(m, a + rows)
+            keys = (n - m + b if n else 0) if causal else n
+            ks = slice(kv_start, kv_start + keys)
+            out, lse = prefill_ref(q[q_start + a: q_start + b], indptr_of([b - a]), k_rows[ks], v_rows[ks],
+                                   indptr_of([keys]), causal=causal, **kwargs)
+            outs.append(out)
+            lses.append(lse)
+        q_start += m
+        kv_start += n
+    hq, dvo = q.shape[1], v_rows.shape[-1]
+    if not outs:
+        return (torch.zeros(0, hq, dvo, dtype=torch.float64, device=q.device),
+                torch.zeros(0, hq, dtype=torch.float64, device=q.device))
+    return torch.cat(outs), torch.cat(lses)
+
+
+# --- outputs and checks ----------------------------------------------------------------------------
+def poisoned(shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, out): `out` is rows 1..-1 of `buffer`, filled with NaN; the first and last
+    rows of `buffer` hold SENTINEL and must stay untouched."""
+    buf = torch.full((shape[0] + 2, *shape[1:]), SENTINEL, dtype=dtype, device=DEV)
+    buf[1:-1] = float("nan")
+    return buf, buf[1:-1]
+
+
+def assert_sentinels(buf: torch.Tensor, name: str) -> None:
+    assert bool((buf[0] == SENTINEL).all() and (buf[-1] == SENTINEL).all()), f"{name}: written outside its rows"
+
+
+def tolerance(q_dtype, o_dtype=None, fp8: bool = False) -> float:
+    tol = max(TOL[_as_torch(q_dtype)], TOL[_as_torch(o_dtype or q_dtype)])
+    return tol * (FP8_FACTOR if fp8 else 1.0)
+
+
+def _as_torch(dtype) -> torch.dtype:
+    return _dtype(dtype) if isinstance(dtype, str) else dtype
+
+
+def _row_owner(shapes) -> list[int]:
+    return [b for b, (m, _) in enumerate(shapes) for _ in range(m)]
+
+
+def _where(rows, shapes) -> str:
+    owner = _row_owner(shapes)
+    reqs = sorted({owner[r] for r in rows})
+    return f"rows {rows[:6]} of requests {[(b, shapes[b]) for b in reqs[:6]]} (request, (qo_len, kv_len))"
+
+
+def check_out(out, ref, shapes, tol: float, what: str = "out", v_scale=None) -> None:
+    """Row by row: no NaN, |out - ref| <= tol * (1 + |ref|) (both over v_scale)."""
+    o, r = out.double(), ref.double().to(out.device)
+    assert o.shape == r.shape, f"{what}: shape {tuple(o.shape)}, expected {tuple(r.shape)}"
+    if o.numel() == 0:
+        return
+    if v_scale:
+        o, r = o / v_scale, r / v_scale
+    nan_rows = torch.isnan(o).flatten(1).any(1).nonzero().flatten().tolist()
+    assert not nan_rows, f"{what}: NaN in {_where(nan_rows, shapes)}"
+    excess = ((o - r).abs() - tol * (1 + r.abs())).flatten(1).amax(1)
+    bad = (excess > 0).nonzero().flatten().tolist()
+    if bad:
+        worst = max(bad, key=lambda i: float(excess[i]))
+        err = float((o[worst] - r[worst]).abs().max())
+        pytest.fail(f"{what}: {len(bad)} rows off; worst row {worst} off by {err:.3e} (> {tol:g} x (1 + |ref|)); "
+                    f"{_where(bad, shapes)}")
+
+
+def check_lse(lse, ref_lse, shapes, what: str = "lse") -> None:
+    """No NaN; -inf exactly where the reference is -inf (rows that see no key, no sinks);
+    elsewhere within LSE_TOL * max(1, |ref|)."""
+    s, r = lse.double(), ref_lse.double().to(lse.device)
+    assert s.shape == r.shape, f"{what}: shape {tuple(s.shape)}, expected {tuple(r.shape)}"
+    if s.numel() == 0:
+        return
+    nan_rows = torch.isnan(s).any(1).nonzero().flatten().tolist()
+    assert not nan_rows, f"{what}: NaN in {_where(nan_rows, shapes)}"
+    empty = torch.isneginf(r)
+    wrong = (torch.isneginf(s) != empty).any(1).nonzero().flatten().tolist()
+    assert not wrong, f"{what}: -inf where the reference is finite or the other way round, {_where(wrong, shapes)}"
+    excess = torch.where(empty, -1.0, (s - r).abs() - LSE_TOL * r.abs().clamp(min=1.0)).amax(1)
+    bad = (excess > 0).nonzero().flatten().tolist()
+    if bad:
+        worst = max(bad, key=lambda i: float(excess[i]))
+        err = float(torch.where(empty[worst], 0.0, (s[worst] - r[worst]).abs()).max())
+        pytest.fail(f"{what}: {len(bad)} rows off; worst row {worst} off by {err:.3e}; {_where(bad, shapes)}")
+
+
+def check_prefill(out, lse, ref_out, ref_lse, shapes, tol: float, v_scale=None, sinks: bool = False) -> None:
+    check_out(out, ref_out, shapes, tol, v_scale=v_scale)
+    if not sinks:  # rows that see no key: exactly zero (with sinks too, but their LSE is the sink's)
+        empty = torch.isneginf(ref_lse.to(out.device))
+        assert bool((out.double()[empty] == 0).all()), "rows that see no key must be exactly zero"
+    if lse is not None:
+        check_lse(lse, ref_lse, shapes)
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
+
+
+def paged_wrapper(workspace, kv_layout: str = "NHD", **kwargs):
+    return fij.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout, **kwargs)
+
+
+def ragged_wrapper(workspace, **kwargs):
+    return fij.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", **kwargs)
+
+
+def plan_kv(wrapper, qo_indptr, kv: KV, num_qo_heads: int, num_kv_heads: int, dims: tuple, page_size=None,
+            **kwargs) -> None:
+    """plan() of either wrapper, with FlashInfer's argument names."""
+    if kv.table is not None:
+        wrapper.plan(qo_indptr, **kv.plan_args, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                     head_dim_qk=dims[0], page_size=page_size, head_dim_vo=dims[1], **kwargs)
+    else:
+        wrapper.plan(qo_indptr, kv.plan_args["kv_indptr"], num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                     head_dim_qk=dims[0], head_dim_vo=dims[1], **kwargs)
+
+
+def run_poisoned(wrapper, q, kv: KV, head_dim_vo: int, out_dtype: torch.dtype, return_lse: bool = True, **kwargs):
+    """run() into NaN-poisoned out= (and lse=) inside sentinel rows; checks that the result is
+    written in place and nothing outside. -> (out, lse or None)."""
+    out_buf, out = poisoned((q.shape[0], q.shape[1], head_dim_vo), out_dtype)
+    lse_buf, lse = poisoned((q.shape[0], q.shape[1]), torch.float32) if return_lse else (None, None)
+    result = wrapper.run(q, *kv.run_args, out=out, lse=lse, return_lse=return_lse, **kwargs)
+    torch.cuda.synchronize()
+    if return_lse:
+        result, result_lse = result
+        assert result_lse.data_ptr() == lse.data_ptr(), "lse= was not written in place"
+        assert_sentinels(lse_buf, "lse")
+    assert result.data_ptr() == out.data_ptr(), "out= was not written in place"
+    assert_sentinels(out_buf, "out")
+    return out, lse
+
+
+# --- the grid ------------------------------------------------------------------------------------
+def case_shapes(index: int, case: Case, rnd: random.Random) -> list[tuple[int, int]]:
+    """(qo_len, kv_len) per request, kv_len >= qo_len: mixed random lengths with qo_len 1 and
+    kv_len == qo_len among them, page boundaries, and (some cases) padding requests."""
+    max_q, max_extra = ((24, 80), (96, 400), (200, 900))[index % 3]
+    batch = (1, 4, 9, 2, 13)[index % 5]
+    ps = case.page_size or 16
+    if batch == 1:
+        m = rnd.randint(max_q // 2, max_q)
+        return [(m, m + rnd.randint(0, max_extra))]
+    shapes = []
+    for _ in range(batch):
+        m = 1 if rnd.random() < 0.3 else rnd.randint(2, max_q)
+        r = rnd.random()
+        if r < 0.2:
+            n = m
+        elif r < 0.35:
+            n = max(m, rnd.choice([ps, ps + 1, 2 * ps - 1, 3 * ps]))
+        else:
+            n = m + rnd.randint(1, max_extra)
+        shapes.append((m, n))
+    shapes[0] = (1, shapes[0][1])  # a decode-like row
+    shapes[-1] = (shapes[-1][0], shapes[-1][0])  # kv_len == qo_len
+    if index % 4 == 2 and batch >= 4:  # padding: no queries; queries but no keys
+        shapes[1] = (0, rnd.randint(1, 50))
+        shapes[2] = (rnd.randint(1, 9), 0)
+    return shapes
+
+
+def random_masks(shapes, gen: torch.Generator, all_false_rows: bool = True) -> list[torch.Tensor]:
+    """Per request a random bool [qo_len, kv_len] mask of varied density; with
+    all_false_rows, one row of each request sees no key."""
+    masks = []
+    for b, (m, n) in enumerate(shapes):
+        density = (0.5, 0.1, 0.9)[b % 3]
+        mask = torch.rand(m, n, generator=gen, device=DEV) < density
+        if all_false_rows and m and n:
+            mask[(7 * b) % m] = False
+        masks.append(mask)
+    return masks
+
+
+def mask_args(masks, shapes, packed: bool) -> dict:
+    """plan()'s (and prefill_ref's) custom-mask arguments: the flat bools, or the bits packed
+    little-endian per request with mask_indptr in bytes (segment_packbits)."""
+    flat = torch.cat([mk.reshape(-1) for mk in masks]) if masks else torch.zeros(0, dtype=torch.bool, device=DEV)
+    if not packed:
+        return dict(custom_mask=flat)
+    packed_bits, byte_indptr = segment_packbits_ref(flat, indptr_of([m * n for m, n in shapes]), "little")
+    return dict(packed_custom_mask=packed_bits, mask_indptr=byte_indptr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [pytest.param(i, id=case_id(i, c)) for i, c in enumerate(CASES)])
+def test_batch_prefill(index, workspace):
+    case = CASES[index]
+    rnd = random.Random(index)
+    gen = torch.Generator(device=DEV).manual_seed(500 + index)
+    q_dtype, kv_dtype, o_dtype = _dtype(case.q_dtype), _dtype(case.kv_dtype), _dtype(case.out_dtype)
+    fp8 = kv_dtype.itemsize == 1
+    (hq, hk), dims = case.heads, case.dims
+    shapes = case_shapes(index, case, rnd)
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    host = index % 2 == 0  # index tensors on the host or on the device
+    if case.paged:
+        k_rows, v_rows = make_rows(kv_lens, hk, dims, torch.float32, gen)
+        kv = paged_kv(k_rows, v_rows, kv_lens, case.page_size, case.source, case.kv_layout, case.form, rnd,
+                      kv_dtype, host_indptr=host)
+    else:
+        k_rows, v_rows = make_rows(kv_lens, hk, dims, q_dtype, gen, case.form)
+        kv = ragged_kv(k_rows, v_rows, kv_lens, host_indptr=host)
+    # larger logits where the soft cap is on, so that tanh bends them
+    q = make_q(sum(qo_lens), hq, dims[0], q_dtype, gen, 4.0 if case.soft_cap else 1.0, case.q_view == "strided")
+    qo_indptr = indptr_of(qo_lens, "cpu" if host else DEV)
+
+    masks = {}
+    if case.mask == "causal":
+        masks = dict(causal=True)
+    elif case.mask in ("custom", "packed"):
+        masks = mask_args(random_masks(shapes, gen), shapes, case.mask == "packed")
+    plan_masks = dict(masks)
+    if case.mask in ("custom", "packed") and index % 2:
+        plan_masks["causal"] = True  # a custom mask wins over causal
+    plan_window, run_window = {"off": (-1, None), "plan": (37, None), "run": (-1 if index % 2 else 37, 100)}[case.window]
+    window = plan_window if run_window is None else run_window
+    rope = {}
+    if case.pos_encoding == "ROPE_LLAMA" and index % 2:
+        rope = dict(rope_scale=2.0, rope_theta=5e4)
+    split = {"auto": {}, "fixed": dict(fixed_split_size=64), "none": dict(disable_split_kv=True)}[case.split]
+    scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else dict(k_scale=0.8, v_scale=1.5) if index % 5 == 2 else {}
+    if index % 4 == 1:
+        scales["q_scale"] = 1.25
+    sinks = (torch.randn(hq, generator=gen, device=DEV) * 2.0).float() if case.sinks else None
+    # dtypes as strings or torch dtypes; kv_data_type / o_data_type None meaning "as q"
+    as_str = index % 2 == 0
+    q_arg = case.q_dtype if as_str else q_dtype
+    kv_arg = None if case.kv == "same" and index % 4 == 3 else (case.kv_dtype if as_str else kv_dtype)
+    o_arg = None if case.o_dtype == "same" and index % 3 == 0 else (case.out_dtype if as_str else o_dtype)
+
+    wrapper = paged_wrapper(workspace, case.kv_layout) if case.paged else ragged_wrapper(workspace)
+    plan_kv(wrapper, qo_indptr, kv, hq, hk, dims, case.page_size, **plan_masks, pos_encoding_mode=case.pos_encoding,
+            sm_scale=case.sm_scale, window_left=plan_window, logits_soft_cap=case.soft_cap, q_data_type=q_arg,
+            kv_data_type=kv_arg, o_data_type=o_arg, **rope, **split)
+    run_kwargs = dict(scales)
+    if run_window is not None:
+        run_kwargs["window_left"] = run_window
+    if sinks is not None:
+        run_kwargs["sinks"] = sinks
+    if index % 6 == 5:  # out (and lse) allocated by run()
+        result = wrapper.run(q, *kv.run_args, return_lse=case.return_lse, **run_kwargs)
+        out, lse = result if case.return_lse else (result, None)
+        torch.cuda.synchronize()
+        assert out.shape == (q.shape[0], hq, dims[1]) and out.dtype == o_dtype
+        assert lse is None or (lse.shape == (q.shape[0], hq) and lse.dtype == torch.float32)
+    else:
+        out, lse = run_poisoned(wrapper, q, kv, dims[1], o_dtype, case.return_lse, **run_kwargs)
+
+    ref_out, ref_lse = reference(q, qo_indptr, kv, **masks, sm_scale=case.sm_scale, window_left=window,
+                                 logits_soft_cap=case.soft_cap, pos_encoding_mode=case.pos_encoding, sinks=sinks,
+                                 **rope, **scales)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(q_dtype, o_dtype, fp8), scales.get("v_scale"),
+                  sinks is not None)
+
+
+# --- beyond the grid: lengths --------------------------------------------------------------------
+def base_inputs(shapes, gen, rnd, source: str = "csr", heads=LLAMA, page_size: int = 16, host_indptr: bool = True):
+    """(q, qo_indptr, k_rows, v_rows, kv): bf16, head_dim 128, paged (CSR, NHD) or ragged."""
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, heads[1], (128, 128), torch.bfloat16, gen)
+    if source == "ragged":
+        kv = ragged_kv(k_rows, v_rows, kv_lens, host_indptr)
+    else:
+        kv = paged_kv(k_rows, v_rows, kv_lens, page_size, source, "NHD", "tuple", rnd, host_indptr=host_indptr)
+    q = make_q(sum(qo_lens), heads[0], 128, torch.bfloat16, gen)
+    return q, indptr_of(qo_lens, "cpu" if host_indptr else DEV), k_rows, v_rows, kv
+
+
+def run_base(workspace, shapes, q, qo_indptr, kv, causal: bool, heads=LLAMA, page_size: int = 16, **plan_kwargs):
+    wrapper = ragged_wrapper(workspace) if kv.table is None else paged_wrapper(workspace)
+    plan_kv(wrapper, qo_indptr, kv, *heads, (128, 128), page_size, causal=causal, q_data_type=torch.bfloat16,
+            **plan_kwargs)
+    return wrapper, run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+
+
+ODD = (1, 17, 37, 127, 577, 1025)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_odd_lengths(causal, workspace):
+    """Lengths off every tile size: self-attention of each odd length, and chunks of odd
+    lengths at the end of longer K/V."""
+    rnd = random.Random(1)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    shapes = [(n, n) for n in ODD] + [(1, 1025), (17, 17 + 577), (127, 127 + 37), (577, 1025), (37, 37 + 1)]
+    rnd.shuffle(shapes)
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd)
+    _, (out, lse) = run_base(workspace, shapes, q, qo_indptr, kv, causal)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["csr", "ragged"])
+def test_long_causal_16k(source, workspace):
+    """One causal request of 16384 tokens (few heads, GQA-4), paged and ragged."""
+    rnd = random.Random(2)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    shapes, heads = [(16384, 16384)], (8, 2)
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, source, heads)
+    _, (out, lse) = run_base(workspace, shapes, q, qo_indptr, kv, True, heads)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+@pytest.mark.gpu
+def test_chunked_prefill(workspace):
+    """Chunks of queries at the end of long K/V (chunked prefill), next to a decode row and a
+    request with kv_len == qo_len."""
+    rnd = random.Random(3)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    shapes = [(512, 8192), (300, 5000), (1, 3000), (128, 128), (64, 8192 - 7)]
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd)
+    _, (out, lse) = run_base(workspace, shapes, q, qo_indptr, kv, True)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True, rows=256)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_many_small_requests(page_size, workspace):
+    """256 requests of 1-16 query tokens on short K/V."""
+    rnd = random.Random(4)
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    shapes = []
+    for _ in range(256):
+        m = rnd.randint(1, 16)
+        shapes.append((m, m + rnd.randint(0, 48)))
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, page_size=page_size)
+    _, (out, lse) = run_base(workspace, shapes, q, qo_indptr, kv, True, page_size=page_size)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+PADDING_BATCHES = {
+    "mixed": [(0, 0), (5, 40), (0, 30), (7, 0), (0, 0), (1, 1), (3, 0), (16, 16), (0, 0)],
+    "no_keys": [(3, 0), (0, 0), (2, 0), (1, 0)],
+    "first_last": [(4, 0), (9, 20), (0, 7)],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["csr", "ragged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("batch", sorted(PADDING_BATCHES))
+def test_padding_requests(batch, causal, source, workspace):
+    """Requests with qo_len 0, kv_len 0 or both (padding of a CUDA-graph batch): rows without
+    keys are zeros with LSE -inf, no NaN anywhere, nothing written outside out/lse."""
+    rnd = random.Random(5)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    shapes = PADDING_BATCHES[batch]
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, source)
+    _, (out, lse) = run_base(workspace, shapes, q, qo_indptr, kv, causal)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+    no_keys = torch.tensor([n == 0 for m, n in shapes for _ in range(m)], dtype=torch.bool, device=DEV)
+    assert bool((out[no_keys] == 0).all()) and bool(torch.isneginf(lse[no_keys]).all())
+
+
+# --- beyond the grid: the same attention by other paths --------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_paged_matches_ragged(causal, page_size, workspace):
+    """The same K/V rows through the paged cache and as ragged tensors: the two agree, and
+    each matches the reference."""
+    rnd = random.Random(6 + page_size)
+    gen = torch.Generator(device=DEV).manual_seed(6 + page_size)
+    shapes = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (64, 65)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (128, 128), torch.bfloat16, gen)
+    q = make_q(sum(qo_lens), LLAMA[0], 128, torch.bfloat16, gen)
+    qo_indptr = indptr_of(qo_lens)
+    results = []
+    for kv in (paged_kv(k_rows, v_rows, kv_lens, page_size, rnd=rnd), ragged_kv(k_rows, v_rows, kv_lens)):
+        _, result = run_base(workspace, shapes, q, qo_indptr, kv, causal, page_size=page_size)
+        results.append(result)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    tol = tolerance(BF16)
+    for out, lse in results:
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    (paged_out, paged_lse), (ragged_out, ragged_lse) = results
+    check_out(paged_out, ragged_out, shapes, tol, "paged against ragged")
+    check_lse(paged_lse, ragged_lse, shapes, "paged lse against ragged")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window_left", [-1, 100])
+def test_one_query_token_matches_decode(window_left, workspace):
+    """Prefill with qo_len 1 per request and BatchDecodeWithPagedKVCacheWrapper on the same
+    cache agree with each other and with the reference (a kv_len 0 request among them)."""
+    rnd = random.Random(7)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    kv_lens = [0, 1, 15, 16, 17, 300, 2049, 777]
+    shapes = [(1, n) for n in kv_lens]
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, host_indptr=False)
+    _, (out, lse) = run_base(workspace, shapes, q, qo_indptr, kv, False, window_left=window_left)
+    decode = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    decode.plan(kv.plan_args["paged_kv_indptr"], kv.plan_args["paged_kv_indices"],
+                kv.plan_args["paged_kv_last_page_len"], LLAMA[0], LLAMA[1], 128, 16, window_left=window_left,
+                q_data_type=torch.bfloat16)
+    d_out, d_lse = decode.run(q, *kv.run_args, return_lse=True)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, window_left=window_left)
+    tol = tolerance(BF16)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    check_prefill(d_out, d_lse, ref_out, ref_lse, shapes, tol)
+    check_out(out, d_out, shapes, tol, "prefill against decode")
+    check_lse(lse, d_lse, shapes, "prefill lse against decode")
+
+
+@pytest.mark.gpu
+def test_single_prefill(workspace):
+    """single_prefill_with_kv_cache: one request, NHD and HND K/V, causal, custom mask,
+    window, return_lse; against the reference."""
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    (hq, hk), m, n = LLAMA, 300, 1000
+    q = make_q(m, hq, 128, torch.bfloat16, gen)
+    k, v = make_rows([n], hk, (128, 128), torch.bfloat16, gen)
+    shapes = [(m, n)]
+    mask = random_masks(shapes, gen)[0]
+    tol = tolerance(BF16)
+    for kv_layout, kwargs in (("NHD", dict(causal=True)), ("HND", dict(causal=False, window_left=200)),
+                              ("NHD", dict(custom_mask=mask)), ("HND", dict(causal=True, window_left=50))):
+        k_in, v_in = (k, v) if kv_layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+        out, lse = fij.single_prefill_with_kv_cache(q, k_in, v_in, kv_layout=kv_layout, return_lse=True, **kwargs)
+        assert out.shape == (m, hq, 128) and out.dtype == torch.bfloat16 and lse.shape == (m, hq)
+        ref_kwargs = dict(kwargs, custom_mask=mask.reshape(-1)) if "custom_mask" in kwargs else kwargs
+        ref_out, ref_lse = prefill_ref(q, indptr_of([m]), k, v, indptr_of([n]), **ref_kwargs)
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+        plain = fij.single_prefill_with_kv_cache(q, k_in, v_in, kv_layout=kv_layout, **kwargs)
+        assert isinstance(plain, torch.Tensor)
+        check_out(plain, ref_out, shapes, tol)
+
+
+# --- custom masks --------------------------------------------------------------------------------
+MASK_SHAPES = [(37, 100), (1, 50), (64, 64), (0, 20), (128, 300), (5, 0), (17, 17), (9, 40)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["csr", "ragged"])
+def test_custom_mask_bool_and_packed(source, workspace):
+    """Random bit patterns, one row of each request all false and one request entirely
+    false: the bool custom_mask and the packed form (little bit order, mask_indptr in bytes)
+    give the same result bit for bit, the reference's; rows with no key are zeros, -inf."""
+    rnd = random.Random(9)
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    shapes = MASK_SHAPES
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, source)
+    masks = random_masks(shapes, gen)
+    masks[-1][:] = False  # a request that sees nothing
+    results = []
+    for packed in (False, True):
+        args = mask_args(masks, shapes, packed)
+        _, result = run_base(workspace, shapes, q, qo_indptr, kv, False, **args)
+        ref_out, ref_lse = reference(q, qo_indptr, kv, **args)
+        check_prefill(*result, ref_out, ref_lse, shapes, tolerance(BF16))
+        results.append(result)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1]), \
+        "the bool and the packed forms of one mask should give the same result"
+    last = q.shape[0] - shapes[-1][0]
+    assert bool((results[1][0][last:] == 0).all()) and bool(torch.isneginf(results[1][1][last:]).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["csr", "ragged"])
+def test_causal_as_custom_mask_matches_causal(source, workspace):
+    """The bottom-right causal mask given as a custom mask gives causal's result."""
+    rnd = random.Random(10)
+    gen = torch.Generator(device=DEV).manual_seed(10)
+    shapes = [(37, 100), (1, 50), (64, 64), (200, 700), (0, 5), (3, 0), (16, 17)]
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, source)
+    masks = [torch.arange(n, device=DEV)[None, :] <= torch.arange(n - m, n, device=DEV)[:, None] if n else
+             torch.zeros(m, 0, dtype=torch.bool, device=DEV) for m, n in shapes]
+    _, (c_out, c_lse) = run_base(workspace, shapes, q, qo_indptr, kv, True)
+    _, (m_out, m_lse) = run_base(workspace, shapes, q, qo_indptr, kv, False, **mask_args(masks, shapes, True))
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
+    tol = tolerance(BF16)
+    check_prefill(c_out, c_lse, ref_out, ref_lse, shapes, tol)
+    check_prefill(m_out, m_lse, ref_out, ref_lse, shapes, tol)
+    check_out(m_out, c_out, shapes, tol / 4, "custom against causal")
+    check_lse(m_lse, c_lse, shapes, "custom lse against causal")
+
+
+# --- split-KV, determinism, several layers ------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_split_kv_forced_and_disabled(causal, workspace):
+    """fixed_split_size=256 (long requests split and merged) and disable_split_kv=True agree
+    with each other and with the reference; each is deterministic (two runs bit for bit)."""
+    rnd = random.Random(11)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    shapes = [(17, 5000), (1, 3000), (200, 2500), (64, 64), (300, 4100), (0, 600), (2, 0)]
+    q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    tol = tolerance(BF16)
+    results = []
+    for split in (dict(fixed_split_size=256), dict(disable_split_kv=True)):
+        wrapper, first = run_base(workspace, shapes, q, qo_indptr, kv, causal, **split)
+        first = tuple(t.clone() for t in first)
+        again = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+        check_prefill(*first, ref_out, ref_lse, shapes, tol)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]), f"{split}: not deterministic"
+        results.append(first)
+    check_out(results[0][0], results[1][0], shapes, tol, "split against unsplit")
+    check_lse(results[0][1], results[1][1], shapes, "split lse against unsplit")
+
+
+@pytest.mark.gpu
+def test_plan_once_run_per_layer(workspace):
+    """One plan(), run() per layer on each layer's cache, q and scales (and a run() with a
+    strided q and allocated outputs): every run against the reference."""
+    rnd = random.Random(12)
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    shapes = [(100, 900), (1, 17), (33, 33), (250, 600)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    num_pages = sum(-(-n // 16) for n in kv_lens) + 3
+    paged = make_page_table("csr", kv_lens, 16, num_pages, rnd, host_indptr=True)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    wrapper = paged_wrapper(workspace)
+    wrapper.plan(qo_indptr, **paged.plan_args, num_qo_heads=LLAMA[0], num_kv_heads=LLAMA[1], head_dim_qk=128,
+                 page_size=16, causal=True, q_data_type=torch.bfloat16)
+    tol = tolerance(BF16)
+    for layer, scales in enumerate((dict(), dict(k_scale=0.7, v_scale=1.5), dict(q_scale=1.3), dict())):
+        k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (128, 128), torch.bfloat16, gen)
+        k = nan_tensor((num_pages, 16, LLAMA[1], 128), torch.bfloat16)
+        v = nan_tensor((num_pages, 16, LLAMA[1], 128), torch.bfloat16)
+        write_rows(k, paged.table, kv_lens, 16, "NHD", k_rows, 0)
+        write_rows(v, paged.table, kv_lens, 16, "NHD", v_rows, 1)
+        kv = KV(((k, v),), k, v, paged.table, paged.plan_args, "NHD")
+        q = make_q(sum(qo_lens), LLAMA[0], 128, torch.bfloat16, gen, strided=layer == 3)
+        if layer == 3:
+            out, lse = wrapper.run(q, (k, v), return_lse=True)
+        else:
+            out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16, **scales)
+        ref_out, ref_lse = reference(q, qo_indptr, kv, causal=True, **scales)
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol, scales.get("v_scale"))
+
+
+# --- CUDA graphs -------------------------------------------------------------------------------------
+def _graph_of(call):
+    """call() run once on a side stream (warm-up, as capture needs), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+def _partition(total: int, parts: int, rnd: random.Random) -> list[int]:
+    cuts = sorted(rnd.sample(range(1, total), parts - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_after_replan(workspace):
+    """run() captured once (8 requests, 640 query tokens), replayed after plan() with other
+    lengths, fewer requests and fewer tokens (q stays the captured buffer; only its first
+    qo_indptr[-1] rows are live): the live rows match the reference, the rows past them stay
+    untouched; a plan() with more requests than the buffers hold is an error."""
+    capacity, max_tokens, (hq, hk), ps, pool = 8, 640, LLAMA, 16, 2048
+    rnd = random.Random(13)
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    k = _randn((pool, ps, hk, 128), torch.bfloat16, gen)
+    v = _randn((pool, ps, hk, 128), torch.bfloat16, gen)
+    wrapper = paged_wrapper(
+        workspace, "NHD", use_cuda_graph=True,
+        qo_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indices_buf=torch.zeros(pool, dtype=torch.int32, device=DEV),
+        paged_kv_last_page_len_buf=torch.zeros(capacity, dtype=torch.int32, device=DEV))
+    q_buf = _randn((max_tokens, hq, 128), torch.bfloat16, gen)
+    out_buf = torch.full((max_tokens, hq, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse_buf = torch.full((max_tokens, hq), float("nan"), dtype=torch.float32, device=DEV)
+    first = _partition(max_tokens, capacity, rnd)
+    rounds = [
+        [(m, m + rnd.randint(0, 1500)) for m in first],
+        [(1, 6000), (100, 100), (0, 50), (250, 2000), (49, 49 + 17)],  # a long one: another split
+        [(0, 0), (200, 200), (17, 0)],  # padding, 217 tokens
+        [(1, 1)],
+    ]
+    graph = None
+    for shapes in rounds:
+        qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+        rows = sum(qo_lens)
+        paged = make_page_table("csr", kv_lens, ps, pool, rnd, host_indptr=True)
+        qo_indptr = indptr_of(qo_lens, "cpu")
+        wrapper.plan(qo_indptr, **paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim_qk=128, page_size=ps,
+                     causal=True, q_data_type=torch.bfloat16)
+        q_buf.copy_(_randn(q_buf.shape, torch.bfloat16, gen))
+        if graph is None:
+            graph = _graph_of(lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True))
+        out_buf.fill_(float("nan"))
+        lse_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        kv = KV(((k, v),), k, v, paged.table, paged.plan_args, "NHD")
+        ref_out, ref_lse = reference(q_buf[:rows], qo_indptr, kv, causal=True)
+        check_prefill(out_buf[:rows], lse_buf[:rows], ref_out, ref_lse, shapes, tolerance(BF16))
+        assert bool(out_buf[rows:].isnan().all()) and bool(lse_buf[rows:].isnan().all()), \
+            "rows past qo_indptr[-1] were written"
+    too_many = [(1, 10)] * (capacity + 1)
+    paged = make_page_table("csr", [n for _, n in too_many], ps, pool, rnd, host_indptr=True)
+    with pytest.raises(ValueError, match="qo_indptr|batch|capacity|captured"):
+        wrapper.plan(indptr_of([1] * (capacity + 1), "cpu"), **paged.plan_args, num_qo_heads=hq, num_kv_heads=hk,
+                     head_dim_qk=128, page_size=ps, causal=True, q_data_type=torch.bfloat16)
+
+
+# --- merge_state of two halves -------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_merge_state_of_prefix_and_suffix(workspace):
+    """Each request's K/V cut in two by hand: the shared prefix (every query sees all of it:
+    mask none) and the suffix (causal, bottom-right aligned), planned on two wrappers that
+    share the workspace, then run (as an engine does each layer: plan both, run both).
+    merge_state of the two (out, lse) equals the full causal prefill and the reference; an
+    empty prefix (lse -inf) merges to the suffix alone."""
+    rnd = random.Random(14)
+    gen = torch.Generator(device=DEV).manual_seed(14)
+    # (qo_len, kv_len, prefix length <= kv_len - qo_len)
+    cuts = [(100, 900, 333), (1, 300, 299), (64, 64, 0), (37, 537, 500), (16, 40, 24), (200, 1000, 512)]
+    shapes = [(m, n) for m, n, _ in cuts]
+    qo_lens = [m for m, _ in shapes]
+    k_rows, v_rows = make_rows([n for _, n in shapes], LLAMA[1], (128, 128), torch.bfloat16, gen)
+    q = make_q(sum(qo_lens), LLAMA[0], 128, torch.bfloat16, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    starts = list(itertools.accumulate([n for _, n in shapes], initial=0))
+    pre = [torch.arange(s, s + p, device=DEV) for s, (_, _, p) in zip(starts, cuts)]
+    suf = [torch.arange(s + p, s + n, device=DEV) for s, (_, n, p) in zip(starts, cuts)]
+    pre, suf = torch.cat(pre), torch.cat(suf)
+    prefix = paged_kv(k_rows[pre], v_rows[pre], [p for _, _, p in cuts], 16, rnd=rnd, host_indptr=True)
+    suffix = paged_kv(k_rows[suf], v_rows[suf], [n - p for _, n, p in cuts], 16, rnd=rnd, host_indptr=True)
+    wrappers = []
+    for kv, causal in ((prefix, False), (suffix, True)):
+        wrapper = paged_wrapper(workspace)
+        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), 16, causal=causal, q_data_type=torch.bfloat16)
+        wrappers.append(wrapper)
+    (p_out, p_lse), (s_out, s_lse) = [run_poisoned(w, q, kv, 128, torch.bfloat16)
+                                      for w, kv in zip(wrappers, (prefix, suffix))]
+    merged, merged_lse = fij.merge_state(p_out, p_lse, s_out, s_lse)
+    full = paged_kv(k_rows, v_rows, [n for _, n in shapes], 16, rnd=rnd, host_indptr=True)
+    _, (f_out, f_lse) = run_base(workspace, shapes, q, qo_indptr, full, True)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
+    tol = tolerance(BF16)
+    check_prefill(merged, merged_lse, ref_out, ref_lse, shapes, tol)
+    check_prefill(f_out, f_lse, ref_out, ref_lse, shapes, tol)
+    check_out(merged, f_out, shapes, tol, "merged against full")
+    check_lse(merged_lse, f_lse, shapes, "merged lse against full")
+
+
+# --- run() and graph misuse on the GPU -----------------------------------------------------------------
+@pytest.mark.gpu
+def test_run_rejects_what_the_plan_does_not_match(workspace):
+    """run() with a q of another dtype, head count or head dim than planned, an out of
+    another dtype, lse of another shape or sinks of another length: errors naming the
+    argument, before any launch (out keeps its NaN)."""
+    rnd = random.Random(15)
+    gen = torch.Generator(device=DEV).manual_seed(15)
+    shapes = [(5, 40), (3, 3)]
+    q, qo_indptr, _, _, kv = base_inputs(shapes, gen, rnd)
+    wrapper = paged_wrapper(workspace)
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), 16, q_data_type=torch.bfloat16)
+    rows, (hq, _) = q.shape[0], LLAMA
+    out = torch.full((rows, hq, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    bad_runs = [
+        (r"\bq\b", dict(q=q.to(torch.float16))),
+        (r"\bq\b", dict(q=q[:, :16].contiguous())),
+        (r"\bq\b", dict(q=_randn((rows, hq, 64), torch.bfloat16, gen))),
+        (r"\bout\b", dict(out=torch.empty(rows, hq, 128, dtype=torch.float16, device=DEV))),
+        (r"\blse\b", dict(lse=torch.empty(rows, hq // 2, dtype=torch.float32, device=DEV), return_lse=True)),
+        ("sinks", dict(sinks=torch.zeros(hq // 2, dtype=torch.float32, device=DEV))),
+    ]
+    for match, kwargs in bad_runs:
+        kwargs = dict(dict(q=q) if "q" in kwargs else dict(q=q, out=out), **kwargs)  # a bad q: no out to blame
+        with pytest.raises((ValueError, TypeError), match=match):
+            wrapper.run(kwargs.pop("q"), *kv.run_args, **kwargs)
+    torch.cuda.synchronize()
+    assert bool(out.isnan().all()), "a rejected run() wrote its output"
+
+
+# --- on the CPU: the grid's coverage, the AOT matrix, the API ----------------------------------------
+def test_cases_cover_every_pair_of_options():
+    names = list(OPTIONS)
+    seen = set()
+    for case in CASES:
+        values = case_values(case)
+        assert all(values[n] in OPTIONS[n] for n in values), case
+        assert compatible(values), f"not a valid case: {case}"
+        assert case.paged == (case.kv_layout is not None) == (case.page_size is not None), case
+        case_spec(case)  # a module that exists
+        seen |= {(a, values[a], b, values[b]) for a, b in itertools.combinations(names, 2)
+                 if a in values and b in values}
+    missing = [(a, x, b, y) for a, b in itertools.combinations(names, 2)
+               for x in OPTIONS[a] for y in OPTIONS[b] if compatible({a: x, b: y}) and (a, x, b, y) not in seen]
+    assert not missing, f"{len(missing)} pairs no case has, e.g. {missing[:5]}"
+
+
+def test_tests_matrix_has_every_prefill_module():
+    needed = specs_needed()
+    have = set(parse_matrix(MATRIX))
+    missing = sorted(s.name for s in needed - have)
+    assert not missing, f"scripts/matrices/tests lacks {missing}"
+    prefill = {s for s in needed if isinstance(s, PrefillSpec)}
+    assert len(prefill) <= 36, f"{len(prefill)} prefill modules; keep the tests' build moderate"
+
+
+REQUIRED = inspect.Parameter.empty
+# FlashInfer 0.5.3's parameters (name, default) in order
+PAGED_INIT = [("float_workspace_buffer", REQUIRED), ("kv_layout", "NHD"), ("use_cuda_graph", False),
+              ("qo_indptr_buf", None), ("paged_kv_indptr_buf", None), ("paged_kv_indices_buf", None),
+              ("paged_kv_last_page_len_buf", None), ("custom_mask_buf", None), ("mask_indptr_buf", None),
+              ("backend", "auto"), ("jit_args", None)]
+RAGGED_INIT = [("float_workspace_buffer", REQUIRED), ("kv_layout", "NHD"), ("use_cuda_graph", False),
+               ("qo_indptr_buf", None), ("kv_indptr_buf", None), ("custom_mask_buf", None), ("mask_indptr_buf", None),
+               ("backend", "auto"), ("jit_args", None)]
+PLAN_TAIL = [("custom_mask", None), ("packed_custom_mask", None), ("causal", False), ("pos_encoding_mode", "NONE"),
+             ("use_fp16_qk_reduction", False)]
+PAGED_PLAN = ([(n, REQUIRED) for n in ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
+                                        "num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size")]
+              + [("head_dim_vo", None)] + PLAN_TAIL
+              + [("sm_scale", None), ("window_left", -1), ("logits_soft_cap", None), ("rope_scale", None),
+                 ("rope_theta", None), ("q_data_type", "float16"), ("kv_data_type", None), ("o_data_type", None),
+                 ("non_blocking", True), ("prefix_len_ptr", None), ("token_pos_in_items_ptr", None),
+                 ("token_pos_in_items_len", 0), ("max_item_len_ptr", None), ("seq_lens", None), ("seq_lens_q", None),
+                 ("block_tables", None), ("max_token_per_sequence", None), ("max_sequence_kv", None),
+                 ("fixed_split_size", None), ("disable_split_kv", False)])
+RAGGED_PLAN = ([(n, REQUIRED) for n in ("qo_indptr", "kv_indptr", "num_qo_heads", "num_kv_heads", "head_dim_qk")]
+               + [("head_dim_vo", None)] + PLAN_TAIL
+               + [("window_left", -1), ("logits_soft_cap", None), ("sm_scale", None), ("rope_scale", None),
+                  ("rope_theta", None), ("q_data_type", "float16"), ("kv_data_type", None), ("o_data_type", None),
+                  ("non_blocking", True)])
+RUN_KEYWORDS = [("q_scale", None), ("k_scale", None), ("v_scale", None), ("out", None), ("lse", None),
+                ("return_lse", False), ("enable_pdl", None), ("window_left", None), ("sinks", None)]
+SINGLE = ([(n, REQUIRED) for n in ("q", "k", "v")]
+          + [("scale_q", None), ("scale_k", None), ("scale_v", None), ("o_dtype", None), ("custom_mask", None),
+             ("packed_custom_mask", None), ("causal", False), ("kv_layout", "NHD"), ("pos_encoding_mode", "NONE"),
+             ("use_fp16_qk_reduction", False), ("sm_scale", None), ("window_left", -1), ("logits_soft_cap", None),
+             ("rope_scale", None), ("rope_theta", None), ("backend", "auto"), ("return_lse", False)])
+
+
+def _params(fn, skip_self: bool = True):
+    params = list(inspect.signature(fn).parameters.values())
+    return params[1:] if skip_self and params and params[0].name == "self" else params
+
+
+def _assert_leading(params, expected, what: str) -> None:
+    names = [p.name for p in params[: len(expected)]]
+    assert names == [n for n, _ in expected], f"{what}: parameters {names}, FlashInfer's {[n for n, _ in expected]}"
+    for p, (name, default) in zip(params, expected):
+        assert p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY), f"{what}: {name} should be positional"
+        if default is not REQUIRED:
+            assert p.default == default, f"{what}: {name} defaults to {p.default!r}, FlashInfer's {default!r}"
+
+
+@pytest.mark.parametrize("name, init, plan, kv_args", [
+    ("BatchPrefillWithPagedKVCacheWrapper", PAGED_INIT, PAGED_PLAN, ["paged_kv_cache"]),
+    ("BatchPrefillWithRaggedKVCacheWrapper", RAGGED_INIT, RAGGED_PLAN, ["k", "v"]),
+])
+def test_wrapper_signatures_follow_flashinfer(name, init, plan, kv_args):
+    cls = getattr(fij, name)
+    assert name in fij.__all__
+    _assert_leading(_params(cls.__init__), init, f"{name}.__init__")
+    plan_params = _params(cls.plan)
+    _assert_leading(plan_params, plan, f"{name}.plan")
+    by_name = {p.name: p for p in plan_params}
+    for extra, default in (("fixed_split_size", None), ("disable_split_kv", False), ("mask_indptr", None)):
+        assert extra in by_name and by_name[extra].default == default, f"{name}.plan: {extra}={default!r}"
+    run_params = _params(cls.run)
+    assert [p.name for p in run_params[: 1 + len(kv_args)]] == ["q", *kv_args], f"{name}.run"
+    by_name = {p.name: p for p in run_params}
+    for kw, default in RUN_KEYWORDS:
+        assert kw in by_name and by_name[kw].default == default, f"{name}.run: {kw}={default!r}"
+        assert by_name[kw].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def test_single_prefill_signature_follows_flashinfer():
+    assert "single_prefill_with_kv_cache" in fij.__all__
+    _assert_leading(_params(fij.single_prefill_with_kv_cache, False), SINGLE, "single_prefill_with_kv_cache")
+
+
+# --- plan() argument checks (no GPU: they fire before anything touches it) --------------------------
+CPU_HEADS = dict(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+
+
+def _cpu(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _cpu_workspace() -> torch.Tensor:
+    return torch.empty(1 << 20, dtype=torch.uint8)
+
+
+def _paged_args(qo_lens, kv_lens, page_size: int = 16) -> dict:
+    """plan()'s leading arguments for these lengths, CSR on the host."""
+    pages = [-(-n // page_size) for n in kv_lens]
+    return dict(qo_indptr=_cpu(list(itertools.accumulate(qo_lens, initial=0))),
+                paged_kv_indptr=_cpu(list(itertools.accumulate(pages, initial=0))),
+                paged_kv_indices=_cpu(list(range(sum(pages)))),
+                paged_kv_last_page_len=_cpu([n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)]),
+                page_size=page_size)
+
+
+def _ragged_args(qo_lens, kv_lens) -> dict:
+    return dict(qo_indptr=_cpu(list(itertools.accumulate(qo_lens, initial=0))),
+                kv_indptr=_cpu(list(itertools.accumulate(kv_lens, initial=0))))
+
+
+def _plan(source: str, args: dict, **kwargs):
+    """plan() of a fresh wrapper on a CPU workspace."""
+    if source == "paged":
+        wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD")
+    else:
+        wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD")
+    return wrapper.plan(**args, **{**CPU_HEADS, **kwargs})
+
+
+def _args(source: str, qo_lens=(3, 5), kv_lens=(10, 20)) -> dict:
+    return _paged_args(qo_lens, kv_lens) if source == "paged" else _ragged_args(qo_lens, kv_lens)
+
+
+SOURCES = ["paged", "ragged"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("bad", [[0, 5, 3, 8], [1, 5, 8], [0, 3, 8, 8, 2]], ids=["not_monotone", "not_from_0", "falls"])
+def test_plan_rejects_a_bad_qo_indptr(source, bad):
+    args = _args(source, (3, 5, 0, 4), (10, 20, 5, 9)) if len(bad) == 5 else _args(source)
+    args["qo_indptr"] = _cpu(bad)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        _plan(source, args)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("bad", [[0, 2, 1], [1, 2, 3]], ids=["not_monotone", "not_from_0"])
+def test_plan_rejects_a_bad_kv_indptr(source, bad):
+    args = _args(source)
+    if source == "paged":
+        args["paged_kv_indptr"] = _cpu(bad)
+    else:
+        args["kv_indptr"] = _cpu([0, 20, 10] if bad[0] == 0 else [1, 11, 31])
+    with pytest.raises(ValueError, match="kv_indptr"):
+        _plan(source, args)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_plan_rejects_indptrs_of_other_batch_sizes(source):
+    args = _args(source)
+    if source == "paged":
+        args["paged_kv_indptr"] = _cpu([0, 1, 2, 3])
+        args["paged_kv_indices"] = _cpu([0, 1, 2])
+        args["paged_kv_last_page_len"] = _cpu([10, 4, 4])
+    else:
+        args["kv_indptr"] = _cpu([0, 10, 20, 30])
+    with pytest.raises(ValueError, match="indptr|batch"):
+        _plan(source, args)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_plan_rejects_causal_with_fewer_keys_than_queries(source):
+    """0 < kv_len < qo_len with causal is an error (kv_len 0 is padding)."""
+    with pytest.raises(ValueError, match="causal"):
+        _plan(source, _args(source, (3, 5, 2), (10, 4, 0)), causal=True)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_plan_rejects_a_packed_mask_without_mask_indptr(source):
+    """Batch > 1: where each request's bits start is not guessed."""
+    shapes = [(3, 10), (5, 20)]
+    masks = [torch.ones(m, n, dtype=torch.bool) for m, n in shapes]
+    flat = torch.cat([mk.reshape(-1) for mk in masks])
+    packed, _ = segment_packbits_ref(flat, _cpu([0, 30, 130]), "little")
+    with pytest.raises(ValueError, match="mask_indptr"):
+        _plan(source, _args(source), packed_custom_mask=packed)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("what", ["short_packed", "element_indptr", "short_bool", "long_bool"])
+def test_plan_rejects_custom_masks_of_the_wrong_length(source, what):
+    shapes = [(3, 10), (5, 20)]
+    flat = torch.ones(sum(m * n for m, n in shapes), dtype=torch.bool)
+    packed, byte_indptr = segment_packbits_ref(flat, _cpu([0, 30, 130]), "little")  # bytes [0, 4, 17]
+    if what == "short_packed":
+        kwargs, match = dict(packed_custom_mask=packed[:-2], mask_indptr=byte_indptr), "packed_custom_mask|mask_indptr"
+    elif what == "element_indptr":  # elements where bytes are meant
+        kwargs, match = dict(packed_custom_mask=packed, mask_indptr=_cpu([0, 30, 130])), "packed_custom_mask|mask_indptr"
+    elif what == "short_bool":
+        kwargs, match = dict(custom_mask=flat[:-1]), "custom_mask"
+    else:
+        kwargs, match = dict(custom_mask=torch.ones(flat.numel() + 8, dtype=torch.bool)), "custom_mask"
+    with pytest.raises(ValueError, match=match):
+        _plan(source, _args(source), **kwargs)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("dims", [(64, 128), (128, 64), (96, 96), (192, 192), (256, 128), (512, 512)])
+def test_plan_rejects_unsupported_head_dims(source, dims):
+    with pytest.raises(ValueError, match="head_dim"):
+        _plan(source, _args(source), head_dim_qk=dims[0], head_dim_vo=dims[1])
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("heads", [(12, 8), (32, 3), (8, 16)])
+def test_plan_rejects_heads_not_a_multiple(source, heads):
+    with pytest.raises(ValueError, match="num_qo_heads|num_kv_heads"):
+        _plan(source, _args(source), num_qo_heads=heads[0], num_kv_heads=heads[1])
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_plan_rejects_rope_at_head_dim_192(source):
+    with pytest.raises(ValueError, match="pos_encoding|ROPE"):
+        _plan(source, _args(source), head_dim_qk=192, head_dim_vo=128, pos_encoding_mode="ROPE_LLAMA")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_plan_rejects_an_unknown_pos_encoding_mode(source):
+    with pytest.raises(ValueError, match="pos_encoding_mode"):
+        _plan(source, _args(source), pos_encoding_mode="ROPE_SOMETHING")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("arg", ["q_data_type", "o_data_type"])
+def test_plan_rejects_unsupported_dtypes(source, arg):
+    with pytest.raises((ValueError, TypeError), match=arg):
+        _plan(source, _args(source), **{arg: torch.float32})
+
+
+def test_ragged_plan_rejects_fp8_kv():
+    with pytest.raises((ValueError, TypeError), match="kv_data_type|fp8|float8"):
+        _plan("ragged", _args("ragged"), q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+
+
+def test_paged_plan_rejects_a_page_size_of_0():
+    args = _args("paged")
+    args["page_size"] = 0
+    with pytest.raises(ValueError, match="page_size"):
+        _plan("paged", args)
+
+
+@pytest.mark.parametrize("name", ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"])
+def test_fa3_backend_is_a_clear_error(name):
+    """backend="fa3" (FlashInfer's Hopper path) is not available yet: a ValueError naming it,
+    from the constructor or at the latest from plan(); an unknown backend names `backend`."""
+    source = "paged" if "Paged" in name else "ragged"
+    with pytest.raises(ValueError, match=r"(?i)fa3|hopper"):
+        getattr(fij, name)(_cpu_workspace(), "NHD", backend="fa3").plan(**_args(source), **CPU_HEADS)
+    with pytest.raises(ValueError, match="backend"):
+        getattr(fij, name)(_cpu_workspace(), "NHD", backend="no-such-backend").plan(**_args(source), **CPU_HEADS)
+
+
+def test_cuda_graph_plan_rejects_more_requests_than_the_buffers_hold():
+    capacity = 4
+    wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(
+        _cpu_workspace(), "NHD", use_cuda_graph=True,
+        qo_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32),
+        paged_kv_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32),
+        paged_kv_indices_buf=torch.zeros(64, dtype=torch.int32),
+        paged_kv_last_page_len_buf=torch.zeros(capacity, dtype=torch.int32))
+    with pytest.raises(ValueError, match="qo_indptr|batch|capacity"):
+        wrapper.plan(**_paged_args([2] * (capacity + 1), [20] * (capacity + 1)), **CPU_HEADS)
+    with pytest.raises(ValueError, match="paged_kv_indices"):  # 4 requests of 20 pages: 80 page ids > 64
+        wrapper.plan(**_paged_args([2] * capacity, [320] * capacity), **CPU_HEADS)
