@@ -297,16 +297,35 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   // A thread copies the same 16-byte chunk of every (THREADS / chunks)-th row, so its
   // shared-memory offsets step by constants; one page lookup serves a row's K and V.
   constexpr int KC = Traits::kKChunks, VC = Traits::kVChunks;
-  static_assert(THREADS % KC == 0 && THREADS % VC == 0 && TKV % (THREADS / KC) == 0 && TKV % (THREADS / VC) == 0,
-                "a block's threads must cover whole rows of a tile");
-  constexpr int K_PASS = THREADS / KC, V_PASS = THREADS / VC;  // rows a pass
+  // (head_dim_qk 192: rows of 12 or 24 chunks do not divide the block's threads; its copies
+  // take the general loop below)
+  constexpr bool kWholeRows =
+      THREADS % KC == 0 && THREADS % VC == 0 && TKV % (THREADS / KC) == 0 && TKV % (THREADS / VC) == 0;
+  constexpr int K_PASS = kWholeRows ? THREADS / KC : 1, V_PASS = kWholeRows ? THREADS / VC : 1;  // rows a pass
   constexpr int KE = 16 / int(sizeof(KV));                      // elements a chunk
   const KV* k_data = static_cast<const KV*>(p.kv.k.data);
   const KV* v_data = static_cast<const KV*>(p.kv.v.data);
   const uint32_t stages_u32 = smem_u32(stages);
   auto load_tile = [&](int kv0, int s) {
     const uint32_t k_tile = stages_u32 + s * Traits::kStageBytes, v_tile = k_tile + Traits::kKBytes;
-    if constexpr (KC == VC) {  // one lookup for the row's K and V
+    if constexpr (!kWholeRows) {
+      for (int i = tid; i < TKV * KC; i += THREADS) {
+        const int r = i / KC, ch = i % KC, j = kv0 + r;
+        const bool valid = j < end;
+        int64_t ko = 0, vo = 0;
+        if (valid) rows.locate(j, ko, vo);
+        cp_async_16_u32(k_tile + (Traits::kFp8 ? uint32_t(r * KC + ch) * 16u : swz_addr<KC>(0, r, ch)),
+                        k_data + ko + ch * KE, valid);
+      }
+      for (int i = tid; i < TKV * VC; i += THREADS) {
+        const int r = i / VC, ch = i % VC, j = kv0 + r;
+        const bool valid = j < end;
+        int64_t ko = 0, vo = 0;
+        if (valid) rows.locate(j, ko, vo);
+        cp_async_16_u32(v_tile + (Traits::kFp8 ? uint32_t(r * VC + ch) * 16u : swz_addr<VC>(0, r, ch)),
+                        v_data + vo + ch * KE, valid);
+      }
+    } else if constexpr (KC == VC) {  // one lookup for the row's K and V
 #pragma unroll
       for (int it = 0; it < TKV / K_PASS; ++it) {
         const int r = tid / KC + it * K_PASS, ch = tid % KC, j = kv0 + r;
