@@ -265,7 +265,10 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     return static_cast<const Q*>(p.q) + int64_t(qo_start + t) * p.q_stride_n +
            int64_t(kv_head * group + pr % group) * p.q_stride_h;
   };
-  if constexpr (std::is_same_v<Q, M> && !Traits::kRope) {
+  // (no key to read: no q either; nothing is then in flight when the epilogue stages the
+  // output in q's rows)
+  if (num_tiles == 0) {
+  } else if constexpr (std::is_same_v<Q, M> && !Traits::kRope) {
     for (int i = tid; i < ROWS * QC; i += THREADS) {
       const int r = i / QC, ch = i % QC;
       const Q* src = q_row(r);

@@ -150,7 +150,10 @@ class PagedKVCache(NamedTuple):
         return dtype_name(self.k.dtype)
 
 
-def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_cache") -> PagedKVCache:
+def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_cache",
+                          same_head_dim: bool = True) -> PagedKVCache:
+    """same_head_dim=False: K and V may differ in head_dim (prefill's head_dim_qk 192 with
+    head_dim_vo 128); every other dimension must match."""
     if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2 and kv_layout in KV_LAYOUTS:
         k, v = paged_kv_cache  # fast path; anything unusual takes the checks below
         if _tensor(k) and _tensor(v) and k.dim() == 4 and k.shape == v.shape and k.dtype == v.dtype \
@@ -173,7 +176,7 @@ def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str, name: str = "paged_kv_
                         f"got {type(paged_kv_cache).__name__}")
     expect_dim(k, f"{name} (k_cache)", 4, f"{dims} ({kv_layout})")
     expect_dim(v, f"{name} (v_cache)", 4, f"{dims} ({kv_layout})")
-    if tuple(k.shape) != tuple(v.shape):
+    if tuple(k.shape[: 4 if same_head_dim else 3]) != tuple(v.shape[: 4 if same_head_dim else 3]):
         raise ValueError(f"{name}: k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} differ in shape")
     if k.dtype != v.dtype:
         raise TypeError(f"{name}: k_cache is {k.dtype} but v_cache is {v.dtype}")

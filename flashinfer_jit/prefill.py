@@ -845,7 +845,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         caches). sinks: float32 [num_qo_heads], gpt-oss attention sinks."""
         if args:
             raise TypeError("run(): pass q_scale, k_scale, v_scale, out, lse and return_lse by keyword")
-        cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout, same_head_dim=False)
         return self._run(q, cache.k, cache.v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
                          window_left, sinks)
 
