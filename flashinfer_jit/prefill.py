@@ -495,8 +495,9 @@ class _PrefillWrapper:
         previous = self._plan
         spec = self._spec(config, table_layout, False)
         plan.spec = spec
-        plan.op = previous.op if previous is not None and previous.spec is spec else \
-            (None if self._device.type == "cpu" else _prefill_op(spec, env.debug()))
+        # the module is looked up at run() (a run with sinks takes the sinks module: loading
+        # the plain one here would build a module that no run() uses)
+        plan.op = previous.op if previous is not None and previous.spec is spec else None
         plan.batch, plan.qo_tokens, plan.tile_rows = batch, qo_tokens, tile_rows
         plan.grid = self._graph_grid() if graph else items
         plan.merge_rows = qo_tokens if partial_rows else 0
@@ -649,7 +650,12 @@ class _PrefillWrapper:
             logit_scale, cap_log2 = scale * _LOG2E, 0.0
         vs = 1.0 if v_scale is None else float(v_scale)
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
-        op = plan.op if spec is plan.spec else _prefill_op(spec, env.debug())
+        if spec is plan.spec:
+            op = plan.op
+            if op is None:
+                op = plan.op = _prefill_op(spec, env.debug())
+        else:
+            op = _prefill_op(spec, env.debug())
         kv_index, qo_indptr, work, merge, po, pl = plan.args
         mask, mask_indptr = plan.mask_args
         op(q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, sinks, out, lse_arg, po, pl, logit_scale,
