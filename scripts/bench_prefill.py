@@ -1,0 +1,1028 @@
+#!/usr/bin/env python3
+"""Benchmark batch prefill (BatchPrefillWithPagedKVCacheWrapper / BatchPrefillWithRaggedKVCacheWrapper)
+against FlashInfer's FA2 and FA3 backends, torch SDPA and the bf16 matmul rate.
+
+Measures, in one process on one GPU (docs/prefill.md, "Speed"):
+  - the ceilings: the bf16 matmul rate (torch.matmul 8192^3, TFLOP/s) and the copy bandwidth;
+  - bf16 q/K/V/out, 32 query / 8 KV heads (GQA-4), head_dim 64, 128 and 256 (--head-dims),
+    page 16 (NHD, CSR page table, pages in random order) and ragged K/V, per row:
+      prefill, causal and not, batch x qo_len with kv_len = qo_len: 1x16k, 4x4k, 16x1k, 64x256;
+      chunked prefill: 8 requests x qo 512 on kv 8192, causal, paged;
+      speculative verification: 64 requests x qo 4 on kv 4096, causal, paged, also our
+      BatchDecodeWithPagedKVCacheWrapper on the same cache with q_len_per_req=4 and with one
+      token a request (target: prefill <= 1.3x the one-token decode);
+  - per row and provider: device time of one run() (plan() once, outside the timing), TFLOP/s
+    (4 x sum over requests of qo_len x keys attended x num_qo_heads x head_dim; causal counts
+    the unmasked keys only, bottom-right aligned), its fraction of the matmul rate, and for
+    the KV-bound rows the KV bytes read per second. Providers: ours (paged, ragged), FlashInfer
+    FA2 and FA3 (sm90 only; paged, ragged), torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION
+    backends on dense [B, H, L, D] copies of the same values (enable_gqa, else the KV heads
+    repeated; bottom-right causal where qo_len < kv_len). Each that cannot run says why;
+  - per row: ours' speed over FA2's (FA2 us / ours us; target >= 1.0, paged and ragged), and
+    a check, once, that every provider's output agrees with ours (max abs diff; ours'
+    output buffer NaN-poisoned first, so a row it does not write shows).
+
+Timing: CUDA events around each eager run(), an L2 flush (a memset of max(4 x L2, 64 MiB))
+before each, warm-up of at least 200 ms (bench_common.warmup_ms), then the median of --reps
+runs (twice as many for runs under 1 ms); a short GPU sleep before the timed runs lets the
+host enqueue ahead, so host time never shows. Random inputs (normal, never zeros).
+
+Builds: FlashInfer 0.5.3 JIT-compiles its prefill modules at first use (one module per
+backend and head dim serves paged and ragged, causal and not; ~40 s FA2 and ~60 s FA3 each
+with 16 jobs, per the peer README). They are built in the background, one ninja per head
+dim in row order (128 first), while our modules are warmed up by background processes
+(a plan() and run() of small problems per configuration; they land in our JIT cache). The
+rows of a head dim are measured once its builds are done, while the later head dims'
+builds run (such rows say build_running; --no-overlap waits for every build first). The
+FlashInfer cache is FLASHINFER_WORKSPACE_BASE (default <tmp>/flashinfer_ws, kept on a
+warm machine, so a second run builds nothing). Without the peer (.peers/site on
+PYTHONPATH) its columns say why. Estimated (not yet measured) on an H100 with 16 cores:
+cold, the six FlashInfer modules take ~3-3.5 min and the whole run ~4 min (the last head
+dim's rows are skipped if --time-limit comes first); with the builds cached ~1.5 min;
+--quick ~1.5-2 min cold. --build-only in one call, then the run in the next, splits it.
+
+Writes JSON (--out; default $OUT/bench_prefill.json, else docs/results/<date>_prefill.json)
+and prints the tables last.
+  PYTHONPATH=.peers/site python3 scripts/bench_prefill.py [--quick] [--head-dims 64,128,256] [--out FILE]
+  python3 scripts/bench_prefill.py --list      (the rows, FLOPs and bytes; no GPU needed)
+  python3 scripts/bench_prefill.py --only 'hd128 causal;spec' --no-sdpa
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
+
+NUM_QO_HEADS, NUM_KV_HEADS, PAGE_SIZE = 32, 8, 16
+DTYPE = "bfloat16"
+HEAD_DIMS = (64, 128, 256)
+PREFILL_SHAPES = ((1, 16384), (4, 4096), (16, 1024), (64, 256))  # batch x qo_len (= kv_len)
+CHUNKED = (8, 512, 8192)  # batch, qo_len, kv_len
+SPEC = (64, 4, 4096)  # batch, tokens a request, kv_len
+WORKSPACE_BYTES = 256 << 20
+TARGET_SPEEDUP_VS_FA2 = 1.0  # FA2 us / ours us, paged and ragged, every row
+TARGET_SPEC_OVER_DECODE = 1.3  # ours' prefill us / our one-token decode us on the spec row
+ATOL, RTOL = 2e-2, 2e-2  # the loose agreement check: |a - b| <= ATOL + RTOL * |b| everywhere
+RESERVE_S = 5.0  # left at the end for the report
+DEVICE = "cuda"
+
+WRAPPERS = ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper")
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+IMPLS = ("ours_paged", "ours_ragged", "fa2_paged", "fa2_ragged", "fa3_paged", "fa3_ragged", *SDPA_BACKENDS)
+CHECK_PEERS = ("fa2_paged", "fa2_ragged", "sdpa_flash", "sdpa_cudnn", "fa3_paged", "fa3_ragged")
+
+
+# --- rows -----------------------------------------------------------------------------------------
+class Row(NamedTuple):
+    kind: str  # "prefill", "chunked" or "spec"
+    head_dim: int
+    batch: int
+    qo_len: int
+    kv_len: int
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return f"hd{self.head_dim} {'causal' if self.causal else 'full'} {self.batch}x{_k(self.qo_len)}"
+        return f"hd{self.head_dim} {self.kind} {self.batch}x{self.qo_len} on {_k(self.kv_len)}"
+
+    @property
+    def forms(self) -> tuple:
+        """The K/V forms measured: paged and ragged for the prefill rows, paged for the others."""
+        return ("paged", "ragged") if self.kind == "prefill" else ("paged",)
+
+    def flops(self) -> int:
+        return attention_flops(self.batch, self.qo_len, self.kv_len, self.causal, NUM_QO_HEADS, self.head_dim)
+
+    def kv_bytes(self) -> int:
+        """K and V bytes the requests read (bf16)."""
+        return 2 * self.batch * self.kv_len * NUM_KV_HEADS * self.head_dim * 2
+
+    def budget_s(self, reps: int) -> float:
+        """A rough upper estimate of the row's wall time (8 providers, ~300 TFLOP/s, warm-up,
+        plan, checks): a row that would end past --time-limit is not started."""
+        return 8 * (0.35 + (reps + 12) * self.flops() / 300e12)
+
+    def io_bytes(self) -> int:
+        """q + K + V + out bytes (bf16): what a run touches at least once."""
+        return self.kv_bytes() + 2 * self.batch * self.qo_len * NUM_QO_HEADS * self.head_dim * 2
+
+
+def keys_attended(qo_len: int, kv_len: int, causal: bool) -> int:
+    """(query row, key) pairs a request computes: qo x kv, or with the causal mask aligned
+    bottom-right (row i sees keys 0 .. kv - qo + i) sum_i (kv - qo + i + 1)."""
+    if not causal:
+        return qo_len * kv_len
+    if kv_len < qo_len:
+        raise ValueError(f"causal needs kv_len >= qo_len, got {qo_len} on {kv_len}")
+    return qo_len * (kv_len - qo_len) + qo_len * (qo_len + 1) // 2
+
+
+def attention_flops(batch: int, qo_len: int, kv_len: int, causal: bool, num_qo_heads: int, head_dim: int) -> int:
+    """4 x pairs x heads x head_dim: QK^T and PV, a multiply-add (2 FLOPs) each."""
+    return 4 * batch * keys_attended(qo_len, kv_len, causal) * num_qo_heads * head_dim
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def head_dim_order(head_dims) -> list[int]:
+    """128 first (the reference rows), then the others largest first: their FlashInfer builds
+    are the longest, so they run while the earlier rows are measured."""
+    return sorted(set(head_dims), key=lambda d: (d != 128, -d))
+
+
+def row_list(head_dims, only=()) -> list[Row]:
+    rows = []
+    for hd in head_dim_order(head_dims):
+        for causal in (True, False):
+            rows += [Row("prefill", hd, b, n, n, causal) for b, n in PREFILL_SHAPES]
+        rows.append(Row("chunked", hd, CHUNKED[0], CHUNKED[1], CHUNKED[2], True))
+        rows.append(Row("spec", hd, SPEC[0], SPEC[1], SPEC[2], True))
+    if only:
+        rows = [r for r in rows if any(o in r.label for o in only)]
+    return rows
+
+
+def ours_configs(rows, hd: int, prefill: bool) -> list[str]:
+    """Our configurations the rows of head dim `hd` use, as the warm-up names them."""
+    found = []
+    for r in rows:
+        if r.head_dim != hd:
+            continue
+        if prefill:
+            found += [f"{form}_{'causal' if r.causal else 'full'}" for form in r.forms]
+        if r.kind == "spec":
+            found += ["decode4", "decode1"]
+    return sorted(set(found))
+
+
+# --- background builds ------------------------------------------------------------------------------
+FLASHINFER_BUILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+try:
+    import torch
+    from flashinfer.jit.attention.modules import gen_batch_prefill_module
+    from flashinfer.jit.core import build_jit_specs
+    hd, backends = int(sys.argv[1]), sys.argv[2].split(",")
+    # the module plan() asks for: bf16 q/kv/out, int32 indptr, no RoPE, no window, no soft cap,
+    # no fp16 QK reduction (flashinfer/prefill.py, get_module_args)
+    specs = {b: gen_batch_prefill_module(b, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32,
+                                         hd, hd, 0, False, False, False) for b in backends}
+    modules = {}
+    try:
+        build_jit_specs(list(specs.values()), verbose=False)  # one ninja, every module
+        modules = {b: {"ok": True} for b in specs}
+    except Exception:
+        for b, spec in specs.items():  # which one failed
+            try:
+                spec.build(verbose=False)
+                modules[b] = {"ok": True}
+            except Exception as exc:
+                modules[b] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:]}
+    print(json.dumps({"ok": True, "modules": modules, "seconds": time.perf_counter() - t0}))
+except BaseException as exc:  # report anything, never hang the benchmark
+    print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:], "seconds": time.perf_counter() - t0}))
+"""
+
+OURS_WARMUP = r"""
+import json, sys, time
+t0 = time.perf_counter()
+try:
+    import torch
+    import flashinfer_jit as fij
+    hd, what = int(sys.argv[1]), sys.argv[2]
+    hq, hk, page, bf16 = 32, 8, 16, torch.bfloat16
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+
+    def paged(batch, kv):
+        pages = -(-kv // page)
+        cache = torch.randn(batch * pages, page, hk, hd, device="cuda", dtype=bf16)
+        indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32)
+        indices = torch.randperm(batch * pages, device="cuda").int()
+        last = torch.full((batch,), kv - (pages - 1) * page, dtype=torch.int32)
+        return cache, indptr, indices, last
+
+    if what.startswith("decode"):
+        n = int(what[len("decode"):])
+        for batch, kv in ((1, 40), (8, 1024), (64, 4096)):
+            cache, indptr, indices, last = paged(batch, kv)
+            w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            w.plan(indptr, indices, last, hq, hk, hd, page, q_data_type=bf16, kv_data_type=bf16, q_len_per_req=n)
+            w.run(torch.randn(batch * n, hq, hd, device="cuda", dtype=bf16), (cache, cache))
+    else:
+        form, mask = what.split("_")
+        causal = mask == "causal"
+        # short and long queries, one and many requests, a partial last page: what plan()
+        # may pick different kernels for
+        for batch, qo, kv in ((1, 40, 40), (4, 4, 1024), (2, 256, 2048), (1, 1024, 1024)):
+            q = torch.randn(batch * qo, hq, hd, device="cuda", dtype=bf16)
+            qo_indptr = torch.arange(0, batch * qo + 1, qo, dtype=torch.int32)
+            if form == "paged":
+                cache, indptr, indices, last = paged(batch, kv)
+                w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+                w.plan(qo_indptr, indptr, indices, last, hq, hk, hd, page, causal=causal, q_data_type=bf16,
+                       kv_data_type=bf16)
+                w.run(q, (cache, cache))
+            else:
+                k = torch.randn(batch * kv, hk, hd, device="cuda", dtype=bf16)
+                w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+                w.plan(qo_indptr, torch.arange(0, batch * kv + 1, kv, dtype=torch.int32), hq, hk, hd,
+                       causal=causal, q_data_type=bf16, kv_data_type=bf16)
+                w.run(q, k, k)
+    torch.cuda.synchronize()
+    print(json.dumps({"ok": True, "seconds": time.perf_counter() - t0}))
+except BaseException as exc:  # report anything, never hang the benchmark
+    print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:], "seconds": time.perf_counter() - t0}))
+"""
+
+
+class Builds:
+    """Background builds, in stages: stage k (head dim k of the rows' order) starts FlashInfer's
+    modules for that head dim (one process, one ninja, MAX_JOBS = the CPU count unless set) and
+    our warm-up processes for it; stage k+1 starts when stage k's FlashInfer build ends (at once
+    where it has none). Each process prints one JSON line; its output goes to a log file."""
+
+    def __init__(self, stages: list[tuple[int, list[str], list[str]]], fi_env: dict | None):
+        self.stages = stages  # (head_dim, FlashInfer backends, our configurations)
+        self.fi_env = fi_env
+        self.jobs: dict[tuple, dict] = {}
+        self.next_stage = 0
+        self.killed: str | None = None  # why the builds were ended early, if they were
+        self.started = time.perf_counter()
+        self.logdir = Path(tempfile.mkdtemp(prefix="bench_prefill_builds_"))
+        self._advance()
+
+    def _launch(self, key: tuple, argv: list[str], env: dict | None) -> None:
+        name = "_".join(map(str, key))
+        out, err = open(self.logdir / f"{name}.out", "w"), open(self.logdir / f"{name}.err", "w")
+        proc = subprocess.Popen([sys.executable, "-c", *argv], stdout=out, stderr=err, cwd=bc.REPO,
+                                env=env, start_new_session=True)  # its own group: killed with its ninja
+        out.close()
+        err.close()
+        self.jobs[key] = {"proc": proc, "started": time.perf_counter(), "result": None, "name": name}
+
+    def _advance(self) -> None:
+        while self.next_stage < len(self.stages):
+            if self.next_stage > 0:
+                prev = self.jobs.get(("fa", self.stages[self.next_stage - 1][0]))
+                if prev is not None and prev["result"] is None:
+                    return
+            hd, backends, configs = self.stages[self.next_stage]
+            if backends and self.fi_env is not None:
+                self._launch(("fa", hd), [FLASHINFER_BUILD, str(hd), ",".join(backends)], self.fi_env)
+            for what in configs:
+                self._launch(("ours", hd, what), [OURS_WARMUP, str(hd), what], None)
+            bc.log(f"builds: head_dim {hd} started (FlashInfer {','.join(backends) or '-'}, "
+                   f"ours {','.join(configs) or '-'})")
+            self.next_stage += 1
+
+    def poll(self) -> None:
+        for job in self.jobs.values():
+            if job["result"] is None and job["proc"].poll() is not None:
+                job["result"] = self._read(job)
+                job["result"]["wall_s"] = time.perf_counter() - job["started"]
+                bc.log(f"builds: {job['name']} {'ok' if job['result'].get('ok') else 'FAILED'} "
+                       f"({job['result']['wall_s']:.0f} s)")
+        self._advance()
+
+    def _read(self, job) -> dict:
+        out = (self.logdir / f"{job['name']}.out").read_text(errors="replace")
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if lines:
+            try:
+                return json.loads(lines[-1])
+            except json.JSONDecodeError:
+                pass
+        err = (self.logdir / f"{job['name']}.err").read_text(errors="replace")
+        return {"ok": False, "error": f"exit {job['proc'].returncode}: {err[-1500:]}"}
+
+    def running(self) -> bool:
+        self.poll()
+        return any(j["result"] is None for j in self.jobs.values()) or self.next_stage < len(self.stages)
+
+    def wait(self, hd: int | None, until: float) -> None:
+        """Until the builds of head dim `hd` (every build, None) are done or the clock
+        reaches `until`."""
+        while True:
+            self.poll()
+            keys = [k for k in self.jobs if hd is None or k[1] == hd]
+            pending = hd is None and self.next_stage < len(self.stages) or \
+                hd is not None and hd not in [s[0] for s in self.stages[:self.next_stage]]
+            if not pending and all(self.jobs[k]["result"] is not None for k in keys):
+                return
+            if time.perf_counter() >= until:
+                return
+            time.sleep(0.2)
+
+    def kill(self, reason: str) -> None:
+        """End every build still running (each process group we started, by its id)."""
+        for job in self.jobs.values():
+            if job["result"] is None:
+                try:
+                    os.killpg(job["proc"].pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                job["proc"].wait()
+                job["result"] = {"ok": False, "error": reason, "wall_s": time.perf_counter() - job["started"]}
+        self.killed = self.killed or reason
+        self.next_stage = len(self.stages)
+
+    def status(self, key: tuple, backend: str | None = None) -> str | None:
+        """None if the build `key` (and its module `backend`) succeeded, else why not."""
+        job = self.jobs.get(key)
+        if job is None:
+            return f"build not started: {self.killed}" if self.killed else "not in the build plan"
+        r = job["result"]
+        if r is None:
+            return "build still running"
+        if not r.get("ok"):
+            return f"build failed: {r.get('error', '?')}"[:600]
+        if backend is not None:
+            m = r.get("modules", {}).get(backend, {"ok": False, "error": "not built"})
+            if not m.get("ok"):
+                return f"{backend} build failed: {m.get('error', '?')}"[:600]
+        return None
+
+    def summary(self) -> dict:
+        out = {"logs": str(self.logdir), "flashinfer": {}, "ours": {}}
+        for key, job in self.jobs.items():
+            r = dict(job["result"] or {"ok": False, "error": "still running"})
+            if key[0] == "fa":
+                out["flashinfer"][f"hd{key[1]}"] = r
+            else:
+                out["ours"][f"hd{key[1]} {key[2]}"] = r
+        return out
+
+
+# --- timing -----------------------------------------------------------------------------------------
+class Flush:
+    """A memset of max(4 x L2, 64 MiB) between runs: every run starts from DRAM."""
+
+    def __init__(self):
+        import torch
+
+        self.buf = torch.empty(max(4 * bc.l2_bytes(), 64 << 20), dtype=torch.uint8, device=DEVICE)
+
+    def __call__(self):
+        self.buf.zero_()
+
+
+def _gate() -> None:
+    """About 10 ms of GPU sleep: the host enqueues the timed runs behind it."""
+    import torch
+
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(1 << 24)
+
+
+def time_events(fn, reps: int, flush: Flush) -> dict:
+    """Median device time of one fn() by CUDA events around it, an L2 flush before each
+    run, after at least bench_common.warmup_ms() of flushed runs (3 at least)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    one_ms = start.elapsed_time(end)
+    warm = min(10_000, max(3, math.ceil(bc.warmup_ms() / max(one_ms, 1e-3))))
+    for _ in range(warm):
+        flush()
+        fn()
+    torch.cuda.synchronize()
+    runs = reps if one_ms >= 1.0 else 2 * reps
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    _gate()
+    for i in range(runs):
+        flush()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return bc.summarize([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]) | {"warmup_runs": warm}
+
+
+def matmul_rate(n: int = 8192, reps: int = 30) -> dict:
+    """bf16 torch.matmul n x n x n: the tensor-core ceiling the TFLOP/s are read against."""
+    import torch
+
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=DEVICE, dtype=torch.bfloat16)
+    t = bc.time_cuda(lambda _: torch.matmul(a, b, out=c), 1, warmup=5, reps=reps)
+    del a, b, c
+    torch.cuda.empty_cache()
+    return {"m": n, "n": n, "k": n, "dtype": DTYPE, "median_us": t["median_us"],
+            "tflops": 2 * n ** 3 / t["median_us"] / 1e6, "timing": t}
+
+
+# --- inputs -----------------------------------------------------------------------------------------
+class Inputs:
+    """One row's values in every form: q [B x qo, Hq, D]; K/V token-major [B x kv, Hk, D]
+    (the ragged form), the same tokens in a paged NHD cache (pages in random order, CSR
+    table: indptr and last_page_len on the host, indices on the device), and dense
+    [B, H, L, D] copies for SDPA. Random normal values; the cache's padding slots too."""
+
+    def __init__(self, row: Row, seed: int, ragged: bool, dense: bool, device=None):
+        import torch
+
+        b, qo, kv, d = row.batch, row.qo_len, row.kv_len, row.head_dim
+        bf16 = torch.bfloat16
+        device = device or DEVICE
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.row = row
+        self.q = torch.randn(b * qo, NUM_QO_HEADS, d, generator=gen, device=device, dtype=bf16)
+        k_tok = torch.randn(b * kv, NUM_KV_HEADS, d, generator=gen, device=device, dtype=bf16)
+        v_tok = torch.randn(b * kv, NUM_KV_HEADS, d, generator=gen, device=device, dtype=bf16)
+        pages = -(-kv // PAGE_SIZE)
+        self.num_pages = b * pages
+        perm = torch.randperm(self.num_pages, generator=gen, device=device)
+        self.indices = perm.to(torch.int32)  # request r's page j is physical page indices[r * pages + j]
+        self.page_indptr = torch.arange(0, self.num_pages + 1, pages, dtype=torch.int32)
+        self.last_page_len = torch.full((b,), kv - (pages - 1) * PAGE_SIZE, dtype=torch.int32)
+        self.qo_indptr = torch.arange(0, b * qo + 1, qo, dtype=torch.int32)
+        self.kv_indptr = torch.arange(0, b * kv + 1, kv, dtype=torch.int32)
+
+        def paged(tok):
+            padded = tok.view(b, kv, NUM_KV_HEADS, d)
+            if pages * PAGE_SIZE != kv:
+                pad = torch.randn(b, pages * PAGE_SIZE - kv, NUM_KV_HEADS, d, generator=gen, device=device, dtype=bf16)
+                padded = torch.cat([padded, pad], 1)
+            cache = torch.empty(self.num_pages, PAGE_SIZE, NUM_KV_HEADS, d, device=device, dtype=bf16)
+            cache[perm] = padded.reshape(self.num_pages, PAGE_SIZE, NUM_KV_HEADS, d)
+            return cache
+
+        self.k_cache, self.v_cache = paged(k_tok), paged(v_tok)
+        self.k, self.v = (k_tok, v_tok) if ragged else (None, None)
+        self.dense = None
+        if dense:
+            self.dense = {"q": to_dense(self.q, b), "k": to_dense(k_tok, b), "v": to_dense(v_tok, b)}
+        self.out = torch.empty_like(self.q)
+
+
+def to_dense(tokens, batch: int):
+    """[B x L, H, D] token-major -> [B, H, L, D] contiguous."""
+    return tokens.view(batch, -1, *tokens.shape[1:]).transpose(1, 2).contiguous()
+
+
+def from_dense(x):
+    """[B, H, L, D] -> [B x L, H, D] (token-major, as the wrappers write)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def lower_right_mask(qo_len: int, kv_len: int, device):
+    """The causal mask aligned bottom-right: row i sees keys 0 .. kv_len - qo_len + i."""
+    import torch
+
+    return torch.ones(qo_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - qo_len)
+
+
+def sdpa_attend(impl: str, q, k, v, causal: bool):
+    """torch SDPA with one backend on [B, H, L, D] tensors (KV heads grouped by enable_gqa
+    where k has fewer heads than q). Causal with qo_len < kv_len is aligned bottom-right:
+    FLASH_ATTENTION through its own op (whose is_causal is bottom-right, as torch's
+    causal_lower_right dispatch calls it), CUDNN_ATTENTION with the boolean mask."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lower_right = causal and q.shape[2] != k.shape[2]
+    if impl == "sdpa_flash" and lower_right:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+    mask = lower_right_mask(q.shape[2], k.shape[2], q.device) if lower_right else None
+    with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[impl])):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and not lower_right, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def compare(out, ref) -> dict:
+    """max |out - ref| and whether |out - ref| <= ATOL + RTOL |ref| everywhere (NaN: no)."""
+    import torch
+
+    o, r = out.float(), ref.float().reshape(out.shape)
+    nan = bool(torch.isnan(o).any())
+    d = (o - r).abs()
+    worst = float(d.max()) if not nan else None
+    ok = not nan and float((d - RTOL * r.abs()).max()) <= ATOL
+    return {"max_abs_diff": worst, "agrees": ok} | ({"nan": True} if nan else {})
+
+
+# --- one row ----------------------------------------------------------------------------------------
+class Context(NamedTuple):
+    fi: object  # the flashinfer module or None
+    fi_reason: str | None
+    fa3_reason: str | None
+    ours_reason: str | None  # why our prefill wrappers are absent, or None
+    sdpa: bool
+    builds: Builds | None
+    reps: int
+    flush: Flush
+    matmul_tflops: float
+
+
+def measure_row(row: Row, ctx: Context, seed: int) -> dict:
+    import torch
+
+    import flashinfer_jit as fij
+
+    hd = row.head_dim
+    res = {"label": row.label, "kind": row.kind, "head_dim": hd, "batch": row.batch, "qo_len": row.qo_len,
+           "kv_len": row.kv_len, "causal": row.causal, "num_qo_heads": NUM_QO_HEADS, "num_kv_heads": NUM_KV_HEADS,
+           "page_size": PAGE_SIZE, "forms": list(row.forms), "flops": row.flops(), "kv_bytes": row.kv_bytes(),
+           "io_bytes": row.io_bytes(), "build_running": bool(ctx.builds and ctx.builds.running()), "impls": {}}
+    inputs = Inputs(row, seed, ragged="ragged" in row.forms, dense=ctx.sdpa)
+    bf16 = torch.bfloat16
+    mask = "causal" if row.causal else "full"
+    ref = {}  # "out": ours' output, the row's reference
+
+    def wrapper_runner(module, form: str, backend: str | None):
+        kw = {} if backend is None else {"backend": backend}
+        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
+        if form == "paged":
+            w = module.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
+            w.plan(inputs.qo_indptr, inputs.page_indptr, inputs.indices, inputs.last_page_len, NUM_QO_HEADS,
+                   NUM_KV_HEADS, hd, PAGE_SIZE, causal=row.causal, q_data_type=bf16, kv_data_type=bf16)
+            return lambda: w.run(inputs.q, (inputs.k_cache, inputs.v_cache), out=inputs.out)
+        w = module.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
+        w.plan(inputs.qo_indptr, inputs.kv_indptr, NUM_QO_HEADS, NUM_KV_HEADS, hd, causal=row.causal,
+               q_data_type=bf16, kv_data_type=bf16)
+        return lambda: w.run(inputs.q, inputs.k, inputs.v, out=inputs.out)
+
+    def measure(impl: str, prepare, reference=None) -> dict:
+        """prepare() -> (run, output): plan outside the timing; one checked run (outputs
+        NaN-poisoned first), then the timed runs."""
+        try:
+            inputs.out.fill_(float("nan"))
+            run, output = prepare()
+            run()
+            torch.cuda.synchronize()
+            entry = {}
+            if reference is not None:
+                entry["vs_ours"] = compare(output(), reference)
+            elif impl.startswith("ours") and "out" not in ref:
+                got = output()
+                entry["wrote_every_row"] = not bool(torch.isnan(got).any())
+                ref["out"], ref["impl"] = got.clone(), impl
+            t = time_events(run, ctx.reps, ctx.flush)
+        except Exception as exc:  # noqa: BLE001  (one failing provider must not end the run)
+            bc.log(f"{row.label} {impl}: {type(exc).__name__}: {exc}")
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001  (a sticky CUDA error: the next rows will say so)
+                pass
+            return {"error": f"{type(exc).__name__}: {exc}"[:800]}
+        us = t["median_us"]
+        entry |= {"median_us": us, "tflops": row.flops() / us / 1e6,
+                  "frac_matmul": row.flops() / us / 1e6 / ctx.matmul_tflops,
+                  "kv_tb_per_s": row.kv_bytes() / us / 1e6, "timing": t}
+        bc.log(f"{row.label} {impl}: {us:.1f} us, {entry['tflops']:.0f} TFLOP/s")
+        return entry
+
+    def ours_reference():
+        return ref.get("out")
+
+    def out_of_wrapper():
+        return inputs.out
+
+    # ours, paged then ragged (the first to run is the row's reference)
+    for form in ("paged", "ragged"):
+        impl = f"ours_{form}"
+        if form not in row.forms:
+            res["impls"][impl] = {"skipped": f"{row.kind} rows are paged only"}
+            continue
+        why = ctx.ours_reason or (ctx.builds and ctx.builds.status(("ours", hd, f"{form}_{mask}")))
+        res["impls"][impl] = {"skipped": f"ours: {why}"} if why else \
+            measure(impl, lambda f=form: (wrapper_runner(fij, f, None), out_of_wrapper), ours_reference())
+    # FlashInfer FA2 and FA3
+    for backend in ("fa2", "fa3"):
+        for form in ("paged", "ragged"):
+            impl = f"{backend}_{form}"
+            why = ctx.fi_reason or (ctx.fa3_reason if backend == "fa3" else None) or \
+                (None if form in row.forms else f"{row.kind} rows are paged only") or \
+                (ctx.builds and ctx.builds.status(("fa", hd), backend))
+            res["impls"][impl] = {"skipped": why} if why else \
+                measure(impl, lambda f=form, b=backend: (wrapper_runner(ctx.fi, f, b), out_of_wrapper),
+                        ours_reference())
+    # torch SDPA on the dense copies
+    for impl in SDPA_BACKENDS:
+        res["impls"][impl] = measure_sdpa(impl, inputs, row, measure, ours_reference()) if ctx.sdpa else \
+            {"skipped": "--no-sdpa"}
+    # our decode on the spec row's cache: q_len_per_req tokens a request, and one
+    if row.kind == "spec":
+        measure_decode(res, inputs, row, ctx, measure, ours_reference())
+    derive(res)
+    del inputs
+    ref.clear()
+    torch.cuda.empty_cache()
+    return res
+
+
+def measure_sdpa(impl: str, inputs: Inputs, row: Row, measure, reference) -> dict:
+    import torch
+
+    dense = inputs.dense
+    held = {}
+
+    def prepare():
+        q, k, v = dense["q"], dense["k"], dense["v"]
+        try:  # KV heads grouped by enable_gqa (or, for flash with a bottom-right mask, natively)
+            with warnings.catch_warnings():  # a backend that declines says why in a warning, then raises
+                warnings.simplefilter("ignore")
+                sdpa_attend(impl, q, k, v, row.causal)
+            held["kv_heads"] = f"{k.shape[1]} (grouped)"
+        except RuntimeError as exc:  # the backend takes no grouped heads here: repeat them
+            held["grouped_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if "k_rep" not in dense:
+                group = q.shape[1] // k.shape[1]
+                dense["k_rep"] = k.repeat_interleave(group, dim=1)
+                dense["v_rep"] = v.repeat_interleave(group, dim=1)
+            k, v = dense["k_rep"], dense["v_rep"]
+            held["kv_heads"] = f"{k.shape[1]} (repeat_interleave)"
+        torch.cuda.synchronize()
+
+        def run():
+            held["out"] = sdpa_attend(impl, q, k, v, row.causal)
+        return run, lambda: from_dense(held["out"])
+
+    entry = measure(impl, prepare, reference)
+    for key in ("kv_heads", "grouped_error"):
+        if key in held:
+            entry[key] = held[key]
+    held.clear()
+    return entry
+
+
+def measure_decode(res: dict, inputs: Inputs, row: Row, ctx: Context, measure, reference) -> None:
+    """Our batch decode on the same paged cache: q_len_per_req = the row's tokens (the same
+    queries and causal rule as the prefill) and one token a request (the last token's query,
+    which attends to every key)."""
+    import torch
+
+    import flashinfer_jit as fij
+
+    b, n, hd = row.batch, row.qo_len, row.head_dim
+    q_last = inputs.q.view(b, n, NUM_QO_HEADS, hd)[:, -1].contiguous()
+    out_last = torch.empty_like(q_last)
+    ref_last = None if reference is None else reference.view(b, n, NUM_QO_HEADS, hd)[:, -1]
+    for impl, tokens in (("ours_decode_q4", n), ("ours_decode_q1", 1)):
+        why = ctx.builds and ctx.builds.status(("ours", hd, f"decode{tokens}"))
+        if why:
+            res["impls"][impl] = {"skipped": f"ours: {why}"}
+            continue
+        q, out = (inputs.q, inputs.out) if tokens == n else (q_last, out_last)
+
+        def prepare(q=q, out=out, tokens=tokens):
+            out.fill_(float("nan"))
+            ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
+            w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            w.plan(inputs.page_indptr, inputs.indices, inputs.last_page_len, NUM_QO_HEADS, NUM_KV_HEADS, hd,
+                   PAGE_SIZE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, q_len_per_req=tokens)
+            return (lambda: w.run(q, (inputs.k_cache, inputs.v_cache), out=out)), (lambda: out)
+
+        res["impls"][impl] = measure(impl, prepare, reference if tokens == n else ref_last) | \
+            {"q_len_per_req": tokens}
+        if tokens == 1 and "median_us" in res["impls"][impl]:  # one token a request: not the row's FLOPs
+            e = res["impls"][impl]
+            e["flops"] = attention_flops(b, 1, row.kv_len, False, NUM_QO_HEADS, hd)
+            e["tflops"] = e["flops"] / e["median_us"] / 1e6
+            e.pop("frac_matmul", None)
+
+
+def derive(res: dict) -> None:
+    """Speed over FA2, the agreement check and the targets of one row."""
+    impls = res["impls"]
+    us = {k: v.get("median_us") for k, v in impls.items()}
+    res["speedup_vs_fa2"], res["time_ratio_ours_over_fa2"] = {}, {}
+    for form in res["forms"]:
+        ours, fa2 = us.get(f"ours_{form}"), us.get(f"fa2_{form}")
+        if ours and fa2:
+            res["speedup_vs_fa2"][form] = fa2 / ours
+            res["time_ratio_ours_over_fa2"][form] = ours / fa2
+    for form in res["forms"]:
+        ours, fa3 = us.get(f"ours_{form}"), us.get(f"fa3_{form}")
+        if ours and fa3:
+            res.setdefault("speedup_vs_fa3", {})[form] = fa3 / ours
+    ours_impl = next((f"ours_{f}" for f in res["forms"] if us.get(f"ours_{f}")), None)
+    peer = next((p for p in CHECK_PEERS if "vs_ours" in impls.get(p, {})), None)
+    if ours_impl and peer:
+        res["check"] = {"ours": ours_impl, "reference": peer, "tolerance": f"|ours - ref| <= {ATOL:g} + {RTOL:g} |ref|",
+                        **impls[peer]["vs_ours"]}
+        res["check"]["ours_wrote_every_row"] = impls.get(res["check"]["ours"], {}).get("wrote_every_row")
+    else:
+        res["check"] = {"skipped": "no output of ours" if not ours_impl else "no peer ran (FA2, SDPA, FA3)"}
+    targets = {}
+    for form, s in res["speedup_vs_fa2"].items():
+        targets[f"{form} >= {TARGET_SPEEDUP_VS_FA2:g}x FA2"] = s >= TARGET_SPEEDUP_VS_FA2
+    if res["kind"] == "spec":
+        prefill, q4, q1 = us.get("ours_paged"), us.get("ours_decode_q4"), us.get("ours_decode_q1")
+        res["prefill_over_decode"] = {}
+        if prefill and q4:
+            res["prefill_over_decode"]["q_len_per_req"] = prefill / q4
+        if prefill and q1:
+            res["prefill_over_decode"]["one_token"] = prefill / q1
+            targets[f"prefill <= {TARGET_SPEC_OVER_DECODE:g}x one-token decode"] = \
+                prefill / q1 <= TARGET_SPEC_OVER_DECODE
+    res["targets"] = targets
+
+
+# --- report -----------------------------------------------------------------------------------------
+SHORT = {"ours_paged": "ours pg", "ours_ragged": "ours rg", "fa2_paged": "FA2 pg", "fa2_ragged": "FA2 rg",
+         "fa3_paged": "FA3 pg", "fa3_ragged": "FA3 rg", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN"}
+
+
+def _cell(entry: dict | None, key: str):
+    if not entry:
+        return None
+    if key in entry:
+        return entry[key]
+    return "err" if "error" in entry else "skip" if "skipped" in entry else None
+
+
+def report(res: dict) -> str:
+    meta = res["meta"]
+    lines = [f"device {meta.get('device')} (sm {meta.get('capability')}), commit {meta.get('commit')}, "
+             f"{meta.get('date')}, torch {meta.get('torch')} CUDA {meta.get('torch_cuda')} cuDNN {meta.get('cudnn')}"]
+    mm = res.get("matmul", {})
+    lines.append(f"bf16 matmul {mm.get('tflops', float('nan')):.0f} TFLOP/s; copy "
+                 f"{res.get('copy', {}).get('gb_per_s', float('nan')):.0f} GB/s; FlashInfer "
+                 + (f"{res['flashinfer'].get('version')}" if res["flashinfer"].get("available")
+                    else f"not measured: {res['flashinfer'].get('reason')}"))
+    builds = res.get("builds", {})
+    fi_builds, ours_builds = builds.get("flashinfer", {}), builds.get("ours", {})
+    if fi_builds or ours_builds:
+        ok = lambda r: r.get("ok") and all(m.get("ok") for m in r.get("modules", {}).values())  # noqa: E731
+        lines.append("builds: FlashInfer " + (", ".join(f"{name} {r.get('wall_s', 0):.0f} s" for name, r in
+                                                        fi_builds.items()) or "-")
+                     + f"; ours {sum(1 for r in ours_builds.values() if ok(r))}/{len(ours_builds)} warmed up, "
+                     f"{max([r.get('wall_s', 0) for r in ours_builds.values()] or [0]):.0f} s at most")
+        for kind, group in (("FlashInfer", fi_builds), ("ours", ours_builds)):
+            for name, r in group.items():
+                if not ok(r):
+                    lines.append(f"  build {kind} {name} FAILED: " + json.dumps(
+                        {k: v for k, v in r.items() if k not in ("seconds", "wall_s")})[:400])
+    for s in res.get("skipped", []):
+        lines.append(f"skipped {s['row']}: {s['reason']}")
+    notes = {}
+    for r in res["rows"]:
+        for impl, e in r["impls"].items():
+            why = e.get("skipped") or e.get("error")
+            if why:
+                notes.setdefault(f"{impl}: {why[:160]}", []).append(r["label"])
+    for note, labels in notes.items():
+        lines.append(f"  {note}  [{len(labels)} rows]")
+    tf_rows, us_rows = [], []
+    for r in res["rows"]:
+        im = r["impls"]
+        chk = r.get("check", {})
+        if "agrees" not in chk:
+            agree = "-"
+        elif chk.get("max_abs_diff") is None:
+            agree = "NaN"
+        else:
+            agree = f"{'ok' if chk['agrees'] else 'DIFFERS'} {chk['max_abs_diff']:.3f}"
+        miss = [name for name, ok in r.get("targets", {}).items() if not ok]
+        tf_rows.append([r["label"], *[_cell(im.get(k), "tflops") for k in IMPLS],
+                        _cell(im.get("ours_paged"), "frac_matmul"),
+                        r["speedup_vs_fa2"].get("paged"), r["speedup_vs_fa2"].get("ragged"),
+                        f"{chk.get('reference', '')} {agree}".strip(),
+                        ("MISS " + "; ".join(miss)) if miss else ("ok" if r.get("targets") else "-")])
+        us_rows.append([r["label"], *[_cell(im.get(k), "median_us") for k in IMPLS]])
+    lines += ["", "TFLOP/s (x FA2: FA2 us / ours us, >= 1 is ours faster; frac: ours paged / matmul rate)",
+              bc.table(tf_rows, ["row", *[SHORT[k] for k in IMPLS], "frac", "x FA2 pg", "x FA2 rg", "check",
+                                 "targets"]),
+              "", "us per run()", bc.table(us_rows, ["row", *[SHORT[k] for k in IMPLS]])]
+    spec = [r for r in res["rows"] if r["kind"] == "spec"]
+    if spec:
+        sp = []
+        for r in spec:
+            im = r["impls"]
+            sp.append([r["label"], _cell(im.get("ours_paged"), "median_us"), _cell(im.get("ours_paged"), "kv_tb_per_s"),
+                       _cell(im.get("ours_decode_q4"), "median_us"), _cell(im.get("ours_decode_q1"), "median_us"),
+                       r.get("prefill_over_decode", {}).get("q_len_per_req"),
+                       r.get("prefill_over_decode", {}).get("one_token"),
+                       _cell(im.get("fa2_paged"), "median_us"), _cell(im.get("fa3_paged"), "median_us")])
+        lines += ["", f"speculative verification (target: ours prefill <= {TARGET_SPEC_OVER_DECODE:g}x our "
+                      "one-token decode)",
+                  bc.table(sp, ["row", "ours prefill us", "KV TB/s", "decode q4 us", "decode q1 us",
+                                "prefill/q4", "prefill/q1", "FA2 us", "FA3 us"])]
+    return "\n".join(lines)
+
+
+# --- the run ----------------------------------------------------------------------------------------
+def default_out() -> str:
+    if os.environ.get("OUT"):
+        return str(Path(os.environ["OUT"]) / "bench_prefill.json")
+    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return str(bc.REPO / "docs" / "results" / f"{day}_prefill.json")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--quick", action="store_true", help="head_dim 128 only and --reps 10 (unless given)")
+    p.add_argument("--head-dims", default=None,
+                   help=f"comma-separated, of {','.join(map(str, HEAD_DIMS))} (default: all; --quick: 128)")
+    p.add_argument("--only", default="",
+                   help="only rows whose label contains one of these ';'-separated strings (e.g. 'hd128 causal;spec'; "
+                        "--list prints the labels)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed runs per measurement, the median reported (default 20, --quick 10; runs under 1 ms "
+                        "take twice as many)")
+    p.add_argument("--out", default=None, help="JSON file (default: $OUT/bench_prefill.json, else "
+                                               "docs/results/<date>_prefill.json)")
+    p.add_argument("--time-limit", type=float, default=240.0,
+                   help="seconds for the whole run, builds included (default 240); rows left when it runs out "
+                        "are listed as skipped")
+    p.add_argument("--build-timeout", type=float, default=215.0,
+                   help="seconds from the start after which builds still running are ended and their columns "
+                        "skipped (default 215)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="time nothing until every build has finished (default: a head dim's rows are measured "
+                        "once its own builds are done, while later head dims' builds run)")
+    p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer (FA2 and FA3)")
+    p.add_argument("--no-fa3", action="store_true", help="skip FlashInfer's FA3 backend (and its build)")
+    p.add_argument("--no-sdpa", dest="sdpa", action="store_false", help="skip torch SDPA")
+    p.add_argument("--build-only", action="store_true",
+                   help="build FlashInfer's modules and warm up ours, then exit (no timing)")
+    p.add_argument("--list", action="store_true", help="print the rows, then exit (no GPU needed)")
+    args = p.parse_args(argv)
+    if args.head_dims is None:
+        args.head_dims = (128,) if args.quick else HEAD_DIMS
+    else:
+        try:
+            args.head_dims = tuple(int(x) for x in args.head_dims.split(",") if x.strip())
+        except ValueError:
+            args.head_dims = ()
+        if not args.head_dims or not set(args.head_dims) <= set(HEAD_DIMS):
+            p.error(f"--head-dims: a comma-separated list of {','.join(map(str, HEAD_DIMS))}")
+    args.only = tuple(o.strip() for o in args.only.split(";") if o.strip())
+    if args.reps is None:
+        args.reps = 10 if args.quick else 20
+    if args.reps < 1:
+        p.error("--reps: at least 1")
+    args.out = args.out or default_out()
+    return args
+
+
+def flashinfer_status(enabled: bool) -> dict:
+    if not enabled:
+        return {"available": False, "reason": "--no-flashinfer"}
+    if importlib.util.find_spec("flashinfer") is None:
+        return {"available": False,
+                "reason": "flashinfer not importable (carry .peers and run with PYTHONPATH=.peers/site)"}
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", os.path.join(tempfile.gettempdir(), "flashinfer_ws"))
+    return {"available": True, "workspace": os.environ["FLASHINFER_WORKSPACE_BASE"]}
+
+
+def fi_env() -> dict:
+    env = dict(os.environ)
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)  # made absolute, in case it was given relative
+    env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in paths if p)
+    env.setdefault("MAX_JOBS", str(os.cpu_count() or 16))
+    return env
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = row_list(args.head_dims, args.only)
+    if args.list:
+        for r in rows:
+            print(f"{r.label:28s} {'/'.join(r.forms):12s} {r.flops() / 1e12:8.3f} TFLOP  "
+                  f"K+V {r.kv_bytes() / 1e6:9.1f} MB  q+K+V+out {r.io_bytes() / 1e6:9.1f} MB")
+        return 0
+    if not rows:
+        print(f"bench_prefill: no row matches --only {';'.join(args.only)!r} (see --list)", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_prefill: no CUDA GPU visible; nothing to measure (run it on the GPU machine)", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    deadline = started + args.time_limit
+    build_deadline = min(deadline, started + args.build_timeout)
+    cap = torch.cuda.get_device_capability()
+    fi_info = flashinfer_status(not args.no_flashinfer)
+    fa3_reason = "--no-fa3" if args.no_fa3 else None if cap[0] == 9 else \
+        f"FA3 needs sm90 (this device is sm{cap[0]}{cap[1]})"
+    import flashinfer_jit as fij
+
+    try:
+        missing = [w for w in WRAPPERS if not hasattr(fij, w)]
+        ours_reason = f"flashinfer_jit has no {' / '.join(missing)} yet" if missing else None
+    except Exception as exc:  # noqa: BLE001  (the prefill module failing to import)
+        ours_reason = f"importing flashinfer_jit's prefill wrappers failed: {type(exc).__name__}: {exc}"[:600]
+    order = head_dim_order(r.head_dim for r in rows)
+    stages = [(hd, (["fa2"] + ([] if fa3_reason else ["fa3"])) if fi_info["available"] else [],
+               ours_configs(rows, hd, prefill=ours_reason is None)) for hd in order]
+    builds = Builds(stages, fi_env() if fi_info["available"] else None)
+    try:
+        return run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, deadline, build_deadline)
+    finally:  # whatever happened, no build of ours outlives the run
+        if builds.running():
+            builds.kill("ended: the run finished first")
+
+
+def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, deadline, build_deadline) -> int:
+    import torch
+
+    res = {"benchmark": "bench_prefill", "meta": bc.run_metadata() | {"cudnn": torch.backends.cudnn.version()},
+           "config": {
+               "dtype": DTYPE, "num_qo_heads": NUM_QO_HEADS, "num_kv_heads": NUM_KV_HEADS, "page_size": PAGE_SIZE,
+               "kv_layout": "NHD", "page_table": "csr, pages in random order", "head_dims": order,
+               "prefill_shapes": [f"{b}x{n}" for b, n in PREFILL_SHAPES], "chunked": "x".join(map(str, CHUNKED)),
+               "spec": "x".join(map(str, SPEC)), "quick": args.quick, "only": list(args.only), "reps": args.reps,
+               "time_limit_s": args.time_limit, "build_timeout_s": args.build_timeout, "overlap": not args.no_overlap,
+               "flops": "4 x sum over requests of (qo_len x keys attended) x num_qo_heads x head_dim; causal: "
+                        "bottom-right aligned, sum_i (kv_len - qo_len + i + 1)",
+               "timing": "CUDA events around each eager run() (plan() once before), L2 flushed before each run "
+                         f"(memset of max(4 x L2, 64 MiB)), >= {bc.warmup_ms():g} ms warm-up, median of --reps runs "
+                         "(2x for runs under 1 ms)",
+               "speedup_vs_fa2": "FA2 median us / ours (>= 1: ours as fast or faster); time_ratio_ours_over_fa2 "
+                                 "its inverse",
+               "check": f"every provider's output against ours: max abs diff, agrees if |d| <= {ATOL:g} + "
+                        f"{RTOL:g} |ours| everywhere",
+               "sdpa": "dense [B, H, L, D] copies of the same values; enable_gqa (or the KV heads repeated); "
+                       "causal with qo_len < kv_len bottom-right (flash: its op's is_causal; cuDNN: a boolean mask)"
+               if args.sdpa else "--no-sdpa"},
+           "flashinfer": fi_info, "ours": {"prefill": ours_reason or "available"}}
+    bc.log(f"bench_prefill: {len(rows)} rows, head dims {order}; FlashInfer "
+           f"{'available' if fi_info['available'] else fi_info['reason']}; ours {ours_reason or 'available'}")
+
+    if args.build_only:
+        builds.wait(None, build_deadline)
+        if builds.running():
+            builds.kill(f"ended: not finished {args.build_timeout:g} s into the run (--build-timeout)")
+        res["builds"], res["rows"], res["skipped"] = builds.summary(), [], []
+        return bc.finish(args.out, res, report, started)
+    torch.manual_seed(0)
+    flush = Flush()
+    running = builds.running()
+    res["matmul"] = matmul_rate() | {"build_running": running}
+    res["copy"] = bc.copy_bandwidth() | {"build_running": running}
+    bc.log(f"matmul {res['matmul']['tflops']:.0f} TFLOP/s, copy {res['copy']['gb_per_s']:.0f} GB/s")
+    if args.no_overlap:
+        builds.wait(None, build_deadline)
+    fi = None
+    if fi_info["available"]:
+        try:
+            import flashinfer
+
+            fi = flashinfer
+            fi_info["version"] = getattr(flashinfer, "__version__", "?")
+        except Exception as exc:  # noqa: BLE001  (a peer failing must not end the benchmark)
+            fi_info.update(available=False, reason=f"import failed: {type(exc).__name__}: {exc}"[:800])
+    ctx = Context(fi, None if fi is not None else fi_info.get("reason", "unavailable"), fa3_reason, ours_reason,
+                  args.sdpa, builds, args.reps, flush, res["matmul"]["tflops"])
+    res["rows"], res["skipped"] = [], []
+    for index, row in enumerate(rows):
+        if time.perf_counter() < build_deadline:
+            builds.wait(row.head_dim, build_deadline)
+        if time.perf_counter() >= build_deadline and builds.running():
+            builds.kill(f"ended: not finished {args.build_timeout:g} s into the run (--build-timeout)")
+        if time.perf_counter() + row.budget_s(args.reps) > deadline - RESERVE_S:
+            res["skipped"].append({"row": row.label, "reason": f"--time-limit {args.time_limit:g} s: no time left "
+                                                              f"for it (~{row.budget_s(args.reps):.0f} s)"})
+            continue
+        try:
+            res["rows"].append(measure_row(row, ctx, seed=index))
+        except Exception as exc:  # noqa: BLE001  (e.g. out of memory building the inputs)
+            bc.log(f"{row.label}: {type(exc).__name__}: {exc}")
+            res["skipped"].append({"row": row.label, "reason": f"{type(exc).__name__}: {exc}"[:800]})
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001  (a sticky CUDA error)
+                pass
+    if builds.running():
+        builds.kill("ended: the run finished first")
+    res["builds"] = builds.summary()
+    res["flashinfer"] = fi_info
+    return bc.finish(args.out, res, report, started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

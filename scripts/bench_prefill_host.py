@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Host cost of the prefill wrappers: plan() and run().
+
+The issue's targets: plan() costs <= 50 us of host time for 256 requests, with at most one
+host-to-device copy; run() adds <= 10 us of host time. Measured:
+  (a) plan() of BatchPrefillWithPagedKVCacheWrapper for 256 requests of 1-16 query tokens
+      on 1-2k keys (speculative verification / chunked steps), page 16, 32 query / 8 KV
+      heads, head_dim 128, bf16, causal, CSR page table with host int32 qo_indptr, indptr
+      and last_page_len and the page ids on the device; two batches of different lengths
+      alternate. The C++ planner, and the numpy path (FLASHINFER_JIT_NATIVE_PLAN=0).
+  (b) with a GPU: run()'s enqueue time (no sync inside a round) for that batch and for one
+      request of 4096 tokens, next to one bare torch launch; FlashInfer's FA2 plan() and
+      run() on the same batch where `import flashinfer` works.
+Each figure is time.perf_counter_ns over n calls per round, the median over rounds.
+
+  python3 scripts/bench_prefill_host.py [--out FILE] [--rounds N] [--no-flashinfer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
+
+
+def per_call_us(fn, n: int, rounds: int, sync=None) -> dict:
+    samples = []
+    for _ in range(rounds):
+        if sync:
+            sync()
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter_ns() - t0) / n / 1e3)
+    return {"median_us": round(statistics.median(samples), 2), "min_us": round(min(samples), 2), "n": n,
+            "rounds": rounds}
+
+
+def batch(torch, device, seed: int, requests: int = 256, page_size: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    qo = torch.randint(1, 17, (requests,), generator=g)
+    kv = qo + torch.randint(1024, 2048, (requests,), generator=g)
+    pages = (kv + page_size - 1) // page_size
+    qo_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), qo.cumsum(0)]).int()
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), pages.cumsum(0)]).int()
+    last = (kv - (pages - 1) * page_size).int()
+    indices = torch.randperm(int(indptr[-1]), generator=g).int().to(device)
+    return qo_indptr, indptr, indices, last
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--no-flashinfer", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    import flashinfer_jit as fij
+
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    sync = torch.cuda.synchronize if gpu else None
+    res = {"benchmark": "prefill_host", "meta": bc.run_metadata(), "gpu": gpu}
+    heads = (32, 8, 128, 16)
+    batches = [batch(torch, device, s) for s in (0, 1)]
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+
+    def plan_pair(w):
+        def two():
+            for qo_indptr, indptr, indices, last in batches:
+                w.plan(qo_indptr, indptr, indices, last, *heads, causal=True, q_data_type=torch.bfloat16)
+        return two
+
+    for label, native in (("plan_native", "1"), ("plan_numpy", "0")):
+        os.environ["FLASHINFER_JIT_NATIVE_PLAN"] = native
+        w = fij.BatchPrefillWithPagedKVCacheWrapper(ws)
+        plan_pair(w)()
+        r = per_call_us(plan_pair(w), 50, args.rounds)
+        r = {k: (round(v / 2, 2) if k.endswith("_us") else v) for k, v in r.items()}  # two plans a call
+        res[label] = r
+    os.environ["FLASHINFER_JIT_NATIVE_PLAN"] = "1"
+    if gpu:
+        w = fij.BatchPrefillWithPagedKVCacheWrapper(ws)
+        qo_indptr, indptr, indices, last = batches[0]
+        w.plan(qo_indptr, indptr, indices, last, *heads, causal=True, q_data_type=torch.bfloat16)
+        num_pages = int(indptr[-1])
+        k = torch.randn(num_pages, 16, 8, 128, dtype=torch.bfloat16, device=device)
+        v = torch.randn_like(k)
+        q = torch.randn(int(qo_indptr[-1]), 32, 128, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(q)
+        w.run(q, (k, v), out=out)
+        res["run_256_small"] = per_call_us(lambda: w.run(q, (k, v), out=out), 20, args.rounds, sync)
+        res["run_256_small_alloc"] = per_call_us(lambda: w.run(q, (k, v)), 20, args.rounds, sync)
+        x = torch.empty(1, device=device)
+        res["bare_torch_launch"] = per_call_us(lambda: x.add_(1), 200, args.rounds, sync)
+        if not args.no_flashinfer:
+            try:
+                import flashinfer
+                fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8,
+                                                                                device=device), backend="fa2")
+                fargs = (qo_indptr, indptr, indices, last, 32, 8, 128, 16)
+                fw.plan(*fargs, causal=True, q_data_type=torch.bfloat16)
+                fw.run(q, (k, v), out=out)
+                res["flashinfer_plan"] = per_call_us(lambda: fw.plan(*fargs, causal=True, q_data_type=torch.bfloat16),
+                                                     50, args.rounds)
+                fw.plan(*fargs, causal=True, q_data_type=torch.bfloat16)
+                res["flashinfer_run"] = per_call_us(lambda: fw.run(q, (k, v), out=out), 20, args.rounds, sync)
+            except Exception as exc:  # noqa: BLE001 - the peer is optional
+                res["flashinfer"] = f"skipped: {type(exc).__name__}: {exc}"[:300]
+    out_path = Path(args.out or os.path.join(os.environ.get("OUT", "bench_results"), "bench_prefill_host.json"))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(res, indent=1))
+    for key, val in res.items():
+        if isinstance(val, dict) and "median_us" in val:
+            print(f"{key:24s} {val['median_us']:8.2f} us (min {val['min_us']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
