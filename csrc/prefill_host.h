@@ -1,6 +1,7 @@
 // Host side of batch prefill: tensors -> PrefillParams, and the merge of split rows.
 #pragma once
 #include <cmath>
+#include <cstring>
 
 #include "decode_params.h"
 #include "prefill_params.h"

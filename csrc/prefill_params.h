@@ -1,6 +1,7 @@
 // Parameters of batch prefill (csrc/prefill.cuh): one struct, filled once by the host
 // binding (csrc/prefill_host.h) from tensors and plan()'s work list.
 #pragma once
+#include "decode_params.h"  // MergeParams (the merge of split rows is shared with decode)
 #include "page_table_params.h"
 
 namespace fij {
@@ -54,6 +55,17 @@ struct PrefillParams {
   int32_t window_left = -1;   // keys j >= pos - window_left; -1 = all
   int32_t page_shift = -1;    // log2(page_size) for a power of two (a shift, not a division), else -1
   float rope_rcp_scale = 1.f, rope_log2_theta = 13.287712f;
+};
+
+// One prefill call, resolved: what the torch op builds from its arguments, and what run()'s
+// fast path (<namespace>_prefill_fast, called through ctypes) launches again with the
+// per-call pointers and scalars replaced. Valid while the plan's buffers live.
+struct PrefillLaunch {
+  PrefillParams params;
+  MergeParams merge;  // num_rows 0: nothing split
+  int32_t grid = 0;
+  int32_t tile_rows = 0;
+  int32_t device = 0;
 };
 
 }  // namespace fij

@@ -29,7 +29,7 @@ import torch
 from . import env
 from .capacity import graph_capacity
 from .checks import as_int32_index, compiling, dtype_str, expect_choice, same_cuda_device, soft_cap_value
-from .device import empty_f32, num_sms, supports_pdl
+from .device import empty_f32, num_sms, raw_stream, supports_pdl
 from .jit import get_module, op_cache
 from .native import ctypes_entry, optional_entry
 from .page_table import unpack_paged_kv_cache
@@ -298,12 +298,12 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
 class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "mask", "pos_encoding",
                  "window_left", "soft_cap", "sm_scale", "rope_scale", "rope_theta", "q_dtype", "kv_dtype", "o_dtype",
-                 "fixed_split_size", "disable_split_kv", "group")
+                 "fixed_split_size", "disable_split_kv", "group", "logit_scale", "cap_log2")
 
 
 class _Plan:
     __slots__ = ("config", "spec", "op", "batch", "qo_tokens", "args", "tile_rows", "grid", "merge_rows", "layout",
-                 "mask_args", "checked")
+                 "mask_args", "checked", "fast")
 
 
 def _as_dtype(value, name: str, default=None) -> torch.dtype:
@@ -400,6 +400,7 @@ class _PrefillWrapper:
             raise ValueError(f"fixed_split_size: expected None or a positive int (keys per chunk), got "
                              f"{fixed_split_size!r}")
         c.fixed_split_size, c.disable_split_kv = fixed_split_size, bool(disable_split_kv)
+        c.logit_scale, c.cap_log2 = _logit_scales(c, None, None)
         self._spec(c, "csr", False)  # validates the dtypes and head dims now (ValueError, nothing built)
         return c
 
@@ -507,8 +508,8 @@ class _PrefillWrapper:
         plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else _placeholder_i32(self._device),
                      po, pl)
         plan.mask_args = mask_args
-        plan.checked = previous.checked if previous is not None and previous.config is config and \
-            previous.qo_tokens == qo_tokens else None
+        plan.fast = [None, None]  # run()'s recorded launch, without and with sinks (_run)
+        plan.checked = None  # run()'s checks: at the first run() of each plan (kv rows, tokens change)
         self._plan = plan
 
     def _graph_grid(self) -> int:
@@ -618,56 +619,74 @@ class _PrefillWrapper:
         if plan is None:
             raise RuntimeError("run() before plan(): call plan() once per batch first")
         c = plan.config
-        self._check_run(q, k, v, plan)
+        # The checks in full only for a q or K/V unlike the last that passed them (in shape,
+        # strides, dtype or device); alignment depends on the address: every call.
+        if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
+            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            checked = not (qp | kp | vp) & 15 and _signature(q, k, v) == plan.checked
+        else:
+            checked = False
+        if not checked:
+            self._check_run(q, k, v, plan)
+            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         spec = plan.spec
         if sinks is not None:
-            if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or \
-                    tuple(sinks.shape) != (c.num_qo_heads,) or sinks.device != q.device:
-                raise ValueError(f"sinks: expected a float32 tensor [{c.num_qo_heads}] (one logit per query head) on "
-                                 f"{q.device}")
+            if type(sinks) is not _Tensor or sinks.dtype != torch.float32 or sinks.shape != (c.num_qo_heads,) or \
+                    sinks.device != q.device or not sinks.is_contiguous():
+                raise ValueError(f"sinks: expected a contiguous float32 tensor [{c.num_qo_heads}] (one logit per "
+                                 f"query head) on {q.device}")
             spec = self._spec(c, plan.layout, True)
         if window_left is None:
             window_left = c.window_left
-        elif not isinstance(window_left, int) or window_left < -1:
+        elif type(window_left) is not int or window_left < -1:
             raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
         tokens = q.shape[0]
         if out is None:
             out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
         else:
             _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
-        if return_lse or lse is not None:
-            if lse is None:
-                lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
-            else:
-                _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True)
-            lse_arg = lse
+        if return_lse and lse is None:
+            lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
+        elif lse is not None:
+            _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True)
+        if q_scale is None and k_scale is None:
+            logit_scale, cap_log2 = c.logit_scale, c.cap_log2
         else:
-            lse_arg = empty_f32(q.device)
-        scale = c.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
-        if c.soft_cap > 0:
-            logit_scale, cap_log2 = scale / c.soft_cap, c.soft_cap * _LOG2E
-        else:
-            logit_scale, cap_log2 = scale * _LOG2E, 0.0
+            logit_scale, cap_log2 = _logit_scales(c, q_scale, k_scale)
         vs = 1.0 if v_scale is None else float(v_scale)
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
+        with_sinks = sinks is not None
+        fast = plan.fast[with_sinks]
+        out_standard = out.is_contiguous()
+        if fast is not None and out_standard:
+            # The launch the op resolved at an earlier call with this signature, with this
+            # call's pointers and scalars: no dispatcher.
+            fn, _, prepared_ptr, device_index = fast
+            code = fn(prepared_ptr, qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                      sinks.data_ptr() if with_sinks else 0, logit_scale, cap_log2, vs, window_left,
+                      raw_stream(device_index), pdl)
+            if code:
+                raise RuntimeError(f"{spec.name}: prefill: CUDA error {code} ({_fast_error(spec, code)})")
+            return (out, lse) if return_lse else out
         if spec is plan.spec:
             op = plan.op
             if op is None:
                 op = plan.op = _prefill_op(spec, env.debug())
         else:
             op = _prefill_op(spec, env.debug())
+        entry = _prefill_fast(spec, env.debug()) if out_standard else None
+        prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
         kv_index, qo_indptr, work, merge, po, pl = plan.args
         mask, mask_indptr = plan.mask_args
-        op(q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, sinks, out, lse_arg, po, pl, logit_scale,
-           cap_log2, vs, window_left, c.rope_scale, c.rope_theta, plan.grid, plan.tile_rows, plan.merge_rows, pdl)
+        op(q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, sinks, out,
+           lse if lse is not None else empty_f32(q.device), po, pl, logit_scale, cap_log2, vs, window_left,
+           c.rope_scale, c.rope_theta, plan.grid, plan.tile_rows, plan.merge_rows, pdl, prepared)
+        if prepared is not None:  # later calls with this signature take the fast path
+            plan.fast[with_sinks] = (entry[0], prepared, prepared.data_ptr(), q.get_device())
         return (out, lse) if return_lse else out
 
     def _check_run(self, q, k, v, plan: _Plan) -> None:
         c = plan.config
-        sig = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype) \
-            if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else None
-        if sig is not None and sig == plan.checked and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0:
-            return
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise ValueError(f"q: expected a [qo_tokens, {c.num_qo_heads}, {c.head_dim_qk}] tensor")
         if q.dtype != c.q_dtype:
@@ -698,10 +717,26 @@ class _PrefillWrapper:
                 raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 "
                                  f"bytes; got strides {t.stride()}")
         self._check_kv(k, v, c)
-        plan.checked = sig
+        plan.checked = _signature(q, k, v)
 
     def _check_kv(self, k, v, c: _Config) -> None:
         raise NotImplementedError
+
+
+_Tensor = torch.Tensor
+
+
+def _signature(q, k, v) -> tuple:
+    """What run()'s checks depend on besides the plan: shapes, strides, dtypes, device."""
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype)
+
+
+def _logit_scales(c, q_scale, k_scale) -> tuple[float, float]:
+    """(logit_scale, soft_cap_log2) of csrc/prefill_params.h for these scales."""
+    scale = c.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+    if c.soft_cap > 0:
+        return scale / c.soft_cap, c.soft_cap * _LOG2E
+    return scale * _LOG2E, 0.0
 
 
 def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = False) -> None:
@@ -939,6 +974,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
 @op_cache
 def _prefill_op(spec: PrefillSpec, debug: bool):
     return get_module(spec).prefill
+
+
+@op_cache
+def _prefill_fast(spec: PrefillSpec, debug: bool):
+    """(the module's C entry point <namespace>_prefill_fast, bytes of a prepared launch) for
+    run()'s fast path; None in the debug mode (every launch through the op) or without a
+    CUDA device."""
+    if debug or not torch.cuda.is_available():
+        return None
+    fn = ctypes_entry(spec, "prefill_fast", [ctypes.c_void_p] * 7 + [ctypes.c_float] * 3 +
+                      [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
+    return fn, int(ctypes_entry(spec, "prefill_launch_bytes", [], ctypes.c_int)())
+
+
+@op_cache
+def _fast_error(spec: PrefillSpec, code: int) -> str:
+    return ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
 
 
 def _prefill_spec(*fields) -> PrefillSpec:

@@ -89,15 +89,17 @@ class PrefillSpec(Spec):
         # One op runs the prefill kernel over plan()'s work list (grid blocks, tiles of
         # tile_rows rows) and, when plan() split requests (merge_rows > 0, the number of
         # q tokens), the merge of their partial rows. kv_index: the page table's tensors
-        # (paged) or [kv_indptr] (ragged). block_shape: [threads, shared memory bytes,
-        # registers] of a tile's block (needs a GPU).
+        # (paged) or [kv_indptr] (ragged). prepared: a CPU byte tensor that receives the
+        # resolved launch (csrc/prefill_params.h PrefillLaunch) for run()'s fast path,
+        # <namespace>_prefill_fast. block_shape: [threads, shared memory bytes, registers]
+        # of a tile's block (needs a GPU).
         return {
             "prefill": (
                 "(Tensor q, Tensor k, Tensor v, Tensor[] kv_index, Tensor qo_indptr, Tensor work, "
                 "Tensor merge_indptr, Tensor? mask, Tensor? mask_indptr, Tensor? sinks, Tensor(a!) out, "
                 "Tensor(b!) lse, Tensor(c!) partial_o, Tensor(d!) partial_lse, float logit_scale, "
                 "float soft_cap_log2, float v_scale, int window_left, float rope_scale, float rope_theta, "
-                "int grid, int tile_rows, int merge_rows, bool enable_pdl=False) -> ()"),
+                "int grid, int tile_rows, int merge_rows, bool enable_pdl=False, Tensor(e!)? prepared=None) -> ()"),
             "block_shape": "(int tile_rows) -> int[]",
         }
 
