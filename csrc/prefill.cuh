@@ -115,6 +115,16 @@ FIJ_DEVICE void store8(M* dst, const float (&x)[8]) {
   *reinterpret_cast<uint4*>(dst) = w;
 }
 
+// Eight fp8 values (8 bytes at src) as eight fp16 (16 bytes at dst), exactly.
+template <typename TKV>
+FIJ_DEVICE void widen8(const void* src, void* dst) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(src);
+  uint4 w;
+  mma_detail::fp8x4_to_half2x2<TKV>(raw.x, w.x, w.y);
+  mma_detail::fp8x4_to_half2x2<TKV>(raw.y, w.z, w.w);
+  *reinterpret_cast<uint4*>(dst) = w;
+}
+
 // NeoX RoPE of the pair (lo = dims i .. i+7, hi = dims i + D/2 ..) at position pos.
 template <int D>
 FIJ_DEVICE void rope_pair(float (&lo)[8], float (&hi)[8], int i, float pos, float rcp_scale, float log2_theta) {
@@ -408,23 +418,24 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     const M* tv;
     if constexpr (Traits::kFp8) {
       // widen (and rotate) the tile into fp16 tiles
+      // (fp8 to fp16 by decode's exact widening, csrc/mma.cuh, where nothing rotates)
       constexpr int kPass = Traits::kRope ? DQK / 16 : DQK / 8;
       for (int i = tid; i < TKV * kPass; i += THREADS) {
         const int r = i / kPass, ch = i % kPass;
-        float lo[8], hi[8];
-        to_float8<KV>(stage_k(s) + r * DQK + ch * 8, lo);
         if constexpr (Traits::kRope) {
+          float lo[8], hi[8];
+          to_float8<KV>(stage_k(s) + r * DQK + ch * 8, lo);
           to_float8<KV>(stage_k(s) + r * DQK + ch * 8 + DQK / 2, hi);
           rope_pair<DQK>(lo, hi, ch * 8, float(kv0 + r), p.rope_rcp_scale, p.rope_log2_theta);
           store8<M>(wide_k + swz<QC>(r, ch * 8 + DQK / 2), hi);
+          store8<M>(wide_k + swz<QC>(r, ch * 8), lo);
+        } else {
+          widen8<KV>(stage_k(s) + r * DQK + ch * 8, wide_k + swz<QC>(r, ch * 8));
         }
-        store8<M>(wide_k + swz<QC>(r, ch * 8), lo);
       }
       for (int i = tid; i < TKV * VOC; i += THREADS) {
         const int r = i / VOC, ch = i % VOC;
-        float x[8];
-        to_float8<KV>(stage_v(s) + r * DVO + ch * 8, x);
-        store8<M>(wide_v + swz<VOC>(r, ch * 8), x);
+        widen8<KV>(stage_v(s) + r * DVO + ch * 8, wide_v + swz<VOC>(r, ch * 8));
       }
       __syncthreads();
       tk = wide_k;
