@@ -155,3 +155,23 @@ def soft_cap_value(logits_soft_cap, name: str = "logits_soft_cap") -> float:
     if not value >= 0.0 or math.isinf(value):
         raise ValueError(f"{name}: expected None, 0.0 (off) or a positive float, got {logits_soft_cap!r}")
     return value
+
+
+def remembered(cache: dict, args: tuple, check, limit: int = 16):
+    """check(*args) for plan()'s scalar arguments, remembered in `cache` (serving engines
+    repeat them at every step): the key holds the values and their types (1 == True == 1.0,
+    but only ints pass the checks); unhashable arguments are checked (and most likely
+    rejected) without caching; past `limit` entries the cache starts over."""
+    key = (args, tuple(map(type, args)))
+    try:
+        value = cache.get(key)
+    except TypeError:
+        value, key = None, None
+    if value is None:
+        value = check(*args)
+        if key is not None:
+            if len(cache) >= limit:
+                cache.clear()
+            cache[key] = value
+    return value
+

@@ -34,7 +34,8 @@ import torch
 
 from . import env
 from .capacity import cannot_grow, graph_capacity, grown_size, heads_fixed
-from .checks import aligned16, as_int32_index, compiling, dtype_str, expect_choice, same_cuda_device, soft_cap_value
+from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_choice, remembered, same_cuda_device,
+                     soft_cap_value)
 # (under decode's own names: plan() and run() look them up here, where the tests patch them)
 from .device import (empty_f32 as _empty_f32, num_sms as _num_sms, peak_dram_bytes_per_s as _peak_dram_bytes_per_s,
                      raw_stream as _raw_stream, supports_clusters, supports_pdl)
@@ -576,17 +577,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                 q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
                 disable_split_kv, sort_pages, q_len_per_req)
-        key = (args, tuple(map(type, args)))  # with the types: 1 == True == 1.0, but only ints pass the checks
-        try:
-            config = self._configs.get(key)
-        except TypeError:  # an unhashable argument: checked (and most likely rejected) without caching
-            config, key = None, None
-        if config is None:
-            config = self._configure(*args)
-            if key is not None:
-                if len(self._configs) >= _MAX_CONFIGS:
-                    self._configs.clear()
-                self._configs[key] = config
+        config = remembered(self._configs, args, self._configure, _MAX_CONFIGS)
         graph = self._use_cuda_graph
         native = self._plan_native(config, indptr, indices, last_page_len, block_tables, seq_lens, page_size)
         if native is not None:  # the C++ planner filled a host slot (page ids not folded into it)

@@ -28,7 +28,7 @@ import torch
 
 from . import env
 from .capacity import graph_capacity
-from .checks import as_int32_index, compiling, dtype_str, expect_choice, same_cuda_device, soft_cap_value
+from .checks import as_int32_index, dtype_str, expect_choice, remembered, same_cuda_device, soft_cap_value
 from .device import empty_f32, num_sms, raw_stream, supports_pdl
 from .jit import get_module, op_cache
 from .native import ctypes_entry, optional_entry
@@ -413,18 +413,7 @@ class _PrefillWrapper:
                              "NHD" if self._ragged else self._kv_layout, c.mask, c.pos_encoding, c.soft_cap > 0, sinks)
 
     def _config(self, args: tuple) -> _Config:
-        key = (args, tuple(map(type, args)))
-        try:
-            config = self._configs.get(key)
-        except TypeError:
-            config, key = None, None
-        if config is None:
-            config = self._configure(*args)
-            if key is not None:
-                if len(self._configs) >= _MAX_CONFIGS:
-                    self._configs.clear()
-                self._configs[key] = config
-        return config
+        return remembered(self._configs, args, self._configure, _MAX_CONFIGS)
 
     def _plan_common(self, config: _Config, qo_indptr, side: int, kv_a, kv_b, table_layout: str, ids_dev,
                      max_kv_len: int, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool) -> None:
