@@ -142,3 +142,22 @@ def test_device_facts_on_the_cpu():
     assert device.peak_dram_bytes_per_s(CPU) is None
     empty = device.empty_f32(CPU)
     assert device.empty_f32(CPU) is empty and empty.numel() == 0 and empty.dtype == torch.float32
+
+
+def test_remembered_checks_once_per_typed_argument_set():
+    from flashinfer_jit.checks import remembered
+
+    calls = []
+
+    def check(*args):
+        calls.append(args)
+        return object()
+
+    cache = {}
+    first = remembered(cache, (1, "NONE"), check, limit=2)
+    assert remembered(cache, (1, "NONE"), check, limit=2) is first and len(calls) == 1
+    assert remembered(cache, (True, "NONE"), check, limit=2) is not first  # 1 == True, but not the same type
+    remembered(cache, ([1], "NONE"), check, limit=2)  # unhashable: checked, not cached
+    assert len(calls) == 3 and len(cache) == 2
+    remembered(cache, (2, "NONE"), check, limit=2)  # past the limit: the cache starts over
+    assert len(cache) == 1
