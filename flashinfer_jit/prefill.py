@@ -29,7 +29,7 @@ import torch
 from . import env
 from .capacity import graph_capacity
 from .checks import as_int32_index, dtype_str, expect_choice, remembered, same_cuda_device, soft_cap_value
-from .device import empty_f32, num_sms, raw_stream, supports_pdl
+from .device import empty_f32, num_sms, placeholder, raw_stream, supports_pdl
 from .jit import get_module, op_cache
 from .native import ctypes_entry, optional_entry
 from .page_table import unpack_paged_kv_cache
@@ -303,7 +303,7 @@ class _Config:
 
 class _Plan:
     __slots__ = ("config", "spec", "op", "batch", "qo_tokens", "args", "tile_rows", "grid", "merge_rows", "layout",
-                 "mask_args", "checked", "fast")
+                 "mask_args", "checked", "fast", "sinks_spec")
 
 
 def _as_dtype(value, name: str, default=None) -> torch.dtype:
@@ -436,22 +436,11 @@ class _PrefillWrapper:
         result = self._result
         extra = capacity + 1 if config.mask == "custom" else 0  # mask_indptr, after the work list
         slot = self._plan_buffer.host(self._slot_size)
-        args = (qo, kv_a, kv_b, batch)
-        for _ in range(3):
-            if planner is not None:
-                fn, _mirror = planner
-                status = fn(ctypes.addressof(cfg), qo.data_ptr(), kv_a.data_ptr(),
-                            kv_b.data_ptr() if kv_b is not None else None, batch, slot.address,
-                            slot.array.shape[0] - extra, self._result_ptr)
-            else:
-                status = _plan_numpy(cfg, *args, slot.array[: slot.array.shape[0] - extra], result)
-            if status == _SLOT_TOO_SMALL:
-                self._slot_size = int(result[_END]) + extra
-                slot = self._plan_buffer.regrow(self._slot_size)
-                continue
-            if status == _WORK_CAPACITY and graph and self._graph_items is None:
-                raise AssertionError("unreachable")  # (the first graph plan sizes the work list below)
-            break
+        status = self._call_planner(planner, cfg, qo, kv_a, kv_b, batch, slot, extra)
+        if status == _SLOT_TOO_SMALL:  # the planner said how much it needs: once more, in a larger slot
+            self._slot_size = int(result[_END]) + extra
+            slot = self._plan_buffer.regrow(self._slot_size)
+            status = self._call_planner(planner, cfg, qo, kv_a, kv_b, batch, slot, extra)
         if status:
             self._raise_plan_error(int(status), int(result[1]), config, side, qo, kv_a, kv_b, int(result[_ITEMS]))
         if graph and self._graph_items is None:
@@ -494,12 +483,22 @@ class _PrefillWrapper:
         plan.layout = table_layout
         kv_index = list(table_dev) if side == _RAGGED else self._kv_index(table_dev, ids_dev)
         po, pl = self._partial_views(config, partial_rows) if partial_rows else (empty_f32(self._device),) * 2
-        plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else _placeholder_i32(self._device),
+        plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else placeholder(self._device, torch.int32),
                      po, pl)
         plan.mask_args = mask_args
         plan.fast = [None, None]  # run()'s recorded launch, without and with sinks (_run)
+        plan.sinks_spec = None  # the module a run() with sinks takes (_run)
         plan.checked = None  # run()'s checks: at the first run() of each plan (kv rows, tokens change)
         self._plan = plan
+
+    def _call_planner(self, planner, cfg, qo, kv_a, kv_b, batch: int, slot, extra: int) -> int:
+        """The C++ planner (or its numpy twin) into `slot`, leaving `extra` int32s at its end
+        for mask_indptr; the status, with the results in self._result."""
+        room = slot.array.shape[0] - extra
+        if planner is None:
+            return _plan_numpy(cfg, qo, kv_a, kv_b, batch, slot.array[:room], self._result)
+        return planner[0](ctypes.addressof(cfg), qo.data_ptr(), kv_a.data_ptr(),
+                          kv_b.data_ptr() if kv_b is not None else None, batch, slot.address, room, self._result_ptr)
 
     def _graph_grid(self) -> int:
         sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
@@ -624,7 +623,9 @@ class _PrefillWrapper:
                     sinks.device != q.device or not sinks.is_contiguous():
                 raise ValueError(f"sinks: expected a contiguous float32 tensor [{c.num_qo_heads}] (one logit per "
                                  f"query head) on {q.device}")
-            spec = self._spec(c, plan.layout, True)
+            spec = plan.sinks_spec
+            if spec is None:
+                spec = plan.sinks_spec = self._spec(c, plan.layout, True)
         if window_left is None:
             window_left = c.window_left
         elif type(window_left) is not int or window_left < -1:
@@ -741,11 +742,6 @@ def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = Fal
     if t.data_ptr() % 16 or any((st * es) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
         raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 bytes "
                          f"(16-byte stores); got strides {t.stride()}")
-
-
-def _placeholder_i32(device) -> torch.Tensor:
-    from .device import placeholder
-    return placeholder(device, torch.int32)
 
 
 def _pack_segments(bits: torch.Tensor, sizes: np.ndarray, byte_starts: np.ndarray) -> torch.Tensor:
