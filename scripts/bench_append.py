@@ -547,8 +547,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_append: no CUDA GPU visible; nothing to measure", file=sys.stderr)
+    if bc.no_gpu("bench_append"):
         return 2
     started = time.perf_counter()
     peer = Peer(not args.no_flashinfer, args.flashinfer_timeout)

@@ -263,6 +263,17 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def no_gpu(name: str, hint: str = "") -> bool:
+    """Whether no CUDA GPU is visible; where none is, says so on stderr: benchmark `name` has
+    nothing to measure (`hint` appended). The caller then exits with status 2."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"{name}: no CUDA GPU visible; nothing to measure{hint}", file=sys.stderr)
+    return True
+
+
 def finish(path: str, res: dict, report, started: float) -> int:
     """The end of a benchmark run: the total seconds into res, the JSON written, the
     report printed. Returns the exit status (0)."""

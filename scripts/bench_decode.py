@@ -768,8 +768,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_decode: no CUDA GPU visible; nothing to measure", file=sys.stderr)
+    if bc.no_gpu("bench_decode"):
         return 2
     started = time.perf_counter()
     deadline = started + args.time_limit

@@ -919,8 +919,7 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_prefill: no CUDA GPU visible; nothing to measure (run it on the GPU machine)", file=sys.stderr)
+    if bc.no_gpu("bench_prefill", " (run it on the GPU machine)"):
         return 2
     started = time.perf_counter()
     deadline = started + args.time_limit

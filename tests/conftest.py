@@ -12,6 +12,9 @@ import shutil
 import pytest
 import torch
 
+# kv_helpers (shared by the test modules) asserts too: pytest's rewriting, as in a test module
+pytest.register_assert_rewrite("kv_helpers")
+
 HAS_GPU = torch.cuda.is_available()
 
 if not HAS_GPU:
@@ -25,6 +28,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    """The float workspace of the batch decode and prefill wrappers in the GPU tests of
+    test_decode.py and test_prefill.py (module scope: one per test module)."""
+    return torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
 
 
 @pytest.fixture

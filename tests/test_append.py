@@ -29,6 +29,8 @@ from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_tabl
 from flashinfer_jit.reference import (append_paged_kv_cache_ref, get_batch_indices_positions_ref,
                                       page_slots_ref)
 
+from kv_helpers import capture_graph
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 HEAD_DIMS = (64, 128, 256)
 LAYOUTS = ("NHD", "HND")
@@ -399,14 +401,7 @@ def test_append_cuda_graph_capture_and_replay():
         return bi, pos
 
     load_new_batch(100)
-    side = torch.cuda.Stream()  # warm up (loads the modules) off the capture stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        bi, pos = step()
+    graph, (bi, pos) = capture_graph(step)  # a warm-up step() (loads the modules), then the capture
     for seed in (101, 102, 103):
         load_new_batch(seed)
         torch.cuda.synchronize()

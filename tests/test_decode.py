@@ -30,7 +30,6 @@ import torch
 
 import flashinfer_jit as fij
 from flashinfer_jit import decode as decode_module
-from flashinfer_jit.matrix import parse_matrix
 from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
 from flashinfer_jit.jit import get_module
 from flashinfer_jit.reference.decode import (decode_ref, merge_state_ref, merge_states_ref, ordered_pages_ref,
@@ -38,13 +37,12 @@ from flashinfer_jit.reference.decode import (decode_ref, merge_state_ref, merge_
 from flashinfer_jit.specs import DecodeSpec, MergeSpec, PageOrderSpec
 from flashinfer_jit.specs.decode import group_tile
 
-DEV = "cuda"
+from kv_helpers import (DEV, Paged, assert_sentinels, assert_tests_matrix_has, capture_graph, dtype_of, grid_case,
+                        make_page_table, on_host, poisoned, randn, replay_poisoned)
+
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}  # relative norm per request
 LSE_TOL = 1e-2  # absolute, base 2
 MERGE_LSE_TOL = 1e-4
-WORKSPACE_BYTES = 128 << 20
-SENTINEL = 7.0  # rows around the outputs that must stay untouched
-MATRIX = Path(__file__).resolve().parent.parent / "scripts" / "matrices" / "tests"
 SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32"}
 TABLE_TAG = {"csr": "csr", "block_table": "bt", "block_table_kv_separate": "btkv"}
 
@@ -149,10 +147,6 @@ MERGE_DTYPES = ("float16", "bfloat16", "float32")
 MERGE_HEAD_DIMS = (64, 128, 256)
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 def decode_spec(q_dtype, kv_dtype, head_dim, heads, page_table, kv_layout, rope=False, soft_cap=False):
     return DecodeSpec(q_dtype, kv_dtype, head_dim, group_tile(*heads, head_dim), page_table, kv_layout, rope, soft_cap)
 
@@ -196,63 +190,19 @@ def case_id(i: int, c: Case) -> str:
 
 
 # --- inputs --------------------------------------------------------------------------------------
-class Paged(NamedTuple):
-    table: PageTable      # for the reference
-    plan_args: dict       # the page-table arguments of plan()
-    k_unused: list        # pages no request reads K from (NaN-filled)
-    v_unused: list
-
-
-def make_page_table(layout: str, lens, page_size: int, num_pages: int, rnd: random.Random,
-                    host_indptr: bool = False) -> Paged:
-    """Each request's pages drawn at random from the pool (K and V independently for
-    block_table_kv_separate); block-table columns past a request's pages point at an
-    unused (NaN) page."""
-    pages = [-(-n // page_size) for n in lens]
-    total = sum(pages)
-    assert total < num_pages, "keep at least one unused page for the padding entries"
-    k_perm = rnd.sample(range(num_pages), num_pages)
-    v_perm = rnd.sample(range(num_pages), num_pages) if layout == "block_table_kv_separate" else k_perm
-    starts = list(itertools.accumulate([0] + pages))
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    if layout == "csr":
-        host = "cpu" if host_indptr else DEV
-        indptr = torch.tensor(starts, dtype=torch.int32, device=host)
-        indices = torch.tensor(k_perm[:total], dtype=torch.int32, device=DEV)
-        last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)],
-                            dtype=torch.int32, device=host)
-        table = csr_page_table(indptr.to(DEV), indices, last.to(DEV))
-        args = dict(indptr=indptr, indices=indices, last_page_len=last)
-    else:
-        width = max(pages + [0]) + 1
-        rows = []
-        for perm in ((k_perm, v_perm) if layout == "block_table_kv_separate" else (k_perm,)):
-            spare = perm[-1]
-            rows.append([perm[s: s + p] + [spare] * (width - p) for s, p in zip(starts, pages)])
-        bt = torch.tensor(rows, dtype=torch.int32, device=DEV)  # [1 or 2, B, width]
-        bt = bt[0] if layout == "block_table" else bt.transpose(0, 1).contiguous()
-        table = block_page_table(bt, seq_lens, kv_separate=layout == "block_table_kv_separate")
-        args = dict(indptr=None, indices=None, last_page_len=None, block_tables=bt, seq_lens=seq_lens)
-    return Paged(table, args, k_perm[total:], v_perm[total:])
-
-
-def _randn(shape, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(shape, generator=gen, device=DEV) * scale).to(dtype)
-
-
 def make_cache(form: str, kv_layout: str, num_pages: int, page_size: int, num_kv_heads: int,
                head_dim: int, dtype: torch.dtype, gen: torch.Generator):
     """(what run() gets, k view, v view), filled with random values."""
     page = (page_size, num_kv_heads) if kv_layout == "NHD" else (num_kv_heads, page_size)
     if form == "tuple":
-        k = _randn((num_pages, *page, head_dim), dtype, gen)
-        v = _randn((num_pages, *page, head_dim), dtype, gen)
+        k = randn((num_pages, *page, head_dim), dtype, gen)
+        v = randn((num_pages, *page, head_dim), dtype, gen)
         return (k, v), k, v
     if form == "single":
-        kv = _randn((num_pages, 2, *page, head_dim), dtype, gen)
+        kv = randn((num_pages, 2, *page, head_dim), dtype, gen)
         return kv, kv[:, 0], kv[:, 1]
     assert form == "halves"  # MLA-style: K and V are strided slices of one buffer, no copy
-    buf = _randn((num_pages, *page, 2 * head_dim), dtype, gen)
+    buf = randn((num_pages, *page, 2 * head_dim), dtype, gen)
     k, v = buf[..., :head_dim], buf[..., head_dim:]
     return (k, v), k, v
 
@@ -267,15 +217,10 @@ def nan_pages(cache: torch.Tensor, pages) -> None:
         cache.index_fill_(0, index, float("nan"))
 
 
-def _on_host(table: PageTable) -> PageTable:
-    """The same page table with its tensors on the host (for request_pages_ref)."""
-    return PageTable(table.layout, tuple(t.cpu() for t in table.tensors), table.batch_size)
-
-
 def nan_past_lengths(cache: torch.Tensor, table: PageTable, lens, page_size: int, kv_layout: str, which: int):
     """NaN into every slot at or past each request's length in its last page (`which`:
     0 for the K cache, 1 for the V cache)."""
-    host = _on_host(table)
+    host = on_host(table)
     raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
     nan = 0x7F if cache.element_size() == 1 else float("nan")
     for b, n in enumerate(lens):
@@ -287,18 +232,6 @@ def nan_past_lengths(cache: torch.Tensor, table: PageTable, lens, page_size: int
             raw[pages[-1], first:] = nan
         else:
             raw[pages[-1], :, first:] = nan
-
-
-def poisoned(shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buffer, out): `out` is rows 1..-1 of `buffer`, filled with NaN; the first and last
-    rows of `buffer` hold SENTINEL and must stay untouched."""
-    buf = torch.full((shape[0] + 2, *shape[1:]), SENTINEL, dtype=dtype, device=DEV)
-    buf[1:-1] = float("nan")
-    return buf, buf[1:-1]
-
-
-def assert_sentinels(buf: torch.Tensor, name: str) -> None:
-    assert bool((buf[0] == SENTINEL).all() and (buf[-1] == SENTINEL).all()), f"{name}: written outside its rows"
 
 
 def check_decode(out, lse, ref_out, ref_lse, lens, dtype: torch.dtype) -> None:
@@ -327,11 +260,6 @@ def check_decode(out, lse, ref_out, ref_lse, lens, dtype: torch.dtype) -> None:
         else:
             diff = float((lse[b] - ref_lse[b]).abs().max())
             assert diff < LSE_TOL, f"request {b} (kv_len {n}): lse off by {diff:.2e} > {LSE_TOL}"
-
-
-@pytest.fixture(scope="module")
-def workspace():
-    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
 
 
 # --- the pairwise grid ---------------------------------------------------------------------------
@@ -367,10 +295,8 @@ def _split_kwargs(split: str) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", [pytest.param(i, id=case_id(i, c)) for i, c in enumerate(CASES)])
 def test_batch_decode(index, workspace):
-    case = CASES[index]
-    rnd = random.Random(index)
-    gen = torch.Generator(device=DEV).manual_seed(1000 + index)
-    q_dtype, kv_dtype = _dtype(case.q_dtype), _dtype(case.kv_dtype)
+    case, rnd, gen = grid_case(CASES, index, 1000)
+    q_dtype, kv_dtype = dtype_of(case.q_dtype), dtype_of(case.kv_dtype)
     hq, hk = case.heads
     d, ps = case.head_dim, case.page_size
     lens = case_lengths(index, case, rnd)
@@ -381,7 +307,7 @@ def test_batch_decode(index, workspace):
     nan_pages(k_cache, paged.k_unused)
     nan_pages(v_cache, paged.v_unused)
     # larger logits where the soft cap is on, so that tanh bends them
-    q = _randn((batch, hq, d), q_dtype, gen, 4.0 if case.soft_cap else 1.0)
+    q = randn((batch, hq, d), q_dtype, gen, 4.0 if case.soft_cap else 1.0)
     fp8 = kv_dtype.itemsize == 1
     scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else dict(k_scale=0.8, v_scale=1.5) if index % 5 == 2 else {}
     if index % 4 == 1:
@@ -423,10 +349,10 @@ def _llama_inputs(lens, dtype_name, gen, rnd, page_table="csr", kv_layout="NHD",
     num_pages = sum(-(-n // page_size) for n in lens) + 3
     paged = make_page_table(page_table, lens, page_size, num_pages, rnd, host_indptr=host_indptr)
     _, k, v = make_cache("tuple", kv_layout, num_pages, page_size, hk, head_dim,
-                         _dtype(kv_dtype_name or dtype_name), gen)
+                         dtype_of(kv_dtype_name or dtype_name), gen)
     nan_pages(k, paged.k_unused)
     nan_pages(v, paged.v_unused)
-    q = _randn((len(lens), hq, head_dim), _dtype(dtype_name), gen)
+    q = randn((len(lens), hq, head_dim), dtype_of(dtype_name), gen)
     return paged, k, v, q
 
 
@@ -443,11 +369,11 @@ def test_batch_decode_skewed_lengths(dtype, split, workspace):
     paged, k, v, q = _llama_inputs(lens, dtype, gen, rnd)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=split == "fixed64")
     wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=128,
-                 page_size=16, q_data_type=_dtype(dtype), **_split_kwargs(split))
+                 page_size=16, q_data_type=dtype_of(dtype), **_split_kwargs(split))
     out, lse = wrapper.run(q, (k, v), return_lse=True)  # out/lse allocated by run()
-    assert out.dtype == _dtype(dtype) and lse.dtype == torch.float32 and lse.shape == (len(lens), LLAMA_HEADS[0])
+    assert out.dtype == dtype_of(dtype) and lse.dtype == torch.float32 and lse.shape == (len(lens), LLAMA_HEADS[0])
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens)
-    check_decode(out, lse, ref_out, ref_lse, lens, _dtype(dtype))
+    check_decode(out, lse, ref_out, ref_lse, lens, dtype_of(dtype))
 
 
 @pytest.mark.gpu
@@ -491,7 +417,7 @@ def test_batch_decode_wave_split_large_batch(kv_dtype, batch, kv_len, chunks, pa
     paged, k, v, q = _llama_inputs(lens, "bfloat16", gen, rnd, kv_dtype_name=kv_dtype)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
     wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=128,
-                 page_size=16, q_data_type=torch.bfloat16, kv_data_type=_dtype(kv_dtype))
+                 page_size=16, q_data_type=torch.bfloat16, kv_data_type=dtype_of(kv_dtype))
     if torch.cuda.get_device_properties(DEV).multi_processor_count == 132:
         assert wrapper._plan.args[8] == batch * chunks and wrapper._plan.kv_heads_per_block == pairs
     scales = dict(k_scale=0.5, v_scale=2.0) if kv_dtype.startswith("float8") else {}
@@ -502,19 +428,6 @@ def test_batch_decode_wave_split_large_batch(kv_dtype, batch, kv_len, chunks, pa
     assert_sentinels(lse_buf, "lse")
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, **scales)
     check_decode(out, lse, ref_out, ref_lse, lens, torch.bfloat16)
-
-
-def _graph_of(call):
-    """call() run once on a side stream (warm-up, as capture needs), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph
 
 
 @pytest.mark.gpu
@@ -536,7 +449,7 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr_buf,
         paged_kv_indices_buffer=indices_buf, paged_kv_last_page_len_buffer=last_buf)
-    q_buf = _randn((capacity, hq, d), dtype, gen)
+    q_buf = randn((capacity, hq, d), dtype, gen)
     out_buf = torch.full((capacity, hq, d), float("nan"), dtype=dtype, device=DEV)
     lse_buf = torch.full((capacity, hq), float("nan"), dtype=torch.float32, device=DEV)
     rounds = [
@@ -560,13 +473,9 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
                         seq_lens=seq_buf[:batch])
             paged = paged._replace(table=block_page_table(bt_buf[:batch], seq_buf[:batch]))
         wrapper.plan(**args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, q_data_type=dtype)
-        q_buf.copy_(_randn(q_buf.shape, dtype, gen))  # rows past `batch` are padding
-        if graph is None:
-            graph = _graph_of(lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True))
-        out_buf.fill_(float("nan"))
-        lse_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        q_buf.copy_(randn(q_buf.shape, dtype, gen))  # rows past `batch` are padding
+        graph = replay_poisoned(graph, lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True),
+                                out_buf, lse_buf)
         assert wrapper._graph_orders, "the captured run() should read the pages in page-id order"
         ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens)
         check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
@@ -595,7 +504,7 @@ def test_batch_decode_cuda_graph_cluster_split(capacity, hk, rounds, workspace, 
         paged_kv_indptr_buffer=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
         paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32, device=DEV),
         paged_kv_last_page_len_buffer=torch.zeros(capacity, dtype=torch.int32, device=DEV))
-    q_buf = _randn((capacity, hq, d), dtype, gen)
+    q_buf = randn((capacity, hq, d), dtype, gen)
     out_buf = torch.full((capacity, hq, d), float("nan"), dtype=dtype, device=DEV)
     lse_buf = torch.full((capacity, hq), float("nan"), dtype=torch.float32, device=DEV)
     graph = None
@@ -604,13 +513,9 @@ def test_batch_decode_cuda_graph_cluster_split(capacity, hk, rounds, workspace, 
         paged = make_page_table("csr", lens, ps, pool, rnd, host_indptr=True)
         wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, q_data_type=dtype)
         assert (wrapper._plan.cluster, wrapper._plan.cluster_warps) == (8, 8)
-        q_buf.copy_(_randn(q_buf.shape, dtype, gen))
-        if graph is None:
-            graph = _graph_of(lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True))
-        out_buf.fill_(float("nan"))
-        lse_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        q_buf.copy_(randn(q_buf.shape, dtype, gen))
+        graph = replay_poisoned(graph, lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True),
+                                out_buf, lse_buf)
         assert not out_buf[:batch].isnan().any() and not lse_buf[:batch].isnan().any(), lens
         ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens)
         check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
@@ -633,7 +538,7 @@ def test_batch_decode_cuda_graph_paired_kv_heads_large_batch(workspace):
         paged_kv_indptr_buffer=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
         paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32, device=DEV),
         paged_kv_last_page_len_buffer=torch.zeros(capacity, dtype=torch.int32, device=DEV))
-    q_buf = _randn((capacity, hq, d), torch.bfloat16, gen)
+    q_buf = randn((capacity, hq, d), torch.bfloat16, gen)
     out_buf = torch.full((capacity, hq, d), float("nan"), dtype=torch.bfloat16, device=DEV)
     scales = dict(k_scale=0.5, v_scale=2.0)
     graph = None
@@ -642,12 +547,8 @@ def test_batch_decode_cuda_graph_paired_kv_heads_large_batch(workspace):
         wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
                      q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
         assert wrapper._plan.kv_heads_per_block == 2
-        q_buf.copy_(_randn(q_buf.shape, torch.bfloat16, gen))
-        if graph is None:
-            graph = _graph_of(lambda: wrapper.run(q_buf, (k, v), out=out_buf, **scales))
-        out_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        q_buf.copy_(randn(q_buf.shape, torch.bfloat16, gen))
+        graph = replay_poisoned(graph, lambda: wrapper.run(q_buf, (k, v), out=out_buf, **scales), out_buf)
         batch = len(lens)
         ref_out, _ = decode_ref(q_buf[:batch], k, v, paged.table, lens, **scales)
         check_decode(out_buf[:batch], None, ref_out, None, lens, torch.bfloat16)
@@ -676,13 +577,13 @@ def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, p
     lens = [rnd.randint(300, 2500) for _ in range(5)] + [0, 7]
     num_pages = sum(-(-n // ps) for n in lens) + 3
     paged = make_page_table(page_table, lens, ps, num_pages, rnd, host_indptr=True)
-    _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, _dtype(dtype), gen)
+    _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, dtype_of(dtype), gen)
     nan_pages(k, paged.k_unused)
     nan_pages(v, paged.v_unused)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=num_qo_heads, num_kv_heads=hk, head_dim=d, page_size=ps,
-                 q_data_type=_dtype(dtype), fixed_split_size=64, pos_encoding_mode=pos_encoding_mode)
-    qs = [_randn((len(lens), num_qo_heads, d), _dtype(dtype), gen)]
+                 q_data_type=dtype_of(dtype), fixed_split_size=64, pos_encoding_mode=pos_encoding_mode)
+    qs = [randn((len(lens), num_qo_heads, d), dtype_of(dtype), gen)]
     qs += [torch.full_like(qs[0], float("nan")) for _ in range(steps)]  # qs[i + 1] = run(qs[i])
     # rows of empty requests come out zero, and a zero q is a fine input for the next step
 
@@ -704,7 +605,7 @@ def test_batch_decode_chained_runs(dtype, num_qo_heads, page_table, kv_layout, p
     torch.cuda.synchronize()
     for i in range(steps):
         ref_out, _ = decode_ref(qs[i], k, v, paged.table, lens, kv_layout, pos_encoding_mode=pos_encoding_mode)
-        check_decode(qs[i + 1], None, ref_out, None, lens, _dtype(dtype))
+        check_decode(qs[i + 1], None, ref_out, None, lens, dtype_of(dtype))
 
 
 @pytest.mark.gpu
@@ -720,9 +621,9 @@ def test_batch_decode_reads_the_cache_the_kernel_before_wrote(kv_dtype, graph, w
     lens = [2000]  # b=1: 16 chunks of 128 tokens, 8 MB or less, prefetched
     num_pages = -(-lens[0] // ps) + 3
     paged = make_page_table("csr", lens, ps, num_pages, rnd, host_indptr=True)
-    _, k, v = make_cache("tuple", "NHD", num_pages, ps, hk, d, _dtype(kv_dtype), gen)
-    fresh = [(_randn(k.shape, torch.bfloat16, gen).to(k.dtype), _randn(v.shape, torch.bfloat16, gen).to(v.dtype),
-              _randn((1, hq, d), torch.bfloat16, gen)) for _ in range(steps)]
+    _, k, v = make_cache("tuple", "NHD", num_pages, ps, hk, d, dtype_of(kv_dtype), gen)
+    fresh = [(randn(k.shape, torch.bfloat16, gen).to(k.dtype), randn(v.shape, torch.bfloat16, gen).to(v.dtype),
+              randn((1, hq, d), torch.bfloat16, gen)) for _ in range(steps)]
     q = torch.empty(1, hq, d, dtype=torch.bfloat16, device=DEV)
     outs = [torch.full_like(q, float("nan")) for _ in range(steps)]
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
@@ -770,14 +671,14 @@ def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, 
     paged = make_page_table(page_table, lens, ps, num_pages, rnd, host_indptr=True)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=num_qo_heads, num_kv_heads=hk, head_dim=d, page_size=ps,
-                 q_data_type=_dtype(dtype), fixed_split_size=256, pos_encoding_mode=pos_encoding_mode)
+                 q_data_type=dtype_of(dtype), fixed_split_size=256, pos_encoding_mode=pos_encoding_mode)
     calls = [dict(), dict(k_scale=0.7, v_scale=1.5, return_lse=True), dict(window_left=300, return_lse=True),
              dict(), dict(k_scale=1.3)]
     for i, kwargs in enumerate(calls):
-        _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, _dtype(dtype), gen)
+        _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, dtype_of(dtype), gen)
         nan_pages(k, paged.k_unused)
         nan_pages(v, paged.v_unused)
-        q = _randn((len(lens), num_qo_heads, d), _dtype(dtype), gen)
+        q = randn((len(lens), num_qo_heads, d), dtype_of(dtype), gen)
         out_buf, out = poisoned(q.shape, q.dtype)
         lse = torch.full((len(lens), num_qo_heads), float("nan"), device=DEV) if kwargs.get("return_lse") else None
         result = wrapper.run(q, (k, v), out=out, lse=lse, **kwargs)
@@ -789,12 +690,12 @@ def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, 
         assert_sentinels(out_buf, "out")
         if kwargs.get("return_lse"):
             assert result[1] is lse
-        check_decode(out, lse, ref_out, ref_lse, lens, _dtype(dtype))
+        check_decode(out, lse, ref_out, ref_lse, lens, dtype_of(dtype))
     # q as a strided view (another signature): checked in full, then through the op again
-    q_wide = _randn((len(lens), num_qo_heads, 2 * d), _dtype(dtype), gen)[..., :d]
+    q_wide = randn((len(lens), num_qo_heads, 2 * d), dtype_of(dtype), gen)[..., :d]
     out = wrapper.run(q_wide, (k, v))
     ref_out, _ = decode_ref(q_wide, k, v, paged.table, lens, kv_layout, pos_encoding_mode=pos_encoding_mode)
-    check_decode(out, None, ref_out, None, lens, _dtype(dtype))
+    check_decode(out, None, ref_out, None, lens, dtype_of(dtype))
 
 
 @pytest.mark.gpu
@@ -818,7 +719,7 @@ def test_batch_decode_replan_keeps_the_fast_path(workspace):
         wrapper.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=torch.bfloat16, fixed_split_size=256)
         assert (wrapper._plan.fast is not None) == fast_first
         for _ in range(2):
-            q = _randn((len(lens), hq, d), torch.bfloat16, gen)
+            q = randn((len(lens), hq, d), torch.bfloat16, gen)
             out_buf, out = poisoned(q.shape, q.dtype)
             wrapper.run(q, (k, v), out=out)
             assert wrapper._plan.fast is not None
@@ -847,7 +748,7 @@ def _check_order(wrapper, paged: Paged, lens, page_size: int, segment: int) -> N
     """The plan's page ids of every request as the reference ordering has them."""
     want = ordered_pages_ref(paged.table, lens, page_size, segment)
     got = _ordered_table(wrapper._plan, paged)
-    host = _on_host(got)
+    host = on_host(got)
     for b, n in enumerate(lens):
         assert request_pages_ref(host, b, -(-n // page_size)) == want[b], f"request {b} (kv_len {n}): pages not in order"
 
@@ -879,7 +780,7 @@ def test_batch_decode_orders_pages(page_table, page_size, workspace):
     assert wrapper._plan.unordered is not None, "plan() should reorder the pages"
     torch.cuda.synchronize()
     _check_order(wrapper, paged, lens, ps, segment)
-    q = _randn((len(lens), hq, d), torch.bfloat16, gen)
+    q = randn((len(lens), hq, d), torch.bfloat16, gen)
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens)
     outs = []
     for call in range(2):  # the op, then the fast path
@@ -939,7 +840,7 @@ def test_batch_decode_page_size_not_a_power_of_two(kv_dtype, head_dim, kv_layout
                                    page_size=page_size)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=head_dim,
-                 page_size=page_size, q_data_type=torch.bfloat16, kv_data_type=_dtype(kv_dtype), fixed_split_size=96)
+                 page_size=page_size, q_data_type=torch.bfloat16, kv_data_type=dtype_of(kv_dtype), fixed_split_size=96)
     out_buf, out = poisoned(q.shape, q.dtype)
     lse_buf, lse = poisoned((len(lens), LLAMA_HEADS[0]), torch.float32)
     wrapper.run(q, (k, v), out=out, lse=lse)
@@ -961,7 +862,7 @@ def test_batch_decode_ignores_slots_past_kv_len(kv_dtype, head_dim, kv_layout, p
         nan_past_lengths(cache, paged.table, lens, 16, kv_layout, which)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=LLAMA_HEADS[0], num_kv_heads=LLAMA_HEADS[1], head_dim=head_dim,
-                 page_size=16, q_data_type=torch.bfloat16, kv_data_type=_dtype(kv_dtype))
+                 page_size=16, q_data_type=torch.bfloat16, kv_data_type=dtype_of(kv_dtype))
     _, out = poisoned(q.shape, q.dtype)
     _, lse = poisoned(q.shape[:2], torch.float32)
     wrapper.run(q, (k, v), out=out, lse=lse, return_lse=True)
@@ -1006,10 +907,10 @@ def test_batch_decode_paired_kv_heads(case, workspace):
     ps = 16
     num_pages = sum(-(-n // ps) for n in lens) + 5
     paged = make_page_table(page_table, lens, ps, num_pages, rnd)
-    cache, k, v = make_cache(form, "NHD", num_pages, ps, hk, d, _dtype(kv_name), gen)
+    cache, k, v = make_cache(form, "NHD", num_pages, ps, hk, d, dtype_of(kv_name), gen)
     nan_pages(k, paged.k_unused)
     nan_pages(v, paged.v_unused)
-    q = _randn((len(lens), hq, d), _dtype(q_name), gen, 4.0 if soft_cap else 1.0)
+    q = randn((len(lens), hq, d), dtype_of(q_name), gen, 4.0 if soft_cap else 1.0)
     scales = dict(k_scale=0.5, v_scale=2.0) if kv_name.startswith("float8") else {}
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
     wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
@@ -1024,7 +925,7 @@ def test_batch_decode_paired_kv_heads(case, workspace):
     assert_sentinels(out_buf, "out")
     assert_sentinels(lse_buf, "lse")
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, "NHD", None, window_left, soft_cap, **scales)
-    check_decode(out, lse, ref_out, ref_lse, lens, _dtype(q_name))
+    check_decode(out, lse, ref_out, ref_lse, lens, dtype_of(q_name))
 
 
 # The cluster split (sm_90+: one request over a thread-block cluster, merged in distributed
@@ -1096,12 +997,12 @@ def test_batch_decode_cluster_split(case, workspace, monkeypatch):
     lens, ps = [kv_len], case[11] if len(case) > 11 else 16
     num_pages = -(-kv_len // ps) + 5
     paged = make_page_table(page_table, lens, ps, num_pages, rnd)
-    cache, k, v = make_cache(form, kv_layout, num_pages, ps, hk, d, _dtype(kv_name), gen)
+    cache, k, v = make_cache(form, kv_layout, num_pages, ps, hk, d, dtype_of(kv_name), gen)
     nan_pages(k, paged.k_unused)
     nan_pages(v, paged.v_unused)
     nan_past_lengths(k, paged.table, lens, ps, kv_layout, 0)
     nan_past_lengths(v, paged.table, lens, ps, kv_layout, 1)
-    q = _randn((1, hq, d), _dtype(q_name), gen, 4.0 if soft_cap else 1.0)
+    q = randn((1, hq, d), dtype_of(q_name), gen, 4.0 if soft_cap else 1.0)
     scales = dict(k_scale=0.5, v_scale=2.0) if kv_name.startswith("float8") else {}
     plan_kwargs = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, window_left=window_left,
                        logits_soft_cap=soft_cap, q_data_type=q_name, kv_data_type=kv_name)
@@ -1118,7 +1019,7 @@ def test_batch_decode_cluster_split(case, workspace, monkeypatch):
         assert_sentinels(lse_buf, "lse")
         outs.append((out.clone(), lse.clone()))
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout, None, window_left, soft_cap, **scales)
-    check_decode(outs[0][0], outs[0][1], ref_out, ref_lse, lens, _dtype(q_name))
+    check_decode(outs[0][0], outs[0][1], ref_out, ref_lse, lens, dtype_of(q_name))
     for o, s in outs[1:]:
         assert torch.equal(o, outs[0][0]) and torch.equal(s, outs[0][1]), "cluster split not deterministic"
     monkeypatch.setenv("FLASHINFER_JIT_DECODE_CLUSTERS", "0")
@@ -1126,7 +1027,7 @@ def test_batch_decode_cluster_split(case, workspace, monkeypatch):
     plain.plan(**paged.plan_args, **plan_kwargs)
     assert plain._plan.cluster == 1
     out2, lse2 = plain.run(q, cache, return_lse=True, **scales)
-    check_decode(out2, lse2, outs[0][0], outs[0][1], lens, _dtype(q_name))
+    check_decode(out2, lse2, outs[0][0], outs[0][1], lens, dtype_of(q_name))
 
 
 # Logits that climb, in steps below and above the kernel's lazy-rescaling threshold (the
@@ -1174,11 +1075,11 @@ def test_batch_decode_growing_logits(case, workspace, monkeypatch):
     d, ps = 128, 16
     num_pages = sum(-(-n // ps) for n in lens) + 3
     paged = make_page_table(page_table, lens, ps, num_pages, rnd)
-    _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, _dtype(kv_name), gen)
+    _, k, v = make_cache("tuple", kv_layout, num_pages, ps, hk, d, dtype_of(kv_name), gen)
     nan_pages(k, paged.k_unused)
     nan_pages(v, paged.v_unused)
     u = torch.nn.functional.normalize(torch.randn(hk, d, generator=gen, device=DEV), dim=-1)  # [hk, d]
-    host = _on_host(paged.table)
+    host = on_host(paged.table)
     for b, n in enumerate(lens):
         if n == 0:
             continue
@@ -1194,7 +1095,7 @@ def test_batch_decode_growing_logits(case, workspace, monkeypatch):
             k[page, :, slot] = keys.to(k.dtype)
     group = hq // hk
     q = (math.sqrt(d) * u.repeat_interleave(group, 0) + 0.05 * torch.randn(hq, d, generator=gen, device=DEV))
-    q = q.unsqueeze(0).expand(len(lens), hq, d).to(_dtype(q_name)).contiguous()
+    q = q.unsqueeze(0).expand(len(lens), hq, d).to(dtype_of(q_name)).contiguous()
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
                  logits_soft_cap=soft_cap, q_data_type=q_name, kv_data_type=kv_name)
@@ -1206,7 +1107,7 @@ def test_batch_decode_growing_logits(case, workspace, monkeypatch):
     assert_sentinels(lse_buf, "lse")
     ref_out, ref_lse = decode_ref(q, k, v, paged.table, lens, kv_layout, None, -1, soft_cap)
     assert float(ref_lse.max()) > 30.0, "the schedule did not reach large logits (log2 units)"
-    check_decode(out, lse, ref_out, ref_lse, lens, _dtype(q_name))
+    check_decode(out, lse, ref_out, ref_lse, lens, dtype_of(q_name))
 
 
 @pytest.mark.gpu
@@ -1235,9 +1136,9 @@ def test_batch_decode_all_requests_empty(workspace):
 def test_single_decode(kv_layout, return_lse, options):
     gen = torch.Generator(device=DEV).manual_seed(13)
     (hq, hk), d, kv_len, dtype = LLAMA_HEADS, 128, 3001, torch.bfloat16
-    q = _randn((hq, d), dtype, gen)
+    q = randn((hq, d), dtype, gen)
     shape = (kv_len, hk, d) if kv_layout == "NHD" else (hk, kv_len, d)
-    k, v = _randn(shape, dtype, gen), _randn(shape, dtype, gen)
+    k, v = randn(shape, dtype, gen), randn(shape, dtype, gen)
     result = fij.single_decode_with_kv_cache(q, k, v, kv_layout=kv_layout, return_lse=return_lse, **options)
     out, lse = result if return_lse else (result, None)
     assert out.shape == (hq, d) and out.dtype == dtype
@@ -1255,7 +1156,7 @@ def test_single_decode(kv_layout, return_lse, options):
 # --- merge_state / merge_states ------------------------------------------------------------------
 def _states(shape_v, dtype, gen):
     """Random partial states with LSEs spread over a wide range."""
-    v = _randn(shape_v, _dtype(dtype), gen)
+    v = randn(shape_v, dtype_of(dtype), gen)
     s = torch.randn(shape_v[:-1], generator=gen, device=DEV) * 6
     return v, s
 
@@ -1263,13 +1164,13 @@ def _states(shape_v, dtype, gen):
 def _check_merge(v, s, ref_v, ref_s, dtype: str, empty: torch.Tensor) -> None:
     """`empty` [n, H]: every input state of that row and head has LSE -inf: the merged v
     must be zeros and its LSE -inf; elsewhere v within TOL, LSE within MERGE_LSE_TOL."""
-    assert v.dtype == _dtype(dtype) and s.dtype == torch.float32
+    assert v.dtype == dtype_of(dtype) and s.dtype == torch.float32
     v64, s64 = v.double().cpu(), s.double().cpu()
     assert not torch.isnan(v64).any() and not torch.isnan(s64).any(), "NaN in the merged state"
     ref_v, ref_s, empty = ref_v.double().cpu(), ref_s.double().cpu(), empty.cpu()
     live = ~empty
     err = float((v64[live] - ref_v[live]).norm() / ref_v[live].norm())
-    assert err < TOL[_dtype(dtype)], f"relative error {err:.2e}"
+    assert err < TOL[dtype_of(dtype)], f"relative error {err:.2e}"
     assert float((s64[live] - ref_s[live]).abs().max()) < MERGE_LSE_TOL
     assert bool((v64[empty] == 0).all()), "merging only empty states must give zeros"
     assert bool(torch.isneginf(s64[empty]).all()), "merging only empty states must give lse -inf"
@@ -1329,13 +1230,8 @@ def test_cases_cover_every_pair_of_options():
 
 
 def test_tests_matrix_has_every_decode_module():
-    needed = specs_needed()
-    have = set(parse_matrix(MATRIX))
-    missing = sorted(s.name for s in needed - have)
-    assert not missing, f"scripts/matrices/tests lacks {missing}"
-    decode = {s for s in needed if isinstance(s, DecodeSpec)}
-    # 7 of them multi-token (q_len_per_req) modules
-    assert len(decode) <= 48, f"{len(decode)} decode modules; keep the tests' build moderate"
+    # at most 48 decode modules, 7 of them multi-token (q_len_per_req) modules
+    assert_tests_matrix_has(specs_needed(), DecodeSpec, 48, "decode")
 
 
 # --- argument checks (no GPU: they fire before any build or launch) ------------------------------
@@ -1533,7 +1429,7 @@ def test_batch_decode_multi_token(case, workspace):
     seed = sum(map(ord, str(case)))
     rnd = random.Random(seed)
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    q_dtype, kv_dtype = _dtype(q_name), _dtype(kv_name)
+    q_dtype, kv_dtype = dtype_of(q_name), dtype_of(kv_name)
     lens = [rnd.randint(n_tok, 700) for _ in range(9)] + [0, n_tok - 1, n_tok, 1537]
     rnd.shuffle(lens)
     batch = len(lens)
@@ -1542,7 +1438,7 @@ def test_batch_decode_multi_token(case, workspace):
     cache, k_cache, v_cache = make_cache("tuple", kv_layout, num_pages, ps, hk, d, kv_dtype, gen)
     nan_pages(k_cache, paged.k_unused)
     nan_pages(v_cache, paged.v_unused)
-    q = _randn((batch * n_tok, hq, d), q_dtype, gen, 4.0 if cap else 1.0)
+    q = randn((batch * n_tok, hq, d), q_dtype, gen, 4.0 if cap else 1.0)
     scales = dict(k_scale=0.5, v_scale=2.0) if kv_dtype.itemsize == 1 else {}
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, window_left=window,
@@ -1572,23 +1468,23 @@ def test_batch_decode_multi_token_cuda_graph_replay(workspace):
     rnd = random.Random(44)
     gen = torch.Generator(device=DEV).manual_seed(44)
     capacity, num_pages = 8, 8 * 140 + 8
-    k_cache = _randn((num_pages, ps, hk, d), torch.bfloat16, gen)
-    v_cache = _randn((num_pages, ps, hk, d), torch.bfloat16, gen)
+    k_cache = randn((num_pages, ps, hk, d), torch.bfloat16, gen)
+    v_cache = randn((num_pages, ps, hk, d), torch.bfloat16, gen)
     indptr_buf = torch.zeros(capacity + 1, dtype=torch.int32, device=DEV)
     indices_buf = torch.zeros(num_pages, dtype=torch.int32, device=DEV)
     last_buf = torch.zeros(capacity, dtype=torch.int32, device=DEV)
     wrapper = fij.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(workspace, indptr_buf, indices_buf, last_buf, "NHD")
-    q = _randn((capacity * n_tok, hq, d), torch.bfloat16, gen)
+    q = randn((capacity * n_tok, hq, d), torch.bfloat16, gen)
     out = torch.full_like(q, float("nan"))
     graph = None
     for lens in ([rnd.randint(4, 2000) for _ in range(capacity)], [5, 1200, 4, 0, 2222], [3000, 17]):
         paged = make_page_table("csr", lens, ps, num_pages, rnd)
         wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
                      q_data_type=torch.bfloat16, q_len_per_req=n_tok)
-        q.copy_(_randn(q.shape, torch.bfloat16, gen))
+        q.copy_(randn(q.shape, torch.bfloat16, gen))
         out.fill_(float("nan"))
         if graph is None:
-            graph = _graph_of(lambda: wrapper.run(q, (k_cache, v_cache), out=out))
+            graph, _ = capture_graph(lambda: wrapper.run(q, (k_cache, v_cache), out=out))
         graph.replay()
         torch.cuda.synchronize()
         rows = len(lens) * n_tok
@@ -1642,13 +1538,13 @@ def test_batch_decode_multi_token_cluster_split(case, workspace, monkeypatch):
     d, ps = 128, 16
     rnd = random.Random(len(lens) * 31 + lens[0])
     gen = torch.Generator(device=DEV).manual_seed(lens[0])
-    q_dtype, kv_dtype = _dtype(q_name), _dtype(kv_name)
+    q_dtype, kv_dtype = dtype_of(q_name), dtype_of(kv_name)
     num_pages = sum(-(-n // ps) for n in lens) + 5
     paged = make_page_table(table_layout, lens, ps, num_pages, rnd)
     cache, k_cache, v_cache = make_cache("tuple", kv_layout, num_pages, ps, hk, d, kv_dtype, gen)
     nan_pages(k_cache, paged.k_unused)
     nan_pages(v_cache, paged.v_unused)
-    q = _randn((len(lens) * n_tok, hq, d), q_dtype, gen, 4.0 if cap else 1.0)
+    q = randn((len(lens) * n_tok, hq, d), q_dtype, gen, 4.0 if cap else 1.0)
     wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
     wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, logits_soft_cap=cap,
                  q_data_type=q_dtype, kv_data_type=kv_dtype, q_len_per_req=n_tok)

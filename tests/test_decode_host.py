@@ -448,6 +448,18 @@ def test_graph_grid_items_spares_under_two_blocks_per_sm(capacity, blocks_per_it
 
 
 # --- plan(): the wave split of large uniform batches ----------------------------------------------
+def plan_uniform(native: str, monkeypatch, batch: int, kv_len: int, num_qo_heads: int, **plan_kwargs):
+    """A wrapper (64 MB host workspace) planned by the C++ (native "1") or the numpy ("0")
+    planner for `batch` requests of kv_len tokens (CSR, bf16 q, HK KV heads, head_dim D,
+    page PS); checks that the planner asked for planned it."""
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.plan(**csr([kv_len] * batch), num_qo_heads=num_qo_heads, num_kv_heads=HK, head_dim=D, page_size=PS,
+           q_data_type=torch.bfloat16, **plan_kwargs)
+    assert (w._plan.config.native is not False) == (native == "1")
+    return w
+
+
 WAVE_CASES = [  # (requests, tokens each, num_qo_heads, kv dtype, chunks per request) on 132 SMs
     (256, 32768, 32, torch.bfloat16, 3),   # 2048 blocks = 3.9 waves of 528, 16 MB each: ~12 waves
     (256, 8192, 64, torch.bfloat16, 3),    # 4 MB blocks
@@ -483,11 +495,7 @@ MULTI_TOKEN_WAVE_CASES = [  # (batch, kv_len, num_qo_heads, q_len_per_req, chunk
 def test_plan_multi_token_waves(batch, kv_len, hq, n_tok, chunks, native, op, monkeypatch):
     """A block of N query tokens weighs N times its bytes in the wave split, and 16-row tiles
     count 3 blocks an SM: the b=64 x 4 tokens batch splits in 3 (measured best on the H200)."""
-    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
-    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
-    w.plan(**csr([kv_len] * batch), num_qo_heads=hq, num_kv_heads=HK, head_dim=D, page_size=PS,
-           q_data_type=torch.bfloat16, q_len_per_req=n_tok)
-    assert (w._plan.config.native is not False) == (native == "1")
+    w = plan_uniform(native, monkeypatch, batch, kv_len, hq, q_len_per_req=n_tok)
     assert w._plan.args[8] == batch * chunks  # grid items
     # a CUDA-graph wrapper at that capacity has the rows for the same split
     g = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD", use_cuda_graph=True)
@@ -503,11 +511,7 @@ def test_plan_splits_large_uniform_batches_by_their_waves(batch, kv_len, hq, kv_
     """A batch that fills the GPU still splits where its grid's last wave would leave slots
     idle for a long block (decode.py _WAVE_SPLIT_MIN_BYTES): each request in `chunks`
     chunks of equal whole tiles, by both planners."""
-    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
-    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
-    w.plan(**csr([kv_len] * batch), num_qo_heads=hq, num_kv_heads=HK, head_dim=D, page_size=PS,
-           q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
-    assert (w._plan.config.native is not False) == (native == "1")
+    w = plan_uniform(native, monkeypatch, batch, kv_len, hq, kv_data_type=kv_dtype)
     assert w._plan.args[8] == batch * chunks  # grid items
     assert w._plan.args[9] == (batch if chunks > 1 else 0)  # merge rows
     work = w._plan.args[1]
@@ -550,11 +554,7 @@ def test_plan_full_grid_split_length_follows_the_dram_peak(peak, batch, kv_len, 
     """A grid that covers >= 9/10 of the SMs splits in two from 3072 tokens where the DRAM
     peak is at most _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S, from 1024 above it; both planners."""
     monkeypatch.setattr(decode, "_peak_dram_bytes_per_s", lambda device: peak)
-    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
-    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
-    w.plan(**csr([kv_len] * batch), num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS,
-           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    assert (w._plan.config.native is not False) == (native == "1")
+    w = plan_uniform(native, monkeypatch, batch, kv_len, HQ, kv_data_type=torch.bfloat16)
     assert w._plan.args[8] == batch * chunks
 
 
@@ -565,11 +565,7 @@ def test_plan_splits_a_grid_that_covers_the_sms_in_two_at_most(batch, kv_len, hq
     """A uniform batch whose unsplit grid covers >= 7/10 of the SMs (decode.py
     _FULL_GRID_MIN_TENTHS) stays whole, or splits in two where its requests are long, by
     both planners; smaller grids keep the target's split."""
-    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
-    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
-    w.plan(**csr([kv_len] * batch), num_qo_heads=hq, num_kv_heads=HK, head_dim=D, page_size=PS,
-           q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
-    assert (w._plan.config.native is not False) == (native == "1")
+    w = plan_uniform(native, monkeypatch, batch, kv_len, hq, kv_data_type=kv_dtype)
     assert w._plan.cluster == 1
     assert w._plan.args[8] == batch * chunks  # grid items
     assert w._plan.args[9] == (batch if chunks > 1 else 0)  # merge rows

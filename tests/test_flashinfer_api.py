@@ -46,6 +46,8 @@ from flashinfer_jit.reference.rope import (apply_rope_ref, cos_sin_cache_ref, po
                                            rope_quantize_append_ref, rope_quantize_ref)
 from flashinfer_jit.specs import AppendSpec, BatchIndicesSpec, FlattenSpec, RopeSpec
 
+from kv_helpers import capture_graph
+
 REPO = Path(__file__).resolve().parents[1]
 DEV = "cuda"  # of the GPU tests
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
@@ -546,14 +548,8 @@ def test_get_batch_indices_positions_into_captured_buffers(index_dtype):
     seq_lens = torch.zeros(batch, dtype=index_dtype, device=DEV)
     bi = torch.full((nnz,), 12345, dtype=torch.int32, device=DEV)
     pos = torch.full((nnz,), 12345, dtype=torch.int32, device=DEV)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (loads the module) off the capture
-        flashinfer.get_batch_indices_positions(append_indptr, seq_lens, nnz, bi, pos)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flashinfer.get_batch_indices_positions(append_indptr, seq_lens, nnz, bi, pos)
+    # one warm-up call (loads the module) off the capture stream, then the capture
+    graph, out = capture_graph(lambda: flashinfer.get_batch_indices_positions(append_indptr, seq_lens, nnz, bi, pos))
     assert out[0] is bi and out[1] is pos
     gen = torch.Generator().manual_seed(5)
     for _ in range(3):

@@ -26,31 +26,28 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import math
 import random
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 
 import flashinfer_jit as fij
-from flashinfer_jit.matrix import parse_matrix
-from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
+from flashinfer_jit.page_table import PageTable
 from flashinfer_jit.reference.decode import request_pages_ref
 from flashinfer_jit.reference.prefill import prefill_ref, segment_packbits_ref
 from flashinfer_jit.specs import DecodeSpec, MergeSpec
 from flashinfer_jit.specs.decode import group_tile
 from flashinfer_jit.specs.prefill import PrefillSpec
 
-DEV = "cuda"
+import kv_helpers
+from kv_helpers import (DEV, Paged, assert_sentinels, assert_tests_matrix_has, dtype_of, grid_case, on_host,
+                        poisoned, randn, replay_poisoned)
+
 # |out - ref| <= tol * (1 + |ref|), tol of the coarser of q's and the output's dtype
 TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 FP8_FACTOR = 2.5  # fp8 K/V: the kernel may round P (or q) more coarsely
 LSE_TOL = 1e-2  # base 2, relative to max(1, |lse|)
-WORKSPACE_BYTES = 128 << 20
-SENTINEL = 7.0
-MATRIX = Path(__file__).resolve().parent.parent / "scripts" / "matrices" / "tests"
 SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 TABLE_TAG = {"ragged": "ragged", "csr": "csr", "block_table": "bt", "block_table_kv_separate": "btkv"}
 FP8_NAN = 0x7F  # NaN in e4m3fn and in e5m2
@@ -177,10 +174,6 @@ CASES = [
 ]
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 def _mask_kind(mask: str) -> str:
     return "custom" if mask in ("custom", "packed") else mask
 
@@ -237,10 +230,6 @@ def case_id(i: int, c: Case) -> str:
 
 
 # --- inputs ----------------------------------------------------------------------------------------
-def _randn(shape, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(shape, generator=gen, device=DEV) * scale).to(dtype)
-
-
 def indptr_of(lens, device=DEV) -> torch.Tensor:
     return torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32, device=device)
 
@@ -265,59 +254,22 @@ def make_rows(kv_lens, num_kv_heads: int, dims: tuple, dtype: torch.dtype, gen, 
     slices of one [kv_tokens, Hk, Dqk + Dvo] buffer (strided views)."""
     total, (dqk, dvo) = sum(kv_lens), dims
     if form == "halves":
-        buf = _randn((total, num_kv_heads, dqk + dvo), dtype, gen)
+        buf = randn((total, num_kv_heads, dqk + dvo), dtype, gen)
         return buf[..., :dqk], buf[..., dqk:]
-    return _randn((total, num_kv_heads, dqk), dtype, gen), _randn((total, num_kv_heads, dvo), dtype, gen)
+    return randn((total, num_kv_heads, dqk), dtype, gen), randn((total, num_kv_heads, dvo), dtype, gen)
 
 
 def make_q(tokens: int, num_qo_heads: int, head_dim: int, dtype: torch.dtype, gen, scale: float = 1.0,
            strided: bool = False) -> torch.Tensor:
     if strided:  # q as the engine's slice of a wider buffer: token stride (Hq + 1) * D
-        return _randn((tokens, num_qo_heads + 1, head_dim), dtype, gen, scale)[:, 1:]
-    return _randn((tokens, num_qo_heads, head_dim), dtype, gen, scale)
-
-
-class Paged(NamedTuple):
-    table: PageTable      # for the reference
-    plan_args: dict       # the page-table arguments of plan()
+        return randn((tokens, num_qo_heads + 1, head_dim), dtype, gen, scale)[:, 1:]
+    return randn((tokens, num_qo_heads, head_dim), dtype, gen, scale)
 
 
 def make_page_table(layout: str, lens, page_size: int, num_pages: int, rnd: random.Random,
                     host_indptr: bool = False) -> Paged:
-    """Each request's pages drawn at random from the pool (K and V independently for
-    block_table_kv_separate); block-table columns past a request's pages point at a page no
-    request uses. Page ids on the device; CSR indptr and last_page_len on the host if asked."""
-    pages = [-(-n // page_size) for n in lens]
-    total = sum(pages)
-    assert total < num_pages, "keep at least one unused page for the padding entries"
-    k_perm = rnd.sample(range(num_pages), num_pages)
-    v_perm = rnd.sample(range(num_pages), num_pages) if layout == "block_table_kv_separate" else k_perm
-    starts = list(itertools.accumulate(pages, initial=0))
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    if layout == "csr":
-        host = "cpu" if host_indptr else DEV
-        indptr = torch.tensor(starts, dtype=torch.int32, device=host)
-        indices = torch.tensor(k_perm[:total], dtype=torch.int32, device=DEV)
-        last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)],
-                            dtype=torch.int32, device=host)
-        table = csr_page_table(indptr.to(DEV), indices, last.to(DEV))
-        args = dict(paged_kv_indptr=indptr, paged_kv_indices=indices, paged_kv_last_page_len=last)
-    else:
-        width = max(pages + [0]) + 1
-        rows = []
-        for perm in ((k_perm, v_perm) if layout == "block_table_kv_separate" else (k_perm,)):
-            spare = perm[-1]
-            rows.append([perm[s: s + p] + [spare] * (width - p) for s, p in zip(starts, pages)])
-        bt = torch.tensor(rows, dtype=torch.int32, device=DEV)  # [1 or 2, B, width]
-        bt = bt[0] if layout == "block_table" else bt.transpose(0, 1).contiguous()
-        table = block_page_table(bt, seq_lens, kv_separate=layout == "block_table_kv_separate")
-        args = dict(paged_kv_indptr=None, paged_kv_indices=None, paged_kv_last_page_len=None, block_tables=bt,
-                    seq_lens=seq_lens)
-    return Paged(table, args)
-
-
-def _on_host(table: PageTable) -> PageTable:
-    return PageTable(table.layout, tuple(t.cpu() for t in table.tensors), table.batch_size)
+    """kv_helpers.make_page_table with the prefill plan()'s argument names (paged_kv_indptr, ...)."""
+    return kv_helpers.make_page_table(layout, lens, page_size, num_pages, rnd, host_indptr, csr_prefix="paged_kv_")
 
 
 class KV(NamedTuple):
@@ -333,7 +285,7 @@ def write_rows(cache: torch.Tensor, table: PageTable, lens, page_size: int, kv_l
                which: int) -> None:
     """Token j of request b (rows in request order) into slot j % page_size of its logical
     page j // page_size (`which`: 0 through the K page ids, 1 through the V page ids)."""
-    host = _on_host(table)
+    host = on_host(table)
     page_ids, slots = [], []
     for b, n in enumerate(lens):
         if n == 0:
@@ -419,25 +371,13 @@ def reference_by_rows(q, shapes, k_rows, v_rows, causal: bool, rows: int = 512, 
 
 
 # --- outputs and checks ----------------------------------------------------------------------------
-def poisoned(shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buffer, out): `out` is rows 1..-1 of `buffer`, filled with NaN; the first and last
-    rows of `buffer` hold SENTINEL and must stay untouched."""
-    buf = torch.full((shape[0] + 2, *shape[1:]), SENTINEL, dtype=dtype, device=DEV)
-    buf[1:-1] = float("nan")
-    return buf, buf[1:-1]
-
-
-def assert_sentinels(buf: torch.Tensor, name: str) -> None:
-    assert bool((buf[0] == SENTINEL).all() and (buf[-1] == SENTINEL).all()), f"{name}: written outside its rows"
-
-
 def tolerance(q_dtype, o_dtype=None, fp8: bool = False) -> float:
     tol = max(TOL[_as_torch(q_dtype)], TOL[_as_torch(o_dtype or q_dtype)])
     return tol * (FP8_FACTOR if fp8 else 1.0)
 
 
 def _as_torch(dtype) -> torch.dtype:
-    return _dtype(dtype) if isinstance(dtype, str) else dtype
+    return dtype_of(dtype) if isinstance(dtype, str) else dtype
 
 
 def _row_owner(shapes) -> list[int]:
@@ -498,9 +438,19 @@ def check_prefill(out, lse, ref_out, ref_lse, shapes, tol: float, v_scale=None, 
         check_lse(lse, ref_lse, shapes)
 
 
-@pytest.fixture(scope="module")
-def workspace():
-    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
+def check_agree(out, lse, other_out, other_lse, shapes, tol: float, first: str, second: str) -> None:
+    """One path's out and LSE against another's: check_out within tol and check_lse, named
+    "<first> against <second>" and "<first> lse against <second>"."""
+    check_out(out, other_out, shapes, tol, f"{first} against {second}")
+    check_lse(lse, other_lse, shapes, f"{first} lse against {second}")
+
+
+def check_two_paths(first, second, ref_out, ref_lse, shapes, tol: float, names: tuple[str, str]) -> None:
+    """The (out, lse) of two paths, each against the reference (check_prefill, first's then
+    second's), then first's against second's (check_agree, tol)."""
+    for out, lse in (first, second):
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    check_agree(*first, *second, shapes, tol, *names)
 
 
 def paged_wrapper(workspace, kv_layout: str = "NHD", **kwargs):
@@ -593,10 +543,8 @@ def mask_args(masks, shapes, packed: bool) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", [pytest.param(i, id=case_id(i, c)) for i, c in enumerate(CASES)])
 def test_batch_prefill(index, workspace):
-    case = CASES[index]
-    rnd = random.Random(index)
-    gen = torch.Generator(device=DEV).manual_seed(500 + index)
-    q_dtype, kv_dtype, o_dtype = _dtype(case.q_dtype), _dtype(case.kv_dtype), _dtype(case.out_dtype)
+    case, rnd, gen = grid_case(CASES, index, 500)
+    q_dtype, kv_dtype, o_dtype = dtype_of(case.q_dtype), dtype_of(case.kv_dtype), dtype_of(case.out_dtype)
     fp8 = kv_dtype.itemsize == 1
     (hq, hk), dims = case.heads, case.dims
     shapes = case_shapes(index, case, rnd)
@@ -786,12 +734,8 @@ def test_paged_matches_ragged(causal, page_size, workspace):
         _, result = run_base(workspace, shapes, q, qo_indptr, kv, causal, page_size=page_size)
         results.append(result)
     ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
-    tol = tolerance(BF16)
-    for out, lse in results:
-        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
-    (paged_out, paged_lse), (ragged_out, ragged_lse) = results
-    check_out(paged_out, ragged_out, shapes, tol, "paged against ragged")
-    check_lse(paged_lse, ragged_lse, shapes, "paged lse against ragged")
+    paged_result, ragged_result = results
+    check_two_paths(paged_result, ragged_result, ref_out, ref_lse, shapes, tolerance(BF16), ("paged", "ragged"))
 
 
 @pytest.mark.gpu
@@ -811,11 +755,7 @@ def test_one_query_token_matches_decode(window_left, workspace):
                 q_data_type=torch.bfloat16)
     d_out, d_lse = decode.run(q, *kv.run_args, return_lse=True)
     ref_out, ref_lse = reference(q, qo_indptr, kv, window_left=window_left)
-    tol = tolerance(BF16)
-    check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
-    check_prefill(d_out, d_lse, ref_out, ref_lse, shapes, tol)
-    check_out(out, d_out, shapes, tol, "prefill against decode")
-    check_lse(lse, d_lse, shapes, "prefill lse against decode")
+    check_two_paths((out, lse), (d_out, d_lse), ref_out, ref_lse, shapes, tolerance(BF16), ("prefill", "decode"))
 
 
 @pytest.mark.gpu
@@ -887,8 +827,7 @@ def test_causal_as_custom_mask_matches_causal(source, workspace):
     tol = tolerance(BF16)
     check_prefill(c_out, c_lse, ref_out, ref_lse, shapes, tol)
     check_prefill(m_out, m_lse, ref_out, ref_lse, shapes, tol)
-    check_out(m_out, c_out, shapes, tol / 4, "custom against causal")
-    check_lse(m_lse, c_lse, shapes, "custom lse against causal")
+    check_agree(m_out, m_lse, c_out, c_lse, shapes, tol / 4, "custom", "causal")
 
 
 # --- split-KV, determinism, several layers ------------------------------------------------------------
@@ -911,8 +850,7 @@ def test_split_kv_forced_and_disabled(causal, workspace):
         check_prefill(*first, ref_out, ref_lse, shapes, tol)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]), f"{split}: not deterministic"
         results.append(first)
-    check_out(results[0][0], results[1][0], shapes, tol, "split against unsplit")
-    check_lse(results[0][1], results[1][1], shapes, "split lse against unsplit")
+    check_agree(*results[0], *results[1], shapes, tol, "split", "unsplit")
 
 
 @pytest.mark.gpu
@@ -947,19 +885,6 @@ def test_plan_once_run_per_layer(workspace):
 
 
 # --- CUDA graphs -------------------------------------------------------------------------------------
-def _graph_of(call):
-    """call() run once on a side stream (warm-up, as capture needs), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph
-
-
 def _partition(total: int, parts: int, rnd: random.Random) -> list[int]:
     cuts = sorted(rnd.sample(range(1, total), parts - 1))
     return [b - a for a, b in zip([0] + cuts, cuts + [total])]
@@ -974,15 +899,15 @@ def test_cuda_graph_replay_after_replan(workspace):
     capacity, max_tokens, (hq, hk), ps, pool = 8, 640, LLAMA, 16, 2048
     rnd = random.Random(13)
     gen = torch.Generator(device=DEV).manual_seed(13)
-    k = _randn((pool, ps, hk, 128), torch.bfloat16, gen)
-    v = _randn((pool, ps, hk, 128), torch.bfloat16, gen)
+    k = randn((pool, ps, hk, 128), torch.bfloat16, gen)
+    v = randn((pool, ps, hk, 128), torch.bfloat16, gen)
     wrapper = paged_wrapper(
         workspace, "NHD", use_cuda_graph=True,
         qo_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
         paged_kv_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
         paged_kv_indices_buf=torch.zeros(pool, dtype=torch.int32, device=DEV),
         paged_kv_last_page_len_buf=torch.zeros(capacity, dtype=torch.int32, device=DEV))
-    q_buf = _randn((max_tokens, hq, 128), torch.bfloat16, gen)
+    q_buf = randn((max_tokens, hq, 128), torch.bfloat16, gen)
     out_buf = torch.full((max_tokens, hq, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
     lse_buf = torch.full((max_tokens, hq), float("nan"), dtype=torch.float32, device=DEV)
     first = _partition(max_tokens, capacity, rnd)
@@ -1000,13 +925,9 @@ def test_cuda_graph_replay_after_replan(workspace):
         qo_indptr = indptr_of(qo_lens, "cpu")
         wrapper.plan(qo_indptr, **paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim_qk=128, page_size=ps,
                      causal=True, q_data_type=torch.bfloat16)
-        q_buf.copy_(_randn(q_buf.shape, torch.bfloat16, gen))
-        if graph is None:
-            graph = _graph_of(lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True))
-        out_buf.fill_(float("nan"))
-        lse_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        q_buf.copy_(randn(q_buf.shape, torch.bfloat16, gen))
+        graph = replay_poisoned(graph, lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True),
+                                out_buf, lse_buf)
         kv = KV(((k, v),), k, v, paged.table, paged.plan_args, "NHD")
         ref_out, ref_lse = reference(q_buf[:rows], qo_indptr, kv, causal=True)
         check_prefill(out_buf[:rows], lse_buf[:rows], ref_out, ref_lse, shapes, tolerance(BF16))
@@ -1053,11 +974,7 @@ def test_merge_state_of_prefix_and_suffix(workspace):
     full = paged_kv(k_rows, v_rows, [n for _, n in shapes], 16, rnd=rnd, host_indptr=True)
     _, (f_out, f_lse) = run_base(workspace, shapes, q, qo_indptr, full, True)
     ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
-    tol = tolerance(BF16)
-    check_prefill(merged, merged_lse, ref_out, ref_lse, shapes, tol)
-    check_prefill(f_out, f_lse, ref_out, ref_lse, shapes, tol)
-    check_out(merged, f_out, shapes, tol, "merged against full")
-    check_lse(merged_lse, f_lse, shapes, "merged lse against full")
+    check_two_paths((merged, merged_lse), (f_out, f_lse), ref_out, ref_lse, shapes, tolerance(BF16), ("merged", "full"))
 
 
 # --- run() and graph misuse on the GPU -----------------------------------------------------------------
@@ -1077,7 +994,7 @@ def test_run_rejects_what_the_plan_does_not_match(workspace):
     bad_runs = [
         (r"\bq\b", dict(q=q.to(torch.float16))),
         (r"\bq\b", dict(q=q[:, :16].contiguous())),
-        (r"\bq\b", dict(q=_randn((rows, hq, 64), torch.bfloat16, gen))),
+        (r"\bq\b", dict(q=randn((rows, hq, 64), torch.bfloat16, gen))),
         (r"\bout\b", dict(out=torch.empty(rows, hq, 128, dtype=torch.float16, device=DEV))),
         (r"\blse\b", dict(lse=torch.empty(rows, hq // 2, dtype=torch.float32, device=DEV), return_lse=True)),
         ("sinks", dict(sinks=torch.zeros(hq // 2, dtype=torch.float32, device=DEV))),
@@ -1108,12 +1025,7 @@ def test_cases_cover_every_pair_of_options():
 
 
 def test_tests_matrix_has_every_prefill_module():
-    needed = specs_needed()
-    have = set(parse_matrix(MATRIX))
-    missing = sorted(s.name for s in needed - have)
-    assert not missing, f"scripts/matrices/tests lacks {missing}"
-    prefill = {s for s in needed if isinstance(s, PrefillSpec)}
-    assert len(prefill) <= 36, f"{len(prefill)} prefill modules; keep the tests' build moderate"
+    assert_tests_matrix_has(specs_needed(), PrefillSpec, 36, "prefill")
 
 
 REQUIRED = inspect.Parameter.empty
