@@ -238,10 +238,14 @@ FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, uns
 
 }  // namespace mma_detail
 
-// --- the kernel -----------------------------------------------------------------------------
+// --- the block function and the kernel -------------------------------------------------------
+// One block's work: work item `item_index` for head block `head_block` (of `head_blocks`:
+// KV head (pair) head_block / tiles, query-head tile head_block % tiles). decode_mma_kernel
+// calls it with (blockIdx.y, blockIdx.x, gridDim.x); POD calls it for its decode blocks.
+// smem: Traits::kSmemBytes, 128-byte aligned.
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
-    decode_mma_kernel(const __grid_constant__ DecodeParams p) {
+FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_block, int head_blocks,
+                             unsigned char* smem) {
   using namespace mma_detail;
   using Q = typename Traits::Q;
   using KV = typename Traits::KV;
@@ -251,28 +255,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   constexpr int E = Traits::kElemsPerChunk;
   constexpr int HT = Traits::kHeadTiles;
   constexpr int kRowBytes = D * int(sizeof(KV));
-  extern __shared__ __align__(128) unsigned char smem[];
 
   // The item count and the item load together (rows up to gridDim.y exist: a CUDA-graph
   // grid's spare rows are zeros), not one after the other.
   const int num_items = p.work[0];
-  const int32_t* item = p.work + 1 + 4 * blockIdx.y;
+  const int32_t* item = p.work + 1 + 4 * item_index;
   const int b = item[0], chunk_start = item[1], chunk_end = item[2], partial_row = item[3];
   // (In a cluster grid the item count is a multiple of the cluster size: whole clusters exit.)
-  if (static_cast<int>(blockIdx.y) >= num_items) return;
+  if (item_index >= num_items) return;
   // A cluster's first barrier phase: every block has started (so its shared memory may
   // be written) once the wait before the first remote store returns, long after this.
   if constexpr (Traits::kCluster > 1) cluster_arrive_relaxed();
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, c = lane % 4;
   const unsigned rank = Traits::kCluster > 1 ? cluster_ctarank() : 0;  // in the cluster (its chunk of the request)
-  // Block x: KV head (pair) blockIdx.x / tiles, query-head tile blockIdx.x % tiles (one
+  // Block x: KV head (pair) head_block / tiles, query-head tile head_block % tiles (one
   // tile when paired, so the block's kBlockRows query heads are contiguous from block_head0).
   const int tiles_per_kv_head = p.group / Traits::kTileHeads;
   const int head_slot = warp / Traits::kWarpsPerHead;  // which KV head of the block this warp takes
-  const int kv_head = static_cast<int>(blockIdx.x) / tiles_per_kv_head * Traits::kKvHeads + head_slot;
-  const int block_head0 = static_cast<int>(blockIdx.x) / tiles_per_kv_head * Traits::kKvHeads * p.group +
-                          static_cast<int>(blockIdx.x) % tiles_per_kv_head * Traits::kTileHeads;
+  const int kv_head = head_block / tiles_per_kv_head * Traits::kKvHeads + head_slot;
+  const int block_head0 = head_block / tiles_per_kv_head * Traits::kKvHeads * p.group +
+                          head_block % tiles_per_kv_head * Traits::kTileHeads;
   const int head0 = block_head0 + head_slot * Traits::kTileHeads;  // this warp's first query head
   // Row r of a block -> its query "head" from block_head0: with N query tokens a request's
   // rows are N x num_qo_heads (token-major, q seen as [B, N x Hq, D]; p.num_qo_heads counts
@@ -410,7 +413,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   // the copies below read L2.
   if (p.dependent_launch) {
     constexpr int kTokenBytes = 2 * kRowBytes * Traits::kKvHeads;
-    const int64_t share = Traits::kPrefetchBytes / (int64_t(gridDim.x) * num_items * kTokenBytes);
+    const int64_t share = Traits::kPrefetchBytes / (int64_t(head_blocks) * num_items * kTokenBytes);
     const int count = end - start;
     if (count > 0 && count <= share) {
       // the block's first head's rows (k_base / v_base are this thread's head and chunk)
@@ -823,7 +826,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   __syncthreads();
   if (tid == 0) {
     const int count = p.merge_indptr[b + 1] - p.merge_indptr[b];
-    int* counter = p.merge_counters + b * gridDim.x + blockIdx.x;
+    int* counter = p.merge_counters + b * head_blocks + head_block;
     last_block = atomic_add_acq_rel(counter, 1) == count - 1;
     if (last_block) *counter = 0;  // every other block of the request has counted: reset
   }
@@ -932,6 +935,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     store_out4(out, acc, norm);
     if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : head_m[h] + log2f(den);
   }
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
+    decode_mma_kernel(const __grid_constant__ DecodeParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  decode_block<Traits>(p, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem);
 }
 
 template <class Traits>
