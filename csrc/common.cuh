@@ -144,6 +144,23 @@ FIJ_DEVICE void cluster_wait() {
 #endif
 }
 
+// n / d and n % d for 0 <= n < 2^31 and d >= 1 by a multiply-high, with magic =
+// (2^32 - 1) / d (computed once, by the host): the product's high word is the quotient or one short
+// (n (2^32 - 1) / d / 2^32 > n / d - 1 for n < 2^31), and one compare corrects it. A
+// handful of instructions instead of a runtime division's twenty.
+struct DivMod {
+  int quot, rem;
+};
+FIJ_DEVICE DivMod divmod(int n, int d, uint32_t magic) {
+  int q = static_cast<int>(__umulhi(static_cast<uint32_t>(n), magic));
+  int r = n - q * d;
+  if (r >= d) {
+    ++q;
+    r -= d;
+  }
+  return {q, r};
+}
+
 // --- programmatic dependent launch (sm_90+) -------------------------------------------------
 // A kernel launched with launch_kernel(..., pdl = true) may start while the kernel before it
 // in the stream is finishing. pdl_wait() returns once that kernel has completed and its

@@ -227,10 +227,44 @@ FIJ_DEVICE float fast_exp2(float x) {
   return y;
 }
 
-// One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
-// state. smem: Traits::kSmemBytes. Every thread of the block calls it.
+FIJ_DEVICE PrefillItem load_prefill_item(const int32_t* work, int i) {
+  const int32_t* w = work + 1 + kPrefillItemInts * i;
+  return PrefillItem{w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
+}
+
+// Brings an item's first reads into L2 without waiting: its q rows and its first K/V tile
+// (one 16-byte-aligned row a thread). prefill_block calls it for the block's next item
+// while its own first loads are in flight, so that item starts from L2, not DRAM (short
+// items, a few tiles each, spend much of their time on those first loads).
 template <class Traits>
-FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem) {
+FIJ_DEVICE void prefetch_prefill_item(const PrefillParams& p, const PrefillItem& item) {
+  using Q = typename Traits::Q;
+  using KV = typename Traits::KV;
+  const int tid = threadIdx.x, b = item.request;
+  const int qo_start = p.qo_indptr[b];
+  const int live_rows = min(Traits::kRows, (p.qo_indptr[b + 1] - qo_start) * p.group - item.row0);
+  if (tid < live_rows) {
+    const DivMod th = divmod(item.row0 + tid, p.group, p.group_magic);
+    prefetch_l2(static_cast<const Q*>(p.q) + int64_t(qo_start + th.quot) * p.q_stride_n +
+                    int64_t(item.kv_head * p.group + th.rem) * p.q_stride_h,
+                Traits::kDQK * int(sizeof(Q)));
+  }
+  const int j = item.kv_start + tid;
+  if (tid < Traits::kTileKV && j < min(item.kv_end, prefill_kv_len<Traits>(p, b))) {
+    const KVRows<Traits> rows(p, b, item.kv_head);
+    int64_t ko, vo;
+    rows.locate(j, ko, vo);
+    prefetch_l2(static_cast<const KV*>(p.kv.k.data) + ko, Traits::kDQK * int(sizeof(KV)));
+    prefetch_l2(static_cast<const KV*>(p.kv.v.data) + vo, Traits::kDVO * int(sizeof(KV)));
+  }
+}
+
+// One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
+// state. smem: Traits::kSmemBytes. Every thread of the block calls it. next_index >= 0: the
+// work-list index of the block's next item, whose first reads it prefetches into L2.
+template <class Traits>
+FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem,
+                              int next_index = -1) {
   using namespace mma_detail;
   using namespace prefill_detail;
   using Q = typename Traits::Q;
@@ -258,7 +292,9 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   const int kv_len = prefill_kv_len<Traits>(p, b);
   const int live_rows = min(ROWS, qo_len * group - row0);  // rows of this tile with a query
   const int delta = kv_len - qo_len;                         // row of token t sits at t + delta
-  const int pos_first = row0 / group + delta, pos_last = (row0 + live_rows - 1) / group + delta;
+  // packed row -> (token, head of the group), without a division
+  auto split_row = [&](int pr) { return divmod(pr, group, p.group_magic); };
+  const int pos_first = split_row(row0).quot + delta, pos_last = split_row(row0 + live_rows - 1).quot + delta;
 
   // Keys the tile reads: its chunk, cut by the causal diagonal of its last row and the
   // window of its first row.
@@ -268,19 +304,22 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   const int num_tiles = end > start ? (end - start + TKV - 1) / TKV : 0;
 
   // --- q: the tile's rows, rotated at their positions, into swizzled shared memory --------
+  // (token and head strides in 32 bits: the host checks that they fit; the request's and
+  // the KV head's offset taken once)
+  const Q* q_base = static_cast<const Q*>(p.q) + int64_t(qo_start) * p.q_stride_n + int64_t(kv_head * group) * p.q_stride_h;
   auto q_row = [&](int r) -> const Q* {  // null: a padding row
-    const int pr = row0 + r;
-    const int t = pr / group;
     if (r >= live_rows) return nullptr;
-    return static_cast<const Q*>(p.q) + int64_t(qo_start + t) * p.q_stride_n +
-           int64_t(kv_head * group + pr % group) * p.q_stride_h;
+    const DivMod th = split_row(row0 + r);
+    return q_base + (uint64_t(uint32_t(th.quot)) * uint32_t(p.q_stride_n) + uint32_t(th.rem) * uint32_t(p.q_stride_h));
   };
   // (no key to read: no q either; nothing is then in flight when the epilogue stages the
   // output in q's rows)
   if (num_tiles == 0) {
-  } else if constexpr (std::is_same_v<Q, M> && !Traits::kRope) {
-    for (int i = tid; i < ROWS * QC; i += THREADS) {
-      const int r = i / QC, ch = i % QC;
+  } else if constexpr (std::is_same_v<Q, M> && !Traits::kRope && THREADS % QC == 0) {
+    // a thread copies chunk tid % QC of rows tid / QC, + THREADS / QC, ...
+    const int ch = tid % QC;
+#pragma unroll 4
+    for (int r = tid / QC; r < ROWS; r += THREADS / QC) {
       const Q* src = q_row(r);
       cp_async_16(sq + swz<QC>(r, ch * 8), src != nullptr ? src + ch * 8 : static_cast<const Q*>(p.q), src != nullptr);
     }
@@ -297,7 +336,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         to_float8<Q>(src + ch * 8, lo);
         if constexpr (Traits::kRope) {
           to_float8<Q>(src + ch * 8 + DQK / 2, hi);
-          rope_pair<DQK>(lo, hi, ch * 8, float((row0 + r) / group + delta), p.rope_rcp_scale, p.rope_log2_theta);
+          rope_pair<DQK>(lo, hi, ch * 8, float(split_row(row0 + r).quot + delta), p.rope_rcp_scale, p.rope_log2_theta);
         }
       }
       store8<M>(sq + swz<QC>(r, ch * 8), lo);
@@ -319,6 +358,19 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   const KV* k_data = static_cast<const KV*>(p.kv.k.data);
   const KV* v_data = static_cast<const KV*>(p.kv.v.data);
   const uint32_t stages_u32 = smem_u32(stages);
+  // Paged rows with pages of 4 or more tokens (a power of two): a tile spans at most
+  // TKV / 4 + 1 <= 32 pages, whose ids lane l holds (page kv0 / page_size + l), read a tile
+  // ahead so that no copy waits on a page-table load; rows take theirs by shuffle.
+  constexpr bool kIdsAhead = !Traits::kRagged && kWholeRows && KC == VC;
+  constexpr bool kSeparate = Traits::kTable == PageTableLayout::kBlockTableKVSeparate;
+  const bool ids_ahead = kIdsAhead && rows.page_shift >= 2;
+  int k_ids_lane = 0, v_ids_lane = 0;  // the next tile's page ids (ids_ahead)
+  auto fetch_ids = [&](int kv0) {
+    const int lp = (kv0 >> rows.page_shift) + lane;
+    const bool in = lp <= (min(kv0 + TKV, end) - 1) >> rows.page_shift;
+    k_ids_lane = in ? __ldg(rows.k_ids + lp) : 0;
+    if constexpr (kSeparate) v_ids_lane = in ? __ldg(rows.v_ids + lp) : 0;
+  };
   auto load_tile = [&](int kv0, int s) {
     const uint32_t k_tile = stages_u32 + s * Traits::kStageBytes, v_tile = k_tile + Traits::kKBytes;
     if constexpr (!kWholeRows) {
@@ -338,16 +390,70 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         cp_async_16_u32(v_tile + (Traits::kFp8 ? uint32_t(r * VC + ch) * 16u : swz_addr<VC>(0, r, ch)),
                         v_data + vo + ch * KE, valid);
       }
-    } else if constexpr (KC == VC) {  // one lookup for the row's K and V
+    } else if constexpr (KC == VC) {  // one page lookup for the row's K and V
+      // A thread's rows are r0 + it K_PASS at chunk ch: addresses step by constants (ragged:
+      // K_PASS rows; shared memory: K_PASS rows keep the swizzle when a multiple of 8).
+      const int r0 = tid / KC, ch = tid % KC;
+      auto smem_off = [&](int it) -> uint32_t {
+        const int r = r0 + it * K_PASS;
+        if constexpr (Traits::kFp8) {
+          return uint32_t(r * KC + ch) * 16u;
+        } else if constexpr (K_PASS % 8 == 0) {
+          return uint32_t(r * KC + (ch ^ (r0 & 7))) * 16u;
+        } else {
+          return swz_addr<KC>(0, r, ch);
+        }
+      };
+      const int lim = end - kv0 - r0;  // row r0 + it K_PASS holds a key: it K_PASS < lim
+      // (full: every row of the tile holds a key; rows past the chunk's end copy nothing and
+      // zero-fill)
+      auto copy_rows = [&](auto full) {
+        constexpr bool kFull = decltype(full)::value;
+        if constexpr (Traits::kRagged) {
+          const char* kb = reinterpret_cast<const char*>(k_data + rows.k_base + int64_t(kv0 + r0) * rows.k_stride_token + ch * KE);
+          const char* vb = reinterpret_cast<const char*>(v_data + rows.v_base + int64_t(kv0 + r0) * rows.v_stride_token + ch * KE);
+          const int64_t kstep = int64_t(K_PASS * sizeof(KV)) * rows.k_stride_token;
+          const int64_t vstep = int64_t(K_PASS * sizeof(KV)) * rows.v_stride_token;
 #pragma unroll
-      for (int it = 0; it < TKV / K_PASS; ++it) {
-        const int r = tid / KC + it * K_PASS, ch = tid % KC, j = kv0 + r;
-        const bool valid = j < end;
-        int64_t ko = 0, vo = 0;
-        if (valid) rows.locate(j, ko, vo);
-        const uint32_t off = Traits::kFp8 ? uint32_t(r * KC + ch) * 16u : swz_addr<KC>(0, r, ch);
-        cp_async_16_u32(k_tile + off, k_data + ko + ch * KE, valid);
-        cp_async_16_u32(v_tile + off, v_data + vo + ch * KE, valid);
+          for (int it = 0; it < TKV / K_PASS; ++it) {
+            const bool valid = kFull || it * K_PASS < lim;
+            cp_async_16_u32(k_tile + smem_off(it), kb, valid);
+            cp_async_16_u32(v_tile + smem_off(it), vb, valid);
+            kb += kstep;
+            vb += vstep;
+          }
+        } else if (ids_ahead) {  // the page ids fetched a tile ahead, one a lane
+          const int first = kv0 >> rows.page_shift, slot_mask = (1 << rows.page_shift) - 1;
+          const char* kb = reinterpret_cast<const char*>(k_data + rows.k_base + ch * KE);
+          const char* vb = reinterpret_cast<const char*>(v_data + rows.v_base + ch * KE);
+          const uint64_t ksp = uint64_t(rows.k_stride_page) * sizeof(KV), kst = uint64_t(rows.k_stride_token) * sizeof(KV);
+          const uint64_t vsp = uint64_t(rows.v_stride_page) * sizeof(KV), vst = uint64_t(rows.v_stride_token) * sizeof(KV);
+#pragma unroll
+          for (int it = 0; it < TKV / K_PASS; ++it) {
+            const int j = kv0 + r0 + it * K_PASS;
+            const bool valid = kFull || it * K_PASS < lim;
+            const int pg = ((j >> rows.page_shift) - first) & 31;
+            const uint32_t kp = __shfl_sync(0xffffffffu, k_ids_lane, pg);
+            const uint32_t vp = kSeparate ? __shfl_sync(0xffffffffu, v_ids_lane, pg) : kp;
+            const uint32_t slot = j & slot_mask;
+            cp_async_16_u32(k_tile + smem_off(it), kb + kp * ksp + slot * kst, valid);
+            cp_async_16_u32(v_tile + smem_off(it), vb + vp * vsp + slot * vst, valid);
+          }
+        } else {
+#pragma unroll
+          for (int it = 0; it < TKV / K_PASS; ++it) {
+            const bool valid = kFull || it * K_PASS < lim;
+            int64_t ko = 0, vo = 0;
+            if (valid) rows.locate(kv0 + r0 + it * K_PASS, ko, vo);
+            cp_async_16_u32(k_tile + smem_off(it), k_data + ko + ch * KE, valid);
+            cp_async_16_u32(v_tile + smem_off(it), v_data + vo + ch * KE, valid);
+          }
+        }
+      };
+      if (kv0 + TKV <= end) {
+        copy_rows(std::true_type{});
+      } else {
+        copy_rows(std::false_type{});
       }
     } else {
 #pragma unroll
@@ -377,15 +483,19 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) row_pos[mf][h] = (row0 + warp * 16 * MF + mf * 16 + g + 8 * h) / group + delta;
+    for (int h = 0; h < 2; ++h) row_pos[mf][h] = split_row(row0 + warp * 16 * MF + mf * 16 + g + 8 * h).quot + delta;
 
+  // m starts at a finite floor, not -inf: a row that has seen no key yet has m = kNoMax,
+  // so its exponents are exp2(-inf - kNoMax) = 0 and its rescale exp2(0) = 1 (no inf - inf,
+  // no select a step); its d stays 0, which the epilogue reads as "no key".
+  constexpr float kNoMax = -1e30f;
   float o[MF][DVO / 8][4];
   float m[MF][2], d[MF][2];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      m[mf][h] = -CUDART_INF_F;
+      m[mf][h] = kNoMax;
       d[mf][h] = 0.f;
     }
 #pragma unroll
@@ -400,7 +510,11 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   const bool warp_live = warp * 16 * MF < live_rows;
   const int64_t mask_base = Traits::kMask == PrefillMask::kCustom ? int64_t(p.mask_indptr[b]) * 8 : 0;
 
-  if (num_tiles > 0) load_tile(start, 0);
+  if (num_tiles > 0) {
+    if (kIdsAhead && ids_ahead) fetch_ids(start);
+    load_tile(start, 0);
+    if (kIdsAhead && ids_ahead && num_tiles > 1) fetch_ids(start + TKV);
+  }
   // (not unrolled: an unrolled pair of tiles kept both stages' addresses live, registers
   // a 128-row tile does not have)
 #pragma unroll 1
@@ -408,6 +522,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     const int kv0 = start + tile * TKV;
     if (tile + 1 < num_tiles) {
       load_tile(kv0 + TKV, (tile + 1) % Traits::kStages);
+      if (kIdsAhead && ids_ahead && tile + 2 < num_tiles) fetch_ids(kv0 + 2 * TKV);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -493,6 +608,21 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           }
         }
       }
+      // The keys each row may see, relative to this lane's first key jb = kv0 + 2 c4: the
+      // chunk's end, the causal diagonal, the window's start
+      int key_lo[MF][2], key_hi[MF][2];
+      if constexpr (decltype(masked)::value) {
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int jb = kv0 + 2 * c4, pos = row_pos[mf][h];
+            int hi = end - 1;
+            if constexpr (Traits::kMask == PrefillMask::kCausal) hi = min(hi, pos);
+            key_hi[mf][h] = hi - jb;
+            key_lo[mf][h] = (p.window_left >= 0 ? pos - p.window_left : 0) - jb;
+          }
+      }
       // logits: soft-capped into the log2 domain, or left raw (the scale joins the exponent's
       // FFMA); masked where this tile needs it (kMasked: a separate copy of the tile's code,
       // so full tiles carry none of it)
@@ -505,12 +635,12 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
             float x = sacc[mf][n][e];
             if constexpr (Traits::kSoftCap) x = p.soft_cap_log2 * tanhf(x * p.logit_scale);
             if constexpr (decltype(masked)::value) {
-              const int j = kv0 + sub * SUB + n * 8 + 2 * c4 + (e & 1);
-              const int pos = row_pos[mf][e >> 1];
-              bool ok = j < end;
-              if constexpr (Traits::kMask == PrefillMask::kCausal) ok = ok && j <= pos;
-              if (p.window_left >= 0) ok = ok && j >= pos - p.window_left;
+              // key j = jb + c sees row h iff lo <= j <= hi: c <= hi - jb and c >= lo - jb
+              const int c = sub * SUB + n * 8 + (e & 1);
+              bool ok = c <= key_hi[mf][e >> 1] && c >= key_lo[mf][e >> 1];
               if constexpr (Traits::kMask == PrefillMask::kCustom) {
+                const int j = kv0 + 2 * c4 + c;
+                const int pos = row_pos[mf][e >> 1];
                 const int t = pos - delta;
                 if (ok && t < qo_len) {
                   const int64_t bit = mask_base + int64_t(t) * kv_len + j;
@@ -542,7 +672,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           mx = fmaxf(m[mf][h], mx * ls);  // log2 domain (ls > 0: the max commutes with the scale)
-          const float base = mx == -CUDART_INF_F ? 0.f : mx;  // no key yet: exp2(-inf) = 0, no inf - inf
+          const float base = mx;  // finite (>= kNoMax): masked logits give exp2(-inf) = 0, never inf - inf
           scale[mf][h] = fast_exp2(m[mf][h] - base);
           m[mf][h] = mx;
 #pragma unroll
@@ -619,14 +749,14 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int r = warp * 16 * MF + mf * 16 + g + 8 * h;
-      const int pr = row0 + r;
-      const int t = pr / group, qo_head = kv_head * group + pr % group;
+      const DivMod th = split_row(row0 + r);
+      const int t = th.quot, qo_head = kv_head * group + th.rem;
       float mx = m[mf][h];
       if constexpr (Traits::kSinks) {
         if (item.chunk == 0 && r < live_rows) {
           const float sink = p.sinks[qo_head] * 1.4426950408889634f;
           const float top = fmaxf(mx, sink);
-          const float scale = exp2f(mx - top);  // mx = -inf: 0
+          const float scale = exp2f(mx - top);  // no key (mx = kNoMax): 0
           sum = sum * scale + exp2f(sink - top);
 #pragma unroll
           for (int n = 0; n < DVO / 8; ++n) {
@@ -663,22 +793,20 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     __syncwarp();
     using TO = typename Traits::O;
     constexpr int kWarpRows = 16 * MF;
-    for (int i = lane; i < kWarpRows * VOC; i += 32) {
-      const int rl = i / VOC, ch = i % VOC, r = warp * kWarpRows + rl;
+    static_assert(32 % VOC == 0, "whole output rows a warp pass");
+    // lane: chunk lane % VOC of rows lane / VOC, + 32 / VOC, ... (strides in 32 bits, as q's)
+    TO* o_base = static_cast<TO*>(p.out) + int64_t(qo_start) * p.out_stride_n + int64_t(kv_head * group) * p.out_stride_h +
+                 (lane % VOC) * 8;
+    for (int r = warp * kWarpRows + lane / VOC; r < (warp + 1) * kWarpRows; r += 32 / VOC) {
       if (r >= live_rows) break;  // rows are in order: the rest are padding too
-      const int pr = row0 + r;
-      const int t = pr / group, qo_head = kv_head * group + pr % group;
-      const uint4 v = lds128(sq + swz<QC>(r, ch * 8));
-      TO* dst = static_cast<TO*>(p.out) + int64_t(qo_start + t) * p.out_stride_n + int64_t(qo_head) * p.out_stride_h;
-      *reinterpret_cast<uint4*>(dst + ch * 8) = v;
+      const DivMod th = split_row(row0 + r);
+      const uint4 v = lds128(sq + swz<QC>(r, (lane % VOC) * 8));
+      TO* dst = o_base + (uint64_t(uint32_t(th.quot)) * uint32_t(p.out_stride_n) + uint32_t(th.rem) * uint32_t(p.out_stride_h));
+      *reinterpret_cast<uint4*>(dst) = v;
     }
   }
 }
 
-FIJ_DEVICE PrefillItem load_prefill_item(const int32_t* work, int i) {
-  const int32_t* w = work + 1 + kPrefillItemInts * i;
-  return PrefillItem{w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
-}
 
 // The thin kernel: block i takes items i, i + gridDim.x, ... (a CUDA-graph grid is fixed
 // and may be smaller or larger than the work list).
@@ -689,7 +817,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   pdl_wait();  // q, K/V and the outputs only after the kernel before (programmatic launch)
   const int items = p.work[0];
   for (int i = blockIdx.x; i < items; i += gridDim.x) {
-    prefill_block<Traits>(p, load_prefill_item(p.work, i), smem);
+    const int next = i + static_cast<int>(gridDim.x);
+    prefill_block<Traits>(p, load_prefill_item(p.work, i), smem, next < items ? next : -1);
     __syncthreads();
   }
   pdl_trigger();

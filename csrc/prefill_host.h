@@ -49,6 +49,13 @@ inline PrefillParams make_prefill_params(const at::Tensor& q, const at::Tensor& 
   }
   p.work = int32_ptr(work);
   rows_of(out, p.out, p.out_stride_n, p.out_stride_h);
+  // (the kernel forms a row's offset from these strides in 32-bit products)
+  constexpr int64_t kMaxStride = (int64_t(1) << 31) - 1;
+  TORCH_CHECK(p.q_stride_n >= 0 && p.q_stride_n <= kMaxStride && p.q_stride_h >= 0 && p.q_stride_h <= kMaxStride,
+              "q: token and head strides must lie in [0, 2^31)");
+  TORCH_CHECK(p.out_stride_n >= 0 && p.out_stride_n <= kMaxStride && p.out_stride_h >= 0 &&
+                  p.out_stride_h <= kMaxStride,
+              "out: token and head strides must lie in [0, 2^31)");
   p.lse = f32_or_null(lse);
   p.partial_o = f32_or_null(partial_o);
   p.partial_lse = f32_or_null(partial_lse);
@@ -56,6 +63,7 @@ inline PrefillParams make_prefill_params(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(p.kv.num_kv_heads > 0 && p.num_qo_heads % p.kv.num_kv_heads == 0,
               "num_qo_heads must be a multiple of num_kv_heads");
   p.group = p.num_qo_heads / p.kv.num_kv_heads;
+  p.group_magic = 0xFFFFFFFFu / static_cast<uint32_t>(p.group);  // divmod's magic (csrc/common.cuh)
   p.logit_scale = static_cast<float>(s.logit_scale);
   p.soft_cap_log2 = static_cast<float>(s.soft_cap_log2);
   p.v_scale = static_cast<float>(s.v_scale);

@@ -49,6 +49,7 @@ struct PrefillParams {
   int32_t batch_size = 0;
   int32_t num_qo_heads = 0;
   int32_t group = 1;          // num_qo_heads / num_kv_heads
+  uint32_t group_magic = 0xFFFFFFFFu;  // (2^32 - 1) / group: csrc/common.cuh divmod (packed rows -> token, head)
   float logit_scale = 1.f;    // sm_scale * q_scale * k_scale (* log2 e without soft cap; / cap with it)
   float soft_cap_log2 = 0.f;  // cap * log2 e: logits (log2 domain) = soft_cap_log2 * tanh(acc * logit_scale)
   float v_scale = 1.f;

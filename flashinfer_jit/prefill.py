@@ -690,6 +690,8 @@ class _PrefillWrapper:
             raise ValueError(f"q: {q.shape[0]} tokens, fewer than qo_indptr[-1] = {plan.qo_tokens}")
         if q.stride(-1) != 1:
             raise ValueError("q: the head_dim axis must be contiguous")
+        if max(q.stride(0), q.stride(1)) >= 2 ** 31:
+            raise ValueError(f"q: token and head strides must be below 2^31 elements, got {q.stride()}")
         for name, t, dim in (("k", k, c.head_dim_qk), ("v", v, c.head_dim_vo)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a tensor")
@@ -742,6 +744,8 @@ def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = Fal
     if t.data_ptr() % 16 or any((st * es) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
         raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 bytes "
                          f"(16-byte stores); got strides {t.stride()}")
+    if max(t.stride(), default=0) >= 2 ** 31:
+        raise ValueError(f"{name}: strides must be below 2^31 elements, got {t.stride()}")
 
 
 def _pack_segments(bits: torch.Tensor, sizes: np.ndarray, byte_starts: np.ndarray) -> torch.Tensor:
