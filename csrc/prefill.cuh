@@ -489,6 +489,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   // so its exponents are exp2(-inf - kNoMax) = 0 and its rescale exp2(0) = 1 (no inf - inf,
   // no select a step); its d stays 0, which the epilogue reads as "no key".
   constexpr float kNoMax = -1e30f;
+  constexpr float kSlack = 8.f;  // log2 units the running max may trail a row's true max
   float o[MF][DVO / 8][4];
   float m[MF][2], d[MF][2];
 #pragma unroll
@@ -578,6 +579,10 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     auto compute = [&](auto masked) {
 #pragma unroll
       for (int sub = 0; sub < TKV / SUB; ++sub) {  // keys sub SUB .. of the tile
+      // (a masked tile that ends early, at the chunk's end or the causal diagonal of the
+      // tile's last row, skips its sub-tiles past the end: causal tiles of 32 tokens end
+      // half-way through every other 64-key tile)
+      if (decltype(masked)::value && sub > 0 && kv0 + sub * SUB >= end) break;
       // S = Q K^T
       float sacc[MF][NTS][4];
 #pragma unroll
@@ -671,10 +676,16 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           float mx = part[0];
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          mx = fmaxf(m[mf][h], mx * ls);  // log2 domain (ls > 0: the max commutes with the scale)
-          const float base = mx;  // finite (>= kNoMax): masked logits give exp2(-inf) = 0, never inf - inf
+          mx = mx * ls;  // log2 domain (ls > 0: the max commutes with the scale)
+          // The running max moves only when the tile's exceeds it by more than kSlack: below
+          // that, exponents against the old max stay <= 2^kSlack (exact in P's 16-bit type,
+          // far from float overflow in o and d), the row needs no rescale, and the warp skips
+          // it when no row moved (after a row's first keys, nearly always). The state stays
+          // exact: o, d and m move together; lse = m + log2 d whatever m is.
+          const bool up = mx > m[mf][h] + kSlack;
+          const float base = up ? mx : m[mf][h];  // finite (>= kNoMax): masked logits give exp2(-inf) = 0
           scale[mf][h] = fast_exp2(m[mf][h] - base);
-          m[mf][h] = mx;
+          m[mf][h] = base;
 #pragma unroll
           for (int n = 0; n < NTS; ++n) {
             sacc[mf][n][2 * h] = fast_exp2(fmaf(sacc[mf][n][2 * h], ls, -base));
@@ -687,11 +698,10 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
             for (int n = 0; n + w < NTS; n += 2 * w) part[n] += part[n + w];
           const float sum = part[0];
           d[mf][h] = d[mf][h] * scale[mf][h] + sum;  // this lane's part of the row sum
-          grew = grew || scale[mf][h] != 1.f;
+          grew = grew || up;
         }
       }
-      // The output's rescale (most tiles after the first few raise no row's max: skipped
-      // when none of the warp's rows changed)
+      // The output's rescale, skipped when none of the warp's rows moved its max
       if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
