@@ -41,6 +41,22 @@ FIJ_DEVICE void store_vec16(T* ptr, const Vec16& v) {
   *reinterpret_cast<Vec16*>(ptr) = v;
 }
 
+// Eight elements at ptr as floats: 16 bytes of a 16-bit type, or 8 bytes of fp8 (exact).
+template <typename T>
+FIJ_DEVICE void load8_float(const T* ptr, float (&x)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    const Vec16 raw = load_vec16(ptr);
+    const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
+  } else {  // fp8: 8 bytes
+    const uint2 raw = *reinterpret_cast<const uint2*>(ptr);
+    const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
+  }
+}
+
 FIJ_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Multiprocessors of the current device, read once per device.

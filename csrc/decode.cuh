@@ -54,20 +54,7 @@ struct DecodeTraits {
 };
 
 // --- small pieces ---------------------------------------------------------------------------
-template <typename T>
-FIJ_DEVICE void load8_float(const T* ptr, float (&x)[8]) {
-  if constexpr (sizeof(T) == 2) {
-    const Vec16 raw = *reinterpret_cast<const Vec16*>(ptr);
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
-  } else {  // fp8: 8 bytes
-    const uint2 raw = *reinterpret_cast<const uint2*>(ptr);
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
-  }
-}
+// (load8_float: csrc/common.cuh)
 
 // Sum over the kBdx lanes of a row (consecutive lanes of one warp).
 template <int Lanes>

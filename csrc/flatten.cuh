@@ -23,21 +23,6 @@ struct FlattenTraits {
 };
 
 template <typename T>
-FIJ_DEVICE void load_chunk8(const T* src, float (&x)[8]) {
-  if constexpr (sizeof(T) == 2) {
-    const Vec16 raw = load_vec16(src);
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
-  } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(src);
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
-  }
-}
-
-template <typename T>
 FIJ_DEVICE void store_chunk8(T* dst, const float (&x)[8]) {
   if constexpr (sizeof(T) == 2) {
     Vec16 raw;
@@ -64,7 +49,7 @@ FIJ_DEVICE void move_chunk(const typename Traits::Cache* src, typename Traits::O
     store_vec16(dst, load_vec16(src));
   } else {
     float x[8];
-    load_chunk8(src, x);
+    load8_float(src, x);
 #pragma unroll
     for (int i = 0; i < 8; ++i) x[i] *= scale;
     store_chunk8(dst, x);

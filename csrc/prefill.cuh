@@ -89,22 +89,6 @@ FIJ_DEVICE int swz(int row, int col) {
   return row * Chunks * 8 + ((((col >> 3) ^ row) & 7) | ((col >> 3) & ~7)) * 8 + (col & 7);
 }
 
-// Eight elements as floats: 16 bytes of a 16-bit type, or 8 bytes of fp8.
-template <typename T>
-FIJ_DEVICE void to_float8(const void* src, float (&x)[8]) {
-  if constexpr (sizeof(T) == 2) {
-    const Vec16 raw = *reinterpret_cast<const Vec16*>(src);
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
-  } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(src);
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(v[i]);
-  }
-}
-
 template <typename M>
 FIJ_DEVICE void store8(M* dst, const float (&x)[8]) {
   uint4 w;
@@ -333,9 +317,9 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
         for (int e = 0; e < 8; ++e) lo[e] = hi[e] = 0.f;
       } else {
-        to_float8<Q>(src + ch * 8, lo);
+        load8_float<Q>(src + ch * 8, lo);
         if constexpr (Traits::kRope) {
-          to_float8<Q>(src + ch * 8 + DQK / 2, hi);
+          load8_float<Q>(src + ch * 8 + DQK / 2, hi);
           rope_pair<DQK>(lo, hi, ch * 8, float(split_row(row0 + r).quot + delta), p.rope_rcp_scale, p.rope_log2_theta);
         }
       }
@@ -350,10 +334,9 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   // shared-memory offsets step by constants; one page lookup serves a row's K and V.
   constexpr int KC = Traits::kKChunks, VC = Traits::kVChunks;
   // (head_dim_qk 192: rows of 12 or 24 chunks do not divide the block's threads; its copies
-  // take the general loop below)
-  constexpr bool kWholeRows =
-      THREADS % KC == 0 && THREADS % VC == 0 && TKV % (THREADS / KC) == 0 && TKV % (THREADS / VC) == 0;
-  constexpr int K_PASS = kWholeRows ? THREADS / KC : 1, V_PASS = kWholeRows ? THREADS / VC : 1;  // rows a pass
+  // take the general loop, copy_tensor)
+  constexpr bool kWholeRows = KC == VC && THREADS % KC == 0 && TKV % (THREADS / KC) == 0;
+  constexpr int K_PASS = kWholeRows ? THREADS / KC : 1;  // rows a pass
   constexpr int KE = 16 / int(sizeof(KV));                      // elements a chunk
   const KV* k_data = static_cast<const KV*>(p.kv.k.data);
   const KV* v_data = static_cast<const KV*>(p.kv.v.data);
@@ -361,7 +344,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   // Paged rows with pages of 4 or more tokens (a power of two): a tile spans at most
   // TKV / 4 + 1 <= 32 pages, whose ids lane l holds (page kv0 / page_size + l), read a tile
   // ahead so that no copy waits on a page-table load; rows take theirs by shuffle.
-  constexpr bool kIdsAhead = !Traits::kRagged && kWholeRows && KC == VC;
+  constexpr bool kIdsAhead = !Traits::kRagged && kWholeRows;
   constexpr bool kSeparate = Traits::kTable == PageTableLayout::kBlockTableKVSeparate;
   const bool ids_ahead = kIdsAhead && rows.page_shift >= 2;
   int k_ids_lane = 0, v_ids_lane = 0;  // the next tile's page ids (ids_ahead)
@@ -371,26 +354,29 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     k_ids_lane = in ? __ldg(rows.k_ids + lp) : 0;
     if constexpr (kSeparate) v_ids_lane = in ? __ldg(rows.v_ids + lp) : 0;
   };
+  // One tensor's tile by the general loop (K: is_v false, V: true; rows of `chunks` 16-byte
+  // chunks that need not divide the block's threads), one page lookup a row
+  auto copy_tensor = [&](uint32_t tile, const KV* data, auto chunks, auto is_v, int kv0) {
+    constexpr int C = decltype(chunks)::value;
+#pragma unroll
+    for (int it = 0; it < (TKV * C + THREADS - 1) / THREADS; ++it) {
+      const int i = tid + it * THREADS;
+      if (TKV * C % THREADS == 0 || i < TKV * C) {
+        const int r = i / C, ch = i % C, j = kv0 + r;
+        const bool valid = j < end;
+        int64_t ko = 0, vo = 0;
+        if (valid) rows.locate(j, ko, vo);
+        cp_async_16_u32(tile + (Traits::kFp8 ? uint32_t(r * C + ch) * 16u : swz_addr<C>(0, r, ch)),
+                        data + (decltype(is_v)::value ? vo : ko) + ch * KE, valid);
+      }
+    }
+  };
   auto load_tile = [&](int kv0, int s) {
     const uint32_t k_tile = stages_u32 + s * Traits::kStageBytes, v_tile = k_tile + Traits::kKBytes;
-    if constexpr (!kWholeRows) {
-      for (int i = tid; i < TKV * KC; i += THREADS) {
-        const int r = i / KC, ch = i % KC, j = kv0 + r;
-        const bool valid = j < end;
-        int64_t ko = 0, vo = 0;
-        if (valid) rows.locate(j, ko, vo);
-        cp_async_16_u32(k_tile + (Traits::kFp8 ? uint32_t(r * KC + ch) * 16u : swz_addr<KC>(0, r, ch)),
-                        k_data + ko + ch * KE, valid);
-      }
-      for (int i = tid; i < TKV * VC; i += THREADS) {
-        const int r = i / VC, ch = i % VC, j = kv0 + r;
-        const bool valid = j < end;
-        int64_t ko = 0, vo = 0;
-        if (valid) rows.locate(j, ko, vo);
-        cp_async_16_u32(v_tile + (Traits::kFp8 ? uint32_t(r * VC + ch) * 16u : swz_addr<VC>(0, r, ch)),
-                        v_data + vo + ch * KE, valid);
-      }
-    } else if constexpr (KC == VC) {  // one page lookup for the row's K and V
+    if constexpr (!kWholeRows) {  // head_dim_qk 192: K and V each by the general loop
+      copy_tensor(k_tile, k_data, std::integral_constant<int, KC>{}, std::false_type{}, kv0);
+      copy_tensor(v_tile, v_data, std::integral_constant<int, VC>{}, std::true_type{}, kv0);
+    } else {  // one page lookup for the row's K and V
       // A thread's rows are r0 + it K_PASS at chunk ch: addresses step by constants (ragged:
       // K_PASS rows; shared memory: K_PASS rows keep the swizzle when a multiple of 8).
       const int r0 = tid / KC, ch = tid % KC;
@@ -454,25 +440,6 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         copy_rows(std::true_type{});
       } else {
         copy_rows(std::false_type{});
-      }
-    } else {
-#pragma unroll
-      for (int it = 0; it < TKV / K_PASS; ++it) {
-        const int r = tid / KC + it * K_PASS, ch = tid % KC, j = kv0 + r;
-        const bool valid = j < end;
-        int64_t ko = 0, vo = 0;
-        if (valid) rows.locate(j, ko, vo);
-        cp_async_16_u32(k_tile + (Traits::kFp8 ? uint32_t(r * KC + ch) * 16u : swz_addr<KC>(0, r, ch)),
-                        k_data + ko + ch * KE, valid);
-      }
-#pragma unroll
-      for (int it = 0; it < TKV / V_PASS; ++it) {
-        const int r = tid / VC + it * V_PASS, ch = tid % VC, j = kv0 + r;
-        const bool valid = j < end;
-        int64_t ko = 0, vo = 0;
-        if (valid) rows.locate(j, ko, vo);
-        cp_async_16_u32(v_tile + (Traits::kFp8 ? uint32_t(r * VC + ch) * 16u : swz_addr<VC>(0, r, ch)),
-                        v_data + vo + ch * KE, valid);
       }
     }
     cp_async_commit();
@@ -540,8 +507,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         const int r = i / kPass, ch = i % kPass;
         if constexpr (Traits::kRope) {
           float lo[8], hi[8];
-          to_float8<KV>(stage_k(s) + r * DQK + ch * 8, lo);
-          to_float8<KV>(stage_k(s) + r * DQK + ch * 8 + DQK / 2, hi);
+          load8_float<KV>(stage_k(s) + r * DQK + ch * 8, lo);
+          load8_float<KV>(stage_k(s) + r * DQK + ch * 8 + DQK / 2, hi);
           rope_pair<DQK>(lo, hi, ch * 8, float(kv0 + r), p.rope_rcp_scale, p.rope_log2_theta);
           store8<M>(wide_k + swz<QC>(r, ch * 8 + DQK / 2), hi);
           store8<M>(wide_k + swz<QC>(r, ch * 8), lo);
@@ -565,8 +532,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           M* lo_p = stage_k(s) + swz<QC>(r, ch * 8);
           M* hi_p = stage_k(s) + swz<QC>(r, ch * 8 + DQK / 2);
           float lo[8], hi[8];
-          to_float8<M>(lo_p, lo);
-          to_float8<M>(hi_p, hi);
+          load8_float<M>(lo_p, lo);
+          load8_float<M>(hi_p, hi);
           rope_pair<DQK>(lo, hi, ch * 8, float(kv0 + r), p.rope_rcp_scale, p.rope_log2_theta);
           store8<M>(lo_p, lo);
           store8<M>(hi_p, hi);

@@ -878,9 +878,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         caches). sinks: float32 [num_qo_heads], gpt-oss attention sinks."""
         if args:
             raise TypeError("run(): pass q_scale, k_scale, v_scale, out, lse and return_lse by keyword")
-        cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout, same_head_dim=False)
-        return self._run(q, cache.k, cache.v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
-                         window_left, sinks)
+        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
+            k, v = paged_kv_cache  # (checked with q by _run, in full for a signature it has not seen)
+        else:  # one [num_pages, 2, ...] tensor: its K and V views (or its error)
+            cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout, same_head_dim=False)
+            k, v = cache.k, cache.v
+        return self._run(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
@@ -890,6 +893,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
 
     def end_forward(self) -> None:
         pass
+
+    def _check_run(self, q, k, v, plan: _Plan) -> None:
+        unpack_paged_kv_cache((k, v), self._kv_layout, same_head_dim=False)  # (errors that name paged_kv_cache)
+        super()._check_run(q, k, v, plan)
 
     def _check_kv(self, k, v, c: _Config) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:

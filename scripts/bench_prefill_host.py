@@ -99,6 +99,24 @@ def main() -> int:
         w.run(q, (k, v), out=out)
         res["run_256_small"] = per_call_us(lambda: w.run(q, (k, v), out=out), 20, args.rounds, sync)
         res["run_256_small_alloc"] = per_call_us(lambda: w.run(q, (k, v)), 20, args.rounds, sync)
+        # the launch alone: the recorded C entry point run() calls, with the same arguments
+        fast = w._plan.fast[0]
+        if fast is not None:
+            fn, _, prepared_ptr, device_index = fast
+            stream = torch.cuda.current_stream().cuda_stream
+            qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+            c = w._plan.config
+            res["run_256_small_c_launch"] = per_call_us(
+                lambda: fn(prepared_ptr, qp, kp, vp, op, 0, 0, c.logit_scale, c.cap_log2, 1.0, -1, stream, 0),
+                20, args.rounds, sync)
+        # one request (16 tokens on 1k keys): the GPU's time under the host's
+        w1 = fij.BatchPrefillWithPagedKVCacheWrapper(ws)
+        one = (torch.tensor([0, 16], dtype=torch.int32), torch.tensor([0, 64], dtype=torch.int32),
+               torch.arange(64, dtype=torch.int32, device=device), torch.tensor([16], dtype=torch.int32))
+        w1.plan(*one, *heads, causal=True, q_data_type=torch.bfloat16)
+        q1, out1 = q[:16], out[:16]
+        w1.run(q1, (k, v), out=out1)
+        res["run_1_request"] = per_call_us(lambda: w1.run(q1, (k, v), out=out1), 20, args.rounds, sync)
         x = torch.empty(1, device=device)
         res["bare_torch_launch"] = per_call_us(lambda: x.add_(1), 200, args.rounds, sync)
         if not args.no_flashinfer:
