@@ -34,8 +34,8 @@ import torch
 
 from . import env
 from .capacity import cannot_grow, graph_capacity, grown_size, heads_fixed
-from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_choice, remembered, same_cuda_device,
-                     soft_cap_value)
+from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_choice, passed_run_checks, remembered,
+                     run_signature, same_cuda_device, soft_cap_value)
 # (under decode's own names: plan() and run() look them up here, where the tests patch them)
 from .device import (empty_f32 as _empty_f32, num_sms as _num_sms, peak_dram_bytes_per_s as _peak_dram_bytes_per_s,
                      raw_stream as _raw_stream, supports_clusters, supports_pdl)
@@ -486,12 +486,6 @@ def _same_launch(a: _Plan, b: _Plan) -> bool:
     return all(u is w for i, (u, w) in enumerate(zip(ta, tb)) if i != ids) and x.data_ptr() == y.data_ptr() \
         and x.stride() == y.stride() and (csr or x.shape == y.shape)
 
-
-def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """Everything run()'s checks read from q and the cache but the addresses (checked for
-    alignment at every call)."""
-    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-            v.shape, v.stride(), v.dtype, v.device)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -1080,12 +1074,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             k, v, _ = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         # The checks in full only for a q or cache unlike the last that passed them (in
         # shape, strides, dtype or device); alignment depends on the address: every call.
-        if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
-            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-            checked = not (qp | kp | vp) & 15 and _signature(q, k, v) == plan.checked
+        ptrs = passed_run_checks(q, k, v, plan.checked)
+        if ptrs is not None:
+            qp, kp, vp = ptrs
         else:
-            checked = False
-        if not checked:
             k, v = self._check_run(q, paged_kv_cache, plan)
             qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         config = plan.config
@@ -1263,7 +1255,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not same_cuda_device((q, cache.k, cache.v)):
             raise ValueError(f"q and paged_kv_cache: expected CUDA tensors on one device, got {q.device}, "
                              f"{cache.k.device}")
-        plan.checked = _signature(q, cache.k, cache.v)
+        plan.checked = run_signature(q, cache.k, cache.v)
         plan.fast = None  # a launch prepared for another signature no longer applies
         plan.q_standard = q.stride() == (hq * d, d, 1)
         plan.no_lse = _empty_f32(q.device)

@@ -28,7 +28,8 @@ import torch
 
 from . import env
 from .capacity import graph_capacity
-from .checks import as_int32_index, dtype_str, expect_choice, remembered, same_cuda_device, soft_cap_value
+from .checks import (as_int32_index, dtype_str, expect_choice, passed_run_checks, remembered, run_signature,
+                     same_cuda_device, soft_cap_value)
 from .device import empty_f32, num_sms, placeholder, raw_stream, supports_pdl
 from .jit import get_module, op_cache
 from .native import ctypes_entry, optional_entry
@@ -609,12 +610,10 @@ class _PrefillWrapper:
         c = plan.config
         # The checks in full only for a q or K/V unlike the last that passed them (in shape,
         # strides, dtype or device); alignment depends on the address: every call.
-        if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
-            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-            checked = not (qp | kp | vp) & 15 and _signature(q, k, v) == plan.checked
+        ptrs = passed_run_checks(q, k, v, plan.checked)
+        if ptrs is not None:
+            qp, kp, vp = ptrs
         else:
-            checked = False
-        if not checked:
             self._check_run(q, k, v, plan)
             qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         spec = plan.spec
@@ -711,7 +710,7 @@ class _PrefillWrapper:
                 raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 "
                                  f"bytes; got strides {t.stride()}")
         self._check_kv(k, v, c)
-        plan.checked = _signature(q, k, v)
+        plan.checked = run_signature(q, k, v)
         plan.fast = [None, None]  # a recorded launch holds the strides of the last signature
 
     def _check_kv(self, k, v, c: _Config) -> None:
@@ -720,10 +719,6 @@ class _PrefillWrapper:
 
 _Tensor = torch.Tensor
 
-
-def _signature(q, k, v) -> tuple:
-    """What run()'s checks depend on besides the plan: shapes, strides, dtypes, device."""
-    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype)
 
 
 def _logit_scales(c, q_scale, k_scale) -> tuple[float, float]:
