@@ -117,6 +117,21 @@ def main() -> int:
         q1, out1 = q[:16], out[:16]
         w1.run(q1, (k, v), out=out1)
         res["run_1_request"] = per_call_us(lambda: w1.run(q1, (k, v), out=out1), 20, args.rounds, sync)
+        # decode's run() and C launch beside prefill's (the same ctypes fast path): b=1, kv 1k
+        d = fij.BatchDecodeWithPagedKVCacheWrapper(ws)
+        d.plan(torch.tensor([0, 64], dtype=torch.int32), torch.arange(64, dtype=torch.int32),
+               torch.tensor([16], dtype=torch.int32), 32, 8, 128, 16, q_data_type=torch.bfloat16)
+        qd = q[:1].clone()
+        od = torch.empty_like(qd)
+        d.run(qd, (k, v), out=od)
+        d.run(qd, (k, v), out=od)
+        res["decode_run_1_request"] = per_call_us(lambda: d.run(qd, (k, v), out=od), 20, args.rounds, sync)
+        dp = d._plan
+        if dp.fast is not None:
+            stream = torch.cuda.current_stream().cuda_stream
+            da = (dp.prepared_ptr, qd.data_ptr(), k.data_ptr(), v.data_ptr(), od.data_ptr(), 0,
+                  dp.config.logit_scale, 1.0, -1, stream, 0)
+            res["decode_1_request_c_launch"] = per_call_us(lambda: dp.fast(*da), 20, args.rounds, sync)
         x = torch.empty(1, device=device)
         res["bare_torch_launch"] = per_call_us(lambda: x.add_(1), 200, args.rounds, sync)
         if not args.no_flashinfer:
