@@ -349,6 +349,7 @@ class _PrefillWrapper:
         self._plan = None
         self._pdl = supports_pdl(self._device)
         self._structs = {}  # (configuration, K/V side) -> the planner's _PlanConfig
+        self._plain_specs = {}  # (configuration, page table) -> the spec of its run() without sinks
         self._result = np.zeros(11, dtype=np.int64)  # the planner's results (PrefillPlanResult)
         self._result_ptr = self._result.ctypes.data
         self._slot_size = 4096
@@ -473,7 +474,11 @@ class _PrefillWrapper:
         plan = _Plan()
         plan.config = config
         previous = self._plan
-        spec = self._spec(config, table_layout, False)
+        spec = self._plain_specs.get((config, table_layout))
+        if spec is None:  # (dtype names and the spec's construction: ~4 us a plan, once per configuration)
+            if len(self._plain_specs) >= _MAX_CONFIGS:
+                self._plain_specs.clear()
+            spec = self._plain_specs[(config, table_layout)] = self._spec(config, table_layout, False)
         plan.spec = spec
         # the module is looked up at run() (a run with sinks takes the sinks module: loading
         # the plain one here would build a module that no run() uses)
