@@ -183,5 +183,5 @@ def run_ninja(tc: Toolchain, build_dir: Path, jobs: int | None = None,
     return code, "".join(lines), time.perf_counter() - start
 
 
-def raise_build_error(module: str, log_path: Path, log: str) -> None:
-    raise BuildError(module, str(log_path), first_errors(log))
+def raise_build_error(module: str, log_path: Path | str, log: str, hint: str | None = None) -> None:
+    raise BuildError(module, str(log_path), first_errors(log), hint)

@@ -13,6 +13,12 @@ Lifecycle contract (what every function here keeps):
 - Builders take a per-entry file lock (`<root>/.locks/<dirname>.lock`, never deleted),
   then look again: a process that waited on the lock loads what the holder built.
 - `try_load`-style lookups never raise on a bad entry; they report a miss.
+- Prebuilt roots (FLASHINFER_JIT_CACHE_PATH) are searched first and only read: a lookup
+  there takes no lock and writes nothing (no lock file, no temp folder, no last-use
+  mark); an entry there that does not verify is skipped, not moved, and the module is
+  built in the writable root.
+- A load marks the entry used (the manifest's modification time) for
+  `flashinfer-jit clean --keep-size`; that order is policy, never correctness.
 """
 
 from __future__ import annotations
@@ -111,9 +117,11 @@ def read_manifest(entry_dir: Path) -> dict | None:
     return manifest if isinstance(manifest, dict) else None
 
 
-def verify_entry(entry_dir: Path, manifest: dict | None = None) -> str | None:
+def verify_entry(entry_dir: Path, manifest: dict | None = None,
+                 contents: dict[str, bytes] | None = None) -> str | None:
     """None if every file listed in the manifest is present with its size and sha256;
-    otherwise what is wrong."""
+    otherwise what is wrong. Given a `contents` dict, the bytes checked are put there
+    (`rel path -> bytes`): what a caller copies is then exactly what was verified."""
     manifest = manifest if manifest is not None else read_manifest(entry_dir)
     if manifest is None:
         return "no readable manifest.json"
@@ -125,13 +133,16 @@ def verify_entry(entry_dir: Path, manifest: dict | None = None) -> str | None:
             return f"manifest entry of {rel} has no size and sha256"
         path = entry_dir / rel
         try:
-            size = path.stat().st_size
+            data = path.read_bytes() if contents is not None else None
+            size = path.stat().st_size if data is None else len(data)
         except OSError:
             return f"{rel} is missing"
         if size != meta["size"]:
             return f"{rel} has {size} bytes, manifest says {meta['size']}"
-        if sha256_file(path) != meta["sha256"]:
+        if (sha256_file(path) if data is None else sha256_bytes(data)) != meta["sha256"]:
             return f"{rel} does not match its sha256"
+        if contents is not None:
+            contents[rel] = data
     return None
 
 
@@ -146,7 +157,9 @@ def write_files(build_dir: Path, module: RenderedModule) -> None:
 
 
 def write_manifest(build_dir: Path, entry: Entry, module: RenderedModule, content: str,
-                   flags: Flags, toolchain_identity: dict, seconds: float, built_by: str) -> dict:
+                   flags: Flags, identity: dict, seconds: float, built_by: str) -> dict:
+    """`identity`: {"toolchain": compiler versions, "torch": torch's part of the key}, the
+    versions `flashinfer-jit list` compares with the installation's (stale_reason)."""
     files = {}
     for path in sorted(build_dir.rglob("*")):
         rel = path.relative_to(build_dir).as_posix()
@@ -162,7 +175,8 @@ def write_manifest(build_dir: Path, entry: Entry, module: RenderedModule, conten
         "spec": module.spec.canonical(),
         "archs": list(flags.archs),
         "debug": flags.debug,
-        "toolchain": toolchain_identity,
+        "toolchain": identity["toolchain"],
+        "torch": identity["torch"],
         "package_version": __version__,
         "library": entry.library.name,
         "files": files,
@@ -188,9 +202,9 @@ def _writable_dir(path: Path) -> bool:
         return False
 
 
-def lookup_roots() -> list[Path]:
-    """Where entries are looked for: the configured root, then the user cache (the
-    fallback that builds go to when the configured root is not writable)."""
+def writable_roots() -> list[Path]:
+    """The roots builds may go to: the configured root, then the user cache (the fallback
+    when the configured root is not writable). Both are also looked up."""
     roots = [env.cache_root()]
     user = env.user_cache_root()
     if user not in roots:
@@ -198,15 +212,94 @@ def lookup_roots() -> list[Path]:
     return roots
 
 
+def prebuilt_roots() -> list[Path]:
+    """FLASHINFER_JIT_CACHE_PATH's read-only roots, in order."""
+    return env.cache_path()
+
+
+def lookup_roots() -> list[Path]:
+    """Where entries are looked for, in order: the prebuilt roots, then the writable ones."""
+    roots: list[Path] = []
+    for root in prebuilt_roots() + writable_roots():
+        if root not in roots:
+            roots.append(root)
+    return roots
+
+
+def is_prebuilt(entry_dir: Path) -> bool:
+    return entry_dir.parent in prebuilt_roots()
+
+
+def usable_build_root(root: Path) -> bool:
+    return _writable_dir(root) and _writable_dir(root / ".tmp") and _writable_dir(root / ".locks")
+
+
 def build_root() -> Path:
     """The first writable root; a clear error if none is."""
-    for root in lookup_roots():
-        if _writable_dir(root) and _writable_dir(root / ".tmp") and _writable_dir(root / ".locks"):
+    for root in writable_roots():
+        if usable_build_root(root):
             return root
     raise CacheError(
-        f"no writable cache directory: tried {', '.join(map(str, lookup_roots()))}; "
+        f"no writable cache directory: tried {', '.join(map(str, writable_roots()))}; "
         "set FLASHINFER_JIT_CACHE_DIR to a writable folder"
     )
+
+
+def mark_used(entry_dir: Path) -> None:
+    """Record that this entry was loaded now: the manifest's modification time, which
+    `clean --keep-size` orders by (least recently used first). One syscall; an entry of a
+    prebuilt root is never touched, and a root this process cannot write keeps its time."""
+    if is_prebuilt(entry_dir):
+        return
+    try:
+        os.utime(entry_dir / MANIFEST)
+    except OSError:
+        pass
+
+
+def last_used(entry_dir: Path) -> float:
+    """When the entry was last loaded or built (epoch seconds; see mark_used); a folder
+    without a manifest, its own modification time; 0.0 if it is gone."""
+    for path in (entry_dir / MANIFEST, entry_dir):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
+
+
+def write_error(module: str, root: Path, exc: OSError) -> CacheError:
+    """A build that could not write its files (full disk, quota, read-only folder)."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    return CacheError(f"building module {module!r} in {root} failed: {exc.strerror or exc}{where}; "
+                      f"nothing was published. {space_advice(root)}")
+
+
+# Compiler and shell messages of a write that failed for want of space.
+_NO_SPACE = ("No space left on device", "Disk quota exceeded", "File too large",
+             "File size limit exceeded")
+# Under this much free space a failed build is blamed on the disk: a module's build folder
+# peaks at a few MiB (sources, csrc copy, objects, .so).
+LOW_SPACE_BYTES = 64 << 20
+
+
+def space_advice(root: Path) -> str:
+    return (f"Free space under {root} (e.g. `flashinfer-jit clean --keep-size 1G`) or set "
+            "FLASHINFER_JIT_CACHE_DIR to a folder on another disk.")
+
+
+def out_of_space_hint(root: Path, log: str) -> str | None:
+    """Why a failed build was probably the disk's fault, or None. On a full disk the
+    compilers often cannot even write their error output, so the free space counts too."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    said = next((text for text in _NO_SPACE if text in log), None)
+    if said is None and (free is None or free >= LOW_SPACE_BYTES):
+        return None
+    why = f"the build log says {said!r}" if said else f"only {free >> 10} KiB are free there"
+    return f"out of disk space? ({why}). {space_advice(root)}"
 
 
 def private_build_dir(root: Path, dirname: str) -> Path:
@@ -247,8 +340,11 @@ def save_failed_log(root: Path, dirname: str, log: str) -> Path:
     return path
 
 
-def iter_entries(root: Path | None = None) -> Iterator[tuple[Path, dict | None]]:
-    roots = [root] if root is not None else lookup_roots()
+def iter_entries(root: Path | None = None,
+                 roots: list[Path] | None = None) -> Iterator[tuple[Path, dict | None]]:
+    """(folder, manifest or None) of every entry of `root`, else of `roots`, else of
+    every lookup root."""
+    roots = [root] if root is not None else (roots if roots is not None else lookup_roots())
     seen = set()
     for r in roots:
         if r in seen or not r.is_dir():
@@ -271,6 +367,30 @@ def typical_build_seconds(root: Path, family: str, limit: int = 16) -> tuple[flo
     if not seconds:
         return None
     return sorted(seconds)[len(seconds) // 2], len(seconds)
+
+
+def stale_reason(manifest: dict | None, here: dict) -> str | None:
+    """Why an entry was built for another installation, or None. `here` is what an entry
+    built now would record: "package_version", "torch" and, where a compiler may run,
+    "toolchain" (see write_manifest). Another package or torch version (or torch's CUDA, or
+    its C++ ABI) changes the content key, and another compiler the full key, so such an
+    entry is never loaded here. Versions a manifest does not record are not held against it."""
+    if not manifest:
+        return None
+    differences = []
+    if manifest.get("package_version") not in (None, here["package_version"]):
+        differences.append(f"package {manifest['package_version']} (here {here['package_version']})")
+    built_torch = manifest.get("torch")
+    if isinstance(built_torch, dict):
+        for name, value in here["torch"].items():
+            if name in built_torch and built_torch[name] != value:
+                differences.append(f"{name} {built_torch[name]} (here {value})")
+    built_tools = manifest.get("toolchain")
+    if "toolchain" in here and isinstance(built_tools, dict) and built_tools != here["toolchain"]:
+        for name in sorted(set(built_tools) | set(here["toolchain"])):
+            if built_tools.get(name) != here["toolchain"].get(name):
+                differences.append(f"{name} {built_tools.get(name)} (here {here['toolchain'].get(name)})")
+    return "built for " + ", ".join(differences) if differences else None
 
 
 def dir_size(path: Path) -> int:

@@ -1,8 +1,9 @@
-"""`flashinfer-jit` (also `python -m flashinfer_jit`): doctor, aot, list, verify, clean.
+"""`flashinfer-jit` (also `python -m flashinfer_jit`): doctor, aot, pack, list, verify, clean.
 
 Each command is a `cmd_*` function returning the exit code; what they print is built
 by small pure functions (`check_line`, `progress_line`, `summary_lines`, `entry_row`,
-`parse_duration`, ...) so tests can check the policy without building anything.
+`parse_duration`, `parse_size`, `lru_order`, ...) so tests can check the policy without
+building anything.
 Exit codes: 0 success, 1 a problem found (a failed build, a bad entry, a missing tool),
 2 a usage error (bad arguments, an unreadable matrix).
 """
@@ -43,12 +44,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    if args.command == "clean" and not (args.all or args.older_than is not None):
+    problem = usage_problem(args)
+    if problem:
         args.parser.print_help(sys.stderr)
-        print("\nflashinfer-jit clean: say what to remove: --older-than DURATION or --all",
-              file=sys.stderr)
+        print(f"\nflashinfer-jit {args.command}: {problem}", file=sys.stderr)
         return 2
     return args.func(args)
+
+
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """What argparse cannot say: options needed together or apart."""
+    if args.command == "aot" and not (args.matrix or args.entry):
+        return "say what to build: --matrix FILE and/or --entry LINE"
+    if args.command == "clean":
+        chosen = [name for name, on in (("--older-than", args.older_than is not None),
+                                        ("--stale", args.stale),
+                                        ("--keep-size", args.keep_size is not None)) if on]
+        if args.all and chosen:
+            return f"--all removes every entry; it does not go with {', '.join(chosen)}"
+        if not (args.all or chosen):
+            return "say what to remove: --older-than DURATION, --stale, --keep-size SIZE or --all"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,24 +80,44 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     command("doctor", cmd_doctor, "check the toolchain, target archs, cache and GPUs")
-    aot = command("aot", cmd_aot, "build every module of a matrix file ahead of time")
-    aot.add_argument("--matrix", required=True, metavar="FILE",
+    aot = command("aot", cmd_aot, "build the modules of a matrix file or matrix lines ahead of time")
+    aot.add_argument("--matrix", metavar="FILE",
                      help="matrix file, e.g. scripts/matrices/tests")
+    aot.add_argument("--entry", action="append", default=[], metavar="LINE",
+                     help="one matrix line, e.g. 'append dtype_kv=bfloat16 head_dim=128' "
+                          "(repeatable; with or without --matrix)")
+    aot.add_argument("--out", metavar="DIR",
+                     help="the cache root to build into; only entries there count as cached "
+                          "(default: FLASHINFER_JIT_CACHE_DIR's root)")
     aot.add_argument("-j", "--jobs", type=_positive_int, metavar="N",
                      help="parallel compile jobs (default: MAX_JOBS, else the CPU count)")
     aot.add_argument("--arch", metavar="ARCHS",
                      help='target archs, e.g. "9.0a" or "8.0 9.0a" '
                           "(default: FLASHINFER_JIT_CUDA_ARCH_LIST, else the visible GPUs)")
     aot.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    pack = command("pack", cmd_pack, "archive the complete entries of a cache folder "
+                   "(e.g. the --out of aot) for a deployment image")
+    pack.add_argument("dir", metavar="DIR", help="the cache folder")
+    pack.add_argument("--out", metavar="FILE",
+                      help="the archive, *.tar.zst or *.tar.gz (default: DIR.tar.zst beside DIR "
+                           "when zstd is on PATH, else DIR.tar.gz)")
     ls = command("list", cmd_list, "list the cache entries")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     verify = command("verify", cmd_verify, "check every entry against its manifest")
-    verify.add_argument("--fix", action="store_true", help="remove the bad entries")
-    clean = command("clean", cmd_clean, "remove cache entries, stale temp folders and old logs")
-    which = clean.add_mutually_exclusive_group()
-    which.add_argument("--older-than", type=parse_duration, metavar="DURATION",
+    verify.add_argument("--fix", action="store_true",
+                        help="remove the bad entries (each rebuilds on its next use); "
+                             "prebuilt read-only roots are only reported")
+    clean = command("clean", cmd_clean, "remove cache entries, stale temp folders and old logs "
+                    "(writable roots only; under each entry's build lock)")
+    clean.add_argument("--older-than", type=parse_duration, metavar="DURATION",
                        help="entries built longer ago than this, e.g. 7d, 12h, 30m")
-    which.add_argument("--all", action="store_true", help="every entry")
+    clean.add_argument("--stale", action="store_true",
+                       help="entries built by another package, torch, CUDA or compiler version "
+                            "(marked stale by `list`)")
+    clean.add_argument("--keep-size", type=parse_size, metavar="SIZE",
+                       help="then the least recently used entries until the entries take at most "
+                            "SIZE, e.g. 5G, 500M (binary units: 1G = 1024^3 bytes)")
+    clean.add_argument("--all", action="store_true", help="every entry")
     clean.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
     return parser
 
@@ -200,6 +236,8 @@ def check_cache() -> Check:
     configured = env.cache_root()
     if root != configured:
         detail += f"; {configured} is not writable, so builds go to this fallback"
+    if cache.prebuilt_roots():
+        detail += f"; searched first, read only: {', '.join(map(str, cache.prebuilt_roots()))}"
     if free < MIN_FREE_BYTES:
         return Check("cache", False, f"{detail}: under {human_bytes(MIN_FREE_BYTES)} free; "
                      "free space there or set FLASHINFER_JIT_CACHE_DIR to another disk")
@@ -271,7 +309,9 @@ def summary_lines(report) -> list[str]:
              f"failed {len(report.failed)} in {report.seconds:.1f}s"]
     for name, log in sorted(report.failed.items()):
         lines.append(f"  FAILED {name}: see {log}")
-    if report.failed:
+    if report.hint:
+        lines.append(report.hint)
+    elif report.failed:
         lines.append("fix the first compiler errors in each log; rerun with "
                      "FLASHINFER_JIT_VERBOSE=1 for the full command lines")
     return lines
@@ -284,21 +324,37 @@ def report_json(report, matrix: str, archs: tuple[str, ...], jobs: int | None) -
             "failed": dict(report.failed), "seconds": round(report.seconds, 3)}
 
 
+def aot_specs(matrix_file: str | None, entries: list[str]) -> list:
+    """The modules of the matrix file and of each --entry line, deduplicated, in order."""
+    from . import matrix
+
+    specs = matrix.parse_matrix(matrix_file) if matrix_file else []
+    for number, line in enumerate(entries, 1):
+        specs += matrix.parse_matrix_text(line, source=f"--entry {number}")
+    return list(dict.fromkeys(specs))
+
+
 def cmd_aot(args: argparse.Namespace) -> int:
-    from . import jit, matrix
+    from . import jit
 
     try:
-        specs = matrix.parse_matrix(args.matrix)
-        archs = env.parse_arch_list(args.arch, source="--arch") if args.arch else env.target_archs()
+        specs = aot_specs(args.matrix, args.entry)
+        # host-only modules build for every GPU: a matrix of only those needs no targets
+        needs_archs = any(not spec.HOST_ONLY for spec in specs)
+        archs = (env.parse_arch_list(args.arch, source="--arch") if args.arch
+                 else env.target_archs() if needs_archs else ())
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"flashinfer-jit aot: {exc}", file=sys.stderr)
         return 2
     jobs = args.jobs or env.max_jobs()
-    print(f"aot: {len(specs)} modules from {args.matrix} for {' '.join(archs)}, "
-          f"{jobs or os.cpu_count()} jobs", file=sys.stderr)
+    source = " and ".join(filter(None, [args.matrix, plural(len(args.entry), "--entry line")
+                                        if args.entry else ""]))
+    print(f"aot: {len(specs)} modules from {source} for {' '.join(archs) or 'the host'}"
+          f"{f' into {args.out}' if args.out else ''}, {jobs or os.cpu_count()} jobs", file=sys.stderr)
     bar = ProgressBar(sys.stderr)
     try:
-        report = jit.build_many(specs, jobs=jobs, archs=archs, progress=bar)
+        report = jit.build_many(specs, jobs=jobs, archs=archs, progress=bar,
+                                root=Path(args.out) if args.out else None)
     except JitError as exc:
         bar.close()
         print(f"flashinfer-jit aot: {exc}", file=sys.stderr)
@@ -311,9 +367,46 @@ def cmd_aot(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
+# --- pack -----------------------------------------------------------------------------
+def cmd_pack(args: argparse.Namespace) -> int:
+    from . import pack
+
+    root = Path(args.dir)
+    try:
+        archive = Path(args.out) if args.out else pack.default_archive(root.resolve())
+        report = pack.pack(root, archive)
+    except (OSError, ValueError) as exc:
+        print(f"flashinfer-jit pack: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) or not root.is_dir() else 1
+    for name, reason in sorted(report.skipped.items()):
+        print(f"skipped {name}: {reason}")
+    print(f"packed {plural(len(report.packed), 'entry')} of {root} into {report.archive} "
+          f"({report.compression}, {human_bytes(report.size_bytes)})")
+    if report.skipped:
+        print(f"{plural(len(report.skipped), 'entry')} left out: `flashinfer-jit verify` says why; "
+              "rebuild them with `aot` before deploying")
+    print(f"unpack with: mkdir -p ROOT && tar -xf {report.archive.name} -C ROOT "
+          "(then FLASHINFER_JIT_CACHE_PATH=ROOT or FLASHINFER_JIT_CACHE_DIR=ROOT)")
+    if not report.packed:
+        print(f"flashinfer-jit pack: {root} holds no complete entry", file=sys.stderr)
+    return 1 if report.skipped or not report.packed else 0
+
+
 # --- list -----------------------------------------------------------------------------
-def entry_row(path: Path, manifest: dict | None) -> dict:
-    """What `list` shows of one entry; a folder without a readable manifest shows its name."""
+def installed_identity() -> dict:
+    """What an entry built here now would record (cache.stale_reason's `here`): package and
+    torch versions, and the compilers where one may run."""
+    here = {"package_version": __version__, "torch": toolchain.torch_identity()}
+    if not env.jit_disabled():
+        with contextlib.suppress(JitError):
+            here["toolchain"] = toolchain.get().compiler_identity()
+    return here
+
+
+def entry_row(path: Path, manifest: dict | None, here: dict | None = None) -> dict:
+    """What `list` shows of one entry; a folder without a readable manifest shows its name.
+    `stale` says why the entry was built for another installation (None: it was not, or
+    `here` was not given); `prebuilt`: it lies in a read-only root of FLASHINFER_JIT_CACHE_PATH."""
     m = manifest or {}
     name, _, key = path.name.rpartition("-")
     return {"name": m.get("name", name or path.name), "key": m.get("key", key),
@@ -321,16 +414,28 @@ def entry_row(path: Path, manifest: dict | None) -> dict:
             "built_at": m.get("built_at"), "build_seconds": m.get("build_seconds"),
             "built_by": m.get("built_by"), "archs": m.get("archs", []),
             "family": m.get("family"), "spec": m.get("spec"),
-            "manifest": manifest is not None}
+            "manifest": manifest is not None,
+            "last_used": datetime.datetime.fromtimestamp(cache.last_used(path), datetime.timezone.utc)
+            .isoformat(timespec="seconds"),
+            "stale": cache.stale_reason(manifest, here) if here else None,
+            "prebuilt": cache.is_prebuilt(path)}
+
+
+def row_note(row: dict) -> str:
+    """'prebuilt', 'STALE: built for torch 2.5.0 (here 2.13.0)', both, or ''."""
+    notes = ["prebuilt"] if row.get("prebuilt") else []
+    if row.get("stale"):
+        notes.append(f"STALE: {row['stale']}")
+    return "; ".join(notes)
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("NAME", "KEY", "SIZE", "BUILT (UTC)", "SECONDS", "BY", "ARCHS")
+    header = ("NAME", "KEY", "SIZE", "BUILT (UTC)", "SECONDS", "BY", "ARCHS", "NOTE")
     cells = [header] + [(
         r["name"], (r["key"] or "")[:16], human_bytes(r["size_bytes"]),
         _short_time(r["built_at"]) if r["manifest"] else "(no manifest)",
         "" if r["build_seconds"] is None else f"{r['build_seconds']:.1f}",
-        r["built_by"] or "", " ".join(r["archs"])) for r in rows]
+        r["built_by"] or "", " ".join(r["archs"]), row_note(r)) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
@@ -341,7 +446,8 @@ def _short_time(iso: str | None) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    rows = [entry_row(path, manifest) for path, manifest in cache.iter_entries()]
+    here = installed_identity()
+    rows = [entry_row(path, manifest, here) for path, manifest in cache.iter_entries()]
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:
@@ -349,7 +455,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
         total = sum(r["size_bytes"] for r in rows)
-        print(f"\n{plural(len(rows), 'entry')}, {human_bytes(total)}")
+        stale = sum(bool(r["stale"]) for r in rows)
+        print(f"\n{plural(len(rows), 'entry')}, {human_bytes(total)}"
+              + (f"; {stale} stale (never loaded by this installation): "
+                 "`flashinfer-jit clean --stale` removes them" if stale else ""))
     return 0
 
 
@@ -362,7 +471,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if reason is None:
             continue
         bad += 1
-        if args.fix and discard_locked(path, lambda: cache.verify_entry(path) is not None):
+        if args.fix and cache.is_prebuilt(path):
+            kept += 1
+            print("     kept: a prebuilt read-only root (FLASHINFER_JIT_CACHE_PATH); lookups skip it, "
+                  "so repair the image it comes from")
+        elif args.fix and discard_locked(path, lambda: cache.verify_entry(path) is not None):
             print("     removed; its next use rebuilds it")
         else:
             kept += 1
@@ -445,43 +558,91 @@ def is_older(timestamp: float, now: float, max_age: float | None) -> bool:
     return max_age is None or now - timestamp > max_age
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?")
+_UNIT_BYTES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'5G' -> 5 * 1024**3; also 500M, 1.5G, 64K, 2T, 5GiB, 5GB (binary units: disk
+    space as `du -h` and `list` show it) and plain bytes."""
+    match = _SIZE.fullmatch(text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"cannot read size {text!r}; expected a number and a unit (K, M, G, T), e.g. 5G, 500M")
+    return int(float(match.group(1)) * _UNIT_BYTES[match.group(2)])
+
+
+def lru_order(entries: list[tuple[Path, int, float]]) -> list[tuple[Path, int, float]]:
+    """(path, size, last used) least recently used first; ties by path, so every run
+    picks the same."""
+    return sorted(entries, key=lambda e: (e[2], str(e[0])))
+
+
 def cmd_clean(args: argparse.Namespace) -> int:
-    max_age = None if args.all else args.older_than
+    """Entries of the writable roots only (never FLASHINFER_JIT_CACHE_PATH's), each removed
+    under its build lock after its reason is checked again (a build may have replaced it,
+    or a process loaded it, meanwhile). A process that loaded an entry keeps using it: its
+    .so stays mapped after the files go (Linux)."""
     now = time.time()
     verb = "would remove" if args.dry_run else "removed"
+    here = installed_identity() if args.stale else None
+    max_age = None if args.all else args.older_than
 
-    def expired(path: Path, manifest: dict | None) -> bool:
-        return is_older(built_at_seconds(manifest, path), now, max_age)
+    def reason(path: Path, manifest: dict | None) -> str | None:
+        if args.all:
+            return "all"
+        if max_age is not None and is_older(built_at_seconds(manifest, path), now, max_age):
+            return "old"
+        stale = cache.stale_reason(manifest, here) if here else None
+        return stale and f"stale: {stale}"
 
     removed = freed = 0
-    for path, manifest in cache.iter_entries():
-        if not expired(path, manifest):
-            continue
-        size = cache.dir_size(path)
-        if args.dry_run or discard_locked(path, lambda: expired(path, cache.read_manifest(path))):
-            print(f"{verb} {path}")
-            removed, freed = removed + 1, freed + size
-        else:
-            print(f"kept {path}: a build holds its lock, or replaced it meanwhile")
-    temps, logs = clean_side_folders(now, max_age, args.dry_run, verb)
+
+    def remove(path: Path, size: int, why: str, still_wanted: Callable[[], bool]) -> bool:
+        nonlocal removed, freed
+        if not (args.dry_run or discard_locked(path, still_wanted)):
+            print(f"kept {path}: a build holds its lock, or replaced or used it meanwhile")
+            return False
+        print(f"{verb} {path}" + ("" if why in ("all", "old") else f" ({why})"))
+        removed, freed = removed + 1, freed + size
+        return True
+
+    survivors = []  # (path, size, last used)
+    for path, manifest in cache.iter_entries(roots=cache.writable_roots()):
+        why, size = reason(path, manifest), cache.dir_size(path)
+        if not (why and remove(path, size, why, lambda: reason(path, cache.read_manifest(path)) is not None)):
+            survivors.append((path, size, cache.last_used(path)))
+    total = sum(size for _, size, _ in survivors)
+    for path, size, used in lru_order(survivors) if args.keep_size is not None else []:
+        if total <= args.keep_size:
+            break
+        # used since it was listed: now the most recent, so it stays
+        if remove(path, size, "least recently used", lambda: cache.last_used(path) <= used):
+            total -= size
+    temps, logs = clean_side_folders(now, max_age, args.all or args.older_than is not None,
+                                     args.dry_run, verb)
     print(f"{verb} {plural(removed, 'entry')} ({human_bytes(freed)}), "
           f"{plural(temps, 'stale temp folder')}, {plural(logs, 'log')}; lock files are kept")
+    if args.keep_size is not None:
+        print(f"the entries {'would ' if args.dry_run else ''}take {human_bytes(total)} "
+              f"(--keep-size {human_bytes(args.keep_size)})")
     return 0
 
 
-def clean_side_folders(now: float, max_age: float | None, dry_run: bool,
+def clean_side_folders(now: float, max_age: float | None, remove_logs: bool, dry_run: bool,
                        verb: str) -> tuple[int, int]:
-    """Temp folders of builds that died (untouched for an hour) and failed-build logs
-    older than max_age, in every cache root. `.locks/` is never touched."""
+    """Temp folders of builds that died (untouched for an hour), and, if remove_logs,
+    failed-build logs older than max_age, in every writable root. `.locks/` is never
+    touched, nor is anything in a prebuilt root."""
     temps = logs = 0
-    for root in cache.lookup_roots():
+    for root in cache.writable_roots():
         for folder in sorted((root / ".tmp").glob("*")) if (root / ".tmp").is_dir() else []:
             if is_older(newest_mtime(folder), now, STALE_TEMP_SECONDS):
                 print(f"{verb} {folder}")
                 temps += 1
                 if not dry_run:
                     _remove(folder)
-        for log in sorted((root / ".logs").glob("*.log")) if (root / ".logs").is_dir() else []:
+        for log in sorted((root / ".logs").glob("*.log")) if remove_logs and (root / ".logs").is_dir() else []:
             if is_older(log.stat().st_mtime, now, max_age):
                 logs += 1
                 if not dry_run:

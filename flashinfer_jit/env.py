@@ -49,6 +49,14 @@ def cache_root() -> Path:
     return user_cache_root()
 
 
+def cache_path() -> list[Path]:
+    """FLASHINFER_JIT_CACHE_PATH: prebuilt, read-only cache roots (os.pathsep-separated, e.g.
+    an image's `/opt/fij-cache`), searched in order before the writable root; nothing is
+    ever written there. Empty items are skipped."""
+    value = os.environ.get("FLASHINFER_JIT_CACHE_PATH", "")
+    return [Path(item).expanduser().resolve() for item in value.split(os.pathsep) if item.strip()]
+
+
 def user_cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser().resolve() / "flashinfer_jit"

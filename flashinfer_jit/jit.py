@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,7 +22,7 @@ from typing import Callable
 from filelock import FileLock, Timeout
 
 from . import build, cache, env, log, toolchain
-from .errors import JitDisabledError, ToolchainError
+from .errors import CacheError, JitDisabledError, ToolchainError
 from .render import RenderedModule, render
 from .specs.base import NAMESPACE_PLACEHOLDER, Spec
 
@@ -35,6 +36,7 @@ class Prepared:
     content_key: str
     key: str | None  # None when no compiler is available (DISABLE_JIT images)
     compilers: dict = field(default_factory=dict)
+    torch: dict = field(default_factory=dict)  # toolchain.torch_identity(), part of content_key
 
     @property
     def name(self) -> str:
@@ -51,26 +53,31 @@ class Prepared:
         ns = self.namespace()
         return {n: t.replace(NAMESPACE_PLACEHOLDER, ns) for n, t in self.module.sources.items()}
 
+    def identity(self) -> dict:
+        """The versions its manifest records (cache.write_manifest)."""
+        return {"toolchain": self.compilers, "torch": self.torch}
+
 
 def prepare(spec: Spec, archs: tuple[str, ...] | None = None) -> Prepared:
     module = render(spec)
     # host-only modules (no device code) build without target archs: one entry for every GPU
     archs = () if spec.HOST_ONLY else (archs or env.target_archs())
-    flags = build.make_flags(archs, env.debug(),
-                             toolchain.torch_identity()["cxx11_abi"])
-    content = cache.content_key(module, flags, toolchain.torch_identity())
+    torch_id = toolchain.torch_identity()
+    flags = build.make_flags(archs, env.debug(), torch_id["cxx11_abi"])
+    content = cache.content_key(module, flags, torch_id)
     try:
         compilers = toolchain.get().compiler_identity()
     except ToolchainError:
         if not env.jit_disabled():
             raise
-        return Prepared(module, flags, content, None)
-    return Prepared(module, flags, content, cache.full_key(content, compilers), compilers)
+        return Prepared(module, flags, content, None, torch=torch_id)
+    return Prepared(module, flags, content, cache.full_key(content, compilers), compilers, torch_id)
 
 
-def find_published(prep: Prepared) -> Path | None:
-    """A published, verified entry for this module in any lookup root, or None."""
-    for root in cache.lookup_roots():
+def find_published(prep: Prepared, roots: list[Path] | None = None) -> Path | None:
+    """A published, verified entry for this module in `roots` (default: every lookup
+    root, prebuilt ones first), or None. Reads only: no lock, no write."""
+    for root in roots if roots is not None else cache.lookup_roots():
         candidates = [root / prep.entry(root).dirname] if prep.key is not None else []
         if (prep.key is None or env.jit_disabled()) and root.is_dir():
             # No compiler here, or none may run: an entry built from the same content by
@@ -132,22 +139,35 @@ def _stage(prep: Prepared, build_dir: Path) -> None:
 
 
 def _build_one(prep: Prepared, entry: cache.Entry, jobs: int | None = None) -> None:
-    """Build into a private folder and publish. Caller holds the entry's lock."""
-    build_dir = cache.private_build_dir(entry.root, entry.dirname)
+    """Build into a private folder and publish. Caller holds the entry's lock. A write
+    that fails (a full disk) is a CacheError saying so; nothing is published either way."""
+    build_dir = None
     try:
+        build_dir = cache.private_build_dir(entry.root, entry.dirname)
         _stage(prep, build_dir)
         code, output, seconds = build.run_ninja(toolchain.get(), build_dir, jobs)
         log = build.collect_logs(build_dir, output)
-        (build_dir / cache.BUILD_LOG).write_text(log)
         if code != 0:
-            log_path = cache.save_failed_log(entry.root, entry.dirname, log)
-            build.raise_build_error(prep.name, log_path, log)
+            build.raise_build_error(prep.name, _save_failed_log(entry.root, entry.dirname, log), log,
+                                    cache.out_of_space_hint(entry.root, log))
+        (build_dir / cache.BUILD_LOG).write_text(log)
         cache.write_manifest(build_dir, entry, prep.module, prep.content_key, prep.flags,
-                             prep.compilers, seconds, "jit")
+                             prep.identity(), seconds, "jit")
         cache.publish(build_dir, entry)
+    except OSError as exc:
+        raise cache.write_error(prep.name, entry.root, exc) from exc
     finally:
-        if build_dir.exists():
+        if build_dir is not None and build_dir.exists():
             shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def _save_failed_log(root: Path, dirname: str, log: str) -> str:
+    """Where the failed build's log went; on a full disk, why it went nowhere (the
+    error that follows matters more than its log)."""
+    try:
+        return str(cache.save_failed_log(root, dirname, log))
+    except OSError as exc:
+        return f"(not saved: {exc})"
 
 
 def load_or_build(spec: Spec) -> LoadedModule:
@@ -156,13 +176,10 @@ def load_or_build(spec: Spec) -> LoadedModule:
     path = find_published(prep)
     if path is not None:
         logger.debug("loading %s from the cache (%s)", prep.name, path)
+        cache.mark_used(path)
         return load(spec, path)
     if env.jit_disabled():
-        raise JitDisabledError(
-            f"module {prep.name!r} (content key {prep.content_key[:16]}) is not in the cache "
-            f"({', '.join(map(str, cache.lookup_roots()))}) and FLASHINFER_JIT_DISABLE_JIT is "
-            "set; prebuild it with `flashinfer-jit aot` or unset the variable"
-        )
+        raise _jit_disabled_miss(prep)
     entry = prep.entry(cache.build_root())
     with _entry_lock(entry, prep.name):
         # Someone may have published it while we waited for the lock.
@@ -176,6 +193,32 @@ def load_or_build(spec: Spec) -> LoadedModule:
             _build_one(prep, entry)
             logger.info("built %s in %.1f s", prep.name, time.perf_counter() - start)
     return load(spec, entry.path)
+
+
+def aot_command(prep: Prepared) -> tuple[str, str]:
+    """(matrix line, shell command) that builds exactly this module where this process
+    looks: every spec field spelled out, its archs, debug mode and the writable cache root.
+    Run with the same torch and package and JIT enabled, it gives the same content key."""
+    from .matrix import spec_line
+
+    line = spec_line(prep.module.spec)
+    words = ["flashinfer-jit", "aot", "--entry", line]
+    if prep.flags.archs:
+        words += ["--arch", " ".join(prep.flags.archs)]
+    words += ["--out", str(env.cache_root())]
+    command = " ".join(shlex.quote(word) for word in words)
+    return line, ("FLASHINFER_JIT_DEBUG=1 " if prep.flags.debug else "") + command
+
+
+def _jit_disabled_miss(prep: Prepared) -> JitDisabledError:
+    line, command = aot_command(prep)
+    return JitDisabledError(
+        f"module {prep.name!r} (content key {prep.content_key[:16]}) is not in the cache "
+        f"({', '.join(map(str, cache.lookup_roots()))}) and FLASHINFER_JIT_DISABLE_JIT is set. "
+        "Build it with JIT enabled (the same torch and flashinfer_jit; nvcc needed):\n"
+        f"  {command}\n"
+        f"or add this line to the deployment matrix:\n  {line}",
+        module=prep.name, matrix_line=line, aot_command=command)
 
 
 @contextmanager
@@ -201,18 +244,20 @@ class BuildReport:
     cached: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # name -> log path
     seconds: float = 0.0
+    hint: str | None = None  # why the failures were probably the disk's
 
 
 def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...] | None = None,
-               progress: Callable[[int, int, float], None] | None = None) -> BuildReport:
+               progress: Callable[[int, int, float], None] | None = None,
+               root: Path | None = None) -> BuildReport:
     """Build every spec not yet cached through one ninja invocation (AOT).
 
+    `root`: the cache root to build into, and the only one looked in (`aot --out`: a
+    folder that must end up holding the whole matrix); default: the writable root, and
+    an entry found in any lookup root counts as cached.
     Locks of the entries to build are taken in sorted order (no deadlock with another
     AOT run), then each is looked up again. Failed entries get their own log.
     """
-    from contextlib import ExitStack
-
-    report = BuildReport()
     start = time.perf_counter()
     preps = {}
     for spec in specs:
@@ -220,16 +265,35 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
         preps.setdefault(prep.key, prep)
     if env.jit_disabled():
         raise JitDisabledError("FLASHINFER_JIT_DISABLE_JIT is set; unset it to build")
-    root = cache.build_root()
+    if root is None:
+        root, look_in = cache.build_root(), None
+    elif cache.usable_build_root(root.resolve()):
+        root = root.resolve()
+        look_in = [root]
+    else:
+        raise CacheError(f"cannot build into {root}: not a writable folder")
+    try:
+        report = _build_missing(list(preps.values()), root, look_in, jobs, progress)
+    except OSError as exc:  # a full disk: entries published before it are complete
+        raise CacheError(f"building into {root} failed: {exc}; nothing unfinished was published. "
+                         f"{cache.space_advice(root)}") from exc
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _build_missing(preps: list[Prepared], root: Path, look_in: list[Path] | None, jobs: int | None,
+                   progress: Callable[[int, int, float], None] | None) -> BuildReport:
+    """build_many once the root is known: look up, lock, build what is still missing."""
+    report = BuildReport()
+    start = time.perf_counter()
     todo = []
-    for prep in preps.values():
-        if find_published(prep) is not None:
+    for prep in preps:
+        if find_published(prep, look_in) is not None:
             report.cached.append(prep.name)
         else:
             todo.append(prep)
     todo.sort(key=lambda p: p.entry(root).dirname)
     if not todo:
-        report.seconds = time.perf_counter() - start
         return report
     tc = toolchain.get()
     with ExitStack() as stack:
@@ -242,7 +306,6 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
             else:
                 locked.append(prep)
         if not locked:
-            report.seconds = time.perf_counter() - start
             return report
         top = Path(cache.private_build_dir(root, "aot"))
         try:
@@ -277,15 +340,16 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
                     seconds = step_seconds.get(entry.dirname, 0.0)
                     (sub / cache.BUILD_LOG).write_text(build.collect_logs(sub))
                     cache.write_manifest(sub, entry, prep.module, prep.content_key, prep.flags,
-                                         prep.compilers, seconds, "aot")
+                                         prep.identity(), seconds, "aot")
                     cache.publish(sub, entry)
                     report.built.append(prep.name)
                 else:
                     text = per_entry.get(entry.dirname) or log
-                    report.failed[prep.name] = str(cache.save_failed_log(root, entry.dirname, text))
+                    report.failed[prep.name] = _save_failed_log(root, entry.dirname, text)
+            if report.failed:
+                report.hint = cache.out_of_space_hint(root, log)
         finally:
             shutil.rmtree(top, ignore_errors=True)
-    report.seconds = time.perf_counter() - start
     return report
 
 

@@ -93,6 +93,13 @@ def parse_line(line: str) -> list[Spec]:
     return cls.expand(grid)
 
 
+def spec_line(spec: Spec) -> str:
+    """The one-module matrix line of `spec`, every field spelled out (defaults too, so the
+    line keeps naming this module if a default changes): parse_line(spec_line(s)) == [s]."""
+    items = [f"{f.name}={_show(getattr(spec, f.name))}" for f in spec.fields()]
+    return " ".join([spec.FAMILY, *items])
+
+
 def _is_required(field: dataclasses.Field) -> bool:
     return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
 

@@ -19,13 +19,16 @@ paths are not part of a key).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -723,3 +726,344 @@ def test_import_touches_neither_gpu_nor_disk(tmp_path):
     assert result["package"] < 0.5, result
     assert not root.exists() and not (tmp_path / "xdg").exists()
     assert (sorted(checkout_cache.rglob("*")) if checkout_cache.is_dir() else []) == before
+
+
+# --- deployment: prebuilt read-only roots (FLASHINFER_JIT_CACHE_PATH) ---------------------------
+def snapshot(root: Path) -> list[tuple]:
+    """Everything about a folder a write would change: each path's kind, size, mode and
+    modification time, the root's own included."""
+    paths = [root, *sorted(root.rglob("*"))]
+    return [(str(p.relative_to(root)), p.is_dir(), p.lstat().st_size if p.is_file() else 0,
+             p.lstat().st_mode, p.lstat().st_mtime_ns) for p in paths]
+
+
+# Mount scripts for in_private_mounts; "$0" is the folder.
+READ_ONLY_BIND = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0"'  # even root cannot write
+TINY_TMPFS = 'mount -t tmpfs -o size=96k tmpfs "$0"'  # room for a module's sources, not its objects
+
+
+def in_private_mounts(script: str, folder: Path) -> list[str] | None:
+    """A command prefix that runs `script` in a private mount namespace (as root, or in a
+    user namespace), then `exec "$@"`, the command that follows; None where that does not
+    work here (tried once per script on a scratch folder). Absolute paths: the commands
+    may run with PATH emptied."""
+    unshare = _unshare_for(script)
+    if unshare is None:
+        return None
+    script = script.replace("mount ", f"{shutil.which('mount')} ")
+    return [*unshare, shutil.which("sh"), "-c", script + ' && exec "$@"', str(folder)]
+
+
+@functools.cache
+def _unshare_for(script: str) -> tuple[str, ...] | None:
+    unshare, sh, mount = shutil.which("unshare"), shutil.which("sh"), shutil.which("mount")
+    if not (unshare and sh and mount):
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        for cmd in ((unshare, "-m"), (unshare, "-Urm")):
+            probe = [*cmd, sh, "-c", script.replace("mount ", f"{mount} ") + ' && exec "$@"', scratch, "true"]
+            try:
+                if subprocess.run(probe, capture_output=True, timeout=30).returncode == 0:
+                    return cmd
+            except (OSError, subprocess.SubprocessError):
+                continue
+    return None
+
+
+@contextlib.contextmanager
+def read_only(root: Path):
+    """`root` made read-only for the subprocesses run through the prefix this yields:
+    chmod a-w (which root ignores), plus a read-only bind mount where mount namespaces
+    work. The tests compare listings before and after as well."""
+    modes = {p: p.stat().st_mode for p in [root, *root.rglob("*")]}
+    for path in modes:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        yield in_private_mounts(READ_ONLY_BIND, root) or []
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+
+
+def run_load_in(prefix: list[str], **overrides: str | None) -> dict:
+    proc = subprocess.run([*prefix, sys.executable, "-c", LOAD], env=python_env(**overrides), cwd=REPO,
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def truncate_library(entry: Path) -> None:
+    library = entry / f"{SPEC.name}.so"
+    os.truncate(library, library.stat().st_size // 2)
+
+
+def no_tools(tmp_path: Path) -> dict[str, str]:
+    """Overrides for an image without nvcc, with JIT disabled."""
+    return dict(FLASHINFER_JIT_DISABLE_JIT="1", CUDA_HOME=str(tmp_path / "no-cuda-here"),
+                PATH=empty_path(tmp_path))
+
+
+def test_cache_path_lists_prebuilt_roots_before_the_writable_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "rw"))
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_PATH", os.pathsep.join(
+        [str(tmp_path / "a"), "", str(tmp_path / "b" / ".." / "b"), str(tmp_path / "rw")]))
+    assert cache.prebuilt_roots() == [tmp_path / "a", tmp_path / "b", tmp_path / "rw"]
+    assert cache.writable_roots() == [tmp_path / "rw", tmp_path / "xdg" / "flashinfer_jit"]
+    assert cache.lookup_roots() == [tmp_path / "a", tmp_path / "b", tmp_path / "rw",
+                                    tmp_path / "xdg" / "flashinfer_jit"]
+    assert cache.build_root() == tmp_path / "rw"  # never a root only listed in CACHE_PATH
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    monkeypatch.delenv("FLASHINFER_JIT_CACHE_PATH")
+    assert cache.prebuilt_roots() == [] and cache.lookup_roots() == cache.writable_roots()
+
+
+@pytest.mark.slow
+def test_prebuilt_root_is_searched_first_and_never_written(built, tmp_path):
+    """With nothing writable anywhere (cache dir and user cache below a regular file) and no
+    nvcc, a prebuilt root serves the module; with JIT and a compiler it is still a hit. Either
+    way no lock, temp folder or last-use mark lands in it."""
+    prebuilt = copy_cache(built[0], tmp_path / "prebuilt")
+    [entry] = entries(prebuilt)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    home, log = make_toolkit(tmp_path)
+    before = snapshot(prebuilt)
+    with read_only(prebuilt) as prefix:
+        result = run_load_in(prefix, FLASHINFER_JIT_CACHE_PATH=str(prebuilt),
+                             FLASHINFER_JIT_CACHE_DIR=str(blocker / "cache"),
+                             XDG_CACHE_HOME=str(blocker / "xdg"), **no_tools(tmp_path))
+        assert result["path"] == str(entry) and result["op"] and result["nvcc"] is None
+        # JIT enabled, a writable root with an older copy of the same entry: the prebuilt wins
+        writable = copy_cache(built[0], tmp_path / "writable")
+        result = run_load_in(prefix, FLASHINFER_JIT_CACHE_PATH=str(prebuilt),
+                             FLASHINFER_JIT_CACHE_DIR=str(writable), CUDA_HOME=str(home))
+        assert result["path"] == str(entry) and compiles(log) == []
+    assert snapshot(prebuilt) == before
+    assert not (prebuilt / ".locks").exists() and not (prebuilt / ".tmp").exists()
+
+
+@pytest.mark.slow
+def test_prebuilt_entry_that_fails_verification_is_skipped_not_deleted(built, tmp_path):
+    bad_root = copy_cache(built[0], tmp_path / "bad")
+    [bad] = entries(bad_root)
+    truncate_library(bad)
+    good_root = copy_cache(built[0], tmp_path / "good")
+    [good] = entries(good_root)
+    writable = tmp_path / "writable"
+    home, log = make_toolkit(tmp_path)
+    before = snapshot(bad_root)
+    with read_only(bad_root) as prefix:
+        # a later prebuilt root holds a good copy: that one loads, nothing is built
+        result = run_load_in(prefix, FLASHINFER_JIT_CACHE_PATH=os.pathsep.join(map(str, [bad_root, good_root])),
+                             FLASHINFER_JIT_CACHE_DIR=str(writable), **no_tools(tmp_path))
+        assert result["path"] == str(good)
+        # none does: the module is built in the writable root, the bad entry stays as it was
+        result = run_load_in(prefix, FLASHINFER_JIT_CACHE_PATH=str(bad_root),
+                             FLASHINFER_JIT_CACHE_DIR=str(writable), CUDA_HOME=str(home))
+    [built_here] = entries(writable)
+    assert result["path"] == str(built_here) and built_here.name == bad.name
+    assert len([c for c in compiles(log) if "kernel.cu" in c]) == 1
+    assert cache.verify_entry(built_here) is None and cache.verify_entry(bad) is not None
+    assert snapshot(bad_root) == before
+
+
+@pytest.mark.slow
+def test_a_load_marks_the_entry_used_except_in_prebuilt_roots(built, tmp_path, monkeypatch):
+    root = copy_cache(built[0], tmp_path / "cache")
+    [entry] = entries(root)
+    long_ago = time.time() - 30 * 86400
+    os.utime(entry / cache.MANIFEST, (long_ago, long_ago))
+    run_load(FLASHINFER_JIT_CACHE_DIR=str(root))
+    assert cache.last_used(entry) > time.time() - 300
+
+    os.utime(entry / cache.MANIFEST, (long_ago, long_ago))
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_PATH", str(root))
+    cache.mark_used(entry)
+    assert cache.last_used(entry) == pytest.approx(long_ago)
+
+
+# --- deployment: a miss with JIT disabled names the aot line that builds it ----------------------
+@pytest.mark.slow
+@needs_toolchain
+def test_disable_jit_miss_gives_the_aot_command_that_builds_exactly_it(fresh_cache, monkeypatch, capsys):
+    import shlex
+
+    from flashinfer_jit import cli
+
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")
+    with pytest.raises(JitDisabledError) as info:
+        jit.get_module(SPEC)
+    error = info.value
+    assert error.module == SPEC.name and error.matrix_line == "batch_indices index_dtype=int32"
+    assert error.aot_command in str(error) and error.matrix_line in str(error)
+    argv = shlex.split(error.aot_command)
+    assert argv[:2] == ["flashinfer-jit", "aot"]
+    assert argv[argv.index("--out") + 1] == str(fresh_cache)
+    assert argv[argv.index("--arch") + 1] == " ".join(jit.prepare(SPEC).flags.archs)
+
+    monkeypatch.delenv("FLASHINFER_JIT_DISABLE_JIT")
+    assert cli.main(argv[1:]) == 0
+    assert "built 1, already cached 0, failed 0" in capsys.readouterr().out
+    [entry] = entries(fresh_cache)
+    assert entry.name.startswith(f"{SPEC.name}-")
+
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")
+    assert jit.find_published(jit.prepare(SPEC)) == entry  # the miss is now a hit
+
+
+def test_disable_jit_miss_of_a_debug_build_says_so(fresh_cache, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")
+    monkeypatch.setenv("FLASHINFER_JIT_DEBUG", "1")
+    spec = AppendSpec("bfloat16", 128, "HND", "block_table")
+    with pytest.raises(JitDisabledError) as info:
+        jit.get_module(spec)
+    assert info.value.aot_command.startswith("FLASHINFER_JIT_DEBUG=1 flashinfer-jit aot --entry ")
+    assert info.value.matrix_line == "append dtype_kv=bfloat16 head_dim=128 kv_layout=HND page_table=block_table"
+    assert entries(fresh_cache) == [] and temp_dirs(fresh_cache) == []
+
+
+# --- faults ---------------------------------------------------------------------------------------
+@needs_toolchain
+def test_entry_from_another_arch_or_torch_is_never_loaded(built, tmp_path, monkeypatch):
+    """An entry built for 9.0a and one torch, copied (even renamed to the other
+    configuration's folder name) into a cache used for 8.0, or by another torch: its key
+    differs, and where its folder name says otherwise its manifest disagrees."""
+    root = copy_cache(built[0], tmp_path / "cache")
+    [entry] = entries(root)
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
+
+    def never_loaded(prep: jit.Prepared) -> None:
+        shutil.copytree(entry, root / prep.entry(root).dirname)  # posing as the other's entry
+        for disabled in ("", "1"):
+            monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", disabled)
+            assert jit.find_published(prep) is None
+        jit.clear_registry()
+        with pytest.raises(JitDisabledError, match=SPEC.name):
+            jit.get_module(SPEC)  # refused, not loaded (JIT enabled would build its own)
+        jit.clear_registry()
+        monkeypatch.delenv("FLASHINFER_JIT_DISABLE_JIT")
+
+    other_arch = jit.prepare(SPEC, ("8.0",))
+    assert other_arch.content_key != built[2].content_key
+    monkeypatch.setenv("FLASHINFER_JIT_CUDA_ARCH_LIST", "8.0")
+    never_loaded(other_arch)
+    monkeypatch.setenv("FLASHINFER_JIT_CUDA_ARCH_LIST", "9.0a")
+
+    other_torch = {**toolchain.torch_identity(), "torch": "2.0.0+cu118", "torch_cuda": "11.8"}
+    monkeypatch.setattr(toolchain, "torch_identity", lambda: other_torch)
+    other = jit.prepare(SPEC)
+    assert other.content_key != built[2].content_key
+    never_loaded(other)
+
+
+def no_space(path: Path, *args, **kwargs):
+    raise OSError(28, "No space left on device", str(path))
+
+
+@needs_toolchain
+def test_a_full_disk_while_staging_a_build_is_a_clear_error(fresh_cache, monkeypatch):
+    monkeypatch.setattr(cache, "write_files", lambda build_dir, module: no_space(build_dir / "kernel.cu"))
+    with pytest.raises(CacheError) as info:
+        jit.get_module(SPEC)
+    message = str(info.value)
+    assert SPEC.name in message and "No space left on device" in message
+    assert "nothing was published" in message and "FLASHINFER_JIT_CACHE_DIR" in message
+    assert entries(fresh_cache) == [] and temp_dirs(fresh_cache) == []
+    jit.clear_registry()
+    with pytest.raises(CacheError, match="No space left on device.*nothing unfinished was published"):
+        jit.build_many([SPEC], archs=("9.0a",))
+    assert entries(fresh_cache) == [] and temp_dirs(fresh_cache) == []
+
+
+# Builds BatchIndicesSpec under a file-size limit just above its largest source (the
+# compiler's objects do not fit, as on a full disk), then lists the cache root.
+FULL_DISK = textwrap.dedent("""
+    import json, os, resource, signal, sys
+    from pathlib import Path
+    from flashinfer_jit import jit
+    from flashinfer_jit.specs import BatchIndicesSpec
+    limit = int(sys.argv[1])
+    if limit:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        jit.get_module(BatchIndicesSpec())
+        error = None
+    except Exception as exc:
+        error = [type(exc).__name__, str(exc)]
+    root = Path(os.environ["FLASHINFER_JIT_CACHE_DIR"])
+    listing = lambda p: sorted(c.name for c in p.iterdir()) if p.is_dir() else []
+    print(json.dumps({"error": error, "entries": [n for n in listing(root) if not n.startswith(".")],
+                      "temp": listing(root / ".tmp")}))
+""")
+
+
+def largest_staged_file(prep: jit.Prepared) -> int:
+    return max(len(data) for data in [*(t.encode() for t in prep.module.sources.values()),
+                                      *prep.module.headers.values()])
+
+
+@pytest.mark.slow
+@needs_toolchain
+@pytest.mark.parametrize("how", ["file-size limit", "tiny filesystem"])
+def test_a_full_disk_during_compilation_publishes_nothing(fresh_cache, tmp_path, how):
+    limit = largest_staged_file(jit.prepare(SPEC)) + 8192
+    prefix = []
+    if how == "tiny filesystem":
+        prefix = in_private_mounts(TINY_TMPFS, fresh_cache)
+        if prefix is None:
+            pytest.skip("no mount namespace here for a private tmpfs")
+        fresh_cache.mkdir()
+    proc = subprocess.run([*prefix, sys.executable, "-c", FULL_DISK, str(limit if how == "file-size limit" else 0)],
+                          env=python_env(FLASHINFER_JIT_CACHE_DIR=str(fresh_cache)), cwd=REPO,
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["error"] is not None, "the build succeeded: the limit is too generous"
+    kind, message = result["error"]
+    assert kind in ("BuildError", "CacheError"), message
+    assert SPEC.name in message and "FLASHINFER_JIT_CACHE_DIR" in message
+    assert "out of disk space?" in message or "No space left on device" in message, message
+    assert result["entries"] == [] and result["temp"] == []
+
+
+LOCK_HOLDER = textwrap.dedent("""
+    import sys, time
+    from filelock import FileLock
+    lock = FileLock(sys.argv[1])
+    lock.acquire()
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_killed_lock_holder_does_not_block_the_next(tmp_path):
+    """A builder SIGKILLed while holding an entry's lock: the process waiting on that lock
+    proceeds at once (the OS drops the dead process's lock), and the lock file stays."""
+    import threading
+
+    root = tmp_path / "cache"
+    (root / ".locks").mkdir(parents=True)
+    entry = cache.Entry(root, SPEC.name, "0" * 64)
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(entry.lock_path)],
+                              env=python_env(), stdout=subprocess.PIPE, text=True)
+    acquired = threading.Event()
+    try:
+        assert holder.stdout.readline().strip() == "held"
+
+        def wait_for_lock() -> None:
+            with jit._entry_lock(entry, SPEC.name):
+                acquired.set()
+
+        waiter = threading.Thread(target=wait_for_lock, daemon=True)
+        waiter.start()
+        assert not acquired.wait(1.0), "the lock was taken while its holder lived"
+        holder.send_signal(signal.SIGKILL)
+        assert holder.wait(timeout=30) == -signal.SIGKILL
+        assert acquired.wait(10.0), "the lock of a killed process was never released"
+        waiter.join(timeout=10)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert entry.lock_path.exists()

@@ -1,9 +1,9 @@
 """The `flashinfer-jit` commands, called in-process (`cli.main([...])`), plus one run of
 `python -m flashinfer_jit doctor` for the module entry point.
 
-Real nvcc builds cost ~10 s each here, so one module-scoped cache of two real modules
-(`built_cache`) is built once and copied into each test's fresh cache root; the only
-other build is a template that fails at once.
+Real nvcc builds cost ~10 s each here, so one module-scoped cache of three real modules
+(`built_cache`, built by `aot --out`) is built once and copied into each test's fresh
+cache root; the only other build is a template that fails at once.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashinfer_jit import cli, env, render, toolchain
+from flashinfer_jit import cache, cli, env, render, toolchain
 from flashinfer_jit.jit import BuildReport
 from flashinfer_jit.specs import BatchIndicesSpec
 
 REPO = Path(__file__).resolve().parent.parent
-MATRIX = "batch_indices\nappend dtype_kv=bfloat16 head_dim=128  # one real kernel\n"
-NAMES = {"batch_indices_i32", "append_bf16_hd128_nhd_csr"}
+# decode_plan: host code only (no target arch), and an op that runs without a GPU
+MATRIX = "batch_indices\nappend dtype_kv=bfloat16 head_dim=128  # one real kernel\ndecode_plan\n"
+NAMES = {"batch_indices_i32", "append_bf16_hd128_nhd_csr", "decode_plan"}
 
 
 @pytest.fixture(autouse=True)
@@ -42,20 +43,21 @@ class Built:
     matrix: Path
     exit_code: int
     report: dict
+    default_root: Path  # FLASHINFER_JIT_CACHE_DIR while it was built (--out went elsewhere)
 
 
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory) -> Built:
-    """`aot` over a two-module matrix into a cache shared by the module's tests."""
+    """`aot --out` over a three-module matrix into a cache shared by the module's tests."""
     work = tmp_path_factory.mktemp("aot")
     matrix, report = work / "matrix", work / "report.json"
     matrix.write_text(MATRIX)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHINFER_JIT_CACHE_DIR", str(work / "cache"))
+        mp.setenv("FLASHINFER_JIT_CACHE_DIR", str(work / "default"))
         mp.setenv("XDG_CACHE_HOME", str(work / "xdg"))
         code = cli.main(["aot", "--matrix", str(matrix), "-j", "2", "--arch", "9.0a",
-                         "--json", str(report)])
-    return Built(work / "cache", matrix, code, json.loads(report.read_text()))
+                         "--out", str(work / "cache"), "--json", str(report)])
+    return Built(work / "cache", matrix, code, json.loads(report.read_text()), work / "default")
 
 
 @pytest.fixture
@@ -81,9 +83,10 @@ def test_aot_builds_the_matrix(built_cache):
     assert built_cache.exit_code == 0
     report = built_cache.report
     assert set(report["built"]) == NAMES and report["cached"] == [] and report["failed"] == {}
-    assert report["entries"] == 2 and report["archs"] == ["9.0a"] and report["seconds"] > 0
+    assert report["entries"] == 3 and report["archs"] == ["9.0a"] and report["seconds"] > 0
     assert {p.name.rsplit("-", 1)[0] for p in built_cache.root.iterdir()
             if not p.name.startswith(".")} == NAMES
+    assert not built_cache.default_root.exists()  # --out, not FLASHINFER_JIT_CACHE_DIR
 
 
 def test_aot_second_run_finds_everything_cached(cache_copy, built_cache, capsys, tmp_path):
@@ -91,8 +94,8 @@ def test_aot_second_run_finds_everything_cached(cache_copy, built_cache, capsys,
     code, out, err = run(capsys, "aot", "--matrix", str(built_cache.matrix), "--arch", "9.0a",
                          "--json", str(report))
     assert code == 0
-    assert "built 0, already cached 2, failed 0" in out
-    assert "2 modules from" in err and "entries" not in err  # nothing to build: no bar
+    assert "built 0, already cached 3, failed 0" in out
+    assert "3 modules from" in err and "entries" not in err  # nothing to build: no bar
     assert set(json.loads(report.read_text())["cached"]) == NAMES
 
 
@@ -126,6 +129,8 @@ def test_summary_of_a_report():
     assert lines[1] == "  FAILED d: see /logs/d.log"
     doc = cli.report_json(report, "m", ("9.0a",), 4)
     assert doc["entries"] == 4 and doc["failed"] == {"d": "/logs/d.log"} and doc["seconds"] == 3.14
+    report.hint = "out of disk space? (the build log says 'No space left on device'). Free space ..."
+    assert cli.summary_lines(report)[-1] == report.hint  # instead of "fix the compiler errors"
 
 
 def test_progress_bar_lines_on_a_pipe_and_redraws_on_a_terminal():
@@ -173,8 +178,9 @@ def test_list_json(cache_copy, capsys):
     assert code == 0 and {r["name"] for r in rows} == NAMES
     for row in rows:
         assert len(row["key"]) == 64 and row["path"].endswith(row["key"][:16])
-        assert row["built_by"] == "aot" and row["archs"] == ["9.0a"]
+        assert row["built_by"] == "aot" and row["archs"] == ([] if row["name"] == "decode_plan" else ["9.0a"])
         assert row["size_bytes"] > 0 and row["build_seconds"] > 0 and row["built_at"]
+        assert row["stale"] is None and row["prebuilt"] is False and row["last_used"]
 
 
 def test_list_table(cache_copy, capsys):
@@ -182,8 +188,8 @@ def test_list_table(cache_copy, capsys):
     assert code == 0 and out.splitlines()[0].split()[:3] == ["NAME", "KEY", "SIZE"]
     for name in NAMES:
         key = entry_dir(cache_copy, name).name.rsplit("-", 1)[1]
-        assert any(l.startswith(name) and key in l and " aot " in l for l in out.splitlines())
-    assert "2 entries" in out
+        assert any(l.startswith(name) and key in l and "aot" in l.split() for l in out.splitlines())
+    assert "3 entries" in out and "stale" not in out
 
 
 def test_list_of_an_empty_cache(fresh_cache, capsys):
@@ -194,7 +200,7 @@ def test_list_of_an_empty_cache(fresh_cache, capsys):
 # --- verify ---------------------------------------------------------------------------
 def test_verify_good_cache(cache_copy, capsys):
     code, out, _ = run(capsys, "verify")
-    assert code == 0 and sum(l.startswith("OK   ") for l in out.splitlines()) == 2
+    assert code == 0 and sum(l.startswith("OK   ") for l in out.splitlines()) == 3
 
 
 def test_verify_detects_a_truncated_library_and_fix_removes_it(cache_copy, capsys):
@@ -237,7 +243,7 @@ def test_clean_all_keeps_lock_files(cache_copy, capsys):
     assert locks
     side = make_side_files(cache_copy)
     code, out, _ = run(capsys, "clean", "--all")
-    assert code == 0 and "removed 2 entries" in out
+    assert code == 0 and "removed 3 entries" in out
     assert [p for p in cache_copy.iterdir() if not p.name.startswith(".")] == []
     assert sorted((cache_copy / ".locks").iterdir()) == locks
     assert not side["stale"].exists() and side["live"].exists() and not side["log"].exists()
@@ -341,3 +347,323 @@ def test_python_dash_m_doctor(tmp_path):
                           env=environ, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK       nvcc" in proc.stdout and "everything needed to build" in proc.stdout
+
+
+# --- aot --entry / --out ----------------------------------------------------------------
+def test_aot_needs_a_matrix_or_an_entry(fresh_cache, capsys):
+    code, _, err = run(capsys, "aot", "--arch", "9.0a")
+    assert code == 2 and "--matrix FILE and/or --entry LINE" in err
+    code, _, err = run(capsys, "aot", "--entry", "batch_indices", "--entry", "apend head_dim=128")
+    assert code == 2 and "--entry 2:1: unknown family 'apend'" in err
+
+
+def test_aot_out_must_be_writable(fresh_cache, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, _, err = run(capsys, "aot", "--entry", "decode_plan", "--out", str(blocker / "cache"))
+    assert code == 1 and f"cannot build into {blocker / 'cache'}: not a writable folder" in err
+
+
+def test_aot_out_counts_only_its_own_entries(built_cache, tmp_path, monkeypatch, capsys):
+    """An entry elsewhere (here: the default root) does not make `--out DIR` complete."""
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(built_cache.root))
+    code, out, _ = run(capsys, "aot", "--entry", "decode_plan")
+    assert code == 0 and "built 0, already cached 1" in out
+    out_dir = tmp_path / "image-cache"
+    code, out, err = run(capsys, "aot", "--entry", "decode_plan", "--out", str(out_dir))
+    assert code == 0 and "built 1, already cached 0" in out and "for the host" in err
+    assert [p.name.rsplit("-", 1)[0] for p in out_dir.iterdir() if not p.name.startswith(".")] == ["decode_plan"]
+
+
+# --- pack -----------------------------------------------------------------------------
+LOAD_PACKED = """
+import json, sys
+from flashinfer_jit import jit
+from flashinfer_jit.specs import BatchIndicesSpec, DecodePlanSpec
+indices, plan = jit.get_module(BatchIndicesSpec()), jit.get_module(DecodePlanSpec())
+print(json.dumps({"paths": [str(indices.path), str(plan.path)], "config_bytes": plan.config_bytes()}))
+"""
+
+
+def subprocess_env(tmp_path: Path, **overrides: str) -> dict[str, str]:
+    environ = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    environ.update(overrides)
+    return environ
+
+
+def unpack(archive: Path, root: Path) -> None:
+    """As the deployment notes say: mkdir -p ROOT && tar -xf ARCHIVE -C ROOT."""
+    root.mkdir(parents=True)
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(root)], check=True, timeout=120)
+
+
+FORMATS = ["tar.gz", pytest.param("tar.zst", marks=pytest.mark.skipif(
+    shutil.which("zstd") is None, reason="zstd is not on PATH"))]
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs tar")
+@pytest.mark.parametrize("suffix", FORMATS)
+def test_pack_holds_only_complete_entries_and_unpacks_into_a_cache_that_loads(
+        built_cache, tmp_path, capsys, suffix):
+    src = tmp_path / "src"
+    shutil.copytree(built_cache.root, src, symlinks=True)
+    bad = entry_dir(src, "append_bf16_hd128_nhd_csr")
+    library = bad / "append_bf16_hd128_nhd_csr.so"
+    os.truncate(library, library.stat().st_size // 2)
+    (src / "half-copied-0123456789abcdef").mkdir()  # no manifest: not an entry
+    (src / "half-copied-0123456789abcdef" / "x.so").write_bytes(b"\x7fELF")
+    (src / ".tmp" / "aot.dead.1").mkdir(parents=True)
+    (src / ".logs").mkdir()
+    (src / ".logs" / "x.log").write_text("error")
+    good = {entry_dir(src, "batch_indices_i32").name, entry_dir(src, "decode_plan").name}
+
+    archive = tmp_path / f"cache.{suffix}"
+    code, out, _ = run(capsys, "pack", str(src), "--out", str(archive))
+    assert code == 1  # something was left out
+    assert f"packed 2 entries of {src} into {archive} ({'zstd' if suffix == 'tar.zst' else 'gzip'}" in out
+    assert f"skipped {bad.name}: {library.name} has" in out
+    assert "skipped half-copied-0123456789abcdef: no readable manifest.json" in out
+
+    dst = tmp_path / "dst"
+    unpack(archive, dst)
+    assert {p.name for p in dst.iterdir()} == good  # no locks, temp folders or logs
+    for name in good:
+        assert cache.verify_entry(dst / name) is None
+        assert sorted(p.name for p in (dst / name).iterdir()) == sorted(p.name for p in (src / name).iterdir())
+
+    # a deployment image: the archive as a read-only root, no nvcc, JIT disabled
+    proc = subprocess.run([sys.executable, "-c", LOAD_PACKED], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=subprocess_env(
+                              tmp_path, FLASHINFER_JIT_CACHE_PATH=str(dst),
+                              FLASHINFER_JIT_CACHE_DIR=str(tmp_path / "writable"), FLASHINFER_JIT_DISABLE_JIT="1",
+                              CUDA_HOME=str(tmp_path / "no-cuda"), PATH=str(tmp_path / "no-tools")))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(result["paths"]) == sorted(str(dst / name) for name in good)
+    assert result["config_bytes"] > 0
+
+
+def test_pack_member_order_and_defaults(built_cache, tmp_path, capsys, monkeypatch):
+    """Each entry's manifest comes after its files (a half-extracted entry does not load);
+    members carry no owner; the same cache packs to the same bytes; without --out the
+    archive lands beside DIR, .tar.gz when zstd is missing."""
+    import tarfile
+
+    from flashinfer_jit import pack
+
+    monkeypatch.setattr(pack, "zstd_program", lambda: None)
+    src = tmp_path / "src"
+    shutil.copytree(built_cache.root, src, symlinks=True)
+    code, out, _ = run(capsys, "pack", str(src))
+    archive = tmp_path / "src.tar.gz"
+    assert code == 0 and f"packed 3 entries of {src} into {archive} (gzip" in out
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+    for name in NAMES:
+        own = [m.name for m in members if m.name.split("/")[0].startswith(name + "-")]
+        assert own[-1].endswith("/manifest.json") and len(own) > 5, own
+    assert {(m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, "", "")}
+    first = archive.read_bytes()
+    assert run(capsys, "pack", str(src))[0] == 0 and archive.read_bytes() == first
+
+    code, _, err = run(capsys, "pack", str(src), "--out", str(tmp_path / "x.tar.zst"))
+    assert code == 2 and "zstd is not on PATH; install it or name the archive *.tar.gz" in err
+    code, _, err = run(capsys, "pack", str(src), "--out", str(tmp_path / "x.zip"))
+    assert code == 2 and "name it *.tar.zst or *.tar.gz" in err
+    code, _, err = run(capsys, "pack", str(tmp_path / "missing"))
+    assert code == 2 and "is not a folder" in err
+    assert not (tmp_path / "x.zip").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+# --- list / clean --stale -------------------------------------------------------------
+def edit_manifest(entry: Path, **changes) -> None:
+    """Change manifest fields (not covered by its own file list: the entry still verifies)."""
+    path = entry / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for name, value in changes.items():
+        manifest[name] = {**manifest[name], **value} if isinstance(value, dict) else value
+    path.write_text(json.dumps(manifest))
+
+
+def test_list_marks_entries_of_another_installation_stale_and_clean_stale_removes_them(
+        cache_copy, capsys, monkeypatch):
+    other_torch = entry_dir(cache_copy, "batch_indices_i32")
+    edit_manifest(other_torch, torch={"torch": "2.1.0+cu121", "torch_cuda": "12.1"})
+    other_package = entry_dir(cache_copy, "decode_plan")
+    edit_manifest(other_package, package_version="0.0.1")
+    other_nvcc = entry_dir(cache_copy, "append_bf16_hd128_nhd_csr")
+    edit_manifest(other_nvcc, toolchain={"nvcc": "Build cuda_11.8.r11.8/compiler.31833905_0"})
+
+    rows = {r["name"]: r for r in json.loads(run(capsys, "list", "--json")[1])}
+    import torch
+
+    assert rows["batch_indices_i32"]["stale"] == (
+        f"built for torch 2.1.0+cu121 (here {torch.__version__}), torch_cuda 12.1 (here {torch.version.cuda})")
+    assert rows["decode_plan"]["stale"] == "built for package 0.0.1 (here 0.1.0)"
+    assert rows["append_bf16_hd128_nhd_csr"]["stale"].startswith("built for nvcc Build cuda_11.8")
+    code, out, _ = run(capsys, "list")
+    assert code == 0 and out.count("STALE: built for") == 3
+    assert "3 stale (never loaded by this installation): `flashinfer-jit clean --stale`" in out
+
+    # Without a compiler that may run, entries are found by content key: another nvcc is fine.
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")
+    rows = {r["name"]: r for r in json.loads(run(capsys, "list", "--json")[1])}
+    assert rows["append_bf16_hd128_nhd_csr"]["stale"] is None and rows["decode_plan"]["stale"]
+    code, out, _ = run(capsys, "clean", "--stale", "--dry-run")
+    assert code == 0 and "would remove 2 entries" in out and other_torch.exists()
+    code, out, _ = run(capsys, "clean", "--stale")
+    assert code == 0 and f"removed {other_torch} (stale: built for torch 2.1.0+cu121" in out
+    assert not other_torch.exists() and not other_package.exists() and other_nvcc.exists()
+    assert "0 logs" in out  # --stale leaves failed-build logs alone
+
+
+def test_stale_reason_ignores_what_a_manifest_does_not_record():
+    here = {"package_version": "0.1.0", "torch": {"torch": "2.13.0", "torch_cuda": "None", "cxx11_abi": True},
+            "toolchain": {"nvcc": "n1", "cxx": "g1"}}
+    assert cache.stale_reason(None, here) is None
+    assert cache.stale_reason({"package_version": "0.1.0"}, here) is None  # made before torch was recorded
+    assert cache.stale_reason({"torch": {"cxx11_abi": False}}, here) == "built for cxx11_abi False (here True)"
+    assert cache.stale_reason({"toolchain": {"nvcc": "n1", "cxx": "g1", "cxx_runtime": "x"}}, here) == \
+        "built for cxx_runtime x (here None)"
+    assert cache.stale_reason({"toolchain": {"nvcc": "n0", "cxx": "g1"}},
+                              {k: v for k, v in here.items() if k != "toolchain"}) is None
+
+
+# --- clean --keep-size ----------------------------------------------------------------
+def set_last_used(entry: Path, seconds_ago: float) -> None:
+    when = time.time() - seconds_ago
+    os.utime(entry / "manifest.json", (when, when))
+
+
+def test_clean_keep_size_removes_the_least_recently_used(cache_copy, capsys):
+    entries = {name: entry_dir(cache_copy, name) for name in NAMES}
+    sizes = {name: cache.dir_size(path) for name, path in entries.items()}
+    for name, ago in [("batch_indices_i32", 300), ("decode_plan", 200), ("append_bf16_hd128_nhd_csr", 100)]:
+        set_last_used(entries[name], ago)
+    keep = sizes["append_bf16_hd128_nhd_csr"] + sizes["decode_plan"]
+    side = make_side_files(cache_copy)
+
+    code, out, _ = run(capsys, "clean", "--keep-size", str(keep), "--dry-run")
+    assert code == 0 and f"would remove {entries['batch_indices_i32']} (least recently used)" in out
+    assert all(path.exists() for path in entries.values())
+
+    code, out, _ = run(capsys, "clean", "--keep-size", str(keep))
+    assert code == 0 and "removed 1 entry" in out
+    assert not entries["batch_indices_i32"].exists()
+    assert entries["decode_plan"].exists() and entries["append_bf16_hd128_nhd_csr"].exists()
+    assert not side["stale"].exists() and side["live"].exists() and side["log"].exists()
+
+    set_last_used(entries["decode_plan"], 0)  # used just now: append is now the oldest
+    code, out, _ = run(capsys, "clean", "--keep-size", f"{-(-sizes['decode_plan'] // 1024)}K")  # rounded up
+    assert code == 0 and "removed 1 entry" in out
+    assert entries["decode_plan"].exists() and not entries["append_bf16_hd128_nhd_csr"].exists()
+
+    code, out, _ = run(capsys, "clean", "--keep-size", "0")
+    assert code == 0 and "removed 1 entry" in out and "the entries take 0 B" in out
+    assert [p for p in cache_copy.iterdir() if not p.name.startswith(".")] == []
+    assert list((cache_copy / ".tmp").iterdir()) == [side["live"]]  # no half-removed entry left
+
+
+# Holds an entry's build lock (a build in progress) until told to stop.
+HOLD_LOCK = """
+import sys
+from filelock import FileLock
+with FileLock(sys.argv[1]):
+    print("locked", flush=True)
+    sys.stdin.readline()
+"""
+
+# Loads decode_plan from the cache, then calls into it again after its files are gone.
+USE_MODULE = """
+import json, sys
+from flashinfer_jit import jit
+from flashinfer_jit.specs import DecodePlanSpec
+module = jit.get_module(DecodePlanSpec())
+print(json.dumps({"path": str(module.path), "config_bytes": module.config_bytes()}), flush=True)
+sys.stdin.readline()
+mapped = [line for line in open("/proc/self/maps") if "decode_plan.so" in line]
+print(json.dumps({"config_bytes": module.config_bytes(), "deleted": all("(deleted)" in l for l in mapped)}))
+"""
+
+
+def test_clean_never_tears_out_an_entry_being_built_or_in_use(cache_copy, tmp_path, capsys):
+    """clean --keep-size 0 with one entry's lock held (a build in progress) and another
+    loaded by a running process: the locked one stays whole; the loaded one goes, and the
+    process keeps calling into its .so."""
+    locked = entry_dir(cache_copy, "batch_indices_i32")
+    environ = subprocess_env(tmp_path, FLASHINFER_JIT_CACHE_DIR=str(cache_copy))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(cache_copy / ".locks" / f"{locked.name}.lock")],
+                              env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    user = subprocess.Popen([sys.executable, "-c", USE_MODULE], env=environ, cwd=tmp_path,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = user.stdout.readline()
+        assert line, user.stderr.read()[-4000:]
+        loaded = json.loads(line)
+        assert loaded["path"] == str(entry_dir(cache_copy, "decode_plan"))
+
+        code, out, _ = run(capsys, "clean", "--keep-size", "0")
+        assert code == 0 and f"kept {locked}: a build holds its lock" in out
+        assert [p for p in cache_copy.iterdir() if not p.name.startswith(".")] == [locked]
+        assert cache.verify_entry(locked) is None
+        assert list((cache_copy / ".tmp").iterdir()) == []
+
+        out, err = user.communicate("go\n", timeout=120)
+        assert user.returncode == 0, err[-4000:]
+        after = json.loads(out.strip().splitlines()[-1])
+        assert after == {"config_bytes": loaded["config_bytes"], "deleted": True}
+    finally:
+        for proc in (holder, user):
+            if proc.poll() is None:
+                proc.communicate("\n", timeout=60)
+
+
+@pytest.mark.parametrize("text, size", [
+    ("5G", 5 << 30), ("500M", 500 << 20), ("1.5G", 3 << 29), ("64k", 64 << 10), ("2T", 2 << 40),
+    ("5GiB", 5 << 30), ("5GB", 5 << 30), ("1024", 1024), ("0", 0), (" 3 M ", 3 << 20)])
+def test_parse_size(text, size):
+    assert cli.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "G", "5X", "-1G", "5 G B", "1e3"])
+def test_parse_size_rejects(text):
+    with pytest.raises(Exception, match="cannot read size"):
+        cli.parse_size(text)
+
+
+def test_clean_all_goes_alone(capsys):
+    code, _, err = run(capsys, "clean", "--all", "--stale")
+    assert code == 2 and "--all removes every entry; it does not go with --stale" in err
+
+
+# --- verify --fix ---------------------------------------------------------------------
+def test_verify_fix_removes_unreadable_entries_and_reports_prebuilt_ones(
+        cache_copy, built_cache, tmp_path, monkeypatch, capsys):
+    no_manifest = cache_copy / "decode_plan-0123456789abcdef"
+    no_manifest.mkdir()
+    (no_manifest / "decode_plan.so").write_bytes(b"\x7fELF")
+    garbled = entry_dir(cache_copy, "batch_indices_i32")
+    (garbled / "manifest.json").write_text("{")
+    prebuilt = tmp_path / "prebuilt"
+    shutil.copytree(built_cache.root, prebuilt, ignore=shutil.ignore_patterns(".locks", ".tmp"))
+    damaged = entry_dir(prebuilt, "append_bf16_hd128_nhd_csr")
+    os.truncate(damaged / "append_bf16_hd128_nhd_csr.so", 100)
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_PATH", str(prebuilt))
+    listing = sorted(str(p) for p in prebuilt.rglob("*"))
+
+    code, out, _ = run(capsys, "verify")
+    assert code == 1 and out.count("BAD  ") == 3
+    assert f"BAD  {no_manifest.name}: no readable manifest.json" in out
+    assert f"BAD  {garbled.name}: no readable manifest.json" in out
+
+    code, out, _ = run(capsys, "verify", "--fix")
+    assert code == 1 and "3 bad entries, 2 removed, 1 kept" in out
+    assert "kept: a prebuilt read-only root (FLASHINFER_JIT_CACHE_PATH)" in out
+    assert not no_manifest.exists() and not garbled.exists()
+    assert sorted(str(p) for p in prebuilt.rglob("*")) == listing  # nothing written there
+
+    monkeypatch.delenv("FLASHINFER_JIT_CACHE_PATH")
+    code, out, _ = run(capsys, "verify")
+    assert code == 0 and out.count("OK   ") == 2

@@ -10,7 +10,7 @@ import pytest
 
 from dataclasses import dataclass
 
-from flashinfer_jit.matrix import MatrixError, convert_value, parse_matrix, parse_matrix_text
+from flashinfer_jit.matrix import MatrixError, convert_value, parse_line, parse_matrix, parse_matrix_text, spec_line
 from flashinfer_jit.specs import FAMILIES, AppendSpec, BatchIndicesSpec, Spec
 from flashinfer_jit.specs.base import choice
 
@@ -153,3 +153,16 @@ def test_llama_matrix():
                for s in specs if isinstance(s, AppendSpec)}
     assert appends == set(itertools.product(("bfloat16", "float8_e4m3fn"), (128,), ("NHD",),
                                             ("csr", "block_table")))
+
+
+def test_spec_line_names_exactly_its_spec():
+    """The line a JIT-disabled miss prints: every field spelled out, read back as the same
+    module, for every module of the shipped matrices."""
+    specs = parse_matrix(MATRICES / "tests") + parse_matrix(MATRICES / "llama")
+    assert {type(s) for s in specs} == set(FAMILIES.values())
+    for spec in specs:
+        line = spec_line(spec)
+        assert parse_line(line) == [spec], line
+        assert len(line.split()) == 1 + len(spec.fields())
+    assert spec_line(AppendSpec("float8_e4m3fn", 64, "HND", "block_table")) == \
+        "append dtype_kv=float8_e4m3fn head_dim=64 kv_layout=HND page_table=block_table"
