@@ -115,15 +115,29 @@ _load_lock = threading.Lock()
 _loaded: dict[str, LoadedModule] = {}  # namespace -> module
 
 
+class EntryVanished(CacheError):
+    """A published entry disappeared between its lookup and its load: another process
+    removed it (`flashinfer-jit clean`, a deleted cache folder)."""
+
+
 def load(spec: Spec, path: Path) -> LoadedModule:
     import torch
 
     manifest = cache.read_manifest(path)
+    if manifest is None:
+        raise EntryVanished(f"module {spec.name}: its cache entry {path} was removed while it was being loaded")
     namespace = f"fij_{spec.name}_{manifest['key'][:12]}"
     with _load_lock:
         if namespace in _loaded:  # one key = one namespace = loaded once per process
             return _loaded[namespace]
-        torch.ops.load_library(str(path / manifest["library"]))
+        library = path / manifest["library"]
+        try:
+            torch.ops.load_library(str(library))
+        except OSError as exc:
+            if library.exists():
+                raise
+            raise EntryVanished(f"module {spec.name}: its library {library} was removed while it was being "
+                                "loaded") from exc
         for op, fake in spec.fake_impls().items():
             torch.library.register_fake(f"{namespace}::{op}", fake)
         module = LoadedModule(spec, path, manifest)
@@ -177,7 +191,15 @@ def load_or_build(spec: Spec) -> LoadedModule:
     if path is not None:
         logger.debug("loading %s from the cache (%s)", prep.name, path)
         cache.mark_used(path)
-        return load(spec, path)
+        try:
+            return load(spec, path)
+        except EntryVanished as exc:
+            # removed by another process between the lookup and the load (a loaded library
+            # stays valid; one not yet loaded is gone): look again, else build it below
+            logger.info("%s; looking again", exc)
+            path = find_published(prep)
+            if path is not None:
+                return load(spec, path)
     if env.jit_disabled():
         raise _jit_disabled_miss(prep)
     entry = prep.entry(cache.build_root())
@@ -192,7 +214,8 @@ def load_or_build(spec: Spec) -> LoadedModule:
             start = time.perf_counter()
             _build_one(prep, entry)
             logger.info("built %s in %.1f s", prep.name, time.perf_counter() - start)
-    return load(spec, entry.path)
+        # (loaded under the lock: a `clean` takes it before removing the entry)
+        return load(spec, entry.path)
 
 
 def aot_command(prep: Prepared) -> tuple[str, str]:

@@ -1067,3 +1067,51 @@ def test_a_killed_lock_holder_does_not_block_the_next(tmp_path):
             holder.kill()
             holder.wait()
     assert entry.lock_path.exists()
+
+
+# Loads BatchIndicesSpec after another "process" removed its entry between the lookup and the
+# load (cache.mark_used, called in between, stands in for it: it deletes the entry first).
+LOAD_AFTER_REMOVAL = textwrap.dedent(f"""
+    import json, shutil, torch
+    from flashinfer_jit import cache, jit
+    from flashinfer_jit.errors import JitDisabledError
+    from flashinfer_jit.specs import BatchIndicesSpec
+    removed = []
+    def remove_then_mark(path):
+        shutil.rmtree(path)
+        removed.append(str(path))
+    cache.mark_used = remove_then_mark
+    try:
+        module = jit.get_module(BatchIndicesSpec())
+    except JitDisabledError as exc:
+        print(json.dumps({{"removed": removed, "error": str(exc)}}))
+    else:
+        ops = getattr(torch.ops, module.namespace)
+        print(json.dumps({{"removed": removed, "path": str(module.path), "op": hasattr(ops, "{OP}")}}))
+""")
+
+
+def test_an_entry_removed_while_loading_is_rebuilt_or_named(built, tmp_path):
+    root = copy_cache(built[0], tmp_path / "cache")
+    [entry] = entries(root)
+    home, log = make_toolkit(tmp_path)
+    overrides = dict(FLASHINFER_JIT_CACHE_DIR=str(root), CUDA_HOME=str(home))
+
+    def run(**more):
+        proc = subprocess.run([sys.executable, "-c", LOAD_AFTER_REMOVAL], env=python_env(**overrides, **more),
+                              cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    # JIT on: the load finds the entry gone, looks again, builds it once and loads it
+    result = run()
+    assert result["removed"] == [str(entry)]
+    assert result["path"] == str(entry) and result["op"]
+    assert len([c for c in compiles(log) if "kernel.cu" in c]) == 1
+    assert cache.verify_entry(entry) is None and temp_dirs(root) == []
+
+    # JIT off: a miss that names the module, not a crash on a missing file
+    result = run(FLASHINFER_JIT_DISABLE_JIT="1")
+    assert result["removed"] == [str(entry)]
+    assert SPEC.name in result["error"] and "aot" in result["error"]
+    assert not entry.exists()
