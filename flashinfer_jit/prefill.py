@@ -474,11 +474,8 @@ class _PrefillWrapper:
         plan = _Plan()
         plan.config = config
         previous = self._plan
-        spec = self._plain_specs.get((config, table_layout))
-        if spec is None:  # (dtype names and the spec's construction: ~4 us a plan, once per configuration)
-            if len(self._plain_specs) >= _MAX_CONFIGS:
-                self._plain_specs.clear()
-            spec = self._plain_specs[(config, table_layout)] = self._spec(config, table_layout, False)
+        # (dtype names and the spec's construction: once per configuration, not every plan)
+        spec = remembered(self._plain_specs, (config, table_layout, False), self._spec, _MAX_CONFIGS)
         plan.spec = spec
         # the module is looked up at run() (a run with sinks takes the sinks module: loading
         # the plain one here would build a module that no run() uses)
@@ -637,10 +634,12 @@ class _PrefillWrapper:
         tokens = q.shape[0]
         if out is None:
             out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
-        elif not (type(out) is _Tensor and out.shape == (tokens, c.num_qo_heads, c.head_dim_vo) and
-                  out.dtype is c.o_dtype and not out.data_ptr() & 15 and out.is_contiguous() and
-                  out.device == q.device):
-            _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
+            out_standard = True
+        else:
+            out_standard = type(out) is _Tensor and out.is_contiguous()
+            if not (out_standard and out.shape == (tokens, c.num_qo_heads, c.head_dim_vo) and
+                    out.dtype is c.o_dtype and not out.data_ptr() & 15 and out.device == q.device):
+                _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
         if return_lse and lse is None:
             lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
         elif lse is not None:
@@ -653,7 +652,6 @@ class _PrefillWrapper:
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
         with_sinks = sinks is not None
         fast = plan.fast[with_sinks]
-        out_standard = out.is_contiguous()
         if fast is not None and out_standard:
             # The launch the op resolved at an earlier call with this signature, with this
             # call's pointers and scalars: no dispatcher.
