@@ -1255,6 +1255,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not same_cuda_device((q, cache.k, cache.v)):
             raise ValueError(f"q and paged_kv_cache: expected CUDA tensors on one device, got {q.device}, "
                              f"{cache.k.device}")
+        if q.device != self._device:  # the plan, the workspace and the page table live there
+            raise ValueError(f"q: on {q.device}, but the workspace (and the plan) is on {self._device}")
         plan.checked = run_signature(q, cache.k, cache.v)
         plan.fast = None  # a launch prepared for another signature no longer applies
         plan.q_standard = q.stride() == (hq * d, d, 1)
