@@ -210,6 +210,17 @@ FIJ_DEVICE float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+// 1 / x and log2(x) in one MUFU each (x > 0, normal)
+FIJ_DEVICE float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+FIJ_DEVICE float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 FIJ_DEVICE PrefillItem load_prefill_item(const int32_t* work, int i) {
   const int32_t* w = work + 1 + kPrefillItemInts * i;
@@ -718,6 +729,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 
   // --- epilogue: row sums over the quad, sinks, normalize, store ----------------------------
   if (!warp_live) return;
+  float norm[MF][2];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
@@ -743,27 +755,59 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           mx = top;
         }
       }
+      // (MUFU's reciprocal and log2: within 2 ulp, far below the 16-bit output's rounding and
+      // the merge's needs)
+      norm[mf][h] = sum > 0.f ? p.v_scale * fast_rcp(sum) : 0.f;
       if (r >= live_rows) continue;
-      const float lse = sum > 0.f ? mx + log2f(sum) : -CUDART_INF_F;
-      const float norm = sum > 0.f ? p.v_scale / sum : 0.f;
+      const float lse = sum > 0.f ? mx + fast_log2(sum) : -CUDART_INF_F;
       if (item.partial_row < 0) {
-        // into the warp's own q rows in shared memory (swizzled: conflict-free), stored below
-        // in 16-byte pieces
-        const uint32_t row_addr = sq_u32 + uint32_t(r * QC) * 16u;
-#pragma unroll
-        for (int n = 0; n < DVO / 8; ++n) {
-          const uint32_t w = pack2<typename Traits::O>(o[mf][n][2 * h] * norm, o[mf][n][2 * h + 1] * norm);
-          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row_addr + uint32_t((n ^ (r & 7)) * 16 + c4 * 4)), "r"(w));
-        }
         if (p.lse != nullptr && c4 == 0) p.lse[int64_t(qo_start + t) * p.num_qo_heads + qo_head] = lse;
       } else {
         const int64_t prow = int64_t(item.partial_row + t * item.chunks + item.chunk) * p.num_qo_heads + qo_head;
         float* dst = p.partial_o + prow * DVO;
 #pragma unroll
         for (int n = 0; n < DVO / 8; ++n)
-          *reinterpret_cast<float2*>(dst + n * 8 + 2 * c4) = make_float2(o[mf][n][2 * h] * norm, o[mf][n][2 * h + 1] * norm);
+          *reinterpret_cast<float2*>(dst + n * 8 + 2 * c4) =
+              make_float2(o[mf][n][2 * h] * norm[mf][h], o[mf][n][2 * h + 1] * norm[mf][h]);
         if (c4 == 0) p.partial_lse[prow] = lse;
       }
+    }
+  }
+  // The output, normalized, into the warp's own q rows in shared memory (swizzled:
+  // conflict-free), stored below in 16-byte pieces
+  if (item.partial_row < 0) {
+    using TO = typename Traits::O;
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // stmatrix: four 8x8 tiles a call (rows 0-7 and 8-15 of columns n and n + 1), each
+      // lane the address of one tile row: row (lane / 8 % 2) 8 + lane % 8 of the fragment,
+      // chunk n + lane / 16, at (n + lane / 16) ^ (row % 8) = n ^ (lane / 16 ^ lane % 8)
+      const uint32_t row_addr =
+          sq_u32 + uint32_t((warp * 16 * MF + mf * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * QC) * 16u;
+      const uint32_t x = uint32_t((lane >> 4) ^ (lane & 7)) * 16u;
+#pragma unroll
+      for (int n = 0; n < DVO / 8; n += 2) {
+        const uint32_t w0 = pack2<TO>(o[mf][n][0] * norm[mf][0], o[mf][n][1] * norm[mf][0]);
+        const uint32_t w1 = pack2<TO>(o[mf][n][2] * norm[mf][1], o[mf][n][3] * norm[mf][1]);
+        const uint32_t w2 = pack2<TO>(o[mf][n + 1][0] * norm[mf][0], o[mf][n + 1][1] * norm[mf][0]);
+        const uint32_t w3 = pack2<TO>(o[mf][n + 1][2] * norm[mf][1], o[mf][n + 1][3] * norm[mf][1]);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         row_addr + ((uint32_t(n) * 16u) ^ x)),
+                     "r"(w0), "r"(w1), "r"(w2), "r"(w3));
+      }
+#else
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 * MF + mf * 16 + g + 8 * h;
+        const uint32_t row_addr = sq_u32 + uint32_t(r * QC) * 16u;
+#pragma unroll
+        for (int n = 0; n < DVO / 8; ++n) {
+          const uint32_t w = pack2<TO>(o[mf][n][2 * h] * norm[mf][h], o[mf][n][2 * h + 1] * norm[mf][h]);
+          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row_addr + uint32_t((n ^ (r & 7)) * 16 + c4 * 4)), "r"(w));
+        }
+      }
+#endif
     }
   }
   if (item.partial_row < 0) {
