@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(e.g. the --out of aot) for a deployment image")
     pack.add_argument("dir", metavar="DIR", help="the cache folder")
     pack.add_argument("--out", metavar="FILE",
-                      help="the archive, *.tar.zst or *.tar.gz (default: DIR.tar.zst beside DIR "
-                           "when zstd is on PATH, else DIR.tar.gz)")
+                      help="the archive, *.tar.gz or *.tar.zst (smaller; unpacking it needs zstd) "
+                           "(default: DIR.tar.gz beside DIR)")
     ls = command("list", cmd_list, "list the cache entries")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     verify = command("verify", cmd_verify, "check every entry against its manifest")

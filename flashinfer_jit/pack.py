@@ -8,8 +8,10 @@ writes it. Lock files, temp folders, failed-build logs and folders without a man
 that verifies stay behind. Paths are relative to DIR, so `tar -xf ARCHIVE -C ROOT` makes
 ROOT a cache root (for FLASHINFER_JIT_CACHE_DIR, or read-only in FLASHINFER_JIT_CACHE_PATH).
 
-Compression: zstd (`.tar.zst`, through the `zstd` program: Python 3.11's tarfile has no
-zstd) when `zstd` is on PATH, else gzip (`.tar.gz`). Members carry the entry's build
+Compression: gzip (`.tar.gz`) unless the archive is named `.tar.zst` (through the `zstd`
+program: Python 3.11's tarfile has no zstd). gzip is the default because the image that
+unpacks the archive may have no zstd (the H100 machines of this project's GPU checks have
+none: `tar -xf X.tar.zst` fails there); zstd makes the archive about 2/3 the size. Members carry the entry's build
 time, owner 0 and fixed modes, so packing the same entries twice gives the same tar.
 """
 
@@ -47,8 +49,8 @@ def zstd_program() -> str | None:
 
 
 def default_archive(root: Path) -> Path:
-    """`<DIR>.tar.zst` beside DIR when zstd is on PATH, else `<DIR>.tar.gz`."""
-    return root.parent / (root.name + (".tar.zst" if zstd_program() else ".tar.gz"))
+    """`<DIR>.tar.gz` beside DIR (any image can unpack it)."""
+    return root.parent / (root.name + ".tar.gz")
 
 
 def compression_of(archive: Path) -> str:
