@@ -11,6 +11,9 @@
 #   FIJ_COMMIT=<sha> names the commit where the device copy has no .git
 #   bash scripts/gpu_check.sh --restore-from DIR   (here, after a call; no OUT needed)
 #   GPU_CHECK_MATRIX=FILE (default scripts/matrices/tests), GPU_CHECK_BUDGET=SECONDS (560)
+#   The GPU tests also get the llama deployment matrix prebuilt apart, as FIJ_PREBUILT_LLAMA
+#   (tests/test_deploy_gpu.py loads it without nvcc): .carry/llama/cache when carried, else
+#   built into a temp folder
 #
 # Device call (from the repository root):
 #   run(command="bash scripts/gpu_check.sh", carry=[".carry", ".peers"], timeout_s=600)
@@ -78,6 +81,8 @@ fi
 : "${OUT:?gpu_check: set OUT to the results folder}"
 mkdir -p "$OUT"
 export OUT
+OUT_TMP=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")  # scratch that does not come back (unlike $OUT)
+trap 'rm -rf "$OUT_TMP"' EXIT
 exec 3>&1 4>&2 > >(tee -a "$OUT/gpu_check.log") 2>&1
 TEE_PID=$!
 export PYTHONUNBUFFERED=1
@@ -174,6 +179,16 @@ pack_cache  # now, so the cache comes back even if a later step runs out of time
 # --- GPU tests ------------------------------------------------------------------------------------
 TEST_RC=skipped
 if [ "$MODE" != bench ]; then
+  # the llama deployment matrix in a folder of its own, for the no-compiler deployment test
+  if [ -d .carry/llama/cache ]; then
+    FIJ_PREBUILT_LLAMA=$ROOT/.carry/llama/cache
+    echo; echo "llama matrix: carried in $FIJ_PREBUILT_LLAMA"
+  else
+    FIJ_PREBUILT_LLAMA=$OUT_TMP/llama
+    step aot-llama 240 python3 -m flashinfer_jit aot --matrix scripts/matrices/llama --out "$FIJ_PREBUILT_LLAMA" \
+      -j 16 || AOT_RC=$?
+  fi
+  export FIJ_PREBUILT_LLAMA
   TIMEOUT_OPT=()
   python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT_OPT=(--timeout=240)
   step tests 300 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider "${TIMEOUT_OPT[@]}" \
