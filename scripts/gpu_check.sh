@@ -13,7 +13,9 @@
 #   GPU_CHECK_MATRIX=FILE (default scripts/matrices/tests), GPU_CHECK_BUDGET=SECONDS (560)
 #   The GPU tests also get the llama deployment matrix prebuilt apart, as FIJ_PREBUILT_LLAMA
 #   (tests/test_deploy_gpu.py loads it without nvcc): .carry/llama/cache when carried, else
-#   built into a temp folder
+#   .carry/llama.tar.gz unpacked (the deployment flow: built and packed on a machine without a
+#   GPU, `flashinfer-jit aot --matrix scripts/matrices/llama --arch "8.0 9.0a" --out DIR` then
+#   `flashinfer-jit pack DIR --out .carry/llama.tar.gz`), else built into a temp folder
 #
 # Device call (from the repository root):
 #   run(command="bash scripts/gpu_check.sh", carry=[".carry", ".peers"], timeout_s=600)
@@ -183,6 +185,10 @@ if [ "$MODE" != bench ]; then
   if [ -d .carry/llama/cache ]; then
     FIJ_PREBUILT_LLAMA=$ROOT/.carry/llama/cache
     echo; echo "llama matrix: carried in $FIJ_PREBUILT_LLAMA"
+  elif [ -f .carry/llama.tar.gz ]; then  # built and packed on a machine without a GPU (the deployment flow)
+    FIJ_PREBUILT_LLAMA=$OUT_TMP/llama
+    mkdir -p "$FIJ_PREBUILT_LLAMA" && tar -xzf .carry/llama.tar.gz -C "$FIJ_PREBUILT_LLAMA"
+    echo; echo "llama matrix: unpacked .carry/llama.tar.gz, $(ls "$FIJ_PREBUILT_LLAMA" | wc -l) entries"
   else
     FIJ_PREBUILT_LLAMA=$OUT_TMP/llama
     step aot-llama 240 python3 -m flashinfer_jit aot --matrix scripts/matrices/llama --out "$FIJ_PREBUILT_LLAMA" \
