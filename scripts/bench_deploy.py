@@ -6,8 +6,8 @@ RoPE + fp8 quantize + append, decode, prefill; the batch indices and plans they 
       nvcc and runs the first step: seconds from the process's start to the first result;
   (b) cold cache, prebuilt: the same process on an empty writable cache, with
       FLASHINFER_JIT_CACHE_PATH on a cache built by `aot --matrix scripts/matrices/llama
-      --out DIR` (--prebuilt DIR, else built here first), FLASHINFER_JIT_DISABLE_JIT=1 and
-      no nvcc on PATH;
+      --arch "8.0 9.0a" --out DIR` (--prebuilt DIR, else built here first with no GPU visible),
+      FLASHINFER_JIT_DISABLE_JIT=1 and no nvcc on PATH;
   (c) warm start: a new process on the cache (a) filled: import, module loads, first step;
   (d) per step, host time: eager (plan() of both wrappers, then the step's launches) against
       the step captured in a CUDA graph (plan(), then one replay), with the GPU kept ahead:
@@ -146,7 +146,8 @@ def main() -> int:
             prebuilt = str(tmp / "llama")
             t = time.time()
             subprocess.run([sys.executable, "-m", "flashinfer_jit", "aot", "--matrix", "scripts/matrices/llama",
-                            "--out", prebuilt, "-j", str(args.jobs)], cwd=REPO, check=True, env=base)
+                            "--arch", "8.0 9.0a", "--out", prebuilt, "-j", str(args.jobs)], cwd=REPO, check=True,
+                           env=dict(base, CUDA_VISIBLE_DEVICES=""))  # as an image build: no GPU
             res["aot_llama_s"] = time.time() - t
         res["cold_prebuilt"] = child(dict(base, FLASHINFER_JIT_CACHE_DIR=str(tmp / "empty-cache"),
                                           FLASHINFER_JIT_CACHE_PATH=prebuilt, FLASHINFER_JIT_DISABLE_JIT="1",

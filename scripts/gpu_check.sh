@@ -13,9 +13,9 @@
 #   GPU_CHECK_MATRIX=FILE (default scripts/matrices/tests), GPU_CHECK_BUDGET=SECONDS (560)
 #   The GPU tests also get the llama deployment matrix prebuilt apart, as FIJ_PREBUILT_LLAMA
 #   (tests/test_deploy_gpu.py loads it without nvcc): .carry/llama/cache when carried, else
-#   .carry/llama.tar.gz unpacked (the deployment flow: built and packed on a machine without a
-#   GPU, `flashinfer-jit aot --matrix scripts/matrices/llama --arch "8.0 9.0a" --out DIR` then
-#   `flashinfer-jit pack DIR --out .carry/llama.tar.gz`), else built into a temp folder
+#   built into a temp folder with no GPU visible (CUDA_VISIBLE_DEVICES=) for 8.0 and 9.0a. It is
+#   built here, not on the CPU machine: its torch (2.13 CPU) differs from the GPU machine's, and
+#   entries built against another torch are refused
 #
 # Device call (from the repository root):
 #   run(command="bash scripts/gpu_check.sh", carry=[".carry", ".peers"], timeout_s=600)
@@ -185,14 +185,12 @@ if [ "$MODE" != bench ]; then
   if [ -d .carry/llama/cache ]; then
     FIJ_PREBUILT_LLAMA=$ROOT/.carry/llama/cache
     echo; echo "llama matrix: carried in $FIJ_PREBUILT_LLAMA"
-  elif [ -f .carry/llama.tar.gz ]; then  # built and packed on a machine without a GPU (the deployment flow)
-    FIJ_PREBUILT_LLAMA=$OUT_TMP/llama
-    mkdir -p "$FIJ_PREBUILT_LLAMA" && tar -xzf .carry/llama.tar.gz -C "$FIJ_PREBUILT_LLAMA"
-    echo; echo "llama matrix: unpacked .carry/llama.tar.gz, $(ls "$FIJ_PREBUILT_LLAMA" | wc -l) entries"
   else
     FIJ_PREBUILT_LLAMA=$OUT_TMP/llama
-    step aot-llama 240 python3 -m flashinfer_jit aot --matrix scripts/matrices/llama --out "$FIJ_PREBUILT_LLAMA" \
-      -j 16 || AOT_RC=$?
+    # with no GPU visible, for both architectures, as a deployment build runs (the same torch as the
+    # tests: entries built against another torch are refused, never loaded)
+    step aot-llama 240 env CUDA_VISIBLE_DEVICES= python3 -m flashinfer_jit aot --matrix scripts/matrices/llama \
+      --arch "8.0 9.0a" --out "$FIJ_PREBUILT_LLAMA" -j 16 || AOT_RC=$?
   fi
   export FIJ_PREBUILT_LLAMA
   TIMEOUT_OPT=()
