@@ -157,9 +157,11 @@ def write_files(build_dir: Path, module: RenderedModule) -> None:
 
 
 def write_manifest(build_dir: Path, entry: Entry, module: RenderedModule, content: str,
-                   flags: Flags, identity: dict, seconds: float, built_by: str) -> dict:
+                   flags: Flags, identity: dict, seconds: float, built_by: str, any_arch_key: str = "") -> dict:
     """`identity`: {"toolchain": compiler versions, "torch": torch's part of the key}, the
-    versions `flashinfer-jit list` compares with the installation's (stale_reason)."""
+    versions `flashinfer-jit list` compares with the installation's (stale_reason).
+    `any_arch_key`: the content key as if built for no arch (jit.Prepared), by which a
+    process asking for some of this entry's archs finds it."""
     files = {}
     for path in sorted(build_dir.rglob("*")):
         rel = path.relative_to(build_dir).as_posix()
@@ -171,6 +173,7 @@ def write_manifest(build_dir: Path, entry: Entry, module: RenderedModule, conten
         "name": entry.name,
         "key": entry.key,
         "content_key": content,
+        "any_arch_key": any_arch_key or content,
         "family": module.spec.FAMILY,
         "spec": module.spec.canonical(),
         "archs": list(flags.archs),

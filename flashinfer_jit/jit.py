@@ -37,6 +37,9 @@ class Prepared:
     key: str | None  # None when no compiler is available (DISABLE_JIT images)
     compilers: dict = field(default_factory=dict)
     torch: dict = field(default_factory=dict)  # toolchain.torch_identity(), part of content_key
+    # content_key as if built for no target arch: an entry with this and a superset of the
+    # archs asked for serves them too (an AOT image's "8.0 9.0a" entry, on an H100's "9.0a")
+    any_arch_key: str = ""
 
     @property
     def name(self) -> str:
@@ -65,13 +68,15 @@ def prepare(spec: Spec, archs: tuple[str, ...] | None = None) -> Prepared:
     torch_id = toolchain.torch_identity()
     flags = build.make_flags(archs, env.debug(), torch_id["cxx11_abi"])
     content = cache.content_key(module, flags, torch_id)
+    any_arch = content if not archs else \
+        cache.content_key(module, build.make_flags((), env.debug(), torch_id["cxx11_abi"]), torch_id)
     try:
         compilers = toolchain.get().compiler_identity()
     except ToolchainError:
         if not env.jit_disabled():
             raise
-        return Prepared(module, flags, content, None, torch=torch_id)
-    return Prepared(module, flags, content, cache.full_key(content, compilers), compilers, torch_id)
+        return Prepared(module, flags, content, None, torch=torch_id, any_arch_key=any_arch)
+    return Prepared(module, flags, content, cache.full_key(content, compilers), compilers, torch_id, any_arch)
 
 
 def find_published(prep: Prepared, roots: list[Path] | None = None) -> Path | None:
@@ -86,6 +91,29 @@ def find_published(prep: Prepared, roots: list[Path] | None = None) -> Path | No
         for path in candidates:
             manifest = cache.read_manifest(path)
             if manifest is None or manifest.get("content_key") != prep.content_key:
+                continue
+            if cache.verify_entry(path, manifest) is None:
+                return path
+    return _find_wider(prep, roots)
+
+
+def _find_wider(prep: Prepared, roots: list[Path] | None) -> Path | None:
+    """An entry of the same sources, flags and torch built for more target archs than
+    `prep` asks for (a fat binary: an image's "8.0 9.0a" entry serves an H100's "9.0a"),
+    and, where JIT may run, by the same compilers. Only consulted on a miss, before a build."""
+    if not prep.flags.archs or not prep.any_arch_key:
+        return None
+    wanted = set(prep.flags.archs)
+    # with a compiler that may run, only its own builds count (as for the exact key)
+    same_compilers = prep.key is not None and not env.jit_disabled()
+    for root in roots if roots is not None else cache.lookup_roots():
+        if not root.is_dir():
+            continue
+        for path in sorted(root.glob(f"{prep.name}-*"), reverse=True):
+            manifest = cache.read_manifest(path)
+            if manifest is None or manifest.get("any_arch_key") != prep.any_arch_key or \
+                    not wanted <= set(manifest.get("archs") or ()) or \
+                    (same_compilers and manifest.get("toolchain") != prep.compilers):
                 continue
             if cache.verify_entry(path, manifest) is None:
                 return path
@@ -166,7 +194,7 @@ def _build_one(prep: Prepared, entry: cache.Entry, jobs: int | None = None) -> N
                                     cache.out_of_space_hint(entry.root, log))
         (build_dir / cache.BUILD_LOG).write_text(log)
         cache.write_manifest(build_dir, entry, prep.module, prep.content_key, prep.flags,
-                             prep.identity(), seconds, "jit")
+                             prep.identity(), seconds, "jit", prep.any_arch_key)
         cache.publish(build_dir, entry)
     except OSError as exc:
         raise cache.write_error(prep.name, entry.root, exc) from exc
@@ -363,7 +391,7 @@ def _build_missing(preps: list[Prepared], root: Path, look_in: list[Path] | None
                     seconds = step_seconds.get(entry.dirname, 0.0)
                     (sub / cache.BUILD_LOG).write_text(build.collect_logs(sub))
                     cache.write_manifest(sub, entry, prep.module, prep.content_key, prep.flags,
-                                         prep.identity(), seconds, "aot")
+                                         prep.identity(), seconds, "aot", prep.any_arch_key)
                     cache.publish(sub, entry)
                     report.built.append(prep.name)
                 else:

@@ -956,6 +956,36 @@ def test_entry_from_another_arch_or_torch_is_never_loaded(built, tmp_path, monke
     never_loaded(other)
 
 
+@pytest.mark.slow
+@needs_toolchain
+def test_an_entry_built_for_more_archs_serves_each_of_them(tmp_path, monkeypatch):
+    """An AOT image's entry built for "8.0 9.0a" (one fat binary) is found by a process
+    that asks for 9.0a alone, or 8.0 alone, with JIT disabled and enabled (nothing built);
+    one asking for an arch the entry lacks (8.6) misses."""
+    root = tmp_path / "image"
+    proc = subprocess.run([sys.executable, "-m", "flashinfer_jit", "aot", "--entry", "batch_indices", "--arch",
+                           "8.0 9.0a", "--out", str(root)], cwd=REPO, env=python_env(), capture_output=True,
+                          text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [fat] = entries(root)
+    assert cache.read_manifest(fat)["archs"] == ["8.0", "9.0a"]
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_PATH", str(root))
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "writable"))
+    for disabled in ("1", ""):
+        monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", disabled)
+        for arch in ("9.0a", "8.0"):
+            prep = jit.prepare(SPEC, (arch,))
+            assert prep.content_key != cache.read_manifest(fat)["content_key"]
+            assert jit.find_published(prep) == fat, (disabled, arch)
+        assert jit.find_published(jit.prepare(SPEC, ("8.6",))) is None
+    monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")
+    monkeypatch.setenv("FLASHINFER_JIT_CUDA_ARCH_LIST", "9.0a")
+    jit.clear_registry()
+    assert jit.get_module(SPEC).path == fat
+    jit.clear_registry()
+    assert not (tmp_path / "writable").exists() or entries(tmp_path / "writable") == []
+
+
 def no_space(path: Path, *args, **kwargs):
     raise OSError(28, "No space left on device", str(path))
 
