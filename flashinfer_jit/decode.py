@@ -427,7 +427,7 @@ def _page_orderer():
     warning where it cannot be had: plan() then keeps the pages as given (same results,
     slower reads)."""
     def load():
-        return (ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int,
+        return (ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int,
                              _PageOrderParams, "params_bytes"),
                 ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p))
 
@@ -1046,7 +1046,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         p.longest_pages = -(-longest // config.page_size)
         p.page_size, p.batch, p.sort = config.page_size, batch, int(config.orders_pages)
         fn, error = _page_orderer()
-        code = fn(ctypes.addressof(p), _raw_stream(self._device.index))
+        code = fn(ctypes.addressof(p), _raw_stream(self._device.index), self._device.index)
         if code:
             raise RuntimeError(f"{PageOrderSpec().name}: order_pages: CUDA error {code} ({error(code).decode()})")
         return view

@@ -77,7 +77,11 @@ class PlanBuffer:
             slot.copy_end, slot.copy_buf, slot.copy_src, slot.copy_dst = end, buf, slot.tensor[:end], buf[:end]
         slot.copy_dst.copy_(slot.copy_src, non_blocking=non_blocking)
         if non_blocking and slot.event is not None:
-            slot.event.record()
+            if torch.cuda.current_device() == self.device.index:
+                slot.event.record()
+            else:  # the copy ran on the buffer's device's stream: record there, not on the current device's
+                with torch.cuda.device(self.device):
+                    slot.event.record()
             slot.pending = True
 
     def views(self, key, carve):
