@@ -227,7 +227,8 @@ class LayerStep:
             self.prefill.run(self.qa[nd:], (self.k_cache, self.v_cache), out=self.out[nd:])
 
     def capture(self) -> None:
-        """Capture run() once (warm-up on a side stream first, as capture needs)."""
+        """Capture run() once (warm-up on a side stream first, as capture needs). Prepare
+        the captured size first: a CUDA-graph decode wrapper's capacity is its first batch."""
         assert self.graph, "capture() needs LayerStep(graph=True)"
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -78,7 +78,9 @@ def test_one_process_alternates_between_two_gpus():
     for i in range(4):
         dev = devices[i % 2]
         g = graphs[dev.index]
-        g.prepare(llama8b_batch(rnd, decode=8 - i, prefill=2 - i % 2, prefill_tokens=256 - 50 * i), seed=50 + i)
+        # each device's first plan at the captured size (a decode graph's capacity is its first batch)
+        g.prepare(llama8b_batch(rnd, decode=8 if i < 2 else 8 - i, prefill=2 if i < 2 else 1,
+                                prefill_tokens=256 - 50 * i), seed=50 + i)
         before = (g.k_cache.clone(), g.v_cache.clone())
         with torch.cuda.device(dev):
             if g.graph_obj is None:
@@ -115,7 +117,7 @@ def test_tensors_moved_between_devices_and_a_wrapper_of_the_other_device():
                                   t["last"], "NHD")
         torch.cuda.synchronize(dev)
         table = csr_page_table(indptr, indices, last)
-        k_ref, v_ref = append_paged_kv_cache_ref(key, value, bi.cpu(), pos.cpu(), (k_cache, v_cache), table, "NHD")
+        k_ref, v_ref = append_paged_kv_cache_ref(key, value, bi.cpu(), pos.cpu(), k_cache, v_cache, table, "NHD")
         assert torch.equal(t["k"].cpu(), k_ref) and torch.equal(t["v"].cpu(), v_ref), f"append on {dev}"
     torch.cuda.set_device(0)
 
