@@ -299,7 +299,10 @@ def verify(step: LayerStep, before: tuple[torch.Tensor, torch.Tensor], what: str
     qo_lens, _ = step.batch.lens()
     qo_indptr = torch.tensor([0] + torch.tensor(qo_lens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
     out = step.out_rows()
-    assert not bool(out.isnan().any()), f"{what}: a live output row left unwritten"
+    if bool(out.isnan().any()):
+        nan_rows = out.isnan().flatten(1).any(1).nonzero().flatten().tolist()
+        raise AssertionError(f"{what}: {len(nan_rows)} of {out.shape[0]} live output rows left unwritten (decode "
+                             f"rows are the first {len(step.batch.decode_kv)}): {nan_rows[:12]}")
     ref, _ = prefill_ref(step.q_rows(), qo_indptr, step.k_cache, step.v_cache, page_table=step.page_table(),
                          causal=True)
     err = (out.double() - ref).abs() - 2e-2 * ref.abs()
