@@ -236,7 +236,10 @@ class LayerStep:
             self.run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph_obj = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph_obj):
+        # a capture stream of this device: torch.cuda.graph's default one is made once per
+        # process, on the device current at its first use (a capture for another device on it
+        # records nothing: the launches go to this device's streams and run at once)
+        with torch.cuda.graph(self.graph_obj, stream=torch.cuda.Stream(self.device)):
             self.run()
 
     def replay(self) -> None:
