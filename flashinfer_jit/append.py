@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import env
-from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_dim, expect_index_vector,
+from .checks import (aligned16, as_int32_index, compiling, constant_result, dtype_str, expect_dim, expect_index_vector,
                      expect_same_cuda_device, expect_vector_aligned, index_ok, index_vector,
                      same_cuda_device)
 from .jit import get_module, op_cache, traced_op
@@ -62,7 +62,7 @@ def _append_op(dtype, head_dim: int, kv_layout: str, table_layout: str, debug: b
     return get_module(_append_spec(dtype, head_dim, kv_layout, table_layout)).append_paged_kv_cache
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _append_namespace(dtype, head_dim: int, kv_layout: str, table_layout: str) -> str:
     return get_module(_append_spec(dtype, head_dim, kv_layout, table_layout)).namespace
 
@@ -179,7 +179,7 @@ def _output_index(out, name: str, nnz: int, device):
     return out
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _batch_indices_namespace() -> str:
     return get_module(_BATCH_INDICES_SPEC).namespace
 

@@ -22,6 +22,17 @@ from typing import Iterable
 compiling = torch.compiler.is_dynamo_compiling
 
 
+def constant_result(fn):
+    """torch.compiler.assume_constant_result(fn) without its `import torch._dynamo`: the
+    same mark, which Dynamo reads when it traces a call of fn (it runs fn once, at trace
+    time, and records the result as a constant). torch's version imports Dynamo where it
+    decorates, at the import of flashinfer_jit.rope and .append: 1.1 s on the CPU machine,
+    4-4.7 s on the H100 host, paid by the first RoPE or append call of every process
+    (tests/test_flashinfer_api.py checks that the mark is still torch's)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 _Tensor = torch.Tensor
 
 

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from . import env
-from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_index_vector,
+from .checks import (aligned16, as_int32_index, compiling, constant_result, dtype_str, expect_index_vector,
                      expect_same_cuda_device, expect_vector_aligned, index_ok, index_vector, same_cuda_device)
 from .jit import get_module, op_cache, traced_op
 from .device import placeholder
@@ -132,7 +132,7 @@ def _rope_op(dtype_in, dtype_out, interleave: bool, positions: str, cached_angle
     return getattr(get_module(spec), "rope_append" if spec.append else "rope")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _rope_namespace(dtype_in, dtype_out, interleave: bool, positions: str, cached_angles: bool,
                     table_layout: str, kv_layout: str) -> str:
     spec = _rope_spec(dtype_in, dtype_out, interleave, positions, cached_angles, table_layout, kv_layout)

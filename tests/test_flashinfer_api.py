@@ -752,6 +752,35 @@ def _assert_matches_eager(fn, args, mutated, compiled, what):
             assert_same_bytes(g, e, f"{what}: argument {i} (written in place)")
 
 
+def test_constant_result_is_torchs_mark_and_the_families_import_no_dynamo():
+    """checks.constant_result sets what torch.compiler.assume_constant_result sets (Dynamo
+    reads that mark), and importing every family leaves torch._dynamo unimported (its
+    import costs seconds on the first RoPE or append call)."""
+    code = textwrap.dedent("""
+        import sys, torch
+        import importlib
+        import flashinfer_jit as fi
+        for name in ("rope", "append", "decode", "prefill", "cascade", "flatten", "page"):
+            importlib.import_module(f"flashinfer_jit.{name}")
+        fi.rope_quantize_fp8_append_paged_kv_cache, fi.append_paged_kv_cache, fi.apply_rope
+        print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "no dynamo"
+    from flashinfer_jit.checks import constant_result
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    marked = {k: v for k, v in vars(torch.compiler.assume_constant_result(theirs)).items()}
+    assert marked and vars(constant_result(ours)) == marked
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("int64", [False, True], ids=["int32", "int64"])
 @pytest.mark.parametrize("case", COMPILE_CASES)
