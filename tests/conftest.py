@@ -13,7 +13,7 @@ import pytest
 import torch
 
 # kv_helpers (shared by the test modules) asserts too: pytest's rewriting, as in a test module
-pytest.register_assert_rewrite("kv_helpers")
+pytest.register_assert_rewrite("kv_helpers", "race_helpers")
 
 HAS_GPU = torch.cuda.is_available()
 

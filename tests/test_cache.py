@@ -39,6 +39,7 @@ from flashinfer_jit import cache, env, jit, render, toolchain
 from flashinfer_jit.errors import BuildError, CacheError, JitDisabledError, ToolchainError
 from flashinfer_jit.specs import AppendSpec, BatchIndicesSpec
 from flashinfer_jit.specs.base import NAMESPACE_PLACEHOLDER
+from race_helpers import run_together
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT = 300
@@ -394,30 +395,7 @@ def test_eight_processes_one_compile(tmp_path):
     home, log = make_toolkit(tmp_path)
     environ = python_env(FLASHINFER_JIT_CACHE_DIR=str(root), CUDA_HOME=str(home),
                          FLASHINFER_JIT_VERBOSE="1")
-    go = tmp_path / "go"
-    racers = []  # (ready file, output file, process); files, not pipes: no one blocks on us
-    for i in range(8):
-        ready, output = tmp_path / f"ready-{i}", tmp_path / f"racer-{i}.txt"
-        with open(output, "w") as out:
-            racers.append((ready, output, subprocess.Popen(
-                [sys.executable, "-c", RACER, str(ready), str(go)], env=environ, cwd=REPO,
-                stdout=out, stderr=subprocess.STDOUT)))
-    try:
-        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
-        while not all(ready.exists() for ready, _, _ in racers):
-            assert time.monotonic() < deadline, "racers did not start"
-            for _, output, p in racers:
-                assert p.poll() is None, f"a racer died before the start:\n{output.read_text()}"
-            time.sleep(0.05)
-        go.touch()  # all eight ask at once
-        codes = [p.wait(timeout=SUBPROCESS_TIMEOUT) for _, _, p in racers]
-    finally:
-        for _, _, p in racers:
-            if p.poll() is None:
-                p.kill()
-    outputs = [output.read_text() for _, output, _ in racers]
-    for code, text in zip(codes, outputs):
-        assert code == 0, text[-4000:]
+    outputs = run_together(tmp_path, RACER, [environ] * 8, REPO, SUBPROCESS_TIMEOUT, SUBPROCESS_TIMEOUT)
     loads = [json.loads(text.strip().splitlines()[-1]) for text in outputs]
     [entry] = entries(root)
     assert all(r["path"] == str(entry) and r["op"] for r in loads), loads

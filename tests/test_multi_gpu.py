@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from layer_step import Batch, LayerStep, llama8b_batch, verify  # noqa: E402
+from race_helpers import run_together  # noqa: E402
 
 import flashinfer_jit as fij  # noqa: E402
 from flashinfer_jit.page_table import csr_page_table  # noqa: E402
@@ -159,33 +158,11 @@ WORKER = textwrap.dedent("""
 @needs_two
 def test_one_process_per_gpu_on_an_empty_cache(tmp_path):
     root = tmp_path / "cache"
-    go = tmp_path / "go"
-    workers = []
-    for i in range(torch.cuda.device_count()):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i), FLASHINFER_JIT_CACHE_DIR=str(root),
-                   FLASHINFER_JIT_VERBOSE="1", FLASHINFER_JIT_CACHE_PATH="")
-        ready, output = tmp_path / f"ready-{i}", tmp_path / f"worker-{i}.txt"
-        with open(output, "w") as out:
-            workers.append((ready, output, subprocess.Popen([sys.executable, "-c", WORKER, str(ready), str(go)],
-                                                            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)))
-    try:
-        deadline = time.monotonic() + 120
-        while not all(ready.exists() for ready, _, _ in workers):
-            assert time.monotonic() < deadline, "workers did not start"
-            for _, output, p in workers:
-                assert p.poll() is None, f"a worker died before the start:\n{output.read_text()}"
-            time.sleep(0.05)
-        go.touch()
-        codes = [p.wait(timeout=900) for _, _, p in workers]
-    finally:
-        for _, _, p in workers:
-            if p.poll() is None:
-                p.kill()
-    outputs = [output.read_text() for _, output, _ in workers]
-    for code, text in zip(codes, outputs):
-        assert code == 0, text[-4000:]
+    envs = [dict(os.environ, CUDA_VISIBLE_DEVICES=str(i), FLASHINFER_JIT_CACHE_DIR=str(root),
+                 FLASHINFER_JIT_VERBOSE="1", FLASHINFER_JIT_CACHE_PATH="") for i in range(torch.cuda.device_count())]
+    outputs = run_together(tmp_path, WORKER, envs, REPO, 120, 900, "worker")
     results = [json.loads(text.strip().splitlines()[-1]) for text in outputs]
-    assert sorted(r["visible"] for r in results) == [str(i) for i in range(len(workers))]
+    assert sorted(r["visible"] for r in results) == [str(i) for i in range(len(envs))]
     built = [line.split("building", 1)[1].split()[0] for text in outputs for line in text.splitlines()
              if "flashinfer_jit: building" in line]
     assert built and len(built) == len(set(built)), f"a module was built more than once: {sorted(built)}"
