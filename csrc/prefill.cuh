@@ -222,9 +222,12 @@ FIJ_DEVICE float fast_log2(float x) {
   return y;
 }
 
-FIJ_DEVICE PrefillItem load_prefill_item(const int32_t* work, int i) {
-  const int32_t* w = work + 1 + kPrefillItemInts * i;
-  return PrefillItem{w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
+// Item i of the work list: pair i / num_kv_heads, KV head i % num_kv_heads
+// (csrc/prefill_params.h).
+FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
+  const DivMod ph = divmod(i, p.kv.num_kv_heads, p.kv_head_magic);
+  const int32_t* w = p.work + 1 + kPrefillPairInts * ph.quot;
+  return PrefillItem{w[0], ph.rem, w[1], w[2], w[3], w[4], w[5], w[6]};
 }
 
 // Brings an item's first reads into L2 without waiting: its q rows and its first K/V tile
@@ -839,7 +842,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const int items = p.work[0];
   for (int i = blockIdx.x; i < items; i += gridDim.x) {
     const int next = i + static_cast<int>(gridDim.x);
-    prefill_block<Traits>(p, load_prefill_item(p.work, i), smem, next < items ? next : -1);
+    prefill_block<Traits>(p, load_prefill_item(p, i), smem, next < items ? next : -1);
     __syncthreads();
   }
   pdl_trigger();

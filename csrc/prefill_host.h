@@ -64,6 +64,7 @@ inline PrefillParams make_prefill_params(const at::Tensor& q, const at::Tensor& 
               "num_qo_heads must be a multiple of num_kv_heads");
   p.group = p.num_qo_heads / p.kv.num_kv_heads;
   p.group_magic = 0xFFFFFFFFu / static_cast<uint32_t>(p.group);  // divmod's magic (csrc/common.cuh)
+  p.kv_head_magic = 0xFFFFFFFFu / static_cast<uint32_t>(p.kv.num_kv_heads);
   p.logit_scale = static_cast<float>(s.logit_scale);
   p.soft_cap_log2 = static_cast<float>(s.soft_cap_log2);
   p.v_scale = static_cast<float>(s.v_scale);

@@ -7,12 +7,14 @@
 namespace fij {
 
 // plan() writes, in one int32 buffer copied to the device at once, the work list:
-//   work[0]                          number of work items
-//   work[1 + kPrefillItemInts*i + f] field f of item i (PrefillItem below)
+//   work[0]                          number of work items (pairs x num_kv_heads)
+//   work[1 + kPrefillPairInts*j + f] field f of pair j: PrefillItem's fields but kv_head
 // An item is one query tile (up to a block's rows of (token, query head of the group) pairs
-// of one request, for one KV head) against one chunk of the request's keys. POD reads the
-// same list beside decode's.
-constexpr int kPrefillItemInts = 8;
+// of one request, for one KV head) against one chunk of the request's keys; the items of a
+// (tile, chunk) pair differ only in the KV head, so the list holds each pair once and item
+// i is pair i / num_kv_heads, KV head i % num_kv_heads (load_prefill_item): an eighth of the
+// bytes plan() writes and copies for 8 KV heads. POD reads the same list beside decode's.
+constexpr int kPrefillPairInts = 7;
 struct PrefillItem {
   int32_t request;      // b
   int32_t kv_head;
@@ -50,6 +52,7 @@ struct PrefillParams {
   int32_t num_qo_heads = 0;
   int32_t group = 1;          // num_qo_heads / num_kv_heads
   uint32_t group_magic = 0xFFFFFFFFu;  // (2^32 - 1) / group: csrc/common.cuh divmod (packed rows -> token, head)
+  uint32_t kv_head_magic = 0xFFFFFFFFu;  // (2^32 - 1) / num_kv_heads: work item -> (pair, KV head)
   float logit_scale = 1.f;    // sm_scale * q_scale * k_scale (* log2 e without soft cap; / cap with it)
   float soft_cap_log2 = 0.f;  // cap * log2 e: logits (log2 domain) = soft_cap_log2 * tanh(acc * logit_scale)
   float v_scale = 1.f;

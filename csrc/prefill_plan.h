@@ -7,7 +7,8 @@
 //   the K/V side's arrays: csr: indptr [capacity + 1], last_page_len [capacity];
 //     block tables: seq_lens [capacity]; ragged: kv_indptr [capacity + 1]
 //   merge_indptr [qo_tokens + 1] (only when a request is split)
-//   the work list: count, then kPrefillItemInts ints an item (csrc/prefill_params.h)
+//   the work list: the item count, then kPrefillPairInts ints a (tile, chunk) pair, whose
+//     num_kv_heads items differ in the KV head only (csrc/prefill_params.h)
 // Index arrays past the batch (CUDA-graph capacity) repeat their last offset or hold 0.
 #pragma once
 #include <algorithm>
@@ -183,7 +184,8 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
   else merge_at += cap + 1;
   const int64_t work_at = merge_at + (partial_rows > 0 ? qo_tokens + 1 : 0);
   const int64_t work_items = c.work_capacity > 0 ? c.work_capacity : items;
-  const int64_t end = work_at + 1 + int64_t(kPrefillItemInts) * work_items;
+  const int64_t work_pairs = (work_items + c.num_kv_heads - 1) / c.num_kv_heads;
+  const int64_t end = work_at + 1 + int64_t(kPrefillPairInts) * work_pairs;
   result[kItems] = items;
   result[kTileRows] = tile;
   result[kQoTokens] = qo_tokens;
@@ -235,17 +237,14 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
     const int32_t n = chunks[tl.b];
     const int32_t kv_start = n > 1 ? static_cast<int32_t>(int64_t(pr.chunk) * chunk) : 0;
     const int32_t kv_end = n > 1 ? static_cast<int32_t>(std::min<int64_t>(kv_start + chunk, kv_len[tl.b])) : kv_len[tl.b];
-    for (int32_t h = 0; h < c.num_kv_heads; ++h) {
-      it[0] = tl.b;
-      it[1] = h;
-      it[2] = tl.row0;
-      it[3] = kv_start;
-      it[4] = kv_end;
-      it[5] = partial_base[tl.b];
-      it[6] = n;
-      it[7] = pr.chunk;
-      it += kPrefillItemInts;
-    }
+    it[0] = tl.b;
+    it[1] = tl.row0;
+    it[2] = kv_start;
+    it[3] = kv_end;
+    it[4] = partial_base[tl.b];
+    it[5] = n;
+    it[6] = pr.chunk;
+    it += kPrefillPairInts;
   }
   return 0;
 }

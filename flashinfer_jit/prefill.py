@@ -40,7 +40,7 @@ from .specs.prefill import HEAD_DIM_PAIRS, PrefillPlanSpec, PrefillSpec, tile_ro
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _BACKENDS = ("auto", "fa2")
-_ITEM_INTS = 8  # csrc/prefill_params.h kPrefillItemInts
+_PAIR_INTS = 7  # csrc/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
 _BLOCKS_PER_SM = 2  # csrc/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM
 _MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than it saves
 _GRAPH_ITEMS_FACTOR = 4
@@ -161,7 +161,7 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
     table_at = cap + 1
     merge_at = table_at + (2 * cap + 1 if side == _CSR else cap if side == _SEQ_LENS else cap + 1)
     work_at = merge_at + (merge.shape[0] if merge is not None else 0)
-    end = work_at + 1 + _ITEM_INTS * (cfg.work_capacity or items)
+    end = work_at + 1 + _PAIR_INTS * -(-(cfg.work_capacity or items) // cfg.num_kv_heads)
     result[_ITEMS], result[_TILE_ROWS], result[_QO_TOKENS] = items, tile, int(ptr[-1])
     result[_PARTIAL_ROWS] = int(merge[-1]) if merge is not None else 0
     result[_TABLE_AT], result[_MERGE_AT], result[_WORK_AT], result[_END] = table_at, merge_at, work_at, end
@@ -223,9 +223,10 @@ def _host_vector(t, name: str) -> np.ndarray:
 
 def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads: int, tile_rows: int, causal: bool,
               target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int, min_chunk: int = _MIN_CHUNK):
-    """The work list of a batch: (work int32 [1 + 8 n], merge_indptr int32 [qo_tokens + 1] or
-    None (nothing split)). An item is (request, kv_head, row0, kv_start, kv_end, partial_row,
-    chunks, chunk) (csrc/prefill_params.h). Requests split their keys into chunks of `chunk`
+    """The work list of a batch: (work int32 [1 + 7 n], merge_indptr int32 [qo_tokens + 1] or
+    None (nothing split)). work[0] counts the items, n x num_kv_heads; then n (tile, chunk)
+    pairs (request, row0, kv_start, kv_end, partial_row, chunks, chunk), item i being pair
+    i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill_params.h). Requests split their keys into chunks of `chunk`
     keys (a multiple of 64), or, with chunk None and split True, of the size that brings the
     items near target_blocks when the unsplit batch falls short of it (and no chunk under
     _MIN_CHUNK keys); split False: no request splits. Items run heaviest first (causal tiles
@@ -281,15 +282,14 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
         cost = visible[pair_tile]
     order = np.argsort(-cost, kind="stable")
     n = order.shape[0]
-    fields = np.empty((n, num_kv_heads, _ITEM_INTS), dtype=np.int32)
-    fields[:, :, 0] = b[order, None]
-    fields[:, :, 1] = np.arange(num_kv_heads)[None, :]
-    fields[:, :, 2] = row0[pair_tile[order], None]
-    fields[:, :, 3] = kv_start[order, None]
-    fields[:, :, 4] = kv_end[order, None]
-    fields[:, :, 5] = partial_base[b[order], None]
-    fields[:, :, 6] = n_chunks_t[pair_tile[order], None]
-    fields[:, :, 7] = pair_chunk[order, None]
+    fields = np.empty((n, _PAIR_INTS), dtype=np.int32)
+    fields[:, 0] = b[order]
+    fields[:, 1] = row0[pair_tile[order]]
+    fields[:, 2] = kv_start[order]
+    fields[:, 3] = kv_end[order]
+    fields[:, 4] = partial_base[b[order]]
+    fields[:, 5] = n_chunks_t[pair_tile[order]]
+    fields[:, 6] = pair_chunk[order]
     work = np.empty(1 + fields.size, dtype=np.int32)
     work[0] = n * num_kv_heads
     work[1:] = fields.reshape(-1)

@@ -67,11 +67,16 @@ def test_work_list_covers_every_row_and_key_once():
     status, host, result = _run_native(cfg, qo, a, None, qo.shape[0] - 1)
     assert status == 0 and result[prefill._PARTIAL_ROWS] > 0
     w = host[int(result[prefill._WORK_AT]):]
-    items = w[1: 1 + 8 * w[0]].reshape(-1, 8)
+    heads = 8
+    assert w[0] % heads == 0
+    pairs = w[1: 1 + prefill._PAIR_INTS * (w[0] // heads)].reshape(-1, prefill._PAIR_INTS)
+    # item i: pair i // heads, KV head i % heads (csrc/prefill.cuh load_prefill_item), as
+    # (request, kv_head, row0, kv_start, kv_end)
+    items = np.array([(*pairs[i // heads][:1], i % heads, *pairs[i // heads][1:4]) for i in range(w[0])])
     qo_lens, kv_lens = np.diff(qo.numpy()), np.diff(a.numpy())
     tile = int(result[prefill._TILE_ROWS])
     for b in range(qo_lens.shape[0]):
-        for h in range(8):
+        for h in range(heads):
             mine = items[(items[:, 0] == b) & (items[:, 1] == h)]
             rows = set(mine[:, 2].tolist())
             assert rows == set(range(0, qo_lens[b] * 4, tile))
