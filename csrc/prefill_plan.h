@@ -170,7 +170,21 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
       pairs.push_back({static_cast<int32_t>(t), k, cost});
     }
   }
-  std::stable_sort(pairs.begin(), pairs.end(), [](const Pair& x, const Pair& y) { return x.cost > y.cost; });
+  // Requests heaviest first (by their heaviest pair), each request's pairs together,
+  // heaviest first: the last wave holds the short pairs of the lightest request, and the
+  // blocks in flight at a time read the K/V of a request or two, which stay in L2 (pairs
+  // sorted by cost alone interleave every request's causal tiles: at head_dim 256 that
+  // read each request's K/V from DRAM once per tile). Stable: ties keep request order.
+  std::vector<int32_t> request_cost(batch, 0);
+  for (const Pair& pr : pairs) {
+    int32_t& rc = request_cost[tiles[pr.tile].b];
+    rc = std::max(rc, pr.cost);
+  }
+  std::stable_sort(pairs.begin(), pairs.end(), [&](const Pair& x, const Pair& y) {
+    const int32_t bx = tiles[x.tile].b, by = tiles[y.tile].b;
+    if (bx == by) return x.cost > y.cost;
+    return request_cost[bx] != request_cost[by] ? request_cost[bx] > request_cost[by] : bx < by;
+  });
   const int64_t items = static_cast<int64_t>(pairs.size()) * c.num_kv_heads;
   if (c.work_capacity > 0 && items > c.work_capacity) {
     result[kItems] = items;

@@ -229,8 +229,10 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill_params.h). Requests split their keys into chunks of `chunk`
     keys (a multiple of 64), or, with chunk None and split True, of the size that brings the
     items near target_blocks when the unsplit batch falls short of it (and no chunk under
-    _MIN_CHUNK keys); split False: no request splits. Items run heaviest first (causal tiles
-    near the end of long requests), so the last wave is made of short items."""
+    _MIN_CHUNK keys); split False: no request splits. Requests run heaviest first, each
+    request's items together and heaviest first (causal tiles near the end of a request
+    first): the last wave is made of short items, and the blocks in flight share a request's
+    K/V in L2."""
     batch = qo_lens.shape[0]
     tiles = -(-(qo_lens * group) // tile_rows)  # per request; 0 for qo_len 0
     num_tiles = int(tiles.sum())
@@ -280,7 +282,11 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
         kv_start = np.zeros_like(pair_chunk)
         kv_end = kv_lens[b]
         cost = visible[pair_tile]
-    order = np.argsort(-cost, kind="stable")
+    # requests heaviest first (by their heaviest pair), each request's pairs together and
+    # heaviest first (csrc/prefill_plan.h says why); ties keep request order
+    request_cost = np.zeros(batch, dtype=np.int64)
+    np.maximum.at(request_cost, b, cost)
+    order = np.lexsort((-cost, b, -request_cost[b]))
     n = order.shape[0]
     fields = np.empty((n, _PAIR_INTS), dtype=np.int32)
     fields[:, 0] = b[order]

@@ -87,6 +87,32 @@ def test_work_list_covers_every_row_and_key_once():
                 assert covered == list(range(kv_lens[b]))
 
 
+@pytest.mark.parametrize("fixed", [0, 512])
+def test_work_list_keeps_requests_together_heaviest_first(fixed):
+    """Requests by their heaviest pair, descending; each request's pairs contiguous and
+    descending in the keys they see (blocks in flight share a request's K/V in L2)."""
+    qo = torch.tensor([0, 256, 512, 600, 1600, 1601], dtype=torch.int32)  # 256, 256, 88, 1000, 1
+    kv = torch.tensor([0, 256, 512, 700, 2700, 2701], dtype=torch.int32)
+    cfg = _config(_RAGGED, fixed=fixed, causal=1)
+    status, host, result = _run_native(cfg, qo, kv, None, 5)
+    assert status == 0
+    w = host[int(result[prefill._WORK_AT]):]
+    pairs = w[1: 1 + prefill._PAIR_INTS * (w[0] // 8)].reshape(-1, prefill._PAIR_INTS)
+    qo_lens, kv_lens = np.diff(qo.numpy()), np.diff(kv.numpy())
+    tile = int(result[prefill._TILE_ROWS])
+    # the keys each pair sees: causal stops at its last row's diagonal, within its chunk
+    last_token = np.minimum(qo_lens[pairs[:, 0]], (pairs[:, 1] + tile - 1) // 4 + 1) - 1
+    visible = last_token + kv_lens[pairs[:, 0]] - qo_lens[pairs[:, 0]] + 1
+    cost = np.maximum(np.minimum(pairs[:, 3], visible) - pairs[:, 2], 0)
+    order = [int(r) for i, r in enumerate(pairs[:, 0]) if i == 0 or pairs[i - 1, 0] != r]
+    assert sorted(order) == sorted(set(order)), f"a request's pairs are not contiguous: {order}"
+    heaviest = [int(cost[pairs[:, 0] == r].max()) for r in order]
+    assert heaviest == sorted(heaviest, reverse=True) and order[0] == 3
+    for r in order:
+        mine = cost[pairs[:, 0] == r]
+        assert (np.diff(mine) <= 0).all()
+
+
 @pytest.mark.parametrize("side,status", [(_CSR, 3), (_RAGGED, 2), (_SEQ_LENS, 5)])
 def test_native_planner_rejects_bad_kv_side(side, status):
     qo = torch.tensor([0, 4, 8], dtype=torch.int32)
