@@ -152,7 +152,7 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
       partial_rows = 0;
     }
   }
-  // (tile, chunk) pairs, heaviest first (stable: ties keep request order)
+  // (tile, chunk) pairs with the keys each sees
   struct Pair {
     int32_t tile, chunk, cost;
   };

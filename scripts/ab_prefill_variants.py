@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""A/B of csrc/prefill.cuh variants in one process (a development tool, not a benchmark of
+record): every variant's modules loaded side by side (jit.clear_registry between them; each
+module's namespace carries its source hash), timed interleaved per shape (A B A B ..., the
+minimum over ROUNDS of the median of up to 50 runs) after a 3 s GPU warm-up, so clock drift
+hits every variant alike. Run-to-run noise between two copies of one kernel: +-2-4%.
+
+  VARIANTS="BASE NEW" VARIANT_DIR=/path/to/variants DIMS=128,256 FORMS=ragged,paged \
+      SHAPES=1x16384,4x4096,16x1024,64x256 ROUNDS=3 FI=1 python3 scripts/ab_prefill_variants.py
+
+Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill.cuh while its wrappers plan
+and make their first run (csrc/prefill.cuh is restored at the end). NAME@costorder plans with
+the numpy twin and the work order before fc1ff93 (pairs by cost alone). FI=1 adds FlashInfer's
+fa2 (ragged rows; needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
+out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json."""
+import os, shutil, sys, time
+import numpy as np, torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+os.chdir(sys.path[0])
+import flashinfer_jit as fi
+from flashinfer_jit import jit
+variants = os.environ.get('VARIANTS', 'BASE2 S2').split()
+dims = [int(x) for x in os.environ.get('DIMS', '128,256').split(',')]
+forms = os.environ.get('FORMS', 'ragged,paged').split(',')
+shapes = [tuple(int(y) for y in x.split('x')) for x in os.environ.get('SHAPES', '1x16384,4x4096,16x1024,64x256').split(',')]
+rounds = int(os.environ.get('ROUNDS', '3'))
+use_fi = os.environ.get('FI') == '1'
+if use_fi:
+    import flashinfer
+dev = 'cuda'
+hq, hk = 32, 8
+orig = open('csrc/prefill.cuh').read()
+
+def bench(fn, ms_budget=60.0):
+    fn(); torch.cuda.synchronize()
+    s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
+    s.record(); fn(); e.record(); e.synchronize()
+    one = max(s.elapsed_time(e), 1e-3)
+    iters = int(min(50, max(5, ms_budget / one)))
+    ts = []
+    for _ in range(iters):
+        s.record(); fn(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) * 1e3)
+    return float(np.median(ts))
+
+import contextlib
+from flashinfer_jit import prefill as _pf
+class _OldOrder:  # the numpy twin with the order before fc1ff93: pairs by cost alone
+    def __getattr__(self, n): return getattr(np, n)
+    def lexsort(self, keys): return np.argsort(keys[0], kind='stable')
+@contextlib.contextmanager
+def plan_as(var):
+    if not var.endswith('@costorder'):
+        yield; return
+    os.environ['FLASHINFER_JIT_NATIVE_PLAN'] = '0'; _pf.np = _OldOrder()
+    try: yield
+    finally:
+        os.environ.pop('FLASHINFER_JIT_NATIVE_PLAN'); _pf.np = np
+
+def warm(seconds=2.0):
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(20): a @ a
+        torch.cuda.synchronize()
+
+warm(3.0)
+ws = {v: torch.empty(256 << 20, dtype=torch.uint8, device=dev) for v in variants}
+for d in dims:
+  rows = int(os.environ.get('ROWS', '0')) or None
+  for (B, L) in shapes:
+    for causal in (True, False):
+      qo = torch.arange(B + 1, dtype=torch.int32) * L
+      q = torch.randn(B * L, hq, d, dtype=torch.bfloat16, device=dev)
+      k = torch.randn(B * L, hk, d, dtype=torch.bfloat16, device=dev)
+      v = torch.randn(B * L, hk, d, dtype=torch.bfloat16, device=dev)
+      keys = L * (L + 1) / 2 if causal else L * L
+      F = 4 * B * keys * hq * d
+      for form in forms:
+        fns = {}
+        outs = {}
+        for var in variants:
+          shutil.copy(os.path.join(os.environ.get('VARIANT_DIR', '.carry/var'), var.split('@')[0] + '.cuh'), 'csrc/prefill.cuh')
+          jit.clear_registry()
+          if form == 'paged':
+            page = 16; npg = B * L // page
+            kc = k.view(npg, page, hk, d); vc = v.view(npg, page, hk, d)
+            g = torch.Generator().manual_seed(1)
+            ids = torch.randperm(npg, generator=g).int().to(dev)
+            kvp = torch.arange(B + 1, dtype=torch.int32) * (L // page)
+            last = torch.full((B,), page, dtype=torch.int32)
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[var])
+            if rows: w._force_tile_rows = rows
+            with plan_as(var): w.plan(qo, kvp, ids, last, hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16)
+            kv_arg = (kc, vc)
+            fn = (lambda w=w, kv_arg=kv_arg, q=q: w.run(q, kv_arg))
+          else:
+            w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws[var])
+            if rows: w._force_tile_rows = rows
+            with plan_as(var): w.plan(qo, qo, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
+            fn = (lambda w=w, q=q, k=k, v=v: w.run(q, k, v))
+          outs[var] = fn()
+          fns[var] = fn
+        if use_fi and form == 'ragged':
+          fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws[variants[0]], backend='fa2')
+          fw.plan(qo.to(dev), qo.to(dev), hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
+          fns["FA2"] = lambda fw=fw, q=q, k=k, v=v: fw.run(q, k, v)
+        ref = outs[variants[0]].float()
+        agree = {var: float((outs[var].float() - ref).abs().max()) for var in variants[1:]}
+        best = {n: 1e30 for n in fns}
+        for r in range(rounds):
+          for n, fn in fns.items():
+            best[n] = min(best[n], bench(fn))
+        base = best[variants[0]]
+        line = f"{form:6s} d={d} {B}x{L} {'causal' if causal else 'full  '}:"
+        for n in fns:
+          line += f"  {n} {best[n]:8.1f}us {F / best[n] / 1e6:5.0f}TF ({base / best[n]:.3f})"
+        line += f"  maxdiff {agree}"
+        print(line, flush=True)
+        del fns, outs
+      del q, k, v
+      torch.cuda.empty_cache()
+open('csrc/prefill.cuh', 'w').write(orig)
