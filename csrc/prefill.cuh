@@ -230,39 +230,10 @@ FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
   return PrefillItem{w[0], ph.rem, w[1], w[2], w[3], w[4], w[5], w[6]};
 }
 
-// Brings an item's first reads into L2 without waiting: its q rows and its first K/V tile
-// (one 16-byte-aligned row a thread). prefill_block calls it for the block's next item
-// while its own first loads are in flight, so that item starts from L2, not DRAM (short
-// items, a few tiles each, spend much of their time on those first loads).
-template <class Traits>
-FIJ_DEVICE void prefetch_prefill_item(const PrefillParams& p, const PrefillItem& item) {
-  using Q = typename Traits::Q;
-  using KV = typename Traits::KV;
-  const int tid = threadIdx.x, b = item.request;
-  const int qo_start = p.qo_indptr[b];
-  const int live_rows = min(Traits::kRows, (p.qo_indptr[b + 1] - qo_start) * p.group - item.row0);
-  if (tid < live_rows) {
-    const DivMod th = divmod(item.row0 + tid, p.group, p.group_magic);
-    prefetch_l2(static_cast<const Q*>(p.q) + int64_t(qo_start + th.quot) * p.q_stride_n +
-                    int64_t(item.kv_head * p.group + th.rem) * p.q_stride_h,
-                Traits::kDQK * int(sizeof(Q)));
-  }
-  const int j = item.kv_start + tid;
-  if (tid < Traits::kTileKV && j < min(item.kv_end, prefill_kv_len<Traits>(p, b))) {
-    const KVRows<Traits> rows(p, b, item.kv_head);
-    int64_t ko, vo;
-    rows.locate(j, ko, vo);
-    prefetch_l2(static_cast<const KV*>(p.kv.k.data) + ko, Traits::kDQK * int(sizeof(KV)));
-    prefetch_l2(static_cast<const KV*>(p.kv.v.data) + vo, Traits::kDVO * int(sizeof(KV)));
-  }
-}
-
 // One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
-// state. smem: Traits::kSmemBytes. Every thread of the block calls it. next_index >= 0: the
-// work-list index of the block's next item, whose first reads it prefetches into L2.
+// state. smem: Traits::kSmemBytes. Every thread of the block calls it.
 template <class Traits>
-FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem,
-                              int next_index = -1) {
+FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem) {
   using namespace mma_detail;
   using namespace prefill_detail;
   using Q = typename Traits::Q;
@@ -841,8 +812,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   pdl_wait();  // q, K/V and the outputs only after the kernel before (programmatic launch)
   const int items = p.work[0];
   for (int i = blockIdx.x; i < items; i += gridDim.x) {
-    const int next = i + static_cast<int>(gridDim.x);
-    prefill_block<Traits>(p, load_prefill_item(p, i), smem, next < items ? next : -1);
+    prefill_block<Traits>(p, load_prefill_item(p, i), smem);
     __syncthreads();
   }
   pdl_trigger();

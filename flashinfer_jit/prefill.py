@@ -226,10 +226,10 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     """The work list of a batch: (work int32 [1 + 7 n], merge_indptr int32 [qo_tokens + 1] or
     None (nothing split)). work[0] counts the items, n x num_kv_heads; then n (tile, chunk)
     pairs (request, row0, kv_start, kv_end, partial_row, chunks, chunk), item i being pair
-    i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill_params.h). Requests split their keys into chunks of `chunk`
-    keys (a multiple of 64), or, with chunk None and split True, of the size that brings the
-    items near target_blocks when the unsplit batch falls short of it (and no chunk under
-    _MIN_CHUNK keys); split False: no request splits. Requests run heaviest first, each
+    i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill_params.h). Requests split
+    their keys into chunks of `chunk` keys (a multiple of 64), or, with chunk None and split
+    True, of the size that brings the items near target_blocks when the unsplit batch falls
+    short of it (and no chunk under _MIN_CHUNK keys); split False: no request splits. Requests run heaviest first, each
     request's items together and heaviest first (causal tiles near the end of a request
     first): the last wave is made of short items, and the blocks in flight share a request's
     K/V in L2."""
