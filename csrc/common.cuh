@@ -71,6 +71,26 @@ inline int num_sms() {
   return cached[device] > 0 ? cached[device] : 1;
 }
 
+// Makes `device` current for the scope and restores the caller's device after it: the C
+// entry points ctypes calls launch on the device their plan was made for, whichever device
+// the calling thread has current (several GPUs in one process).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : device_(device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device_) cudaSetDevice(device_);
+  }
+  ~DeviceScope() {
+    if (previous_ != device_ && previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int device_;
+  int previous_ = -1;
+};
+
 // The launchers return cudaError_t as an int so the host binding needs no CUDA header.
 inline int last_launch_error() { return static_cast<int>(cudaGetLastError()); }
 
