@@ -463,6 +463,25 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   const bool warp_live = warp * 16 * MF < live_rows;
   const int64_t mask_base = Traits::kMask == PrefillMask::kCustom ? int64_t(p.mask_indptr[b]) * 8 : 0;
 
+  // ldmatrix lane addresses. Lane l reads row r of a swizzled 16-bit tile at chunk 2 ks + h,
+  // stored at chunk (2 ks + h) ^ (r % 8); in bytes (32 ks) ^ x with x = 16 (h ^ r % 8) < 128,
+  // which is 128 (ks / 4) + ((32 (ks % 4)) ^ x). So four offsets a lane (k steps mod 4) and
+  // immediates address every fragment, on a base that is the same for the whole block (the
+  // stage): ptxas folds base + offset + immediate into the ldmatrix instead of keeping an
+  // address a fragment in registers. A operands (q, and V through .trans) read rows l % 16 at
+  // h = l / 16; K (the B operand) rows l % 8 + 8 (l / 16) at h = l / 8 % 2.
+  struct {
+    uint32_t q[4], k[4], v[4];
+  } lane_off;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t ax = uint32_t((lane / 16) ^ (lane % 8)) * 16u, kx = uint32_t(((lane / 8) % 2) ^ (lane % 8)) * 16u;
+    lane_off.q[j] = uint32_t((lane % 16) * QC) * 16u + ((32u * j) ^ ax);
+    lane_off.v[j] = uint32_t((lane % 16) * VOC) * 16u + ((32u * j) ^ ax);
+    lane_off.k[j] = uint32_t((lane % 8 + 8 * (lane / 16)) * QC) * 16u + ((32u * j) ^ kx);
+  }
+  const uint32_t q_warp = sq_u32 + uint32_t(warp * 16 * MF * QC) * 16u;  // the warp's q rows
+
   if (num_tiles > 0) {
     if (kIdsAhead && ids_ahead) fetch_ids(start);
     load_tile(start, 0);
@@ -546,18 +565,16 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       // Lane addresses: row r of a tile at chunk 2 ks + hi sits at chunk (2 ks + hi) ^ (r % 8)
       // = 2 ks ^ (hi ^ r % 8): a per-lane base XOR a constant.
       const uint32_t tk_u32 = smem_u32(tk);
-      const uint32_t q_lane = uint32_t((warp * 16 * MF + lane % 16) * QC) * 16u, q_x = uint32_t((lane / 16) ^ (lane % 8)) * 16u;
-      const uint32_t k_lane = uint32_t((lane % 8 + 8 * (lane / 16)) * QC) * 16u, k_x = uint32_t(((lane / 8) % 2) ^ (lane % 8)) * 16u;
 #pragma unroll
       for (int ks = 0; ks < DQK / 16; ++ks) {
         uint32_t a[MF][4];
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
-          ldsm_x4(sq_u32 + q_lane + uint32_t(mf * 16 * QC * 16) + ((32u * ks) ^ q_x), a[mf]);
+          ldsm_x4(q_warp + lane_off.q[ks % 4] + uint32_t((ks / 4) * 128 + mf * 16 * QC * 16), a[mf]);
 #pragma unroll
         for (int np = 0; np < NTS / 2; ++np) {
           uint32_t bk[4];
-          ldsm_x4(tk_u32 + k_lane + uint32_t((sub * SUB + np * 16) * QC * 16) + ((32u * ks) ^ k_x), bk);
+          ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), bk);
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             mma_k16<M>(sacc[mf][2 * np], a[mf], bk[0], bk[1]);
@@ -663,7 +680,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
             for (int e = 0; e < 4; ++e) o[mf][n][e] *= scale[mf][e >> 1];
       }
       // O += P V
-      const uint32_t v_lane = smem_u32(tv) + uint32_t((lane % 16) * VOC) * 16u, v_x = uint32_t((lane / 16) ^ (lane % 8)) * 16u;
+      const uint32_t tv_u32 = smem_u32(tv);
 #pragma unroll
       for (int kt = 0; kt < SUB / 16; ++kt) {
         uint32_t pa[MF][4];
@@ -677,7 +694,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
         for (int dp = 0; dp < DVO / 16; ++dp) {
           uint32_t bv[4];
-          ldsm_x4_trans(v_lane + uint32_t((sub * SUB + kt * 16) * VOC * 16) + ((32u * dp) ^ v_x), bv);
+          ldsm_x4_trans(tv_u32 + lane_off.v[dp % 4] + uint32_t((dp / 4) * 128 + (sub * SUB + kt * 16) * VOC * 16), bv);
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) {
             mma_k16<M>(o[mf][2 * dp], pa[mf], bv[0], bv[1]);
