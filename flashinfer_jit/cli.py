@@ -361,10 +361,23 @@ def cmd_aot(args: argparse.Namespace) -> int:
         return 1
     bar.close()
     print("\n".join(summary_lines(report)))
+    _aot_fastcall(Path(args.out) if args.out else None)
     if args.json:
         Path(args.json).write_text(json.dumps(report_json(report, args.matrix, archs, jobs),
                                               indent=2) + "\n")
     return 1 if report.failed else 0
+
+
+def _aot_fastcall(root: Path | None) -> None:
+    """Builds run()'s fij_fastcall extension beside the modules (flashinfer_jit/fastcall.py);
+    a failure is said, not fatal (run() then calls its C entries through ctypes)."""
+    from . import fastcall
+    from .errors import JitError
+
+    try:
+        print(f"fastcall: {fastcall.build(root)}")
+    except (JitError, OSError) as exc:
+        print(f"fastcall: not built ({exc}); run() will call its C entries through ctypes", file=sys.stderr)
 
 
 # --- pack -----------------------------------------------------------------------------

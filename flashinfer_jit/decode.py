@@ -32,7 +32,7 @@ import threading
 import numpy as np
 import torch
 
-from . import env
+from . import env, fastcall
 from .capacity import cannot_grow, graph_capacity, grown_size, heads_fixed
 from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_choice, passed_run_checks, remembered,
                      run_signature, same_cuda_device, soft_cap_value)
@@ -1354,7 +1354,7 @@ def _decode_fast(spec: DecodeSpec, debug: bool):
         return None
     fn = ctypes_entry(spec, "decode_fast", [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
                                                                        ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
-    return fn, int(ctypes_entry(spec, "decode_launch_bytes", [], ctypes.c_int)())
+    return fastcall.bind("decode", fn), int(ctypes_entry(spec, "decode_launch_bytes", [], ctypes.c_int)())
 
 
 @op_cache

@@ -1,6 +1,7 @@
 """Archives of a cache folder for deployment images (`flashinfer-jit pack DIR`).
 
-An archive holds the complete entries of DIR and nothing else: of each entry, the files
+An archive holds the complete entries of DIR (and run()'s fij_fastcall extension, where
+DIR has it built) and nothing else: of each entry, the files
 its manifest lists, checked against their sizes and sha256 as they are read (so an entry
 damaged or replaced while it is packed is left out, never packed half old, half new),
 its build log, and its manifest, written after the entry's other files as a publish
@@ -41,6 +42,7 @@ class PackReport:
     compression: str
     packed: list[str] = field(default_factory=list)  # entry folder names
     skipped: dict[str, str] = field(default_factory=dict)  # folder name -> why
+    fastcall: list[str] = field(default_factory=list)  # fij_fastcall libraries (paths relative to the root)
     size_bytes: int = 0  # of the archive
 
 
@@ -85,6 +87,7 @@ def pack(root: Path, archive: Path) -> PackReport:
                     continue
                 _add_entry(tar, path, manifest, raw, contents)
                 report.packed.append(path.name)
+            report.fastcall.extend(_add_fastcall(tar, root))
         os.replace(tmp, archive)
     finally:
         tmp.unlink(missing_ok=True)
@@ -144,6 +147,27 @@ def _add_entry(tar: tarfile.TarFile, path: Path, manifest: dict, manifest_bytes:
         info.size, info.mtime = len(data), mtime
         info.mode = 0o755 if rel == manifest["library"] else 0o644
         tar.addfile(info, io.BytesIO(data))
+
+
+def _add_fastcall(tar: tarfile.TarFile, root: Path) -> list[str]:
+    """The built fij_fastcall extensions of `root` (.fastcall/<key>/<library>, see
+    flashinfer_jit/fastcall.py): run()'s caller of the C launch entries, which a root
+    without them replaces by ctypes."""
+    added = []
+    for lib in sorted(root.glob(".fastcall/*/fij_fastcall*")):
+        data = _read(lib)
+        if data is None or not lib.is_file():
+            continue
+        rel = lib.relative_to(root)
+        for folder in (rel.parent.parent, rel.parent):
+            info = tarfile.TarInfo(str(folder))
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        info = tarfile.TarInfo(str(rel))
+        info.size, info.mode = len(data), 0o755
+        tar.addfile(info, io.BytesIO(data))
+        added.append(str(rel))
+    return added
 
 
 def _built_at(manifest: dict) -> int:

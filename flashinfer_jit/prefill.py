@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from . import env
+from . import env, fastcall
 from .capacity import graph_capacity
 from .checks import (as_int32_index, dtype_str, expect_choice, passed_run_checks, remembered, run_signature,
                      same_cuda_device, soft_cap_value)
@@ -640,11 +640,12 @@ class _PrefillWrapper:
         tokens = q.shape[0]
         if out is None:
             out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
-            out_standard = True
+            out_standard, op = True, out.data_ptr()
         else:
             out_standard = type(out) is _Tensor and out.is_contiguous()
+            op = out.data_ptr() if out_standard else 0
             if not (out_standard and out.shape == (tokens, c.num_qo_heads, c.head_dim_vo) and
-                    out.dtype is c.o_dtype and not out.data_ptr() & 15 and out.device == q.device):
+                    out.dtype is c.o_dtype and not op & 15 and out.device == q.device):
                 _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
         if return_lse and lse is None:
             lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
@@ -662,7 +663,7 @@ class _PrefillWrapper:
             # The launch the op resolved at an earlier call with this signature, with this
             # call's pointers and scalars: no dispatcher.
             fn, _, prepared_ptr, device_index = fast
-            code = fn(prepared_ptr, qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+            code = fn(prepared_ptr, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
                       sinks.data_ptr() if with_sinks else 0, logit_scale, cap_log2, vs, window_left,
                       raw_stream(device_index), pdl)
             if code:
@@ -988,7 +989,7 @@ def _prefill_fast(spec: PrefillSpec, debug: bool):
         return None
     fn = ctypes_entry(spec, "prefill_fast", [ctypes.c_void_p] * 7 + [ctypes.c_float] * 3 +
                       [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
-    return fn, int(ctypes_entry(spec, "prefill_launch_bytes", [], ctypes.c_int)())
+    return fastcall.bind("prefill", fn), int(ctypes_entry(spec, "prefill_launch_bytes", [], ctypes.c_int)())
 
 
 @op_cache
