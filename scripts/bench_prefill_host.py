@@ -8,8 +8,9 @@ host-to-device copy; run() adds <= 10 us of host time. Measured:
       heads, head_dim 128, bf16, causal, CSR page table with host int32 qo_indptr, indptr
       and last_page_len and the page ids on the device; two batches of different lengths
       alternate. The C++ planner, and the numpy path (FLASHINFER_JIT_NATIVE_PLAN=0).
-  (b) with a GPU: run()'s enqueue time (no sync inside a round) for that batch and for one
-      request of 4096 tokens, next to one bare torch launch; FlashInfer's FA2 plan() and
+  (b) with a GPU: run()'s enqueue time (no sync inside a round) for that batch (also with
+      its C entry called through ctypes instead of fij_fastcall) and for one request of
+      16 tokens, next to one bare torch launch; FlashInfer's FA2 plan() and
       run() on the same batch where `import flashinfer` works.
 Each figure is time.perf_counter_ns over n calls per round, the median over rounds.
 
@@ -109,6 +110,22 @@ def main() -> int:
             res["run_256_small_c_launch"] = per_call_us(
                 lambda: fn(prepared_ptr, qp, kp, vp, op, 0, 0, c.logit_scale, c.cap_log2, 1.0, -1, stream, 0),
                 20, args.rounds, sync)
+        # the same run() with its C entry called through ctypes (fij_fastcall off): what the
+        # extension saves
+        from flashinfer_jit import fastcall, prefill as fij_prefill
+        ext = fastcall.extension
+        try:
+            fastcall.extension = lambda: None
+            fij_prefill._prefill_fast.cache_clear()
+            wc = fij.BatchPrefillWithPagedKVCacheWrapper(ws)
+            wc.plan(qo_indptr, indptr, indices, last, *heads, causal=True, q_data_type=torch.bfloat16)
+            wc.run(q, (k, v), out=out)
+            wc.run(q, (k, v), out=out)
+            res["run_256_small_ctypes"] = per_call_us(lambda: wc.run(q, (k, v), out=out), 20, args.rounds, sync)
+        finally:
+            fastcall.extension = ext
+            fij_prefill._prefill_fast.cache_clear()
+        res["fastcall"] = "fij_fastcall" if ext() is not None else "ctypes (the extension is unavailable)"
         # one request (16 tokens on 1k keys): the GPU's time under the host's
         w1 = fij.BatchPrefillWithPagedKVCacheWrapper(ws)
         one = (torch.tensor([0, 16], dtype=torch.int32), torch.tensor([0, 64], dtype=torch.int32),
