@@ -100,6 +100,9 @@ def main() -> int:
         w.run(q, (k, v), out=out)
         res["run_256_small"] = per_call_us(lambda: w.run(q, (k, v), out=out), 20, args.rounds, sync)
         res["run_256_small_alloc"] = per_call_us(lambda: w.run(q, (k, v)), 20, args.rounds, sync)
+        res["run_256_small_no_pdl"] = per_call_us(lambda: w.run(q, (k, v), out=out, enable_pdl=False), 20,
+                                                  args.rounds, sync)
+        res["pdl_default"] = bool(w._pdl)
         # the launch alone: the recorded C entry point run() calls, with the same arguments
         fast = w._plan.fast[0]
         if fast is not None:
@@ -107,9 +110,10 @@ def main() -> int:
             stream = torch.cuda.current_stream().cuda_stream
             qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
             c = w._plan.config
-            res["run_256_small_c_launch"] = per_call_us(
-                lambda: fn(prepared_ptr, qp, kp, vp, op, 0, 0, c.logit_scale, c.cap_log2, 1.0, -1, stream, 0),
-                20, args.rounds, sync)
+            for pdl in (0, 1):
+                res["run_256_small_c_launch" + ("_pdl" if pdl else "")] = per_call_us(
+                    lambda: fn(prepared_ptr, qp, kp, vp, op, 0, 0, c.logit_scale, c.cap_log2, 1.0, -1, stream, pdl),
+                    20, args.rounds, sync)
         # the same run() with its C entry called through ctypes (fij_fastcall off): what the
         # extension saves
         from flashinfer_jit import fastcall, prefill as fij_prefill
@@ -149,6 +153,8 @@ def main() -> int:
             da = (dp.prepared_ptr, qd.data_ptr(), k.data_ptr(), v.data_ptr(), od.data_ptr(), 0,
                   dp.config.logit_scale, 1.0, -1, stream, 0)
             res["decode_1_request_c_launch"] = per_call_us(lambda: dp.fast(*da), 20, args.rounds, sync)
+            da = da[:-1] + (1,)
+            res["decode_1_request_c_launch_pdl"] = per_call_us(lambda: dp.fast(*da), 20, args.rounds, sync)
         x = torch.empty(1, device=device)
         res["bare_torch_launch"] = per_call_us(lambda: x.add_(1), 200, args.rounds, sync)
         if not args.no_flashinfer:
