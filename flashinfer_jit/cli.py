@@ -395,6 +395,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
         print(f"skipped {name}: {reason}")
     print(f"packed {plural(len(report.packed), 'entry')} of {root} into {report.archive} "
           f"({report.compression}, {human_bytes(report.size_bytes)})")
+    if report.fastcall:
+        print(f"with run()'s fij_fastcall extension ({', '.join(report.fastcall)})")
     if report.skipped:
         print(f"{plural(len(report.skipped), 'entry')} left out: `flashinfer-jit verify` says why; "
               "rebuild them with `aot` before deploying")

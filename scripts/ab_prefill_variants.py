@@ -12,7 +12,8 @@ Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill.cuh while its wr
 and make their first run (csrc/prefill.cuh is restored at the end). NAME@costorder plans with
 the numpy twin and the work order before fc1ff93 (pairs by cost alone). FI=1 adds FlashInfer's
 fa2 (ragged rows; needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
-out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json."""
+out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json,
+docs/results/2026-11-26_h200_prefill_ab_f18239e.json."""
 import os, shutil, sys, time
 import numpy as np, torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
