@@ -1,17 +1,34 @@
 // fij_fastcall: run()'s C launch entries called from Python without ctypes.
 //
 // A ctypes call converts each argument through its argtypes and libffi: ~1.1 us for the
-// prefill entry's 13 arguments on the CPU machine, against ~0.1 us for this METH_FASTCALL
-// function, which reads Python ints and floats straight into the entry's C types
-// (csrc/fast_entry.h) and calls it by address. Built once per Python and compiler by
-// flashinfer_jit/fastcall.py (CPython's headers only, no torch); ctypes stays the fallback.
+// prefill entry's 13 arguments on the CPU machine, against ~0.1 us for these METH_FASTCALL
+// functions, which read Python ints and floats straight into the entry's C types
+// (csrc/fast_entry.h) and call it by address. Built once per Python, torch and compiler by
+// flashinfer_jit/fastcall.py; ctypes stays the fallback.
 //
 //   decode(entry, prepared, q, k, v, out, lse, logit_scale, v_scale, window_left, stream, pdl)
 //   prefill(entry, prepared, q, k, v, out, lse, sinks, logit_scale, soft_cap_log2, v_scale,
 //           window_left, stream, pdl)
 // Addresses are Python ints (0: null); each returns the entry's cudaError_t as an int.
+//
+// prefill's run() of the common form (no lse, sinks or per-call scales) goes further: the
+// tensors themselves come in, and the checks that the signature the op recorded still
+// holds run here, on torch's C++ tensors, with the stream taken from torch as the ops do:
+//
+//   tensor_signature(q, k, v, out) -> bytes   each tensor's dims, sizes, strides, dtype
+//                                            and device (exact torch.Tensor only)
+//   prefill_run(entry, prepared, signature, q, k, v, out, logit_scale, soft_cap_log2,
+//               v_scale, window_left, pdl) -> int
+//     -1 where the tensors are not of `signature` or not 16-byte aligned, -2 where they are
+//     not on a CUDA device (the caller then checks them in full), else the entry's
+//     cudaError_t.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <cstring>
 
 #include "fast_entry.h"
 
@@ -80,12 +97,103 @@ PyObject* prefill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLong(code);
 }
 
+// A tensor's signature words: dim, sizes, strides, dtype, device type and index. At most
+// kMaxDims dims; false for anything else (not an exact torch.Tensor, more dims).
+constexpr int kMaxDims = 6, kTensorWords = 4 + 2 * kMaxDims, kRunTensors = 4;
+
+bool describe(PyObject* obj, int64_t* w) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  const int64_t dim = t.dim();
+  if (dim > kMaxDims) return false;
+  std::memset(w, 0, sizeof(int64_t) * kTensorWords);
+  w[0] = dim;
+  const auto sizes = t.sizes(), strides = t.strides();
+  for (int64_t i = 0; i < dim; ++i) {
+    w[1 + i] = sizes[i];
+    w[1 + kMaxDims + i] = strides[i];
+  }
+  w[1 + 2 * kMaxDims] = static_cast<int64_t>(t.scalar_type());
+  w[2 + 2 * kMaxDims] = static_cast<int64_t>(t.device().type());
+  w[3 + 2 * kMaxDims] = t.device().index();
+  return true;
+}
+
+// The signature words of q, k, v, out into w; false where one is not describable.
+bool describe_run(PyObject* const* tensors, int64_t* w) {
+  for (int i = 0; i < kRunTensors; ++i)
+    if (!describe(tensors[i], w + i * kTensorWords)) return false;
+  return true;
+}
+
+PyObject* tensor_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("tensor_signature", nargs, kRunTensors)) return nullptr;
+  int64_t w[kRunTensors * kTensorWords];
+  try {
+    if (!describe_run(args, w)) {
+      PyErr_SetString(PyExc_TypeError, "fij_fastcall.tensor_signature(): expected plain torch.Tensor arguments "
+                                       "of at most 6 dims");
+      return nullptr;
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(w));
+}
+
+PyObject* prefill_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("prefill_run", nargs, 12)) return nullptr;
+  void* a[2];  // entry, prepared
+  if (!addresses(args, 2, a)) return nullptr;
+  PyObject* signature = args[2];
+  if (!PyBytes_Check(signature) || PyBytes_GET_SIZE(signature) != kRunTensors * kTensorWords * 8) {
+    PyErr_SetString(PyExc_TypeError, "fij_fastcall.prefill_run(): signature: expected tensor_signature()'s bytes");
+    return nullptr;
+  }
+  const double logit_scale = PyFloat_AsDouble(args[7]), soft_cap_log2 = PyFloat_AsDouble(args[8]);
+  const double v_scale = PyFloat_AsDouble(args[9]);
+  const long window_left = PyLong_AsLong(args[10]);
+  const int pdl = PyObject_IsTrue(args[11]);
+  if (PyErr_Occurred()) return nullptr;
+  if (a[0] == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.prefill_run(): null entry");
+    return nullptr;
+  }
+  void* ptr[kRunTensors];
+  void* stream = nullptr;
+  try {
+    int64_t w[kRunTensors * kTensorWords];
+    if (!describe_run(args + 3, w) || std::memcmp(w, PyBytes_AS_STRING(signature), sizeof(w)) != 0)
+      return PyLong_FromLong(-1);
+    for (int i = 0; i < kRunTensors; ++i) {
+      ptr[i] = THPVariable_Unpack(args[3 + i]).data_ptr();
+      if (reinterpret_cast<uintptr_t>(ptr[i]) % 16 != 0) return PyLong_FromLong(-1);
+    }
+    const at::Tensor& q = THPVariable_Unpack(args[3]);
+    if (!q.is_cuda()) return PyLong_FromLong(-2);
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    stream = impl.getStream(q.device()).native_handle();
+  } catch (const std::exception&) {  // a tensor torch cannot describe here: the full checks decide
+    return PyLong_FromLong(-1);
+  }
+  const int code = reinterpret_cast<fij_prefill_fast_fn>(a[0])(
+      a[1], ptr[0], ptr[1], ptr[2], ptr[3], nullptr, nullptr, static_cast<float>(logit_scale),
+      static_cast<float>(soft_cap_log2), static_cast<float>(v_scale), static_cast<int>(window_left), stream, pdl);
+  return PyLong_FromLong(code);
+}
+
 PyMethodDef methods[] = {
     {"decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(decode)), METH_FASTCALL,
      "decode(entry, prepared, q, k, v, out, lse, logit_scale, v_scale, window_left, stream, pdl) -> int"},
     {"prefill", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill)), METH_FASTCALL,
      "prefill(entry, prepared, q, k, v, out, lse, sinks, logit_scale, soft_cap_log2, v_scale, window_left, stream, "
      "pdl) -> int"},
+    {"tensor_signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(tensor_signature)),
+     METH_FASTCALL, "tensor_signature(q, k, v, out) -> bytes"},
+    {"prefill_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_run)), METH_FASTCALL,
+     "prefill_run(entry, prepared, signature, q, k, v, out, logit_scale, soft_cap_log2, v_scale, window_left, pdl) "
+     "-> int (-1: not the signature)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "fij_fastcall", "run()'s C launch entries, called without ctypes", -1,

@@ -6,9 +6,14 @@ costs ~1.1 us of argument conversion and libffi on the CPU machine (13 arguments
 extension's METH_FASTCALL functions (csrc/fastcall.cc) read the Python ints and floats
 into the entry's C types (csrc/fast_entry.h) and call it by address in ~0.1 us.
 
-The extension needs CPython's headers and the host C++ compiler, not torch or nvcc. It
-is built once per Python ABI, compiler and source into `.fastcall/<key>/` of the cache
-root (a hidden folder: not a module entry), found there by later processes and in the
+prefill's run() of the common form goes further (`prefill_run`): q, K/V and out come in
+as tensors, and the check that they still have the shapes, strides, dtypes and devices
+the op recorded (`tensor_signature`), their alignment and the current stream are done
+in C++ on torch's tensors, so run() does little more in Python than pass its arguments.
+
+The extension needs CPython's and torch's headers and the host C++ compiler, not nvcc
+(10-30 s to build). It is built once per Python ABI, torch, compiler and source into
+`.fastcall/<key>/` of the cache root (a hidden folder: not a module entry), found there by later processes and in the
 read-only roots of FLASHINFER_JIT_CACHE_PATH, and `flashinfer-jit aot` builds it beside
 the modules. Where it cannot be built or loaded (no Python.h, no compiler, the JIT
 disabled and nothing prebuilt), bind() hands back the ctypes function itself: the same
@@ -26,10 +31,12 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 from . import cache, env
 from .errors import BuildError, JitDisabledError, ToolchainError
+from .log import logger
 from .native import optional_entry
 from .toolchain import _version_line, find_cxx
 
@@ -50,14 +57,26 @@ def _python_include() -> Path:
     return inc
 
 
+def _torch() -> tuple[list[str], str, str]:
+    """(include folders, library folder, identity) of the running torch: the extension
+    reads its tensors (torch/csrc/autograd/python_variable.h) and links libtorch_python and
+    libc10."""
+    import torch
+    from torch.utils import cpp_extension
+
+    lib = str(Path(torch.__file__).parent / "lib")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return cpp_extension.include_paths(), lib, f"torch {torch.__version__} cuda {torch.version.cuda} abi {abi}"
+
+
 def key(cxx: str) -> str:
     """The extension's cache key: its sources, the Python ABI (the extension suffix names
-    it) and the compiler's version line."""
+    it), the torch it reads tensors of and the compiler's version line."""
     h = hashlib.sha256()
     csrc = env.source_dir("csrc")
     for name in SOURCES:
         h.update(name.encode() + b"\0" + (csrc / name).read_bytes() + b"\0")
-    h.update(f"{_suffix()}|{sys.version}|{_version_line([cxx, '--version'], 'c++')}".encode())
+    h.update(f"{_suffix()}|{sys.version}|{_torch()[2]}|{_version_line([cxx, '--version'], 'c++')}".encode())
     return h.hexdigest()[:20]
 
 
@@ -89,8 +108,16 @@ def build(root: Path | None = None) -> Path:
     tmp = cache.private_build_dir(root, f"fastcall-{k}")
     out = tmp / target.name
     csrc = env.source_dir("csrc")
-    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden", f"-I{_python_include()}",
-           f"-I{csrc}", str(csrc / "fastcall.cc"), "-o", str(out)]
+    import torch
+
+    includes, lib, _ = _torch()
+    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{_python_include()}",
+           *(f"-I{inc}" for inc in includes), f"-I{csrc}", str(csrc / "fastcall.cc"), "-o", str(out),
+           f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10"]
+    logger.info("building %s (run()'s caller of the C launch entries) on first use into %s; expect about "
+                "10-30 s, once", MODULE, target.parent)
+    t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -101,6 +128,7 @@ def build(root: Path | None = None) -> Path:
         cache.discard(tmp, root)
         errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line][:4]
         raise BuildError(f"{MODULE}: the C++ compiler failed (log: {log}): {' | '.join(errors)}")
+    logger.info("built %s in %.1f s", MODULE, time.perf_counter() - t0)
     os.chmod(tmp, 0o755)
     target.parent.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -143,3 +171,18 @@ def bind(family: str, fn):
     if ext is None:
         return fn
     return functools.partial(getattr(ext, family), ctypes.cast(fn, ctypes.c_void_p).value)
+
+
+def runner(name: str, fn):
+    """(the extension's function `name`, the address of C entry `fn`) for a caller that
+    hands the extension its tensors (prefill_run); None where the extension is
+    unavailable."""
+    ext = extension()
+    if ext is None:
+        return None
+    return getattr(ext, name), ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def tensor_signature(*tensors) -> bytes:
+    """The extension's signature of the tensors (q, k, v, out) a runner compares against."""
+    return extension().tensor_signature(*tensors)

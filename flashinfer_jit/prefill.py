@@ -310,7 +310,7 @@ class _Config:
 
 class _Plan:
     __slots__ = ("config", "spec", "op", "batch", "qo_tokens", "args", "tile_rows", "grid", "merge_rows", "layout",
-                 "mask_args", "checked", "fast", "sinks_spec")
+                 "mask_args", "checked", "fast", "quick", "sinks_spec")
 
 
 def _as_dtype(value, name: str, default=None) -> torch.dtype:
@@ -496,6 +496,7 @@ class _PrefillWrapper:
                      po, pl)
         plan.mask_args = mask_args
         plan.fast = [None, None]  # run()'s recorded launch, without and with sinks (_run)
+        plan.quick = None  # run()'s common form through fij_fastcall.prefill_run (_run)
         plan.sinks_spec = None  # the module a run() with sinks takes (_run)
         plan.checked = None  # run()'s checks: at the first run() of each plan (kv rows, tokens change)
         self._plan = plan
@@ -616,6 +617,20 @@ class _PrefillWrapper:
         if plan is None:
             raise RuntimeError("run() before plan(): call plan() once per batch first")
         c = plan.config
+        quick = plan.quick
+        if quick is not None and lse is None and not return_lse and sinks is None and window_left is None and \
+                q_scale is None and k_scale is None and v_scale is None and (out is not None or type(q) is _Tensor):
+            # The common form of a recorded signature: fij_fastcall checks in C++ that q, K/V
+            # and out are still what the op recorded, and launches (a negative code: they are
+            # not; the checks in full below)
+            if out is None:
+                out = torch.empty((q.shape[0], c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
+            code = quick[0](quick[1], quick[2], quick[3], q, k, v, out, c.logit_scale, c.cap_log2, 1.0,
+                            c.window_left, self._pdl if enable_pdl is None else enable_pdl)
+            if code == 0:
+                return out
+            if code > 0:
+                raise RuntimeError(f"{plan.spec.name}: prefill: CUDA error {code} ({_fast_error(plan.spec, code)})")
         # The checks in full only for a q or K/V unlike the last that passed them (in shape,
         # strides, dtype or device); alignment depends on the address: every call.
         ptrs = passed_run_checks(q, k, v, plan.checked)
@@ -677,6 +692,8 @@ class _PrefillWrapper:
             op = _prefill_op(spec, env.debug())
         entry = _prefill_fast(spec, env.debug()) if out_standard else None
         prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
+        record_quick = entry is not None and entry[2] is not None and not with_sinks and lse is None and \
+            q_scale is None and k_scale is None and v_scale is None and window_left == c.window_left
         kv_index, qo_indptr, work, merge, po, pl = plan.args
         mask, mask_indptr = plan.mask_args
         op(q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, sinks, out,
@@ -684,6 +701,9 @@ class _PrefillWrapper:
            c.rope_scale, c.rope_theta, plan.grid, plan.tile_rows, plan.merge_rows, pdl, prepared)
         if prepared is not None:  # later calls with this signature take the fast path
             plan.fast[with_sinks] = (entry[0], prepared, prepared.data_ptr(), q.get_device())
+            if record_quick:  # (prepared stays alive in plan.fast[False])
+                run, address = entry[2]
+                plan.quick = (run, address, prepared.data_ptr(), fastcall.tensor_signature(q, k, v, out))
         return (out, lse) if return_lse else out
 
     def _check_run(self, q, k, v, plan: _Plan) -> None:
@@ -722,6 +742,7 @@ class _PrefillWrapper:
         self._check_kv(k, v, c)
         plan.checked = run_signature(q, k, v)
         plan.fast = [None, None]  # a recorded launch holds the strides of the last signature
+        plan.quick = None
 
     def _check_kv(self, k, v, c: _Config) -> None:
         raise NotImplementedError
@@ -982,14 +1003,16 @@ def _prefill_op(spec: PrefillSpec, debug: bool):
 
 @op_cache
 def _prefill_fast(spec: PrefillSpec, debug: bool):
-    """(the module's C entry point <namespace>_prefill_fast, bytes of a prepared launch) for
-    run()'s fast path; None in the debug mode (every launch through the op) or without a
+    """(the module's C entry point <namespace>_prefill_fast, bytes of a prepared launch,
+    (fij_fastcall.prefill_run, the entry's address) or None without the extension) for
+    run()'s fast paths; None in the debug mode (every launch through the op) or without a
     CUDA device."""
     if debug or not torch.cuda.is_available():
         return None
     fn = ctypes_entry(spec, "prefill_fast", [ctypes.c_void_p] * 7 + [ctypes.c_float] * 3 +
                       [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
-    return fastcall.bind("prefill", fn), int(ctypes_entry(spec, "prefill_launch_bytes", [], ctypes.c_int)())
+    return (fastcall.bind("prefill", fn), int(ctypes_entry(spec, "prefill_launch_bytes", [], ctypes.c_int)()),
+            fastcall.runner("prefill_run", fn))
 
 
 @op_cache

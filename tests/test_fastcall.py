@@ -26,9 +26,16 @@ DECODE = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 6 + [ctypes.c_floa
                                                                    ctypes.c_void_p, ctypes.c_int]))
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A cache root with the extension built once for this module's tests (10-30 s)."""
+    root = tmp_path_factory.mktemp("fastcall") / "cache"
+    return root, fastcall.build(root)
+
+
 @pytest.fixture
-def ext(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "cache"))
+def ext(built, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(built[0]))
     monkeypatch.delenv("FLASHINFER_JIT_CACHE_PATH", raising=False)
     fastcall.extension.cache_clear()
     module = fastcall.extension()
@@ -43,9 +50,9 @@ def recorder(kind, seen, code=0):
     return kind(entry)
 
 
-def test_built_into_the_cache_root_and_found_there(ext, tmp_path):
+def test_built_into_the_cache_root_and_found_there(ext, built):
     assert ext is not None
-    libs = list((tmp_path / "cache" / ".fastcall").glob("*/fij_fastcall*"))
+    libs = list((built[0] / ".fastcall").glob("*/fij_fastcall*"))
     assert len(libs) == 1 and Path(ext.__file__) == libs[0]
     assert fastcall.find(libs[0].parent.name) == libs[0]
     assert fastcall.build() == libs[0]  # already built: the same library, nothing rebuilt
@@ -110,9 +117,8 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch):
         fastcall.extension.cache_clear()
 
 
-def test_jit_disabled_loads_a_prebuilt_extension_and_never_builds(tmp_path, monkeypatch):
-    prebuilt = tmp_path / "prebuilt"
-    lib = fastcall.build(prebuilt)
+def test_jit_disabled_loads_a_prebuilt_extension_and_never_builds(built, tmp_path, monkeypatch):
+    prebuilt, lib = built
     monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")
     monkeypatch.setenv("FLASHINFER_JIT_CACHE_PATH", str(prebuilt))
@@ -128,12 +134,66 @@ def test_jit_disabled_loads_a_prebuilt_extension_and_never_builds(tmp_path, monk
         fastcall.extension.cache_clear()
 
 
-def test_pack_carries_the_extension(tmp_path):
-    root = tmp_path / "root"
-    lib = fastcall.build(root)
+def test_pack_carries_the_extension(built, tmp_path):
+    root, lib = built
     report = pack.pack(root, tmp_path / "cache.tar.gz")
     rel = str(lib.relative_to(root))
     assert report.fastcall == [rel] and report.packed == []
     with tarfile.open(tmp_path / "cache.tar.gz") as tar:
         member = tar.getmember(rel)
         assert member.mode == 0o755 and tar.extractfile(member).read() == lib.read_bytes()
+
+
+def test_tensor_signature_tells_apart_what_the_kernel_depends_on(ext):
+    import torch
+
+    q = torch.randn(6, 4, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 3, 16, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty(6, 4, 64, dtype=torch.bfloat16)
+    sig = ext.tensor_signature(q, k, v, out)
+    assert sig == ext.tensor_signature(q.clone(), k.clone(), v.clone(), torch.empty_like(out))  # values aside
+    others = [
+        (q.float(), k, v, out),  # dtype
+        (q[:5], k, v, out),  # tokens
+        (torch.randn(6, 5, 64, dtype=torch.bfloat16)[:, 1:], k, v, out),  # same shape, other strides
+        (q, k.transpose(1, 2).contiguous().transpose(1, 2), v, out),  # K's strides (HND as NHD)
+        (q, k, v, out.view(6, 4, 2, 32)),  # dims
+    ]
+    for args in others:
+        assert ext.tensor_signature(*args) != sig
+    class Sub(torch.Tensor):
+        pass
+
+    with pytest.raises(TypeError, match="plain torch.Tensor"):
+        ext.tensor_signature(q, k, v, out.as_subclass(Sub))
+    with pytest.raises(TypeError, match="plain torch.Tensor"):
+        ext.tensor_signature(q, k, v, 0)
+
+
+def test_prefill_run_launches_only_for_the_recorded_signature(ext):
+    """-1: not the signature (or misaligned), and nothing is called; -2: the signature, but
+    not CUDA tensors (the caller's full checks decide; this machine has no GPU); the GPU
+    tests cover the launch itself (test_prefill.py::test_run_quick_path_checks_what_the_op_recorded)."""
+    import torch
+
+    seen = []
+    cb = recorder(PREFILL, seen)
+    address = ctypes.cast(cb, ctypes.c_void_p).value
+    q = torch.randn(6, 4, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 12, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty(6, 4, 64, dtype=torch.bfloat16)
+    sig = ext.tensor_signature(q, k, v, out)
+    run = lambda *t: ext.prefill_run(address, 64, sig, *t, 1.0, 0.0, 1.0, -1, True)  # noqa: E731
+    assert run(q, k, v, out) == -2
+    assert run(q.half(), k, v, out) == -1
+    assert run(q, k, v, out[:3]) == -1
+    wide = torch.empty(q.numel() + 8, dtype=torch.bfloat16)
+    assert run(wide[1:1 + q.numel()].view_as(q), k, v, out) == -1  # 2 bytes off
+    assert run(q, k, v, "out") == -1
+    assert seen == []
+    with pytest.raises(TypeError, match="expected 12 arguments"):
+        ext.prefill_run(address, 64, sig, q, k, v, out, 1.0, 0.0, 1.0, -1)
+    with pytest.raises(TypeError, match="signature"):
+        ext.prefill_run(address, 64, sig[:-8], q, k, v, out, 1.0, 0.0, 1.0, -1, True)
+    with pytest.raises(ValueError, match="null entry"):
+        ext.prefill_run(0, 64, sig, q, k, v, out, 1.0, 0.0, 1.0, -1, True)

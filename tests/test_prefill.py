@@ -1007,6 +1007,58 @@ def test_run_rejects_what_the_plan_does_not_match(workspace):
     assert bool(out.isnan().all()), "a rejected run() wrote its output"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["csr", "ragged"])
+def test_run_quick_path_checks_what_the_op_recorded(source, workspace):
+    """From the second run() of a signature, run() hands its tensors to fij_fastcall's
+    prefill_run, which checks them in C++ against what the op recorded: its results equal
+    the op's bit for bit; a q of another dtype, a q misaligned by one element (same shape and
+    strides), an out of another shape or dtype still raise what the full checks raise,
+    before any launch; another token count (a new signature) is recorded and runs right."""
+    from flashinfer_jit import fastcall
+
+    rnd = random.Random(21)
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    shapes = [(37, 300), (5, 5), (64, 64)]
+    q, qo_indptr, _, _, kv = base_inputs(shapes, gen, rnd, source)
+    wrapper = paged_wrapper(workspace) if source == "csr" else ragged_wrapper(workspace)
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), 16 if source == "csr" else None, causal=True,
+            q_data_type=torch.bfloat16)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=True)
+    outs = []
+    for _ in range(3):  # the op, then the quick path twice
+        out, _ = run_poisoned(wrapper, q, kv, 128, torch.bfloat16, return_lse=False)
+        outs.append(out)
+    if fastcall.extension() is not None:
+        assert wrapper._plan.quick is not None, "the second run() should record the quick path"
+    check_out(outs[0], ref_out, shapes, tolerance(BF16))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), "the quick path should repeat the op"
+
+    rows = q.shape[0]
+    wide = torch.empty(rows * LLAMA[0] * 128 + 8, dtype=torch.bfloat16, device=DEV)
+    misaligned = wide[1:1 + q.numel()].view_as(q)  # 2 bytes past a 16-byte boundary
+    misaligned.copy_(q)
+    out = torch.full((rows, LLAMA[0], 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    bad_runs = [
+        (r"\bq\b", dict(q=q.to(torch.float16), out=out)),
+        (r"\bq\b.*16 bytes", dict(q=misaligned, out=out)),
+        (r"\bout\b", dict(q=q, out=torch.empty(rows, LLAMA[0], 64, dtype=torch.bfloat16, device=DEV))),
+        (r"\bout\b", dict(q=q, out=torch.empty(rows, LLAMA[0], 128, dtype=torch.float16, device=DEV))),
+    ]
+    for match, kwargs in bad_runs:
+        with pytest.raises((ValueError, TypeError), match=match):
+            wrapper.run(kwargs.pop("q"), *kv.run_args, **kwargs)
+    torch.cuda.synchronize()
+    assert bool(out.isnan().all()), "a rejected run() wrote its output"
+
+    # a q with spare rows (more tokens than planned): a new signature, recorded and run
+    q_more = torch.cat([q, randn((7, LLAMA[0], 128), torch.bfloat16, gen)])
+    for _ in range(3):
+        out_more = wrapper.run(q_more, *kv.run_args)
+        torch.cuda.synchronize()
+        assert torch.equal(out_more[:rows], outs[0])
+
+
 # --- on the CPU: the grid's coverage, the AOT matrix, the API ----------------------------------------
 def test_cases_cover_every_pair_of_options():
     names = list(OPTIONS)
