@@ -25,6 +25,7 @@
 #include <math_constants.h>
 
 #include "common.cuh"
+#include "merge.cuh"
 #include "mma.cuh"
 #include "page_table.cuh"
 #include "prefill_params.h"
@@ -822,6 +823,81 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 
 // The thin kernel: block i takes items i, i + gridDim.x, ... (a CUDA-graph grid is fixed
 // and may be smaller or larger than the work list).
+// A split tile's merge, by the last of its chunk items to finish (for its KV head): the
+// tile's rows from their partial states into out/lse, by csrc/merge.cuh's rule (max LSE,
+// weights 2^(lse - max), chunks summed in order: deterministic), instead of a second
+// kernel. Every thread of the block calls it after prefill_block of work item `index` when
+// p.merge_counters is set; smem: any 8 ROWS + 16 bytes.
+// The counting is decode's (csrc/decode_mma.cuh): the barrier puts every thread's partial
+// stores before thread 0's release; the last block's acquire, then its barrier, puts the
+// other blocks' states before its loads, which bypass L1 (ld.cg).
+// (Not inlined: the main loop's registers stay as they are without it.)
+template <class Traits>
+__device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int index, unsigned char* smem) {
+  constexpr int ROWS = Traits::kRows, THREADS = Traits::kThreads, DVO = Traits::kDVO;
+  using TO = typename Traits::O;
+  const PrefillItem item = load_prefill_item(p, index);  // (read again: nothing of it stays live across the tile)
+  if (item.partial_row < 0) return;
+  const int tid = threadIdx.x;
+  int& last_block = *reinterpret_cast<int*>(smem);
+  __syncthreads();
+  if (tid == 0) {
+    const int num_kv_heads = p.num_qo_heads / p.group;
+    int* counter = p.merge_counters + (int64_t(item.partial_row) * p.group + item.row0) * num_kv_heads + item.kv_head;
+    last_block = atomic_add_acq_rel(counter, 1) == item.chunks - 1;
+    if (last_block) *counter = 0;  // every chunk of the tile has counted: zero for the next launch
+  }
+  __syncthreads();
+  if (!last_block) return;
+  const int b = item.request, group = p.group, chunks = item.chunks, H = p.num_qo_heads;
+  const int qo_start = p.qo_indptr[b], qo_len = p.qo_indptr[b + 1] - qo_start;
+  const int live_rows = min(ROWS, qo_len * group - item.row0);
+  float* row_max = reinterpret_cast<float*>(smem + 16);  // [ROWS]
+  float* row_rcp = row_max + ROWS;                        // [ROWS]: 1 / sum of the weights, 0: no key
+  // row r (token t, query head h): chunk c's state at partial row (partial_row + t chunks + c)
+  auto state_of = [&](int r, int& t, int& h) -> int64_t {
+    const DivMod th = divmod(item.row0 + r, group, p.group_magic);
+    t = th.quot;
+    h = item.kv_head * group + th.rem;
+    return int64_t(item.partial_row + t * chunks) * H + h;  // chunk c: + c H
+  };
+  for (int r = tid; r < live_rows; r += THREADS) {
+    int t, h;
+    const int64_t s0 = state_of(r, t, h);
+    float mx = -CUDART_INF_F;
+    for (int c = 0; c < chunks; ++c) mx = fmaxf(mx, __ldcg(p.partial_lse + s0 + int64_t(c) * H));
+    float den = 0.f;
+    if (mx != -CUDART_INF_F)
+      for (int c = 0; c < chunks; ++c) den += exp2f(__ldcg(p.partial_lse + s0 + int64_t(c) * H) - mx);
+    row_max[r] = mx;
+    row_rcp[r] = den > 0.f ? 1.f / den : 0.f;
+    if (p.lse != nullptr) p.lse[int64_t(qo_start + t) * H + h] = den > 0.f ? mx + log2f(den) : -CUDART_INF_F;
+  }
+  __syncthreads();
+  constexpr int kSlots = DVO / 4;  // 4 dims a thread and step
+  for (int i = tid; i < live_rows * kSlots; i += THREADS) {
+    const int r = i / kSlots, d = (i % kSlots) * 4;
+    int t, h;
+    const int64_t s0 = state_of(r, t, h);
+    const float mx = row_max[r];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (mx != -CUDART_INF_F) {
+      for (int c = 0; c < chunks; ++c) {
+        const int64_t s = s0 + int64_t(c) * H;
+        const float w = exp2f(__ldcg(p.partial_lse + s) - mx);
+        const float4 o = __ldcg(reinterpret_cast<const float4*>(p.partial_o + s * DVO + d));
+        acc[0] += w * o.x;
+        acc[1] += w * o.y;
+        acc[2] += w * o.z;
+        acc[3] += w * o.w;
+      }
+    }
+    const float rcp = row_rcp[r];
+    store4(static_cast<TO*>(p.out) + int64_t(qo_start + t) * p.out_stride_n + int64_t(h) * p.out_stride_h + d,
+           acc[0] * rcp, acc[1] * rcp, acc[2] * rcp, acc[3] * rcp);
+  }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
@@ -830,6 +906,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
   const int items = p.work[0];
   for (int i = blockIdx.x; i < items; i += gridDim.x) {
     prefill_block<Traits>(p, load_prefill_item(p, i), smem);
+    if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, i, smem);
     __syncthreads();
   }
   pdl_trigger();

@@ -48,6 +48,10 @@ struct PrefillParams {
   // split requests: [partial rows, num_qo_heads, head_dim_vo] normalized, and their LSEs
   float* partial_o = nullptr;
   float* partial_lse = nullptr;
+  // split tiles merged in the kernel: a counter per (tile, KV head) at (partial_row group +
+  // row0) num_kv_heads + kv_head, zero between launches (the last of the tile's chunk items
+  // resets it); null: the merge kernel merges (MergeParams)
+  int32_t* merge_counters = nullptr;
   int32_t batch_size = 0;
   int32_t num_qo_heads = 0;
   int32_t group = 1;          // num_qo_heads / num_kv_heads
@@ -66,7 +70,7 @@ struct PrefillParams {
 // per-call pointers and scalars replaced. Valid while the plan's buffers live.
 struct PrefillLaunch {
   PrefillParams params;
-  MergeParams merge;  // num_rows 0: nothing split
+  MergeParams merge;  // num_rows 0: nothing split, or merged in the kernel (merge_counters)
   int32_t grid = 0;
   int32_t tile_rows = 0;
   int32_t device = 0;

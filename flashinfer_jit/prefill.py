@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import env, fastcall
-from .capacity import graph_capacity
+from .capacity import graph_capacity, grown_size
 from .checks import (as_int32_index, dtype_str, expect_choice, passed_run_checks, remembered, run_signature,
                      same_cuda_device, soft_cap_value)
 from .device import empty_f32, num_sms, placeholder, raw_stream, supports_pdl
@@ -364,6 +364,8 @@ class _PrefillWrapper:
         # split-KV's partial states live in the workspace: float32 [rows, Hq, Dvo] + lse
         self._workspace_f32 = float_workspace_buffer.view(torch.uint8)[: nbytes // 4 * 4].view(torch.float32) \
             if float_workspace_buffer.is_contiguous() else None
+        # split tiles' merge counters (zeros between launches; csrc/prefill.cuh prefill_merge_if_last)
+        self._counters = None
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -492,8 +494,9 @@ class _PrefillWrapper:
         plan.layout = table_layout
         kv_index = list(table_dev) if side == _RAGGED else self._kv_index(table_dev, ids_dev)
         po, pl = self._partial_views(config, partial_rows) if partial_rows else (empty_f32(self._device),) * 2
+        counters = self._merge_counters(pl.numel()) if partial_rows else placeholder(self._device, torch.int32)
         plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else placeholder(self._device, torch.int32),
-                     po, pl)
+                     po, pl, counters)
         plan.mask_args = mask_args
         plan.fast = [None, None]  # run()'s recorded launch, without and with sinks (_run)
         plan.quick = None  # run()'s common form through fij_fastcall.prefill_run (_run)
@@ -564,6 +567,14 @@ class _PrefillWrapper:
             return 0
         per_row = config.num_qo_heads * (config.head_dim_vo + 1)
         return self._workspace_f32.numel() // per_row
+
+    def _merge_counters(self, size: int) -> torch.Tensor:
+        """int32 zeros on the device, at least `size` (one per split tile and KV head at most
+        one per partial LSE): kept across plans, grown to the next power of two; the kernel
+        leaves them zero after each launch."""
+        if self._counters is None or self._counters.numel() < size:
+            self._counters = torch.zeros(grown_size(size), dtype=torch.int32, device=self._device)
+        return self._counters[:size]
 
     def _partial_views(self, config: _Config, rows: int):
         hq, dvo = config.num_qo_heads, config.head_dim_vo
@@ -694,10 +705,10 @@ class _PrefillWrapper:
         prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
         record_quick = entry is not None and entry[2] is not None and not with_sinks and lse is None and \
             q_scale is None and k_scale is None and v_scale is None and window_left == c.window_left
-        kv_index, qo_indptr, work, merge, po, pl = plan.args
+        kv_index, qo_indptr, work, merge, po, pl, counters = plan.args
         mask, mask_indptr = plan.mask_args
         op(q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, sinks, out,
-           lse if lse is not None else empty_f32(q.device), po, pl, logit_scale, cap_log2, vs, window_left,
+           lse if lse is not None else empty_f32(q.device), po, pl, counters, logit_scale, cap_log2, vs, window_left,
            c.rope_scale, c.rope_theta, plan.grid, plan.tile_rows, plan.merge_rows, pdl, prepared)
         if prepared is not None:  # later calls with this signature take the fast path
             plan.fast[with_sinks] = (entry[0], prepared, prepared.data_ptr(), q.get_device())

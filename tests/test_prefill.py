@@ -834,8 +834,10 @@ def test_causal_as_custom_mask_matches_causal(source, workspace):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 def test_split_kv_forced_and_disabled(causal, workspace):
-    """fixed_split_size=256 (long requests split and merged) and disable_split_kv=True agree
-    with each other and with the reference; each is deterministic (two runs bit for bit)."""
+    """fixed_split_size=256 (long requests split, and each split tile merged in the kernel by
+    its last block) and disable_split_kv=True agree with each other and with the reference;
+    each is deterministic (two runs bit for bit), and the merge counters are zero again after
+    every run (the next launch counts from zero)."""
     rnd = random.Random(11)
     gen = torch.Generator(device=DEV).manual_seed(11)
     shapes = [(17, 5000), (1, 3000), (200, 2500), (64, 64), (300, 4100), (0, 600), (2, 0)]
@@ -847,6 +849,9 @@ def test_split_kv_forced_and_disabled(causal, workspace):
         wrapper, first = run_base(workspace, shapes, q, qo_indptr, kv, causal, **split)
         first = tuple(t.clone() for t in first)
         again = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+        if "fixed_split_size" in split:
+            assert wrapper._plan.merge_rows > 0 and wrapper._counters is not None, "the plan should split"
+            assert int(wrapper._counters.count_nonzero()) == 0, "merge counters left nonzero after a run"
         check_prefill(*first, ref_out, ref_lse, shapes, tol)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]), f"{split}: not deterministic"
         results.append(first)

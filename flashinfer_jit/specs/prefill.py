@@ -88,7 +88,9 @@ class PrefillSpec(Spec):
     def op_schemas(self) -> dict[str, str]:
         # One op runs the prefill kernel over plan()'s work list (grid blocks, tiles of
         # tile_rows rows) and, when plan() split requests (merge_rows > 0, the number of
-        # q tokens), the merge of their partial rows. kv_index: the page table's tensors
+        # q tokens), the merge of their partial rows: in the kernel, by the last block of each
+        # split tile, when merge_counters is given (int32, zeros, >= partial_lse's size),
+        # else by the merge kernel. kv_index: the page table's tensors
         # (paged) or [kv_indptr] (ragged). prepared: a CPU byte tensor that receives the
         # resolved launch (csrc/prefill_params.h PrefillLaunch) for run()'s fast path,
         # <namespace>_prefill_fast. block_shape: [threads, shared memory bytes, registers]
@@ -97,7 +99,8 @@ class PrefillSpec(Spec):
             "prefill": (
                 "(Tensor q, Tensor k, Tensor v, Tensor[] kv_index, Tensor qo_indptr, Tensor work, "
                 "Tensor merge_indptr, Tensor? mask, Tensor? mask_indptr, Tensor? sinks, Tensor(a!) out, "
-                "Tensor(b!) lse, Tensor(c!) partial_o, Tensor(d!) partial_lse, float logit_scale, "
+                "Tensor(b!) lse, Tensor(c!) partial_o, Tensor(d!) partial_lse, Tensor(f!) merge_counters, "
+                "float logit_scale, "
                 "float soft_cap_log2, float v_scale, int window_left, float rope_scale, float rope_theta, "
                 "int grid, int tile_rows, int merge_rows, bool enable_pdl=False, Tensor(e!)? prepared=None) -> ()"),
             "block_shape": "(int tile_rows) -> int[]",
