@@ -13,11 +13,12 @@ in C++ on torch's tensors, so run() does little more in Python than pass its arg
 
 The extension needs CPython's and torch's headers and the host C++ compiler, not nvcc
 (10-30 s to build). It is built once per Python ABI, torch, compiler and source into
-`.fastcall/<key>/` of the cache root (a hidden folder: not a module entry), found there by later processes and in the
-read-only roots of FLASHINFER_JIT_CACHE_PATH, and `flashinfer-jit aot` builds it beside
-the modules. Where it cannot be built or loaded (no Python.h, no compiler, the JIT
-disabled and nothing prebuilt), bind() hands back the ctypes function itself: the same
-call, slower, said once as a warning when a build failed.
+`.fastcall/<key>/` of the cache root (a hidden folder: not a module entry), found there by
+later processes and in the read-only roots of FLASHINFER_JIT_CACHE_PATH; `flashinfer-jit
+aot` builds it beside the modules and `pack` carries it. Where it cannot be built or
+loaded (no Python.h, no compiler, the JIT disabled and nothing prebuilt), bind() hands
+back the ctypes function itself and runner() None: the same calls, slower, said once in a
+RuntimeWarning.
 """
 
 from __future__ import annotations
