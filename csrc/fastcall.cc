@@ -57,44 +57,46 @@ bool arity(const char* name, Py_ssize_t got, Py_ssize_t want) {
   return false;
 }
 
+// The arguments after the addresses: `floats` scales (as float), window_left, the stream
+// (with_stream) and pdl; false with a Python error set, also for a null entry.
+struct Tail {
+  float scale[3];
+  int window_left;
+  void* stream;
+  int pdl;
+};
+
+bool read_tail(const char* name, PyObject* const* args, int floats, bool with_stream, const void* entry, Tail& t) {
+  for (int i = 0; i < floats; ++i) t.scale[i] = static_cast<float>(PyFloat_AsDouble(args[i]));
+  t.window_left = static_cast<int>(PyLong_AsLong(args[floats]));
+  t.stream = with_stream ? address(args[floats + 1]) : nullptr;
+  t.pdl = PyObject_IsTrue(args[floats + 1 + (with_stream ? 1 : 0)]);
+  if (PyErr_Occurred()) return false;
+  if (entry == nullptr) {
+    PyErr_Format(PyExc_ValueError, "fij_fastcall.%s(): null entry", name);
+    return false;
+  }
+  return true;
+}
+
 PyObject* decode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity("decode", nargs, 12)) return nullptr;
   void* a[7];  // entry, prepared, q, k, v, out, lse
-  if (!addresses(args, 7, a)) return nullptr;
-  const double logit_scale = PyFloat_AsDouble(args[7]), v_scale = PyFloat_AsDouble(args[8]);
-  const long window_left = PyLong_AsLong(args[9]);
-  void* stream = address(args[10]);
-  const int pdl = PyObject_IsTrue(args[11]);
-  if (PyErr_Occurred()) return nullptr;
-  if (a[0] == nullptr) {
-    PyErr_SetString(PyExc_ValueError, "fij_fastcall.decode(): null entry");
-    return nullptr;
-  }
-  const int code = reinterpret_cast<fij_decode_fast_fn>(a[0])(
-      a[1], a[2], a[3], a[4], a[5], static_cast<float*>(a[6]), static_cast<float>(logit_scale),
-      static_cast<float>(v_scale), static_cast<int>(window_left), stream, pdl);
-  return PyLong_FromLong(code);
+  Tail t;
+  if (!addresses(args, 7, a) || !read_tail("decode", args + 7, 2, true, a[0], t)) return nullptr;
+  return PyLong_FromLong(reinterpret_cast<fij_decode_fast_fn>(a[0])(
+      a[1], a[2], a[3], a[4], a[5], static_cast<float*>(a[6]), t.scale[0], t.scale[1], t.window_left, t.stream,
+      t.pdl));
 }
 
 PyObject* prefill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity("prefill", nargs, 14)) return nullptr;
   void* a[8];  // entry, prepared, q, k, v, out, lse, sinks
-  if (!addresses(args, 8, a)) return nullptr;
-  const double logit_scale = PyFloat_AsDouble(args[8]), soft_cap_log2 = PyFloat_AsDouble(args[9]);
-  const double v_scale = PyFloat_AsDouble(args[10]);
-  const long window_left = PyLong_AsLong(args[11]);
-  void* stream = address(args[12]);
-  const int pdl = PyObject_IsTrue(args[13]);
-  if (PyErr_Occurred()) return nullptr;
-  if (a[0] == nullptr) {
-    PyErr_SetString(PyExc_ValueError, "fij_fastcall.prefill(): null entry");
-    return nullptr;
-  }
-  const int code = reinterpret_cast<fij_prefill_fast_fn>(a[0])(
-      a[1], a[2], a[3], a[4], a[5], static_cast<float*>(a[6]), static_cast<const float*>(a[7]),
-      static_cast<float>(logit_scale), static_cast<float>(soft_cap_log2), static_cast<float>(v_scale),
-      static_cast<int>(window_left), stream, pdl);
-  return PyLong_FromLong(code);
+  Tail t;
+  if (!addresses(args, 8, a) || !read_tail("prefill", args + 8, 3, true, a[0], t)) return nullptr;
+  return PyLong_FromLong(reinterpret_cast<fij_prefill_fast_fn>(a[0])(
+      a[1], a[2], a[3], a[4], a[5], static_cast<float*>(a[6]), static_cast<const float*>(a[7]), t.scale[0],
+      t.scale[1], t.scale[2], t.window_left, t.stream, t.pdl));
 }
 
 // A tensor's signature words: dim, sizes, strides, dtype, device type and index. At most
@@ -151,15 +153,8 @@ PyObject* prefill_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "fij_fastcall.prefill_run(): signature: expected tensor_signature()'s bytes");
     return nullptr;
   }
-  const double logit_scale = PyFloat_AsDouble(args[7]), soft_cap_log2 = PyFloat_AsDouble(args[8]);
-  const double v_scale = PyFloat_AsDouble(args[9]);
-  const long window_left = PyLong_AsLong(args[10]);
-  const int pdl = PyObject_IsTrue(args[11]);
-  if (PyErr_Occurred()) return nullptr;
-  if (a[0] == nullptr) {
-    PyErr_SetString(PyExc_ValueError, "fij_fastcall.prefill_run(): null entry");
-    return nullptr;
-  }
+  Tail t;  // (the stream is torch's, below)
+  if (!read_tail("prefill_run", args + 7, 3, false, a[0], t)) return nullptr;
   void* ptr[kRunTensors];
   void* stream = nullptr;
   try {
@@ -177,10 +172,9 @@ PyObject* prefill_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   } catch (const std::exception&) {  // a tensor torch cannot describe here: the full checks decide
     return PyLong_FromLong(-1);
   }
-  const int code = reinterpret_cast<fij_prefill_fast_fn>(a[0])(
-      a[1], ptr[0], ptr[1], ptr[2], ptr[3], nullptr, nullptr, static_cast<float>(logit_scale),
-      static_cast<float>(soft_cap_log2), static_cast<float>(v_scale), static_cast<int>(window_left), stream, pdl);
-  return PyLong_FromLong(code);
+  return PyLong_FromLong(reinterpret_cast<fij_prefill_fast_fn>(a[0])(
+      a[1], ptr[0], ptr[1], ptr[2], ptr[3], nullptr, nullptr, t.scale[0], t.scale[1], t.scale[2], t.window_left,
+      stream, t.pdl));
 }
 
 PyMethodDef methods[] = {

@@ -58,16 +58,16 @@ def _python_include() -> Path:
     return inc
 
 
-def _torch() -> tuple[list[str], str, str]:
-    """(include folders, library folder, identity) of the running torch: the extension
-    reads its tensors (torch/csrc/autograd/python_variable.h) and links libtorch_python and
-    libc10."""
+def _torch() -> tuple[list[str], str, int, str]:
+    """(include folders, library folder, C++ ABI flag, identity) of the running torch: the
+    extension reads its tensors (torch/csrc/autograd/python_variable.h) and links
+    libtorch_python and libc10."""
     import torch
     from torch.utils import cpp_extension
 
     lib = str(Path(torch.__file__).parent / "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return cpp_extension.include_paths(), lib, f"torch {torch.__version__} cuda {torch.version.cuda} abi {abi}"
+    return cpp_extension.include_paths(), lib, abi, f"torch {torch.__version__} cuda {torch.version.cuda} abi {abi}"
 
 
 def key(cxx: str) -> str:
@@ -77,7 +77,7 @@ def key(cxx: str) -> str:
     csrc = env.source_dir("csrc")
     for name in SOURCES:
         h.update(name.encode() + b"\0" + (csrc / name).read_bytes() + b"\0")
-    h.update(f"{_suffix()}|{sys.version}|{_torch()[2]}|{_version_line([cxx, '--version'], 'c++')}".encode())
+    h.update(f"{_suffix()}|{sys.version}|{_torch()[3]}|{_version_line([cxx, '--version'], 'c++')}".encode())
     return h.hexdigest()[:20]
 
 
@@ -109,11 +109,9 @@ def build(root: Path | None = None) -> Path:
     tmp = cache.private_build_dir(root, f"fastcall-{k}")
     out = tmp / target.name
     csrc = env.source_dir("csrc")
-    import torch
-
-    includes, lib, _ = _torch()
+    includes, lib, abi, _ = _torch()
     cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{_python_include()}",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{_python_include()}",
            *(f"-I{inc}" for inc in includes), f"-I{csrc}", str(csrc / "fastcall.cc"), "-o", str(out),
            f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10"]
     logger.info("building %s (run()'s caller of the C launch entries) on first use into %s; expect about "
