@@ -58,6 +58,17 @@ struct PrefillTraits {
   // logit accumulators a lane, not 64, leave registers for the next fragments' loads).
   static constexpr int kSubKV = kMFrags == 2 && kTileKV == 64 ? 32 : kTileKV;
   static constexpr int kStages = 2;
+  // Tiles in pairs (stage 0, then stage 1: every ldmatrix address a lane offset plus an
+  // immediate, no per-tile address registers) and full tiles of a 128-row tile in one
+  // 64-key softmax step (16 HMMAs a k step of S = Q K^T instead of 8; V fragments loaded
+  // further ahead of their HMMAs). Measured on the H100 (docs/prefill.md, A/B at c5f680e):
+  // 1.03-1.09x at head_dim 64 and for paged head_dim 128, 0.96-1.02x for ragged head_dim
+  // 128, 0.93-1.02x at head_dim 256; so only where it gains, for 16-bit K/V without RoPE,
+  // soft cap or a custom mask (those, fp8 K/V and the 64-row tile: not measured, and ptxas
+  // then spills in the loop; left as they were).
+  static constexpr bool kPairTiles = kMFrags == 2 && kTileKV == 64 && sizeof(TKV) == 2 && !Rope && !SoftCap &&
+                                     Mask != PrefillMask::kCustom && (HeadDimQK == 64 || !Ragged);
+  static constexpr int kFullSubKV = kPairTiles ? kTileKV : kSubKV;
   static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
   static constexpr int kQBytes = kRows * kDQK * 2;
@@ -240,7 +251,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   using Q = typename Traits::Q;
   using KV = typename Traits::KV;
   using M = typename Traits::M;
-  constexpr int DQK = Traits::kDQK, DVO = Traits::kDVO, TKV = Traits::kTileKV, SUB = Traits::kSubKV, NTS = SUB / 8;
+  constexpr int DQK = Traits::kDQK, DVO = Traits::kDVO, TKV = Traits::kTileKV;
   constexpr int MF = Traits::kMFrags, ROWS = Traits::kRows, THREADS = Traits::kThreads;
   constexpr int QC = Traits::kQChunks, VOC = DVO / 8;  // 16-bit chunks a row
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -488,20 +499,18 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     load_tile(start, 0);
     if (kIdsAhead && ids_ahead && num_tiles > 1) fetch_ids(start + TKV);
   }
-  // (not unrolled: an unrolled pair of tiles kept both stages' addresses live, registers
-  // a 128-row tile does not have)
-#pragma unroll 1
-  for (int tile = 0; tile < num_tiles; ++tile) {
+  // Tile `tile` in stage s (a constant where tiles run in pairs)
+  auto tile_step = [&](int tile, auto stage) {
+    const int s = stage;
     const int kv0 = start + tile * TKV;
     if (tile + 1 < num_tiles) {
-      load_tile(kv0 + TKV, (tile + 1) % Traits::kStages);
+      load_tile(kv0 + TKV, 1 - s);
       if (kIdsAhead && ids_ahead && tile + 2 < num_tiles) fetch_ids(kv0 + 2 * TKV);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const int s = tile % Traits::kStages;
     const M* tk;
     const M* tv;
     if constexpr (Traits::kFp8) {
@@ -549,6 +558,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 
     // The tile's math; kMasked: with the masks (the chunk's end, causal, window, custom).
     auto compute = [&](auto masked) {
+      // masked tiles keep the shorter step (their masks' registers)
+      constexpr int SUB = decltype(masked)::value ? Traits::kSubKV : Traits::kFullSubKV, NTS = SUB / 8;
 #pragma unroll
       for (int sub = 0; sub < TKV / SUB; ++sub) {  // keys sub SUB .. of the tile
       // (a masked tile that ends early, at the chunk's end or the causal diagonal of the
@@ -716,6 +727,18 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       }
     }
     __syncthreads();  // the stage (and the widened tiles) are refilled next
+  };
+  static_assert(Traits::kStages == 2, "stage 1 - s is the next tile's");
+  if constexpr (Traits::kPairTiles) {
+#pragma unroll 1
+    for (int tile = 0; tile < num_tiles; tile += 2) {
+      tile_step(tile, std::integral_constant<int, 0>{});
+      if (tile + 1 < num_tiles) tile_step(tile + 1, std::integral_constant<int, 1>{});
+    }
+  } else {
+    // (one tile a trip elsewhere: the pair's code is twice the size, and measured no faster)
+#pragma unroll 1
+    for (int tile = 0; tile < num_tiles; ++tile) tile_step(tile, tile % 2);
   }
   cp_async_wait<0>();  // q's copies, where no tile ran
 
