@@ -1,4 +1,5 @@
-// fij_fastcall: run()'s C launch entries called from Python without ctypes.
+// fij_fastcall: run()'s C launch entries (and prefill plan()'s planner) called from Python
+// without ctypes.
 //
 // A ctypes call converts each argument through its argtypes and libffi: ~1.1 us for the
 // prefill entry's 13 arguments on the CPU machine, against ~0.1 us for these METH_FASTCALL
@@ -22,6 +23,18 @@
 //     -1 where the tensors are not of `signature` or not 16-byte aligned, -2 where they are
 //     not on a CUDA device (the caller then checks them in full), else the entry's
 //     cudaError_t.
+//
+// prefill's plan() calls its C++ planner (csrc/plan_entry.h) here with the index vectors as
+// they came, where they are of the common form, so that it neither converts nor checks
+// them in Python nor pays ctypes' conversions (~2 us of plan() on the CPU machine):
+//
+//   prefill_plan(planner, config, side, qo_indptr, kv_a, kv_b, host, host_size, result) -> int
+//     side as csrc/prefill_plan.h PrefillKVSide: 0 csr (kv_a: indptr [B + 1], kv_b:
+//     last_page_len [B]), 1 seq_lens (kv_a [B]), 2 ragged (kv_a: indptr [B + 1]); kv_b is
+//     read for csr only. qo_indptr [B + 1] and those, each a contiguous 1-D int32 CPU
+//     tensor (exact torch.Tensor): the planner's status (0, or its error for the caller to
+//     raise); -1 where one is of another form or length, and nothing is called (the caller
+//     converts and checks them, raising its errors, and calls the planner itself).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -31,6 +44,7 @@
 #include <cstring>
 
 #include "fast_entry.h"
+#include "plan_entry.h"
 
 namespace {
 
@@ -177,6 +191,46 @@ PyObject* prefill_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       stream, t.pdl));
 }
 
+// An index vector of plan()'s common form: its data and length; false for anything else.
+bool host_int32_vector(PyObject* obj, const int32_t** data, int64_t* size) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.dim() != 1 || t.scalar_type() != at::ScalarType::Int || !t.is_cpu() || !t.is_contiguous()) return false;
+  *data = static_cast<const int32_t*>(t.data_ptr());
+  *size = t.size(0);
+  return true;
+}
+
+PyObject* prefill_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("prefill_plan", nargs, 9)) return nullptr;
+  void* a[2];  // planner, config
+  if (!addresses(args, 2, a)) return nullptr;
+  const long side = PyLong_AsLong(args[2]);
+  void* host = address(args[6]);
+  const long long host_size = PyLong_AsLongLong(args[7]);
+  void* result = address(args[8]);
+  if (PyErr_Occurred()) return nullptr;
+  if (a[0] == nullptr || a[1] == nullptr || host == nullptr || result == nullptr || side < 0 || side > 2) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.prefill_plan(): null planner, config, host or result, or a side "
+                                      "other than 0, 1, 2");
+    return nullptr;
+  }
+  const bool csr = side == 0, indptr = side != 1;  // kv_b read; kv_a an indptr (B + 1 entries)
+  const int32_t *qo = nullptr, *kv_a = nullptr, *kv_b = nullptr;
+  int64_t qo_size = 0, a_size = 0, b_size = 0;
+  try {
+    if (!host_int32_vector(args[3], &qo, &qo_size) || !host_int32_vector(args[4], &kv_a, &a_size) ||
+        (csr && !host_int32_vector(args[5], &kv_b, &b_size)))
+      return PyLong_FromLong(-1);
+  } catch (const std::exception&) {  // a tensor torch cannot describe here: the caller's checks decide
+    return PyLong_FromLong(-1);
+  }
+  const int64_t batch = qo_size - 1;
+  if (batch < 0 || a_size != batch + (indptr ? 1 : 0) || (csr && b_size != batch)) return PyLong_FromLong(-1);
+  return PyLong_FromLongLong(reinterpret_cast<fij_prefill_plan_fn>(a[0])(
+      a[1], qo, kv_a, kv_b, batch, static_cast<int32_t*>(host), host_size, static_cast<long long*>(result)));
+}
+
 PyMethodDef methods[] = {
     {"decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(decode)), METH_FASTCALL,
      "decode(entry, prepared, q, k, v, out, lse, logit_scale, v_scale, window_left, stream, pdl) -> int"},
@@ -188,9 +242,13 @@ PyMethodDef methods[] = {
     {"prefill_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_run)), METH_FASTCALL,
      "prefill_run(entry, prepared, signature, q, k, v, out, logit_scale, soft_cap_log2, v_scale, window_left, pdl) "
      "-> int (-1: not the signature)"},
+    {"prefill_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_plan)), METH_FASTCALL,
+     "prefill_plan(planner, config, side, qo_indptr, kv_a, kv_b, host, host_size, result) -> int (-1: not the "
+     "common form)"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "fij_fastcall", "run()'s C launch entries, called without ctypes", -1,
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "fij_fastcall", "run()'s C launch entries and plan()'s planner, "
+                      "called without ctypes", -1,
                       methods};
 
 }  // namespace

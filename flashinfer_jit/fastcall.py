@@ -1,4 +1,5 @@
-"""run()'s C launch entries called without ctypes: the `fij_fastcall` CPython extension.
+"""run()'s C launch entries (and prefill plan()'s planner) called without ctypes: the
+`fij_fastcall` CPython extension.
 
 A recorded run() (decode's and prefill's fast path) calls its module's C entry
 <namespace>_<family>_fast with a dozen addresses and scalars. Through ctypes that call
@@ -10,6 +11,11 @@ prefill's run() of the common form goes further (`prefill_run`): q, K/V and out 
 as tensors, and the check that they still have the shapes, strides, dtypes and devices
 the op recorded (`tensor_signature`), their alignment and the current stream are done
 in C++ on torch's tensors, so run() does little more in Python than pass its arguments.
+
+prefill's plan() hands its C++ planner (csrc/plan_entry.h) the index vectors as they came
+(`prefill_plan`) where they are contiguous 1-D int32 CPU tensors of the batch's lengths:
+no conversion or length check in Python and no ctypes call (~2 us of the 256-request
+plan() on the CPU machine); any other form gets -1 back and takes the Python route.
 
 The extension needs CPython's and torch's headers and the host C++ compiler, not nvcc
 (10-30 s to build). It is built once per Python ABI, torch, compiler and source into
@@ -42,7 +48,7 @@ from .native import optional_entry
 from .toolchain import _version_line, find_cxx
 
 MODULE = "fij_fastcall"
-SOURCES = ("fastcall.cc", "fast_entry.h")
+SOURCES = ("fastcall.cc", "fast_entry.h", "plan_entry.h")
 SUBDIR = ".fastcall"
 
 
@@ -158,7 +164,8 @@ def _find_or_build():
 @functools.cache
 def extension():
     """The loaded extension, or None (a RuntimeWarning says why, once)."""
-    return optional_entry(_find_or_build, "run() calls its C entry through ctypes (~1 us slower)",
+    return optional_entry(_find_or_build, "run() and prefill's plan() call their C entries through ctypes "
+                          "(~1 us slower each)",
                           f"the {MODULE} extension")
 
 
@@ -174,8 +181,8 @@ def bind(family: str, fn):
 
 def runner(name: str, fn):
     """(the extension's function `name`, the address of C entry `fn`) for a caller that
-    hands the extension its tensors (prefill_run); None where the extension is
-    unavailable."""
+    hands the extension its tensors (prefill_run, prefill_plan); None where the extension
+    is unavailable."""
     ext = extension()
     if ext is None:
         return None

@@ -70,13 +70,15 @@ class _PlanConfig(ctypes.Structure):
 
 @op_cache
 def _native_planner():
-    """(<namespace>_prefill_plan of the PrefillPlanSpec module through ctypes, None), built or
-    loaded at the first plan(); None with a warning where it cannot be had: plan() then runs
+    """(<namespace>_prefill_plan of the PrefillPlanSpec module through ctypes, (fij_fastcall's
+    prefill_plan, its address) or None without the extension), built or loaded at the first
+    plan(); None with a warning where the planner cannot be had: plan() then runs
     _plan_numpy, slower on the host but the same plan."""
     def load():
-        return (ctypes_entry(PrefillPlanSpec(), "prefill_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] +
-                             [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _PlanConfig,
-                             "config_bytes"), None)
+        fn = ctypes_entry(PrefillPlanSpec(), "prefill_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] +
+                          [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _PlanConfig,
+                          "config_bytes")
+        return fn, fastcall.runner("prefill_plan", fn)
 
     return optional_entry(load, "batch prefill's plan() runs its numpy path",
                           f"the C++ planner {PrefillPlanSpec().name}")
@@ -96,6 +98,23 @@ def _host_i32(t, name: str) -> torch.Tensor:
 def _expect_length(t: torch.Tensor, name: str, n: int) -> None:
     if t.shape[0] != n:
         raise ValueError(f"{name}: expected {n} entries (from qo_indptr's batch size), got {t.shape[0]}")
+
+
+def _host_vectors(qo_indptr, side: int, kv_a, kv_b) -> tuple:
+    """(qo_indptr, kv_a, kv_b (None but for _CSR), batch): plan()'s index vectors as the
+    planner reads them (_host_i32), their forms and lengths checked."""
+    a_name, b_name = _SIDE_NAMES[side]
+    kv_a = _host_i32(kv_a, a_name)
+    if side == _CSR:
+        kv_b = _host_i32(kv_b, b_name)
+    qo = _host_i32(qo_indptr, "qo_indptr")
+    batch = qo.shape[0] - 1
+    if batch < 0:
+        raise ValueError("qo_indptr: expected batch_size + 1 offsets, got an empty tensor")
+    _expect_length(kv_a, a_name, batch + (0 if side == _SEQ_LENS else 1))
+    if side == _CSR:
+        _expect_length(kv_b, b_name, batch)
+    return qo, kv_a, kv_b, batch
 
 
 def _kv_lens_numpy(side: int, kv_a: torch.Tensor, kv_b, page_size: int) -> np.ndarray:
@@ -305,7 +324,7 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
 class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "mask", "pos_encoding",
                  "window_left", "soft_cap", "sm_scale", "rope_scale", "rope_theta", "q_dtype", "kv_dtype", "o_dtype",
-                 "fixed_split_size", "disable_split_kv", "group", "logit_scale", "cap_log2")
+                 "fixed_split_size", "disable_split_kv", "group", "logit_scale", "cap_log2", "structs", "plain_specs")
 
 
 class _Plan:
@@ -328,6 +347,7 @@ class _PrefillWrapper:
     """What the paged and ragged wrappers share: configuration, planning, the op call."""
 
     _ragged = False
+    _force_tile_rows = None  # benchmarks and tests pin the query tile (64 or 128 rows) here
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
@@ -354,8 +374,6 @@ class _PrefillWrapper:
         self._configs = {}
         self._plan = None
         self._pdl = supports_pdl(self._device)
-        self._structs = {}  # (configuration, K/V side) -> the planner's _PlanConfig
-        self._plain_specs = {}  # (configuration, page table) -> the spec of its run() without sinks
         self._result = np.zeros(11, dtype=np.int64)  # the planner's results (PrefillPlanResult)
         self._result_ptr = self._result.ctypes.data
         self._slot_size = 4096
@@ -366,6 +384,8 @@ class _PrefillWrapper:
             if float_workspace_buffer.is_contiguous() else None
         # split tiles' merge counters (zeros between launches; csrc/prefill.cuh prefill_merge_if_last)
         self._counters = None
+        # what an unsplit plan passes for the partial states, merge index and counters
+        self._placeholders = (empty_f32(self._device), placeholder(self._device, torch.int32))
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -412,6 +432,9 @@ class _PrefillWrapper:
         c.fixed_split_size, c.disable_split_kv = fixed_split_size, bool(disable_split_kv)
         c.logit_scale, c.cap_log2 = _logit_scales(c, None, None)
         self._spec(c, "csr", False)  # validates the dtypes and head dims now (ValueError, nothing built)
+        # what plan() keeps per configuration: K/V side -> (the planner's _PlanConfig, its
+        # address), page table -> the spec of a run() without sinks
+        c.structs, c.plain_specs = {}, {}
         return c
 
     def _spec(self, c: _Config, page_table: str, sinks: bool) -> PrefillSpec:
@@ -428,29 +451,38 @@ class _PrefillWrapper:
     def _plan_common(self, config: _Config, qo_indptr, side: int, kv_a, kv_b, table_layout: str, ids_dev,
                      max_kv_len: int, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool) -> None:
         """side: _CSR (kv_a = page indptr, kv_b = last_page_len), _SEQ_LENS (kv_a = seq_lens)
-        or _RAGGED (kv_a = kv_indptr), host int32 vectors; ids_dev: the page ids on the device
-        (paged) or None."""
-        qo = _host_i32(qo_indptr, "qo_indptr")
-        batch = qo.shape[0] - 1
-        if batch < 0:
-            raise ValueError("qo_indptr: expected batch_size + 1 offsets, got an empty tensor")
-        _expect_length(kv_a, _SIDE_NAMES[side][0], batch + (0 if side == _SEQ_LENS else 1))
-        if kv_b is not None:
-            _expect_length(kv_b, _SIDE_NAMES[side][1], batch)
-        graph = self._use_cuda_graph
-        if graph:
-            self._capacity = graph_capacity(self._capacity, batch)
-        capacity = self._capacity if graph else batch
+        or _RAGGED (kv_a = kv_indptr), index vectors as given (kv_b: None but for _CSR);
+        ids_dev: the page ids on the device (paged) or None."""
         planner = _native_planner() if env.native_prefill_plan() else None
-        cfg = self._plan_struct(config, side, capacity, max_kv_len)
+        graph = self._use_cuda_graph
         result = self._result
-        extra = capacity + 1 if config.mask == "custom" else 0  # mask_indptr, after the work list
         slot = self._plan_buffer.host(self._slot_size)
-        status = self._call_planner(planner, cfg, qo, kv_a, kv_b, batch, slot, extra)
+        status = -1
+        if planner is not None and planner[1] is not None and not graph and config.mask != "custom":
+            # Index vectors of the common form (contiguous int32 CPU tensors of the batch's
+            # lengths) go to the planner as given, through fij_fastcall: neither converted nor
+            # checked here, nor passed through ctypes (-1: another form, converted and checked
+            # below). Capacity 0 is the batch's own.
+            run, address = planner[1]
+            cfg, cfg_address = self._plan_struct(config, side, 0, max_kv_len)
+            status = run(address, cfg_address, side, qo_indptr, kv_a, kv_b, slot.address, slot.array.shape[0],
+                         self._result_ptr)
+        if status >= 0:
+            qo = qo_indptr
+            batch = capacity = qo.shape[0] - 1
+            extra = 0
+        else:
+            qo, kv_a, kv_b, batch = _host_vectors(qo_indptr, side, kv_a, kv_b)
+            if graph:
+                self._capacity = graph_capacity(self._capacity, batch)
+            capacity = self._capacity if graph else batch
+            cfg, cfg_address = self._plan_struct(config, side, capacity if graph else 0, max_kv_len)
+            extra = capacity + 1 if config.mask == "custom" else 0  # mask_indptr, after the work list
+            status = self._call_planner(planner, cfg, cfg_address, qo, kv_a, kv_b, batch, slot, extra)
         if status == _SLOT_TOO_SMALL:  # the planner said how much it needs: once more, in a larger slot
             self._slot_size = int(result[_END]) + extra
             slot = self._plan_buffer.regrow(self._slot_size)
-            status = self._call_planner(planner, cfg, qo, kv_a, kv_b, batch, slot, extra)
+            status = self._call_planner(planner, cfg, cfg_address, qo, kv_a, kv_b, batch, slot, extra)
         if status:
             self._raise_plan_error(int(status), int(result[1]), config, side, qo, kv_a, kv_b, int(result[_ITEMS]))
         if graph and self._graph_items is None:
@@ -483,7 +515,9 @@ class _PrefillWrapper:
         plan.config = config
         previous = self._plan
         # (dtype names and the spec's construction: once per configuration, not every plan)
-        spec = remembered(self._plain_specs, (config, table_layout, False), self._spec, _MAX_CONFIGS)
+        spec = config.plain_specs.get(table_layout)
+        if spec is None:
+            spec = config.plain_specs[table_layout] = self._spec(config, table_layout, False)
         plan.spec = spec
         # the module is looked up at run() (a run with sinks takes the sinks module: loading
         # the plain one here would build a module that no run() uses)
@@ -493,10 +527,13 @@ class _PrefillWrapper:
         plan.merge_rows = qo_tokens if partial_rows else 0
         plan.layout = table_layout
         kv_index = list(table_dev) if side == _RAGGED else self._kv_index(table_dev, ids_dev)
-        po, pl = self._partial_views(config, partial_rows) if partial_rows else (empty_f32(self._device),) * 2
-        counters = self._merge_counters(pl.numel()) if partial_rows else placeholder(self._device, torch.int32)
-        plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else placeholder(self._device, torch.int32),
-                     po, pl, counters)
+        if partial_rows:
+            po, pl = self._partial_views(config, partial_rows)
+            plan.args = (kv_index, qo_dev, work_dev, merge_dev, po, pl, self._merge_counters(pl.numel()))
+        else:  # (no merge index, partial states or counters: placeholders)
+            none_f32, none_i32 = self._placeholders
+            plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else none_i32, none_f32,
+                         none_f32, none_i32)
         plan.mask_args = mask_args
         plan.fast = [None, None]  # run()'s recorded launch, without and with sinks (_run)
         plan.quick = None  # run()'s common form through fij_fastcall.prefill_run (_run)
@@ -504,26 +541,24 @@ class _PrefillWrapper:
         plan.checked = None  # run()'s checks: at the first run() of each plan (kv rows, tokens change)
         self._plan = plan
 
-    def _call_planner(self, planner, cfg, qo, kv_a, kv_b, batch: int, slot, extra: int) -> int:
+    def _call_planner(self, planner, cfg, cfg_address: int, qo, kv_a, kv_b, batch: int, slot, extra: int) -> int:
         """The C++ planner (or its numpy twin) into `slot`, leaving `extra` int32s at its end
         for mask_indptr; the status, with the results in self._result."""
         room = slot.array.shape[0] - extra
         if planner is None:
             return _plan_numpy(cfg, qo, kv_a, kv_b, batch, slot.array[:room], self._result)
-        return planner[0](ctypes.addressof(cfg), qo.data_ptr(), kv_a.data_ptr(),
-                          kv_b.data_ptr() if kv_b is not None else None, batch, slot.address, room, self._result_ptr)
+        return planner[0](cfg_address, qo.data_ptr(), kv_a.data_ptr(), kv_b.data_ptr() if kv_b is not None else None,
+                          batch, slot.address, room, self._result_ptr)
 
     def _graph_grid(self) -> int:
         sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
         return sms * _BLOCKS_PER_SM
 
     def _plan_struct(self, config: _Config, side: int, capacity: int, max_kv_len: int):
-        """The planner's configuration for this plan (kept per configuration; the per-plan
-        fields updated in place)."""
-        cfg = self._structs.get((id(config), side))
-        if cfg is None:
-            if len(self._structs) >= _MAX_CONFIGS:
-                self._structs.clear()
+        """(the planner's configuration for this plan, its address): kept per configuration
+        and K/V side, the per-plan fields updated in place."""
+        kept = config.structs.get(side)
+        if kept is None:
             cfg = _PlanConfig(group=config.group, num_kv_heads=config.num_kv_heads, kv_side=side,
                               page_size=config.page_size, causal=int(config.mask == "causal"),
                               max_tile_rows=max(tile_rows_for(config.head_dim_qk)),
@@ -531,12 +566,13 @@ class _PrefillWrapper:
                               fixed_split_size=int(config.fixed_split_size or 0),
                               split=int(not self._use_cuda_graph and not config.disable_split_kv),
                               max_partial_rows=self._partial_capacity(config))
-            self._structs[(id(config), side)] = cfg
-        cfg.tile_rows = int(getattr(self, "_force_tile_rows", None) or 0)  # benchmarks and tests pin the tile
+            kept = config.structs[side] = (cfg, ctypes.addressof(cfg))
+        cfg = kept[0]
+        cfg.tile_rows = self._force_tile_rows or 0  # benchmarks and tests pin the tile
         cfg.capacity = capacity
         cfg.work_capacity = self._graph_items or 0
         cfg.max_kv_len = max_kv_len
-        return cfg
+        return kept
 
     def _raise_plan_error(self, status: int, index: int, config: _Config, side: int, qo, kv_a, kv_b, items: int):
         a_name, b_name = _SIDE_NAMES[side]
@@ -868,7 +904,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             ids = block_tables.to(self._device)
             if self._use_cuda_graph:
                 ids = self._graph_block_tables(ids)
-            self._plan_common(config, qo_indptr, _SEQ_LENS, _host_i32(seq_lens, "seq_lens"), None, layout, ids,
+            self._plan_common(config, qo_indptr, _SEQ_LENS, seq_lens, None, layout, ids,
                               block_tables.shape[-1] * page_size, custom_mask, packed_custom_mask, mask_indptr,
                               non_blocking)
             return
@@ -878,9 +914,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         ids = indices if indices.device == self._device else indices.to(self._device)
         if self._use_cuda_graph:
             ids = self._graph_indices(ids)
-        self._plan_common(config, qo_indptr, _CSR, _host_i32(paged_kv_indptr, "paged_kv_indptr"),
-                          _host_i32(paged_kv_last_page_len, "paged_kv_last_page_len"), "csr", ids, 0, custom_mask,
-                          packed_custom_mask, mask_indptr, non_blocking)
+        self._plan_common(config, qo_indptr, _CSR, paged_kv_indptr, paged_kv_last_page_len, "csr", ids, 0,
+                          custom_mask, packed_custom_mask, mask_indptr, non_blocking)
 
     def _graph_indices(self, ids: torch.Tensor) -> torch.Tensor:
         buf = self._indices_buf
@@ -976,8 +1011,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                 logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
-        self._plan_common(config, qo_indptr, _RAGGED, _host_i32(kv_indptr, "kv_indptr"), None, "csr", None, 0,
-                          custom_mask, packed_custom_mask, mask_indptr, non_blocking)
+        self._plan_common(config, qo_indptr, _RAGGED, kv_indptr, None, "csr", None, 0, custom_mask,
+                          packed_custom_mask, mask_indptr, non_blocking)
 
     def _kv_index(self, table_dev, ids_dev):
         return [table_dev[0]]

@@ -24,6 +24,8 @@ PREFILL = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 7 + [ctypes.c_flo
                                            [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]))
 DECODE = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
                                                                    ctypes.c_void_p, ctypes.c_int]))
+PLAN = ctypes.CFUNCTYPE(ctypes.c_longlong, *([ctypes.c_void_p] * 4 + [ctypes.c_longlong, ctypes.c_void_p,
+                                                                      ctypes.c_longlong, ctypes.c_void_p]))
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +199,55 @@ def test_prefill_run_launches_only_for_the_recorded_signature(ext):
         ext.prefill_run(address, 64, sig[:-8], q, k, v, out, 1.0, 0.0, 1.0, -1, True)
     with pytest.raises(ValueError, match="null entry"):
         ext.prefill_run(0, 64, sig, q, k, v, out, 1.0, 0.0, 1.0, -1, True)
+
+
+def test_prefill_plan_calls_the_planner_for_the_common_form_only(ext):
+    """plan()'s caller of the C++ planner (csrc/plan_entry.h): the index vectors' data and
+    the batch for contiguous 1-D int32 CPU tensors of the batch's lengths, the planner's
+    status back; -1 and no call for any other form (plan() then converts and checks them
+    in Python, with its errors)."""
+    import torch
+
+    seen = []
+    cb = recorder(PLAN, seen, code=3)
+    address = ctypes.cast(cb, ctypes.c_void_p).value
+    i32 = lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    qo, indptr, last, lens = i32(0, 2, 5), i32(0, 1, 3), i32(4, 16), i32(7, 9)
+    plan = lambda side, q, a, b: ext.prefill_plan(address, 64, side, q, a, b, 4096, 100, 8192)  # noqa: E731
+    assert plan(0, qo, indptr, last) == 3  # csr: indptr [B + 1], last_page_len [B]
+    assert plan(1, qo, lens, None) == 3  # seq_lens [B]
+    assert plan(2, qo, indptr, "not read") == 3  # ragged: kv_indptr [B + 1]
+    assert seen == [(64, qo.data_ptr(), indptr.data_ptr(), last.data_ptr(), 2, 4096, 100, 8192),
+                    (64, qo.data_ptr(), lens.data_ptr(), None, 2, 4096, 100, 8192),
+                    (64, qo.data_ptr(), indptr.data_ptr(), None, 2, 4096, 100, 8192)]
+    seen.clear()
+
+    class Sub(torch.Tensor):
+        pass
+
+    others = [
+        (0, qo.long(), indptr, last),  # int64
+        (0, qo, indptr, last.long()),
+        (0, qo, indptr, None),  # csr without last_page_len
+        (0, qo, indptr[:2], last),  # lengths
+        (0, qo, indptr, last[:1]),
+        (1, qo, indptr, None),
+        (2, qo, lens, None),
+        (0, i32(0, 0, 2, 0, 5)[::2], indptr, last),  # not contiguous
+        (0, qo.view(1, 3), indptr, last),  # 2-D
+        (0, i32(), i32(0), i32()),  # no batch
+        (0, [0, 2, 5], indptr, last),  # not a tensor
+        (0, qo.as_subclass(Sub), indptr, last),
+    ]
+    for args in others:
+        assert plan(*args) == -1, args
+    assert seen == []
+    with pytest.raises(TypeError, match="expected 9 arguments"):
+        ext.prefill_plan(address, 64, 0, qo, indptr, last, 4096, 100)
+    with pytest.raises(ValueError, match="null planner"):
+        ext.prefill_plan(0, 64, 0, qo, indptr, last, 4096, 100, 8192)
+    with pytest.raises(ValueError, match="side"):
+        ext.prefill_plan(address, 64, 3, qo, indptr, last, 4096, 100, 8192)
+    with pytest.raises(OverflowError):
+        ext.prefill_plan(address, 64, 0, qo, indptr, last, -4096, 100, 8192)
+    assert seen == []

@@ -60,6 +60,35 @@ def test_native_planner_matches_numpy(side, seed):
         np.testing.assert_array_equal(host[:end], ref_host[:end])
 
 
+@pytest.mark.parametrize("side", [_CSR, _SEQ_LENS, _RAGGED])
+def test_native_planner_matches_numpy_on_a_large_batch_with_ties(side):
+    """The planner orders requests by their heaviest pair (ties in request order) and each
+    request's pairs by cost (ties in their order): 300 requests, many of equal lengths
+    (decode-like, one pair each), some long (several tiles and chunks), some padding."""
+    rng = np.random.default_rng(11)
+    b = 300
+    qo = np.where(rng.random(b) < 0.6, 4, rng.integers(0, 300, b))
+    kv = np.where(qo == 4, 1024, qo + rng.integers(0, 3000, b))
+    kv[rng.random(b) < 0.05] = 0
+    qo_indptr = torch.tensor(np.concatenate(([0], np.cumsum(qo))), dtype=torch.int32)
+    if side == _RAGGED:
+        a, last = torch.tensor(np.concatenate(([0], np.cumsum(kv))), dtype=torch.int32), None
+    elif side == _SEQ_LENS:
+        a, last = torch.tensor(kv, dtype=torch.int32), None
+    else:
+        pages = -(-kv // 16)
+        a = torch.tensor(np.concatenate(([0], np.cumsum(pages))), dtype=torch.int32)
+        last = torch.tensor(np.where(pages > 0, kv - (pages - 1) * 16, 0), dtype=torch.int32)
+    for causal, fixed, tile in ((0, 0, 0), (1, 0, 64), (1, 256, 0), (0, 512, 128)):
+        cfg = _config(side, causal=causal, fixed=fixed, tile=tile)
+        status, host, result = _run_native(cfg, qo_indptr, a, last, b)
+        ref_host, ref_result = np.zeros_like(host), np.zeros(11, dtype=np.int64)
+        assert _plan_numpy(cfg, qo_indptr, a, last, b, ref_host, ref_result) == status == 0
+        np.testing.assert_array_equal(result, ref_result)
+        end = int(result[prefill._END])
+        np.testing.assert_array_equal(host[:end], ref_host[:end])
+
+
 def test_work_list_covers_every_row_and_key_once():
     rng = np.random.default_rng(7)
     qo, a, _ = _batch(rng, 9, _RAGGED, long=True)
@@ -184,3 +213,81 @@ def test_graph_wrapper_keeps_its_capacity():
     _plan(w, [0, 7], [0, 1], [9])  # fewer requests: fine
     with pytest.raises(ValueError, match="capacity|exceeds"):
         _plan(w, [0, 1, 2, 3], [0, 1, 2, 3], [5, 5, 5])
+
+
+def _plans_and_errors(w_paged, w_ragged) -> list:
+    """What plan() leaves for a few batches (the plan buffer, its layout, the plan's
+    numbers) and the errors of bad ones, for index vectors of several forms."""
+    rng = np.random.default_rng(3)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    got = []
+
+    def record(w, call):
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            got.append((type(exc).__name__, str(exc)))
+            return
+        buf, key, p = w._plan_buffer.buf, w._plan_buffer.views_key, w._plan
+        got.append((buf[: key[-1]].tolist(), key, p.batch, p.qo_tokens, p.tile_rows, p.grid, p.merge_rows))
+
+    for b in (1, 7, 256):
+        qo = rng.integers(1, 17, b)
+        kv = qo + rng.integers(0, 2000, b)
+        pages = -(-kv // 16)
+        qo_indptr, indptr = np.concatenate(([0], np.cumsum(qo))), np.concatenate(([0], np.cumsum(pages)))
+        last, ids = kv - (pages - 1) * 16, torch.arange(int(indptr[-1]), dtype=torch.int32)
+        kv_indptr = np.concatenate(([0], np.cumsum(kv)))
+        for form in (i32, lambda v: torch.tensor(v), lambda v: i32(np.repeat(v, 2))[::2]):  # int32, int64, strided
+            for causal in (True, False):
+                record(w_paged, lambda: w_paged.plan(form(qo_indptr), form(indptr), ids, form(last), 32, 8, 128, 16,
+                                                     causal=causal, q_data_type=torch.bfloat16))
+                record(w_ragged, lambda: w_ragged.plan(form(qo_indptr), form(kv_indptr), 32, 8, 128, causal=causal,
+                                                       q_data_type=torch.bfloat16))
+        record(w_paged, lambda: w_paged.plan(i32(qo_indptr), None, None, None, 32, 8, 128, 16,
+                                             block_tables=torch.zeros(b, int(pages.max()), dtype=torch.int32),
+                                             seq_lens=i32(kv), causal=True, q_data_type=torch.bfloat16))
+    for qo, indptr, last in (([0, 5, 3], [0, 1, 2], [4, 4]), ([0, 1, 2], [0, 1], [4, 4]), ([0, 1, 2], [0, 1, 2], [4]),
+                             ([0, 1, 2], [0, 2, 1], [4, 4]), ([0, 1, 2], [0, 1, 2], [4, 17]), ([0, 9], [0, 1], [4]),
+                             ([], [0], [])):
+        record(w_paged, lambda: w_paged.plan(i32(qo), i32(indptr), i32([0, 1]), i32(last), 8, 2, 128, 16,
+                                             causal=True))
+    record(w_paged, lambda: w_paged.plan(i32([0, 1, 2]), i32([0, 1, 2]), i32([0, 1]), None, 8, 2, 128, 16))
+    record(w_ragged, lambda: w_ragged.plan(i32([0, 1, 2]), i32([0, 3, 1]), 8, 2, 128))
+    return got
+
+
+def test_plan_through_fij_fastcall_and_through_ctypes_alike(monkeypatch):
+    """plan() hands index vectors of the common form (contiguous int32 CPU tensors) to the
+    planner as given, through fij_fastcall, and any other form, or all of them without the
+    extension, through ctypes after its conversions and checks: the same plan buffers and
+    the same errors either way."""
+    from flashinfer_jit import fastcall
+
+    def wrappers():
+        ws = torch.empty(1 << 24, dtype=torch.uint8)
+        return prefill.BatchPrefillWithPagedKVCacheWrapper(ws), prefill.BatchPrefillWithRaggedKVCacheWrapper(ws)
+
+    prefill._native_planner.cache_clear()
+    fn, fast = _native_planner()
+    if fast is None:
+        pytest.skip("fij_fastcall is unavailable here (no Python.h or compiler)")
+    calls = []
+
+    def counted(*args):
+        calls.append(fast[0](*args))
+        return calls[-1]
+
+    monkeypatch.setattr(prefill, "_native_planner", lambda: (fn, (counted, fast[1])))
+    through_fastcall = _plans_and_errors(*wrappers())
+    assert calls.count(-1) > 0 and sum(1 for c in calls if c >= 0) > 10  # both routes taken
+    monkeypatch.undo()
+    monkeypatch.setattr(fastcall, "extension", lambda: None)
+    prefill._native_planner.cache_clear()
+    try:
+        assert prefill._native_planner()[1] is None
+        through_ctypes = _plans_and_errors(*wrappers())
+    finally:
+        prefill._native_planner.cache_clear()
+    assert through_fastcall == through_ctypes
+    assert sum(1 for g in through_ctypes if len(g) == 2) == 9  # the errors
