@@ -16,9 +16,6 @@ from .capacity import cannot_grow, grown_size
 from .device import new_event
 
 
-_SPAN = 256  # int32s: plan() copies whole KiB (ship)
-
-
 class HostSlot:
     """A pinned host buffer (tensor, its numpy view and address), the event of the last
     copy from it (pending until seen complete) and that copy's source and destination views."""
@@ -67,20 +64,17 @@ class PlanBuffer:
         return self.host(size)
 
     def ship(self, slot: HostSlot, end: int, non_blocking: bool) -> None:
-        """The one host-to-device copy of plan(), of the slot's first `end` elements (rounded
-        up to whole KiB where the buffers allow: plans of about the same size then copy
-        between the same views, kept while the size and the device buffer stay; slicing a
-        CUDA tensor costs ~1.5 us on the GPU host). The event tells a later plan() when the
-        slot is free."""
+        """The one host-to-device copy of plan(), of the slot's first `end` elements, between
+        views kept while the size and the device buffer stay. The event tells a later plan()
+        when the slot is free."""
         buf = self.buf
-        span = end if self.fixed else min(-(-end // _SPAN) * _SPAN, slot.tensor.numel())
-        if buf is None or buf.numel() < span:
+        if buf is None or buf.numel() < end:
             if self.fixed and buf is not None:
                 raise cannot_grow("plan buffers")
-            buf = self.buf = torch.empty(span if self.fixed else grown_size(span), dtype=torch.int32,
+            buf = self.buf = torch.empty(end if self.fixed else grown_size(end), dtype=torch.int32,
                                          device=self.device)
-        if slot.copy_end != span or slot.copy_buf is not buf:
-            slot.copy_end, slot.copy_buf, slot.copy_src, slot.copy_dst = span, buf, slot.tensor[:span], buf[:span]
+        if slot.copy_end != end or slot.copy_buf is not buf:
+            slot.copy_end, slot.copy_buf, slot.copy_src, slot.copy_dst = end, buf, slot.tensor[:end], buf[:end]
         slot.copy_dst.copy_(slot.copy_src, non_blocking=non_blocking)
         if non_blocking and slot.event is not None:
             if torch.cuda.current_device() == self.device.index:

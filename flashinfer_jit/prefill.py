@@ -208,10 +208,7 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
 
 def _carve(buf: torch.Tensor, key: tuple) -> tuple:
     """(qo_indptr, the K/V side's arrays, merge_indptr or None, work, mask_indptr or None):
-    views of the device plan buffer for key (side, capacity, and the planner's offsets; end
-    and total only where a custom mask's offsets follow the work list: the work list's view
-    runs to the buffer's end otherwise, the kernel reading its length from its first int,
-    so that plans whose work lists differ in length keep the same views)."""
+    views of the device plan buffer for key (side, capacity, and the planner's offsets)."""
     side, cap, table_at, merge_at, work_at, end, total = key
     if side == _CSR:
         table = (buf[table_at: table_at + cap + 1], buf[table_at + cap + 1: table_at + 2 * cap + 1])
@@ -220,9 +217,8 @@ def _carve(buf: torch.Tensor, key: tuple) -> tuple:
     else:
         table = (buf[table_at: table_at + cap + 1],)
     merge = buf[merge_at: work_at] if work_at > merge_at else None
-    if end is None:
-        return buf[: cap + 1], table, merge, buf[work_at:], None
-    return buf[: cap + 1], table, merge, buf[work_at: end], buf[end: total] if total > end else None
+    mask = buf[end: total] if total > end else None
+    return buf[: cap + 1], table, merge, buf[work_at: end], mask
 
 
 def _fa3_error() -> ValueError:
@@ -333,7 +329,7 @@ class _Config:
 
 class _Plan:
     __slots__ = ("config", "spec", "op", "batch", "qo_tokens", "args", "tile_rows", "grid", "merge_rows", "layout",
-                 "mask_args", "checked", "fast", "quick", "sinks_spec", "extent")
+                 "mask_args", "checked", "fast", "quick", "sinks_spec")
 
 
 def _as_dtype(value, name: str, default=None) -> torch.dtype:
@@ -511,7 +507,7 @@ class _PrefillWrapper:
             mask_args = (self._packed_mask(config, qo_lens, kv_lens, custom_mask, packed_custom_mask, starts), None)
         total = end + extra
         self._plan_buffer.ship(slot, total, non_blocking)
-        key = (side, capacity, table_at, merge_at, work_at) + ((end, total) if total > end else (None, None))
+        key = (side, capacity, table_at, merge_at, work_at, end, total)
         qo_dev, table_dev, merge_dev, work_dev, mask_indptr_dev = self._plan_buffer.views(key, _carve)
         if mask_args[0] is not None:
             mask_args = (mask_args[0], mask_indptr_dev)
@@ -527,7 +523,6 @@ class _PrefillWrapper:
         # the plain one here would build a module that no run() uses)
         plan.op = previous.op if previous is not None and previous.spec is spec else None
         plan.batch, plan.qo_tokens, plan.tile_rows = batch, qo_tokens, tile_rows
-        plan.extent = total  # int32s of the plan buffer this plan wrote (past them: stale)
         plan.grid = self._graph_grid() if graph else items
         plan.merge_rows = qo_tokens if partial_rows else 0
         plan.layout = table_layout
