@@ -191,30 +191,22 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
   // blocks in flight at a time read the K/V of a request or two, which stay in L2 (pairs
   // sorted by cost alone interleave every request's causal tiles: at head_dim 256 that
   // read each request's K/V from DRAM once per tile). Ties keep request order, and a
-  // request's pairs of equal cost their order. In two steps: the requests by an integer
-  // key (unique, the request breaks ties), then each request's own pairs; one
-  // stable_sort of every pair by a comparison that looked up the pairs' requests' costs
-  // took 4 of the planner's 8 us for 256 one-pair requests (the CPU machine).
+  // request's pairs of equal cost their (tile, chunk) order, the order they were made in:
+  // both sorts below are total orders, so std::sort needs no stability (nor its buffer).
+  // In two steps: the requests by an integer key (unique, the request breaks ties), then
+  // each request's own pairs; one stable_sort of every pair by a comparison that looked up
+  // the pairs' requests' costs took 4 of the planner's 8 us for 256 one-pair requests (the
+  // CPU machine).
   std::vector<uint64_t> order;  // requests with pairs: (~cost) << 32 | request, ascending
   order.reserve(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b)
     if (pair_first[b + 1] > pair_first[b]) order.push_back(uint64_t(~uint32_t(request_cost[b])) << 32 | uint32_t(b));
   std::sort(order.begin(), order.end());
-  const auto heavier = [](const Pair& x, const Pair& y) { return x.cost > y.cost; };
-  for (int64_t b = 0; b < batch; ++b) {
-    Pair* first = pairs.data() + pair_first[b];
-    const int64_t n = pair_first[b + 1] - pair_first[b];
-    if (n > 16) {
-      std::stable_sort(first, first + n, heavier);
-    } else {  // insertion sort, stable (a pair moves only past lighter ones): no buffer
-      for (int64_t i = 1; i < n; ++i) {
-        const Pair x = first[i];
-        int64_t j = i;
-        for (; j > 0 && heavier(x, first[j - 1]); --j) first[j] = first[j - 1];
-        first[j] = x;
-      }
-    }
-  }
+  for (int64_t b = 0; b < batch; ++b)
+    std::sort(pairs.data() + pair_first[b], pairs.data() + pair_first[b + 1], [](const Pair& x, const Pair& y) {
+      if (x.cost != y.cost) return x.cost > y.cost;
+      return x.tile != y.tile ? x.tile < y.tile : x.chunk < y.chunk;
+    });
   const int64_t items = static_cast<int64_t>(pairs.size()) * c.num_kv_heads;
   if (c.work_capacity > 0 && items > c.work_capacity) {
     result[kItems] = items;
