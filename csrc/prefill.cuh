@@ -7,8 +7,9 @@
 // for a request of one to a few tokens, and every K/V tile is read once for the group.
 // prefill_kernel is a thin loop over the work list around it; POD calls the same function.
 //
-// A block is 4 warps; warp w owns rows [w 16 kMFrags, (w + 1) 16 kMFrags). Per K/V tile of
-// kTileKV keys, staged kStages deep by cp.async:
+// A block is 4 warps (8 for head_dim 256's 128-row tile); warp w owns rows
+// [w 16 kMFrags, (w + 1) 16 kMFrags). Per K/V tile of kTileKV keys, staged kStages deep by
+// cp.async:
 //   S = Q K^T    A = Q from shared memory (ldmatrix), B = K rows (ldmatrix): m16n8k16
 //   online softmax on S's accumulators (log2 domain, rows reduced over a lane quad)
 //   O += P V     A = P straight from S's accumulators (the C layout of two n8 tiles is the
@@ -43,32 +44,41 @@ struct PrefillTraits {
   using M = typename MmaTypeOf<TKV>::type;  // the mma's 16-bit type (fp16 for fp8 K/V)
   static constexpr bool kFp8 = sizeof(TKV) == 1;
   static constexpr int kDQK = HeadDimQK, kDVO = HeadDimVO;
-  static constexpr int kWarps = 4;
+  // A 128-row tile at head_dim_qk >= 256 (kWide): 8 warps of 16 rows (32 rows a warp would
+  // hold 256 output accumulators a lane), one block an SM; K/V tiles of 64 keys, each read
+  // once for 128 rows. Else 4 warps, 16 kMFrags rows each.
+  static constexpr bool kWide = HeadDimQK >= 256 && MFrags == 2;
+  static constexpr int kWarps = kWide ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   // Rows per warp: 16 kMFrags. Two 16-row fragments share every K/V fragment a warp reads
   // from shared memory (half the ldmatrix traffic per mma); head_dim 256 keeps one (its
   // 128 output accumulators a lane already).
-  static constexpr int kMFrags = MFrags;
+  static constexpr int kMFrags = kWide ? 1 : MFrags;
   static constexpr int kRows = kWarps * 16 * kMFrags;
   // Keys a tile: 64 (32-row warps: 3-7% faster than 32 keys on the H100, for 44 bytes of
-  // spills); 32 at head_dim_qk >= 192, whose q tile takes 48-64 KB (two blocks an SM then
-  // still fit in shared memory).
-  static constexpr int kTileKV = HeadDimQK >= 192 ? 32 : 64;
+  // spills); 32 for 64-row tiles at head_dim_qk >= 192, whose q tile takes 48-64 KB (two
+  // blocks an SM then still fit in shared memory).
+  static constexpr int kTileKV = HeadDimQK >= 192 && !kWide ? 32 : 64;
   // Keys a softmax step takes: a 128-row tile computes its 64-key tiles in two halves (32
   // logit accumulators a lane, not 64, leave registers for the next fragments' loads).
-  static constexpr int kSubKV = kMFrags == 2 && kTileKV == 64 ? 32 : kTileKV;
+  static constexpr int kSubKV = (kMFrags == 2 || kWide) && kTileKV == 64 ? 32 : kTileKV;
   static constexpr int kStages = 2;
   // Tiles in pairs (stage 0, then stage 1: every ldmatrix address a lane offset plus an
   // immediate, no per-tile address registers) and full tiles of a 128-row tile in one
   // 64-key softmax step (16 HMMAs a k step of S = Q K^T instead of 8; V fragments loaded
-  // further ahead of their HMMAs). Measured on the H100 (docs/prefill.md, A/B at c5f680e):
-  // 1.03-1.09x at head_dim 64 and for paged head_dim 128, 0.96-1.02x for ragged head_dim
-  // 128, 0.93-1.02x at head_dim 256; so only where it gains, for 16-bit K/V without RoPE,
-  // soft cap or a custom mask (those, fp8 K/V and the 64-row tile: not measured, and ptxas
-  // then spills in the loop; left as they were).
+  // further ahead of their HMMAs). Measured on the H100 (docs/prefill.md): 1.03-1.09x at
+  // head_dim 64 and for paged head_dim 128 (A/B at c5f680e); ragged head_dim 128 gains with
+  // its k step's K fragments loaded before their mmas (1.04-1.10x against 6d5838c). For
+  // 16-bit K/V without RoPE, soft cap or a custom mask (those, fp8 K/V and the 64-row tile:
+  // not measured, and ptxas then spills in the loop; left as they were). Head_dim 256's
+  // 128-row tile (kWide) takes the 64-key step without pairs.
   static constexpr bool kPairTiles = kMFrags == 2 && kTileKV == 64 && sizeof(TKV) == 2 && !Rope && !SoftCap &&
-                                     Mask != PrefillMask::kCustom && (HeadDimQK == 64 || !Ragged);
-  static constexpr int kFullSubKV = kPairTiles ? kTileKV : kSubKV;
+                                     Mask != PrefillMask::kCustom;
+  static constexpr int kFullSubKV = kPairTiles || kWide ? kTileKV : kSubKV;
+  // Ragged rows with those steps load a k step's K fragments before its mmas: ptxas then
+  // schedules them further ahead of their HMMAs (1.04-1.10x for ragged head_dim 128 on the
+  // H100; paged rows: not measured).
+  static constexpr bool kKFirst = Ragged && (kPairTiles || kWide);
   static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
   static constexpr int kQBytes = kRows * kDQK * 2;
@@ -79,7 +89,7 @@ struct PrefillTraits {
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kWideBytes;
   // Two blocks an SM (up to 255 registers a thread; capped at 168 for three blocks, the
   // 64-row tile spilled 180 bytes).
-  static constexpr int kMinBlocksPerSM = 2;
+  static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
   static constexpr bool kRagged = Ragged;
   static constexpr PageTableLayout kTable = Table;
   static constexpr PrefillMask kMask = Mask;
@@ -583,14 +593,29 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
           ldsm_x4(q_warp + lane_off.q[ks % 4] + uint32_t((ks / 4) * 128 + mf * 16 * QC * 16), a[mf]);
+        if constexpr (Traits::kKFirst) {
+          // the k step's K fragments first, then its mmas row fragment by row fragment
+          uint32_t bk[NTS / 2][4];
 #pragma unroll
-        for (int np = 0; np < NTS / 2; ++np) {
-          uint32_t bk[4];
-          ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), bk);
+          for (int np = 0; np < NTS / 2; ++np)
+            ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), bk[np]);
 #pragma unroll
-          for (int mf = 0; mf < MF; ++mf) {
-            mma_k16<M>(sacc[mf][2 * np], a[mf], bk[0], bk[1]);
-            mma_k16<M>(sacc[mf][2 * np + 1], a[mf], bk[2], bk[3]);
+          for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+            for (int np = 0; np < NTS / 2; ++np) {
+              mma_k16<M>(sacc[mf][2 * np], a[mf], bk[np][0], bk[np][1]);
+              mma_k16<M>(sacc[mf][2 * np + 1], a[mf], bk[np][2], bk[np][3]);
+            }
+        } else {
+#pragma unroll
+          for (int np = 0; np < NTS / 2; ++np) {
+            uint32_t bk[4];
+            ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), bk);
+#pragma unroll
+            for (int mf = 0; mf < MF; ++mf) {
+              mma_k16<M>(sacc[mf][2 * np], a[mf], bk[0], bk[1]);
+              mma_k16<M>(sacc[mf][2 * np + 1], a[mf], bk[2], bk[3]);
+            }
           }
         }
       }

@@ -550,6 +550,13 @@ class _PrefillWrapper:
         return planner[0](cfg_address, qo.data_ptr(), kv_a.data_ptr(), kv_b.data_ptr() if kv_b is not None else None,
                           batch, slot.address, room, self._result_ptr)
 
+    def _max_tile_rows(self, config: _Config) -> int:
+        """The largest query tile plan() may pick. A CUDA-graph wrapper's grid holds two
+        blocks an SM (_graph_grid); head_dim 256's 128-row tile is one block an SM (8 warps,
+        csrc/prefill.cuh kWide), so its graphs keep the 64-row tile."""
+        rows = max(tile_rows_for(config.head_dim_qk))
+        return 64 if self._use_cuda_graph and config.head_dim_qk >= 256 else rows
+
     def _graph_grid(self) -> int:
         sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
         return sms * _BLOCKS_PER_SM
@@ -561,7 +568,7 @@ class _PrefillWrapper:
         if kept is None:
             cfg = _PlanConfig(group=config.group, num_kv_heads=config.num_kv_heads, kv_side=side,
                               page_size=config.page_size, causal=int(config.mask == "causal"),
-                              max_tile_rows=max(tile_rows_for(config.head_dim_qk)),
+                              max_tile_rows=self._max_tile_rows(config),
                               target_blocks=self._graph_grid(), min_chunk=_MIN_CHUNK,
                               fixed_split_size=int(config.fixed_split_size or 0),
                               split=int(not self._use_cuda_graph and not config.disable_split_kv),

@@ -10,7 +10,8 @@ hits every variant alike. Run-to-run noise between two copies of one kernel: +-2
 
 Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill.cuh while its wrappers plan
 and make their first run (csrc/prefill.cuh is restored at the end). NAME@costorder plans with
-the numpy twin and the work order before fc1ff93 (pairs by cost alone). FI=1 adds FlashInfer's
+the numpy twin and the work order before fc1ff93 (pairs by cost alone); NAME@r64 / NAME@r128 pins the query
+tile (as ROWS=64/128 does for every variant). FI=1 adds FlashInfer's
 fa2 (ragged rows; needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
 out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json,
 docs/results/2026-11-26_h200_prefill_ab_f18239e.json."""
@@ -50,12 +51,19 @@ class _OldOrder:  # the numpy twin with the order before fc1ff93: pairs by cost 
     def lexsort(self, keys): return np.argsort(keys[0], kind='stable')
 @contextlib.contextmanager
 def plan_as(var):
-    if not var.endswith('@costorder'):
+    if '@costorder' not in var:
         yield; return
     os.environ['FLASHINFER_JIT_NATIVE_PLAN'] = '0'; _pf.np = _OldOrder()
     try: yield
     finally:
         os.environ.pop('FLASHINFER_JIT_NATIVE_PLAN'); _pf.np = np
+
+def tile_of(var):
+    """The query tile a variant pins: NAME@r64 / NAME@r128, else ROWS, else plan()'s choice."""
+    for tag in var.split('@')[1:]:
+        if tag.startswith('r') and tag[1:].isdigit():
+            return int(tag[1:])
+    return int(os.environ.get('ROWS', '0')) or None
 
 def warm(seconds=2.0):
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -67,7 +75,6 @@ def warm(seconds=2.0):
 warm(3.0)
 ws = {v: torch.empty(256 << 20, dtype=torch.uint8, device=dev) for v in variants}
 for d in dims:
-  rows = int(os.environ.get('ROWS', '0')) or None
   for (B, L) in shapes:
     for causal in (True, False):
       qo = torch.arange(B + 1, dtype=torch.int32) * L
@@ -90,13 +97,13 @@ for d in dims:
             kvp = torch.arange(B + 1, dtype=torch.int32) * (L // page)
             last = torch.full((B,), page, dtype=torch.int32)
             w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[var])
-            if rows: w._force_tile_rows = rows
+            if tile_of(var): w._force_tile_rows = tile_of(var)
             with plan_as(var): w.plan(qo, kvp, ids, last, hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16)
             kv_arg = (kc, vc)
             fn = (lambda w=w, kv_arg=kv_arg, q=q: w.run(q, kv_arg))
           else:
             w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws[var])
-            if rows: w._force_tile_rows = rows
+            if tile_of(var): w._force_tile_rows = tile_of(var)
             with plan_as(var): w.plan(qo, qo, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
             fn = (lambda w=w, q=q, k=k, v=v: w.run(q, k, v))
           outs[var] = fn()

@@ -215,6 +215,21 @@ def test_graph_wrapper_keeps_its_capacity():
         _plan(w, [0, 1, 2, 3], [0, 1, 2, 3], [5, 5, 5])
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_tile_choice_and_graph_wrappers_at_head_dim_256(head_dim):
+    """Long queries take the 128-row tile at every head_dim (at 256: 8 warps, one block an
+    SM); a CUDA-graph wrapper's grid holds two blocks an SM, so at head_dim 256 it keeps the
+    64-row tile. Short queries (16 rows a request) take 64 rows everywhere."""
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    for graph, long_tile in ((False, 128), (True, 64 if head_dim == 256 else 128)):
+        kwargs = dict(use_cuda_graph=True, paged_kv_indices_buf=torch.zeros(64, dtype=torch.int32)) if graph else {}
+        w = _paged(**kwargs)
+        for qo_len, tile in ((512, long_tile), (4, 64)):
+            w.plan(i32([0, qo_len, 2 * qo_len]), i32([0, 32, 64]), i32(list(range(64))), i32([16, 16]), 32, 8,
+                   head_dim, 16, causal=True, q_data_type=torch.bfloat16)
+            assert w._plan.tile_rows == tile, (graph, qo_len)
+
+
 def _plans_and_errors(w_paged, w_ragged) -> list:
     """What plan() leaves for a few batches (the plan buffer, its layout, the plan's
     numbers) and the errors of bad ones, for index vectors of several forms."""

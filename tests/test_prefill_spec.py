@@ -72,7 +72,7 @@ def test_fp8_paged_and_every_head_dim_pair_are_accepted():
 
 def test_registered_and_rendered():
     """The family is registered (matrix files, the AOT CLI, tests/test_specs.py reach it) and
-    renders one module holding both query tiles (one at head_dim_qk 256)."""
+    renders one module holding both query tiles (at head_dim_qk 256 too: 8 warps of 16 rows)."""
     assert FAMILIES["prefill"] is PrefillSpec
     (spec,) = parse_matrix_text("prefill dtype_q=bfloat16 dtype_kv=bfloat16 dtype_o=bfloat16 head_dim_qk=128 "
                                 "head_dim_vo=128 mask=causal")
@@ -81,4 +81,4 @@ def test_registered_and_rendered():
     assert "PrefillMask::kCausal" in rendered.sources["kernel.cu"]
     assert "prefill.cuh" in rendered.headers and "page_table.cuh" in rendered.headers
     assert spec.tile_rows == (64, 128)
-    assert PrefillSpec(**BF16, head_dim_qk=256, head_dim_vo=256).tile_rows == (64,)
+    assert PrefillSpec(**BF16, head_dim_qk=256, head_dim_vo=256).tile_rows == (64, 128)

@@ -78,8 +78,8 @@ class PrefillSpec(Spec):
     @property
     def tile_rows(self) -> tuple[int, ...]:
         """Query-tile sizes (rows of (token, head) pairs a block) the module holds: 64 and
-        128, or 64 alone at head_dim_qk 256 (128 rows x 256 dims of accumulators would
-        spill). plan() picks one per batch (choose_tile_rows)."""
+        128 (at head_dim_qk 256 a 128-row tile is 8 warps of 16 rows: 32 rows a warp would
+        hold 256 accumulators a lane). plan() picks one per batch (choose_tile_rows)."""
         return tile_rows_for(self.head_dim_qk)
 
     def context(self) -> dict:
@@ -112,7 +112,7 @@ _MASK_ENUMS = {"none": "kNone", "causal": "kCausal", "custom": "kCustom"}
 
 def tile_rows_for(head_dim_qk: int) -> tuple[int, ...]:
     """See PrefillSpec.tile_rows."""
-    return (64,) if head_dim_qk >= 256 else (64, 128)
+    return (64, 128)
 
 
 @dataclass(frozen=True)
