@@ -540,9 +540,17 @@ def mask_args(masks, shapes, packed: bool) -> dict:
     return dict(packed_custom_mask=packed_bits, mask_indptr=byte_indptr)
 
 
+def batch_params():
+    """Every case; head_dim 256's twice, its 64-row tile (4 warps) and its 128-row tile (8
+    warps of 16 rows) pinned, so both kernels see every option the case carries."""
+    for i, c in enumerate(CASES):
+        for tile in ((64, 128) if c.dims[0] >= 256 else (None,)):
+            yield pytest.param(i, tile, id=case_id(i, c) + (f"-t{tile}" if tile else ""))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", [pytest.param(i, id=case_id(i, c)) for i, c in enumerate(CASES)])
-def test_batch_prefill(index, workspace):
+@pytest.mark.parametrize("index,tile", list(batch_params()))
+def test_batch_prefill(index, tile, workspace):
     case, rnd, gen = grid_case(CASES, index, 500)
     q_dtype, kv_dtype, o_dtype = dtype_of(case.q_dtype), dtype_of(case.kv_dtype), dtype_of(case.out_dtype)
     fp8 = kv_dtype.itemsize == 1
@@ -586,6 +594,7 @@ def test_batch_prefill(index, workspace):
     o_arg = None if case.o_dtype == "same" and index % 3 == 0 else (case.out_dtype if as_str else o_dtype)
 
     wrapper = paged_wrapper(workspace, case.kv_layout) if case.paged else ragged_wrapper(workspace)
+    wrapper._force_tile_rows = tile
     plan_kv(wrapper, qo_indptr, kv, hq, hk, dims, case.page_size, **plan_masks, pos_encoding_mode=case.pos_encoding,
             sm_scale=case.sm_scale, window_left=plan_window, logits_soft_cap=case.soft_cap, q_data_type=q_arg,
             kv_data_type=kv_arg, o_data_type=o_arg, **rope, **split)
