@@ -60,6 +60,14 @@ FIJ_DEVICE void mma_k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
+
+// Two n8 tiles of one k16 step on one A fragment: d0 += a (b[0], b[1]), d1 += a (b[2], b[3]),
+// b the four registers of an ldmatrix.x4 over two 8-column tiles (ptxas keeps the order).
+template <typename T>
+FIJ_DEVICE void mma_k16_pair(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  mma_k16<T>(d0, a, b[0], b[1]);
+  mma_k16<T>(d1, a, b[2], b[3]);
+}
 template <typename T>
 FIJ_DEVICE void mma_k8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {

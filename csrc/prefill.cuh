@@ -602,20 +602,14 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-            for (int np = 0; np < NTS / 2; ++np) {
-              mma_k16<M>(sacc[mf][2 * np], a[mf], bk[np][0], bk[np][1]);
-              mma_k16<M>(sacc[mf][2 * np + 1], a[mf], bk[np][2], bk[np][3]);
-            }
+            for (int np = 0; np < NTS / 2; ++np) mma_k16_pair<M>(sacc[mf][2 * np], sacc[mf][2 * np + 1], a[mf], bk[np]);
         } else {
 #pragma unroll
           for (int np = 0; np < NTS / 2; ++np) {
             uint32_t bk[4];
             ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), bk);
 #pragma unroll
-            for (int mf = 0; mf < MF; ++mf) {
-              mma_k16<M>(sacc[mf][2 * np], a[mf], bk[0], bk[1]);
-              mma_k16<M>(sacc[mf][2 * np + 1], a[mf], bk[2], bk[3]);
-            }
+            for (int mf = 0; mf < MF; ++mf) mma_k16_pair<M>(sacc[mf][2 * np], sacc[mf][2 * np + 1], a[mf], bk);
           }
         }
       }
@@ -733,10 +727,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           uint32_t bv[4];
           ldsm_x4_trans(tv_u32 + lane_off.v[dp % 4] + uint32_t((dp / 4) * 128 + (sub * SUB + kt * 16) * VOC * 16), bv);
 #pragma unroll
-          for (int mf = 0; mf < MF; ++mf) {
-            mma_k16<M>(o[mf][2 * dp], pa[mf], bv[0], bv[1]);
-            mma_k16<M>(o[mf][2 * dp + 1], pa[mf], bv[2], bv[3]);
-          }
+          for (int mf = 0; mf < MF; ++mf) mma_k16_pair<M>(o[mf][2 * dp], o[mf][2 * dp + 1], pa[mf], bv);
         }
       }
       }
