@@ -36,7 +36,7 @@ from .native import ctypes_entry, optional_entry
 from .page_table import unpack_paged_kv_cache
 from .plan_buffer import PlanBuffer
 from .specs.base import FP8_DTYPES, dtype_name
-from .specs.prefill import HEAD_DIM_PAIRS, PrefillPlanSpec, PrefillSpec, tile_rows_for
+from .specs.prefill import HEAD_DIM_PAIRS, TILE_ROWS, PrefillPlanSpec, PrefillSpec
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _BACKENDS = ("auto", "fa2")
@@ -554,8 +554,7 @@ class _PrefillWrapper:
         """The largest query tile plan() may pick. A CUDA-graph wrapper's grid holds two
         blocks an SM (_graph_grid); head_dim 256's 128-row tile is one block an SM (8 warps,
         csrc/prefill.cuh kWide), so its graphs keep the 64-row tile."""
-        rows = max(tile_rows_for(config.head_dim_qk))
-        return 64 if self._use_cuda_graph and config.head_dim_qk >= 256 else rows
+        return min(TILE_ROWS) if self._use_cuda_graph and config.head_dim_qk >= 256 else max(TILE_ROWS)
 
     def _graph_grid(self) -> int:
         sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132

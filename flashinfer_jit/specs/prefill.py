@@ -80,7 +80,7 @@ class PrefillSpec(Spec):
         """Query-tile sizes (rows of (token, head) pairs a block) the module holds: 64 and
         128 (at head_dim_qk 256 a 128-row tile is 8 warps of 16 rows: 32 rows a warp would
         hold 256 accumulators a lane). plan() picks one per batch (choose_tile_rows)."""
-        return tile_rows_for(self.head_dim_qk)
+        return TILE_ROWS
 
     def context(self) -> dict:
         return super().context() | {"tile_rows": self.tile_rows, "mask_enum": _MASK_ENUMS[self.mask]}
@@ -110,9 +110,7 @@ class PrefillSpec(Spec):
 _MASK_ENUMS = {"none": "kNone", "causal": "kCausal", "custom": "kCustom"}
 
 
-def tile_rows_for(head_dim_qk: int) -> tuple[int, ...]:
-    """See PrefillSpec.tile_rows."""
-    return (64, 128)
+TILE_ROWS = (64, 128)  # query-tile sizes every prefill module holds (PrefillSpec.tile_rows)
 
 
 @dataclass(frozen=True)
