@@ -33,6 +33,10 @@ struct PrefillPlanConfig {
   int32_t fixed_split_size = 0;  // > 0: keys a chunk (forced)
   int32_t split = 1;             // 0: no request splits
   int32_t capacity = 0;          // index arrays' length (the batch, or a CUDA-graph capacity)
+  // > 0: causal batches whose requests average at most this many keys take the 64-row tile
+  // (head_dim 256, whose 128-row tile is one block an SM: short causal tiles, mostly
+  // masked, gain 2-6% with 64 rows on the H100; non-causal ones lose 1-6%)
+  int32_t short_causal_keys = 0;
   int64_t work_capacity = 0;     // > 0: the work list's fixed size in items (CUDA graphs)
   int64_t max_partial_rows = 0;  // partial rows the workspace holds
   int64_t max_kv_len = 0;        // > 0: block tables' seq_lens at most this (max_pages x page_size)
@@ -77,7 +81,7 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
   // lengths, validated
   std::vector<int32_t> kv_len(batch);
   if (qo_indptr[0] != 0) return fail(kQoIndptr, 0);
-  int64_t qo_tokens = 0, rows_total = 0, active = 0;
+  int64_t qo_tokens = 0, rows_total = 0, active = 0, active_keys = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int32_t q = qo_indptr[b + 1] - qo_indptr[b];
     if (q < 0) return fail(kQoIndptr, b);
@@ -103,12 +107,18 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
     const int32_t q = qo_indptr[b + 1] - qo_indptr[b];
     if (c.causal && n > 0 && n < q) return fail(kCausalKvShort, b);
     kv_len[b] = n;
+    if (q > 0) active_keys += n;
   }
   result[kKvRows] = side == PrefillKVSide::kSeqLens ? 0 : kv_a[batch];
-  // the query tile: 128 rows where requests average more than 64 (token, head) rows
+  // the query tile: 128 rows where requests average more than 64 (token, head) rows (and,
+  // with short_causal_keys, more keys than that)
   rows_total = qo_tokens * c.group;
   int32_t tile = c.tile_rows;
-  if (tile <= 0) tile = (c.max_tile_rows >= 128 && active > 0 && rows_total > 64 * active) ? 128 : 64;
+  if (tile <= 0) {
+    tile = (c.max_tile_rows >= 128 && active > 0 && rows_total > 64 * active) ? 128 : 64;
+    if (tile == 128 && c.causal && c.short_causal_keys > 0 && active_keys <= int64_t(c.short_causal_keys) * active)
+      tile = 64;
+  }
   // tiles, the keys each can see, and the split; request b's tiles are tile_first[b] ..
   // tile_first[b + 1]
   std::vector<int64_t> tile_first(batch + 1);

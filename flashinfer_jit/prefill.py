@@ -43,6 +43,9 @@ _BACKENDS = ("auto", "fa2")
 _PAIR_INTS = 7  # csrc/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
 _BLOCKS_PER_SM = 2  # csrc/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM
 _MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than it saves
+# keys: causal batches at head_dim 256 whose requests average at most this many take the
+# 64-row tile (csrc/prefill_plan.h PrefillPlanConfig.short_causal_keys)
+_SHORT_CAUSAL_KEYS = 256
 _GRAPH_ITEMS_FACTOR = 4
 _GRAPH_MIN_ITEMS = 4096
 _MAX_CONFIGS = 16
@@ -64,7 +67,7 @@ class _PlanConfig(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int32) for name in (
         "group", "num_kv_heads", "kv_side", "page_size", "causal", "tile_rows", "max_tile_rows", "target_blocks",
-        "min_chunk", "fixed_split_size", "split", "capacity")] + \
+        "min_chunk", "fixed_split_size", "split", "capacity", "short_causal_keys")] + \
         [(name, ctypes.c_int64) for name in ("work_capacity", "max_partial_rows", "max_kv_len")]
 
 
@@ -170,6 +173,9 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
     active = int((qo_lens > 0).sum())
     rows_total = int(qo_lens.sum()) * cfg.group
     tile = cfg.tile_rows or (128 if cfg.max_tile_rows >= 128 and active and rows_total > 64 * active else 64)
+    if (not cfg.tile_rows and tile == 128 and cfg.causal and cfg.short_causal_keys > 0
+            and int(kv_lens[qo_lens > 0].sum()) <= cfg.short_causal_keys * active):
+        tile = 64  # (csrc/prefill_plan.h PrefillPlanConfig.short_causal_keys)
     work, merge = plan_work(qo_lens, kv_lens, cfg.group, cfg.num_kv_heads, tile, bool(cfg.causal), cfg.target_blocks,
                             cfg.fixed_split_size or None, bool(cfg.split), cfg.max_partial_rows, cfg.min_chunk)
     items = int(work[0])
@@ -568,6 +574,7 @@ class _PrefillWrapper:
             cfg = _PlanConfig(group=config.group, num_kv_heads=config.num_kv_heads, kv_side=side,
                               page_size=config.page_size, causal=int(config.mask == "causal"),
                               max_tile_rows=self._max_tile_rows(config),
+                              short_causal_keys=_SHORT_CAUSAL_KEYS if config.head_dim_qk >= 256 else 0,
                               target_blocks=self._graph_grid(), min_chunk=_MIN_CHUNK,
                               fixed_split_size=int(config.fixed_split_size or 0),
                               split=int(not self._use_cuda_graph and not config.disable_split_kv),

@@ -12,10 +12,12 @@ from flashinfer_jit import prefill
 from flashinfer_jit.prefill import _CSR, _RAGGED, _SEQ_LENS, _PlanConfig, _native_planner, _plan_numpy
 
 
-def _config(side, group=4, heads=8, causal=1, page_size=16, split=1, fixed=0, capacity=0, partial=10**9, tile=0):
+def _config(side, group=4, heads=8, causal=1, page_size=16, split=1, fixed=0, capacity=0, partial=10**9, tile=0,
+            short=0):
     return _PlanConfig(group=group, num_kv_heads=heads, kv_side=side, page_size=page_size, causal=causal,
                        tile_rows=tile, max_tile_rows=128, target_blocks=264, min_chunk=256, fixed_split_size=fixed,
-                       split=split, capacity=capacity, work_capacity=0, max_partial_rows=partial, max_kv_len=0)
+                       split=split, capacity=capacity, short_causal_keys=short, work_capacity=0,
+                       max_partial_rows=partial, max_kv_len=0)
 
 
 def _batch(rng, b, side, page_size=16, long=False):
@@ -49,8 +51,8 @@ def test_native_planner_matches_numpy(side, seed):
     long = seed % 2 == 1
     qo, a, b = _batch(rng, 3 if long else 37, side, long=long)
     batch = qo.shape[0] - 1
-    for fixed in (0, 256):
-        cfg = _config(side, fixed=fixed, causal=seed % 3 != 0)
+    for fixed, short in ((0, 0), (256, 0), (0, 256), (0, 64)):
+        cfg = _config(side, fixed=fixed, causal=seed % 3 != 0, group=8, short=short)
         status, host, result = _run_native(cfg, qo, a, b, batch)
         ref_host = np.zeros_like(host)
         ref_result = np.zeros(11, dtype=np.int64)
@@ -228,6 +230,21 @@ def test_tile_choice_and_graph_wrappers_at_head_dim_256(head_dim):
             w.plan(i32([0, qo_len, 2 * qo_len]), i32([0, 32, 64]), i32(list(range(64))), i32([16, 16]), 32, 8,
                    head_dim, 16, causal=True, q_data_type=torch.bfloat16)
             assert w._plan.tile_rows == tile, (graph, qo_len)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_short_causal_requests_take_64_rows_at_head_dim_256(head_dim, causal):
+    """At head_dim 256, causal batches whose requests average at most 256 keys take the
+    64-row tile (measured 2-6% faster on the H100 than the 8-warp 128-row tile, which is one
+    block an SM); longer ones, non-causal ones and other head dims keep 128 rows."""
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    w = _paged()
+    for qo_len, kv_pages in ((256, 16), (128, 16), (256, 17), (1024, 64), (200, 32)):
+        w.plan(i32([0, qo_len, 2 * qo_len]), i32([0, kv_pages, 2 * kv_pages]), i32(list(range(2 * kv_pages))),
+               i32([16, 16]), 32, 8, head_dim, 16, causal=causal, q_data_type=torch.bfloat16)
+        short = head_dim == 256 and causal and kv_pages * 16 <= 256
+        assert w._plan.tile_rows == (64 if short else 128), (qo_len, kv_pages)
 
 
 def _plans_and_errors(w_paged, w_ragged) -> list:
