@@ -114,6 +114,39 @@ def plot_decode(plt, data: dict, out: Path) -> None:
     plt.close(fig)
 
 
+# the prefill figure's run (docs/prefill.md's table)
+PREFILL_RESULT = "2026-11-27_h100_prefill_b952a25.json"
+
+
+def plot_prefill(plt, data: dict, out: Path) -> None:
+    """TFLOP/s per benchmark row, one panel per head_dim: ours (paged, ragged), FlashInfer's
+    FA2 and FA3 (paged, ragged), cuDNN's SDPA on dense copies; the bf16 matmul rate dotted."""
+    impls = [("ours_paged", "flashinfer_jit paged", "C0", None), ("ours_ragged", "flashinfer_jit ragged", "C0", "//"),
+             ("fa2_paged", "FA2 paged", "C1", None), ("fa2_ragged", "FA2 ragged", "C1", "//"),
+             ("fa3_paged", "FA3 paged", "C2", None), ("fa3_ragged", "FA3 ragged", "C2", "//"),
+             ("sdpa_cudnn", "SDPA cuDNN (dense)", "C7", None)]
+    dims = sorted({r["head_dim"] for r in data["rows"]})
+    fig, axes = plt.subplots(len(dims), 1, figsize=(14, 3.6 * len(dims)), sharey=True)
+    width = 0.8 / len(impls)
+    for ax, d in zip(axes, dims):
+        rows = [r for r in data["rows"] if r["head_dim"] == d and "spec" not in r["label"]]
+        for k, (key, label, color, hatch) in enumerate(impls):
+            vals = [r["impls"].get(key, {}).get("tflops", float("nan")) for r in rows]
+            ax.bar([i + (k - len(impls) / 2 + 0.5) * width for i in range(len(rows))], vals, width, color=color,
+                   hatch=hatch, alpha=0.5 if key.startswith("sdpa") else 0.9, label=label, edgecolor="white")
+        ax.axhline(data["matmul"]["tflops"], color="k", linestyle=":", label="bf16 matmul")
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([r["label"].split(" ", 1)[1] for r in rows], fontsize=8)
+        ax.set_title(f"head_dim {d}", fontsize=9)
+        ax.set_ylabel("TFLOP/s")
+    axes[0].legend(fontsize=7, ncol=4, loc="upper right")
+    fig.suptitle(f"batch prefill, bf16, 32/8 heads, page 16 ({data['meta'].get('device', '')}, "
+                 f"{data['meta'].get('date', '')[:10]}, {data['meta'].get('commit', '')})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--date", default="", help="prefix of the result files to plot (default: newest)")
@@ -127,7 +160,8 @@ def main() -> None:
     plot_append(plt, _load(f"{args.date}*append.json"), FIGURES / "append_bandwidth.png")
     plot_kvcache(plt, _load(f"{args.date}*kvcache.json"), FIGURES / "kvcache_bandwidth.png")
     plot_decode(plt, _load(DECODE_RESULT), FIGURES / "decode_bandwidth.png")
-    print(f"wrote {FIGURES}/append_bandwidth.png, kvcache_bandwidth.png, decode_bandwidth.png")
+    plot_prefill(plt, _load(PREFILL_RESULT), FIGURES / "prefill_tflops.png")
+    print(f"wrote {FIGURES}/append_bandwidth.png, kvcache_bandwidth.png, decode_bandwidth.png, prefill_tflops.png")
 
 
 if __name__ == "__main__":
