@@ -52,7 +52,7 @@ def test_native_planner_matches_numpy(side, seed):
     qo, a, b = _batch(rng, 3 if long else 37, side, long=long)
     batch = qo.shape[0] - 1
     for fixed, short in ((0, 0), (256, 0), (0, 256), (0, 64)):
-        cfg = _config(side, fixed=fixed, causal=seed % 3 != 0, group=8, short=short)
+        cfg = _config(side, fixed=fixed, causal=seed % 3 != 0, short=short)
         status, host, result = _run_native(cfg, qo, a, b, batch)
         ref_host = np.zeros_like(host)
         ref_result = np.zeros(11, dtype=np.int64)
