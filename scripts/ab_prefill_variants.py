@@ -8,6 +8,9 @@ hits every variant alike. Run-to-run noise between two copies of one kernel: +-2
   VARIANTS="BASE NEW" VARIANT_DIR=/path/to/variants DIMS=128,256 FORMS=ragged,paged \
       SHAPES=1x16384,4x4096,16x1024,64x256 ROUNDS=3 FI=1 python3 scripts/ab_prefill_variants.py
 
+A shape BxL is B requests of L query tokens on L keys; BxQ:K, Q query tokens on K keys (the
+queries last, as in chunked prefill and speculative verification).
+
 Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill.cuh while its wrappers plan
 and make their first run (csrc/prefill.cuh is restored at the end). NAME@costorder plans with
 the numpy twin and the work order before fc1ff93 (pairs by cost alone); NAME@r64 / NAME@r128 pins the query
@@ -24,7 +27,9 @@ from flashinfer_jit import jit
 variants = os.environ.get('VARIANTS', 'BASE2 S2').split()
 dims = [int(x) for x in os.environ.get('DIMS', '128,256').split(',')]
 forms = os.environ.get('FORMS', 'ragged,paged').split(',')
-shapes = [tuple(int(y) for y in x.split('x')) for x in os.environ.get('SHAPES', '1x16384,4x4096,16x1024,64x256').split(',')]
+# BxL: B requests of L query tokens on L keys; BxQ:K: Q query tokens on K keys (the queries last)
+shapes = [(int(x.split('x')[0]), int(x.split('x')[1].split(':')[0]), int(x.split(':')[-1] if ':' in x else x.split('x')[1]))
+          for x in os.environ.get('SHAPES', '1x16384,4x4096,16x1024,64x256').split(',')]
 rounds = int(os.environ.get('ROUNDS', '3'))
 use_fi = os.environ.get('FI') == '1'
 if use_fi:
@@ -75,13 +80,14 @@ def warm(seconds=2.0):
 warm(3.0)
 ws = {v: torch.empty(256 << 20, dtype=torch.uint8, device=dev) for v in variants}
 for d in dims:
-  for (B, L) in shapes:
+  for (B, Lq, L) in shapes:
     for causal in (True, False):
-      qo = torch.arange(B + 1, dtype=torch.int32) * L
-      q = torch.randn(B * L, hq, d, dtype=torch.bfloat16, device=dev)
+      qo = torch.arange(B + 1, dtype=torch.int32) * Lq
+      kvi = torch.arange(B + 1, dtype=torch.int32) * L
+      q = torch.randn(B * Lq, hq, d, dtype=torch.bfloat16, device=dev)
       k = torch.randn(B * L, hk, d, dtype=torch.bfloat16, device=dev)
       v = torch.randn(B * L, hk, d, dtype=torch.bfloat16, device=dev)
-      keys = L * (L + 1) / 2 if causal else L * L
+      keys = (Lq * L - Lq * (Lq - 1) / 2) if causal else Lq * L
       F = 4 * B * keys * hq * d
       for form in forms:
         fns = {}
@@ -104,13 +110,13 @@ for d in dims:
           else:
             w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws[var])
             if tile_of(var): w._force_tile_rows = tile_of(var)
-            with plan_as(var): w.plan(qo, qo, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
+            with plan_as(var): w.plan(qo, kvi, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
             fn = (lambda w=w, q=q, k=k, v=v: w.run(q, k, v))
           outs[var] = fn()
           fns[var] = fn
         if use_fi and form == 'ragged':
           fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws[variants[0]], backend='fa2')
-          fw.plan(qo.to(dev), qo.to(dev), hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
+          fw.plan(qo.to(dev), kvi.to(dev), hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
           fns["FA2"] = lambda fw=fw, q=q, k=k, v=v: fw.run(q, k, v)
         ref = outs[variants[0]].float()
         agree = {var: float((outs[var].float() - ref).abs().max()) for var in variants[1:]}
@@ -119,7 +125,7 @@ for d in dims:
           for n, fn in fns.items():
             best[n] = min(best[n], bench(fn))
         base = best[variants[0]]
-        line = f"{form:6s} d={d} {B}x{L} {'causal' if causal else 'full  '}:"
+        line = f"{form:6s} d={d} {B}x{Lq}{'' if Lq == L else f':{L}'} {'causal' if causal else 'full  '}:"
         for n in fns:
           line += f"  {n} {best[n]:8.1f}us {F / best[n] / 1e6:5.0f}TF ({base / best[n]:.3f})"
         line += f"  maxdiff {agree}"
