@@ -587,6 +587,10 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       // Lane addresses: row r of a tile at chunk 2 ks + hi sits at chunk (2 ks + hi) ^ (r % 8)
       // = 2 ks ^ (hi ^ r % 8): a per-lane base XOR a constant.
       const uint32_t tk_u32 = smem_u32(tk);
+      // K fragment np (keys sub SUB + 16 np ..) of k step ks
+      auto k_frag = [&](int ks, int np, uint32_t(&b)[4]) {
+        ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), b);
+      };
 #pragma unroll
       for (int ks = 0; ks < DQK / 16; ++ks) {
         uint32_t a[MF][4];
@@ -597,8 +601,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           // the k step's K fragments first, then its mmas row fragment by row fragment
           uint32_t bk[NTS / 2][4];
 #pragma unroll
-          for (int np = 0; np < NTS / 2; ++np)
-            ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), bk[np]);
+          for (int np = 0; np < NTS / 2; ++np) k_frag(ks, np, bk[np]);
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
@@ -607,7 +610,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
           for (int np = 0; np < NTS / 2; ++np) {
             uint32_t bk[4];
-            ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), bk);
+            k_frag(ks, np, bk);
 #pragma unroll
             for (int mf = 0; mf < MF; ++mf) mma_k16_pair<M>(sacc[mf][2 * np], sacc[mf][2 * np + 1], a[mf], bk);
           }

@@ -79,7 +79,7 @@ class PrefillSpec(Spec):
     def tile_rows(self) -> tuple[int, ...]:
         """Query-tile sizes (rows of (token, head) pairs a block) the module holds: 64 and
         128 (at head_dim_qk 256 a 128-row tile is 8 warps of 16 rows: 32 rows a warp would
-        hold 256 accumulators a lane). plan() picks one per batch (choose_tile_rows)."""
+        hold 256 accumulators a lane). plan() picks one per batch (csrc/prefill_plan.h)."""
         return TILE_ROWS
 
     def context(self) -> dict:
