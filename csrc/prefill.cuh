@@ -75,10 +75,12 @@ struct PrefillTraits {
   static constexpr bool kPairTiles = kMFrags == 2 && kTileKV == 64 && sizeof(TKV) == 2 && !Rope && !SoftCap &&
                                      Mask != PrefillMask::kCustom;
   static constexpr int kFullSubKV = kPairTiles || kWide ? kTileKV : kSubKV;
-  // Ragged rows with those steps load a k step's K fragments before its mmas: ptxas then
-  // schedules them further ahead of their HMMAs (1.04-1.10x for ragged head_dim 128 on the
-  // H100; paged rows: not measured).
-  static constexpr bool kKFirst = Ragged && (kPairTiles || kWide);
+  // Those steps load a k step's K fragments before its mmas: ptxas then schedules them
+  // further ahead of their HMMAs (1.04-1.10x for ragged head_dim 128 on the H100). Paged
+  // rows gain only with the warp-blocked page copies of prefill_block, which leave ptxas the
+  // registers for it (alone each is within +-2%; together 1.01-1.06x, H200 A/B,
+  // docs/prefill.md).
+  static constexpr bool kKFirst = kPairTiles || kWide;
   static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
   static constexpr int kQBytes = kRows * kDQK * 2;
@@ -354,6 +356,16 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   constexpr bool kIdsAhead = !Traits::kRagged && kWholeRows;
   constexpr bool kSeparate = Traits::kTable == PageTableLayout::kBlockTableKVSeparate;
   const bool ids_ahead = kIdsAhead && rows.page_shift >= 2;
+  // Warp-blocked pages: warp w copies the tile's rows [w RPW, (w + 1) RPW), which lie in one
+  // page when pages hold at least RPW tokens and the item's keys start on a multiple of RPW
+  // (every item but a sliding window's); the warp then takes one page id a tile and its
+  // lanes step through the page as through ragged rows: no page arithmetic a row, 80-100
+  // instructions a warp and tile instead of 170-200 (bf16 head_dim 128). Else the lookup a
+  // row below.
+  constexpr int RPW = TKV / (THREADS / 32);  // rows a warp copies
+  constexpr int RPI = 32 / (KC > 32 ? 32 : KC);  // rows a warp instruction
+  constexpr bool kWarpPages = kIdsAhead && KC <= 32 && RPW % RPI == 0;
+  const bool warp_pages = kWarpPages && ids_ahead && rows.page_size >= RPW && start % RPW == 0;
   int k_ids_lane = 0, v_ids_lane = 0;  // the next tile's page ids (ids_ahead)
   auto fetch_ids = [&](int kv0) {
     const int lp = (kv0 >> rows.page_shift) + lane;
@@ -383,6 +395,44 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     if constexpr (!kWholeRows) {  // head_dim_qk 192: K and V each by the general loop
       copy_tensor(k_tile, k_data, std::integral_constant<int, KC>{}, std::false_type{}, kv0);
       copy_tensor(v_tile, v_data, std::integral_constant<int, VC>{}, std::true_type{}, kv0);
+    } else if (kWarpPages && warp_pages) {
+      // lane: chunk lane % KC of rows wrow + g NI + it (g = lane / KC, it < NI), in the page
+      // the warp's rows share; smem: (row & 7) = (g NI & 7) | it, so the swizzled chunk is the
+      // lane's (ch ^ (g NI & 7)) XOR it, a constant
+      constexpr int NI = RPW / RPI;
+      const int wrow = warp * RPW, g = lane / KC, ch = lane % KC;
+      const int first = kv0 >> rows.page_shift;
+      const int j0 = kv0 + wrow;
+      const int pg = ((j0 >> rows.page_shift) - first) & 31;
+      const int kp = __shfl_sync(0xffffffffu, k_ids_lane, pg);
+      const int vp = kSeparate ? __shfl_sync(0xffffffffu, v_ids_lane, pg) : kp;
+      const int slot = (j0 & (rows.page_size - 1)) + g * NI;
+      const char* kb = reinterpret_cast<const char*>(k_data + rows.k_base + int64_t(kp) * rows.k_stride_page +
+                                                     int64_t(slot) * rows.k_stride_token + ch * KE);
+      const char* vb = reinterpret_cast<const char*>(v_data + rows.v_base + int64_t(vp) * rows.v_stride_page +
+                                                     int64_t(slot) * rows.v_stride_token + ch * KE);
+      const int64_t kstep = int64_t(sizeof(KV)) * rows.k_stride_token, vstep = int64_t(sizeof(KV)) * rows.v_stride_token;
+      const int r0 = wrow + g * NI;
+      const int lim = end - kv0 - r0;  // row r0 + it holds a key: it < lim
+      const uint32_t x = uint32_t(ch ^ ((g * NI) & 7));
+      auto copy_rows = [&](auto full) {
+        constexpr bool kFull = decltype(full)::value;
+#pragma unroll
+        for (int it = 0; it < NI; ++it) {
+          const bool valid = kFull || it < lim;
+          const uint32_t off = Traits::kFp8 ? uint32_t((r0 + it) * KC + ch) * 16u
+                                            : uint32_t((r0 + it) * KC) * 16u + ((x ^ uint32_t(it & 7)) * 16u);
+          cp_async_16_u32(k_tile + off, kb, valid);
+          cp_async_16_u32(v_tile + off, vb, valid);
+          kb += kstep;
+          vb += vstep;
+        }
+      };
+      if (kv0 + TKV <= end) {
+        copy_rows(std::true_type{});
+      } else {
+        copy_rows(std::false_type{});
+      }
     } else {  // one page lookup for the row's K and V
       // A thread's rows are r0 + it K_PASS at chunk ch: addresses step by constants (ragged:
       // K_PASS rows; shared memory: K_PASS rows keep the swizzle when a multiple of 8).

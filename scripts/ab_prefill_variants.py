@@ -10,12 +10,14 @@ hits every variant alike. Run-to-run noise between two copies of one kernel: +-2
 
 A shape BxL is B requests of L query tokens on L keys; BxQ:K, Q query tokens on K keys (the
 queries last, as in chunked prefill and speculative verification).
+FORMS: ragged, paged (page 16, pages in random order) and pagedseq (page 16, pages in order:
+the ragged rows' layout, which separates the page table's addressing from the page order).
 
 Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill.cuh while its wrappers plan
 and make their first run (csrc/prefill.cuh is restored at the end). NAME@costorder plans with
 the numpy twin and the work order before fc1ff93 (pairs by cost alone); NAME@r64 / NAME@r128 pins the query
 tile (as ROWS=64/128 does for every variant). FI=1 adds FlashInfer's
-fa2 (ragged rows; needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
+fa2 on the same inputs (needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
 out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json,
 docs/results/2026-11-26_h200_prefill_ab_f18239e.json."""
 import os, shutil, sys, time
@@ -95,11 +97,12 @@ for d in dims:
         for var in variants:
           shutil.copy(os.path.join(os.environ.get('VARIANT_DIR', '.carry/var'), var.split('@')[0] + '.cuh'), 'csrc/prefill.cuh')
           jit.clear_registry()
-          if form == 'paged':
+          if form in ('paged', 'pagedseq'):
             page = 16; npg = B * L // page
             kc = k.view(npg, page, hk, d); vc = v.view(npg, page, hk, d)
             g = torch.Generator().manual_seed(1)
-            ids = torch.randperm(npg, generator=g).int().to(dev)
+            # paged: pages in random order; pagedseq: in order (the ragged rows' layout)
+            ids = (torch.randperm(npg, generator=g) if form == 'paged' else torch.arange(npg)).int().to(dev)
             kvp = torch.arange(B + 1, dtype=torch.int32) * (L // page)
             last = torch.full((B,), page, dtype=torch.int32)
             w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[var])
@@ -118,6 +121,10 @@ for d in dims:
           fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws[variants[0]], backend='fa2')
           fw.plan(qo.to(dev), kvi.to(dev), hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
           fns["FA2"] = lambda fw=fw, q=q, k=k, v=v: fw.run(q, k, v)
+        elif use_fi:
+          fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws[variants[0]], 'NHD', backend='fa2')
+          fw.plan(qo.to(dev), kvp.to(dev), ids, last.to(dev), hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16)
+          fns["FA2"] = lambda fw=fw, q=q, kv_arg=kv_arg: fw.run(q, kv_arg)
         ref = outs[variants[0]].float()
         agree = {var: float((outs[var].float() - ref).abs().max()) for var in variants[1:]}
         best = {n: 1e30 for n in fns}
@@ -125,7 +132,7 @@ for d in dims:
           for n, fn in fns.items():
             best[n] = min(best[n], bench(fn))
         base = best[variants[0]]
-        line = f"{form:6s} d={d} {B}x{Lq}{'' if Lq == L else f':{L}'} {'causal' if causal else 'full  '}:"
+        line = f"{form:8s} d={d} {B}x{Lq}{'' if Lq == L else f':{L}'} {'causal' if causal else 'full  '}:"
         for n in fns:
           line += f"  {n} {best[n]:8.1f}us {F / best[n] / 1e6:5.0f}TF ({base / best[n]:.3f})"
         line += f"  maxdiff {agree}"

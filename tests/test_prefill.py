@@ -726,11 +726,12 @@ def test_padding_requests(batch, causal, source, workspace):
 
 # --- beyond the grid: the same attention by other paths --------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 8, 16])
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 def test_paged_matches_ragged(causal, page_size, workspace):
     """The same K/V rows through the paged cache and as ragged tensors: the two agree, and
-    each matches the reference."""
+    each matches the reference. (Page sizes: 1, a lookup a row; 8, the page ids a lane
+    shuffled to each row; 16, a page a warp: the three copy paths of csrc/prefill.cuh.)"""
     rnd = random.Random(6 + page_size)
     gen = torch.Generator(device=DEV).manual_seed(6 + page_size)
     shapes = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (64, 65)]
