@@ -89,6 +89,16 @@ struct PrefillTraits {
   // fp8: the widened fp16 tiles the mma reads
   static constexpr int kWideBytes = kFp8 ? kTileKV * (kDQK + kDVO) * 2 : 0;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kWideBytes;
+  // Paged K/V copied a page a warp (prefill_block): warp w copies rows [w kWarpRows,
+  // (w + 1) kWarpRows) of a K/V tile, 32 / kKChunks rows a warp instruction. The 128-row
+  // tiles of head_dim_qk >= 128 also get a kernel with only that copy path
+  // (prefill_kernel<Traits, true>, chosen by launch_prefill): without the other paths' code
+  // ptxas keeps bf16 head_dim 128's non-causal tile loop free of spills (1.02-1.04x on those
+  // rows, H200 A/B; head_dim 64, whose loop did not spill: 0.94-1.01x, so not there).
+  static constexpr int kWarpRows = kTileKV / kWarps;
+  static constexpr bool kWarpPages = !Ragged && kKChunks == kVChunks && kKChunks <= 32 && kThreads % kKChunks == 0 &&
+                                     kTileKV % (kThreads / kKChunks) == 0 && kWarpRows % (32 / kKChunks) == 0;
+  static constexpr bool kWarpPagesKernel = kWarpPages && MFrags == 2 && HeadDimQK >= 128;
   // Two blocks an SM (up to 255 registers a thread; capped at 168 for three blocks, the
   // 64-row tile spilled 180 bytes).
   static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
@@ -256,7 +266,9 @@ FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
 
 // One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
 // state. smem: Traits::kSmemBytes. Every thread of the block calls it.
-template <class Traits>
+// WarpPagesOnly: every tile is copied a page a warp (Traits::kWarpPages; launch_prefill
+// checks that the batch allows it), the other copy paths are not compiled in.
+template <class Traits, bool WarpPagesOnly = false>
 FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem) {
   using namespace mma_detail;
   using namespace prefill_detail;
@@ -355,17 +367,19 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   // ahead so that no copy waits on a page-table load; rows take theirs by shuffle.
   constexpr bool kIdsAhead = !Traits::kRagged && kWholeRows;
   constexpr bool kSeparate = Traits::kTable == PageTableLayout::kBlockTableKVSeparate;
-  const bool ids_ahead = kIdsAhead && rows.page_shift >= 2;
+  const bool ids_ahead = kIdsAhead && (WarpPagesOnly || rows.page_shift >= 2);
   // Warp-blocked pages: warp w copies the tile's rows [w RPW, (w + 1) RPW), which lie in one
   // page when pages hold at least RPW tokens and the item's keys start on a multiple of RPW
   // (every item but a sliding window's); the warp then takes one page id a tile and its
   // lanes step through the page as through ragged rows: no page arithmetic a row, 80-100
   // instructions a warp and tile instead of 170-200 (bf16 head_dim 128). Else the lookup a
   // row below.
-  constexpr int RPW = TKV / (THREADS / 32);  // rows a warp copies
-  constexpr int RPI = 32 / (KC > 32 ? 32 : KC);  // rows a warp instruction
-  constexpr bool kWarpPages = kIdsAhead && KC <= 32 && RPW % RPI == 0;
-  const bool warp_pages = kWarpPages && ids_ahead && rows.page_size >= RPW && start % RPW == 0;
+  constexpr int RPW = Traits::kWarpRows;           // rows a warp copies
+  constexpr int RPI = 32 / (KC > 32 ? 32 : KC);    // rows a warp instruction
+  constexpr bool kWarpPages = Traits::kWarpPages;
+  static_assert(!kWarpPages || (kIdsAhead && RPW % RPI == 0), "warp-blocked pages: whole rows, whole instructions");
+  static_assert(!WarpPagesOnly || kWarpPages, "a warp-pages-only kernel copies a page a warp");
+  const bool warp_pages = WarpPagesOnly || (kWarpPages && ids_ahead && rows.page_size >= RPW && start % RPW == 0);
   int k_ids_lane = 0, v_ids_lane = 0;  // the next tile's page ids (ids_ahead)
   auto fetch_ids = [&](int kv0) {
     const int lp = (kv0 >> rows.page_shift) + lane;
@@ -433,7 +447,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       } else {
         copy_rows(std::false_type{});
       }
-    } else {  // one page lookup for the row's K and V
+    } else if constexpr (!WarpPagesOnly) {  // one page lookup for the row's K and V
       // A thread's rows are r0 + it K_PASS at chunk ch: addresses step by constants (ragged:
       // K_PASS rows; shared memory: K_PASS rows keep the swizzle when a multiple of 8).
       const int r0 = tid / KC, ch = tid % KC;
@@ -990,26 +1004,43 @@ __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int i
   }
 }
 
-template <class Traits>
+template <class Traits, bool WarpPagesOnly = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait();  // q, K/V and the outputs only after the kernel before (programmatic launch)
   const int items = p.work[0];
   for (int i = blockIdx.x; i < items; i += gridDim.x) {
-    prefill_block<Traits>(p, load_prefill_item(p, i), smem);
+    prefill_block<Traits, WarpPagesOnly>(p, load_prefill_item(p, i), smem);
     if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, i, smem);
     __syncthreads();
   }
   pdl_trigger();
 }
 
+// Whether every item of the launch can copy its K/V tiles a page a warp: pages of a power of
+// two of at least a warp's rows (the page ids a lane: 4 tokens or more), and items starting
+// on a multiple of 64 keys (the planner's chunks are; a sliding window starts anywhere).
+template <class Traits>
+bool prefill_warp_pages(const PrefillParams& p) {
+  return Traits::kWarpPages && p.page_shift >= 2 && p.table.page_size >= Traits::kWarpRows && p.window_left < 0;
+}
+
+template <class Traits, bool WarpPagesOnly>
+int launch_prefill_kernel(const PrefillParams& p, int grid, cudaStream_t stream, bool pdl) {
+  const int err = allow_dynamic_smem<prefill_kernel<Traits, WarpPagesOnly>>(Traits::kSmemBytes);
+  if (err != 0) return err;
+  return launch_kernel(prefill_kernel<Traits, WarpPagesOnly>, dim3(grid), dim3(Traits::kThreads), Traits::kSmemBytes,
+                       stream, pdl, p);
+}
+
 template <class Traits>
 int launch_prefill(const PrefillParams& p, int grid, cudaStream_t stream, bool pdl) {
   if (grid <= 0) return 0;
-  const int err = allow_dynamic_smem<prefill_kernel<Traits>>(Traits::kSmemBytes);
-  if (err != 0) return err;
-  return launch_kernel(prefill_kernel<Traits>, dim3(grid), dim3(Traits::kThreads), Traits::kSmemBytes, stream, pdl, p);
+  if constexpr (Traits::kWarpPagesKernel) {
+    if (prefill_warp_pages<Traits>(p)) return launch_prefill_kernel<Traits, true>(p, grid, stream, pdl);
+  }
+  return launch_prefill_kernel<Traits, false>(p, grid, stream, pdl);
 }
 
 }  // namespace fij
