@@ -78,8 +78,7 @@ struct PrefillTraits {
   // Those steps load a k step's K fragments before its mmas: ptxas then schedules them
   // further ahead of their HMMAs (1.04-1.10x for ragged head_dim 128 on the H100). Paged
   // rows gain only with the warp-blocked page copies of prefill_block, which leave ptxas the
-  // registers for it (alone each is within +-2%; together 1.01-1.06x, H200 A/B,
-  // docs/prefill.md).
+  // registers for it (alone 0.955-1.03x; together 1.01-1.06x, H200 A/B, docs/prefill.md).
   static constexpr bool kKFirst = kPairTiles || kWide;
   static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
@@ -95,10 +94,18 @@ struct PrefillTraits {
   // (prefill_kernel<Traits, true>, chosen by launch_prefill): without the other paths' code
   // ptxas keeps bf16 head_dim 128's non-causal tile loop free of spills (1.02-1.04x on those
   // rows, H200 A/B; head_dim 64, whose loop did not spill: 0.94-1.01x, so not there).
+  // K/V rows of whole 16-byte chunks a thread pass (head_dim_qk 192's rows of 12 or 24
+  // chunks do not divide the block's threads: prefill_block copies them by a general loop)
+  static constexpr bool kWholeRows =
+      kKChunks == kVChunks && kThreads % kKChunks == 0 && kTileKV % (kThreads / kKChunks) == 0;
   static constexpr int kWarpRows = kTileKV / kWarps;
-  static constexpr bool kWarpPages = !Ragged && kKChunks == kVChunks && kKChunks <= 32 && kThreads % kKChunks == 0 &&
-                                     kTileKV % (kThreads / kKChunks) == 0 && kWarpRows % (32 / kKChunks) == 0;
+  static constexpr bool kWarpPages = !Ragged && kWholeRows && kKChunks <= 32 && kWarpRows % (32 / kKChunks) == 0;
   static constexpr bool kWarpPagesKernel = kWarpPages && MFrags == 2 && HeadDimQK >= 128;
+  // Whether pages hold a warp's rows of a tile: a power of two (page_shift: its log2, or -1)
+  // of at least kWarpRows tokens. (The items must also start on a multiple of kWarpRows.)
+  static FIJ_HOST_DEVICE bool pages_hold_warp_rows(int page_shift, int page_size) {
+    return kWarpPages && page_shift >= 2 && page_size >= kWarpRows;
+  }
   // Two blocks an SM (up to 255 registers a thread; capped at 168 for three blocks, the
   // 64-row tile spilled 180 bytes).
   static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
@@ -356,7 +363,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   constexpr int KC = Traits::kKChunks, VC = Traits::kVChunks;
   // (head_dim_qk 192: rows of 12 or 24 chunks do not divide the block's threads; its copies
   // take the general loop, copy_tensor)
-  constexpr bool kWholeRows = KC == VC && THREADS % KC == 0 && TKV % (THREADS / KC) == 0;
+  constexpr bool kWholeRows = Traits::kWholeRows;
   constexpr int K_PASS = kWholeRows ? THREADS / KC : 1;  // rows a pass
   constexpr int KE = 16 / int(sizeof(KV));                      // elements a chunk
   const KV* k_data = static_cast<const KV*>(p.kv.k.data);
@@ -374,12 +381,12 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   // lanes step through the page as through ragged rows: no page arithmetic a row, 80-100
   // instructions a warp and tile instead of 170-200 (bf16 head_dim 128). Else the lookup a
   // row below.
-  constexpr int RPW = Traits::kWarpRows;           // rows a warp copies
-  constexpr int RPI = 32 / (KC > 32 ? 32 : KC);    // rows a warp instruction
+  constexpr int RPW = Traits::kWarpRows;                  // rows a warp copies
   constexpr bool kWarpPages = Traits::kWarpPages;
-  static_assert(!kWarpPages || (kIdsAhead && RPW % RPI == 0), "warp-blocked pages: whole rows, whole instructions");
+  constexpr int RPI = kWarpPages ? 32 / KC : 1;           // rows a warp instruction
   static_assert(!WarpPagesOnly || kWarpPages, "a warp-pages-only kernel copies a page a warp");
-  const bool warp_pages = WarpPagesOnly || (kWarpPages && ids_ahead && rows.page_size >= RPW && start % RPW == 0);
+  const bool warp_pages =
+      WarpPagesOnly || (Traits::pages_hold_warp_rows(rows.page_shift, rows.page_size) && start % RPW == 0);
   int k_ids_lane = 0, v_ids_lane = 0;  // the next tile's page ids (ids_ahead)
   auto fetch_ids = [&](int kv0) {
     const int lp = (kv0 >> rows.page_shift) + lane;
@@ -402,6 +409,15 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         cp_async_16_u32(tile + (Traits::kFp8 ? uint32_t(r * C + ch) * 16u : swz_addr<C>(0, r, ch)),
                         data + (decltype(is_v)::value ? vo : ko) + ch * KE, valid);
       }
+    }
+  };
+  // f(std::true_type) where every row of the tile at kv0 holds a key, else f(std::false_type)
+  // (rows past the chunk's end copy nothing and zero-fill)
+  auto by_fullness = [&](int kv0, auto&& f) {
+    if (kv0 + TKV <= end) {
+      f(std::true_type{});
+    } else {
+      f(std::false_type{});
     }
   };
   auto load_tile = [&](int kv0, int s) {
@@ -442,11 +458,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           vb += vstep;
         }
       };
-      if (kv0 + TKV <= end) {
-        copy_rows(std::true_type{});
-      } else {
-        copy_rows(std::false_type{});
-      }
+      by_fullness(kv0, copy_rows);
     } else if constexpr (!WarpPagesOnly) {  // one page lookup for the row's K and V
       // A thread's rows are r0 + it K_PASS at chunk ch: addresses step by constants (ragged:
       // K_PASS rows; shared memory: K_PASS rows keep the swizzle when a multiple of 8).
@@ -462,8 +474,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         }
       };
       const int lim = end - kv0 - r0;  // row r0 + it K_PASS holds a key: it K_PASS < lim
-      // (full: every row of the tile holds a key; rows past the chunk's end copy nothing and
-      // zero-fill)
+      // (full: every row of the tile holds a key, by_fullness)
       auto copy_rows = [&](auto full) {
         constexpr bool kFull = decltype(full)::value;
         if constexpr (Traits::kRagged) {
@@ -507,11 +518,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           }
         }
       };
-      if (kv0 + TKV <= end) {
-        copy_rows(std::true_type{});
-      } else {
-        copy_rows(std::false_type{});
-      }
+      by_fullness(kv0, copy_rows);
     }
     cp_async_commit();
   };
@@ -1023,7 +1030,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
 // on a multiple of 64 keys (the planner's chunks are; a sliding window starts anywhere).
 template <class Traits>
 bool prefill_warp_pages(const PrefillParams& p) {
-  return Traits::kWarpPages && p.page_shift >= 2 && p.table.page_size >= Traits::kWarpRows && p.window_left < 0;
+  return Traits::pages_hold_warp_rows(p.page_shift, p.table.page_size) && p.window_left < 0;
 }
 
 template <class Traits, bool WarpPagesOnly>
