@@ -164,6 +164,34 @@ FIJ_DEVICE void rope_pair(float (&lo)[8], float (&hi)[8], int i, float pos, floa
   }
 }
 
+// Packed rows n, n + S, n + 2 S, ... (S a compile-time step) as element offsets of their
+// (token, head) = divmod(row, group) in a tensor of token stride sn and head stride sh: one
+// division for the first row, then each step adds S / group tokens and S % group heads, a
+// head past the group wrapping into the next token (a few adds a row instead of a division
+// and two multiplies).
+struct PackedRowSteps {
+  int64_t first;       // the first row's offset
+  int64_t step, wrap;  // added a step; added too when the head wraps
+  int rem, rem_step, group;
+  FIJ_DEVICE PackedRowSteps(int n, int S, int group_, uint32_t magic, int64_t sn, int64_t sh) : group(group_) {
+    const DivMod th = divmod(n, group, magic), st = divmod(S, group, magic);
+    first = int64_t(th.quot) * sn + int64_t(th.rem) * sh;
+    step = int64_t(st.quot) * sn + int64_t(st.rem) * sh;
+    wrap = sn - int64_t(group) * sh;
+    rem = th.rem;
+    rem_step = st.rem;
+  }
+  // the offset from this row to the next
+  FIJ_DEVICE int64_t next() {
+    rem += rem_step;
+    if (rem >= group) {
+      rem -= group;
+      return step + wrap;
+    }
+    return step;
+  }
+};
+
 }  // namespace prefill_detail
 
 // Where a request's K and V rows are: the paged cache through the page table, or ragged
@@ -328,12 +356,37 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   // output in q's rows)
   if (num_tiles == 0) {
   } else if constexpr (std::is_same_v<Q, M> && !Traits::kRope && THREADS % QC == 0) {
-    // a thread copies chunk tid % QC of rows tid / QC, + THREADS / QC, ...
-    const int ch = tid % QC;
-#pragma unroll 4
-    for (int r = tid / QC; r < ROWS; r += THREADS / QC) {
-      const Q* src = q_row(r);
-      cp_async_16(sq + swz<QC>(r, ch * 8), src != nullptr ? src + ch * 8 : static_cast<const Q*>(p.q), src != nullptr);
+    // a thread copies chunk tid % QC of rows tid / QC + it STEP, its source stepped by
+    // PackedRowSteps; where every row of the tile holds a query and the group divides the
+    // step (GQA groups of 1, 2, 4, 8), by a constant with no checks (16 rows: 61 instructions
+    // a thread at head_dim 128, against about 700 with a division a row)
+    constexpr int STEP = THREADS / QC;
+    const int ch = tid % QC, r0 = tid / QC;
+    PackedRowSteps rs(row0 + r0, STEP, group, p.group_magic, p.q_stride_n, p.q_stride_h);
+    const Q* src = q_base + rs.first + ch * 8;
+    if (live_rows == ROWS && rs.rem_step == 0) {
+      // (rows STEP apart keep their swizzle where STEP is a multiple of 8: shared-memory
+      // offsets step by a constant too)
+      const uint32_t dst = sq_u32 + uint32_t(swz<QC>(r0, ch * 8)) * uint32_t(sizeof(M));
+      const char* from = reinterpret_cast<const char*>(src);
+      const int64_t step = rs.step * int64_t(sizeof(Q));
+#pragma unroll
+      for (int it = 0; it < ROWS / STEP; ++it) {
+        if constexpr (STEP % 8 == 0) {
+          cp_async_16_u32(dst + uint32_t(it * STEP * QC * 16), from, true);
+        } else {
+          cp_async_16(sq + swz<QC>(r0 + it * STEP, ch * 8), from, true);
+        }
+        from += step;
+      }
+    } else {
+#pragma unroll
+      for (int it = 0; it < ROWS / STEP; ++it) {
+        const int r = r0 + it * STEP;
+        const bool live = r < live_rows;
+        cp_async_16(sq + swz<QC>(r, ch * 8), live ? src : static_cast<const Q*>(p.q), live);
+        src += rs.next();
+      }
     }
   } else {
     constexpr int kPass = Traits::kRope ? QC / 2 : QC;  // RoPE: a thread takes a chunk and its partner
@@ -920,15 +973,20 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     using TO = typename Traits::O;
     constexpr int kWarpRows = 16 * MF;
     static_assert(32 % VOC == 0, "whole output rows a warp pass");
-    // lane: chunk lane % VOC of rows lane / VOC, + 32 / VOC, ... (strides in 32 bits, as q's)
-    TO* o_base = static_cast<TO*>(p.out) + int64_t(qo_start) * p.out_stride_n + int64_t(kv_head * group) * p.out_stride_h +
-                 (lane % VOC) * 8;
-    for (int r = warp * kWarpRows + lane / VOC; r < (warp + 1) * kWarpRows; r += 32 / VOC) {
-      if (r >= live_rows) break;  // rows are in order: the rest are padding too
-      const DivMod th = split_row(row0 + r);
-      const uint4 v = lds128(sq + swz<QC>(r, (lane % VOC) * 8));
-      TO* dst = o_base + (uint64_t(uint32_t(th.quot)) * uint32_t(p.out_stride_n) + uint32_t(th.rem) * uint32_t(p.out_stride_h));
-      *reinterpret_cast<uint4*>(dst) = v;
+    // lane: chunk lane % VOC of rows r0 + it STEP, its destination stepped by PackedRowSteps
+    constexpr int STEP = 32 / VOC;
+    int r0 = warp * kWarpRows + lane / VOC;
+    // (an empty asm ties what follows from r0 to this point: ptxas otherwise computed these
+    // addresses before the tile loop and spilled them across it, 88 B at head_dim 128)
+    asm volatile("" : "+r"(r0));
+    PackedRowSteps rs(row0 + r0, STEP, group, p.group_magic, p.out_stride_n, p.out_stride_h);
+    TO* dst = static_cast<TO*>(p.out) + int64_t(qo_start) * p.out_stride_n + int64_t(kv_head * group) * p.out_stride_h +
+              rs.first + (lane % VOC) * 8;
+#pragma unroll
+    for (int it = 0; it < kWarpRows / STEP; ++it) {
+      const int r = r0 + it * STEP;
+      if (r < live_rows) *reinterpret_cast<uint4*>(dst) = lds128(sq + swz<QC>(r, (lane % VOC) * 8));
+      dst += rs.next();
     }
   }
 }

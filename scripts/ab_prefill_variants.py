@@ -2,7 +2,7 @@
 """A/B of csrc/prefill.cuh variants in one process (a development tool, not a benchmark of
 record): every variant's modules loaded side by side (jit.clear_registry between them; each
 module's namespace carries its source hash), timed interleaved per shape (A B A B ..., the
-minimum over ROUNDS of the median of up to 50 runs) after a 3 s GPU warm-up, so clock drift
+minimum over ROUNDS of the median of up to 50 runs enqueued back to back) after a 3 s GPU warm-up, so clock drift
 hits every variant alike. Run-to-run noise between two copies of one kernel: +-2-4%.
 
   VARIANTS="BASE NEW" VARIANT_DIR=/path/to/variants DIMS=128,256 FORMS=ragged,paged \
@@ -41,15 +41,23 @@ hq, hk = 32, 8
 orig = open('csrc/prefill.cuh').read()
 
 def bench(fn, ms_budget=60.0):
+    """Median device time of fn() over up to 50 runs enqueued back to back behind a GPU sleep
+    (events around each run, one synchronization at the end): the host's time in fn() stays
+    out of the figure. (Until 2026-11-27 each run was synchronized, so a run's figure held
+    the host time between its start event and its kernel's launch: about 15 us for
+    FlashInfer's run(), which made FA2 look slower than it is on short rows.)"""
     fn(); torch.cuda.synchronize()
     s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
     s.record(); fn(); e.record(); e.synchronize()
     one = max(s.elapsed_time(e), 1e-3)
     iters = int(min(50, max(5, ms_budget / one)))
-    ts = []
-    for _ in range(iters):
-        s.record(); fn(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) * 1e3)
-    return float(np.median(ts))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    torch.cuda._sleep(1 << 24)  # about 10 ms: the host enqueues the runs behind it
+    for i in range(iters):
+        starts[i].record(); fn(); ends[i].record()
+    torch.cuda.synchronize()
+    return float(np.median([a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends)]))
 
 import contextlib
 from flashinfer_jit import prefill as _pf
