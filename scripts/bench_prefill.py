@@ -33,7 +33,10 @@ with 16 jobs, per the peer README). They are built in the background, one ninja 
 dim in row order (128 first), while our modules are warmed up by background processes
 (a plan() and run() of small problems per configuration; they land in our JIT cache). The
 rows of a head dim are measured once its builds are done, while the later head dims'
-builds run (such rows say build_running; --no-overlap waits for every build first). The
+FlashInfer builds run (such rows say build_running; --no-overlap waits for every build
+first). Our warm-ups run kernels on the GPU, so all of them end before the first timed run
+(matmul and copy rates included): only nvcc processes (CPU) overlap the timing. (Until
+2026-11-27 the warm-ups of later head dims ran beside the first head dim's timed rows.) The
 FlashInfer cache is FLASHINFER_WORKSPACE_BASE (default <tmp>/flashinfer_ws, kept on a
 warm machine, so a second run builds nothing). Without the peer (.peers/site on
 PYTHONPATH) its columns say why. Estimated (not yet measured) on an H100 with 16 cores:
@@ -257,9 +260,10 @@ except BaseException as exc:  # report anything, never hang the benchmark
 
 class Builds:
     """Background builds, in stages: stage k (head dim k of the rows' order) starts FlashInfer's
-    modules for that head dim (one process, one ninja, MAX_JOBS = the CPU count unless set) and
-    our warm-up processes for it; stage k+1 starts when stage k's FlashInfer build ends (at once
-    where it has none). Each process prints one JSON line; its output goes to a log file."""
+    modules for that head dim (one process, one ninja, MAX_JOBS = the CPU count unless set);
+    stage k+1 starts when stage k's FlashInfer build ends (at once where it has none). Our
+    warm-up processes, which run kernels, all start with stage 0 and end before the first
+    timed run (ours_done). Each process prints one JSON line; its output goes to a log file."""
 
     def __init__(self, stages: list[tuple[int, list[str], list[str]]], fi_env: dict | None):
         self.stages = stages  # (head_dim, FlashInfer backends, our configurations)
@@ -289,11 +293,24 @@ class Builds:
             hd, backends, configs = self.stages[self.next_stage]
             if backends and self.fi_env is not None:
                 self._launch(("fa", hd), [FLASHINFER_BUILD, str(hd), ",".join(backends)], self.fi_env)
-            for what in configs:
-                self._launch(("ours", hd, what), [OURS_WARMUP, str(hd), what], None)
+            if self.next_stage == 0:
+                # our warm-ups run kernels: all of them now, done before anything is timed
+                # (ours_done), so that only FlashInfer's compiles (CPU) overlap the timing
+                for shd, _, sconfigs in self.stages:
+                    for what in sconfigs:
+                        self._launch(("ours", shd, what), [OURS_WARMUP, str(shd), what], None)
             bc.log(f"builds: head_dim {hd} started (FlashInfer {','.join(backends) or '-'}, "
                    f"ours {','.join(configs) or '-'})")
             self.next_stage += 1
+
+    def ours_done(self, until: float) -> None:
+        """Until every warm-up of ours has ended (they run kernels on the GPU) or the clock
+        reaches `until`."""
+        while time.perf_counter() < until:
+            self.poll()
+            if all(j["result"] is not None for k, j in self.jobs.items() if k[0] == "ours"):
+                return
+            time.sleep(0.2)
 
     def poll(self) -> None:
         for job in self.jobs.values():
@@ -980,6 +997,7 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
         return bc.finish(args.out, res, report, started)
     torch.manual_seed(0)
     flush = Flush()
+    builds.ours_done(build_deadline)  # nothing but CPU work beside the timed runs from here on
     running = builds.running()
     res["matmul"] = matmul_rate() | {"build_running": running}
     res["copy"] = bc.copy_bandwidth() | {"build_running": running}
