@@ -24,8 +24,11 @@ Measures, in one process on one GPU (docs/prefill.md, "Speed"):
 
 Timing: CUDA events around each eager run(), an L2 flush (a memset of max(4 x L2, 64 MiB))
 before each, warm-up of at least 200 ms (bench_common.warmup_ms), then the median of --reps
-runs (twice as many for runs under 1 ms); a short GPU sleep before the timed runs lets the
-host enqueue ahead, so host time never shows. Random inputs (normal, never zeros).
+runs (twice as many for runs under 1 ms) in two blocks: every provider of a row in order,
+then again in reverse order, so that the GPU's heating over a row (the long rows run at the
+power cap, where the clock falls as it heats) weighs on each provider alike; a short GPU
+sleep before each block's runs lets the host enqueue ahead, so host time never shows.
+Random inputs (normal, never zeros).
 
 Builds: FlashInfer 0.5.3 JIT-compiles its prefill modules at first use (one module per
 backend and head dim serves paged and ragged, causal and not; ~40 s FA2 and ~60 s FA3 each
@@ -120,7 +123,7 @@ class Row(NamedTuple):
     def budget_s(self, reps: int) -> float:
         """A rough upper estimate of the row's wall time (8 providers, ~300 TFLOP/s, warm-up,
         plan, checks): a row that would end past --time-limit is not started."""
-        return 8 * (0.35 + (reps + 12) * self.flops() / 300e12)
+        return 8 * (0.55 + (reps + 12) * self.flops() / 300e12)
 
     def io_bytes(self) -> int:
         """q + K + V + out bytes (bf16): what a run touches at least once."""
@@ -414,7 +417,8 @@ def _gate() -> None:
 
 def time_events(fn, reps: int, flush: Flush) -> dict:
     """Median device time of one fn() by CUDA events around it, an L2 flush before each
-    run, after at least bench_common.warmup_ms() of flushed runs (3 at least)."""
+    run, after at least bench_common.warmup_ms() of flushed runs (3 at least). The runs'
+    times are under "_samples" (merge_timings drops them)."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -439,7 +443,16 @@ def time_events(fn, reps: int, flush: Flush) -> dict:
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    return bc.summarize([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]) | {"warmup_runs": warm}
+    samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    return bc.summarize(samples) | {"warmup_runs": warm, "_samples": samples}
+
+
+def merge_timings(first: dict, second: dict) -> dict:
+    """One timing from a provider's two blocks of runs (the row's providers in order, then
+    in reverse order): the median of all their runs; each block's median kept beside it."""
+    samples = first["_samples"] + second["_samples"]
+    return bc.summarize(samples) | {"warmup_runs": first["warmup_runs"] + second["warmup_runs"],
+                                    "blocks_median_us": [first["median_us"], second["median_us"]]}
 
 
 def matmul_rate(n: int = 8192, reps: int = 30) -> dict:
@@ -573,6 +586,10 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     bf16 = torch.bfloat16
     mask = "causal" if row.causal else "full"
     ref = {}  # "out": ours' output, the row's reference
+    # Every provider is timed in two blocks of half the runs: the row's providers in order,
+    # then in reverse order (second_blocks), so that a GPU warming up over the row (the long
+    # rows run at the power cap, and the clock falls as the GPU heats) weighs on each alike.
+    second_blocks = []  # (entry, run) in the order of the first blocks
 
     def wrapper_runner(module, form: str, backend: str | None):
         kw = {} if backend is None else {"backend": backend}
@@ -602,7 +619,8 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
                 got = output()
                 entry["wrote_every_row"] = not bool(torch.isnan(got).any())
                 ref["out"], ref["impl"] = got.clone(), impl
-            t = time_events(run, ctx.reps, ctx.flush)
+            t = time_events(run, -(-ctx.reps // 2), ctx.flush)
+            second_blocks.append((entry, run))
         except Exception as exc:  # noqa: BLE001  (one failing provider must not end the run)
             bc.log(f"{row.label} {impl}: {type(exc).__name__}: {exc}")
             try:
@@ -650,6 +668,22 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     # our decode on the spec row's cache: q_len_per_req tokens a request, and one
     if row.kind == "spec":
         measure_decode(res, inputs, row, ctx, measure, ours_reference())
+    for entry, run in reversed(second_blocks):  # the second blocks, in reverse order
+        try:
+            t = merge_timings(entry["timing"], time_events(run, -(-ctx.reps // 2), ctx.flush))
+        except Exception as exc:  # noqa: BLE001  (keep the first block's figure)
+            bc.log(f"{row.label}: second block: {type(exc).__name__}: {exc}")
+            t = dict(entry["timing"]) | {"second_block_error": f"{type(exc).__name__}: {exc}"[:300]}
+        us = t["median_us"]
+        entry["timing"] = t
+        entry["median_us"] = us
+        entry["tflops"] = entry.get("flops", row.flops()) / us / 1e6
+        if "frac_matmul" in entry:
+            entry["frac_matmul"] = entry["tflops"] / ctx.matmul_tflops
+        entry["kv_tb_per_s"] = row.kv_bytes() / us / 1e6
+    for entry, _ in second_blocks:
+        entry["timing"].pop("_samples", None)
+    second_blocks.clear()
     derive(res)
     del inputs
     ref.clear()
@@ -719,8 +753,8 @@ def measure_decode(res: dict, inputs: Inputs, row: Row, ctx: Context, measure, r
                    PAGE_SIZE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, q_len_per_req=tokens)
             return (lambda: w.run(q, (inputs.k_cache, inputs.v_cache), out=out)), (lambda: out)
 
-        res["impls"][impl] = measure(impl, prepare, reference if tokens == n else ref_last) | \
-            {"q_len_per_req": tokens}
+        res["impls"][impl] = measure(impl, prepare, reference if tokens == n else ref_last)
+        res["impls"][impl]["q_len_per_req"] = tokens  # (the same dict: its second block updates it)
         if tokens == 1 and "median_us" in res["impls"][impl]:  # one token a request: not the row's FLOPs
             e = res["impls"][impl]
             e["flops"] = attention_flops(b, 1, row.kv_len, False, NUM_QO_HEADS, hd)
@@ -977,7 +1011,8 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                         "bottom-right aligned, sum_i (kv_len - qo_len + i + 1)",
                "timing": "CUDA events around each eager run() (plan() once before), L2 flushed before each run "
                          f"(memset of max(4 x L2, 64 MiB)), >= {bc.warmup_ms():g} ms warm-up, median of --reps runs "
-                         "(2x for runs under 1 ms)",
+                         "(2x for runs under 1 ms) in two blocks of half: the row's providers in order, then in "
+                         "reverse order (timing.blocks_median_us: each block's median)",
                "speedup_vs_fa2": "FA2 median us / ours (>= 1: ours as fast or faster); time_ratio_ours_over_fa2 "
                                  "its inverse",
                "check": f"every provider's output against ours: max abs diff, agrees if |d| <= {ATOL:g} + "
