@@ -1,6 +1,8 @@
 """CPU checks of the tuning and benchmark scripts that nothing else imports: the read
 ceiling's CUDA source still compiles, bench_decode.py's dense peers gather the paged cache
-and attend as a float64 reference does, and sweep_decode.py picks its cases."""
+and attend as a float64 reference does, sweep_decode.py picks its cases, and
+bench_prefill.py merges a provider's two blocks of runs and ends its warm-ups before it
+times anything."""
 
 from __future__ import annotations
 
@@ -66,3 +68,30 @@ def test_sweep_decode_runs_full_grid_cases_only_when_named():
     assert sd.split_cases() == sd.SPLIT_CASES
     picked = sd.split_cases(["bfloa gqa4 b=16 kv=512", "bfloa gqa4 b=1 kv=2048"])
     assert picked == [("bfloat16", 4, 1, 2048), ("bfloat16", 4, 16, 512)]
+
+
+def test_bench_prefill_merges_a_providers_two_blocks():
+    import bench_prefill as bp
+
+    first = {"median_us": 10.0, "p10_us": 9.0, "p90_us": 11.0, "min_us": 9.0, "runs": 3, "warmup_runs": 5,
+             "_samples": [9.0, 10.0, 11.0]}
+    second = {"median_us": 12.0, "p10_us": 12.0, "p90_us": 13.0, "min_us": 12.0, "runs": 3, "warmup_runs": 4,
+              "_samples": [12.0, 12.0, 13.0]}
+    t = bp.merge_timings(first, second)
+    assert t["median_us"] == 11.5 and t["runs"] == 6 and t["min_us"] == 9.0 and t["warmup_runs"] == 9
+    assert t["blocks_median_us"] == [10.0, 12.0] and "_samples" not in t
+
+
+def test_bench_prefill_starts_every_warm_up_before_timing(monkeypatch):
+    """Our warm-ups run kernels: all of them start with the first stage (none with a later
+    one), and ours_done() returns once they have ended."""
+    import time
+
+    import bench_prefill as bp
+
+    monkeypatch.setattr(bp, "OURS_WARMUP", "print('{\"ok\": true}')")
+    builds = bp.Builds([(128, [], ["ragged_full"]), (64, [], ["paged_full", "decode1"])], None)
+    assert sorted(builds.jobs) == [("ours", 64, "decode1"), ("ours", 64, "paged_full"), ("ours", 128, "ragged_full")]
+    builds.ours_done(time.perf_counter() + 60)
+    assert all(job["result"] is not None and job["result"].get("ok") for job in builds.jobs.values())
+    assert not builds.running()
