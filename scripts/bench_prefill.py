@@ -591,6 +591,14 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     # rows run at the power cap, and the clock falls as the GPU heats) weighs on each alike.
     second_blocks = []  # (entry, run) in the order of the first blocks
 
+    def set_timing(entry: dict, t: dict) -> None:
+        """A provider's figures from its timing (the row's FLOPs unless the entry names its own)."""
+        us = t["median_us"]
+        entry |= {"median_us": us, "tflops": entry.get("flops", row.flops()) / us / 1e6,
+                  "kv_tb_per_s": row.kv_bytes() / us / 1e6, "timing": t}
+        if "flops" not in entry:
+            entry["frac_matmul"] = entry["tflops"] / ctx.matmul_tflops
+
     def wrapper_runner(module, form: str, backend: str | None):
         kw = {} if backend is None else {"backend": backend}
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
@@ -629,11 +637,8 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             except Exception:  # noqa: BLE001  (a sticky CUDA error: the next rows will say so)
                 pass
             return {"error": f"{type(exc).__name__}: {exc}"[:800]}
-        us = t["median_us"]
-        entry |= {"median_us": us, "tflops": row.flops() / us / 1e6,
-                  "frac_matmul": row.flops() / us / 1e6 / ctx.matmul_tflops,
-                  "kv_tb_per_s": row.kv_bytes() / us / 1e6, "timing": t}
-        bc.log(f"{row.label} {impl}: {us:.1f} us, {entry['tflops']:.0f} TFLOP/s")
+        set_timing(entry, t)
+        bc.log(f"{row.label} {impl}: {entry['median_us']:.1f} us, {entry['tflops']:.0f} TFLOP/s")
         return entry
 
     def ours_reference():
@@ -674,13 +679,7 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
         except Exception as exc:  # noqa: BLE001  (keep the first block's figure)
             bc.log(f"{row.label}: second block: {type(exc).__name__}: {exc}")
             t = dict(entry["timing"]) | {"second_block_error": f"{type(exc).__name__}: {exc}"[:300]}
-        us = t["median_us"]
-        entry["timing"] = t
-        entry["median_us"] = us
-        entry["tflops"] = entry.get("flops", row.flops()) / us / 1e6
-        if "frac_matmul" in entry:
-            entry["frac_matmul"] = entry["tflops"] / ctx.matmul_tflops
-        entry["kv_tb_per_s"] = row.kv_bytes() / us / 1e6
+        set_timing(entry, t)
     for entry, _ in second_blocks:
         entry["timing"].pop("_samples", None)
     second_blocks.clear()
