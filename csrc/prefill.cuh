@@ -982,10 +982,15 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     PackedRowSteps rs(row0 + r0, STEP, group, p.group_magic, p.out_stride_n, p.out_stride_h);
     TO* dst = static_cast<TO*>(p.out) + int64_t(qo_start) * p.out_stride_n + int64_t(kv_head * group) * p.out_stride_h +
               rs.first + (lane % VOC) * 8;
+    // The warp's rows read from shared memory first, all of them (rows past live_rows hold
+    // the tile's unused rows: read, not stored), then stored: the reads' latencies overlap
+    // instead of each store waiting on its own read behind a branch.
+    uint4 vals[kWarpRows / STEP];
+#pragma unroll
+    for (int it = 0; it < kWarpRows / STEP; ++it) vals[it] = lds128(sq + swz<QC>(r0 + it * STEP, (lane % VOC) * 8));
 #pragma unroll
     for (int it = 0; it < kWarpRows / STEP; ++it) {
-      const int r = r0 + it * STEP;
-      if (r < live_rows) *reinterpret_cast<uint4*>(dst) = lds128(sq + swz<QC>(r, (lane % VOC) * 8));
+      if (r0 + it * STEP < live_rows) *reinterpret_cast<uint4*>(dst) = vals[it];
       dst += rs.next();
     }
   }
