@@ -590,6 +590,7 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     # then in reverse order (second_blocks), so that a GPU warming up over the row (the long
     # rows run at the power cap, and the clock falls as the GPU heats) weighs on each alike.
     second_blocks = []  # (entry, run) in the order of the first blocks
+    block_reps = -(-ctx.reps // 2)  # runs a block
 
     def set_timing(entry: dict, t: dict) -> None:
         """A provider's figures from its timing (the row's FLOPs unless the entry names its own)."""
@@ -627,7 +628,7 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
                 got = output()
                 entry["wrote_every_row"] = not bool(torch.isnan(got).any())
                 ref["out"], ref["impl"] = got.clone(), impl
-            t = time_events(run, -(-ctx.reps // 2), ctx.flush)
+            t = time_events(run, block_reps, ctx.flush)
             second_blocks.append((entry, run))
         except Exception as exc:  # noqa: BLE001  (one failing provider must not end the run)
             bc.log(f"{row.label} {impl}: {type(exc).__name__}: {exc}")
@@ -675,7 +676,7 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
         measure_decode(res, inputs, row, ctx, measure, ours_reference())
     for entry, run in reversed(second_blocks):  # the second blocks, in reverse order
         try:
-            t = merge_timings(entry["timing"], time_events(run, -(-ctx.reps // 2), ctx.flush))
+            t = merge_timings(entry["timing"], time_events(run, block_reps, ctx.flush))
         except Exception as exc:  # noqa: BLE001  (keep the first block's figure)
             bc.log(f"{row.label}: second block: {type(exc).__name__}: {exc}")
             t = dict(entry["timing"]) | {"second_block_error": f"{type(exc).__name__}: {exc}"[:300]}
