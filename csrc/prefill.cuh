@@ -205,13 +205,14 @@ struct KVRows {
   int64_t k_stride_page, v_stride_page, k_stride_token, v_stride_token;
   int page_size, page_shift;
 
-  FIJ_DEVICE KVRows(const PrefillParams& p, int b, int head) {
+  FIJ_DEVICE KVRows(const PrefillParams& p, const PrefillItem& item) {
+    const int b = item.request, head = item.kv_head;
     k_stride_token = p.kv.k.stride_token;
     v_stride_token = p.kv.v.stride_token;
     k_base = int64_t(head) * p.kv.k.stride_head;
     v_base = int64_t(head) * p.kv.v.stride_head;
     if constexpr (Traits::kRagged) {
-      const int64_t first = p.kv_indptr[b];
+      const int64_t first = item.kv_first;
       k_base += first * k_stride_token;
       v_base += first * v_stride_token;
       k_ids = v_ids = nullptr;
@@ -242,16 +243,6 @@ struct KVRows {
     }
   }
 };
-
-// Tokens a request holds: the page table's length, or its ragged rows.
-template <class Traits>
-FIJ_DEVICE int prefill_kv_len(const PrefillParams& p, int b) {
-  if constexpr (Traits::kRagged) {
-    return p.kv_indptr[b + 1] - p.kv_indptr[b];
-  } else {
-    return PageTable<Traits::kTable>{p.table}.kv_len(b);
-  }
-}
 
 // Shared-memory address of a swizzled 16-bit tile's row `row` at 16-byte chunk `chunk`
 // (only the low 3 bits of the chunk are swizzled, with row % 8).
@@ -296,7 +287,7 @@ FIJ_DEVICE float fast_log2(float x) {
 FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
   const DivMod ph = divmod(i, p.kv.num_kv_heads, p.kv_head_magic);
   const int32_t* w = p.work + 1 + kPrefillPairInts * ph.quot;
-  return PrefillItem{w[0], ph.rem, w[1], w[2], w[3], w[4], w[5], w[6]};
+  return PrefillItem{w[0], ph.rem, w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10]};
 }
 
 // One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
@@ -326,10 +317,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 
   const int b = item.request, kv_head = item.kv_head, row0 = item.row0;
   const int group = p.group;
-  const int qo_start = p.qo_indptr[b];
-  const int qo_len = p.qo_indptr[b + 1] - qo_start;
-  const KVRows<Traits> rows(p, b, kv_head);
-  const int kv_len = prefill_kv_len<Traits>(p, b);
+  const int qo_start = item.qo_start, qo_len = item.qo_len, kv_len = item.kv_len;
+  const KVRows<Traits> rows(p, item);
   const int live_rows = min(ROWS, qo_len * group - row0);  // rows of this tile with a query
   const int delta = kv_len - qo_len;                         // row of token t sits at t + delta
   // packed row -> (token, head of the group), without a division
@@ -1026,7 +1015,7 @@ __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int i
   __syncthreads();
   if (!last_block) return;
   const int b = item.request, group = p.group, chunks = item.chunks, H = p.num_qo_heads;
-  const int qo_start = p.qo_indptr[b], qo_len = p.qo_indptr[b + 1] - qo_start;
+  const int qo_start = item.qo_start, qo_len = item.qo_len;
   const int live_rows = min(ROWS, qo_len * group - item.row0);
   float* row_max = reinterpret_cast<float*>(smem + 16);  // [ROWS]
   float* row_rcp = row_max + ROWS;                        // [ROWS]: 1 / sum of the weights, 0: no key

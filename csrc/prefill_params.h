@@ -14,7 +14,7 @@ namespace fij {
 // (tile, chunk) pair differ only in the KV head, so the list holds each pair once and item
 // i is pair i / num_kv_heads, KV head i % num_kv_heads (load_prefill_item): an eighth of the
 // bytes plan() writes and copies for 8 KV heads. POD reads the same list beside decode's.
-constexpr int kPrefillPairInts = 7;
+constexpr int kPrefillPairInts = 11;
 struct PrefillItem {
   int32_t request;      // b
   int32_t kv_head;
@@ -25,6 +25,12 @@ struct PrefillItem {
                         // partial row of the request (token t, chunk c: partial_row + t * chunks + c)
   int32_t chunks;       // chunks the request is split into (1: not split)
   int32_t chunk;        // this item's chunk (the sinks join chunk 0 only)
+  // The request's extent, copied into the pair by plan() so that an item's first loads do
+  // not wait on the work entry and then on the index arrays (one dependent round trip less)
+  int32_t qo_start;     // qo_indptr[b]
+  int32_t qo_len;
+  int32_t kv_len;
+  int32_t kv_first;     // ragged: kv_indptr[b] (the request's first K/V row); paged: 0
 };
 
 struct PrefillParams {

@@ -292,6 +292,10 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
       it[4] = partial_base[b];
       it[5] = n;
       it[6] = pr.chunk;
+      it[7] = qo_indptr[b];
+      it[8] = qo_indptr[b + 1] - qo_indptr[b];
+      it[9] = kv_len[b];
+      it[10] = side == PrefillKVSide::kRagged ? kv_a[b] : 0;
       it += kPrefillPairInts;
     }
   }

@@ -40,7 +40,7 @@ from .specs.prefill import HEAD_DIM_PAIRS, TILE_ROWS, PrefillPlanSpec, PrefillSp
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _BACKENDS = ("auto", "fa2")
-_PAIR_INTS = 7  # csrc/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
+_PAIR_INTS = 11  # csrc/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
 _BLOCKS_PER_SM = 2  # csrc/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM
 _MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than it saves
 # keys: causal batches at head_dim 256 whose requests average at most this many take the
@@ -177,7 +177,8 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
             and int(kv_lens[qo_lens > 0].sum()) <= cfg.short_causal_keys * active):
         tile = 64  # (csrc/prefill_plan.h PrefillPlanConfig.short_causal_keys)
     work, merge = plan_work(qo_lens, kv_lens, cfg.group, cfg.num_kv_heads, tile, bool(cfg.causal), cfg.target_blocks,
-                            cfg.fixed_split_size or None, bool(cfg.split), cfg.max_partial_rows, cfg.min_chunk)
+                            cfg.fixed_split_size or None, bool(cfg.split), cfg.max_partial_rows, cfg.min_chunk,
+                            side == _RAGGED)
     items = int(work[0])
     if cfg.work_capacity and items > cfg.work_capacity:
         result[_ITEMS] = items
@@ -247,10 +248,12 @@ def _host_vector(t, name: str) -> np.ndarray:
 
 
 def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads: int, tile_rows: int, causal: bool,
-              target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int, min_chunk: int = _MIN_CHUNK):
-    """The work list of a batch: (work int32 [1 + 7 n], merge_indptr int32 [qo_tokens + 1] or
+              target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int, min_chunk: int = _MIN_CHUNK,
+              ragged: bool = False):
+    """The work list of a batch: (work int32 [1 + 11 n], merge_indptr int32 [qo_tokens + 1] or
     None (nothing split)). work[0] counts the items, n x num_kv_heads; then n (tile, chunk)
-    pairs (request, row0, kv_start, kv_end, partial_row, chunks, chunk), item i being pair
+    pairs (request, row0, kv_start, kv_end, partial_row, chunks, chunk, and the request's
+    qo_start, qo_len, kv_len and, ragged, first K/V row; 0 for paged K/V), item i being pair
     i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill_params.h). Requests split
     their keys into chunks of `chunk` keys (a multiple of 64), or, with chunk None and split
     True, of the size that brings the items near target_blocks when the unsplit batch falls
@@ -321,6 +324,13 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     fields[:, 4] = partial_base[b[order]]
     fields[:, 5] = n_chunks_t[pair_tile[order]]
     fields[:, 6] = pair_chunk[order]
+    # the request's extent (csrc/prefill_params.h PrefillItem): qo_indptr[b], qo_len, kv_len,
+    # and for ragged K/V kv_indptr[b] (the index arrays start at 0 and rise: plan() checked)
+    qo_first, kv_first = np.cumsum(qo_lens) - qo_lens, np.cumsum(kv_lens) - kv_lens
+    fields[:, 7] = qo_first[b[order]]
+    fields[:, 8] = qo_lens[b[order]]
+    fields[:, 9] = kv_lens[b[order]]
+    fields[:, 10] = kv_first[b[order]] if ragged else 0
     work = np.empty(1 + fields.size, dtype=np.int32)
     work[0] = n * num_kv_heads
     work[1:] = fields.reshape(-1)

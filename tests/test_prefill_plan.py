@@ -118,6 +118,39 @@ def test_work_list_covers_every_row_and_key_once():
                 assert covered == list(range(kv_lens[b]))
 
 
+@pytest.mark.parametrize("side", [_RAGGED, _CSR, _SEQ_LENS])
+def test_work_pairs_carry_their_requests_extent(side):
+    """Each pair carries its request's qo_indptr[b], qo_len, kv_len and (ragged) kv_indptr[b]
+    (fields 7-10: the kernel reads them with the pair instead of after it), in the C++
+    planner and the numpy twin alike; padding requests included."""
+    rng = np.random.default_rng(8)
+    qo, a, b_arg = _batch(rng, 23, side, long=side == _RAGGED)
+    batch = qo.shape[0] - 1
+    cfg = _config(side, fixed=512 if side == _CSR else 0, causal=0)
+    status, host, result = _run_native(cfg, qo, a, b_arg, batch)
+    assert status == 0
+    ref_host, ref_result = np.zeros_like(host), np.zeros(11, dtype=np.int64)
+    assert _plan_numpy(cfg, qo, a, b_arg, batch, ref_host, ref_result) == 0
+    np.testing.assert_array_equal(host[:int(result[prefill._END])], ref_host[:int(result[prefill._END])])
+    w = host[int(result[prefill._WORK_AT]):]
+    pairs = w[1: 1 + prefill._PAIR_INTS * (w[0] // 8)].reshape(-1, prefill._PAIR_INTS)
+    assert pairs.shape[0] > 0
+    qo_np = qo.numpy()
+    if side == _RAGGED:
+        kv_lens, kv_first = np.diff(a.numpy()), a.numpy()[:-1]
+    elif side == _SEQ_LENS:
+        kv_lens, kv_first = a.numpy(), np.zeros(batch, dtype=np.int64)
+    else:
+        pages = np.diff(a.numpy())
+        kv_lens = np.where(pages > 0, (pages - 1) * 16 + b_arg.numpy(), 0)
+        kv_first = np.zeros(batch, dtype=np.int64)
+    r = pairs[:, 0]
+    np.testing.assert_array_equal(pairs[:, 7], qo_np[r])
+    np.testing.assert_array_equal(pairs[:, 8], qo_np[r + 1] - qo_np[r])
+    np.testing.assert_array_equal(pairs[:, 9], kv_lens[r])
+    np.testing.assert_array_equal(pairs[:, 10], kv_first[r])
+
+
 @pytest.mark.parametrize("fixed", [0, 512])
 def test_work_list_keeps_requests_together_heaviest_first(fixed):
     """Requests by their heaviest pair, descending; each request's pairs contiguous and
