@@ -956,10 +956,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       }
 #endif
     }
-  }
-  if (item.partial_row < 0) {
     __syncwarp();
-    using TO = typename Traits::O;
     constexpr int kWarpRows = 16 * MF;
     static_assert(32 % VOC == 0, "whole output rows a warp pass");
     // lane: chunk lane % VOC of rows r0 + it STEP, its destination stepped by PackedRowSteps
