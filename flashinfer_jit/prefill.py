@@ -287,13 +287,13 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
                 chunks_req[:] = 1  # the workspace cannot hold the partial states: run unsplit
     split_req = chunks_req > 1
     any_split = bool(split_req.any())
+    qo_start = np.cumsum(qo_lens) - qo_lens  # qo_indptr[b] (plan() checked: from 0, rising)
     merge_indptr = None
     partial_base = np.full(batch, -1, dtype=np.int64)
     if any_split:
         per_token = np.repeat(np.where(split_req, chunks_req, 0), qo_lens)
         merge_indptr = np.zeros(per_token.shape[0] + 1, dtype=np.int64)
         np.cumsum(per_token, out=merge_indptr[1:])
-        qo_start = np.cumsum(qo_lens) - qo_lens
         partial_base = np.where(split_req, merge_indptr[qo_start], -1)
     # tiles x chunks x heads
     n_chunks_t = chunks_req[tile_req]
@@ -325,12 +325,11 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     fields[:, 5] = n_chunks_t[pair_tile[order]]
     fields[:, 6] = pair_chunk[order]
     # the request's extent (csrc/prefill_params.h PrefillItem): qo_indptr[b], qo_len, kv_len,
-    # and for ragged K/V kv_indptr[b] (the index arrays start at 0 and rise: plan() checked)
-    qo_first, kv_first = np.cumsum(qo_lens) - qo_lens, np.cumsum(kv_lens) - kv_lens
-    fields[:, 7] = qo_first[b[order]]
+    # and for ragged K/V kv_indptr[b]
+    fields[:, 7] = qo_start[b[order]]
     fields[:, 8] = qo_lens[b[order]]
     fields[:, 9] = kv_lens[b[order]]
-    fields[:, 10] = kv_first[b[order]] if ragged else 0
+    fields[:, 10] = (np.cumsum(kv_lens) - kv_lens)[b[order]] if ragged else 0
     work = np.empty(1 + fields.size, dtype=np.int32)
     work[0] = n * num_kv_heads
     work[1:] = fields.reshape(-1)
