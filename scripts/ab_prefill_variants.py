@@ -107,14 +107,12 @@ for d in dims:
           shutil.copy(os.path.join(os.environ.get('VARIANT_DIR', '.carry/var'), var.split('@')[0] + '.cuh'), 'csrc/prefill.cuh')
           jit.clear_registry()
           if form in ('paged', 'pagedseq'):
-            # P pages a request; a key count off the page size leaves the last page part full
+            # P pages a request, its rows at their start (a key count off the page size leaves
+            # the last page part full, the rest zero)
             page = 16; P = -(-L // page); npg = B * P
-            if L % page == 0:
-              kc = k.view(npg, page, hk, d); vc = v.view(npg, page, hk, d)
-            else:  # each request's rows at the start of its pages, the rest zero
-              kc = k.new_zeros(B, P * page, hk, d); vc = v.new_zeros(B, P * page, hk, d)
-              kc[:, :L] = k.view(B, L, hk, d); vc[:, :L] = v.view(B, L, hk, d)
-              kc = kc.view(npg, page, hk, d); vc = vc.view(npg, page, hk, d)
+            kc = k.new_zeros(B, P * page, hk, d); vc = v.new_zeros(B, P * page, hk, d)
+            kc[:, :L] = k.view(B, L, hk, d); vc[:, :L] = v.view(B, L, hk, d)
+            kc = kc.view(npg, page, hk, d); vc = vc.view(npg, page, hk, d)
             g = torch.Generator().manual_seed(1)
             # paged: pages in random order; pagedseq: in order (the ragged rows' layout)
             ids = (torch.randperm(npg, generator=g) if form == 'paged' else torch.arange(npg)).int().to(dev)
