@@ -6,7 +6,7 @@ minimum over ROUNDS of the median of up to 50 runs enqueued back to back) after 
 hits every variant alike. Run-to-run noise between two copies of one kernel: +-2-4%.
 
   VARIANTS="BASE NEW" VARIANT_DIR=/path/to/variants DIMS=128,256 FORMS=ragged,paged \
-      SHAPES=1x16384,4x4096,16x1024,64x256 ROUNDS=3 FI=1 python3 scripts/ab_prefill_variants.py
+      SHAPES=1x16384,4x4096,16x1024,64x256 MASKS=causal,full ROUNDS=3 FI=1 python3 scripts/ab_prefill_variants.py
 
 A shape BxL is B requests of L query tokens on L keys; BxQ:K, Q query tokens on K keys (the
 queries last, as in chunked prefill and speculative verification).
@@ -34,6 +34,7 @@ shapes = [(int(x.split('x')[0]), int(x.split('x')[1].split(':')[0]), int(x.split
           for x in os.environ.get('SHAPES', '1x16384,4x4096,16x1024,64x256').split(',')]
 rounds = int(os.environ.get('ROUNDS', '3'))
 use_fi = os.environ.get('FI') == '1'
+masks = os.environ.get('MASKS', 'causal,full').split(',')  # causal, full
 if use_fi:
     import flashinfer
 dev = 'cuda'
@@ -92,7 +93,7 @@ warm(3.0)
 ws = {v: torch.empty(256 << 20, dtype=torch.uint8, device=dev) for v in variants}
 for d in dims:
   for (B, Lq, L) in shapes:
-    for causal in (True, False):
+    for causal in [m == 'causal' for m in masks]:
       qo = torch.arange(B + 1, dtype=torch.int32) * Lq
       kvi = torch.arange(B + 1, dtype=torch.int32) * L
       q = torch.randn(B * Lq, hq, d, dtype=torch.bfloat16, device=dev)
