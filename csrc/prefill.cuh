@@ -81,11 +81,17 @@ struct PrefillTraits {
   // registers for it (alone 0.955-1.03x; together 1.01-1.06x, H200 A/B, docs/prefill.md).
   static constexpr bool kKFirst = kPairTiles || kWide;
   // K steps of S = Q K^T whose q fragments a warp holds in registers for the whole item
-  // (loaded once, after q lands), not read from shared memory every tile: head_dim 64's
-  // 128-row unmasked kernels, where they take 32 registers (250-255, no spills). H200 A/B:
-  // non-causal 1.02-1.07x; causal modules spill then (8-20 B) and measured 0.98-1.02x;
-  // head_dim 128 with one k step in registers: 0.89-1.00x.
-  static constexpr int kQRegSteps = kPairTiles && HeadDimQK == 64 && Mask == PrefillMask::kNone ? kDQK / 16 : 0;
+  // (loaded once, after q lands), not read from shared memory every tile; unmasked modules
+  // only (their causal modules spilled 8-20 B and measured 0.98-1.02x). H200 A/B: head_dim
+  // 64's 128-row tile, all 4 k steps (32 registers, 250-255 in all, no spills): non-causal
+  // 1.02-1.07x; head_dim 256's 8-warp tile, 4 of its 16 k steps (16 registers; no spills,
+  // 8 steps: 24 B): ragged 1.02-1.06x, paged 1.00-1.02x. Head_dim 128's 128-row tile, one
+  // k step: 0.89-1.00x (spills), so none there. (16-bit K/V without RoPE or soft cap, as
+  // kPairTiles: the others were not measured.)
+  static constexpr int kQRegSteps = Mask != PrefillMask::kNone || sizeof(TKV) != 2 || Rope || SoftCap ? 0
+                                    : kPairTiles && HeadDimQK == 64                               ? kDQK / 16
+                                    : kWide                                                        ? 4
+                                                                                                   : 0;
   static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
   static constexpr int kQBytes = kRows * kDQK * 2;
