@@ -211,6 +211,7 @@ def specs_needed() -> set:
     modules of the comparisons)."""
     specs = {case_spec(c) for c in CASES}
     specs |= {base_spec(source, mask) for source in ("csr", "ragged") for mask in BASE_MASKS}
+    specs |= {prefill_spec(BF16, dims=(d, d), source=source) for d in QREG_DIMS for source in ("csr", "ragged")}
     # qo_len 1 against batch decode (its module: bf16, head_dim 128, GQA-4 tiles, CSR, NHD)
     specs.add(DecodeSpec(BF16, BF16, 128, group_tile(*LLAMA, 128), "csr", "NHD", False, False))
     specs.add(MergeSpec(BF16, 128))  # merge_state of two prefill halves
@@ -722,6 +723,36 @@ def test_padding_requests(batch, causal, source, workspace):
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
     no_keys = torch.tensor([n == 0 for m, n in shapes for _ in range(m)], dtype=torch.bool, device=DEV)
     assert bool((out[no_keys] == 0).all()) and bool(torch.isneginf(lse[no_keys]).all())
+
+
+# --- beyond the grid: q's fragments held in registers ----------------------------------------------
+QREG_DIMS = (64, 256)  # PrefillTraits::kQRegSteps: bf16/f16 K/V, no mask, RoPE or soft cap
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window_left", [-1, 45], ids=["nowindow", "window"])
+@pytest.mark.parametrize("source", ["csr", "ragged"])
+@pytest.mark.parametrize("head_dim", QREG_DIMS)
+def test_q_fragments_in_registers(head_dim, source, window_left, workspace):
+    """The unmasked 128-row kernels that hold q's fragments in registers for the whole item
+    (all of head_dim 64's k steps, 4 of head_dim 256's 16): requests of many K/V tiles, odd
+    lengths, one with a single query token, padding, paged and ragged, and with a sliding
+    window (its masked tiles read the same registers), against the reference."""
+    rnd = random.Random(11 + head_dim)
+    gen = torch.Generator(device=DEV).manual_seed(11 + head_dim)
+    shapes = [(300, 700), (37, 100), (128, 128), (1, 50), (0, 9), (200, 1500), (129, 1025), (5, 0)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    dims = (head_dim, head_dim)
+    k_rows, v_rows = make_rows(kv_lens, LLAMA[1], dims, torch.bfloat16, gen)
+    kv = ragged_kv(k_rows, v_rows, kv_lens) if source == "ragged" else paged_kv(k_rows, v_rows, kv_lens, 16, rnd=rnd)
+    q = make_q(sum(qo_lens), LLAMA[0], head_dim, torch.bfloat16, gen)
+    qo_indptr = indptr_of(qo_lens)
+    wrapper = ragged_wrapper(workspace) if source == "ragged" else paged_wrapper(workspace)
+    wrapper._force_tile_rows = 128
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, dims, 16, window_left=window_left, q_data_type=torch.bfloat16)
+    out, lse = run_poisoned(wrapper, q, kv, head_dim, torch.bfloat16)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, window_left=window_left)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
 
 
 # --- beyond the grid: the same attention by other paths --------------------------------------------
