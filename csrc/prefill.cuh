@@ -628,6 +628,10 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     lane_off.k[j] = uint32_t((lane % 8 + 8 * (lane / 16)) * QC) * 16u + ((32u * j) ^ kx);
   }
   const uint32_t q_warp = sq_u32 + uint32_t(warp * 16 * MF * QC) * 16u;  // the warp's q rows
+  // q fragment of k step ks, row fragment mf (the warp's rows mf 16 ..)
+  auto q_frag = [&](int ks, int mf, uint32_t(&a)[4]) {
+    ldsm_x4(q_warp + lane_off.q[ks % 4] + uint32_t((ks / 4) * 128 + mf * 16 * QC * 16), a);
+  };
 
   if (num_tiles > 0) {
     if (kIdsAhead && ids_ahead) fetch_ids(start);
@@ -643,8 +647,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
       for (int ks = 0; ks < QR; ++ks)
 #pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-          ldsm_x4(q_warp + lane_off.q[ks % 4] + uint32_t((ks / 4) * 128 + mf * 16 * QC * 16), qreg[ks][mf]);
+        for (int mf = 0; mf < MF; ++mf) q_frag(ks, mf, qreg[ks][mf]);
     }
   }
   // Tile `tile` in stage s (a constant where tiles run in pairs)
@@ -734,11 +737,11 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         uint32_t a[MF][4];
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf) {
-          if (ks < QR) {
+          if (ks < QR) {  // (ks < QR ? ks : 0: an index in bounds where QR is 0)
 #pragma unroll
             for (int e = 0; e < 4; ++e) a[mf][e] = qreg[ks < QR ? ks : 0][mf][e];
           } else {
-            ldsm_x4(q_warp + lane_off.q[ks % 4] + uint32_t((ks / 4) * 128 + mf * 16 * QC * 16), a[mf]);
+            q_frag(ks, mf, a[mf]);
           }
         }
         if constexpr (Traits::kKFirst) {
