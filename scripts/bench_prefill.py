@@ -23,11 +23,15 @@ Measures, in one process on one GPU (docs/prefill.md, "Speed"):
     output buffer NaN-poisoned first, so a row it does not write shows).
 
 Timing: CUDA events around each eager run(), an L2 flush (a memset of max(4 x L2, 64 MiB))
-before each, warm-up of at least 200 ms (bench_common.warmup_ms), then the median of --reps
-runs (twice as many for runs under 1 ms) in two blocks: every provider of a row in order,
-then again in reverse order, so that the GPU's heating over a row (the long rows run at the
-power cap, where the clock falls as it heats) weighs on each provider alike; a short GPU
-sleep before each block's runs lets the host enqueue ahead, so host time never shows.
+before each, warm-up of at least 200 ms a provider (bench_common.warmup_ms), then the median
+of --reps runs (twice as many where a provider of the row runs under 1 ms), the row's
+providers interleaved run by run (time_interleaved: rounds that run each provider once,
+forward and reverse order alternately), so that the GPU's clock drift over a row (the long
+rows run at the power cap, where the clock falls as it heats) weighs on each provider alike.
+(Until 2026-11-27 each provider ran its runs in two blocks, the row's providers in order and
+then in reverse order; one provider's two block medians differed by up to 6% on head_dim
+128's 1 x 16k.) A short GPU sleep before the rounds lets the host enqueue ahead, so host
+time never shows.
 Random inputs (normal, never zeros).
 
 Builds: FlashInfer 0.5.3 JIT-compiles its prefill modules at first use (one module per
@@ -63,6 +67,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -415,44 +420,72 @@ def _gate() -> None:
         sleep(1 << 24)
 
 
-def time_events(fn, reps: int, flush: Flush) -> dict:
-    """Median device time of one fn() by CUDA events around it, an L2 flush before each
-    run, after at least bench_common.warmup_ms() of flushed runs (3 at least). The runs'
-    times are under "_samples" (merge_timings drops them)."""
+def time_interleaved(fns: list, reps: int, flush: Flush) -> list[dict]:
+    """Median device time of one call of each of a row's providers (fns), timed interleaved:
+    CUDA events around each run and an L2 flush before it, in rounds that run every provider
+    once (forward, then reverse order, alternately), so that the GPU's clock drift over the
+    row (the long rows run at the power cap, and the clock falls as the GPU heats) weighs on
+    every provider alike. Before the rounds each provider warms up for at least
+    bench_common.warmup_ms() (3 runs at least), in rounds too. Every provider gets --reps
+    runs, or twice as many when one of them takes under 1 ms. Per fn: the summary
+    (bench_common.summarize), warmup_runs, halves_median_us (the medians of the first and
+    the second half of the rounds: the drift over the row) and _samples (dropped before the
+    JSON); an fn that raises gets {"error": ...} and leaves the rounds."""
     import torch
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    flush()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    one_ms = start.elapsed_time(end)
-    warm = min(10_000, max(3, math.ceil(bc.warmup_ms() / max(one_ms, 1e-3))))
-    for _ in range(warm):
-        flush()
-        fn()
+    n = len(fns)
+    out: list[dict] = [{} for _ in range(n)]
+    live = list(range(n))
+
+    def call(i, before=None, after=None):
+        """fns[i]() with a flush before it; False (and its error recorded) when it raises."""
+        try:
+            flush()
+            if before is not None:
+                before.record()
+            fns[i]()
+            if after is not None:
+                after.record()
+            return True
+        except Exception as exc:  # noqa: BLE001  (one failing provider must not end the row)
+            out[i] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+            bc.log(f"timing: provider {i}: {out[i]['error']}")
+            return False
+
+    one_ms = [0.0] * n
+    for i in list(live):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if not call(i, start, end):
+            live.remove(i)
+            continue
+        end.synchronize()
+        one_ms[i] = start.elapsed_time(end)
+    warm = {i: min(10_000, max(3, math.ceil(bc.warmup_ms() / max(one_ms[i], 1e-3)))) for i in live}
+    left = dict(warm)
+    while any(left.values()):
+        for i in [i for i in live if left[i]]:
+            left[i] -= 1
+            if not call(i):
+                live.remove(i)
+                left[i] = 0
     torch.cuda.synchronize()
-    runs = reps if one_ms >= 1.0 else 2 * reps
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    runs = reps if all(one_ms[i] >= 1.0 for i in live) else 2 * reps
+    events = {i: [] for i in live}
     _gate()
-    for i in range(runs):
-        flush()
-        starts[i].record()
-        fn()
-        ends[i].record()
+    for r in range(runs):
+        for i in (live if r % 2 == 0 else live[::-1]):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if call(i, start, end):
+                events[i].append((start, end))
+        live = [i for i in live if "error" not in out[i]]
     torch.cuda.synchronize()
-    samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-    return bc.summarize(samples) | {"warmup_runs": warm, "_samples": samples}
-
-
-def merge_timings(first: dict, second: dict) -> dict:
-    """One timing from a provider's two blocks of runs (the row's providers in order, then
-    in reverse order): the median of all their runs; each block's median kept beside it."""
-    samples = first["_samples"] + second["_samples"]
-    return bc.summarize(samples) | {"warmup_runs": first["warmup_runs"] + second["warmup_runs"],
-                                    "blocks_median_us": [first["median_us"], second["median_us"]]}
+    for i in live:
+        samples = [a.elapsed_time(b) * 1e3 for a, b in events[i]]
+        half = len(samples) // 2
+        out[i] = bc.summarize(samples) | {
+            "warmup_runs": warm[i], "_samples": samples,
+            "halves_median_us": [statistics.median(samples[:half]), statistics.median(samples[half:])]}
+    return out
 
 
 def matmul_rate(n: int = 8192, reps: int = 30) -> dict:
@@ -586,11 +619,10 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     bf16 = torch.bfloat16
     mask = "causal" if row.causal else "full"
     ref = {}  # "out": ours' output, the row's reference
-    # Every provider is timed in two blocks of half the runs: the row's providers in order,
-    # then in reverse order (second_blocks), so that a GPU warming up over the row (the long
-    # rows run at the power cap, and the clock falls as the GPU heats) weighs on each alike.
-    second_blocks = []  # (entry, run) in the order of the first blocks
-    block_reps = -(-ctx.reps // 2)  # runs a block
+    # The row's providers are prepared (planned, checked) one by one, then timed together,
+    # interleaved run by run (time_interleaved), so that the GPU's clock drift over the row
+    # weighs on each alike.
+    timed = []  # (impl, entry, run)
 
     def set_timing(entry: dict, t: dict) -> None:
         """A provider's figures from its timing (the row's FLOPs unless the entry names its own)."""
@@ -615,7 +647,7 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
 
     def measure(impl: str, prepare, reference=None) -> dict:
         """prepare() -> (run, output): plan outside the timing; one checked run (outputs
-        NaN-poisoned first), then the timed runs."""
+        NaN-poisoned first); the entry's timing comes with the row's (time_interleaved)."""
         try:
             inputs.out.fill_(float("nan"))
             run, output = prepare()
@@ -628,8 +660,6 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
                 got = output()
                 entry["wrote_every_row"] = not bool(torch.isnan(got).any())
                 ref["out"], ref["impl"] = got.clone(), impl
-            t = time_events(run, block_reps, ctx.flush)
-            second_blocks.append((entry, run))
         except Exception as exc:  # noqa: BLE001  (one failing provider must not end the run)
             bc.log(f"{row.label} {impl}: {type(exc).__name__}: {exc}")
             try:
@@ -638,8 +668,7 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             except Exception:  # noqa: BLE001  (a sticky CUDA error: the next rows will say so)
                 pass
             return {"error": f"{type(exc).__name__}: {exc}"[:800]}
-        set_timing(entry, t)
-        bc.log(f"{row.label} {impl}: {entry['median_us']:.1f} us, {entry['tflops']:.0f} TFLOP/s")
+        timed.append((impl, entry, run))
         return entry
 
     def ours_reference():
@@ -674,16 +703,14 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     # our decode on the spec row's cache: q_len_per_req tokens a request, and one
     if row.kind == "spec":
         measure_decode(res, inputs, row, ctx, measure, ours_reference())
-    for entry, run in reversed(second_blocks):  # the second blocks, in reverse order
-        try:
-            t = merge_timings(entry["timing"], time_events(run, block_reps, ctx.flush))
-        except Exception as exc:  # noqa: BLE001  (keep the first block's figure)
-            bc.log(f"{row.label}: second block: {type(exc).__name__}: {exc}")
-            t = dict(entry["timing"]) | {"second_block_error": f"{type(exc).__name__}: {exc}"[:300]}
+    for (impl, entry, _), t in zip(timed, time_interleaved([run for _, _, run in timed], ctx.reps, ctx.flush)):
+        if "error" in t:
+            entry["error"] = t["error"]
+            continue
+        t.pop("_samples", None)
         set_timing(entry, t)
-    for entry, _ in second_blocks:
-        entry["timing"].pop("_samples", None)
-    second_blocks.clear()
+        bc.log(f"{row.label} {impl}: {entry['median_us']:.1f} us, {entry['tflops']:.0f} TFLOP/s")
+    timed.clear()
     derive(res)
     del inputs
     ref.clear()
@@ -753,13 +780,10 @@ def measure_decode(res: dict, inputs: Inputs, row: Row, ctx: Context, measure, r
                    PAGE_SIZE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, q_len_per_req=tokens)
             return (lambda: w.run(q, (inputs.k_cache, inputs.v_cache), out=out)), (lambda: out)
 
-        res["impls"][impl] = measure(impl, prepare, reference if tokens == n else ref_last)
-        res["impls"][impl]["q_len_per_req"] = tokens  # (the same dict: its second block updates it)
-        if tokens == 1 and "median_us" in res["impls"][impl]:  # one token a request: not the row's FLOPs
-            e = res["impls"][impl]
+        e = res["impls"][impl] = measure(impl, prepare, reference if tokens == n else ref_last)
+        e["q_len_per_req"] = tokens  # (the same dict: the row's timing fills it in)
+        if tokens == 1 and "error" not in e:  # one token a request: not the row's FLOPs (set_timing reads them)
             e["flops"] = attention_flops(b, 1, row.kv_len, False, NUM_QO_HEADS, hd)
-            e["tflops"] = e["flops"] / e["median_us"] / 1e6
-            e.pop("frac_matmul", None)
 
 
 def derive(res: dict) -> None:
@@ -1011,8 +1035,9 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                         "bottom-right aligned, sum_i (kv_len - qo_len + i + 1)",
                "timing": "CUDA events around each eager run() (plan() once before), L2 flushed before each run "
                          f"(memset of max(4 x L2, 64 MiB)), >= {bc.warmup_ms():g} ms warm-up, median of --reps runs "
-                         "(2x for runs under 1 ms) in two blocks of half: the row's providers in order, then in "
-                         "reverse order (timing.blocks_median_us: each block's median)",
+                         "(2x where a provider of the row runs under 1 ms), the row's providers interleaved run by "
+                         "run (rounds in forward, then reverse order; timing.halves_median_us: the medians of the "
+                         "first and second half of the rounds)",
                "speedup_vs_fa2": "FA2 median us / ours (>= 1: ours as fast or faster); time_ratio_ours_over_fa2 "
                                  "its inverse",
                "check": f"every provider's output against ours: max abs diff, agrees if |d| <= {ATOL:g} + "

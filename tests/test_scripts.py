@@ -70,16 +70,53 @@ def test_sweep_decode_runs_full_grid_cases_only_when_named():
     assert picked == [("bfloat16", 4, 1, 2048), ("bfloat16", 4, 16, 512)]
 
 
-def test_bench_prefill_merges_a_providers_two_blocks():
+def test_bench_prefill_interleaves_the_providers_of_a_row(monkeypatch):
+    """time_interleaved runs every provider once a round (forward, then reverse order), each
+    after a flush, and drops a provider that raises from the rounds without ending the row."""
     import bench_prefill as bp
 
-    first = {"median_us": 10.0, "p10_us": 9.0, "p90_us": 11.0, "min_us": 9.0, "runs": 3, "warmup_runs": 5,
-             "_samples": [9.0, 10.0, 11.0]}
-    second = {"median_us": 12.0, "p10_us": 12.0, "p90_us": 13.0, "min_us": 12.0, "runs": 3, "warmup_runs": 4,
-              "_samples": [12.0, 12.0, 13.0]}
-    t = bp.merge_timings(first, second)
-    assert t["median_us"] == 11.5 and t["runs"] == 6 and t["min_us"] == 9.0 and t["warmup_runs"] == 9
-    assert t["blocks_median_us"] == [10.0, 12.0] and "_samples" not in t
+    calls = []
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, **_):
+            self.t = None
+
+        def record(self):
+            Event.clock += 0.5  # 0.5 ms a run: under 1 ms
+            self.t = Event.clock
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bp, "_gate", lambda: None)
+    monkeypatch.setattr(bp.bc, "warmup_ms", lambda: 0.0)
+
+    def provider(name, fail_at=None):
+        def run():
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} failed")
+        return run
+
+    out = bp.time_interleaved([provider("a"), provider("b"), provider("c", fail_at=6)], 4, lambda: calls.append("flush"))
+    runs = [c for c in calls if c != "flush"]
+    assert calls.count("flush") == len(runs)  # a flush before every run
+    # one timed run each, 3 warm-up rounds, then rounds forward / reverse (c leaves at its 6th call)
+    assert runs[:12] == ["a", "b", "c"] * 4
+    assert runs[12:15] == ["a", "b", "c"] and runs[15:18] == ["c", "b", "a"] and runs[18:20] == ["a", "b"]
+    assert out[2]["error"] == "RuntimeError: c failed"
+    for t in out[:2]:
+        assert t["runs"] == 8 and t["warmup_runs"] == 3 and len(t["halves_median_us"]) == 2  # under 1 ms: 2 x reps
+        assert t["median_us"] > 0
 
 
 def test_bench_prefill_starts_every_warm_up_before_timing(monkeypatch):
