@@ -113,6 +113,10 @@ struct PrefillTraits {
   static constexpr int kWarpRows = kTileKV / kWarps;
   static constexpr bool kWarpPages = !Ragged && kWholeRows && kKChunks <= 32 && kWarpRows % (32 / kKChunks) == 0;
   static constexpr bool kWarpPagesKernel = kWarpPages && MFrags == 2 && HeadDimQK >= 128;
+  // bf16/fp16 head_dim 128's ragged unmasked 128-row tile also gets a kernel without the
+  // sliding window's code (prefill_kernel<Traits, false, true>), launched when there is
+  // none: 4 B of spills in its tile loop against 24 B.
+  static constexpr bool kNoWindowKernel = Ragged && MFrags == 2 && HeadDimQK == 128 && Mask == PrefillMask::kNone;
   // Whether pages hold a warp's rows of a tile: a power of two (page_shift: its log2, or -1)
   // of at least kWarpRows tokens. (The items must also start on a multiple of kWarpRows.)
   static FIJ_HOST_DEVICE bool pages_hold_warp_rows(int page_shift, int page_size) {
@@ -306,7 +310,7 @@ FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
 // state. smem: Traits::kSmemBytes. Every thread of the block calls it.
 // WarpPagesOnly: every tile is copied a page a warp (Traits::kWarpPages; launch_prefill
 // checks that the batch allows it), the other copy paths are not compiled in.
-template <class Traits, bool WarpPagesOnly = false>
+template <class Traits, bool WarpPagesOnly = false, bool NoWindow = false>
 FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem) {
   using namespace mma_detail;
   using namespace prefill_detail;
@@ -341,7 +345,10 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   // window of its first row.
   int start = item.kv_start, end = min(item.kv_end, kv_len);
   if constexpr (Traits::kMask == PrefillMask::kCausal) end = min(end, pos_last + 1);
-  if (p.window_left >= 0) start = max(start, pos_first - p.window_left);
+  // (NoWindow: the kernel for launches without a sliding window, without its code; else
+  // read from the params at each use, as ptxas allocates the loop best)
+  auto window_left = [&]() { return NoWindow ? -1 : p.window_left; };
+  if (window_left() >= 0) start = max(start, pos_first - window_left());
   const int num_tiles = end > start ? (end - start + TKV - 1) / TKV : 0;
 
   // --- q: the tile's rows, rotated at their positions, into swizzled shared memory --------
@@ -775,7 +782,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
             int hi = end - 1;
             if constexpr (Traits::kMask == PrefillMask::kCausal) hi = min(hi, pos);
             key_hi[mf][h] = hi - jb;
-            key_lo[mf][h] = (p.window_left >= 0 ? pos - p.window_left : 0) - jb;
+            key_lo[mf][h] = (window_left() >= 0 ? pos - window_left() : 0) - jb;
           }
       }
       // logits: soft-capped into the log2 domain, or left raw (the scale joins the exponent's
@@ -885,7 +892,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     if (warp_live) {
       bool needs_mask = kv0 + TKV > end || Traits::kMask == PrefillMask::kCustom;
       if constexpr (Traits::kMask == PrefillMask::kCausal) needs_mask = needs_mask || kv0 + TKV - 1 > pos_first;
-      if (p.window_left >= 0) needs_mask = needs_mask || kv0 < pos_last - p.window_left;
+      if (window_left() >= 0) needs_mask = needs_mask || kv0 < pos_last - window_left();
       if (needs_mask) {
         compute(std::true_type{});
       } else {
@@ -1094,14 +1101,14 @@ __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int i
   }
 }
 
-template <class Traits, bool WarpPagesOnly = false>
+template <class Traits, bool WarpPagesOnly = false, bool NoWindow = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait();  // q, K/V and the outputs only after the kernel before (programmatic launch)
   const int items = p.work[0];
   for (int i = blockIdx.x; i < items; i += gridDim.x) {
-    prefill_block<Traits, WarpPagesOnly>(p, load_prefill_item(p, i), smem);
+    prefill_block<Traits, WarpPagesOnly, NoWindow>(p, load_prefill_item(p, i), smem);
     if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, i, smem);
     __syncthreads();
   }
@@ -1116,21 +1123,24 @@ bool prefill_warp_pages(const PrefillParams& p) {
   return Traits::pages_hold_warp_rows(p.page_shift, p.table.page_size) && p.window_left < 0;
 }
 
-template <class Traits, bool WarpPagesOnly>
+template <class Traits, bool WarpPagesOnly, bool NoWindow>
 int launch_prefill_kernel(const PrefillParams& p, int grid, cudaStream_t stream, bool pdl) {
-  const int err = allow_dynamic_smem<prefill_kernel<Traits, WarpPagesOnly>>(Traits::kSmemBytes);
+  const int err = allow_dynamic_smem<prefill_kernel<Traits, WarpPagesOnly, NoWindow>>(Traits::kSmemBytes);
   if (err != 0) return err;
-  return launch_kernel(prefill_kernel<Traits, WarpPagesOnly>, dim3(grid), dim3(Traits::kThreads), Traits::kSmemBytes,
-                       stream, pdl, p);
+  return launch_kernel(prefill_kernel<Traits, WarpPagesOnly, NoWindow>, dim3(grid), dim3(Traits::kThreads),
+                       Traits::kSmemBytes, stream, pdl, p);
 }
 
 template <class Traits>
 int launch_prefill(const PrefillParams& p, int grid, cudaStream_t stream, bool pdl) {
   if (grid <= 0) return 0;
   if constexpr (Traits::kWarpPagesKernel) {
-    if (prefill_warp_pages<Traits>(p)) return launch_prefill_kernel<Traits, true>(p, grid, stream, pdl);
+    if (prefill_warp_pages<Traits>(p)) return launch_prefill_kernel<Traits, true, false>(p, grid, stream, pdl);
   }
-  return launch_prefill_kernel<Traits, false>(p, grid, stream, pdl);
+  if constexpr (Traits::kNoWindowKernel) {
+    if (p.window_left < 0) return launch_prefill_kernel<Traits, false, true>(p, grid, stream, pdl);
+  }
+  return launch_prefill_kernel<Traits, false, false>(p, grid, stream, pdl);
 }
 
 }  // namespace fij

@@ -738,6 +738,19 @@ def test_q_fragments_in_registers(head_dim, source, window_left, workspace):
     (all of head_dim 64's k steps, 4 of head_dim 256's 16): requests of many K/V tiles, odd
     lengths, one with a single query token, padding, paged and ragged, and with a sliding
     window (its masked tiles read the same registers), against the reference."""
+    _check_unmasked_128_row_tile(head_dim, source, window_left, workspace)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window_left", [-1, 45], ids=["nowindow", "window"])
+def test_ragged_kernel_without_window(window_left, workspace):
+    """head_dim 128's ragged unmasked 128-row tile runs a kernel compiled without the sliding
+    window's code when the plan has none (PrefillTraits::kNoWindowKernel), the general one
+    with a window: both on the same requests as above, against the reference."""
+    _check_unmasked_128_row_tile(128, "ragged", window_left, workspace)
+
+
+def _check_unmasked_128_row_tile(head_dim, source, window_left, workspace):
     rnd = random.Random(11 + head_dim)
     gen = torch.Generator(device=DEV).manual_seed(11 + head_dim)
     shapes = [(300, 700), (37, 100), (128, 128), (1, 50), (0, 9), (200, 1500), (129, 1025), (5, 0)]
