@@ -113,9 +113,10 @@ struct PrefillTraits {
   static constexpr int kWarpRows = kTileKV / kWarps;
   static constexpr bool kWarpPages = !Ragged && kWholeRows && kKChunks <= 32 && kWarpRows % (32 / kKChunks) == 0;
   static constexpr bool kWarpPagesKernel = kWarpPages && MFrags == 2 && HeadDimQK >= 128;
-  // bf16/fp16 head_dim 128's ragged unmasked 128-row tile also gets a kernel without the
+  // head_dim 128's ragged (16-bit) unmasked 128-row tile also gets a kernel without the
   // sliding window's code (prefill_kernel<Traits, false, true>), launched when there is
-  // none: 4 B of spills in its tile loop against 24 B.
+  // none: 4 B of spills, none reloaded in its tile loop, against 24 B (1.007-1.016x on the
+  // H100, docs/prefill.md). At head_dim 256 and in the page-a-warp kernels it spilled more.
   static constexpr bool kNoWindowKernel = Ragged && MFrags == 2 && HeadDimQK == 128 && Mask == PrefillMask::kNone;
   // Whether pages hold a warp's rows of a tile: a power of two (page_shift: its log2, or -1)
   // of at least kWarpRows tokens. (The items must also start on a multiple of kWarpRows.)
@@ -309,7 +310,8 @@ FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
 // One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
 // state. smem: Traits::kSmemBytes. Every thread of the block calls it.
 // WarpPagesOnly: every tile is copied a page a warp (Traits::kWarpPages; launch_prefill
-// checks that the batch allows it), the other copy paths are not compiled in.
+// checks that the batch allows it), the other copy paths are not compiled in. NoWindow: no
+// sliding window (launch_prefill checks window_left < 0), its code is not compiled in.
 template <class Traits, bool WarpPagesOnly = false, bool NoWindow = false>
 FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem) {
   using namespace mma_detail;
