@@ -4,15 +4,16 @@
 # in the background (JIT, the peer on PYTHONPATH: ../shared/peers/flashinfer/README.md), then
 # times the variants and FA2 interleaved. Results: $OUT/ab.txt (a line a row), the build logs.
 #
-#   VARIANTS="BASE NEW BASEB" VARIANT_DIR=.carry/var MATRIX=.carry/m_ab FIDIMS=128 \
+#   VARIANTS="BASE NEW BASEB" VARIANT_DIR=.carry/var MATRIX=.carry/m_ab FIDIMS=128,64 \
 #     DIMS=128 FORMS=ragged,paged SHAPES=64x256,16x1024,4x4096,1x16384 MASKS=full,causal \
 #     ROUNDS=3 FLUSH=0 bash scripts/ab_prefill.sh
 #
 # VARIANT_DIR/NAME.cuh replaces csrc/prefill.cuh for variant NAME (csrc/prefill.cuh is put
 # back at the end); MATRIX names the modules the rows need (an AOT matrix file: every
 # variant builds it). A copy of the base under a second name (BASEB) measures the noise.
-# Measured on an H100, 2026-11-27: about 45-70 s of builds for 3 variants x 1-12 modules with
-# FA2 for three head dims, then 1-2 min of timing for 4-48 rows.
+# Measured on an H100, 2026-11-27 (with FA2 built by a plan() and run() then): 43-71 s of
+# builds for 3 variants x 1-12 modules and FA2 at 1-3 head dims, then about 15 s of timing for
+# 4 rows (6 rounds) and 50 s for 48 rows (3 rounds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT: the results folder}" "${VARIANTS:?VARIANTS: the names of the variants}" "${MATRIX:?MATRIX: an AOT matrix file}"
@@ -22,21 +23,12 @@ export FLASHINFER_JIT_CACHE_DIR=${FLASHINFER_JIT_CACHE_DIR:-/tmp/fij_ab_cache}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 cp csrc/prefill.cuh /tmp/prefill.cuh.orig
 trap 'cp /tmp/prefill.cuh.orig csrc/prefill.cuh' EXIT
-# FlashInfer's FA2 prefill modules for the head dims given: a tiny plan() and run() each
-PYTHONPATH=.peers/site timeout 400 python3 - "${FIDIMS:-128}" > "$OUT/fi_warm.log" 2>&1 <<'PY' &
-import sys, torch, flashinfer
-for d in [int(x) for x in sys.argv[1].split(',')]:
-    ws = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')
-    qo = torch.tensor([0, 64], dtype=torch.int32, device='cuda')
-    q = torch.randn(64, 32, d, dtype=torch.bfloat16, device='cuda')
-    k = torch.randn(64, 8, d, dtype=torch.bfloat16, device='cuda')
-    for causal in (False, True):
-        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, backend='fa2')
-        w.plan(qo, qo, 32, 8, d, causal=causal, q_data_type=torch.bfloat16)
-        w.run(q, k, k)
-    torch.cuda.synchronize()
-    print('fa2 built', d, flush=True)
-PY
+# FlashInfer's FA2 prefill modules for the head dims given, built (CPU only) by the
+# benchmark's own builder (bench_prefill.FLASHINFER_BUILD), one head dim after the other
+FI_BUILD=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import bench_prefill; print(bench_prefill.FLASHINFER_BUILD)')
+(for hd in ${FIDIMS//,/ }; do
+  PYTHONPATH=.peers/site timeout 400 python3 -c "$FI_BUILD" "$hd" fa2
+done > "$OUT/fi_build.log" 2>&1) &
 t0=$(date +%s)
 for V in $VARIANTS; do
   name=${V%%@*}
@@ -47,7 +39,7 @@ done
 cp /tmp/prefill.cuh.orig csrc/prefill.cuh
 echo "builds $(( $(date +%s) - t0 )) s"
 wait
-tail -3 "$OUT/fi_warm.log"
+tail -3 "$OUT/fi_build.log"
 echo "FlashInfer ready $(( $(date +%s) - t0 )) s"
 PYTHONPATH=.peers/site VARIANT_DIR="$VARIANT_DIR" FI=${FI:-1} timeout "${AB_TIMEOUT:-450}" \
   python3 scripts/ab_prefill_variants.py 2>&1 | grep -v Warning | tee "$OUT/ab.txt"

@@ -37,17 +37,18 @@ shapes = [(int(x.split('x')[0]), int(x.split('x')[1].split(':')[0]), int(x.split
 rounds = int(os.environ.get('ROUNDS', '3'))
 use_fi = os.environ.get('FI') == '1'
 masks = os.environ.get('MASKS', 'causal,full').split(',')  # causal, full
-# FLUSH=1: a memset of max(4 x L2, 64 MiB) before each timed run (outside its events), as the
-# benchmark of record times: on head_dim 128's ragged non-causal 64 x 256 ours trailed FA2 by
-# 3-5% with the flush (bench_prefill.py) against 0-2% without it (this script), 2026-11-27
-flush_buf = None
 if use_fi:
     import flashinfer
 dev = 'cuda'
 hq, hk = 32, 8
+# FLUSH=1: bench_prefill.py's L2 flush (a memset of max(4 x L2, 64 MiB)) before each timed run,
+# outside its events, as the benchmark of record times: on head_dim 128's ragged non-causal
+# 64 x 256 ours trailed FA2 by 3-5% with the flush against 0-2% without it, 2026-11-27
+flush = None
 if os.environ.get('FLUSH') == '1':
-    flush_buf = torch.empty(max(4 * torch.cuda.get_device_properties(0).L2_cache_size, 64 << 20), dtype=torch.uint8,
-                            device=dev)
+    sys.path.insert(0, os.path.join(sys.path[0], 'scripts'))
+    from bench_prefill import Flush
+    flush = Flush()
 orig = open('csrc/prefill.cuh').read()
 
 def bench(fn, ms_budget=60.0):
@@ -66,8 +67,8 @@ def bench(fn, ms_budget=60.0):
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     torch.cuda._sleep(1 << 24)  # about 10 ms: the host enqueues the runs behind it
     for i in range(iters):
-        if flush_buf is not None:
-            flush_buf.zero_()  # FLUSH=1: the L2 emptied before each run, as bench_prefill.py does
+        if flush is not None:
+            flush()
         starts[i].record(); fn(); ends[i].record()
     torch.cuda.synchronize()
     return float(np.median([a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends)]))

@@ -725,7 +725,7 @@ def test_padding_requests(batch, causal, source, workspace):
     assert bool((out[no_keys] == 0).all()) and bool(torch.isneginf(lse[no_keys]).all())
 
 
-# --- beyond the grid: q's fragments held in registers ----------------------------------------------
+# --- beyond the grid: the unmasked 128-row tiles' own kernels (q in registers, no window) ----------
 QREG_DIMS = (64, 256)  # PrefillTraits::kQRegSteps: bf16/f16 K/V, no mask, RoPE or soft cap
 
 
