@@ -115,8 +115,8 @@ struct PrefillTraits {
   static constexpr bool kWarpPagesKernel = kWarpPages && MFrags == 2 && HeadDimQK >= 128;
   // head_dim 128's ragged (16-bit) unmasked 128-row tile also gets a kernel without the
   // sliding window's code (prefill_kernel<Traits, false, true>), launched when there is
-  // none: 4 B of spills, none reloaded in its tile loop, against 24 B (1.007-1.016x on the
-  // H100, docs/prefill.md). Not elsewhere: with it the ragged causal tile spilled 164 B (0
+  // none: no spill reloaded in its tile loop, against 24 B of spills (1.007-1.016x on the
+  // H100, docs/prefill.md); it runs its tiles one a trip, not in pairs (prefill_block). Not elsewhere: with it the ragged causal tile spilled 164 B (0
   // without), head_dim 256's ragged tile 4 B (0), the page-a-warp kernels of head_dim 128
   // causal 32 B (20) and of head_dim 256 8 B (0); head_dim 128's non-causal page-a-warp
   // kernel 24 B (28), not measured.
@@ -907,7 +907,11 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
     __syncthreads();  // the stage (and the widened tiles) are refilled next
   };
   static_assert(Traits::kStages == 2, "stage 1 - s is the next tile's");
-  if constexpr (Traits::kPairTiles) {
+  // The no-window kernel (head_dim 128's ragged unmasked tile) takes its tiles one a trip,
+  // the 64-key step and K-first order kept: 5,280 instructions against 7,280 in pairs, and
+  // 0.5-0.8% faster on the H100 in every run measured (docs/prefill.md), though ptxas spills
+  // 28 B (outside the tile loop) against 4 B.
+  if constexpr (Traits::kPairTiles && !NoWindow) {
 #pragma unroll 1
     for (int tile = 0; tile < num_tiles; tile += 2) {
       tile_step(tile, std::integral_constant<int, 0>{});

@@ -49,6 +49,15 @@ if os.environ.get('FLUSH') == '1':
     sys.path.insert(0, os.path.join(sys.path[0], 'scripts'))
     from bench_prefill import Flush
     flush = Flush()
+# INTERLEAVE=1: bench_prefill.py's time_interleaved (REPS rounds, each variant once a round,
+# each first in turn, none twice in a row) instead of blocks of runs of one variant: every
+# run then starts with another kernel's code in the SM's instruction caches, as in the
+# benchmark. Blocks of one kernel (INTERLEAVE=0) leave its code cached from run to run.
+interleave = os.environ.get('INTERLEAVE') == '1'
+reps = int(os.environ.get('REPS', '40'))
+if interleave:
+    sys.path.insert(0, os.path.join(sys.path[0], 'scripts'))
+    from bench_prefill import time_interleaved
 orig = open('csrc/prefill.cuh').read()
 
 def bench(fn, ms_budget=60.0):
@@ -153,14 +162,28 @@ for d in dims:
           fns["FA2"] = lambda fw=fw, q=q, kv_arg=kv_arg: fw.run(q, kv_arg)
         ref = outs[variants[0]].float()
         agree = {var: float((outs[var].float() - ref).abs().max()) for var in variants[1:]}
-        best = {n: 1e30 for n in fns}
-        for r in range(rounds):
-          for n, fn in fns.items():
-            best[n] = min(best[n], bench(fn))
+        if interleave:
+          # the benchmark's protocol: every variant (and FA2) once a round, L2 flushed before
+          # each run if FLUSH=1; each run then starts with the other kernels' code in the
+          # instruction caches, as in the benchmark
+          names = list(fns)
+          got = time_interleaved([fns[n] for n in names], reps, flush if flush is not None else (lambda: None))
+          best = {n: g.get('median_us', float('nan')) for n, g in zip(names, got)}
+          # paired: the median over rounds of the base's time over the variant's in the same round
+          paired = {n: float(np.median(np.array(got[0]['_samples']) / np.array(g['_samples'])))
+                    for n, g in zip(names, got) if '_samples' in g and '_samples' in got[0]}
+        else:
+          best = {n: 1e30 for n in fns}
+          for r in range(rounds):
+            for n, fn in fns.items():
+              best[n] = min(best[n], bench(fn))
+          paired = {}
         base = best[variants[0]]
         line = f"{form:8s} d={d} {B}x{Lq}{'' if Lq == L else f':{L}'} {'causal' if causal else 'full  '}:"
         for n in fns:
           line += f"  {n} {best[n]:8.1f}us {F / best[n] / 1e6:5.0f}TF ({base / best[n]:.3f})"
+          if n in paired:
+            line += f" [paired {paired[n]:.3f}]"
         line += f"  maxdiff {agree}"
         print(line, flush=True)
         del fns, outs

@@ -25,8 +25,8 @@ Measures, in one process on one GPU (docs/prefill.md, "Speed"):
 Timing: CUDA events around each eager run(), an L2 flush (a memset of max(4 x L2, 64 MiB))
 before each, warm-up of at least 200 ms a provider (bench_common.warmup_ms), then the median
 of --reps runs (twice as many where a provider of the row runs under 1 ms), the row's
-providers interleaved run by run (time_interleaved: rounds that run each provider once,
-forward and reverse order alternately), so that the GPU's clock drift over a row (the long
+providers interleaved run by run (time_interleaved: rounds that run each provider once, each
+provider first in turn, none twice in a row), so that the GPU's clock drift over a row (the long
 rows run at the power cap, where the clock falls as it heats) weighs on each provider alike.
 (Until 2026-11-27 each provider ran its runs in two blocks, the row's providers in order and
 then in reverse order; one provider's two block medians differed by up to 6% on head_dim
@@ -420,17 +420,28 @@ def _gate() -> None:
         sleep(1 << 24)
 
 
+def rotation(live: list, r: int) -> list:
+    """Round r's order: the providers rotated by r (a, b, c; b, c, a; c, a, b; ...), so that each
+    takes every place in the round equally often and none runs twice in a row (for two,
+    a, b every round). No provider's run then follows one of its own, whose code would still
+    be in the SM's instruction caches: in the forward-then-reverse rounds used until
+    2026-11-27 the first and the last provider of a row ran twice in a row at every turn."""
+    n = len(live)
+    k = r % n if n > 2 else 0
+    return live[k:] + live[:k]
+
+
 def time_interleaved(fns: list, reps: int, flush: Flush) -> list[dict]:
     """Median device time of one call of each of a row's providers (fns), timed interleaved:
     CUDA events around each run and an L2 flush before it, in rounds that run every provider
-    once (forward, then reverse order, alternately), so that the GPU's clock drift over the
+    once (rotation(): in turn first), so that the GPU's clock drift over the
     row (the long rows run at the power cap, and the clock falls as the GPU heats) weighs on
     every provider alike. Before the rounds each provider warms up for at least
     bench_common.warmup_ms() (3 runs at least), in rounds too. Every provider gets --reps
     runs, or twice as many when one of them takes under 1 ms. Per fn: the summary
     (bench_common.summarize), warmup_runs, halves_median_us (the medians of the first and
-    the second half of the rounds: the drift over the row) and _samples (dropped before the
-    JSON); an fn that raises gets {"error": ...} and leaves the rounds."""
+    the second half of the rounds: the drift over the row) and _samples (every run, in round
+    order); an fn that raises gets {"error": ...} and leaves the rounds."""
     import torch
 
     n = len(fns)
@@ -472,8 +483,13 @@ def time_interleaved(fns: list, reps: int, flush: Flush) -> list[dict]:
     runs = reps if all(one_ms[i] >= 1.0 for i in live) else 2 * reps
     events = {i: [] for i in live}
     _gate()
+    last = None
     for r in range(runs):
-        for i in (live if r % 2 == 0 else live[::-1]):
+        order = rotation(live, r)
+        if order[0] == last and len(order) > 1:  # (after a provider left the rounds)
+            order = order[1:] + order[:1]
+        for i in order:
+            last = i
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if call(i, start, end):
                 events[i].append((start, end))
@@ -707,7 +723,8 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
         if "error" in t:
             entry["error"] = t["error"]
             continue
-        t.pop("_samples", None)
+        # (every provider of the row has one sample a round, in round order: derive() pairs them)
+        t["samples_us"] = [round(x, 2) for x in t.pop("_samples", [])]
         set_timing(entry, t)
         bc.log(f"{row.label} {impl}: {entry['median_us']:.1f} us, {entry['tflops']:.0f} TFLOP/s")
     timed.clear()
@@ -786,6 +803,20 @@ def measure_decode(res: dict, inputs: Inputs, row: Row, ctx: Context, measure, r
             e["flops"] = attention_flops(b, 1, row.kv_len, False, NUM_QO_HEADS, hd)
 
 
+def paired_speedup(ours: dict, fa2: dict) -> dict | None:
+    """FA2's time over ours run by run: each round times both back to back (time_interleaved),
+    so a ratio of one round's two runs leaves out the clock's drift between rounds, which the
+    two medians keep (the long rows run at the power cap: their runs spread by +-7%). The
+    median of those ratios and its p10 / p90; None unless both have one sample a round."""
+    a = ours.get("timing", {}).get("samples_us") or []
+    b = fa2.get("timing", {}).get("samples_us") or []
+    if not a or len(a) != len(b):
+        return None
+    ratios = sorted(y / x for x, y in zip(a, b))
+    pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))]  # noqa: E731
+    return {"median": statistics.median(ratios), "p10": pick(0.1), "p90": pick(0.9), "rounds": len(ratios)}
+
+
 def derive(res: dict) -> None:
     """Speed over FA2, the agreement check and the targets of one row."""
     impls = res["impls"]
@@ -796,6 +827,9 @@ def derive(res: dict) -> None:
         if ours and fa2:
             res["speedup_vs_fa2"][form] = fa2 / ours
             res["time_ratio_ours_over_fa2"][form] = ours / fa2
+        paired = paired_speedup(impls.get(f"ours_{form}", {}), impls.get(f"fa2_{form}", {}))
+        if paired is not None:
+            res.setdefault("paired_speedup_vs_fa2", {})[form] = paired
     for form in res["forms"]:
         ours, fa3 = us.get(f"ours_{form}"), us.get(f"fa3_{form}")
         if ours and fa3:
@@ -1036,10 +1070,11 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                "timing": "CUDA events around each eager run() (plan() once before), L2 flushed before each run "
                          f"(memset of max(4 x L2, 64 MiB)), >= {bc.warmup_ms():g} ms warm-up, median of --reps runs "
                          "(2x where a provider of the row runs under 1 ms), the row's providers interleaved run by "
-                         "run (rounds in forward, then reverse order; timing.halves_median_us: the medians of the "
-                         "first and second half of the rounds)",
+                         "run (rounds of every provider once, each first in turn, none twice in a row; timing.halves_median_us: the medians of the "
+                         "first and second half of the rounds; timing.samples_us: every run, in round order)",
                "speedup_vs_fa2": "FA2 median us / ours (>= 1: ours as fast or faster); time_ratio_ours_over_fa2 "
-                                 "its inverse",
+                                 "its inverse; paired_speedup_vs_fa2: the median (p10, p90) over the rounds of FA2's "
+                                 "time over ours in the same round",
                "check": f"every provider's output against ours: max abs diff, agrees if |d| <= {ATOL:g} + "
                         f"{RTOL:g} |ours| everywhere",
                "sdpa": "dense [B, H, L, D] copies of the same values; enable_gqa (or the KV heads repeated); "

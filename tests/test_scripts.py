@@ -71,8 +71,9 @@ def test_sweep_decode_runs_full_grid_cases_only_when_named():
 
 
 def test_bench_prefill_interleaves_the_providers_of_a_row(monkeypatch):
-    """time_interleaved runs every provider once a round (forward, then reverse order), each
-    after a flush, and drops a provider that raises from the rounds without ending the row."""
+    """time_interleaved runs every provider once a round (each first in turn, none twice in a
+    row), each after a flush, and drops a provider that raises from the rounds without ending
+    the row."""
     import bench_prefill as bp
 
     calls = []
@@ -110,13 +111,50 @@ def test_bench_prefill_interleaves_the_providers_of_a_row(monkeypatch):
     out = bp.time_interleaved([provider("a"), provider("b"), provider("c", fail_at=6)], 4, lambda: calls.append("flush"))
     runs = [c for c in calls if c != "flush"]
     assert calls.count("flush") == len(runs)  # a flush before every run
-    # one timed run each, 3 warm-up rounds, then rounds forward / reverse (c leaves at its 6th call)
+    # one timed run each, 3 warm-up rounds, then rotated rounds (c leaves at its 6th call)
     assert runs[:12] == ["a", "b", "c"] * 4
-    assert runs[12:15] == ["a", "b", "c"] and runs[15:18] == ["c", "b", "a"] and runs[18:20] == ["a", "b"]
+    assert runs[12:15] == ["a", "b", "c"] and runs[15:17] == ["b", "c"] and runs[17] == "a"
+    assert runs[18:20] == ["b", "a"] and runs[20:22] == ["b", "a"]  # two left (a ran last): b, a every round
+    assert all(x != y for x, y in zip(runs[12:], runs[13:]))  # none twice in a row
     assert out[2]["error"] == "RuntimeError: c failed"
     for t in out[:2]:
         assert t["runs"] == 8 and t["warmup_runs"] == 3 and len(t["halves_median_us"]) == 2  # under 1 ms: 2 x reps
         assert t["median_us"] > 0
+
+
+def test_bench_prefill_rotation():
+    """Each provider takes every place of a round equally often and never runs twice in a row,
+    also across rounds."""
+    import bench_prefill as bp
+
+    for n in (2, 3, 4, 8):
+        live = list(range(n))
+        seq = [i for r in range(4 * n) for i in bp.rotation(live, r)]
+        assert all(x != y for x, y in zip(seq, seq[1:]))
+        if n > 2:
+            for i in live:
+                assert sorted(bp.rotation(live, r).index(i) for r in range(n)) == live
+
+
+def test_bench_prefill_pairs_each_round(monkeypatch):
+    """derive() pairs FA2's and our runs of the same round: a clock drift that moves both
+    leaves the paired ratio where it is; a row whose providers ran unequal rounds gets none."""
+    import bench_prefill as bp
+
+    drift = [1.0, 1.1, 0.9, 1.3, 0.8]  # the GPU's clock moving between rounds
+    ours = [100.0 * f for f in drift]
+    fa2 = [104.0 * f for f in drift]
+    res = {"forms": ["ragged", "paged"], "kind": "prefill", "impls": {
+        "ours_ragged": {"median_us": 100.0, "timing": {"samples_us": ours}},
+        "fa2_ragged": {"median_us": 104.0, "timing": {"samples_us": fa2}},
+        "ours_paged": {"median_us": 100.0, "timing": {"samples_us": ours}},
+        "fa2_paged": {"median_us": 100.0, "timing": {"samples_us": fa2[:3]}}}}
+    bp.derive(res)
+    got = res["paired_speedup_vs_fa2"]
+    assert abs(got["ragged"]["median"] - 1.04) < 1e-9 and got["ragged"]["rounds"] == 5
+    assert got["ragged"]["p10"] <= got["ragged"]["median"] <= got["ragged"]["p90"]
+    assert "paged" not in got
+    assert abs(res["speedup_vs_fa2"]["ragged"] - 1.04) < 1e-9
 
 
 def test_bench_prefill_starts_every_warm_up_before_timing(monkeypatch):
