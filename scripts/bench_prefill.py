@@ -916,11 +916,14 @@ def report(res: dict) -> str:
         tf_rows.append([r["label"], *[_cell(im.get(k), "tflops") for k in IMPLS],
                         _cell(im.get("ours_paged"), "frac_matmul"),
                         r["speedup_vs_fa2"].get("paged"), r["speedup_vs_fa2"].get("ragged"),
+                        *[r.get("paired_speedup_vs_fa2", {}).get(f, {}).get("median") for f in ("paged", "ragged")],
                         f"{chk.get('reference', '')} {agree}".strip(),
                         ("MISS " + "; ".join(miss)) if miss else ("ok" if r.get("targets") else "-")])
         us_rows.append([r["label"], *[_cell(im.get(k), "median_us") for k in IMPLS]])
-    lines += ["", "TFLOP/s (x FA2: FA2 us / ours us, >= 1 is ours faster; frac: ours paged / matmul rate)",
-              bc.table(tf_rows, ["row", *[SHORT[k] for k in IMPLS], "frac", "x FA2 pg", "x FA2 rg", "check",
+    lines += ["", "TFLOP/s (x FA2: FA2 us / ours us, >= 1 is ours faster; paired: the median over the rounds of "
+                  "that ratio in one round; frac: ours paged / matmul rate)",
+              bc.table(tf_rows, ["row", *[SHORT[k] for k in IMPLS], "frac", "x FA2 pg", "x FA2 rg", "paired pg",
+                                 "paired rg", "check",
                                  "targets"]),
               "", "us per run()", bc.table(us_rows, ["row", *[SHORT[k] for k in IMPLS]])]
     spec = [r for r in res["rows"] if r["kind"] == "spec"]
