@@ -116,10 +116,11 @@ struct PrefillTraits {
   // head_dim 128's ragged (16-bit) unmasked 128-row tile also gets a kernel without the
   // sliding window's code (prefill_kernel<Traits, false, true>), launched when there is
   // none: no spill reloaded in its tile loop, against 24 B of spills (1.007-1.016x on the
-  // H100, docs/prefill.md); it runs its tiles one a trip, not in pairs (prefill_block). Not elsewhere: with it the ragged causal tile spilled 164 B (0
-  // without), head_dim 256's ragged tile 4 B (0), the page-a-warp kernels of head_dim 128
-  // causal 32 B (20) and of head_dim 256 8 B (0); head_dim 128's non-causal page-a-warp
-  // kernel 24 B (28), not measured.
+  // H100, docs/prefill.md); it runs its tiles one a trip, not in pairs (prefill_block).
+  // Not elsewhere: with it the ragged causal tile spilled 164 B (0 without), head_dim 256's
+  // ragged tile 4 B (0), the page-a-warp kernels of head_dim 128 causal 32 B (20) and of
+  // head_dim 256 8 B (0); head_dim 128's non-causal page-a-warp kernel 24 B (28), not
+  // measured.
   static constexpr bool kNoWindowKernel = Ragged && MFrags == 2 && HeadDimQK == 128 && Mask == PrefillMask::kNone;
   // Whether pages hold a warp's rows of a tile: a power of two (page_shift: its log2, or -1)
   // of at least kWarpRows tokens. (The items must also start on a multiple of kWarpRows.)

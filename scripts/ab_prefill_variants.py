@@ -41,23 +41,18 @@ if use_fi:
     import flashinfer
 dev = 'cuda'
 hq, hk = 32, 8
+sys.path.insert(0, os.path.join(sys.path[0], 'scripts'))
+from bench_prefill import Flush, paired_ratio, time_interleaved
 # FLUSH=1: bench_prefill.py's L2 flush (a memset of max(4 x L2, 64 MiB)) before each timed run,
-# outside its events, as the benchmark of record times: on head_dim 128's ragged non-causal
-# 64 x 256 ours trailed FA2 by 3-5% with the flush against 0-2% without it, 2026-11-27
-flush = None
-if os.environ.get('FLUSH') == '1':
-    sys.path.insert(0, os.path.join(sys.path[0], 'scripts'))
-    from bench_prefill import Flush
-    flush = Flush()
+# outside its events, as the benchmark of record times (on head_dim 128's ragged non-causal
+# 64 x 256 it moved neither ours nor FA2's time relative to the other, 2026-11-27)
+flush = Flush() if os.environ.get('FLUSH') == '1' else None
 # INTERLEAVE=1: bench_prefill.py's time_interleaved (REPS rounds, each variant once a round,
 # each first in turn, none twice in a row) instead of blocks of runs of one variant: every
-# run then starts with another kernel's code in the SM's instruction caches, as in the
-# benchmark. Blocks of one kernel (INTERLEAVE=0) leave its code cached from run to run.
+# run then follows another kernel, as in the benchmark (the kernel before moved one
+# kernel's time by up to 3% there). Blocks of one kernel (INTERLEAVE=0) follow themselves.
 interleave = os.environ.get('INTERLEAVE') == '1'
 reps = int(os.environ.get('REPS', '40'))
-if interleave:
-    sys.path.insert(0, os.path.join(sys.path[0], 'scripts'))
-    from bench_prefill import time_interleaved
 orig = open('csrc/prefill.cuh').read()
 
 def bench(fn, ms_budget=60.0):
@@ -164,14 +159,13 @@ for d in dims:
         agree = {var: float((outs[var].float() - ref).abs().max()) for var in variants[1:]}
         if interleave:
           # the benchmark's protocol: every variant (and FA2) once a round, L2 flushed before
-          # each run if FLUSH=1; each run then starts with the other kernels' code in the
-          # instruction caches, as in the benchmark
+          # each run if FLUSH=1
           names = list(fns)
           got = time_interleaved([fns[n] for n in names], reps, flush if flush is not None else (lambda: None))
           best = {n: g.get('median_us', float('nan')) for n, g in zip(names, got)}
           # paired: the median over rounds of the base's time over the variant's in the same round
-          paired = {n: float(np.median(np.array(got[0]['_samples']) / np.array(g['_samples'])))
-                    for n, g in zip(names, got) if '_samples' in g and '_samples' in got[0]}
+          paired = {n: pr['median'] for n, g in zip(names, got)
+                    if (pr := paired_ratio(g.get('_samples'), got[0].get('_samples') or [])) is not None}
         else:
           best = {n: 1e30 for n in fns}
           for r in range(rounds):

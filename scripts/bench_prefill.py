@@ -420,15 +420,19 @@ def _gate() -> None:
         sleep(1 << 24)
 
 
-def rotation(live: list, r: int) -> list:
+def rotation(live: list, r: int, last=None) -> list:
     """Round r's order: the providers rotated by r (a, b, c; b, c, a; c, a, b; ...), so that each
     takes every place in the round equally often and none runs twice in a row (for two,
-    a, b every round). No provider's run then follows one of its own, whose code would still
-    be in the SM's instruction caches: in the forward-then-reverse rounds used until
-    2026-11-27 the first and the last provider of a row ran twice in a row at every turn."""
+    a, b every round); `last`, the provider that ran last, never opens the round (after a
+    provider left the rounds). The kernel that ran before one moved its time by up to 3% in
+    an A/B (docs/prefill.md); in the forward-then-reverse rounds used until 2026-11-27 the
+    first and the last provider of a row ran twice in a row at every turn."""
     n = len(live)
     k = r % n if n > 2 else 0
-    return live[k:] + live[:k]
+    order = live[k:] + live[:k]
+    if n > 1 and order[0] == last:
+        order = order[1:] + order[:1]
+    return order
 
 
 def time_interleaved(fns: list, reps: int, flush: Flush) -> list[dict]:
@@ -485,10 +489,7 @@ def time_interleaved(fns: list, reps: int, flush: Flush) -> list[dict]:
     _gate()
     last = None
     for r in range(runs):
-        order = rotation(live, r)
-        if order[0] == last and len(order) > 1:  # (after a provider left the rounds)
-            order = order[1:] + order[:1]
-        for i in order:
+        for i in rotation(live, r, last):
             last = i
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if call(i, start, end):
@@ -803,18 +804,21 @@ def measure_decode(res: dict, inputs: Inputs, row: Row, ctx: Context, measure, r
             e["flops"] = attention_flops(b, 1, row.kv_len, False, NUM_QO_HEADS, hd)
 
 
-def paired_speedup(ours: dict, fa2: dict) -> dict | None:
-    """FA2's time over ours run by run: each round times both back to back (time_interleaved),
-    so a ratio of one round's two runs leaves out the clock's drift between rounds, which the
-    two medians keep (the long rows run at the power cap: their runs spread by +-7%). The
-    median of those ratios and its p10 / p90; None unless both have one sample a round."""
-    a = ours.get("timing", {}).get("samples_us") or []
-    b = fa2.get("timing", {}).get("samples_us") or []
+def paired_ratio(a: list, b: list) -> dict | None:
+    """b's time over a's run by run, for samples taken a round each (time_interleaved): a
+    ratio of one round's two runs leaves out the clock's drift between rounds, which two
+    medians keep (the long rows run at the power cap: their runs spread by +-7%). The median
+    of those ratios and its p10 / p90; None unless both have one sample a round."""
     if not a or len(a) != len(b):
         return None
     ratios = sorted(y / x for x, y in zip(a, b))
     pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))]  # noqa: E731
     return {"median": statistics.median(ratios), "p10": pick(0.1), "p90": pick(0.9), "rounds": len(ratios)}
+
+
+def paired_speedup(ours: dict, fa2: dict) -> dict | None:
+    """FA2's time over ours, paired round by round (paired_ratio), from two providers' entries."""
+    return paired_ratio(ours.get("timing", {}).get("samples_us") or [], fa2.get("timing", {}).get("samples_us") or [])
 
 
 def derive(res: dict) -> None:
@@ -1073,8 +1077,9 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                "timing": "CUDA events around each eager run() (plan() once before), L2 flushed before each run "
                          f"(memset of max(4 x L2, 64 MiB)), >= {bc.warmup_ms():g} ms warm-up, median of --reps runs "
                          "(2x where a provider of the row runs under 1 ms), the row's providers interleaved run by "
-                         "run (rounds of every provider once, each first in turn, none twice in a row; timing.halves_median_us: the medians of the "
-                         "first and second half of the rounds; timing.samples_us: every run, in round order)",
+                         "run (rounds of every provider once, each first in turn, none twice in a row; "
+                         "timing.halves_median_us: the medians of the first and second half of the rounds; "
+                         "timing.samples_us: every run, in round order)",
                "speedup_vs_fa2": "FA2 median us / ours (>= 1: ours as fast or faster); time_ratio_ours_over_fa2 "
                                  "its inverse; paired_speedup_vs_fa2: the median (p10, p90) over the rounds of FA2's "
                                  "time over ours in the same round",
