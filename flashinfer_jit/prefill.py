@@ -257,7 +257,9 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill_params.h). Requests split
     their keys into chunks of `chunk` keys (a multiple of 64), or, with chunk None and split
     True, of the size that brings the items near target_blocks when the unsplit batch falls
-    short of it (and no chunk under _MIN_CHUNK keys); split False: no request splits. Requests run heaviest first, each
+    short of it (and no chunk under _MIN_CHUNK keys), evened out per request (its keys over
+    its chunks, up to a multiple of 64: 4096 keys as 2 x 2048, not 4032 + 64); split False:
+    no request splits. Requests run heaviest first, each
     request's items together and heaviest first (causal tiles near the end of a request
     first): the last wave is made of short items, and the blocks in flight share a request's
     K/V in L2."""
@@ -274,6 +276,7 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     visible = np.maximum(visible, 0)
     chunks_req = np.ones(batch, dtype=np.int64)
     if split and batch:
+        fixed = chunk is not None
         if chunk is None:
             items = num_tiles * num_kv_heads
             if items < target_blocks:
@@ -282,6 +285,10 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
         if chunk is not None:
             chunk = -(-chunk // 64) * 64
             chunks_req = np.maximum(1, -(-kv_lens // chunk))
+            chunk_req = np.full(batch, chunk, dtype=np.int64)  # keys a chunk, per request
+            if not fixed:  # evened out per request (csrc/prefill_plan.h says why)
+                chunk_req = np.where(chunks_req > 1, -(-(-(-kv_lens // chunks_req)) // 64) * 64, chunk)
+                chunks_req = np.maximum(1, -(-kv_lens // chunk_req))
             partial_rows = int((qo_lens * chunks_req * (chunks_req > 1)).sum())
             if partial_rows > max_partial_rows:
                 chunks_req[:] = 1  # the workspace cannot hold the partial states: run unsplit
@@ -302,8 +309,8 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     pair_chunk = np.arange(pair_tile.shape[0]) - pair_first[pair_tile]
     b = tile_req[pair_tile]
     if any_split:
-        kv_start = pair_chunk * chunk
-        kv_end = np.where(n_chunks_t[pair_tile] > 1, kv_start + chunk, kv_lens[b])
+        kv_start = pair_chunk * chunk_req[b]
+        kv_end = np.where(n_chunks_t[pair_tile] > 1, kv_start + chunk_req[b], kv_lens[b])
         kv_end = np.minimum(kv_end, kv_lens[b])
         cost = np.maximum(np.minimum(kv_end, visible[pair_tile]) - kv_start, 0)
     else:

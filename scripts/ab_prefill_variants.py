@@ -18,7 +18,8 @@ the ragged rows' layout, which separates the page table's addressing from the pa
 Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill.cuh while its wrappers plan
 and make their first run (csrc/prefill.cuh is restored at the end). NAME@costorder plans with
 the numpy twin and the work order before fc1ff93 (pairs by cost alone); NAME@r64 / NAME@r128 pins the query
-tile (as ROWS=64/128 does for every variant). FI=1 adds FlashInfer's
+tile (as ROWS=64/128 does for every variant); NAME@split1024 forces KV chunks of 1024 keys
+(fixed_split_size), NAME@nosplit disables the split. FI=1 adds FlashInfer's
 fa2 on the same inputs (needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
 out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json,
 docs/results/2026-11-26_h200_prefill_ab_f18239e.json."""
@@ -48,7 +49,7 @@ from bench_prefill import Flush, paired_ratio, time_interleaved
 # 64 x 256 it moved neither ours nor FA2's time relative to the other, 2026-11-27)
 flush = Flush() if os.environ.get('FLUSH') == '1' else None
 # INTERLEAVE=1: bench_prefill.py's time_interleaved (REPS rounds, each variant once a round,
-# each first in turn, none twice in a row) instead of blocks of runs of one variant: every
+# in a balanced order (rotation()), none twice in a row) instead of blocks of runs of one variant: every
 # run then follows another kernel, as in the benchmark (the kernel before moved one
 # kernel's time by up to 3% there). Blocks of one kernel (INTERLEAVE=0) follow themselves.
 interleave = os.environ.get('INTERLEAVE') == '1'
@@ -98,6 +99,16 @@ def tile_of(var):
             return int(tag[1:])
     return int(os.environ.get('ROWS', '0')) or None
 
+def split_of(var):
+    """plan()'s keyword arguments for a variant: NAME@splitN forces KV chunks of N keys
+    (fixed_split_size), NAME@nosplit disables the split."""
+    for tag in var.split('@')[1:]:
+        if tag.startswith('split') and tag[5:].isdigit():
+            return {'fixed_split_size': int(tag[5:])}
+        if tag == 'nosplit':
+            return {'disable_split_kv': True}
+    return {}
+
 def warm(seconds=2.0):
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     t0 = time.time()
@@ -137,13 +148,13 @@ for d in dims:
             last = torch.full((B,), L - (P - 1) * page, dtype=torch.int32)
             w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[var])
             if tile_of(var): w._force_tile_rows = tile_of(var)
-            with plan_as(var): w.plan(qo, kvp, ids, last, hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16)
+            with plan_as(var): w.plan(qo, kvp, ids, last, hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16, **split_of(var))
             kv_arg = (kc, vc)
             fn = (lambda w=w, kv_arg=kv_arg, q=q: w.run(q, kv_arg))
           else:
             w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws[var])
             if tile_of(var): w._force_tile_rows = tile_of(var)
-            with plan_as(var): w.plan(qo, kvi, hq, hk, d, causal=causal, q_data_type=torch.bfloat16)
+            with plan_as(var): w.plan(qo, kvi, hq, hk, d, causal=causal, q_data_type=torch.bfloat16, **split_of(var))
             fn = (lambda w=w, q=q, k=k, v=v: w.run(q, k, v))
           outs[var] = fn()
           fns[var] = fn

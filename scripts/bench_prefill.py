@@ -25,8 +25,9 @@ Measures, in one process on one GPU (docs/prefill.md, "Speed"):
 Timing: CUDA events around each eager run(), an L2 flush (a memset of max(4 x L2, 64 MiB))
 before each, warm-up of at least 200 ms a provider (bench_common.warmup_ms), then the median
 of --reps runs (twice as many where a provider of the row runs under 1 ms), the row's
-providers interleaved run by run (time_interleaved: rounds that run each provider once, each
-provider first in turn, none twice in a row), so that the GPU's clock drift over a row (the long
+providers interleaved run by run (time_interleaved: rounds that run each provider once, in
+the orders of a Williams design: each provider in every place and after every other provider
+equally often, none twice in a row), so that the GPU's clock drift over a row (the long
 rows run at the power cap, where the clock falls as it heats) weighs on each provider alike.
 (Until 2026-11-27 each provider ran its runs in two blocks, the row's providers in order and
 then in reverse order; one provider's two block medians differed by up to 6% on head_dim
@@ -421,16 +422,36 @@ def _gate() -> None:
 
 
 def rotation(live: list, r: int, last=None) -> list:
-    """Round r's order: the providers rotated by r (a, b, c; b, c, a; c, a, b; ...), so that each
-    takes every place in the round equally often and none runs twice in a row (for two,
-    a, b every round); `last`, the provider that ran last, never opens the round (after a
-    provider left the rounds). The kernel that ran before one moved its time by up to 3% in
-    an A/B (docs/prefill.md); in the forward-then-reverse rounds used until 2026-11-27 the
-    first and the last provider of a row ran twice in a row at every turn."""
+    """Round r's order: row r of a Williams design over the providers (a balanced crossover
+    design: over n rounds, 2n for an odd n, each provider takes every place of the round
+    equally often and follows every other provider equally often), so that no provider
+    always runs after the same one; `last`, the provider that ran last, never opens the round
+    (for two providers: a, b every round). The kernel that ran before one moved its time by
+    up to 3% in an A/B (docs/prefill.md). Until 2026-11-27 the rounds were the providers
+    rotated by r (a, b, c; b, c, a; ...): each provider then ran after the same one in all but
+    one round of n; before that, forward-then-reverse rounds ran the first and the last
+    provider of a row twice in a row at every turn."""
     n = len(live)
-    k = r % n if n > 2 else 0
-    order = live[k:] + live[:k]
-    if n > 1 and order[0] == last:
+    if n < 3:  # a, b every round (each follows the other)
+        return list(live) if not live or live[0] != last else live[::-1]
+    # first row 0, 1, n-1, 2, n-2, ...; row k adds k (mod n); odd n: then the rows reversed,
+    # stepping so that no round opens with the provider that closed the one before
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    k = r % (n if n % 2 == 0 else 2 * n)
+    if k >= n:
+        k = (k - n) * (-1 if first[-1] == n - 1 else 1)
+        row = [(x + k) % n for x in reversed(first)]
+    else:
+        row = [(x + k) % n for x in first]
+    order = [live[x] for x in row]
+    if order[0] == last:
         order = order[1:] + order[:1]
     return order
 
@@ -438,7 +459,7 @@ def rotation(live: list, r: int, last=None) -> list:
 def time_interleaved(fns: list, reps: int, flush: Flush) -> list[dict]:
     """Median device time of one call of each of a row's providers (fns), timed interleaved:
     CUDA events around each run and an L2 flush before it, in rounds that run every provider
-    once (rotation(): in turn first), so that the GPU's clock drift over the
+    once (rotation(): a balanced order), so that the GPU's clock drift over the
     row (the long rows run at the power cap, and the clock falls as the GPU heats) weighs on
     every provider alike. Before the rounds each provider warms up for at least
     bench_common.warmup_ms() (3 runs at least), in rounds too. Every provider gets --reps
@@ -966,7 +987,7 @@ def parse_args(argv=None):
                    help="only rows whose label contains one of these ';'-separated strings (e.g. 'hd128 causal;spec'; "
                         "--list prints the labels)")
     p.add_argument("--reps", type=int, default=None,
-                   help="timed runs per measurement, the median reported (default 20, --quick 10; runs under 1 ms "
+                   help="timed runs per measurement, the median reported (default 50, --quick 10; runs under 1 ms "
                         "take twice as many)")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/bench_prefill.json, else "
                                                "docs/results/<date>_prefill.json)")
@@ -997,7 +1018,7 @@ def parse_args(argv=None):
             p.error(f"--head-dims: a comma-separated list of {','.join(map(str, HEAD_DIMS))}")
     args.only = tuple(o.strip() for o in args.only.split(";") if o.strip())
     if args.reps is None:
-        args.reps = 10 if args.quick else 20
+        args.reps = 10 if args.quick else 50
     if args.reps < 1:
         p.error("--reps: at least 1")
     args.out = args.out or default_out()
@@ -1077,7 +1098,7 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                "timing": "CUDA events around each eager run() (plan() once before), L2 flushed before each run "
                          f"(memset of max(4 x L2, 64 MiB)), >= {bc.warmup_ms():g} ms warm-up, median of --reps runs "
                          "(2x where a provider of the row runs under 1 ms), the row's providers interleaved run by "
-                         "run (rounds of every provider once, each first in turn, none twice in a row; "
+                         "run (rounds of every provider once in the orders of a Williams design: each provider in every place and after every other equally often, none twice in a row; "
                          "timing.halves_median_us: the medians of the first and second half of the rounds; "
                          "timing.samples_us: every run, in round order)",
                "speedup_vs_fa2": "FA2 median us / ours (>= 1: ours as fast or faster); time_ratio_ours_over_fa2 "

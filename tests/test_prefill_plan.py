@@ -118,6 +118,43 @@ def test_work_list_covers_every_row_and_key_once():
                 assert covered == list(range(kv_lens[b]))
 
 
+@pytest.mark.parametrize("kv_lens", [[4096] * 32, [8192], [5000, 300, 0, 2900]])
+def test_split_chunks_are_even_within_a_request(kv_lens):
+    """plan()'s own split evens a request's chunks out (its keys over its chunks, up to a
+    multiple of 64: 4096 keys as 2 x 2048, not 4032 + 64) and covers every key once, in
+    the C++ planner and the numpy twin alike; a fixed_split_size is kept as given."""
+    kv_lens = np.array(kv_lens)
+    qo_lens = np.minimum(kv_lens, 4 if kv_lens.shape[0] > 1 else 512)
+    qo = torch.tensor(np.concatenate(([0], np.cumsum(qo_lens))), dtype=torch.int32)
+    a = torch.tensor(np.concatenate(([0], np.cumsum(kv_lens))), dtype=torch.int32)
+    batch = kv_lens.shape[0]
+    for fixed in (0, 1024):
+        cfg = _config(_RAGGED, fixed=fixed, causal=1)
+        status, host, result = _run_native(cfg, qo, a, None, batch)
+        ref_host, ref_result = np.zeros_like(host), np.zeros(11, dtype=np.int64)
+        assert _plan_numpy(cfg, qo, a, None, batch, ref_host, ref_result) == status == 0
+        np.testing.assert_array_equal(host[:int(result[prefill._END])], ref_host[:int(result[prefill._END])])
+        assert result[prefill._PARTIAL_ROWS] > 0
+        w = host[int(result[prefill._WORK_AT]):]
+        pairs = w[1: 1 + prefill._PAIR_INTS * (w[0] // 8)].reshape(-1, prefill._PAIR_INTS)
+        for b in range(batch):
+            mine = pairs[(pairs[:, 0] == b) & (pairs[:, 1] == 0)]
+            spans = sorted(zip(mine[:, 2].tolist(), mine[:, 3].tolist()))
+            if kv_lens[b] == 0:
+                assert spans in ([], [(0, 0)])
+                continue
+            assert [j for lo, hi in spans for j in range(lo, hi)] == list(range(kv_lens[b]))
+            sizes = [hi - lo for lo, hi in spans]
+            assert all(lo % 64 == 0 for lo, _ in spans)
+            if fixed:
+                assert all(n == fixed for n in sizes[:-1])
+            elif len(spans) > 1:
+                assert max(sizes) - min(sizes) < 64 * len(spans)
+                assert sizes[0] == -(-(-(-kv_lens[b] // len(spans))) // 64) * 64
+        if not fixed and batch == 32:
+            assert sorted(set(spans)) == [(0, 2048), (2048, 4096)]
+
+
 @pytest.mark.parametrize("side", [_RAGGED, _CSR, _SEQ_LENS])
 def test_work_pairs_carry_their_requests_extent(side):
     """Each pair carries its request's qo_indptr[b], qo_len, kv_len and (ragged) kv_indptr[b]

@@ -123,17 +123,26 @@ def test_bench_prefill_interleaves_the_providers_of_a_row(monkeypatch):
 
 
 def test_bench_prefill_rotation():
-    """Each provider takes every place of a round equally often and never runs twice in a row,
-    also across rounds."""
+    """A Williams design: over a cycle of rounds (n, or 2n for an odd n) each provider takes
+    every place of a round equally often and follows every other provider equally often; none
+    runs twice in a row, also across rounds, and `last` never opens a round."""
+    import collections
+
     import bench_prefill as bp
 
-    for n in (2, 3, 4, 8):
-        live = list(range(n))
+    for n in range(2, 10):
+        live = list(range(10, 10 + n))
         seq = [i for r in range(4 * n) for i in bp.rotation(live, r)]
         assert all(x != y for x, y in zip(seq, seq[1:]))
-        if n > 2:
-            for i in live:
-                assert sorted(bp.rotation(live, r).index(i) for r in range(n)) == live
+        cycle = [bp.rotation(live, r) for r in range(n if n % 2 == 0 else 2 * n)]
+        assert all(sorted(o) == live for o in cycle)
+        places = collections.Counter((i, o.index(i)) for o in cycle for i in o)
+        after = collections.Counter((o[j - 1], o[j]) for o in cycle for j in range(1, n))
+        if n > 2:  # (two: a, b every round, each after the other)
+            assert len(places) == n * n and len(set(places.values())) == 1
+            assert len(after) == n * (n - 1) and len(set(after.values())) == 1
+        for r in range(2 * n):
+            assert bp.rotation(live, r, last=live[0])[0] != live[0]
 
 
 def test_bench_prefill_pairs_each_round(monkeypatch):
