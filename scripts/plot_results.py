@@ -115,7 +115,7 @@ def plot_decode(plt, data: dict, out: Path) -> None:
 
 
 # the prefill figure's run (docs/prefill.md's table)
-PREFILL_RESULT = "2026-11-27_h100_prefill_437e2c4.json"
+PREFILL_RESULT = "2026-11-27_h100_prefill_03866b9.json"
 
 
 def plot_prefill(plt, data: dict, out: Path) -> None:
