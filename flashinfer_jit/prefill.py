@@ -287,7 +287,8 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
             chunks_req = np.maximum(1, -(-kv_lens // chunk))
             chunk_req = np.full(batch, chunk, dtype=np.int64)  # keys a chunk, per request
             if not fixed:  # evened out per request (csrc/prefill_plan.h says why)
-                chunk_req = np.where(chunks_req > 1, -(-(-(-kv_lens // chunks_req)) // 64) * 64, chunk)
+                even = -(-kv_lens // chunks_req)  # a request's keys over its chunks, rounded up
+                chunk_req = np.where(chunks_req > 1, -(-even // 64) * 64, chunk)
                 chunks_req = np.maximum(1, -(-kv_lens // chunk_req))
             partial_rows = int((qo_lens * chunks_req * (chunks_req > 1)).sum())
             if partial_rows > max_partial_rows:

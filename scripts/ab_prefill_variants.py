@@ -49,7 +49,7 @@ from bench_prefill import Flush, paired_ratio, time_interleaved
 # 64 x 256 it moved neither ours nor FA2's time relative to the other, 2026-11-27)
 flush = Flush() if os.environ.get('FLUSH') == '1' else None
 # INTERLEAVE=1: bench_prefill.py's time_interleaved (REPS rounds, each variant once a round,
-# in a balanced order (rotation()), none twice in a row) instead of blocks of runs of one variant: every
+# in a balanced order (round_order()), none twice in a row) instead of blocks of runs of one variant: every
 # run then follows another kernel, as in the benchmark (the kernel before moved one
 # kernel's time by up to 3% there). Blocks of one kernel (INTERLEAVE=0) follow themselves.
 interleave = os.environ.get('INTERLEAVE') == '1'

@@ -421,7 +421,7 @@ def _gate() -> None:
         sleep(1 << 24)
 
 
-def rotation(live: list, r: int, last=None) -> list:
+def round_order(live: list, r: int, last=None) -> list:
     """Round r's order: row r of a Williams design over the providers (a balanced crossover
     design: over n rounds, 2n for an odd n, each provider takes every place of the round
     equally often and follows every other provider equally often), so that no provider
@@ -436,14 +436,7 @@ def rotation(live: list, r: int, last=None) -> list:
         return list(live) if not live or live[0] != last else live[::-1]
     # first row 0, 1, n-1, 2, n-2, ...; row k adds k (mod n); odd n: then the rows reversed,
     # stepping so that no round opens with the provider that closed the one before
-    first = [0]
-    lo, hi = 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
+    first = [(j + 1) // 2 if j % 2 else -(j // 2) % n for j in range(n)]
     k = r % (n if n % 2 == 0 else 2 * n)
     if k >= n:
         k = (k - n) * (-1 if first[-1] == n - 1 else 1)
@@ -459,7 +452,7 @@ def rotation(live: list, r: int, last=None) -> list:
 def time_interleaved(fns: list, reps: int, flush: Flush) -> list[dict]:
     """Median device time of one call of each of a row's providers (fns), timed interleaved:
     CUDA events around each run and an L2 flush before it, in rounds that run every provider
-    once (rotation(): a balanced order), so that the GPU's clock drift over the
+    once (round_order(): a balanced order), so that the GPU's clock drift over the
     row (the long rows run at the power cap, and the clock falls as the GPU heats) weighs on
     every provider alike. Before the rounds each provider warms up for at least
     bench_common.warmup_ms() (3 runs at least), in rounds too. Every provider gets --reps
@@ -510,7 +503,7 @@ def time_interleaved(fns: list, reps: int, flush: Flush) -> list[dict]:
     _gate()
     last = None
     for r in range(runs):
-        for i in rotation(live, r, last):
+        for i in round_order(live, r, last):
             last = i
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if call(i, start, end):
@@ -1098,7 +1091,8 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                "timing": "CUDA events around each eager run() (plan() once before), L2 flushed before each run "
                          f"(memset of max(4 x L2, 64 MiB)), >= {bc.warmup_ms():g} ms warm-up, median of --reps runs "
                          "(2x where a provider of the row runs under 1 ms), the row's providers interleaved run by "
-                         "run (rounds of every provider once in the orders of a Williams design: each provider in every place and after every other equally often, none twice in a row; "
+                         "run (rounds of every provider once in the orders of a Williams design: each provider in "
+                         "every place and after every other equally often, none twice in a row; "
                          "timing.halves_median_us: the medians of the first and second half of the rounds; "
                          "timing.samples_us: every run, in round order)",
                "speedup_vs_fa2": "FA2 median us / ours (>= 1: ours as fast or faster); time_ratio_ours_over_fa2 "

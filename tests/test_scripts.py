@@ -122,7 +122,7 @@ def test_bench_prefill_interleaves_the_providers_of_a_row(monkeypatch):
         assert t["median_us"] > 0
 
 
-def test_bench_prefill_rotation():
+def test_bench_prefill_round_order():
     """A Williams design: over a cycle of rounds (n, or 2n for an odd n) each provider takes
     every place of a round equally often and follows every other provider equally often; none
     runs twice in a row, also across rounds, and `last` never opens a round."""
@@ -132,9 +132,9 @@ def test_bench_prefill_rotation():
 
     for n in range(2, 10):
         live = list(range(10, 10 + n))
-        seq = [i for r in range(4 * n) for i in bp.rotation(live, r)]
+        seq = [i for r in range(4 * n) for i in bp.round_order(live, r)]
         assert all(x != y for x, y in zip(seq, seq[1:]))
-        cycle = [bp.rotation(live, r) for r in range(n if n % 2 == 0 else 2 * n)]
+        cycle = [bp.round_order(live, r) for r in range(n if n % 2 == 0 else 2 * n)]
         assert all(sorted(o) == live for o in cycle)
         places = collections.Counter((i, o.index(i)) for o in cycle for i in o)
         after = collections.Counter((o[j - 1], o[j]) for o in cycle for j in range(1, n))
@@ -142,7 +142,7 @@ def test_bench_prefill_rotation():
             assert len(places) == n * n and len(set(places.values())) == 1
             assert len(after) == n * (n - 1) and len(set(after.values())) == 1
         for r in range(2 * n):
-            assert bp.rotation(live, r, last=live[0])[0] != live[0]
+            assert bp.round_order(live, r, last=live[0])[0] != live[0]
 
 
 def test_bench_prefill_pairs_each_round(monkeypatch):
