@@ -1,11 +1,14 @@
-// Each request's full pages in ascending page-id order, for batch decode's plan().
+// Each request's full pages in ascending page-id order, for the plan() of batch decode and
+// batch prefill (flashinfer_jit/page_order.py).
 //
-// Why: a decode kernel streams each request's pages in page-table order, and the H100
-// streams pages faster in ascending address order than in a random one (about 3% at b=1
-// kv=32k; docs/decode.md). Attention with no position-dependent term (no RoPE in the
-// kernel, no window) is the same over any order of whole pages: only the last page, which
-// may be partial, must stay last. plan() writes the reordered table once; every run()
-// (every layer) reads it.
+// Why: a kernel streams each request's pages in page-table order, and the H100 streams
+// pages faster in ascending address order than in a random one (about 3% at b=1 kv=32k;
+// docs/decode.md). Attention with no position-dependent term (no RoPE in the kernel, no
+// window, no custom mask) is the same over any order of the pages every query row sees
+// whole: decode's full pages (the last, which may be partial, stays last), and for a causal
+// prefill the pages below the first query row's diagonal (key j <= kv_len - qo_len: every
+// row sees it); the pages after them stay where they are. plan() writes the reordered table
+// once; every run() (every layer) reads it.
 //
 // One block per (request, segment of up to kSegment pages): a bitonic sort of the page ids
 // (32-bit keys), or of (K id, V id) pairs packed in 64 bits where K and V pages are apart.
@@ -32,6 +35,8 @@ struct PageOrderParams {
   int64_t src_v, dst_v;     // [batch, 2, max_pages] tables: elements from K ids to V ids; 0: one id a page
   int64_t row_pages;        // block tables: pages a row holds (longer seq_lens are clamped to it)
   int64_t longest_pages;    // the most pages of any request (sets the grid's segments)
+  const int32_t* qo_indptr;      // causal prefill: [batch + 1] query offsets; null: every full page moves
+  const int32_t* last_page_len;  // csr with qo_indptr: [batch] tokens of each request's last page
   int32_t page_size;
   int32_t batch;
   int32_t sort;             // 0: copy only (a CUDA-graph wrapper's buffer, for a plan that may not reorder)
@@ -43,19 +48,31 @@ constexpr int kMaxKeys = 4;  // keys a thread
 constexpr int kMaxThreads = 1024;
 constexpr int kSegment = kMaxKeys * kMaxThreads;  // pages sorted together (64k tokens at page 16)
 
-// (first id of the request in src, in dst, its pages)
+// (first id of the request in src, in dst, its pages, the pages that may move: [0, movable))
 struct Request {
-  int64_t src, dst, pages;
+  int64_t src, dst, pages, movable;
 };
 
 __device__ __forceinline__ Request request_of(const PageOrderParams& p, int r) {
+  Request q;
+  int64_t len;  // tokens (read only for a causal prefill's limit)
   if (p.indptr != nullptr) {
     const int64_t begin = p.indptr[r];
-    return {begin, begin, p.indptr[r + 1] - begin};
+    q = {begin, begin, p.indptr[r + 1] - begin, 0};
+    len = q.pages > 0 ? (q.pages - 1) * p.page_size + (p.last_page_len != nullptr ? p.last_page_len[r] : 0) : 0;
+  } else {
+    len = p.seq_lens[r];
+    const int64_t pages = len > 0 ? min((len + p.page_size - 1) / p.page_size, p.row_pages) : 0;
+    q = {r * p.src_row, r * p.dst_row, pages, 0};
   }
-  const int64_t len = p.seq_lens[r];
-  const int64_t pages = len > 0 ? min((len + p.page_size - 1) / p.page_size, p.row_pages) : 0;
-  return {r * p.src_row, r * p.dst_row, pages};
+  q.movable = q.pages - 1;  // the last page stays last: it may be partial
+  if (p.qo_indptr != nullptr) {
+    // causal: the pages of keys j <= len - qo_len, which every query row sees
+    const int64_t seen = len - (p.qo_indptr[r + 1] - p.qo_indptr[r]) + 1;
+    q.movable = min(q.movable, seen > 0 ? seen / p.page_size : 0);
+  }
+  if (q.movable < 0) q.movable = 0;
+  return q;
 }
 
 // Key: uint32_t (the page id, K and V alike) or unsigned long long (K id << 32 | V id).
@@ -134,9 +151,10 @@ __global__ void __launch_bounds__(kMaxThreads) order_pages_kernel(const PageOrde
   __shared__ Key buf[K * kMaxThreads];
   const Request req = request_of(p, blockIdx.x);
   if (req.pages <= 0) return;  // (whole blocks return: no barrier is left waiting)
-  const int64_t full = req.pages - 1;  // the last page stays last: it may be partial
-  if (blockIdx.y == 0 && threadIdx.x == 0) store_key<Key>(p, req.dst + full, load_key<Key>(p, req.src + full));
+  const int64_t full = req.movable;  // pages [full, pages) stay where they are
   const int W = blockDim.x;
+  if (blockIdx.y == 0)
+    for (int64_t j = full + threadIdx.x; j < req.pages; j += W) store_key<Key>(p, req.dst + j, load_key<Key>(p, req.src + j));
   const int64_t lo = int64_t(blockIdx.y) * K * W;
   if (lo >= full) return;
   const int64_t n = full - lo;  // pages of this segment: element j < n (at most K W)

@@ -55,7 +55,11 @@ enum PrefillPlanResult : int {
   kWorkAt = 8,
   kEnd = 9,  // int32s written (or needed, with kSlotTooSmall)
   kKvRows = 10,  // ragged: kv_indptr[batch]; csr: indptr[batch] (pages)
-  kResultInts = 11
+  // paged: the most pages of any request that plan()'s page order may reorder (every page
+  // but the last; causal: the pages of keys j <= kv_len - qo_len, which every query row
+  // sees; flashinfer_jit/page_order.py); ragged: 0
+  kMovablePages = 11,
+  kResultInts = 12
 };
 enum PrefillPlanError : int {
   kQoIndptr = 1,       // not starting at 0 or decreasing
@@ -108,6 +112,11 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
     if (c.causal && n > 0 && n < q) return fail(kCausalKvShort, b);
     kv_len[b] = n;
     if (q > 0) active_keys += n;
+    if (side != PrefillKVSide::kRagged && n > 0) {
+      int64_t movable = (int64_t(n) + c.page_size - 1) / c.page_size - 1;
+      if (c.causal) movable = std::min<int64_t>(movable, (int64_t(n) - q + 1) / c.page_size);
+      result[kMovablePages] = std::max<int64_t>(result[kMovablePages], movable);
+    }
   }
   result[kKvRows] = side == PrefillKVSide::kSeqLens ? 0 : kv_a[batch];
   // the query tile: 128 rows where requests average more than 64 (token, head) rows (and,

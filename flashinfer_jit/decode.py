@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import env, fastcall
-from .capacity import cannot_grow, graph_capacity, grown_size, heads_fixed
+from .capacity import cannot_grow, graph_capacity, heads_fixed
 from .checks import (aligned16, as_int32_index, compiling, dtype_str, expect_choice, passed_run_checks, remembered,
                      run_signature, same_cuda_device, soft_cap_value)
 # (under decode's own names: plan() and run() look them up here, where the tests patch them)
@@ -41,11 +41,12 @@ from .device import (empty_f32 as _empty_f32, num_sms as _num_sms, peak_dram_byt
                      raw_stream as _raw_stream, supports_clusters, supports_pdl)
 from .jit import get_module, op_cache
 from .native import ctypes_entry, optional_entry
+from .page_order import PageOrder
 from .page_table import unpack_paged_kv_cache
 from .plan_buffer import HostSlot, PlanBuffer
 from .specs.append import HEAD_DIMS
 from .specs.base import dtype_name
-from .specs.decode import (MAX_Q_TOKENS, DecodePlanSpec, DecodeSpec, PageOrderSpec, cluster_blocks, group_tile,
+from .specs.decode import (MAX_Q_TOKENS, DecodePlanSpec, DecodeSpec, cluster_blocks, group_tile,
                            kv_heads_per_block, max_tile_rows, pairs_kv_heads, uses_tensor_cores)
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
@@ -411,30 +412,6 @@ class _NativeConfig(ctypes.Structure):
         [("max_partials", ctypes.c_int64)]
 
 
-class _PageOrderParams(ctypes.Structure):
-    """csrc/page_order.cuh PageOrderParams (same fields, same order; the module reports its
-    size, checked at load)."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in ("indptr", "seq_lens", "src", "dst")] + \
-        [(name, ctypes.c_int64) for name in ("src_row", "dst_row", "src_v", "dst_v", "row_pages", "longest_pages")] + \
-        [(name, ctypes.c_int32) for name in ("page_size", "batch", "sort")]
-
-
-@op_cache
-def _page_orderer():
-    """(<namespace>_order_pages, <namespace>_error_string) of the PageOrderSpec module
-    through ctypes, built or loaded at the first plan() that reorders pages; None with a
-    warning where it cannot be had: plan() then keeps the pages as given (same results,
-    slower reads)."""
-    def load():
-        return (ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int,
-                             _PageOrderParams, "params_bytes"),
-                ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p))
-
-    return optional_entry(load, "batch decode's plan() keeps each request's pages as given",
-                          f"the page-order module {PageOrderSpec().name}")
-
-
 def _native_config(config: _Config):
     """(the C++ planner, the address of its configuration struct for `config`, the
     struct), or False: no planner
@@ -533,12 +510,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._native_result_ptr = self._native_result.ctypes.data
         # eager GPU wrappers fold page ids given on the host into the plan buffer (numpy path)
         self._folds_host_ids = not self._use_cuda_graph and not self._device_is_cpu
-        # plan()'s reordered page ids (_order_pages): the buffer, its view for the current
-        # shape, the kernel's params; a CUDA-graph wrapper decides at its first plan whether
-        # its captured run() reads the reordered buffer (then every plan writes it)
-        self._order_buf = self._order_view = None
-        self._order_params = _PageOrderParams()
-        self._graph_orders = None
+        # plan()'s reordered page ids (_order_pages); a CUDA-graph wrapper decides at its
+        # first plan whether its captured run() reads the reordered buffer (then every plan
+        # writes it)
+        self._page_order = PageOrder(self._device, self._use_cuda_graph)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -1011,45 +986,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                      longest: int) -> torch.Tensor | None:
         """The page ids (indices, or block tables: [batch, max_pages] or [batch, 2,
         max_pages]) with each request's full pages in ascending page-id order (K ids, V ids
-        alongside; csrc/page_order.cuh), written on the device into this wrapper's buffer,
-        or None: run() reads the ids as given. lens: the device's indptr (csr) or seq_lens.
+        alongside; flashinfer_jit/page_order.py), written on the device into this wrapper's
+        buffer, or None: run() reads the ids as given. lens: the device's indptr (csr) or
+        seq_lens; longest: the longest request's tokens.
 
         The H100 streams pages faster in address order (about 3% at b=1 kv=32k;
         docs/decode.md): one launch per plan() (~12 us of GPU time at b=1 kv=32k), read by
-        every layer's run(). Eager plans
-        skip it where no request has 3 pages (nothing to reorder)."""
-        graph = self._use_cuda_graph
-        if graph:
-            if self._graph_orders is None:  # the first plan decides for the captured run()
-                self._graph_orders = config.orders_pages and _page_orderer() is not None
-            if not self._graph_orders:
-                return None
-        elif not config.orders_pages or longest <= 2 * config.page_size or _page_orderer() is None:
-            return None
-        n = ids.numel()
-        buf = self._order_buf
-        if buf is None or buf.numel() < n:  # (a CUDA-graph wrapper's ids are its fixed buffer: one size)
-            size = n if graph else grown_size(n)
-            buf = self._order_buf = torch.empty(size, dtype=torch.int32, device=self._device)
-            self._order_view = None
-        view = self._order_view
-        if view is None or view.shape != ids.shape:
-            view = self._order_view = buf[:n].view(ids.shape)
-        p = self._order_params
-        p.indptr, p.seq_lens = (lens.data_ptr(), None) if csr else (None, lens.data_ptr())
-        p.src, p.dst = ids.data_ptr(), view.data_ptr()
-        if csr:
-            p.src_row = p.dst_row = p.src_v = p.dst_v = p.row_pages = 0
-        else:
-            p.src_row, p.dst_row, p.row_pages = ids.stride(0), view.stride(0), ids.shape[-1]
-            p.src_v, p.dst_v = (ids.stride(1), view.stride(1)) if ids.dim() == 3 else (0, 0)
-        p.longest_pages = -(-longest // config.page_size)
-        p.page_size, p.batch, p.sort = config.page_size, batch, int(config.orders_pages)
-        fn, error = _page_orderer()
-        code = fn(ctypes.addressof(p), _raw_stream(self._device.index), self._device.index)
-        if code:
-            raise RuntimeError(f"{PageOrderSpec().name}: order_pages: CUDA error {code} ({error(code).decode()})")
-        return view
+        every layer's run(). Eager plans skip it where no request has 3 pages (nothing to
+        reorder)."""
+        full_pages = max(0, -(-longest // config.page_size) - 1)  # the last page stays last
+        return self._page_order.order(ids, lens, csr, batch, full_pages, config.page_size, config.orders_pages)
 
     # --- run ----------------------------------------------------------------------------------
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,

@@ -33,6 +33,7 @@ from .checks import (as_int32_index, dtype_str, expect_choice, passed_run_checks
 from .device import empty_f32, num_sms, placeholder, raw_stream, supports_pdl
 from .jit import get_module, op_cache
 from .native import ctypes_entry, optional_entry
+from .page_order import PageOrder
 from .page_table import unpack_paged_kv_cache
 from .plan_buffer import PlanBuffer
 from .specs.base import FP8_DTYPES, dtype_name
@@ -57,7 +58,8 @@ _CSR, _SEQ_LENS, _RAGGED = 0, 1, 2
 _SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: ("seq_lens", ""),
                _RAGGED: ("kv_indptr", "")}
 # the planner's result slots and statuses (csrc/prefill_plan.h PrefillPlanResult / Error)
-_ITEMS, _TILE_ROWS, _QO_TOKENS, _PARTIAL_ROWS, _TABLE_AT, _MERGE_AT, _WORK_AT, _END, _KV_ROWS = range(2, 11)
+_ITEMS, _TILE_ROWS, _QO_TOKENS, _PARTIAL_ROWS, _TABLE_AT, _MERGE_AT, _WORK_AT, _END, _KV_ROWS, _MOVABLE_PAGES = range(2, 12)
+_RESULT_INTS = 12  # (csrc/prefill_plan.h kResultInts)
 _SLOT_TOO_SMALL, _WORK_CAPACITY = 6, 7
 
 
@@ -170,6 +172,11 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
             result[0], result[1] = 4, int(bad[0])
             return 4
     result[_KV_ROWS] = 0 if side == _SEQ_LENS else int(a[batch])
+    if side != _RAGGED and batch:  # (csrc/prefill_plan.h kMovablePages)
+        movable = -(-kv_lens // cfg.page_size) - 1
+        if cfg.causal:
+            movable = np.minimum(movable, (kv_lens - qo_lens + 1) // cfg.page_size)
+        result[_MOVABLE_PAGES] = max(0, int(movable[kv_lens > 0].max(initial=0)))
     active = int((qo_lens > 0).sum())
     rows_total = int(qo_lens.sum()) * cfg.group
     tile = cfg.tile_rows or (128 if cfg.max_tile_rows >= 128 and active and rows_total > 64 * active else 64)
@@ -352,7 +359,7 @@ class _Config:
 
 class _Plan:
     __slots__ = ("config", "spec", "op", "batch", "qo_tokens", "args", "tile_rows", "grid", "merge_rows", "layout",
-                 "mask_args", "checked", "fast", "quick", "sinks_spec")
+                 "mask_args", "checked", "fast", "quick", "sinks_spec", "unordered")
 
 
 def _as_dtype(value, name: str, default=None) -> torch.dtype:
@@ -397,7 +404,7 @@ class _PrefillWrapper:
         self._configs = {}
         self._plan = None
         self._pdl = supports_pdl(self._device)
-        self._result = np.zeros(11, dtype=np.int64)  # the planner's results (PrefillPlanResult)
+        self._result = np.zeros(_RESULT_INTS, dtype=np.int64)  # the planner's results (PrefillPlanResult)
         self._result_ptr = self._result.ctypes.data
         self._slot_size = 4096
         self._kv_rows = 0
@@ -409,6 +416,9 @@ class _PrefillWrapper:
         self._counters = None
         # what an unsplit plan passes for the partial states, merge index and counters
         self._placeholders = (empty_f32(self._device), placeholder(self._device, torch.int32))
+        # paged: plan()'s copy of the page ids with each request's movable pages in id order
+        # (sort_pages; a CUDA-graph wrapper decides at its first plan)
+        self._page_order = PageOrder(self._device, self._use_cuda_graph)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -472,10 +482,11 @@ class _PrefillWrapper:
         return remembered(self._configs, args, self._configure, _MAX_CONFIGS)
 
     def _plan_common(self, config: _Config, qo_indptr, side: int, kv_a, kv_b, table_layout: str, ids_dev,
-                     max_kv_len: int, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool) -> None:
+                     max_kv_len: int, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool,
+                     sort_pages: bool = False) -> None:
         """side: _CSR (kv_a = page indptr, kv_b = last_page_len), _SEQ_LENS (kv_a = seq_lens)
         or _RAGGED (kv_a = kv_indptr), index vectors as given (kv_b: None but for _CSR);
-        ids_dev: the page ids on the device (paged) or None."""
+        ids_dev: the page ids on the device (paged) or None; sort_pages: plan()'s argument."""
         planner = _native_planner() if env.native_prefill_plan() else None
         graph = self._use_cuda_graph
         result = self._result
@@ -512,9 +523,10 @@ class _PrefillWrapper:
             # the first CUDA-graph plan sizes the work list for later plans with more items
             self._graph_items = max(_GRAPH_MIN_ITEMS, _GRAPH_ITEMS_FACTOR * int(result[_ITEMS]))
             self._plan_common(config, qo_indptr, side, kv_a, kv_b, table_layout, ids_dev, max_kv_len, custom_mask,
-                              packed_custom_mask, mask_indptr, non_blocking)
+                              packed_custom_mask, mask_indptr, non_blocking, sort_pages)
             return
-        _, _, items, tile_rows, qo_tokens, partial_rows, table_at, merge_at, work_at, end, kv_rows = result.tolist()
+        _, _, items, tile_rows, qo_tokens, partial_rows, table_at, merge_at, work_at, end, kv_rows, movable = \
+            result.tolist()
         if side == _CSR and kv_rows > ids_dev.shape[0]:
             raise ValueError(f"paged_kv_indptr: its last offset {kv_rows} exceeds the {ids_dev.shape[0]} page ids of "
                              "paged_kv_indices")
@@ -550,6 +562,20 @@ class _PrefillWrapper:
         plan.merge_rows = qo_tokens if partial_rows else 0
         plan.layout = table_layout
         kv_index = list(table_dev) if side == _RAGGED else self._kv_index(table_dev, ids_dev)
+        plan.unordered = None
+        if side != _RAGGED:
+            # Each request's pages that every query row sees whole, in page-id order (the H100
+            # reads ascending addresses faster), where no term depends on a key's position
+            # (flashinfer_jit/page_order.py); a run() with a window reads the ids as given.
+            may_order = sort_pages and config.mask != "custom" and config.pos_encoding == "none" and \
+                config.window_left < 0 and self._device.type == "cuda"
+            causal = config.mask == "causal"
+            ordered = self._page_order.order(ids_dev, table_dev[0], side == _CSR, batch, movable, config.page_size,
+                                             may_order, qo_dev if causal else None,
+                                             table_dev[1] if causal and side == _CSR else None)
+            if ordered is not None:
+                plan.unordered = kv_index
+                kv_index = self._kv_index(table_dev, ordered)
         if partial_rows:
             po, pl = self._partial_views(config, partial_rows)
             plan.args = (kv_index, qo_dev, work_dev, merge_dev, po, pl, self._merge_counters(pl.numel()))
@@ -695,6 +721,8 @@ class _PrefillWrapper:
             raise RuntimeError("run() before plan(): call plan() once per batch first")
         c = plan.config
         quick = plan.quick
+        # (a window given to run() on a plan that reordered the pages: the ids as given)
+        as_given = plan.unordered is not None and window_left is not None and window_left >= 0
         if quick is not None and lse is None and not return_lse and sinks is None and window_left is None and \
                 q_scale is None and k_scale is None and v_scale is None and (out is not None or type(q) is _Tensor):
             # The common form of a recorded signature: fij_fastcall checks in C++ that q, K/V
@@ -751,7 +779,7 @@ class _PrefillWrapper:
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
         with_sinks = sinks is not None
         fast = plan.fast[with_sinks]
-        if fast is not None and out_standard:
+        if fast is not None and out_standard and not as_given:
             # The launch the op resolved at an earlier call with this signature, with this
             # call's pointers and scalars: no dispatcher.
             fn, _, prepared_ptr, device_index = fast
@@ -767,11 +795,13 @@ class _PrefillWrapper:
                 op = plan.op = _prefill_op(spec, env.debug())
         else:
             op = _prefill_op(spec, env.debug())
-        entry = _prefill_fast(spec, env.debug()) if out_standard else None
+        entry = _prefill_fast(spec, env.debug()) if out_standard and not as_given else None
         prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
         record_quick = entry is not None and entry[2] is not None and not with_sinks and lse is None and \
             q_scale is None and k_scale is None and v_scale is None and window_left == c.window_left
         kv_index, qo_indptr, work, merge, po, pl, counters = plan.args
+        if as_given:
+            kv_index = plan.unordered
         mask, mask_indptr = plan.mask_args
         op(q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, sinks, out,
            lse if lse is not None else empty_f32(q.device), po, pl, counters, logit_scale, cap_log2, vs, window_left,
@@ -900,14 +930,23 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
              max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence=None,
-             max_sequence_kv=None, fixed_split_size=None, disable_split_kv: bool = False, mask_indptr=None) -> None:
+             max_sequence_kv=None, fixed_split_size=None, disable_split_kv: bool = False, mask_indptr=None,
+             sort_pages: bool = True) -> None:
         """Index tensors may be int32 or int64, on the host or the device. The page table is
         CSR (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len) or, with those None,
         block_tables [B, max_pages] (vLLM) or [B, 2, max_pages] (K and V page ids) with
         seq_lens [B]. custom_mask (bools) or packed_custom_mask (uint8, little bit order,
         mask_indptr in bytes as segment_packbits returns) replace causal. o_data_type: the
         output dtype (default q's). fixed_split_size (keys a chunk) / disable_split_kv force
-        plan()'s split-KV choice."""
+        plan()'s split-KV choice.
+
+        sort_pages (not in FlashInfer): where nothing depends on a key's position (no RoPE in
+        the kernel, no window, no custom mask), run() reads the pages that every query row of
+        a request sees whole (all but the last; causal: those of keys up to kv_len - qo_len)
+        in ascending page-id order, from a copy plan() writes on the GPU; the output is the
+        same up to rounding (the sums run in another order). False: the pages as given."""
+        if type(sort_pages) is not bool:
+            raise ValueError(f"sort_pages: expected True or False, got {sort_pages!r}")
         if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
             raise ValueError("prefix_len_ptr / token_pos_in_items_ptr / max_item_len_ptr (multi-item scoring) are not "
                              "supported by flashinfer_jit")
@@ -936,7 +975,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 ids = self._graph_block_tables(ids)
             self._plan_common(config, qo_indptr, _SEQ_LENS, seq_lens, None, layout, ids,
                               block_tables.shape[-1] * page_size, custom_mask, packed_custom_mask, mask_indptr,
-                              non_blocking)
+                              non_blocking, sort_pages)
             return
         indices = as_int32_index(paged_kv_indices, "paged_kv_indices")
         if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
@@ -945,7 +984,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         if self._use_cuda_graph:
             ids = self._graph_indices(ids)
         self._plan_common(config, qo_indptr, _CSR, paged_kv_indptr, paged_kv_last_page_len, "csr", ids, 0,
-                          custom_mask, packed_custom_mask, mask_indptr, non_blocking)
+                          custom_mask, packed_custom_mask, mask_indptr, non_blocking, sort_pages)
 
     def _graph_indices(self, ids: torch.Tensor) -> torch.Tensor:
         buf = self._indices_buf

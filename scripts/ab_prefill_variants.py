@@ -19,7 +19,9 @@ Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill.cuh while its wr
 and make their first run (csrc/prefill.cuh is restored at the end). NAME@costorder plans with
 the numpy twin and the work order before fc1ff93 (pairs by cost alone); NAME@r64 / NAME@r128 pins the query
 tile (as ROWS=64/128 does for every variant); NAME@split1024 forces KV chunks of 1024 keys
-(fixed_split_size), NAME@nosplit disables the split. FI=1 adds FlashInfer's
+(fixed_split_size), NAME@nosplit disables the split, NAME@sorted gives the variant (not FA2)
+each request's full pages but the last in ascending id order before plan(); NAME@nosort plans
+with sort_pages=False (plan() then keeps the pages as given). FI=1 adds FlashInfer's
 fa2 on the same inputs (needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
 out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json,
 docs/results/2026-11-26_h200_prefill_ab_f18239e.json."""
@@ -109,6 +111,10 @@ def split_of(var):
             return {'disable_split_kv': True}
     return {}
 
+def order_of(var, form):
+    """plan()'s sort_pages for a variant: NAME@nosort reads the pages as given (paged forms)."""
+    return {'sort_pages': False} if '@nosort' in var and form != 'ragged' else {}
+
 def warm(seconds=2.0):
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     t0 = time.time()
@@ -144,11 +150,13 @@ for d in dims:
             g = torch.Generator().manual_seed(1)
             # paged: pages in random order; pagedseq: in order (the ragged rows' layout)
             ids = (torch.randperm(npg, generator=g) if form == 'paged' else torch.arange(npg)).int().to(dev)
+            if '@sorted' in var:  # each request's full pages but the last in ascending id order
+              ids = ids.view(B, P).clone(); ids[:, :P - 1] = ids[:, :P - 1].sort(dim=1).values; ids = ids.view(-1)
             kvp = torch.arange(B + 1, dtype=torch.int32) * P
             last = torch.full((B,), L - (P - 1) * page, dtype=torch.int32)
             w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[var])
             if tile_of(var): w._force_tile_rows = tile_of(var)
-            with plan_as(var): w.plan(qo, kvp, ids, last, hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16, **split_of(var))
+            with plan_as(var): w.plan(qo, kvp, ids, last, hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16, **split_of(var), **order_of(var, form))
             kv_arg = (kc, vc)
             fn = (lambda w=w, kv_arg=kv_arg, q=q: w.run(q, kv_arg))
           else:

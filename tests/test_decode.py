@@ -476,7 +476,7 @@ def test_batch_decode_cuda_graph_replay(page_table, workspace):
         q_buf.copy_(randn(q_buf.shape, dtype, gen))  # rows past `batch` are padding
         graph = replay_poisoned(graph, lambda: wrapper.run(q_buf, (k, v), out=out_buf, lse=lse_buf, return_lse=True),
                                 out_buf, lse_buf)
-        assert wrapper._graph_orders, "the captured run() should read the pages in page-id order"
+        assert wrapper._page_order.graph_orders, "the captured run() should read the pages in page-id order"
         ref_out, ref_lse = decode_ref(q_buf[:batch], k, v, paged.table, lens)
         check_decode(out_buf[:batch], lse_buf[:batch], ref_out, ref_lse, lens, dtype)
 
@@ -1275,11 +1275,13 @@ def test_plan_rejects_sort_pages_not_a_bool():
 
 def test_page_order_module_matches_its_ctypes_mirror():
     """The page-order module builds and loads without a GPU; its params struct has the
-    size of decode.py's ctypes mirror."""
+    size of its ctypes mirror (flashinfer_jit/page_order.py)."""
     import ctypes
 
+    from flashinfer_jit.page_order import PageOrderParams
+
     module = get_module(PageOrderSpec())
-    assert int(module.params_bytes()) == ctypes.sizeof(decode_module._PageOrderParams)
+    assert int(module.params_bytes()) == ctypes.sizeof(PageOrderParams)
     assert int(module.segment()) >= 256
 
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import flashinfer_jit as fij
-from flashinfer_jit.page_table import PageTable
+from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
 from flashinfer_jit.reference.decode import request_pages_ref
 from flashinfer_jit.reference.prefill import prefill_ref, segment_packbits_ref
 from flashinfer_jit.specs import DecodeSpec, MergeSpec
@@ -790,6 +790,60 @@ def test_paged_matches_ragged(causal, page_size, workspace):
     ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
     paged_result, ragged_result = results
     check_two_paths(paged_result, ragged_result, ref_out, ref_lse, shapes, tolerance(BF16), ("paged", "ragged"))
+
+
+def _ordered_ids(plan, table: PageTable) -> PageTable:
+    """The page table a plan's run() reads (its reordered copy), in the layout of `table`."""
+    index = plan.args[0]
+    if table.layout == "csr":
+        return csr_page_table(*index)
+    return block_page_table(index[0], index[1][: table.batch_size], kv_separate=table.layout == "block_table_kv_separate")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_paged_plan_orders_pages(causal, workspace):
+    """plan() writes a copy of the page table with each request's movable pages in page-id
+    order (every page but the last; causal: only the pages of keys every query row sees,
+    j <= kv_len - qo_len), exactly as the reference ordering (flashinfer_jit/page_order.py),
+    for every page-table layout; run() on it matches the float64 reference of the pages as
+    given (op, then fast path); a run() with a window reads the pages as given; RoPE,
+    sort_pages=False and window plans keep the ids as given."""
+    from flashinfer_jit.reference.decode import ordered_pages_ref
+
+    rnd = random.Random(43)
+    gen = torch.Generator(device=DEV).manual_seed(43)
+    ps = 16
+    # one page, a partial last page, a chunk at the end of a long request (most pages move),
+    # queries as long as the keys (causal: none move), speculative verification, padding
+    shapes = [(1, 1), (3, 40), (512, 4100), (700, 700), (4, 2049), (0, 300), (33, 33 + 16 * 5 - 1), (2, 0)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    for layout in ("block_table", "block_table_kv_separate", "csr"):  # (csr last: its run()s below)
+        q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, layout, page_size=ps)
+        wrapper = paged_wrapper(workspace)
+        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), ps, causal=causal, q_data_type=torch.bfloat16)
+        assert wrapper._plan.unordered is not None, f"{layout}: plan() should reorder the pages"
+        torch.cuda.synchronize()
+        want = ordered_pages_ref(on_host(kv.table), kv_lens, ps, 1 << 30, qo_lens if causal else None)
+        got = on_host(_ordered_ids(wrapper._plan, kv.table))
+        for b, n in enumerate(kv_lens):
+            assert request_pages_ref(got, b, -(-n // ps)) == want[b], \
+                f"{layout}, request {b} (shape {shapes[b]}): pages not as the reference orders them"
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal)
+    for _ in range(2):  # the op, then the fast path on the reordered ids
+        out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+    # a window given to run() only: the ids as given
+    out_w, lse_w = run_poisoned(wrapper, q, kv, 128, torch.bfloat16, window_left=37)
+    ref_w, ref_w_lse = reference(q, qo_indptr, kv, causal=causal, window_left=37)
+    check_prefill(out_w, lse_w, ref_w, ref_w_lse, shapes, tolerance(BF16))
+    # RoPE, sort_pages=False, a window: the ids as given (plans only, but the last's run())
+    for extra in (dict(pos_encoding_mode="ROPE_LLAMA"), dict(sort_pages=False), dict(window_left=50)):
+        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), ps, causal=causal, q_data_type=torch.bfloat16, **extra)
+        assert wrapper._plan.unordered is None, f"{extra}: plan() should keep the pages as given"
+    out3, lse3 = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+    ref_r, ref_r_lse = reference(q, qo_indptr, kv, causal=causal, window_left=50)
+    check_prefill(out3, lse3, ref_r, ref_r_lse, shapes, tolerance(BF16))
 
 
 @pytest.mark.gpu

@@ -24,6 +24,11 @@ def _batch(rng, b, side, page_size=16, long=False):
     qo = rng.integers(0, 2000 if long else 40, b)
     kv = qo + rng.integers(0, 3000 if long else 100, b)
     kv[rng.random(b) < 0.1] = 0  # padding requests
+    return _index_arrays(qo, kv, side, page_size)
+
+
+def _index_arrays(qo, kv, side, page_size=16):
+    """(qo_indptr, the K/V side's first array, its second or None) of these lengths."""
     qo_indptr = torch.tensor(np.concatenate(([0], np.cumsum(qo))), dtype=torch.int32)
     if side == _RAGGED:
         return qo_indptr, torch.tensor(np.concatenate(([0], np.cumsum(kv))), dtype=torch.int32), None
@@ -38,7 +43,7 @@ def _batch(rng, b, side, page_size=16, long=False):
 def _run_native(cfg, qo, a, b, batch):
     fn, _ = _native_planner()
     host = np.zeros(1 << 22, dtype=np.int32)
-    result = np.zeros(11, dtype=np.int64)
+    result = np.zeros(12, dtype=np.int64)
     status = fn(__import__("ctypes").addressof(cfg), qo.data_ptr(), a.data_ptr(), b.data_ptr() if b is not None
                 else None, batch, host.ctypes.data, host.shape[0], result.ctypes.data)
     return status, host, result
@@ -55,7 +60,7 @@ def test_native_planner_matches_numpy(side, seed):
         cfg = _config(side, fixed=fixed, causal=seed % 3 != 0, short=short)
         status, host, result = _run_native(cfg, qo, a, b, batch)
         ref_host = np.zeros_like(host)
-        ref_result = np.zeros(11, dtype=np.int64)
+        ref_result = np.zeros(12, dtype=np.int64)
         assert _plan_numpy(cfg, qo, a, b, batch, ref_host, ref_result) == status == 0
         np.testing.assert_array_equal(result, ref_result)
         end = int(result[prefill._END])
@@ -72,19 +77,11 @@ def test_native_planner_matches_numpy_on_a_large_batch_with_ties(side):
     qo = np.where(rng.random(b) < 0.6, 4, rng.integers(0, 300, b))
     kv = np.where(qo == 4, 1024, qo + rng.integers(0, 3000, b))
     kv[rng.random(b) < 0.05] = 0
-    qo_indptr = torch.tensor(np.concatenate(([0], np.cumsum(qo))), dtype=torch.int32)
-    if side == _RAGGED:
-        a, last = torch.tensor(np.concatenate(([0], np.cumsum(kv))), dtype=torch.int32), None
-    elif side == _SEQ_LENS:
-        a, last = torch.tensor(kv, dtype=torch.int32), None
-    else:
-        pages = -(-kv // 16)
-        a = torch.tensor(np.concatenate(([0], np.cumsum(pages))), dtype=torch.int32)
-        last = torch.tensor(np.where(pages > 0, kv - (pages - 1) * 16, 0), dtype=torch.int32)
+    qo_indptr, a, last = _index_arrays(qo, kv, side)
     for causal, fixed, tile in ((0, 0, 0), (1, 0, 64), (1, 256, 0), (0, 512, 128)):
         cfg = _config(side, causal=causal, fixed=fixed, tile=tile)
         status, host, result = _run_native(cfg, qo_indptr, a, last, b)
-        ref_host, ref_result = np.zeros_like(host), np.zeros(11, dtype=np.int64)
+        ref_host, ref_result = np.zeros_like(host), np.zeros(12, dtype=np.int64)
         assert _plan_numpy(cfg, qo_indptr, a, last, b, ref_host, ref_result) == status == 0
         np.testing.assert_array_equal(result, ref_result)
         end = int(result[prefill._END])
@@ -131,7 +128,7 @@ def test_split_chunks_are_even_within_a_request(kv_lens):
     for fixed in (0, 1024):
         cfg = _config(_RAGGED, fixed=fixed, causal=1)
         status, host, result = _run_native(cfg, qo, a, None, batch)
-        ref_host, ref_result = np.zeros_like(host), np.zeros(11, dtype=np.int64)
+        ref_host, ref_result = np.zeros_like(host), np.zeros(12, dtype=np.int64)
         assert _plan_numpy(cfg, qo, a, None, batch, ref_host, ref_result) == status == 0
         np.testing.assert_array_equal(host[:int(result[prefill._END])], ref_host[:int(result[prefill._END])])
         assert result[prefill._PARTIAL_ROWS] > 0
@@ -166,7 +163,7 @@ def test_work_pairs_carry_their_requests_extent(side):
     cfg = _config(side, fixed=512 if side == _CSR else 0, causal=0)
     status, host, result = _run_native(cfg, qo, a, b_arg, batch)
     assert status == 0
-    ref_host, ref_result = np.zeros_like(host), np.zeros(11, dtype=np.int64)
+    ref_host, ref_result = np.zeros_like(host), np.zeros(12, dtype=np.int64)
     assert _plan_numpy(cfg, qo, a, b_arg, batch, ref_host, ref_result) == 0
     np.testing.assert_array_equal(host[:int(result[prefill._END])], ref_host[:int(result[prefill._END])])
     w = host[int(result[prefill._WORK_AT]):]
@@ -393,3 +390,21 @@ def test_plan_through_fij_fastcall_and_through_ctypes_alike(monkeypatch):
         prefill._native_planner.cache_clear()
     assert through_fastcall == through_ctypes
     assert sum(1 for g in through_ctypes if len(g) == 2) == 9  # the errors
+
+
+@pytest.mark.parametrize("side", [_CSR, _SEQ_LENS, _RAGGED])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_movable_pages(side, causal):
+    """The planner reports the most pages of any request that plan()'s page order may move
+    (flashinfer_jit/page_order.py): every page but the last; causal, at most those of keys
+    j <= kv_len - qo_len (every query row sees them); ragged, none. Both planners agree."""
+    qo_lens, kv_lens = np.array([4, 700, 0, 33, 1]), np.array([4096, 700, 300, 33 + 16 * 5 - 1, 16])
+    # pages that may move a request: non-causal [255, 43, 18, 6, 0], causal [255, 0, 18, 5, 0]
+    for first, want in ((0, 255), (1, 18 if causal else 43)):  # all requests, then without the first
+        qo, a, b = _index_arrays(qo_lens[first:], kv_lens[first:], side)
+        cfg = _config(side, causal=causal)
+        status, _, result = _run_native(cfg, qo, a, b, 5 - first)
+        ref_result = np.zeros(12, dtype=np.int64)
+        assert status == _plan_numpy(cfg, qo, a, b, 5 - first, np.zeros(1 << 22, dtype=np.int32), ref_result) == 0
+        want = 0 if side == _RAGGED else want
+        assert int(result[prefill._MOVABLE_PAGES]) == int(ref_result[prefill._MOVABLE_PAGES]) == want

@@ -48,20 +48,26 @@ def request_pages_ref(page_table: PageTable, b: int, num_pages: int) -> tuple[li
     return block_tables[b, 0, :num_pages].tolist(), block_tables[b, 1, :num_pages].tolist()
 
 
-def ordered_pages_ref(page_table: PageTable, kv_lens, page_size: int, segment: int) -> list[tuple[list, list]]:
-    """batch decode plan()'s page reordering (sort_pages): per request, (K page ids, V page
-    ids) of its pages with every page but the last (which may be partial) in ascending
-    (K id, V id) order, a `segment` of pages at a time, as the int32 ids read as unsigned."""
+def ordered_pages_ref(page_table: PageTable, kv_lens, page_size: int, segment: int,
+                      qo_lens=None) -> list[tuple[list, list]]:
+    """plan()'s page reordering (sort_pages, flashinfer_jit/page_order.py): per request, (K
+    page ids, V page ids) of its pages with its movable pages in ascending (K id, V id)
+    order, a `segment` of pages at a time, as the int32 ids read as unsigned; the others
+    stay where they are. Movable: every page but the last (which may be partial); with
+    qo_lens (a causal prefill), at most the pages of keys j <= kv_len - qo_len."""
     result = []
     for b, n in enumerate(kv_lens):
         pages = -(-int(n) // page_size)
+        movable = max(pages - 1, 0)
+        if qo_lens is not None:
+            movable = max(0, min(movable, (int(n) - int(qo_lens[b]) + 1) // page_size))
         k_ids, v_ids = request_pages_ref(page_table, b, pages)
         pairs = list(zip(k_ids, v_ids))
         ordered = []
-        for lo in range(0, max(pages - 1, 0), segment):
-            chunk = pairs[lo: min(lo + segment, pages - 1)]
+        for lo in range(0, movable, segment):
+            chunk = pairs[lo: min(lo + segment, movable)]
             ordered += sorted(chunk, key=lambda kv: (kv[0] & 0xFFFFFFFF, kv[1] & 0xFFFFFFFF))
-        ordered += pairs[pages - 1:]
+        ordered += pairs[movable:]
         result.append(([k for k, _ in ordered], [v for _, v in ordered]))
     return result
 
