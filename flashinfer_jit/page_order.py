@@ -86,9 +86,12 @@ class PageOrder:
             size = n if self.graph else grown_size(n)
             buf = self.buf = torch.empty(size, dtype=torch.int32, device=self.device)
             self.view = None
-        view = self.view
-        if view is None or view.shape != ids.shape:
-            view = self.view = buf[:n].view(ids.shape)
+        if csr:  # (the whole buffer: its first n ids are written, the kernels read by indptr; a view
+            view = buf  # of n a plan cost ~6 us of host time where n changes from one plan to the next)
+        else:
+            view = self.view
+            if view is None or view.shape != ids.shape:
+                view = self.view = buf[:n].view(ids.shape)
         p = self.params
         p.indptr, p.seq_lens = (lens.data_ptr(), None) if csr else (None, lens.data_ptr())
         p.src, p.dst = ids.data_ptr(), view.data_ptr()
