@@ -54,13 +54,14 @@ class PageOrder:
     reordered buffer, after which every plan writes it, with a plain copy where that plan may
     not reorder) and the kernel's params."""
 
-    __slots__ = ("device", "graph", "buf", "view", "params", "graph_orders")
+    __slots__ = ("device", "graph", "buf", "view", "params", "graph_orders", "csr_fields")
 
     def __init__(self, device: torch.device, graph: bool):
         self.device, self.graph = device, graph
         self.buf = self.view = None
         self.params = PageOrderParams()
         self.graph_orders = None
+        self.csr_fields = None  # True: params hold a csr table's layout fields
 
     def order(self, ids: torch.Tensor, lens: torch.Tensor, csr: bool, batch: int, movable_pages: int,
               page_size: int, may_order: bool, qo_indptr: torch.Tensor | None = None,
@@ -93,13 +94,17 @@ class PageOrder:
             if view is None or view.shape != ids.shape:
                 view = self.view = buf[:n].view(ids.shape)
         p = self.params
-        p.indptr, p.seq_lens = (lens.data_ptr(), None) if csr else (None, lens.data_ptr())
-        p.src, p.dst = ids.data_ptr(), view.data_ptr()
         if csr:
-            p.src_row = p.dst_row = p.src_v = p.dst_v = p.row_pages = 0
+            if self.csr_fields is not True:  # (the layout's fields: set when the layout changes)
+                p.seq_lens, p.src_row, p.dst_row, p.src_v, p.dst_v, p.row_pages = None, 0, 0, 0, 0, 0
+                self.csr_fields = True
+            p.indptr = lens.data_ptr()
         else:
+            p.indptr, p.seq_lens = None, lens.data_ptr()
             p.src_row, p.dst_row, p.row_pages = ids.stride(0), view.stride(0), ids.shape[-1]
             p.src_v, p.dst_v = (ids.stride(1), view.stride(1)) if ids.dim() == 3 else (0, 0)
+            self.csr_fields = False
+        p.src, p.dst = ids.data_ptr(), view.data_ptr()
         p.longest_pages = movable_pages + 1  # (the kernel's launch sorts longest_pages - 1 a request)
         p.qo_indptr = qo_indptr.data_ptr() if qo_indptr is not None else None
         p.last_page_len = last_page_len.data_ptr() if qo_indptr is not None and csr else None
