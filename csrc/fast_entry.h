@@ -1,5 +1,5 @@
 // The C signatures of the families' fast launch entries: <namespace>_decode_fast and
-// <namespace>_prefill_fast, exported by each generated module (the templates check their
+// <namespace>_prefill_fast (and the page order's <namespace>_order_pages), exported by each generated module (the templates check their
 // definitions against these types) and called by csrc/fastcall.cc, the CPython caller that
 // run() uses instead of ctypes. Plain C: included by nvcc, the host C++ compiler and the
 // Python extension alike. `prepared` is the launch the torch op recorded at the signature's
@@ -16,6 +16,10 @@ typedef int (*fij_decode_fast_fn)(const void* prepared, const void* q, void* k, 
 typedef int (*fij_prefill_fast_fn)(const void* prepared, const void* q, void* k, void* v, void* out, float* lse,
                                    const float* sinks, float logit_scale, float soft_cap_log2, float v_scale,
                                    int window_left, void* stream, int pdl);
+
+// The page-order module's <namespace>_order_pages (csrc/page_order.cuh PageOrderParams),
+// called by plan() of decode and prefill
+typedef int (*fij_order_pages_fn)(const void* params, void* stream, int device);
 
 #ifdef __cplusplus
 }

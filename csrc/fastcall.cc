@@ -10,6 +10,7 @@
 //   decode(entry, prepared, q, k, v, out, lse, logit_scale, v_scale, window_left, stream, pdl)
 //   prefill(entry, prepared, q, k, v, out, lse, sinks, logit_scale, soft_cap_log2, v_scale,
 //           window_left, stream, pdl)
+//   order_pages(entry, params, stream, device)   plan()'s page order (page_order.cuh)
 // Addresses are Python ints (0: null); each returns the entry's cudaError_t as an int.
 //
 // prefill's run() of the common form (no lse, sinks or per-call scales) goes further: the
@@ -231,6 +232,21 @@ PyObject* prefill_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       a[1], qo, kv_a, kv_b, batch, static_cast<int32_t*>(host), host_size, static_cast<long long*>(result)));
 }
 
+// order_pages(entry, params, stream, device) -> int: plan()'s page order
+// (fij_order_pages_fn; ~1 us of ctypes' conversions less a plan)
+PyObject* order_pages(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("order_pages", nargs, 4)) return nullptr;
+  void* a[3];  // entry, params, stream (0: the default stream)
+  if (!addresses(args, 3, a)) return nullptr;
+  const long device = PyLong_AsLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  if (a[0] == nullptr || a[1] == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.order_pages(): null entry or params");
+    return nullptr;
+  }
+  return PyLong_FromLong(reinterpret_cast<fij_order_pages_fn>(a[0])(a[1], a[2], static_cast<int>(device)));
+}
+
 PyMethodDef methods[] = {
     {"decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(decode)), METH_FASTCALL,
      "decode(entry, prepared, q, k, v, out, lse, logit_scale, v_scale, window_left, stream, pdl) -> int"},
@@ -239,6 +255,8 @@ PyMethodDef methods[] = {
      "pdl) -> int"},
     {"tensor_signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(tensor_signature)),
      METH_FASTCALL, "tensor_signature(q, k, v, out) -> bytes"},
+    {"order_pages", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(order_pages)), METH_FASTCALL,
+     "order_pages(entry, params, stream, device) -> int"},
     {"prefill_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_run)), METH_FASTCALL,
      "prefill_run(entry, prepared, signature, q, k, v, out, logit_scale, soft_cap_log2, v_scale, window_left, pdl) "
      "-> int (-1: not the signature)"},

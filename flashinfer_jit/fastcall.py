@@ -12,6 +12,9 @@ as tensors, and the check that they still have the shapes, strides, dtypes and d
 the op recorded (`tensor_signature`), their alignment and the current stream are done
 in C++ on torch's tensors, so run() does little more in Python than pass its arguments.
 
+plan()'s page order (flashinfer_jit/page_order.py, decode and prefill) calls the page-order
+module's launch entry through `order_pages` (~1 us of ctypes' conversions less a plan).
+
 prefill's plan() hands its C++ planner (csrc/plan_entry.h) the index vectors as they came
 (`prefill_plan`) where they are contiguous 1-D int32 CPU tensors of the batch's lengths:
 no conversion or length check in Python and no ctypes call (~2 us of the 256-request

@@ -24,6 +24,7 @@ PREFILL = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 7 + [ctypes.c_flo
                                            [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]))
 DECODE = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
                                                                    ctypes.c_void_p, ctypes.c_int]))
+ORDER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 PLAN = ctypes.CFUNCTYPE(ctypes.c_longlong, *([ctypes.c_void_p] * 4 + [ctypes.c_longlong, ctypes.c_void_p,
                                                                       ctypes.c_longlong, ctypes.c_void_p]))
 
@@ -82,6 +83,22 @@ def test_decode_caller_passes_every_argument(ext):
     code = call(16, 32, 48, 64, 80, 96, 0.125, 2.0, 4095, 112, False)
     assert code == 0
     assert seen == [(16, 32, 48, 64, 80, 96, 0.125, 2.0, 4095, 112, 0)]
+
+
+def test_order_pages_caller_passes_every_argument(ext):
+    """plan()'s page order (flashinfer_jit/page_order.py) through the extension: params,
+    stream (0: the default stream) and device reach the entry; a null entry or params raise."""
+    seen = []
+    cb = recorder(ORDER, seen, code=3)
+    call = fastcall.bind("order_pages", cb)
+    assert call is not cb
+    assert call(0x7F00_0000_1000, 0, 1) == 3
+    assert call(64, 0x7F00_0000_2000, 0) == 3
+    assert seen == [(0x7F00_0000_1000, None, 1), (64, 0x7F00_0000_2000, 0)]
+    with pytest.raises(ValueError, match="null entry or params"):
+        call(0, 16, 0)
+    with pytest.raises(TypeError, match="expected 4 arguments, got 3"):
+        ext.order_pages(1, 2, 3)
 
 
 def test_bad_arguments_raise_before_the_call(ext):

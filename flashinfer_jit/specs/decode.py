@@ -167,9 +167,10 @@ class DecodePlanSpec(Spec):
 
 @dataclass(frozen=True)
 class PageOrderSpec(Spec):
-    """Batch decode's plan(): each request's full pages in ascending page-id order
-    (csrc/page_order.cuh), one module for every decode configuration, launched through
-    ctypes; its ops report the size of the params struct and the pages sorted together."""
+    """plan() of batch decode and batch prefill: each request's movable pages in ascending
+    page-id order (csrc/page_order.cuh, flashinfer_jit/page_order.py), one module for every
+    configuration, launched through fij_fastcall (else ctypes); its ops report the size of
+    the params struct and the pages sorted together."""
 
     FAMILY = "page_order"
     TEMPLATES = {"kernel.cu": "page_order.cu.j2", "binding.cc": "page_order_binding.cc.j2"}
