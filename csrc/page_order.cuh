@@ -1,4 +1,4 @@
-// Each request's full pages in ascending page-id order, for the plan() of batch decode and
+// Each request's movable pages in ascending page-id order, for the plan() of batch decode and
 // batch prefill (flashinfer_jit/page_order.py).
 //
 // Why: a kernel streams each request's pages in page-table order, and the H100 streams
