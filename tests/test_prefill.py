@@ -1425,6 +1425,12 @@ def test_paged_plan_rejects_a_page_size_of_0():
         _plan("paged", args)
 
 
+@pytest.mark.parametrize("value", [1, None, "yes"])
+def test_paged_plan_rejects_sort_pages_not_a_bool(value):
+    with pytest.raises(ValueError, match="sort_pages"):
+        _plan("paged", _args("paged"), sort_pages=value)
+
+
 @pytest.mark.parametrize("name", ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"])
 def test_fa3_backend_is_a_clear_error(name):
     """backend="fa3" (FlashInfer's Hopper path) is not available yet: a ValueError naming it,
