@@ -76,7 +76,7 @@ class PageOrder:
         (csr) or seq_lens; movable_pages: the most pages any request may reorder (the grid's
         segments); may_order: the configuration allows it. qo_indptr (device, causal
         prefill): each request moves only the pages of keys every query row sees; csr then
-        needs last_page_len (device). Eager plans skip the launch where no request has 2
+        reads last_page_len (device; ignored without qo_indptr). Eager plans skip the launch where no request has 2
         pages to reorder."""
         if self.graph:
             if self.graph_orders is None:  # the first plan decides for the captured run()

@@ -354,7 +354,8 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
 class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "mask", "pos_encoding",
                  "window_left", "soft_cap", "sm_scale", "rope_scale", "rope_theta", "q_dtype", "kv_dtype", "o_dtype",
-                 "fixed_split_size", "disable_split_kv", "group", "logit_scale", "cap_log2", "structs", "plain_specs")
+                 "fixed_split_size", "disable_split_kv", "group", "logit_scale", "cap_log2", "structs", "plain_specs",
+                 "pages_movable")
 
 
 class _Plan:
@@ -464,6 +465,10 @@ class _PrefillWrapper:
                              f"{fixed_split_size!r}")
         c.fixed_split_size, c.disable_split_kv = fixed_split_size, bool(disable_split_kv)
         c.logit_scale, c.cap_log2 = _logit_scales(c, None, None)
+        # whether plan() may reorder a paged batch's pages (sort_pages): no term depends on a
+        # key's position (flashinfer_jit/page_order.py), and the pages are on a GPU
+        c.pages_movable = c.mask != "custom" and c.pos_encoding == "none" and window_left < 0 and \
+            self._device.type == "cuda"
         self._spec(c, "csr", False)  # validates the dtypes and head dims now (ValueError, nothing built)
         # what plan() keeps per configuration: K/V side -> (the planner's _PlanConfig, its
         # address), page table -> the spec of a run() without sinks
@@ -567,12 +572,11 @@ class _PrefillWrapper:
             # Each request's pages that every query row sees whole, in page-id order (the H100
             # reads ascending addresses faster), where no term depends on a key's position
             # (flashinfer_jit/page_order.py); a run() with a window reads the ids as given.
-            may_order = sort_pages and config.mask != "custom" and config.pos_encoding == "none" and \
-                config.window_left < 0 and self._device.type == "cuda"
-            causal = config.mask == "causal"
-            ordered = self._page_order.order(ids_dev, table_dev[0], side == _CSR, batch, movable, config.page_size,
-                                             may_order, qo_dev if causal else None,
-                                             table_dev[1] if causal and side == _CSR else None)
+            csr = side == _CSR
+            ordered = self._page_order.order(ids_dev, table_dev[0], csr, batch, movable, config.page_size,
+                                             sort_pages and config.pages_movable,
+                                             qo_dev if config.mask == "causal" else None,
+                                             table_dev[1] if csr else None)
             if ordered is not None:
                 plan.unordered = kv_index
                 kv_index = self._kv_index(table_dev, ordered)
@@ -721,8 +725,6 @@ class _PrefillWrapper:
             raise RuntimeError("run() before plan(): call plan() once per batch first")
         c = plan.config
         quick = plan.quick
-        # (a window given to run() on a plan that reordered the pages: the ids as given)
-        as_given = plan.unordered is not None and window_left is not None and window_left >= 0
         if quick is not None and lse is None and not return_lse and sinks is None and window_left is None and \
                 q_scale is None and k_scale is None and v_scale is None and (out is not None or type(q) is _Tensor):
             # The common form of a recorded signature: fij_fastcall checks in C++ that q, K/V
@@ -757,6 +759,9 @@ class _PrefillWrapper:
             window_left = c.window_left
         elif type(window_left) is not int or window_left < -1:
             raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        # (a window given to run() on a plan that reordered the pages reads the ids as given;
+        # plan() reorders only without a window, so any window here is run()'s)
+        as_given = window_left >= 0 and plan.unordered is not None
         tokens = q.shape[0]
         if out is None:
             out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
