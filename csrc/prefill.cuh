@@ -92,6 +92,14 @@ struct PrefillTraits {
                                     : kPairTiles && HeadDimQK == 64                               ? kDQK / 16
                                     : kWide                                                        ? 4
                                                                                                    : 0;
+  // A kernel of one block an item that takes item blockIdx.x without reading the item count
+  // first (prefill_kernel: one dependent global load less before an item's copies). Head_dim
+  // 256's non-causal 128-row tile, which is never launched on a CUDA graph's fixed grid (its
+  // plans keep the 64-row tile, and prefill_plan.h holds a pinned tile to max_tile_rows), so
+  // its launch's grid is its item count. H100 A/B (docs/prefill.md): ragged 1.008-1.010x,
+  // paged 0.998-1.001x; the causal tile measured 0.989-1.001x and head_dim 128's tiles
+  // 0.980-1.004x without the count's load (with or without their loop), so neither takes it.
+  static constexpr bool kOneItemABlock = kWide && Mask == PrefillMask::kNone;
   static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
   static constexpr int kQBytes = kRows * kDQK * 2;
@@ -1035,7 +1043,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 
 
 // The thin kernel: block i takes items i, i + gridDim.x, ... (a CUDA-graph grid is fixed
-// and may be smaller or larger than the work list).
+// and may be smaller or larger than the work list); a kOneItemABlock tile's block takes item
+// blockIdx.x alone.
 // A split tile's merge, by the last of its chunk items to finish (for its KV head): the
 // tile's rows from their partial states into out/lse, by csrc/merge.cuh's rule (max LSE,
 // weights 2^(lse - max), chunks summed in order: deterministic), instead of a second
@@ -1116,6 +1125,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait();  // q, K/V and the outputs only after the kernel before (programmatic launch)
+  if constexpr (Traits::kOneItemABlock) {  // the grid is the item count: item blockIdx.x
+    const int i = blockIdx.x;
+    prefill_block<Traits, WarpPagesOnly, NoWindow>(p, load_prefill_item(p, i), smem);
+    if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, i, smem);
+    pdl_trigger();
+    return;
+  }
   const int items = p.work[0];
   for (int i = blockIdx.x; i < items; i += gridDim.x) {
     prefill_block<Traits, WarpPagesOnly, NoWindow>(p, load_prefill_item(p, i), smem);

@@ -26,7 +26,9 @@ struct PrefillPlanConfig {
   int32_t kv_side = 0;       // PrefillKVSide
   int32_t page_size = 1;
   int32_t causal = 0;
-  int32_t tile_rows = 0;     // 0: chosen here (64 or 128, see max_tile_rows)
+  int32_t tile_rows = 0;     // 0: chosen here (64 or 128, see max_tile_rows); else pinned, at most max_tile_rows
+  // the largest tile the wrapper may run (a CUDA graph at head_dim 256: 64; csrc/prefill.cuh
+  // kOneItemABlock relies on it)
   int32_t max_tile_rows = 128;
   int32_t target_blocks = 264;  // blocks of a full wave
   int32_t min_chunk = 256;
@@ -122,7 +124,7 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
   // the query tile: 128 rows where requests average more than 64 (token, head) rows (and,
   // with short_causal_keys, more keys than that)
   rows_total = qo_tokens * c.group;
-  int32_t tile = c.tile_rows;
+  int32_t tile = std::min(c.tile_rows, c.max_tile_rows);
   if (tile <= 0) {
     tile = (c.max_tile_rows >= 128 && active > 0 && rows_total > 64 * active) ? 128 : 64;
     if (tile == 128 && c.causal && c.short_causal_keys > 0 && active_keys <= int64_t(c.short_causal_keys) * active)

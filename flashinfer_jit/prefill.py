@@ -179,7 +179,8 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
         result[_MOVABLE_PAGES] = max(0, int(movable[kv_lens > 0].max(initial=0)))
     active = int((qo_lens > 0).sum())
     rows_total = int(qo_lens.sum()) * cfg.group
-    tile = cfg.tile_rows or (128 if cfg.max_tile_rows >= 128 and active and rows_total > 64 * active else 64)
+    tile = (min(cfg.tile_rows, cfg.max_tile_rows) if cfg.tile_rows
+            else 128 if cfg.max_tile_rows >= 128 and active and rows_total > 64 * active else 64)
     if (not cfg.tile_rows and tile == 128 and cfg.causal and cfg.short_causal_keys > 0
             and int(kv_lens[qo_lens > 0].sum()) <= cfg.short_causal_keys * active):
         tile = 64  # (csrc/prefill_plan.h PrefillPlanConfig.short_causal_keys)

@@ -212,6 +212,8 @@ def specs_needed() -> set:
     specs = {case_spec(c) for c in CASES}
     specs |= {base_spec(source, mask) for source in ("csr", "ragged") for mask in BASE_MASKS}
     specs |= {prefill_spec(BF16, dims=(d, d), source=source) for d in QREG_DIMS for source in ("csr", "ragged")}
+    specs |= {prefill_spec(BF16, dims=(256, 256), source=source, mask=mask)
+              for source in ("csr", "ragged") for mask in ("none", "causal")}  # test_head_dim_256_wide_tile
     # qo_len 1 against batch decode (its module: bf16, head_dim 128, GQA-4 tiles, CSR, NHD)
     specs.add(DecodeSpec(BF16, BF16, 128, group_tile(*LLAMA, 128), "csr", "NHD", False, False))
     specs.add(MergeSpec(BF16, 128))  # merge_state of two prefill halves
@@ -765,6 +767,38 @@ def _check_unmasked_128_row_tile(head_dim, source, window_left, workspace):
     plan_kv(wrapper, qo_indptr, kv, *LLAMA, dims, 16, window_left=window_left, q_data_type=torch.bfloat16)
     out, lse = run_poisoned(wrapper, q, kv, head_dim, torch.bfloat16)
     ref_out, ref_lse = reference(q, qo_indptr, kv, window_left=window_left)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("layout", ["ragged", "csr16", "csr1"])
+def test_head_dim_256_wide_tile(layout, causal, split, workspace):
+    """head_dim 256's 128-row tile (8 warps, one block an SM; non-causal: one item a block,
+    the item count not read, csrc/prefill.cuh kOneItemABlock): items of one K/V tile (64
+    keys), of many, padding rows, empty requests, the chunks of a split (each chunk's tile
+    merged by its last block), causal and not, pages of 16 (a page a warp) and of 1 (a
+    lookup a row), MHA (csr1) and GQA-4, against the reference."""
+    rnd = random.Random(21)
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    heads = (8, 8) if layout == "csr1" else LLAMA
+    shapes = [(64, 64), (300, 700), (37, 100), (1, 50), (0, 9), (129, 1025), (5, 0), (32, 96), (200, 264), (16, 64)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    dims = (256, 256)
+    k_rows, v_rows = make_rows(kv_lens, heads[1], dims, torch.bfloat16, gen)
+    page_size = 1 if layout == "csr1" else 16
+    kv = ragged_kv(k_rows, v_rows, kv_lens) if layout == "ragged" else paged_kv(k_rows, v_rows, kv_lens, page_size, rnd=rnd)
+    q = make_q(sum(qo_lens), heads[0], 256, torch.bfloat16, gen)
+    qo_indptr = indptr_of(qo_lens)
+    wrapper = ragged_wrapper(workspace) if layout == "ragged" else paged_wrapper(workspace)
+    wrapper._force_tile_rows = 128
+    plan_kv(wrapper, qo_indptr, kv, *heads, dims, page_size, causal=causal, q_data_type=torch.bfloat16,
+            **(dict(fixed_split_size=128) if split else {}))
+    if split:
+        assert wrapper._plan.merge_rows > 0, "the plan should split"
+    out, lse = run_poisoned(wrapper, q, kv, 256, torch.bfloat16)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
 
 

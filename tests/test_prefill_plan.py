@@ -13,9 +13,9 @@ from flashinfer_jit.prefill import _CSR, _RAGGED, _SEQ_LENS, _PlanConfig, _nativ
 
 
 def _config(side, group=4, heads=8, causal=1, page_size=16, split=1, fixed=0, capacity=0, partial=10**9, tile=0,
-            short=0):
+            short=0, max_tile=128):
     return _PlanConfig(group=group, num_kv_heads=heads, kv_side=side, page_size=page_size, causal=causal,
-                       tile_rows=tile, max_tile_rows=128, target_blocks=264, min_chunk=256, fixed_split_size=fixed,
+                       tile_rows=tile, max_tile_rows=max_tile, target_blocks=264, min_chunk=256, fixed_split_size=fixed,
                        split=split, capacity=capacity, short_causal_keys=short, work_capacity=0,
                        max_partial_rows=partial, max_kv_len=0)
 
@@ -297,6 +297,32 @@ def test_tile_choice_and_graph_wrappers_at_head_dim_256(head_dim):
             w.plan(i32([0, qo_len, 2 * qo_len]), i32([0, 32, 64]), i32(list(range(64))), i32([16, 16]), 32, 8,
                    head_dim, 16, causal=True, q_data_type=torch.bfloat16)
             assert w._plan.tile_rows == tile, (graph, qo_len)
+
+
+@pytest.mark.parametrize("side", [_CSR, _SEQ_LENS, _RAGGED])
+def test_pinned_tile_is_held_to_the_largest_the_wrapper_runs(side):
+    """A pinned tile (tile_rows, the tests' and benchmarks' _force_tile_rows) larger than
+    max_tile_rows takes max_tile_rows, in both planners: a CUDA-graph wrapper at head_dim 256
+    never gets the 128-row tile, whose kernel takes one item a block (csrc/prefill.cuh
+    kOneItemABlock) and would leave a looping grid's later items undone."""
+    qo, a, b = _index_arrays(np.array([512, 300, 7]), np.array([600, 300, 900]), side)
+    for tile, max_tile, expected in ((128, 64, 64), (128, 128, 128), (64, 128, 64), (0, 64, 64)):
+        cfg = _config(side, tile=tile, max_tile=max_tile)
+        host = np.zeros(1 << 20, dtype=np.int32)
+        result = np.zeros(12, dtype=np.int64)
+        assert _plan_numpy(cfg, qo, a, b, 3, host, result) == 0
+        status, _, native = _run_native(cfg, qo, a, b, 3)
+        assert status == 0
+        assert result[prefill._TILE_ROWS] == native[prefill._TILE_ROWS] == expected, (tile, max_tile)
+
+
+def test_graph_wrapper_at_head_dim_256_holds_a_pinned_tile_to_64_rows():
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    w = _paged(use_cuda_graph=True, paged_kv_indices_buf=torch.zeros(64, dtype=torch.int32))
+    w._force_tile_rows = 128
+    w.plan(i32([0, 512, 1024]), i32([0, 32, 64]), i32(list(range(64))), i32([16, 16]), 32, 8, 256, 16,
+           causal=False, q_data_type=torch.bfloat16)
+    assert w._plan.tile_rows == 64
 
 
 @pytest.mark.parametrize("causal", [True, False])
