@@ -198,7 +198,9 @@ def expected_op_args(table: dict, lens, capacity: int | None = None, hq: int = H
 def actual_op_args(recorder: Recorder, table: dict, graph: bool, args: dict | None = None) -> dict:
     args = args or recorder.last
     tables = [t.tolist() for t in args["page_table"]]
-    if graph:  # the fixed id buffers hold the current plan's ids first
+    # The fixed id buffers (graphs) and the page order's CSR copy (its whole buffer: the
+    # kernels read ids by indptr) hold the current plan's ids first
+    if graph or "indices" in table:
         ids = table["indices"] if "indices" in table else table["block_tables"]
         at = 1 if "indices" in table else 0
         tables[at] = tables[at][:len(ids)]
