@@ -98,7 +98,7 @@ struct PrefillTraits {
   // plans keep the 64-row tile, and prefill_plan.h holds a pinned tile to max_tile_rows), so
   // its launch's grid is its item count. H100 A/B (docs/prefill.md): ragged 1.008-1.010x,
   // paged 0.998-1.001x; the causal tile measured 0.989-1.001x and head_dim 128's tiles
-  // 0.980-1.004x without the count's load (with or without their loop), so neither takes it.
+  // 0.980-1.002x without the count's load (with or without their loop), so neither takes it.
   static constexpr bool kOneItemABlock = kWide && Mask == PrefillMask::kNone;
   static constexpr int kQChunks = kDQK / 8;  // 16-byte chunks of a 16-bit row
   static constexpr int kKChunks = kDQK * int(sizeof(TKV)) / 16, kVChunks = kDVO * int(sizeof(TKV)) / 16;
