@@ -30,7 +30,8 @@ struct PrefillItem {
   int32_t qo_start;     // qo_indptr[b]
   int32_t qo_len;
   int32_t kv_len;
-  int32_t kv_first;     // ragged: kv_indptr[b] (the request's first K/V row); paged: 0
+  int32_t kv_first;     // ragged: kv_indptr[b] (the request's first K/V row); a CSR page table:
+                        // indptr[b] (its first page id's index); block tables: 0
 };
 
 struct PrefillParams {

@@ -317,7 +317,7 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
       it[7] = qo_indptr[b];
       it[8] = qo_indptr[b + 1] - qo_indptr[b];
       it[9] = kv_len[b];
-      it[10] = side == PrefillKVSide::kRagged ? kv_a[b] : 0;
+      it[10] = side == PrefillKVSide::kSeqLens ? 0 : kv_a[b];  // kv_indptr[b] / the CSR indptr[b]
       it += kPrefillPairInts;
     }
   }

@@ -184,9 +184,10 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
     if (not cfg.tile_rows and tile == 128 and cfg.causal and cfg.short_causal_keys > 0
             and int(kv_lens[qo_lens > 0].sum()) <= cfg.short_causal_keys * active):
         tile = 64  # (csrc/prefill_plan.h PrefillPlanConfig.short_causal_keys)
+    first = a[:batch] if side != _SEQ_LENS else None  # (kv_indptr[b], or the CSR indptr[b])
     work, merge = plan_work(qo_lens, kv_lens, cfg.group, cfg.num_kv_heads, tile, bool(cfg.causal), cfg.target_blocks,
                             cfg.fixed_split_size or None, bool(cfg.split), cfg.max_partial_rows, cfg.min_chunk,
-                            side == _RAGGED)
+                            first)
     items = int(work[0])
     if cfg.work_capacity and items > cfg.work_capacity:
         result[_ITEMS] = items
@@ -257,11 +258,12 @@ def _host_vector(t, name: str) -> np.ndarray:
 
 def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads: int, tile_rows: int, causal: bool,
               target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int, min_chunk: int = _MIN_CHUNK,
-              ragged: bool = False):
+              first: np.ndarray | None = None):
     """The work list of a batch: (work int32 [1 + 11 n], merge_indptr int32 [qo_tokens + 1] or
     None (nothing split)). work[0] counts the items, n x num_kv_heads; then n (tile, chunk)
     pairs (request, row0, kv_start, kv_end, partial_row, chunks, chunk, and the request's
-    qo_start, qo_len, kv_len and, ragged, first K/V row; 0 for paged K/V), item i being pair
+    qo_start, qo_len, kv_len and first[b]: ragged, its first K/V row, kv_indptr[b]; a CSR page
+    table, its first entry, indptr[b]; None: 0), item i being pair
     i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill_params.h). Requests split
     their keys into chunks of `chunk` keys (a multiple of 64), or, with chunk None and split
     True, of the size that brings the items near target_blocks when the unsplit batch falls
@@ -341,11 +343,11 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     fields[:, 5] = n_chunks_t[pair_tile[order]]
     fields[:, 6] = pair_chunk[order]
     # the request's extent (csrc/prefill_params.h PrefillItem): qo_indptr[b], qo_len, kv_len,
-    # and for ragged K/V kv_indptr[b]
+    # and its first K/V row (ragged: kv_indptr[b]) or first page-table entry (CSR: indptr[b])
     fields[:, 7] = qo_start[b[order]]
     fields[:, 8] = qo_lens[b[order]]
     fields[:, 9] = kv_lens[b[order]]
-    fields[:, 10] = (np.cumsum(kv_lens) - kv_lens)[b[order]] if ragged else 0
+    fields[:, 10] = first[b[order]] if first is not None else 0
     work = np.empty(1 + fields.size, dtype=np.int32)
     work[0] = n * num_kv_heads
     work[1:] = fields.reshape(-1)

@@ -154,7 +154,8 @@ def test_split_chunks_are_even_within_a_request(kv_lens):
 
 @pytest.mark.parametrize("side", [_RAGGED, _CSR, _SEQ_LENS])
 def test_work_pairs_carry_their_requests_extent(side):
-    """Each pair carries its request's qo_indptr[b], qo_len, kv_len and (ragged) kv_indptr[b]
+    """Each pair carries its request's qo_indptr[b], qo_len, kv_len and kv_indptr[b] (ragged)
+    or the page table's indptr[b] (CSR)
     (fields 7-10: the kernel reads them with the pair instead of after it), in the C++
     planner and the numpy twin alike; padding requests included."""
     rng = np.random.default_rng(8)
@@ -177,7 +178,7 @@ def test_work_pairs_carry_their_requests_extent(side):
     else:
         pages = np.diff(a.numpy())
         kv_lens = np.where(pages > 0, (pages - 1) * 16 + b_arg.numpy(), 0)
-        kv_first = np.zeros(batch, dtype=np.int64)
+        kv_first = a.numpy()[:-1]
     r = pairs[:, 0]
     np.testing.assert_array_equal(pairs[:, 7], qo_np[r])
     np.testing.assert_array_equal(pairs[:, 8], qo_np[r + 1] - qo_np[r])
