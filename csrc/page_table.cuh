@@ -53,6 +53,22 @@ struct PageTable {
       return k_row(b);
     }
   }
+  // The same where the caller already holds a CSR row's start, csr_first = indptr[b] (prefill's
+  // work items carry it): no load of indptr[b] before the row's ids; block tables ignore it.
+  FIJ_DEVICE const int32_t* k_row(int b, int64_t csr_first) const {
+    if constexpr (L == PageTableLayout::kCSR) {
+      return p.indices + csr_first;
+    } else {
+      return k_row(b);
+    }
+  }
+  FIJ_DEVICE const int32_t* v_row(int b, int64_t csr_first) const {
+    if constexpr (L == PageTableLayout::kBlockTableKVSeparate) {
+      return k_row(b) + p.block_stride_kv;
+    } else {
+      return k_row(b, csr_first);
+    }
+  }
 
   FIJ_DEVICE int v_page(int b, int logical_page) const {
     if constexpr (L == PageTableLayout::kBlockTableKVSeparate) {

@@ -249,15 +249,11 @@ struct KVRows {
       page_size = 1;
       page_shift = 0;
     } else {
-      if constexpr (Traits::kTable == PageTableLayout::kCSR) {
-        // the request's first page id's index, indptr[b], comes with the item (the planner's
-        // copy): no dependent load of it before the first tile's page ids
-        k_ids = v_ids = p.table.indices + item.kv_first;
-      } else {
-        PageTable<Traits::kTable> table{p.table};
-        k_ids = table.k_row(b);
-        v_ids = table.v_row(b);
-      }
+      // (a CSR row's start, indptr[b], comes with the item: no dependent load of it before
+      // the first tile's page ids)
+      PageTable<Traits::kTable> table{p.table};
+      k_ids = table.k_row(b, item.kv_first);
+      v_ids = table.v_row(b, item.kv_first);
       k_stride_page = p.kv.k.stride_page;
       v_stride_page = p.kv.v.stride_page;
       page_size = p.table.page_size;
