@@ -1127,18 +1127,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait();  // q, K/V and the outputs only after the kernel before (programmatic launch)
+  auto item = [&](int i) {
+    prefill_block<Traits, WarpPagesOnly, NoWindow>(p, load_prefill_item(p, i), smem);
+    if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, i, smem);
+  };
   if constexpr (Traits::kOneItemABlock) {  // the grid is the item count: item blockIdx.x
-    const int i = blockIdx.x;
-    prefill_block<Traits, WarpPagesOnly, NoWindow>(p, load_prefill_item(p, i), smem);
-    if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, i, smem);
-    pdl_trigger();
-    return;
-  }
-  const int items = p.work[0];
-  for (int i = blockIdx.x; i < items; i += gridDim.x) {
-    prefill_block<Traits, WarpPagesOnly, NoWindow>(p, load_prefill_item(p, i), smem);
-    if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, i, smem);
-    __syncthreads();
+    item(blockIdx.x);
+  } else {
+    const int items = p.work[0];
+    for (int i = blockIdx.x; i < items; i += gridDim.x) {
+      item(i);
+      __syncthreads();
+    }
   }
   pdl_trigger();
 }
