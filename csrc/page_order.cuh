@@ -23,6 +23,8 @@
 
 #include <cstdint>
 
+#include "prefill_params.h"  // kPrefillPairInts, kPrefillPairIdsAt, kPrefillPairIds
+
 namespace fij {
 
 // The ctypes mirror is decode.py's _PageOrderParams: same fields, same order.
@@ -40,6 +42,12 @@ struct PageOrderParams {
   int32_t page_size;
   int32_t batch;
   int32_t sort;             // 0: copy only (a CUDA-graph wrapper's buffer, for a plan that may not reorder)
+  // batch prefill: plan()'s work pairs (csrc/prefill_params.h, kPrefillPairInts ints each),
+  // whose fields kPrefillPairIdsAt.. get the page ids of their chunk's first kPrefillPairIds
+  // pages from the table written here (fill_pair_ids_kernel); null: none (decode, and tables
+  // of separate K and V ids, whose kernels load both)
+  int32_t* pairs;
+  int32_t num_pairs;
 };
 
 namespace page_order {
@@ -174,6 +182,19 @@ __global__ void __launch_bounds__(kMaxThreads) order_pages_kernel(const PageOrde
     if (r * W + t < n) store_key<Key>(p, req.dst + lo + r * W + t, key[r]);
 }
 
+// Thread i: page i % kPrefillPairIds of pair i / kPrefillPairIds's chunk (-1 past the request's
+// pages), read from the table the sort wrote (launched after it, on the same stream).
+__global__ void __launch_bounds__(256) fill_pair_ids_kernel(const PageOrderParams p) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t pair = i / kPrefillPairIds;
+  if (pair >= p.num_pairs) return;
+  const int l = static_cast<int>(i % kPrefillPairIds);
+  int32_t* w = p.pairs + pair * kPrefillPairInts;
+  const Request req = request_of(p, w[0]);
+  const int64_t page = w[2] / p.page_size + l;  // (w[2]: the chunk's first key)
+  w[kPrefillPairIdsAt + l] = page < req.pages ? p.dst[req.dst + page] : -1;
+}
+
 template <typename Key>
 inline void launch(const PageOrderParams& p, int keys, dim3 grid, int threads, cudaStream_t stream) {
   if (keys == 1) order_pages_kernel<Key, 1><<<grid, threads, 0, stream>>>(p);
@@ -198,6 +219,10 @@ inline cudaError_t launch_order_pages(const PageOrderParams& p, cudaStream_t str
     page_order::launch<unsigned long long>(p, keys, grid, threads, stream);
   } else {
     page_order::launch<uint32_t>(p, keys, grid, threads, stream);
+    if (p.pairs != nullptr && p.num_pairs > 0) {
+      const int64_t n = int64_t(p.num_pairs) * kPrefillPairIds;
+      page_order::fill_pair_ids_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(p);
+    }
   }
   return cudaGetLastError();
 }

@@ -318,7 +318,8 @@ FIJ_DEVICE float fast_log2(float x) {
 FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
   const DivMod ph = divmod(i, p.kv.num_kv_heads, p.kv_head_magic);
   const int32_t* w = p.work + 1 + kPrefillPairInts * ph.quot;
-  return PrefillItem{w[0], ph.rem, w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10]};
+  return PrefillItem{w[0], ph.rem, w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10],
+                     w[kPrefillPairIdsAt + (threadIdx.x & (kPrefillPairIds - 1))]};
 }
 
 // One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
@@ -657,7 +658,20 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   };
 
   if (num_tiles > 0) {
-    if (kIdsAhead && ids_ahead) fetch_ids(start);
+    if (kIdsAhead && ids_ahead) {
+      // The first tile's page ids came with the pair (item.first_id, written by plan()'s
+      // page-order launch) where that tile is the chunk's first, spans at most
+      // kPrefillPairIds pages and reads the table the launch read (no window: a run() with
+      // one may read the ids as given); else loaded, a round trip after the work entry's.
+      const int first = start >> rows.page_shift, last = (min(start + TKV, end) - 1) >> rows.page_shift;
+      bool given = !kSeparate && window_left() < 0 && start == item.kv_start && last - first < kPrefillPairIds;
+      given = given && __all_sync(0xffffffffu, lane > last - first || item.first_id >= 0);
+      if (given) {
+        k_ids_lane = lane <= last - first ? item.first_id : 0;
+      } else {
+        fetch_ids(start);
+      }
+    }
     load_tile(start, 0);
     if (kIdsAhead && ids_ahead && num_tiles > 1) fetch_ids(start + TKV);
   }

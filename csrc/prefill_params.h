@@ -14,7 +14,14 @@ namespace fij {
 // (tile, chunk) pair differ only in the KV head, so the list holds each pair once and item
 // i is pair i / num_kv_heads, KV head i % num_kv_heads (load_prefill_item): an eighth of the
 // bytes plan() writes and copies for 8 KV heads. POD reads the same list beside decode's.
-constexpr int kPrefillPairInts = 11;
+constexpr int kPrefillPairInts = 15;
+// Fields 11-14 of a pair: the page ids of its chunk's first kPrefillPairIds pages (pages
+// kv_start / page_size + l, K ids of the table a run() reads), written on the device by
+// plan()'s page-order launch (csrc/page_order.cuh fill_pair_ids) and -1 where it did not
+// run (the host planner's value). A block loads them with the pair, by the pair's index
+// alone, so its first K/V tile's copies do not wait on the work entry and then on the page
+// table (one dependent round trip less an item: the paged kernels, csrc/prefill.cuh).
+constexpr int kPrefillPairIdsAt = 11, kPrefillPairIds = 4;
 struct PrefillItem {
   int32_t request;      // b
   int32_t kv_head;
@@ -32,6 +39,7 @@ struct PrefillItem {
   int32_t kv_len;
   int32_t kv_first;     // ragged: kv_indptr[b] (the request's first K/V row); a CSR page table:
                         // indptr[b] (its first page id's index); block tables: 0
+  int32_t first_id;     // this lane's: the page id of the chunk's page lane % kPrefillPairIds, or -1
 };
 
 struct PrefillParams {

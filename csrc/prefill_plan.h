@@ -318,6 +318,7 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
       it[8] = qo_indptr[b + 1] - qo_indptr[b];
       it[9] = kv_len[b];
       it[10] = side == PrefillKVSide::kSeqLens ? 0 : kv_a[b];  // kv_indptr[b] / the CSR indptr[b]
+      for (int l = 0; l < kPrefillPairIds; ++l) it[kPrefillPairIdsAt + l] = -1;  // (the page-order launch's)
       it += kPrefillPairInts;
     }
   }

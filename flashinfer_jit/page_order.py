@@ -31,7 +31,8 @@ class PageOrderParams(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("indptr", "seq_lens", "src", "dst")] + \
         [(name, ctypes.c_int64) for name in ("src_row", "dst_row", "src_v", "dst_v", "row_pages", "longest_pages")] + \
         [(name, ctypes.c_void_p) for name in ("qo_indptr", "last_page_len")] + \
-        [(name, ctypes.c_int32) for name in ("page_size", "batch", "sort")]
+        [(name, ctypes.c_int32) for name in ("page_size", "batch", "sort")] + \
+        [("pairs", ctypes.c_void_p), ("num_pairs", ctypes.c_int32)]
 
 
 @op_cache
@@ -69,15 +70,18 @@ class PageOrder:
 
     def order(self, ids: torch.Tensor, lens: torch.Tensor, csr: bool, batch: int, movable_pages: int,
               page_size: int, may_order: bool, qo_indptr: torch.Tensor | None = None,
-              last_page_len: torch.Tensor | None = None) -> torch.Tensor | None:
+              last_page_len: torch.Tensor | None = None, pairs_at: int = 0,
+              num_pairs: int = 0) -> torch.Tensor | None:
         """The page ids (indices, or block tables [batch, max_pages] or [batch, 2,
         max_pages]) with each request's movable pages in ascending page-id order (K ids, V
         ids alongside), or None: run() reads the ids as given. lens: the device's indptr
         (csr) or seq_lens; movable_pages: the most pages any request may reorder (the grid's
         segments); may_order: the configuration allows it. qo_indptr (device, causal
         prefill): each request moves only the pages of keys every query row sees; csr then
-        reads last_page_len (device; ignored without qo_indptr). Eager plans skip the launch where no request has 2
-        pages to reorder."""
+        reads last_page_len (device; ignored without qo_indptr). pairs_at (batch prefill): the
+        device address of the work list's first pair (int32, csrc/prefill_params.h), num_pairs
+        of them, whose chunks' first page ids the launch writes into them from its table.
+        Eager plans skip the launch where no request has 2 pages to reorder."""
         if self.graph:
             if self.graph_orders is None:  # the first plan decides for the captured run()
                 self.graph_orders = may_order and page_orderer() is not None
@@ -113,6 +117,7 @@ class PageOrder:
         p.qo_indptr = qo_indptr.data_ptr() if qo_indptr is not None else None
         p.last_page_len = last_page_len.data_ptr() if qo_indptr is not None and csr else None
         p.page_size, p.batch, p.sort = page_size, batch, int(may_order)
+        p.pairs, p.num_pairs = (pairs_at, num_pairs) if pairs_at and num_pairs > 0 else (None, 0)
         fn, error = page_orderer()
         code = fn(self.params_address, raw_stream(self.device.index), self.device.index)
         if code:

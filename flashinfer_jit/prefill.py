@@ -41,7 +41,8 @@ from .specs.prefill import HEAD_DIM_PAIRS, TILE_ROWS, PrefillPlanSpec, PrefillSp
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _BACKENDS = ("auto", "fa2")
-_PAIR_INTS = 11  # csrc/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
+_PAIR_INTS = 15  # csrc/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
+_PAIR_IDS_AT, _PAIR_IDS = 11, 4  # (kPrefillPairIdsAt, kPrefillPairIds: the chunk's first page ids, -1 until filled)
 _BLOCKS_PER_SM = 2  # csrc/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM
 _MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than it saves
 # keys: causal batches at head_dim 256 whose requests average at most this many take the
@@ -348,6 +349,7 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     fields[:, 8] = qo_lens[b[order]]
     fields[:, 9] = kv_lens[b[order]]
     fields[:, 10] = first[b[order]] if first is not None else 0
+    fields[:, _PAIR_IDS_AT:] = -1  # (plan()'s page-order launch fills them in, csrc/page_order.cuh)
     work = np.empty(1 + fields.size, dtype=np.int32)
     work[0] = n * num_kv_heads
     work[1:] = fields.reshape(-1)
@@ -576,10 +578,12 @@ class _PrefillWrapper:
             # reads ascending addresses faster), where no term depends on a key's position
             # (flashinfer_jit/page_order.py); a run() with a window reads the ids as given.
             csr = side == _CSR
+            # (and writes each pair's first page ids into the work list: csrc/prefill_params.h)
             ordered = self._page_order.order(ids_dev, table_dev[0], csr, batch, movable, config.page_size,
                                              sort_pages and config.pages_movable,
                                              qo_dev if config.mask == "causal" else None,
-                                             table_dev[1] if csr else None)
+                                             table_dev[1] if csr else None, work_dev.data_ptr() + 4,
+                                             items // config.num_kv_heads)
             if ordered is not None:
                 plan.unordered = kv_index
                 kv_index = self._kv_index(table_dev, ordered)

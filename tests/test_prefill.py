@@ -881,6 +881,56 @@ def test_paged_plan_orders_pages(causal, workspace):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_pairs_carry_their_first_page_ids(causal, split, workspace):
+    """plan()'s page-order launch writes into each work pair the page ids of its chunk's first
+    four pages (csrc/prefill_params.h kPrefillPairIdsAt), from the reordered table its run()
+    reads, -1 past the request's pages; tables of separate K and V ids, and plans that keep
+    the pages as given, leave -1 (the kernels then load the ids). run() matches the float64
+    reference either way (page 16: the first tile's ids come with the pair; page 8: its 64 keys
+    span 8 pages, loaded)."""
+    from flashinfer_jit import prefill as pf
+
+    rnd = random.Random(53)
+    gen = torch.Generator(device=DEV).manual_seed(53)
+    shapes = [(1, 1), (3, 40), (64, 256), (4, 2049), (0, 300), (37, 37 + 16 * 5 - 1), (2, 0), (128, 1100)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    extra = dict(fixed_split_size=128) if split else dict(disable_split_kv=True)
+    for ps in (16, 8):
+        for layout in ("block_table", "block_table_kv_separate", "csr"):
+            q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, layout, page_size=ps)
+            for sort_pages in (True, False):
+                wrapper = paged_wrapper(workspace)
+                plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), ps, causal=causal, q_data_type=torch.bfloat16,
+                        sort_pages=sort_pages, **extra)
+                plan = wrapper._plan
+                assert (plan.merge_rows > 0) == split, "the plan should split where fixed_split_size is given"
+                work = plan.args[2].cpu()
+                pairs = work[1: 1 + pf._PAIR_INTS * (int(work[0]) // LLAMA[1])].reshape(-1, pf._PAIR_INTS)
+                ids = pairs[:, pf._PAIR_IDS_AT: pf._PAIR_IDS_AT + pf._PAIR_IDS]
+                filled = sort_pages and layout != "block_table_kv_separate"
+                assert (plan.unordered is not None) == sort_pages, f"{layout}: sort_pages={sort_pages}"
+                if not filled:
+                    assert (ids == -1).all(), f"{layout}, sort_pages={sort_pages}: the ids should stay -1"
+                else:
+                    table = on_host(_ordered_ids(plan, kv.table))
+                    assert (pairs[:, 2] > 0).any() == split, "split plans have chunks that start past key 0"
+                    wrong = []
+                    for row, pair_ids in zip(pairs.tolist(), ids.tolist()):
+                        b, kv_start = row[0], row[2]
+                        pages = request_pages_ref(table, b, -(-kv_lens[b] // ps))[0]  # (K ids)
+                        want = [pages[kv_start // ps + l] if kv_start // ps + l < len(pages) else -1
+                                for l in range(pf._PAIR_IDS)]
+                        if pair_ids != want:
+                            wrong.append(f"request {b} at key {kv_start}: {pair_ids}, expected {want}")
+                    assert not wrong, f"{layout}, page {ps}: {len(wrong)} of {pairs.shape[0]} pairs: " + "; ".join(wrong[:4])
+                out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+                ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal)
+                check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("window_left", [-1, 100])
 def test_one_query_token_matches_decode(window_left, workspace):
     """Prefill with qo_len 1 per request and BatchDecodeWithPagedKVCacheWrapper on the same
