@@ -27,7 +27,7 @@
 
 namespace fij {
 
-// The ctypes mirror is decode.py's _PageOrderParams: same fields, same order.
+// The ctypes mirror is flashinfer_jit/page_order.py PageOrderParams: same fields, same order.
 struct PageOrderParams {
   const int32_t* indptr;    // csr: [batch + 1] offsets into the ids (src and dst alike); null: block tables
   const int32_t* seq_lens;  // block tables: [batch] tokens per request

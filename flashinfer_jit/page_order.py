@@ -1,6 +1,7 @@
 """Page order: a wrapper's copy of its page table with each request's movable pages in
-ascending page-id order (csrc/page_order.cuh), written on the device by one launch per
-plan() and read by every run(). Batch decode and batch prefill call it.
+ascending page-id order (csrc/page_order.cuh), written on the device by one call per
+plan() and read by every run(). Batch decode and batch prefill call it; for batch prefill the
+same call then writes each work pair's first page ids into the pair (fill_pair_ids_kernel).
 
 The H100 streams a request's pages faster in ascending address order than in a random one
 (about 3% for one 32k-token request, docs/decode.md). Attention is the same over any order
