@@ -44,8 +44,8 @@ struct PageOrderParams {
   int32_t sort;             // 0: copy only (a CUDA-graph wrapper's buffer, for a plan that may not reorder)
   // batch prefill: plan()'s work pairs (csrc/prefill_params.h, kPrefillPairInts ints each),
   // whose fields kPrefillPairIdsAt.. get the page ids of their chunk's first kPrefillPairIds
-  // pages from the table written here (fill_pair_ids_kernel); null: none (decode, and tables
-  // of separate K and V ids, whose kernels load both)
+  // pages from the table written here (fill_pair_ids_kernel); null: none (decode). Tables of
+  // separate K and V ids skip it (src_v != 0): their pairs keep -1, and the kernels load both
   int32_t* pairs;
   int32_t num_pairs;
 };

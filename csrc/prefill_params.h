@@ -17,7 +17,7 @@ namespace fij {
 constexpr int kPrefillPairInts = 15;
 // Fields 11-14 of a pair: the page ids of its chunk's first kPrefillPairIds pages (pages
 // kv_start / page_size + l, K ids of the table a run() reads), written on the device by
-// plan()'s page-order launch (csrc/page_order.cuh fill_pair_ids) and -1 where it did not
+// plan()'s page-order launch (csrc/page_order.cuh fill_pair_ids_kernel) and -1 where it did not
 // run (the host planner's value). A block loads them with the pair, by the pair's index
 // alone, so its first K/V tile's copies do not wait on the work entry and then on the page
 // table (one dependent round trip less an item: the paged kernels, csrc/prefill.cuh).

@@ -260,11 +260,12 @@ def _host_vector(t, name: str) -> np.ndarray:
 def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads: int, tile_rows: int, causal: bool,
               target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int, min_chunk: int = _MIN_CHUNK,
               first: np.ndarray | None = None):
-    """The work list of a batch: (work int32 [1 + 11 n], merge_indptr int32 [qo_tokens + 1] or
+    """The work list of a batch: (work int32 [1 + _PAIR_INTS n], merge_indptr int32 [qo_tokens + 1] or
     None (nothing split)). work[0] counts the items, n x num_kv_heads; then n (tile, chunk)
     pairs (request, row0, kv_start, kv_end, partial_row, chunks, chunk, and the request's
     qo_start, qo_len, kv_len and first[b]: ragged, its first K/V row, kv_indptr[b]; a CSR page
-    table, its first entry, indptr[b]; None: 0), item i being pair
+    table, its first entry, indptr[b]; None: 0; then the chunk's first page ids, -1 here:
+    plan()'s page-order launch fills them in), item i being pair
     i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill_params.h). Requests split
     their keys into chunks of `chunk` keys (a multiple of 64), or, with chunk None and split
     True, of the size that brings the items near target_blocks when the unsplit batch falls
