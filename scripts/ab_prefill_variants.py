@@ -20,7 +20,10 @@ and make their first run (csrc/prefill.cuh is restored at the end). NAME@costord
 the numpy twin and the work order before fc1ff93 (pairs by cost alone); NAME@r64 / NAME@r128 pins the query
 tile (as ROWS=64/128 does for every variant); NAME@split1024 forces KV chunks of 1024 keys
 (fixed_split_size), NAME@nosplit disables the split, NAME@sorted gives the variant (not FA2)
-each request's full pages but the last in ascending id order before plan(); NAME@nosort plans
+each request's full pages but the last in ascending id order before plan(); NAME@rot the same
+order with request r's run rotated by r (P - 1) / B pages (the requests then sweep the pool
+from different places), planned with sort_pages=False; PERM_VARY=1 draws a new page order a
+row (else one, seed 1, for every row); NAME@nosort plans
 with sort_pages=False (plan() then keeps the pages as given). FI=1 adds FlashInfer's
 fa2 on the same inputs (needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
 out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json,
@@ -113,7 +116,7 @@ def split_of(var):
 
 def order_of(var, form):
     """plan()'s sort_pages for a variant: NAME@nosort reads the pages as given (paged forms)."""
-    return {'sort_pages': False} if '@nosort' in var and form != 'ragged' else {}
+    return {'sort_pages': False} if ('@nosort' in var or '@rot' in var) and form != 'ragged' else {}
 
 def warm(seconds=2.0):
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -123,6 +126,7 @@ def warm(seconds=2.0):
         torch.cuda.synchronize()
 
 warm(3.0)
+_row_no = 0
 ws = {v: torch.empty(256 << 20, dtype=torch.uint8, device=dev) for v in variants}
 for d in dims:
   for (B, Lq, L) in shapes:
@@ -134,6 +138,7 @@ for d in dims:
       v = torch.randn(B * L, hk, d, dtype=torch.bfloat16, device=dev)
       keys = (Lq * L - Lq * (Lq - 1) / 2) if causal else Lq * L
       F = 4 * B * keys * hq * d
+      _row_no += 1
       for form in forms:
         fns = {}
         outs = {}
@@ -147,11 +152,17 @@ for d in dims:
             kc = k.new_zeros(B, P * page, hk, d); vc = v.new_zeros(B, P * page, hk, d)
             kc[:, :L] = k.view(B, L, hk, d); vc[:, :L] = v.view(B, L, hk, d)
             kc = kc.view(npg, page, hk, d); vc = vc.view(npg, page, hk, d)
-            g = torch.Generator().manual_seed(1)
+            # PERM_VARY=1: a new page order for every row (else the same, seed 1, for all)
+            g = torch.Generator().manual_seed(1 + (_row_no if os.environ.get('PERM_VARY') == '1' else 0))
             # paged: pages in random order; pagedseq: in order (the ragged rows' layout)
             ids = (torch.randperm(npg, generator=g) if form == 'paged' else torch.arange(npg)).int().to(dev)
+            ids_given = ids  # FA2's (the tags below reorder the variant's copy)
             if '@sorted' in var:  # each request's full pages but the last in ascending id order
               ids = ids.view(B, P).clone(); ids[:, :P - 1] = ids[:, :P - 1].sort(dim=1).values; ids = ids.view(-1)
+            if '@rot' in var:  # sorted as @sorted, then request r's sorted run rotated by r (P - 1) / B
+              ids = ids.view(B, P).clone(); srt = ids[:, :P - 1].sort(dim=1).values
+              for r in range(B): ids[r, :P - 1] = srt[r].roll(-(r * (P - 1) // B))
+              ids = ids.view(-1)
             kvp = torch.arange(B + 1, dtype=torch.int32) * P
             last = torch.full((B,), L - (P - 1) * page, dtype=torch.int32)
             w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[var])
@@ -172,7 +183,7 @@ for d in dims:
           fns["FA2"] = lambda fw=fw, q=q, k=k, v=v: fw.run(q, k, v)
         elif use_fi:
           fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws[variants[0]], 'NHD', backend='fa2')
-          fw.plan(qo.to(dev), kvp.to(dev), ids, last.to(dev), hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16)
+          fw.plan(qo.to(dev), kvp.to(dev), ids_given, last.to(dev), hq, hk, d, page, causal=causal, q_data_type=torch.bfloat16)
           fns["FA2"] = lambda fw=fw, q=q, kv_arg=kv_arg: fw.run(q, kv_arg)
         ref = outs[variants[0]].float()
         agree = {var: float((outs[var].float() - ref).abs().max()) for var in variants[1:]}
