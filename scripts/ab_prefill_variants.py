@@ -23,7 +23,10 @@ tile (as ROWS=64/128 does for every variant); NAME@split1024 forces KV chunks of
 each request's full pages but the last in ascending id order before plan(); NAME@rot the same
 order with request r's run rotated by r (P - 1) / B pages (the requests then sweep the pool
 from different places), planned with sort_pages=False; PERM_VARY=1 draws a new page order a
-row (else one, seed 1, for every row); NAME@nosort plans
+row (else one, seed 1, for every row). @sorted and @rot reorder every page but the last
+whatever the mask: with a causal mask they are only valid where every query row sees those
+pages (kv_len - qo_len + 1 >= (P - 1) x 16: speculative verification, not L x L causal
+shapes, whose outputs then differ). NAME@nosort plans
 with sort_pages=False (plan() then keeps the pages as given). FI=1 adds FlashInfer's
 fa2 on the same inputs (needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
 out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json,
