@@ -64,7 +64,7 @@ struct PageTable {
   }
   FIJ_DEVICE const int32_t* v_row(int b, int64_t csr_first) const {
     if constexpr (L == PageTableLayout::kBlockTableKVSeparate) {
-      return k_row(b) + p.block_stride_kv;
+      return v_row(b);
     } else {
       return k_row(b, csr_first);
     }
