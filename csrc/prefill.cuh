@@ -55,10 +55,16 @@ struct PrefillTraits {
   // 128 output accumulators a lane already).
   static constexpr int kMFrags = kWide ? 1 : MFrags;
   static constexpr int kRows = kWarps * 16 * kMFrags;
+  // The 64-row tile at head_dim_qk <= 128 (kQuad): 32-key K/V tiles and four blocks an SM
+  // (128 registers, 48 KB of shared memory at head_dim 128), where it ran 64-key tiles two
+  // an SM. Its batches (short requests: speculative verification, small chunks) are bound
+  // by the K/V read; four smaller blocks an SM read it 1.3-3.7% faster on the H100 (docs/
+  // prefill.md), and 512 items of 64 requests x 8 KV heads run in one wave, not two.
+  static constexpr bool kQuad = MFrags == 1 && HeadDimQK <= 128;
   // Keys a tile: 64 (32-row warps: 3-7% faster than 32 keys on the H100, for 44 bytes of
-  // spills); 32 for 64-row tiles at head_dim_qk >= 192, whose q tile takes 48-64 KB (two
-  // blocks an SM then still fit in shared memory).
-  static constexpr int kTileKV = HeadDimQK >= 192 && !kWide ? 32 : 64;
+  // spills); 32 for 64-row tiles: at head_dim_qk >= 192 their q tile takes 48-64 KB (two
+  // blocks an SM then still fit in shared memory), below it kQuad.
+  static constexpr int kTileKV = (HeadDimQK >= 192 && !kWide) || kQuad ? 32 : 64;
   // Keys a softmax step takes: a 128-row tile computes its 64-key tiles in two halves (32
   // logit accumulators a lane, not 64, leave registers for the next fragments' loads).
   static constexpr int kSubKV = (kMFrags == 2 || kWide) && kTileKV == 64 ? 32 : kTileKV;
@@ -136,8 +142,9 @@ struct PrefillTraits {
     return kWarpPages && page_shift >= 2 && page_size >= kWarpRows;
   }
   // Two blocks an SM (up to 255 registers a thread; capped at 168 for three blocks, the
-  // 64-row tile spilled 180 bytes).
-  static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
+  // 64-row tile of 64-key tiles spilled 180 bytes); four for kQuad (128 registers); one for
+  // head_dim 256's 128-row tile.
+  static constexpr int kMinBlocksPerSM = kWide ? 1 : kQuad ? 4 : 2;
   static constexpr bool kRagged = Ragged;
   static constexpr PageTableLayout kTable = Table;
   static constexpr PrefillMask kMask = Mask;

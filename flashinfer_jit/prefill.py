@@ -43,7 +43,15 @@ POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
 _BACKENDS = ("auto", "fa2")
 _PAIR_INTS = 15  # csrc/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
 _PAIR_IDS_AT, _PAIR_IDS = 11, 4  # (kPrefillPairIdsAt, kPrefillPairIds: the chunk's first page ids, -1 until filled)
-_BLOCKS_PER_SM = 2  # csrc/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM
+_BLOCKS_PER_SM = 2  # csrc/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM (the split's target)
+
+
+def blocks_per_sm(head_dim_qk: int, tile_rows: int) -> int:
+    """Blocks of a tile an SM holds (csrc/prefill.cuh kMinBlocksPerSM): the 64-row tile at
+    head_dim_qk <= 128 runs four (kQuad), head_dim 256's 128-row tile one, the others two."""
+    if tile_rows == 64 and head_dim_qk <= 128:
+        return 4
+    return 1 if tile_rows == 128 and head_dim_qk >= 256 else _BLOCKS_PER_SM
 _MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than it saves
 # keys: causal batches at head_dim 256 whose requests average at most this many take the
 # 64-row tile (csrc/prefill_plan.h PrefillPlanConfig.short_causal_keys)
@@ -408,6 +416,9 @@ class _PrefillWrapper:
         # (FlashInfer's rule), else by the first plan()
         self._capacity = qo_indptr_buf.shape[0] - 1 if self._use_cuda_graph and qo_indptr_buf is not None else None
         self._graph_items = None
+        # CUDA graphs: the query tile, fixed by the first plan(): a captured run() replays that
+        # tile's kernel, which covers only its own rows of a work item
+        self._graph_tile = None
         self._configs = {}
         self._plan = None
         self._pdl = supports_pdl(self._device)
@@ -533,6 +544,7 @@ class _PrefillWrapper:
         if graph and self._graph_items is None:
             # the first CUDA-graph plan sizes the work list for later plans with more items
             self._graph_items = max(_GRAPH_MIN_ITEMS, _GRAPH_ITEMS_FACTOR * int(result[_ITEMS]))
+            self._graph_tile = int(result[_TILE_ROWS])
             self._plan_common(config, qo_indptr, side, kv_a, kv_b, table_layout, ids_dev, max_kv_len, custom_mask,
                               packed_custom_mask, mask_indptr, non_blocking, sort_pages)
             return
@@ -569,7 +581,7 @@ class _PrefillWrapper:
         # the plain one here would build a module that no run() uses)
         plan.op = previous.op if previous is not None and previous.spec is spec else None
         plan.batch, plan.qo_tokens, plan.tile_rows = batch, qo_tokens, tile_rows
-        plan.grid = self._graph_grid() if graph else items
+        plan.grid = self._graph_grid(config.head_dim_qk, tile_rows) if graph else items
         plan.merge_rows = qo_tokens if partial_rows else 0
         plan.layout = table_layout
         kv_index = list(table_dev) if side == _RAGGED else self._kv_index(table_dev, ids_dev)
@@ -617,9 +629,11 @@ class _PrefillWrapper:
         csrc/prefill.cuh kWide), so its graphs keep the 64-row tile."""
         return min(TILE_ROWS) if self._use_cuda_graph and config.head_dim_qk >= 256 else max(TILE_ROWS)
 
-    def _graph_grid(self) -> int:
+    def _graph_grid(self, head_dim_qk: int | None = None, tile_rows: int | None = None) -> int:
+        """A CUDA-graph launch's fixed grid: a wave of the tile's blocks (blocks_per_sm); without
+        a tile, two blocks an SM (the split's target)."""
         sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
-        return sms * _BLOCKS_PER_SM
+        return sms * (_BLOCKS_PER_SM if tile_rows is None else blocks_per_sm(head_dim_qk, tile_rows))
 
     def _plan_struct(self, config: _Config, side: int, capacity: int, max_kv_len: int):
         """(the planner's configuration for this plan, its address): kept per configuration
@@ -636,7 +650,8 @@ class _PrefillWrapper:
                               max_partial_rows=self._partial_capacity(config))
             kept = config.structs[side] = (cfg, ctypes.addressof(cfg))
         cfg = kept[0]
-        cfg.tile_rows = self._force_tile_rows or 0  # benchmarks and tests pin the tile
+        # benchmarks and tests pin the tile; a CUDA-graph wrapper holds its first plan's
+        cfg.tile_rows = self._force_tile_rows or self._graph_tile or 0
         cfg.capacity = capacity
         cfg.work_capacity = self._graph_items or 0
         cfg.max_kv_len = max_kv_len

@@ -1088,11 +1088,13 @@ def _partition(total: int, parts: int, rnd: random.Random) -> list[int]:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_after_replan(workspace):
-    """run() captured once (8 requests, 640 query tokens), replayed after plan() with other
-    lengths, fewer requests and fewer tokens (q stays the captured buffer; only its first
-    qo_indptr[-1] rows are live): the live rows match the reference, the rows past them stay
-    untouched; a plan() with more requests than the buffers hold is an error."""
+@pytest.mark.parametrize("first", ["long", "short"])
+def test_cuda_graph_replay_after_replan(workspace, first):
+    """run() captured once (8 requests, 640 query tokens; or first 8 requests of 2 tokens,
+    whose plan takes the 64-row tile, which the wrapper then holds), replayed after plan()
+    with other lengths, fewer requests and fewer tokens (q stays the captured buffer; only
+    its first qo_indptr[-1] rows are live): the live rows match the reference, the rows past
+    them stay untouched; a plan() with more requests than the buffers hold is an error."""
     capacity, max_tokens, (hq, hk), ps, pool = 8, 640, LLAMA, 16, 2048
     rnd = random.Random(13)
     gen = torch.Generator(device=DEV).manual_seed(13)
@@ -1114,6 +1116,8 @@ def test_cuda_graph_replay_after_replan(workspace):
         [(0, 0), (200, 200), (17, 0)],  # padding, 217 tokens
         [(1, 1)],
     ]
+    if first == "short":
+        rounds.insert(0, [(2, 2 + rnd.randint(0, 1500)) for _ in range(capacity)])
     graph = None
     for shapes in rounds:
         qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]

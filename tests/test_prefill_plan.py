@@ -288,16 +288,23 @@ def test_graph_wrapper_keeps_its_capacity():
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_tile_choice_and_graph_wrappers_at_head_dim_256(head_dim):
     """Long queries take the 128-row tile at every head_dim (at 256: 8 warps, one block an
-    SM); a CUDA-graph wrapper's grid holds two blocks an SM, so at head_dim 256 it keeps the
-    64-row tile. Short queries (16 rows a request) take 64 rows everywhere."""
+    SM); short queries (16 rows a request) take 64 rows. A CUDA-graph wrapper holds the tile
+    of its first plan() (a captured run() replays that tile's kernel, which covers only its
+    own rows of an item), and at head_dim 256 never takes the 128-row tile (its grid loops;
+    that kernel takes one item a block). Its grid is a wave of the tile's blocks."""
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    for graph, long_tile in ((False, 128), (True, 64 if head_dim == 256 else 128)):
+    long_tile = 64 if head_dim == 256 else 128
+    cases = ((False, ((512, 128), (4, 64))), (True, ((512, long_tile), (4, long_tile))),
+             (True, ((4, 64), (512, 64))))
+    for graph, plans in cases:
         kwargs = dict(use_cuda_graph=True, paged_kv_indices_buf=torch.zeros(64, dtype=torch.int32)) if graph else {}
         w = _paged(**kwargs)
-        for qo_len, tile in ((512, long_tile), (4, 64)):
+        for qo_len, tile in plans:
             w.plan(i32([0, qo_len, 2 * qo_len]), i32([0, 32, 64]), i32(list(range(64))), i32([16, 16]), 32, 8,
                    head_dim, 16, causal=True, q_data_type=torch.bfloat16)
             assert w._plan.tile_rows == tile, (graph, qo_len)
+            if graph:
+                assert w._plan.grid == 132 * prefill.blocks_per_sm(head_dim, tile), (head_dim, tile)
 
 
 @pytest.mark.parametrize("side", [_CSR, _SEQ_LENS, _RAGGED])
