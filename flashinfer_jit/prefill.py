@@ -13,8 +13,9 @@ deterministic).
 
 With use_cuda_graph=True every buffer has a fixed size set by the first plan() (its batch
 is the capacity; its work list is sized for _GRAPH_ITEMS_FACTOR times its items), the
-kernel's grid is fixed (blocks loop over the work list) and no request is split, so a
-graph captured around run() replays correctly after plans with other lengths and up to the
+kernel's grid and query tile are fixed (blocks loop over the work list; later plans keep
+the first plan's tile, whose kernel the graph holds) and no request is split, so a graph
+captured around run() replays correctly after plans with other lengths and up to the
 captured number of requests.
 """
 
@@ -624,9 +625,9 @@ class _PrefillWrapper:
                           batch, slot.address, room, self._result_ptr)
 
     def _max_tile_rows(self, config: _Config) -> int:
-        """The largest query tile plan() may pick. A CUDA-graph wrapper's grid holds two
-        blocks an SM (_graph_grid); head_dim 256's 128-row tile is one block an SM (8 warps,
-        csrc/prefill.cuh kWide), so its graphs keep the 64-row tile."""
+        """The largest query tile plan() may pick. A CUDA-graph wrapper's grid loops over the
+        work list (_graph_grid); head_dim 256's non-causal 128-row tile takes one item a block
+        (8 warps, csrc/prefill.cuh kWide, kOneItemABlock), so its graphs keep the 64-row tile."""
         return min(TILE_ROWS) if self._use_cuda_graph and config.head_dim_qk >= 256 else max(TILE_ROWS)
 
     def _graph_grid(self, head_dim_qk: int | None = None, tile_rows: int | None = None) -> int:

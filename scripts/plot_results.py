@@ -115,7 +115,7 @@ def plot_decode(plt, data: dict, out: Path) -> None:
 
 
 # the prefill figure's run (docs/prefill.md's table)
-PREFILL_RESULT = "2026-11-27_h100_prefill_7954c0a.json"
+PREFILL_RESULT = "2026-11-27_h100_prefill_497f941.json"
 
 
 def plot_prefill(plt, data: dict, out: Path) -> None:
