@@ -58,8 +58,10 @@ struct PrefillTraits {
   // The 64-row tile at head_dim_qk <= 128 (kQuad): 32-key K/V tiles and four blocks an SM
   // (128 registers, 48 KB of shared memory at head_dim 128), where it ran 64-key tiles two
   // an SM. Its batches (short requests: speculative verification, small chunks) are bound
-  // by the K/V read; four smaller blocks an SM read it 1.3-3.7% faster on the H100 (docs/
-  // prefill.md), and 512 items of 64 requests x 8 KV heads run in one wave, not two.
+  // by the K/V read, which four smaller blocks an SM read faster, and 512 items (64
+  // requests x 8 KV heads) run in one wave, not two. H100 A/B (docs/prefill.md): 64 x 4
+  // tokens on 4k keys 1.02x at head_dim 128 (fp8 K/V 1.14x), 1.02-1.06x at 64; 64 x 16 on 1k
+  // 1.08x; 256 requests of one token 0.99x. Three blocks an SM (168 registers): 0.82-0.95x.
   static constexpr bool kQuad = MFrags == 1 && HeadDimQK <= 128;
   // Keys a tile: 64 (32-row warps: 3-7% faster than 32 keys on the H100, for 44 bytes of
   // spills); 32 for 64-row tiles: at head_dim_qk >= 192 their q tile takes 48-64 KB (two

@@ -45,14 +45,6 @@ _BACKENDS = ("auto", "fa2")
 _PAIR_INTS = 15  # csrc/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
 _PAIR_IDS_AT, _PAIR_IDS = 11, 4  # (kPrefillPairIdsAt, kPrefillPairIds: the chunk's first page ids, -1 until filled)
 _BLOCKS_PER_SM = 2  # csrc/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM (the split's target)
-
-
-def blocks_per_sm(head_dim_qk: int, tile_rows: int) -> int:
-    """Blocks of a tile an SM holds (csrc/prefill.cuh kMinBlocksPerSM): the 64-row tile at
-    head_dim_qk <= 128 runs four (kQuad), head_dim 256's 128-row tile one, the others two."""
-    if tile_rows == 64 and head_dim_qk <= 128:
-        return 4
-    return 1 if tile_rows == 128 and head_dim_qk >= 256 else _BLOCKS_PER_SM
 _MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than it saves
 # keys: causal batches at head_dim 256 whose requests average at most this many take the
 # 64-row tile (csrc/prefill_plan.h PrefillPlanConfig.short_causal_keys)
@@ -71,6 +63,14 @@ _SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: (
 _ITEMS, _TILE_ROWS, _QO_TOKENS, _PARTIAL_ROWS, _TABLE_AT, _MERGE_AT, _WORK_AT, _END, _KV_ROWS, _MOVABLE_PAGES = range(2, 12)
 _RESULT_INTS = 12  # (csrc/prefill_plan.h kResultInts)
 _SLOT_TOO_SMALL, _WORK_CAPACITY = 6, 7
+
+
+def blocks_per_sm(head_dim_qk: int, tile_rows: int) -> int:
+    """Blocks of a tile an SM holds (csrc/prefill.cuh kMinBlocksPerSM): the 64-row tile at
+    head_dim_qk <= 128 runs four (kQuad), head_dim 256's 128-row tile one, the others two."""
+    if tile_rows == 64 and head_dim_qk <= 128:
+        return 4
+    return 1 if tile_rows == 128 and head_dim_qk >= 256 else _BLOCKS_PER_SM
 
 
 class _PlanConfig(ctypes.Structure):
