@@ -65,7 +65,7 @@ _RESULT_INTS = 12  # (csrc/prefill_plan.h kResultInts)
 _SLOT_TOO_SMALL, _WORK_CAPACITY = 6, 7
 
 
-def blocks_per_sm(head_dim_qk: int, tile_rows: int) -> int:
+def _blocks_per_sm(head_dim_qk: int, tile_rows: int) -> int:
     """Blocks of a tile an SM holds (csrc/prefill.cuh kMinBlocksPerSM): the 64-row tile at
     head_dim_qk <= 128 runs four (kQuad), head_dim 256's 128-row tile one, the others two."""
     if tile_rows == 64 and head_dim_qk <= 128:
@@ -630,11 +630,13 @@ class _PrefillWrapper:
         (8 warps, csrc/prefill.cuh kWide, kOneItemABlock), so its graphs keep the 64-row tile."""
         return min(TILE_ROWS) if self._use_cuda_graph and config.head_dim_qk >= 256 else max(TILE_ROWS)
 
-    def _graph_grid(self, head_dim_qk: int | None = None, tile_rows: int | None = None) -> int:
-        """A CUDA-graph launch's fixed grid: a wave of the tile's blocks (blocks_per_sm); without
-        a tile, two blocks an SM (the split's target)."""
-        sms = num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
-        return sms * (_BLOCKS_PER_SM if tile_rows is None else blocks_per_sm(head_dim_qk, tile_rows))
+    def _sms(self) -> int:
+        return num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
+
+    def _graph_grid(self, head_dim_qk: int, tile_rows: int) -> int:
+        """A CUDA-graph launch's fixed grid: one wave of the tile's blocks, which loop over the
+        work list."""
+        return self._sms() * _blocks_per_sm(head_dim_qk, tile_rows)
 
     def _plan_struct(self, config: _Config, side: int, capacity: int, max_kv_len: int):
         """(the planner's configuration for this plan, its address): kept per configuration
@@ -645,7 +647,7 @@ class _PrefillWrapper:
                               page_size=config.page_size, causal=int(config.mask == "causal"),
                               max_tile_rows=self._max_tile_rows(config),
                               short_causal_keys=_SHORT_CAUSAL_KEYS if config.head_dim_qk >= 256 else 0,
-                              target_blocks=self._graph_grid(), min_chunk=_MIN_CHUNK,
+                              target_blocks=self._sms() * _BLOCKS_PER_SM, min_chunk=_MIN_CHUNK,
                               fixed_split_size=int(config.fixed_split_size or 0),
                               split=int(not self._use_cuda_graph and not config.disable_split_kv),
                               max_partial_rows=self._partial_capacity(config))

@@ -304,7 +304,7 @@ def test_tile_choice_and_graph_wrappers_at_head_dim_256(head_dim):
                    head_dim, 16, causal=True, q_data_type=torch.bfloat16)
             assert w._plan.tile_rows == tile, (graph, qo_len)
             if graph:
-                assert w._plan.grid == 132 * prefill.blocks_per_sm(head_dim, tile), (head_dim, tile)
+                assert w._plan.grid == 132 * prefill._blocks_per_sm(head_dim, tile), (head_dim, tile)
 
 
 @pytest.mark.parametrize("side", [_CSR, _SEQ_LENS, _RAGGED])
