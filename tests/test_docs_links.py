@@ -42,8 +42,9 @@ def markdown_files(root: Path = REPO) -> list[Path]:
     return found
 
 
-def prose_lines(text: str):
-    """(line number, line) outside fenced code blocks, inline code spans blanked out."""
+def prose_lines(text: str, blank_code: bool = True):
+    """(line number, line) outside fenced code blocks, inline code spans blanked out
+    (kept with blank_code=False: a heading's anchor keeps its code spans' text)."""
     fence = None
     for number, line in enumerate(text.splitlines(), 1):
         m = FENCE.match(line)
@@ -53,7 +54,7 @@ def prose_lines(text: str):
             if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip(" `~"):
                 fence = None
         else:
-            yield number, CODE_SPAN.sub(lambda s: " " * len(s.group(0)), line)
+            yield number, CODE_SPAN.sub(lambda s: " " * len(s.group(0)), line) if blank_code else line
 
 
 def slug(heading: str) -> str:
@@ -71,8 +72,8 @@ def anchors(text: str) -> set[str]:
     seen: dict[str, int] = {}
     found: set[str] = set()
     previous = ""
-    for _, line in prose_lines(text):
-        found.update(HTML_ANCHOR.findall(line))
+    for _, line in prose_lines(text, blank_code=False):
+        found.update(HTML_ANCHOR.findall(CODE_SPAN.sub("", line)))
         heading = None
         m = ATX_HEADING.match(line)
         if m:
@@ -145,6 +146,11 @@ def test_slug_follows_github():
 def test_duplicate_headings_are_numbered_and_code_is_not_a_heading():
     text = "# Decode\n\n## Runs\n\n```\n# not a heading\n```\n\n## Runs\n\nSetext\n------\n\n## Runs\n"
     assert anchors(text) == {"decode", "runs", "runs-1", "runs-2", "setext"}
+
+
+def test_a_headings_code_spans_keep_their_text_in_its_anchor():
+    text = "# Batch prefill\n\n## Status at `497f941`, as the page opened\n\n## `plan()` and `run()`\n"
+    assert anchors(text) == {"batch-prefill", "status-at-497f941-as-the-page-opened", "plan-and-run"}
 
 
 def test_broken_links_are_listed_with_file_and_line(tmp_path):
