@@ -1,4 +1,6 @@
-"""Every relative link in the repository's Markdown resolves (a CPU test).
+"""Every relative link in the repository's Markdown resolves (a CPU test), and docs/ keeps
+its own rules: docs/results/ holds only raw data a current page cites, and the pages state
+figures, not an issue's targets.
 
 For each *.md (not under .git, cache/, .peers/, .carry/ or docs/results/, whose files are
 recorded output), every inline link or image [text](target), [text](target#anchor) or
@@ -186,3 +188,36 @@ def test_every_relative_link_in_the_markdown_resolves():
     cache: dict = {}
     problems = [p for md in files for p in broken_links(md, REPO, cache)]
     assert not problems, f"{len(problems)} broken link(s) in the Markdown:\n" + "\n".join(problems)
+
+
+def current_pages(root: Path = REPO) -> list[Path]:
+    """The pages a user reads today: README.md and docs/*.md (not docs/history/, the logs)."""
+    return [root / "README.md"] + sorted((root / "docs").glob("*.md"))
+
+
+def test_the_check_covers_readme_docs_and_history():
+    checked = {f.relative_to(REPO).as_posix() for f in markdown_files()}
+    expected = {"README.md"} | {f.relative_to(REPO).as_posix() for f in (REPO / "docs").glob("*.md")} \
+        | {f.relative_to(REPO).as_posix() for f in (REPO / "docs" / "history").glob("*.md")}
+    assert expected <= checked, f"not checked: {sorted(expected - checked)}"
+    assert {"docs/architecture.md", "docs/prefill.md", "docs/history/README.md",
+            "docs/history/prefill.md", "docs/history/prefill-runs.md"} <= checked
+
+
+def test_every_raw_result_is_cited_by_a_current_page():
+    """docs/results/ keeps what README.md and docs/*.md cite; older runs live in git history
+    (docs/history/README.md says how to reach them)."""
+    cited = set()
+    for page in current_pages():
+        cited.update(re.findall(r"results/([A-Za-z0-9_.+-]+)", page.read_text(encoding="utf-8")))
+    kept = {f.name for f in (REPO / "docs" / "results").iterdir() if f.is_file()}
+    assert not kept - cited, "raw files no current page cites (git rm them; git history keeps them):\n" + \
+        "\n".join(sorted(kept - cited))
+
+
+def test_current_pages_state_figures_not_an_issues_target():
+    found = [f"{page.relative_to(REPO).as_posix()}:{number}: {line.strip()}"
+             for page in current_pages()
+             for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"issue'?s?'? targets?|targets? of the issue|issue target", line, re.I)]
+    assert not found, "\n".join(found)
