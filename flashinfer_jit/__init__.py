@@ -1,7 +1,7 @@
 """flashinfer_jit: specialized CUDA attention and KV-cache kernels, generated per
 configuration and compiled on first use into a content-hashed cache.
 
-Importing the package imports only this file: no GPU query, no disk access, no
+Importing the package imports only this file (and pipeline/__init__.py, for the version): no GPU query, no disk access, no
 compiler probe. Public names resolve on first attribute access.
 """
 
@@ -9,28 +9,28 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from .pipeline import __version__
 
 _EXPORTS = {
     # cache-writing helpers
-    "append_paged_kv_cache": "append",
-    "get_batch_indices_positions": "append",
-    "get_seq_lens": "append",
-    "flatten_kv_cache": "flatten",
+    "append_paged_kv_cache": "kvcache.append",
+    "get_batch_indices_positions": "kvcache.append",
+    "get_seq_lens": "kvcache.append",
+    "flatten_kv_cache": "kvcache.flatten",
     # RoPE
-    "apply_rope": "rope",
-    "apply_rope_inplace": "rope",
-    "apply_rope_pos_ids": "rope",
-    "apply_rope_pos_ids_inplace": "rope",
-    "apply_llama31_rope": "rope",
-    "apply_llama31_rope_inplace": "rope",
-    "apply_llama31_rope_pos_ids": "rope",
-    "apply_llama31_rope_pos_ids_inplace": "rope",
-    "apply_rope_with_cos_sin_cache": "rope",
-    "apply_rope_with_cos_sin_cache_inplace": "rope",
-    "rope_quantize_fp8": "rope",
-    "mla_rope_quantize_fp8": "rope",
-    "rope_quantize_fp8_append_paged_kv_cache": "rope",
+    "apply_rope": "kvcache.rope",
+    "apply_rope_inplace": "kvcache.rope",
+    "apply_rope_pos_ids": "kvcache.rope",
+    "apply_rope_pos_ids_inplace": "kvcache.rope",
+    "apply_llama31_rope": "kvcache.rope",
+    "apply_llama31_rope_inplace": "kvcache.rope",
+    "apply_llama31_rope_pos_ids": "kvcache.rope",
+    "apply_llama31_rope_pos_ids_inplace": "kvcache.rope",
+    "apply_rope_with_cos_sin_cache": "kvcache.rope",
+    "apply_rope_with_cos_sin_cache_inplace": "kvcache.rope",
+    "rope_quantize_fp8": "kvcache.rope",
+    "mla_rope_quantize_fp8": "kvcache.rope",
+    "rope_quantize_fp8_append_paged_kv_cache": "kvcache.rope",
     # attention
     "BatchDecodeWithPagedKVCacheWrapper": "decode",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper": "decode",
@@ -43,18 +43,18 @@ _EXPORTS = {
     "merge_state": "cascade",
     "merge_states": "cascade",
     # page tables
-    "PageTable": "page_table",
-    "csr_page_table": "page_table",
-    "block_page_table": "page_table",
+    "PageTable": "runtime.page_table",
+    "csr_page_table": "runtime.page_table",
+    "block_page_table": "runtime.page_table",
     # JIT machinery
-    "get_module": "jit",
-    "load_or_build": "jit",
-    "build_many": "jit",
-    "BuildError": "errors",
-    "JitError": "errors",
-    "JitDisabledError": "errors",
-    "ToolchainError": "errors",
-    "CacheError": "errors",
+    "get_module": "pipeline.jit",
+    "load_or_build": "pipeline.jit",
+    "build_many": "pipeline.jit",
+    "BuildError": "pipeline.errors",
+    "JitError": "pipeline.errors",
+    "JitDisabledError": "pipeline.errors",
+    "ToolchainError": "pipeline.errors",
+    "CacheError": "pipeline.errors",
     "specs": None,
     # submodules at FlashInfer's paths (flashinfer_jit.page.get_seq_lens, ...)
     "decode": None,

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import dtype_str, expect_same_cuda_device
-from .jit import get_module, op_cache
-from .specs.append import HEAD_DIMS
-from .specs.base import dtype_name
-from .specs.decode import MergeSpec
+from .pipeline.jit import get_module, op_cache
+from .pipeline.spec import HEAD_DIMS, dtype_name
+from .runtime.checks import dtype_str, expect_same_cuda_device
+from .runtime.shared_specs import MergeSpec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -39,7 +38,7 @@ def merge_states(v, s):
     n, _, heads, dim = v.shape
     v_out = torch.empty(n, heads, dim, dtype=v.dtype, device=v.device)
     s_out = torch.empty(n, heads, dtype=torch.float32, device=v.device)
-    from . import env
+    from .pipeline import env
 
     _merge_op(v.dtype, dim, env.debug())(v, s, v_out, s_out)
     return v_out, s_out

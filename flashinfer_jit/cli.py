@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
-from . import __version__, cache, env, toolchain
-from .errors import JitError
+from . import __version__
+from .pipeline import cache, env, toolchain
+from .pipeline.errors import JitError
 
 # A module's build folder peaks at a few MiB (sources, csrc copy, objects, .so); 256 MiB
 # leaves room for a large AOT matrix, its logs and the temp folder of one build.
@@ -326,7 +327,7 @@ def report_json(report, matrix: str, archs: tuple[str, ...], jobs: int | None) -
 
 def aot_specs(matrix_file: str | None, entries: list[str]) -> list:
     """The modules of the matrix file and of each --entry line, deduplicated, in order."""
-    from . import matrix
+    from .pipeline import matrix
 
     specs = matrix.parse_matrix(matrix_file) if matrix_file else []
     for number, line in enumerate(entries, 1):
@@ -335,7 +336,7 @@ def aot_specs(matrix_file: str | None, entries: list[str]) -> list:
 
 
 def cmd_aot(args: argparse.Namespace) -> int:
-    from . import jit
+    from .pipeline import jit
 
     try:
         specs = aot_specs(args.matrix, args.entry)
@@ -369,10 +370,10 @@ def cmd_aot(args: argparse.Namespace) -> int:
 
 
 def _aot_fastcall(root: Path | None) -> None:
-    """Builds run()'s fij_fastcall extension beside the modules (flashinfer_jit/fastcall.py);
+    """Builds run()'s fij_fastcall extension beside the modules (flashinfer_jit/runtime/fastcall.py);
     a failure is said, not fatal (run() then calls its C entries through ctypes)."""
-    from . import fastcall
-    from .errors import JitError
+    from .pipeline.errors import JitError
+    from .runtime import fastcall
 
     try:
         print(f"fastcall: {fastcall.build(root)}")
@@ -382,7 +383,7 @@ def _aot_fastcall(root: Path | None) -> None:
 
 # --- pack -----------------------------------------------------------------------------
 def cmd_pack(args: argparse.Namespace) -> int:
-    from . import pack
+    from .pipeline import pack
 
     root = Path(args.dir)
     try:

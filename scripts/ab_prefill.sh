@@ -9,7 +9,7 @@
 #     DIMS=128 FORMS=ragged,paged SHAPES=64x256,16x1024,4x4096,1x16384 MASKS=full,causal \
 #     ROUNDS=3 FLUSH=0 bash scripts/ab_prefill.sh
 #
-# VARIANT_DIR/NAME.cuh replaces csrc/prefill.cuh for variant NAME (csrc/prefill.cuh is put
+# VARIANT_DIR/NAME.cuh replaces csrc/prefill/prefill.cuh for variant NAME (csrc/prefill/prefill.cuh is put
 # back at the end); MATRIX names the modules the rows need (an AOT matrix file: every
 # variant builds it). A copy of the base under a second name (BASEB) measures the noise.
 # Measured on an H100, 2026-11-27 (with FA2 built by a plan() and run() then): 43-71 s of
@@ -23,8 +23,8 @@ VARIANT_DIR=${VARIANT_DIR:-.carry/var}
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws} MAX_JOBS=${MAX_JOBS:-16}
 export FLASHINFER_JIT_CACHE_DIR=${FLASHINFER_JIT_CACHE_DIR:-/tmp/fij_ab_cache}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
-cp csrc/prefill.cuh /tmp/prefill.cuh.orig
-trap 'cp /tmp/prefill.cuh.orig csrc/prefill.cuh' EXIT
+cp csrc/prefill/prefill.cuh /tmp/prefill.cuh.orig
+trap 'cp /tmp/prefill.cuh.orig csrc/prefill/prefill.cuh' EXIT
 # FlashInfer's FA2 prefill modules for the head dims given, built (CPU only) by the
 # benchmark's own builder (bench_prefill.FLASHINFER_BUILD), one head dim after the other
 FI_BUILD=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import bench_prefill; print(bench_prefill.FLASHINFER_BUILD)')
@@ -33,7 +33,7 @@ FI_BUILD=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import bench_p
 done > "$OUT/fi_build.log" 2>&1) &
 t0=$(date +%s)
 # every distinct variant built side by side, each in a scratch copy of the tracked tree with
-# its csrc/prefill.cuh (the cache key holds the sources' contents, not their paths: the
+# its csrc/prefill/prefill.cuh (the cache key holds the sources' contents, not their paths: the
 # timing below finds them); VJ jobs a variant (default 16 over the variants)
 names=$(for V in $VARIANTS; do echo "${V%%@*}"; done | sort -u)
 count=$(echo "$names" | wc -l)
@@ -43,7 +43,7 @@ case $MATRIX in /*) matrix=$MATRIX ;; *) matrix=$root/$MATRIX ;; esac
 for name in $names; do
   scratch=$(mktemp -d)
   (git ls-files -z | xargs -0 -I{} cp --parents {} "$scratch/" 2>/dev/null
-   cp "$VARIANT_DIR/$name.cuh" "$scratch/csrc/prefill.cuh"
+   cp "$VARIANT_DIR/$name.cuh" "$scratch/csrc/prefill/prefill.cuh"
    cd "$scratch" && python3 -m flashinfer_jit aot --matrix "$matrix" -j "$VJ" > "$OUT/aot_$name.log" 2>&1 \
      || echo "aot $name failed"
    tail -1 "$OUT/aot_$name.log"; rm -rf "$scratch") &

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A/B of csrc/prefill.cuh variants in one process (a development tool, not a benchmark of
+"""A/B of csrc/prefill/prefill.cuh variants in one process (a development tool, not a benchmark of
 record): every variant's modules loaded side by side (jit.clear_registry between them; each
 module's namespace carries its source hash), timed interleaved per shape (A B A B ..., the
 minimum over ROUNDS of the median of up to 50 runs enqueued back to back) after a 3 s GPU warm-up, so clock drift
@@ -15,8 +15,8 @@ queries last, as in chunked prefill and speculative verification).
 FORMS: ragged, paged (page 16, pages in random order) and pagedseq (page 16, pages in order:
 the ragged rows' layout, which separates the page table's addressing from the page order).
 
-Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill.cuh while its wrappers plan
-and make their first run (csrc/prefill.cuh is restored at the end). NAME@costorder plans with
+Variant NAME is $VARIANT_DIR/NAME.cuh, copied over csrc/prefill/prefill.cuh while its wrappers plan
+and make their first run (csrc/prefill/prefill.cuh is restored at the end). NAME@costorder plans with
 the numpy twin and the work order before fc1ff93 (pairs by cost alone); NAME@r64 / NAME@r128 pins the query
 tile (as ROWS=64/128 does for every variant); NAME@split1024 forces KV chunks of 1024 keys
 (fixed_split_size), NAME@nosplit disables the split, NAME@sorted gives the variant (not FA2)
@@ -31,12 +31,19 @@ with sort_pages=False (plan() then keeps the pages as given). FI=1 adds FlashInf
 fa2 on the same inputs (needs the peer on PYTHONPATH). Prebuild each variant (aot) to keep JIT builds
 out of the run. Results: docs/results/2026-11-26_h100_prefill_ab_fc1ff93.json,
 docs/results/2026-11-26_h200_prefill_ab_f18239e.json."""
-import os, shutil, sys, time
-import numpy as np, torch
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 os.chdir(sys.path[0])
 import flashinfer_jit as fi
-from flashinfer_jit import jit
+from flashinfer_jit.pipeline import jit
+
 variants = os.environ.get('VARIANTS', 'BASE2 S2').split()
 dims = [int(x) for x in os.environ.get('DIMS', '128,256').split(',')]
 forms = os.environ.get('FORMS', 'ragged,paged').split(',')
@@ -52,6 +59,7 @@ dev = 'cuda'
 hq, hk = 32, 8
 sys.path.insert(0, os.path.join(sys.path[0], 'scripts'))
 from bench_prefill import Flush, paired_ratio, time_interleaved
+
 # FLUSH=1: bench_prefill.py's L2 flush (a memset of max(4 x L2, 64 MiB)) before each timed run,
 # outside its events, as the benchmark of record times (on head_dim 128's ragged non-causal
 # 64 x 256 it moved neither ours nor FA2's time relative to the other, 2026-11-27)
@@ -62,7 +70,7 @@ flush = Flush() if os.environ.get('FLUSH') == '1' else None
 # kernel's time by up to 3% there). Blocks of one kernel (INTERLEAVE=0) follow themselves.
 interleave = os.environ.get('INTERLEAVE') == '1'
 reps = int(os.environ.get('REPS', '40'))
-orig = open('csrc/prefill.cuh').read()
+orig = open('csrc/prefill/prefill.cuh').read()
 
 def bench(fn, ms_budget=60.0):
     """Median device time of fn() over up to 50 runs enqueued back to back behind a GPU sleep
@@ -87,7 +95,10 @@ def bench(fn, ms_budget=60.0):
     return float(np.median([a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends)]))
 
 import contextlib
-from flashinfer_jit import prefill as _pf
+
+from flashinfer_jit.prefill import wrapper as _pf
+
+
 class _OldOrder:  # the numpy twin with the order before fc1ff93: pairs by cost alone
     def __getattr__(self, n): return getattr(np, n)
     def lexsort(self, keys): return np.argsort(keys[0], kind='stable')
@@ -146,7 +157,7 @@ for d in dims:
         fns = {}
         outs = {}
         for var in variants:
-          shutil.copy(os.path.join(os.environ.get('VARIANT_DIR', '.carry/var'), var.split('@')[0] + '.cuh'), 'csrc/prefill.cuh')
+          shutil.copy(os.path.join(os.environ.get('VARIANT_DIR', '.carry/var'), var.split('@')[0] + '.cuh'), 'csrc/prefill/prefill.cuh')
           jit.clear_registry()
           if form in ('paged', 'pagedseq'):
             # P pages a request, its rows at their start (a key count off the page size leaves
@@ -216,4 +227,4 @@ for d in dims:
         del fns, outs
       del q, k, v
       torch.cuda.empty_cache()
-open('csrc/prefill.cuh', 'w').write(orig)
+open('csrc/prefill/prefill.cuh', 'w').write(orig)

@@ -68,7 +68,7 @@ import json, time
 import torch
 t0 = time.perf_counter()
 import flashinfer_jit
-from flashinfer_jit.jit import get_module
+from flashinfer_jit.pipeline.jit import get_module
 from flashinfer_jit.specs import AppendSpec
 t1 = time.perf_counter()
 get_module(AppendSpec("bfloat16", 128, "NHD", "csr"))
@@ -355,8 +355,8 @@ def decode_landing_check(d):
     (tests/ does that)."""
     import torch
 
-    from flashinfer_jit.page_table import csr_page_table
     from flashinfer_jit.reference import page_slots_ref
+    from flashinfer_jit.runtime.page_table import csr_page_table
 
     table = csr_page_table(d["kv_indptr"], d["kv_indices"], d["kv_last_page_len"])
     tokens, page, _, slot = page_slots_ref(d["batch_indices"], d["positions"], table, PAGE_SIZE,
@@ -421,7 +421,7 @@ def bench_host_overhead(peer_module, quick: bool):
     """One call with tiny inputs (1 request, 1 token): what the Python path costs."""
     import torch
 
-    from flashinfer_jit.jit import get_module
+    from flashinfer_jit.pipeline.jit import get_module
     from flashinfer_jit.specs import AppendSpec
 
     d = decode_inputs(1, "bfloat16", seed=2, max_kv=16)
@@ -446,7 +446,7 @@ def bench_host_overhead(peer_module, quick: bool):
 
 
 def bench_registry():
-    from flashinfer_jit.jit import get_module
+    from flashinfer_jit.pipeline.jit import get_module
     from flashinfer_jit.specs import AppendSpec
 
     spec = AppendSpec("bfloat16", HEAD_DIM, "NHD", "csr")
@@ -480,7 +480,7 @@ def bench_cold_build():
         env = dict(os.environ, FLASHINFER_JIT_CACHE_DIR=tmp, MAX_JOBS="16")
         env.pop("FLASHINFER_JIT_DISABLE_JIT", None)
         code = ("import time, json; t0 = time.perf_counter(); "
-                "from flashinfer_jit.jit import get_module; from flashinfer_jit.specs import AppendSpec; "
+                "from flashinfer_jit.pipeline.jit import get_module; from flashinfer_jit.specs import AppendSpec; "
                 "get_module(AppendSpec('bfloat16', 128, 'NHD', 'csr')); "
                 "print(json.dumps({'seconds': time.perf_counter() - t0}))")
         out = subprocess.run([sys.executable, "-c", code], cwd=bc.REPO, env=env, capture_output=True,

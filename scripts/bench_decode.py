@@ -606,9 +606,9 @@ def planned(args) -> tuple[list[Case], list[dict]]:
 
 def build_ours(cases) -> dict:
     """Our modules, built in one parallel ninja run before anything is timed."""
-    from flashinfer_jit.jit import build_many
+    from flashinfer_jit.decode.spec import group_tile
+    from flashinfer_jit.pipeline.jit import build_many
     from flashinfer_jit.specs import DecodeSpec
-    from flashinfer_jit.specs.decode import group_tile
 
     specs = sorted({DecodeSpec(Q_DTYPE, c.kv_dtype, HEAD_DIM, group_tile(*GQA_HEADS[c.gqa], HEAD_DIM), "csr", "NHD")
                     for c in cases}, key=lambda s: s.name)

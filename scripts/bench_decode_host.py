@@ -38,11 +38,10 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
-
 import torch  # noqa: E402
 
 import flashinfer_jit as fij  # noqa: E402
-from flashinfer_jit import decode as decode_mod  # noqa: E402
+from flashinfer_jit.decode import wrapper as decode_mod  # noqa: E402
 
 HQ, HK, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 PLAN_BATCH, KV_LEN = 256, 2048

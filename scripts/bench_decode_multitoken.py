@@ -38,6 +38,7 @@ def rows(quick: bool) -> list[dict]:
 
 def measure_row(row: dict, fi, reps: int) -> dict:
     import torch
+
     import flashinfer_jit as fij
 
     b, n, kv_len = row["batch"], row["tokens"], row["kv_len"]

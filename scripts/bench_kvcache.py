@@ -20,8 +20,19 @@ import os
 import sys
 import tempfile
 
-from bench_common import (copy_bandwidth, default_out, gbps, log, rotation_sets, run_metadata, table,
-                          time_cuda, time_cuda_graph, time_host, write_json)
+from bench_common import (
+    copy_bandwidth,
+    default_out,
+    gbps,
+    log,
+    rotation_sets,
+    run_metadata,
+    table,
+    time_cuda,
+    time_cuda_graph,
+    time_host,
+    write_json,
+)
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 

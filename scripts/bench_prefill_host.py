@@ -116,7 +116,8 @@ def main() -> int:
                     20, args.rounds, sync)
         # the same run() with its C entry called through ctypes (fij_fastcall off): what the
         # extension saves
-        from flashinfer_jit import fastcall, prefill as fij_prefill
+        from flashinfer_jit.prefill import wrapper as fij_prefill
+        from flashinfer_jit.runtime import fastcall
         ext = fastcall.extension
         try:
             fastcall.extension = lambda: None

@@ -42,19 +42,24 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import flashinfer_jit as fij
-from flashinfer_jit import env, jit, toolchain
-from flashinfer_jit.errors import JitDisabledError
-from flashinfer_jit.matrix import parse_matrix, spec_line
-from flashinfer_jit.page_table import PageTable
+from flashinfer_jit.decode.spec import group_tile
+from flashinfer_jit.pipeline import env, jit, toolchain
+from flashinfer_jit.pipeline.errors import JitDisabledError
+from flashinfer_jit.pipeline.matrix import parse_matrix, spec_line
+from flashinfer_jit.pipeline.spec import HEAD_DIMS
 from flashinfer_jit.reference.append import append_paged_kv_cache_ref, get_batch_indices_positions_ref
 from flashinfer_jit.reference.decode import decode_ref, merge_states_ref
 from flashinfer_jit.reference.flatten import flatten_kv_cache_ref
 from flashinfer_jit.reference.prefill import prefill_ref
-from flashinfer_jit.reference.rope import (apply_rope_ref, cos_sin_cache_ref, positions_from_indptr,
-                                           rope_quantize_append_ref, rope_quantize_ref)
+from flashinfer_jit.reference.rope import (
+    apply_rope_ref,
+    cos_sin_cache_ref,
+    positions_from_indptr,
+    rope_quantize_append_ref,
+    rope_quantize_ref,
+)
+from flashinfer_jit.runtime.page_table import PageTable
 from flashinfer_jit.specs import DecodeSpec, PrefillSpec, Spec
-from flashinfer_jit.specs.append import HEAD_DIMS
-from flashinfer_jit.specs.decode import group_tile
 
 DEVICE = "cuda"  # tests/test_deploy_gpu.py runs the exercisers on the CPU up to the module lookup
 PAGE = 16

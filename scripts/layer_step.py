@@ -257,7 +257,7 @@ class LayerStep:
 
     def page_table(self):
         """The step's CSR page table over every live request (for a reference)."""
-        from flashinfer_jit.page_table import csr_page_table
+        from flashinfer_jit.runtime.page_table import csr_page_table
 
         kv_indptr, kv_indices = self._kv_table
         return csr_page_table(kv_indptr[: self.batch.requests + 1], kv_indices, self._last_page_len)

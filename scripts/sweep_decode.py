@@ -203,7 +203,7 @@ def sweep_cluster(only_cases=None, rounds: int = 3) -> list:
 
     import torch
 
-    from flashinfer_jit import decode
+    from flashinfer_jit.decode import wrapper as decode
 
     rows = []
     for kv, gqa, batch, kv_len in CLUSTER_CASES:
@@ -258,7 +258,6 @@ def sweep_layout(cases=LAYOUT_CASES) -> list:
 def host_breakdown() -> dict:
     """µs of host time per call (enqueue rate while the device lags behind)."""
     import torch
-
     from bench_decode import enqueue_us
 
     out = {}
@@ -307,9 +306,9 @@ def host_breakdown() -> dict:
 
 def build_modules(parts=("split", "layout", "cluster", "host"), layout_cases=LAYOUT_CASES, only_cases=None) -> None:
     """The modules the chosen sweeps use, in one parallel build (run() would build them one by one)."""
-    from flashinfer_jit.jit import build_many
+    from flashinfer_jit.decode.spec import group_tile
+    from flashinfer_jit.pipeline.jit import build_many
     from flashinfer_jit.specs import DecodeSpec
-    from flashinfer_jit.specs.decode import group_tile
 
     groups = (("split", split_cases(only_cases)), ("cluster", CLUSTER_CASES), ("host", SPLIT_CASES[:1]))
     cases = [(c, "NHD") for part, group in groups

@@ -40,7 +40,7 @@ def workspace():
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty cache root for this test, and a registry that has forgotten earlier loads."""
-    from flashinfer_jit import jit
+    from flashinfer_jit.pipeline import jit
 
     root = tmp_path / "cache"
     monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
@@ -54,7 +54,7 @@ def fresh_cache(tmp_path, monkeypatch):
 def source_copy(tmp_path, monkeypatch) -> dict:
     """A private copy of csrc/ and templates/, made the package's source folders: a test may
     edit them. {"csrc": path, "templates": path}."""
-    from flashinfer_jit import env
+    from flashinfer_jit.pipeline import env
 
     copies = {}
     for kind in ("csrc", "templates"):

@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from flashinfer_jit.matrix import parse_matrix
-from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
+from flashinfer_jit.pipeline.matrix import parse_matrix
+from flashinfer_jit.runtime.page_table import PageTable, block_page_table, csr_page_table
 
 DEV = "cuda"
 SENTINEL = 7.0  # rows around the outputs that must stay untouched

@@ -22,14 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_helpers import capture_graph
 
 import flashinfer_jit as fij
-from flashinfer_jit.append import check_append_values
-from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
-from flashinfer_jit.reference import (append_paged_kv_cache_ref, get_batch_indices_positions_ref,
-                                      page_slots_ref)
-
-from kv_helpers import capture_graph
+from flashinfer_jit.kvcache.append import check_append_values
+from flashinfer_jit.reference import append_paged_kv_cache_ref, get_batch_indices_positions_ref, page_slots_ref
+from flashinfer_jit.runtime.page_table import PageTable, block_page_table, csr_page_table
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 HEAD_DIMS = (64, 128, 256)
@@ -487,7 +485,7 @@ def test_debug_value_checks_through_op(problem, monkeypatch, no_build):
 @pytest.fixture
 def no_build(monkeypatch):
     """Fail the test if the op gets as far as looking up (building) a module."""
-    import flashinfer_jit.append as append_module
+    import flashinfer_jit.kvcache.append as append_module
 
     def refuse(spec):
         raise AssertionError(f"validation let the call through to get_module({spec.name})")
@@ -752,7 +750,7 @@ def test_batch_indices_reference_matches_loop(batch_size, padding):
 
 # --- CPU: the AOT matrix of the GPU check covers these tests ----------------------------------
 def test_matrix_covers_gpu_tests():
-    matrix = pytest.importorskip("flashinfer_jit.matrix")
+    matrix = pytest.importorskip("flashinfer_jit.pipeline.matrix")
     path = ROOT / "scripts" / "matrices" / "tests"
     if not path.is_file():
         pytest.skip(f"{path} not present")
@@ -764,10 +762,10 @@ def test_matrix_covers_gpu_tests():
 @pytest.mark.gpu
 def test_append_rows_wider_than_the_block():
     """40 heads x 256 dims of bf16 = 1280 16-byte vectors per token: several groups of
-    rounds per token (csrc/append.cuh), each landing exactly."""
+    rounds per token (csrc/kvcache/append.cuh), each landing exactly."""
     import flashinfer_jit as fij
-    from flashinfer_jit.page_table import csr_page_table
     from flashinfer_jit.reference import append_paged_kv_cache_ref
+    from flashinfer_jit.runtime.page_table import csr_page_table
 
     gen = torch.Generator().manual_seed(11)
     heads, dim, page, num_pages = 40, 256, 16, 12

@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from flashinfer_jit import cache, env, jit, render, toolchain
-from flashinfer_jit.errors import BuildError, CacheError, JitDisabledError, ToolchainError
-from flashinfer_jit.specs import AppendSpec, BatchIndicesSpec
-from flashinfer_jit.specs.base import NAMESPACE_PLACEHOLDER
 from race_helpers import run_together
+
+from flashinfer_jit.pipeline import cache, env, jit, render, toolchain
+from flashinfer_jit.pipeline.errors import BuildError, CacheError, JitDisabledError, ToolchainError
+from flashinfer_jit.pipeline.spec import NAMESPACE_PLACEHOLDER
+from flashinfer_jit.specs import AppendSpec, BatchIndicesSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT = 300
@@ -148,7 +148,7 @@ def python_env(**overrides: str | None) -> dict[str, str]:
 # Loads BatchIndicesSpec, prints where from and whether its op is a registered torch op.
 LOAD = textwrap.dedent(f"""
     import json, sys, torch
-    from flashinfer_jit import jit, toolchain
+    from flashinfer_jit.pipeline import jit, toolchain
     from flashinfer_jit.specs import BatchIndicesSpec
     module = jit.get_module(BatchIndicesSpec())
     ops = getattr(torch.ops, module.namespace)
@@ -218,12 +218,12 @@ def test_key_changes_with_a_reached_header_only(source_copy):
     before, before_append = jit.prepare(SPEC), jit.prepare(append)
 
     # Modification times are not part of the key.
-    header = copies["csrc"] / "common.cuh"
+    header = copies["csrc"] / "common/common.cuh"
     os.utime(header, (time.time() + 3600, time.time() + 3600))
     assert jit.prepare(SPEC).key == before.key
 
     # page_table.cuh is reached by append's kernel only.
-    with open(copies["csrc"] / "page_table.cuh", "a") as f:
+    with open(copies["csrc"] / "common/page_table.cuh", "a") as f:
         f.write("// a comment\n")
     assert jit.prepare(SPEC).key == before.key
     assert jit.prepare(append).key != before_append.key
@@ -233,10 +233,10 @@ def test_key_changes_with_a_reached_header_only(source_copy):
         f.write("//\n")
     after = jit.prepare(SPEC)
     assert after.key != before.key and after.content_key != before.content_key
-    assert after.module.headers["common.cuh"].endswith(b"//\n")
+    assert after.module.headers["common/common.cuh"].endswith(b"//\n")
 
     # So does a template edit.
-    template = copies["templates"] / "batch_indices.cu.j2"
+    template = copies["templates"] / "kvcache/batch_indices.cu.j2"
     template.write_text(template.read_text() + "// edited\n")
     assert jit.prepare(SPEC).key != after.key
 
@@ -300,7 +300,7 @@ def test_real_module_builds_links_and_registers_its_op(built):
     assert manifest["library"] == library.name
     assert manifest["files"][library.name] == {"size": library.stat().st_size,
                                                "sha256": cache.sha256_file(library)}
-    assert {"kernel.cu", "binding.cc", "build.ninja", "csrc/common.cuh"} <= set(manifest["files"])
+    assert {"kernel.cu", "binding.cc", "build.ninja", "csrc/common/common.cuh"} <= set(manifest["files"])
     kernel = (entry / "kernel.cu").read_text()
     assert f"namespace {module.namespace} " in kernel and NAMESPACE_PLACEHOLDER not in kernel
     assert cache.verify_entry(entry) is None
@@ -376,7 +376,7 @@ def test_disable_jit_miss_names_the_module(fresh_cache, monkeypatch):
 # Each racer imports everything, says it is ready, waits for the start signal, then asks.
 RACER = textwrap.dedent(f"""
     import json, os, sys, time, torch
-    from flashinfer_jit import jit
+    from flashinfer_jit.pipeline import jit
     from flashinfer_jit.specs import BatchIndicesSpec
     ready, go = sys.argv[1], sys.argv[2]
     open(ready, "w").close()
@@ -501,7 +501,7 @@ def test_verify_entry_reports_malformed_manifests(tmp_path):
 @needs_toolchain
 def test_compile_error_raises_build_error(fresh_cache, source_copy):
     copies = source_copy
-    template = copies["templates"] / "batch_indices.cu.j2"
+    template = copies["templates"] / "kvcache/batch_indices.cu.j2"
     template.write_text(template.read_text() + "this is not C++ at all;\n")
 
     with pytest.raises(BuildError) as info:
@@ -988,7 +988,7 @@ def test_a_full_disk_while_staging_a_build_is_a_clear_error(fresh_cache, monkeyp
 FULL_DISK = textwrap.dedent("""
     import json, os, resource, signal, sys
     from pathlib import Path
-    from flashinfer_jit import jit
+    from flashinfer_jit.pipeline import jit
     from flashinfer_jit.specs import BatchIndicesSpec
     limit = int(sys.argv[1])
     if limit:
@@ -1081,8 +1081,8 @@ def test_a_killed_lock_holder_does_not_block_the_next(tmp_path):
 # load (cache.mark_used, called in between, stands in for it: it deletes the entry first).
 LOAD_AFTER_REMOVAL = textwrap.dedent(f"""
     import json, shutil, torch
-    from flashinfer_jit import cache, jit
-    from flashinfer_jit.errors import JitDisabledError
+    from flashinfer_jit.pipeline import cache, jit
+    from flashinfer_jit.pipeline.errors import JitDisabledError
     from flashinfer_jit.specs import BatchIndicesSpec
     removed = []
     def remove_then_mark(path):

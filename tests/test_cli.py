@@ -21,8 +21,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashinfer_jit import cache, cli, env, render, toolchain
-from flashinfer_jit.jit import BuildReport
+from flashinfer_jit import cli
+from flashinfer_jit.pipeline import cache, env, render, toolchain
+from flashinfer_jit.pipeline.jit import BuildReport
 from flashinfer_jit.specs import BatchIndicesSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -378,7 +379,7 @@ def test_aot_out_counts_only_its_own_entries(built_cache, tmp_path, monkeypatch,
 # --- pack -----------------------------------------------------------------------------
 LOAD_PACKED = """
 import json, sys
-from flashinfer_jit import jit
+from flashinfer_jit.pipeline import jit
 from flashinfer_jit.specs import BatchIndicesSpec, DecodePlanSpec
 indices, plan = jit.get_module(BatchIndicesSpec()), jit.get_module(DecodePlanSpec())
 print(json.dumps({"paths": [str(indices.path), str(plan.path)], "config_bytes": plan.config_bytes()}))
@@ -455,7 +456,7 @@ def test_pack_member_order_and_defaults(built_cache, tmp_path, capsys, monkeypat
     archive lands beside DIR, .tar.gz when zstd is missing."""
     import tarfile
 
-    from flashinfer_jit import pack
+    from flashinfer_jit.pipeline import pack
 
     monkeypatch.setattr(pack, "zstd_program", lambda: None)
     src = tmp_path / "src"
@@ -582,7 +583,7 @@ with FileLock(sys.argv[1]):
 # Loads decode_plan from the cache, then calls into it again after its files are gone.
 USE_MODULE = """
 import json, sys
-from flashinfer_jit import jit
+from flashinfer_jit.pipeline import jit
 from flashinfer_jit.specs import DecodePlanSpec
 module = jit.get_module(DecodePlanSpec())
 print(json.dumps({"path": str(module.path), "config_bytes": module.config_bytes()}), flush=True)

@@ -27,18 +27,34 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from kv_helpers import (
+    DEV,
+    Paged,
+    assert_sentinels,
+    assert_tests_matrix_has,
+    capture_graph,
+    dtype_of,
+    grid_case,
+    make_page_table,
+    on_host,
+    poisoned,
+    randn,
+    replay_poisoned,
+)
 
 import flashinfer_jit as fij
-from flashinfer_jit import decode as decode_module
-from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
-from flashinfer_jit.jit import get_module
-from flashinfer_jit.reference.decode import (decode_ref, merge_state_ref, merge_states_ref, ordered_pages_ref,
-                                             request_pages_ref)
+from flashinfer_jit.decode import wrapper as decode_module
+from flashinfer_jit.decode.spec import group_tile
+from flashinfer_jit.pipeline.jit import get_module
+from flashinfer_jit.reference.decode import (
+    decode_ref,
+    merge_state_ref,
+    merge_states_ref,
+    ordered_pages_ref,
+    request_pages_ref,
+)
+from flashinfer_jit.runtime.page_table import PageTable, block_page_table, csr_page_table
 from flashinfer_jit.specs import DecodeSpec, MergeSpec, PageOrderSpec
-from flashinfer_jit.specs.decode import group_tile
-
-from kv_helpers import (DEV, Paged, assert_sentinels, assert_tests_matrix_has, capture_graph, dtype_of, grid_case,
-                        make_page_table, on_host, poisoned, randn, replay_poisoned)
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}  # relative norm per request
 LSE_TOL = 1e-2  # absolute, base 2
@@ -1275,10 +1291,10 @@ def test_plan_rejects_sort_pages_not_a_bool():
 
 def test_page_order_module_matches_its_ctypes_mirror():
     """The page-order module builds and loads without a GPU; its params struct has the
-    size of its ctypes mirror (flashinfer_jit/page_order.py)."""
+    size of its ctypes mirror (flashinfer_jit/runtime/page_order.py)."""
     import ctypes
 
-    from flashinfer_jit.page_order import PageOrderParams
+    from flashinfer_jit.runtime.page_order import PageOrderParams
 
     module = get_module(PageOrderSpec())
     assert int(module.params_bytes()) == ctypes.sizeof(PageOrderParams)

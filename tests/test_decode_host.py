@@ -1,4 +1,4 @@
-"""The host side of batch decode (flashinfer_jit/decode.py), on the CPU: no GPU; one build,
+"""The host side of batch decode (flashinfer_jit/decode/wrapper.py), on the CPU: no GPU; one build,
 the C++ planner module (DecodePlanSpec, host code only) that plan() calls.
 
 The op is replaced by a recorder (and, on CPU tensors, the CUDA-device check by a
@@ -28,11 +28,12 @@ import pytest
 import torch
 
 import flashinfer_jit as fij
-from flashinfer_jit import decode
-from flashinfer_jit.jit import get_module
-from flashinfer_jit.page_table import csr_page_table
+from flashinfer_jit.decode import wrapper as decode
+from flashinfer_jit.decode.spec import group_tile, uses_tensor_cores
+from flashinfer_jit.pipeline.jit import get_module
 from flashinfer_jit.reference.decode import ordered_pages_ref
-from flashinfer_jit.specs.decode import PageOrderSpec, group_tile, uses_tensor_cores
+from flashinfer_jit.runtime.page_table import csr_page_table
+from flashinfer_jit.runtime.shared_specs import PageOrderSpec
 
 HQ, HK, D, PS = 32, 8, 128, 16
 WORKSPACE_BYTES = 1 << 20
@@ -1109,7 +1110,7 @@ def _planner_batches(table: str) -> list:
 @pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])
 @pytest.mark.parametrize("with_clusters", [False, True], ids=["sm80", "sm90"])
 def test_native_planner_matches_the_numpy_path(config, table, with_clusters, op, monkeypatch):
-    """plan() through the C++ planner (csrc/decode_plan.h) ships the same buffer and
+    """plan() through the C++ planner (csrc/decode/decode_plan.h) ships the same buffer and
     launch as through the numpy path (FLASHINFER_JIT_NATIVE_PLAN=0), over random
     batches: uniform, skewed, short, long, empty requests, one request, none; with and
     without the cluster split; and with a workspace so small that chunks double."""

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from flashinfer_jit import jit
-from flashinfer_jit.errors import JitDisabledError
-from flashinfer_jit.matrix import parse_matrix, spec_line
+from flashinfer_jit.pipeline import jit
+from flashinfer_jit.pipeline.errors import JitDisabledError
+from flashinfer_jit.pipeline.matrix import parse_matrix, spec_line
 from flashinfer_jit.specs import PageOrderSpec
 
 REPO = Path(__file__).resolve().parent.parent

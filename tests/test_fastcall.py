@@ -1,6 +1,6 @@
-"""fij_fastcall (flashinfer_jit/fastcall.py, csrc/fastcall.cc): run()'s C launch entries
+"""fij_fastcall (flashinfer_jit/runtime/fastcall.py, csrc/runtime/fastcall.cc): run()'s C launch entries
 called without ctypes. CPU tests: the extension builds into a cache root, and each of its
-callers hands a C function of the entry's signature (csrc/fast_entry.h; here a ctypes
+callers hands a C function of the entry's signature (csrc/runtime/fast_entry.h; here a ctypes
 callback that records what it receives) exactly the addresses and scalars given, with
 the entry's return value back; bad arguments raise. The GPU tests of decode and prefill
 run the real entries through it (their fast paths)."""
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from flashinfer_jit import fastcall, pack
+from flashinfer_jit.pipeline import pack
+from flashinfer_jit.runtime import fastcall
 
 pytestmark = pytest.mark.skipif(not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file(),
                                 reason="no Python.h: the extension cannot be built here (run() uses ctypes)")
@@ -86,7 +87,7 @@ def test_decode_caller_passes_every_argument(ext):
 
 
 def test_order_pages_caller_passes_every_argument(ext):
-    """plan()'s page order (flashinfer_jit/page_order.py) through the extension: params,
+    """plan()'s page order (flashinfer_jit/runtime/page_order.py) through the extension: params,
     stream (0: the default stream) and device reach the entry; a null entry or params raise."""
     seen = []
     cb = recorder(ORDER, seen, code=3)
@@ -219,7 +220,7 @@ def test_prefill_run_launches_only_for_the_recorded_signature(ext):
 
 
 def test_prefill_plan_calls_the_planner_for_the_common_form_only(ext):
-    """plan()'s caller of the C++ planner (csrc/plan_entry.h): the index vectors' data and
+    """plan()'s caller of the C++ planner (csrc/runtime/plan_entry.h): the index vectors' data and
     the batch for contiguous 1-D int32 CPU tensors of the batch's lengths, the planner's
     status back; -1 and no call for any other form (plan() then converts and checks them
     in Python, with its errors)."""

@@ -35,18 +35,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_helpers import capture_graph
 
 import flashinfer_jit as flashinfer
-from flashinfer_jit import jit, log
-from flashinfer_jit.page_table import block_page_table, csr_page_table
-from flashinfer_jit.reference.decode import decode_ref
+from flashinfer_jit.pipeline import jit, log
 from flashinfer_jit.reference import append_paged_kv_cache_ref, get_batch_indices_positions_ref
+from flashinfer_jit.reference.decode import decode_ref
 from flashinfer_jit.reference.flatten import flatten_kv_cache_ref
-from flashinfer_jit.reference.rope import (apply_rope_ref, cos_sin_cache_ref, positions_from_indptr,
-                                           rope_quantize_append_ref, rope_quantize_ref)
+from flashinfer_jit.reference.rope import (
+    apply_rope_ref,
+    cos_sin_cache_ref,
+    positions_from_indptr,
+    rope_quantize_append_ref,
+    rope_quantize_ref,
+)
+from flashinfer_jit.runtime.page_table import block_page_table, csr_page_table
 from flashinfer_jit.specs import AppendSpec, BatchIndicesSpec, FlattenSpec, RopeSpec
-
-from kv_helpers import capture_graph
 
 REPO = Path(__file__).resolve().parents[1]
 DEV = "cuda"  # of the GPU tests
@@ -128,7 +132,7 @@ def gpu_specs_used() -> set:
 
 
 def test_matrix_covers_gpu_tests():
-    from flashinfer_jit.matrix import parse_matrix
+    from flashinfer_jit.pipeline.matrix import parse_matrix
 
     listed = set(parse_matrix(REPO / "scripts" / "matrices" / "tests"))
     missing = sorted(s.name for s in gpu_specs_used() - listed)
@@ -249,7 +253,7 @@ def recorded_launches(monkeypatch):
     """The wrappers run on CPU tensors up to their launch, which is recorded instead of
     made: the CUDA-device checks accept CPU tensors and every op lookup returns a
     recorder. Returns the list of recorded argument tuples (one per launch)."""
-    from flashinfer_jit import append, flatten, rope
+    from flashinfer_jit.kvcache import append, flatten, rope
 
     launches = []
 
@@ -769,7 +773,7 @@ def test_constant_result_is_torchs_mark_and_the_families_import_no_dynamo():
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "no dynamo"
-    from flashinfer_jit.checks import constant_result
+    from flashinfer_jit.runtime.checks import constant_result
 
     def ours():
         return 1
@@ -902,7 +906,7 @@ def first_build(tmp_path_factory):
 
 @pytest.fixture
 def logging_state(monkeypatch):
-    """The logger and flashinfer_jit.log's state as they were, afterwards."""
+    """The logger and flashinfer_jit.pipeline.log's state as they were, afterwards."""
     logger = logging.getLogger("flashinfer_jit")
     handlers, level = list(logger.handlers), logger.level
     monkeypatch.delenv("FLASHINFER_JIT_LOG_LEVEL", raising=False)
@@ -958,7 +962,7 @@ def test_cache_hit_and_aot_build_log_nothing_at_info(first_build, tmp_path, monk
     # AOT into an empty root: ninja replaced by a copy of the built library (the CLI shows
     # its own progress; the library logs nothing, not even at DEBUG)
     monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "aot"))
-    from flashinfer_jit import build
+    from flashinfer_jit.pipeline import build
 
     library = next(first_build[0].glob("batch_indices_i32-*/batch_indices_i32.so"))
 
@@ -1024,7 +1028,7 @@ def test_visible_by_default_on_stderr_once_with_an_application_config(first_buil
     code = textwrap.dedent(f"""
         import logging, os, shutil, sys
         from pathlib import Path
-        from flashinfer_jit import jit
+        from flashinfer_jit.pipeline import jit
         from flashinfer_jit.specs import BatchIndicesSpec
 
         def build(prep, entry, jobs=None):
@@ -1087,7 +1091,7 @@ def _decode_csr(lens, page_size=DEC_PS, device="cpu", dtype=torch.int32, seed=0)
 
 # --- CPU: argument conventions ----------------------------------------------------------------------
 def test_decode_submodule_has_flashinfer_names():
-    from flashinfer_jit import decode
+    from flashinfer_jit.decode import wrapper as decode
 
     for name in ("BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
                  "single_decode_with_kv_cache", "fast_decode_plan"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flashinfer_jit as fij
-from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
 from flashinfer_jit.reference.flatten import flatten_kv_cache_ref
+from flashinfer_jit.runtime.page_table import PageTable, block_page_table, csr_page_table
 
 DEV = "cuda"
 NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7F}

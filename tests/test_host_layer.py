@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from flashinfer_jit import capacity, device, native
-from flashinfer_jit.plan_buffer import PlanBuffer
+from flashinfer_jit.runtime import capacity, device, native
+from flashinfer_jit.runtime.plan_buffer import PlanBuffer
 
 CPU = torch.device("cpu")
 
@@ -145,7 +145,7 @@ def test_device_facts_on_the_cpu():
 
 
 def test_remembered_checks_once_per_typed_argument_set():
-    from flashinfer_jit.checks import remembered
+    from flashinfer_jit.runtime.checks import remembered
 
     calls = []
 

@@ -4,15 +4,21 @@ the matrices shipped in scripts/matrices/."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from dataclasses import dataclass
-
-from flashinfer_jit.matrix import MatrixError, convert_value, parse_line, parse_matrix, parse_matrix_text, spec_line
+from flashinfer_jit.pipeline.matrix import (
+    MatrixError,
+    convert_value,
+    parse_line,
+    parse_matrix,
+    parse_matrix_text,
+    spec_line,
+)
+from flashinfer_jit.pipeline.spec import choice
 from flashinfer_jit.specs import FAMILIES, AppendSpec, BatchIndicesSpec, Spec
-from flashinfer_jit.specs.base import choice
 
 MATRICES = Path(__file__).resolve().parent.parent / "scripts" / "matrices"
 DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")

@@ -28,8 +28,8 @@ from layer_step import Batch, LayerStep, llama8b_batch, verify  # noqa: E402
 from race_helpers import run_together  # noqa: E402
 
 import flashinfer_jit as fij  # noqa: E402
-from flashinfer_jit.page_table import csr_page_table  # noqa: E402
 from flashinfer_jit.reference.append import append_paged_kv_cache_ref  # noqa: E402
+from flashinfer_jit.runtime.page_table import csr_page_table  # noqa: E402
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 needs_two = pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs")

@@ -29,20 +29,29 @@ import itertools
 import random
 from typing import NamedTuple
 
+import kv_helpers
 import pytest
 import torch
+from kv_helpers import (
+    DEV,
+    Paged,
+    assert_sentinels,
+    assert_tests_matrix_has,
+    dtype_of,
+    grid_case,
+    on_host,
+    poisoned,
+    randn,
+    replay_poisoned,
+)
 
 import flashinfer_jit as fij
-from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
+from flashinfer_jit.decode.spec import group_tile
+from flashinfer_jit.prefill.spec import PrefillSpec
 from flashinfer_jit.reference.decode import request_pages_ref
 from flashinfer_jit.reference.prefill import prefill_ref, segment_packbits_ref
+from flashinfer_jit.runtime.page_table import PageTable, block_page_table, csr_page_table
 from flashinfer_jit.specs import DecodeSpec, MergeSpec
-from flashinfer_jit.specs.decode import group_tile
-from flashinfer_jit.specs.prefill import PrefillSpec
-
-import kv_helpers
-from kv_helpers import (DEV, Paged, assert_sentinels, assert_tests_matrix_has, dtype_of, grid_case, on_host,
-                        poisoned, randn, replay_poisoned)
 
 # |out - ref| <= tol * (1 + |ref|), tol of the coarser of q's and the output's dtype
 TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -776,7 +785,7 @@ def _check_unmasked_128_row_tile(head_dim, source, window_left, workspace):
 @pytest.mark.parametrize("layout", ["ragged", "csr16", "csr1"])
 def test_head_dim_256_wide_tile(layout, causal, split, workspace):
     """head_dim 256's 128-row tile (8 warps, one block an SM; non-causal: one item a block,
-    the item count not read, csrc/prefill.cuh kOneItemABlock): items of one K/V tile (64
+    the item count not read, csrc/prefill/prefill.cuh kOneItemABlock): items of one K/V tile (64
     keys), of many, padding rows, empty requests, the chunks of a split (each chunk's tile
     merged by its last block), causal and not, pages of 16 (a page a warp) and of 1 (a
     lookup a row), MHA (csr1) and GQA-4, against the reference."""
@@ -809,7 +818,7 @@ def test_head_dim_256_wide_tile(layout, causal, split, workspace):
 def test_paged_matches_ragged(causal, page_size, workspace):
     """The same K/V rows through the paged cache and as ragged tensors: the two agree, and
     each matches the reference. (Page sizes: 1, a lookup a row; 8, the page ids a lane
-    shuffled to each row; 16, a page a warp: the three copy paths of csrc/prefill.cuh.)"""
+    shuffled to each row; 16, a page a warp: the three copy paths of csrc/prefill/prefill.cuh.)"""
     rnd = random.Random(6 + page_size)
     gen = torch.Generator(device=DEV).manual_seed(6 + page_size)
     shapes = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (64, 65)]
@@ -839,7 +848,7 @@ def _ordered_ids(plan, table: PageTable) -> PageTable:
 def test_paged_plan_orders_pages(causal, workspace):
     """plan() writes a copy of the page table with each request's movable pages in page-id
     order (every page but the last; causal: only the pages of keys every query row sees,
-    j <= kv_len - qo_len), exactly as the reference ordering (flashinfer_jit/page_order.py),
+    j <= kv_len - qo_len), exactly as the reference ordering (flashinfer_jit/runtime/page_order.py),
     for every page-table layout; run() on it matches the float64 reference of the pages as
     given (op, then fast path); a run() with a window reads the pages as given; RoPE,
     sort_pages=False and window plans keep the ids as given."""
@@ -885,12 +894,12 @@ def test_paged_plan_orders_pages(causal, workspace):
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 def test_pairs_carry_their_first_page_ids(causal, split, workspace):
     """plan()'s page-order launch writes into each work pair the page ids of its chunk's first
-    four pages (csrc/prefill_params.h kPrefillPairIdsAt), from the reordered table its run()
+    four pages (csrc/prefill/prefill_params.h kPrefillPairIdsAt), from the reordered table its run()
     reads, -1 past the request's pages; tables of separate K and V ids, and plans that keep
     the pages as given, leave -1 (the kernels then load the ids). run() matches the float64
     reference either way (page 16: the first tile's ids come with the pair; page 8: its 64 keys
     span 8 pages, loaded)."""
-    from flashinfer_jit import prefill as pf
+    from flashinfer_jit.prefill import wrapper as pf
 
     rnd = random.Random(53)
     gen = torch.Generator(device=DEV).manual_seed(53)
@@ -1216,7 +1225,7 @@ def test_run_quick_path_checks_what_the_op_recorded(source, workspace):
     the op's bit for bit; a q of another dtype, a q misaligned by one element (same shape and
     strides), an out of another shape or dtype still raise what the full checks raise,
     before any launch; another token count (a new signature) is recorded and runs right."""
-    from flashinfer_jit import fastcall
+    from flashinfer_jit.runtime import fastcall
 
     rnd = random.Random(21)
     gen = torch.Generator(device=DEV).manual_seed(21)

@@ -1,4 +1,4 @@
-"""Batch prefill's plan() on the host: the C++ planner (csrc/prefill_plan.h) against its
+"""Batch prefill's plan() on the host: the C++ planner (csrc/prefill/prefill_plan.h) against its
 numpy twin (prefill._plan_numpy / plan_work), the work list's invariants, and plan()'s
 errors. CPU only: plan() on a CPU workspace validates and plans without a GPU."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashinfer_jit import prefill
-from flashinfer_jit.prefill import _CSR, _RAGGED, _SEQ_LENS, _PlanConfig, _native_planner, _plan_numpy
+from flashinfer_jit.prefill import wrapper as prefill
+from flashinfer_jit.prefill.wrapper import _CSR, _RAGGED, _SEQ_LENS, _native_planner, _plan_numpy, _PlanConfig
 
 
 def _config(side, group=4, heads=8, causal=1, page_size=16, split=1, fixed=0, capacity=0, partial=10**9, tile=0,
@@ -98,7 +98,7 @@ def test_work_list_covers_every_row_and_key_once():
     heads = 8
     assert w[0] % heads == 0
     pairs = w[1: 1 + prefill._PAIR_INTS * (w[0] // heads)].reshape(-1, prefill._PAIR_INTS)
-    # item i: pair i // heads, KV head i % heads (csrc/prefill.cuh load_prefill_item), as
+    # item i: pair i // heads, KV head i % heads (csrc/prefill/prefill.cuh load_prefill_item), as
     # (request, kv_head, row0, kv_start, kv_end)
     items = np.array([(*pairs[i // heads][:1], i % heads, *pairs[i // heads][1:4]) for i in range(w[0])])
     qo_lens, kv_lens = np.diff(qo.numpy()), np.diff(a.numpy())
@@ -311,7 +311,7 @@ def test_tile_choice_and_graph_wrappers_at_head_dim_256(head_dim):
 def test_pinned_tile_is_held_to_the_largest_the_wrapper_runs(side):
     """A pinned tile (tile_rows, the tests' and benchmarks' _force_tile_rows) larger than
     max_tile_rows takes max_tile_rows, in both planners: a CUDA-graph wrapper at head_dim 256
-    never gets the 128-row tile, whose kernel takes one item a block (csrc/prefill.cuh
+    never gets the 128-row tile, whose kernel takes one item a block (csrc/prefill/prefill.cuh
     kOneItemABlock) and would leave a looping grid's later items undone."""
     qo, a, b = _index_arrays(np.array([512, 300, 7]), np.array([600, 300, 900]), side)
     for tile, max_tile, expected in ((128, 64, 64), (128, 128, 128), (64, 128, 64), (0, 64, 64)):
@@ -395,7 +395,7 @@ def test_plan_through_fij_fastcall_and_through_ctypes_alike(monkeypatch):
     planner as given, through fij_fastcall, and any other form, or all of them without the
     extension, through ctypes after its conversions and checks: the same plan buffers and
     the same errors either way."""
-    from flashinfer_jit import fastcall
+    from flashinfer_jit.runtime import fastcall
 
     def wrappers():
         ws = torch.empty(1 << 24, dtype=torch.uint8)
@@ -430,7 +430,7 @@ def test_plan_through_fij_fastcall_and_through_ctypes_alike(monkeypatch):
 @pytest.mark.parametrize("causal", [0, 1])
 def test_movable_pages(side, causal):
     """The planner reports the most pages of any request that plan()'s page order may move
-    (flashinfer_jit/page_order.py): every page but the last; causal, at most those of keys
+    (flashinfer_jit/runtime/page_order.py): every page but the last; causal, at most those of keys
     j <= kv_len - qo_len (every query row sees them); ragged, none. Both planners agree."""
     qo_lens, kv_lens = np.array([4, 700, 0, 33, 1]), np.array([4096, 700, 300, 33 + 16 * 5 - 1, 16])
     # pages that may move a request: non-causal [255, 43, 18, 6, 0], causal [255, 0, 18, 5, 0]

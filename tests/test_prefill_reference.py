@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from flashinfer_jit.page_table import PageTable, block_page_table, csr_page_table
 from flashinfer_jit.reference.decode import decode_ref, merge_state_ref
-from flashinfer_jit.reference.prefill import (packbits_ref, prefill_ref, segment_packbits_ref,
-                                              unpack_mask_ref)
+from flashinfer_jit.reference.prefill import packbits_ref, prefill_ref, segment_packbits_ref, unpack_mask_ref
 from flashinfer_jit.reference.rope import apply_rope_ref, positions_from_indptr
+from flashinfer_jit.runtime.page_table import PageTable, block_page_table, csr_page_table
 
 LOG2E = 1.0 / math.log(2.0)
 # (qo_len, kv_len) per request: chunked prefill, padding with no queries / no keys, equal

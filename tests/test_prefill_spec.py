@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from flashinfer_jit import render
-from flashinfer_jit.matrix import parse_matrix_text
-from flashinfer_jit.specs import FAMILIES
-from flashinfer_jit.specs.prefill import HEAD_DIM_PAIRS, PrefillSpec
 from test_specs import combinations, is_valid
+
+from flashinfer_jit.pipeline import render
+from flashinfer_jit.pipeline.matrix import parse_matrix_text
+from flashinfer_jit.prefill.spec import HEAD_DIM_PAIRS, PrefillSpec
+from flashinfer_jit.specs import FAMILIES
 
 BF16 = dict(dtype_q="bfloat16", dtype_kv="bfloat16", dtype_o="bfloat16")
 
@@ -79,6 +79,6 @@ def test_registered_and_rendered():
     assert spec.name == "prefill_bf16_bf16_bf16_hd128_vo128_paged_causal"
     rendered = render.render(spec)
     assert "PrefillMask::kCausal" in rendered.sources["kernel.cu"]
-    assert "prefill.cuh" in rendered.headers and "page_table.cuh" in rendered.headers
+    assert "prefill/prefill.cuh" in rendered.headers and "common/page_table.cuh" in rendered.headers
     assert spec.tile_rows == (64, 128)
     assert PrefillSpec(**BF16, head_dim_qk=256, head_dim_vo=256).tile_rows == (64, 128)

@@ -7,10 +7,15 @@ import pytest
 import torch
 
 import flashinfer_jit as fij
-from flashinfer_jit.page_table import block_page_table, csr_page_table
 from flashinfer_jit.reference.append import page_slots_ref
-from flashinfer_jit.reference.rope import (apply_rope_ref, cos_sin_cache_ref, positions_from_indptr,
-                                           rope_quantize_append_ref, rope_quantize_ref)
+from flashinfer_jit.reference.rope import (
+    apply_rope_ref,
+    cos_sin_cache_ref,
+    positions_from_indptr,
+    rope_quantize_append_ref,
+    rope_quantize_ref,
+)
+from flashinfer_jit.runtime.page_table import block_page_table, csr_page_table
 
 DEV = "cuda"
 FP8_TOL = {torch.float8_e4m3fn: 0.13, torch.float8_e5m2: 0.26}  # one fp8 step, relative

@@ -15,9 +15,9 @@ import jinja2
 import pytest
 import torch
 
-from flashinfer_jit import env, render
+from flashinfer_jit.pipeline import env, render
+from flashinfer_jit.pipeline.spec import NAMESPACE_PLACEHOLDER
 from flashinfer_jit.specs import FAMILIES, AppendSpec, BatchIndicesSpec
-from flashinfer_jit.specs.base import NAMESPACE_PLACEHOLDER
 
 
 def combinations(cls):
@@ -131,7 +131,7 @@ def test_every_combination_renders(spec):
     binding = module.sources["binding.cc"]
     for op in spec.op_schemas():
         assert f'm.def("{op}' in binding
-    assert "common.cuh" in module.headers
+    assert "common/common.cuh" in module.headers
 
 
 def test_render_is_deterministic():
@@ -146,7 +146,7 @@ def test_render_rejects_invalid_spec_before_templates():
 
 def test_strict_undefined_fails_at_render(source_copy):
     copies = source_copy
-    template = copies["templates"] / "batch_indices.cu.j2"
+    template = copies["templates"] / "kvcache/batch_indices.cu.j2"
     template.write_text(template.read_text() + "constexpr int kX = {{ not_a_spec_field }};\n")
     with pytest.raises(jinja2.UndefinedError, match="not_a_spec_field"):
         render.render(BatchIndicesSpec())
@@ -156,13 +156,13 @@ def test_included_headers_follow_includes_transitively():
     module = render.render(BatchIndicesSpec())
     # kernel.cu -> batch_indices.cuh -> append_params.h -> page_table_params.h;
     # binding.cc -> append_host.h -> torch_binding.h
-    for header in ("batch_indices.cuh", "append_params.h", "page_table_params.h", "common.cuh",
-                   "launch_error.cuh", "append_host.h", "torch_binding.h"):
+    for header in ("kvcache/batch_indices.cuh", "kvcache/append_params.h", "common/page_table_params.h", "common/common.cuh",
+                   "runtime/launch_error.cuh", "kvcache/append_host.h", "runtime/torch_binding.h"):
         assert header in module.headers, header
     csrc = env.source_dir("csrc")
-    assert module.headers["common.cuh"] == (csrc / "common.cuh").read_bytes()
-    assert "append.cuh" not in module.headers  # not reached: not part of this module's key
-    assert "append.cuh" in render.render(AppendSpec("float16", 64)).headers
+    assert module.headers["common/common.cuh"] == (csrc / "common/common.cuh").read_bytes()
+    assert "kvcache/append.cuh" not in module.headers  # not reached: not part of this module's key
+    assert "kvcache/append.cuh" in render.render(AppendSpec("float16", 64)).headers
 
 
 def test_included_headers_cycles_system_headers_and_missing(tmp_path):
@@ -181,7 +181,7 @@ def test_template_edit_is_seen_even_with_the_same_mtime(source_copy):
     """Nothing depends on modification times: an edit that keeps the file's mtime (a
     coarse file system, a checkout tool) still reaches the rendered source."""
     copies = source_copy
-    template = copies["templates"] / "batch_indices.cu.j2"
+    template = copies["templates"] / "kvcache/batch_indices.cu.j2"
     stamp = template.stat()
     assert "// edited" not in render.render(BatchIndicesSpec()).sources["kernel.cu"]
     template.write_text(template.read_text() + "// edited\n")

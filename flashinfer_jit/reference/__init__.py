@@ -4,7 +4,6 @@ Each reference computes the same function as its kernel in the simplest way torc
 allows; none of them is fast, and none is used by the package itself.
 """
 
-from .append import (append_paged_kv_cache_ref, get_batch_indices_positions_ref,
-                     page_slots_ref)
+from .append import append_paged_kv_cache_ref, get_batch_indices_positions_ref, page_slots_ref
 
 __all__ = ["append_paged_kv_cache_ref", "get_batch_indices_positions_ref", "page_slots_ref"]

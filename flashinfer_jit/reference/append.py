@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..page_table import PageTable
+from ..runtime.page_table import PageTable
 
 
 def get_batch_indices_positions_ref(append_indptr: torch.Tensor, seq_lens: torch.Tensor,

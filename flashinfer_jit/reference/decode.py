@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ..page_table import PageTable
+from ..runtime.page_table import PageTable
 from .rope import rope_at_positions_ref
 
 LN2 = math.log(2.0)
@@ -50,7 +50,7 @@ def request_pages_ref(page_table: PageTable, b: int, num_pages: int) -> tuple[li
 
 def ordered_pages_ref(page_table: PageTable, kv_lens, page_size: int, segment: int,
                       qo_lens=None) -> list[tuple[list, list]]:
-    """plan()'s page reordering (sort_pages, flashinfer_jit/page_order.py): per request, (K
+    """plan()'s page reordering (sort_pages, flashinfer_jit/runtime/page_order.py): per request, (K
     page ids, V page ids) of its pages with its movable pages in ascending (K id, V id)
     order, a `segment` of pages at a time, as the int32 ids read as unsigned; the others
     stay where they are. Movable: every page but the last (which may be partial); with

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..page_table import PageTable
+from ..runtime.page_table import PageTable
 
 
 def flatten_kv_cache_ref(k_cache, v_cache, kv_seqlens, page_table: PageTable, out_size: int,

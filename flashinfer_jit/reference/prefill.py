@@ -44,8 +44,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..checks import index_vector, soft_cap_value
-from ..page_table import PageTable
+from ..runtime.checks import index_vector, soft_cap_value
+from ..runtime.page_table import PageTable
 from .decode import LN2, gather_rows_ref, request_pages_ref
 from .rope import rope_at_positions_ref
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..page_table import PageTable
+from ..runtime.page_table import PageTable
 
 
 def inv_freq_ref(rotary_dim: int, rope_scale: float = 1.0, rope_theta: float = 1e4,

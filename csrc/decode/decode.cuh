@@ -1,0 +1,356 @@
+// Batch decode over the paged KV cache: one query token per request.
+//
+// A block takes one work item (a request, or a chunk of it under split-KV) for one KV head
+// and a tile of up to 4 of its query heads. Threads are (x, z):
+//   x  kBdx = head_dim / 8 lanes, each holding 8 dims of a row (q, k, v, o) for every
+//      head of the tile: each K/V element is converted once and used by all the heads,
+//      and their dot products are reduced together (reduce_heads)
+//   z  token lanes: each runs its own online softmax over its tokens of a tile
+// K/V tiles of kTileTokens rows are staged in shared memory by cp.async, two stages deep,
+// so the loads of tile i+1 are in flight while tile i is computed; every query head of the
+// group reads them from there. At the end the z lanes' states merge through shared
+// memory. Logits live in the log2 domain (exp2), and so does the LSE written out.
+#pragma once
+#include <math_constants.h>
+
+#include "common/common.cuh"
+#include "decode/decode_params.h"
+#include "common/page_table.cuh"
+
+namespace fij {
+
+template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool Rope,
+          bool SoftCap>
+struct DecodeTraits {
+  using Q = TQ;
+  using KV = TKV;
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kVec = 8;  // elements of a row per lane
+  static constexpr int kBdx = HeadDim / kVec;
+  // Query heads per thread: every K/V element is converted once and used for all of them.
+  // A group of 8 runs as two tiles of 4 (8 heads x 16 accumulators would cost occupancy).
+  static constexpr int kHeads = GroupTile < 4 ? GroupTile : 4;
+  static constexpr int kThreads = 128;
+  // 4 blocks of 128 threads per SM: at most 128 registers (136 uncapped at 4 heads gave 3
+  // blocks per SM and ran bf16 b=64 kv=4k 10% slower than the one-head-per-thread kernel).
+  // head_dim 256 keeps its registers (capped at 128 its RoPE variant spilled 96 bytes).
+  static constexpr int kMinBlocksPerSM = HeadDim <= 128 ? 4 : 2;
+  static constexpr int kBdz = kThreads / kBdx;  // token lanes
+  static constexpr int kTileTokens = 32;         // a stage moves 16 KB of bf16 K+V at head_dim 128
+  static constexpr int kTokensPerZ = kTileTokens / kBdz;
+  static constexpr int kRowBytes = HeadDim * int(sizeof(TKV));
+  static constexpr int kChunksPerRow = kRowBytes / 16;  // 16-byte cp.async chunks
+  static constexpr int kStages = 2;
+  static constexpr int kStageBytes = 2 * kTileTokens * kRowBytes;  // K and V
+  static constexpr int kMergeBytes = kBdz * kHeads * (HeadDim + 2) * 4;
+  static constexpr int kSmemBytes = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+  static constexpr PageTableLayout kTable = Table;
+  static constexpr bool kRope = Rope;
+  static constexpr bool kSoftCap = SoftCap;
+  static_assert(kBdx <= 32 && 32 % kBdx == 0, "a row's lanes must sit in one warp");
+  static_assert(kBdx >= 2 * kHeads, "the reduce-scatter needs two lanes per head split");
+  static_assert(kTokensPerZ >= 1 && kTileTokens % kBdz == 0, "token lanes must divide the tile");
+  static_assert(kRowBytes % 16 == 0, "rows are moved in 16-byte chunks");
+};
+
+// --- small pieces ---------------------------------------------------------------------------
+// (load8_float: csrc/common/common.cuh)
+
+// Sum over the kBdx lanes of a row (consecutive lanes of one warp).
+template <int Lanes>
+FIJ_DEVICE float row_sum(float v) {
+#pragma unroll
+  for (int offset = Lanes / 2; offset >= 1; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// The full dot products of kHeads query heads with one key, each spread over the Lanes
+// lanes of a row: a reduce-scatter (each round a lane keeps half of its partial sums and
+// sends the other half to its partner) then a butterfly over the remaining lanes; 4 heads
+// over 16 lanes cost 2 + 1 + 1 + 1 shuffles instead of 4 x 4. Lane l ends up holding the
+// sum of head_of_lane(l); broadcast_heads() gives every lane all of them.
+template <int Lanes, int Heads>
+FIJ_DEVICE int head_of_lane(int lane) {
+  if constexpr (Heads == 1) return 0;
+  else if constexpr (Heads == 2) return (lane & (Lanes / 2)) ? 1 : 0;
+  else return ((lane & (Lanes / 2)) ? 2 : 0) + ((lane & (Lanes / 4)) ? 1 : 0);
+}
+
+template <int Lanes, int Heads>
+FIJ_DEVICE int lane_of_head(int head) {  // a lane (within the row) holding head's sum
+  if constexpr (Heads == 1) return 0;
+  else if constexpr (Heads == 2) return head * (Lanes / 2);
+  else return (head >> 1) * (Lanes / 2) + (head & 1) * (Lanes / 4);
+}
+
+template <int Lanes, int Heads>
+FIJ_DEVICE void reduce_heads(const float (&partial)[Heads], int lane, float (&sums)[Heads]) {
+  constexpr unsigned kFull = 0xffffffffu;
+  float s;
+  if constexpr (Heads == 1) {
+    s = partial[0];
+  } else if constexpr (Heads == 2) {
+    const bool upper = lane & (Lanes / 2);
+    s = (upper ? partial[1] : partial[0]) + __shfl_xor_sync(kFull, upper ? partial[0] : partial[1], Lanes / 2);
+  } else {
+    const bool upper = lane & (Lanes / 2);
+    const float a = (upper ? partial[2] : partial[0]) + __shfl_xor_sync(kFull, upper ? partial[0] : partial[2], Lanes / 2);
+    const float b = (upper ? partial[3] : partial[1]) + __shfl_xor_sync(kFull, upper ? partial[1] : partial[3], Lanes / 2);
+    const bool upper2 = lane & (Lanes / 4);
+    s = (upper2 ? b : a) + __shfl_xor_sync(kFull, upper2 ? a : b, Lanes / 4);
+  }
+  constexpr int kFirstFree = Heads == 1 ? Lanes / 2 : (Heads == 2 ? Lanes / 4 : Lanes / 8);
+#pragma unroll
+  for (int offset = kFirstFree; offset >= 1; offset /= 2) s += __shfl_xor_sync(kFull, s, offset);
+#pragma unroll
+  for (int h = 0; h < Heads; ++h) sums[h] = __shfl_sync(kFull, s, lane_of_head<Lanes, Heads>(h), Lanes);
+}
+
+// NeoX RoPE on a row spread over kBdx lanes: lane x holds dims [8x, 8x+8); its partner
+// x ^ kBdx/2 holds the other half of each pair. freq[e] is the frequency of dim 8x+e.
+template <int Lanes>
+FIJ_DEVICE void rope_row(float (&v)[8], const float (&freq)[8], float pos, int x) {
+  const bool first_half = x < Lanes / 2;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float partner = __shfl_xor_sync(0xffffffffu, v[e], Lanes / 2);
+    float s, c;
+    sincosf(pos * freq[e], &s, &c);
+    v[e] = first_half ? v[e] * c - partner * s : v[e] * c + partner * s;
+  }
+}
+
+// Online softmax state of one token lane for kHeads query heads: running max m (log2
+// domain), denominator d and unnormalized output o (this lane's 8 dims). m = -inf, d = 0:
+// nothing seen yet; updates never subtract two infinities (see the kernel).
+template <int Heads>
+struct SoftmaxState {
+  float m[Heads];
+  float d[Heads];
+  float o[Heads][8];
+  FIJ_DEVICE void init() {
+#pragma unroll
+    for (int h = 0; h < Heads; ++h) {
+      m[h] = -CUDART_INF_F;
+      d[h] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[h][e] = 0.f;
+    }
+  }
+};
+
+// --- the kernel -----------------------------------------------------------------------------
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) decode_kernel(const __grid_constant__ DecodeParams p) {
+  using Q = typename Traits::Q;
+  using KV = typename Traits::KV;
+  constexpr int D = Traits::kHeadDim;
+  constexpr int H = Traits::kHeads;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  // blockIdx.y = work item, blockIdx.x = (kv head, head tile): blocks launch in linear
+  // order, so a CUDA-graph grid sized for the capacity runs every real item first.
+  if (static_cast<int>(blockIdx.y) >= p.work[0]) return;
+  const int32_t* item = p.work + 1 + 4 * blockIdx.y;
+  const int b = item[0], chunk_start = item[1], chunk_end = item[2], partial_row = item[3];
+  const int tiles_per_kv_head = p.group / H;
+  const int kv_head = blockIdx.x / tiles_per_kv_head;
+  const int head0 = kv_head * p.group + (blockIdx.x % tiles_per_kv_head) * H;  // first query head
+  const int x = threadIdx.x, z = threadIdx.y;
+  const int tid = x + Traits::kBdx * z;
+
+  PageTable<Traits::kTable> table{p.table};
+  const int kv_len = table.kv_len(b);
+  // Keys this item attends to: its chunk, cut by the sliding window.
+  const int window_start = p.window_left >= 0 ? max(0, kv_len - 1 - p.window_left) : 0;
+  const int start = max(chunk_start, window_start);
+  const int end = min(chunk_end, kv_len);
+
+  pdl_wait();  // q, K, V and the outputs only after the kernel before (programmatic launch)
+
+  // q of the tile's heads: 8 dims each per lane, rotated at position kv_len - 1, scaled.
+  float q[H][8], freq[8];
+  if constexpr (Traits::kRope) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int i = (x * 8 + e) % (D / 2);
+      freq[e] = p.rope_rcp_scale * exp2f(-2.f * float(i) / float(D) * p.rope_log2_theta);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    load8_float(static_cast<const Q*>(p.q) + b * p.q_stride_b + (head0 + h) * p.q_stride_h + x * 8, q[h]);
+    if constexpr (Traits::kRope) rope_row<Traits::kBdx>(q[h], freq, float(kv_len - 1), x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q[h][e] *= p.logit_scale;
+  }
+
+  // Stage s: K rows then V rows. Addresses are computed, not kept in an array indexed by a
+  // run-time stage (which would live in local memory).
+  auto stage_k = [&](int s) { return reinterpret_cast<KV*>(smem + s * Traits::kStageBytes); };
+  auto stage_v = [&](int s) { return stage_k(s) + Traits::kTileTokens * D; };
+  // Issue the copies of the tile starting at `tile_start` into stage `s`.
+  auto load_tile = [&](int tile_start, int s) {
+    constexpr int kChunks = Traits::kTileTokens * Traits::kChunksPerRow;
+    constexpr int kElemsPerChunk = 16 / int(sizeof(KV));
+#pragma unroll
+    for (int c = tid; c < kChunks; c += Traits::kThreads) {
+      const int t = c / Traits::kChunksPerRow, ch = c % Traits::kChunksPerRow;
+      const int j = tile_start + t;
+      const bool valid = j < end;
+      int k_page = 0, v_page = 0, slot = 0;
+      if (valid) {
+        const int logical = j / p.table.page_size;
+        slot = j - logical * p.table.page_size;
+        k_page = table.k_page(b, logical);
+        v_page = table.v_page(b, logical);
+      }
+      const KV* k_src = paged_ptr<KV>(p.kv.k, k_page, slot, kv_head) + ch * kElemsPerChunk;
+      const KV* v_src = paged_ptr<KV>(p.kv.v, v_page, slot, kv_head) + ch * kElemsPerChunk;
+      cp_async_16(stage_k(s) + t * D + ch * kElemsPerChunk, valid ? k_src : static_cast<const KV*>(p.kv.k.data), valid);
+      cp_async_16(stage_v(s) + t * D + ch * kElemsPerChunk, valid ? v_src : static_cast<const KV*>(p.kv.v.data), valid);
+    }
+    cp_async_commit();
+  };
+
+  SoftmaxState<H> st;
+  st.init();
+  const int num_tiles = end > start ? (end - start + Traits::kTileTokens - 1) / Traits::kTileTokens : 0;
+  if (num_tiles > 0) load_tile(start, 0);
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int tile_start = start + tile * Traits::kTileTokens;
+    if (tile + 1 < num_tiles) {
+      load_tile(tile_start + Traits::kTileTokens, (tile + 1) % Traits::kStages);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const KV* ks = stage_k(tile % Traits::kStages);
+    const KV* vs = stage_v(tile % Traits::kStages);
+
+    // Logits of this lane's tokens for every head: each K element converted once.
+    float logits[Traits::kTokensPerZ][H];
+    float tile_max[H];
+#pragma unroll
+    for (int h = 0; h < H; ++h) tile_max[h] = -CUDART_INF_F;
+#pragma unroll
+    for (int i = 0; i < Traits::kTokensPerZ; ++i) {
+      const int t = z * Traits::kTokensPerZ + i;
+      const int j = tile_start + t;
+      float k[8];
+      load8_float(ks + t * D + x * 8, k);
+      if constexpr (Traits::kRope) rope_row<Traits::kBdx>(k, freq, float(j), x);
+      float partial[H];
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        partial[h] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) partial[h] += q[h][e] * k[e];
+      }
+      float s[H];
+      reduce_heads<Traits::kBdx, H>(partial, x, s);
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        float v = s[h];
+        if constexpr (Traits::kSoftCap) v = p.soft_cap * tanhf(v) * 1.4426950408889634f;  // q carried sm/cap
+        logits[i][h] = j < end ? v : -CUDART_INF_F;
+        tile_max[h] = fmaxf(tile_max[h], logits[i][h]);
+      }
+    }
+    float rescale[H];
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const float m_new = fmaxf(st.m[h], tile_max[h]);
+      // m_new = -inf: no key yet for this head; keep the empty state (no inf - inf).
+      rescale[h] = m_new == -CUDART_INF_F ? 1.f : exp2f(st.m[h] - m_new);
+      st.m[h] = m_new;
+      st.d[h] *= rescale[h];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) st.o[h][e] *= rescale[h];
+    }
+#pragma unroll
+    for (int i = 0; i < Traits::kTokensPerZ; ++i) {
+      float v[8];
+      load8_float(vs + (z * Traits::kTokensPerZ + i) * D + x * 8, v);
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const float prob = st.m[h] == -CUDART_INF_F ? 0.f : exp2f(logits[i][h] - st.m[h]);
+        st.d[h] += prob;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) st.o[h][e] += prob * v[e];
+      }
+    }
+    __syncthreads();  // the stage is refilled next iteration
+  }
+
+  // Merge the kBdz token lanes' states through shared memory; z = 0 writes.
+  pdl_trigger();  // the next kernel may start launching
+
+  float* merge_o = reinterpret_cast<float*>(smem);       // [z][h][D]
+  float* merge_md = merge_o + Traits::kBdz * H * D;       // [z][h][2]
+  if constexpr (Traits::kBdz > 1) {
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) merge_o[(z * H + h) * D + x * 8 + e] = st.o[h][e];
+      if (x == 0) {
+        merge_md[(z * H + h) * 2] = st.m[h];
+        merge_md[(z * H + h) * 2 + 1] = st.d[h];
+      }
+    }
+    __syncthreads();
+    if (z != 0) return;
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      float m = -CUDART_INF_F;
+      for (int zz = 0; zz < Traits::kBdz; ++zz) m = fmaxf(m, merge_md[(zz * H + h) * 2]);
+      st.m[h] = m;
+      st.d[h] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) st.o[h][e] = 0.f;
+      if (m == -CUDART_INF_F) continue;
+      for (int zz = 0; zz < Traits::kBdz; ++zz) {
+        const float w = exp2f(merge_md[(zz * H + h) * 2] - m);
+        st.d[h] += w * merge_md[(zz * H + h) * 2 + 1];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) st.o[h][e] += w * merge_o[(zz * H + h) * D + x * 8 + e];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const int qo_head = head0 + h;
+    const bool empty = st.d[h] == 0.f;  // no key: zeros and -inf, never NaN
+    const float norm = empty ? 0.f : p.v_scale / st.d[h];
+    const float lse = empty ? -CUDART_INF_F : st.m[h] + log2f(st.d[h]);
+    if (partial_row < 0) {
+      Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * 8;
+      Vec16 raw;
+      Q* o = reinterpret_cast<Q*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = static_cast<Q>(st.o[h][e] * norm);
+      store_vec16(out, raw);
+      if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
+    } else {
+      float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + x * 8;
+      reinterpret_cast<float4*>(out)[0] =
+          make_float4(st.o[h][0] * norm, st.o[h][1] * norm, st.o[h][2] * norm, st.o[h][3] * norm);
+      reinterpret_cast<float4*>(out)[1] =
+          make_float4(st.o[h][4] * norm, st.o[h][5] * norm, st.o[h][6] * norm, st.o[h][7] * norm);
+      if (x == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
+    }
+  }
+}
+
+template <class Traits>
+int launch_decode(const DecodeParams& p, int grid_items, int num_kv_heads, cudaStream_t stream, bool pdl) {
+  if (grid_items <= 0) return 0;
+  if (const int err = allow_dynamic_smem<decode_kernel<Traits>>(Traits::kSmemBytes)) return err;
+  const dim3 grid(num_kv_heads * (p.group / Traits::kHeads), grid_items);
+  return launch_kernel(decode_kernel<Traits>, grid, dim3(Traits::kBdx, Traits::kBdz), Traits::kSmemBytes, stream, pdl,
+                       p);
+}
+
+}  // namespace fij

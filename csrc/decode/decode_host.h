@@ -1,0 +1,92 @@
+// Host side of batch decode and merge_states: tensors -> params.
+#pragma once
+#include <cmath>
+#include <cstring>
+
+#include "decode/decode_params.h"
+#include "runtime/torch_binding.h"
+
+namespace fij {
+
+inline float* float_ptr_or_null(const at::Tensor& t) {
+  return t.numel() == 0 ? nullptr : static_cast<float*>(t.data_ptr());
+}
+
+struct DecodeScalars {
+  double logit_scale, v_scale, soft_cap;
+  int64_t window_left;
+  double rope_scale, rope_theta;
+};
+
+inline DecodeParams make_decode_params(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       at::TensorList page_table, const at::Tensor& work, const at::Tensor& out,
+                                       const at::Tensor& lse, const at::Tensor& partial_o,
+                                       const at::Tensor& partial_lse, const DecodeScalars& s, KVLayout layout,
+                                       PageTableLayout table) {
+  expect_cuda(q, "q");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [batch, num_qo_heads, head_dim]");
+  DecodeParams p;
+  p.q = q.const_data_ptr();
+  p.q_stride_b = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.kv = make_paged_kv(k_cache, v_cache, layout);
+  p.table = make_page_table(table, page_table, p.kv.page_size);
+  p.work = static_cast<const int32_t*>(work.const_data_ptr());
+  p.out = out.data_ptr();
+  p.out_stride_b = out.stride(0);
+  p.out_stride_h = out.stride(1);
+  p.lse = float_ptr_or_null(lse);
+  p.partial_o = float_ptr_or_null(partial_o);
+  p.partial_lse = float_ptr_or_null(partial_lse);
+  p.num_qo_heads = static_cast<int32_t>(q.size(1));
+  p.group = static_cast<int32_t>(q.size(1) / p.kv.num_kv_heads);
+  p.logit_scale = static_cast<float>(s.logit_scale);
+  p.v_scale = static_cast<float>(s.v_scale);
+  p.soft_cap = static_cast<float>(s.soft_cap);
+  p.window_left = static_cast<int32_t>(s.window_left);
+  p.rope_rcp_scale = static_cast<float>(1.0 / s.rope_scale);
+  p.rope_log2_theta = static_cast<float>(std::log2(s.rope_theta));
+  return p;
+}
+
+inline MergeParams make_merge_splits_params(const DecodeParams& d, const at::Tensor& merge_indptr,
+                                            const at::Tensor& out, int64_t merge_rows, int32_t head_dim) {
+  MergeParams m;
+  m.partial_o = d.partial_o;
+  m.partial_lse = d.partial_lse;
+  m.merge_indptr = static_cast<const int32_t*>(merge_indptr.const_data_ptr());
+  m.out = out.data_ptr();
+  m.out_stride_b = out.stride(0);
+  m.out_stride_h = out.stride(1);
+  m.lse = d.lse;
+  m.num_rows = static_cast<int32_t>(merge_rows);
+  m.num_heads = d.num_qo_heads;
+  m.head_dim = head_dim;
+  return m;
+}
+
+// merge_states: v [n, S, H, D] (head_dim contiguous), s [n, S, H] (heads contiguous).
+inline MergeParams make_merge_states_params(const at::Tensor& v, const at::Tensor& s, const at::Tensor& v_out,
+                                            const at::Tensor& s_out) {
+  expect_cuda(v, "v");
+  TORCH_CHECK(v.dim() == 4 && s.dim() == 3 && s.stride(2) == 1, "merge_states: v [n, S, H, D], s [n, S, H]");
+  MergeParams m;
+  m.states = v.const_data_ptr();
+  m.states_stride_n = v.stride(0);
+  m.states_stride_s = v.stride(1);
+  m.states_stride_h = v.stride(2);
+  m.states_lse = static_cast<const float*>(s.const_data_ptr());
+  m.lse_stride_n = s.stride(0);
+  m.lse_stride_s = s.stride(1);
+  m.out = v_out.data_ptr();
+  m.out_stride_b = v_out.stride(0);
+  m.out_stride_h = v_out.stride(1);
+  m.lse = static_cast<float*>(s_out.data_ptr());
+  m.num_rows = static_cast<int32_t>(v.size(0));
+  m.num_states = static_cast<int32_t>(v.size(1));
+  m.num_heads = static_cast<int32_t>(v.size(2));
+  m.head_dim = static_cast<int32_t>(v.size(3));
+  return m;
+}
+
+}  // namespace fij

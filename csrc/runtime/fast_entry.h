@@ -1,0 +1,26 @@
+// The C signatures of the families' fast launch entries: <namespace>_decode_fast and
+// <namespace>_prefill_fast (and the page order's <namespace>_order_pages), exported by each generated module (the templates check their
+// definitions against these types) and called by csrc/runtime/fastcall.cc, the CPython caller that
+// run() uses instead of ctypes. Plain C: included by nvcc, the host C++ compiler and the
+// Python extension alike. `prepared` is the launch the torch op recorded at the signature's
+// first run(); the rest is what changes from call to call. They return a cudaError_t.
+#pragma once
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef int (*fij_decode_fast_fn)(const void* prepared, const void* q, void* k, void* v, void* out, float* lse,
+                                  float logit_scale, float v_scale, int window_left, void* stream, int pdl);
+
+typedef int (*fij_prefill_fast_fn)(const void* prepared, const void* q, void* k, void* v, void* out, float* lse,
+                                   const float* sinks, float logit_scale, float soft_cap_log2, float v_scale,
+                                   int window_left, void* stream, int pdl);
+
+// The page-order module's <namespace>_order_pages (csrc/runtime/page_order.cuh PageOrderParams),
+// called by plan() of decode and prefill
+typedef int (*fij_order_pages_fn)(const void* params, void* stream, int device);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,274 @@
+// fij_fastcall: run()'s C launch entries (and prefill plan()'s planner) called from Python
+// without ctypes.
+//
+// A ctypes call converts each argument through its argtypes and libffi: ~1.1 us for the
+// prefill entry's 13 arguments on the CPU machine, against ~0.1 us for these METH_FASTCALL
+// functions, which read Python ints and floats straight into the entry's C types
+// (csrc/runtime/fast_entry.h) and call it by address. Built once per Python, torch and compiler by
+// flashinfer_jit/runtime/fastcall.py; ctypes stays the fallback.
+//
+//   decode(entry, prepared, q, k, v, out, lse, logit_scale, v_scale, window_left, stream, pdl)
+//   prefill(entry, prepared, q, k, v, out, lse, sinks, logit_scale, soft_cap_log2, v_scale,
+//           window_left, stream, pdl)
+//   order_pages(entry, params, stream, device)   plan()'s page order (page_order.cuh)
+// Addresses are Python ints (0: null); each returns the entry's cudaError_t as an int.
+//
+// prefill's run() of the common form (no lse, sinks or per-call scales) goes further: the
+// tensors themselves come in, and the checks that the signature the op recorded still
+// holds run here, on torch's C++ tensors, with the stream taken from torch as the ops do:
+//
+//   tensor_signature(q, k, v, out) -> bytes   each tensor's dims, sizes, strides, dtype
+//                                            and device (exact torch.Tensor only)
+//   prefill_run(entry, prepared, signature, q, k, v, out, logit_scale, soft_cap_log2,
+//               v_scale, window_left, pdl) -> int
+//     -1 where the tensors are not of `signature` or not 16-byte aligned, -2 where they are
+//     not on a CUDA device (the caller then checks them in full), else the entry's
+//     cudaError_t.
+//
+// prefill's plan() calls its C++ planner (csrc/runtime/plan_entry.h) here with the index vectors as
+// they came, where they are of the common form, so that it neither converts nor checks
+// them in Python nor pays ctypes' conversions (~2 us of plan() on the CPU machine):
+//
+//   prefill_plan(planner, config, side, qo_indptr, kv_a, kv_b, host, host_size, result) -> int
+//     side as csrc/prefill/prefill_plan.h PrefillKVSide: 0 csr (kv_a: indptr [B + 1], kv_b:
+//     last_page_len [B]), 1 seq_lens (kv_a [B]), 2 ragged (kv_a: indptr [B + 1]); kv_b is
+//     read for csr only. qo_indptr [B + 1] and those, each a contiguous 1-D int32 CPU
+//     tensor (exact torch.Tensor): the planner's status (0, or its error for the caller to
+//     raise); -1 where one is of another form or length, and nothing is called (the caller
+//     converts and checks them, raising its errors, and calls the planner itself).
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "runtime/fast_entry.h"
+#include "runtime/plan_entry.h"
+
+namespace {
+
+// An address from a Python int (0: null); nullptr with a Python error set for a negative
+// or too large int, or not an int.
+void* address(PyObject* arg) {
+  const unsigned long long value = PyLong_AsUnsignedLongLong(arg);
+  return value == static_cast<unsigned long long>(-1) && PyErr_Occurred() ? nullptr
+                                                                          : reinterpret_cast<void*>(value);
+}
+
+// args[0 .. n) as addresses; false with a Python error set
+bool addresses(PyObject* const* args, int n, void** out) {
+  for (int i = 0; i < n; ++i) {
+    out[i] = address(args[i]);
+    if (out[i] == nullptr && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+bool arity(const char* name, Py_ssize_t got, Py_ssize_t want) {
+  if (got == want) return true;
+  PyErr_Format(PyExc_TypeError, "fij_fastcall.%s(): expected %zd arguments, got %zd", name, want, got);
+  return false;
+}
+
+// The arguments after the addresses: `floats` scales (as float), window_left, the stream
+// (with_stream) and pdl; false with a Python error set, also for a null entry.
+struct Tail {
+  float scale[3];
+  int window_left;
+  void* stream;
+  int pdl;
+};
+
+bool read_tail(const char* name, PyObject* const* args, int floats, bool with_stream, const void* entry, Tail& t) {
+  for (int i = 0; i < floats; ++i) t.scale[i] = static_cast<float>(PyFloat_AsDouble(args[i]));
+  t.window_left = static_cast<int>(PyLong_AsLong(args[floats]));
+  t.stream = with_stream ? address(args[floats + 1]) : nullptr;
+  t.pdl = PyObject_IsTrue(args[floats + 1 + (with_stream ? 1 : 0)]);
+  if (PyErr_Occurred()) return false;
+  if (entry == nullptr) {
+    PyErr_Format(PyExc_ValueError, "fij_fastcall.%s(): null entry", name);
+    return false;
+  }
+  return true;
+}
+
+PyObject* decode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("decode", nargs, 12)) return nullptr;
+  void* a[7];  // entry, prepared, q, k, v, out, lse
+  Tail t;
+  if (!addresses(args, 7, a) || !read_tail("decode", args + 7, 2, true, a[0], t)) return nullptr;
+  return PyLong_FromLong(reinterpret_cast<fij_decode_fast_fn>(a[0])(
+      a[1], a[2], a[3], a[4], a[5], static_cast<float*>(a[6]), t.scale[0], t.scale[1], t.window_left, t.stream,
+      t.pdl));
+}
+
+PyObject* prefill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("prefill", nargs, 14)) return nullptr;
+  void* a[8];  // entry, prepared, q, k, v, out, lse, sinks
+  Tail t;
+  if (!addresses(args, 8, a) || !read_tail("prefill", args + 8, 3, true, a[0], t)) return nullptr;
+  return PyLong_FromLong(reinterpret_cast<fij_prefill_fast_fn>(a[0])(
+      a[1], a[2], a[3], a[4], a[5], static_cast<float*>(a[6]), static_cast<const float*>(a[7]), t.scale[0],
+      t.scale[1], t.scale[2], t.window_left, t.stream, t.pdl));
+}
+
+// A tensor's signature words: dim, sizes, strides, dtype, device type and index. At most
+// kMaxDims dims; false for anything else (not an exact torch.Tensor, more dims).
+constexpr int kMaxDims = 6, kTensorWords = 4 + 2 * kMaxDims, kRunTensors = 4;
+
+bool describe(PyObject* obj, int64_t* w) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  const int64_t dim = t.dim();
+  if (dim > kMaxDims) return false;
+  std::memset(w, 0, sizeof(int64_t) * kTensorWords);
+  w[0] = dim;
+  const auto sizes = t.sizes(), strides = t.strides();
+  for (int64_t i = 0; i < dim; ++i) {
+    w[1 + i] = sizes[i];
+    w[1 + kMaxDims + i] = strides[i];
+  }
+  w[1 + 2 * kMaxDims] = static_cast<int64_t>(t.scalar_type());
+  w[2 + 2 * kMaxDims] = static_cast<int64_t>(t.device().type());
+  w[3 + 2 * kMaxDims] = t.device().index();
+  return true;
+}
+
+// The signature words of q, k, v, out into w; false where one is not describable.
+bool describe_run(PyObject* const* tensors, int64_t* w) {
+  for (int i = 0; i < kRunTensors; ++i)
+    if (!describe(tensors[i], w + i * kTensorWords)) return false;
+  return true;
+}
+
+PyObject* tensor_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("tensor_signature", nargs, kRunTensors)) return nullptr;
+  int64_t w[kRunTensors * kTensorWords];
+  try {
+    if (!describe_run(args, w)) {
+      PyErr_SetString(PyExc_TypeError, "fij_fastcall.tensor_signature(): expected plain torch.Tensor arguments "
+                                       "of at most 6 dims");
+      return nullptr;
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(w));
+}
+
+PyObject* prefill_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("prefill_run", nargs, 12)) return nullptr;
+  void* a[2];  // entry, prepared
+  if (!addresses(args, 2, a)) return nullptr;
+  PyObject* signature = args[2];
+  if (!PyBytes_Check(signature) || PyBytes_GET_SIZE(signature) != kRunTensors * kTensorWords * 8) {
+    PyErr_SetString(PyExc_TypeError, "fij_fastcall.prefill_run(): signature: expected tensor_signature()'s bytes");
+    return nullptr;
+  }
+  Tail t;  // (the stream is torch's, below)
+  if (!read_tail("prefill_run", args + 7, 3, false, a[0], t)) return nullptr;
+  void* ptr[kRunTensors];
+  void* stream = nullptr;
+  try {
+    int64_t w[kRunTensors * kTensorWords];
+    if (!describe_run(args + 3, w) || std::memcmp(w, PyBytes_AS_STRING(signature), sizeof(w)) != 0)
+      return PyLong_FromLong(-1);
+    for (int i = 0; i < kRunTensors; ++i) {
+      ptr[i] = THPVariable_Unpack(args[3 + i]).data_ptr();
+      if (reinterpret_cast<uintptr_t>(ptr[i]) % 16 != 0) return PyLong_FromLong(-1);
+    }
+    const at::Tensor& q = THPVariable_Unpack(args[3]);
+    if (!q.is_cuda()) return PyLong_FromLong(-2);
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    stream = impl.getStream(q.device()).native_handle();
+  } catch (const std::exception&) {  // a tensor torch cannot describe here: the full checks decide
+    return PyLong_FromLong(-1);
+  }
+  return PyLong_FromLong(reinterpret_cast<fij_prefill_fast_fn>(a[0])(
+      a[1], ptr[0], ptr[1], ptr[2], ptr[3], nullptr, nullptr, t.scale[0], t.scale[1], t.scale[2], t.window_left,
+      stream, t.pdl));
+}
+
+// An index vector of plan()'s common form: its data and length; false for anything else.
+bool host_int32_vector(PyObject* obj, const int32_t** data, int64_t* size) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.dim() != 1 || t.scalar_type() != at::ScalarType::Int || !t.is_cpu() || !t.is_contiguous()) return false;
+  *data = static_cast<const int32_t*>(t.data_ptr());
+  *size = t.size(0);
+  return true;
+}
+
+PyObject* prefill_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("prefill_plan", nargs, 9)) return nullptr;
+  void* a[2];  // planner, config
+  if (!addresses(args, 2, a)) return nullptr;
+  const long side = PyLong_AsLong(args[2]);
+  void* host = address(args[6]);
+  const long long host_size = PyLong_AsLongLong(args[7]);
+  void* result = address(args[8]);
+  if (PyErr_Occurred()) return nullptr;
+  if (a[0] == nullptr || a[1] == nullptr || host == nullptr || result == nullptr || side < 0 || side > 2) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.prefill_plan(): null planner, config, host or result, or a side "
+                                      "other than 0, 1, 2");
+    return nullptr;
+  }
+  const bool csr = side == 0, indptr = side != 1;  // kv_b read; kv_a an indptr (B + 1 entries)
+  const int32_t *qo = nullptr, *kv_a = nullptr, *kv_b = nullptr;
+  int64_t qo_size = 0, a_size = 0, b_size = 0;
+  try {
+    if (!host_int32_vector(args[3], &qo, &qo_size) || !host_int32_vector(args[4], &kv_a, &a_size) ||
+        (csr && !host_int32_vector(args[5], &kv_b, &b_size)))
+      return PyLong_FromLong(-1);
+  } catch (const std::exception&) {  // a tensor torch cannot describe here: the caller's checks decide
+    return PyLong_FromLong(-1);
+  }
+  const int64_t batch = qo_size - 1;
+  if (batch < 0 || a_size != batch + (indptr ? 1 : 0) || (csr && b_size != batch)) return PyLong_FromLong(-1);
+  return PyLong_FromLongLong(reinterpret_cast<fij_prefill_plan_fn>(a[0])(
+      a[1], qo, kv_a, kv_b, batch, static_cast<int32_t*>(host), host_size, static_cast<long long*>(result)));
+}
+
+// order_pages(entry, params, stream, device) -> int: plan()'s page order
+// (fij_order_pages_fn; ~1 us of ctypes' conversions less a plan)
+PyObject* order_pages(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("order_pages", nargs, 4)) return nullptr;
+  void* a[3];  // entry, params, stream (0: the default stream)
+  if (!addresses(args, 3, a)) return nullptr;
+  const long device = PyLong_AsLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  if (a[0] == nullptr || a[1] == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.order_pages(): null entry or params");
+    return nullptr;
+  }
+  return PyLong_FromLong(reinterpret_cast<fij_order_pages_fn>(a[0])(a[1], a[2], static_cast<int>(device)));
+}
+
+PyMethodDef methods[] = {
+    {"decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(decode)), METH_FASTCALL,
+     "decode(entry, prepared, q, k, v, out, lse, logit_scale, v_scale, window_left, stream, pdl) -> int"},
+    {"prefill", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill)), METH_FASTCALL,
+     "prefill(entry, prepared, q, k, v, out, lse, sinks, logit_scale, soft_cap_log2, v_scale, window_left, stream, "
+     "pdl) -> int"},
+    {"tensor_signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(tensor_signature)),
+     METH_FASTCALL, "tensor_signature(q, k, v, out) -> bytes"},
+    {"order_pages", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(order_pages)), METH_FASTCALL,
+     "order_pages(entry, params, stream, device) -> int"},
+    {"prefill_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_run)), METH_FASTCALL,
+     "prefill_run(entry, prepared, signature, q, k, v, out, logit_scale, soft_cap_log2, v_scale, window_left, pdl) "
+     "-> int (-1: not the signature)"},
+    {"prefill_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_plan)), METH_FASTCALL,
+     "prefill_plan(planner, config, side, qo_indptr, kv_a, kv_b, host, host_size, result) -> int (-1: not the "
+     "common form)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "fij_fastcall", "run()'s C launch entries and plan()'s planner, "
+                      "called without ctypes", -1,
+                      methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_fij_fastcall(void) { return PyModule_Create(&module); }

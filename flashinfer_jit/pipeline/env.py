@@ -1,0 +1,183 @@
+"""Environment variables and the locations derived from them.
+
+Every function here reads the environment when it is called, never at import, so a
+process may change a variable between two calls (tests do). Nothing here touches the
+GPU; `visible_gpu_archs` is the only function that may, and only when asked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # flashinfer_jit/
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _on_unless_off(name: str) -> bool:
+    """A switch that is on unless set to 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def source_dir(kind: str) -> Path:
+    """`csrc` or `templates`: the checkout's top-level folder, else the installed copy."""
+    checkout = PACKAGE_DIR.parent / kind
+    if checkout.is_dir() and (PACKAGE_DIR.parent / "pyproject.toml").is_file():
+        return checkout
+    return PACKAGE_DIR / kind
+
+
+def checkout_root() -> Path | None:
+    root = PACKAGE_DIR.parent
+    if (root / "pyproject.toml").is_file() and (root / "csrc").is_dir():
+        return root
+    return None
+
+
+def cache_root() -> Path:
+    """FLASHINFER_JIT_CACHE_DIR, else `cache/` of a source checkout, else the user cache."""
+    explicit = os.environ.get("FLASHINFER_JIT_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    root = checkout_root()
+    if root is not None and os.access(root, os.W_OK):
+        return root / "cache"
+    return user_cache_root()
+
+
+def cache_path() -> list[Path]:
+    """FLASHINFER_JIT_CACHE_PATH: prebuilt, read-only cache roots (os.pathsep-separated, e.g.
+    an image's `/opt/fij-cache`), searched in order before the writable root; nothing is
+    ever written there. Empty items are skipped."""
+    value = os.environ.get("FLASHINFER_JIT_CACHE_PATH", "")
+    return [Path(item).expanduser().resolve() for item in value.split(os.pathsep) if item.strip()]
+
+
+def user_cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser().resolve() / "flashinfer_jit"
+
+
+def verbose() -> bool:
+    return _flag("FLASHINFER_JIT_VERBOSE")
+
+
+def debug() -> bool:
+    """Debug builds (-G -lineinfo, device bounds checks) and host-side value checks."""
+    return _flag("FLASHINFER_JIT_DEBUG")
+
+
+def jit_disabled() -> bool:
+    return _flag("FLASHINFER_JIT_DISABLE_JIT")
+
+
+_LOG_LEVELS = {"CRITICAL": 50, "ERROR": 40, "WARNING": 30, "WARN": 30, "INFO": 20, "DEBUG": 10}
+
+
+def log_level() -> int | None:
+    """FLASHINFER_JIT_LOG_LEVEL: the level of the `flashinfer_jit` logger (a name such as
+    WARNING or DEBUG, or a number); None when unset."""
+    value = os.environ.get("FLASHINFER_JIT_LOG_LEVEL", "").strip()
+    if not value:
+        return None
+    if value.isdigit():
+        return int(value)
+    if value.upper() in _LOG_LEVELS:
+        return _LOG_LEVELS[value.upper()]
+    raise ValueError(f"FLASHINFER_JIT_LOG_LEVEL: cannot read {value!r}; expected DEBUG, INFO, WARNING, "
+                     "ERROR, CRITICAL or a number")
+
+
+def decode_clusters() -> bool:
+    """FLASHINFER_JIT_DECODE_CLUSTERS=0 keeps batch decode off its thread-block-cluster split
+    (small batches then split with partial states in the workspace, as before sm_90)."""
+    return _on_unless_off("FLASHINFER_JIT_DECODE_CLUSTERS")
+
+
+def native_decode_plan() -> bool:
+    """FLASHINFER_JIT_NATIVE_PLAN=0 keeps batch decode's plan() on its numpy path (the
+    reference the C++ planner is tested against) instead of the C++ planner module."""
+    return _on_unless_off("FLASHINFER_JIT_NATIVE_PLAN")
+
+
+def native_prefill_plan() -> bool:
+    """The same switch for batch prefill's plan() (csrc/prefill/prefill_plan.h or its numpy twin)."""
+    return _on_unless_off("FLASHINFER_JIT_NATIVE_PLAN")
+
+
+def max_jobs() -> int | None:
+    value = os.environ.get("MAX_JOBS")
+    return int(value) if value else None
+
+
+def nvcc_threads() -> int:
+    return int(os.environ.get("FLASHINFER_JIT_NVCC_THREADS", "1"))
+
+
+def cuda_home() -> Path | None:
+    """CUDA_HOME (or CUDA_PATH), else the toolkit above `nvcc` on PATH, else /usr/local/cuda.
+
+    An `nvcc` on PATH that is a wrapper script (not inside a toolkit) is skipped."""
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(name)
+        if value:
+            return Path(value)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        home = Path(nvcc).resolve().parent.parent
+        if (home / "include" / "cuda_runtime.h").is_file():
+            return home
+    default = Path("/usr/local/cuda")
+    return default if default.is_dir() else None
+
+
+def parse_arch_list(text: str, source: str = "FLASHINFER_JIT_CUDA_ARCH_LIST") -> tuple[str, ...]:
+    """'8.0 9.0a;9.0+PTX' -> ('8.0', '9.0+PTX', '9.0a'), validated and sorted."""
+    archs = []
+    for item in text.replace(";", " ").replace(",", " ").split():
+        base = item[:-4] if item.endswith("+PTX") else item
+        major, _, minor = base.partition(".")
+        suffix = minor.lstrip("0123456789")
+        digits = minor[: len(minor) - len(suffix)]
+        if not (major.isdigit() and digits.isdigit() and suffix in ("", "a", "f")):
+            raise ValueError(
+                f"{source}: cannot read {item!r}; "
+                "expected items like '8.0', '9.0a' or '9.0+PTX'"
+            )
+        archs.append(item)
+    if not archs:
+        raise ValueError(f"{source} is empty; expected e.g. '9.0a'")
+    return tuple(sorted(set(archs)))
+
+
+def visible_gpu_archs() -> tuple[str, ...]:
+    """Architectures of the visible GPUs; Hopper gets its arch-specific '9.0a'."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    archs = set()
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        archs.add(f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else ""))
+    return tuple(sorted(archs))
+
+
+def target_archs() -> tuple[str, ...]:
+    """FLASHINFER_JIT_CUDA_ARCH_LIST, else the visible GPUs; an error if neither says."""
+    explicit = os.environ.get("FLASHINFER_JIT_CUDA_ARCH_LIST")
+    if explicit:
+        return parse_arch_list(explicit)
+    archs = visible_gpu_archs()
+    if not archs:
+        from .errors import ToolchainError
+
+        raise ToolchainError(
+            "no target architecture: no GPU is visible and FLASHINFER_JIT_CUDA_ARCH_LIST "
+            "is unset; set it, e.g. FLASHINFER_JIT_CUDA_ARCH_LIST='9.0a' for H100/H200"
+        )
+    return archs

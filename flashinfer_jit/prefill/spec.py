@@ -1,0 +1,126 @@
+"""Spec of batch prefill over paged or ragged K/V on tensor cores (csrc/prefill/prefill.cuh,
+docs/prefill.md). Its reference is flashinfer_jit/reference/prefill.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..pipeline.spec import FP8_DTYPES, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES, Spec, choice
+
+# (head_dim_qk, head_dim_vo): square heads, and DeepSeek-style prefill without MLA
+# absorption (192 = 128 nope + 64 rope dims for q and k, 128 for v)
+HEAD_DIM_PAIRS = ((64, 64), (128, 128), (256, 256), (192, 128))
+KV_SOURCES = ("paged", "ragged")
+MASKS = ("none", "causal", "custom")
+POS_ENCODINGS = ("none", "rope_llama")
+
+
+@dataclass(frozen=True)
+class PrefillSpec(Spec):
+    """Query tokens of each request against its K/V, on tensor cores.
+
+    Compiled in (each changes the loads or the inner loop): the dtypes of q, K/V and the
+    output; head_dim_qk and head_dim_vo; where K/V come from (`kv_source`: the paged cache
+    through `page_table` in `kv_layout`, or ragged [kv_tokens, H, D] rows); the mask
+    (none, causal bottom-right aligned, custom bits); in-kernel RoPE (ROPE_LLAMA); whether
+    logits are soft-capped; whether sink logits join the softmax.
+
+    Run-time (plan() or run() arguments, one module for all of them): the lengths
+    (qo_indptr, kv_indptr or the page table, mask_indptr), page ids and page size, the
+    head counts and so the GQA group, sm_scale, q_scale/k_scale/v_scale, the soft cap's
+    value, window_left (-1 off; a window is a bound on the keys read, so one module serves
+    a model's sliding-window and global layers), rope_scale and rope_theta, the sink values,
+    the custom mask's bits, whether the LSE is written, and plan()'s choice of query tile
+    and KV split.
+
+    page_table and kv_layout mean nothing for ragged K/V, which keeps their defaults; they
+    are left out of the readable name at their defaults (csr, NHD), as are mask and
+    pos_encoding at "none", so a name lists what a module does beyond plain attention.
+    """
+
+    FAMILY = "prefill"
+    TEMPLATES = {"kernel.cu": "prefill/prefill.cu.j2", "binding.cc": "prefill/prefill_binding.cc.j2"}
+
+    dtype_q: str = choice("float16", "bfloat16")
+    dtype_kv: str = choice(*PAGED_KV_DTYPES)
+    dtype_o: str = choice("float16", "bfloat16")
+    head_dim_qk: int = choice(*sorted({qk for qk, _ in HEAD_DIM_PAIRS}), tag="hd{}")
+    head_dim_vo: int = choice(*sorted({vo for _, vo in HEAD_DIM_PAIRS}), tag="vo{}")
+    kv_source: str = choice(*KV_SOURCES, default="paged")
+    page_table: str = choice(*PAGE_TABLES, default="csr", name_default=False)
+    kv_layout: str = choice(*KV_LAYOUTS, default="NHD", name_default=False)
+    mask: str = choice(*MASKS, default="none", name_default=False)
+    pos_encoding: str = choice(*POS_ENCODINGS, default="none", name_default=False)
+    soft_cap: bool = choice(False, True, tag="cap", default=False)
+    sinks: bool = choice(False, True, tag="sinks", default=False)
+
+    def check(self) -> None:
+        heads = (self.head_dim_qk, self.head_dim_vo)
+        if heads not in HEAD_DIM_PAIRS:
+            raise ValueError(f"PrefillSpec: head_dim_qk={self.head_dim_qk} with head_dim_vo={self.head_dim_vo} is not "
+                             f"supported; supported (qk, vo) pairs: {', '.join(map(str, HEAD_DIM_PAIRS))}")
+        if self.dtype_kv not in FP8_DTYPES and self.dtype_kv != self.dtype_q:
+            raise ValueError(f"PrefillSpec: a {self.dtype_kv} K/V needs q of the same dtype, got {self.dtype_q}")
+        if self.kv_source == "ragged":
+            if self.dtype_kv in FP8_DTYPES:
+                raise ValueError(f"PrefillSpec: fp8 K/V ({self.dtype_kv}) is for the paged cache only; ragged K/V "
+                                 f"takes {self.dtype_q}")
+            if (self.page_table, self.kv_layout) != ("csr", "NHD"):
+                raise ValueError("PrefillSpec: ragged K/V has no page table or KV layout (rows [kv_tokens, H, D] "
+                                 "with any strides); leave page_table='csr' and kv_layout='NHD'")
+        if self.pos_encoding == "rope_llama" and heads == (192, 128):
+            # DeepSeek's 192-dim q/k carry RoPE in 64 of their dims, applied before attention;
+            # rotating all 192 in the kernel is no model's semantics.
+            raise ValueError("PrefillSpec: pos_encoding='rope_llama' rotates every head dim; with head_dim_qk=192 "
+                             "(DeepSeek-style) apply RoPE to the rope dims before prefill instead")
+
+    @property
+    def tile_rows(self) -> tuple[int, ...]:
+        """Query-tile sizes (rows of (token, head) pairs a block) the module holds: 64 and
+        128 (at head_dim_qk 256 a 128-row tile is 8 warps of 16 rows: 32 rows a warp would
+        hold 256 accumulators a lane). plan() picks one per batch (csrc/prefill/prefill_plan.h)."""
+        return TILE_ROWS
+
+    def context(self) -> dict:
+        return super().context() | {"tile_rows": self.tile_rows, "mask_enum": _MASK_ENUMS[self.mask]}
+
+    def op_schemas(self) -> dict[str, str]:
+        # One op runs the prefill kernel over plan()'s work list (grid blocks, tiles of
+        # tile_rows rows) and, when plan() split requests (merge_rows > 0, the number of
+        # q tokens), the merge of their partial rows: in the kernel, by the last block of each
+        # split tile, when merge_counters is given (int32, zeros, >= partial_lse's size),
+        # else by the merge kernel. kv_index: the page table's tensors
+        # (paged) or [kv_indptr] (ragged). prepared: a CPU byte tensor that receives the
+        # resolved launch (csrc/prefill/prefill_params.h PrefillLaunch) for run()'s fast path,
+        # <namespace>_prefill_fast. block_shape: [threads, shared memory bytes, registers]
+        # of a tile's block (needs a GPU).
+        return {
+            "prefill": (
+                "(Tensor q, Tensor k, Tensor v, Tensor[] kv_index, Tensor qo_indptr, Tensor work, "
+                "Tensor merge_indptr, Tensor? mask, Tensor? mask_indptr, Tensor? sinks, Tensor(a!) out, "
+                "Tensor(b!) lse, Tensor(c!) partial_o, Tensor(d!) partial_lse, Tensor(f!) merge_counters, "
+                "float logit_scale, "
+                "float soft_cap_log2, float v_scale, int window_left, float rope_scale, float rope_theta, "
+                "int grid, int tile_rows, int merge_rows, bool enable_pdl=False, Tensor(e!)? prepared=None) -> ()"),
+            "block_shape": "(int tile_rows) -> int[]",
+        }
+
+
+_MASK_ENUMS = {"none": "kNone", "causal": "kCausal", "custom": "kCustom"}
+
+
+TILE_ROWS = (64, 128)  # query-tile sizes every prefill module holds (PrefillSpec.tile_rows)
+
+
+@dataclass(frozen=True)
+class PrefillPlanSpec(Spec):
+    """Batch prefill's plan() on the host, in C++ (csrc/prefill/prefill_plan.h): one module for every
+    prefill configuration (the configuration is a run-time struct), called through ctypes;
+    its one op reports the size of that struct."""
+
+    FAMILY = "prefill_plan"
+    TEMPLATES = {"kernel.cu": "prefill/prefill_plan.cu.j2", "binding.cc": "prefill/prefill_plan_binding.cc.j2"}
+    HOST_ONLY = True
+
+    def op_schemas(self) -> dict[str, str]:
+        return {"config_bytes": "() -> int"}

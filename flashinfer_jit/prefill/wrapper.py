@@ -1,0 +1,1242 @@
+"""Batch prefill over a paged KV cache or ragged K/V on tensor cores (FlashInfer's
+BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper and
+single_prefill_with_kv_cache; docs/prefill.md).
+
+plan() runs on the host once per batch: it validates the configuration, picks the module
+(PrefillSpec), the query tile (rows of (token, query head) pairs a block) and whether long
+requests split their keys over several blocks (split-KV, when the batch alone cannot fill
+the GPU), and writes the work list, the merge index and the small index arrays into one
+pinned buffer that reaches the device in one copy (plan_buffer.PlanBuffer). run()
+validates q and K/V against the plan and launches one op: the prefill kernel over the work
+list and, for split requests, the merge of their partial states (fixed order:
+deterministic).
+
+With use_cuda_graph=True every buffer has a fixed size set by the first plan() (its batch
+is the capacity; its work list is sized for _GRAPH_ITEMS_FACTOR times its items), the
+kernel's grid and query tile are fixed (blocks loop over the work list; later plans keep
+the first plan's tile, whose kernel the graph holds) and no request is split, so a graph
+captured around run() replays correctly after plans with other lengths and up to the
+captured number of requests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import torch
+
+from ..pipeline import env
+from ..pipeline.jit import get_module, op_cache
+from ..pipeline.spec import FP8_DTYPES, dtype_name
+from ..runtime import fastcall
+from ..runtime.capacity import graph_capacity, grown_size
+from ..runtime.checks import (
+    as_int32_index,
+    dtype_str,
+    expect_choice,
+    passed_run_checks,
+    remembered,
+    run_signature,
+    same_cuda_device,
+    soft_cap_value,
+)
+from ..runtime.device import empty_f32, num_sms, placeholder, raw_stream, supports_pdl
+from ..runtime.native import ctypes_entry, optional_entry
+from ..runtime.page_order import PageOrder
+from ..runtime.page_table import unpack_paged_kv_cache
+from ..runtime.plan_buffer import PlanBuffer
+from .spec import HEAD_DIM_PAIRS, TILE_ROWS, PrefillPlanSpec, PrefillSpec
+
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
+_BACKENDS = ("auto", "fa2")
+_PAIR_INTS = 15  # csrc/prefill/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
+_PAIR_IDS_AT, _PAIR_IDS = 11, 4  # (kPrefillPairIdsAt, kPrefillPairIds: the chunk's first page ids, -1 until filled)
+_BLOCKS_PER_SM = 2  # csrc/prefill/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM (the split's target)
+_MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than it saves
+# keys: causal batches at head_dim 256 whose requests average at most this many take the
+# 64-row tile (csrc/prefill/prefill_plan.h PrefillPlanConfig.short_causal_keys)
+_SHORT_CAUSAL_KEYS = 256
+_GRAPH_ITEMS_FACTOR = 4
+_GRAPH_MIN_ITEMS = 4096
+_MAX_CONFIGS = 16
+_LOG2E = 1.4426950408889634
+_Q_DTYPES = (torch.float16, torch.bfloat16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# the K/V side of plan() (csrc/prefill/prefill_plan.h PrefillKVSide) and its arguments' names
+_CSR, _SEQ_LENS, _RAGGED = 0, 1, 2
+_SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: ("seq_lens", ""),
+               _RAGGED: ("kv_indptr", "")}
+# the planner's result slots and statuses (csrc/prefill/prefill_plan.h PrefillPlanResult / Error)
+_ITEMS, _TILE_ROWS, _QO_TOKENS, _PARTIAL_ROWS, _TABLE_AT, _MERGE_AT, _WORK_AT, _END, _KV_ROWS, _MOVABLE_PAGES = range(2, 12)
+_RESULT_INTS = 12  # (csrc/prefill/prefill_plan.h kResultInts)
+_SLOT_TOO_SMALL, _WORK_CAPACITY = 6, 7
+
+
+def _blocks_per_sm(head_dim_qk: int, tile_rows: int) -> int:
+    """Blocks of a tile an SM holds (csrc/prefill/prefill.cuh kMinBlocksPerSM): the 64-row tile at
+    head_dim_qk <= 128 runs four (kQuad), head_dim 256's 128-row tile one, the others two."""
+    if tile_rows == 64 and head_dim_qk <= 128:
+        return 4
+    return 1 if tile_rows == 128 and head_dim_qk >= 256 else _BLOCKS_PER_SM
+
+
+class _PlanConfig(ctypes.Structure):
+    """csrc/prefill/prefill_plan.h PrefillPlanConfig (same fields, same order; the planner module
+    reports its size, checked at load)."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "group", "num_kv_heads", "kv_side", "page_size", "causal", "tile_rows", "max_tile_rows", "target_blocks",
+        "min_chunk", "fixed_split_size", "split", "capacity", "short_causal_keys")] + \
+        [(name, ctypes.c_int64) for name in ("work_capacity", "max_partial_rows", "max_kv_len")]
+
+
+@op_cache
+def _native_planner():
+    """(<namespace>_prefill_plan of the PrefillPlanSpec module through ctypes, (fij_fastcall's
+    prefill_plan, its address) or None without the extension), built or loaded at the first
+    plan(); None with a warning where the planner cannot be had: plan() then runs
+    _plan_numpy, slower on the host but the same plan."""
+    def load():
+        fn = ctypes_entry(PrefillPlanSpec(), "prefill_plan", [ctypes.c_void_p] * 4 + [ctypes.c_longlong] +
+                          [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p], ctypes.c_longlong, _PlanConfig,
+                          "config_bytes")
+        return fn, fastcall.runner("prefill_plan", fn)
+
+    return optional_entry(load, "batch prefill's plan() runs its numpy path",
+                          f"the C++ planner {PrefillPlanSpec().name}")
+
+
+def _host_i32(t, name: str) -> torch.Tensor:
+    """An index vector as the planner reads it: a contiguous int32 CPU tensor (as given when
+    it is one; int64 narrowed, device tensors copied)."""
+    if type(t) is torch.Tensor and t.dtype is torch.int32 and t.is_cpu and t.dim() == 1 and t.is_contiguous():
+        return t
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        got = f"{dtype_str(t.dtype)} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {got}")
+    return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+def _expect_length(t: torch.Tensor, name: str, n: int) -> None:
+    if t.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} entries (from qo_indptr's batch size), got {t.shape[0]}")
+
+
+def _host_vectors(qo_indptr, side: int, kv_a, kv_b) -> tuple:
+    """(qo_indptr, kv_a, kv_b (None but for _CSR), batch): plan()'s index vectors as the
+    planner reads them (_host_i32), their forms and lengths checked."""
+    a_name, b_name = _SIDE_NAMES[side]
+    kv_a = _host_i32(kv_a, a_name)
+    if side == _CSR:
+        kv_b = _host_i32(kv_b, b_name)
+    qo = _host_i32(qo_indptr, "qo_indptr")
+    batch = qo.shape[0] - 1
+    if batch < 0:
+        raise ValueError("qo_indptr: expected batch_size + 1 offsets, got an empty tensor")
+    _expect_length(kv_a, a_name, batch + (0 if side == _SEQ_LENS else 1))
+    if side == _CSR:
+        _expect_length(kv_b, b_name, batch)
+    return qo, kv_a, kv_b, batch
+
+
+def _kv_lens_numpy(side: int, kv_a: torch.Tensor, kv_b, page_size: int) -> np.ndarray:
+    a = kv_a.numpy().astype(np.int64)
+    if side == _SEQ_LENS:
+        return a
+    n = np.diff(a)
+    if side == _CSR:
+        return np.where(n > 0, (n - 1) * page_size + kv_b.numpy(), 0)
+    return n
+
+
+def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, host: np.ndarray,
+                result: np.ndarray) -> int:
+    """csrc/prefill/prefill_plan.h prefill_plan() in numpy (plan_work): the same validation, layout
+    and work list; the fallback where the C++ planner cannot be loaded."""
+    result[:] = 0
+    cap = max(cfg.capacity, batch)
+    if cfg.capacity and batch > cfg.capacity:
+        result[0], result[1] = 8, batch
+        return 8
+    ptr = qo.numpy().astype(np.int64)
+    qo_lens = np.diff(ptr)
+    if ptr[0] != 0 or (qo_lens < 0).any():
+        bad = 0 if ptr[0] != 0 else int(np.nonzero(qo_lens < 0)[0][0])
+        result[0], result[1] = 1, bad
+        return 1
+    side = cfg.kv_side
+    a = kv_a.numpy().astype(np.int64)
+    if side != _SEQ_LENS:
+        d = np.diff(a)
+        if a[0] != 0 or (d < 0).any():
+            result[0], result[1] = 2, 0 if a[0] != 0 else int(np.nonzero(d < 0)[0][0])
+            return 2
+    if side == _CSR:
+        last = kv_b.numpy()
+        bad = np.nonzero((d > 0) & ((last < 1) | (last > cfg.page_size)))[0]
+        if bad.size:
+            result[0], result[1] = 3, int(bad[0])
+            return 3
+    if side == _SEQ_LENS:
+        bad = np.nonzero((a < 0) | ((a > cfg.max_kv_len) if cfg.max_kv_len > 0 else False))[0]
+        if bad.size:
+            result[0], result[1] = 5, int(bad[0])
+            return 5
+    kv_lens = _kv_lens_numpy(side, kv_a, kv_b, cfg.page_size)
+    if cfg.causal:
+        bad = np.nonzero((kv_lens > 0) & (kv_lens < qo_lens))[0]
+        if bad.size:
+            result[0], result[1] = 4, int(bad[0])
+            return 4
+    result[_KV_ROWS] = 0 if side == _SEQ_LENS else int(a[batch])
+    if side != _RAGGED and batch:  # (csrc/prefill/prefill_plan.h kMovablePages)
+        movable = -(-kv_lens // cfg.page_size) - 1
+        if cfg.causal:
+            movable = np.minimum(movable, (kv_lens - qo_lens + 1) // cfg.page_size)
+        result[_MOVABLE_PAGES] = max(0, int(movable[kv_lens > 0].max(initial=0)))
+    active = int((qo_lens > 0).sum())
+    rows_total = int(qo_lens.sum()) * cfg.group
+    tile = (min(cfg.tile_rows, cfg.max_tile_rows) if cfg.tile_rows
+            else 128 if cfg.max_tile_rows >= 128 and active and rows_total > 64 * active else 64)
+    if (not cfg.tile_rows and tile == 128 and cfg.causal and cfg.short_causal_keys > 0
+            and int(kv_lens[qo_lens > 0].sum()) <= cfg.short_causal_keys * active):
+        tile = 64  # (csrc/prefill/prefill_plan.h PrefillPlanConfig.short_causal_keys)
+    first = a[:batch] if side != _SEQ_LENS else None  # (kv_indptr[b], or the CSR indptr[b])
+    work, merge = plan_work(qo_lens, kv_lens, cfg.group, cfg.num_kv_heads, tile, bool(cfg.causal), cfg.target_blocks,
+                            cfg.fixed_split_size or None, bool(cfg.split), cfg.max_partial_rows, cfg.min_chunk,
+                            first)
+    items = int(work[0])
+    if cfg.work_capacity and items > cfg.work_capacity:
+        result[_ITEMS] = items
+        result[0] = 7
+        return 7
+    table_at = cap + 1
+    merge_at = table_at + (2 * cap + 1 if side == _CSR else cap if side == _SEQ_LENS else cap + 1)
+    work_at = merge_at + (merge.shape[0] if merge is not None else 0)
+    end = work_at + 1 + _PAIR_INTS * -(-(cfg.work_capacity or items) // cfg.num_kv_heads)
+    result[_ITEMS], result[_TILE_ROWS], result[_QO_TOKENS] = items, tile, int(ptr[-1])
+    result[_PARTIAL_ROWS] = int(merge[-1]) if merge is not None else 0
+    result[_TABLE_AT], result[_MERGE_AT], result[_WORK_AT], result[_END] = table_at, merge_at, work_at, end
+    if host.shape[0] < end:
+        result[0], result[1] = _SLOT_TOO_SMALL, end
+        return _SLOT_TOO_SMALL
+    host[: batch + 1] = ptr
+    host[batch + 1: cap + 1] = ptr[-1]
+    if side == _CSR:
+        host[table_at: table_at + batch + 1] = a
+        host[table_at + batch + 1: table_at + cap + 1] = a[-1]
+        host[table_at + cap + 1: table_at + cap + 1 + batch] = np.where(d > 0, kv_b.numpy(), 0)
+        host[table_at + cap + 1 + batch: merge_at] = 0
+    elif side == _SEQ_LENS:
+        host[table_at: table_at + batch] = kv_lens
+        host[table_at + batch: merge_at] = 0
+    else:
+        host[table_at: table_at + batch + 1] = a
+        host[table_at + batch + 1: merge_at] = a[-1]
+    if merge is not None:
+        host[merge_at: work_at] = merge
+    host[work_at: work_at + work.shape[0]] = work
+    return 0
+
+
+def _carve(buf: torch.Tensor, key: tuple) -> tuple:
+    """(qo_indptr, the K/V side's arrays, merge_indptr or None, work, mask_indptr or None):
+    views of the device plan buffer for key (side, capacity, and the planner's offsets)."""
+    side, cap, table_at, merge_at, work_at, end, total = key
+    if side == _CSR:
+        table = (buf[table_at: table_at + cap + 1], buf[table_at + cap + 1: table_at + 2 * cap + 1])
+    elif side == _SEQ_LENS:
+        table = (buf[table_at: table_at + cap],)
+    else:
+        table = (buf[table_at: table_at + cap + 1],)
+    merge = buf[merge_at: work_at] if work_at > merge_at else None
+    mask = buf[end: total] if total > end else None
+    return buf[: cap + 1], table, merge, buf[work_at: end], mask
+
+
+def _fa3_error() -> ValueError:
+    return ValueError("backend='fa3': the Hopper path (wgmma, TMA) is not available yet in flashinfer_jit; "
+                      "use backend='auto' or 'fa2' (the tensor-core mma.sync path, sm_80 and later)")
+
+
+def _check_backend(backend: str) -> None:
+    if backend == "fa3":
+        raise _fa3_error()
+    expect_choice(backend, "backend", _BACKENDS)
+
+
+def _host_vector(t, name: str) -> np.ndarray:
+    """A 1-D int32/int64 index tensor (any device) as an int64 numpy array."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        got = f"{dtype_str(t.dtype)} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {got}")
+    return (t if t.is_cpu else t.cpu()).numpy().astype(np.int64)
+
+
+def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads: int, tile_rows: int, causal: bool,
+              target_blocks: int, chunk: int | None, split: bool, max_partial_rows: int, min_chunk: int = _MIN_CHUNK,
+              first: np.ndarray | None = None):
+    """The work list of a batch: (work int32 [1 + _PAIR_INTS n], merge_indptr int32 [qo_tokens + 1] or
+    None (nothing split)). work[0] counts the items, n x num_kv_heads; then n (tile, chunk)
+    pairs (request, row0, kv_start, kv_end, partial_row, chunks, chunk, and the request's
+    qo_start, qo_len, kv_len and first[b]: ragged, its first K/V row, kv_indptr[b]; a CSR page
+    table, its first entry, indptr[b]; None: 0; then the chunk's first page ids, -1 here:
+    plan()'s page-order launch fills them in), item i being pair
+    i // num_kv_heads for KV head i % num_kv_heads (csrc/prefill/prefill_params.h). Requests split
+    their keys into chunks of `chunk` keys (a multiple of 64), or, with chunk None and split
+    True, of the size that brings the items near target_blocks when the unsplit batch falls
+    short of it (and no chunk under _MIN_CHUNK keys), evened out per request (its keys over
+    its chunks, up to a multiple of 64: 4096 keys as 2 x 2048, not 4032 + 64); split False:
+    no request splits. Requests run heaviest first, each
+    request's items together and heaviest first (causal tiles near the end of a request
+    first): the last wave is made of short items, and the blocks in flight share a request's
+    K/V in L2."""
+    batch = qo_lens.shape[0]
+    tiles = -(-(qo_lens * group) // tile_rows)  # per request; 0 for qo_len 0
+    num_tiles = int(tiles.sum())
+    tile_req = np.repeat(np.arange(batch), tiles)
+    tile_first = np.cumsum(tiles) - tiles
+    row0 = (np.arange(num_tiles) - tile_first[tile_req]) * tile_rows
+    qo_t, kv_t = qo_lens[tile_req], kv_lens[tile_req]
+    # keys a tile can see: causal stops at its last row's diagonal
+    last_token = np.minimum(qo_t, (row0 + tile_rows - 1) // group + 1) - 1
+    visible = np.minimum(kv_t, last_token + kv_t - qo_t + 1) if causal else kv_t
+    visible = np.maximum(visible, 0)
+    chunks_req = np.ones(batch, dtype=np.int64)
+    if split and batch:
+        fixed = chunk is not None
+        if chunk is None:
+            items = num_tiles * num_kv_heads
+            if items < target_blocks:
+                work_keys = int(visible.sum()) * num_kv_heads
+                chunk = max(min_chunk, -(-work_keys // target_blocks))
+        if chunk is not None:
+            chunk = -(-chunk // 64) * 64
+            chunks_req = np.maximum(1, -(-kv_lens // chunk))
+            chunk_req = np.full(batch, chunk, dtype=np.int64)  # keys a chunk, per request
+            if not fixed:  # evened out per request (csrc/prefill/prefill_plan.h says why)
+                even = -(-kv_lens // chunks_req)  # a request's keys over its chunks, rounded up
+                chunk_req = np.where(chunks_req > 1, -(-even // 64) * 64, chunk)
+                chunks_req = np.maximum(1, -(-kv_lens // chunk_req))
+            partial_rows = int((qo_lens * chunks_req * (chunks_req > 1)).sum())
+            if partial_rows > max_partial_rows:
+                chunks_req[:] = 1  # the workspace cannot hold the partial states: run unsplit
+    split_req = chunks_req > 1
+    any_split = bool(split_req.any())
+    qo_start = np.cumsum(qo_lens) - qo_lens  # qo_indptr[b] (plan() checked: from 0, rising)
+    merge_indptr = None
+    partial_base = np.full(batch, -1, dtype=np.int64)
+    if any_split:
+        per_token = np.repeat(np.where(split_req, chunks_req, 0), qo_lens)
+        merge_indptr = np.zeros(per_token.shape[0] + 1, dtype=np.int64)
+        np.cumsum(per_token, out=merge_indptr[1:])
+        partial_base = np.where(split_req, merge_indptr[qo_start], -1)
+    # tiles x chunks x heads
+    n_chunks_t = chunks_req[tile_req]
+    pair_tile = np.repeat(np.arange(num_tiles), n_chunks_t)
+    pair_first = np.cumsum(n_chunks_t) - n_chunks_t
+    pair_chunk = np.arange(pair_tile.shape[0]) - pair_first[pair_tile]
+    b = tile_req[pair_tile]
+    if any_split:
+        kv_start = pair_chunk * chunk_req[b]
+        kv_end = np.where(n_chunks_t[pair_tile] > 1, kv_start + chunk_req[b], kv_lens[b])
+        kv_end = np.minimum(kv_end, kv_lens[b])
+        cost = np.maximum(np.minimum(kv_end, visible[pair_tile]) - kv_start, 0)
+    else:
+        kv_start = np.zeros_like(pair_chunk)
+        kv_end = kv_lens[b]
+        cost = visible[pair_tile]
+    # requests heaviest first (by their heaviest pair), each request's pairs together and
+    # heaviest first (csrc/prefill/prefill_plan.h says why); ties keep request order
+    request_cost = np.zeros(batch, dtype=np.int64)
+    np.maximum.at(request_cost, b, cost)
+    order = np.lexsort((-cost, b, -request_cost[b]))
+    n = order.shape[0]
+    fields = np.empty((n, _PAIR_INTS), dtype=np.int32)
+    fields[:, 0] = b[order]
+    fields[:, 1] = row0[pair_tile[order]]
+    fields[:, 2] = kv_start[order]
+    fields[:, 3] = kv_end[order]
+    fields[:, 4] = partial_base[b[order]]
+    fields[:, 5] = n_chunks_t[pair_tile[order]]
+    fields[:, 6] = pair_chunk[order]
+    # the request's extent (csrc/prefill/prefill_params.h PrefillItem): qo_indptr[b], qo_len, kv_len,
+    # and its first K/V row (ragged: kv_indptr[b]) or first page-table entry (CSR: indptr[b])
+    fields[:, 7] = qo_start[b[order]]
+    fields[:, 8] = qo_lens[b[order]]
+    fields[:, 9] = kv_lens[b[order]]
+    fields[:, 10] = first[b[order]] if first is not None else 0
+    fields[:, _PAIR_IDS_AT:] = -1  # (plan()'s page-order launch fills them in, csrc/runtime/page_order.cuh)
+    work = np.empty(1 + fields.size, dtype=np.int32)
+    work[0] = n * num_kv_heads
+    work[1:] = fields.reshape(-1)
+    return work, (merge_indptr.astype(np.int32) if merge_indptr is not None else None)
+
+
+class _Config:
+    __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "mask", "pos_encoding",
+                 "window_left", "soft_cap", "sm_scale", "rope_scale", "rope_theta", "q_dtype", "kv_dtype", "o_dtype",
+                 "fixed_split_size", "disable_split_kv", "group", "logit_scale", "cap_log2", "structs", "plain_specs",
+                 "pages_movable")
+
+
+class _Plan:
+    __slots__ = ("config", "spec", "op", "batch", "qo_tokens", "args", "tile_rows", "grid", "merge_rows", "layout",
+                 "mask_args", "checked", "fast", "quick", "sinks_spec", "unordered")
+
+
+def _as_dtype(value, name: str, default=None) -> torch.dtype:
+    if value is None:
+        value = default
+    if isinstance(value, torch.dtype):
+        return value
+    got = getattr(torch, str(value), None) if isinstance(value, str) else None
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"{name}: expected a torch dtype or its name, got {value!r}")
+    return got
+
+
+class _PrefillWrapper:
+    """What the paged and ragged wrappers share: configuration, planning, the op call."""
+
+    _ragged = False
+    _force_tile_rows = None  # benchmarks and tests pin the query tile (64 or 128 rows) here
+
+    def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
+                 mask_indptr_buf, backend: str):
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise TypeError("float_workspace_buffer: expected a tensor (e.g. 128 MB of uint8 on the GPU)")
+        expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
+        _check_backend(backend)
+        self._workspace = float_workspace_buffer
+        self._device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = bool(use_cuda_graph)
+        for name, buf in (("qo_indptr_buf", qo_indptr_buf), ("mask_indptr_buf", mask_indptr_buf)):
+            if buf is not None and (not isinstance(buf, torch.Tensor) or buf.dim() != 1 or
+                                    buf.dtype not in (torch.int32, torch.int64)):
+                raise TypeError(f"{name}: expected a 1-D int32 tensor")
+        self._qo_indptr_buf = qo_indptr_buf
+        self._custom_mask_buf = custom_mask_buf
+        self._mask_indptr_buf = mask_indptr_buf
+        self._plan_buffer = PlanBuffer(self._device, self._use_cuda_graph)
+        # CUDA graphs: the requests a plan may hold, fixed by the constructor's qo_indptr_buf
+        # (FlashInfer's rule), else by the first plan()
+        self._capacity = qo_indptr_buf.shape[0] - 1 if self._use_cuda_graph and qo_indptr_buf is not None else None
+        self._graph_items = None
+        # CUDA graphs: the query tile, fixed by the first plan(): a captured run() replays that
+        # tile's kernel, which covers only its own rows of a work item
+        self._graph_tile = None
+        self._configs = {}
+        self._plan = None
+        self._pdl = supports_pdl(self._device)
+        self._result = np.zeros(_RESULT_INTS, dtype=np.int64)  # the planner's results (PrefillPlanResult)
+        self._result_ptr = self._result.ctypes.data
+        self._slot_size = 4096
+        self._kv_rows = 0
+        nbytes = float_workspace_buffer.numel() * float_workspace_buffer.element_size()
+        # split-KV's partial states live in the workspace: float32 [rows, Hq, Dvo] + lse
+        self._workspace_f32 = float_workspace_buffer.view(torch.uint8)[: nbytes // 4 * 4].view(torch.float32) \
+            if float_workspace_buffer.is_contiguous() else None
+        # split tiles' merge counters (zeros between launches; csrc/prefill/prefill.cuh prefill_merge_if_last)
+        self._counters = None
+        # what an unsplit plan passes for the partial states, merge index and counters
+        self._placeholders = (empty_f32(self._device), placeholder(self._device, torch.int32))
+        # paged: plan()'s copy of the page ids with each request's movable pages in id order
+        # (sort_pages; a CUDA-graph wrapper decides at its first plan)
+        self._page_order = PageOrder(self._device, self._use_cuda_graph)
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    # --- plan ---------------------------------------------------------------------------------
+    def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
+                   pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
+                   kv_data_type, o_data_type, fixed_split_size, disable_split_kv) -> _Config:
+        c = _Config()
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim_qk", head_dim_qk)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
+        if (head_dim_qk, head_dim_vo) not in HEAD_DIM_PAIRS:
+            raise ValueError(f"head_dim_qk={head_dim_qk}, head_dim_vo={head_dim_vo}: supported (qk, vo) pairs are "
+                             f"{', '.join(map(str, HEAD_DIM_PAIRS))}")
+        expect_choice(pos_encoding_mode, "pos_encoding_mode", POS_ENCODING_MODES)
+        if not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        c.num_qo_heads, c.num_kv_heads, c.group = num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads
+        c.head_dim_qk, c.head_dim_vo, c.page_size = head_dim_qk, head_dim_vo, page_size
+        c.mask = "custom" if custom else ("causal" if causal else "none")
+        c.pos_encoding = "rope_llama" if pos_encoding_mode == "ROPE_LLAMA" else "none"
+        c.window_left = window_left
+        c.soft_cap = soft_cap_value(logits_soft_cap)
+        c.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk)
+        c.rope_scale = float(rope_scale) if rope_scale is not None else 1.0
+        c.rope_theta = float(rope_theta) if rope_theta is not None else 1e4
+        c.q_dtype = _as_dtype(q_data_type, "q_data_type", "float16")
+        c.kv_dtype = _as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
+        c.o_dtype = _as_dtype(o_data_type, "o_data_type", c.q_dtype)
+        for name, value, allowed in (("q_data_type", c.q_dtype, _Q_DTYPES), ("o_data_type", c.o_dtype, _Q_DTYPES),
+                                     ("kv_data_type", c.kv_dtype, _Q_DTYPES + _FP8_DTYPES)):
+            if value not in allowed:
+                raise ValueError(f"{name}: expected one of {', '.join(dtype_str(d) for d in allowed)}, got "
+                                 f"{dtype_str(value)}")
+        if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size <= 0):
+            raise ValueError(f"fixed_split_size: expected None or a positive int (keys per chunk), got "
+                             f"{fixed_split_size!r}")
+        c.fixed_split_size, c.disable_split_kv = fixed_split_size, bool(disable_split_kv)
+        c.logit_scale, c.cap_log2 = _logit_scales(c, None, None)
+        # whether plan() may reorder a paged batch's pages (sort_pages): no term depends on a
+        # key's position (flashinfer_jit/runtime/page_order.py), and the pages are on a GPU
+        c.pages_movable = c.mask != "custom" and c.pos_encoding == "none" and window_left < 0 and \
+            self._device.type == "cuda"
+        self._spec(c, "csr", False)  # validates the dtypes and head dims now (ValueError, nothing built)
+        # what plan() keeps per configuration: K/V side -> (the planner's _PlanConfig, its
+        # address), page table -> the spec of a run() without sinks
+        c.structs, c.plain_specs = {}, {}
+        return c
+
+    def _spec(self, c: _Config, page_table: str, sinks: bool) -> PrefillSpec:
+        kv_dtype = dtype_name(c.kv_dtype)
+        if self._ragged and kv_dtype in FP8_DTYPES:
+            raise ValueError(f"kv_data_type: fp8 ({kv_dtype}) K/V is for the paged cache only; ragged K/V takes q's dtype")
+        return _prefill_spec(dtype_name(c.q_dtype), kv_dtype, dtype_name(c.o_dtype), c.head_dim_qk, c.head_dim_vo,
+                             "ragged" if self._ragged else "paged", "csr" if self._ragged else page_table,
+                             "NHD" if self._ragged else self._kv_layout, c.mask, c.pos_encoding, c.soft_cap > 0, sinks)
+
+    def _config(self, args: tuple) -> _Config:
+        return remembered(self._configs, args, self._configure, _MAX_CONFIGS)
+
+    def _plan_common(self, config: _Config, qo_indptr, side: int, kv_a, kv_b, table_layout: str, ids_dev,
+                     max_kv_len: int, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool,
+                     sort_pages: bool = False) -> None:
+        """side: _CSR (kv_a = page indptr, kv_b = last_page_len), _SEQ_LENS (kv_a = seq_lens)
+        or _RAGGED (kv_a = kv_indptr), index vectors as given (kv_b: None but for _CSR);
+        ids_dev: the page ids on the device (paged) or None; sort_pages: plan()'s argument."""
+        planner = _native_planner() if env.native_prefill_plan() else None
+        graph = self._use_cuda_graph
+        result = self._result
+        slot = self._plan_buffer.host(self._slot_size)
+        status = -1
+        if planner is not None and planner[1] is not None and not graph and config.mask != "custom":
+            # Index vectors of the common form (contiguous int32 CPU tensors of the batch's
+            # lengths) go to the planner as given, through fij_fastcall: neither converted nor
+            # checked here, nor passed through ctypes (-1: another form, converted and checked
+            # below). Capacity 0 is the batch's own.
+            run, address = planner[1]
+            cfg, cfg_address = self._plan_struct(config, side, 0, max_kv_len)
+            status = run(address, cfg_address, side, qo_indptr, kv_a, kv_b, slot.address, slot.array.shape[0],
+                         self._result_ptr)
+        if status >= 0:
+            qo = qo_indptr
+            batch = capacity = qo.shape[0] - 1
+            extra = 0
+        else:
+            qo, kv_a, kv_b, batch = _host_vectors(qo_indptr, side, kv_a, kv_b)
+            if graph:
+                self._capacity = graph_capacity(self._capacity, batch)
+            capacity = self._capacity if graph else batch
+            cfg, cfg_address = self._plan_struct(config, side, capacity if graph else 0, max_kv_len)
+            extra = capacity + 1 if config.mask == "custom" else 0  # mask_indptr, after the work list
+            status = self._call_planner(planner, cfg, cfg_address, qo, kv_a, kv_b, batch, slot, extra)
+        if status == _SLOT_TOO_SMALL:  # the planner said how much it needs: once more, in a larger slot
+            self._slot_size = int(result[_END]) + extra
+            slot = self._plan_buffer.regrow(self._slot_size)
+            status = self._call_planner(planner, cfg, cfg_address, qo, kv_a, kv_b, batch, slot, extra)
+        if status:
+            self._raise_plan_error(int(status), int(result[1]), config, side, qo, kv_a, kv_b, int(result[_ITEMS]))
+        if graph and self._graph_items is None:
+            # the first CUDA-graph plan sizes the work list for later plans with more items
+            self._graph_items = max(_GRAPH_MIN_ITEMS, _GRAPH_ITEMS_FACTOR * int(result[_ITEMS]))
+            self._graph_tile = int(result[_TILE_ROWS])
+            self._plan_common(config, qo_indptr, side, kv_a, kv_b, table_layout, ids_dev, max_kv_len, custom_mask,
+                              packed_custom_mask, mask_indptr, non_blocking, sort_pages)
+            return
+        _, _, items, tile_rows, qo_tokens, partial_rows, table_at, merge_at, work_at, end, kv_rows, movable = \
+            result.tolist()
+        if side == _CSR and kv_rows > ids_dev.shape[0]:
+            raise ValueError(f"paged_kv_indptr: its last offset {kv_rows} exceeds the {ids_dev.shape[0]} page ids of "
+                             "paged_kv_indices")
+        if side == _RAGGED:
+            self._kv_rows = kv_rows
+        mask_args = (None, None)
+        if config.mask == "custom":
+            qo_lens = np.diff(qo.numpy().astype(np.int64))
+            kv_lens = _kv_lens_numpy(side, kv_a, kv_b, config.page_size)
+            starts = self._mask_offsets(qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_indptr)
+            slot.array[end:end + batch + 1] = starts
+            slot.array[end + batch + 1:end + capacity + 1] = starts[-1]
+            mask_args = (self._packed_mask(config, qo_lens, kv_lens, custom_mask, packed_custom_mask, starts), None)
+        total = end + extra
+        self._plan_buffer.ship(slot, total, non_blocking)
+        key = (side, capacity, table_at, merge_at, work_at, end, total)
+        qo_dev, table_dev, merge_dev, work_dev, mask_indptr_dev = self._plan_buffer.views(key, _carve)
+        if mask_args[0] is not None:
+            mask_args = (mask_args[0], mask_indptr_dev)
+        plan = _Plan()
+        plan.config = config
+        previous = self._plan
+        # (dtype names and the spec's construction: once per configuration, not every plan)
+        spec = config.plain_specs.get(table_layout)
+        if spec is None:
+            spec = config.plain_specs[table_layout] = self._spec(config, table_layout, False)
+        plan.spec = spec
+        # the module is looked up at run() (a run with sinks takes the sinks module: loading
+        # the plain one here would build a module that no run() uses)
+        plan.op = previous.op if previous is not None and previous.spec is spec else None
+        plan.batch, plan.qo_tokens, plan.tile_rows = batch, qo_tokens, tile_rows
+        plan.grid = self._graph_grid(config.head_dim_qk, tile_rows) if graph else items
+        plan.merge_rows = qo_tokens if partial_rows else 0
+        plan.layout = table_layout
+        kv_index = list(table_dev) if side == _RAGGED else self._kv_index(table_dev, ids_dev)
+        plan.unordered = None
+        if side != _RAGGED:
+            # Each request's pages that every query row sees whole, in page-id order (the H100
+            # reads ascending addresses faster), where no term depends on a key's position
+            # (flashinfer_jit/runtime/page_order.py); a run() with a window reads the ids as given.
+            csr = side == _CSR
+            # (and writes each pair's first page ids into the work list: csrc/prefill/prefill_params.h)
+            ordered = self._page_order.order(ids_dev, table_dev[0], csr, batch, movable, config.page_size,
+                                             sort_pages and config.pages_movable,
+                                             qo_dev if config.mask == "causal" else None,
+                                             table_dev[1] if csr else None, work_dev.data_ptr() + 4,
+                                             items // config.num_kv_heads)
+            if ordered is not None:
+                plan.unordered = kv_index
+                kv_index = self._kv_index(table_dev, ordered)
+        if partial_rows:
+            po, pl = self._partial_views(config, partial_rows)
+            plan.args = (kv_index, qo_dev, work_dev, merge_dev, po, pl, self._merge_counters(pl.numel()))
+        else:  # (no merge index, partial states or counters: placeholders)
+            none_f32, none_i32 = self._placeholders
+            plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else none_i32, none_f32,
+                         none_f32, none_i32)
+        plan.mask_args = mask_args
+        plan.fast = [None, None]  # run()'s recorded launch, without and with sinks (_run)
+        plan.quick = None  # run()'s common form through fij_fastcall.prefill_run (_run)
+        plan.sinks_spec = None  # the module a run() with sinks takes (_run)
+        plan.checked = None  # run()'s checks: at the first run() of each plan (kv rows, tokens change)
+        self._plan = plan
+
+    def _call_planner(self, planner, cfg, cfg_address: int, qo, kv_a, kv_b, batch: int, slot, extra: int) -> int:
+        """The C++ planner (or its numpy twin) into `slot`, leaving `extra` int32s at its end
+        for mask_indptr; the status, with the results in self._result."""
+        room = slot.array.shape[0] - extra
+        if planner is None:
+            return _plan_numpy(cfg, qo, kv_a, kv_b, batch, slot.array[:room], self._result)
+        return planner[0](cfg_address, qo.data_ptr(), kv_a.data_ptr(), kv_b.data_ptr() if kv_b is not None else None,
+                          batch, slot.address, room, self._result_ptr)
+
+    def _max_tile_rows(self, config: _Config) -> int:
+        """The largest query tile plan() may pick. A CUDA-graph wrapper's grid loops over the
+        work list (_graph_grid); head_dim 256's non-causal 128-row tile takes one item a block
+        (8 warps, csrc/prefill/prefill.cuh kWide, kOneItemABlock), so its graphs keep the 64-row tile."""
+        return min(TILE_ROWS) if self._use_cuda_graph and config.head_dim_qk >= 256 else max(TILE_ROWS)
+
+    def _sms(self) -> int:
+        return num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
+
+    def _graph_grid(self, head_dim_qk: int, tile_rows: int) -> int:
+        """A CUDA-graph launch's fixed grid: one wave of the tile's blocks, which loop over the
+        work list."""
+        return self._sms() * _blocks_per_sm(head_dim_qk, tile_rows)
+
+    def _plan_struct(self, config: _Config, side: int, capacity: int, max_kv_len: int):
+        """(the planner's configuration for this plan, its address): kept per configuration
+        and K/V side, the per-plan fields updated in place."""
+        kept = config.structs.get(side)
+        if kept is None:
+            cfg = _PlanConfig(group=config.group, num_kv_heads=config.num_kv_heads, kv_side=side,
+                              page_size=config.page_size, causal=int(config.mask == "causal"),
+                              max_tile_rows=self._max_tile_rows(config),
+                              short_causal_keys=_SHORT_CAUSAL_KEYS if config.head_dim_qk >= 256 else 0,
+                              target_blocks=self._sms() * _BLOCKS_PER_SM, min_chunk=_MIN_CHUNK,
+                              fixed_split_size=int(config.fixed_split_size or 0),
+                              split=int(not self._use_cuda_graph and not config.disable_split_kv),
+                              max_partial_rows=self._partial_capacity(config))
+            kept = config.structs[side] = (cfg, ctypes.addressof(cfg))
+        cfg = kept[0]
+        # benchmarks and tests pin the tile; a CUDA-graph wrapper holds its first plan's
+        cfg.tile_rows = self._force_tile_rows or self._graph_tile or 0
+        cfg.capacity = capacity
+        cfg.work_capacity = self._graph_items or 0
+        cfg.max_kv_len = max_kv_len
+        return kept
+
+    def _raise_plan_error(self, status: int, index: int, config: _Config, side: int, qo, kv_a, kv_b, items: int):
+        a_name, b_name = _SIDE_NAMES[side]
+        if status == 1:
+            raise ValueError(f"qo_indptr: expected non-decreasing offsets starting at 0; offset {index} to {index + 1} "
+                             f"goes from {int(qo[index])} to {int(qo[index + 1]) if index + 1 < qo.shape[0] else '?'}")
+        if status == 2:
+            raise ValueError(f"{a_name}: expected non-decreasing offsets starting at 0 (at offset {index})")
+        if status == 3:
+            raise ValueError(f"{b_name}: expected 1..page_size ({config.page_size}) for every request with pages; "
+                             f"request {index} has {int(kv_b[index])}")
+        if status == 4:
+            raise ValueError(f"causal: request {index} has kv_len < qo_len ({int(qo[index + 1] - qo[index])} query "
+                             "tokens); a causal prefill needs kv_len >= qo_len (kv_len 0 is padding)")
+        if status == 5:
+            raise ValueError(f"{a_name}: expected 0..max_pages x page_size for every request; request {index} has "
+                             f"{int(kv_a[index])}")
+        if status == 7:
+            raise ValueError(f"qo_indptr: this plan needs {items} work items, more than the {self._graph_items} this "
+                             "CUDA-graph wrapper sized its work list for at its first plan()")
+        if status == 8:
+            raise ValueError(f"qo_indptr: {index} requests exceed this CUDA-graph wrapper's capacity {self._capacity}")
+        raise RuntimeError(f"prefill plan(): planner status {status}")
+
+    def _partial_capacity(self, config: _Config) -> int:
+        """Partial rows (token x chunk) the workspace holds: float32 o [Hq, Dvo] + lse [Hq] each."""
+        if self._workspace_f32 is None:
+            return 0
+        per_row = config.num_qo_heads * (config.head_dim_vo + 1)
+        return self._workspace_f32.numel() // per_row
+
+    def _merge_counters(self, size: int) -> torch.Tensor:
+        """int32 zeros on the device, at least `size` (one per split tile and KV head at most
+        one per partial LSE): kept across plans, grown to the next power of two; the kernel
+        leaves them zero after each launch."""
+        if self._counters is None or self._counters.numel() < size:
+            self._counters = torch.zeros(grown_size(size), dtype=torch.int32, device=self._device)
+        return self._counters[:size]
+
+    def _partial_views(self, config: _Config, rows: int):
+        hq, dvo = config.num_qo_heads, config.head_dim_vo
+        ws = self._workspace_f32
+        po = ws[: rows * hq * dvo].view(rows, hq, dvo)
+        pl = ws[rows * hq * dvo: rows * hq * (dvo + 1)].view(rows, hq)
+        return po, pl
+
+    def _mask_offsets(self, qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_indptr) -> np.ndarray:
+        """Byte offsets of each request's packed mask (mask_indptr of the packed form)."""
+        sizes_bits = qo_lens * kv_lens
+        if packed_custom_mask is not None:
+            if not isinstance(packed_custom_mask, torch.Tensor) or packed_custom_mask.dtype != torch.uint8:
+                raise ValueError("packed_custom_mask: expected a uint8 tensor (bits packed little-endian, "
+                                 "segment_packbits(..., bitorder='little'))")
+            nbytes = -(-sizes_bits // 8)
+            if mask_indptr is None:
+                if qo_lens.shape[0] > 1:
+                    raise ValueError("mask_indptr: required with packed_custom_mask for batch size > 1 (byte offsets "
+                                     "of each request's packed mask, as segment_packbits returns)")
+                starts = np.array([0, int(nbytes.sum())], dtype=np.int64)
+            else:
+                starts = _host_vector(mask_indptr, "mask_indptr")
+            if starts.shape[0] != qo_lens.shape[0] + 1 or starts[0] != 0 or \
+                    (np.diff(starts) != nbytes).any() or starts[-1] > packed_custom_mask.numel():
+                raise ValueError(f"mask_indptr: expected byte offsets with ceil(qo_len x kv_len / 8) = "
+                                 f"{nbytes[:8].tolist()}... bytes per request, ending within packed_custom_mask's "
+                                 f"{packed_custom_mask.numel()} bytes; got {starts[:9].tolist()}")
+            return starts
+        if not isinstance(custom_mask, torch.Tensor) or custom_mask.dtype not in (torch.bool, torch.uint8):
+            raise ValueError("custom_mask: expected a bool tensor, each request's qo_len x kv_len mask flattened, "
+                             "one after another")
+        if mask_indptr is not None:
+            starts = _host_vector(mask_indptr, "mask_indptr")
+            if starts.shape[0] != qo_lens.shape[0] + 1 or starts[0] != 0 or (np.diff(starts) != sizes_bits).any():
+                raise ValueError(f"mask_indptr: expected element offsets of qo_len x kv_len per request "
+                                 f"({sizes_bits[:8].tolist()}...); got {starts[:9].tolist()}")
+        if custom_mask.numel() != int(sizes_bits.sum()):
+            raise ValueError(f"custom_mask: expected sum(qo_len x kv_len) = {int(sizes_bits.sum())} elements, got "
+                             f"{custom_mask.numel()}")
+        return np.concatenate(([0], np.cumsum(-(-sizes_bits // 8))))
+
+    def _packed_mask(self, config, qo_lens, kv_lens, custom_mask, packed_custom_mask, byte_starts) -> torch.Tensor:
+        if packed_custom_mask is not None:
+            return packed_custom_mask.to(self._device).reshape(-1)
+        return _pack_segments(custom_mask.reshape(-1).to(self._device), qo_lens * kv_lens, byte_starts)
+
+    # --- run ----------------------------------------------------------------------------------
+    def _run(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks):
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() before plan(): call plan() once per batch first")
+        c = plan.config
+        quick = plan.quick
+        if quick is not None and lse is None and not return_lse and sinks is None and window_left is None and \
+                q_scale is None and k_scale is None and v_scale is None and (out is not None or type(q) is _Tensor):
+            # The common form of a recorded signature: fij_fastcall checks in C++ that q, K/V
+            # and out are still what the op recorded, and launches (a negative code: they are
+            # not; the checks in full below)
+            if out is None:
+                out = torch.empty((q.shape[0], c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
+            code = quick[0](quick[1], quick[2], quick[3], q, k, v, out, c.logit_scale, c.cap_log2, 1.0,
+                            c.window_left, self._pdl if enable_pdl is None else enable_pdl)
+            if code == 0:
+                return out
+            if code > 0:
+                raise RuntimeError(f"{plan.spec.name}: prefill: CUDA error {code} ({_fast_error(plan.spec, code)})")
+        # The checks in full only for a q or K/V unlike the last that passed them (in shape,
+        # strides, dtype or device); alignment depends on the address: every call.
+        ptrs = passed_run_checks(q, k, v, plan.checked)
+        if ptrs is not None:
+            qp, kp, vp = ptrs
+        else:
+            self._check_run(q, k, v, plan)
+            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        spec = plan.spec
+        if sinks is not None:
+            if type(sinks) is not _Tensor or sinks.dtype != torch.float32 or sinks.shape != (c.num_qo_heads,) or \
+                    sinks.device != q.device or not sinks.is_contiguous():
+                raise ValueError(f"sinks: expected a contiguous float32 tensor [{c.num_qo_heads}] (one logit per "
+                                 f"query head) on {q.device}")
+            spec = plan.sinks_spec
+            if spec is None:
+                spec = plan.sinks_spec = self._spec(c, plan.layout, True)
+        if window_left is None:
+            window_left = c.window_left
+        elif type(window_left) is not int or window_left < -1:
+            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        # (a window given to run() on a plan that reordered the pages reads the ids as given;
+        # plan() reorders only without a window, so any window here is run()'s)
+        as_given = window_left >= 0 and plan.unordered is not None
+        tokens = q.shape[0]
+        if out is None:
+            out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
+            out_standard, op = True, out.data_ptr()
+        else:
+            out_standard = type(out) is _Tensor and out.is_contiguous()
+            op = out.data_ptr() if out_standard else 0
+            if not (out_standard and out.shape == (tokens, c.num_qo_heads, c.head_dim_vo) and
+                    out.dtype is c.o_dtype and not op & 15 and out.device == q.device):
+                _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
+        if return_lse and lse is None:
+            lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
+        elif lse is not None:
+            _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True)
+        if q_scale is None and k_scale is None:
+            logit_scale, cap_log2 = c.logit_scale, c.cap_log2
+        else:
+            logit_scale, cap_log2 = _logit_scales(c, q_scale, k_scale)
+        vs = 1.0 if v_scale is None else float(v_scale)
+        pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
+        with_sinks = sinks is not None
+        fast = plan.fast[with_sinks]
+        if fast is not None and out_standard and not as_given:
+            # The launch the op resolved at an earlier call with this signature, with this
+            # call's pointers and scalars: no dispatcher.
+            fn, _, prepared_ptr, device_index = fast
+            code = fn(prepared_ptr, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
+                      sinks.data_ptr() if with_sinks else 0, logit_scale, cap_log2, vs, window_left,
+                      raw_stream(device_index), pdl)
+            if code:
+                raise RuntimeError(f"{spec.name}: prefill: CUDA error {code} ({_fast_error(spec, code)})")
+            return (out, lse) if return_lse else out
+        if spec is plan.spec:
+            op = plan.op
+            if op is None:
+                op = plan.op = _prefill_op(spec, env.debug())
+        else:
+            op = _prefill_op(spec, env.debug())
+        entry = _prefill_fast(spec, env.debug()) if out_standard and not as_given else None
+        prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
+        record_quick = entry is not None and entry[2] is not None and not with_sinks and lse is None and \
+            q_scale is None and k_scale is None and v_scale is None and window_left == c.window_left
+        kv_index, qo_indptr, work, merge, po, pl, counters = plan.args
+        if as_given:
+            kv_index = plan.unordered
+        mask, mask_indptr = plan.mask_args
+        op(q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, sinks, out,
+           lse if lse is not None else empty_f32(q.device), po, pl, counters, logit_scale, cap_log2, vs, window_left,
+           c.rope_scale, c.rope_theta, plan.grid, plan.tile_rows, plan.merge_rows, pdl, prepared)
+        if prepared is not None:  # later calls with this signature take the fast path
+            plan.fast[with_sinks] = (entry[0], prepared, prepared.data_ptr(), q.get_device())
+            if record_quick:  # (prepared stays alive in plan.fast[False])
+                run, address = entry[2]
+                plan.quick = (run, address, prepared.data_ptr(), fastcall.tensor_signature(q, k, v, out))
+        return (out, lse) if return_lse else out
+
+    def _check_run(self, q, k, v, plan: _Plan) -> None:
+        c = plan.config
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise ValueError(f"q: expected a [qo_tokens, {c.num_qo_heads}, {c.head_dim_qk}] tensor")
+        if q.dtype != c.q_dtype:
+            raise ValueError(f"q: expected {dtype_str(c.q_dtype)} (plan()'s q_data_type), got {dtype_str(q.dtype)}")
+        if q.shape[1] != c.num_qo_heads or q.shape[2] != c.head_dim_qk:
+            raise ValueError(f"q: expected [qo_tokens, {c.num_qo_heads}, {c.head_dim_qk}] (plan()'s heads), got "
+                             f"{tuple(q.shape)}")
+        if q.shape[0] < plan.qo_tokens:
+            raise ValueError(f"q: {q.shape[0]} tokens, fewer than qo_indptr[-1] = {plan.qo_tokens}")
+        if q.stride(-1) != 1:
+            raise ValueError("q: the head_dim axis must be contiguous")
+        if max(q.stride(0), q.stride(1)) >= 2 ** 31:
+            raise ValueError(f"q: token and head strides must be below 2^31 elements, got {q.stride()}")
+        for name, t, dim in (("k", k, c.head_dim_qk), ("v", v, c.head_dim_vo)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor")
+            if t.dtype != c.kv_dtype:
+                raise ValueError(f"{name}: expected {dtype_str(c.kv_dtype)} (plan()'s kv_data_type), got "
+                                 f"{dtype_str(t.dtype)}")
+            if t.shape[-1] != dim or t.stride(-1) != 1:
+                raise ValueError(f"{name}: expected a contiguous last dimension of head_dim {dim}, got shape "
+                                 f"{tuple(t.shape)} strides {t.stride()}")
+        if not same_cuda_device((q, k, v)):
+            raise ValueError(f"q, k and v must be CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
+        if q.device != self._device:
+            raise ValueError(f"q: on {q.device}, but the workspace (and the plan) is on {self._device}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            es = t.element_size()
+            if t.data_ptr() % 16 or any((s * es) % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+                raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 "
+                                 f"bytes; got strides {t.stride()}")
+        self._check_kv(k, v, c)
+        plan.checked = run_signature(q, k, v)
+        plan.fast = [None, None]  # a recorded launch holds the strides of the last signature
+        plan.quick = None
+
+    def _check_kv(self, k, v, c: _Config) -> None:
+        raise NotImplementedError
+
+
+_Tensor = torch.Tensor
+
+
+
+def _logit_scales(c, q_scale, k_scale) -> tuple[float, float]:
+    """(logit_scale, soft_cap_log2) of csrc/prefill/prefill_params.h for these scales."""
+    scale = c.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
+    if c.soft_cap > 0:
+        return scale / c.soft_cap, c.soft_cap * _LOG2E
+    return scale * _LOG2E, 0.0
+
+
+def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = False) -> None:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        got = f"{dtype_str(t.dtype)} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected {dtype_str(dtype)} {shape} on {device}, got {got}")
+    if (contiguous and not t.is_contiguous()) or t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected {'a contiguous tensor' if contiguous else 'a contiguous last dimension'}")
+    es = t.element_size()
+    if t.data_ptr() % 16 or any((st * es) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+        raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 bytes "
+                         f"(16-byte stores); got strides {t.stride()}")
+    if max(t.stride(), default=0) >= 2 ** 31:
+        raise ValueError(f"{name}: strides must be below 2^31 elements, got {t.stride()}")
+
+
+def _pack_segments(bits: torch.Tensor, sizes: np.ndarray, byte_starts: np.ndarray) -> torch.Tensor:
+    """Each request's bits packed from its own byte (segment_packbits, little bit order), on
+    the bits' device."""
+    total_bytes = int(byte_starts[-1])
+    device = bits.device
+    if total_bytes == 0:
+        return torch.zeros(1, dtype=torch.uint8, device=device)
+    seg = torch.repeat_interleave(torch.arange(sizes.shape[0], device=device),
+                                  torch.as_tensor(sizes, device=device))
+    elem_start = torch.as_tensor(np.concatenate(([0], np.cumsum(sizes)[:-1])), device=device)
+    dest = torch.as_tensor(byte_starts[:-1] * 8, device=device)[seg] + \
+        (torch.arange(bits.numel(), device=device) - elem_start[seg])
+    flat = torch.zeros(total_bytes * 8, dtype=torch.uint8, device=device)
+    flat[dest] = (bits != 0).to(torch.uint8)
+    weights = (1 << torch.arange(8, device=device, dtype=torch.int32))
+    return (flat.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
+    """FlashInfer's paged prefill wrapper: plan() once per batch, run() per layer.
+
+    backend: "auto" and "fa2" run this library's tensor-core (mma.sync) kernels; "fa3" is a
+    ValueError (the Hopper path is not available yet)."""
+
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
+                 jit_args=None, jit_kwargs=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf, custom_mask_buf,
+                         mask_indptr_buf, backend)
+        for name, buf in (("paged_kv_indptr_buf", paged_kv_indptr_buf), ("paged_kv_indices_buf", paged_kv_indices_buf),
+                          ("paged_kv_last_page_len_buf", paged_kv_last_page_len_buf)):
+            if buf is None:
+                continue
+            if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int32 or buf.dim() != 1 or \
+                    not buf.is_contiguous():
+                raise TypeError(f"{name}: expected a contiguous 1-D int32 tensor")
+            if buf.device != self._device:
+                raise ValueError(f"{name}: expected it on the workspace's device {self._device}, got {buf.device}")
+        self._indices_buf = paged_kv_indices_buf
+        self._block_tables_buf = None
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
+             num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo=None, custom_mask=None,
+             packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, sm_scale=None, window_left: int = -1, logits_soft_cap=None,
+             rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
+             non_blocking: bool = True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence=None,
+             max_sequence_kv=None, fixed_split_size=None, disable_split_kv: bool = False, mask_indptr=None,
+             sort_pages: bool = True) -> None:
+        """Index tensors may be int32 or int64, on the host or the device. The page table is
+        CSR (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len) or, with those None,
+        block_tables [B, max_pages] (vLLM) or [B, 2, max_pages] (K and V page ids) with
+        seq_lens [B]. custom_mask (bools) or packed_custom_mask (uint8, little bit order,
+        mask_indptr in bytes as segment_packbits returns) replace causal. o_data_type: the
+        output dtype (default q's). fixed_split_size (keys a chunk) / disable_split_kv force
+        plan()'s split-KV choice.
+
+        sort_pages (not in FlashInfer): where nothing depends on a key's position (no RoPE in
+        the kernel, no window, no custom mask), run() reads the pages that every query row of
+        a request sees whole (all but the last; causal: those of keys up to kv_len - qo_len)
+        in ascending page-id order, from a copy plan() writes on the GPU; the output is the
+        same up to rounding (the sums run in another order). False: the pages as given."""
+        if type(sort_pages) is not bool:
+            raise ValueError(f"sort_pages: expected True or False, got {sort_pages!r}")
+        if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
+            raise ValueError("prefix_len_ptr / token_pos_in_items_ptr / max_item_len_ptr (multi-item scoring) are not "
+                             "supported by flashinfer_jit")
+        if not isinstance(page_size, int) or not 1 <= page_size <= 1024:
+            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        args = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, bool(causal),
+                custom_mask is not None or packed_custom_mask is not None, pos_encoding_mode, window_left,
+                logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
+                fixed_split_size, disable_split_kv)
+        config = self._config(args)
+        if block_tables is not None:
+            if paged_kv_indptr is not None or paged_kv_last_page_len is not None:
+                raise ValueError("give either paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len or "
+                                 "block_tables/seq_lens, not both")
+            block_tables = as_int32_index(block_tables, "block_tables")
+            if block_tables.dim() not in (2, 3) or (block_tables.dim() == 3 and block_tables.shape[1] != 2) or \
+                    block_tables.stride(-1) != 1:
+                raise ValueError("block_tables: expected int32 [batch, max_pages] or [batch, 2, max_pages] (K and V "
+                                 "page ids), contiguous along max_pages")
+            if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or \
+                    seq_lens.shape[0] != block_tables.shape[0]:
+                raise ValueError(f"seq_lens: expected [{block_tables.shape[0]}] (one KV length per request)")
+            layout = "block_table_kv_separate" if block_tables.dim() == 3 else "block_table"
+            ids = block_tables.to(self._device)
+            if self._use_cuda_graph:
+                ids = self._graph_block_tables(ids)
+            self._plan_common(config, qo_indptr, _SEQ_LENS, seq_lens, None, layout, ids,
+                              block_tables.shape[-1] * page_size, custom_mask, packed_custom_mask, mask_indptr,
+                              non_blocking, sort_pages)
+            return
+        indices = as_int32_index(paged_kv_indices, "paged_kv_indices")
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
+            raise ValueError("paged_kv_indices: expected a 1-D int32 tensor of page ids")
+        ids = indices if indices.device == self._device else indices.to(self._device)
+        if self._use_cuda_graph:
+            ids = self._graph_indices(ids)
+        self._plan_common(config, qo_indptr, _CSR, paged_kv_indptr, paged_kv_last_page_len, "csr", ids, 0,
+                          custom_mask, packed_custom_mask, mask_indptr, non_blocking, sort_pages)
+
+    def _graph_indices(self, ids: torch.Tensor) -> torch.Tensor:
+        buf = self._indices_buf
+        if buf is None:
+            raise ValueError("paged_kv_indices_buf: a CUDA-graph wrapper needs the fixed page-id buffer (FlashInfer's "
+                             "constructor argument), sized for the most pages a plan will use")
+        if ids.shape[0] > buf.shape[0]:
+            raise ValueError(f"paged_kv_indices: {ids.shape[0]} page ids exceed paged_kv_indices_buf's {buf.shape[0]}")
+        if ids.data_ptr() != buf.data_ptr():
+            buf[: ids.shape[0]].copy_(ids, non_blocking=True)
+        return buf
+
+    def _graph_block_tables(self, bt: torch.Tensor) -> torch.Tensor:
+        if self._block_tables_buf is None:
+            self._block_tables_buf = torch.zeros_like(bt)
+        buf = self._block_tables_buf
+        if bt.dim() != buf.dim() or bt.shape[0] > buf.shape[0] or bt.shape[-1] != buf.shape[-1]:
+            raise ValueError(f"block_tables: a CUDA-graph wrapper keeps the first plan's shape {tuple(buf.shape)} "
+                             f"(fewer rows allowed), got {tuple(bt.shape)}")
+        buf[: bt.shape[0]].copy_(bt, non_blocking=True)
+        return buf
+
+    def _kv_index(self, table_dev, ids_dev):
+        if len(table_dev) == 2:  # csr: indptr, last_page_len
+            return [table_dev[0], ids_dev, table_dev[1]]
+        return [ids_dev, table_dev[0]]
+
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
+        """out [qo_tokens, num_qo_heads, head_dim_vo] (or (out, lse) with return_lse; lse float32,
+        base 2). k_scale folds into the logits' scale, v_scale multiplies the output (fp8
+        caches). sinks: float32 [num_qo_heads], gpt-oss attention sinks."""
+        if args:
+            raise TypeError("run(): pass q_scale, k_scale, v_scale, out, lse and return_lse by keyword")
+        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
+            k, v = paged_kv_cache  # (checked with q by _run, in full for a signature it has not seen)
+        else:  # one [num_pages, 2, ...] tensor: its K and V views (or its error)
+            cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout, same_head_dim=False)
+            k, v = cache.k, cache.v
+        return self._run(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
+
+    def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
+        return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    def forward(self, q, paged_kv_cache, *args, **kwargs):
+        return self.run(q, paged_kv_cache, *args, **kwargs)
+
+    def end_forward(self) -> None:
+        pass
+
+    def _check_run(self, q, k, v, plan: _Plan) -> None:
+        unpack_paged_kv_cache((k, v), self._kv_layout, same_head_dim=False)  # (errors that name paged_kv_cache)
+        super()._check_run(q, k, v, plan)
+
+    def _check_kv(self, k, v, c: _Config) -> None:
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"paged_kv_cache: expected K and V [num_pages, page_size, {c.num_kv_heads}, head_dim] "
+                             f"({self._kv_layout}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        nhd = self._kv_layout == "NHD"
+        heads, page = (k.shape[2], k.shape[1]) if nhd else (k.shape[1], k.shape[2])
+        if heads != c.num_kv_heads:
+            raise ValueError(f"paged_kv_cache: {heads} KV heads, but plan() was given num_kv_heads={c.num_kv_heads}")
+        if page != c.page_size:
+            raise ValueError(f"paged_kv_cache: page size {page}, but plan() was given page_size={c.page_size}")
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
+    """FlashInfer's ragged prefill wrapper: K/V as rows [kv_tokens, num_kv_heads, head_dim]
+    (any token and head strides), request b's at kv_indptr[b] .. kv_indptr[b + 1]."""
+
+    _ragged = True
+
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend: str = "auto", jit_args=None, jit_kwargs=None):
+        if kv_layout != "NHD":
+            raise ValueError(f"kv_layout: ragged K/V are [kv_tokens, num_kv_heads, head_dim] (NHD), got {kv_layout!r}")
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf, custom_mask_buf,
+                         mask_indptr_buf, backend)
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, head_dim_vo=None,
+             custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None, sm_scale=None,
+             rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
+             non_blocking: bool = True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+             max_item_len_ptr=None, fixed_split_size=None, disable_split_kv: bool = False, mask_indptr=None) -> None:
+        """As the paged wrapper's plan(), with kv_indptr [B+1] offsets of each request's rows."""
+        if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
+            raise ValueError("prefix_len_ptr / token_pos_in_items_ptr / max_item_len_ptr (multi-item scoring) are not "
+                             "supported by flashinfer_jit")
+        args = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, 0, bool(causal),
+                custom_mask is not None or packed_custom_mask is not None, pos_encoding_mode, window_left,
+                logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
+                fixed_split_size, disable_split_kv)
+        config = self._config(args)
+        self._plan_common(config, qo_indptr, _RAGGED, kv_indptr, None, "csr", None, 0, custom_mask,
+                          packed_custom_mask, mask_indptr, non_blocking)
+
+    def _kv_index(self, table_dev, ids_dev):
+        return [table_dev[0]]
+
+    def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
+        if args:
+            raise TypeError("run(): pass out, lse and return_lse by keyword")
+        return self._run(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks)
+
+    def run_return_lse(self, q, k, v, *args, **kwargs):
+        return self.run(q, k, v, *args, return_lse=True, **kwargs)
+
+    def forward(self, q, k, v, *args, **kwargs):
+        return self.run(q, k, v, *args, **kwargs)
+
+    def end_forward(self) -> None:
+        pass
+
+    def _check_kv(self, k, v, c: _Config) -> None:
+        if k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+            raise ValueError(f"k, v: expected [kv_tokens, {c.num_kv_heads}, head_dim] each, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        if k.shape[1] != c.num_kv_heads:
+            raise ValueError(f"k: {k.shape[1]} KV heads, but plan() was given num_kv_heads={c.num_kv_heads}")
+        if k.shape[0] < self._kv_rows:
+            raise ValueError(f"k: {k.shape[0]} rows, fewer than kv_indptr[-1] = {self._kv_rows}")
+
+
+@op_cache
+def _prefill_op(spec: PrefillSpec, debug: bool):
+    return get_module(spec).prefill
+
+
+@op_cache
+def _prefill_fast(spec: PrefillSpec, debug: bool):
+    """(the module's C entry point <namespace>_prefill_fast, bytes of a prepared launch,
+    (fij_fastcall.prefill_run, the entry's address) or None without the extension) for
+    run()'s fast paths; None in the debug mode (every launch through the op) or without a
+    CUDA device."""
+    if debug or not torch.cuda.is_available():
+        return None
+    fn = ctypes_entry(spec, "prefill_fast", [ctypes.c_void_p] * 7 + [ctypes.c_float] * 3 +
+                      [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
+    return (fastcall.bind("prefill", fn), int(ctypes_entry(spec, "prefill_launch_bytes", [], ctypes.c_int)()),
+            fastcall.runner("prefill_run", fn))
+
+
+@op_cache
+def _fast_error(spec: PrefillSpec, code: int) -> str:
+    return ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
+
+
+def _prefill_spec(*fields) -> PrefillSpec:
+    spec = _SPECS.get(fields)
+    if spec is None:
+        names = ("dtype_q", "dtype_kv", "dtype_o", "head_dim_qk", "head_dim_vo", "kv_source", "page_table",
+                 "kv_layout", "mask", "pos_encoding", "soft_cap", "sinks")
+        spec = _SPECS[fields] = PrefillSpec(**dict(zip(names, fields))).validate()
+    return spec
+
+
+_SPECS: dict = {}
+
+
+def block_shape(spec: PrefillSpec, tile_rows: int) -> tuple[int, int, int]:
+    """(threads, shared memory bytes, registers) of the block of a tile of `tile_rows` rows
+    (the GPU tells the registers)."""
+    return tuple(get_module(spec).block_shape(tile_rows))
+
+
+# --- single request ---------------------------------------------------------------------------
+_SINGLE_WORKSPACE: dict = {}
+
+
+def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
+                                 packed_custom_mask=None, causal: bool = False, kv_layout: str = "NHD",
+                                 pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale=None,
+                                 window_left: int = -1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+                                 backend: str = "auto", return_lse: bool = False):
+    """One request: q [qo_len, Hq, Dqk], k/v [kv_len, Hk, D] (NHD) or [Hk, kv_len, D] (HND).
+    Returns out [qo_len, Hq, Dvo] (and lse [qo_len, Hq] with return_lse)."""
+    _check_backend(backend)
+    expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D tensor")
+    if scale_q is not None or scale_k is not None or scale_v is not None:
+        raise ValueError("scale_q / scale_k / scale_v (per-head fp8 scales) are not supported; use the batch "
+                         "wrappers' q_scale / k_scale / v_scale")
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    device = q.device
+    ws = _SINGLE_WORKSPACE.get(device)
+    if ws is None:
+        ws = _SINGLE_WORKSPACE[device] = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(ws)
+    qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, k.shape[0]], dtype=torch.int32)
+    mask_indptr = None
+    if packed_custom_mask is not None:
+        mask_indptr = torch.tensor([0, packed_custom_mask.numel()], dtype=torch.int32)
+    wrapper.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[2], head_dim_vo=v.shape[2],
+                 custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
+                 packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+                 window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                 rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype,
+                 mask_indptr=mask_indptr)
+    return wrapper.run(q, k, v, return_lse=return_lse)
+
+
+def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
+    """single_prefill_with_kv_cache(..., return_lse=True): (out, lse)."""
+    return single_prefill_with_kv_cache(q, k, v, *args, return_lse=True, **kwargs)
+
+
+__all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "single_prefill_with_kv_cache",
+           "single_prefill_with_kv_cache_return_lse", "block_shape", "plan_work"]

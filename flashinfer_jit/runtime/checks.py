@@ -1,0 +1,207 @@
+"""Argument checks for the public API: each failure names the argument and what was
+expected, and all of them run before anything is launched.
+
+They cost well under a microsecond each (attribute reads, no device sync). Checks that
+must read tensor *values* (page ids in range, last_page_len in 1..page_size, ...) need
+a device sync, so they run only in debug mode (FLASHINFER_JIT_DEBUG=1) or where the
+caller asks for them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+# True while torch.compile's Dynamo traces a call (the only part of torch.compile that runs
+# this Python; AOTAutograd and Inductor see the graph it records). Tensors are fakes then,
+# with no data pointer, so the checks that read one pass and the ops' bindings check the
+# same at run time (csrc/runtime/torch_binding.h: expect_aligned). False in eager mode at ~30 ns.
+compiling = torch.compiler.is_dynamo_compiling
+
+
+def constant_result(fn):
+    """torch.compiler.assume_constant_result(fn) without its `import torch._dynamo`: the
+    same mark, which Dynamo reads when it traces a call of fn (it runs fn once, at trace
+    time, and records the result as a constant). torch's version imports Dynamo where it
+    decorates, at the import of flashinfer_jit.rope and .append: 1.1 s on the CPU machine,
+    4-4.7 s on the H100 host, paid by the first RoPE or append call of every process
+    (tests/test_flashinfer_api.py checks that the mark is still torch's)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+_Tensor = torch.Tensor
+
+
+def dtype_str(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def expect_dtype(t, name: str, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        raise TypeError(
+            f"{name}: expected dtype {' or '.join(dtype_str(d) for d in allowed)}, got {dtype_str(t.dtype)}"
+        )
+
+
+def expect_dim(t, name: str, dim: int, what: str) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor {what}, got shape {tuple(t.shape)}")
+
+
+def expect_shape(t, name: str, shape: tuple, what: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {what} = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def expect_index_vector(t, name: str, length: int | None = None, what: str = "") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {type(t).__name__}")
+    expect_dtype(t, name, (torch.int32,))
+    expect_dim(t, name, 1, what)
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name}: expected {length} entries {what}, got {t.shape[0]}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def expect_last_dim_contiguous(t, name: str) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous; strides {t.stride()}")
+
+
+def expect_same_cuda_device(named: dict) -> None:
+    """All tensors on one CUDA device (checked last, so shape errors show on any device)."""
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             "expected all tensors on one CUDA device")
+    if first.device.type != "cuda":
+        raise ValueError(f"{first_name}: expected CUDA tensors, got device {first.device}")
+
+
+def expect_choice(value, name: str, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def expect_vector_aligned(t, name: str, vector_bytes: int = 16) -> None:
+    """The kernels move `vector_bytes` at a time: the start address and every stride but
+    the last (of a dimension longer than 1) must be multiples of it, or the access would
+    fault ("misaligned address") and take the CUDA context down with it."""
+    if compiling():
+        return
+    size = t.element_size()
+    misaligned = t.data_ptr() % vector_bytes != 0 or any(
+        (stride * size) % vector_bytes for stride, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    if misaligned:
+        raise ValueError(f"{name}: the start address and every stride but the last must be multiples of "
+                         f"{vector_bytes} bytes (the kernels use {vector_bytes}-byte vector accesses); got "
+                         f"address % {vector_bytes} = {t.data_ptr() % vector_bytes}, strides {t.stride()} "
+                         f"of {size}-byte elements")
+
+
+def same_cuda_device(tensors) -> bool:
+    """Fast path of expect_same_cuda_device: True when all are on one CUDA device."""
+    first = tensors[0]
+    if not first.is_cuda:
+        return False
+    index = first.get_device()
+    return all(t.get_device() == index for t in tensors)
+
+
+def aligned16(*tensors) -> bool:
+    """Fast path of expect_vector_aligned(t, name, 16) for several tensors."""
+    if compiling():
+        return True
+    for t in tensors:
+        if t.data_ptr() % 16:
+            return False
+        size = t.element_size()
+        for stride, n in zip(t.stride()[:-1], t.shape[:-1]):
+            if n > 1 and (stride * size) % 16:
+                return False
+    return True
+
+
+def index_ok(t, length: int | None = None) -> bool:
+    """Fast path of expect_index_vector."""
+    return isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 and \
+        t.is_contiguous() and (length is None or t.shape[0] == length)
+
+
+def as_int32_index(t, name: str):
+    """An index tensor as the kernels take it: int32 as given (the fast path, no copy), int64
+    (FlashInfer accepts both) narrowed to int32 in a new tensor on the same device. Values
+    past int32 would wrap: page ids, offsets and positions of a serving engine stay far
+    below 2^31. None passes through; any other dtype is a TypeError naming `name`."""
+    if t is None or not isinstance(t, torch.Tensor) or t.dtype == torch.int32:
+        return t
+    if t.dtype == torch.int64:
+        return t.to(torch.int32)
+    raise TypeError(f"{name}: expected an int32 or int64 tensor, got {dtype_str(t.dtype)}")
+
+
+def index_vector(t, name: str, length: int | None = None, what: str = ""):
+    """as_int32_index, then expect_index_vector: the int32 vector the kernels read."""
+    if index_ok(t, length):  # int32 as given: one cheap pass
+        return t
+    t = as_int32_index(t, name)
+    expect_index_vector(t, name, length, what)
+    return t
+
+
+def soft_cap_value(logits_soft_cap, name: str = "logits_soft_cap") -> float:
+    """FlashInfer's soft cap: None or 0.0 is off (0.0 returned), a positive number is the cap;
+    anything else is a ValueError naming `name`."""
+    if logits_soft_cap is None:
+        return 0.0
+    try:
+        value = float(logits_soft_cap)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected None, 0.0 (off) or a positive float, got {logits_soft_cap!r}") from None
+    if not value >= 0.0 or math.isinf(value):
+        raise ValueError(f"{name}: expected None, 0.0 (off) or a positive float, got {logits_soft_cap!r}")
+    return value
+
+
+def remembered(cache: dict, args: tuple, check, limit: int = 16):
+    """check(*args) for plan()'s scalar arguments, remembered in `cache` (serving engines
+    repeat them at every step): the key holds the values and their types (1 == True == 1.0,
+    but only ints pass the checks); unhashable arguments are checked (and most likely
+    rejected) without caching; past `limit` entries the cache starts over."""
+    key = (args, tuple(map(type, args)))
+    try:
+        value = cache.get(key)
+    except TypeError:
+        value, key = None, None
+    if value is None:
+        value = check(*args)
+        if key is not None:
+            if len(cache) >= limit:
+                cache.clear()
+            cache[key] = value
+    return value
+
+
+
+def run_signature(q, k, v) -> tuple:
+    """What a run()'s full checks read from q and the K/V tensors, the addresses aside:
+    shapes, strides, dtypes, devices. A wrapper keeps the signature that last passed them."""
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+            v.shape, v.stride(), v.dtype, v.device)
+
+
+def passed_run_checks(q, k, v, signature) -> tuple | None:
+    """(q, k, v data pointers) when q, k and v are plain tensors, 16-byte aligned, of the
+    signature whose full checks passed last (run()'s fast path); None: check them in full."""
+    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if not (qp | kp | vp) & 15 and run_signature(q, k, v) == signature:
+            return qp, kp, vp
+    return None

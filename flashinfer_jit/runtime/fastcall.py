@@ -1,0 +1,197 @@
+"""run()'s C launch entries (and prefill plan()'s planner) called without ctypes: the
+`fij_fastcall` CPython extension.
+
+A recorded run() (decode's and prefill's fast path) calls its module's C entry
+<namespace>_<family>_fast with a dozen addresses and scalars. Through ctypes that call
+costs ~1.1 us of argument conversion and libffi on the CPU machine (13 arguments); the
+extension's METH_FASTCALL functions (csrc/runtime/fastcall.cc) read the Python ints and floats
+into the entry's C types (csrc/runtime/fast_entry.h) and call it by address in ~0.1 us.
+
+prefill's run() of the common form goes further (`prefill_run`): q, K/V and out come in
+as tensors, and the check that they still have the shapes, strides, dtypes and devices
+the op recorded (`tensor_signature`), their alignment and the current stream are done
+in C++ on torch's tensors, so run() does little more in Python than pass its arguments.
+
+plan()'s page order (flashinfer_jit/runtime/page_order.py, decode and prefill) calls the page-order
+module's launch entry through `order_pages` (~1 us of ctypes' conversions less a plan).
+
+prefill's plan() hands its C++ planner (csrc/runtime/plan_entry.h) the index vectors as they came
+(`prefill_plan`) where they are contiguous 1-D int32 CPU tensors of the batch's lengths:
+no conversion or length check in Python and no ctypes call (~2 us of the 256-request
+plan() on the CPU machine); any other form gets -1 back and takes the Python route.
+
+The extension needs CPython's and torch's headers and the host C++ compiler, not nvcc
+(10-30 s to build). It is built once per Python ABI, torch, compiler and source into
+`.fastcall/<key>/` of the cache root (a hidden folder: not a module entry), found there by
+later processes and in the read-only roots of FLASHINFER_JIT_CACHE_PATH; `flashinfer-jit
+aot` builds it beside the modules and `pack` carries it. Where it cannot be built or
+loaded (no Python.h, no compiler, the JIT disabled and nothing prebuilt), bind() hands
+back the ctypes function itself and runner() None: the same calls, slower, said once in a
+RuntimeWarning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+from ..pipeline import cache, env
+from ..pipeline.errors import BuildError, JitDisabledError, ToolchainError
+from ..pipeline.log import logger
+from ..pipeline.toolchain import _version_line, find_cxx
+from .native import optional_entry
+
+MODULE = "fij_fastcall"
+SOURCES = ("runtime/fastcall.cc", "runtime/fast_entry.h", "runtime/plan_entry.h")
+SUBDIR = ".fastcall"
+
+
+def _suffix() -> str:
+    return importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _python_include() -> Path:
+    inc = Path(sysconfig.get_paths()["include"])
+    if not (inc / "Python.h").is_file():
+        raise ToolchainError(f"Python.h not found in {inc} (install the Python development headers, e.g. "
+                             f"python3-dev)")
+    return inc
+
+
+def _torch() -> tuple[list[str], str, int, str]:
+    """(include folders, library folder, C++ ABI flag, identity) of the running torch: the
+    extension reads its tensors (torch/csrc/autograd/python_variable.h) and links
+    libtorch_python and libc10."""
+    import torch
+    from torch.utils import cpp_extension
+
+    lib = str(Path(torch.__file__).parent / "lib")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return cpp_extension.include_paths(), lib, abi, f"torch {torch.__version__} cuda {torch.version.cuda} abi {abi}"
+
+
+def key(cxx: str) -> str:
+    """The extension's cache key: its sources, the Python ABI (the extension suffix names
+    it), the torch it reads tensors of and the compiler's version line."""
+    h = hashlib.sha256()
+    csrc = env.source_dir("csrc")
+    for name in SOURCES:
+        h.update(name.encode() + b"\0" + (csrc / name).read_bytes() + b"\0")
+    h.update(f"{_suffix()}|{sys.version}|{_torch()[3]}|{_version_line([cxx, '--version'], 'c++')}".encode())
+    return h.hexdigest()[:20]
+
+
+def _library(root: Path, k: str) -> Path:
+    return root / SUBDIR / k / f"{MODULE}{_suffix()}"
+
+
+def find(k: str) -> Path | None:
+    """The built extension of key k in a lookup root (prebuilt roots first), or None."""
+    for root in cache.lookup_roots():
+        path = _library(root, k)
+        if path.is_file():
+            return path
+    return None
+
+
+def build(root: Path | None = None) -> Path:
+    """The extension's library under `root` (default: the build root), built if missing.
+    Concurrent builders each compile privately; the first to publish wins."""
+    cxx = find_cxx()
+    if cxx is None:
+        raise ToolchainError("no C++ compiler (set CXX, or put c++ or g++ on PATH)")
+    k = key(cxx)
+    root = root or cache.build_root()
+    target = _library(root, k)
+    if target.is_file():
+        return target
+    (root / ".tmp").mkdir(parents=True, exist_ok=True)
+    tmp = cache.private_build_dir(root, f"fastcall-{k}")
+    out = tmp / target.name
+    csrc = env.source_dir("csrc")
+    includes, lib, abi, _ = _torch()
+    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{_python_include()}",
+           *(f"-I{inc}" for inc in includes), f"-I{csrc}", str(csrc / "runtime" / "fastcall.cc"), "-o", str(out),
+           f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10"]
+    logger.info("building %s (run()'s caller of the C launch entries) on first use into %s; expect about "
+                "10-30 s, once", MODULE, target.parent)
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        cache.discard(tmp, root)
+        raise BuildError(f"{MODULE}: could not run {cxx}: {exc}") from exc
+    if done.returncode != 0:
+        log = cache.save_failed_log(root, f"fastcall-{k}", " ".join(cmd) + "\n" + done.stdout + done.stderr)
+        cache.discard(tmp, root)
+        errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line][:4]
+        raise BuildError(f"{MODULE}: the C++ compiler failed (log: {log}): {' | '.join(errors)}")
+    logger.info("built %s in %.1f s", MODULE, time.perf_counter() - t0)
+    os.chmod(tmp, 0o755)
+    target.parent.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, target.parent)
+    except OSError:  # another process published it first
+        cache.discard(tmp, root)
+    return target
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _find_or_build():
+    cxx = find_cxx()
+    found = find(key(cxx)) if cxx is not None else None
+    if found is None:
+        if env.jit_disabled():
+            raise JitDisabledError(f"{MODULE} is not in the cache and FLASHINFER_JIT_DISABLE_JIT is set "
+                                   f"(`flashinfer-jit aot` builds it)")
+        found = build()
+    return load(found)
+
+
+@functools.cache
+def extension():
+    """The loaded extension, or None (a RuntimeWarning says why, once)."""
+    return optional_entry(_find_or_build, "run() and prefill's plan() call their C entries through ctypes "
+                          "(~1 us slower each)",
+                          f"the {MODULE} extension")
+
+
+def bind(family: str, fn):
+    """A callable taking fn's arguments that calls C entry `fn` (a ctypes function of
+    `family`'s fast-entry signature, csrc/runtime/fast_entry.h) through the extension; fn itself
+    where the extension is unavailable."""
+    ext = extension()
+    if ext is None:
+        return fn
+    return functools.partial(getattr(ext, family), ctypes.cast(fn, ctypes.c_void_p).value)
+
+
+def runner(name: str, fn):
+    """(the extension's function `name`, the address of C entry `fn`) for a caller that
+    hands the extension its tensors (prefill_run, prefill_plan); None where the extension
+    is unavailable."""
+    ext = extension()
+    if ext is None:
+        return None
+    return getattr(ext, name), ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def tensor_signature(*tensors) -> bytes:
+    """The extension's signature of the tensors (q, k, v, out) a runner compares against."""
+    return extension().tensor_signature(*tensors)

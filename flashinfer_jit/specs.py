@@ -1,0 +1,18 @@
+"""The index of every family's spec (one frozen dataclass per family; see pipeline/spec.py):
+what `flashinfer-jit aot --matrix` lines name, and what the tests import specs from."""
+
+from .decode.spec import DecodePlanSpec, DecodeSpec
+from .kvcache.append_spec import AppendSpec, BatchIndicesSpec
+from .kvcache.flatten_spec import FlattenSpec
+from .kvcache.rope_spec import RopeSpec
+from .pipeline.spec import Spec
+from .prefill.spec import PrefillPlanSpec, PrefillSpec
+from .runtime.shared_specs import MergeSpec, PageOrderSpec
+
+FAMILIES: dict[str, type[Spec]] = {
+    cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec, DecodePlanSpec,
+                                PageOrderSpec, PrefillSpec, PrefillPlanSpec)
+}
+
+__all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "DecodeSpec", "MergeSpec", "DecodePlanSpec",
+           "PageOrderSpec", "PrefillSpec", "PrefillPlanSpec", "FAMILIES"]
