@@ -48,7 +48,7 @@ from kv_helpers import (
 import flashinfer_jit as fij
 from flashinfer_jit.decode.spec import group_tile
 from flashinfer_jit.prefill.spec import PrefillSpec
-from flashinfer_jit.reference.decode import request_pages_ref
+from flashinfer_jit.reference.common import request_pages_ref
 from flashinfer_jit.reference.prefill import prefill_ref, segment_packbits_ref
 from flashinfer_jit.runtime.page_table import PageTable, block_page_table, csr_page_table
 from flashinfer_jit.specs import DecodeSpec, MergeSpec
@@ -1051,8 +1051,8 @@ def test_split_kv_forced_and_disabled(causal, workspace):
         first = tuple(t.clone() for t in first)
         again = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
         if "fixed_split_size" in split:
-            assert wrapper._plan.merge_rows > 0 and wrapper._counters is not None, "the plan should split"
-            assert int(wrapper._counters.count_nonzero()) == 0, "merge counters left nonzero after a run"
+            assert wrapper._plan.merge_rows > 0 and wrapper._split.counters is not None, "the plan should split"
+            assert int(wrapper._split.counters.count_nonzero()) == 0, "merge counters left nonzero after a run"
         check_prefill(*first, ref_out, ref_lse, shapes, tol)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]), f"{split}: not deterministic"
         results.append(first)

@@ -1,5 +1,5 @@
 """Float64 references of batch decode over the paged KV cache and of the merge of
-attention states (DESIGN.md section 6).
+attention states (docs/architecture.md, semantics).
 
 One query per request, at position kv_len - 1, against that request's kv_len keys and
 values, gathered through the page table (csr, block_table, block_table_kv_separate) from
@@ -27,26 +27,7 @@ import math
 import torch
 
 from ..runtime.page_table import PageTable
-from .rope import rope_at_positions_ref
-
-LN2 = math.log(2.0)
-
-
-def request_pages_ref(page_table: PageTable, b: int, num_pages: int) -> tuple[list[int], list[int]]:
-    """(K page ids, V page ids) of request b's first `num_pages` logical pages."""
-    if num_pages == 0:
-        return [], []
-    if page_table.layout == "csr":
-        indptr, indices, _ = page_table.tensors
-        start = int(indptr[b])
-        pages = indices[start: start + num_pages].tolist()
-        return pages, pages
-    block_tables = page_table.tensors[0]
-    if page_table.layout == "block_table":
-        pages = block_tables[b, :num_pages].tolist()
-        return pages, pages
-    return block_tables[b, 0, :num_pages].tolist(), block_tables[b, 1, :num_pages].tolist()
-
+from .common import LN2, gather_rows_ref, request_pages_ref, rope_at_positions_ref
 
 def ordered_pages_ref(page_table: PageTable, kv_lens, page_size: int, segment: int,
                       qo_lens=None) -> list[tuple[list, list]]:
@@ -70,21 +51,6 @@ def ordered_pages_ref(page_table: PageTable, kv_lens, page_size: int, segment: i
         ordered += pairs[movable:]
         result.append(([k for k, _ in ordered], [v for _, v in ordered]))
     return result
-
-
-def gather_rows_ref(cache: torch.Tensor, pages: list[int], kv_len: int, kv_layout: str) -> torch.Tensor:
-    """The first kv_len token rows [kv_len, num_kv_heads, head_dim] (float64) of the given
-    pages of one cache (NHD [P, S, H, D] or HND [P, H, S, D], any strides)."""
-    index = torch.tensor(pages, dtype=torch.long, device=cache.device)
-    # fp8 gathered as raw bytes: torch lacks index kernels for fp8 on some devices
-    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-    picked = raw.index_select(0, index)
-    if cache.element_size() == 1:
-        picked = picked.view(cache.dtype)
-    if kv_layout == "HND":
-        picked = picked.transpose(1, 2)
-    heads, dim = picked.shape[2], picked.shape[3]
-    return picked.reshape(-1, heads, dim)[:kv_len].float().double()
 
 
 def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="NHD", sm_scale=None,

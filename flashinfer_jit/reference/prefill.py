@@ -46,8 +46,7 @@ import torch
 
 from ..runtime.checks import index_vector, soft_cap_value
 from ..runtime.page_table import PageTable
-from .decode import LN2, gather_rows_ref, request_pages_ref
-from .rope import rope_at_positions_ref
+from .common import LN2, gather_rows_ref, request_pages_ref, rope_at_positions_ref
 
 BITORDERS = ("big", "little")
 

@@ -3,52 +3,11 @@ quantize and the fused append). Plain torch, vectorized, on the inputs' device."
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from ..runtime.page_table import PageTable
-
-
-def inv_freq_ref(rotary_dim: int, rope_scale: float = 1.0, rope_theta: float = 1e4,
-                 llama31: tuple[float, float, float] | None = None) -> torch.Tensor:
-    """freq_i = theta^(-2i/rotary_dim), scaled by 1/rope_scale; Llama 3.1 keeps high
-    frequencies, scales low ones and interpolates between (low, high, old_context_len)."""
-    i = torch.arange(rotary_dim // 2, dtype=torch.float64)
-    freq = rope_theta ** (-2.0 * i / rotary_dim)
-    if llama31 is None:
-        return freq / rope_scale
-    low, high, old_len = llama31
-    smooth = ((old_len * freq / (2 * math.pi)) - low) / (high - low)
-    smooth = smooth.clamp(0.0, 1.0)
-    return (1 - smooth) * freq / rope_scale + smooth * freq
-
-
-def cos_sin_from_freq(positions: torch.Tensor, inv_freq: torch.Tensor):
-    angle = positions.double().cpu()[:, None] * inv_freq[None, :]
-    return torch.cos(angle), torch.sin(angle)
-
-
-def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """x [nnz, H, R] (float64), cos/sin [nnz, R/2] -> rotated [nnz, H, R]."""
-    c, s = cos[:, None, :], sin[:, None, :]
-    if interleave:
-        even, odd = x[..., 0::2], x[..., 1::2]
-        out = torch.empty_like(x)
-        out[..., 0::2] = even * c - odd * s
-        out[..., 1::2] = odd * c + even * s
-        return out
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
-
-
-def rope_at_positions_ref(x: torch.Tensor, positions: torch.Tensor, rope_scale: float = 1.0,
-                          rope_theta: float = 1e4) -> torch.Tensor:
-    """x [n, H, D] (float64) rotated NeoX style (halves) over all D dims at `positions` [n],
-    on x's device: the attention kernels' ROPE_LLAMA (decode, prefill)."""
-    cos, sin = cos_sin_from_freq(positions, inv_freq_ref(x.shape[-1], rope_scale, rope_theta))
-    return rotate_ref(x, cos.to(x.device), sin.to(x.device), interleave=False)
+from .common import cos_sin_from_freq, inv_freq_ref, rope_at_positions_ref, rotate_ref  # noqa: F401
 
 
 def positions_from_indptr(indptr: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
