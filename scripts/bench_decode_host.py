@@ -141,9 +141,9 @@ class StubbedOp:
     same-device one) for the duration of a with-block."""
 
     def __enter__(self):
-        self.saved = {name: getattr(decode_mod, name) for name in ("_decode_op", "_decode_fast", "same_cuda_device")}
-        decode_mod._decode_op = lambda spec, debug: _noop
-        decode_mod._decode_fast = lambda spec, debug: None
+        self.saved = {name: getattr(decode_mod, name) for name in ("module_op", "fast_entry", "same_cuda_device")}
+        decode_mod.module_op = lambda spec, name, debug: _noop
+        decode_mod.fast_entry = lambda spec, family, debug: None
         if not torch.cuda.is_available():
             decode_mod.same_cuda_device = lambda ts: all(t.device == ts[0].device for t in ts)
         return self

@@ -116,12 +116,11 @@ def main() -> int:
                     20, args.rounds, sync)
         # the same run() with its C entry called through ctypes (fij_fastcall off): what the
         # extension saves
-        from flashinfer_jit.prefill import wrapper as fij_prefill
-        from flashinfer_jit.runtime import fastcall
+        from flashinfer_jit.runtime import fastcall, launch
         ext = fastcall.extension
         try:
             fastcall.extension = lambda: None
-            fij_prefill._prefill_fast.cache_clear()
+            launch.fast_entry.cache_clear()
             wc = fij.BatchPrefillWithPagedKVCacheWrapper(ws)
             wc.plan(qo_indptr, indptr, indices, last, *heads, causal=True, q_data_type=torch.bfloat16)
             wc.run(q, (k, v), out=out)
@@ -129,7 +128,7 @@ def main() -> int:
             res["run_256_small_ctypes"] = per_call_us(lambda: wc.run(q, (k, v), out=out), 20, args.rounds, sync)
         finally:
             fastcall.extension = ext
-            fij_prefill._prefill_fast.cache_clear()
+            launch.fast_entry.cache_clear()
         res["fastcall"] = "fij_fastcall" if ext() is not None else "ctypes (the extension is unavailable)"
         # one request (16 tokens on 1k keys): the GPU's time under the host's
         w1 = fij.BatchPrefillWithPagedKVCacheWrapper(ws)
@@ -151,11 +150,11 @@ def main() -> int:
         dp = d._plan
         if dp.fast is not None:
             stream = torch.cuda.current_stream().cuda_stream
-            da = (dp.prepared_ptr, qd.data_ptr(), k.data_ptr(), v.data_ptr(), od.data_ptr(), 0,
+            da = (dp.fast.address, qd.data_ptr(), k.data_ptr(), v.data_ptr(), od.data_ptr(), 0,
                   dp.config.logit_scale, 1.0, -1, stream, 0)
-            res["decode_1_request_c_launch"] = per_call_us(lambda: dp.fast(*da), 20, args.rounds, sync)
+            res["decode_1_request_c_launch"] = per_call_us(lambda: dp.fast.call(*da), 20, args.rounds, sync)
             da = da[:-1] + (1,)
-            res["decode_1_request_c_launch_pdl"] = per_call_us(lambda: dp.fast(*da), 20, args.rounds, sync)
+            res["decode_1_request_c_launch_pdl"] = per_call_us(lambda: dp.fast.call(*da), 20, args.rounds, sync)
         x = torch.empty(1, device=device)
         res["bare_torch_launch"] = per_call_us(lambda: x.add_(1), 200, args.rounds, sync)
         if not args.no_flashinfer:

@@ -19,6 +19,7 @@ same-device one), so each test sees exactly what run() would hand the kernel:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import random
@@ -76,8 +77,8 @@ class Recorder:
 @pytest.fixture
 def op(monkeypatch):
     recorder = Recorder()
-    monkeypatch.setattr(decode, "_decode_op", lambda spec, debug: recorder)
-    monkeypatch.setattr(decode, "_decode_fast", lambda spec, debug: None)  # every call reaches the recorder
+    monkeypatch.setattr(decode, "module_op", lambda spec, name, debug: recorder)
+    monkeypatch.setattr(decode, "fast_entry", lambda spec, family, debug: None)  # every call reaches the recorder
     monkeypatch.setattr(decode, "same_cuda_device", lambda ts: all(t.device == ts[0].device for t in ts))
     return recorder
 
@@ -1178,7 +1179,7 @@ def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table,
         if not lens or len(lens) > capacity:
             continue
         if table == "block_table":  # the capture's width, as an engine's block-table buffer has
-            fixed = native._fixed_block_tables.shape[1]
+            fixed = native._graph_ids.block_tables.shape[1]
             bt = args["block_tables"]
             if bt.shape[1] > fixed:
                 continue
@@ -1186,3 +1187,74 @@ def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table,
         compared += _plan_both(native, reference, numpy_plans, lens, args, plan_kwargs, monkeypatch,
                                fresh_configs=False)
     assert compared >= 5, compared
+
+
+# --- the planners' start offset (POD: two work lists in one buffer) -------------------------------
+SENTINEL = -7  # what a host buffer holds before a planner writes it
+
+
+def _native_at(w, table: dict, batch: int, start: int, capacity: int = 0, host_size: int = 1 << 18):
+    """(status, host buffer, results) of the C++ planner (csrc/decode/decode_plan.h) for the CSR
+    table `table`, under w's last plan's configuration, writing its section from `start`."""
+    fn, _, struct = decode._native_config(w._plan.config)
+    struct.start = start
+    host = np.full(host_size, SENTINEL, dtype=np.int32)
+    result = np.zeros(7, dtype=np.int64)
+    code = fn(ctypes.addressof(struct), table["indptr"].data_ptr(), table["last_page_len"].data_ptr(), None, batch,
+              table["indices"].shape[0], capacity, host.ctypes.data, host_size, result.ctypes.data)
+    return code, host, result
+
+
+@pytest.mark.parametrize("lens", [SKEWED, [2048] * 64, [700, 0, 33]], ids=["skewed", "uniform", "short"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_native_planner_writes_its_section_at_a_start_offset(lens, graph, op, monkeypatch):
+    """The C++ planner at start k writes what it writes at 0, k ints later, and nothing
+    before k; and it is the numpy path's buffer (FLASHINFER_JIT_NATIVE_PLAN=0), shifted."""
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", "0")
+    capacity = len(lens) if graph else 0  # (a CUDA-graph wrapper's first plan sets it)
+    table = csr(lens)
+    kwargs = dict(num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    reference = wrapper(graph_capacity=capacity or None, pool=1 << 16)
+    reference.plan(**table, **kwargs)
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", "1")
+    code, at_zero, result = _native_at(reference, table, len(lens), 0, capacity)
+    assert code == 0
+    end = decode._offsets("csr", capacity or len(lens), int(result[5]), 0)[-1]
+    np.testing.assert_array_equal(at_zero[:end], _shipped(reference)[0].numpy())
+    assert (at_zero[end:] == SENTINEL).all()
+    for start in (1, 37, 4096):
+        code, shifted, shifted_result = _native_at(reference, table, len(lens), start, capacity)
+        assert code == 0 and (shifted_result == result).all()
+        assert (shifted[:start] == SENTINEL).all(), "the planner wrote before its start"
+        np.testing.assert_array_equal(shifted[start:start + end], at_zero[:end])
+        assert (shifted[start + end:] == SENTINEL).all()
+    # too small a buffer: the size it needs counts the start
+    assert _native_at(reference, table, len(lens), 100, capacity, host_size=100 + end - 1)[0] == 100 + end
+
+
+@pytest.mark.parametrize("capacity", [None, 48], ids=["eager", "graph"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+def test_numpy_packing_writes_its_section_at_a_start_offset(capacity, split):
+    """The numpy twin (pack_plan at _offsets(..., start)) writes the same ints k later and
+    nothing before k: split lists and one item per request, eager and padded to a capacity."""
+    lens = SKEWED
+    batch, table = len(lens), csr(lens)
+    kv_lens = np.array(lens, dtype=np.int64)
+    cap = capacity or batch
+    if split:
+        _, work, merge, _ = decode.plan_split(kv_lens, HK, cpu_target_blocks(HQ, HK, D), None, False)
+        grid = max(len(work), 4 * cap) if capacity else len(work)
+    else:
+        work = merge = None
+        grid = cap
+    host_tables = (table["indptr"].numpy(), table["last_page_len"].numpy())
+    sections = []
+    for start in (0, 53):
+        offsets = decode._offsets("csr", cap, grid, 0, start)
+        host = np.full(offsets[-1] + 16, SENTINEL, dtype=np.int32)
+        decode.pack_plan(host, offsets, cap, host_tables, kv_lens, work, merge, None)
+        assert (host[:start] == SENTINEL).all(), "pack_plan wrote before its start"
+        assert (host[offsets[-1]:] == SENTINEL).all()
+        assert (host[start:offsets[-1]] != SENTINEL).all(), "every int of the section is written"
+        sections.append(host[start:offsets[-1]])
+    np.testing.assert_array_equal(sections[0], sections[1])

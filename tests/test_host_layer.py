@@ -161,3 +161,111 @@ def test_remembered_checks_once_per_typed_argument_set():
     assert len(calls) == 3 and len(cache) == 2
     remembered(cache, (2, "NONE"), check, limit=2)  # past the limit: the cache starts over
     assert len(cache) == 1
+
+
+def test_sm_count_off_cuda_is_the_h100s():
+    assert device.sm_count(CPU) == device.CPU_SMS == 132
+
+
+def test_dtype_arguments_parse_once_for_every_family():
+    from flashinfer_jit.runtime.checks import as_dtype
+
+    assert as_dtype(torch.bfloat16, "q_data_type") is torch.bfloat16
+    assert as_dtype("float16", "q_data_type") is as_dtype("torch.float16", "q_data_type") is torch.float16
+    assert as_dtype(None, "kv_data_type", torch.float8_e4m3fn) is torch.float8_e4m3fn
+    assert as_dtype(None, "q_data_type", "bfloat16") is torch.bfloat16
+    assert as_dtype(None, "data_type") is None
+    for bad in ("float17", 3, "cuda", object()):  # not a dtype: TypeError, as FlashInfer's canonicalize_torch_dtype
+        with pytest.raises(TypeError, match="q_data_type: expected a torch dtype or its name"):
+            as_dtype(bad, "q_data_type")
+
+
+def test_both_families_reject_a_non_dtype_with_one_type():
+    import flashinfer_jit as fij
+
+    ws = torch.zeros(1 << 20, dtype=torch.uint8)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(TypeError, match="q_data_type"):
+        fij.BatchDecodeWithPagedKVCacheWrapper(ws).plan(i32([0, 1]), i32([0]), i32([1]), 8, 8, 128, 16,
+                                                        q_data_type="float17")
+    with pytest.raises(TypeError, match="q_data_type"):
+        fij.BatchPrefillWithRaggedKVCacheWrapper(ws).plan(i32([0, 1]), i32([0, 1]), 8, 8, 128,
+                                                          q_data_type="float17")
+
+
+def test_split_buffers_views_counters_and_graph_rule():
+    from flashinfer_jit.runtime.split_kv import SplitBuffers
+
+    ws = torch.zeros(3 * 8 * (64 + 1) * 4 + 10, dtype=torch.uint8)
+    split = SplitBuffers(ws, graph=False)
+    assert split.rows(8, 64) == 3  # o [8, 64] and lse [8] of float32 a row, the LSEs counted too
+    o, lse = split.views(3, 8, 64)
+    assert o.shape == (3, 8, 64) and o.dtype == torch.float32 and o.data_ptr() == ws.data_ptr()
+    assert lse.shape == (3, 8) and lse.untyped_storage().data_ptr() != ws.untyped_storage().data_ptr()
+    counters = split.merge_counters(10)
+    assert split.merge_counters(10) is counters and counters.numel() >= 10 and not counters.any()
+    assert split.merge_counters(capacity.grown_size(10) + 1) is not counters  # grown where eager
+    fixed = SplitBuffers(ws, graph=True)
+    fixed.views(2, 8, 64)
+    fixed.merge_counters(10)
+    with pytest.raises(ValueError, match="head configuration"):
+        fixed.views(3, 8, 64)
+    with pytest.raises(ValueError, match="merge counters"):
+        fixed.merge_counters(capacity.grown_size(10) + 1)
+    assert SplitBuffers(torch.zeros(64, 64, dtype=torch.uint8)[:, ::2], graph=False).rows(8, 64) == 0
+
+
+def test_graph_page_ids_take_the_callers_buffer_or_one_of_the_first_plan():
+    from flashinfer_jit.runtime.graph_ids import GraphPageIds
+
+    given = torch.zeros(8, dtype=torch.int32)
+    ids = GraphPageIds(CPU, given, "paged_kv_indices_buffer")
+    assert ids.fill_indices(torch.arange(5, dtype=torch.int32), "indices") is given
+    assert given[:5].tolist() == list(range(5))
+    with pytest.raises(ValueError, match=r"indices: 9 page ids exceed the 8 that paged_kv_indices_buffer holds"):
+        ids.fill_indices(torch.arange(9, dtype=torch.int32), "indices")
+    own = GraphPageIds(CPU, None, "paged_kv_indices_buf")
+    first = own.fill_indices(torch.arange(6, dtype=torch.int32), "paged_kv_indices")
+    assert own.fill_indices(torch.arange(4, dtype=torch.int32), "paged_kv_indices") is first  # never re-allocated
+    with pytest.raises(ValueError, match="paged_kv_indices: 7 page ids exceed the 6 .*paged_kv_indices_buf"):
+        own.fill_indices(torch.arange(7, dtype=torch.int32), "paged_kv_indices")
+    tables = own.fill_block_tables(torch.ones(2, 5, dtype=torch.int32), capacity=4)
+    assert tables.shape == (4, 5) and own.fill_block_tables(torch.ones(4, 5, dtype=torch.int32), 4) is tables
+    for bad in (torch.ones(5, 5, dtype=torch.int32), torch.ones(2, 6, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="block_tables: shape .* does not fit"):
+            own.fill_block_tables(bad, 4)
+
+
+def test_block_tables_parse_once_for_every_family():
+    from flashinfer_jit.runtime.page_table import expect_one_page_table, parse_block_tables
+
+    seq = torch.tensor([3, 4], dtype=torch.int32)
+    layout, bt = parse_block_tables(torch.zeros(2, 3, dtype=torch.int64), seq)
+    assert layout == "block_table" and bt.dtype == torch.int32
+    assert parse_block_tables(torch.zeros(2, 2, 3, dtype=torch.int32), seq)[0] == "block_table_kv_separate"
+    with pytest.raises(ValueError, match="block_tables: expected .*2, max_pages"):
+        parse_block_tables(torch.zeros(2, 3, 3, dtype=torch.int32), seq)
+    with pytest.raises(ValueError, match="max_pages dimension must be contiguous"):
+        parse_block_tables(torch.zeros(2, 6, dtype=torch.int32)[:, ::2], seq)
+    with pytest.raises(ValueError, match=r"seq_lens: expected \[3\]"):
+        parse_block_tables(torch.zeros(3, 2, dtype=torch.int32), seq)
+    with pytest.raises(TypeError, match="block_tables"):
+        parse_block_tables([[0, 1]], seq)
+    with pytest.raises(ValueError, match="give either indptr/indices/last_page_len or block_tables/seq_lens"):
+        expect_one_page_table("indptr/indices/last_page_len", True)
+
+
+def test_prefill_graph_wrapper_allocates_its_page_ids_without_a_buffer():
+    """FlashInfer's rule in both families: the constructor's paged_kv_indices_buf where given,
+    else a buffer of the first plan, which a later plan must fit."""
+    import flashinfer_jit as fij
+
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    w = fij.BatchPrefillWithPagedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), use_cuda_graph=True)
+    args = (32, 8, 128, 16)
+    w.plan(i32([0, 3, 6]), i32([0, 2, 4]), i32([5, 6, 7, 8]), i32([5, 5]), *args, causal=True)
+    assert w._plan.args[0][1] is w._graph_ids.indices and w._graph_ids.indices.tolist() == [5, 6, 7, 8]
+    w.plan(i32([0, 3]), i32([0, 1]), i32([9]), i32([5]), *args, causal=True)
+    assert w._plan.args[0][1] is w._graph_ids.indices and w._graph_ids.indices[0] == 9
+    with pytest.raises(ValueError, match="paged_kv_indices: 5 page ids exceed the 4"):
+        w.plan(i32([0, 3, 6]), i32([0, 2, 5]), i32(list(range(5))), i32([5, 5]), *args, causal=True)

@@ -442,3 +442,57 @@ def test_movable_pages(side, causal):
         assert status == _plan_numpy(cfg, qo, a, b, 5 - first, np.zeros(1 << 22, dtype=np.int32), ref_result) == 0
         want = 0 if side == _RAGGED else want
         assert int(result[prefill._MOVABLE_PAGES]) == int(ref_result[prefill._MOVABLE_PAGES]) == want
+
+
+# --- the planners' start offset (POD: two work lists in one buffer) -------------------------------
+SENTINEL = -7  # what a host buffer holds before a planner writes it
+
+
+def _both_at(cfg, start: int, qo, a, b, batch: int, size: int = 1 << 20):
+    """((status, host, result) of the C++ planner, the same of its numpy twin), each writing
+    its section from `start` into a buffer of SENTINEL."""
+    cfg.start = start
+    runs = []
+    for twin in ("cpp", "numpy"):
+        host = np.full(size, SENTINEL, dtype=np.int32)
+        result = np.zeros(12, dtype=np.int64)
+        if twin == "cpp":
+            fn, _ = _native_planner()
+            status = fn(__import__("ctypes").addressof(cfg), qo.data_ptr(), a.data_ptr(),
+                        b.data_ptr() if b is not None else None, batch, host.ctypes.data, size, result.ctypes.data)
+        else:
+            status = _plan_numpy(cfg, qo, a, b, batch, host, result)
+        runs.append((status, host, result))
+    return runs
+
+
+@pytest.mark.parametrize("side", [_CSR, _SEQ_LENS, _RAGGED])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+@pytest.mark.parametrize("capacity", [0, 64], ids=["eager", "graph"])
+def test_planners_write_their_section_at_a_start_offset(side, split, capacity):
+    """Both planners at start k write what they write at 0, k ints later, and nothing before
+    k; their offsets (table .. end) move by k, the rest of the result stays; the twins agree."""
+    rng = np.random.default_rng(5)
+    qo, a, b = _batch(rng, 23, side, long=split)
+    batch = qo.shape[0] - 1
+    cfg = _config(side, fixed=512 if split else 0, split=int(split), capacity=capacity)
+    zero = _both_at(cfg, 0, qo, a, b, batch)
+    result0 = zero[0][2]
+    end = int(result0[prefill._END])
+    assert (result0[prefill._PARTIAL_ROWS] > 0) == split
+    moved = slice(prefill._TABLE_AT, prefill._END + 1)
+    for start in (1, 61, 5000):
+        for (status, host, result), (status0, host0, _) in zip(_both_at(cfg, start, qo, a, b, batch), zero):
+            assert status == status0 == 0
+            np.testing.assert_array_equal(result[moved], result0[moved] + start)
+            np.testing.assert_array_equal(np.delete(result, np.r_[moved]), np.delete(result0, np.r_[moved]))
+            assert (host[:start] == SENTINEL).all(), "the planner wrote before its start"
+            np.testing.assert_array_equal(host[start:start + end], host0[:end])
+            assert (host[start + end:] == SENTINEL).all()
+        (_, cpp, _), (_, twin, _) = _both_at(cfg, start, qo, a, b, batch)
+        np.testing.assert_array_equal(cpp[:start + end], twin[:start + end])
+    # too small a buffer: the size needed counts the start; a negative start is refused
+    for status, _, result in _both_at(cfg, 100, qo, a, b, batch, size=100 + end - 1):
+        assert status == prefill._SLOT_TOO_SMALL and result[prefill._END] == 100 + end
+    for status, host, _ in _both_at(cfg, -1, qo, a, b, batch):
+        assert status == prefill._BAD_START and (host == SENTINEL).all()

@@ -31,6 +31,12 @@ struct DecodePlanConfig {
   int32_t wave_token_bytes;  // token_bytes x query tokens a request: the wave split's measure of a block
   int32_t graph_chunks;     // a CUDA-graph grid holds this many chunks of every request (1: the usual spare rows)
   int64_t max_partials;     // partial rows the workspace holds
+  // int32s of the host buffer before this plan's section, which starts with merge_indptr
+  // and ends with the work list: a fused launch (POD) places the prefill planner's section
+  // and this one in one buffer, one after the other. 0: the buffer's start. Nothing before
+  // it is written, and the section is the same ints wherever it starts (no entry holds a
+  // position in the buffer).
+  int64_t start;
 };
 
 // The planner's result besides the buffer (decode.py reads it as int64[kPlanResults]).
@@ -168,18 +174,19 @@ inline int64_t count_items(const std::vector<int64_t>& lens, const Sized& s) {
 
 }  // namespace plan_detail
 
-// Returns 0 and fills host[0, end) and result; > 0: the host buffer must hold this many
-// int32 (call again with a larger one); < 0: bad input, a batch over the capacity or a
-// list over the workspace (decode.py's numpy path then raises its error). CSR where
+// Returns 0 and fills host[c.start, end) and result; > 0: the host buffer must hold this
+// many int32, c.start included (call again with a larger one); < 0: bad input, a batch
+// over the capacity or a list over the workspace (decode.py's numpy path then raises its
+// error). CSR where
 // indptr is given (indptr [batch + 1], last_page_len [batch], limit = len(indices)), else
 // block tables (seq_lens [batch], limit = max_pages x page_size). capacity 0: an eager
 // wrapper; > 0: a CUDA-graph wrapper's, every array padded to it and the grid fixed by it.
-// Buffer layout: decode.py _offsets and _pack (no host page ids).
+// Buffer layout: decode.py _offsets and pack_plan (no host page ids), from c.start.
 inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, const int32_t* last,
                            const int32_t* seq_lens, int64_t batch, int64_t limit, int64_t capacity, int32_t* host,
                            int64_t host_size, int64_t* result) {
   using namespace plan_detail;
-  if (batch < 0 || c.page_size <= 0 || c.target <= 0 || c.blocks_per_item <= 0) return -1;
+  if (batch < 0 || c.page_size <= 0 || c.target <= 0 || c.blocks_per_item <= 0 || c.start < 0) return -1;
   const bool graph = capacity > 0;
   if (graph && batch > capacity) return -6;
   const int64_t cap = graph ? capacity : batch;
@@ -314,12 +321,14 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
     }
   }
 
-  // decode.py _offsets and _pack: every array padded to the capacity
+  // decode.py _offsets and pack_plan: every array padded to the capacity; offsets from
+  // here on are within this plan's section, which starts at host + c.start
   const int64_t grid_items = graph ? max_items : items;
   const int64_t table = cap + 1;
   const int64_t work_at = table + (csr ? 2 * cap + 1 : cap);
   const int64_t end = work_at + 1 + 4 * grid_items;
-  if (end > host_size) return end;
+  if (c.start + end > host_size) return c.start + end;
+  host += c.start;
   for (int64_t i = 0; i <= batch; ++i) host[i] = one_per_request ? 0 : int32_t(merge[i]);
   std::fill(host + batch + 1, host + table, one_per_request ? 0 : int32_t(merge[batch]));
   if (csr) {

@@ -42,6 +42,12 @@ struct PrefillPlanConfig {
   int64_t work_capacity = 0;     // > 0: the work list's fixed size in items (CUDA graphs)
   int64_t max_partial_rows = 0;  // partial rows the workspace holds
   int64_t max_kv_len = 0;        // > 0: block tables' seq_lens at most this (max_pages x page_size)
+  // int32s of the host buffer before this plan's section (qo_indptr .. the work list): a
+  // fused launch (POD) places the decode planner's section and this one in one buffer, one
+  // after the other. 0: the buffer's start. Nothing before it is written; the result's
+  // offsets (kTableAt .. kEnd) count from the buffer's start, and the section is the same
+  // ints wherever it starts (no entry holds a position in the buffer).
+  int64_t start = 0;
 };
 
 // result[]: what plan() reads back
@@ -55,7 +61,7 @@ enum PrefillPlanResult : int {
   kTableAt = 6,
   kMergeAt = 7,
   kWorkAt = 8,
-  kEnd = 9,  // int32s written (or needed, with kSlotTooSmall)
+  kEnd = 9,  // the end of what is written (or the buffer size needed, with kSlotTooSmall), start included
   kKvRows = 10,  // ragged: kv_indptr[batch]; csr: indptr[batch] (pages)
   // paged: the most pages of any request that plan()'s page order may reorder (every page
   // but the last; causal: the pages of keys j <= kv_len - qo_len, which every query row
@@ -72,6 +78,7 @@ enum PrefillPlanError : int {
   kSlotTooSmall = 6,   // host_size < result[kEnd]
   kWorkCapacity = 7,   // more items than work_capacity
   kCapacity = 8,       // batch > capacity
+  kBadStart = 9,       // PrefillPlanConfig.start < 0
 };
 
 inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr, const int32_t* kv_a,
@@ -84,6 +91,7 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
   };
   const int64_t cap = c.capacity > batch ? c.capacity : batch;
   if (c.capacity > 0 && batch > c.capacity) return fail(kCapacity, batch);
+  if (c.start < 0) return fail(kBadStart, 0);
   // lengths, validated
   std::vector<int32_t> kv_len(batch);
   if (qo_indptr[0] != 0) return fail(kQoIndptr, 0);
@@ -243,7 +251,7 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
     result[kItems] = items;
     return fail(kWorkCapacity, items);
   }
-  // layout
+  // layout, within this plan's section (reported from the buffer's start)
   const int64_t table_at = cap + 1;
   int64_t merge_at = table_at;
   if (side == PrefillKVSide::kCSR) merge_at += 2 * cap + 1;
@@ -257,11 +265,12 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
   result[kTileRows] = tile;
   result[kQoTokens] = qo_tokens;
   result[kPartialRows] = partial_rows;
-  result[kTableAt] = table_at;
-  result[kMergeAt] = merge_at;
-  result[kWorkAt] = work_at;
-  result[kEnd] = end;
-  if (host_size < end) return fail(kSlotTooSmall, end);
+  result[kTableAt] = c.start + table_at;
+  result[kMergeAt] = c.start + merge_at;
+  result[kWorkAt] = c.start + work_at;
+  result[kEnd] = c.start + end;
+  if (host_size < c.start + end) return fail(kSlotTooSmall, c.start + end);
+  host += c.start;
   // qo_indptr and the K/V side, padded to the capacity
   for (int64_t b = 0; b <= batch; ++b) host[b] = qo_indptr[b];
   for (int64_t b = batch + 1; b <= cap; ++b) host[b] = qo_indptr[batch];

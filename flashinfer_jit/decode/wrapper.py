@@ -33,16 +33,23 @@ import numpy as np
 import torch
 
 from ..pipeline import env
-from ..pipeline.jit import get_module, op_cache
+from ..pipeline.jit import op_cache
 from ..pipeline.spec import HEAD_DIMS, dtype_name
-from ..runtime import fastcall
-from ..runtime.capacity import cannot_grow, graph_capacity, heads_fixed
+from ..runtime.capacity import graph_capacity, heads_fixed
 from ..runtime.checks import (
+    BACKENDS,
+    POS_ENCODING_MODES,
     aligned16,
+    as_dtype,
     as_int32_index,
     compiling,
     dtype_str,
+    expect_bool,
     expect_choice,
+    expect_heads,
+    expect_page_table_buffer,
+    expect_window_left,
+    expect_workspace,
     passed_run_checks,
     remembered,
     run_signature,
@@ -52,14 +59,27 @@ from ..runtime.checks import (
 
 # (under decode's own names: plan() and run() look them up here, where the tests patch them)
 from ..runtime.device import empty_f32 as _empty_f32
-from ..runtime.device import num_sms as _num_sms
 from ..runtime.device import peak_dram_bytes_per_s as _peak_dram_bytes_per_s
 from ..runtime.device import raw_stream as _raw_stream
-from ..runtime.device import supports_clusters, supports_pdl
+from ..runtime.device import sm_count, supports_clusters, supports_pdl
+from ..runtime.graph_ids import GraphPageIds
+from ..runtime.launch import (
+    fast_entry,
+    launch_buffer,
+    launch_failed,
+    module_op,
+    recorded,
+)
 from ..runtime.native import ctypes_entry, optional_entry
 from ..runtime.page_order import PageOrder
-from ..runtime.page_table import unpack_paged_kv_cache
-from ..runtime.plan_buffer import HostSlot, PlanBuffer
+from ..runtime.page_table import (
+    expect_one_page_table,
+    parse_block_tables,
+    unpack_paged_kv_cache,
+)
+from ..runtime.plan_buffer import PlanBuffer
+from ..runtime.scales import logit_scale as scaled_logits
+from ..runtime.split_kv import SplitBuffers
 from .spec import (
     MAX_Q_TOKENS,
     DecodePlanSpec,
@@ -72,8 +92,6 @@ from .spec import (
     uses_tensor_cores,
 )
 
-POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
-_LOG2E = 1.4426950408889634
 _MIN_CHUNK = 64  # tokens; two 32-token tiles, so a chunk still pipelines its loads
 # Tensor-core kernel: up to 128 tokens, as far as that keeps a request in <= 16 chunks.
 # Its in-kernel merge reads 16 partials per round trip, and a 64-token chunk's two tiles
@@ -153,20 +171,8 @@ _LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
 # peak the 16-bit blocks at head_dim 128 keep _WIDE_CLUSTER_MAX_BLOCK_BYTES
 # (docs/decode.md).
 _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S = 4.0e12
-_MAX_CONFIGS = 16  # distinct plan() configurations a wrapper remembers (usually one)
 _TABLE_ARGS = ("indptr", "indices", "last_page_len", "block_tables", "seq_lens")  # plan()'s index tensors
 _Tensor = torch.Tensor
-
-
-def _as_dtype(value, name: str, default=None) -> torch.dtype:
-    if value is None:
-        return default
-    if isinstance(value, torch.dtype):
-        return value
-    dt = getattr(torch, str(value).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise TypeError(f"{name}: expected a torch dtype or its name, got {value!r}")
-    return dt
 
 
 def plan_split(kv_lens: np.ndarray, blocks_per_item: int, target_blocks: int, fixed_split_size, disable_split_kv,
@@ -411,17 +417,15 @@ class _Plan:
     merge_rows) and what run() has already checked against it (checked: the signature of
     the last q and cache that passed every check, q_standard: whether that q had
     contiguous strides, so that empty_like(q) is contiguous too, no_lse: the empty LSE
-    tensor on its device), and run()'s fast path once a call through the op has prepared
-    it for that signature (fast: the module's C entry point, prepared: the resolved launch,
-    a CPU byte tensor, prepared_ptr its address, device_index: q's device;
+    tensor on its device), and run()'s fast path once a call through the op has recorded
+    its launch for that signature (fast: a runtime.launch.RecordedLaunch, or None;
     kv_heads_per_block: 2 where the blocks take KV-head pairs; cluster: blocks per
     thread-block cluster of the cluster split, 1 without; cluster_warps: warps per block
     of that split, 4 or 8; unordered: where args' page ids are the reordered copy (plan's
     sort_pages), the page-table tensors with the ids as given, for a run() with a window)."""
 
-    __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked",
-                 "q_standard", "no_lse", "fast", "prepared", "prepared_ptr", "device_index", "kv_heads_per_block",
-                 "cluster", "cluster_warps", "unordered")
+    __slots__ = ("config", "spec", "op", "batch", "capacity", "max_items", "args", "checked", "q_standard", "no_lse",
+                 "fast", "kv_heads_per_block", "cluster", "cluster_warps", "unordered")
 
 
 class _NativeConfig(ctypes.Structure):
@@ -432,7 +436,7 @@ class _NativeConfig(ctypes.Structure):
         "page_size", "blocks_per_item", "target", "pairs", "sms", "cluster", "fixed_split_size", "disable_split_kv",
         "min_chunk", "max_chunks", "skew_factor", "token_bytes", "cluster_max_block_bytes",
         "wide_cluster_max_block_bytes", "full_grid_min_tokens", "wave_token_bytes", "graph_chunks")] + \
-        [("max_partials", ctypes.c_int64)]
+        [("max_partials", ctypes.c_int64), ("start", ctypes.c_int64)]
 
 
 def _native_config(config: _Config):
@@ -487,7 +491,6 @@ def _same_launch(a: _Plan, b: _Plan) -> bool:
         and x.stride() == y.stride() and (csr or x.shape == y.shape)
 
 
-
 class BatchDecodeWithPagedKVCacheWrapper:
     """FlashInfer's decode wrapper: plan() once per batch, run() per layer.
 
@@ -497,10 +500,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None):
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise TypeError("float_workspace_buffer: expected a tensor (e.g. 128 MB of uint8 on the GPU)")
+        expect_workspace(float_workspace_buffer)
         expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
-        expect_choice(backend, "backend", ("auto", "fa2"))
+        expect_choice(backend, "backend", BACKENDS)
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
         self._device_is_cpu = self._device.type == "cpu"
@@ -513,18 +515,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         for name, buf in zip(("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"),
                              self._user_buffers):
-            if buf is None:
-                continue
-            if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int32 or buf.dim() != 1 or \
-                    not buf.is_contiguous():
-                got = f"{dtype_str(buf.dtype)} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
-                raise TypeError(f"{name}: expected a contiguous 1-D int32 tensor (the kernels read it as the page "
-                                f"table), got {got}")
-            if buf.device != self._device:
-                raise ValueError(f"{name}: expected it on the workspace's device {self._device}, got {buf.device}")
+            expect_page_table_buffer(buf, name, self._device)
+        # CUDA graphs: the page ids a captured run() reads (the indptr and last_page_len
+        # buffers are accepted for FlashInfer's signature: those arrays travel in the plan buffer)
+        self._graph_ids = GraphPageIds(self._device, paged_kv_indices_buffer, "paged_kv_indices_buffer")
         self._plan = None
         self._traced = None  # plan()'s values for a run() under torch.compile
-        self._partial_lse_buf = None  # split-KV's partial LSEs (_partial_views)
+        self._split = SplitBuffers(float_workspace_buffer, self._use_cuda_graph)  # partial states, merge counters
         self._capacity = None  # CUDA-graph mode: fixed at the first plan()
         self._configs = {}  # plan()'s scalar arguments -> _Config
         self._plan_buffer = PlanBuffer(self._device, self._use_cuda_graph)
@@ -569,19 +566,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                 q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
                 disable_split_kv, sort_pages, q_len_per_req)
-        config = remembered(self._configs, args, self._configure, _MAX_CONFIGS)
+        config = remembered(self._configs, args, self._configure)
         graph = self._use_cuda_graph
-        native = self._plan_native(config, indptr, indices, last_page_len, block_tables, seq_lens, page_size)
+        layout = "csr"
+        if block_tables is not None:
+            expect_one_page_table("indptr/indices/last_page_len", indptr is not None or last_page_len is not None)
+            layout, block_tables = parse_block_tables(block_tables, seq_lens)
+        native = self._plan_native(config, layout, indptr, indices, last_page_len, block_tables, seq_lens, page_size)
         if native is not None:  # the C++ planner filled a host slot (page ids not folded into it)
-            layout, batch, capacity, slot, items, grid_items, any_split, cluster, cluster_warps, per_block, \
-                longest = native
+            batch, capacity, slot, items, grid_items, any_split, cluster, cluster_warps, per_block, longest = native
             spec = config.spec(layout, self._kv_layout)
             max_items, fold_ids = (grid_items if graph else None), False
             ids = indices if layout == "csr" else block_tables
             offsets = _offsets(layout, capacity, grid_items, 0)
         else:
-            layout, table_host, kv_lens = self._host_page_table(indptr, indices, last_page_len, block_tables,
-                                                                seq_lens, page_size)
+            table_host, kv_lens = self._host_page_table(layout, indptr, indices, last_page_len, block_tables,
+                                                        seq_lens, page_size)
             spec = config.spec(layout, self._kv_layout)
             batch = len(kv_lens)
             longest = int(np.maximum.reduce(kv_lens, initial=0))
@@ -619,7 +619,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # buffer too, so plan() makes one host-to-device copy whatever it is given.
             fold_ids = ids.is_cpu and self._folds_host_ids
             offsets = _offsets(layout, capacity, grid_items, ids.numel() if fold_ids else 0)
-            slot = self._pack(offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
+            slot = self._plan_buffer.host(offsets[-1])
+            pack_plan(slot.array, offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
         previous = self._plan
         if graph and previous is not None and previous.max_items != max_items:
             raise heads_fixed()
@@ -628,7 +629,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         merge_dev, work_dev, table_dev, ids_dev = plan_buffer.views(
             (layout, offsets, ids.shape if fold_ids else None), _carve_views)
         if not fold_ids:
-            ids_dev = self._device_ids(layout, ids)
+            ids_dev = self._device_ids(layout, ids, capacity)
         tables = (table_dev[0], ids_dev, table_dev[1]) if layout == "csr" else (ids_dev, table_dev[0])
         # (the ids as given stay on the device too, in CUDA-graph mode in the fixed buffer: a
         # run() with a window reads them)
@@ -641,8 +642,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.config, plan.spec = config, spec
         # the module now, not at the first run(): a run() under torch.compile only calls it
         plan.op = previous.op if previous is not None and previous.spec is spec else \
-            (None if self._device_is_cpu else _decode_op(spec, env.debug()))
-        plan.fast = plan.prepared = plan.prepared_ptr = plan.device_index = None
+            (None if self._device_is_cpu else module_op(spec, "decode", env.debug()))
+        plan.fast = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
         plan.cluster, plan.cluster_warps, plan.unordered = cluster, cluster_warps, unordered
         # (a CUDA-graph grid keeps partial rows for a later plan's splits, but a cluster
@@ -652,8 +653,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # (per head tile) to finish, counted in zeroed int32s that it resets. One per
         # request, KV head and tile (config.blocks_per_item, one-head blocks), as the op
         # checks, whether or not blocks pair KV heads.
-        counters = self._merge_counters(capacity * config.blocks_per_item) if merge_rows and config.tensor_cores \
-            else None
+        counters = self._split.merge_counters(capacity * config.blocks_per_item) \
+            if merge_rows and config.tensor_cores else None
         plan.args = (tables, work_dev, merge_dev, config.partial_o, config.partial_lse, config.soft_cap,
                      config.rope_scale, config.rope_theta, grid_items, merge_rows, counters)
         if previous is not None and previous.config is config and previous.batch == batch \
@@ -661,11 +662,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # run()'s checks depend on the configuration and the batch alone: what passed
             # them under the previous plan still does
             plan.checked, plan.q_standard, plan.no_lse = previous.checked, previous.q_standard, previous.no_lse
-            if previous.prepared is not None and _same_launch(previous, plan):
+            if previous.fast is not None and _same_launch(previous, plan):
                 # the launch the op resolved under the previous plan is this plan's too (same
                 # buffers, page ids, grid): run() takes the fast path from its first call
-                plan.fast, plan.prepared, plan.prepared_ptr = previous.fast, previous.prepared, previous.prepared_ptr
-                plan.device_index = previous.device_index
+                plan.fast = previous.fast
         else:
             plan.checked, plan.q_standard, plan.no_lse = None, False, None
         self._plan = plan
@@ -732,17 +732,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
                    fixed_split_size, disable_split_kv, sort_pages, q_len_per_req) -> _Config:
         """plan()'s scalar arguments checked, and what follows from them."""
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("page_size", page_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        expect_heads(num_qo_heads, num_kv_heads, head_dim=head_dim, page_size=page_size)
         expect_choice(pos_encoding_mode, "pos_encoding_mode", POS_ENCODING_MODES)
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim: {head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
-        if not isinstance(window_left, int) or window_left < -1:
-            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        expect_window_left(window_left)
         soft_cap = soft_cap_value(logits_soft_cap)
         if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or \
                 not 1 <= q_len_per_req <= MAX_Q_TOKENS:
@@ -756,12 +750,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"got {q_len_per_req}")
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size <= 0):
             raise ValueError(f"fixed_split_size: expected a positive int, got {fixed_split_size!r}")
-        if not isinstance(sort_pages, bool):
-            raise ValueError(f"sort_pages: expected True or False, got {sort_pages!r}")
+        expect_bool(sort_pages, "sort_pages")
         c = _Config()
         c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
-        c.q_dtype = _as_dtype(data_type, "data_type") or _as_dtype(q_data_type, "q_data_type", torch.float16)
-        c.kv_dtype = _as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
+        c.q_dtype = as_dtype(data_type, "data_type") or as_dtype(q_data_type, "q_data_type", torch.float16)
+        c.kv_dtype = as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
         c.q_tokens = q_len_per_req
         c.tile = group_tile(num_qo_heads, num_kv_heads, head_dim, q_len_per_req)
         c.rope = pos_encoding_mode == "ROPE_LLAMA"
@@ -781,7 +774,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             per_sm = 3  # 16-head tiles take more registers (csrc/decode/decode_mma.cuh kMinBlocksPerSM)
         c.min_chunk = _MMA_MIN_CHUNK if c.tensor_cores else _MIN_CHUNK
         c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
-        c.sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+        c.sms = sm_count(device)
         c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
             env.decode_clusters() else 1
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
@@ -809,11 +802,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # which the wave split counts as the blocks at once, is the target itself
             c.skew_factor = 1
         # partial states of (token, head) rows: q_len_per_req x num_qo_heads per request
-        c.partial_o, c.partial_lse = self._partial_views(num_qo_heads * q_len_per_req, head_dim)
+        rows = num_qo_heads * q_len_per_req
+        c.partial_o, c.partial_lse = self._split.views(self._split.rows(rows, head_dim), rows, head_dim)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         c.soft_cap = soft_cap
         # the logit scale of a run() without q_scale / k_scale (base 2 unless soft-capped)
-        c.logit_scale = _logit_scale(c.sm_scale, c.soft_cap, None, None)
+        c.logit_scale = scaled_logits(c.sm_scale, c.soft_cap, None, None)
         c.window_left = window_left
         c.rope_scale = float(1.0 if rope_scale is None else rope_scale)
         c.rope_theta = float(1e4 if rope_theta is None else rope_theta)
@@ -826,11 +820,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.orders_pages = sort_pages and not c.rope and window_left < 0 and device.type == "cuda" and q_len_per_req == 1
         return c
 
-    def _plan_native(self, config: _Config, indptr, indices, last_page_len, block_tables, seq_lens,
+    def _plan_native(self, config: _Config, layout: str, indptr, indices, last_page_len, block_tables, seq_lens,
                      page_size) -> tuple | None:
         """plan()'s host part by the C++ planner (csrc/decode/decode_plan.h, one ctypes call):
-        (layout, batch, capacity, filled host slot, work items, grid items, any split,
-        cluster, cluster warps, KV heads per block). None where the numpy path runs
+        (batch, capacity, filled host slot, work items, grid items, any split, cluster,
+        cluster warps, KV heads per block, longest request). block_tables: as
+        parse_block_tables returned them (layout: its layout, or csr). None where the numpy path runs
         instead: no planner module (FLASHINFER_JIT_NATIVE_PLAN=0, or it failed to load: a
         warning says why), page ids on the host of an eager GPU wrapper (they travel in the
         packed buffer), or arguments the planner does not take as they are (the numpy
@@ -840,7 +835,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             native = config.native = _native_config(config)
         if native is False:
             return None
-        if block_tables is None:
+        if layout == "csr":
             if not (_int32_vector(indptr) and _int32_vector(indices) and _int32_vector(last_page_len)):
                 return None
             batch = indptr.shape[0] - 1
@@ -852,19 +847,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 return None
             layout, a, b, c, limit = "csr", ptr.data_ptr(), last.data_ptr(), None, indices.shape[0]
         else:
-            if indptr is not None or last_page_len is not None or not isinstance(block_tables, _Tensor) or \
-                    block_tables.dtype != torch.int32 or not _int32_vector(seq_lens):
-                return None
-            dims = block_tables.dim()
-            if dims not in (2, 3) or (dims == 3 and block_tables.shape[1] != 2) or \
-                    seq_lens.shape[0] != block_tables.shape[0] or block_tables.stride(-1) != 1 or \
-                    (block_tables.is_cpu and self._folds_host_ids):
+            if seq_lens.dtype != torch.int32 or (block_tables.is_cpu and self._folds_host_ids):
                 return None
             seq = seq_lens if seq_lens.is_cpu else seq_lens.cpu()
             batch = seq.shape[0]
             if batch and seq.stride(0) != 1:
                 return None
-            layout = "block_table_kv_separate" if dims == 3 else "block_table"
             a, b, c, limit = None, None, seq.data_ptr(), block_tables.shape[-1] * page_size
         capacity = 0  # eager
         if self._use_cuda_graph:
@@ -885,30 +873,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if code != 0:
             return None
         items, any_split, cluster, warps, per_block, grid_items, longest = result.tolist()
-        return layout, batch, capacity or batch, slot, items, grid_items, bool(any_split), cluster, warps, per_block, \
-            longest
+        return batch, capacity or batch, slot, items, grid_items, bool(any_split), cluster, warps, per_block, longest
 
-    def _host_page_table(self, indptr, indices, last_page_len, block_tables, seq_lens, page_size):
-        """(layout, host int arrays to ship, kv lengths as int64) from CSR or block-table
-        arguments."""
-        if block_tables is not None:
-            if indptr is not None or last_page_len is not None:
-                raise ValueError("give either indptr/indices/last_page_len or block_tables/seq_lens, not both")
-            if not isinstance(block_tables, torch.Tensor) or block_tables.dtype != torch.int32 or \
-                    block_tables.dim() not in (2, 3) or (block_tables.dim() == 3 and block_tables.shape[1] != 2):
-                raise ValueError("block_tables: expected int32 [batch, max_pages] or [batch, 2, max_pages] (K and V "
-                                 "page ids, TensorRT-LLM style)")
-            if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 \
-                    or seq_lens.shape[0] != block_tables.shape[0]:
-                raise ValueError(f"seq_lens: expected int32 [{block_tables.shape[0]}] (one length per request)")
-            if block_tables.stride(-1) != 1:
-                raise ValueError("block_tables: the max_pages dimension must be contiguous")
+    def _host_page_table(self, layout: str, indptr, indices, last_page_len, block_tables, seq_lens, page_size):
+        """(host int arrays to ship, kv lengths as int64) from CSR arguments, or from block
+        tables as parse_block_tables returned them."""
+        if layout != "csr":
             lens = _host_array(seq_lens).astype(np.int64)
             if np.minimum.reduce(lens, initial=0) < 0 or \
                     np.maximum.reduce(lens, initial=0) > block_tables.shape[-1] * page_size:
                 raise ValueError(f"seq_lens: expected 0..max_pages * page_size ({block_tables.shape[-1] * page_size})")
-            layout = "block_table_kv_separate" if block_tables.dim() == 3 else "block_table"
-            return layout, (lens,), lens
+            return (lens,), lens
         if not (_int32_vector(indptr) and _int32_vector(indices) and _int32_vector(last_page_len)):
             for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
                 if not _int32_vector(t):
@@ -933,77 +908,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"last_page_len: expected 1..page_size ({page_size}) for every request with pages")
         lens = pages * page_size
         lens -= unused
-        return "csr", (ptr, last), lens
+        return (ptr, last), lens
 
-    def _pack(self, offsets, capacity, table_host, kv_lens, work, merge_indptr, host_ids) -> HostSlot:
-        """Everything plan() ships, in one pinned host buffer, padded to the capacity (see
-        _offsets); work None: one item per request, nothing to merge. Every element up to
-        the end is written (no stale values from earlier plans)."""
-        merge, table, work_at, ids_at, end = offsets
-        slot = self._plan_buffer.host(end)
-        host = slot.array
-        batch = len(kv_lens)
-        pad = capacity > batch  # CUDA-graph mode with fewer requests than captured
-        if work is None:
-            host[merge:table] = 0
-            items = batch
-            rows = host[work_at + 1:work_at + 1 + 4 * batch].reshape(batch, 4)
-            rows[...] = _one_item_per_request(batch)
-            rows[:, 2] = kv_lens
-        else:
-            host[merge:merge + batch + 1] = merge_indptr
-            if pad:
-                host[merge + batch + 1:table] = merge_indptr[-1]
-            items = len(work)
-            host[work_at + 1:work_at + 1 + 4 * items] = work.reshape(-1)
-        host[work_at] = items
-        if work_at + 1 + 4 * items < ids_at:  # CUDA-graph grid: rows past the planned items, never read
-            host[work_at + 1 + 4 * items:ids_at] = 0
-        if len(table_host) == 2:  # csr: indptr [capacity + 1], last_page_len [capacity]
-            ptr, last = table_host
-            last_at = table + capacity + 1
-            host[table:table + batch + 1] = ptr
-            host[last_at:last_at + batch] = last
-            if pad:
-                host[table + batch + 1:last_at] = ptr[-1]
-                host[last_at + batch:work_at] = 0
-        else:  # seq_lens [capacity]
-            host[table:table + batch] = table_host[0]
-            if pad:
-                host[table + batch:work_at] = 0
-        if host_ids is not None:
-            host[ids_at:end] = host_ids.numpy().reshape(-1)
-        return slot
-
-    def _device_ids(self, layout: str, t: torch.Tensor) -> torch.Tensor:
-        """Page ids (indices or block_tables) on the device. In CUDA-graph mode they go into
-        a fixed buffer (the user's paged_kv_indices_buffer, or one allocated at the first
-        plan), so a replay reads the current plan's ids: a device-to-device copy, skipped
-        when the ids given already are that buffer's start (engines fill it in place)."""
-        name = "indices" if layout == "csr" else "block_tables"
-        device = self._device
+    def _device_ids(self, layout: str, t: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Page ids (indices or block_tables) on the device; in CUDA-graph mode in the fixed
+        buffer a replay reads (runtime/graph_ids.py: the user's paged_kv_indices_buffer, or
+        one allocated at the first plan)."""
         if not self._use_cuda_graph:
-            return t.to(device, non_blocking=True) if t.device != device else t
-        key = "_fixed_" + name
-        fixed = getattr(self, key, None)
-        if fixed is None:
-            fixed = self._user_buffers[1] if (name == "indices" and self._user_buffers[1] is not None) else \
-                torch.empty_like(t, device=device)
-            setattr(self, key, fixed)
-        if name == "indices":
-            if t.numel() > fixed.numel():
-                raise ValueError(f"indices: {t.numel()} page ids exceed the {fixed.numel()} the CUDA-graph buffer "
-                                 "holds")
-            in_place = t.data_ptr() == fixed.data_ptr() and t.device == fixed.device and \
-                (t.numel() < 2 or t.stride(0) == 1)
-            if not in_place:
-                fixed[: t.numel()].copy_(t, non_blocking=True)
-            return fixed
-        if t.shape[1:] != fixed.shape[1:] or t.shape[0] > fixed.shape[0]:
-            raise ValueError(f"block_tables: shape {tuple(t.shape)} does not fit the CUDA-graph buffer "
-                             f"{tuple(fixed.shape)}")
-        fixed[: t.shape[0]].copy_(t, non_blocking=True)
-        return fixed
+            return t.to(self._device, non_blocking=True) if t.device != self._device else t
+        if layout == "csr":
+            return self._graph_ids.fill_indices(t, "indices")
+        return self._graph_ids.fill_block_tables(t, capacity)
 
     def _order_pages(self, config: _Config, ids: torch.Tensor, lens: torch.Tensor, csr: bool, batch: int,
                      longest: int) -> torch.Tensor | None:
@@ -1064,7 +979,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_scale is None and k_scale is None:
             logit_scale = config.logit_scale
         else:
-            logit_scale = _logit_scale(config.sm_scale, config.soft_cap, q_scale, k_scale)
+            logit_scale = scaled_logits(config.sm_scale, config.soft_cap, q_scale, k_scale)
         v_scale = 1.0 if v_scale is None else float(v_scale)
         window = config.window_left if window_left is None else int(window_left)
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
@@ -1074,30 +989,28 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if fast is not None and not as_given and out.is_contiguous():
             # The launch the op resolved at an earlier call with this q and cache signature,
             # with this call's pointers: no dispatcher, ~2 us of host time instead of ~12.
-            code = fast(plan.prepared_ptr, qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-                        logit_scale, v_scale, window, _raw_stream(plan.device_index), pdl)
+            call, _, address, device_index = fast
+            code = call(address, qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(), logit_scale,
+                        v_scale, window, _raw_stream(device_index), pdl)
             if code:
-                raise RuntimeError(f"{plan.spec.name}: decode: CUDA error {code} ({_fast_error(plan.spec, code)})")
+                raise launch_failed(plan.spec, "decode", code)
             return (out, lse) if return_lse else out
         op = plan.op
         if op is None:  # the module loads (or builds) at the first run() after a plan(), in the debug mode then
-            op = plan.op = _decode_op(plan.spec, env.debug())
+            op = plan.op = module_op(plan.spec, "decode", env.debug())
         tables, work, merge_indptr, partial_o, partial_lse, soft_cap, rope_scale, rope_theta, grid_items, \
             merge_rows, counters = plan.args
         if as_given:
             tables = plan.unordered
-        entry = _decode_fast(plan.spec, env.debug()) if plan.checked is not None and not as_given else None
-        prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
+        entry = fast_entry(plan.spec, "decode", env.debug()) if plan.checked is not None and not as_given else None
+        prepared = launch_buffer(entry)
         q_op, out_op, lse_op = _token_rows(q, out, plan.no_lse if lse is None else lse, config.q_tokens,
                                            config.num_qo_heads)
         op(q_op, k, v, tables, work, merge_indptr, out_op, lse_op, partial_o, partial_lse,
            logit_scale, v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters, pdl,
            prepared, plan.kv_heads_per_block, plan.cluster, plan.cluster_warps)
         if prepared is not None:  # later calls with this signature take the fast path
-            # (kept only once the op returned: an op that raised leaves the last launch and
-            # its buffer together)
-            plan.prepared = prepared
-            plan.prepared_ptr, plan.device_index, plan.fast = prepared.data_ptr(), q.get_device(), entry[0]
+            plan.fast = recorded(entry, prepared, q.get_device())
         return (out, lse) if return_lse else out
 
     def _run_traced(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
@@ -1130,7 +1043,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if lse is None:
             lse = torch.empty((q.shape[0], hq) if return_lse else (0,), dtype=torch.float32, device=q.device)
-        logit_scale = _logit_scale(sm_scale, cap, q_scale, k_scale)
+        logit_scale = scaled_logits(sm_scale, cap, q_scale, k_scale)
         window = window_planned if window_left is None else window_left
         tables, work, merge_indptr, partial_o, partial_lse, soft_cap, rope_scale, rope_theta, grid_items, \
             merge_rows, counters = args
@@ -1153,39 +1066,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
 
     forward_return_lse = run_return_lse
-
-    def _merge_counters(self, size: int) -> torch.Tensor:
-        """Zeroed int32 counters for the in-kernel merge, kept across plans (the kernel
-        leaves them at zero); grown, never shrunk. A CUDA-graph wrapper sizes them at its
-        first plan (the capacity and heads are fixed from then on)."""
-        counters = getattr(self, "_counters", None)
-        if counters is None or counters.numel() < size:
-            if counters is not None and self._use_cuda_graph:
-                raise cannot_grow("merge counters")
-            counters = torch.zeros(max(size, 1024), dtype=torch.int32, device=self._device)
-            self._counters = counters
-        return counters
-
-    def _partial_views(self, num_qo_heads: int, head_dim: int):
-        """Split-KV's partial outputs [rows, heads, head_dim] (float32; the tensor-core
-        kernel's own merge of a bf16 output packs them as bf16 at the front) as a view of
-        the workspace, rows = as many as it holds, and their LSEs [rows, heads] (float32) in
-        a buffer of the wrapper's own. Not both in the workspace: a run() under
-        torch.compile hands the op both as mutated inputs, and two mutated views of one
-        buffer become a synthetic base that the graph copies whole (and, seen with torch
-        2.11's inductor, read past its end)."""
-        # (rows as when the LSEs shared the workspace: the same plans, whatever the buffer)
-        rows = self._workspace.numel() * self._workspace.element_size() // ((num_qo_heads * head_dim + num_qo_heads) * 4)
-        flat = self._workspace.view(torch.uint8).view(torch.float32) if self._workspace.dtype == torch.uint8 \
-            else self._workspace.view(torch.float32)
-        o = flat[: rows * num_qo_heads * head_dim].view(rows, num_qo_heads, head_dim)
-        need = rows * num_qo_heads
-        lse = self._partial_lse_buf
-        if lse is None or lse.numel() < need:
-            if lse is not None and self._use_cuda_graph:
-                raise heads_fixed()
-            lse = self._partial_lse_buf = torch.empty(need, dtype=torch.float32, device=self._device)
-        return o, lse[:need].view(rows, num_qo_heads)
 
     def _check_run(self, q, paged_kv_cache, plan: _Plan):
         """run()'s checks in full; returns the cache's (k, v) and remembers the signature
@@ -1244,13 +1124,6 @@ def _token_rows(q, out, lse, n: int, hq: int) -> tuple:
             lse.view(rows, n * hq) if lse.numel() else lse)
 
 
-def _logit_scale(sm_scale: float, soft_cap: float, q_scale, k_scale) -> float:
-    """The kernel's logit scale: sm_scale x q_scale x k_scale, divided by the soft cap (the
-    kernel applies it inside the tanh) or else in log2 units (the kernel uses exp2)."""
-    scale = sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
-    return scale / soft_cap if soft_cap else scale * _LOG2E
-
-
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
     """FlashInfer's CUDA-graph decode wrapper: BatchDecodeWithPagedKVCacheWrapper with
     use_cuda_graph=True and the caller's fixed page-table buffers (indptr [max_batch + 1],
@@ -1284,16 +1157,57 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
               disable_split_kv=disable_split_kv)
 
 
-def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int) -> tuple:
+def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int, start: int = 0) -> tuple:
     """(merge, table, work, ids, end) offsets of the packed plan buffer, in int32 elements:
     merge_indptr [capacity + 1]; the page-table arrays (csr: indptr [capacity + 1] and
     last_page_len [capacity]; block tables: seq_lens [capacity]); the work list (count,
     then 4 ints per item, grid_items of them); page ids from the host, if any. The
-    variable-length parts come last, so the other views keep their offsets."""
-    table = capacity + 1
+    variable-length parts come last, so the other views keep their offsets. start: int32s
+    before this section (DecodePlanConfig.start: POD's other work list), 0 for a wrapper's own."""
+    table = start + capacity + 1
     work = table + (2 * capacity + 1 if layout == "csr" else capacity)
     ids = work + 1 + 4 * grid_items
-    return (0, table, work, ids, ids + num_ids)
+    return (start, table, work, ids, ids + num_ids)
+
+
+def pack_plan(host: np.ndarray, offsets: tuple, capacity: int, table_host: tuple, kv_lens: np.ndarray, work,
+              merge_indptr, host_ids) -> None:
+    """Everything plan() ships, into `host` at _offsets (from its start onwards), padded to
+    the capacity; work None: one item per request, nothing to merge. The numpy twin of
+    csrc/decode/decode_plan.h's packing. Every element of the section is written (no stale
+    values from earlier plans), nothing before it."""
+    merge, table, work_at, ids_at, end = offsets
+    batch = len(kv_lens)
+    pad = capacity > batch  # CUDA-graph mode with fewer requests than captured
+    if work is None:
+        host[merge:table] = 0
+        items = batch
+        rows = host[work_at + 1:work_at + 1 + 4 * batch].reshape(batch, 4)
+        rows[...] = _one_item_per_request(batch)
+        rows[:, 2] = kv_lens
+    else:
+        host[merge:merge + batch + 1] = merge_indptr
+        if pad:
+            host[merge + batch + 1:table] = merge_indptr[-1]
+        items = len(work)
+        host[work_at + 1:work_at + 1 + 4 * items] = work.reshape(-1)
+    host[work_at] = items
+    if work_at + 1 + 4 * items < ids_at:  # CUDA-graph grid: rows past the planned items, never read
+        host[work_at + 1 + 4 * items:ids_at] = 0
+    if len(table_host) == 2:  # csr: indptr [capacity + 1], last_page_len [capacity]
+        ptr, last = table_host
+        last_at = table + capacity + 1
+        host[table:table + batch + 1] = ptr
+        host[last_at:last_at + batch] = last
+        if pad:
+            host[table + batch + 1:last_at] = ptr[-1]
+            host[last_at + batch:work_at] = 0
+    else:  # seq_lens [capacity]
+        host[table:table + batch] = table_host[0]
+        if pad:
+            host[table + batch:work_at] = 0
+    if host_ids is not None:
+        host[ids_at:end] = host_ids.numpy().reshape(-1)
 
 
 def _carve_views(buf: torch.Tensor, key: tuple) -> tuple:
@@ -1307,30 +1221,6 @@ def _carve_views(buf: torch.Tensor, key: tuple) -> tuple:
         table_dev = (buf[table:work_at],)
     ids = buf[ids_at:end].view(ids_shape) if ids_shape is not None else None
     return buf[merge:table], buf[work_at:ids_at], table_dev, ids
-
-
-@op_cache
-def _decode_op(spec: DecodeSpec, debug: bool):
-    return get_module(spec).decode
-
-
-@op_cache
-def _decode_fast(spec: DecodeSpec, debug: bool):
-    """(the module's C entry point <namespace>_decode_fast, bytes of a prepared launch)
-    for run()'s fast path; None in the debug mode (every launch through the op) or
-    without a CUDA device."""
-    if debug or not torch.cuda.is_available():
-        return None
-    fn = ctypes_entry(spec, "decode_fast", [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
-                                                                       ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
-    return fastcall.bind("decode", fn), int(ctypes_entry(spec, "decode_launch_bytes", [], ctypes.c_int)())
-
-
-@op_cache
-def _fast_error(spec: DecodeSpec, code: int) -> str:
-    return ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
-
-
 
 
 _SINGLE_PLANS = 32  # single_decode_with_kv_cache's planned wrappers kept (by configuration and length)

@@ -31,26 +31,46 @@ from ..pipeline import env
 from ..pipeline.jit import get_module, op_cache
 from ..pipeline.spec import FP8_DTYPES, dtype_name
 from ..runtime import fastcall
-from ..runtime.capacity import graph_capacity, grown_size
+from ..runtime.capacity import graph_capacity
 from ..runtime.checks import (
+    BACKENDS,
+    POS_ENCODING_MODES,
+    as_dtype,
     as_int32_index,
     dtype_str,
+    expect_bool,
     expect_choice,
+    expect_heads,
+    expect_page_table_buffer,
+    expect_window_left,
+    expect_workspace,
     passed_run_checks,
     remembered,
     run_signature,
     same_cuda_device,
     soft_cap_value,
 )
-from ..runtime.device import empty_f32, num_sms, placeholder, raw_stream, supports_pdl
+from ..runtime.device import empty_f32, placeholder, raw_stream, sm_count, supports_pdl
+from ..runtime.graph_ids import GraphPageIds
+from ..runtime.launch import (
+    fast_entry,
+    launch_buffer,
+    launch_failed,
+    module_op,
+    recorded,
+)
 from ..runtime.native import ctypes_entry, optional_entry
 from ..runtime.page_order import PageOrder
-from ..runtime.page_table import unpack_paged_kv_cache
+from ..runtime.page_table import (
+    expect_one_page_table,
+    parse_block_tables,
+    unpack_paged_kv_cache,
+)
 from ..runtime.plan_buffer import PlanBuffer
+from ..runtime.scales import logit_scale, soft_cap_log2
+from ..runtime.split_kv import SplitBuffers
 from .spec import HEAD_DIM_PAIRS, TILE_ROWS, PrefillPlanSpec, PrefillSpec
 
-POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
-_BACKENDS = ("auto", "fa2")
 _PAIR_INTS = 15  # csrc/prefill/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
 _PAIR_IDS_AT, _PAIR_IDS = 11, 4  # (kPrefillPairIdsAt, kPrefillPairIds: the chunk's first page ids, -1 until filled)
 _BLOCKS_PER_SM = 2  # csrc/prefill/prefill.cuh kMinBlocksPerSM: the blocks a wave holds per SM (the split's target)
@@ -60,8 +80,6 @@ _MIN_CHUNK = 256  # keys: a split chunk below this spends more on its merge than
 _SHORT_CAUSAL_KEYS = 256
 _GRAPH_ITEMS_FACTOR = 4
 _GRAPH_MIN_ITEMS = 4096
-_MAX_CONFIGS = 16
-_LOG2E = 1.4426950408889634
 _Q_DTYPES = (torch.float16, torch.bfloat16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # the K/V side of plan() (csrc/prefill/prefill_plan.h PrefillKVSide) and its arguments' names
@@ -71,7 +89,7 @@ _SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: (
 # the planner's result slots and statuses (csrc/prefill/prefill_plan.h PrefillPlanResult / Error)
 _ITEMS, _TILE_ROWS, _QO_TOKENS, _PARTIAL_ROWS, _TABLE_AT, _MERGE_AT, _WORK_AT, _END, _KV_ROWS, _MOVABLE_PAGES = range(2, 12)
 _RESULT_INTS = 12  # (csrc/prefill/prefill_plan.h kResultInts)
-_SLOT_TOO_SMALL, _WORK_CAPACITY = 6, 7
+_SLOT_TOO_SMALL, _WORK_CAPACITY, _BAD_START = 6, 7, 9
 
 
 def _blocks_per_sm(head_dim_qk: int, tile_rows: int) -> int:
@@ -89,7 +107,7 @@ class _PlanConfig(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "group", "num_kv_heads", "kv_side", "page_size", "causal", "tile_rows", "max_tile_rows", "target_blocks",
         "min_chunk", "fixed_split_size", "split", "capacity", "short_causal_keys")] + \
-        [(name, ctypes.c_int64) for name in ("work_capacity", "max_partial_rows", "max_kv_len")]
+        [(name, ctypes.c_int64) for name in ("work_capacity", "max_partial_rows", "max_kv_len", "start")]
 
 
 @op_cache
@@ -160,6 +178,9 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
     if cfg.capacity and batch > cfg.capacity:
         result[0], result[1] = 8, batch
         return 8
+    if cfg.start < 0:
+        result[0] = _BAD_START
+        return _BAD_START
     ptr = qo.numpy().astype(np.int64)
     qo_lens = np.diff(ptr)
     if ptr[0] != 0 or (qo_lens < 0).any():
@@ -212,16 +233,19 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
         result[_ITEMS] = items
         result[0] = 7
         return 7
+    # the layout within this plan's section, which starts at cfg.start (reported from the buffer's start)
     table_at = cap + 1
     merge_at = table_at + (2 * cap + 1 if side == _CSR else cap if side == _SEQ_LENS else cap + 1)
     work_at = merge_at + (merge.shape[0] if merge is not None else 0)
     end = work_at + 1 + _PAIR_INTS * -(-(cfg.work_capacity or items) // cfg.num_kv_heads)
+    start = cfg.start
     result[_ITEMS], result[_TILE_ROWS], result[_QO_TOKENS] = items, tile, int(ptr[-1])
     result[_PARTIAL_ROWS] = int(merge[-1]) if merge is not None else 0
-    result[_TABLE_AT], result[_MERGE_AT], result[_WORK_AT], result[_END] = table_at, merge_at, work_at, end
-    if host.shape[0] < end:
-        result[0], result[1] = _SLOT_TOO_SMALL, end
+    result[_TABLE_AT:_END + 1] = start + table_at, start + merge_at, start + work_at, start + end
+    if host.shape[0] < start + end:
+        result[0], result[1] = _SLOT_TOO_SMALL, start + end
         return _SLOT_TOO_SMALL
+    host = host[start:]
     host[: batch + 1] = ptr
     host[batch + 1: cap + 1] = ptr[-1]
     if side == _CSR:
@@ -243,7 +267,8 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
 
 def _carve(buf: torch.Tensor, key: tuple) -> tuple:
     """(qo_indptr, the K/V side's arrays, merge_indptr or None, work, mask_indptr or None):
-    views of the device plan buffer for key (side, capacity, and the planner's offsets)."""
+    views of the device plan buffer for key (side, capacity, and the planner's offsets,
+    from the buffer's start: qo_indptr ends where the K/V side's arrays start)."""
     side, cap, table_at, merge_at, work_at, end, total = key
     if side == _CSR:
         table = (buf[table_at: table_at + cap + 1], buf[table_at + cap + 1: table_at + 2 * cap + 1])
@@ -253,7 +278,7 @@ def _carve(buf: torch.Tensor, key: tuple) -> tuple:
         table = (buf[table_at: table_at + cap + 1],)
     merge = buf[merge_at: work_at] if work_at > merge_at else None
     mask = buf[end: total] if total > end else None
-    return buf[: cap + 1], table, merge, buf[work_at: end], mask
+    return buf[table_at - cap - 1: table_at], table, merge, buf[work_at: end], mask
 
 
 def _fa3_error() -> ValueError:
@@ -264,7 +289,7 @@ def _fa3_error() -> ValueError:
 def _check_backend(backend: str) -> None:
     if backend == "fa3":
         raise _fa3_error()
-    expect_choice(backend, "backend", _BACKENDS)
+    expect_choice(backend, "backend", BACKENDS)
 
 
 def _host_vector(t, name: str) -> np.ndarray:
@@ -387,17 +412,6 @@ class _Plan:
                  "mask_args", "checked", "fast", "quick", "sinks_spec", "unordered")
 
 
-def _as_dtype(value, name: str, default=None) -> torch.dtype:
-    if value is None:
-        value = default
-    if isinstance(value, torch.dtype):
-        return value
-    got = getattr(torch, str(value), None) if isinstance(value, str) else None
-    if not isinstance(got, torch.dtype):
-        raise ValueError(f"{name}: expected a torch dtype or its name, got {value!r}")
-    return got
-
-
 class _PrefillWrapper:
     """What the paged and ragged wrappers share: configuration, planning, the op call."""
 
@@ -406,8 +420,7 @@ class _PrefillWrapper:
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise TypeError("float_workspace_buffer: expected a tensor (e.g. 128 MB of uint8 on the GPU)")
+        expect_workspace(float_workspace_buffer)
         expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
         _check_backend(backend)
         self._workspace = float_workspace_buffer
@@ -436,12 +449,9 @@ class _PrefillWrapper:
         self._result_ptr = self._result.ctypes.data
         self._slot_size = 4096
         self._kv_rows = 0
-        nbytes = float_workspace_buffer.numel() * float_workspace_buffer.element_size()
-        # split-KV's partial states live in the workspace: float32 [rows, Hq, Dvo] + lse
-        self._workspace_f32 = float_workspace_buffer.view(torch.uint8)[: nbytes // 4 * 4].view(torch.float32) \
-            if float_workspace_buffer.is_contiguous() else None
-        # split tiles' merge counters (zeros between launches; csrc/prefill/prefill.cuh prefill_merge_if_last)
-        self._counters = None
+        # split-KV's partial states (in the workspace) and the split tiles' merge counters
+        # (csrc/prefill/prefill.cuh prefill_merge_if_last)
+        self._split = SplitBuffers(float_workspace_buffer, self._use_cuda_graph)
         # what an unsplit plan passes for the partial states, merge index and counters
         self._placeholders = (empty_f32(self._device), placeholder(self._device, torch.int32))
         # paged: plan()'s copy of the page ids with each request's movable pages in id order
@@ -457,19 +467,13 @@ class _PrefillWrapper:
                    pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
                    kv_data_type, o_data_type, fixed_split_size, disable_split_kv) -> _Config:
         c = _Config()
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                            ("head_dim_qk", head_dim_qk)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        expect_heads(num_qo_heads, num_kv_heads, head_dim_qk=head_dim_qk)
         head_dim_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
         if (head_dim_qk, head_dim_vo) not in HEAD_DIM_PAIRS:
             raise ValueError(f"head_dim_qk={head_dim_qk}, head_dim_vo={head_dim_vo}: supported (qk, vo) pairs are "
                              f"{', '.join(map(str, HEAD_DIM_PAIRS))}")
         expect_choice(pos_encoding_mode, "pos_encoding_mode", POS_ENCODING_MODES)
-        if not isinstance(window_left, int) or window_left < -1:
-            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        expect_window_left(window_left)
         c.num_qo_heads, c.num_kv_heads, c.group = num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads
         c.head_dim_qk, c.head_dim_vo, c.page_size = head_dim_qk, head_dim_vo, page_size
         c.mask = "custom" if custom else ("causal" if causal else "none")
@@ -479,9 +483,9 @@ class _PrefillWrapper:
         c.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk)
         c.rope_scale = float(rope_scale) if rope_scale is not None else 1.0
         c.rope_theta = float(rope_theta) if rope_theta is not None else 1e4
-        c.q_dtype = _as_dtype(q_data_type, "q_data_type", "float16")
-        c.kv_dtype = _as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
-        c.o_dtype = _as_dtype(o_data_type, "o_data_type", c.q_dtype)
+        c.q_dtype = as_dtype(q_data_type, "q_data_type", torch.float16)
+        c.kv_dtype = as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
+        c.o_dtype = as_dtype(o_data_type, "o_data_type", c.q_dtype)
         for name, value, allowed in (("q_data_type", c.q_dtype, _Q_DTYPES), ("o_data_type", c.o_dtype, _Q_DTYPES),
                                      ("kv_data_type", c.kv_dtype, _Q_DTYPES + _FP8_DTYPES)):
             if value not in allowed:
@@ -511,7 +515,7 @@ class _PrefillWrapper:
                              "NHD" if self._ragged else self._kv_layout, c.mask, c.pos_encoding, c.soft_cap > 0, sinks)
 
     def _config(self, args: tuple) -> _Config:
-        return remembered(self._configs, args, self._configure, _MAX_CONFIGS)
+        return remembered(self._configs, args, self._configure)
 
     def _plan_common(self, config: _Config, qo_indptr, side: int, kv_a, kv_b, table_layout: str, ids_dev,
                      max_kv_len: int, custom_mask, packed_custom_mask, mask_indptr, non_blocking: bool,
@@ -611,8 +615,8 @@ class _PrefillWrapper:
                 plan.unordered = kv_index
                 kv_index = self._kv_index(table_dev, ordered)
         if partial_rows:
-            po, pl = self._partial_views(config, partial_rows)
-            plan.args = (kv_index, qo_dev, work_dev, merge_dev, po, pl, self._merge_counters(pl.numel()))
+            po, pl = self._split.views(partial_rows, config.num_qo_heads, config.head_dim_vo)
+            plan.args = (kv_index, qo_dev, work_dev, merge_dev, po, pl, self._split.merge_counters(pl.numel()))
         else:  # (no merge index, partial states or counters: placeholders)
             none_f32, none_i32 = self._placeholders
             plan.args = (kv_index, qo_dev, work_dev, merge_dev if merge_dev is not None else none_i32, none_f32,
@@ -639,13 +643,10 @@ class _PrefillWrapper:
         (8 warps, csrc/prefill/prefill.cuh kWide, kOneItemABlock), so its graphs keep the 64-row tile."""
         return min(TILE_ROWS) if self._use_cuda_graph and config.head_dim_qk >= 256 else max(TILE_ROWS)
 
-    def _sms(self) -> int:
-        return num_sms(self._device.index or 0) if self._device.type == "cuda" else 132
-
     def _graph_grid(self, head_dim_qk: int, tile_rows: int) -> int:
         """A CUDA-graph launch's fixed grid: one wave of the tile's blocks, which loop over the
         work list."""
-        return self._sms() * _blocks_per_sm(head_dim_qk, tile_rows)
+        return sm_count(self._device) * _blocks_per_sm(head_dim_qk, tile_rows)
 
     def _plan_struct(self, config: _Config, side: int, capacity: int, max_kv_len: int):
         """(the planner's configuration for this plan, its address): kept per configuration
@@ -656,10 +657,10 @@ class _PrefillWrapper:
                               page_size=config.page_size, causal=int(config.mask == "causal"),
                               max_tile_rows=self._max_tile_rows(config),
                               short_causal_keys=_SHORT_CAUSAL_KEYS if config.head_dim_qk >= 256 else 0,
-                              target_blocks=self._sms() * _BLOCKS_PER_SM, min_chunk=_MIN_CHUNK,
+                              target_blocks=sm_count(self._device) * _BLOCKS_PER_SM, min_chunk=_MIN_CHUNK,
                               fixed_split_size=int(config.fixed_split_size or 0),
                               split=int(not self._use_cuda_graph and not config.disable_split_kv),
-                              max_partial_rows=self._partial_capacity(config))
+                              max_partial_rows=self._split.rows(config.num_qo_heads, config.head_dim_vo))
             kept = config.structs[side] = (cfg, ctypes.addressof(cfg))
         cfg = kept[0]
         # benchmarks and tests pin the tile; a CUDA-graph wrapper holds its first plan's
@@ -691,28 +692,6 @@ class _PrefillWrapper:
         if status == 8:
             raise ValueError(f"qo_indptr: {index} requests exceed this CUDA-graph wrapper's capacity {self._capacity}")
         raise RuntimeError(f"prefill plan(): planner status {status}")
-
-    def _partial_capacity(self, config: _Config) -> int:
-        """Partial rows (token x chunk) the workspace holds: float32 o [Hq, Dvo] + lse [Hq] each."""
-        if self._workspace_f32 is None:
-            return 0
-        per_row = config.num_qo_heads * (config.head_dim_vo + 1)
-        return self._workspace_f32.numel() // per_row
-
-    def _merge_counters(self, size: int) -> torch.Tensor:
-        """int32 zeros on the device, at least `size` (one per split tile and KV head at most
-        one per partial LSE): kept across plans, grown to the next power of two; the kernel
-        leaves them zero after each launch."""
-        if self._counters is None or self._counters.numel() < size:
-            self._counters = torch.zeros(grown_size(size), dtype=torch.int32, device=self._device)
-        return self._counters[:size]
-
-    def _partial_views(self, config: _Config, rows: int):
-        hq, dvo = config.num_qo_heads, config.head_dim_vo
-        ws = self._workspace_f32
-        po = ws[: rows * hq * dvo].view(rows, hq, dvo)
-        pl = ws[rows * hq * dvo: rows * hq * (dvo + 1)].view(rows, hq)
-        return po, pl
 
     def _mask_offsets(self, qo_lens, kv_lens, custom_mask, packed_custom_mask, mask_indptr) -> np.ndarray:
         """Byte offsets of each request's packed mask (mask_indptr of the packed form)."""
@@ -772,7 +751,7 @@ class _PrefillWrapper:
             if code == 0:
                 return out
             if code > 0:
-                raise RuntimeError(f"{plan.spec.name}: prefill: CUDA error {code} ({_fast_error(plan.spec, code)})")
+                raise launch_failed(plan.spec, "prefill", code)
         # The checks in full only for a q or K/V unlike the last that passed them (in shape,
         # strides, dtype or device); alignment depends on the address: every call.
         ptrs = passed_run_checks(q, k, v, plan.checked)
@@ -822,22 +801,22 @@ class _PrefillWrapper:
         if fast is not None and out_standard and not as_given:
             # The launch the op resolved at an earlier call with this signature, with this
             # call's pointers and scalars: no dispatcher.
-            fn, _, prepared_ptr, device_index = fast
-            code = fn(prepared_ptr, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
-                      sinks.data_ptr() if with_sinks else 0, logit_scale, cap_log2, vs, window_left,
-                      raw_stream(device_index), pdl)
+            call, _, address, device_index = fast
+            code = call(address, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
+                        sinks.data_ptr() if with_sinks else 0, logit_scale, cap_log2, vs, window_left,
+                        raw_stream(device_index), pdl)
             if code:
-                raise RuntimeError(f"{spec.name}: prefill: CUDA error {code} ({_fast_error(spec, code)})")
+                raise launch_failed(spec, "prefill", code)
             return (out, lse) if return_lse else out
         if spec is plan.spec:
             op = plan.op
             if op is None:
-                op = plan.op = _prefill_op(spec, env.debug())
+                op = plan.op = module_op(spec, "prefill", env.debug())
         else:
-            op = _prefill_op(spec, env.debug())
-        entry = _prefill_fast(spec, env.debug()) if out_standard and not as_given else None
-        prepared = None if entry is None else torch.empty(entry[1], dtype=torch.uint8)
-        record_quick = entry is not None and entry[2] is not None and not with_sinks and lse is None and \
+            op = module_op(spec, "prefill", env.debug())
+        entry = fast_entry(spec, "prefill", env.debug()) if out_standard and not as_given else None
+        prepared = launch_buffer(entry)
+        record_quick = entry is not None and entry.runner is not None and not with_sinks and lse is None and \
             q_scale is None and k_scale is None and v_scale is None and window_left == c.window_left
         kv_index, qo_indptr, work, merge, po, pl, counters = plan.args
         if as_given:
@@ -847,9 +826,9 @@ class _PrefillWrapper:
            lse if lse is not None else empty_f32(q.device), po, pl, counters, logit_scale, cap_log2, vs, window_left,
            c.rope_scale, c.rope_theta, plan.grid, plan.tile_rows, plan.merge_rows, pdl, prepared)
         if prepared is not None:  # later calls with this signature take the fast path
-            plan.fast[with_sinks] = (entry[0], prepared, prepared.data_ptr(), q.get_device())
+            plan.fast[with_sinks] = recorded(entry, prepared, q.get_device())
             if record_quick:  # (prepared stays alive in plan.fast[False])
-                run, address = entry[2]
+                run, address = entry.runner
                 plan.quick = (run, address, prepared.data_ptr(), fastcall.tensor_signature(q, k, v, out))
         return (out, lse) if return_lse else out
 
@@ -901,10 +880,7 @@ _Tensor = torch.Tensor
 
 def _logit_scales(c, q_scale, k_scale) -> tuple[float, float]:
     """(logit_scale, soft_cap_log2) of csrc/prefill/prefill_params.h for these scales."""
-    scale = c.sm_scale * (1.0 if q_scale is None else float(q_scale)) * (1.0 if k_scale is None else float(k_scale))
-    if c.soft_cap > 0:
-        return scale / c.soft_cap, c.soft_cap * _LOG2E
-    return scale * _LOG2E, 0.0
+    return logit_scale(c.sm_scale, c.soft_cap, q_scale, k_scale), soft_cap_log2(c.soft_cap)
 
 
 def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = False) -> None:
@@ -953,15 +929,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                          mask_indptr_buf, backend)
         for name, buf in (("paged_kv_indptr_buf", paged_kv_indptr_buf), ("paged_kv_indices_buf", paged_kv_indices_buf),
                           ("paged_kv_last_page_len_buf", paged_kv_last_page_len_buf)):
-            if buf is None:
-                continue
-            if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int32 or buf.dim() != 1 or \
-                    not buf.is_contiguous():
-                raise TypeError(f"{name}: expected a contiguous 1-D int32 tensor")
-            if buf.device != self._device:
-                raise ValueError(f"{name}: expected it on the workspace's device {self._device}, got {buf.device}")
-        self._indices_buf = paged_kv_indices_buf
-        self._block_tables_buf = None
+            expect_page_table_buffer(buf, name, self._device)
+        # CUDA graphs: the page ids a captured run() reads (the indptr and last_page_len
+        # buffers are accepted for FlashInfer's signature: those arrays travel in the plan buffer)
+        self._graph_ids = GraphPageIds(self._device, paged_kv_indices_buf, "paged_kv_indices_buf")
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo=None, custom_mask=None,
@@ -985,8 +956,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         a request sees whole (all but the last; causal: those of keys up to kv_len - qo_len)
         in ascending page-id order, from a copy plan() writes on the GPU; the output is the
         same up to rounding (the sums run in another order). False: the pages as given."""
-        if type(sort_pages) is not bool:
-            raise ValueError(f"sort_pages: expected True or False, got {sort_pages!r}")
+        expect_bool(sort_pages, "sort_pages")
         if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
             raise ValueError("prefix_len_ptr / token_pos_in_items_ptr / max_item_len_ptr (multi-item scoring) are not "
                              "supported by flashinfer_jit")
@@ -998,21 +968,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
         if block_tables is not None:
-            if paged_kv_indptr is not None or paged_kv_last_page_len is not None:
-                raise ValueError("give either paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len or "
-                                 "block_tables/seq_lens, not both")
-            block_tables = as_int32_index(block_tables, "block_tables")
-            if block_tables.dim() not in (2, 3) or (block_tables.dim() == 3 and block_tables.shape[1] != 2) or \
-                    block_tables.stride(-1) != 1:
-                raise ValueError("block_tables: expected int32 [batch, max_pages] or [batch, 2, max_pages] (K and V "
-                                 "page ids), contiguous along max_pages")
-            if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or \
-                    seq_lens.shape[0] != block_tables.shape[0]:
-                raise ValueError(f"seq_lens: expected [{block_tables.shape[0]}] (one KV length per request)")
-            layout = "block_table_kv_separate" if block_tables.dim() == 3 else "block_table"
-            ids = block_tables.to(self._device)
+            expect_one_page_table("paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len",
+                                  paged_kv_indptr is not None or paged_kv_last_page_len is not None)
+            layout, block_tables = parse_block_tables(block_tables, seq_lens)
             if self._use_cuda_graph:
-                ids = self._graph_block_tables(ids)
+                ids = self._graph_ids.fill_block_tables(block_tables, self._capacity)
+            else:
+                ids = block_tables.to(self._device)
             self._plan_common(config, qo_indptr, _SEQ_LENS, seq_lens, None, layout, ids,
                               block_tables.shape[-1] * page_size, custom_mask, packed_custom_mask, mask_indptr,
                               non_blocking, sort_pages)
@@ -1020,32 +982,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         indices = as_int32_index(paged_kv_indices, "paged_kv_indices")
         if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
             raise ValueError("paged_kv_indices: expected a 1-D int32 tensor of page ids")
-        ids = indices if indices.device == self._device else indices.to(self._device)
         if self._use_cuda_graph:
-            ids = self._graph_indices(ids)
+            ids = self._graph_ids.fill_indices(indices, "paged_kv_indices")
+        else:
+            ids = indices if indices.device == self._device else indices.to(self._device)
         self._plan_common(config, qo_indptr, _CSR, paged_kv_indptr, paged_kv_last_page_len, "csr", ids, 0,
                           custom_mask, packed_custom_mask, mask_indptr, non_blocking, sort_pages)
-
-    def _graph_indices(self, ids: torch.Tensor) -> torch.Tensor:
-        buf = self._indices_buf
-        if buf is None:
-            raise ValueError("paged_kv_indices_buf: a CUDA-graph wrapper needs the fixed page-id buffer (FlashInfer's "
-                             "constructor argument), sized for the most pages a plan will use")
-        if ids.shape[0] > buf.shape[0]:
-            raise ValueError(f"paged_kv_indices: {ids.shape[0]} page ids exceed paged_kv_indices_buf's {buf.shape[0]}")
-        if ids.data_ptr() != buf.data_ptr():
-            buf[: ids.shape[0]].copy_(ids, non_blocking=True)
-        return buf
-
-    def _graph_block_tables(self, bt: torch.Tensor) -> torch.Tensor:
-        if self._block_tables_buf is None:
-            self._block_tables_buf = torch.zeros_like(bt)
-        buf = self._block_tables_buf
-        if bt.dim() != buf.dim() or bt.shape[0] > buf.shape[0] or bt.shape[-1] != buf.shape[-1]:
-            raise ValueError(f"block_tables: a CUDA-graph wrapper keeps the first plan's shape {tuple(buf.shape)} "
-                             f"(fewer rows allowed), got {tuple(bt.shape)}")
-        buf[: bt.shape[0]].copy_(bt, non_blocking=True)
-        return buf
 
     def _kv_index(self, table_dev, ids_dev):
         if len(table_dev) == 2:  # csr: indptr, last_page_len
@@ -1149,30 +1091,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             raise ValueError(f"k: {k.shape[1]} KV heads, but plan() was given num_kv_heads={c.num_kv_heads}")
         if k.shape[0] < self._kv_rows:
             raise ValueError(f"k: {k.shape[0]} rows, fewer than kv_indptr[-1] = {self._kv_rows}")
-
-
-@op_cache
-def _prefill_op(spec: PrefillSpec, debug: bool):
-    return get_module(spec).prefill
-
-
-@op_cache
-def _prefill_fast(spec: PrefillSpec, debug: bool):
-    """(the module's C entry point <namespace>_prefill_fast, bytes of a prepared launch,
-    (fij_fastcall.prefill_run, the entry's address) or None without the extension) for
-    run()'s fast paths; None in the debug mode (every launch through the op) or without a
-    CUDA device."""
-    if debug or not torch.cuda.is_available():
-        return None
-    fn = ctypes_entry(spec, "prefill_fast", [ctypes.c_void_p] * 7 + [ctypes.c_float] * 3 +
-                      [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_int)
-    return (fastcall.bind("prefill", fn), int(ctypes_entry(spec, "prefill_launch_bytes", [], ctypes.c_int)()),
-            fastcall.runner("prefill_run", fn))
-
-
-@op_cache
-def _fast_error(spec: PrefillSpec, code: int) -> str:
-    return ctypes_entry(spec, "error_string", [ctypes.c_int], ctypes.c_char_p)(code).decode()
 
 
 def _prefill_spec(*fields) -> PrefillSpec:

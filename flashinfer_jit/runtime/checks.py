@@ -84,6 +84,55 @@ def expect_same_cuda_device(named: dict) -> None:
         raise ValueError(f"{first_name}: expected CUDA tensors, got device {first.device}")
 
 
+# plan()'s pos_encoding_mode values the attention families run (FlashInfer's names; ALIBI is not
+# supported)
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
+# the wrappers' backend values that run this package's kernels (FlashInfer's "fa2" included)
+BACKENDS = ("auto", "fa2")
+
+
+def expect_workspace(float_workspace_buffer) -> None:
+    if not isinstance(float_workspace_buffer, torch.Tensor):
+        raise TypeError("float_workspace_buffer: expected a tensor (e.g. 128 MB of uint8 on the GPU)")
+
+
+def expect_page_table_buffer(buf, name: str, device: torch.device) -> None:
+    """A wrapper constructor's fixed page-table buffer (paged_kv_indices_buffer, ...; CUDA
+    graphs), None or a contiguous 1-D int32 tensor on the workspace's device."""
+    if buf is None:
+        return
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int32 or buf.dim() != 1 or not buf.is_contiguous():
+        got = f"{dtype_str(buf.dtype)} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
+        raise TypeError(f"{name}: expected a contiguous 1-D int32 tensor (the kernels read it as the page table), "
+                        f"got {got}")
+    if buf.device != device:
+        raise ValueError(f"{name}: expected it on the workspace's device {device}, got {buf.device}")
+
+
+def expect_positive_int(value, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def expect_heads(num_qo_heads, num_kv_heads, **sizes) -> None:
+    """Attention heads and `sizes` (head_dim=..., page_size=...): positive ints, the query
+    heads a multiple of the KV heads (GQA)."""
+    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), *sizes.items()):
+        expect_positive_int(value, name)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+
+
+def expect_window_left(window_left) -> None:
+    if not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+
+
+def expect_bool(value, name: str) -> None:
+    if type(value) is not bool:
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+
+
 def expect_choice(value, name: str, allowed: Iterable) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
@@ -156,6 +205,26 @@ def index_vector(t, name: str, length: int | None = None, what: str = ""):
     return t
 
 
+def as_dtype(value, name: str, default=None) -> torch.dtype | None:
+    """A dtype argument (q_data_type, kv_data_type, ...): a torch.dtype, or its name with or
+    without "torch."; None: `default`, parsed the same way (None stays None).
+
+    Anything else is a TypeError, as FlashInfer's canonicalize_torch_dtype raises for a
+    value that is not a dtype, and as this package raises for a tensor of the wrong dtype
+    (expect_dtype): FlashInfer code that catches it keeps working. A dtype that is one but
+    not supported by a family is that family's ValueError."""
+    if value is None:
+        if default is None:
+            return None
+        value = default
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name}: expected a torch dtype or its name, got {value!r}")
+    return dtype
+
+
 def soft_cap_value(logits_soft_cap, name: str = "logits_soft_cap") -> float:
     """FlashInfer's soft cap: None or 0.0 is off (0.0 returned), a positive number is the cap;
     anything else is a ValueError naming `name`."""
@@ -170,7 +239,12 @@ def soft_cap_value(logits_soft_cap, name: str = "logits_soft_cap") -> float:
     return value
 
 
-def remembered(cache: dict, args: tuple, check, limit: int = 16):
+# distinct plan() configurations a wrapper remembers (usually one: an engine re-plans with
+# the same scalar arguments at every step)
+MAX_CONFIGS = 16
+
+
+def remembered(cache: dict, args: tuple, check, limit: int = MAX_CONFIGS):
     """check(*args) for plan()'s scalar arguments, remembered in `cache` (serving engines
     repeat them at every step): the key holds the values and their types (1 == True == 1.0,
     but only ints pass the checks); unhashable arguments are checked (and most likely

@@ -17,6 +17,16 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# The SM count a plan assumes off a CUDA device (a CPU workspace: tests and host benchmarks
+# plan without a GPU): the H100 SXM's, so that their plans are the ones an H100 makes.
+CPU_SMS = 132
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of the device a wrapper plans for (its workspace's); CPU_SMS off CUDA."""
+    return num_sms(device.index or 0) if device.type == "cuda" else CPU_SMS
+
+
 @functools.cache
 def peak_dram_bytes_per_s(device: torch.device) -> float | None:
     """A CUDA device's DRAM peak, 2 x memory clock x bus width (H100 SXM: 3.35e12, H200:

@@ -16,7 +16,14 @@ from typing import NamedTuple
 import torch
 
 from ..pipeline.spec import KV_LAYOUTS, PAGE_TABLES, dtype_name
-from .checks import as_int32_index, expect_choice, expect_dim, expect_last_dim_contiguous, index_ok, index_vector
+from .checks import (
+    as_int32_index,
+    expect_choice,
+    expect_dim,
+    expect_last_dim_contiguous,
+    index_ok,
+    index_vector,
+)
 
 
 class PageTable(NamedTuple):
@@ -100,23 +107,47 @@ def csr_page_table(kv_indptr, kv_indices, kv_last_page_len=None) -> PageTable:
     return PageTable("csr", (kv_indptr, kv_indices, kv_last_page_len), batch)
 
 
-def block_page_table(block_tables, seq_lens, kv_separate: bool = False) -> PageTable:
+def expect_one_page_table(csr_args: str, csr_given: bool) -> None:
+    """plan() takes one page table: the CSR arguments (named in csr_args) or block_tables."""
+    if csr_given:
+        raise ValueError(f"give either {csr_args} or block_tables/seq_lens, not both")
+
+
+def parse_block_tables(block_tables, seq_lens) -> tuple[str, torch.Tensor]:
+    """(layout, block_tables as int32): the block-table form of a page table, checked in
+    shape, as decode's and prefill's plan() and block_page_table take it. [B, max_pages]
+    is vLLM's block_table; [B, 2, max_pages] (K page ids, V page ids) TensorRT-LLM's
+    block_table_kv_separate. seq_lens: one KV length per request; its dtype and values are
+    for the caller to check (a planner reads it on the host, a kernel on the device)."""
     name = "block_tables"
     if not isinstance(block_tables, torch.Tensor):
         raise TypeError(f"{name}: expected an int32 or int64 tensor, got {type(block_tables).__name__}")
     block_tables = as_int32_index(block_tables, name)
-    if kv_separate:
-        if block_tables.dim() != 3 or block_tables.shape[1] != 2:
-            raise ValueError(f"{name}: block_table_kv_separate expects [batch_size, 2, max_pages] "
-                             f"(K page ids, V page ids), got shape {tuple(block_tables.shape)}")
-    else:
-        expect_dim(block_tables, name, 2, "[batch_size, max_pages]")
+    dims = block_tables.dim()
+    if dims not in (2, 3) or (dims == 3 and block_tables.shape[1] != 2):
+        raise ValueError(f"{name}: expected [batch_size, max_pages] or [batch_size, 2, max_pages] (K and V page ids, "
+                         f"TensorRT-LLM style), got shape {tuple(block_tables.shape)}")
     if block_tables.stride(-1) != 1:
         raise ValueError(f"{name}: the max_pages dimension must be contiguous")
     batch = block_tables.shape[0]
+    if not isinstance(seq_lens, torch.Tensor):
+        raise TypeError(f"seq_lens: expected an int32 or int64 tensor [{batch}], got {type(seq_lens).__name__}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens: expected [{batch}] (one KV length per request), got shape {tuple(seq_lens.shape)}")
+    return ("block_table_kv_separate" if dims == 3 else "block_table"), block_tables
+
+
+def block_page_table(block_tables, seq_lens, kv_separate: bool = False) -> PageTable:
+    """A block-table PageTable of the layout the caller's module was built for
+    (kv_separate: block_table_kv_separate), seq_lens as the kernels read it (int32)."""
+    layout, block_tables = parse_block_tables(block_tables, seq_lens)
+    if (layout == "block_table_kv_separate") != kv_separate:
+        want = "block_table_kv_separate expects [batch_size, 2, max_pages] (K page ids, V page ids)" if kv_separate \
+            else "block_table expects [batch_size, max_pages]"
+        raise ValueError(f"block_tables: {want}, got shape {tuple(block_tables.shape)}")
+    batch = block_tables.shape[0]
     seq_lens = index_vector(seq_lens, "seq_lens", batch, "[batch_size]")
-    return PageTable("block_table_kv_separate" if kv_separate else "block_table",
-                     (block_tables, seq_lens), batch)
+    return PageTable(layout, (block_tables, seq_lens), batch)
 
 
 class PagedKVCache(NamedTuple):
@@ -188,5 +219,6 @@ def _tensor(t) -> bool:
     return isinstance(t, torch.Tensor)
 
 
-__all__ = ["PageTable", "PagedKVCache", "csr_page_table", "block_page_table",
+__all__ = ["PageTable", "PagedKVCache", "csr_page_table", "block_page_table", "parse_block_tables",
+           "expect_one_page_table",
            "unpack_paged_kv_cache", "PAGE_TABLES"]
