@@ -47,7 +47,6 @@ from ..runtime.checks import (
     expect_bool,
     expect_choice,
     expect_heads,
-    expect_page_table_buffer,
     expect_window_left,
     expect_workspace,
     passed_run_checks,
@@ -61,7 +60,7 @@ from ..runtime.checks import (
 from ..runtime.device import empty_f32 as _empty_f32
 from ..runtime.device import peak_dram_bytes_per_s as _peak_dram_bytes_per_s
 from ..runtime.device import raw_stream as _raw_stream
-from ..runtime.device import sm_count, supports_clusters, supports_pdl
+from ..runtime.device import single_workspace, sm_count, supports_clusters, supports_pdl
 from ..runtime.graph_ids import GraphPageIds
 from ..runtime.launch import (
     fast_entry,
@@ -513,12 +512,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # specs.decode.uses_tensor_cores), whatever the caller asks.
         self._use_tensor_cores = bool(use_tensor_cores)
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        for name, buf in zip(("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"),
-                             self._user_buffers):
-            expect_page_table_buffer(buf, name, self._device)
-        # CUDA graphs: the page ids a captured run() reads (the indptr and last_page_len
-        # buffers are accepted for FlashInfer's signature: those arrays travel in the plan buffer)
-        self._graph_ids = GraphPageIds(self._device, paged_kv_indices_buffer, "paged_kv_indices_buffer")
+        # CUDA graphs: the page ids a captured run() reads
+        self._graph_ids = GraphPageIds.from_constructor(
+            self._device, ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"),
+            self._user_buffers)
         self._plan = None
         self._traced = None  # plan()'s values for a run() under torch.compile
         self._split = SplitBuffers(float_workspace_buffer, self._use_cuda_graph)  # partial states, merge counters
@@ -1226,13 +1223,6 @@ def _carve_views(buf: torch.Tensor, key: tuple) -> tuple:
 _SINGLE_PLANS = 32  # single_decode_with_kv_cache's planned wrappers kept (by configuration and length)
 
 
-@functools.cache
-def _single_workspace(device: torch.device) -> torch.Tensor:
-    """One workspace per device for single_decode_with_kv_cache's wrappers (their runs are
-    ordered on the caller's stream, as FlashInfer's shared workspace is)."""
-    return torch.empty(32 << 20, dtype=torch.uint8, device=device)
-
-
 _single_plans: dict = {}
 
 
@@ -1268,7 +1258,7 @@ def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict,
     wrapper = _single_plans.get(key) if key is not None else None
     if wrapper is None:
         def planned():
-            w = BatchDecodeWithPagedKVCacheWrapper(_single_workspace(device), kv_layout)
+            w = BatchDecodeWithPagedKVCacheWrapper(single_workspace(device, 32 << 20), kv_layout)
             w.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=device),
                    torch.tensor([kv_len], dtype=torch.int32), *heads, max(kv_len, 1), **options)
             _empty_f32(device)  # run()'s placeholder LSE, kept per device

@@ -41,7 +41,6 @@ from ..runtime.checks import (
     expect_bool,
     expect_choice,
     expect_heads,
-    expect_page_table_buffer,
     expect_window_left,
     expect_workspace,
     passed_run_checks,
@@ -50,7 +49,14 @@ from ..runtime.checks import (
     same_cuda_device,
     soft_cap_value,
 )
-from ..runtime.device import empty_f32, placeholder, raw_stream, sm_count, supports_pdl
+from ..runtime.device import (
+    empty_f32,
+    placeholder,
+    raw_stream,
+    single_workspace,
+    sm_count,
+    supports_pdl,
+)
 from ..runtime.graph_ids import GraphPageIds
 from ..runtime.launch import (
     fast_entry,
@@ -927,12 +933,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                  jit_args=None, jit_kwargs=None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf, custom_mask_buf,
                          mask_indptr_buf, backend)
-        for name, buf in (("paged_kv_indptr_buf", paged_kv_indptr_buf), ("paged_kv_indices_buf", paged_kv_indices_buf),
-                          ("paged_kv_last_page_len_buf", paged_kv_last_page_len_buf)):
-            expect_page_table_buffer(buf, name, self._device)
-        # CUDA graphs: the page ids a captured run() reads (the indptr and last_page_len
-        # buffers are accepted for FlashInfer's signature: those arrays travel in the plan buffer)
-        self._graph_ids = GraphPageIds(self._device, paged_kv_indices_buf, "paged_kv_indices_buf")
+        # CUDA graphs: the page ids a captured run() reads
+        self._graph_ids = GraphPageIds.from_constructor(
+            self._device, ("paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf"),
+            (paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf))
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo=None, custom_mask=None,
@@ -1112,9 +1116,6 @@ def block_shape(spec: PrefillSpec, tile_rows: int) -> tuple[int, int, int]:
 
 
 # --- single request ---------------------------------------------------------------------------
-_SINGLE_WORKSPACE: dict = {}
-
-
 def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
                                  packed_custom_mask=None, causal: bool = False, kv_layout: str = "NHD",
                                  pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale=None,
@@ -1133,10 +1134,7 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     device = q.device
-    ws = _SINGLE_WORKSPACE.get(device)
-    if ws is None:
-        ws = _SINGLE_WORKSPACE[device] = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(ws)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(single_workspace(device, 64 << 20))
     qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
     kv_indptr = torch.tensor([0, k.shape[0]], dtype=torch.int32)
     mask_indptr = None

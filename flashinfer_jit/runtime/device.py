@@ -74,6 +74,14 @@ def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
+@functools.cache
+def single_workspace(device: torch.device, nbytes: int) -> torch.Tensor:
+    """The workspace a single-request function (single_decode_with_kv_cache,
+    single_prefill_with_kv_cache) plans its wrapper with, one per device and size: their
+    runs are ordered on the caller's stream, as FlashInfer's shared workspace is."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def empty_f32(device) -> torch.Tensor:
     return placeholder(device, torch.float32)
 

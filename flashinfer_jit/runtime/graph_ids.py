@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .checks import expect_page_table_buffer
+
 
 class GraphPageIds:
     """A CUDA-graph wrapper's fixed page-id buffers (one per wrapper, on its device).
@@ -27,6 +29,16 @@ class GraphPageIds:
         self.indices, self.given = given_indices, given_indices is not None
         self.buffer_arg = buffer_arg
         self.block_tables = None
+
+    @classmethod
+    def from_constructor(cls, device: torch.device, names: tuple, buffers: tuple) -> GraphPageIds:
+        """The page-id buffers of a wrapper whose constructor took FlashInfer's three
+        page-table buffers (indptr, indices, last_page_len; None where not given), each
+        checked. Only the indices buffer is kept: the indptr and last_page_len arrays
+        travel in the plan buffer, whose address the graph holds already."""
+        for name, buf in zip(names, buffers):
+            expect_page_table_buffer(buf, name, device)
+        return cls(device, buffers[1], names[1])
 
     def fill_indices(self, ids: torch.Tensor, name: str) -> torch.Tensor:
         """The indices buffer holding `ids` (plan()'s argument `name`, any device) at its start."""
