@@ -764,7 +764,7 @@ def test_constant_result_is_torchs_mark_and_the_families_import_no_dynamo():
         import sys, torch
         import importlib
         import flashinfer_jit as fi
-        for name in ("rope", "append", "decode", "prefill", "cascade", "flatten", "page"):
+        for name in ("rope", "kvcache.append", "decode", "prefill", "cascade", "kvcache.flatten", "page"):
             importlib.import_module(f"flashinfer_jit.{name}")
         fi.rope_quantize_fp8_append_paged_kv_cache, fi.append_paged_kv_cache, fi.apply_rope
         print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")

@@ -95,11 +95,14 @@ class DeviceScope {
 inline int last_launch_error() { return static_cast<int>(cudaGetLastError()); }
 
 // --- asynchronous copies (sm_80+) -----------------------------------------------------------
+// The shared-memory address of a generic pointer into shared memory (what the shared-state
+// space's instructions take; kernels that step through a tile keep it in a register).
+FIJ_DEVICE uint32_t smem_u32(const void* ptr) { return static_cast<uint32_t>(__cvta_generic_to_shared(ptr)); }
 // 16 bytes global -> shared, bypassing L1; valid false writes 16 zero bytes (src unread).
-FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+FIJ_DEVICE void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
+FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) { cp_async_16(smem_u32(smem), gmem, valid); }
 // Brings `bytes` (a multiple of 16, 16-byte aligned) at gmem into L2 without waiting: one
 // bulk request on sm_90+, one per 128-byte line before.
 FIJ_DEVICE void prefetch_l2(const void* gmem, int bytes) {
@@ -116,6 +119,25 @@ FIJ_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::);
 template <int N>
 FIJ_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// --- one-instruction math (MUFU) ---------------------------------------------------------------
+// 2^x, flushing subnormals to zero (the softmax's exponents never need them)
+FIJ_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// 1 / x and log2(x) for a normal x > 0, within 2 ulp
+FIJ_DEVICE float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+FIJ_DEVICE float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // --- atomics -------------------------------------------------------------------------------
@@ -213,6 +235,30 @@ FIJ_DEVICE void pdl_trigger() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+// --- how a block function meets the kernel that runs it --------------------------------------
+// A family's block function (decode_mma_block, decode_cuda_core_block, prefill_block) does
+// one work item and assumes nothing of the grid around it: the same block runs under its
+// family's own thin kernel, one item a block, or inside POD's kernel beside the other
+// family's blocks. What depends on the grid comes from a launch object the kernel hands it:
+//   wait_for_inputs()  the block calls it before it reads q, K/V or writes anything
+//                      (only the plan's work list and the page table are read before);
+//   release_next()     the block calls it where the next kernel's blocks may start launching;
+//   prefetch_blocks    blocks per work item that share the grid's L2 prefetch budget before
+//                      the wait (0: prefetch nothing).
+// StreamLaunch is a family's own kernel, launched after the kernel before it in the stream
+// (programmatic dependent launch where asked: pdl_wait / pdl_trigger). A kernel that has
+// waited once at its start for all its blocks (POD) hands a launch whose calls do nothing.
+struct StreamLaunch {
+  int prefetch_blocks = 0;
+  FIJ_DEVICE void wait_for_inputs() const { pdl_wait(); }
+  FIJ_DEVICE void release_next() const { pdl_trigger(); }
+};
+struct InsideLaunch {
+  static constexpr int prefetch_blocks = 0;
+  FIJ_DEVICE void wait_for_inputs() const {}
+  FIJ_DEVICE void release_next() const {}
+};
 
 // cudaFuncSetAttribute(Kernel, Attr, value) once per device and kernel: it costs ~1 us of
 // host time per call.

@@ -1,14 +1,21 @@
-// Merging partial attention states by their base-2 LSEs: the second step of split-KV
-// (merge_splits) and FlashInfer's merge_state / merge_states (merge_states).
+// Merging partial attention states by their base-2 LSEs, the one rule every merge follows:
+// split-KV's second step (decode's and prefill's, in the kernel by the last block of a
+// split, or as merge_splits_kernel), the merge of the warps that split a decode tile, and
+// FlashInfer's merge_state / merge_states (merge_states_kernel).
 //   m = max_i lse_i,  w_i = 2^(lse_i - m),  o = sum_i w_i o_i / sum_i w_i,
 //   lse = m + log2(sum_i w_i).
-// States with lse = -inf weigh nothing; all -inf: o = 0, lse = -inf (no NaN). The order
-// of the sum is fixed (state index), so results are deterministic.
+// States with lse = -inf (no key) weigh nothing; if every state is empty, o = 0 and
+// lse = -inf (no NaN: no weight is taken against m = -inf). The order of the sums is fixed
+// (state index), so results are deterministic. States kept as (m, d) rather than an LSE
+// (online softmax, softmax.cuh) merge by the same rule with lse_i = m_i + log2(d_i): the
+// weight of state i is 2^(m_i - m) d_i, and m_i is never -inf there.
+// Where the states live (registers, shared memory, L2) and how many threads share a row
+// differ between callers; these functions are the arithmetic they share.
 #pragma once
 #include <math_constants.h>
 
 #include "common/common.cuh"
-#include "decode/decode_params.h"
+#include "common/merge_params.h"
 
 namespace fij {
 
@@ -24,28 +31,65 @@ FIJ_DEVICE void store4(TOut* dst, float a, float b, float c, float d) {
   }
 }
 
+// The weight of a state of LSE lse against the states' max LSE (0 when every state is empty).
+FIJ_DEVICE float merge_weight(float lse, float max_lse) {
+  return max_lse == -CUDART_INF_F ? 0.f : exp2f(lse - max_lse);
+}
+// The factor the weighted sum of outputs is multiplied by: scale / sum of the weights, 0
+// when every state was empty (its output is zeros).
+FIJ_DEVICE float merged_norm(float weight_sum, float scale = 1.f) {
+  return weight_sum == 0.f ? 0.f : scale / weight_sum;
+}
+// The merged LSE: max + log2(sum of the weights), -inf when every state was empty.
+FIJ_DEVICE float merged_lse(float max_lse, float weight_sum) {
+  return weight_sum == 0.f ? -CUDART_INF_F : max_lse + log2f(weight_sum);
+}
+// acc += w u, four dims.
+FIJ_DEVICE void add_weighted4(float4& acc, float w, const float4& u) {
+  acc.x += w * u.x;
+  acc.y += w * u.y;
+  acc.z += w * u.z;
+  acc.w += w * u.w;
+}
+
+// Split-KV merged inside the attention kernel: each block of a split request (or tile)
+// counts itself done, and the last one merges the partial states. `counter` (int32, zero
+// before the launch) counts the `parts` blocks; the last one resets it to zero for the
+// next launch. Every thread of the block calls this; `leader` is one thread; `flag` is a
+// word of shared memory. The block barrier puts every thread's partial-state stores
+// before the leader's release; the last block's acquire, then its barrier, puts the other
+// blocks' states before its loads, which bypass L1 (ld.cg). (Fences around a relaxed
+// atomicAdd were slower: docs/history/decode.md.)
+FIJ_DEVICE bool last_of_split(int* counter, int parts, bool leader, int& flag) {
+  __syncthreads();
+  if (leader) {
+    flag = atomic_add_acq_rel(counter, 1) == parts - 1;
+    if (flag) *counter = 0;
+  }
+  __syncthreads();
+  return flag;
+}
+
 // One block per (row, head); a thread per 4 dims. `state(i)` gives state i's (o ptr, lse).
 template <typename TIn, typename TOut, typename StateFn>
 FIJ_DEVICE void merge_row(int num_states, StateFn state, TOut* out, float* lse_out, int head_dim) {
   float m = -CUDART_INF_F;
   for (int i = 0; i < num_states; ++i) m = fmaxf(m, state(i).second);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float denom = 0.f;
-  if (m != -CUDART_INF_F) {
+  if (m != -CUDART_INF_F) {  // every state empty: nothing read (an empty state's o may be anything)
     for (int i = 0; i < num_states; ++i) {
       const auto st = state(i);
       const float w = exp2f(st.second - m);
       denom += w;
       const TIn* o = st.first + threadIdx.x * 4;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] += w * static_cast<float>(o[e]);
+      add_weighted4(acc, w, make_float4(static_cast<float>(o[0]), static_cast<float>(o[1]),
+                                        static_cast<float>(o[2]), static_cast<float>(o[3])));
     }
   }
-  const float norm = denom > 0.f ? 1.f / denom : 0.f;
-  if (threadIdx.x * 4 < head_dim) {
-    store4(out + threadIdx.x * 4, acc[0] * norm, acc[1] * norm, acc[2] * norm, acc[3] * norm);
-  }
-  if (lse_out != nullptr && threadIdx.x == 0) *lse_out = denom > 0.f ? m + log2f(denom) : -CUDART_INF_F;
+  const float norm = merged_norm(denom);
+  if (threadIdx.x * 4 < head_dim) store4(out + threadIdx.x * 4, acc.x * norm, acc.y * norm, acc.z * norm, acc.w * norm);
+  if (lse_out != nullptr && threadIdx.x == 0) *lse_out = merged_lse(m, denom);
 }
 
 template <typename TOut>

@@ -19,31 +19,32 @@ namespace mma_detail {
 
 FIJ_DEVICE uint4 lds128(const void* smem) {
   uint4 v;
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned a = smem_u32(smem);
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
   return v;
 }
 FIJ_DEVICE uint2 lds64(const void* smem) {
   uint2 v;
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned a = smem_u32(smem);
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
   return v;
 }
 // Four 8x8 16-bit matrices from shared memory: lanes 8i..8i+7 give the row addresses of
-// matrix i; register i of lane (g = lane / 4, c = lane % 4) gets row g, columns 2c, 2c + 1.
-FIJ_DEVICE void ldmatrix_x4(const void* smem, uint32_t (&r)[4]) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+// matrix i (shared-state addresses, smem_u32); register i of lane (g = lane / 4,
+// c = lane % 4) gets row g, columns 2c, 2c + 1.
+FIJ_DEVICE void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+               : "r"(addr));
 }
 // The same, transposed: register i gets column g, rows 2c, 2c + 1.
-FIJ_DEVICE void ldmatrix_x4_trans(const void* smem, uint32_t (&r)[4]) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+FIJ_DEVICE void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+               : "r"(addr));
 }
+FIJ_DEVICE void ldmatrix_x4(const void* smem, uint32_t (&r)[4]) { ldmatrix_x4(smem_u32(smem), r); }
+FIJ_DEVICE void ldmatrix_x4_trans(const void* smem, uint32_t (&r)[4]) { ldmatrix_x4_trans(smem_u32(smem), r); }
 
 // D += A B, m16n8k16 / m16n8k8, fp32 accumulators.
 template <typename T>

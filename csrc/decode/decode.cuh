@@ -15,7 +15,10 @@
 
 #include "common/common.cuh"
 #include "decode/decode_params.h"
+#include "common/merge.cuh"
 #include "common/page_table.cuh"
+#include "common/rope.cuh"
+#include "common/softmax.cuh"
 
 namespace fij {
 
@@ -116,46 +119,72 @@ FIJ_DEVICE void rope_row(float (&v)[8], const float (&freq)[8], float pos, int x
     const float partner = __shfl_xor_sync(0xffffffffu, v[e], Lanes / 2);
     float s, c;
     sincosf(pos * freq[e], &s, &c);
-    v[e] = first_half ? v[e] * c - partner * s : v[e] * c + partner * s;
+    v[e] = rope_turn(v[e], partner, c, s, first_half);
   }
 }
 
-// Online softmax state of one token lane for kHeads query heads: running max m (log2
-// domain), denominator d and unnormalized output o (this lane's 8 dims). m = -inf, d = 0:
-// nothing seen yet; updates never subtract two infinities (see the kernel).
+// One token lane's rows for kHeads query heads: the online softmax (softmax.cuh) and the
+// unnormalized output of this lane's 8 dims.
 template <int Heads>
-struct SoftmaxState {
-  float m[Heads];
-  float d[Heads];
+struct LaneRows {
+  OnlineSoftmax sm[Heads];
   float o[Heads][8];
   FIJ_DEVICE void init() {
 #pragma unroll
     for (int h = 0; h < Heads; ++h) {
-      m[h] = -CUDART_INF_F;
-      d[h] = 0.f;
+      sm[h].init();
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[h][e] = 0.f;
     }
   }
 };
 
-// --- the kernel -----------------------------------------------------------------------------
+// --- the block function and the kernel -------------------------------------------------------
+// A split request's merge by the last of its blocks (for this head tile) to finish: the
+// block's H heads over the request's partial states (float32), by merge.cuh's rule.
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) decode_kernel(const __grid_constant__ DecodeParams p) {
+FIJ_DEVICE void decode_merge_split(const DecodeParams& p, int b, int head0, int tid) {
+  using Q = typename Traits::Q;
+  constexpr int D = Traits::kHeadDim;
+  const int begin = p.merge_indptr[b], count = p.merge_indptr[b + 1] - begin;
+  for (int i = tid; i < Traits::kHeads * (D / 4); i += Traits::kThreads) {
+    const int qo_head = head0 + i / (D / 4), dim = 4 * (i % (D / 4));
+    auto row = [&](int s) { return int64_t(begin + s) * p.num_qo_heads + qo_head; };
+    float mx = -CUDART_INF_F;
+    for (int s = 0; s < count; ++s) mx = fmaxf(mx, __ldcg(p.partial_lse + row(s)));
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float den = 0.f;
+    for (int s = 0; s < count; ++s) {
+      const float w = merge_weight(__ldcg(p.partial_lse + row(s)), mx);
+      den += w;
+      add_weighted4(acc, w, __ldcg(reinterpret_cast<const float4*>(p.partial_o + row(s) * D + dim)));
+    }
+    const float norm = merged_norm(den);
+    store4(static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + dim, acc.x * norm, acc.y * norm,
+           acc.z * norm, acc.w * norm);
+    if (p.lse != nullptr && dim == 0) p.lse[b * p.num_qo_heads + qo_head] = merged_lse(mx, den);
+  }
+}
+
+// One block's work: work item `item_index` for head block `head_block` (of `head_blocks`:
+// KV head head_block / tiles, query-head tile head_block % tiles), split merge included
+// (in the kernel when p.merge_counters is set, else merge_splits_kernel runs after).
+// decode_kernel calls it with (blockIdx.y, blockIdx.x, gridDim.x) and a StreamLaunch;
+// POD calls it for its decode blocks (common.cuh: the launch object). smem: kSmemBytes.
+template <class Traits, class Launch>
+FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, int head_block, int head_blocks,
+                                       unsigned char* smem, const Launch& launch) {
   using Q = typename Traits::Q;
   using KV = typename Traits::KV;
   constexpr int D = Traits::kHeadDim;
   constexpr int H = Traits::kHeads;
-  extern __shared__ __align__(16) unsigned char smem[];
 
-  // blockIdx.y = work item, blockIdx.x = (kv head, head tile): blocks launch in linear
-  // order, so a CUDA-graph grid sized for the capacity runs every real item first.
-  if (static_cast<int>(blockIdx.y) >= p.work[0]) return;
-  const int32_t* item = p.work + 1 + 4 * blockIdx.y;
+  if (item_index >= p.work[0]) return;
+  const int32_t* item = p.work + 1 + 4 * item_index;
   const int b = item[0], chunk_start = item[1], chunk_end = item[2], partial_row = item[3];
   const int tiles_per_kv_head = p.group / H;
-  const int kv_head = blockIdx.x / tiles_per_kv_head;
-  const int head0 = kv_head * p.group + (blockIdx.x % tiles_per_kv_head) * H;  // first query head
+  const int kv_head = head_block / tiles_per_kv_head;
+  const int head0 = kv_head * p.group + (head_block % tiles_per_kv_head) * H;  // first query head
   const int x = threadIdx.x, z = threadIdx.y;
   const int tid = x + Traits::kBdx * z;
 
@@ -166,7 +195,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
   const int start = max(chunk_start, window_start);
   const int end = min(chunk_end, kv_len);
 
-  pdl_wait();  // q, K, V and the outputs only after the kernel before (programmatic launch)
+  launch.wait_for_inputs();  // q, K, V and the outputs only after the kernel before
 
   // q of the tile's heads: 8 dims each per lane, rotated at position kv_len - 1, scaled.
   float q[H][8], freq[8];
@@ -174,7 +203,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int i = (x * 8 + e) % (D / 2);
-      freq[e] = p.rope_rcp_scale * exp2f(-2.f * float(i) / float(D) * p.rope_log2_theta);
+      freq[e] = p.rope_rcp_scale * rope_inv_freq(float(i), float(D), p.rope_log2_theta);
     }
   }
 #pragma unroll
@@ -213,7 +242,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
     cp_async_commit();
   };
 
-  SoftmaxState<H> st;
+  LaneRows<H> st;
   st.init();
   const int num_tiles = end > start ? (end - start + Traits::kTileTokens - 1) / Traits::kTileTokens : 0;
   if (num_tiles > 0) load_tile(start, 0);
@@ -261,11 +290,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
     float rescale[H];
 #pragma unroll
     for (int h = 0; h < H; ++h) {
-      const float m_new = fmaxf(st.m[h], tile_max[h]);
-      // m_new = -inf: no key yet for this head; keep the empty state (no inf - inf).
-      rescale[h] = m_new == -CUDART_INF_F ? 1.f : exp2f(st.m[h] - m_new);
-      st.m[h] = m_new;
-      st.d[h] *= rescale[h];
+      rescale[h] = st.sm[h].move_max(fmaxf(st.sm[h].m, tile_max[h]));
+      st.sm[h].d *= rescale[h];
 #pragma unroll
       for (int e = 0; e < 8; ++e) st.o[h][e] *= rescale[h];
     }
@@ -275,8 +301,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
       load8_float(vs + (z * Traits::kTokensPerZ + i) * D + x * 8, v);
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        const float prob = st.m[h] == -CUDART_INF_F ? 0.f : exp2f(logits[i][h] - st.m[h]);
-        st.d[h] += prob;
+        const float prob = st.sm[h].prob(logits[i][h]);
+        st.sm[h].d += prob;
 #pragma unroll
         for (int e = 0; e < 8; ++e) st.o[h][e] += prob * v[e];
       }
@@ -285,7 +311,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
   }
 
   // Merge the kBdz token lanes' states through shared memory; z = 0 writes.
-  pdl_trigger();  // the next kernel may start launching
+  launch.release_next();  // the next kernel may start launching
 
   float* merge_o = reinterpret_cast<float*>(smem);       // [z][h][D]
   float* merge_md = merge_o + Traits::kBdz * H * D;       // [z][h][2]
@@ -295,53 +321,68 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) dec
 #pragma unroll
       for (int e = 0; e < 8; ++e) merge_o[(z * H + h) * D + x * 8 + e] = st.o[h][e];
       if (x == 0) {
-        merge_md[(z * H + h) * 2] = st.m[h];
-        merge_md[(z * H + h) * 2 + 1] = st.d[h];
+        merge_md[(z * H + h) * 2] = st.sm[h].m;
+        merge_md[(z * H + h) * 2 + 1] = st.sm[h].d;
       }
     }
     __syncthreads();
-    if (z != 0) return;
+  }
+  if (z == 0) {  // the lanes' (m, d) states into z = 0's, by merge.cuh's rule (m finite), which writes
+    if constexpr (Traits::kBdz > 1) {
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        float m = OnlineSoftmax::kNoMax;
+        for (int zz = 0; zz < Traits::kBdz; ++zz) m = fmaxf(m, merge_md[(zz * H + h) * 2]);
+        st.sm[h].m = m;
+        st.sm[h].d = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) st.o[h][e] = 0.f;
+        for (int zz = 0; zz < Traits::kBdz; ++zz) {
+          const float w = fast_exp2(merge_md[(zz * H + h) * 2] - m);
+          st.sm[h].d += w * merge_md[(zz * H + h) * 2 + 1];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) st.o[h][e] += w * merge_o[(zz * H + h) * D + x * 8 + e];
+        }
+      }
+    }
 #pragma unroll
     for (int h = 0; h < H; ++h) {
-      float m = -CUDART_INF_F;
-      for (int zz = 0; zz < Traits::kBdz; ++zz) m = fmaxf(m, merge_md[(zz * H + h) * 2]);
-      st.m[h] = m;
-      st.d[h] = 0.f;
+      const int qo_head = head0 + h;
+      const float norm = merged_norm(st.sm[h].d, p.v_scale);  // no key: zeros and -inf, never NaN
+      const float lse = merged_lse(st.sm[h].m, st.sm[h].d);
+      if (partial_row < 0) {
+        Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * 8;
+        Vec16 raw;
+        Q* o = reinterpret_cast<Q*>(&raw);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) st.o[h][e] = 0.f;
-      if (m == -CUDART_INF_F) continue;
-      for (int zz = 0; zz < Traits::kBdz; ++zz) {
-        const float w = exp2f(merge_md[(zz * H + h) * 2] - m);
-        st.d[h] += w * merge_md[(zz * H + h) * 2 + 1];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) st.o[h][e] += w * merge_o[(zz * H + h) * D + x * 8 + e];
+        for (int e = 0; e < 8; ++e) o[e] = static_cast<Q>(st.o[h][e] * norm);
+        store_vec16(out, raw);
+        if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
+      } else {
+        float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + x * 8;
+        reinterpret_cast<float4*>(out)[0] =
+            make_float4(st.o[h][0] * norm, st.o[h][1] * norm, st.o[h][2] * norm, st.o[h][3] * norm);
+        reinterpret_cast<float4*>(out)[1] =
+            make_float4(st.o[h][4] * norm, st.o[h][5] * norm, st.o[h][6] * norm, st.o[h][7] * norm);
+        if (x == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
       }
     }
   }
+  // A split request: the last of its blocks (for this head tile) merges the partial states.
+  if (partial_row < 0 || p.merge_counters == nullptr) return;
+  if (!last_of_split(p.merge_counters + b * head_blocks + head_block, p.merge_indptr[b + 1] - p.merge_indptr[b],
+                     tid == 0, *reinterpret_cast<int*>(smem)))
+    return;
+  decode_merge_split<Traits>(p, b, head0, tid);
+}
 
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    const int qo_head = head0 + h;
-    const bool empty = st.d[h] == 0.f;  // no key: zeros and -inf, never NaN
-    const float norm = empty ? 0.f : p.v_scale / st.d[h];
-    const float lse = empty ? -CUDART_INF_F : st.m[h] + log2f(st.d[h]);
-    if (partial_row < 0) {
-      Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * 8;
-      Vec16 raw;
-      Q* o = reinterpret_cast<Q*>(&raw);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = static_cast<Q>(st.o[h][e] * norm);
-      store_vec16(out, raw);
-      if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
-    } else {
-      float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + x * 8;
-      reinterpret_cast<float4*>(out)[0] =
-          make_float4(st.o[h][0] * norm, st.o[h][1] * norm, st.o[h][2] * norm, st.o[h][3] * norm);
-      reinterpret_cast<float4*>(out)[1] =
-          make_float4(st.o[h][4] * norm, st.o[h][5] * norm, st.o[h][6] * norm, st.o[h][7] * norm);
-      if (x == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
-    }
-  }
+// The thin kernel: blockIdx.y = work item, blockIdx.x = (kv head, head tile). Blocks launch
+// in linear order, so a CUDA-graph grid sized for the capacity runs every real item first.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM) decode_kernel(const __grid_constant__ DecodeParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  decode_cuda_core_block<Traits>(p, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x),
+                                 static_cast<int>(gridDim.x), smem, StreamLaunch{});
 }
 
 template <class Traits>

@@ -1,4 +1,4 @@
-// Host side of batch decode and merge_states: tensors -> params.
+// Host side of batch decode: tensors -> params.
 #pragma once
 #include <cmath>
 #include <cstring>
@@ -62,30 +62,6 @@ inline MergeParams make_merge_splits_params(const DecodeParams& d, const at::Ten
   m.num_rows = static_cast<int32_t>(merge_rows);
   m.num_heads = d.num_qo_heads;
   m.head_dim = head_dim;
-  return m;
-}
-
-// merge_states: v [n, S, H, D] (head_dim contiguous), s [n, S, H] (heads contiguous).
-inline MergeParams make_merge_states_params(const at::Tensor& v, const at::Tensor& s, const at::Tensor& v_out,
-                                            const at::Tensor& s_out) {
-  expect_cuda(v, "v");
-  TORCH_CHECK(v.dim() == 4 && s.dim() == 3 && s.stride(2) == 1, "merge_states: v [n, S, H, D], s [n, S, H]");
-  MergeParams m;
-  m.states = v.const_data_ptr();
-  m.states_stride_n = v.stride(0);
-  m.states_stride_s = v.stride(1);
-  m.states_stride_h = v.stride(2);
-  m.states_lse = static_cast<const float*>(s.const_data_ptr());
-  m.lse_stride_n = s.stride(0);
-  m.lse_stride_s = s.stride(1);
-  m.out = v_out.data_ptr();
-  m.out_stride_b = v_out.stride(0);
-  m.out_stride_h = v_out.stride(1);
-  m.lse = static_cast<float*>(s_out.data_ptr());
-  m.num_rows = static_cast<int32_t>(v.size(0));
-  m.num_states = static_cast<int32_t>(v.size(1));
-  m.num_heads = static_cast<int32_t>(v.size(2));
-  m.head_dim = static_cast<int32_t>(v.size(3));
   return m;
 }
 

@@ -34,8 +34,10 @@
 
 #include "common/common.cuh"
 #include "decode/decode_params.h"
+#include "common/merge.cuh"
 #include "common/mma.cuh"
 #include "common/page_table.cuh"
+#include "common/softmax.cuh"
 
 namespace fij {
 
@@ -215,16 +217,11 @@ FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, uns
 #pragma unroll
       for (int r = 0; r < C; ++r) {
         const float w = exp2f(lse[r] - mx);
-        const float4 u = *reinterpret_cast<const float4*>(recv_o + (r * H + h) * S + 4 * x4);
         den += w;
-        acc.x += w * u.x;
-        acc.y += w * u.y;
-        acc.z += w * u.z;
-        acc.w += w * u.w;
+        add_weighted4(acc, w, *reinterpret_cast<const float4*>(recv_o + (r * H + h) * S + 4 * x4));
       }
     }
-    const bool empty = den == 0.f;  // no key in any chunk: zeros and -inf
-    const float norm = empty ? 0.f : 1.f / den;
+    const float norm = merged_norm(den);  // no key in any chunk: zeros and -inf
     // row h -> its (token, head) as the kernel's row_head maps it
     const int qo_head = block_head0 + (Traits::kQTokens == 1 ? h
                                            : h / Traits::kTileHeads * (p.num_qo_heads / Traits::kQTokens) +
@@ -232,7 +229,7 @@ FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, uns
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + rank * S + 4 * x4;
     store_out4(out, acc, norm);
     if (p.lse != nullptr && rank == 0 && x4 == 0)
-      p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : mx + log2f(den);
+      p.lse[b * p.num_qo_heads + qo_head] = merged_lse(mx, den);
   }
 }
 
@@ -240,12 +237,14 @@ FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, uns
 
 // --- the block function and the kernel -------------------------------------------------------
 // One block's work: work item `item_index` for head block `head_block` (of `head_blocks`:
-// KV head (pair) head_block / tiles, query-head tile head_block % tiles). decode_mma_kernel
-// calls it with (blockIdx.y, blockIdx.x, gridDim.x); POD calls it for its decode blocks.
-// smem: Traits::kSmemBytes, 128-byte aligned.
-template <class Traits>
-FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_block, int head_blocks,
-                             unsigned char* smem) {
+// KV head (pair) head_block / tiles, query-head tile head_block % tiles), split merge
+// included (the last block of a split request merges it). decode_mma_kernel calls it with
+// (blockIdx.y, blockIdx.x, gridDim.x) and a StreamLaunch; POD calls it for its decode
+// blocks (common.cuh: the launch object). smem: Traits::kSmemBytes, 128-byte aligned.
+// (A cluster kernel's blocks, kCluster > 1, need their cluster: they run in their own kernel.)
+template <class Traits, class Launch>
+FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head_block, int head_blocks,
+                                 unsigned char* smem, const Launch& launch) {
   using namespace mma_detail;
   using Q = typename Traits::Q;
   using KV = typename Traits::KV;
@@ -404,16 +403,17 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
   if (Traits::kStages - 1 < num_tiles) lookup(Traits::kStages - 1, next);
 
   // A small grid (its K/V within kPrefetchBytes, each block's chunk within its equal
-  // share) launched as a programmatic dependent launch brings its chunk into L2 now, a
+  // share; launch.prefetch_blocks blocks an item) launched as a programmatic dependent
+  // launch brings its chunk into L2 now, a
   // thread a token, while the kernel before it still runs: the first tiles then come
   // from L2. Larger grids do not: the prefetched lines were evicted before use while the
   // kernel before streamed its own, and without a dependent launch nothing overlaps
   // (docs/decode.md). Safe before the wait even if the kernel before
   // writes K/V: a prefetch moves nothing into this block, every write lands in L2, and
   // the copies below read L2.
-  if (p.dependent_launch) {
+  if (launch.prefetch_blocks > 0) {
     constexpr int kTokenBytes = 2 * kRowBytes * Traits::kKvHeads;
-    const int64_t share = Traits::kPrefetchBytes / (int64_t(head_blocks) * num_items * kTokenBytes);
+    const int64_t share = Traits::kPrefetchBytes / (int64_t(launch.prefetch_blocks) * num_items * kTokenBytes);
     const int count = end - start;
     if (count > 0 && count <= share) {
       // the block's first head's rows (k_base / v_base are this thread's head and chunk)
@@ -437,12 +437,12 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
   // So far only the plan's work list and the page table were read. Under a programmatic
   // dependent launch the kernel before this one may still be running: q, K, V, the
   // partial states and the merge counters are touched only after it has finished.
-  pdl_wait();
+  launch.wait_for_inputs();
   // The next kernel's blocks may launch now (into free slots) and read their own work
   // items and page ids while this grid streams; they wait for all of it to finish before
   // touching anything it writes. (Triggering after the main loop left their launch and
   // prologue on the critical path of small grids.)
-  pdl_trigger();
+  launch.release_next();
   // The first tile's copies go out before q is loaded, the rest after: with q's loads
   // queued behind every prologue copy the first S waited longer, and with all of them
   // after q the first tile arrived later.
@@ -508,12 +508,11 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
     }
   }
   // Online softmax of heads g + 8t (this lane's S rows); d sums this lane's tokens only.
-  float m[HT], d[HT];
+  OnlineSoftmax st[HT];
   float o[Traits::kMTiles][HT][4];
 #pragma unroll
   for (int t = 0; t < HT; ++t) {
-    m[t] = -CUDART_INF_F;
-    d[t] = 0.f;
+    st[t].init();
 #pragma unroll
     for (int i = 0; i < Traits::kMTiles; ++i)
 #pragma unroll
@@ -582,13 +581,10 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
     // Online softmax over the warp's tokens: s_acc[n][2t + e] is head g + 8t, token
     // 8n + 2c + e.
     const int j0 = start + tile * Traits::kTileTokens + tok_w + 2 * c;
-    // Lazy rescaling: a head's running max m moves only when one of the warp's keys
-    // exceeds it by more than kLazy (log2 units; one vote a tile), so most tiles take
-    // neither the shuffles for the row max nor the rescale of O. Probabilities then reach
-    // 2^kLazy (P in bf16 or fp16 keeps its relative precision; d and O are float32), and
-    // m + log2(d) is the same LSE. A small grid's warps are bound by each tile's latency
-    // chain, which this shortens (docs/decode.md).
-    constexpr float kLazy = 8.f;
+    // Lazy rescaling (softmax.cuh): a head's running max moves only when one of the warp's
+    // keys exceeds it by more than kLazy (one vote a tile), so most tiles take neither the
+    // shuffles for the row max nor the rescale of O. A small grid's warps are bound by each
+    // tile's latency chain, which this shortens (docs/decode.md).
     float prob[HT][NT][2], sv[HT][NT][2], lmx[HT];
     bool over = false;
 #pragma unroll
@@ -609,7 +605,7 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
           lmx[t] = fmaxf(lmx[t], sv[t][n][e]);
         }
       }
-      over |= lmx[t] > m[t] + kLazy;  // m = -inf: any key
+      over |= st[t].lags(lmx[t]);  // no key yet: any key
     }
     if (__any_sync(0xffffffffu, over)) {
       float alpha[HT];
@@ -618,10 +614,8 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
         float mx = lmx[t];
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[t], mx);
-        alpha[t] = m_new > m[t] ? exp2f(m[t] - m_new) : 1.f;  // exp2(-inf) = 0 for the first keys
-        m[t] = m_new;
-        d[t] *= alpha[t];
+        alpha[t] = st[t].move_max(fmaxf(st[t].m, mx));
+        st[t].d *= alpha[t];
       }
       // O^T columns of this lane are heads 2c, 2c+1 (+8t): their factors sit in lanes 8c, 8c+4.
 #pragma unroll
@@ -643,8 +637,8 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          prob[t][n][e] = m[t] == -CUDART_INF_F ? 0.f : exp2f(sv[t][n][e] - m[t]);
-          d[t] += prob[t][n][e];
+          prob[t][n][e] = st[t].prob(sv[t][n][e]);
+          st[t].d += prob[t][n][e];
         }
     // P^T as B fragments: n-tile n of S is k-rows 8n .. 8n+7 of the O^T product.
     uint32_t pb[HT][NT];
@@ -728,11 +722,11 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
   float* red_md = red_o + Traits::kWarps * kHeadsPad * OS;               // [warp][head][2]
 #pragma unroll
   for (int t = 0; t < HT; ++t) {
-    d[t] += __shfl_xor_sync(0xffffffffu, d[t], 1);
-    d[t] += __shfl_xor_sync(0xffffffffu, d[t], 2);
+    st[t].d += __shfl_xor_sync(0xffffffffu, st[t].d, 1);
+    st[t].d += __shfl_xor_sync(0xffffffffu, st[t].d, 2);
     if (c == 0) {
-      red_md[(warp * kHeadsPad + g + 8 * t) * 2] = m[t];
-      red_md[(warp * kHeadsPad + g + 8 * t) * 2 + 1] = d[t];
+      red_md[(warp * kHeadsPad + g + 8 * t) * 2] = st[t].m;
+      red_md[(warp * kHeadsPad + g + 8 * t) * 2 + 1] = st[t].d;
     }
 #pragma unroll
     for (int i = 0; i < Traits::kMTiles; ++i) {
@@ -761,7 +755,8 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
   for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 4), x4 = slot_i % (D / 4);
     const int w0 = h / Traits::kLiveRows * kWph, hl = h % Traits::kLiveRows;
-    float mw[kWph], mx = -CUDART_INF_F;
+    // the warps' (m, d) states by merge.cuh's rule (m finite: no empty-state test)
+    float mw[kWph], mx = OnlineSoftmax::kNoMax;
 #pragma unroll
     for (int w = 0; w < kWph; ++w) {
       mw[w] = red_md[((w0 + w) * kHeadsPad + hl) * 2];
@@ -769,21 +764,14 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
     }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float den = 0.f;
-    if (mx != -CUDART_INF_F) {
 #pragma unroll
-      for (int w = 0; w < kWph; ++w) {
-        const float wgt = exp2f(mw[w] - mx);
-        den += wgt * red_md[((w0 + w) * kHeadsPad + hl) * 2 + 1];
-        const float4 u = *reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * OS + 4 * x4);
-        acc.x += wgt * u.x;
-        acc.y += wgt * u.y;
-        acc.z += wgt * u.z;
-        acc.w += wgt * u.w;
-      }
+    for (int w = 0; w < kWph; ++w) {
+      const float wgt = fast_exp2(mw[w] - mx);
+      den += wgt * red_md[((w0 + w) * kHeadsPad + hl) * 2 + 1];
+      add_weighted4(acc, wgt, *reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * OS + 4 * x4));
     }
-    const bool empty = den == 0.f;  // no key: zeros and -inf, never NaN
-    const float norm = empty ? 0.f : p.v_scale / den;
-    const float lse = empty ? -CUDART_INF_F : mx + log2f(den);
+    const float norm = merged_norm(den, p.v_scale);  // no key: zeros and -inf, never NaN
+    const float lse = merged_lse(mx, den);
     const int qo_head = block_head0 + row_head(h);
     if constexpr (Traits::kCluster > 1) {
       // dims 4 x4 .. 4 x4 + 3 of head h to the block that merges them, at this block's rank
@@ -818,20 +806,10 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
   if (partial_row < 0 || p.merge_counters == nullptr) return;
 
   // --- split request: the last of its blocks (for this head tile) merges the partials -------
-  // One thread counts for the block with an acquire-release atomic: the block barrier
-  // puts every thread's partial-state stores before its release, and the last block's
-  // acquire (then its barrier) puts the other blocks' states before its loads (fences
-  // around a relaxed atomicAdd were slower; docs/history/decode.md).
-  int& last_block = *reinterpret_cast<int*>(smem + Traits::kFlagOffset);
-  __syncthreads();
-  if (tid == 0) {
-    const int count = p.merge_indptr[b + 1] - p.merge_indptr[b];
-    int* counter = p.merge_counters + b * head_blocks + head_block;
-    last_block = atomic_add_acq_rel(counter, 1) == count - 1;
-    if (last_block) *counter = 0;  // every other block of the request has counted: reset
-  }
-  __syncthreads();
-  if (!last_block) return;
+  // (merge.cuh last_of_split: one counter per request and head block)
+  if (!last_of_split(p.merge_counters + b * head_blocks + head_block, p.merge_indptr[b + 1] - p.merge_indptr[b],
+                     tid == 0, *reinterpret_cast<int*>(smem + Traits::kFlagOffset)))
+    return;
   // Parallel over partials: per head, the lanes of a warp find the largest LSE and the
   // weights 2^(lse_i - max) (kept in shared memory); then each thread sums one (head,
   // 4 dims) over the partials, 16 loads in flight (a serial loop waits for L2 once per
@@ -876,15 +854,14 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
   for (int j = 0; j < kHeadsPerWarp; ++j) {
     const int h = warp + j * Traits::kWarps;
     if (h >= kRowsT) continue;  // warp-uniform
-    const bool none = mx[j] == -CUDART_INF_F;
     den[j] = 0.f;
     if (lane < count) {
-      const float w = none ? 0.f : exp2f(lse0[j] - mx[j]);
+      const float w = merge_weight(lse0[j], mx[j]);
       den[j] = w;
       if (lane < kMaxParts) weight[lane * kRowsT + h] = w;
     }
     for (int i = lane + 32; i < count; i += 32) {
-      const float w = none ? 0.f : exp2f(part_lse(i, h) - mx[j]);
+      const float w = merge_weight(part_lse(i, h), mx[j]);
       den[j] += w;
       if (i < kMaxParts) weight[i * kRowsT + h] = w;
     }
@@ -912,28 +889,18 @@ FIJ_DEVICE void decode_block(const DecodeParams& p, int item_index, int head_blo
         u[j] = load4_cg(src + min(i0 + j, cached - 1) * row_stride);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const float w = i0 + j < cached ? weight[(i0 + j) * kRowsT + h] : 0.f;
-        acc.x += w * u[j].x;
-        acc.y += w * u[j].y;
-        acc.z += w * u[j].z;
-        acc.w += w * u[j].w;
+        add_weighted4(acc, i0 + j < cached ? weight[(i0 + j) * kRowsT + h] : 0.f, u[j]);
       }
     }
     for (int i = cached; i < count; ++i) {  // beyond the shared-memory weights (rare)
-      const float w = head_m[h] == -CUDART_INF_F ? 0.f : exp2f(part_lse(i, h) - head_m[h]);
-      const float4 u = load4_cg(src + i * row_stride);
-      acc.x += w * u.x;
-      acc.y += w * u.y;
-      acc.z += w * u.z;
-      acc.w += w * u.w;
+      add_weighted4(acc, merge_weight(part_lse(i, h), head_m[h]), load4_cg(src + i * row_stride));
     }
     const float den = head_den[h];
-    const bool empty = den == 0.f;  // every partial empty: zeros and -inf
-    const float norm = empty ? 0.f : 1.f / den;
+    const float norm = merged_norm(den);  // every partial empty: zeros and -inf
     const int qo_head = block_head0 + row_head(h);
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4;
     store_out4(out, acc, norm);
-    if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : head_m[h] + log2f(den);
+    if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = merged_lse(head_m[h], den);
   }
 }
 
@@ -941,7 +908,10 @@ template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     decode_mma_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  decode_block<Traits>(p, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem);
+  const int head_blocks = static_cast<int>(gridDim.x);
+  // the grid's L2 prefetch budget is shared by its blocks, under a dependent launch only
+  decode_mma_block<Traits>(p, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x), head_blocks, smem,
+                           StreamLaunch{p.dependent_launch ? head_blocks : 0});
 }
 
 template <class Traits>

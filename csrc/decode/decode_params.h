@@ -1,5 +1,6 @@
-// Parameters of batch decode and of the merge of partial states (split-KV).
+// Parameters of batch decode (MergeParams, for a split request's merge, beside csrc/common/merge.cuh).
 #pragma once
+#include "common/merge_params.h"
 #include "common/page_table_params.h"
 
 namespace fij {
@@ -37,22 +38,6 @@ struct DecodeParams {
   // Set by the launcher: the launch is a programmatic dependent one (the tensor-core kernel
   // then prefetches small grids' K/V into L2 while the kernel before it finishes).
   int32_t dependent_launch = 0;
-};
-
-struct MergeParams {
-  const float* partial_o = nullptr;  // [rows, heads, head_dim]
-  const float* partial_lse = nullptr;
-  const int32_t* merge_indptr = nullptr;  // [num_rows + 1]
-  void* out = nullptr;
-  int64_t out_stride_b = 0, out_stride_h = 0;
-  float* lse = nullptr;
-  int32_t num_rows = 0, num_heads = 0, head_dim = 0;
-  // merge_states form: v [n, S, H, D] with its strides, s [n, S, H]
-  const void* states = nullptr;
-  int64_t states_stride_n = 0, states_stride_s = 0, states_stride_h = 0;
-  const float* states_lse = nullptr;
-  int64_t lse_stride_n = 0, lse_stride_s = 0;
-  int32_t num_states = 0;
 };
 
 // One decode call, resolved: what the torch op builds from its arguments, and what run()'s

@@ -12,6 +12,7 @@
 
 #include "common/common.cuh"
 #include "common/page_table.cuh"
+#include "common/rope.cuh"
 #include "kvcache/rope_params.h"
 
 namespace fij {
@@ -101,7 +102,7 @@ FIJ_DEVICE bool unit_angles(const RopeParams& p, int pos, int j, float (&c)[8], 
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float i = float(8 * j + e);
-      float freq = exp2f(-2.f * i / float(p.rope_dim) * p.log2_theta);
+      float freq = rope_inv_freq(i, float(p.rope_dim), p.log2_theta);
       const float smooth = fminf(fmaxf(freq * p.smooth_a + p.smooth_b, 0.f), 1.f);
       freq = (1.f - smooth) * freq * p.rcp_scale + smooth * freq;
       sincosf(float(pos) * freq, &s[e], &c[e]);
@@ -203,16 +204,16 @@ FIJ_DEVICE void finish_unit(const UnitRef<Traits>& u, const Vec16& raw_lo, const
     if constexpr (Traits::kInterleave) {  // a = elements 0..7, b = 8..15 of 8 pairs
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        ra[2 * e] = a[2 * e] * c[e] - a[2 * e + 1] * s[e];
-        ra[2 * e + 1] = a[2 * e + 1] * c[e] + a[2 * e] * s[e];
-        rb[2 * e] = b[2 * e] * c[e + 4] - b[2 * e + 1] * s[e + 4];
-        rb[2 * e + 1] = b[2 * e + 1] * c[e + 4] + b[2 * e] * s[e + 4];
+        ra[2 * e] = a[2 * e], ra[2 * e + 1] = a[2 * e + 1];
+        rb[2 * e] = b[2 * e], rb[2 * e + 1] = b[2 * e + 1];
+        rope_rotate(ra[2 * e], ra[2 * e + 1], c[e], s[e]);
+        rope_rotate(rb[2 * e], rb[2 * e + 1], c[e + 4], s[e + 4]);
       }
     } else {  // a = first half, b = second half
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        ra[e] = a[e] * c[e] - b[e] * s[e];
-        rb[e] = b[e] * c[e] + a[e] * s[e];
+        ra[e] = a[e], rb[e] = b[e];
+        rope_rotate(ra[e], rb[e], c[e], s[e]);
       }
     }
     store8(u.dst + u.lo, ra, u.scale);

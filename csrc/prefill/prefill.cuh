@@ -1,6 +1,6 @@
 // Batch prefill on tensor cores (mma.sync m16n8k16, ldmatrix, cp.async; sm_80 and later).
 //
-// The algorithm is prefill_block(): one work item (csrc/prefill/prefill_params.h PrefillItem) = a
+// The algorithm is prefill_attend(), inside the block function prefill_block(): one work item (csrc/prefill/prefill_params.h PrefillItem) = a
 // tile of kRows query rows of one request and one KV head against one chunk of the
 // request's keys. The rows of a tile are (token, query head of the group) pairs, token-
 // major (row r: token r / group, head r % group), so a GQA group fills the mma rows even
@@ -29,6 +29,8 @@
 #include "common/merge.cuh"
 #include "common/mma.cuh"
 #include "common/page_table.cuh"
+#include "common/rope.cuh"
+#include "common/softmax.cuh"
 #include "prefill/prefill_params.h"
 
 namespace fij {
@@ -85,7 +87,7 @@ struct PrefillTraits {
   static constexpr int kFullSubKV = kPairTiles || kWide ? kTileKV : kSubKV;
   // Those steps load a k step's K fragments before its mmas: ptxas then schedules them
   // further ahead of their HMMAs (1.04-1.10x for ragged head_dim 128 on the H100). Paged
-  // rows gain only with the warp-blocked page copies of prefill_block, which leave ptxas the
+  // rows gain only with the warp-blocked page copies of prefill_attend, which leave ptxas the
   // registers for it (alone 0.955-1.03x; together 1.01-1.06x, H200 A/B, docs/prefill.md).
   static constexpr bool kKFirst = kPairTiles || kWide;
   // K steps of S = Q K^T whose q fragments a warp holds in registers for the whole item
@@ -116,14 +118,14 @@ struct PrefillTraits {
   // fp8: the widened fp16 tiles the mma reads
   static constexpr int kWideBytes = kFp8 ? kTileKV * (kDQK + kDVO) * 2 : 0;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kWideBytes;
-  // Paged K/V copied a page a warp (prefill_block): warp w copies rows [w kWarpRows,
+  // Paged K/V copied a page a warp (prefill_attend): warp w copies rows [w kWarpRows,
   // (w + 1) kWarpRows) of a K/V tile, 32 / kKChunks rows a warp instruction. The 128-row
   // tiles of head_dim_qk >= 128 also get a kernel with only that copy path
   // (prefill_kernel<Traits, true>, chosen by launch_prefill): without the other paths' code
   // ptxas keeps bf16 head_dim 128's non-causal tile loop free of spills (1.02-1.04x on those
   // rows, H200 A/B; head_dim 64, whose loop did not spill: 0.94-1.01x, so not there).
   // K/V rows of whole 16-byte chunks a thread pass (head_dim_qk 192's rows of 12 or 24
-  // chunks do not divide the block's threads: prefill_block copies them by a general loop)
+  // chunks do not divide the block's threads: prefill_attend copies them by a general loop)
   static constexpr bool kWholeRows =
       kKChunks == kVChunks && kThreads % kKChunks == 0 && kTileKV % (kThreads / kKChunks) == 0;
   static constexpr int kWarpRows = kTileKV / kWarps;
@@ -132,7 +134,7 @@ struct PrefillTraits {
   // head_dim 128's ragged (16-bit) unmasked 128-row tile also gets a kernel without the
   // sliding window's code (prefill_kernel<Traits, false, true>), launched when there is
   // none: no spill reloaded in its tile loop, against 24 B of spills (1.007-1.016x on the
-  // H100, docs/prefill.md); it runs its tiles one a trip, not in pairs (prefill_block).
+  // H100, docs/prefill.md); it runs its tiles one a trip, not in pairs (prefill_attend).
   // Not elsewhere: with it the ragged causal tile spilled 164 B (0 without), head_dim 256's
   // ragged tile 4 B (0), the page-a-warp kernels of head_dim 128 causal 32 B (20) and of
   // head_dim 256 8 B (0); head_dim 128's non-causal page-a-warp kernel 24 B (28), not
@@ -193,12 +195,10 @@ template <int D>
 FIJ_DEVICE void rope_pair(float (&lo)[8], float (&hi)[8], int i, float pos, float rcp_scale, float log2_theta) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    const float freq = rcp_scale * exp2f(-2.f * float(i + e) / float(D) * log2_theta);
+    const float freq = rcp_scale * rope_inv_freq(float(i + e), float(D), log2_theta);
     float s, c;
     sincosf(pos * freq, &s, &c);
-    const float a = lo[e], b = hi[e];
-    lo[e] = a * c - b * s;
-    hi[e] = b * c + a * s;
+    rope_rotate(lo[e], hi[e], c, s);
   }
 }
 
@@ -291,37 +291,6 @@ FIJ_DEVICE uint32_t swz_addr(uint32_t tile, int row, int chunk) {
   return tile + uint32_t(row * Chunks + (chunk ^ (row & 7))) * 16u;
 }
 
-FIJ_DEVICE uint32_t smem_u32(const void* ptr) { return static_cast<uint32_t>(__cvta_generic_to_shared(ptr)); }
-
-FIJ_DEVICE void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-FIJ_DEVICE void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-FIJ_DEVICE void cp_async_16_u32(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-// 2^x in one MUFU.EX2 (flush-to-zero: the logits' exponents never need subnormals)
-FIJ_DEVICE float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-// 1 / x and log2(x) in one MUFU each (x > 0, normal)
-FIJ_DEVICE float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-FIJ_DEVICE float fast_log2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Item i of the work list: pair i / num_kv_heads, KV head i % num_kv_heads
 // (csrc/prefill/prefill_params.h).
 FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
@@ -331,13 +300,14 @@ FIJ_DEVICE PrefillItem load_prefill_item(const PrefillParams& p, int i) {
                      w[kPrefillPairIdsAt + (threadIdx.x & (kPrefillPairIds - 1))]};
 }
 
-// One work item: the tile's q rows against the chunk's keys; writes out/lse or its partial
-// state. smem: Traits::kSmemBytes. Every thread of the block calls it.
+// A work item's attention: the tile's q rows against the chunk's keys; writes out/lse or
+// its partial state (prefill_block adds the split's merge). smem: Traits::kSmemBytes.
+// Every thread of the block calls it.
 // WarpPagesOnly: every tile is copied a page a warp (Traits::kWarpPages; launch_prefill
 // checks that the batch allows it), the other copy paths are not compiled in. NoWindow: no
 // sliding window (launch_prefill checks window_left < 0), its code is not compiled in.
 template <class Traits, bool WarpPagesOnly = false, bool NoWindow = false>
-FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, unsigned char* smem) {
+FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, unsigned char* smem) {
   using namespace mma_detail;
   using namespace prefill_detail;
   using Q = typename Traits::Q;
@@ -407,7 +377,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
       for (int it = 0; it < ROWS / STEP; ++it) {
         if constexpr (STEP % 8 == 0) {
-          cp_async_16_u32(dst + uint32_t(it * STEP * QC * 16), from, true);
+          cp_async_16(dst + uint32_t(it * STEP * QC * 16), from, true);
         } else {
           cp_async_16(sq + swz<QC>(r0 + it * STEP, ch * 8), from, true);
         }
@@ -493,7 +463,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
         const bool valid = j < end;
         int64_t ko = 0, vo = 0;
         if (valid) rows.locate(j, ko, vo);
-        cp_async_16_u32(tile + (Traits::kFp8 ? uint32_t(r * C + ch) * 16u : swz_addr<C>(0, r, ch)),
+        cp_async_16(tile + (Traits::kFp8 ? uint32_t(r * C + ch) * 16u : swz_addr<C>(0, r, ch)),
                         data + (decltype(is_v)::value ? vo : ko) + ch * KE, valid);
       }
     }
@@ -539,8 +509,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           const bool valid = kFull || it < lim;
           const uint32_t off = Traits::kFp8 ? uint32_t((r0 + it) * KC + ch) * 16u
                                             : uint32_t((r0 + it) * KC) * 16u + ((x ^ uint32_t(it & 7)) * 16u);
-          cp_async_16_u32(k_tile + off, kb, valid);
-          cp_async_16_u32(v_tile + off, vb, valid);
+          cp_async_16(k_tile + off, kb, valid);
+          cp_async_16(v_tile + off, vb, valid);
           kb += kstep;
           vb += vstep;
         }
@@ -572,8 +542,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
           for (int it = 0; it < TKV / K_PASS; ++it) {
             const bool valid = kFull || it * K_PASS < lim;
-            cp_async_16_u32(k_tile + smem_off(it), kb, valid);
-            cp_async_16_u32(v_tile + smem_off(it), vb, valid);
+            cp_async_16(k_tile + smem_off(it), kb, valid);
+            cp_async_16(v_tile + smem_off(it), vb, valid);
             kb += kstep;
             vb += vstep;
           }
@@ -591,8 +561,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
             const uint32_t kp = __shfl_sync(0xffffffffu, k_ids_lane, pg);
             const uint32_t vp = kSeparate ? __shfl_sync(0xffffffffu, v_ids_lane, pg) : kp;
             const uint32_t slot = j & slot_mask;
-            cp_async_16_u32(k_tile + smem_off(it), kb + kp * ksp + slot * kst, valid);
-            cp_async_16_u32(v_tile + smem_off(it), vb + vp * vsp + slot * vst, valid);
+            cp_async_16(k_tile + smem_off(it), kb + kp * ksp + slot * kst, valid);
+            cp_async_16(v_tile + smem_off(it), vb + vp * vsp + slot * vst, valid);
           }
         } else {
 #pragma unroll
@@ -600,8 +570,8 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
             const bool valid = kFull || it * K_PASS < lim;
             int64_t ko = 0, vo = 0;
             if (valid) rows.locate(kv0 + r0 + it * K_PASS, ko, vo);
-            cp_async_16_u32(k_tile + smem_off(it), k_data + ko + ch * KE, valid);
-            cp_async_16_u32(v_tile + smem_off(it), v_data + vo + ch * KE, valid);
+            cp_async_16(k_tile + smem_off(it), k_data + ko + ch * KE, valid);
+            cp_async_16(v_tile + smem_off(it), v_data + vo + ch * KE, valid);
           }
         }
       };
@@ -617,20 +587,13 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_pos[mf][h] = split_row(row0 + warp * 16 * MF + mf * 16 + g + 8 * h).quot + delta;
 
-  // m starts at a finite floor, not -inf: a row that has seen no key yet has m = kNoMax,
-  // so its exponents are exp2(-inf - kNoMax) = 0 and its rescale exp2(0) = 1 (no inf - inf,
-  // no select a step); its d stays 0, which the epilogue reads as "no key".
-  constexpr float kNoMax = -1e30f;
-  constexpr float kSlack = 8.f;  // log2 units the running max may trail a row's true max
+  // The rows' online softmax (softmax.cuh); d sums this lane's keys of the row only.
+  OnlineSoftmax st[MF][2];
   float o[MF][DVO / 8][4];
-  float m[MF][2], d[MF][2];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      m[mf][h] = kNoMax;
-      d[mf][h] = 0.f;
-    }
+    for (int h = 0; h < 2; ++h) st[mf][h].init();
 #pragma unroll
     for (int n = 0; n < DVO / 8; ++n)
 #pragma unroll
@@ -663,7 +626,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   const uint32_t q_warp = sq_u32 + uint32_t(warp * 16 * MF * QC) * 16u;  // the warp's q rows
   // q fragment of k step ks, row fragment mf (the warp's rows mf 16 ..)
   auto q_frag = [&](int ks, int mf, uint32_t(&a)[4]) {
-    ldsm_x4(q_warp + lane_off.q[ks % 4] + uint32_t((ks / 4) * 128 + mf * 16 * QC * 16), a);
+    ldmatrix_x4(q_warp + lane_off.q[ks % 4] + uint32_t((ks / 4) * 128 + mf * 16 * QC * 16), a);
   };
 
   if (num_tiles > 0) {
@@ -776,7 +739,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
       const uint32_t tk_u32 = smem_u32(tk);
       // K fragment np (keys sub SUB + 16 np ..) of k step ks
       auto k_frag = [&](int ks, int np, uint32_t(&b)[4]) {
-        ldsm_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), b);
+        ldmatrix_x4(tk_u32 + lane_off.k[ks % 4] + uint32_t((ks / 4) * 128 + (sub * SUB + np * 16) * QC * 16), b);
       };
 #pragma unroll
       for (int ks = 0; ks < DQK / 16; ++ks) {
@@ -873,19 +836,14 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           mx = mx * ls;  // log2 domain (ls > 0: the max commutes with the scale)
-          // The running max moves only when the tile's exceeds it by more than kSlack: below
-          // that, exponents against the old max stay <= 2^kSlack (exact in P's 16-bit type,
-          // far from float overflow in o and d), the row needs no rescale, and the warp skips
-          // it when no row moved (after a row's first keys, nearly always). The state stays
-          // exact: o, d and m move together; lse = m + log2 d whatever m is.
-          const bool up = mx > m[mf][h] + kSlack;
-          const float base = up ? mx : m[mf][h];  // finite (>= kNoMax): masked logits give exp2(-inf) = 0
-          scale[mf][h] = fast_exp2(m[mf][h] - base);
-          m[mf][h] = base;
+          // Lazy rescale (softmax.cuh): the warp skips the output's rescale when no row moved
+          // its max (after a row's first keys, nearly always).
+          const bool up = st[mf][h].lags(mx);
+          scale[mf][h] = st[mf][h].move_max(up ? mx : st[mf][h].m);
 #pragma unroll
           for (int n = 0; n < NTS; ++n) {
-            sacc[mf][n][2 * h] = fast_exp2(fmaf(sacc[mf][n][2 * h], ls, -base));
-            sacc[mf][n][2 * h + 1] = fast_exp2(fmaf(sacc[mf][n][2 * h + 1], ls, -base));
+            sacc[mf][n][2 * h] = st[mf][h].prob(sacc[mf][n][2 * h], ls);
+            sacc[mf][n][2 * h + 1] = st[mf][h].prob(sacc[mf][n][2 * h + 1], ls);
             part[n] = sacc[mf][n][2 * h] + sacc[mf][n][2 * h + 1];
           }
 #pragma unroll
@@ -893,7 +851,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
             for (int n = 0; n + w < NTS; n += 2 * w) part[n] += part[n + w];
           const float sum = part[0];
-          d[mf][h] = d[mf][h] * scale[mf][h] + sum;  // this lane's part of the row sum
+          st[mf][h].accumulate(scale[mf][h], sum);  // this lane's part of the row sum
           grew = grew || up;
         }
       }
@@ -921,7 +879,7 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 #pragma unroll
         for (int dp = 0; dp < DVO / 16; ++dp) {
           uint32_t bv[4];
-          ldsm_x4_trans(tv_u32 + lane_off.v[dp % 4] + uint32_t((dp / 4) * 128 + (sub * SUB + kt * 16) * VOC * 16), bv);
+          ldmatrix_x4_trans(tv_u32 + lane_off.v[dp % 4] + uint32_t((dp / 4) * 128 + (sub * SUB + kt * 16) * VOC * 16), bv);
 #pragma unroll
           for (int mf = 0; mf < MF; ++mf) mma_k16_pair<M>(o[mf][2 * dp], o[mf][2 * dp + 1], pa[mf], bv);
         }
@@ -965,32 +923,25 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = d[mf][h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      OnlineSoftmax row = st[mf][h];
+      row.d += __shfl_xor_sync(0xffffffffu, row.d, 1);  // the row's whole sum
+      row.d += __shfl_xor_sync(0xffffffffu, row.d, 2);
       const int r = warp * 16 * MF + mf * 16 + g + 8 * h;
       const DivMod th = split_row(row0 + r);
       const int t = th.quot, qo_head = kv_head * group + th.rem;
-      float mx = m[mf][h];
       if constexpr (Traits::kSinks) {
         if (item.chunk == 0 && r < live_rows) {
-          const float sink = p.sinks[qo_head] * 1.4426950408889634f;
-          const float top = fmaxf(mx, sink);
-          const float scale = exp2f(mx - top);  // no key (mx = kNoMax): 0
-          sum = sum * scale + exp2f(sink - top);
+          const float scale = row.add_sink(p.sinks[qo_head] * 1.4426950408889634f);
 #pragma unroll
           for (int n = 0; n < DVO / 8; ++n) {
             o[mf][n][2 * h] *= scale;
             o[mf][n][2 * h + 1] *= scale;
           }
-          mx = top;
         }
       }
-      // (MUFU's reciprocal and log2: within 2 ulp, far below the 16-bit output's rounding and
-      // the merge's needs)
-      norm[mf][h] = sum > 0.f ? p.v_scale * fast_rcp(sum) : 0.f;
+      norm[mf][h] = row.norm(p.v_scale);
       if (r >= live_rows) continue;
-      const float lse = sum > 0.f ? mx + fast_log2(sum) : -CUDART_INF_F;
+      const float lse = row.lse();
       if (item.partial_row < 0) {
         if (p.lse != nullptr && c4 == 0) p.lse[int64_t(qo_start + t) * p.num_qo_heads + qo_head] = lse;
       } else {
@@ -1067,17 +1018,11 @@ FIJ_DEVICE void prefill_block(const PrefillParams& p, const PrefillItem& item, u
 }
 
 
-// The thin kernel: block i takes items i, i + gridDim.x, ... (a CUDA-graph grid is fixed
-// and may be smaller or larger than the work list); a kOneItemABlock tile's block takes item
-// blockIdx.x alone.
 // A split tile's merge, by the last of its chunk items to finish (for its KV head): the
 // tile's rows from their partial states into out/lse, by csrc/common/merge.cuh's rule (max LSE,
 // weights 2^(lse - max), chunks summed in order: deterministic), instead of a second
-// kernel. Every thread of the block calls it after prefill_block of work item `index` when
-// p.merge_counters is set; smem: any 8 ROWS + 16 bytes.
-// The counting is decode's (csrc/decode/decode_mma.cuh): the barrier puts every thread's partial
-// stores before thread 0's release; the last block's acquire, then its barrier, puts the
-// other blocks' states before its loads, which bypass L1 (ld.cg).
+// kernel. Every thread of the block calls it after prefill_attend of work item `index` when
+// p.merge_counters is set; smem: any 8 ROWS + 16 bytes. The counting: merge.cuh last_of_split.
 // (Not inlined: the main loop's registers stay as they are without it.)
 template <class Traits>
 __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int index, unsigned char* smem) {
@@ -1086,16 +1031,9 @@ __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int i
   const PrefillItem item = load_prefill_item(p, index);  // (read again: nothing of it stays live across the tile)
   if (item.partial_row < 0) return;
   const int tid = threadIdx.x;
-  int& last_block = *reinterpret_cast<int*>(smem);
-  __syncthreads();
-  if (tid == 0) {
-    const int num_kv_heads = p.num_qo_heads / p.group;
-    int* counter = p.merge_counters + (int64_t(item.partial_row) * p.group + item.row0) * num_kv_heads + item.kv_head;
-    last_block = atomic_add_acq_rel(counter, 1) == item.chunks - 1;
-    if (last_block) *counter = 0;  // every chunk of the tile has counted: zero for the next launch
-  }
-  __syncthreads();
-  if (!last_block) return;
+  const int num_kv_heads = p.num_qo_heads / p.group;
+  int* counter = p.merge_counters + (int64_t(item.partial_row) * p.group + item.row0) * num_kv_heads + item.kv_head;
+  if (!last_of_split(counter, item.chunks, tid == 0, *reinterpret_cast<int*>(smem))) return;
   const int b = item.request, group = p.group, chunks = item.chunks, H = p.num_qo_heads;
   const int qo_start = item.qo_start, qo_len = item.qo_len;
   const int live_rows = min(ROWS, qo_len * group - item.row0);
@@ -1117,8 +1055,8 @@ __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int i
     if (mx != -CUDART_INF_F)
       for (int c = 0; c < chunks; ++c) den += exp2f(__ldcg(p.partial_lse + s0 + int64_t(c) * H) - mx);
     row_max[r] = mx;
-    row_rcp[r] = den > 0.f ? 1.f / den : 0.f;
-    if (p.lse != nullptr) p.lse[int64_t(qo_start + t) * H + h] = den > 0.f ? mx + log2f(den) : -CUDART_INF_F;
+    row_rcp[r] = merged_norm(den);
+    if (p.lse != nullptr) p.lse[int64_t(qo_start + t) * H + h] = merged_lse(mx, den);
   }
   __syncthreads();
   constexpr int kSlots = DVO / 4;  // 4 dims a thread and step
@@ -1127,39 +1065,44 @@ __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int i
     int t, h;
     const int64_t s0 = state_of(r, t, h);
     const float mx = row_max[r];
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (mx != -CUDART_INF_F) {
       for (int c = 0; c < chunks; ++c) {
         const int64_t s = s0 + int64_t(c) * H;
-        const float w = exp2f(__ldcg(p.partial_lse + s) - mx);
-        const float4 o = __ldcg(reinterpret_cast<const float4*>(p.partial_o + s * DVO + d));
-        acc[0] += w * o.x;
-        acc[1] += w * o.y;
-        acc[2] += w * o.z;
-        acc[3] += w * o.w;
+        add_weighted4(acc, exp2f(__ldcg(p.partial_lse + s) - mx),
+                      __ldcg(reinterpret_cast<const float4*>(p.partial_o + s * DVO + d)));
       }
     }
     const float rcp = row_rcp[r];
     store4(static_cast<TO*>(p.out) + int64_t(qo_start + t) * p.out_stride_n + int64_t(h) * p.out_stride_h + d,
-           acc[0] * rcp, acc[1] * rcp, acc[2] * rcp, acc[3] * rcp);
+           acc.x * rcp, acc.y * rcp, acc.z * rcp, acc.w * rcp);
   }
 }
 
+// The block function: work item `index` whole, the split's merge included (the last chunk
+// of a split tile to finish merges it). prefill_kernel calls it for its items; POD calls it
+// for its prefill blocks. It makes no grid-wide assumption: the kernel around it waits
+// for the kernel before it (PDL) and loops over the grid. smem: Traits::kSmemBytes.
+template <class Traits, bool WarpPagesOnly = false, bool NoWindow = false>
+FIJ_DEVICE void prefill_block(const PrefillParams& p, int index, unsigned char* smem) {
+  prefill_attend<Traits, WarpPagesOnly, NoWindow>(p, load_prefill_item(p, index), smem);
+  if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, index, smem);
+}
+
+// The thin kernel: block i takes items i, i + gridDim.x, ... (a CUDA-graph grid is fixed
+// and may be smaller or larger than the work list); a kOneItemABlock tile's block takes item
+// blockIdx.x alone.
 template <class Traits, bool WarpPagesOnly = false, bool NoWindow = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   pdl_wait();  // q, K/V and the outputs only after the kernel before (programmatic launch)
-  auto item = [&](int i) {
-    prefill_block<Traits, WarpPagesOnly, NoWindow>(p, load_prefill_item(p, i), smem);
-    if (p.merge_counters != nullptr) prefill_merge_if_last<Traits>(p, i, smem);
-  };
   if constexpr (Traits::kOneItemABlock) {  // the grid is the item count: item blockIdx.x
-    item(blockIdx.x);
+    prefill_block<Traits, WarpPagesOnly, NoWindow>(p, blockIdx.x, smem);
   } else {
     const int items = p.work[0];
     for (int i = blockIdx.x; i < items; i += gridDim.x) {
-      item(i);
+      prefill_block<Traits, WarpPagesOnly, NoWindow>(p, i, smem);
       __syncthreads();
     }
   }

@@ -3,7 +3,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "decode/decode_params.h"
 #include "prefill/prefill_params.h"
 #include "runtime/torch_binding.h"
 

@@ -1,7 +1,7 @@
 // Parameters of batch prefill (csrc/prefill/prefill.cuh): one struct, filled once by the host
 // binding (csrc/prefill/prefill_host.h) from tensors and plan()'s work list.
 #pragma once
-#include "decode/decode_params.h"  // MergeParams (the merge of split rows is shared with decode)
+#include "common/merge_params.h"  // a split tile's merge, when it runs as its own kernel
 #include "common/page_table_params.h"
 
 namespace fij {

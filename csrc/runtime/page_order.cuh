@@ -23,7 +23,6 @@
 
 #include <cstdint>
 
-#include "prefill/prefill_params.h"  // kPrefillPairInts, kPrefillPairIdsAt, kPrefillPairIds
 
 namespace fij {
 
@@ -42,12 +41,14 @@ struct PageOrderParams {
   int32_t page_size;
   int32_t batch;
   int32_t sort;             // 0: copy only (a CUDA-graph wrapper's buffer, for a plan that may not reorder)
-  // batch prefill: plan()'s work pairs (csrc/prefill/prefill_params.h, kPrefillPairInts ints each),
-  // whose fields kPrefillPairIdsAt.. get the page ids of their chunk's first kPrefillPairIds
-  // pages from the table written here (fill_pair_ids_kernel); null: none (decode). Tables of
-  // separate K and V ids skip it (src_v != 0): their pairs keep -1, and the kernels load both
+  // batch prefill: plan()'s work pairs (csrc/prefill/prefill_params.h: pair_ints ints each,
+  // field 2 the chunk's first key), whose fields pair_ids_at.. get the page ids of their
+  // chunk's first pair_ids pages from the table written here (fill_pair_ids_kernel); null:
+  // none (decode). Tables of separate K and V ids skip it (src_v != 0): their pairs keep -1,
+  // and the kernels load both. The layout is the caller's (the runtime knows no family's).
   int32_t* pairs;
   int32_t num_pairs;
+  int32_t pair_ints, pair_ids_at, pair_ids;
 };
 
 namespace page_order {
@@ -182,17 +183,17 @@ __global__ void __launch_bounds__(kMaxThreads) order_pages_kernel(const PageOrde
     if (r * W + t < n) store_key<Key>(p, req.dst + lo + r * W + t, key[r]);
 }
 
-// Thread i: page i % kPrefillPairIds of pair i / kPrefillPairIds's chunk (-1 past the request's
-// pages), read from the table the sort wrote (launched after it, on the same stream).
+// Thread i: page i % pair_ids of pair i / pair_ids's chunk (-1 past the request's pages),
+// read from the table the sort wrote (launched after it, on the same stream).
 __global__ void __launch_bounds__(256) fill_pair_ids_kernel(const PageOrderParams p) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t pair = i / kPrefillPairIds;
+  const int64_t pair = i / p.pair_ids;
   if (pair >= p.num_pairs) return;
-  const int l = static_cast<int>(i % kPrefillPairIds);
-  int32_t* w = p.pairs + pair * kPrefillPairInts;
+  const int l = static_cast<int>(i % p.pair_ids);
+  int32_t* w = p.pairs + pair * p.pair_ints;
   const Request req = request_of(p, w[0]);
   const int64_t page = w[2] / p.page_size + l;  // (w[2]: the chunk's first key)
-  w[kPrefillPairIdsAt + l] = page < req.pages ? p.dst[req.dst + page] : -1;
+  w[p.pair_ids_at + l] = page < req.pages ? p.dst[req.dst + page] : -1;
 }
 
 template <typename Key>
@@ -219,8 +220,8 @@ inline cudaError_t launch_order_pages(const PageOrderParams& p, cudaStream_t str
     page_order::launch<unsigned long long>(p, keys, grid, threads, stream);
   } else {
     page_order::launch<uint32_t>(p, keys, grid, threads, stream);
-    if (p.pairs != nullptr && p.num_pairs > 0) {
-      const int64_t n = int64_t(p.num_pairs) * kPrefillPairIds;
+    if (p.pairs != nullptr && p.num_pairs > 0 && p.pair_ids > 0) {
+      const int64_t n = int64_t(p.num_pairs) * p.pair_ids;
       page_order::fill_pair_ids_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(p);
     }
   }

@@ -115,8 +115,8 @@ class DecodeSpec(Spec):
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split
         # some requests (merge_rows > 0), the merge of their partial states: inside the
-        # kernel when merge_counters (int32, >= batch x blocks per item, zeros) is given and
-        # the spec builds the tensor-core kernel, else as a second kernel. enable_pdl: the
+        # kernel (the last block of a split request merges it) when merge_counters (int32,
+        # >= batch x blocks per item, zeros) is given, else as a second kernel. enable_pdl: the
         # launches are programmatic dependent launches (they may start while the kernel
         # before them in the stream finishes; see common.cuh). prepared: a CPU byte tensor
         # that receives the resolved launch (csrc/decode/decode_params.h DecodeLaunch) for run()'s

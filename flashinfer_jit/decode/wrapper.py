@@ -646,12 +646,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # (a CUDA-graph grid keeps partial rows for a later plan's splits, but a cluster
         # grid never splits: it merges on chip)
         merge_rows = capacity if ((graph and cluster == 1) or any_split) else 0
-        # The tensor-core kernel merges split requests itself: the last block of a request
-        # (per head tile) to finish, counted in zeroed int32s that it resets. One per
-        # request, KV head and tile (config.blocks_per_item, one-head blocks), as the op
-        # checks, whether or not blocks pair KV heads.
-        counters = self._split.merge_counters(capacity * config.blocks_per_item) \
-            if merge_rows and config.tensor_cores else None
+        # Both kernels merge split requests themselves (their block functions do the whole
+        # item): the last block of a request (per head tile) to finish, counted in zeroed
+        # int32s that it resets. One per request, KV head and tile (config.blocks_per_item,
+        # one-head blocks), as the op checks, whether or not blocks pair KV heads.
+        counters = self._split.merge_counters(capacity * config.blocks_per_item) if merge_rows else None
         plan.args = (tables, work_dev, merge_dev, config.partial_o, config.partial_lse, config.soft_cap,
                      config.rope_scale, config.rope_theta, grid_items, merge_rows, counters)
         if previous is not None and previous.config is config and previous.batch == batch \

@@ -462,7 +462,7 @@ class _PrefillWrapper:
         self._placeholders = (empty_f32(self._device), placeholder(self._device, torch.int32))
         # paged: plan()'s copy of the page ids with each request's movable pages in id order
         # (sort_pages; a CUDA-graph wrapper decides at its first plan)
-        self._page_order = PageOrder(self._device, self._use_cuda_graph)
+        self._page_order = PageOrder(self._device, self._use_cuda_graph, (_PAIR_INTS, _PAIR_IDS_AT, _PAIR_IDS))
 
     @property
     def is_cuda_graph_enabled(self) -> bool:

@@ -33,7 +33,8 @@ class PageOrderParams(ctypes.Structure):
         [(name, ctypes.c_int64) for name in ("src_row", "dst_row", "src_v", "dst_v", "row_pages", "longest_pages")] + \
         [(name, ctypes.c_void_p) for name in ("qo_indptr", "last_page_len")] + \
         [(name, ctypes.c_int32) for name in ("page_size", "batch", "sort")] + \
-        [("pairs", ctypes.c_void_p), ("num_pairs", ctypes.c_int32)]
+        [("pairs", ctypes.c_void_p)] + \
+        [(name, ctypes.c_int32) for name in ("num_pairs", "pair_ints", "pair_ids_at", "pair_ids")]
 
 
 @op_cache
@@ -61,10 +62,13 @@ class PageOrder:
 
     __slots__ = ("device", "graph", "buf", "view", "params", "params_address", "graph_orders", "csr_fields")
 
-    def __init__(self, device: torch.device, graph: bool):
+    def __init__(self, device: torch.device, graph: bool, pair_layout: tuple[int, int, int] = (0, 0, 0)):
+        """pair_layout (batch prefill): its work pairs' (ints a pair, field of the first page
+        id, page ids a pair), where order()'s pairs get their chunks' first page ids."""
         self.device, self.graph = device, graph
         self.buf = self.view = None
         self.params = PageOrderParams()
+        self.params.pair_ints, self.params.pair_ids_at, self.params.pair_ids = pair_layout
         self.params_address = ctypes.addressof(self.params)
         self.graph_orders = None
         self.csr_fields = None  # True: params hold a csr table's layout fields
@@ -80,8 +84,9 @@ class PageOrder:
         segments); may_order: the configuration allows it. qo_indptr (device, causal
         prefill): each request moves only the pages of keys every query row sees; csr then
         reads last_page_len (device; ignored without qo_indptr). pairs_at (batch prefill): the
-        device address of the work list's first pair (int32, csrc/prefill/prefill_params.h), num_pairs
-        of them, whose chunks' first page ids the launch writes into them from its table.
+        device address of the work list's first pair (int32, laid out as the constructor's
+        pair_layout says), num_pairs of them, whose chunks' first page ids the launch writes
+        into them from its table.
         Eager plans skip the launch where no request has 2 pages to reorder."""
         if self.graph:
             if self.graph_orders is None:  # the first plan decides for the captured run()
