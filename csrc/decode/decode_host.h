@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "decode/decode_params.h"
+#include "runtime/merge_host.h"
 #include "runtime/torch_binding.h"
 
 namespace fij {
@@ -51,18 +52,8 @@ inline DecodeParams make_decode_params(const at::Tensor& q, const at::Tensor& k_
 
 inline MergeParams make_merge_splits_params(const DecodeParams& d, const at::Tensor& merge_indptr,
                                             const at::Tensor& out, int64_t merge_rows, int32_t head_dim) {
-  MergeParams m;
-  m.partial_o = d.partial_o;
-  m.partial_lse = d.partial_lse;
-  m.merge_indptr = static_cast<const int32_t*>(merge_indptr.const_data_ptr());
-  m.out = out.data_ptr();
-  m.out_stride_b = out.stride(0);
-  m.out_stride_h = out.stride(1);
-  m.lse = d.lse;
-  m.num_rows = static_cast<int32_t>(merge_rows);
-  m.num_heads = d.num_qo_heads;
-  m.head_dim = head_dim;
-  return m;
+  return split_merge_params(d.partial_o, d.partial_lse, static_cast<const int32_t*>(merge_indptr.const_data_ptr()),
+                            out.data_ptr(), out.stride(0), out.stride(1), d.lse, merge_rows, d.num_qo_heads, head_dim);
 }
 
 }  // namespace fij

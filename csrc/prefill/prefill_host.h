@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "prefill/prefill_params.h"
+#include "runtime/merge_host.h"
 #include "runtime/torch_binding.h"
 
 namespace fij {
@@ -77,18 +78,8 @@ inline PrefillParams make_prefill_params(const at::Tensor& q, const at::Tensor& 
 // merge_indptr[t + 1] (none: not split, the prefill kernel wrote it).
 inline MergeParams make_prefill_merge_params(const PrefillParams& p, const at::Tensor& merge_indptr, int64_t rows,
                                              int32_t head_dim) {
-  MergeParams m;
-  m.partial_o = p.partial_o;
-  m.partial_lse = p.partial_lse;
-  m.merge_indptr = int32_ptr(merge_indptr);
-  m.out = p.out;
-  m.out_stride_b = p.out_stride_n;
-  m.out_stride_h = p.out_stride_h;
-  m.lse = p.lse;
-  m.num_rows = static_cast<int32_t>(rows);
-  m.num_heads = p.num_qo_heads;
-  m.head_dim = head_dim;
-  return m;
+  return split_merge_params(p.partial_o, p.partial_lse, int32_ptr(merge_indptr), p.out, p.out_stride_n, p.out_stride_h,
+                            p.lse, rows, p.num_qo_heads, head_dim);
 }
 
 }  // namespace fij
