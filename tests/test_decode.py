@@ -571,7 +571,7 @@ def test_batch_decode_cuda_graph_paired_kv_heads_large_batch(workspace):
 
 
 PDL_CASES = [  # (q/kv dtype, num_qo_heads, page_table, kv_layout, pos_encoding_mode): the tensor-core
-    # kernel (groups of 4 and 2) and the CUDA-core kernel (in-kernel RoPE, its split merged by a second kernel)
+    # kernel (groups of 4 and 2) and the CUDA-core kernel (in-kernel RoPE); both merge their splits in the kernel
     ("bfloat16", 32, "csr", "NHD", "NONE"), ("float16", 16, "block_table_kv_separate", "HND", "NONE"),
     ("float16", 8, "csr", "NHD", "ROPE_LLAMA")]
 
@@ -677,7 +677,7 @@ def test_batch_decode_repeated_runs(dtype, num_qo_heads, page_table, kv_layout, 
     """run() after the first of a plan takes the fast path (the launch the op prepared,
     replayed with new pointers through the module's C entry point): new q, cache, out and
     lse tensors at every call, k/v scales, window_left, LSE on and off, split requests
-    (merged in the kernel or, CUDA-core kernel, by the merge kernel); each call against
+    (merged in the kernel by the last block of each, CUDA-core kernel too); each call against
     the reference, outputs NaN-poisoned, then a q of another layout (full checks again)."""
     hk, d, ps = 8, 128, 16
     rnd = random.Random(17)
