@@ -44,7 +44,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import bench_common as bc  # noqa: E402
 
-VARIANTS = ("new", "base")
+# the order each row plans and times them in (AB_ORDER=base,new swaps it)
+VARIANTS = tuple(os.environ.get("AB_ORDER", "new,base").split(","))
 
 
 # --- the two source trees ------------------------------------------------------------------------
