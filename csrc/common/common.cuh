@@ -244,18 +244,20 @@ FIJ_DEVICE void pdl_trigger() {
 //   wait_for_inputs()  the block calls it before it reads q, K/V or writes anything
 //                      (only the plan's work list and the page table are read before);
 //   release_next()     the block calls it where the next kernel's blocks may start launching;
-//   prefetch_blocks    blocks per work item that share the grid's L2 prefetch budget before
-//                      the wait (0: prefetch nothing).
+//   prefetch           whether the block may bring its K/V into L2 before the wait, as its
+//                      share of a budget that its item's blocks and the other items' share
+//                      (the kernel before still runs: a dependent launch of the family's own
+//                      grid only).
 // StreamLaunch is a family's own kernel, launched after the kernel before it in the stream
 // (programmatic dependent launch where asked: pdl_wait / pdl_trigger). A kernel that has
 // waited once at its start for all its blocks (POD) hands a launch whose calls do nothing.
 struct StreamLaunch {
-  int prefetch_blocks = 0;
+  bool prefetch = false;
   FIJ_DEVICE void wait_for_inputs() const { pdl_wait(); }
   FIJ_DEVICE void release_next() const { pdl_trigger(); }
 };
 struct InsideLaunch {
-  static constexpr int prefetch_blocks = 0;
+  static constexpr bool prefetch = false;
   FIJ_DEVICE void wait_for_inputs() const {}
   FIJ_DEVICE void release_next() const {}
 };

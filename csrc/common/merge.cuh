@@ -35,12 +35,17 @@ FIJ_DEVICE void store4(TOut* dst, float a, float b, float c, float d) {
 FIJ_DEVICE float merge_weight(float lse, float max_lse) {
   return max_lse == -CUDART_INF_F ? 0.f : exp2f(lse - max_lse);
 }
-// The factor the weighted sum of outputs is multiplied by: scale / sum of the weights, 0
-// when every state was empty (its output is zeros).
-FIJ_DEVICE float merged_norm(float weight_sum, float scale = 1.f) {
-  return weight_sum == 0.f ? 0.f : scale / weight_sum;
+// The merged state, from the max LSE and the sum of the weights: norm, the factor the
+// weighted sum of outputs is multiplied by (scale / the sum), and lse = max + log2(sum);
+// when every state was empty (the sum is 0), norm 0 (the output is zeros) and lse -inf.
+struct Merged {
+  float norm, lse;
+};
+FIJ_DEVICE Merged merged(float max_lse, float weight_sum, float scale = 1.f) {
+  const bool empty = weight_sum == 0.f;
+  return {empty ? 0.f : scale / weight_sum, empty ? -CUDART_INF_F : max_lse + log2f(weight_sum)};
 }
-// The merged LSE: max + log2(sum of the weights), -inf when every state was empty.
+// The LSE alone, for a caller that writes it under a branch of its own (log2 only there).
 FIJ_DEVICE float merged_lse(float max_lse, float weight_sum) {
   return weight_sum == 0.f ? -CUDART_INF_F : max_lse + log2f(weight_sum);
 }
@@ -53,18 +58,25 @@ FIJ_DEVICE void add_weighted4(float4& acc, float w, const float4& u) {
 }
 
 // Split-KV merged inside the attention kernel: each block of a split request (or tile)
-// counts itself done, and the last one merges the partial states. `counter` (int32, zero
-// before the launch) counts the `parts` blocks; the last one resets it to zero for the
-// next launch. Every thread of the block calls this; `leader` is one thread; `flag` is a
-// word of shared memory. The block barrier puts every thread's partial-state stores
-// before the leader's release; the last block's acquire, then its barrier, puts the other
-// blocks' states before its loads, which bypass L1 (ld.cg). (Fences around a relaxed
-// atomicAdd were slower: docs/history/decode.md.)
-FIJ_DEVICE bool last_of_split(int* counter, int parts, bool leader, int& flag) {
+// counts itself done, and the last one merges the partial states. The split's counter
+// (int32, zero before the launch) counts its `parts` blocks; the last one resets it to zero
+// for the next launch. Every thread of the block calls this; `leader` is one thread, which
+// alone calls counter() -> SplitCounter, after the barrier (the loads behind it stay off
+// the other threads' path); `flag` is a word of shared memory. The block barrier puts every
+// thread's partial-state stores before the leader's release; the last block's acquire,
+// then its barrier, puts the other blocks' states before its loads, which bypass L1
+// (ld.cg). (Fences around a relaxed atomicAdd were slower: docs/history/decode.md.)
+struct SplitCounter {
+  int* counter;
+  int parts;
+};
+template <class CounterFn>
+FIJ_DEVICE bool last_of_split(bool leader, int& flag, CounterFn counter) {
   __syncthreads();
   if (leader) {
-    flag = atomic_add_acq_rel(counter, 1) == parts - 1;
-    if (flag) *counter = 0;
+    const SplitCounter c = counter();
+    flag = atomic_add_acq_rel(c.counter, 1) == c.parts - 1;
+    if (flag) *c.counter = 0;
   }
   __syncthreads();
   return flag;
@@ -87,9 +99,10 @@ FIJ_DEVICE void merge_row(int num_states, StateFn state, TOut* out, float* lse_o
                                         static_cast<float>(o[2]), static_cast<float>(o[3])));
     }
   }
-  const float norm = merged_norm(denom);
-  if (threadIdx.x * 4 < head_dim) store4(out + threadIdx.x * 4, acc.x * norm, acc.y * norm, acc.z * norm, acc.w * norm);
-  if (lse_out != nullptr && threadIdx.x == 0) *lse_out = merged_lse(m, denom);
+  const Merged r = merged(m, denom);
+  if (threadIdx.x * 4 < head_dim)
+    store4(out + threadIdx.x * 4, acc.x * r.norm, acc.y * r.norm, acc.z * r.norm, acc.w * r.norm);
+  if (lse_out != nullptr && threadIdx.x == 0) *lse_out = r.lse;
 }
 
 template <typename TOut>

@@ -127,7 +127,7 @@ FIJ_DEVICE void rope_row(float (&v)[8], const float (&freq)[8], float pos, int x
 // unnormalized output of this lane's 8 dims.
 template <int Heads>
 struct LaneRows {
-  OnlineSoftmax sm[Heads];
+  OnlineSoftmax<SoftmaxStart::kNegInf> sm[Heads];
   float o[Heads][8];
   FIJ_DEVICE void init() {
 #pragma unroll
@@ -159,10 +159,10 @@ FIJ_DEVICE void decode_merge_split(const DecodeParams& p, int b, int head0, int 
       den += w;
       add_weighted4(acc, w, __ldcg(reinterpret_cast<const float4*>(p.partial_o + row(s) * D + dim)));
     }
-    const float norm = merged_norm(den);
-    store4(static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + dim, acc.x * norm, acc.y * norm,
-           acc.z * norm, acc.w * norm);
-    if (p.lse != nullptr && dim == 0) p.lse[b * p.num_qo_heads + qo_head] = merged_lse(mx, den);
+    const Merged r = merged(mx, den);
+    store4(static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + dim, acc.x * r.norm,
+           acc.y * r.norm, acc.z * r.norm, acc.w * r.norm);
+    if (p.lse != nullptr && dim == 0) p.lse[b * p.num_qo_heads + qo_head] = r.lse;
   }
 }
 
@@ -327,18 +327,19 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
     }
     __syncthreads();
   }
-  if (z == 0) {  // the lanes' (m, d) states into z = 0's, by merge.cuh's rule (m finite), which writes
+  if (z == 0) {  // the lanes' (m, d) states into z = 0's, by merge.cuh's rule, which writes
     if constexpr (Traits::kBdz > 1) {
 #pragma unroll
       for (int h = 0; h < H; ++h) {
-        float m = OnlineSoftmax::kNoMax;
+        float m = -CUDART_INF_F;
         for (int zz = 0; zz < Traits::kBdz; ++zz) m = fmaxf(m, merge_md[(zz * H + h) * 2]);
         st.sm[h].m = m;
         st.sm[h].d = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) st.o[h][e] = 0.f;
+        if (m == -CUDART_INF_F) continue;  // no key in any lane
         for (int zz = 0; zz < Traits::kBdz; ++zz) {
-          const float w = fast_exp2(merge_md[(zz * H + h) * 2] - m);
+          const float w = exp2f(merge_md[(zz * H + h) * 2] - m);
           st.sm[h].d += w * merge_md[(zz * H + h) * 2 + 1];
 #pragma unroll
           for (int e = 0; e < 8; ++e) st.o[h][e] += w * merge_o[(zz * H + h) * D + x * 8 + e];
@@ -348,8 +349,8 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
 #pragma unroll
     for (int h = 0; h < H; ++h) {
       const int qo_head = head0 + h;
-      const float norm = merged_norm(st.sm[h].d, p.v_scale);  // no key: zeros and -inf, never NaN
-      const float lse = merged_lse(st.sm[h].m, st.sm[h].d);
+      const Merged r = merged(st.sm[h].m, st.sm[h].d, p.v_scale);  // no key: zeros and -inf, never NaN
+      const float norm = r.norm, lse = r.lse;
       if (partial_row < 0) {
         Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * 8;
         Vec16 raw;
@@ -370,9 +371,10 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
   }
   // A split request: the last of its blocks (for this head tile) merges the partial states.
   if (partial_row < 0 || p.merge_counters == nullptr) return;
-  if (!last_of_split(p.merge_counters + b * head_blocks + head_block, p.merge_indptr[b + 1] - p.merge_indptr[b],
-                     tid == 0, *reinterpret_cast<int*>(smem)))
-    return;
+  auto counter = [&] {
+    return SplitCounter{p.merge_counters + b * head_blocks + head_block, p.merge_indptr[b + 1] - p.merge_indptr[b]};
+  };
+  if (!last_of_split(tid == 0, *reinterpret_cast<int*>(smem), counter)) return;
   decode_merge_split<Traits>(p, b, head0, tid);
 }
 

@@ -217,19 +217,19 @@ FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, uns
 #pragma unroll
       for (int r = 0; r < C; ++r) {
         const float w = exp2f(lse[r] - mx);
+        const float4 u = *reinterpret_cast<const float4*>(recv_o + (r * H + h) * S + 4 * x4);
         den += w;
-        add_weighted4(acc, w, *reinterpret_cast<const float4*>(recv_o + (r * H + h) * S + 4 * x4));
+        add_weighted4(acc, w, u);
       }
     }
-    const float norm = merged_norm(den);  // no key in any chunk: zeros and -inf
+    const float norm = merged(mx, den).norm;  // no key in any chunk: zeros and -inf
     // row h -> its (token, head) as the kernel's row_head maps it
     const int qo_head = block_head0 + (Traits::kQTokens == 1 ? h
                                            : h / Traits::kTileHeads * (p.num_qo_heads / Traits::kQTokens) +
                                                  h % Traits::kTileHeads);
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + rank * S + 4 * x4;
     store_out4(out, acc, norm);
-    if (p.lse != nullptr && rank == 0 && x4 == 0)
-      p.lse[b * p.num_qo_heads + qo_head] = merged_lse(mx, den);
+    if (p.lse != nullptr && rank == 0 && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = merged_lse(mx, den);
   }
 }
 
@@ -403,17 +403,17 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   if (Traits::kStages - 1 < num_tiles) lookup(Traits::kStages - 1, next);
 
   // A small grid (its K/V within kPrefetchBytes, each block's chunk within its equal
-  // share; launch.prefetch_blocks blocks an item) launched as a programmatic dependent
-  // launch brings its chunk into L2 now, a
+  // share of the item's head_blocks blocks and the other items'; launch.prefetch: a
+  // programmatic dependent launch of decode's own grid) brings its chunk into L2 now, a
   // thread a token, while the kernel before it still runs: the first tiles then come
   // from L2. Larger grids do not: the prefetched lines were evicted before use while the
   // kernel before streamed its own, and without a dependent launch nothing overlaps
   // (docs/decode.md). Safe before the wait even if the kernel before
   // writes K/V: a prefetch moves nothing into this block, every write lands in L2, and
   // the copies below read L2.
-  if (launch.prefetch_blocks > 0) {
+  if (launch.prefetch) {
     constexpr int kTokenBytes = 2 * kRowBytes * Traits::kKvHeads;
-    const int64_t share = Traits::kPrefetchBytes / (int64_t(launch.prefetch_blocks) * num_items * kTokenBytes);
+    const int64_t share = Traits::kPrefetchBytes / (int64_t(head_blocks) * num_items * kTokenBytes);
     const int count = end - start;
     if (count > 0 && count <= share) {
       // the block's first head's rows (k_base / v_base are this thread's head and chunk)
@@ -508,7 +508,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
     }
   }
   // Online softmax of heads g + 8t (this lane's S rows); d sums this lane's tokens only.
-  OnlineSoftmax st[HT];
+  OnlineSoftmax<SoftmaxStart::kNegInf> st[HT];
   float o[Traits::kMTiles][HT][4];
 #pragma unroll
   for (int t = 0; t < HT; ++t) {
@@ -755,8 +755,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   for (int slot_i = tid; slot_i < kSlots; slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 4), x4 = slot_i % (D / 4);
     const int w0 = h / Traits::kLiveRows * kWph, hl = h % Traits::kLiveRows;
-    // the warps' (m, d) states by merge.cuh's rule (m finite: no empty-state test)
-    float mw[kWph], mx = OnlineSoftmax::kNoMax;
+    float mw[kWph], mx = -CUDART_INF_F;
 #pragma unroll
     for (int w = 0; w < kWph; ++w) {
       mw[w] = red_md[((w0 + w) * kHeadsPad + hl) * 2];
@@ -764,14 +763,16 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
     }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float den = 0.f;
+    if (mx != -CUDART_INF_F) {
 #pragma unroll
-    for (int w = 0; w < kWph; ++w) {
-      const float wgt = fast_exp2(mw[w] - mx);
-      den += wgt * red_md[((w0 + w) * kHeadsPad + hl) * 2 + 1];
-      add_weighted4(acc, wgt, *reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * OS + 4 * x4));
+      for (int w = 0; w < kWph; ++w) {
+        const float wgt = exp2f(mw[w] - mx);
+        den += wgt * red_md[((w0 + w) * kHeadsPad + hl) * 2 + 1];
+        add_weighted4(acc, wgt, *reinterpret_cast<const float4*>(red_o + ((w0 + w) * kHeadsPad + hl) * OS + 4 * x4));
+      }
     }
-    const float norm = merged_norm(den, p.v_scale);  // no key: zeros and -inf, never NaN
-    const float lse = merged_lse(mx, den);
+    const Merged merged_state = merged(mx, den, p.v_scale);  // no key: zeros and -inf, never NaN
+    const float norm = merged_state.norm, lse = merged_state.lse;
     const int qo_head = block_head0 + row_head(h);
     if constexpr (Traits::kCluster > 1) {
       // dims 4 x4 .. 4 x4 + 3 of head h to the block that merges them, at this block's rank
@@ -807,9 +808,10 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
 
   // --- split request: the last of its blocks (for this head tile) merges the partials -------
   // (merge.cuh last_of_split: one counter per request and head block)
-  if (!last_of_split(p.merge_counters + b * head_blocks + head_block, p.merge_indptr[b + 1] - p.merge_indptr[b],
-                     tid == 0, *reinterpret_cast<int*>(smem + Traits::kFlagOffset)))
-    return;
+  auto counter = [&] {
+    return SplitCounter{p.merge_counters + b * head_blocks + head_block, p.merge_indptr[b + 1] - p.merge_indptr[b]};
+  };
+  if (!last_of_split(tid == 0, *reinterpret_cast<int*>(smem + Traits::kFlagOffset), counter)) return;
   // Parallel over partials: per head, the lanes of a warp find the largest LSE and the
   // weights 2^(lse_i - max) (kept in shared memory); then each thread sums one (head,
   // 4 dims) over the partials, 16 loads in flight (a serial loop waits for L2 once per
@@ -854,14 +856,15 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   for (int j = 0; j < kHeadsPerWarp; ++j) {
     const int h = warp + j * Traits::kWarps;
     if (h >= kRowsT) continue;  // warp-uniform
+    const bool none = mx[j] == -CUDART_INF_F;
     den[j] = 0.f;
     if (lane < count) {
-      const float w = merge_weight(lse0[j], mx[j]);
+      const float w = none ? 0.f : exp2f(lse0[j] - mx[j]);
       den[j] = w;
       if (lane < kMaxParts) weight[lane * kRowsT + h] = w;
     }
     for (int i = lane + 32; i < count; i += 32) {
-      const float w = merge_weight(part_lse(i, h), mx[j]);
+      const float w = none ? 0.f : exp2f(part_lse(i, h) - mx[j]);
       den[j] += w;
       if (i < kMaxParts) weight[i * kRowsT + h] = w;
     }
@@ -889,18 +892,28 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
         u[j] = load4_cg(src + min(i0 + j, cached - 1) * row_stride);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        add_weighted4(acc, i0 + j < cached ? weight[(i0 + j) * kRowsT + h] : 0.f, u[j]);
+        const float w = i0 + j < cached ? weight[(i0 + j) * kRowsT + h] : 0.f;
+        acc.x += w * u[j].x;
+        acc.y += w * u[j].y;
+        acc.z += w * u[j].z;
+        acc.w += w * u[j].w;
       }
     }
     for (int i = cached; i < count; ++i) {  // beyond the shared-memory weights (rare)
-      add_weighted4(acc, merge_weight(part_lse(i, h), head_m[h]), load4_cg(src + i * row_stride));
+      const float w = head_m[h] == -CUDART_INF_F ? 0.f : exp2f(part_lse(i, h) - head_m[h]);
+      const float4 u = load4_cg(src + i * row_stride);
+      acc.x += w * u.x;
+      acc.y += w * u.y;
+      acc.z += w * u.z;
+      acc.w += w * u.w;
     }
     const float den = head_den[h];
-    const float norm = merged_norm(den);  // every partial empty: zeros and -inf
+    const bool empty = den == 0.f;  // every partial empty: zeros and -inf
+    const float norm = empty ? 0.f : 1.f / den;
     const int qo_head = block_head0 + row_head(h);
     Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4;
     store_out4(out, acc, norm);
-    if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = merged_lse(head_m[h], den);
+    if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : head_m[h] + log2f(den);
   }
 }
 
@@ -908,10 +921,8 @@ template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSM)
     decode_mma_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int head_blocks = static_cast<int>(gridDim.x);
-  // the grid's L2 prefetch budget is shared by its blocks, under a dependent launch only
-  decode_mma_block<Traits>(p, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x), head_blocks, smem,
-                           StreamLaunch{p.dependent_launch ? head_blocks : 0});
+  decode_mma_block<Traits>(p, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x),
+                           smem, StreamLaunch{p.dependent_launch != 0});
 }
 
 template <class Traits>

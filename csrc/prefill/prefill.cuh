@@ -588,7 +588,7 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
     for (int h = 0; h < 2; ++h) row_pos[mf][h] = split_row(row0 + warp * 16 * MF + mf * 16 + g + 8 * h).quot + delta;
 
   // The rows' online softmax (softmax.cuh); d sums this lane's keys of the row only.
-  OnlineSoftmax st[MF][2];
+  OnlineSoftmax<> st[MF][2];
   float o[MF][DVO / 8][4];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
@@ -923,7 +923,7 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      OnlineSoftmax row = st[mf][h];
+      OnlineSoftmax<> row = st[mf][h];
       row.d += __shfl_xor_sync(0xffffffffu, row.d, 1);  // the row's whole sum
       row.d += __shfl_xor_sync(0xffffffffu, row.d, 2);
       const int r = warp * 16 * MF + mf * 16 + g + 8 * h;
@@ -1032,8 +1032,9 @@ __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int i
   if (item.partial_row < 0) return;
   const int tid = threadIdx.x;
   const int num_kv_heads = p.num_qo_heads / p.group;
-  int* counter = p.merge_counters + (int64_t(item.partial_row) * p.group + item.row0) * num_kv_heads + item.kv_head;
-  if (!last_of_split(counter, item.chunks, tid == 0, *reinterpret_cast<int*>(smem))) return;
+  const SplitCounter split{  // one a split tile and KV head
+      p.merge_counters + (int64_t(item.partial_row) * p.group + item.row0) * num_kv_heads + item.kv_head, item.chunks};
+  if (!last_of_split(tid == 0, *reinterpret_cast<int*>(smem), [&] { return split; })) return;
   const int b = item.request, group = p.group, chunks = item.chunks, H = p.num_qo_heads;
   const int qo_start = item.qo_start, qo_len = item.qo_len;
   const int live_rows = min(ROWS, qo_len * group - item.row0);
@@ -1055,7 +1056,7 @@ __device__ __noinline__ void prefill_merge_if_last(const PrefillParams& p, int i
     if (mx != -CUDART_INF_F)
       for (int c = 0; c < chunks; ++c) den += exp2f(__ldcg(p.partial_lse + s0 + int64_t(c) * H) - mx);
     row_max[r] = mx;
-    row_rcp[r] = merged_norm(den);
+    row_rcp[r] = merged(mx, den).norm;
     if (p.lse != nullptr) p.lse[int64_t(qo_start + t) * H + h] = merged_lse(mx, den);
   }
   __syncthreads();
