@@ -1,28 +1,30 @@
 #!/usr/bin/env python3
 """A/B of the whole kernel source tree (csrc/ and templates/) against a base commit's, in one
-process, on the rows of the decode and prefill benchmarks of record: is a refactor of the
-device code free? Not a benchmark of record itself (no peers), the check that one is still
-valid for the new tree.
+process, on the rows of the prefill benchmark of record: is a refactor of the device code
+free? Not a benchmark of record itself (no peers), the check that one is still valid for
+the new tree.
 
-  python3 scripts/ab_tree.py --base DIR [--out FILE] [--only decode|prefill] [--build-only] [--jobs 16]
+  python3 scripts/ab_tree.py --base DIR [--out FILE] [--head-dims 64,128,256] [--build-only] [--jobs 16]
 
 DIR holds the base commit's csrc/ and templates/ (e.g. `git archive 0ab8de0 csrc templates`,
 unpacked). Both variants run under this checkout's Python: the base variant's modules are
 rendered from DIR's templates and headers (laid into today's template folders by a small
 shim; the specs, op schemas and fast-entry signatures must be the same in both trees), the
 new variant's from the checkout. Host-only modules (the planners, the page order) and the
-fastcall extension are the checkout's in both: they are loaded first and stay loaded.
+fastcall extension are the checkout's in both: they are loaded first and stay loaded. Each
+row asserts that the two variants ran different libraries.
 
 Each row plans one wrapper per variant on the same inputs, checks that their outputs agree,
-then times them interleaved in the same way as the benchmark of record:
-- prefill rows (scripts/bench_prefill.py's rows, paged and ragged): eager run()s, an L2
-  flush before each, CUDA events, bench_prefill.time_interleaved's balanced rounds;
-- decode rows (scripts/bench_decode.py's case list): CUDA-graph replays over rotating input
-  sets (bench_common.capture_graph / time_graph), ROUNDS rounds of one timing per variant in
-  alternating order.
-A row reports each variant's median, new/base time (< 1: the new tree is faster) and, for
-prefill, the paired ratio (per round). Rows whose outputs differ by more than a 16-bit
-output's rounding are flagged.
+then times them as the benchmark of record does (scripts/bench_prefill.py's rows, paged and
+ragged; eager run()s, an L2 flush before each, CUDA events, bench_prefill.time_interleaved's
+balanced rounds). A row reports each variant's median, new/base time (< 1: the new tree is
+faster) and the paired ratio (per round).
+
+Decode is A/B'd in separate processes instead (scripts/bench_decode.py run in each tree,
+alternately: scripts/README.md). With two builds of one decode spec in one process, the
+first build's CUDA-graph replays of split and cluster plans timed at ~1.5 us a call and a
+later one raised an illegal-address error (H200, 2026-11-29); one build per process ran
+clean, and the cause was not established.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import shutil
 import sys
@@ -121,9 +122,9 @@ def prefill_specs(rows):
 
 
 def measure_prefill_row(row, trees: Trees, reps: int, flush, seed: int) -> list[dict]:
+    import bench_prefill as bp
     import torch
 
-    import bench_prefill as bp
     import flashinfer_jit as fij
 
     inputs = bp.Inputs(row, seed, ragged="ragged" in row.forms, dense=False)
@@ -140,12 +141,12 @@ def measure_prefill_row(row, trees: Trees, reps: int, flush, seed: int) -> list[
                 w.plan(inputs.qo_indptr, inputs.page_indptr, inputs.indices, inputs.last_page_len, bp.NUM_QO_HEADS,
                        bp.NUM_KV_HEADS, row.head_dim, bp.PAGE_SIZE, causal=row.causal, q_data_type=bf16,
                        kv_data_type=bf16)
-                run = (lambda w=w, out=out: w.run(inputs.q, (inputs.k_cache, inputs.v_cache), out=out))
+                run = (lambda w=w, out=out, x=inputs: w.run(x.q, (x.k_cache, x.v_cache), out=out))
             else:
                 w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
                 w.plan(inputs.qo_indptr, inputs.kv_indptr, bp.NUM_QO_HEADS, bp.NUM_KV_HEADS, row.head_dim,
                        causal=row.causal, q_data_type=bf16, kv_data_type=bf16)
-                run = (lambda w=w, out=out: w.run(inputs.q, inputs.k, inputs.v, out=out))
+                run = (lambda w=w, out=out, x=inputs: w.run(x.q, x.k, x.v, out=out))
             run()
             run()  # the second call takes the fast path (the recorded launch)
             torch.cuda.synchronize()
@@ -170,79 +171,6 @@ def measure_prefill_row(row, trees: Trees, reps: int, flush, seed: int) -> list[
     return results
 
 
-# --- decode ------------------------------------------------------------------------------------------
-def decode_cases(quick: bool):
-    import bench_decode as bd
-
-    return bd.case_list(quick)
-
-
-def decode_specs(cases):
-    import bench_decode as bd
-    from flashinfer_jit.decode.spec import group_tile
-    from flashinfer_jit.specs import DecodeSpec
-
-    specs = set()
-    for c in cases:
-        hq, hk = bd.GQA_HEADS[c.gqa]
-        specs.add(DecodeSpec("bfloat16", c.kv_dtype, bd.HEAD_DIM, group_tile(hq, hk, bd.HEAD_DIM)))
-    return sorted(specs, key=lambda s: s.name)
-
-
-def measure_decode_case(case, trees: Trees, reps: int, rounds: int, max_gb: float, seed: int) -> dict:
-    import torch
-
-    import bench_decode as bd
-    import flashinfer_jit as fij
-
-    res = {"family": "decode", "label": case.label}
-    if case.cache_bytes() / 1e9 > max_gb:
-        return res | {"skipped": f"K+V cache {case.cache_bytes() / 1e9:.1f} GB > {max_gb} GB"}
-    n_sets = max(1, min(8, int(4 * bc.l2_bytes() // max(case.cache_bytes(), 1)) + 1))
-    inputs = bd.Inputs(case, n_sets, seed)
-    kv_dtype = getattr(torch, case.kv_dtype)
-    graphs, outs, libs = {}, {}, {}
-    inner = n_sets * max(1, math.ceil((2 if case.bytes_moved() > (1 << 30) else 8) / n_sets))
-    for variant in VARIANTS:
-        trees.use(variant)
-        ws = torch.zeros(bd.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-        w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(*inputs.plan_args(), q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
-
-        def run(i, w=w):
-            s = inputs.sets[i]
-            w.run(s["q"], (s["k"], s["v"]), out=s["out"])
-
-        run(0)  # the op's call, then the recorded launch's (the graph captures the latter)
-        graphs[variant] = bc.capture_graph(run, n_sets, inner)
-        libs[variant] = trees.library(w._plan.spec)
-        out0 = inputs.sets[0]["out"]
-        out0.fill_(float("nan"))
-        graphs[variant].replay()
-        torch.cuda.synchronize()
-        outs[variant] = out0.clone()
-    trees.use("new")
-    assert libs["new"] != libs["base"], f"both variants loaded {libs['new']}"
-    res["max_abs_diff"] = float((outs["new"].float() - outs["base"].float()).abs().max())
-    res["wrote_every_row"] = not bool(torch.isnan(outs["new"]).any() or torch.isnan(outs["base"]).any())
-    medians = {v: [] for v in VARIANTS}
-    for r in range(rounds):
-        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
-        for v in order:
-            medians[v].append(bc.time_graph(graphs[v], inner, reps=reps)["median_us"])
-    for v in VARIANTS:
-        res[v] = {"median_us": sorted(medians[v])[len(medians[v]) // 2], "round_medians_us": medians[v]}
-    res["new_over_base"] = res["new"]["median_us"] / res["base"]["median_us"]
-    ratios = sorted(a / b for a, b in zip(medians["new"], medians["base"]))
-    res["paired_new_over_base"] = {"median": ratios[len(ratios) // 2], "min": ratios[0], "max": ratios[-1]}
-    bc.log(f"{case.label}: new {res['new']['median_us']:.2f} us, base {res['base']['median_us']:.2f} us, "
-           f"new/base {res['new_over_base']:.4f}, diff {res['max_abs_diff']:.2g}")
-    del graphs
-    inputs.release()
-    torch.cuda.empty_cache()
-    return res
-
-
 # --- builds --------------------------------------------------------------------------------------------
 def build(trees: Trees, specs, jobs: int) -> dict:
     """Both variants' kernel modules, in parallel (one ninja per variant)."""
@@ -260,7 +188,8 @@ def build(trees: Trees, specs, jobs: int) -> dict:
 
 
 def warm_host_modules() -> None:
-    """The checkout's planners, page order and fastcall extension, loaded before any switch."""
+    """The checkout's planners, page order and fastcall extension, loaded before any switch
+    (a decode plan loads the page order and the fastcall extension too)."""
     import torch
 
     import flashinfer_jit as fij
@@ -283,28 +212,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="folder with the base commit's csrc/ and templates/")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ab_tree.json"))
-    ap.add_argument("--only", choices=("decode", "prefill"), default=None)
-    ap.add_argument("--quick", action="store_true", help="bench_decode's quick cases and head_dim 128's prefill rows")
+    ap.add_argument("--quick", action="store_true", help="head_dim 128's rows only")
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=5, help="decode: timings per variant, alternating")
-    ap.add_argument("--max-cache-gb", type=float, default=24.0)
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--time-limit", type=float, default=540.0)
     args = ap.parse_args(argv)
     started = time.time()
 
-    import torch
-
     import bench_prefill as bp
+    import torch
 
     shim = make_shim(Path(args.base).resolve())
     trees = Trees(shim)
     head_dims = [int(x) for x in args.head_dims.split(",")]
-    p_rows = [] if args.only == "decode" else prefill_rows([128] if args.quick else head_dims)
-    d_cases = [] if args.only == "prefill" else decode_cases(args.quick)
-    specs = prefill_specs(p_rows) + decode_specs(d_cases)
+    p_rows = prefill_rows([128] if args.quick else head_dims)
+    specs = prefill_specs(p_rows)
     res = {"meta": bc.run_metadata(), "base": str(args.base),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": [],
            "skipped": []}
@@ -322,11 +246,6 @@ def main(argv=None) -> int:
             res["skipped"].append(row.label)
             continue
         res["rows"] += measure_prefill_row(row, trees, args.reps, flush, seed=1000 + i)
-    for i, case in enumerate(d_cases):
-        if time.time() > deadline:
-            res["skipped"].append(case.label)
-            continue
-        res["rows"].append(measure_decode_case(case, trees, args.reps, args.rounds, args.max_cache_gb, seed=2000 + i))
     timed = [r for r in res["rows"] if "new_over_base" in r]
     if timed:
         ratios = [r["new_over_base"] for r in timed]

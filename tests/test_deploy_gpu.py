@@ -67,7 +67,7 @@ def cpu_api(monkeypatch):
     """The exercisers on CPU tensors: deploy_check.DEVICE 'cpu', and the API's CUDA-device
     checks reduced to a same-device check (as tests/test_decode_host.py does), in every
     flashinfer_jit module that imported them."""
-    for name in ("append", "cascade", "decode", "flatten", "prefill", "rope"):  # the public functions' modules
+    for name in ("kvcache.append", "cascade", "decode", "kvcache.flatten", "prefill", "kvcache.rope"):  # the public functions
         importlib.import_module(f"flashinfer_jit.{name}")
     monkeypatch.setattr(deploy_check, "DEVICE", "cpu")
     monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")  # nothing is built here
