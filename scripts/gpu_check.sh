@@ -21,7 +21,7 @@
 #   run(command="bash scripts/gpu_check.sh", carry=[".carry", ".peers"], timeout_s=600)
 #   .carry/ holds the module cache packed by the previous call (absent the first time:
 #   everything is built, ~2 min with 16 jobs); .peers/site is the FlashInfer peer
-#   (python3 /work/shared/peers/flashinfer/make_site.py .peers/site), put on PYTHONPATH
+#   (python3 ../shared/peers/flashinfer/make_site.py .peers/site, from the checkout), put on PYTHONPATH
 #   for the benchmark processes only, never for the tests.
 #
 # What comes back in $OUT (the device tool returns at most 8 files of <= 16 MiB):
