@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the one command a device call runs (DESIGN.md section 7).
+# The GPU check: the one command a device call runs (docs/architecture.md, verifying on the GPU).
 #
 #   OUT=<results dir> bash scripts/gpu_check.sh [--quick | --bench]
 #     (default)  AOT-build scripts/matrices/tests, run the GPU tests, run every

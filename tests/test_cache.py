@@ -1,4 +1,4 @@
-"""The cache/build/load contracts (DESIGN.md section 4, issue 2 item 5), on a machine
+"""The cache/build/load contracts (docs/architecture.md, build and load contracts), on a machine
 without a GPU: nvcc compiles, ninja links, torch imports the module and registers its ops.
 
 Budget: CI is a 2-core machine, and one module build takes 5-10 s there, so the whole
