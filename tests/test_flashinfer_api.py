@@ -1174,6 +1174,35 @@ def test_int64_indices_and_zero_soft_cap_match_int32(decode_workspace):
     assert err < 1e-2
 
 
+def test_fast_decode_plan_bound_as_plan_does_not_recurse():
+    """FlashInfer's tests and SGLang's multi-step draft path bind it as the wrapper's plan:
+    `wrapper.plan = partial(fast_decode_plan, wrapper)`, then call `wrapper.plan(...)`. It
+    must run the class's plan(), not the instance's attribute (itself: a RecursionError
+    before). The plan it makes, twice in a row, is a plain plan()'s (CPU: the plan only)."""
+    lens = [120, 4000, 17]
+    indptr, indices, last = _decode_csr(lens, seed=6)
+    ref = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8), "NHD")
+    ref.plan(indptr, indices, last, DEC_HQ, DEC_HK, DEC_D, DEC_PS, q_data_type=torch.bfloat16)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8), "NHD")
+    w.plan = functools.partial(flashinfer.decode.fast_decode_plan, w)
+    for _ in range(2):
+        w.plan(indptr, indices, last, DEC_HQ, DEC_HK, DEC_D, DEC_PS, q_data_type=torch.bfloat16,
+               global_override_indptr_cpu=indptr)
+        got, want = w._plan, ref._plan
+        assert (got.spec, got.batch, got.capacity, got.cluster) == (want.spec, want.batch, want.capacity, want.cluster)
+        # the page table, work list and merge index, and the scalars (not the partial-state storage)
+        assert _same(got.args[:3], want.args[:3]) and _same(got.args[5:10], want.args[5:10])
+
+
+def _same(a, b) -> bool:
+    """Equal values: tensors element by element, sequences item by item."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
 @pytest.mark.gpu
 def test_fast_decode_plan_as_sglang_binds_it(decode_workspace):
     """SGLang: wrapper.begin_forward = partial(fast_decode_plan, wrapper), called with the

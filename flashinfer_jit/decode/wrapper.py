@@ -1142,15 +1142,18 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
     """FlashInfer's fast_decode_plan(wrapper, ...) (SGLang's multi-step draft path, which
     binds it as the wrapper's begin_forward): plan() of `self`, reading the lengths from
     global_override_indptr_cpu (indptr on the host, no device-to-host copy) when given.
-    plan() itself already makes one host-to-device copy and no other."""
+    plan() itself already makes one host-to-device copy and no other. It calls the class's
+    plan(), never the instance's attribute: FlashInfer's tests and SGLang bind this function
+    as `wrapper.plan = functools.partial(fast_decode_plan, wrapper)`, and `self.plan` would
+    then be this function again (a RecursionError)."""
     if global_override_indptr_cpu is not None:
         indptr = global_override_indptr_cpu
-    self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-              pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-              q_data_type=q_data_type if q_data_type is not None else (data_type or "float16"),
-              kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
-              rope_theta=rope_theta, non_blocking=non_blocking, fixed_split_size=fixed_split_size,
-              disable_split_kv=disable_split_kv)
+    type(self).plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                    pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                    q_data_type=q_data_type if q_data_type is not None else (data_type or "float16"),
+                    kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
+                    rope_theta=rope_theta, non_blocking=non_blocking, fixed_split_size=fixed_split_size,
+                    disable_split_kv=disable_split_kv)
 
 
 def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int, start: int = 0) -> tuple:
