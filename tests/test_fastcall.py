@@ -137,6 +137,33 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch):
         fastcall.extension.cache_clear()
 
 
+@pytest.mark.parametrize("how", ["not_run", "fails"])
+def test_a_failed_build_raises_a_build_error_naming_the_extension(how, tmp_path, monkeypatch):
+    """A compiler that cannot run, or that fails (a full disk, a broken toolchain): a
+    BuildError with the extension's name, the log's path and the first error lines, not a
+    TypeError from the error's own construction; nothing published."""
+    import subprocess
+
+    from flashinfer_jit.pipeline.errors import BuildError
+
+    def run(cmd, **kwargs):
+        if how == "not_run":
+            raise OSError(28, "No space left on device")
+        return subprocess.CompletedProcess(cmd, 1, "", "fastcall.cc:1: error: deliberately broken\n")
+
+    monkeypatch.setattr(fastcall.subprocess, "run", run)
+    root = tmp_path / "cache"
+    with pytest.raises(BuildError) as info:
+        fastcall.build(root)
+    err = info.value
+    assert err.module == fastcall.MODULE and fastcall.MODULE in str(err)
+    if how == "fails":
+        assert "deliberately broken" in str(err) and Path(err.log_path).is_file()
+    else:
+        assert "No space left on device" in str(err)
+    assert not (root / fastcall.SUBDIR).exists() or not list((root / fastcall.SUBDIR).glob("*/*"))  # nothing published
+
+
 def test_jit_disabled_loads_a_prebuilt_extension_and_never_builds(built, tmp_path, monkeypatch):
     prebuilt, lib = built
     monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "empty"))

@@ -130,12 +130,15 @@ def build(root: Path | None = None) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:
         cache.discard(tmp, root)
-        raise BuildError(f"{MODULE}: could not run {cxx}: {exc}") from exc
+        raise BuildError(MODULE, "(none: the compiler did not run)", [f"could not run {cxx}: {exc}"]) from exc
     if done.returncode != 0:
-        log = cache.save_failed_log(root, f"fastcall-{k}", " ".join(cmd) + "\n" + done.stdout + done.stderr)
+        output = done.stdout + done.stderr
+        try:  # (on a full disk the log itself may not fit: the error says so instead)
+            log = str(cache.save_failed_log(root, f"fastcall-{k}", " ".join(cmd) + "\n" + output))
+        except OSError as exc:
+            log = f"(not saved: {exc})"
         cache.discard(tmp, root)
-        errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line][:4]
-        raise BuildError(f"{MODULE}: the C++ compiler failed (log: {log}): {' | '.join(errors)}")
+        raise BuildError(MODULE, log, [line for line in output.splitlines() if "error" in line][:4])
     logger.info("built %s in %.1f s", MODULE, time.perf_counter() - t0)
     os.chmod(tmp, 0o755)
     target.parent.parent.mkdir(parents=True, exist_ok=True)
