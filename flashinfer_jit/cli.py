@@ -344,10 +344,10 @@ def cmd_aot(args: argparse.Namespace) -> int:
         needs_archs = any(not spec.HOST_ONLY for spec in specs)
         archs = (env.parse_arch_list(args.arch, source="--arch") if args.arch
                  else env.target_archs() if needs_archs else ())
+        jobs = args.jobs or env.max_jobs()
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"flashinfer-jit aot: {exc}", file=sys.stderr)
         return 2
-    jobs = args.jobs or env.max_jobs()
     source = " and ".join(filter(None, [args.matrix, plural(len(args.entry), "--entry line")
                                         if args.entry else ""]))
     print(f"aot: {len(specs)} modules from {source} for {' '.join(archs) or 'the host'}"

@@ -673,3 +673,32 @@ def test_verify_fix_removes_unreadable_entries_and_reports_prebuilt_ones(
     monkeypatch.delenv("FLASHINFER_JIT_CACHE_PATH")
     code, out, _ = run(capsys, "verify")
     assert code == 0 and out.count("OK   ") == 2
+
+
+# --- settings from the environment -------------------------------------------------------------
+@pytest.mark.parametrize("name", ["MAX_JOBS", "FLASHINFER_JIT_NVCC_THREADS"])
+@pytest.mark.parametrize("value", ["-3", "0", "abc", "2.5"])
+def test_a_bad_count_setting_is_named_before_anything_runs(name, value, monkeypatch, capsys, tmp_path):
+    """MAX_JOBS / FLASHINFER_JIT_NVCC_THREADS that are not positive integers: one message
+    naming the variable and what it takes (not an int() traceback, nor a count that reaches
+    ninja as a 'compile failure'); aot exits 2 and builds nothing."""
+    from flashinfer_jit.pipeline.errors import SettingError
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(SettingError, match=f"{name}='{value}': expected a positive integer"):
+        env.max_jobs() if name == "MAX_JOBS" else env.nvcc_threads()
+    if name == "MAX_JOBS":  # (aot reads the other one when it keys the first entry)
+        assert cli.main(["aot", "--entry", "batch_indices", "--arch", "9.0a"]) == 2
+        assert f"{name}='{value}'" in capsys.readouterr().err
+        assert not (tmp_path / "cache").exists() or not [p for p in (tmp_path / "cache").iterdir()
+                                                         if not p.name.startswith(".")]
+
+
+def test_count_settings_unset_or_valid(monkeypatch):
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.delenv("FLASHINFER_JIT_NVCC_THREADS", raising=False)
+    assert env.max_jobs() is None and env.nvcc_threads() == 1
+    monkeypatch.setenv("MAX_JOBS", " 3 ")
+    monkeypatch.setenv("FLASHINFER_JIT_NVCC_THREADS", "2")
+    assert env.max_jobs() == 3 and env.nvcc_threads() == 2

@@ -8,7 +8,6 @@ run the real entries through it (their fast paths)."""
 from __future__ import annotations
 
 import ctypes
-import io
 import sysconfig
 import tarfile
 from pathlib import Path

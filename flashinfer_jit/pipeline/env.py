@@ -109,13 +109,32 @@ def native_prefill_plan() -> bool:
     return _on_unless_off("FLASHINFER_JIT_NATIVE_PLAN")
 
 
+def _positive_int(name: str) -> int | None:
+    """A variable that holds a count: None when unset or empty, else a positive integer;
+    anything else is a SettingError naming the variable (a bad value never changes what
+    runs, nor reaches ninja or nvcc as a number they misread)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        from .errors import SettingError
+
+        raise SettingError(f"{name}={value!r}: expected a positive integer (or leave it unset)")
+    return number
+
+
 def max_jobs() -> int | None:
-    value = os.environ.get("MAX_JOBS")
-    return int(value) if value else None
+    """MAX_JOBS: parallel compile jobs; None: the CPU count."""
+    return _positive_int("MAX_JOBS")
 
 
 def nvcc_threads() -> int:
-    return int(os.environ.get("FLASHINFER_JIT_NVCC_THREADS", "1"))
+    """FLASHINFER_JIT_NVCC_THREADS: nvcc --threads (default 1)."""
+    return _positive_int("FLASHINFER_JIT_NVCC_THREADS") or 1
 
 
 def cuda_home() -> Path | None:

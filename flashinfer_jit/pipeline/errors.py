@@ -11,6 +11,11 @@ class ToolchainError(JitError):
     """nvcc, ninja or a host compiler is missing or unusable."""
 
 
+class SettingError(JitError, ValueError):
+    """An environment variable holds a value the package does not accept; the message names
+    the variable and the values it takes."""
+
+
 class BuildError(JitError):
     """A module failed to compile or link.
 
