@@ -39,6 +39,12 @@ STALE_TEMP_SECONDS = 3600
 LOCK_WAIT_SECONDS = 1.0
 
 
+def _shipped_matrices() -> list[str]:
+    from .pipeline import matrix
+
+    return matrix.shipped_matrices()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -83,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     command("doctor", cmd_doctor, "check the toolchain, target archs, cache and GPUs")
     aot = command("aot", cmd_aot, "build the modules of a matrix file or matrix lines ahead of time")
     aot.add_argument("--matrix", metavar="FILE",
-                     help="matrix file, e.g. scripts/matrices/tests")
+                     help="matrix file, or the name of one that ships with the package: "
+                          f"{', '.join(_shipped_matrices()) or 'none found'}")
     aot.add_argument("--entry", action="append", default=[], metavar="LINE",
                      help="one matrix line, e.g. 'append dtype_kv=bfloat16 head_dim=128' "
                           "(repeatable; with or without --matrix)")

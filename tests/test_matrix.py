@@ -172,3 +172,23 @@ def test_spec_line_names_exactly_its_spec():
         assert len(line.split()) == 1 + len(spec.fields())
     assert spec_line(AppendSpec("float8_e4m3fn", 64, "HND", "block_table")) == \
         "append dtype_kv=float8_e4m3fn head_dim=64 kv_layout=HND page_table=block_table"
+
+
+# --- matrices that ship with the package -----------------------------------------------------
+def test_a_shipped_matrix_is_found_by_its_name_from_any_directory(tmp_path, monkeypatch):
+    """`flashinfer-jit aot --matrix llama` works away from the checkout: the matrices ship
+    as package data (pyproject: flashinfer_jit.matrices), and a name that is no file is
+    looked up among them."""
+    from flashinfer_jit.pipeline import env, matrix
+
+    repo = Path(__file__).resolve().parent.parent
+    assert matrix.shipped_matrices() == sorted(p.name for p in (repo / "scripts" / "matrices").iterdir())
+    monkeypatch.chdir(tmp_path)
+    for name in ("llama", "tests"):
+        assert matrix.resolve_matrix(name) == env.matrix_dir() / name
+        assert matrix.parse_matrix(name) == matrix.parse_matrix(repo / "scripts" / "matrices" / name)
+    with pytest.raises(ValueError, match=r"'nope': no such file, nor a shipped matrix \(shipped: llama, tests\)"):
+        matrix.parse_matrix("nope")
+    (tmp_path / "llama").write_text("batch_indices\n")  # a file of that name wins: it is what the user named
+    assert matrix.parse_matrix("llama") == [BatchIndicesSpec()]
+    assert '"flashinfer_jit.matrices" = "scripts/matrices"' in (repo / "pyproject.toml").read_text()

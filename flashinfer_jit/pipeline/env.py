@@ -31,6 +31,15 @@ def source_dir(kind: str) -> Path:
     return PACKAGE_DIR / kind
 
 
+def matrix_dir() -> Path:
+    """The AOT matrix files that ship with the package (`flashinfer-jit aot --matrix llama`):
+    the checkout's scripts/matrices, else the installed copy."""
+    checkout = PACKAGE_DIR.parent / "scripts" / "matrices"
+    if checkout.is_dir() and (PACKAGE_DIR.parent / "pyproject.toml").is_file():
+        return checkout
+    return PACKAGE_DIR / "matrices"
+
+
 def checkout_root() -> Path | None:
     root = PACKAGE_DIR.parent
     if (root / "pyproject.toml").is_file() and (root / "csrc").is_dir():

@@ -47,9 +47,34 @@ class MatrixError(ValueError):
         super().__init__(f"{source}:{line}: {problem}")
 
 
+def shipped_matrices() -> list[str]:
+    """The names of the matrix files that ship with the package (env.matrix_dir())."""
+    from . import env
+
+    folder = env.matrix_dir()
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith((".", "_"))) \
+        if folder.is_dir() else []
+
+
+def resolve_matrix(name_or_path: str | Path) -> Path:
+    """A matrix file given by its path, or by the name of one that ships with the package
+    (`llama`, `tests`); a ValueError naming both ways when it is neither."""
+    from . import env
+
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = env.matrix_dir() / str(name_or_path)
+    if "/" not in str(name_or_path) and shipped.is_file():
+        return shipped
+    raise ValueError(f"matrix {str(name_or_path)!r}: no such file, nor a shipped matrix "
+                     f"(shipped: {', '.join(shipped_matrices()) or 'none'})")
+
+
 def parse_matrix(path: str | Path) -> list[Spec]:
-    """The modules a matrix file names, deduplicated, in file order."""
-    path = Path(path)
+    """The modules a matrix file names (a path, or a shipped matrix's name), deduplicated,
+    in file order."""
+    path = resolve_matrix(path)
     return parse_matrix_text(path.read_text(), source=str(path))
 
 
