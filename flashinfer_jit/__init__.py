@@ -40,6 +40,8 @@ _EXPORTS = {
     "BatchPrefillWithRaggedKVCacheWrapper": "prefill",
     "single_prefill_with_kv_cache": "prefill",
     "single_prefill_with_kv_cache_return_lse": "prefill",
+    "PODWithPagedKVCacheWrapper": "pod",
+    "BatchPODWithPagedKVCacheWrapper": "pod",
     "merge_state": "cascade",
     "merge_states": "cascade",
     # page tables
@@ -59,6 +61,7 @@ _EXPORTS = {
     # submodules at FlashInfer's paths (flashinfer_jit.page.get_seq_lens, ...)
     "decode": None,
     "prefill": None,
+    "pod": None,
     "page": None,
     "rope": None,
     "cascade": None,

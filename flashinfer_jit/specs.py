@@ -6,13 +6,15 @@ from .kvcache.append_spec import AppendSpec, BatchIndicesSpec
 from .kvcache.flatten_spec import FlattenSpec
 from .kvcache.rope_spec import RopeSpec
 from .pipeline.spec import Spec
+from .pod.spec import PodSpec
 from .prefill.spec import PrefillPlanSpec, PrefillSpec
 from .runtime.shared_specs import MergeSpec, PageOrderSpec
 
 FAMILIES: dict[str, type[Spec]] = {
     cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec, DecodePlanSpec,
-                                PageOrderSpec, PrefillSpec, PrefillPlanSpec)
+                                PageOrderSpec, PrefillSpec, PrefillPlanSpec, PodSpec)
 }
 
 __all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "DecodeSpec", "MergeSpec", "DecodePlanSpec",
-           "PageOrderSpec", "PrefillSpec", "PrefillPlanSpec", "FAMILIES"]
+           "PageOrderSpec", "PrefillSpec", "PrefillPlanSpec", "PodSpec",
+           "FAMILIES"]

@@ -1,7 +1,8 @@
 """The package's layers (docs/architecture.md): the build pipeline at the bottom, the shared
 runtime above it, the kernel families above both, and the package's front (its lazy API,
 FlashInfer's module paths, the spec index, the CLI) on top. A module imports its own layer
-and the ones below, never one above, and a family never imports another family. The
+and the ones below, never one above, and a family never imports another family; POD, which
+fuses the decode and prefill families' work into one launch, sits above both. The
 PyTorch references (reference/) follow the same rule: one module a family, over one
 shared helper module (reference/common.py).
 Checked statically over every import statement (function-level ones included)."""
@@ -14,8 +15,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashinfer_jit"
-FAMILIES = ("kvcache", "decode", "prefill", "pod")
-RANK = {"pipeline": 0, "runtime": 1, "family": 2, "reference": 2, "front": 3}
+FAMILIES = ("kvcache", "decode", "prefill")
+# POD runs the decode and prefill families' work in one launch: it imports both (their
+# specs, planners and resolved op arguments), and no family imports it.
+FUSED = ("pod",)
+RANK = {"pipeline": 0, "runtime": 1, "family": 2, "reference": 2, "fused": 3, "front": 4}
 
 
 def module_name(path: Path) -> str:
@@ -31,6 +35,8 @@ def layer(module: str) -> tuple[str, str]:
         return top, top
     if top in FAMILIES:
         return "family", top
+    if top in FUSED:
+        return "fused", top
     if top == "reference":
         name = parts[1] if len(parts) > 1 else "__init__"
         if name == "__init__":  # the references' index re-exports them all
@@ -113,6 +119,22 @@ def test_the_check_sees_a_violation(tmp_path):
     assert any("prefill/y.py" in v and "another" in v for v in found), found
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_importing_pod_is_caught(tmp_path):
+    fake = tmp_path / "flashinfer_jit"
+    for d in ("decode", "pod"):
+        (fake / d).mkdir(parents=True)
+    (fake / "decode" / "z.py").write_text("from ..pod import wrapper\n")
+    (fake / "pod" / "wrapper.py").write_text("from ..decode import z\n")
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, fake
+    try:
+        found = violations()
+    finally:
+        PACKAGE = saved
+    assert [v for v in found if "decode/z.py" in v and "above" in v], found
+    assert not [v for v in found if "pod/wrapper.py" in v], found
+
+
+@pytest.mark.parametrize("family", FAMILIES + FUSED)
 def test_every_family_has_its_folder(family):
     assert (PACKAGE / family / "__init__.py").is_file()

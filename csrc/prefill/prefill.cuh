@@ -23,6 +23,7 @@
 // the window's start, custom masks). A row that sees no key keeps m = -inf, d = 0 and
 // writes zeros and lse = -inf (sinks: the sink's term alone); no inf - inf is formed.
 #pragma once
+#include <type_traits>
 #include <math_constants.h>
 
 #include "common/common.cuh"
@@ -1126,16 +1127,26 @@ int launch_prefill_kernel(const PrefillParams& p, int grid, cudaStream_t stream,
                        Traits::kSmemBytes, stream, pdl, p);
 }
 
+// Which of a tile's kernels a launch of p takes (warp-page copies, no window, or the general
+// one): calls f(std::bool_constant<WarpPagesOnly>, std::bool_constant<NoWindow>) and returns
+// its result. prefill's own launch and POD's both choose by it.
+template <class Traits, class F>
+int with_prefill_variant(const PrefillParams& p, F&& f) {
+  if constexpr (Traits::kWarpPagesKernel) {
+    if (prefill_warp_pages<Traits>(p)) return f(std::true_type{}, std::false_type{});
+  }
+  if constexpr (Traits::kNoWindowKernel) {
+    if (p.window_left < 0) return f(std::false_type{}, std::true_type{});
+  }
+  return f(std::false_type{}, std::false_type{});
+}
+
 template <class Traits>
 int launch_prefill(const PrefillParams& p, int grid, cudaStream_t stream, bool pdl) {
   if (grid <= 0) return 0;
-  if constexpr (Traits::kWarpPagesKernel) {
-    if (prefill_warp_pages<Traits>(p)) return launch_prefill_kernel<Traits, true, false>(p, grid, stream, pdl);
-  }
-  if constexpr (Traits::kNoWindowKernel) {
-    if (p.window_left < 0) return launch_prefill_kernel<Traits, false, true>(p, grid, stream, pdl);
-  }
-  return launch_prefill_kernel<Traits, false, false>(p, grid, stream, pdl);
+  return with_prefill_variant<Traits>(p, [&](auto warp_pages, auto no_window) {
+    return launch_prefill_kernel<Traits, decltype(warp_pages)::value, decltype(no_window)::value>(p, grid, stream, pdl);
+  });
 }
 
 }  // namespace fij

@@ -82,4 +82,63 @@ inline MergeParams make_prefill_merge_params(const PrefillParams& p, const at::T
                             p.lse, rows, p.num_qo_heads, head_dim);
 }
 
+// What a prefill module compiled in that the host side of its launch checks and uses.
+struct PrefillModule {
+  const char* name;  // the module's, for errors
+  bool ragged;
+  KVLayout layout;
+  PageTableLayout table;
+  int head_dim_qk, head_dim_vo;
+  bool custom_mask, sinks;
+};
+
+// The prefill op's arguments (csrc/prefill/prefill.cuh; flashinfer_jit/prefill/spec.py op_schemas)
+// resolved into a launch: the params, the merge of split rows (in the kernel given
+// merge_counters, else by the merge kernel), the grid and the query tile. The prefill op
+// launches it; POD launches it beside a decode launch (csrc/pod/pod.cuh).
+inline PrefillLaunch resolve_prefill(const PrefillModule& m, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, at::TensorList kv_index, const at::Tensor& qo_indptr,
+                                     const at::Tensor& work, const at::Tensor& merge_indptr,
+                                     const std::optional<at::Tensor>& mask,
+                                     const std::optional<at::Tensor>& mask_indptr,
+                                     const std::optional<at::Tensor>& sinks, const at::Tensor& out,
+                                     const at::Tensor& lse, const at::Tensor& partial_o,
+                                     const at::Tensor& partial_lse, const at::Tensor& merge_counters,
+                                     const PrefillScalars& s, int64_t grid, int64_t tile_rows, int64_t merge_rows) {
+  PrefillParams p = make_prefill_params(q, k, v, kv_index, qo_indptr, work, out, lse, partial_o, partial_lse, s,
+                                        m.ragged, m.layout, m.table);
+  TORCH_CHECK(q.size(2) == m.head_dim_qk && out.size(2) == m.head_dim_vo, m.name, ": q / out: expected head_dim ",
+              m.head_dim_qk, " / ", m.head_dim_vo);
+  // (run() checks these in Python, except while torch.compile traces it: no addresses then)
+  expect_aligned(q, 16, "q");
+  expect_aligned(k, 16, "k");
+  expect_aligned(v, 16, "v");
+  if (m.custom_mask) {
+    TORCH_CHECK(mask.has_value() && mask_indptr.has_value(), m.name,
+                ": this module reads a custom mask: pass mask and mask_indptr");
+    p.mask = static_cast<const uint8_t*>(mask->const_data_ptr());
+    p.mask_indptr = int32_ptr(*mask_indptr);
+  }
+  if (m.sinks) {
+    TORCH_CHECK(sinks.has_value() && sinks->scalar_type() == at::kFloat && sinks->numel() == q.size(1),
+                "sinks: expected float32 [num_qo_heads]");
+    p.sinks = static_cast<const float*>(sinks->const_data_ptr());
+  }
+  PrefillLaunch l;
+  if (merge_rows > 0 && merge_counters.numel() > 0) {  // merged in the kernel by each split tile's last block
+    TORCH_CHECK(merge_counters.scalar_type() == at::kInt && merge_counters.device() == q.device() &&
+                    merge_counters.numel() >= partial_lse.numel(),
+                "merge_counters: expected int32 zeros on q's device, at least as many as partial_lse's ",
+                partial_lse.numel());
+    p.merge_counters = static_cast<int32_t*>(merge_counters.data_ptr());
+  } else if (merge_rows > 0) {
+    l.merge = make_prefill_merge_params(p, merge_indptr, merge_rows, m.head_dim_vo);
+  }
+  l.params = p;
+  l.grid = static_cast<int32_t>(grid);
+  l.tile_rows = static_cast<int32_t>(tile_rows);
+  l.device = q.device().index();
+  return l;
+}
+
 }  // namespace fij

@@ -6,6 +6,7 @@
 // interface, which the CUDA build of torch fills in at run time. That is what lets the
 // CPU build of torch on CI compile, link and import every module.
 #pragma once
+#include <cstring>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
@@ -24,6 +25,15 @@ inline void check_launch(int code, const char* module, const char* op) {
 }
 
 // torch's current stream on `device`, as a cudaStream_t.
+// Copies a resolved launch (a family's *Launch struct) into `prepared`, the CPU byte tensor
+// run()'s fast path keeps.
+template <class Launch>
+inline void record_launch(const at::Tensor& prepared, const Launch& l) {
+  TORCH_CHECK(prepared.device().is_cpu() && prepared.is_contiguous() && prepared.nbytes() == sizeof(Launch),
+              "prepared: expected a contiguous CPU tensor of ", sizeof(Launch), " bytes");
+  std::memcpy(prepared.data_ptr(), &l, sizeof(l));
+}
+
 inline void* current_stream(const c10::Device& device) {
   c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
   return impl.getStream(device).native_handle();

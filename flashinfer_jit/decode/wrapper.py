@@ -496,6 +496,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
     backend: "auto" (and FlashInfer's "fa2") run this library's kernels; other FlashInfer
     backends ("trtllm-gen", ...) are a ValueError."""
 
+    # True for the decode side of a POD wrapper (flashinfer_jit/pod/): plans for blocks of one
+    # KV head and no clusters, which POD's kernel runs beside prefill blocks
+    _pod_side = False
+
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None):
@@ -639,7 +643,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.config, plan.spec = config, spec
         # the module now, not at the first run(): a run() under torch.compile only calls it
         plan.op = previous.op if previous is not None and previous.spec is spec else \
-            (None if self._device_is_cpu else module_op(spec, "decode", env.debug()))
+            (None if self._device_is_cpu or self._pod_side else module_op(spec, "decode", env.debug()))
         plan.fast = None
         plan.batch, plan.capacity, plan.max_items, plan.kv_heads_per_block = batch, capacity, max_items, per_block
         plan.cluster, plan.cluster_warps, plan.unordered = cluster, cluster_warps, unordered
@@ -756,7 +760,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.rope = pos_encoding_mode == "ROPE_LLAMA"
         paired = pairs_kv_heads(dtype_name(c.kv_dtype), head_dim, c.tile, c.rope, self._kv_layout, q_len_per_req)
         # blocks may take KV-head pairs (half as many blocks per item; plan() decides)
-        c.pairs = kv_heads_per_block(paired, num_qo_heads, num_kv_heads, c.tile) == 2
+        # (a POD side's blocks take one KV head: POD's blocks all have 4 warps)
+        c.pairs = kv_heads_per_block(paired, num_qo_heads, num_kv_heads, c.tile) == 2 and not self._pod_side
         c.blocks_per_item = num_kv_heads * (num_qo_heads // num_kv_heads // c.tile)
         # Split only when the batch gives fewer blocks than the split target: 2 blocks of the
         # tensor-core kernel per SM at head_dim <= 128 and tiles of 4 or 8 heads (see
@@ -772,7 +777,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.max_chunks = _MMA_MAX_CHUNKS if c.tensor_cores else None
         c.sms = sm_count(device)
         c.cluster = cluster_blocks(head_dim) if c.tensor_cores and supports_clusters(device) and \
-            env.decode_clusters() else 1
+            env.decode_clusters() and not self._pod_side else 1  # (a POD side: no clusters in its grid)
         c.token_bytes = 2 * head_dim * c.kv_dtype.itemsize  # K and V of one token and KV head
         # The wave split (_wave_chunks) weighs a block by the K and V it reads; a block of N
         # query tokens takes about N times as long for the same bytes, so they count N times
@@ -1062,6 +1067,34 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
 
     forward_return_lse = run_return_lse
+
+    def _resolved_args(self, q, paged_kv_cache, q_scale, k_scale, v_scale, return_lse) -> tuple:
+        """What POD (flashinfer_jit/pod/) launches of this wrapper's plan: run()'s checks and
+        outputs, and the decode op's arguments for one-token requests on blocks of one KV
+        head, without clusters (a POD side's plan: _pod_side): (out, lse or None, (q, k, v,
+        page_table, work, merge_indptr, out, lse, partial_o, partial_lse, logit_scale,
+        v_scale, window_left, grid_items, merge_rows, merge_counters))."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() before plan(): call plan() with this batch's page table first")
+        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2:
+            k, v = paged_kv_cache
+        else:
+            k, v, _ = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        if passed_run_checks(q, k, v, plan.checked) is None:
+            k, v = self._check_run(q, paged_kv_cache, plan)
+        config = plan.config
+        assert config.q_tokens == 1 and plan.kv_heads_per_block == 1 and plan.cluster == 1, "not a POD side's plan"
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[0], config.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse \
+            else None
+        logit_scale = config.logit_scale if q_scale is None and k_scale is None else \
+            scaled_logits(config.sm_scale, config.soft_cap, q_scale, k_scale)
+        tables, work, merge_indptr, partial_o, partial_lse, _, _, _, grid_items, merge_rows, counters = plan.args
+        args = (q, k, v, tables, work, merge_indptr, out, plan.no_lse if lse is None else lse, partial_o, partial_lse,
+                logit_scale, 1.0 if v_scale is None else float(v_scale), config.window_left, grid_items, merge_rows,
+                counters)
+        return out, lse, args
 
     def _check_run(self, q, paged_kv_cache, plan: _Plan):
         """run()'s checks in full; returns the cache's (k, v) and remembers the signature

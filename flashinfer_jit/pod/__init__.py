@@ -1,5 +1,9 @@
-"""POD: prefill and decode work items in one launch (PODWithPagedKVCacheWrapper,
-BatchPODWithPagedKVCacheWrapper, BatchAttention). Not written yet: it will call the
-prefill and decode block functions (csrc/prefill/prefill.cuh prefill_block,
-csrc/decode/ decode blocks) from one SM-aware kernel, planned by both families' planners
-into one shared work buffer (docs/architecture.md)."""
+"""POD: a prefill and a batch of decodes in one launch, at FlashInfer's names
+(`flashinfer.PODWithPagedKVCacheWrapper`, `flashinfer.BatchPODWithPagedKVCacheWrapper`).
+
+spec.py: the module spec (PodSpec: one prefill and one decode configuration); wrapper.py:
+the wrappers, which hold one wrapper of each family and launch both plans' work as one
+kernel (csrc/pod/pod.cuh). docs/pod.md describes it."""
+
+from .wrapper import *  # noqa: F401,F403
+from .wrapper import __all__  # noqa: F401

@@ -838,6 +838,35 @@ class _PrefillWrapper:
                 plan.quick = (run, address, prepared.data_ptr(), fastcall.tensor_signature(q, k, v, out))
         return (out, lse) if return_lse else out
 
+    def _resolved_args(self, q, k, v, q_scale, k_scale, v_scale, return_lse, window_left) -> tuple:
+        """What POD (flashinfer_jit/pod/) launches of this wrapper's plan: run()'s checks and
+        outputs, and the prefill op's arguments without sinks, soft cap and RoPE (POD runs
+        neither): (out, lse or None, (q, k, v, kv_index, qo_indptr, work, merge_indptr, mask,
+        mask_indptr, out, lse, partial_o, partial_lse, merge_counters, logit_scale, v_scale,
+        window_left, grid, tile_rows, merge_rows))."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() before plan(): call plan() once per batch first")
+        c = plan.config
+        if passed_run_checks(q, k, v, plan.checked) is None:
+            self._check_run(q, k, v, plan)
+        if window_left is None:
+            window_left = c.window_left
+        elif type(window_left) is not int or window_left < -1:
+            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        tokens = q.shape[0]
+        out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
+        lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device) if return_lse else None
+        logit_scale = c.logit_scale if q_scale is None and k_scale is None else _logit_scales(c, q_scale, k_scale)[0]
+        kv_index, qo_indptr, work, merge, po, pl, counters = plan.args
+        if window_left >= 0 and plan.unordered is not None:
+            kv_index = plan.unordered  # (a window reads the page ids as given: see _run)
+        mask, mask_indptr = plan.mask_args
+        args = (q, k, v, kv_index, qo_indptr, work, merge, mask, mask_indptr, out,
+                lse if lse is not None else empty_f32(q.device), po, pl, counters, logit_scale,
+                1.0 if v_scale is None else float(v_scale), window_left, plan.grid, plan.tile_rows, plan.merge_rows)
+        return out, lse, args
+
     def _check_run(self, q, k, v, plan: _Plan) -> None:
         c = plan.config
         if not isinstance(q, torch.Tensor) or q.dim() != 3:

@@ -1,0 +1,95 @@
+"""Spec of POD: a prefill and a batch of decodes in one launch (csrc/pod/pod.cuh,
+docs/pod.md). Its blocks are the prefill and decode families' own, so its spec names one
+configuration of each: PodSpec.prefill_spec() and decode_spec() are the modules whose work
+lists, params and split merges a POD launch takes over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..decode.spec import DecodeSpec, group_tile
+from ..pipeline.spec import FP8_DTYPES, HEAD_DIMS, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES, Spec, choice
+from ..prefill.spec import MASKS, PrefillSpec
+
+# The prefill side's query tile. One launch has one block size and one register budget:
+# the 64-row tile is 128 threads as the decode block is, and both fit 128 registers
+# (four blocks an SM at head_dim <= 128; docs/architecture.md, the blocks table), so an SM
+# holds prefill and decode blocks side by side. The 128-row tile needs 255 registers,
+# which would halve the decode blocks an SM holds.
+POD_TILE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class PodSpec(Spec):
+    """A prefill (`prefill_kv`: one request's ragged K/V, as PODWithPagedKVCacheWrapper
+    takes it, or a batch over the paged cache, as BatchPODWithPagedKVCacheWrapper) and a
+    batch of one-token decodes over the paged cache, in one kernel.
+
+    Compiled in: the dtypes (one q/output dtype and one K/V dtype for both sides, as
+    FlashInfer's POD), head_dim (both sides), the page table and KV layout of the paged
+    cache, the prefill's mask (none, causal bottom-right aligned, custom bits) and the
+    decode's group tile (query heads a tile). Run-time: everything either family takes at
+    run time (lengths, page ids, sm_scale and scales, windows, the LSE).
+
+    Not in POD (ValueError at plan()): in-kernel RoPE on either side and the soft cap
+    (FlashInfer's POD applies neither), sinks, head_dim 192/128, fp8 for ragged K/V."""
+
+    FAMILY = "pod"
+    TEMPLATES = {"kernel.cu": "pod/pod.cu.j2", "binding.cc": "pod/pod_binding.cc.j2"}
+
+    dtype_q: str = choice("float16", "bfloat16")
+    dtype_kv: str = choice(*PAGED_KV_DTYPES)
+    head_dim: int = choice(*HEAD_DIMS, tag="hd{}")
+    prefill_kv: str = choice("paged", "ragged", tag="p{}")
+    page_table: str = choice(*PAGE_TABLES, default="csr", name_default=False)
+    kv_layout: str = choice(*KV_LAYOUTS, default="NHD", name_default=False)
+    mask: str = choice(*MASKS, default="none", name_default=False)
+    group_tile: int = choice(1, 2, 4, 8, 16, tag="g{}", default=1)
+
+    def check(self) -> None:
+        if self.dtype_kv not in FP8_DTYPES and self.dtype_kv != self.dtype_q:
+            raise ValueError(f"PodSpec: a {self.dtype_kv} K/V needs q of the same dtype, got {self.dtype_q}")
+        if self.prefill_kv == "ragged" and self.dtype_kv in FP8_DTYPES:
+            raise ValueError(f"PodSpec: the single prefill's ragged K/V takes q's dtype; fp8 ({self.dtype_kv}) K/V "
+                             "is for the paged cache (BatchPODWithPagedKVCacheWrapper)")
+        self.prefill_spec().validate()
+        self.decode_spec().validate()
+
+    def prefill_spec(self) -> PrefillSpec:
+        """The prefill module whose work list, params and merge the launch's prefill side takes."""
+        ragged = self.prefill_kv == "ragged"
+        return PrefillSpec(dtype_q=self.dtype_q, dtype_kv=self.dtype_kv, dtype_o=self.dtype_q,
+                           head_dim_qk=self.head_dim, head_dim_vo=self.head_dim, kv_source=self.prefill_kv,
+                           page_table="csr" if ragged else self.page_table,
+                           kv_layout="NHD" if ragged else self.kv_layout, mask=self.mask)
+
+    def decode_spec(self) -> DecodeSpec:
+        """The decode module whose work list, params and merge the launch's decode side takes."""
+        return DecodeSpec(dtype_q=self.dtype_q, dtype_kv=self.dtype_kv, head_dim=self.head_dim,
+                          group_tile=self.group_tile, page_table=self.page_table, kv_layout=self.kv_layout)
+
+    def context(self) -> dict:
+        return super().context() | {"prefill": self.prefill_spec().context(), "decode": self.decode_spec().context()}
+
+    def op_schemas(self) -> dict[str, str]:
+        # One op: the prefill op's arguments (_p; flashinfer_jit/prefill/spec.py) and the
+        # decode op's (_d; flashinfer_jit/decode/spec.py), without what POD leaves out (sinks,
+        # soft cap, RoPE, KV-head pairs, clusters), and pod_counters: int32 zeros
+        # (csrc/pod/pod_params.h kPodCounters), which the kernel leaves at zero.
+        return {"pod": (
+            "(Tensor q_p, Tensor k_p, Tensor v_p, Tensor[] kv_index_p, Tensor qo_indptr_p, Tensor work_p, "
+            "Tensor merge_indptr_p, Tensor? mask_p, Tensor? mask_indptr_p, Tensor(a!) out_p, Tensor(b!) lse_p, "
+            "Tensor(c!) partial_o_p, Tensor(d!) partial_lse_p, Tensor(e!) merge_counters_p, float logit_scale_p, "
+            "float v_scale_p, int window_left_p, int grid_p, int tile_rows_p, int merge_rows_p, "
+            "Tensor q_d, Tensor k_cache_d, Tensor v_cache_d, Tensor[] page_table_d, Tensor work_d, "
+            "Tensor merge_indptr_d, Tensor(f!) out_d, Tensor(g!) lse_d, Tensor(h!) partial_o_d, "
+            "Tensor(i!) partial_lse_d, float logit_scale_d, float v_scale_d, int window_left_d, int grid_items_d, "
+            "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, bool enable_pdl=False) -> ()")}
+
+
+def pod_spec(dtype_q: str, dtype_kv: str, head_dim: int, prefill_kv: str, page_table: str, kv_layout: str, mask: str,
+             num_qo_heads: int, num_kv_heads: int) -> PodSpec:
+    """The POD module of a configuration (validated: ValueError names what is not supported)."""
+    return PodSpec(dtype_q=dtype_q, dtype_kv=dtype_kv, head_dim=head_dim, prefill_kv=prefill_kv, page_table=page_table,
+                   kv_layout=kv_layout, mask=mask,
+                   group_tile=group_tile(num_qo_heads, num_kv_heads, head_dim)).validate()

@@ -1,0 +1,281 @@
+"""POD wrappers: a prefill and a batch of decodes in one launch, at FlashInfer's names
+(PODWithPagedKVCacheWrapper, BatchPODWithPagedKVCacheWrapper; docs/pod.md).
+
+Each wrapper holds one wrapper of each family, which plans its side exactly as it plans
+alone (work list, split-KV, page order, CUDA-graph buffers), with the float workspace split
+in halves between them as FlashInfer splits it. run() takes both plans' resolved op
+arguments (the families' `_resolved_args`) and launches the POD module
+(csrc/pod/pod.cuh): one grid of both sides' blocks, each block choosing its side on the SM
+it starts on. The decode side plans for blocks of one KV head without clusters (every POD
+block has 4 warps), and the prefill side for 64-row query tiles (POD_TILE_ROWS)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
+from ..pipeline import env
+from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+from ..runtime.checks import dtype_str, expect_bool, expect_choice, expect_workspace
+from ..runtime.device import supports_pdl
+from ..runtime.launch import module_op
+from ..runtime.page_table import unpack_paged_kv_cache
+from .spec import POD_TILE_ROWS, PodSpec, pod_spec
+
+__all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
+
+POD_COUNTERS = 256 + 3  # csrc/pod/pod_params.h kPodCounters
+
+
+def _halves(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspace's two halves (bytes, 256-aligned), the prefill side's and the decode side's."""
+    flat = buf.reshape(-1).view(torch.uint8)
+    half = flat.numel() // 2 // 256 * 256
+    return flat[:half], flat[half:]
+
+
+def _no_rope(value: str, name: str) -> None:
+    if value != "NONE":
+        raise ValueError(f"{name}: POD applies no positional encoding in the kernel (as FlashInfer's POD), got "
+                         f"{value!r}; rotate q and k first (flashinfer_jit.apply_rope...) and pass 'NONE'")
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class _Pod:
+    """What both POD wrappers share: the two sides' wrappers, the scheduling counters, the launch."""
+
+    def __init__(self, float_workspace_buffer, kv_layout: str, prefill, decode_buffers: tuple, use_cuda_graph: bool):
+        expect_workspace(float_workspace_buffer)
+        expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
+        expect_bool(use_cuda_graph, "use_cuda_graph")
+        self._device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = use_cuda_graph
+        ws_p, ws_d = _halves(float_workspace_buffer)
+        self._prefill = prefill(ws_p)
+        self._prefill._force_tile_rows = POD_TILE_ROWS
+        self._decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, kv_layout, use_cuda_graph, True, *decode_buffers)
+        self._decode._pod_side = True
+        # csrc/pod/pod_params.h: zeros, which every launch leaves at zero
+        self._counters = torch.zeros(POD_COUNTERS, dtype=torch.int32, device=self._device)
+        self._pdl = supports_pdl(self._device) if self._device.type == "cuda" else False
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def _spec(self, prefill_kv: str, q_p, q_d) -> PodSpec:
+        ps, ds = self._prefill._plan.spec, self._decode._plan.spec
+        if q_p.dtype != q_d.dtype:
+            raise ValueError(f"q_p and q_d: POD runs one query dtype, got {dtype_str(q_p.dtype)} and "
+                             f"{dtype_str(q_d.dtype)}")
+        if ps.dtype_kv != ds.dtype_kv:
+            raise ValueError(f"k_p/v_p and paged_kv_cache_d: POD runs one K/V dtype, got {ps.dtype_kv} and "
+                             f"{ds.dtype_kv}")
+        pc, dc = self._prefill._plan.config, self._decode._plan.config
+        if (pc.num_qo_heads, pc.num_kv_heads) != (dc.num_qo_heads, dc.num_kv_heads):
+            raise ValueError(f"q_p: the prefill's heads ({pc.num_qo_heads} query / {pc.num_kv_heads} KV) differ "
+                             f"from the decode plan's ({dc.num_qo_heads} / {dc.num_kv_heads}); POD runs one head "
+                             "configuration")
+        if pc.head_dim_qk != dc.head_dim:
+            raise ValueError(f"q_p: head_dim {pc.head_dim_qk} differs from the decode plan's {dc.head_dim}")
+        return pod_spec(ds.dtype_q, ds.dtype_kv, dc.head_dim, prefill_kv, ds.page_table, self._kv_layout, ps.mask,
+                        dc.num_qo_heads, dc.num_kv_heads)
+
+    def _launch(self, spec: PodSpec, p_args: tuple, d_args: tuple, enable_pdl) -> None:
+        pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
+        module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, pdl)
+
+
+class PODWithPagedKVCacheWrapper(_Pod):
+    """FlashInfer's POD wrapper: one prefill request (q_p against k_p / v_p, contiguous K/V
+    rows) and a batch of one-token decodes over the paged cache, in one launch.
+
+    plan() plans the decode side (FlashInfer's plan arguments). run() takes the prefill
+    (planned there, again only when its lengths or options change) and both sides' inputs.
+    Returns (out_p, out_d); with return_lse_p or return_lse_d, ((out_p, out_d), (lse_p,
+    lse_d)), the LSE not asked for None (FlashInfer computes them and drops them). LSEs are
+    base 2, float32 [rows, num_qo_heads], as every FlashInfer LSE.
+
+    The decode side's sm_scale and window come from plan() (FlashInfer ignores run()'s
+    `_d` options; here one that disagrees with plan() is an error). q_scale and k_scale
+    scale the decode logits and v_scale its output, as in FlashInfer."""
+
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 jit_args=None):
+        super().__init__(float_workspace_buffer, kv_layout, BatchPrefillWithRaggedKVCacheWrapper,
+                         (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer),
+                         use_cuda_graph)
+        self._prefill_key = None
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, q_data_type="float16",
+             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             non_blocking: bool = True) -> None:
+        _no_rope(pos_encoding_mode, "pos_encoding_mode")
+        self._decode.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                          pos_encoding_mode=pos_encoding_mode, window_left=window_left, q_data_type=q_data_type,
+                          kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
+                          rope_theta=rope_theta, non_blocking=non_blocking)
+
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        pass
+
+    def _plan_prefill(self, q_p, k_p, custom_mask, packed_custom_mask, causal, sm_scale, window_left) -> None:
+        qo_len, kv_len = q_p.shape[0], k_p.shape[0]
+        if causal and kv_len < qo_len:
+            raise ValueError(f"causal_p: kv_len ({kv_len}) must be at least qo_len ({qo_len}) for causal prefill")
+        key = (qo_len, kv_len, bool(causal), sm_scale, window_left, q_p.dtype, k_p.dtype, q_p.shape[1], k_p.shape[1],
+               q_p.shape[2])
+        if custom_mask is None and packed_custom_mask is None and key == self._prefill_key:
+            return
+        if _capturing(self._device):
+            raise RuntimeError("PODWithPagedKVCacheWrapper.run(): the prefill's lengths or options changed during "
+                               "CUDA-graph capture; run it once with them before capturing")
+        self._prefill.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
+                           q_p.shape[1], k_p.shape[1], q_p.shape[2], custom_mask=custom_mask,
+                           packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window_left,
+                           sm_scale=sm_scale, q_data_type=q_p.dtype, kv_data_type=k_p.dtype)
+        self._prefill_key = None if custom_mask is not None or packed_custom_mask is not None else key
+
+    def run(self, q_p, k_p, v_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
+            causal_p: bool = False, kv_layout_p: str = "NHD", pos_encoding_mode_p: str = "NONE", sm_scale_p=None,
+            window_left_p: int = -1, rope_scale_p=None, rope_theta_p=None, return_lse_p: bool = False,
+            custom_mask_d=None, packed_custom_mask_d=None, causal_d: bool = False, kv_layout_d: str = "NHD",
+            pos_encoding_mode_d: str = "NONE", sm_scale_d=None, window_left_d: int = -1, rope_scale_d=None,
+            rope_theta_d=None, q_scale=None, k_scale=None, v_scale=None, return_lse_d: bool = False,
+            use_fp16_qk_reduction: bool = False, enable_pdl=None, *args):
+        if self._decode._plan is None:
+            raise RuntimeError("run() before plan(): call plan() with the decode batch's page table first")
+        _no_rope(pos_encoding_mode_p, "pos_encoding_mode_p")
+        _no_rope(pos_encoding_mode_d, "pos_encoding_mode_d")
+        expect_choice(kv_layout_p, "kv_layout_p", ("NHD", "HND"))
+        if kv_layout_d != self._kv_layout:
+            raise ValueError(f"kv_layout_d: the decode cache's layout is the wrapper's ({self._kv_layout!r}), got "
+                             f"{kv_layout_d!r}")
+        if custom_mask_d is not None or packed_custom_mask_d is not None:
+            raise ValueError("custom_mask_d: a decode row is one query that sees all its keys; no mask applies")
+        dc = self._decode._plan.config
+        if sm_scale_d is not None and float(sm_scale_d) != dc.sm_scale:
+            raise ValueError(f"sm_scale_d: the decode side's sm_scale is plan()'s ({dc.sm_scale}), got {sm_scale_d}; "
+                             "pass it to plan()")
+        if window_left_d != -1 and window_left_d != dc.window_left:
+            raise ValueError(f"window_left_d: the decode side's window is plan()'s ({dc.window_left}), got "
+                             f"{window_left_d}; pass it to plan()")
+        for name, t in (("q_p", q_p), ("k_p", k_p), ("v_p", v_p)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"{name}: expected a 3-D tensor ([tokens, heads, head_dim]; k_p/v_p HND: [heads, "
+                                 f"tokens, head_dim])")
+        if kv_layout_p == "HND":
+            k_p, v_p = k_p.transpose(0, 1), v_p.transpose(0, 1)
+        self._plan_prefill(q_p, k_p, custom_mask_p, packed_custom_mask_p, causal_p, sm_scale_p, window_left_p)
+        spec = self._spec("ragged", q_p, q_d)
+        out_p, lse_p, p_args = self._prefill._resolved_args(q_p, k_p, v_p, None, None, None, return_lse_p, None)
+        out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
+                                                           return_lse_d)
+        self._launch(spec, p_args, d_args, enable_pdl)
+        if return_lse_p or return_lse_d:
+            return (out_p, out_d), (lse_p, lse_d)
+        return out_p, out_d
+
+    forward = run
+
+
+class BatchPODWithPagedKVCacheWrapper(_Pod):
+    """FlashInfer's batch POD wrapper: a batch of prefill requests and a batch of one-token
+    decodes, both over paged caches (the same cache or two), in one launch.
+
+    plan() takes both sides' page tables (FlashInfer's arguments). The prefill side's mask
+    is a run() argument in FlashInfer (causal_p, custom masks), and a prefill plan depends on
+    it: the prefill side is planned at plan() for `causal` (an argument FlashInfer does not
+    have, default False) and again at the first run() with another mask. A CUDA-graph
+    wrapper (use_cuda_graph=True, not in FlashInfer's batch POD) must pass plan() the
+    causal_p its captured run() takes.
+
+    run() returns (out_p, out_d), or ((out_p, out_d), (lse_p, lse_d)) with return_lse (as
+    FlashInfer's code returns them; its docstring says otherwise). q_scale, k_scale and
+    v_scale apply to both sides, since both read the paged caches (FlashInfer applies them
+    to the decode side only)."""
+
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf_p=None, paged_kv_indptr_buf_p=None, paged_kv_indices_buf_p=None,
+                 paged_kv_last_page_len_buf_p=None, paged_kv_indptr_buf_d=None, paged_kv_indices_buf_d=None,
+                 paged_kv_last_page_len_buf_d=None):
+        def prefill(ws):
+            return BatchPrefillWithPagedKVCacheWrapper(
+                ws, kv_layout, use_cuda_graph, qo_indptr_buf_p,
+                paged_kv_indptr_buf_p, paged_kv_indices_buf_p, paged_kv_last_page_len_buf_p)
+
+        super().__init__(float_workspace_buffer, kv_layout, prefill,
+                         (paged_kv_indptr_buf_d, paged_kv_indices_buf_d, paged_kv_last_page_len_buf_d), use_cuda_graph)
+        self._prefill_args = None
+        self._prefill_mask = None
+
+    def plan(self, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d, kv_indptr_d, kv_indices_d,
+             last_page_len_d, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             pos_encoding_mode: str = "NONE", window_left: int = -1, q_data_type="float16", kv_data_type=None,
+             data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking: bool = True,
+             causal: bool = False) -> None:
+        _no_rope(pos_encoding_mode, "pos_encoding_mode")
+        expect_bool(causal, "causal")
+        if qo_indptr_d is not None:
+            d = qo_indptr_d.detach().to("cpu", torch.int64)
+            if d.dim() != 1 or bool((d[1:] - d[:-1] != 1).any()):
+                raise ValueError("qo_indptr_d: the decode side takes one query token a request (qo_indptr_d = "
+                                 "arange(batch + 1)); put longer requests on the prefill side")
+        q_dtype = data_type if q_data_type is None else q_data_type
+        kv_dtype = kv_data_type if kv_data_type is not None else data_type
+        self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim, page_size,
+                          window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                          data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking)
+        self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads, num_kv_heads,
+                              head_dim, page_size, window_left, sm_scale, q_dtype or "float16", kv_dtype, non_blocking)
+        self._plan_prefill(causal, None, None)
+
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        pass
+
+    def _plan_prefill(self, causal: bool, custom_mask, packed_custom_mask) -> None:
+        custom = custom_mask is not None or packed_custom_mask is not None
+        if not custom and self._prefill_mask == bool(causal):
+            return
+        if _capturing(self._device):
+            raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run(): causal_p or a custom mask differs from what "
+                               "plan() planned, during CUDA-graph capture; pass plan() causal=causal_p")
+        qo, kv, ids, last, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = self._prefill_args
+        self._prefill.plan(qo, kv, ids, last, hq, hk, d, ps, custom_mask=custom_mask,
+                           packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window,
+                           sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, non_blocking=nb,
+                           sort_pages=not custom)
+        self._prefill_mask = None if custom else bool(causal)
+
+    def run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
+            causal_p: bool = False, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = False,
+            use_fp16_qk_reduction: bool = False, enable_pdl=None):
+        if self._prefill_args is None:
+            raise RuntimeError("run() before plan(): call plan() with both sides' page tables first")
+        self._plan_prefill(causal_p, custom_mask_p, packed_custom_mask_p)
+        if type(paged_kv_cache_p) is tuple and len(paged_kv_cache_p) == 2:
+            k_p, v_p = paged_kv_cache_p
+        else:
+            k_p, v_p, _ = unpack_paged_kv_cache(paged_kv_cache_p, self._kv_layout)
+        spec = self._spec("paged", q_p, q_d)
+        out_p, lse_p, p_args = self._prefill._resolved_args(q_p, k_p, v_p, q_scale, k_scale, v_scale, return_lse,
+                                                            None)
+        out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
+                                                           return_lse)
+        self._launch(spec, p_args, d_args, enable_pdl)
+        if return_lse:
+            return (out_p, out_d), (lse_p, lse_d)
+        return out_p, out_d
+
+    forward = run
+

@@ -1,0 +1,648 @@
+#!/usr/bin/env python3
+"""Benchmark POD (one launch of a prefill next to a batch of decodes) against the same work as
+two launches, each half alone, and FlashInfer 0.5.3's POD.
+
+Rows: mixed batches from serving (chunked prefill beside decodes), bf16, 32 query / 8 KV
+heads, head_dim 128 unless the label says, page 16 (NHD, CSR page table, every page id from a
+random permutation of the pool: the decode reads are not sequential), causal prefill aligned
+bottom-right. Label `hd128 p1x2k@8k+d128x2k`: one prefill chunk of 2k query tokens on an 8k
+context, 128 decodes of 2k keys each; `e4m3`: the paged cache fp8 (the single form's ragged K/V: bf16
+copies of the prefill's pages).
+The caches are 0.5-2 GB, 10x L2 or more. Inputs are standard normal (never zeros).
+
+Per row, on the same tensors (our implementations first, then FlashInfer's):
+  pod                    BatchPODWithPagedKVCacheWrapper: the prefill paged (same pool as the decodes)
+  pod_single             PODWithPagedKVCacheWrapper: the prefill's K/V ragged (rows of one prefill request)
+  serial                 BatchPrefillWithPagedKVCacheWrapper.run then BatchDecodeWithPagedKVCacheWrapper
+                         (use_tensor_cores=True).run, timed as one region
+  serial_single          single_prefill_with_kv_cache then the same decode
+  prefill_only, prefill_single_only, decode_only: each half of those alone
+  flashinfer_pod, flashinfer_pod_single, flashinfer_serial (FA2 paged prefill + tensor-core
+                         decode): FlashInfer 0.5.3 on the head_dim 128 bf16 rows
+Reported per row: median us of each; serial/pod (> 1: POD saves time), ideal/pod with ideal =
+max(prefill_only, decode_only) (1.0: perfect overlap), captured = (serial - pod) / (serial -
+ideal), FlashInfer's POD over ours; and a check, once: every POD's outputs (prefill and decode)
+against the serial outputs of the same form (max abs diff; agrees below 2e-2; a row where ours
+does not is marked MISMATCH). Every implementation's failure is caught and recorded.
+
+Timing (bench_prefill's): CUDA events around each eager call (plan() once before, outside the
+timing; POD is never captured in a graph: FlashInfer's POD records nothing there), an L2 flush
+before each call, >= 200 ms of warm-up per implementation, then --reps runs each (twice as many
+under 1 ms), the row's implementations interleaved run by run (bench_prefill.time_interleaved);
+median, p10, p90 and every sample in the JSON.
+
+Builds: our modules are built first by background processes in parallel (they run small
+kernels, so they all end before anything is timed). FlashInfer's three modules for head_dim
+128 (FA2 prefill, which its tensor-core decode uses too, POD, batch POD; POD ~3.5 min) build in
+one background ninja at a lower CPU priority while our rows are measured; FlashInfer is then
+timed in a second pass, interleaved with our pod and pod_single again (their `pass2` timing:
+what the FlashInfer ratios use). Cold, that build outlasts the default --time-limit: give
+--time-limit 540 for FlashInfer in one call, or run --build-only first on a warm machine
+(FLASHINFER_WORKSPACE_BASE, default <tmp>/flashinfer_ws, keeps it). Ours alone: ~1-1.5 min.
+
+  PYTHONPATH=.peers/site python3 scripts/bench_pod.py [--quick] [--rows 'p2x2k;e4m3'] [--time-limit 540] [--out F]
+  python3 scripts/bench_pod.py --list          (the rows; no GPU needed)
+  python3 scripts/bench_pod.py --no-flashinfer (ours only)
+JSON (--out, default $OUT/bench_pod.json): meta (device, date, commit from FIJ_COMMIT or git,
+torch, CUDA), config, flashinfer, builds, rows (per row impls with median_us / p10_us / p90_us /
+samples_us or error / skipped, speedups, paired, check, mismatch) and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
+import bench_prefill as bp  # noqa: E402  (its flush, interleaved timing and FlashInfer lookup)
+
+NUM_QO_HEADS, NUM_KV_HEADS, PAGE_SIZE = 32, 8, 16
+WORKSPACE_BYTES = 256 << 20
+MAX_ABS_DIFF = 2e-2  # a POD's outputs against the serial outputs of the same form (bf16)
+RESERVE_S = 5.0  # left at the end for the report
+DEVICE = "cuda"
+OURS = ("pod", "pod_single", "serial", "serial_single", "prefill_only", "prefill_single_only", "decode_only")
+FI = ("flashinfer_pod", "flashinfer_pod_single", "flashinfer_serial")
+SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_single")  # one prefill request
+CHECKS = {"pod": "serial", "pod_single": "serial_single", "flashinfer_pod": "serial",
+          "flashinfer_pod_single": "serial_single", "flashinfer_serial": "serial"}
+FI_MODULE = {"flashinfer_pod": "batch_pod", "flashinfer_pod_single": "pod", "flashinfer_serial": "prefill"}
+FI_SCOPE = "FlashInfer is measured on the head_dim 128 bf16 rows only (each POD module builds for ~3.5 min)"
+REFERENCE = "FlashInfer 0.5.3 on H100 (peer README): POD 404 us, decode alone 388, FA2 prefill alone 145"
+
+
+# --- rows -----------------------------------------------------------------------------------------
+class Row(NamedTuple):
+    head_dim: int
+    prefill: tuple  # ((qo_len, kv_len), ...) a chunk each
+    decodes: int
+    decode_kv: int
+    kv_dtype: str = "bfloat16"  # of the paged cache
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        (qo, kv) = self.prefill[0]
+        return (f"hd{self.head_dim} p{len(self.prefill)}x{bp._k(qo)}@{bp._k(kv)}+d{self.decodes}x{bp._k(self.decode_kv)}"
+                + (" e4m3" if self.kv_dtype != "bfloat16" else ""))
+
+    @property
+    def single(self) -> bool:
+        return len(self.prefill) == 1
+
+    @property
+    def flashinfer(self) -> bool:
+        return self.head_dim == 128 and self.kv_dtype == "bfloat16"
+
+    def impls(self, names) -> list[str]:
+        return [n for n in names if self.single or n not in SINGLE]
+
+    def prefill_flops(self) -> int:
+        return sum(bp.attention_flops(1, qo, kv, True, NUM_QO_HEADS, self.head_dim) for qo, kv in self.prefill)
+
+    def decode_kv_bytes(self) -> int:
+        item = 2 if self.kv_dtype == "bfloat16" else 1
+        return 2 * self.decodes * self.decode_kv * NUM_KV_HEADS * self.head_dim * item
+
+    def est_us(self) -> float:
+        """A rough POD time (H200: 350 TFLOP/s prefill, 4 TB/s decode) for the time budget."""
+        return self.prefill_flops() / 350e6 + self.decode_kv_bytes() / 4e6
+
+    def budget_s(self, n_impls: int, reps: int) -> float:
+        runs = reps * (2 if self.est_us() < 1000 else 1)
+        return 2.0 + n_impls * (bc.warmup_ms() / 1e3 + 0.05 + runs * (1.5 * self.est_us() + 150) * 1e-6)
+
+
+def row_list(quick: bool, only=()) -> list[Row]:
+    rows = [Row(128, ((512, 512),), 128, 2048), Row(128, ((1024, 1024),), 128, 2048),
+            Row(128, ((2048, 2048),), 128, 2048, note=REFERENCE), Row(128, ((2048, 8192),), 128, 2048),
+            Row(128, ((1024, 1024),), 64, 8192), Row(128, ((1024, 1024),), 256, 1024),
+            Row(128, ((2048, 2048),) * 2, 128, 2048), Row(128, ((512, 4096),) * 4, 128, 4096),
+            Row(64, ((2048, 2048),), 128, 2048), Row(256, ((2048, 2048),), 128, 2048),
+            Row(128, ((2048, 2048),), 128, 2048, "float8_e4m3fn")]
+    if quick:
+        rows = [rows[2], rows[4], rows[6]]
+    return [r for r in rows if not only or any(o in r.label for o in only)]
+
+
+# --- background jobs --------------------------------------------------------------------------------
+OURS_WARMUP = r"""
+import itertools, json, sys, time
+t0 = time.perf_counter()
+try:
+    import torch
+    import flashinfer_jit as fij
+    hd, kvdt, what = int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3]
+    hq, hk, page, bf16, dev = 32, 8, 16, torch.bfloat16, "cuda"
+    ws = lambda: torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    randn = lambda *s: torch.randn(*s, device=dev, dtype=bf16)
+
+    def paged(lens, dtype):
+        n = [-(-n // page) for n in lens]
+        cache = tuple(randn(sum(n), page, hk, hd).to(dtype) for _ in "kv")
+        indptr = torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+        last = torch.tensor([n_ - (m - 1) * page for n_, m in zip(lens, n)], dtype=torch.int32)
+        return cache, indptr, torch.randperm(sum(n), device=dev).int(), last
+
+    # one request and many, short and long, a partial last page: what plan() may pick kernels for
+    for qo, kv, nd, dkv in ((40, 40, 3, 100), (1024, 1024, 16, 2048), (256, 2048, 64, 512)):
+        q_p, q_d, k_p, v_p = randn(qo, hq, hd), randn(nd, hq, hd), randn(kv, hk, hd), randn(kv, hk, hd)
+        cache_p, ip_p, ix_p, last_p = paged([kv], kvdt)
+        cache_d, ip_d, ix_d, last_d = paged([dkv] * nd, kvdt)
+        if what == "pod":
+            w = fij.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+            w.plan(torch.tensor([0, qo], dtype=torch.int32), ip_p, ix_p, last_p, torch.arange(nd + 1, dtype=torch.int32),
+                   ip_d, ix_d, last_d, hq, hk, hd, page, q_data_type=bf16, kv_data_type=kvdt, causal=True)
+            w.run(q_p, cache_p, q_d, cache_d, causal_p=True)
+        elif what == "pod_single":
+            w = fij.PODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+            w.plan(ip_d, ix_d, last_d, hq, hk, hd, page, q_data_type=bf16, kv_data_type=kvdt)
+            w.run(q_p, k_p, v_p, q_d, cache_d, causal_p=True)
+        elif what == "prefill":
+            w = fij.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
+            w.plan(torch.tensor([0, qo], dtype=torch.int32), ip_p, ix_p, last_p, hq, hk, hd, page, causal=True,
+                   q_data_type=bf16, kv_data_type=kvdt)
+            w.run(q_p, cache_p)
+            fij.single_prefill_with_kv_cache(q_p, k_p, v_p, causal=True)
+        else:
+            w = fij.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
+            w.plan(ip_d, ix_d, last_d, hq, hk, hd, page, q_data_type=bf16, kv_data_type=kvdt)
+            w.run(q_d, cache_d)
+    torch.cuda.synchronize()
+    print(json.dumps({"ok": True, "seconds": time.perf_counter() - t0}))
+except BaseException as exc:  # report anything, never hang the benchmark
+    print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:], "seconds": time.perf_counter() - t0}))
+"""
+
+FLASHINFER_BUILD = r"""
+import json, time
+t0 = time.perf_counter()
+try:
+    import torch
+    from flashinfer.jit import build_jit_specs, gen_batch_pod_module, gen_batch_prefill_module, gen_pod_module
+    bf16, i32 = torch.bfloat16, torch.int32
+    pod = (bf16, bf16, bf16, 128, 0, False, False, False, i32, 0, False, False)  # flashinfer/pod.py run()'s
+    specs = {"prefill": gen_batch_prefill_module("fa2", bf16, bf16, bf16, i32, 128, 128, 0, False, False, False),
+             "pod": gen_pod_module(*pod), "batch_pod": gen_batch_pod_module(*pod)}
+    modules = {}
+    try:
+        build_jit_specs(list(specs.values()), verbose=False)  # one ninja, every module
+        modules = {name: {"ok": True} for name in specs}
+    except Exception:
+        for name, spec in specs.items():  # which one failed
+            try:
+                spec.build(verbose=False)
+                modules[name] = {"ok": True}
+            except Exception as exc:
+                modules[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:]}
+    print(json.dumps({"ok": True, "modules": modules, "seconds": time.perf_counter() - t0}))
+except BaseException as exc:
+    print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:], "seconds": time.perf_counter() - t0}))
+"""
+
+
+class Job:
+    """A background process in its own process group that prints one JSON line (logs in logdir)."""
+
+    def __init__(self, name: str, code: str, argv: list[str], logdir: Path, env=None, nice: int = 0):
+        self.name, self.started, self.result = name, time.perf_counter(), None
+        self.out, self.err = logdir / f"{name}.out", logdir / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=out, stderr=err, cwd=bc.REPO,
+                                         env=env, start_new_session=True,
+                                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+    def poll(self) -> dict | None:
+        if self.result is None and self.proc.poll() is not None:
+            lines = [ln for ln in self.out.read_text(errors="replace").splitlines() if ln.startswith("{")]
+            try:
+                self.result = json.loads(lines[-1])
+            except (IndexError, json.JSONDecodeError):
+                tail = self.err.read_text(errors="replace")[-1500:]
+                self.result = {"ok": False, "error": f"exit {self.proc.returncode}: {tail}"}
+            self.result["wall_s"] = time.perf_counter() - self.started
+            bc.log(f"builds: {self.name} {'ok' if self.result.get('ok') else 'FAILED'} ({self.result['wall_s']:.0f} s)")
+        return self.result
+
+    def kill(self, reason: str) -> None:
+        if self.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the group we started (python, ninja, nvcc)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+            self.result = {"ok": False, "error": reason, "wall_s": time.perf_counter() - self.started}
+
+
+def wait_jobs(jobs: list[Job], until: float) -> None:
+    while any(j.poll() is None for j in jobs) and time.perf_counter() < until:
+        time.sleep(0.2)
+
+
+def start_warmups(rows: list[Row], logdir: Path) -> list[Job]:
+    keys = set()
+    for r in rows:
+        keys |= {(r.head_dim, r.kv_dtype, "pod"), (r.head_dim, r.kv_dtype, "decode"),
+                 (r.head_dim, r.kv_dtype, "prefill")} | ({(r.head_dim, r.kv_dtype, "pod_single")} if r.single else set())
+    return [Job(f"ours_hd{hd}_{dt}_{what}", OURS_WARMUP, [str(hd), dt, what], logdir) for hd, dt, what in sorted(keys)]
+
+
+def fi_reason(job: Job | None, impl: str) -> str | None:
+    """None if FlashInfer's module for `impl` was built, else why not."""
+    r = job.poll() if job else {"ok": False, "error": "not started"}
+    if r is None:
+        return "build still running"
+    if not r.get("ok"):
+        return f"build failed: {r.get('error')}"[:600]
+    m = r.get("modules", {}).get(FI_MODULE[impl], {})
+    return None if m.get("ok") else f"{FI_MODULE[impl]} build failed: {m.get('error')}"[:600]
+
+
+# --- inputs and implementations ---------------------------------------------------------------------
+class Inputs:
+    """q for the prefill [sum qo, Hq, D] and the decodes [n, Hq, D]; one paged pool (at the row's KV
+    dtype) whose pages, in a random permutation, hold the prefill contexts and the decode caches; the
+    single prefill's K/V as ragged bf16 [kv, Hk, D] copies of its pages."""
+
+    def __init__(self, row: Row, seed: int):
+        import torch
+
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        d, bf16, i32 = row.head_dim, torch.bfloat16, torch.int32
+        self.kv_dtype = getattr(torch, row.kv_dtype)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, device=DEVICE, dtype=bf16)
+
+        def perm(n):
+            return torch.randperm(n, generator=gen, device=DEVICE).to(i32)
+
+        pages_p = [-(-kv // PAGE_SIZE) for _, kv in row.prefill]
+        per_d = -(-row.decode_kv // PAGE_SIZE)
+        n_p, n_d = sum(pages_p), row.decodes * per_d
+        self.cache_p = self.cache_d = tuple(randn(n_p + n_d, PAGE_SIZE, NUM_KV_HEADS, d).to(self.kv_dtype)
+                                            for _ in "kv")
+        ids = perm(n_p + n_d)
+        self.indices_p, self.indices_d = ids[:n_p].contiguous(), ids[n_p:].contiguous()
+        self.qo_indptr_p = torch.tensor([0, *itertools.accumulate(qo for qo, _ in row.prefill)], dtype=i32)
+        self.kv_indptr_p = torch.tensor([0, *itertools.accumulate(pages_p)], dtype=i32)
+        self.last_p = torch.tensor([kv - (p - 1) * PAGE_SIZE for (_, kv), p in zip(row.prefill, pages_p)], dtype=i32)
+        self.qo_indptr_d = torch.arange(row.decodes + 1, dtype=i32)
+        self.kv_indptr_d = torch.arange(0, n_d + 1, per_d, dtype=i32)
+        self.last_d = torch.full((row.decodes,), row.decode_kv - (per_d - 1) * PAGE_SIZE, dtype=i32)
+        self.q_p = randn(sum(qo for qo, _ in row.prefill), NUM_QO_HEADS, d)
+        self.q_d = randn(row.decodes, NUM_QO_HEADS, d)
+        if row.single:
+            kv = row.prefill[0][1]
+            self.k_p, self.v_p = (c[self.indices_p.long()].reshape(-1, NUM_KV_HEADS, d)[:kv].to(bf16).contiguous()
+                                  for c in self.cache_p)
+
+
+def make(name: str, x: Inputs, row: Row, fi):
+    """Provider `name` planned on x (outside the timing): a zero-argument call that runs it and
+    returns its output ((prefill out, decode out) for the POD and serial forms)."""
+    import torch
+
+    import flashinfer_jit as fij
+
+    lib = fi if name.startswith("flashinfer_") else fij
+    base, d, bf16 = name.removeprefix("flashinfer_"), row.head_dim, torch.bfloat16
+    heads = (NUM_QO_HEADS, NUM_KV_HEADS, d, PAGE_SIZE)
+
+    def ws():
+        return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
+
+    if base == "pod":
+        w = lib.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+        # ours plans the prefill's mask at plan() (causal: not in FlashInfer; else re-planned at the first run())
+        causal = {"causal": True} if "causal" in inspect.signature(w.plan).parameters else {}
+        w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
+               x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype, **causal)
+        return lambda: w.run(x.q_p, x.cache_p, x.q_d, x.cache_d, causal_p=True)
+    if base == "pod_single":
+        w = lib.PODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+        w.plan(x.kv_indptr_d, x.indices_d, x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype)
+        return lambda: w.run(x.q_p, x.k_p, x.v_p, x.q_d, x.cache_d, causal_p=True)
+    if base in ("serial_single", "prefill_single_only"):
+        def prefill():
+            return lib.single_prefill_with_kv_cache(x.q_p, x.k_p, x.v_p, causal=True)
+    elif base != "decode_only":
+        pw = lib.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD", **({"backend": "fa2"} if lib is fi else {}))
+        pw.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, *heads, causal=True, q_data_type=bf16,
+                kv_data_type=x.kv_dtype)
+
+        def prefill():
+            return pw.run(x.q_p, x.cache_p)
+    if base.startswith("prefill"):
+        return prefill
+    dw = lib.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
+    dw.plan(x.kv_indptr_d, x.indices_d, x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype)
+    if base == "decode_only":
+        return lambda: dw.run(x.q_d, x.cache_d)
+    return lambda: (prefill(), dw.run(x.q_d, x.cache_d))
+
+
+def compare(got, ref) -> dict:
+    """max |got - ref| of the prefill and the decode outputs (NaN: None); agrees below MAX_ABS_DIFF."""
+    import torch
+
+    out = {}
+    for part, a, b in (("prefill", got[0], ref[0]), ("decode", got[1], ref[1])):
+        if a.shape != b.shape:
+            out[part] = f"shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+            continue
+        diff = (a.float() - b.float()).abs()
+        out[part] = None if bool(torch.isnan(diff).any()) else float(diff.max())
+    worst = [v for v in out.values() if isinstance(v, float)]
+    ok = len(worst) == 2 and max(worst) < MAX_ABS_DIFF
+    return {"prefill_max_abs_diff": out["prefill"], "decode_max_abs_diff": out["decode"],
+            "max_abs_diff": max(worst) if len(worst) == 2 else None, "agrees": ok}
+
+
+def measure(row: Row, names: list[str], refs: list[str], ctx, seed: int) -> tuple[dict, dict]:
+    """Plan every provider of `names` (timed) and `refs` (checked against only), run each once for
+    the check, then time `names` interleaved. Returns (entries, checks)."""
+    import torch
+
+    x = Inputs(row, seed)
+    entries, outs, timed = {}, {}, []
+    for name in refs + names:
+        try:
+            fn = make(name, x, row, ctx["fi"])
+            got = fn()
+            torch.cuda.synchronize()
+            outs[name] = tuple(t.clone() for t in got) if isinstance(got, tuple) else got.clone()
+            if name in names:
+                timed.append((name, fn))
+        except Exception as exc:  # noqa: BLE001  (one failing provider must not end the row)
+            entries[name] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+            bc.log(f"{row.label} {name}: {entries[name]['error']}")
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001  (a sticky CUDA error: the next rows will say so)
+                pass
+    for (name, _), t in zip(timed, bp.time_interleaved([fn for _, fn in timed], ctx["reps"], ctx["flush"])):
+        if "error" not in t:
+            t["samples_us"] = [round(s, 2) for s in t.pop("_samples", [])]
+        entries[name] = t
+    checks = {n: compare(outs[n], outs[r]) | {"against": r} for n, r in CHECKS.items()
+              if n in outs and r in outs and n in names}
+    del x, outs, timed
+    torch.cuda.empty_cache()
+    return entries, checks
+
+
+def derive(res: dict) -> None:
+    im = res["impls"]
+    us = {k: v.get("median_us") for k, v in im.items()}
+    sp, paired = {}, {}
+
+    def ratio(key, num, den):
+        if num and den:
+            sp[key] = num / den
+
+    for pod, serial, pre in (("pod", "serial", "prefill_only"), ("pod_single", "serial_single", "prefill_single_only")):
+        ideal = max(us[pre], us["decode_only"]) if us.get(pre) and us.get("decode_only") else None
+        ratio(f"{pod}_vs_{serial}", us.get(serial), us.get(pod))
+        ratio(f"{pod}_vs_ideal", ideal, us.get(pod))
+        if ideal and us.get(pod) and us.get(serial) and us[serial] > ideal:
+            sp[f"{pod}_overlap_captured"] = (us[serial] - us[pod]) / (us[serial] - ideal)
+        p = bp.paired_ratio(im.get(pod, {}).get("samples_us") or [], im.get(serial, {}).get("samples_us") or [])
+        if p:
+            paired[f"{serial}_over_{pod}"] = p
+        pass2 = im.get(pod, {}).get("pass2", {})
+        ratio(f"{pod}_vs_flashinfer_{pod}", us.get(f"flashinfer_{pod}"), pass2.get("median_us"))
+        p = bp.paired_ratio(pass2.get("samples_us") or [], im.get(f"flashinfer_{pod}", {}).get("samples_us") or [])
+        if p:
+            paired[f"flashinfer_{pod}_over_{pod}"] = p
+        ratio(f"flashinfer_{pod}_vs_flashinfer_serial", us.get("flashinfer_serial"), us.get(f"flashinfer_{pod}"))
+    res["speedup"], res["paired"] = sp, paired
+    res["mismatch"] = any(not c["agrees"] for n, c in res["check"].items() if not n.startswith("flashinfer"))
+
+
+# --- report -----------------------------------------------------------------------------------------
+def _us(entry: dict | None, key: str = "median_us"):
+    if not entry:
+        return None
+    if key in entry:
+        return entry[key]
+    return "err" if "error" in entry else "skip" if "skipped" in entry else None
+
+
+def _check(res: dict, names) -> str:
+    short = {"pod": "pod", "pod_single": "pod1", "flashinfer_pod": "pod", "flashinfer_pod_single": "pod1",
+             "flashinfer_serial": "serial"}
+    parts = [f"{short[n]} {'ok' if c['agrees'] else 'DIFF'} " + ("NaN" if c["max_abs_diff"] is None else
+                                                              f"{c['max_abs_diff']:.4f}")
+             for n, c in res["check"].items() if n in names]
+    return ("MISMATCH " if res.get("mismatch") and names == ("pod", "pod_single") else "") + ", ".join(parts)
+
+
+COLS1 = ["row", "pod", "pod1", "serial", "serial1", "prefill", "pre1", "decode", "ser/pod", "idl/pod", "ser1/pod1",
+         "idl1/pod1", "check"]
+COLS2 = ["row", "pod", "pod1", "FI pod", "FI pod1", "FI serial", "FI/pod", "FI1/pod1", "FIs/FIpod", "FI check"]
+
+
+def line1(res: dict) -> list:
+    im, sp = res["impls"], res["speedup"]
+    return [res["label"], *[_us(im.get(k)) for k in OURS], sp.get("pod_vs_serial"), sp.get("pod_vs_ideal"),
+            sp.get("pod_single_vs_serial_single"), sp.get("pod_single_vs_ideal"), _check(res, ("pod", "pod_single"))]
+
+
+def line2(res: dict) -> list:
+    im, sp = res["impls"], res["speedup"]
+    return [res["label"], _us(im.get("pod", {}).get("pass2")), _us(im.get("pod_single", {}).get("pass2")),
+            *[_us(im.get(k)) for k in FI], sp.get("pod_vs_flashinfer_pod"),
+            sp.get("pod_single_vs_flashinfer_pod_single"), sp.get("flashinfer_pod_vs_flashinfer_serial"),
+            _check(res, FI)]
+
+
+def fmt(cells: list) -> str:
+    return f"{bc._cell(cells[0]):34s}" + "".join(f"{bc._cell(c):>10s}" for c in cells[1:-1]) + f"  {cells[-1]}"
+
+
+def report(res: dict) -> str:
+    m, fi = res["meta"], res["flashinfer"]
+    lines = [(f"device {m.get('device')}, commit {m.get('commit')}, {m.get('date')}, torch {m.get('torch')}; "
+              f"FlashInfer {fi.get('version') or fi.get('reason') or 'not measured (see builds)'}"),
+             ("us per call (median); ser/pod: serial over pod; idl/pod: max(prefill, decode alone) over pod "
+              "(1: full overlap); 1: the single-prefill form"), bc.table([line1(r) for r in res["rows"]], COLS1)]
+    if any(any(k in r["impls"] and "median_us" in r["impls"][k] for k in FI) for r in res["rows"]):
+        lines += ["", ("FlashInfer (pod, pod1: ours again, interleaved with FlashInfer; FI/pod: FlashInfer's "
+                       "time over ours)"), bc.table([line2(r) for r in res["rows"] if r["flashinfer_row"]], COLS2)]
+    lines += [f"skipped {s['row']}: {s['reason']}" for s in res["skipped"]]
+    return "\n".join(lines)
+
+
+# --- the run ----------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--list", action="store_true", help="print the rows, then exit (no GPU needed)")
+    p.add_argument("--quick", action="store_true", help="3 rows (head_dim 128 bf16) and --reps 30 unless given")
+    p.add_argument("--rows", default="", help="only rows whose label contains one of these ';'-separated strings")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per implementation (default 50, --quick 30; "
+                                                          "twice as many under 1 ms)")
+    p.add_argument("--time-limit", type=float, default=200.0,
+                   help="seconds for the whole run, builds included (default 200); rows that would end past it "
+                        "are skipped and listed")
+    p.add_argument("--out", default=None, help="JSON file (default $OUT/bench_pod.json)")
+    p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer (and its build)")
+    p.add_argument("--build-only", action="store_true", help="build our modules and FlashInfer's, then exit")
+    args = p.parse_args(argv)
+    args.only = tuple(o.strip() for o in args.rows.split(";") if o.strip())
+    args.reps = args.reps or (30 if args.quick else 50)
+    args.out = args.out or bc.default_out("bench_pod.json")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = row_list(args.quick, args.only)
+    if args.list:
+        for r in rows:
+            print(f"{r.label:34s} forms {'batch+single' if r.single else 'batch':12s} prefill "
+                  f"{r.prefill_flops() / 1e12:6.3f} TFLOP  decode KV {r.decode_kv_bytes() / 1e9:5.2f} GB  "
+                  f"~{r.est_us():5.0f} us  {'+FlashInfer' if r.flashinfer else ''}")
+        return 0
+    if not rows:
+        print(f"bench_pod: no row matches --rows {args.rows!r} (see --list)", file=sys.stderr)
+        return 2
+    if bc.no_gpu("bench_pod", " (run it on the GPU machine)"):
+        return 2
+    started = time.perf_counter()
+    deadline = started + args.time_limit
+    logdir = Path(tempfile.mkdtemp(prefix="bench_pod_builds_"))
+    fi_info = bp.flashinfer_status(not args.no_flashinfer)
+    fi_rows = [r for r in rows if r.flashinfer]
+    fi_job = Job("flashinfer_hd128", FLASHINFER_BUILD, [], logdir, bp.fi_env(), nice=10) \
+        if fi_info["available"] and fi_rows else None
+    warmups = start_warmups(rows, logdir)
+    jobs = warmups + ([fi_job] if fi_job else [])
+    try:
+        return run(args, rows, fi_info, fi_job, warmups, jobs, logdir, started, deadline)
+    finally:  # whatever happened, no build of ours outlives the run
+        for j in jobs:
+            j.kill("ended: the run finished first")
+
+
+def run(args, rows, fi_info, fi_job, warmups, jobs, logdir, started, deadline) -> int:
+    import torch
+
+    res = {"benchmark": "bench_pod", "meta": bc.run_metadata(), "flashinfer": fi_info, "rows": [], "skipped": [],
+           "config": {"dtype": "bfloat16", "num_qo_heads": NUM_QO_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                      "page_size": PAGE_SIZE, "kv_layout": "NHD", "causal_prefill": "bottom-right aligned",
+                      "page_table": "csr; page ids a random permutation of one pool (the row's KV dtype) holding the "
+                                    "prefill contexts and the decode caches; the single form's ragged K/V: bf16 copies",
+                      "inputs": "standard normal q, K, V", "reps": args.reps, "quick": args.quick,
+                      "rows": list(args.only), "time_limit_s": args.time_limit, "flashinfer_scope": FI_SCOPE,
+                      "timing": "bench_prefill.time_interleaved: CUDA events around each eager call (plan() "
+                                "outside), L2 flushed before each, >= 200 ms warm-up, --reps runs (2x under 1 ms), "
+                                "the row's providers interleaved; FlashInfer in a second pass with ours' pod and "
+                                "pod_single again (impls.pod.pass2), which its ratios use",
+                      "speedup": "x_vs_y: y's median over x's (> 1: x faster); ideal = max(prefill_only, "
+                                 "decode_only); overlap_captured = (serial - pod) / (serial - ideal)",
+                      "check": f"each POD's (prefill, decode) outputs against the serial ones of the same form: max "
+                               f"abs diff, agrees below {MAX_ABS_DIFF:g}; mismatch: one of ours does not"}}
+    bc.log(f"bench_pod: {len(rows)} rows; FlashInfer {'building' if fi_job else fi_info.get('reason')}; "
+           f"{len(warmups)} warm-ups of ours")
+    wait_jobs(warmups, deadline - RESERVE_S)  # they run kernels: all end before anything is timed
+    for j in warmups:
+        j.kill(f"ended: not finished {args.time_limit:g} s into the run (--time-limit)")
+    if args.build_only:
+        wait_jobs(jobs, deadline - RESERVE_S)
+    res["builds"] = {"logs": str(logdir), "ours": {j.name: j.poll() or {"ok": False, "error": "still running"}
+                                                   for j in warmups}}
+    ctx = {"fi": None, "reps": args.reps, "flush": bp.Flush() if not args.build_only else None}
+    torch.manual_seed(0)
+    measured = []
+    if not args.build_only:
+        print(fmt(COLS1), flush=True)
+    for index, row in enumerate([] if args.build_only else rows):
+        names = row.impls(OURS)
+        base = {"label": row.label, "head_dim": row.head_dim, "prefill": [list(c) for c in row.prefill],
+                "decodes": row.decodes, "decode_kv": row.decode_kv, "kv_dtype": row.kv_dtype,
+                "prefill_flops": row.prefill_flops(), "decode_kv_bytes": row.decode_kv_bytes(),
+                "flashinfer_row": row.flashinfer, **({"reference": row.note} if row.note else {})}
+        if time.perf_counter() + row.budget_s(len(names), args.reps) > deadline - RESERVE_S:
+            res["skipped"].append({"row": row.label, "reason": f"--time-limit {args.time_limit:g} s: no time left"})
+            continue
+        try:
+            entries, checks = measure(row, names, [], ctx, seed=index)
+        except Exception as exc:  # noqa: BLE001  (e.g. out of memory building the inputs)
+            res["skipped"].append({"row": row.label, "reason": f"{type(exc).__name__}: {exc}"[:800]})
+            bc.log(f"{row.label}: {res['skipped'][-1]['reason']}")
+            torch.cuda.empty_cache()
+            continue
+        r = base | {"impls": entries, "check": checks}
+        for impl in row.impls(FI):
+            r["impls"][impl] = {"skipped": fi_info.get("reason") or ("FlashInfer measured in the second pass" if
+                                                                      row.flashinfer else FI_SCOPE)}
+        derive(r)
+        res["rows"].append(r)
+        measured.append((index, row, r))
+        print(fmt(line1(r)), flush=True)
+    # FlashInfer: a second pass over its rows, once its modules are built
+    todo = [(i, row, r) for i, row, r in measured if row.flashinfer]
+    if fi_job and (todo or args.build_only):
+        first = min([row.budget_s(5, args.reps) for _, row, _ in todo] or [0])
+        wait_jobs([fi_job], deadline - RESERVE_S - first)
+        fi_job.kill(f"ended: not finished {args.time_limit:g} s into the run (--time-limit)")
+        res["builds"]["flashinfer"] = fi_job.poll()
+        if fi_job.poll().get("ok") and todo:
+            try:
+                import flashinfer
+
+                ctx["fi"], fi_info["version"] = flashinfer, getattr(flashinfer, "__version__", "?")
+            except Exception as exc:  # noqa: BLE001  (a peer failing must not end the benchmark)
+                fi_info.update(available=False, reason=f"import failed: {type(exc).__name__}: {exc}"[:800])
+        if todo:
+            print("\n" + fmt(COLS2), flush=True)
+        for index, row, r in todo:
+            why = {n: fi_info.get("reason") or fi_reason(fi_job, n) or (None if ctx["fi"] else "not imported")
+                   for n in row.impls(FI)}
+            names = [n for n, w in why.items() if w is None]
+            r["impls"].update({n: {"skipped": w} for n, w in why.items() if w})
+            if not names:
+                continue
+            if time.perf_counter() + row.budget_s(len(names) + 2, args.reps) > deadline - RESERVE_S:
+                for n in names:
+                    r["impls"][n] = {"skipped": f"--time-limit {args.time_limit:g} s: no time left"}
+                continue
+            ours = [n for n in ("pod", "pod_single") if n in r["impls"] and "median_us" in r["impls"][n]]
+            refs = [n for n in ("serial", "serial_single") if n in row.impls(OURS)]
+            try:
+                entries, checks = measure(row, ours + names, refs, ctx, seed=index)
+            except Exception as exc:  # noqa: BLE001  (e.g. out of memory building the inputs)
+                r["impls"].update({n: {"error": f"{type(exc).__name__}: {exc}"[:800]} for n in names})
+                torch.cuda.empty_cache()
+                continue
+            for n in ours:
+                r["impls"][n]["pass2"] = entries.get(n, {"error": "not run"})
+            r["impls"].update({n: entries.get(n, {"error": "not run"}) for n in names})
+            r["check"].update({n: c for n, c in checks.items() if n in names})
+            derive(r)
+            print(fmt(line2(r)), flush=True)
+    if fi_job:
+        fi_job.kill(f"ended: not finished {args.time_limit:g} s into the run (--time-limit)")
+        res["builds"]["flashinfer"] = fi_job.poll()
+    res["flashinfer"] = fi_info
+    print()
+    return bc.finish(args.out, res, report, started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,578 @@
+"""POD (PODWithPagedKVCacheWrapper, BatchPODWithPagedKVCacheWrapper): a prefill side and a
+batch of one-token decodes in one launch, each side against its float64 reference
+(flashinfer_jit/reference/prefill.py and decode.py).
+
+Single POD runs one prefill request on ragged K/V (k_p, v_p) and the decodes on a paged
+cache; batch POD runs several prefill requests and the decodes, both on paged caches (one
+shared tensor with disjoint pages, or two). CASES is a chosen list, not a product: dtypes,
+head dims, GQA groups, prefill shapes (qo_len x kv_len, causal), decode batches, lengths and
+page sizes. The tests after it take one option each (LSE, custom mask, window, scales, cache
+forms and layouts, re-plan, batch POD, CUDA graphs) at bf16, head_dim 128, 32/8 heads.
+
+Every GPU test uses fresh random data. Cache slots no request reads hold NaN, so a read
+through a wrong page id or past a request's length shows. POD allocates its outputs, so they
+cannot be poisoned in place: NaN blocks of the outputs' sizes are freed just before run()
+(the caching allocator tends to hand them back), and every output is checked for NaN and
+compared in full: |out - ref| <= tol * (1 + |ref|) (tol by dtype, looser with fp8 K/V, as
+test_prefill.py), LSEs (base 2) within LSE_TOL * max(1, |ref|).
+
+The CPU tests check PodSpec (rendering, one nvcc build marked slow), that the AOT matrix of
+the tests lists every module used here, and the wrappers' argument checks, which raise
+before any launch (their cuda variants run where a GPU is).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from typing import NamedTuple
+
+import pytest
+import torch
+from kv_helpers import DEV, assert_tests_matrix_has, capture_graph, dtype_of, grid_case, randn
+
+import flashinfer_jit as fij
+from flashinfer_jit.pipeline import render, toolchain
+from flashinfer_jit.pipeline.errors import ToolchainError
+from flashinfer_jit.pipeline.jit import get_module
+from flashinfer_jit.pod.spec import PodSpec, pod_spec
+from flashinfer_jit.reference.decode import decode_ref
+from flashinfer_jit.reference.prefill import packbits_ref, prefill_ref
+from flashinfer_jit.runtime.page_table import PageTable, csr_page_table
+from flashinfer_jit.specs import FAMILIES
+
+TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # |out - ref| <= tol * (1 + |ref|)
+FP8_FACTOR = 2.5  # fp8 decode cache: the kernel may round P more coarsely
+LSE_TOL = 1e-2  # base 2, relative to max(1, |lse|)
+FP8_NAN = 0x7F  # NaN in e4m3fn
+BF16, LLAMA, HD = torch.bfloat16, (32, 8), 128
+SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
+
+
+# --- the grid ----------------------------------------------------------------------------------
+class Case(NamedTuple):
+    dtype: str       # q_p, k_p, v_p, q_d, the decode cache and both outputs
+    head_dim: int
+    heads: tuple     # (num_qo_heads, num_kv_heads)
+    qo_len: int      # the prefill request
+    kv_len: int
+    causal: bool
+    batch: int       # decode requests
+    max_kv: int      # decode lengths: random in 1..max_kv, with max_kv, 1 and page boundaries among them
+    page_size: int
+
+
+PREFILL_SHAPES = [(qo, kv, causal) for qo in (1, 127, 1000) for kv in (127, 2048) for causal in (False, True)
+                  if not (causal and kv < qo)]  # 11
+DECODE_SHAPES = list(itertools.product((1, 17, 130), (1, 127, 3000), (1, 16)))  # (batch, max_kv, page_size): 18
+# (dtype, head_dim, heads, prefill shapes); the decode shapes are dealt in turn. 8 modules:
+# (4, 1) shares (32, 8)'s group tile; head_dim 64 and 256 one mask each. Single POD runs one
+# K/V dtype and its k_p / v_p take q's, so fp8 caches are batch POD's (test_batch_pod).
+GROUPS = [
+    ("bfloat16", 128, (32, 8), PREFILL_SHAPES),
+    ("float16", 128, (32, 8), PREFILL_SHAPES),
+    ("bfloat16", 128, (8, 8), PREFILL_SHAPES),
+    ("bfloat16", 128, (4, 1), [(127, 2048, True), (1000, 127, False), (1, 2048, False)]),
+    ("float16", 64, (32, 8), [(127, 127, False), (1000, 2048, False), (1, 2048, False)]),
+    ("bfloat16", 256, (32, 8), [(127, 127, True), (1000, 2048, True), (1, 127, True)]),
+]
+_deal = itertools.cycle(DECODE_SHAPES)
+CASES = [Case(dt, d, heads, qo, kv, causal, *next(_deal))
+         for dt, d, heads, shapes in GROUPS for qo, kv, causal in shapes]
+
+
+def case_id(i: int, c: Case) -> str:
+    return (f"{i:02d}-{SHORT[c.dtype]}-hd{c.head_dim}-{c.heads[0]}x{c.heads[1]}-p{c.qo_len}x{c.kv_len}"
+            f"{'-causal' if c.causal else ''}-d{c.batch}x{c.max_kv}-ps{c.page_size}")
+
+
+def specs_needed() -> set:
+    """Every POD module the GPU tests of this file load."""
+    def spec(dtype, kv, d=HD, heads=LLAMA, prefill_kv="ragged", layout="NHD", mask="none"):
+        return pod_spec(dtype, kv, d, prefill_kv, "csr", layout, mask, *heads)
+    specs = {spec(c.dtype, c.dtype, c.head_dim, c.heads, mask="causal" if c.causal else "none") for c in CASES}
+    specs |= {spec("bfloat16", "bfloat16", mask=m) for m in ("none", "causal", "custom")}  # LSE, window, mask, scales
+    specs |= {spec("bfloat16", "bfloat16", layout=lay, mask="causal") for lay in ("NHD", "HND")}  # cache forms
+    specs |= {spec("bfloat16", kv, prefill_kv="paged", mask=m)  # batch POD
+              for kv in ("bfloat16", "float8_e4m3fn") for m in ("none", "causal")}
+    return specs
+
+
+# --- inputs --------------------------------------------------------------------------------------
+def _i32(values, device=DEV) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _seeded(seed: int):
+    return random.Random(seed), torch.Generator(device=DEV).manual_seed(seed)
+
+
+def decode_lens(batch: int, max_kv: int, page_size: int, rnd: random.Random) -> list[int]:
+    lens = [rnd.randint(1, max_kv) for _ in range(batch)]
+    for i, n in enumerate([max_kv, 1, page_size, page_size + 1][:batch]):
+        lens[i] = min(n, max_kv)
+    rnd.shuffle(lens)
+    return lens
+
+
+class Paged(NamedTuple):
+    run_arg: object      # what run() takes: (k, v) or one [P, 2, ...] tensor
+    k: torch.Tensor      # the K and V views, for the references
+    v: torch.Tensor
+    layout: str
+
+
+class Table(NamedTuple):
+    plan_args: tuple     # (indptr, indices, last_page_len), int32 on the GPU
+    table: PageTable     # for the references
+    lens: list
+
+
+def make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen, layout="NHD", single=False) -> Paged:
+    page = (page_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, page_size)
+    if single:
+        buf = randn((num_pages, 2, *page, head_dim), dtype, gen)
+        return Paged(buf, buf[:, 0], buf[:, 1], layout)
+    k, v = (randn((num_pages, *page, head_dim), dtype, gen) for _ in range(2))
+    return Paged((k, v), k, v, layout)
+
+
+def csr_table(lens, page_size: int, page_ids: list) -> Table:
+    """The requests' pages, in order, from `page_ids`."""
+    pages = [-(-n // page_size) for n in lens]
+    indptr, indices = _i32(list(itertools.accumulate(pages, initial=0))), _i32(page_ids[: sum(pages)])
+    last = _i32([n - (p - 1) * page_size for n, p in zip(lens, pages)])
+    return Table((indptr, indices, last), csr_page_table(indptr, indices, last), list(lens))
+
+
+def nan_outside(cache: Paged, page_size: int, tables) -> None:
+    """NaN into every slot of the cache that no request of `tables` reads."""
+    used = torch.zeros(cache.k.shape[0], page_size, dtype=torch.bool)
+    for t in tables:
+        indptr, indices = t.plan_args[0].tolist(), t.plan_args[1].cpu().long()
+        for b, n in enumerate(t.lens):
+            j = torch.arange(n)
+            used[indices[indptr[b]:][j // page_size], j % page_size] = True
+    unused = (~used).to(DEV)
+    for part in (cache.k, cache.v):
+        raw = part.view(torch.uint8) if part.element_size() == 1 else part
+        slots = raw if cache.layout == "NHD" else raw.transpose(1, 2)  # [P, page_size, Hk, D] either way
+        slots[unused] = FP8_NAN if part.element_size() == 1 else float("nan")
+
+
+class Decode(NamedTuple):
+    q: torch.Tensor
+    cache: Paged
+    table: Table
+
+
+def make_decode(lens, heads, head_dim, page_size, dtype, kv_dtype, gen, rnd, layout="NHD", single=False) -> Decode:
+    num_pages = sum(-(-n // page_size) for n in lens) + 4
+    table = csr_table(lens, page_size, rnd.sample(range(num_pages), num_pages))
+    cache = make_cache(num_pages, page_size, heads[1], head_dim, kv_dtype, gen, layout, single)
+    nan_outside(cache, page_size, [table])
+    return Decode(randn((len(lens), heads[0], head_dim), dtype, gen), cache, table)
+
+
+def make_prefill(qo_len, kv_len, heads, head_dim, dtype, gen):
+    """(q_p, k_p, v_p): one request, NHD."""
+    hq, hk = heads
+    return (randn((qo_len, hq, head_dim), dtype, gen), randn((kv_len, hk, head_dim), dtype, gen),
+            randn((kv_len, hk, head_dim), dtype, gen))
+
+
+def prefill_reference(q, k, v, **kwargs):
+    return prefill_ref(q, _i32([0, q.shape[0]]), k, v, kv_indptr=_i32([0, k.shape[0]]), **kwargs)
+
+
+def decode_reference(dec: Decode, **kwargs):
+    return decode_ref(dec.q, dec.cache.k, dec.cache.v, dec.table.table, dec.table.lens, dec.cache.layout, **kwargs)
+
+
+# --- running and checking -----------------------------------------------------------------------
+def plan_pod(w, dec: Decode, page_size: int, dtype, kv_dtype=None, **kwargs) -> None:
+    num_kv_heads = dec.cache.k.shape[2 if dec.cache.layout == "NHD" else 1]
+    w.plan(*dec.table.plan_args, dec.q.shape[1], num_kv_heads, dec.q.shape[2], page_size, q_data_type=dtype,
+           kv_data_type=kv_dtype, **kwargs)
+
+
+def _poison_allocator(*qs) -> None:
+    """Best effort: NaN blocks of the outputs' sizes (q's, and the float32 LSEs), freed at
+    once; the caching allocator hands a freed block to the next allocation of its size, so
+    an output row the kernel skips most likely shows as NaN."""
+    for q in qs:
+        torch.full_like(q, float("nan"))
+        torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
+
+
+def unpack(result, want_p: bool, want_d: bool):
+    """run()'s result -> (out_p, out_d, lse_p, lse_d); an LSE not asked for must be None."""
+    if not (want_p or want_d):
+        out_p, out_d = result
+        return out_p, out_d, None, None
+    (out_p, out_d), (lse_p, lse_d) = result
+    assert (lse_p is not None, lse_d is not None) == (want_p, want_d), "LSEs returned other than asked for"
+    return out_p, out_d, lse_p, lse_d
+
+
+def run_pod(w, q_p, k_p, v_p, dec: Decode, **kwargs):
+    _poison_allocator(q_p, dec.q)
+    result = w.run(q_p, k_p, v_p, dec.q, dec.cache.run_arg, **kwargs)
+    torch.cuda.synchronize()
+    return unpack(result, kwargs.get("return_lse_p", False), kwargs.get("return_lse_d", False))
+
+
+def check_out(out, ref, tol: float, what: str) -> None:
+    """No NaN; every element within tol * (1 + |ref|)."""
+    o, r = out.double(), ref.double().to(out.device)
+    assert o.shape == r.shape, f"{what}: shape {tuple(o.shape)}, expected {tuple(r.shape)}"
+    assert not torch.isnan(r).any(), f"{what}: NaN in the reference (it read a poisoned slot: a test bug)"
+    nan_rows = torch.isnan(o).flatten(1).any(1).nonzero().flatten().tolist()
+    assert not nan_rows, f"{what}: NaN in rows {nan_rows[:8]} of {o.shape[0]}"
+    excess = ((o - r).abs() - tol * (1 + r.abs())).flatten(1).amax(1)
+    bad = (excess > 0).nonzero().flatten().tolist()
+    if bad:
+        worst = max(bad, key=lambda i: float(excess[i]))
+        err = float((o[worst] - r[worst]).abs().max())
+        pytest.fail(f"{what}: {len(bad)} of {o.shape[0]} rows off; worst row {worst} by {err:.3e} "
+                    f"(> {tol:g} x (1 + |ref|)); rows {bad[:8]}")
+
+
+def check_lse(lse, ref, what: str) -> None:
+    """float32, no NaN, -inf exactly where the reference is, elsewhere within LSE_TOL."""
+    s, r = lse.double(), ref.double().to(lse.device)
+    assert lse.dtype == torch.float32 and s.shape == r.shape, f"{what}: {lse.dtype} {tuple(s.shape)}"
+    assert not torch.isnan(s).any(), f"{what}: NaN"
+    empty = torch.isneginf(r)
+    assert torch.equal(torch.isneginf(s), empty), f"{what}: -inf where the reference is finite or the other way round"
+    err = float(torch.where(empty, 0.0, (s - r).abs() / r.abs().clamp(min=1.0)).max())
+    assert err <= LSE_TOL, f"{what}: off by {err:.3e} (relative to max(1, |ref|)) > {LSE_TOL}"
+
+
+def check_pod(outs, ref_p, ref_d, dtype, fp8: bool = False) -> None:
+    """outs: (out_p, out_d, lse_p, lse_d); ref_p, ref_d: (out, lse) of the references."""
+    out_p, out_d, lse_p, lse_d = outs
+    assert out_p.dtype == dtype and out_d.dtype == dtype, (out_p.dtype, out_d.dtype)
+    tol = TOL[dtype] * (FP8_FACTOR if fp8 else 1.0)
+    check_out(out_p, ref_p[0], tol, "out_p")
+    check_out(out_d, ref_d[0], tol, "out_d")
+    if lse_p is not None:
+        check_lse(lse_p, ref_p[1], "lse_p")
+    if lse_d is not None:
+        check_lse(lse_d, ref_d[1], "lse_d")
+
+
+# --- single POD ----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [pytest.param(i, id=case_id(i, c)) for i, c in enumerate(CASES)])
+def test_pod(index, workspace):
+    case, rnd, gen = grid_case(CASES, index, 7000)
+    dtype = dtype_of(case.dtype)
+    q_p, k_p, v_p = make_prefill(case.qo_len, case.kv_len, case.heads, case.head_dim, dtype, gen)
+    lens = decode_lens(case.batch, case.max_kv, case.page_size, rnd)
+    dec = make_decode(lens, case.heads, case.head_dim, case.page_size, dtype, dtype, gen, rnd)
+    lse = index % 3 == 0  # both LSEs in a third of the cases
+    w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    plan_pod(w, dec, case.page_size, dtype)
+    outs = run_pod(w, q_p, k_p, v_p, dec, causal_p=case.causal, return_lse_p=lse, return_lse_d=lse)
+    check_pod(outs, prefill_reference(q_p, k_p, v_p, causal=case.causal), decode_reference(dec), dtype)
+
+
+def _llama(seed: int, qo_len=127, kv_len=700, batch=17, max_kv=1000, page_size=16, **decode_kwargs):
+    """bf16, head_dim 128, 32/8 heads: (q_p, k_p, v_p, decode, rnd, gen)."""
+    rnd, gen = _seeded(seed)
+    q_p, k_p, v_p = make_prefill(qo_len, kv_len, LLAMA, HD, BF16, gen)
+    dec = make_decode(decode_lens(batch, max_kv, page_size, rnd), LLAMA, HD, page_size, BF16, BF16, gen, rnd,
+                      **decode_kwargs)
+    return q_p, k_p, v_p, dec, rnd, gen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("want_p, want_d", [(True, False), (False, True)], ids=["lse_p", "lse_d"])
+def test_pod_returns_the_lse_asked_for(want_p, want_d, workspace):
+    q_p, k_p, v_p, dec, _, _ = _llama(1, qo_len=300, kv_len=300)
+    w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    plan_pod(w, dec, 16, BF16)
+    outs = run_pod(w, q_p, k_p, v_p, dec, causal_p=True, return_lse_p=want_p, return_lse_d=want_d)
+    check_pod(outs, prefill_reference(q_p, k_p, v_p, causal=True), decode_reference(dec), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["bool", "packed"])
+def test_pod_custom_mask(packed, workspace):
+    """custom_mask_p [qo_len, kv_len] (True keeps) or its bits (little order); a row that
+    keeps no key gives zeros and LSE -inf."""
+    q_p, k_p, v_p, dec, _, gen = _llama(2 + packed, qo_len=127, kv_len=300)
+    mask = torch.rand(127, 300, generator=gen, device=DEV) < 0.5
+    mask[5], mask[6] = False, True
+    given = dict(packed_custom_mask_p=packbits_ref(mask.reshape(-1), "little")) if packed else dict(custom_mask_p=mask)
+    w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    plan_pod(w, dec, 16, BF16)
+    outs = run_pod(w, q_p, k_p, v_p, dec, return_lse_p=True, **given)
+    check_pod(outs, prefill_reference(q_p, k_p, v_p, custom_mask=mask.reshape(-1)), decode_reference(dec), BF16)
+    assert bool((outs[0][5] == 0).all()), "a row that keeps no key must be exactly zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_pod_window_left(causal, workspace):
+    """window_left_p on the prefill side (keys from pos_i - w), plan(window_left=) on the decode side."""
+    q_p, k_p, v_p, dec, _, _ = _llama(4, qo_len=200, kv_len=700)
+    w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    plan_pod(w, dec, 16, BF16, window_left=37)
+    outs = run_pod(w, q_p, k_p, v_p, dec, causal_p=causal, window_left_p=50, return_lse_p=True, return_lse_d=True)
+    check_pod(outs, prefill_reference(q_p, k_p, v_p, causal=causal, window_left=50),
+              decode_reference(dec, window_left=37), BF16)
+
+
+@pytest.mark.gpu
+def test_pod_scales(workspace):
+    """sm_scale_p on the prefill side; plan()'s sm_scale times q_scale and k_scale, and v_scale
+    on out_d, on the decode side (single POD's scales are the decode side's, as FlashInfer's)."""
+    q_p, k_p, v_p, dec, _, _ = _llama(5)
+    scales = dict(q_scale=1.25, k_scale=0.8, v_scale=1.5)
+    w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    plan_pod(w, dec, 16, BF16, sm_scale=0.07)
+    outs = run_pod(w, q_p, k_p, v_p, dec, sm_scale_p=0.05, return_lse_p=True, return_lse_d=True, **scales)
+    check_pod(outs, prefill_reference(q_p, k_p, v_p, sm_scale=0.05), decode_reference(dec, sm_scale=0.07, **scales),
+              BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("single", [False, True], ids=["tuple", "single"])
+def test_pod_cache_forms_and_layouts(layout, single, workspace):
+    """The decode cache as a (k, v) tuple or one [P, 2, ...] tensor, NHD or HND (the wrapper's kv_layout)."""
+    q_p, k_p, v_p, dec, _, _ = _llama(6, qo_len=127, kv_len=2048, batch=33, layout=layout, single=single)
+    w = fij.PODWithPagedKVCacheWrapper(workspace, layout)
+    plan_pod(w, dec, 16, BF16)
+    outs = run_pod(w, q_p, k_p, v_p, dec, causal_p=True, kv_layout_d=layout)
+    check_pod(outs, prefill_reference(q_p, k_p, v_p, causal=True), decode_reference(dec), BF16)
+
+
+@pytest.mark.gpu
+def test_pod_runs_twice_and_after_a_replan(workspace):
+    """One plan(), two run()s with new q values in the same tensors (the outputs change and
+    both match), then a plan() of another decode batch and its run()."""
+    q_p, k_p, v_p, dec, rnd, gen = _llama(7, qo_len=300, kv_len=1200, max_kv=2000)
+    w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    plan_pod(w, dec, 16, BF16)
+    first = [t.clone() for t in run_pod(w, q_p, k_p, v_p, dec, causal_p=True)[:2]]
+    check_pod((*first, None, None), prefill_reference(q_p, k_p, v_p, causal=True), decode_reference(dec), BF16)
+    q_p.copy_(randn(q_p.shape, BF16, gen))
+    dec.q.copy_(randn(dec.q.shape, BF16, gen))
+    second = run_pod(w, q_p, k_p, v_p, dec, causal_p=True)
+    assert not torch.equal(first[0], second[0]) and not torch.equal(first[1], second[1]), "new q, the same outputs"
+    check_pod(second, prefill_reference(q_p, k_p, v_p, causal=True), decode_reference(dec), BF16)
+    dec = make_decode(decode_lens(5, 3000, 16, rnd), LLAMA, HD, 16, BF16, BF16, gen, rnd)
+    plan_pod(w, dec, 16, BF16)
+    third = run_pod(w, q_p, k_p, v_p, dec, causal_p=True)
+    assert third[1].shape[0] == 5
+    check_pod(third, prefill_reference(q_p, k_p, v_p, causal=True), decode_reference(dec), BF16)
+
+
+@pytest.mark.gpu
+def test_pod_cuda_graph_replay(workspace):
+    """run() captured once with use_cuda_graph=True (the decode page table in fixed buffers),
+    replayed with new q values in the same tensors, then after a plan() of other decode
+    lengths (same batch) over the same cache, refilled in place."""
+    rnd, gen = _seeded(8)
+    batch, page_size, max_kv = 17, 16, 1000
+    num_pages = batch * -(-max_kv // page_size) + 4
+    cache = make_cache(num_pages, page_size, LLAMA[1], HD, BF16, gen)
+    w = fij.PODWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=_i32([0] * (batch + 1)),
+        paged_kv_indices_buffer=_i32([0] * num_pages), paged_kv_last_page_len_buffer=_i32([0] * batch))
+    q_p, k_p, v_p = make_prefill(127, 1000, LLAMA, HD, BF16, gen)
+    q_d = randn((batch, LLAMA[0], HD), BF16, gen)
+    graph = outs = table = None
+    for step in range(3):
+        if step != 1:  # step 1: the same plan, new q values only
+            lens = decode_lens(batch, max_kv, page_size, rnd)
+            table = csr_table(lens, page_size, rnd.sample(range(num_pages), num_pages))
+            for part in (cache.k, cache.v):
+                part.copy_(randn(part.shape, BF16, gen))
+            nan_outside(cache, page_size, [table])
+            w.plan(*table.plan_args, *LLAMA, HD, page_size, q_data_type=BF16)
+        q_p.copy_(randn(q_p.shape, BF16, gen))
+        q_d.copy_(randn(q_d.shape, BF16, gen))
+        if graph is None:
+            graph, outs = capture_graph(lambda: w.run(q_p, k_p, v_p, q_d, cache.run_arg, causal_p=True))
+        for t in outs:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_pod((*outs, None, None), prefill_reference(q_p, k_p, v_p, causal=True),
+                  decode_reference(Decode(q_d, cache, table)), BF16)
+
+
+# --- batch POD -----------------------------------------------------------------------------------
+# (causal_p, one shared cache, return_lse, cache dtype, scales): batch POD applies q_scale,
+# k_scale and v_scale to both sides (both read the paged caches; FlashInfer: the decode side's)
+BATCH_CASES = [
+    pytest.param(False, True, True, BF16, {}, id="shared-lse"),
+    pytest.param(True, True, False, BF16, {}, id="shared-causal"),
+    pytest.param(True, False, True, BF16, dict(q_scale=1.25, k_scale=0.8, v_scale=1.5), id="two-caches-causal-scales"),
+    pytest.param(False, False, False, BF16, {}, id="two-caches"),
+    pytest.param(True, True, True, torch.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0), id="e4m3-shared-causal-lse"),
+    pytest.param(False, False, False, torch.float8_e4m3fn, {}, id="e4m3-two-caches"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, shared, return_lse, kv_dtype, scales", BATCH_CASES)
+def test_batch_pod(causal, shared, return_lse, kv_dtype, scales, workspace):
+    """Prefill requests (qo 7, 300, 1 over kv 500, 300, 2048) and 9 decodes on paged caches:
+    one cache with disjoint page ids for the two sides, or one cache each."""
+    rnd, gen = _seeded(9 + 2 * causal + shared + 4 * (kv_dtype != BF16))
+    page_size, (hq, hk) = 16, LLAMA
+    qo_lens, kv_lens, lens_d = [7, 300, 1], [500, 300, 2048], decode_lens(9, 1500, page_size, rnd)
+    pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
+    num_pages = pages_p + pages_d + 5
+    ids = rnd.sample(range(num_pages), num_pages)
+    table_p, table_d = csr_table(kv_lens, page_size, ids[:pages_p]), csr_table(lens_d, page_size, ids[pages_p:])
+    cache_p = make_cache(num_pages, page_size, hk, HD, kv_dtype, gen)
+    cache_d = cache_p if shared else make_cache(num_pages, page_size, hk, HD, kv_dtype, gen)
+    nan_outside(cache_p, page_size, [table_p, table_d] if shared else [table_p])
+    if not shared:
+        nan_outside(cache_d, page_size, [table_d])
+    qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
+    q_p = randn((sum(qo_lens), hq, HD), BF16, gen)
+    dec = Decode(randn((len(lens_d), hq, HD), BF16, gen), cache_d, table_d)
+    w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(len(lens_d) + 1))), *table_d.plan_args, hq, hk, HD,
+           page_size, q_data_type=BF16, kv_data_type=kv_dtype)
+    _poison_allocator(q_p, dec.q)
+    result = w.run(q_p, cache_p.run_arg, dec.q, cache_d.run_arg, causal_p=causal, return_lse=return_lse, **scales)
+    torch.cuda.synchronize()
+    ref_p = prefill_ref(q_p, qo_indptr_p, cache_p.k, cache_p.v, page_table=table_p.table, causal=causal, **scales)
+    check_pod(unpack(result, return_lse, return_lse), ref_p, decode_reference(dec, **scales), BF16,
+              fp8=kv_dtype.itemsize == 1)
+
+
+# --- argument checks: before any launch (CPU; the cuda variants where a GPU is) ------------------
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+PLAN = (32, 8, HD, 16)  # num_qo_heads, num_kv_heads, head_dim, page_size
+
+
+def _small(device: str, batch: int = 3, qo_len: int = 10, kv_len: int = 20, heads_p: int = 32, dtype_p=BF16):
+    """(page table of `batch` requests of 2 pages, q_p, k_p, v_p, q_d, (k, v) cache) on `device`."""
+    table = (_i32([2 * b for b in range(batch + 1)], device), _i32(list(range(2 * batch)), device),
+             _i32([5] * batch, device))
+
+    def t(*shape, dtype=BF16):
+        return torch.randn(*shape, device=device).to(dtype)
+    return (table, t(qo_len, heads_p, HD, dtype=dtype_p), t(kv_len, 8, HD, dtype=dtype_p),
+            t(kv_len, 8, HD, dtype=dtype_p), t(batch, 32, HD), (t(2 * batch, 16, 8, HD), t(2 * batch, 16, 8, HD)))
+
+
+def _pod(device: str, cls: str = "PODWithPagedKVCacheWrapper"):
+    try:
+        return getattr(fij, cls)(torch.zeros(1 << 20, dtype=torch.uint8, device=device), "NHD")
+    except Exception as exc:  # noqa: BLE001
+        if device == "cpu":
+            pytest.skip(f"{cls} on a CPU workspace raised {type(exc).__name__}: {exc}; the cuda variant checks this")
+        raise
+
+
+def _planned(device: str, batch: int = 3):
+    """A single-POD wrapper planned for `batch` decodes (bf16, 32/8 heads, head_dim 128, page 16)."""
+    w = _pod(device)
+    try:
+        w.plan(*_small(device, batch)[0], *PLAN, q_data_type=BF16)
+    except Exception as exc:  # noqa: BLE001
+        if device == "cpu":
+            pytest.skip(f"plan() with CPU tensors raised {type(exc).__name__}: {exc}; the cuda variant checks this")
+        raise
+    return w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"], ids=["pod", "batch"])
+def test_run_before_plan_is_an_error(cls, device):
+    _, q_p, k_p, v_p, q_d, cache = _small(device)
+    w = _pod(device, cls)
+    with pytest.raises(RuntimeError, match="plan"):
+        if cls == "PODWithPagedKVCacheWrapper":
+            w.run(q_p, k_p, v_p, q_d, cache)
+        else:
+            w.run(q_p, cache, q_d, cache)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"], ids=["pod", "batch"])
+def test_plan_rejects_in_kernel_rope(cls, device):
+    table = _small(device)[0]
+    w = _pod(device, cls)
+    args = table
+    if cls == "BatchPODWithPagedKVCacheWrapper":  # two prefill requests (4 and 6 rows over 21 and 16 keys), 3 decodes
+        args = (_i32([0, 4, 10], device), _i32([0, 2, 3], device), _i32([0, 1, 2], device), _i32([5, 16], device),
+                _i32([0, 1, 2, 3], device), *table)
+    with pytest.raises(ValueError, match="pos_encoding_mode"):
+        w.plan(*args, *PLAN, pos_encoding_mode="ROPE_LLAMA", q_data_type=BF16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change, match", [
+    (dict(pos_encoding_mode_p="ROPE_LLAMA"), "pos_encoding_mode"),
+    (dict(batch=4), r"q_d|batch"),  # 4 decodes where 3 were planned
+    (dict(qo_len=30, kv_len=20, causal_p=True), "causal"),  # fewer keys than queries
+    (dict(heads_p=16), r"q_p.*head"),  # 16 query heads on the prefill side, 32 planned for the decodes
+    (dict(dtype_p=torch.float16), r"q_p.*dtype"),  # an fp16 prefill (q_p, k_p, v_p), bf16 decodes
+], ids=["rope_p", "decode_batch", "causal_short_kv", "heads", "dtype"])
+def test_run_rejects_what_the_plan_does_not_fit(change, match, device):
+    w = _planned(device)
+    run_kwargs = {k: change[k] for k in ("pos_encoding_mode_p", "causal_p") if k in change}
+    _, q_p, k_p, v_p, q_d, cache = _small(device, **{k: v for k, v in change.items() if k not in run_kwargs})
+    with pytest.raises(ValueError) as info:
+        w.run(q_p, k_p, v_p, q_d, cache, **run_kwargs)
+    if device == "cpu" and "CUDA" in str(info.value):
+        pytest.skip(f"on CPU tensors the device check comes first ({info.value}); the cuda variant checks this")
+    assert re.search(match, str(info.value)), f"{info.value!r} does not match {match!r}"
+
+
+# --- the spec, the AOT matrix, one build (CPU) -----------------------------------------------------
+SPEC = PodSpec(dtype_q="bfloat16", dtype_kv="bfloat16", head_dim=128, prefill_kv="ragged", page_table="csr",
+               kv_layout="NHD", mask="causal", group_tile=4)
+
+
+def test_spec_is_registered_and_renders_both_families_block_functions():
+    """One module holds both sides, calling the prefill and decode families' device code
+    (csrc/prefill/, csrc/decode/) over the shared page table, not a copy of it."""
+    assert FAMILIES[PodSpec.FAMILY] is PodSpec
+    spec = SPEC.validate()
+    module = render.render(spec)
+    for name, text in module.sources.items():
+        assert "{{" not in text and "{%" not in text and spec.name in text, name
+    assert any(h.startswith("prefill/") for h in module.headers), sorted(module.headers)
+    assert any(h.startswith("decode/") for h in module.headers), sorted(module.headers)
+    assert "common/page_table.cuh" in module.headers
+    others = [PodSpec(**{**SPEC.canonical()["params"], **change}) for change in
+              (dict(mask="none"), dict(mask="custom"), dict(prefill_kv="paged"), dict(group_tile=1))]
+    assert len({s.name for s in [spec, *others]}) == 5, "two configurations share a name"
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(head_dim=96), "head_dim"), (dict(mask="sliding"), "mask"), (dict(dtype_kv="float16"), "dtype"),
+    (dict(dtype_kv="float8_e4m3fn"), "ragged|fp8"),  # single POD: k_p / v_p take q's dtype
+], ids=["head_dim", "mask", "kv_dtype", "fp8_ragged"])
+def test_spec_rejects_unsupported_values(change, match):
+    with pytest.raises(ValueError, match=match):
+        PodSpec(**{**SPEC.canonical()["params"], **change}).validate()
+
+
+def test_tests_matrix_has_every_pod_module():
+    assert_tests_matrix_has(specs_needed(), PodSpec, 16, "pod")
+
+
+@pytest.mark.slow
+def test_module_builds_and_registers_its_ops_without_a_gpu(fresh_cache):
+    try:
+        toolchain.get()
+    except ToolchainError as exc:
+        pytest.skip(f"needs nvcc, ninja and g++: {exc}")
+    module = get_module(SPEC)
+    assert module.path.is_relative_to(fresh_cache), module.path  # built here, not found elsewhere
+    for op in SPEC.op_schemas():
+        assert callable(getattr(module, op)), op
