@@ -33,12 +33,12 @@ printf 'decode dtype_q=bfloat16 dtype_kv=bfloat16,float8_e4m3fn head_dim=128 gro
 (cd "$B" && python3 -m flashinfer_jit aot --matrix "$B/dec_matrix" -j 8 > "$B/aot.log" 2>&1) &
 python3 -m flashinfer_jit aot --matrix "$B/dec_matrix" -j 8 > /dev/null 2>&1
 wait
-python3 scripts/ab_tree.py --base "$B" --out "$OUT/ab_tree.json" --jobs "$MAX_JOBS" > "$OUT/ab_tree.log" 2>&1
+python3 scripts/ab_tree.py --base "$B" --out "$OUT/ab_tree.json" --jobs "$MAX_JOBS" --time-limit "${AB_TIME_LIMIT:-280}" > "$OUT/ab_tree.log" 2>&1
 echo "prefill: rc $? at $((SECONDS - T0)) s; $(grep summary "$OUT/ab_tree.log" | tail -1)"
 for r in $(seq 1 "$ROUNDS"); do
   for tree in new base; do
     dir=$R; [ "$tree" = base ] && dir=$B
-    (cd "$dir" && FIJ_COMMIT=$tree python3 scripts/bench_decode.py --no-flashinfer --no-sdpa --graph-mode no \
+    (cd "$dir" && FIJ_COMMIT=$tree python3 scripts/bench_decode.py --no-flashinfer --no-sdpa --graph-mode no --time-limit "${DEC_TIME_LIMIT:-70}" \
        --out "$OUT/dec_${tree}_$r.json" > "$B/dec_${tree}_$r.log" 2>&1)
     echo "decode $tree round $r: rc $? at $((SECONDS - T0)) s"
   done
