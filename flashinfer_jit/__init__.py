@@ -42,6 +42,7 @@ _EXPORTS = {
     "single_prefill_with_kv_cache_return_lse": "prefill",
     "PODWithPagedKVCacheWrapper": "pod",
     "BatchPODWithPagedKVCacheWrapper": "pod",
+    "BatchAttention": "pod",
     "merge_state": "cascade",
     "merge_states": "cascade",
     # page tables
@@ -62,6 +63,7 @@ _EXPORTS = {
     "decode": None,
     "prefill": None,
     "pod": None,
+    "attention": None,
     "page": None,
     "rope": None,
     "cascade": None,

@@ -1068,7 +1068,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     forward_return_lse = run_return_lse
 
-    def _resolved_args(self, q, paged_kv_cache, q_scale, k_scale, v_scale, return_lse) -> tuple:
+    def _resolved_args(self, q, paged_kv_cache, q_scale, k_scale, v_scale, return_lse, out=None, lse=None) -> tuple:
         """What POD (flashinfer_jit/pod/) launches of this wrapper's plan: run()'s checks and
         outputs, and the decode op's arguments for one-token requests on blocks of one KV
         head, without clusters (a POD side's plan: _pod_side): (out, lse or None, (q, k, v,
@@ -1085,9 +1085,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             k, v = self._check_run(q, paged_kv_cache, plan)
         config = plan.config
         assert config.q_tokens == 1 and plan.kv_heads_per_block == 1 and plan.cluster == 1, "not a POD side's plan"
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[0], config.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse \
-            else None
+        # (out / lse given: rows of a mixed batch's outputs, BatchAttention's views)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        elif type(out) is not _Tensor or out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(q.dtype)}")
+        if lse is not None:
+            if type(lse) is not _Tensor or lse.shape != (q.shape[0], config.num_qo_heads) or \
+                    lse.dtype != torch.float32 or not lse.is_contiguous():
+                raise ValueError(f"lse: expected a contiguous float32 [{q.shape[0]}, {config.num_qo_heads}] tensor")
+        elif return_lse:
+            lse = torch.empty(q.shape[0], config.num_qo_heads, dtype=torch.float32, device=q.device)
         logit_scale = config.logit_scale if q_scale is None and k_scale is None else \
             scaled_logits(config.sm_scale, config.soft_cap, q_scale, k_scale)
         tables, work, merge_indptr, partial_o, partial_lse, _, _, _, grid_items, merge_rows, counters = plan.args

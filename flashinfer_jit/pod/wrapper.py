@@ -267,15 +267,23 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             k_p, v_p = paged_kv_cache_p
         else:
             k_p, v_p, _ = unpack_paged_kv_cache(paged_kv_cache_p, self._kv_layout)
-        spec = self._spec("paged", q_p, q_d)
-        out_p, lse_p, p_args = self._prefill._resolved_args(q_p, k_p, v_p, q_scale, k_scale, v_scale, return_lse,
-                                                            None)
-        out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
-                                                           return_lse)
-        self._launch(spec, p_args, d_args, enable_pdl)
+        (out_p, out_d), (lse_p, lse_d) = self._run_into(q_p, (k_p, v_p), q_d, paged_kv_cache_d, q_scale, k_scale,
+                                                        v_scale, return_lse, enable_pdl)
         if return_lse:
             return (out_p, out_d), (lse_p, lse_d)
         return out_p, out_d
+
+    def _run_into(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, q_scale, k_scale, v_scale, return_lse, enable_pdl,
+                  out_p=None, lse_p=None, out_d=None, lse_d=None) -> tuple:
+        """The launch of the planned batch; outputs allocated, or the given tensors (rows of a
+        mixed batch's outputs: BatchAttention)."""
+        spec = self._spec("paged", q_p, q_d)
+        out_p, lse_p, p_args = self._prefill._resolved_args(q_p, *kv_p, q_scale, k_scale, v_scale, return_lse, None,
+                                                            out_p, lse_p)
+        out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
+                                                           return_lse, out_d, lse_d)
+        self._launch(spec, p_args, d_args, enable_pdl)
+        return (out_p, out_d), (lse_p, lse_d)
 
     forward = run
 

@@ -838,7 +838,8 @@ class _PrefillWrapper:
                 plan.quick = (run, address, prepared.data_ptr(), fastcall.tensor_signature(q, k, v, out))
         return (out, lse) if return_lse else out
 
-    def _resolved_args(self, q, k, v, q_scale, k_scale, v_scale, return_lse, window_left) -> tuple:
+    def _resolved_args(self, q, k, v, q_scale, k_scale, v_scale, return_lse, window_left, out=None,
+                       lse=None) -> tuple:
         """What POD (flashinfer_jit/pod/) launches of this wrapper's plan: run()'s checks and
         outputs, and the prefill op's arguments without sinks, soft cap and RoPE (POD runs
         neither): (out, lse or None, (q, k, v, kv_index, qo_indptr, work, merge_indptr, mask,
@@ -855,8 +856,15 @@ class _PrefillWrapper:
         elif type(window_left) is not int or window_left < -1:
             raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
         tokens = q.shape[0]
-        out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
-        lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device) if return_lse else None
+        # (out / lse given: rows of a mixed batch's outputs, BatchAttention's views)
+        if out is None:
+            out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
+        else:
+            _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
+        if lse is not None:
+            _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True)
+        elif return_lse:
+            lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
         logit_scale = c.logit_scale if q_scale is None and k_scale is None else _logit_scales(c, q_scale, k_scale)[0]
         kv_index, qo_indptr, work, merge, po, pl, counters = plan.args
         if window_left >= 0 and plan.unordered is not None:

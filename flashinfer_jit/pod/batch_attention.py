@@ -1,0 +1,259 @@
+"""BatchAttention: one mixed batch as an engine holds it (FlashInfer's persistent wrapper's
+name and signature), run as POD (docs/pod.md#batchattention).
+
+plan() splits the batch by request: one query token goes to the decode side (the tensor-core
+decode block), every other request (chunks of prompts, speculative verification's 2-16
+tokens, empty requests) to the prefill side, whose packed (token, query head) rows run short
+requests at the decode kernel's speed (docs/prefill.md). Each side gets its own CSR page
+table, cut from the batch's without touching the pages. run() launches both sides in one POD
+kernel, reading q and writing out / lse in place where each side's rows are one run of the
+batch's (decodes first or last, as vLLM and SGLang order them), else through one gather of q
+and one scatter of the outputs. A batch of one kind runs that family's own wrapper; a
+configuration POD does not take (soft cap, head_dim 192/128) runs the two sides one after
+the other.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..decode.spec import HEAD_DIMS as DECODE_HEAD_DIMS
+from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
+from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
+from ..runtime.checks import as_dtype, dtype_str, expect_bool, expect_choice, expect_heads
+from ..runtime.page_table import unpack_paged_kv_cache
+from .wrapper import BatchPODWithPagedKVCacheWrapper
+
+__all__ = ["BatchAttention", "split_batch", "BatchSplit"]
+
+_WORKSPACE_BYTES = 128 << 20  # each of the three wrappers' float workspace
+
+
+class BatchSplit(NamedTuple):
+    """How plan() divides a mixed batch (split_batch)."""
+
+    decode: np.ndarray   # request ids of the decode side, in batch order
+    prefill: np.ndarray  # request ids of the prefill side, in batch order
+    # rows of q / out: (start, end) of each side's rows where they form one run of the batch's
+    # rows, the decode side's and the prefill side's; None: not so (perm then)
+    decode_rows: tuple | None
+    prefill_rows: tuple | None
+    # the batch's rows in side order (the decode side's, then the prefill side's); None when
+    # both sides are runs
+    perm: np.ndarray | None
+
+
+def split_batch(qo_indptr: np.ndarray, decode_ok: bool = True) -> BatchSplit:
+    """Which requests of a batch (qo_indptr [B+1], host) run on which side: one query token on
+    the decode side (when decode_ok), everything else on the prefill side; and whether each
+    side's rows are one run of the batch's rows. Pure function (numpy)."""
+    qo_indptr = np.asarray(qo_indptr, dtype=np.int64)
+    lens = np.diff(qo_indptr)
+    is_decode = (lens == 1) if decode_ok else np.zeros(len(lens), dtype=bool)
+    decode = np.flatnonzero(is_decode)
+    prefill = np.flatnonzero(~is_decode)
+    total = int(qo_indptr[-1]) if len(qo_indptr) else 0
+    if len(decode) == 0 or len(prefill) == 0:
+        return BatchSplit(decode, prefill, (0, total) if len(decode) else None, (0, total) if len(prefill) else None,
+                          None)
+    d0, d1 = int(decode[0]), int(decode[-1]) + 1
+    if d1 - d0 == len(decode) and (d0 == 0 or d1 == len(lens)):
+        # decodes first or last: both sides are runs of rows
+        dr = (int(qo_indptr[d0]), int(qo_indptr[d1]))
+        pr = (dr[1], total) if d0 == 0 else (0, dr[0])
+        return BatchSplit(decode, prefill, dr, pr, None)
+    rows = [np.arange(qo_indptr[r], qo_indptr[r + 1]) for r in np.concatenate([decode, prefill])]
+    perm = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    return BatchSplit(decode, prefill, None, None, perm)
+
+
+def _side_table(requests: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.ndarray, page_size: int,
+                kv_indices: torch.Tensor) -> tuple:
+    """A side's CSR page table (indptr, indices, last_page_len) cut from the batch's: indptr
+    and last_page_len on the host, the page ids a view of kv_indices where the side's pages
+    are one run of them, else gathered (one small index_select on kv_indices' device)."""
+    pages = kv_indptr[requests + 1] - kv_indptr[requests]
+    indptr = np.zeros(len(requests) + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    lens = kv_lens[requests]
+    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32)
+    if len(requests) == 0:
+        return torch.from_numpy(indptr), kv_indices[:0], torch.from_numpy(last)
+    first, end = int(kv_indptr[requests[0]]), int(kv_indptr[requests[-1] + 1])
+    if end - first == int(indptr[-1]):  # the side's pages are one run of kv_indices
+        ids = kv_indices[first:end]
+    else:
+        where = np.concatenate([np.arange(kv_indptr[r], kv_indptr[r + 1]) for r in requests])
+        index = torch.from_numpy(where)
+        if kv_indices.device.type == "cuda":
+            index = index.pin_memory().to(kv_indices.device, non_blocking=True)
+        ids = kv_indices.index_select(0, index)
+    return torch.from_numpy(indptr), ids, torch.from_numpy(last)
+
+
+def _host(t, name: str) -> np.ndarray:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor")
+    return t.detach().to("cpu", torch.int64).numpy()
+
+
+class BatchAttention:
+    """FlashInfer's BatchAttention: one batch of requests of any lengths (decodes, chunks of
+    prompts, speculative verification) over one paged KV cache, one q and one output.
+
+    plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, ...): kv_indptr / kv_indices are a CSR
+    page table, kv_len_arr [B] each request's keys in tokens. Index tensors may be int32 or
+    int64; on the host, plan() reads them without any device synchronization (on the device:
+    one blocking copy of qo_indptr, kv_indptr and kv_len_arr, which any planner must read).
+    run(q, kv_cache) returns (out, lse): out [tokens, num_qo_heads, head_dim_vo] in q's dtype,
+    lse [tokens, num_qo_heads] float32, base 2 (FlashInfer's convention), written in place
+    into `out` / `lse` where given."""
+
+    def __init__(self, kv_layout: str = "NHD", device="cuda"):
+        expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
+        self._device = torch.device(device)
+        self._kv_layout = kv_layout
+        ws = [torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device) for _ in range(3)]
+        self._pod = BatchPODWithPagedKVCacheWrapper(ws[0], kv_layout)
+        self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout)
+        self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
+        self._planned = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads: int, num_kv_heads: int,
+             head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool = False, sm_scale=None,
+             logits_soft_cap=None, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+             use_profiler: bool = False) -> None:
+        expect_heads(num_qo_heads, num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+                     page_size=page_size)
+        expect_bool(causal, "causal")
+        if use_profiler:
+            raise ValueError("use_profiler: FlashInfer's persistent kernel's profiler has no counterpart here; "
+                             "pass False")
+        qo = _host(qo_indptr, "qo_indptr")
+        kv = _host(kv_indptr, "kv_indptr")
+        lens = _host(kv_len_arr, "kv_len_arr")
+        batch = len(lens)
+        if len(qo) != batch + 1 or len(kv) != batch + 1:
+            raise ValueError(f"qo_indptr and kv_indptr: expected {batch + 1} entries (kv_len_arr has {batch}), got "
+                             f"{len(qo)} and {len(kv)}")
+        if qo[0] != 0 or (np.diff(qo) < 0).any() or kv[0] != 0 or (np.diff(kv) < 0).any():
+            raise ValueError("qo_indptr and kv_indptr: expected non-decreasing offsets from 0")
+        pages = np.diff(kv)
+        bad = np.flatnonzero((lens > pages * page_size) | ((pages > 0) & (lens <= (pages - 1) * page_size)) |
+                             ((pages == 0) & (lens != 0)))
+        if len(bad):
+            r = int(bad[0])
+            raise ValueError(f"kv_len_arr[{r}] = {int(lens[r])} does not fit request {r}'s {int(pages[r])} pages of "
+                             f"{page_size} tokens")
+        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
+            raise ValueError("kv_indices: expected a 1-D int32 tensor of page ids")
+        if kv_indices.dtype != torch.int32:
+            kv_indices = kv_indices.to(torch.int32)
+        q_dtype = as_dtype(q_data_type, "q_data_type", torch.bfloat16)
+        kv_dtype = as_dtype(kv_data_type, "kv_data_type", q_dtype)
+        cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+        decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS
+        split = split_batch(qo, decode_ok)
+        if len(split.decode) == 0:
+            mode = "prefill"
+        elif len(split.prefill) == 0:
+            mode = "decode"
+        elif cap > 0:
+            mode = "serial"  # POD runs no soft cap; the families do
+        else:
+            mode = "pod"
+        heads = (num_qo_heads, num_kv_heads)
+        if mode == "prefill":
+            self._prefill.plan(torch.from_numpy(qo.astype(np.int32)), torch.from_numpy(kv.astype(np.int32)),
+                               kv_indices, torch.from_numpy(np.where(pages > 0, lens - (pages - 1) * page_size, 0)
+                                                            .astype(np.int32)),
+                               *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal,
+                               sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
+                               kv_data_type=kv_dtype)
+        else:
+            d_table = _side_table(split.decode, kv, lens, page_size, kv_indices)
+            p_table = _side_table(split.prefill, kv, lens, page_size, kv_indices)
+            p_qo = np.zeros(len(split.prefill) + 1, dtype=np.int32)
+            np.cumsum(np.diff(qo)[split.prefill], out=p_qo[1:])
+            p_qo = torch.from_numpy(p_qo)
+            if mode == "pod":
+                d_qo = torch.arange(len(split.decode) + 1, dtype=torch.int32)
+                self._pod.plan(p_qo, *p_table, d_qo, *d_table, *heads, head_dim_qk, page_size, q_data_type=q_dtype,
+                               kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal)
+            else:
+                self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
+                                  q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale)
+                if mode == "serial":
+                    self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
+                                       causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
+                                       q_data_type=q_dtype, kv_data_type=kv_dtype)
+        perm = None
+        if split.perm is not None:
+            perm = torch.from_numpy(split.perm)
+            if self._device.type == "cuda":
+                perm = perm.pin_memory().to(self._device, non_blocking=True)
+        self._planned = (mode, split, perm, int(qo[-1]), num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal)
+
+    begin_forward = plan
+
+    def run(self, q, kv_cache, out=None, lse=None, k_scale=None, v_scale=None, logits_soft_cap: float = 0.0,
+            profiler_buffer=None, kv_cache_sf=None) -> tuple:
+        if self._planned is None:
+            raise RuntimeError("run() before plan(): call plan() with this batch first")
+        mode, split, perm, tokens, hq, dqk, dvo, q_dtype, cap, causal = self._planned
+        if kv_cache_sf is not None:
+            raise ValueError("kv_cache_sf: NVFP4 K/V caches are not supported (expected None)")
+        if logits_soft_cap and float(logits_soft_cap) != cap:
+            raise ValueError(f"logits_soft_cap: run() got {logits_soft_cap}, plan() was given {cap or None}; the soft "
+                             "cap is a plan() value")
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != tokens or q.shape[1] != hq or \
+                q.shape[2] != dqk:
+            raise ValueError(f"q: expected [{tokens}, {hq}, {dqk}] (qo_indptr[-1], num_qo_heads, head_dim_qk), got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if q.dtype != q_dtype:
+            raise ValueError(f"q: planned for {dtype_str(q_dtype)}, got {dtype_str(q.dtype)}")
+        if out is None:
+            out = torch.empty((tokens, hq, dvo), dtype=q.dtype, device=q.device)
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (tokens, hq, dvo) or out.dtype != q.dtype:
+            raise ValueError(f"out: expected {dtype_str(q.dtype)} [{tokens}, {hq}, {dvo}]")
+        if lse is None:
+            lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
+        elif not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (tokens, hq) or lse.dtype != torch.float32 \
+                or not lse.is_contiguous():
+            raise ValueError(f"lse: expected a contiguous float32 [{tokens}, {hq}] tensor")
+        if mode == "prefill":
+            self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse)
+            return out, lse
+        if mode == "decode":
+            self._decode.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse)
+            return out, lse
+        if perm is not None:  # the sides' rows interleave: run them gathered, scatter the outputs back
+            nd = len(split.decode)
+            qq = q.index_select(0, perm)
+            oo = torch.empty((tokens, hq, dvo), dtype=q.dtype, device=q.device)
+            ll = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
+            self._run_sides(mode, qq[nd:], qq[:nd], kv_cache, oo[nd:], ll[nd:], oo[:nd], ll[:nd], k_scale, v_scale)
+            out.index_copy_(0, perm, oo)
+            lse.index_copy_(0, perm, ll)
+            return out, lse
+        (d0, d1), (p0, p1) = split.decode_rows, split.prefill_rows
+        self._run_sides(mode, q[p0:p1], q[d0:d1], kv_cache, out[p0:p1], lse[p0:p1], out[d0:d1], lse[d0:d1], k_scale,
+                        v_scale)
+        return out, lse
+
+    forward = run
+
+    def _run_sides(self, mode, q_p, q_d, kv_cache, out_p, lse_p, out_d, lse_d, k_scale, v_scale) -> None:
+        if mode == "pod":
+            if type(kv_cache) is tuple and len(kv_cache) == 2:
+                kv = kv_cache
+            else:
+                k, v, _ = unpack_paged_kv_cache(kv_cache, self._kv_layout)
+                kv = (k, v)
+            self._pod._run_into(q_p, kv, q_d, kv, None, k_scale, v_scale, True, None, out_p, lse_p, out_d, lse_d)
+        else:  # serial: the prefill side, then the decode side
+            self._prefill.run(q_p, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out_p, lse=lse_p)
+            self._decode.run(q_d, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out_d, lse=lse_d)
