@@ -14,13 +14,35 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # flashinfer_jit/
 
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def _switch(name: str, default: bool) -> bool:
+    """A yes/no variable: `default` when unset or empty, on for 1 / true / yes / on, off for
+    0 / false / no / off (any case); anything else is a SettingError naming the variable (a
+    value such as "maybe" must not turn a switch on or off by accident)."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    from .errors import SettingError
+
+    raise SettingError(f"{name}={raw!r}: expected one of {', '.join(_ON + _OFF)} (or leave it unset)")
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    """A switch that is off unless set (see _switch)."""
+    return _switch(name, False)
 
 
 def _on_unless_off(name: str) -> bool:
-    """A switch that is on unless set to 0 / false / no / off."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+    """A switch that is on unless set to 0 / false / no / off (see _switch)."""
+    return _switch(name, True)
 
 
 def source_dir(kind: str) -> Path:
@@ -97,8 +119,10 @@ def log_level() -> int | None:
         return int(value)
     if value.upper() in _LOG_LEVELS:
         return _LOG_LEVELS[value.upper()]
-    raise ValueError(f"FLASHINFER_JIT_LOG_LEVEL: cannot read {value!r}; expected DEBUG, INFO, WARNING, "
-                     "ERROR, CRITICAL or a number")
+    from .errors import SettingError
+
+    raise SettingError(f"FLASHINFER_JIT_LOG_LEVEL={value!r}: expected DEBUG, INFO, WARNING, ERROR, CRITICAL or a "
+                       "number (or leave it unset)")
 
 
 def decode_clusters() -> bool:
@@ -172,13 +196,17 @@ def parse_arch_list(text: str, source: str = "FLASHINFER_JIT_CUDA_ARCH_LIST") ->
         suffix = minor.lstrip("0123456789")
         digits = minor[: len(minor) - len(suffix)]
         if not (major.isdigit() and digits.isdigit() and suffix in ("", "a", "f")):
-            raise ValueError(
+            from .errors import SettingError
+
+            raise SettingError(
                 f"{source}: cannot read {item!r}; "
                 "expected items like '8.0', '9.0a' or '9.0+PTX'"
             )
         archs.append(item)
     if not archs:
-        raise ValueError(f"{source} is empty; expected e.g. '9.0a'")
+        from .errors import SettingError
+
+        raise SettingError(f"{source} is empty; expected e.g. '9.0a'")
     return tuple(sorted(set(archs)))
 
 

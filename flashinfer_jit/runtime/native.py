@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import warnings
 
+from ..pipeline.errors import SettingError
 from ..pipeline.jit import get_module, op_cache
 from ..pipeline.spec import Spec
 
@@ -44,6 +45,8 @@ def optional_entry(load, fallback: str, what: str):
     helper). Callers cache the result (op_cache), so the warning comes once."""
     try:
         return load()
+    except SettingError:
+        raise  # a bad setting is the user's to fix, never a reason to run another code path
     except Exception as exc:  # noqa: BLE001 - any failure leaves the caller on its fallback, said once
         warnings.warn(f"flashinfer_jit: {fallback} ({what} is unavailable: {type(exc).__name__}: {exc})",
                       RuntimeWarning, stacklevel=4)
