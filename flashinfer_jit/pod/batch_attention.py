@@ -15,6 +15,7 @@ the other.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -49,24 +50,25 @@ class BatchSplit(NamedTuple):
 def split_batch(qo_indptr: np.ndarray, decode_ok: bool = True) -> BatchSplit:
     """Which requests of a batch (qo_indptr [B+1], host) run on which side: one query token on
     the decode side (when decode_ok), everything else on the prefill side; and whether each
-    side's rows are one run of the batch's rows. Pure function (numpy)."""
+    side's rows are one run of the batch's rows (requests without rows, padding, lie on
+    either side of a run without breaking it). Pure function (numpy)."""
     qo_indptr = np.asarray(qo_indptr, dtype=np.int64)
     lens = np.diff(qo_indptr)
     is_decode = (lens == 1) if decode_ok else np.zeros(len(lens), dtype=bool)
     decode = np.flatnonzero(is_decode)
     prefill = np.flatnonzero(~is_decode)
     total = int(qo_indptr[-1]) if len(qo_indptr) else 0
-    if len(decode) == 0 or len(prefill) == 0:
-        return BatchSplit(decode, prefill, (0, total) if len(decode) else None, (0, total) if len(prefill) else None,
-                          None)
-    d0, d1 = int(decode[0]), int(decode[-1]) + 1
-    if d1 - d0 == len(decode) and (d0 == 0 or d1 == len(lens)):
-        # decodes first or last: both sides are runs of rows
-        dr = (int(qo_indptr[d0]), int(qo_indptr[d1]))
-        pr = (dr[1], total) if d0 == 0 else (0, dr[0])
+    row_is_decode = np.repeat(is_decode, lens)  # a side label a row
+    nd = len(decode)
+    if nd == 0 or nd == total:  # one side has every row (a side without requests: None)
+        return BatchSplit(decode, prefill, (0, nd) if nd else None, (nd, total) if len(prefill) else None, None)
+    changes = int(np.count_nonzero(row_is_decode[1:] != row_is_decode[:-1]))
+    if changes == 1:  # decodes first or last: both sides are runs of rows
+        dr = (0, nd) if row_is_decode[0] else (total - nd, total)
+        pr = (nd, total) if row_is_decode[0] else (0, total - nd)
         return BatchSplit(decode, prefill, dr, pr, None)
     rows = [np.arange(qo_indptr[r], qo_indptr[r + 1]) for r in np.concatenate([decode, prefill])]
-    perm = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    perm = np.concatenate(rows)
     return BatchSplit(decode, prefill, None, None, perm)
 
 
@@ -92,6 +94,19 @@ def _side_table(requests: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.ndarray
             index = index.pin_memory().to(kv_indices.device, non_blocking=True)
         ids = kv_indices.index_select(0, index)
     return torch.from_numpy(indptr), ids, torch.from_numpy(last)
+
+
+@contextlib.contextmanager
+def _side_errors(side: str, split: BatchSplit):
+    """A side's planner names its own request numbers: say which of the batch's they are."""
+    try:
+        yield
+    except ValueError as exc:
+        def ids(a):
+            return ", ".join(map(str, a[:8].tolist())) + (", ..." if len(a) > 8 else "")
+
+        raise ValueError(f"{exc} (planning {side}: the decode side's requests 0, 1, ... are the batch's "
+                         f"[{ids(split.decode)}], the prefill side's [{ids(split.prefill)}])") from exc
 
 
 def _host(t, name: str) -> np.ndarray:
@@ -150,6 +165,8 @@ class BatchAttention:
                              f"{page_size} tokens")
         if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
             raise ValueError("kv_indices: expected a 1-D int32 tensor of page ids")
+        if kv_indices.numel() < kv[-1]:
+            raise ValueError(f"kv_indices: {kv_indices.numel()} page ids, fewer than kv_indptr[-1] = {int(kv[-1])}")
         if kv_indices.dtype != torch.int32:
             kv_indices = kv_indices.to(torch.int32)
         q_dtype = as_dtype(q_data_type, "q_data_type", torch.bfloat16)
@@ -159,7 +176,7 @@ class BatchAttention:
         split = split_batch(qo, decode_ok)
         if len(split.decode) == 0:
             mode = "prefill"
-        elif len(split.prefill) == 0:
+        elif split.decode_rows == (0, int(qo[-1])):  # every row a decode's (the rest: requests without rows)
             mode = "decode"
         elif cap > 0:
             mode = "serial"  # POD runs no soft cap; the families do
@@ -181,15 +198,18 @@ class BatchAttention:
             p_qo = torch.from_numpy(p_qo)
             if mode == "pod":
                 d_qo = torch.arange(len(split.decode) + 1, dtype=torch.int32)
-                self._pod.plan(p_qo, *p_table, d_qo, *d_table, *heads, head_dim_qk, page_size, q_data_type=q_dtype,
-                               kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal)
+                with _side_errors("both sides", split):
+                    self._pod.plan(p_qo, *p_table, d_qo, *d_table, *heads, head_dim_qk, page_size,
+                                   q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal)
             else:
-                self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
-                                  q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale)
+                with _side_errors("the decode side", split):
+                    self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
+                                      q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale)
                 if mode == "serial":
-                    self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
-                                       causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
-                                       q_data_type=q_dtype, kv_data_type=kv_dtype)
+                    with _side_errors("the prefill side", split):
+                        self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
+                                           causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
+                                           q_data_type=q_dtype, kv_data_type=kv_dtype)
         perm = None
         if split.perm is not None:
             perm = torch.from_numpy(split.perm)
