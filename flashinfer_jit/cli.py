@@ -143,13 +143,18 @@ class Check:
     name: str
     ok: bool
     detail: str
+    note: bool = False  # ok, but worth reading: what this host can't do (no GPU to run on)
 
 
 def check_line(check: Check) -> str:
-    return f"{'OK' if check.ok else 'PROBLEM':<8} {check.name:<8} {check.detail}"
+    status = "PROBLEM" if not check.ok else "NOTE" if check.note else "OK"
+    return f"{status:<8} {check.name:<8} {check.detail}"
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    """Reads only: no lock, temp folder, probe file or compiler memo is written, and a
+    cache root that does not exist yet is not created. A host without a GPU is a NOTE (it
+    builds modules, the README's CPU setup); only a PROBLEM exits 1."""
     checks = [run_check(name, probe) for name, probe in DOCTOR_CHECKS]
     for check in checks:
         print(check_line(check))
@@ -157,7 +162,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if problems:
         print(f"\n{len(problems)} problem(s) ({', '.join(problems)}): fix them to build modules")
         return 1
-    print("\neverything needed to build modules is in place")
+    notes = [c.name for c in checks if c.note]
+    print("\neverything needed to build modules is in place"
+          + (f" (see the NOTE on {', '.join(notes)})" if notes else ""))
     return 0
 
 
@@ -193,7 +200,7 @@ def check_cxx() -> Check:
     check = check_tool("c++", toolchain.find_cxx(),
                        "no host C++ compiler; fix: install g++ (e.g. `apt-get install g++`) or set CXX to one")
     if check.ok:
-        runtime = toolchain.shared_libstdcxx(toolchain.find_cxx())
+        runtime = toolchain.shared_libstdcxx(toolchain.find_cxx(), remember=False)
         if runtime:  # a compiler with only libstdc++.a on its path (see shared_libstdcxx)
             return Check(check.name, True, f"{check.detail}; it has no libstdc++.so, so modules link {runtime[0]}")
     return check
@@ -215,13 +222,20 @@ def check_torch() -> Check:
 
 
 def check_archs() -> Check:
-    source = ("FLASHINFER_JIT_CUDA_ARCH_LIST" if os.environ.get("FLASHINFER_JIT_CUDA_ARCH_LIST")
-              else "the visible GPUs")
-    try:
-        archs = env.target_archs()
-    except (ValueError, RuntimeError) as exc:
-        return Check("archs", False, str(exc))
-    return Check("archs", True, f"{' '.join(archs)} (from {source})")
+    """A bad FLASHINFER_JIT_CUDA_ARCH_LIST is a problem; none at all on a host without a
+    GPU is a note: host-only modules build anyway, and `aot --arch` can name targets."""
+    if os.environ.get("FLASHINFER_JIT_CUDA_ARCH_LIST"):
+        try:
+            archs = env.parse_arch_list(os.environ["FLASHINFER_JIT_CUDA_ARCH_LIST"])
+        except ValueError as exc:
+            return Check("archs", False, str(exc))
+        return Check("archs", True, f"{' '.join(archs)} (from FLASHINFER_JIT_CUDA_ARCH_LIST)")
+    archs = env.visible_gpu_archs()
+    if not archs:
+        return Check("archs", True, "none: no GPU visible and FLASHINFER_JIT_CUDA_ARCH_LIST is unset; "
+                     "host-only modules build as they are, kernels need targets, e.g. "
+                     "FLASHINFER_JIT_CUDA_ARCH_LIST='9.0a' (or `aot --arch 9.0a`)", note=True)
+    return Check("archs", True, f"{' '.join(archs)} (from the visible GPUs)")
 
 
 def check_jit_enabled() -> Check:
@@ -232,15 +246,18 @@ def check_jit_enabled() -> Check:
 
 
 def check_cache() -> Check:
-    try:
-        root = cache.build_root()
-    except JitError as exc:
-        return Check("cache", False, str(exc))
-    free = shutil.disk_usage(root).free
-    entries = list(cache.iter_entries())
-    size = sum(cache.dir_size(path) for path, _ in entries)
-    detail = (f"{root} (writable, {human_bytes(free)} free; "
-              f"{plural(len(entries), 'entry')}, {human_bytes(size)})")
+    """Where builds would go, found without writing there (cache.planned_build_root)."""
+    root = cache.planned_build_root()
+    if root is None:
+        return Check("cache", False, f"no writable cache directory: tried "
+                     f"{', '.join(map(str, cache.writable_roots()))}; "
+                     "set FLASHINFER_JIT_CACHE_DIR to a writable folder")
+    existing = next(folder for folder in (root, *root.parents) if folder.is_dir())
+    free = shutil.disk_usage(existing).free
+    entries = [path for path, _ in cache.iter_entries() if cache.is_entry_dir(path)]
+    size = sum(cache.dir_size(path) for path in entries)
+    detail = (f"{root} ({'writable' if root.is_dir() else 'created by the first build'}, "
+              f"{human_bytes(free)} free; {plural(len(entries), 'entry')}, {human_bytes(size)})")
     configured = env.cache_root()
     if root != configured:
         detail += f"; {configured} is not writable, so builds go to this fallback"
@@ -259,11 +276,12 @@ def check_gpus() -> Check:
         gpus = [gpu_description(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
                 for i in range(torch.cuda.device_count())]
         return Check("gpus", True, "; ".join(gpus))
+    # Information, not a problem: a CPU host builds modules (README, "Install and test").
     if os.environ.get("FLASHINFER_JIT_CUDA_ARCH_LIST"):
-        return Check("gpus", True, "none visible: building works (FLASHINFER_JIT_CUDA_ARCH_LIST "
-                     "gives the targets); running kernels needs a GPU")
-    return Check("gpus", False, "none visible, and FLASHINFER_JIT_CUDA_ARCH_LIST is unset; "
-                 "to build without a GPU set it, e.g. FLASHINFER_JIT_CUDA_ARCH_LIST='9.0a'")
+        return Check("gpus", True, "no GPU visible: kernels are built for FLASHINFER_JIT_CUDA_ARCH_LIST's "
+                     "targets but cannot run on this host", note=True)
+    return Check("gpus", True, "no GPU visible: kernels can be built with FLASHINFER_JIT_CUDA_ARCH_LIST "
+                 "(e.g. '9.0a') but cannot run on this host", note=True)
 
 
 def gpu_description(name: str, capability: tuple[int, int]) -> str:
@@ -401,6 +419,11 @@ def cmd_pack(args: argparse.Namespace) -> int:
         return 2 if isinstance(exc, ValueError) or not root.is_dir() else 1
     for name, reason in sorted(report.skipped.items()):
         print(f"skipped {name}: {reason}")
+    if not report.packed:  # pack.pack wrote nothing
+        what = (f"no complete entry ({plural(len(report.skipped), 'folder')} left out)"
+                if report.skipped else "no entries")
+        print(f"flashinfer-jit pack: {what} in {root}: nothing written", file=sys.stderr)
+        return 1
     print(f"packed {plural(len(report.packed), 'entry')} of {root} into {report.archive} "
           f"({report.compression}, {human_bytes(report.size_bytes)})")
     if report.fastcall:
@@ -410,9 +433,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
               "rebuild them with `aot` before deploying")
     print(f"unpack with: mkdir -p ROOT && tar -xf {report.archive.name} -C ROOT "
           "(then FLASHINFER_JIT_CACHE_PATH=ROOT or FLASHINFER_JIT_CACHE_DIR=ROOT)")
-    if not report.packed:
-        print(f"flashinfer-jit pack: {root} holds no complete entry", file=sys.stderr)
-    return 1 if report.skipped or not report.packed else 0
+    return 1 if report.skipped else 0
 
 
 # --- list -----------------------------------------------------------------------------
@@ -469,11 +490,16 @@ def _short_time(iso: str | None) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """The entries (cache.is_entry_dir, as verify and clean judge them); the table names
+    any other folder of a root after them."""
     here = installed_identity()
-    rows = [entry_row(path, manifest, here) for path, manifest in cache.iter_entries()]
+    folders = list(cache.iter_entries())
+    rows = [entry_row(path, manifest, here) for path, manifest in folders if cache.is_entry_dir(path)]
+    strangers = [str(path) for path, _ in folders if not cache.is_entry_dir(path)]
     if args.json:
         print(json.dumps(rows, indent=2))
-    elif not rows:
+        return 0
+    if not rows:
         print(f"no entries in {', '.join(map(str, cache.lookup_roots()))}")
     else:
         print(format_table(rows))
@@ -482,29 +508,63 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"\n{plural(len(rows), 'entry')}, {human_bytes(total)}"
               + (f"; {stale} stale (never loaded by this installation): "
                  "`flashinfer-jit clean --stale` removes them" if stale else ""))
+    if strangers:
+        print(f"not entries of this cache, so not listed: {', '.join(strangers)}")
     return 0
 
 
 # --- verify ---------------------------------------------------------------------------
+# What verify and clean say of a folder in a cache root that is not provably an entry.
+NOT_AN_ENTRY = "not an entry of this cache: left alone"
+
+
+class CannotRemove(Exception):
+    """A removal this user may not make (a read-only mount, another owner): one line
+    naming what was to go and the file the system refused."""
+
+    def __init__(self, path: Path, exc: OSError):
+        refused = f"{exc.filename}: " if exc.filename else ""
+        super().__init__(f"cannot remove {path}: {refused}{exc.strerror or exc}; stopped there "
+                         "(a read-only cache? run this as a user who may write it)")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    bad = kept = 0
+    """Checks every entry; with --fix removes the bad ones of the writable roots. A folder
+    that is not provably an entry (cache.is_entry_dir) is named and never removed. A
+    removal this user may not make (a read-only cache) ends the command with one line."""
+    try:
+        return verify_entries(args.fix)
+    except CannotRemove as exc:
+        print(f"\nflashinfer-jit verify --fix: {exc}", file=sys.stderr)
+        return 1
+
+
+def verify_entries(fix: bool) -> int:
+    bad = kept = checked = 0
     for path, manifest in cache.iter_entries():
+        if not cache.is_entry_dir(path):
+            print(f"SKIP {path}: {NOT_AN_ENTRY}")
+            continue
+        checked += 1
         reason = cache.verify_entry(path, manifest)
         print(f"OK   {path.name}" if reason is None else f"BAD  {path.name}: {reason}")
         if reason is None:
             continue
         bad += 1
-        if args.fix and cache.is_prebuilt(path):
+        if fix and cache.is_prebuilt(path):
             kept += 1
             print("     kept: a prebuilt read-only root (FLASHINFER_JIT_CACHE_PATH); lookups skip it, "
                   "so repair the image it comes from")
-        elif args.fix and discard_locked(path, lambda: cache.verify_entry(path) is not None):
+        elif fix and discard_locked(path, lambda: cache.verify_entry(path) is not None):
             print("     removed; its next use rebuilds it")
         else:
             kept += 1
-            if args.fix:
+            if fix:
                 print("     kept: a build holds its lock, or rebuilt it meanwhile")
-    print("\n" + verify_summary(bad, kept, args.fix))
+    if not checked:  # as `list` says it
+        print(f"no entries in {', '.join(map(str, cache.lookup_roots()))}")
+        return 0
+    print("\n" + verify_summary(bad, kept, fix))
     return 1 if kept else 0
 
 
@@ -531,7 +591,8 @@ def entry_lock(path: Path) -> Iterator[None]:
 
 def discard_locked(path: Path, still_wanted: Callable[[], bool]) -> bool:
     """Remove an entry under its lock if `still_wanted()` holds once the lock is taken
-    (a builder may have replaced it meanwhile). False if it was kept."""
+    (a builder may have replaced it meanwhile). False if it was kept; CannotRemove if
+    the lock or the move was refused (the entry is then whole: the move is one rename)."""
     from filelock import Timeout
 
     try:
@@ -542,6 +603,8 @@ def discard_locked(path: Path, still_wanted: Callable[[], bool]) -> bool:
             return True
     except Timeout:
         return False
+    except OSError as exc:
+        raise CannotRemove(path, exc) from exc
 
 
 # --- clean ----------------------------------------------------------------------------
@@ -605,7 +668,17 @@ def cmd_clean(args: argparse.Namespace) -> int:
     """Entries of the writable roots only (never FLASHINFER_JIT_CACHE_PATH's), each removed
     under its build lock after its reason is checked again (a build may have replaced it,
     or a process loaded it, meanwhile). A process that loaded an entry keeps using it: its
-    .so stays mapped after the files go (Linux)."""
+    .so stays mapped after the files go (Linux). Folders that are not provably entries
+    (cache.is_entry_dir) are named and left; a removal this user may not make (a read-only
+    cache) ends the command with one line."""
+    try:
+        return clean_entries(args)
+    except CannotRemove as exc:
+        print(f"flashinfer-jit clean: {exc}", file=sys.stderr)
+        return 1
+
+
+def clean_entries(args: argparse.Namespace) -> int:
     now = time.time()
     verb = "would remove" if args.dry_run else "removed"
     here = installed_identity() if args.stale else None
@@ -632,6 +705,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
     survivors = []  # (path, size, last used)
     for path, manifest in cache.iter_entries(roots=cache.writable_roots()):
+        if not cache.is_entry_dir(path):
+            print(f"left alone {path}: not an entry of this cache")
+            continue
         why, size = reason(path, manifest), cache.dir_size(path)
         if not (why and remove(path, size, why, lambda: reason(path, cache.read_manifest(path)) is not None)):
             survivors.append((path, size, cache.last_used(path)))
@@ -661,23 +737,30 @@ def clean_side_folders(now: float, max_age: float | None, remove_logs: bool, dry
     for root in cache.writable_roots():
         for folder in sorted((root / ".tmp").glob("*")) if (root / ".tmp").is_dir() else []:
             if is_older(newest_mtime(folder), now, STALE_TEMP_SECONDS):
-                print(f"{verb} {folder}")
-                temps += 1
                 if not dry_run:
                     _remove(folder)
+                print(f"{verb} {folder}")
+                temps += 1
         for log in sorted((root / ".logs").glob("*.log")) if remove_logs and (root / ".logs").is_dir() else []:
             if is_older(log.stat().st_mtime, now, max_age):
-                logs += 1
                 if not dry_run:
-                    log.unlink(missing_ok=True)
+                    _remove(log)
+                logs += 1
     return temps, logs
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    """A stale temp folder or a log (nothing loads either); CannotRemove if refused. A
+    temp folder refused part way is still only a temp folder."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass  # another clean took it (or part of it) first; a stale temp folder may stay
+    except OSError as exc:
+        raise CannotRemove(path, exc) from exc
 
 
 # --- shared ---------------------------------------------------------------------------

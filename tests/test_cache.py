@@ -781,6 +781,51 @@ def no_tools(tmp_path: Path) -> dict[str, str]:
                 PATH=empty_path(tmp_path))
 
 
+def fake_entry(root: Path, name: str, damaged: bool = False) -> Path:
+    """A published-looking entry, no build needed: `<name>.so` and a manifest that lists
+    it (one byte off in size when `damaged`). What verify, clean and pack look at."""
+    entry = root / f"{name}-0123456789abcdef"
+    entry.mkdir(parents=True)
+    library = entry / f"{name}.so"
+    library.write_bytes(b"\x7fELF not really")
+    files = {library.name: {"size": library.stat().st_size + damaged, "sha256": cache.sha256_file(library)}}
+    (entry / cache.MANIFEST).write_text(json.dumps({"name": name, "library": library.name, "files": files}))
+    return entry
+
+
+@pytest.mark.parametrize("command, said_by", [("clean --all", "clean"), ("verify --fix", "verify --fix")])
+def test_clean_and_verify_fix_on_a_read_only_cache_say_why_and_change_nothing(tmp_path, command, said_by):
+    """A cache this user may not write (a read-only mount; or chmod a-w, which root
+    ignores): one line naming the entry and the file refused, exit 1, no traceback, and
+    the cache exactly as it was. Writable again, the same command removes the entry."""
+    root = tmp_path / "cache"
+    (root / ".locks").mkdir(parents=True)  # a cache in use has these; the entry has no lock file yet
+    (root / ".tmp").mkdir()
+    entry = fake_entry(root, "decode_plan", damaged=True)  # bad: verify --fix wants it gone too
+    environ = python_env(FLASHINFER_JIT_CACHE_DIR=str(root), XDG_CACHE_HOME=str(tmp_path / "xdg"),
+                         FLASHINFER_JIT_CACHE_PATH=None)
+    argv = [sys.executable, "-m", "flashinfer_jit", *command.split()]
+    with read_only(root) as prefix:
+        if not prefix and os.access(root, os.W_OK):
+            pytest.skip("no read-only bind mount here (no mount namespace) and chmod does not "
+                        "stop this user (root) from writing")
+        before = snapshot(root)
+        proc = subprocess.run([*prefix, *argv], env=environ, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=SUBPROCESS_TIMEOUT)
+        assert snapshot(root) == before
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    lock = root / ".locks" / f"{entry.name}.lock"
+    assert line.startswith(f"flashinfer-jit {said_by}: cannot remove {entry}: {lock}: "), line
+    assert ("Read-only file system" if prefix else "Permission denied") in line
+
+    proc = subprocess.run(argv, env=environ, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not entry.exists() and lock.exists() and list((root / ".tmp").iterdir()) == []
+
+
 def test_cache_path_lists_prebuilt_roots_before_the_writable_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "rw"))
     monkeypatch.setenv("FLASHINFER_JIT_CACHE_PATH", os.pathsep.join(

@@ -79,6 +79,15 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def listing(folder: Path) -> list[tuple] | None:
+    """Every path under `folder` (itself included) with its kind, size and modification
+    time, which a write there would change; None if it does not exist."""
+    if not folder.exists():
+        return None
+    return [(str(p.relative_to(folder)), p.is_dir(), p.lstat().st_size if p.is_file() else 0,
+             p.lstat().st_mtime_ns) for p in [folder, *sorted(folder.rglob("*"))]]
+
+
 # --- aot ------------------------------------------------------------------------------
 def test_aot_builds_the_matrix(built_cache):
     assert built_cache.exit_code == 0
@@ -222,6 +231,83 @@ def test_verify_detects_a_truncated_library_and_fix_removes_it(cache_copy, capsy
     assert run(capsys, "verify")[0] == 0
 
 
+def test_verify_and_pack_of_an_empty_cache_say_no_entries_and_write_nothing(fresh_cache, tmp_path, capsys):
+    """As `list` says it: no "every entry matches" over nothing, and no archive of nothing
+    (nor a temp file, nor a change to an archive already there)."""
+    for argv in (["verify"], ["verify", "--fix"]):
+        code, out, _ = run(capsys, *argv)
+        assert code == 0 and out.startswith("no entries in ") and "matches its manifest" not in out
+    assert not fresh_cache.exists()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    earlier = tmp_path / "earlier.tar.gz"
+    earlier.write_bytes(b"an archive packed before")
+    before = listing(tmp_path)
+    for argv in (["pack", str(empty)], ["pack", str(empty), "--out", str(earlier)]):
+        code, out, err = run(capsys, *argv)
+        assert code == 1 and f"flashinfer-jit pack: no entries in {empty}: nothing written" in err
+        assert "packed" not in out and "unpack with" not in out
+    assert listing(tmp_path) == before  # not even a temp file came and went
+
+    (empty / "junk_folder").mkdir()  # no entry is complete: the archive would hold nothing
+    code, out, err = run(capsys, "pack", str(empty), "--out", str(earlier))
+    assert code == 1 and "skipped junk_folder: no readable manifest.json" in out
+    assert f"no complete entry (1 folder left out) in {empty}: nothing written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.tar.gz", "empty"]
+    assert earlier.read_bytes() == b"an archive packed before"
+
+
+def test_verify_fix_and_clean_remove_only_entries_of_this_cache(cache_copy, tmp_path, capsys):
+    """A folder is removed only when it is provably an entry (named `<name>-<16 hex>`, holding
+    a manifest or a file of that name's build); anything else is named and left whole."""
+    junk = cache_copy / "junk_folder"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("mine")
+    lookalike = cache_copy / "notes-0123456789abcdef"  # an entry's name, none of its files
+    lookalike.mkdir()
+    (lookalike / "draft.txt").write_text("mine too")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "manifest.json").write_text("{")
+    link = cache_copy / "linked-0123456789abcdef"  # a link is never one of our entries
+    link.symlink_to(elsewhere)
+    strangers = [junk, lookalike, link]
+    bad = entry_dir(cache_copy, "append_bf16_hd128_nhd_csr")
+    os.truncate(bad / "append_bf16_hd128_nhd_csr.so", 100)
+    unfinished = cache_copy / "decode_plan-fedcba9876543210"  # a build's log, no manifest: ours
+    unfinished.mkdir()
+    (unfinished / "build.log").write_text("ninja: build stopped")
+
+    code, out, _ = run(capsys, "verify")
+    assert code == 1
+    for path in strangers:
+        assert f"SKIP {path}: not an entry of this cache: left alone" in out
+    assert f"BAD  {bad.name}: append_bf16_hd128_nhd_csr.so has 100 bytes" in out
+    assert f"BAD  {unfinished.name}: no readable manifest.json" in out
+
+    code, out, _ = run(capsys, "verify", "--fix")
+    assert code == 0 and "2 bad entries, 2 removed, 0 kept" in out
+    assert out.count("left alone") == 3 and not bad.exists() and not unfinished.exists()
+    assert (junk / "notes.txt").read_text() == "mine" and (lookalike / "draft.txt").read_text() == "mine too"
+    assert link.is_symlink() and (elsewhere / "manifest.json").read_text() == "{"
+    assert list((cache_copy / ".tmp").iterdir()) == []  # each removal went whole
+
+    code, out, _ = run(capsys, "clean", "--all")
+    assert code == 0 and "removed 2 entries" in out
+    for path in strangers:
+        assert f"left alone {path}: not an entry of this cache" in out
+    assert sorted(p for p in cache_copy.iterdir() if not p.name.startswith(".")) == sorted(strangers)
+    assert (junk / "notes.txt").exists() and (lookalike / "draft.txt").exists() and link.is_symlink()
+
+    code, out, _ = run(capsys, "verify")
+    assert code == 0 and "no entries in" in out and out.count("SKIP ") == 3
+    code, out, _ = run(capsys, "list")  # the same judgement
+    assert code == 0 and out.startswith("no entries in ")
+    assert f"not entries of this cache, so not listed: {junk}, {link}, {lookalike}" in out
+    assert json.loads(run(capsys, "list", "--json")[1]) == []
+
+
 # --- clean ----------------------------------------------------------------------------
 def make_side_files(root: Path) -> dict[str, Path]:
     """A temp folder of a build that died two hours ago, one of a live build, and a log."""
@@ -287,17 +373,22 @@ def test_parse_duration_rejects(text):
 def doctor_lines(out: str) -> dict[str, str]:
     """check name -> its line"""
     return {line.split()[1]: line for line in out.splitlines()
-            if line.startswith(("OK", "PROBLEM"))}
+            if line.startswith(("OK", "NOTE", "PROBLEM"))}
 
 
 def test_doctor_all_ok_without_a_gpu_when_archs_are_given(fresh_cache, monkeypatch, capsys):
+    import torch
+
     monkeypatch.setenv("FLASHINFER_JIT_CUDA_ARCH_LIST", "9.0a")
     monkeypatch.delenv("FLASHINFER_JIT_DISABLE_JIT", raising=False)
     code, out, _ = run(capsys, "doctor")
     lines = doctor_lines(out)
     assert code == 0, out
     assert set(lines) == {"nvcc", "c++", "ninja", "torch", "archs", "jit", "cache", "gpus"}
-    assert all(line.startswith("OK ") for line in lines.values()), out
+    gpu = torch.cuda.is_available()
+    assert all(line.startswith("OK ") for name, line in lines.items() if gpu or name != "gpus"), out
+    if not gpu:  # information, not a problem
+        assert lines["gpus"].startswith("NOTE ") and "cannot run on this host" in lines["gpus"]
     assert "release" in lines["nvcc"]
     assert "9.0a (from FLASHINFER_JIT_CUDA_ARCH_LIST)" in lines["archs"]
     assert str(fresh_cache) in lines["cache"] and "free" in lines["cache"]
@@ -311,18 +402,46 @@ def test_doctor_names_a_missing_nvcc_and_the_fix(fresh_cache, monkeypatch, capsy
     assert code == 1 and line.startswith("PROBLEM") and "CUDA_HOME" in line
 
 
-def test_doctor_without_targets(fresh_cache, monkeypatch, capsys):
+@pytest.mark.parametrize("root_exists", [False, True])
+def test_doctor_on_a_cpu_only_host_notes_it_and_writes_nothing(fresh_cache, tmp_path, monkeypatch, capsys,
+                                                               root_exists):
+    """The README's CPU host (no GPU, FLASHINFER_JIT_CUDA_ARCH_LIST unset): archs and gpus are
+    NOTEs, not problems, and the exit code is 0. doctor only reads: a cache root that does not
+    exist stays absent; one that does gets no .locks/, .tmp/ or probe file; the user cache gets
+    no compiler-version memo."""
     import torch
 
     monkeypatch.delenv("FLASHINFER_JIT_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.delenv("FLASHINFER_JIT_DISABLE_JIT", raising=False)
     monkeypatch.setattr(env, "visible_gpu_archs", lambda: ())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if root_exists:
+        (fresh_cache / "decode_plan-0123456789abcdef").mkdir(parents=True)
+        (fresh_cache / "decode_plan-0123456789abcdef" / "decode_plan.so").write_bytes(b"\x7fELF")
+        old = time.time() - 3600  # a write now would show in the listing
+        for path in (fresh_cache / "decode_plan-0123456789abcdef", fresh_cache):
+            os.utime(path, (old, old))
+    before = listing(tmp_path)
+
     code, out, _ = run(capsys, "doctor")
     lines = doctor_lines(out)
-    assert code == 1
-    assert lines["archs"].startswith("PROBLEM")
-    assert "FLASHINFER_JIT_CUDA_ARCH_LIST" in lines["archs"]
-    assert lines["gpus"].startswith("PROBLEM") and "none visible" in lines["gpus"]
+    assert code == 0, out
+    assert lines["archs"].startswith("NOTE ") and "FLASHINFER_JIT_CUDA_ARCH_LIST='9.0a'" in lines["archs"]
+    assert lines["gpus"].startswith("NOTE ") and "no GPU visible" in lines["gpus"]
+    assert "can be built with FLASHINFER_JIT_CUDA_ARCH_LIST" in lines["gpus"] and "not run" in lines["gpus"]
+    assert not any(line.startswith("PROBLEM") for line in lines.values()), out
+    assert "everything needed to build modules is in place (see the NOTE on archs, gpus)" in out
+    assert ("1 entry" if root_exists else "created by the first build") in lines["cache"]
+    assert listing(tmp_path) == before
+    assert not (tmp_path / "xdg").exists() and fresh_cache.exists() == root_exists
+
+
+def test_doctor_names_a_bad_arch_list(fresh_cache, monkeypatch, capsys):
+    monkeypatch.setenv("FLASHINFER_JIT_CUDA_ARCH_LIST", "hopper")
+    code, out, _ = run(capsys, "doctor")
+    line = doctor_lines(out)["archs"]
+    assert code == 1 and line.startswith("PROBLEM") and "cannot read 'hopper'" in line
+    assert "1 problem(s) (archs)" in out
 
 
 def test_doctor_low_disk_space(fresh_cache, monkeypatch, capsys):

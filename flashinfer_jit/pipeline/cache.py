@@ -27,6 +27,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -44,6 +45,9 @@ from .render import RenderedModule
 KEY_FORMAT = 1
 MANIFEST = "manifest.json"
 BUILD_LOG = "build.log"
+BUILD_FILE = "build.ninja"
+# Entry.dirname: the module's name, then the first 16 hex digits of its sha256 key.
+ENTRY_DIRNAME = re.compile(r"(?P<name>.+)-(?P<key16>[0-9a-f]{16})")
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -248,6 +252,26 @@ def build_root() -> Path:
     )
 
 
+def may_write(path: Path) -> bool:
+    """Whether this process could create or write the folder `path`, asked without
+    writing anything (build_root probes by writing): the nearest existing folder at or
+    above it is a folder this user may write and search (os.access, which also sees a
+    read-only mount)."""
+    for folder in (path, *path.parents):
+        if os.path.lexists(folder):
+            return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+    return False
+
+
+def planned_build_root() -> Path | None:
+    """The root build_root() would pick, found without creating or writing anything
+    (`flashinfer-jit doctor` only reads); None if no root could be written."""
+    for root in writable_roots():
+        if all(may_write(path) for path in (root, root / ".tmp", root / ".locks")):
+            return root
+    return None
+
+
 def mark_used(entry_dir: Path) -> None:
     """Record that this entry was loaded now: the manifest's modification time, which
     `clean --keep-size` orders by (least recently used first). One syscall; an entry of a
@@ -311,11 +335,15 @@ def private_build_dir(root: Path, dirname: str) -> Path:
 
 def discard(path: Path, root: Path) -> None:
     """Move `path` out of the way atomically, then delete it; a reader that already
-    opened a file in it keeps its file."""
+    opened a file in it keeps its file. An OSError (a read-only root) leaves `path`
+    whole, and is raised."""
     trash = root / ".tmp" / f"discard-{path.name}-{uuid.uuid4().hex[:8]}"
+    trash.parent.mkdir(exist_ok=True)  # a root copied without its .tmp/
     try:
         os.replace(path, trash)
     except FileNotFoundError:
+        if os.path.lexists(path):  # not the entry that is gone: the move itself failed
+            raise
         return
     shutil.rmtree(trash, ignore_errors=True)
 
@@ -345,8 +373,9 @@ def save_failed_log(root: Path, dirname: str, log: str) -> Path:
 
 def iter_entries(root: Path | None = None,
                  roots: list[Path] | None = None) -> Iterator[tuple[Path, dict | None]]:
-    """(folder, manifest or None) of every entry of `root`, else of `roots`, else of
-    every lookup root."""
+    """(folder, manifest or None) of every folder of `root`, else of `roots`, else of
+    every lookup root, but those whose name starts with a dot (locks, temp folders, logs,
+    .fastcall). A folder listed here may still be no entry at all (is_entry_dir)."""
     roots = [root] if root is not None else (roots if roots is not None else lookup_roots())
     seen = set()
     for r in roots:
@@ -356,6 +385,19 @@ def iter_entries(root: Path | None = None,
         for child in sorted(r.iterdir()):
             if child.is_dir() and not child.name.startswith("."):
                 yield child, read_manifest(child)
+
+
+def is_entry_dir(path: Path) -> bool:
+    """Whether `path` is provably an entry of a cache, so that `verify --fix` and `clean`
+    may remove it: a real folder (not a link) named as Entry.dirname names it
+    (`<name>-<16 hex digits>`) that holds a manifest.json or a file only a build of that
+    name makes (`<name>.so`, build.ninja, build.log). A folder some person or tool put in
+    the root is none of these, however broken it looks, and is left alone."""
+    match = ENTRY_DIRNAME.fullmatch(path.name)
+    if match is None or path.is_symlink() or not path.is_dir():
+        return False
+    return any((path / name).is_file()
+               for name in (MANIFEST, f"{match['name']}.so", BUILD_FILE, BUILD_LOG))
 
 
 def typical_build_seconds(root: Path, family: str, limit: int = 16) -> tuple[float, int] | None:

@@ -43,7 +43,7 @@ class PackReport:
     packed: list[str] = field(default_factory=list)  # entry folder names
     skipped: dict[str, str] = field(default_factory=dict)  # folder name -> why
     fastcall: list[str] = field(default_factory=list)  # fij_fastcall libraries (paths relative to the root)
-    size_bytes: int = 0  # of the archive
+    size_bytes: int = 0  # of the archive (0: none was written)
 
 
 def zstd_program() -> str | None:
@@ -68,15 +68,20 @@ def compression_of(archive: Path) -> str:
 
 def pack(root: Path, archive: Path) -> PackReport:
     """Write the complete entries of `root` to `archive` (through a temp file beside it,
-    renamed into place at the end: a failed pack leaves no partial archive)."""
+    renamed into place at the end: a failed pack leaves no partial archive). Where no
+    entry is complete (an empty root, or every entry left out) nothing is written and an
+    `archive` already there is untouched: `report.packed` is then empty."""
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a folder")
     report = PackReport(archive, compression_of(archive))
+    folders = list(cache.iter_entries(root))
+    if not folders:
+        return report
     tmp = archive.parent / f".{archive.name}.{os.getpid()}.tmp"
     try:
         with _compressed(tmp, report.compression) as stream, \
                 tarfile.open(fileobj=stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            for path, _ in cache.iter_entries(root):
+            for path, _ in folders:
                 raw = _read(path / cache.MANIFEST)
                 manifest = _parse(raw)
                 contents: dict[str, bytes] = {}
@@ -87,11 +92,13 @@ def pack(root: Path, archive: Path) -> PackReport:
                     continue
                 _add_entry(tar, path, manifest, raw, contents)
                 report.packed.append(path.name)
-            report.fastcall.extend(_add_fastcall(tar, root))
-        os.replace(tmp, archive)
+            if report.packed:  # (the extension alone serves nothing)
+                report.fastcall.extend(_add_fastcall(tar, root))
+        if report.packed:
+            os.replace(tmp, archive)
     finally:
         tmp.unlink(missing_ok=True)
-    report.size_bytes = archive.stat().st_size
+    report.size_bytes = archive.stat().st_size if report.packed else 0
     return report
 
 

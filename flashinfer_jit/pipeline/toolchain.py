@@ -51,16 +51,17 @@ def _version_line(cmd: list[str], what: str) -> str:
     return _memoized(cmd[0], "", lambda: _run_version(cmd, what))
 
 
-def _memoized(binary: str, question: str, answer: Callable[[], str]) -> str:
+def _memoized(binary: str, question: str, answer: Callable[[], str], remember: bool = True) -> str:
     """answer(), remembered on disk keyed by the binary's resolved path, size, mtime and
-    inode, plus `question`: replacing or upgrading the binary changes the key."""
+    inode, plus `question`: replacing or upgrading the binary changes the key. With
+    remember=False a memo is read but never written (`flashinfer-jit doctor` only reads)."""
     memo_key = _binary_key(binary)
     memo_key = memo_key and memo_key + question
     memo = _read_version_memo()
     if memo_key and memo_key in memo:
         return memo[memo_key]
     value = answer()
-    if memo_key:
+    if memo_key and remember:
         _write_version_memo({**memo, memo_key: value})
     return value
 
@@ -137,7 +138,7 @@ def find_cxx() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
-def _print_file_name(cxx: str, name: str) -> str | None:
+def _print_file_name(cxx: str, name: str, remember: bool = True) -> str | None:
     """Where `cxx` finds library file `name` when linking; None where it does not (GCC
     and clang then echo the bare name). Remembered on disk like the version line."""
     def ask() -> str:
@@ -145,7 +146,7 @@ def _print_file_name(cxx: str, name: str) -> str | None:
                               timeout=60, check=True).stdout.strip()
 
     try:
-        out = _memoized(cxx, f"|print-file-name={name}", ask)
+        out = _memoized(cxx, f"|print-file-name={name}", ask, remember)
     except (OSError, subprocess.SubprocessError):
         return None
     return out if os.path.isabs(out) and os.path.exists(out) else None
@@ -164,7 +165,7 @@ def _loaded_libstdcxx() -> str | None:
     return None
 
 
-def shared_libstdcxx(cxx: str) -> tuple[str, ...]:
+def shared_libstdcxx(cxx: str, remember: bool = True) -> tuple[str, ...]:
     """Extra link inputs so a module shares the process's libstdc++.
 
     A compiler that has only libstdc++.a on its library path (a relocated GCC such as
@@ -173,10 +174,10 @@ def shared_libstdcxx(cxx: str) -> tuple[str, ...]:
     objects, and the first error message that formats a number (`TORCH_CHECK(..., n)`)
     crashes with SIGSEGV instead of raising. Naming the shared libstdc++.so.6 on the link
     line before the compiler's implicit -lstdc++ resolves every C++ runtime symbol from
-    it, so nothing is taken from the archive."""
-    if _print_file_name(cxx, "libstdc++.so") is not None:
+    it, so nothing is taken from the archive. `remember`: as in _memoized."""
+    if _print_file_name(cxx, "libstdc++.so", remember) is not None:
         return ()
-    shared = _print_file_name(cxx, "libstdc++.so.6") or _loaded_libstdcxx()
+    shared = _print_file_name(cxx, "libstdc++.so.6", remember) or _loaded_libstdcxx()
     return (shared,) if shared else ()
 
 
