@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import sys
 import time
 from dataclasses import dataclass
@@ -297,36 +298,67 @@ DOCTOR_CHECKS: list[tuple[str, Callable[[], Check]]] = [
 
 
 # --- aot ------------------------------------------------------------------------------
-def progress_line(done: int, total: int, seconds: float, width: int = 30) -> str:
-    """'[##########....................] 4/12 entries  45.2s'"""
-    filled = width * done // total if total else width
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} entries  {seconds:.1f}s"
+def progress_line(done: int, total: int, seconds: float, width: int = 30, steps: tuple[int, int] = (0, 0)) -> str:
+    """'[##########....................] 4/12 entries  45.2s', with ninja's compile steps
+    once it has said them: '... 4/12 entries, 57/190 steps  45.2s'. The bar fills by
+    steps where known (they move long before the first entry completes)."""
+    frac = steps[0] / steps[1] if steps[1] else (done / total if total else 1.0)
+    filled = min(width, int(width * frac))
+    counted = f", {steps[0]}/{steps[1]} steps" if steps[1] else ""
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} entries{counted}  {seconds:.1f}s"
 
 
 class ProgressBar:
-    """build_many's progress callback: one line redrawn with \\r on a terminal, one line
-    per completed entry otherwise (logs, CI)."""
+    """build_many's progress callback: one line redrawn with \\r on a terminal, where a clock
+    redraws it every second between ninja's steps too; one line per completed entry
+    otherwise (logs, CI), and one every 30 s while none completes."""
 
-    def __init__(self, stream: TextIO):
+    def __init__(self, stream: TextIO, tick: float = 1.0, quiet_line: float = 30.0):
         self.stream = stream
         self.tty = stream.isatty()
         self.open = False  # a redrawn line is on screen without its newline
-
-    def __call__(self, done: int, total: int, seconds: float) -> None:
-        line = progress_line(done, total, seconds)
+        self.state = None  # (done, total, seconds, steps, when)
+        self.last_line = 0.0
+        self.quiet_line = quiet_line
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.clock = None
         if self.tty:
-            self.stream.write("\r" + line)
-            self.open = done < total
-            if not self.open:
-                self.stream.write("\n")
-        else:
-            self.stream.write(line + "\n")
+            self.clock = threading.Thread(target=self._tick, args=(tick,), daemon=True)
+            self.clock.start()
+
+    def __call__(self, done: int, total: int, seconds: float, steps_done: int = 0, steps_total: int = 0) -> None:
+        with self.lock:
+            previous = self.state
+            self.state = (done, total, seconds, (steps_done, steps_total), time.monotonic())
+            if self.tty:
+                self._draw(seconds)
+            elif previous is None or done != previous[0] or time.monotonic() - self.last_line >= self.quiet_line:
+                self.stream.write(progress_line(done, total, seconds, steps=(steps_done, steps_total)) + "\n")
+                self.stream.flush()
+                self.last_line = time.monotonic()
+
+    def _draw(self, seconds: float) -> None:
+        done, total, _, steps, _ = self.state
+        self.stream.write("\r" + progress_line(done, total, seconds, steps=steps))
+        self.open = done < total
+        if not self.open:
+            self.stream.write("\n")
         self.stream.flush()
 
+    def _tick(self, every: float) -> None:
+        while not self.stop.wait(every):
+            with self.lock:
+                if self.state is not None and self.open:
+                    done, total, seconds, steps, when = self.state
+                    self._draw(seconds + time.monotonic() - when)
+
     def close(self) -> None:
-        if self.open:
-            self.stream.write("\n")
-            self.open = False
+        self.stop.set()
+        with self.lock:
+            if self.open:
+                self.stream.write("\n")
+                self.open = False
 
 
 def summary_lines(report) -> list[str]:
@@ -385,6 +417,14 @@ def cmd_aot(args: argparse.Namespace) -> int:
         bar.close()
         print(f"flashinfer-jit aot: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C, or a signal that stopped ninja: one line, what was kept
+        bar.close()
+        kept = len(exc.report.built) if isinstance(exc, jit.BuildInterrupted) else 0
+        left = len(exc.unfinished) if isinstance(exc, jit.BuildInterrupted) else None
+        print(f"flashinfer-jit aot: interrupted; {plural(kept, 'entry')} complete and kept"
+              + (f", {left} not built" if left is not None else "")
+              + ": run the same command again to build the rest", file=sys.stderr)
+        return 130
     bar.close()
     print("\n".join(summary_lines(report)))
     _aot_fastcall(Path(args.out) if args.out else None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -173,13 +174,22 @@ def run_ninja(tc: Toolchain, build_dir: Path, jobs: int | None = None,
                             env={**os.environ, "NINJA_STATUS": "[%f/%t] "})
     lines = []
     assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if on_line is not None:
-            on_line(line)
-        elif env.verbose():
-            sys.stderr.write(line)
-    code = proc.wait()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+            elif env.verbose():
+                sys.stderr.write(line)
+        code = proc.wait()
+    except BaseException:  # an interrupt here: ninja stops too (it removes its unfinished outputs), then it passes on
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
     return code, "".join(lines), time.perf_counter() - start
 
 

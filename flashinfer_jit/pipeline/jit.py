@@ -298,6 +298,63 @@ class BuildReport:
     hint: str | None = None  # why the failures were probably the disk's
 
 
+class BuildInterrupted(KeyboardInterrupt):
+    """An AOT build stopped by an interrupt (Ctrl-C, or a signal that reached ninja alone).
+    `report`: what was complete and published before it (built), and what was not."""
+
+    def __init__(self, report: BuildReport, unfinished: list[str]):
+        super().__init__(f"interrupted: {len(report.built)} entries complete and kept, {len(unfinished)} not built")
+        self.report = report
+        self.unfinished = unfinished
+
+
+class _NinjaProgress:
+    """Reads ninja's status lines (NINJA_STATUS "[finished/total] "; on a pipe ninja prints
+    one as each step ends) into progress: steps done of all, and entries whose link step
+    ended without a failure (a LINK line followed by ninja's FAILED: line is a failure)."""
+
+    def __init__(self, progress, total: int, start: float):
+        self.progress, self.total, self.start = progress, total, start
+        self.done = 0
+        self.steps = (0, 0)
+        self.pending_link: str | None = None  # a link step's output, until the next line says how it ended
+
+    def __call__(self, line: str) -> None:
+        if self.pending_link is not None:
+            failed = line.startswith("FAILED:") and self.pending_link in line
+            self.pending_link = None
+            if not failed:
+                self.done += 1
+        if line.startswith("["):
+            head, _, rest = line.partition("]")
+            finished, _, total = head[1:].partition("/")
+            if finished.isdigit() and total.isdigit():
+                self.steps = (int(finished), int(total))
+            if rest.lstrip().startswith("LINK ") and ".so" in rest:
+                self.pending_link = rest.split()[-1]
+        self.report()
+
+    def finish(self) -> None:
+        if self.pending_link is not None:
+            self.pending_link = None
+            self.done += 1
+        self.report()
+
+    def report(self) -> None:
+        if self.progress:
+            self.progress(self.done, self.total, time.perf_counter() - self.start, *self.steps)
+
+
+def _completed_outputs(build_dir: Path) -> set[str]:
+    """The outputs of the steps ninja finished successfully (its .ninja_log records only
+    those): an interrupted build's complete entries."""
+    try:
+        lines = (build_dir / ".ninja_log").read_text().splitlines()
+    except OSError:
+        return set()
+    return {parts[3] for parts in (line.split("\t") for line in lines) if len(parts) >= 4 and parts[0].isdigit()}
+
+
 def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...] | None = None,
                progress: Callable[[int, int, float], None] | None = None,
                root: Path | None = None) -> BuildReport:
@@ -369,24 +426,27 @@ def _build_missing(preps: list[Prepared], root: Path, look_in: list[Path] | None
                 parts.append(build.ninja_builds(f"{sub.name}/", f"{prep.name}.so"))
             (top / "build.ninja").write_text("".join(parts))
             total = len(locked)
-            done = 0
-            if progress:
-                progress(0, total, 0.0)
-
-            def on_line(line: str) -> None:
-                nonlocal done
-                if "LINK " in line and ".so" in line and "FAILED" not in line:
-                    done += 1
-                    if progress:
-                        progress(done, total, time.perf_counter() - start)
-
-            code, log, _ = build.run_ninja(tc, top, jobs or env.max_jobs() or os.cpu_count(), on_line)
+            watch = _NinjaProgress(progress, total, start)
+            watch.report()
+            interrupted = False
+            try:
+                code, log, _ = build.run_ninja(tc, top, jobs or env.max_jobs() or os.cpu_count(), watch)
+            except KeyboardInterrupt:  # Ctrl-C reached this process (and ninja, in its process group)
+                interrupted, code, log = True, -2, ""
+            watch.finish()
+            # ninja stopped by a signal that reached it alone: an interrupt, not a compile failure
+            interrupted = interrupted or "build stopped: interrupted by user" in log or code in (-2, 130, -15, 143)
             (top / "aot.log").write_text(log)
             per_entry = _split_failures(log)
             step_seconds = _ninja_step_seconds(top)
+            complete = _completed_outputs(top) if interrupted else None
+            unfinished = []
             for prep in locked:
                 entry = prep.entry(root)
                 sub = top / entry.dirname
+                if complete is not None and f"{entry.dirname}/{prep.name}.so" not in complete:
+                    unfinished.append(prep.name)  # (its link never finished: nothing of it is kept)
+                    continue
                 if (sub / f"{prep.name}.so").is_file() and entry.dirname not in per_entry:
                     seconds = step_seconds.get(entry.dirname, 0.0)
                     (sub / cache.BUILD_LOG).write_text(build.collect_logs(sub))
@@ -399,6 +459,8 @@ def _build_missing(preps: list[Prepared], root: Path, look_in: list[Path] | None
                     report.failed[prep.name] = _save_failed_log(root, entry.dirname, text)
             if report.failed:
                 report.hint = cache.out_of_space_hint(root, log)
+            if interrupted:
+                raise BuildInterrupted(report, unfinished)
         finally:
             shutil.rmtree(top, ignore_errors=True)
     return report
