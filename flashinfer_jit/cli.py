@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help='target archs, e.g. "9.0a" or "8.0 9.0a" '
                           "(default: FLASHINFER_JIT_CUDA_ARCH_LIST, else the visible GPUs)")
     aot.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    aot.add_argument("--lock-timeout", type=_nonnegative_float, metavar="SECONDS",
+                     help="give up (exit 1) after waiting this long for an entry's lock held by another "
+                          "process (default: wait; the wait is announced after a few seconds, naming the holder)")
     pack = command("pack", cmd_pack, "archive the complete entries of a cache folder "
                    "(e.g. the --out of aot) for a deployment image")
     pack.add_argument("dir", metavar="DIR", help="the cache folder")
@@ -129,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     clean.add_argument("--all", action="store_true", help="every entry")
     clean.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
     return parser
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -412,7 +425,7 @@ def cmd_aot(args: argparse.Namespace) -> int:
     bar = ProgressBar(sys.stderr)
     try:
         report = jit.build_many(specs, jobs=jobs, archs=archs, progress=bar,
-                                root=Path(args.out) if args.out else None)
+                                root=Path(args.out) if args.out else None, lock_timeout=args.lock_timeout)
     except JitError as exc:
         bar.close()
         print(f"flashinfer-jit aot: {exc}", file=sys.stderr)

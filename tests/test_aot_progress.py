@@ -92,3 +92,52 @@ def test_aot_says_one_line_on_an_interrupt(tmp_path, monkeypatch, capsys):
     assert code == 130
     assert "interrupted; 1 entry complete and kept, 2 not built: run the same command again" in err
     assert "Traceback" not in err and "fastcall" not in out + err
+
+
+HOLDER = """
+import sys, time
+from filelock import FileLock
+from pathlib import Path
+from flashinfer_jit.pipeline import jit
+path = Path(sys.argv[1])
+lock = FileLock(str(path))
+jit.acquire_lock(lock, path, "decode_plan", "aot (a test's holder)")
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_aot_names_the_lock_holder_and_honours_lock_timeout(tmp_path, monkeypatch, caplog):
+    """Another process holds decode_plan's lock: build_many announces the wait (who holds it,
+    what it waits for) and gives up after lock_timeout with a CacheError naming the holder;
+    `aot --lock-timeout` turns that into one line and exit 1."""
+    import subprocess
+    import sys
+
+    from flashinfer_jit.pipeline.errors import CacheError
+
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(jit, "LOCK_NOTICE_SECONDS", 0.2)
+    spec = DecodePlanSpec()
+    entry = jit.prepare(spec).entry(cache.build_root())
+    entry.lock_path.parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(entry.lock_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with caplog.at_level("WARNING", logger="flashinfer_jit"):
+            with pytest.raises(CacheError, match=rf"gave up after 1 s waiting for the lock of decode_plan .* held by "
+                                                 rf"process {holder.pid} on .*aot \(a test's holder\)"):
+                jit.build_many([spec], archs=(), lock_timeout=1.0)
+        assert f"held by process {holder.pid}" in caplog.text and "waits to build (aot) it" in caplog.text
+        assert cli.main(["aot", "--entry", "decode_plan", "--lock-timeout", "0.5"]) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder gone, the same build takes the lock at once
+    assert jit.build_many([spec], archs=(), lock_timeout=5.0).built == [spec.name]
+
+
+def test_lock_timeout_must_be_seconds(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["aot", "--entry", "decode_plan", "--lock-timeout", "soon"])
+    assert "expected a number of seconds >= 0" in capsys.readouterr().err

@@ -8,10 +8,13 @@ cache hit at run time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 import shlex
 import shutil
+import socket
 import threading
 import time
 from contextlib import ExitStack, contextmanager
@@ -272,17 +275,58 @@ def _jit_disabled_miss(prep: Prepared) -> JitDisabledError:
         module=prep.name, matrix_line=line, aot_command=command)
 
 
+LOCK_NOTICE_SECONDS = 5.0  # a wait for another process's lock is announced after this long
+
+
+def _holder_path(lock_path: Path) -> Path:
+    return Path(str(lock_path) + ".holder")
+
+
+def _say_holder(lock_path: Path, what: str) -> None:
+    """Beside a lock just taken: who holds it (a waiter's message reads it). Best effort."""
+    with contextlib.suppress(OSError):
+        _holder_path(lock_path).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                       "what": what, "since": time.time()}))
+
+
+def lock_holder(lock_path: Path) -> str:
+    """'process 4242 on host-a (aot, for 12 s)', or 'another process' where it did not say."""
+    try:
+        info = json.loads(_holder_path(lock_path).read_text())
+        return (f"process {info['pid']} on {info['host']} ({info['what']}, for "
+                f"{max(0.0, time.time() - float(info['since'])):.0f} s)")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def acquire_lock(lock: FileLock, lock_path: Path, name: str, what: str, timeout: float | None = None) -> None:
+    """Takes an entry's lock. A wait of more than LOCK_NOTICE_SECONDS is announced once on
+    the flashinfer_jit logger, naming the holder and what this process waits for; after
+    `timeout` seconds (None: no limit) a CacheError says the same and gives up."""
+    start = time.perf_counter()
+    try:
+        lock.acquire(timeout=0 if timeout == 0 else min(LOCK_NOTICE_SECONDS, timeout or LOCK_NOTICE_SECONDS))
+    except Timeout:
+        holder = lock_holder(lock_path)
+        limit = "" if timeout is None else f"; giving up after {timeout:g} s (--lock-timeout)"
+        log.logger.warning("waiting for the lock of %s (%s), held by %s: it builds or removes that entry, and "
+                           "this process waits to %s it%s", name, lock_path, holder, what, limit)
+        left = None if timeout is None else max(0.0, timeout - (time.perf_counter() - start))
+        try:
+            lock.acquire(timeout=-1 if left is None else left)
+        except Timeout:
+            raise CacheError(f"gave up after {timeout:g} s waiting for the lock of {name} ({lock_path}), held by "
+                             f"{lock_holder(lock_path)}; let that process finish, or end it if it is stuck") \
+                from None
+        log.logger.info("waited %.1f s for %s", time.perf_counter() - start, name)
+    _say_holder(lock_path, what)
+
+
 @contextmanager
 def _entry_lock(entry: cache.Entry, name: str):
     """The entry's file lock; a wait for another process's build is announced."""
     lock = FileLock(str(entry.lock_path))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log.logger.info("waiting for another process that is building %s (lock %s)", name, entry.lock_path)
-        start = time.perf_counter()
-        lock.acquire()
-        log.logger.info("waited %.1f s for %s", time.perf_counter() - start, name)
+    acquire_lock(lock, entry.lock_path, name, "build")
     try:
         yield
     finally:
@@ -356,15 +400,17 @@ def _completed_outputs(build_dir: Path) -> set[str]:
 
 
 def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...] | None = None,
-               progress: Callable[[int, int, float], None] | None = None,
-               root: Path | None = None) -> BuildReport:
+               progress: Callable[..., None] | None = None,
+               root: Path | None = None, lock_timeout: float | None = None) -> BuildReport:
     """Build every spec not yet cached through one ninja invocation (AOT).
 
     `root`: the cache root to build into, and the only one looked in (`aot --out`: a
     folder that must end up holding the whole matrix); default: the writable root, and
     an entry found in any lookup root counts as cached.
     Locks of the entries to build are taken in sorted order (no deadlock with another
-    AOT run), then each is looked up again. Failed entries get their own log.
+    AOT run), then each is looked up again; a wait for one is announced after a few
+    seconds, and `lock_timeout` seconds of it end in a CacheError (None: no limit). Failed
+    entries get their own log.
     """
     start = time.perf_counter()
     preps = {}
@@ -381,7 +427,7 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
     else:
         raise CacheError(f"cannot build into {root}: not a writable folder")
     try:
-        report = _build_missing(list(preps.values()), root, look_in, jobs, progress)
+        report = _build_missing(list(preps.values()), root, look_in, jobs, progress, lock_timeout)
     except OSError as exc:  # a full disk: entries published before it are complete
         raise CacheError(f"building into {root} failed: {exc}; nothing unfinished was published. "
                          f"{cache.space_advice(root)}") from exc
@@ -390,7 +436,7 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
 
 
 def _build_missing(preps: list[Prepared], root: Path, look_in: list[Path] | None, jobs: int | None,
-                   progress: Callable[[int, int, float], None] | None) -> BuildReport:
+                   progress: Callable[..., None] | None, lock_timeout: float | None = None) -> BuildReport:
     """build_many once the root is known: look up, lock, build what is still missing."""
     report = BuildReport()
     start = time.perf_counter()
@@ -408,7 +454,9 @@ def _build_missing(preps: list[Prepared], root: Path, look_in: list[Path] | None
         locked = []
         for prep in todo:
             entry = prep.entry(root)
-            stack.enter_context(FileLock(str(entry.lock_path)))
+            lock = FileLock(str(entry.lock_path))
+            acquire_lock(lock, entry.lock_path, prep.name, "build (aot)", lock_timeout)
+            stack.callback(lock.release)
             if cache.verify_entry(entry.path) is None:
                 report.cached.append(prep.name)
             else:
