@@ -493,8 +493,41 @@ def test_verify_entry_reports_malformed_manifests(tmp_path):
         (entry / cache.MANIFEST).write_text(text)
         assert problem in cache.verify_entry(entry)
     so = {"size": 4, "sha256": cache.sha256_bytes(b"\x7fELF")}
-    (entry / cache.MANIFEST).write_text(json.dumps({"library": "x.so", "files": {"x.so": so}}))
+    base = {"name": "x", "key": "0123456789abcdef" + "0" * 48, "content_key": "c" * 64, "library": "x.so",
+            "files": {"x.so": so}}
+    for change, problem in [({"name": None}, "no name, key or content_key"),
+                            ({"key": "fedcba9876543210" + "0" * 48}, "do not match the folder"),
+                            ({"library": "y.so", "files": {"y.so": so}}, "manifest's library is 'y.so'")]:
+        (entry / cache.MANIFEST).write_text(json.dumps({**base, **change}))
+        assert problem in cache.verify_entry(entry)
+    (entry / cache.MANIFEST).write_text(json.dumps(base))
     assert cache.verify_entry(entry) is None
+
+
+def test_an_edited_manifest_key_or_archs_is_caught_and_rebuilt(built, tmp_path, monkeypatch):
+    """The manifest fields that decide whether an entry serves a request are derived again:
+    a key edited to another value (same folder) no longer matches full_key(content_key,
+    toolchain), so verify reports it and the next load rebuilds; an archs list edited to
+    claim 8.0 for a 9.0a binary no longer matches the content key of those archs, so a
+    process asking for 8.0 does not take it."""
+    root = copy_cache(built[0], tmp_path / "cache")
+    [entry] = entries(root)
+    path = entry / cache.MANIFEST
+    original = json.loads(path.read_text())
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
+
+    path.write_text(json.dumps({**original, "key": original["key"][:16] + "f" * 48}))
+    assert "key is not the key of its content_key and toolchain" in cache.verify_entry(entry)
+    assert jit.find_published(jit.prepare(SPEC)) is None  # a miss: the next get_module rebuilds it
+    path.write_text(json.dumps(original))
+    assert jit.find_published(jit.prepare(SPEC)) == entry
+
+    if not original["archs"]:
+        pytest.skip("a host-only entry has no archs")
+    wider = sorted(set(original["archs"]) | {"8.0"})
+    path.write_text(json.dumps({**original, "archs": wider}))
+    assert cache.verify_entry(entry) is None  # files and key agree: only the archs claim is false
+    assert jit.find_published(jit.prepare(SPEC, ("8.0",))) is None
 
 
 @pytest.mark.slow

@@ -8,13 +8,14 @@ run the real entries through it (their fast paths)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import sysconfig
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from flashinfer_jit.pipeline import pack
+from flashinfer_jit.pipeline import cache, pack
 from flashinfer_jit.runtime import fastcall
 
 pytestmark = pytest.mark.skipif(not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file(),
@@ -181,10 +182,20 @@ def test_jit_disabled_loads_a_prebuilt_extension_and_never_builds(built, tmp_pat
 
 
 def test_pack_carries_the_extension(built, tmp_path):
+    """Beside the entries it packs; a cache of the extension alone has no entry to deploy,
+    and pack writes nothing for it."""
     root, lib = built
+    assert not pack.pack(root, tmp_path / "alone.tar.gz").packed
+    assert not (tmp_path / "alone.tar.gz").exists()
+    entry = root / ("x-" + "0" * 16)  # a minimal complete entry
+    entry.mkdir()
+    (entry / "x.so").write_bytes(b"\x7fELF")
+    so = {"size": 4, "sha256": cache.sha256_bytes(b"\x7fELF")}
+    (entry / cache.MANIFEST).write_text(json.dumps({"name": "x", "key": "0" * 64, "content_key": "c" * 64,
+                                                    "library": "x.so", "files": {"x.so": so}}))
     report = pack.pack(root, tmp_path / "cache.tar.gz")
     rel = str(lib.relative_to(root))
-    assert report.fastcall == [rel] and report.packed == []
+    assert report.fastcall == [rel] and report.packed == ["x-" + "0" * 16]
     with tarfile.open(tmp_path / "cache.tar.gz") as tar:
         member = tar.getmember(rel)
         assert member.mode == 0o755 and tar.extractfile(member).read() == lib.read_bytes()

@@ -132,9 +132,13 @@ def verify_entry(entry_dir: Path, manifest: dict | None = None,
     files = manifest.get("files")
     if not isinstance(files, dict) or manifest.get("library") not in files:
         return "manifest lists no library"
+    if any(not (isinstance(meta, dict) and "size" in meta and "sha256" in meta) for meta in files.values()):
+        rel = next(r for r, m in files.items() if not (isinstance(m, dict) and "size" in m and "sha256" in m))
+        return f"manifest entry of {rel} has no size and sha256"
+    wrong = manifest_inconsistency(entry_dir, manifest)
+    if wrong is not None:
+        return wrong
     for rel, meta in files.items():
-        if not (isinstance(meta, dict) and "size" in meta and "sha256" in meta):
-            return f"manifest entry of {rel} has no size and sha256"
         path = entry_dir / rel
         try:
             data = path.read_bytes() if contents is not None else None
@@ -147,6 +151,25 @@ def verify_entry(entry_dir: Path, manifest: dict | None = None,
             return f"{rel} does not match its sha256"
         if contents is not None:
             contents[rel] = data
+    return None
+
+
+def manifest_inconsistency(entry_dir: Path, manifest: dict) -> str | None:
+    """What does not add up among the manifest's fields that decide whether the entry serves
+    a request, derived again where they can be: the name and key against the folder's name
+    (`<name>-<key[:16]>`), and the key against the content key and the compilers it was
+    built with (full_key). None: they agree. (The archs are checked against the content key
+    by whoever renders the module: archs_inconsistency.)"""
+    name, key, content = manifest.get("name"), manifest.get("key"), manifest.get("content_key")
+    if not all(isinstance(v, str) and v for v in (name, key, content)):
+        return "manifest has no name, key or content_key"
+    if entry_dir.name != f"{name}-{key[:16]}":
+        return f"manifest's name and key ({name}, {key[:16]}...) do not match the folder {entry_dir.name}"
+    compilers = manifest.get("toolchain")
+    if isinstance(compilers, dict) and full_key(content, compilers) != key:
+        return "manifest's key is not the key of its content_key and toolchain (the manifest was edited)"
+    if manifest.get("library") != f"{name}.so":
+        return f"manifest's library is {manifest.get('library')!r}, not {name}.so"
     return None
 
 

@@ -118,6 +118,14 @@ def _find_wider(prep: Prepared, roots: list[Path] | None) -> Path | None:
                     not wanted <= set(manifest.get("archs") or ()) or \
                     (same_compilers and manifest.get("toolchain") != prep.compilers):
                 continue
+            # the archs it claims, derived again: the content key of these sources for
+            # exactly those archs must be the one it was built under (an edited list that
+            # adds 8.0 to a 9.0a binary is not)
+            archs = tuple(manifest.get("archs") or ())
+            claimed = cache.content_key(prep.module, build.make_flags(archs, prep.flags.debug, prep.torch["cxx11_abi"]),
+                                        prep.torch)
+            if claimed != manifest.get("content_key"):
+                continue
             if cache.verify_entry(path, manifest) is None:
                 return path
     return None
