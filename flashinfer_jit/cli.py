@@ -425,7 +425,8 @@ def cmd_aot(args: argparse.Namespace) -> int:
     bar = ProgressBar(sys.stderr)
     try:
         report = jit.build_many(specs, jobs=jobs, archs=archs, progress=bar,
-                                root=Path(args.out) if args.out else None, lock_timeout=args.lock_timeout)
+                                root=Path(args.out) if args.out else None, lock_timeout=args.lock_timeout,
+                                strict_root=True)
     except JitError as exc:
         bar.close()
         print(f"flashinfer-jit aot: {exc}", file=sys.stderr)

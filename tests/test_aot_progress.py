@@ -141,3 +141,20 @@ def test_lock_timeout_must_be_seconds(capsys):
     with pytest.raises(SystemExit):
         cli.main(["aot", "--entry", "decode_plan", "--lock-timeout", "soon"])
     assert "expected a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_aot_refuses_an_unusable_cache_dir_and_lazy_builds_say_where_they_go(tmp_path, monkeypatch, capsys, caplog):
+    """FLASHINFER_JIT_CACHE_DIR under a regular file: `aot` (no --out) fails naming it
+    instead of building into the user cache; a lazy build still falls back, and says so."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    code = cli.main(["aot", "--entry", "decode_plan"])
+    err = capsys.readouterr().err
+    assert code == 1 and f"FLASHINFER_JIT_CACHE_DIR='{blocker / 'cache'}'" in err and "--out" in err
+    assert not (tmp_path / "xdg" / "flashinfer_jit").exists()  # nothing built elsewhere
+    cache._warned_fallbacks.clear()
+    with caplog.at_level("WARNING", logger="flashinfer_jit"):
+        assert cache.build_root() == tmp_path / "xdg" / "flashinfer_jit"
+    assert "building into the user cache" in caplog.text

@@ -264,15 +264,44 @@ def usable_build_root(root: Path) -> bool:
     return _writable_dir(root) and _writable_dir(root / ".tmp") and _writable_dir(root / ".locks")
 
 
-def build_root() -> Path:
-    """The first writable root; a clear error if none is."""
-    for root in writable_roots():
+def build_root(strict: bool = False) -> Path:
+    """The first writable root; a clear error if none is. A FLASHINFER_JIT_CACHE_DIR that
+    cannot be built into: with `strict` (a deployment build, `aot` without --out) a
+    CacheError naming it; else the user cache, said once on the logger."""
+    explicit = os.environ.get("FLASHINFER_JIT_CACHE_DIR")
+    for i, root in enumerate(writable_roots()):
         if usable_build_root(root):
+            if i > 0 and explicit:
+                if strict:
+                    raise CacheError(f"FLASHINFER_JIT_CACHE_DIR={explicit!r}: {_why_unusable(writable_roots()[0])}; "
+                                     f"fix it (or pass --out DIR) rather than build elsewhere")
+                _warn_fallback(writable_roots()[0], root)
             return root
+        if strict and explicit:
+            raise CacheError(f"FLASHINFER_JIT_CACHE_DIR={explicit!r}: {_why_unusable(root)}; fix it (or pass --out "
+                             f"DIR) rather than build elsewhere")
     raise CacheError(
         f"no writable cache directory: tried {', '.join(map(str, writable_roots()))}; "
         "set FLASHINFER_JIT_CACHE_DIR to a writable folder"
     )
+
+
+def _why_unusable(root: Path) -> str:
+    if root.exists() and not root.is_dir():
+        return f"{root} is a file, not a folder"
+    return f"{root} (or its .tmp/.locks) cannot be written by this user"
+
+
+_warned_fallbacks: set[tuple[Path, Path]] = set()
+
+
+def _warn_fallback(configured: Path, used: Path) -> None:
+    if (configured, used) not in _warned_fallbacks:
+        _warned_fallbacks.add((configured, used))
+        from .log import logger
+
+        logger.warning("FLASHINFER_JIT_CACHE_DIR: %s; building into the user cache %s instead",
+                       _why_unusable(configured), used)
 
 
 def may_write(path: Path) -> bool:

@@ -409,7 +409,7 @@ def _completed_outputs(build_dir: Path) -> set[str]:
 
 def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...] | None = None,
                progress: Callable[..., None] | None = None,
-               root: Path | None = None, lock_timeout: float | None = None) -> BuildReport:
+               root: Path | None = None, lock_timeout: float | None = None, strict_root: bool = False) -> BuildReport:
     """Build every spec not yet cached through one ninja invocation (AOT).
 
     `root`: the cache root to build into, and the only one looked in (`aot --out`: a
@@ -418,7 +418,8 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
     Locks of the entries to build are taken in sorted order (no deadlock with another
     AOT run), then each is looked up again; a wait for one is announced after a few
     seconds, and `lock_timeout` seconds of it end in a CacheError (None: no limit). Failed
-    entries get their own log.
+    entries get their own log. `strict_root`: an unusable FLASHINFER_JIT_CACHE_DIR is a
+    CacheError, not a build into the user cache (a deployment build must land where asked).
     """
     start = time.perf_counter()
     preps = {}
@@ -428,7 +429,7 @@ def build_many(specs: list[Spec], jobs: int | None = None, archs: tuple[str, ...
     if env.jit_disabled():
         raise JitDisabledError("FLASHINFER_JIT_DISABLE_JIT is set; unset it to build")
     if root is None:
-        root, look_in = cache.build_root(), None
+        root, look_in = cache.build_root(strict_root), None
     elif cache.usable_build_root(root.resolve()):
         root = root.resolve()
         look_in = [root]
