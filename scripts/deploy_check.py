@@ -370,6 +370,60 @@ def exercise_prefill(spec, matrix=()) -> None:
     expect_close(lse, ref_lse, 1e-2, 1e-2, "lse")
 
 
+def exercise_pod(spec, matrix=()) -> None:
+    """POD: PODWithPagedKVCacheWrapper (prefill_kv ragged: one prefill request on contiguous
+    K/V) or BatchPODWithPagedKVCacheWrapper (paged: three prefill requests on the cache the
+    decodes read, other pages), beside three decodes; the mask as the spec says. Both
+    sides' outputs and LSEs against their references."""
+    if spec.page_table != "csr":
+        raise CheckFailed(f"{spec.name}: the POD wrappers take CSR page tables (FlashInfer's), not {spec.page_table}")
+    d = spec.head_dim
+    hq = next(g * KV_HEADS for g in (spec.group_tile * m for m in (1, 2, 4))
+              if group_tile(g * KV_HEADS, KV_HEADS, d) == spec.group_tile)
+    q_dt, kv_dt = dtype(spec.dtype_q), dtype(spec.dtype_kv)
+    shapes = [(7, 40)] if spec.prefill_kv == "ragged" else [(1, 16), (7, 40), (20, 100)]  # (qo_len, kv_len)
+    d_lens = [16, 37, 100]
+    table, num_pages = page_table("csr", d_lens + [n for _, n in shapes])  # decodes first, then the prefills
+    k_cache, v_cache = (paged_cache(kv_dt, spec.kv_layout, num_pages, d) for _ in range(2))
+    indptr, ids, last = table.tensors
+    nd = len(d_lens)
+    d_table = fij.csr_page_table(indptr[:nd + 1] - indptr[0], ids[:int(indptr[nd])], last[:nd])
+    p_table = fij.csr_page_table(indptr[nd:] - indptr[nd], ids[int(indptr[nd]):], last[nd:])
+    qo_indptr = offsets(m for m, _ in shapes)
+    q_p = randn((int(qo_indptr[-1]), hq, d), q_dt)
+    q_d = randn((nd, hq, d), q_dt)
+    mask = {}
+    if spec.mask == "custom":
+        mask["custom_mask"] = torch.cat([torch.rand(m * n) < 0.5 for m, n in shapes]).to(DEVICE)
+    causal = spec.mask == "causal"
+    if spec.prefill_kv == "ragged":
+        (m, n), = shapes
+        k_p, v_p = randn((n, KV_HEADS, d), q_dt), randn((n, KV_HEADS, d), q_dt)
+        pod = fij.PODWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout)
+        pod.plan(*d_table.tensors, hq, KV_HEADS, d, PAGE, q_data_type=q_dt, kv_data_type=kv_dt)
+        custom = {"custom_mask_p": mask["custom_mask"].view(m, n)} if mask else {}
+        (out_p, out_d), (lse_p, lse_d) = pod.run(q_p, k_p, v_p, q_d, (k_cache, v_cache), causal_p=causal,
+                                                 return_lse_p=True, return_lse_d=True, kv_layout_d=spec.kv_layout,
+                                                 **custom)
+        ref_p = prefill_ref(q_p, qo_indptr, k_p, v_p, kv_indptr=offsets([n]), causal=causal, **mask)
+    else:
+        pod = fij.BatchPODWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout)
+        pod.plan(qo_indptr, *p_table.tensors, offsets([1] * nd), *d_table.tensors, hq, KV_HEADS, d, PAGE,
+                 q_data_type=q_dt, kv_data_type=kv_dt, causal=causal)
+        custom = {"custom_mask_p": mask["custom_mask"]} if mask else {}
+        (out_p, out_d), (lse_p, lse_d) = pod.run(q_p, (k_cache, v_cache), q_d, (k_cache, v_cache), causal_p=causal,
+                                                 return_lse=True, **custom)
+        ref_p = prefill_ref(q_p, qo_indptr, k_cache, v_cache, page_table=p_table, kv_layout=spec.kv_layout,
+                            causal=causal, **mask)
+    synchronize()
+    ref_d = decode_ref(q_d, k_cache, v_cache, d_table, d_lens, spec.kv_layout)
+    tol = PREFILL_TOL[q_dt] * (2.5 if kv_dt.itemsize == 1 else 1.0)
+    expect_close(out_p, ref_p[0], tol, tol, "out_p")
+    expect_close(lse_p, ref_p[1], 1e-2, 1e-2, "lse_p")
+    expect_rows(out_d, ref_d[0], DECODE_TOL[q_dt] * (2.5 if kv_dt.itemsize == 1 else 1.0), "out_d")
+    expect_close(lse_d, ref_d[1], 0.0, 1e-2, "lse_d")
+
+
 def planned_by(cls: type[Spec], usable=lambda spec: True):
     """The exerciser of a module that plan() of `cls`'s wrapper loads (no call of its own):
     `cls`'s exerciser on the matrix's first `cls` spec that `usable` accepts."""
@@ -390,6 +444,7 @@ EXERCISERS = {
     "rope": exercise_rope,
     "flatten": exercise_flatten,
     "prefill": exercise_prefill,
+    "pod": exercise_pod,
     "decode_plan": planned_by(DecodeSpec),  # the C++ planner: every plan()
     # plan() sorts each request's full pages only where no term depends on a token's position
     "page_order": planned_by(DecodeSpec, lambda s: not s.rope and s.q_tokens == 1),

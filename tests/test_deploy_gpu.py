@@ -67,7 +67,8 @@ def cpu_api(monkeypatch):
     """The exercisers on CPU tensors: deploy_check.DEVICE 'cpu', and the API's CUDA-device
     checks reduced to a same-device check (as tests/test_decode_host.py does), in every
     flashinfer_jit module that imported them."""
-    for name in ("kvcache.append", "cascade", "decode", "kvcache.flatten", "prefill", "kvcache.rope"):  # the public functions
+    for name in ("kvcache.append", "cascade", "decode", "kvcache.flatten", "prefill", "kvcache.rope",
+                 "pod"):  # the public functions
         importlib.import_module(f"flashinfer_jit.{name}")
     monkeypatch.setattr(deploy_check, "DEVICE", "cpu")
     monkeypatch.setenv("FLASHINFER_JIT_DISABLE_JIT", "1")  # nothing is built here
@@ -111,6 +112,18 @@ def test_exerciser_arguments_select_their_spec(spec, asked):
         assert spec in asked, f"asked for {[s.name for s in asked]}"
     else:
         assert info.value.spec == spec, f"asked for {info.value.spec.name}"
+
+
+TESTS_POD_SPECS = [s for s in parse_matrix(SCRIPTS / "matrices" / "tests") if s.FAMILY == "pod"]
+
+
+@pytest.mark.parametrize("spec", TESTS_POD_SPECS, ids=lambda spec: spec.name)
+def test_pod_exerciser_arguments_select_their_spec(spec, asked):
+    """The POD modules of the tests matrix (the llama matrix has none): exercise_pod's
+    arguments ask for exactly that module."""
+    with pytest.raises(Selected) as info:
+        deploy_check.EXERCISERS["pod"](spec, [])
+    assert info.value.spec == spec, f"asked for {info.value.spec.name}"
 
 
 def test_outside_configuration_raises_its_aot_line(cpu_api, fresh_cache):
