@@ -615,6 +615,28 @@ def verify_entries(fix: bool) -> int:
             kept += 1
             if fix:
                 print("     kept: a build holds its lock, or rebuilt it meanwhile")
+    # run()'s fij_fastcall extension (.fastcall/<key>/, flashinfer_jit/runtime/fastcall.py): its manifest too
+    from .runtime import fastcall
+
+    for root in cache.lookup_roots():
+        for folder in fastcall.folders(root):
+            checked += 1
+            label = f"{fastcall.SUBDIR}/{folder.name}"
+            reason = fastcall.verify_folder(folder)
+            print(f"OK   {label}" if reason is None else f"BAD  {label}: {reason}")
+            if reason is None:
+                continue
+            bad += 1
+            if fix and root not in cache.prebuilt_roots():
+                try:
+                    cache.discard(folder, root)
+                    print("     removed; run() builds it again (or `flashinfer-jit aot`)")
+                    continue
+                except OSError as exc:
+                    print(f"     kept: cannot remove it ({exc})")
+            elif fix:
+                print("     kept: a prebuilt read-only root (FLASHINFER_JIT_CACHE_PATH)")
+            kept += 1
     if not checked:  # as `list` says it
         print(f"no entries in {', '.join(map(str, cache.lookup_roots()))}")
         return 0
@@ -772,6 +794,29 @@ def clean_entries(args: argparse.Namespace) -> int:
         # used since it was listed: now the most recent, so it stays
         if remove(path, size, "least recently used", lambda: cache.last_used(path) <= used):
             total -= size
+    # run()'s fij_fastcall extension: every build with --all; with --stale those of another
+    # installation (a key this Python, torch and compiler would not build) and damaged ones
+    if args.all or args.stale:
+        from .runtime import fastcall
+
+        cxx = toolchain.find_cxx()
+        current = None
+        with contextlib.suppress(Exception):
+            current = fastcall.key(cxx) if cxx else None
+        for root in cache.writable_roots():
+            for folder in fastcall.folders(root):
+                why = "all" if args.all else ("damaged" if fastcall.verify_folder(folder) else
+                                              None if folder.name == current else "stale: another installation's")
+                if why is None:
+                    continue
+                size = cache.dir_size(folder)
+                if not args.dry_run:
+                    try:
+                        cache.discard(folder, root)
+                    except OSError as exc:
+                        raise CannotRemove(f"cannot remove {folder}: {exc}") from exc
+                print(f"{verb} {folder}" + ("" if why == "all" else f" ({why})"))
+                removed, freed = removed + 1, freed + size
     temps, logs = clean_side_folders(now, max_age, args.all or args.older_than is not None,
                                      args.dry_run, verb)
     print(f"{verb} {plural(removed, 'entry')} ({human_bytes(freed)}), "

@@ -306,3 +306,79 @@ def test_prefill_plan_calls_the_planner_for_the_common_form_only(ext):
     with pytest.raises(OverflowError):
         ext.prefill_plan(address, 64, 0, qo, indptr, last, -4096, 100, 8192)
     assert seen == []
+
+
+# --- the extension's manifest: checked before it is loaded, packed, verified, cleaned ---------------
+def _copy_root(built, tmp_path) -> tuple[Path, Path]:
+    """A copy of the built root to damage: (root, the extension's library in it)."""
+    import shutil
+
+    root = tmp_path / "cache"
+    shutil.copytree(built[0], root, symlinks=True)
+    [lib] = root.glob(".fastcall/*/fij_fastcall*")
+    return root, lib
+
+
+def test_the_extension_has_a_manifest_and_its_lock(built):
+    root, lib = built
+    folder = lib.parent
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["key"] == folder.name and manifest["library"] == lib.name
+    assert manifest["files"][lib.name]["sha256"] == cache.sha256_file(lib)
+    assert cache.verify_extension_folder(folder) is None
+    assert (root / ".locks" / f"fij_fastcall-{folder.name}.lock").exists()  # builders took the per-key lock
+
+
+@pytest.mark.parametrize("damage", ["bytes", "half-unpacked", "key"])
+def test_a_damaged_extension_is_not_loaded_and_is_rebuilt(built, tmp_path, monkeypatch, damage):
+    """Other bytes, an unpack that stopped before the manifest, or a manifest naming another
+    key: find() warns and removes the folder of a writable root (nothing loads it), and the
+    next build puts a good one back."""
+    root, lib = _copy_root(built, tmp_path)
+    k = lib.parent.name
+    if damage == "bytes":
+        data = bytearray(lib.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        lib.write_bytes(bytes(data))
+    elif damage == "half-unpacked":
+        (lib.parent / "manifest.json").unlink()
+    else:
+        manifest = json.loads((lib.parent / "manifest.json").read_text())
+        (lib.parent / "manifest.json").write_text(json.dumps({**manifest, "key": "0" * 20}))
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
+    monkeypatch.delenv("FLASHINFER_JIT_CACHE_PATH", raising=False)
+    with pytest.warns(RuntimeWarning, match="removed, to be built again"):
+        assert fastcall.find(k) is None
+    assert not lib.parent.exists()
+    rebuilt = fastcall.build(root)
+    assert rebuilt == lib and cache.verify_extension_folder(lib.parent) is None
+
+
+def test_a_damaged_prebuilt_extension_is_skipped_not_touched(built, tmp_path, monkeypatch):
+    root, lib = _copy_root(built, tmp_path)
+    (lib.parent / "manifest.json").unlink()
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_PATH", str(root))
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(tmp_path / "writable"))
+    with pytest.warns(RuntimeWarning, match="skipped \\(a prebuilt root"):
+        assert fastcall.find(lib.parent.name) is None
+    assert lib.is_file()
+
+
+def test_verify_clean_and_pack_cover_the_extension(built, tmp_path, monkeypatch, capsys):
+    from flashinfer_jit import cli
+
+    root, lib = _copy_root(built, tmp_path)
+    monkeypatch.setenv("FLASHINFER_JIT_CACHE_DIR", str(root))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("FLASHINFER_JIT_CACHE_PATH", raising=False)
+    assert cli.main(["verify"]) == 0
+    assert f"OK   .fastcall/{lib.parent.name}" in capsys.readouterr().out
+    lib.write_bytes(lib.read_bytes()[:-1])
+    assert cli.main(["verify"]) == 1
+    assert "BAD  .fastcall/" in capsys.readouterr().out
+    assert not pack.pack(root, tmp_path / "x.tar.gz").fastcall  # a damaged extension is not carried
+    assert cli.main(["verify", "--fix"]) == 0
+    assert not lib.parent.exists() and "removed; run() builds it again" in capsys.readouterr().out
+    fastcall.build(root)
+    assert cli.main(["clean", "--all"]) == 0
+    assert not list(root.glob(".fastcall/*")) and "removed" in capsys.readouterr().out

@@ -173,6 +173,45 @@ def manifest_inconsistency(entry_dir: Path, manifest: dict) -> str | None:
     return None
 
 
+# --- run()'s fij_fastcall extension (flashinfer_jit/runtime/fastcall.py) ---------------------
+# Not a module entry: `.fastcall/<key>/` of a root, its library and a manifest of its own
+# (its size and sha256, its key), checked before it is loaded, packed and verified as an
+# entry is.
+def write_extension_manifest(folder: Path, name: str, key: str, library: str) -> None:
+    lib = folder / library
+    manifest = {"name": name, "key": key, "library": library, "kind": "extension",
+                "files": {library: {"size": lib.stat().st_size, "sha256": sha256_file(lib)}}}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def verify_extension_folder(folder: Path) -> str | None:
+    """None if `folder` (.fastcall/<key>/) holds the library its manifest lists, byte for
+    byte, under the key of the folder's name; otherwise what is wrong."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return "no readable manifest.json"
+    if manifest.get("key") != folder.name:
+        return f"manifest's key is not the folder's name {folder.name}"
+    files, library = manifest.get("files"), manifest.get("library")
+    if not isinstance(files, dict) or not isinstance(library, str) or not isinstance(files.get(library), dict):
+        return "manifest lists no library"
+    meta, path = files[library], folder / library
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return f"{library} is missing"
+    if size != meta.get("size"):
+        return f"{library} has {size} bytes, manifest says {meta.get('size')}"
+    if sha256_file(path) != meta.get("sha256"):
+        return f"{library} does not match its sha256"
+    return None
+
+
+def extension_folders(root: Path, subdir: str = ".fastcall") -> list[Path]:
+    base = root / subdir
+    return sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink()) if base.is_dir() else []
+
+
 def write_files(build_dir: Path, module: RenderedModule) -> None:
     """Sources and the headers they use, into a fresh private build folder."""
     for name, text in module.sources.items():

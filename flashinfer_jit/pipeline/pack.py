@@ -161,20 +161,33 @@ def _add_fastcall(tar: tarfile.TarFile, root: Path) -> list[str]:
     flashinfer_jit/runtime/fastcall.py): run()'s caller of the C launch entries, which a root
     without them replaces by ctypes."""
     added = []
-    for lib in sorted(root.glob(".fastcall/*/fij_fastcall*")):
-        data = _read(lib)
-        if data is None or not lib.is_file():
+    for folder in cache.extension_folders(root):
+        if cache.verify_extension_folder(folder) is not None:
+            continue  # damaged or half unpacked: not carried into an image
+        manifest = folder / cache.MANIFEST
+        lib = folder / json.loads(manifest.read_text())["library"]
+        data, meta = _read(lib), _read(manifest)
+        if data is None or meta is None or cache.sha256_bytes(data) != fastcall_sha(meta, lib.name):
             continue
         rel = lib.relative_to(root)
-        for folder in (rel.parent.parent, rel.parent):
-            info = tarfile.TarInfo(str(folder))
+        for sub in (rel.parent.parent, rel.parent):
+            info = tarfile.TarInfo(str(sub))
             info.type, info.mode = tarfile.DIRTYPE, 0o755
             tar.addfile(info)
-        info = tarfile.TarInfo(str(rel))
-        info.size, info.mode = len(data), 0o755
-        tar.addfile(info, io.BytesIO(data))
+        for path, body, mode in ((rel, data, 0o755), (rel.parent / cache.MANIFEST, meta, 0o644)):
+            info = tarfile.TarInfo(str(path))
+            info.size, info.mode = len(body), mode
+            tar.addfile(info, io.BytesIO(body))
         added.append(str(rel))
     return added
+
+
+def fastcall_sha(manifest_bytes: bytes, library: str) -> str | None:
+    """The sha256 the extension's manifest records for its library."""
+    try:
+        return json.loads(manifest_bytes)["files"][library]["sha256"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _built_at(manifest: dict) -> int:

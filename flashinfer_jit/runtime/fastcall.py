@@ -22,8 +22,9 @@ plan() on the CPU machine); any other form gets -1 back and takes the Python rou
 
 The extension needs CPython's and torch's headers and the host C++ compiler, not nvcc
 (10-30 s to build). It is built once per Python ABI, torch, compiler and source into
-`.fastcall/<key>/` of the cache root (a hidden folder: not a module entry), found there by
-later processes and in the read-only roots of FLASHINFER_JIT_CACHE_PATH; `flashinfer-jit
+`.fastcall/<key>/` of the cache root (a hidden folder: not a module entry, but with a manifest
+of its own, checked before it is loaded, and the same per-key lock for its builders), found
+there by later processes and in the read-only roots of FLASHINFER_JIT_CACHE_PATH; `flashinfer-jit
 aot` builds it beside the modules and `pack` carries it. Where it cannot be built or
 loaded (no Python.h, no compiler, the JIT disabled and nothing prebuilt), bind() hands
 back the ctypes function itself and runner() None: the same calls, slower, said once in a
@@ -32,17 +33,22 @@ RuntimeWarning.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import sysconfig
 import time
+import warnings
 from pathlib import Path
+
+from filelock import FileLock
 
 from ..pipeline import cache, env
 from ..pipeline.errors import BuildError, JitDisabledError, ToolchainError
@@ -94,13 +100,46 @@ def _library(root: Path, k: str) -> Path:
     return root / SUBDIR / k / f"{MODULE}{_suffix()}"
 
 
+MANIFEST = cache.MANIFEST
+
+
+def write_manifest(folder: Path, k: str) -> None:
+    cache.write_extension_manifest(folder, MODULE, k, f"{MODULE}{_suffix()}")
+
+
+verify_folder = cache.verify_extension_folder
+
+
+def folders(root: Path) -> list[Path]:
+    return cache.extension_folders(root, SUBDIR)
+
+
 def find(k: str) -> Path | None:
-    """The built extension of key k in a lookup root (prebuilt roots first), or None."""
+    """The built extension of key k in a lookup root (prebuilt roots first), verified
+    against its manifest, or None. A folder that does not verify is skipped with a
+    warning; in a writable root it is removed (the next build replaces it)."""
     for root in cache.lookup_roots():
         path = _library(root, k)
-        if path.is_file():
+        if not path.is_file():
+            continue
+        wrong = verify_folder(path.parent)
+        if wrong is None:
             return path
+        prebuilt = root in cache.prebuilt_roots()
+        warnings.warn(f"flashinfer_jit: {path.parent}: {wrong}; "
+                      + ("skipped (a prebuilt root: repair the image it comes from)" if prebuilt
+                         else "removed, to be built again"), RuntimeWarning, stacklevel=2)
+        if not prebuilt:
+            with contextlib.suppress(OSError):
+                with FileLock(str(_lock_path(root, k))):
+                    if verify_folder(path.parent) is not None:
+                        cache.discard(path.parent, root)
     return None
+
+
+def _lock_path(root: Path, k: str) -> Path:
+    """The extension's build lock, beside the module entries' (one per key)."""
+    return root / ".locks" / f"{MODULE}-{k}.lock"
 
 
 def build(root: Path | None = None) -> Path:
@@ -112,8 +151,18 @@ def build(root: Path | None = None) -> Path:
     k = key(cxx)
     root = root or cache.build_root()
     target = _library(root, k)
-    if target.is_file():
+    if target.is_file() and verify_folder(target.parent) is None:
         return target
+    (root / ".locks").mkdir(parents=True, exist_ok=True)
+    with FileLock(str(_lock_path(root, k))):  # concurrent builders: one compiles, the others find it
+        if target.is_file() and verify_folder(target.parent) is None:
+            return target
+        if target.parent.exists():  # a damaged or half-unpacked folder: out of the way first
+            cache.discard(target.parent, root)
+        return _build_locked(cxx, k, root, target)
+
+
+def _build_locked(cxx: str, k: str, root: Path, target: Path) -> Path:
     (root / ".tmp").mkdir(parents=True, exist_ok=True)
     tmp = cache.private_build_dir(root, f"fastcall-{k}")
     out = tmp / target.name
@@ -140,6 +189,7 @@ def build(root: Path | None = None) -> Path:
         cache.discard(tmp, root)
         raise BuildError(MODULE, log, [line for line in output.splitlines() if "error" in line][:4])
     logger.info("built %s in %.1f s", MODULE, time.perf_counter() - t0)
+    write_manifest(tmp, k)  # (tmp is named after nothing: the manifest names the key its folder will have)
     os.chmod(tmp, 0o755)
     target.parent.parent.mkdir(parents=True, exist_ok=True)
     try:
