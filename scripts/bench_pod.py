@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark POD (one launch of a prefill next to a batch of decodes) against the same work as
-two launches, each half alone, and FlashInfer 0.5.3's POD.
+two launches, each half alone, BatchAttention (the same work as one mixed batch), and
+FlashInfer 0.5.3's POD and BatchAttention.
 
 Rows: mixed batches from serving (chunked prefill beside decodes), bf16, 32 query / 8 KV
 heads, head_dim 128 unless the label says, page 16 (NHD, CSR page table, every page id from a
@@ -17,13 +18,28 @@ Per row, on the same tensors (our implementations first, then FlashInfer's):
                          (use_tensor_cores=True).run, timed as one region
   serial_single          single_prefill_with_kv_cache then the same decode
   prefill_only, prefill_single_only, decode_only: each half of those alone
+  batch_attention        BatchAttention: the row as one batch in the order engines build it (the
+                         decodes, then the prefill requests): one q (q_d's rows, then q_p's), one
+                         CSR page table (the decodes' pages, then the prefills'; the pod form's
+                         pages), kv_len_arr in tokens; run(q, cache, out=, lse=) into buffers
+                         allocated once. It splits into the pod form's two sides (views of q, out,
+                         lse and of the page ids) and launches the same POD module
+  batch_attention_interleaved (rows marked `interleaved`, the reference row and p2x2k): the same
+                         batch with the prefill requests spread among the decodes (one prefill: in
+                         the middle), which BatchAttention runs through one gather of q and one
+                         scatter of out / lse: what not being decodes-first costs
   flashinfer_pod, flashinfer_pod_single, flashinfer_serial (FA2 paged prefill + tensor-core
-                         decode): FlashInfer 0.5.3 on the head_dim 128 bf16 rows
+                         decode), flashinfer_batch_attention (its persistent BatchAttention, the
+                         batch_attention batch): FlashInfer 0.5.3 on the head_dim 128 bf16 rows
 Reported per row: median us of each; serial/pod (> 1: POD saves time), ideal/pod with ideal =
 max(prefill_only, decode_only) (1.0: perfect overlap), captured = (serial - pod) / (serial -
-ideal), FlashInfer's POD over ours; and a check, once: every POD's outputs (prefill and decode)
-against the serial outputs of the same form (max abs diff; agrees below 2e-2; a row where ours
-does not is marked MISMATCH). Every implementation's failure is caught and recorded.
+ideal), pod/BA (the cost of BatchAttention's split and views: ideally 1.0), serial/BA,
+BAi/BA (interleaved over decodes-first), FlashInfer's POD over ours, FlashInfer's
+BatchAttention over ours; and a check, once: every POD's outputs (prefill and decode) against
+the serial outputs of the same form, each BatchAttention's outputs, split back into the prefill
+and the decode rows, against the pod form's (serial's where pod failed) (max abs diff; agrees
+below 2e-2; a row where one of ours does not is marked MISMATCH). Every implementation's failure
+is caught and recorded.
 
 Timing (bench_prefill's): CUDA events around each eager call (plan() once before, outside the
 timing; POD is never captured in a graph: FlashInfer's POD records nothing there), an L2 flush
@@ -32,11 +48,14 @@ under 1 ms), the row's implementations interleaved run by run (bench_prefill.tim
 median, p10, p90 and every sample in the JSON.
 
 Builds: our modules are built first by background processes in parallel (they run small
-kernels, so they all end before anything is timed). FlashInfer's three modules for head_dim
-128 (FA2 prefill, which its tensor-core decode uses too, POD, batch POD; POD ~3.5 min) build in
-one background ninja at a lower CPU priority while our rows are measured; FlashInfer is then
-timed in a second pass, interleaved with our pod and pod_single again (their `pass2` timing:
-what the FlashInfer ratios use). Cold, that build outlasts the default --time-limit: give
+kernels, so they all end before anything is timed; BatchAttention uses the same POD module, no
+build of its own). FlashInfer's four modules for head_dim 128 (FA2 prefill, which its
+tensor-core decode uses too, POD, batch POD, BatchAttention's persistent module; POD ~3.5 min)
+build in one background ninja at a lower CPU priority while our rows are measured (where that
+ninja fails: the first three in one ninja again, then the persistent one, then one by one; a
+module that fails is recorded and its implementation skipped); FlashInfer is then timed in a
+second pass, interleaved with our pod, pod_single and batch_attention again (their `pass2`
+timing: what the FlashInfer ratios use). Cold, that build outlasts the default --time-limit: give
 --time-limit 540 for FlashInfer in one call, or run --build-only first on a warm machine
 (FLASHINFER_WORKSPACE_BASE, default <tmp>/flashinfer_ws, keeps it). Ours alone: ~1-1.5 min.
 
@@ -72,12 +91,18 @@ WORKSPACE_BYTES = 256 << 20
 MAX_ABS_DIFF = 2e-2  # a POD's outputs against the serial outputs of the same form (bf16)
 RESERVE_S = 5.0  # left at the end for the report
 DEVICE = "cuda"
-OURS = ("pod", "pod_single", "serial", "serial_single", "prefill_only", "prefill_single_only", "decode_only")
-FI = ("flashinfer_pod", "flashinfer_pod_single", "flashinfer_serial")
+OURS = ("pod", "pod_single", "serial", "serial_single", "prefill_only", "prefill_single_only", "decode_only",
+        "batch_attention", "batch_attention_interleaved")
+FI = ("flashinfer_pod", "flashinfer_pod_single", "flashinfer_serial", "flashinfer_batch_attention")
 SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_single")  # one prefill request
-CHECKS = {"pod": "serial", "pod_single": "serial_single", "flashinfer_pod": "serial",
-          "flashinfer_pod_single": "serial_single", "flashinfer_serial": "serial"}
-FI_MODULE = {"flashinfer_pod": "batch_pod", "flashinfer_pod_single": "pod", "flashinfer_serial": "prefill"}
+INTERLEAVED = ("batch_attention_interleaved",)  # on the rows marked interleaved only
+# what each output is checked against: the first of these that ran
+CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "batch_attention": ("pod", "serial"),
+          "batch_attention_interleaved": ("pod", "serial"), "flashinfer_pod": ("serial",),
+          "flashinfer_pod_single": ("serial_single",), "flashinfer_serial": ("serial",),
+          "flashinfer_batch_attention": ("serial",)}
+FI_MODULE = {"flashinfer_pod": "batch_pod", "flashinfer_pod_single": "pod", "flashinfer_serial": "prefill",
+             "flashinfer_batch_attention": "batch_attention"}
 FI_SCOPE = "FlashInfer is measured on the head_dim 128 bf16 rows only (each POD module builds for ~3.5 min)"
 REFERENCE = "FlashInfer 0.5.3 on H100 (peer README): POD 404 us, decode alone 388, FA2 prefill alone 145"
 
@@ -90,6 +115,7 @@ class Row(NamedTuple):
     decode_kv: int
     kv_dtype: str = "bfloat16"  # of the paged cache
     note: str = ""
+    interleaved: bool = False  # also time batch_attention_interleaved (the prefills among the decodes)
 
     @property
     def label(self) -> str:
@@ -106,7 +132,7 @@ class Row(NamedTuple):
         return self.head_dim == 128 and self.kv_dtype == "bfloat16"
 
     def impls(self, names) -> list[str]:
-        return [n for n in names if self.single or n not in SINGLE]
+        return [n for n in names if (self.single or n not in SINGLE) and (self.interleaved or n not in INTERLEAVED)]
 
     def prefill_flops(self) -> int:
         return sum(bp.attention_flops(1, qo, kv, True, NUM_QO_HEADS, self.head_dim) for qo, kv in self.prefill)
@@ -126,9 +152,10 @@ class Row(NamedTuple):
 
 def row_list(quick: bool, only=()) -> list[Row]:
     rows = [Row(128, ((512, 512),), 128, 2048), Row(128, ((1024, 1024),), 128, 2048),
-            Row(128, ((2048, 2048),), 128, 2048, note=REFERENCE), Row(128, ((2048, 8192),), 128, 2048),
-            Row(128, ((1024, 1024),), 64, 8192), Row(128, ((1024, 1024),), 256, 1024),
-            Row(128, ((2048, 2048),) * 2, 128, 2048), Row(128, ((512, 4096),) * 4, 128, 4096),
+            Row(128, ((2048, 2048),), 128, 2048, note=REFERENCE, interleaved=True),
+            Row(128, ((2048, 8192),), 128, 2048), Row(128, ((1024, 1024),), 64, 8192),
+            Row(128, ((1024, 1024),), 256, 1024), Row(128, ((2048, 2048),) * 2, 128, 2048, interleaved=True),
+            Row(128, ((512, 4096),) * 4, 128, 4096),
             Row(64, ((2048, 2048),), 128, 2048), Row(256, ((2048, 2048),), 128, 2048),
             Row(128, ((2048, 2048),), 128, 2048, "float8_e4m3fn")]
     if quick:
@@ -190,22 +217,35 @@ import json, time
 t0 = time.perf_counter()
 try:
     import torch
-    from flashinfer.jit import build_jit_specs, gen_batch_pod_module, gen_batch_prefill_module, gen_pod_module
+    from flashinfer.jit import (build_jit_specs, gen_batch_attention_module, gen_batch_pod_module,
+                                gen_batch_prefill_module, gen_pod_module)
     bf16, i32 = torch.bfloat16, torch.int32
     pod = (bf16, bf16, bf16, 128, 0, False, False, False, i32, 0, False, False)  # flashinfer/pod.py run()'s
     specs = {"prefill": gen_batch_prefill_module("fa2", bf16, bf16, bf16, i32, 128, 128, 0, False, False, False),
-             "pod": gen_pod_module(*pod), "batch_pod": gen_batch_pod_module(*pod)}
+             "pod": gen_pod_module(*pod), "batch_pod": gen_batch_pod_module(*pod),
+             # flashinfer/attention.py BatchAttention.plan()'s (q, kv, o dtypes, kv_indptr's dtype, head_dims,
+             # no RoPE, no soft cap, no profiler): the persistent module
+             "batch_attention": gen_batch_attention_module(bf16, bf16, bf16, i32, 128, 128, 0, False, False)}
     modules = {}
     try:
         build_jit_specs(list(specs.values()), verbose=False)  # one ninja, every module
         modules = {name: {"ok": True} for name in specs}
     except Exception:
-        for name, spec in specs.items():  # which one failed
+        # ninja stops at the first failure: the three modules of before in one ninja again (what
+        # the first one finished is kept), the persistent one alone, one by one where a group fails
+        for group in (("prefill", "pod", "batch_pod"), ("batch_attention",)):
             try:
-                spec.build(verbose=False)
-                modules[name] = {"ok": True}
-            except Exception as exc:
-                modules[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:]}
+                build_jit_specs([specs[name] for name in group], verbose=False)
+                modules.update({name: {"ok": True} for name in group})
+                continue
+            except Exception:
+                pass
+            for name in group:  # which one failed
+                try:
+                    specs[name].build(verbose=False)
+                    modules[name] = {"ok": True}
+                except Exception as exc:
+                    modules[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:]}
     print(json.dumps({"ok": True, "modules": modules, "seconds": time.perf_counter() - t0}))
 except BaseException as exc:
     print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:], "seconds": time.perf_counter() - t0}))
@@ -309,9 +349,63 @@ class Inputs:
                                   for c in self.cache_p)
 
 
+class Batch(NamedTuple):
+    """The row as one mixed batch (BatchAttention's plan() and run() arguments), built once
+    outside the timing, and where its prefill and decode rows lie."""
+    qo_indptr: object    # [B + 1] int32, host
+    kv_indptr: object    # [B + 1] int32, host
+    kv_indices: object   # page ids, int32, on the device: the requests' pages in batch order
+    kv_len_arr: object   # [B] int32, host: keys in tokens
+    q: object            # [tokens, Hq, D] on the device
+    rows_p: object       # the prefill rows (q_p's order) in q, int64 on the device
+    rows_d: object       # the decode rows (q_d's order) in q
+
+
+def batch_order(row: Row, interleaved: bool) -> list[tuple[str, int]]:
+    """The requests of the row's batch: ("d", i) the decode i, ("p", j) the prefill chunk j.
+    Decodes first, then the prefill requests (vLLM's and SGLang's order: each side's rows
+    one run); interleaved: prefill j after decode (j + 1) * n_d // (n_p + 1) (one prefill: in
+    the middle), so that neither side's rows are one run."""
+    n_d, n_p = row.decodes, len(row.prefill)
+    if not interleaved:
+        return [("d", i) for i in range(n_d)] + [("p", j) for j in range(n_p)]
+    order, after = [], [(j + 1) * n_d // (n_p + 1) for j in range(n_p)]
+    for i in range(n_d + 1):
+        order += [("p", j) for j in range(n_p) if after[j] == i]
+        if i < n_d:
+            order.append(("d", i))
+    return order
+
+
+def make_batch(x: Inputs, row: Row, interleaved: bool) -> Batch:
+    """One batch over x's tensors: q the rows of q_d and q_p in batch order, the page table the
+    pod form's pages (indices_d's and indices_p's) in batch order, kv_len_arr the lengths."""
+    import torch
+
+    i32 = torch.int32
+    qo_p, kv_p, kv_d = (t.tolist() for t in (x.qo_indptr_p, x.kv_indptr_p, x.kv_indptr_d))
+    qs, pages, rows, qo, kv, lens = [], [], {"p": [], "d": []}, [0], [0], []
+    for side, i in batch_order(row, interleaved):
+        if side == "d":
+            q, ids, n = x.q_d[i:i + 1], x.indices_d[kv_d[i]:kv_d[i + 1]], row.decode_kv
+        else:
+            q, ids, n = x.q_p[qo_p[i]:qo_p[i + 1]], x.indices_p[kv_p[i]:kv_p[i + 1]], row.prefill[i][1]
+        rows[side].append(torch.arange(qo[-1], qo[-1] + q.shape[0]))
+        qs.append(q)
+        pages.append(ids)
+        qo.append(qo[-1] + q.shape[0])
+        kv.append(kv[-1] + ids.numel())
+        lens.append(n)
+    return Batch(torch.tensor(qo, dtype=i32), torch.tensor(kv, dtype=i32), torch.cat(pages).contiguous(),
+                 torch.tensor(lens, dtype=i32), torch.cat(qs).contiguous(),
+                 *(torch.cat(rows[side] or [torch.arange(0)]).to(DEVICE) for side in "pd"))
+
+
 def make(name: str, x: Inputs, row: Row, fi):
     """Provider `name` planned on x (outside the timing): a zero-argument call that runs it and
-    returns its output ((prefill out, decode out) for the POD and serial forms)."""
+    returns its output ((prefill out, decode out) for the POD and serial forms; BatchAttention
+    returns (out, lse) of the whole batch, and its call's `parts` gives (prefill out, decode out)
+    of that for the check)."""
     import torch
 
     import flashinfer_jit as fij
@@ -323,6 +417,21 @@ def make(name: str, x: Inputs, row: Row, fi):
     def ws():
         return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
 
+    if base.startswith("batch_attention"):
+        b = make_batch(x, row, interleaved=base == "batch_attention_interleaved")
+        w = lib.BatchAttention(kv_layout="NHD", device=DEVICE)
+        # FlashInfer's plan() synchronizes the device (and reads the index tensors on the host); ours takes
+        # host tensors without any synchronization
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.kv_len_arr, NUM_QO_HEADS, NUM_KV_HEADS, d, d, PAGE_SIZE,
+               causal=True, q_data_type=bf16, kv_data_type=x.kv_dtype)
+        out = torch.empty(b.q.shape[0], NUM_QO_HEADS, d, dtype=bf16, device=DEVICE)
+        lse = torch.empty(b.q.shape[0], NUM_QO_HEADS, dtype=torch.float32, device=DEVICE)
+
+        def run():
+            return w.run(b.q, x.cache_p, out=out, lse=lse)
+
+        run.parts = lambda got: (got[0].index_select(0, b.rows_p), got[0].index_select(0, b.rows_d))
+        return run
     if base == "pod":
         w = lib.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
         # ours plans the prefill's mask at plan() (causal: not in FlashInfer; else re-planned at the first run())
@@ -382,6 +491,8 @@ def measure(row: Row, names: list[str], refs: list[str], ctx, seed: int) -> tupl
             fn = make(name, x, row, ctx["fi"])
             got = fn()
             torch.cuda.synchronize()
+            if hasattr(fn, "parts"):  # one batch's output: its prefill and decode rows
+                got = fn.parts(got)
             outs[name] = tuple(t.clone() for t in got) if isinstance(got, tuple) else got.clone()
             if name in names:
                 timed.append((name, fn))
@@ -397,8 +508,11 @@ def measure(row: Row, names: list[str], refs: list[str], ctx, seed: int) -> tupl
         if "error" not in t:
             t["samples_us"] = [round(s, 2) for s in t.pop("_samples", [])]
         entries[name] = t
-    checks = {n: compare(outs[n], outs[r]) | {"against": r} for n, r in CHECKS.items()
-              if n in outs and r in outs and n in names}
+    checks = {}
+    for n, against in CHECKS.items():
+        r = next((r for r in against if r in outs), None)
+        if n in outs and n in names and r:
+            checks[n] = compare(outs[n], outs[r]) | {"against": r}
     del x, outs, timed
     torch.cuda.empty_cache()
     return entries, checks
@@ -428,6 +542,22 @@ def derive(res: dict) -> None:
         if p:
             paired[f"flashinfer_{pod}_over_{pod}"] = p
         ratio(f"flashinfer_{pod}_vs_flashinfer_serial", us.get("flashinfer_serial"), us.get(f"flashinfer_{pod}"))
+    # BatchAttention: the same pass as pod and serial; FlashInfer's against ours' pass2
+    samples = {k: v.get("samples_us") or [] for k, v in im.items()}
+    ratio("batch_attention_vs_pod", us.get("pod"), us.get("batch_attention"))
+    ratio("batch_attention_vs_serial", us.get("serial"), us.get("batch_attention"))
+    ratio("batch_attention_vs_interleaved", us.get("batch_attention_interleaved"), us.get("batch_attention"))
+    for other in ("pod", "batch_attention_interleaved"):
+        p = bp.paired_ratio(samples.get("batch_attention", []), samples.get(other, []))
+        if p:
+            paired[f"{other}_over_batch_attention"] = p
+    pass2 = im.get("batch_attention", {}).get("pass2", {})
+    ratio("flashinfer_ba_vs_ours", us.get("flashinfer_batch_attention"), pass2.get("median_us"))  # FI's time / ours
+    p = bp.paired_ratio(pass2.get("samples_us") or [], samples.get("flashinfer_batch_attention", []))
+    if p:
+        paired["flashinfer_batch_attention_over_batch_attention"] = p
+    ratio("flashinfer_batch_attention_vs_flashinfer_pod", us.get("flashinfer_pod"),
+          us.get("flashinfer_batch_attention"))
     res["speedup"], res["paired"] = sp, paired
     res["mismatch"] = any(not c["agrees"] for n, c in res["check"].items() if not n.startswith("flashinfer"))
 
@@ -441,32 +571,47 @@ def _us(entry: dict | None, key: str = "median_us"):
     return "err" if "error" in entry else "skip" if "skipped" in entry else None
 
 
+CHECKED_OURS = ("pod", "pod_single", "batch_attention", "batch_attention_interleaved")
+
+
 def _check(res: dict, names) -> str:
-    short = {"pod": "pod", "pod_single": "pod1", "flashinfer_pod": "pod", "flashinfer_pod_single": "pod1",
-             "flashinfer_serial": "serial"}
+    short = {"pod": "pod", "pod_single": "pod1", "batch_attention": "BA", "batch_attention_interleaved": "BAi",
+             "flashinfer_pod": "pod", "flashinfer_pod_single": "pod1", "flashinfer_serial": "serial",
+             "flashinfer_batch_attention": "BA"}
     parts = [f"{short[n]} {'ok' if c['agrees'] else 'DIFF'} " + ("NaN" if c["max_abs_diff"] is None else
                                                               f"{c['max_abs_diff']:.4f}")
              for n, c in res["check"].items() if n in names]
-    return ("MISMATCH " if res.get("mismatch") and names == ("pod", "pod_single") else "") + ", ".join(parts)
+    return ("MISMATCH " if res.get("mismatch") and names == CHECKED_OURS else "") + ", ".join(parts)
 
 
-COLS1 = ["row", "pod", "pod1", "serial", "serial1", "prefill", "pre1", "decode", "ser/pod", "idl/pod", "ser1/pod1",
-         "idl1/pod1", "check"]
-COLS2 = ["row", "pod", "pod1", "FI pod", "FI pod1", "FI serial", "FI/pod", "FI1/pod1", "FIs/FIpod", "FI check"]
+COLS1 = ["row", "pod", "pod1", "serial", "serial1", "prefill", "pre1", "decode", "BA", "ser/pod", "idl/pod",
+         "ser1/pod1", "idl1/pod1", "pod/BA", "check"]
+COLS2 = ["row", "pod", "pod1", "BA", "FI pod", "FI pod1", "FI serial", "FI BA", "FI/pod", "FI1/pod1", "FIBA/BA",
+         "FIs/FIpod", "FI check"]
+COLS3 = ["row", "pod", "BA", "BAi", "pod/BA", "ser/BA", "BAi/BA", "BAi/BA paired"]
 
 
 def line1(res: dict) -> list:
     im, sp = res["impls"], res["speedup"]
-    return [res["label"], *[_us(im.get(k)) for k in OURS], sp.get("pod_vs_serial"), sp.get("pod_vs_ideal"),
-            sp.get("pod_single_vs_serial_single"), sp.get("pod_single_vs_ideal"), _check(res, ("pod", "pod_single"))]
+    return [res["label"], *[_us(im.get(k)) for k in OURS if k != "batch_attention_interleaved"],
+            sp.get("pod_vs_serial"), sp.get("pod_vs_ideal"), sp.get("pod_single_vs_serial_single"),
+            sp.get("pod_single_vs_ideal"), sp.get("batch_attention_vs_pod"), _check(res, CHECKED_OURS)]
 
 
 def line2(res: dict) -> list:
     im, sp = res["impls"], res["speedup"]
-    return [res["label"], _us(im.get("pod", {}).get("pass2")), _us(im.get("pod_single", {}).get("pass2")),
+    return [res["label"], *[_us(im.get(k, {}).get("pass2")) for k in ("pod", "pod_single", "batch_attention")],
             *[_us(im.get(k)) for k in FI], sp.get("pod_vs_flashinfer_pod"),
-            sp.get("pod_single_vs_flashinfer_pod_single"), sp.get("flashinfer_pod_vs_flashinfer_serial"),
-            _check(res, FI)]
+            sp.get("pod_single_vs_flashinfer_pod_single"), sp.get("flashinfer_ba_vs_ours"),
+            sp.get("flashinfer_pod_vs_flashinfer_serial"), _check(res, FI)]
+
+
+def line3(res: dict) -> list:
+    im, sp = res["impls"], res["speedup"]
+    return [res["label"], *[_us(im.get(k)) for k in ("pod", "batch_attention", "batch_attention_interleaved")],
+            sp.get("batch_attention_vs_pod"), sp.get("batch_attention_vs_serial"),
+            sp.get("batch_attention_vs_interleaved"),
+            res["paired"].get("batch_attention_interleaved_over_batch_attention", {}).get("median")]
 
 
 def fmt(cells: list) -> str:
@@ -478,10 +623,17 @@ def report(res: dict) -> str:
     lines = [(f"device {m.get('device')}, commit {m.get('commit')}, {m.get('date')}, torch {m.get('torch')}; "
               f"FlashInfer {fi.get('version') or fi.get('reason') or 'not measured (see builds)'}"),
              ("us per call (median); ser/pod: serial over pod; idl/pod: max(prefill, decode alone) over pod "
-              "(1: full overlap); 1: the single-prefill form"), bc.table([line1(r) for r in res["rows"]], COLS1)]
+              "(1: full overlap); 1: the single-prefill form; BA: BatchAttention on the same batch, decodes first "
+              "(pod/BA: pod over BA, ideally 1.0)"), bc.table([line1(r) for r in res["rows"]], COLS1)]
+    ba_rows = [r for r in res["rows"] if "median_us" in r["impls"].get("batch_attention", {})]
+    if ba_rows:
+        lines += ["", ("BatchAttention (BA: decodes first, in place; BAi: the prefills among the decodes, a "
+                       "gather of q and a scatter of out / lse; x/BA: x's time over BA's)"),
+                  bc.table([line3(r) for r in ba_rows], COLS3)]
     if any(any(k in r["impls"] and "median_us" in r["impls"][k] for k in FI) for r in res["rows"]):
-        lines += ["", ("FlashInfer (pod, pod1: ours again, interleaved with FlashInfer; FI/pod: FlashInfer's "
-                       "time over ours)"), bc.table([line2(r) for r in res["rows"] if r["flashinfer_row"]], COLS2)]
+        lines += ["", ("FlashInfer (pod, pod1, BA: ours again, interleaved with FlashInfer; FI/pod, FIBA/BA: "
+                       "FlashInfer's time over ours)"),
+                  bc.table([line2(r) for r in res["rows"] if r["flashinfer_row"]], COLS2)]
     lines += [f"skipped {s['row']}: {s['reason']}" for s in res["skipped"]]
     return "\n".join(lines)
 
@@ -516,7 +668,8 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{r.label:34s} forms {'batch+single' if r.single else 'batch':12s} prefill "
                   f"{r.prefill_flops() / 1e12:6.3f} TFLOP  decode KV {r.decode_kv_bytes() / 1e9:5.2f} GB  "
-                  f"~{r.est_us():5.0f} us  {'+FlashInfer' if r.flashinfer else ''}")
+                  f"~{r.est_us():5.0f} us  {'+FlashInfer' if r.flashinfer else ''}"
+                  f"{'  +interleaved' if r.interleaved else ''}")
         return 0
     if not rows:
         print(f"bench_pod: no row matches --rows {args.rows!r} (see --list)", file=sys.stderr)
@@ -551,12 +704,22 @@ def run(args, rows, fi_info, fi_job, warmups, jobs, logdir, started, deadline) -
                       "rows": list(args.only), "time_limit_s": args.time_limit, "flashinfer_scope": FI_SCOPE,
                       "timing": "bench_prefill.time_interleaved: CUDA events around each eager call (plan() "
                                 "outside), L2 flushed before each, >= 200 ms warm-up, --reps runs (2x under 1 ms), "
-                                "the row's providers interleaved; FlashInfer in a second pass with ours' pod and "
-                                "pod_single again (impls.pod.pass2), which its ratios use",
+                                "the row's providers interleaved; FlashInfer in a second pass with ours' pod, "
+                                "pod_single and batch_attention again (impls.pod.pass2, ...), which its ratios use",
                       "speedup": "x_vs_y: y's median over x's (> 1: x faster); ideal = max(prefill_only, "
-                                 "decode_only); overlap_captured = (serial - pod) / (serial - ideal)",
-                      "check": f"each POD's (prefill, decode) outputs against the serial ones of the same form: max "
-                               f"abs diff, agrees below {MAX_ABS_DIFF:g}; mismatch: one of ours does not"}}
+                                 "decode_only); overlap_captured = (serial - pod) / (serial - ideal); except "
+                                 "flashinfer_ba_vs_ours: flashinfer_batch_attention's median over batch_attention's "
+                                 "pass2 (> 1: ours faster, as pod_vs_flashinfer_pod)",
+                      "batch_attention": "BatchAttention.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, ..., "
+                                         "causal=True) on the row as one batch: the decodes, then the prefill "
+                                         "requests; q = cat(q_d, q_p) and the page table = the pod form's pages in "
+                                         "that order (both built before the timing); run(q, cache, out=, lse=) into "
+                                         "buffers allocated once; batch_attention_interleaved (rows with "
+                                         "interleaved): prefill j after decode (j + 1) * decodes // (prefills + 1)",
+                      "check": f"each POD's (prefill, decode) outputs against the serial ones of the same form, each "
+                               f"BatchAttention's (its prefill and decode rows) against pod's (serial's where pod "
+                               f"failed): max abs diff, agrees below {MAX_ABS_DIFF:g}; mismatch: one of ours does "
+                               f"not"}}
     bc.log(f"bench_pod: {len(rows)} rows; FlashInfer {'building' if fi_job else fi_info.get('reason')}; "
            f"{len(warmups)} warm-ups of ours")
     wait_jobs(warmups, deadline - RESERVE_S)  # they run kernels: all end before anything is timed
@@ -576,7 +739,8 @@ def run(args, rows, fi_info, fi_job, warmups, jobs, logdir, started, deadline) -
         base = {"label": row.label, "head_dim": row.head_dim, "prefill": [list(c) for c in row.prefill],
                 "decodes": row.decodes, "decode_kv": row.decode_kv, "kv_dtype": row.kv_dtype,
                 "prefill_flops": row.prefill_flops(), "decode_kv_bytes": row.decode_kv_bytes(),
-                "flashinfer_row": row.flashinfer, **({"reference": row.note} if row.note else {})}
+                "flashinfer_row": row.flashinfer, "interleaved_row": row.interleaved,
+                **({"reference": row.note} if row.note else {})}
         if time.perf_counter() + row.budget_s(len(names), args.reps) > deadline - RESERVE_S:
             res["skipped"].append({"row": row.label, "reason": f"--time-limit {args.time_limit:g} s: no time left"})
             continue
@@ -598,7 +762,7 @@ def run(args, rows, fi_info, fi_job, warmups, jobs, logdir, started, deadline) -
     # FlashInfer: a second pass over its rows, once its modules are built
     todo = [(i, row, r) for i, row, r in measured if row.flashinfer]
     if fi_job and (todo or args.build_only):
-        first = min([row.budget_s(5, args.reps) for _, row, _ in todo] or [0])
+        first = min([row.budget_s(len(row.impls(FI)) + 3, args.reps) for _, row, _ in todo] or [0])
         wait_jobs([fi_job], deadline - RESERVE_S - first)
         fi_job.kill(f"ended: not finished {args.time_limit:g} s into the run (--time-limit)")
         res["builds"]["flashinfer"] = fi_job.poll()
@@ -618,11 +782,11 @@ def run(args, rows, fi_info, fi_job, warmups, jobs, logdir, started, deadline) -
             r["impls"].update({n: {"skipped": w} for n, w in why.items() if w})
             if not names:
                 continue
-            if time.perf_counter() + row.budget_s(len(names) + 2, args.reps) > deadline - RESERVE_S:
+            ours = [n for n in ("pod", "pod_single", "batch_attention") if "median_us" in r["impls"].get(n, {})]
+            if time.perf_counter() + row.budget_s(len(names) + len(ours), args.reps) > deadline - RESERVE_S:
                 for n in names:
                     r["impls"][n] = {"skipped": f"--time-limit {args.time_limit:g} s: no time left"}
                 continue
-            ours = [n for n in ("pod", "pod_single") if n in r["impls"] and "median_us" in r["impls"][n]]
             refs = [n for n in ("serial", "serial_single") if n in row.impls(OURS)]
             try:
                 entries, checks = measure(row, ours + names, refs, ctx, seed=index)
