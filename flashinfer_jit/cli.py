@@ -796,6 +796,7 @@ def clean_entries(args: argparse.Namespace) -> int:
             total -= size
     # run()'s fij_fastcall extension: every build with --all; with --stale those of another
     # installation (a key this Python, torch and compiler would not build) and damaged ones
+    extensions = 0
     if args.all or args.stale:
         from .runtime import fastcall
 
@@ -816,11 +817,13 @@ def clean_entries(args: argparse.Namespace) -> int:
                     except OSError as exc:
                         raise CannotRemove(f"cannot remove {folder}: {exc}") from exc
                 print(f"{verb} {folder}" + ("" if why == "all" else f" ({why})"))
-                removed, freed = removed + 1, freed + size
+                extensions, freed = extensions + 1, freed + size
     temps, logs = clean_side_folders(now, max_age, args.all or args.older_than is not None,
                                      args.dry_run, verb)
-    print(f"{verb} {plural(removed, 'entry')} ({human_bytes(freed)}), "
-          f"{plural(temps, 'stale temp folder')}, {plural(logs, 'log')}; lock files are kept")
+    print(f"{verb} {plural(removed, 'entry')}"
+          + (f" and {plural(extensions, 'fij_fastcall extension')}" if extensions else "")
+          + f" ({human_bytes(freed)}), {plural(temps, 'stale temp folder')}, {plural(logs, 'log')}; "
+          "lock files are kept")
     if args.keep_size is not None:
         print(f"the entries {'would ' if args.dry_run else ''}take {human_bytes(total)} "
               f"(--keep-size {human_bytes(args.keep_size)})")
