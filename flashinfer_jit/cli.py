@@ -616,13 +616,11 @@ def verify_entries(fix: bool) -> int:
             if fix:
                 print("     kept: a build holds its lock, or rebuilt it meanwhile")
     # run()'s fij_fastcall extension (.fastcall/<key>/, flashinfer_jit/runtime/fastcall.py): its manifest too
-    from .runtime import fastcall
-
     for root in cache.lookup_roots():
-        for folder in fastcall.folders(root):
+        for folder in cache.extension_folders(root):
             checked += 1
-            label = f"{fastcall.SUBDIR}/{folder.name}"
-            reason = fastcall.verify_folder(folder)
+            label = f"{folder.parent.name}/{folder.name}"
+            reason = cache.verify_extension_folder(folder)
             print(f"OK   {label}" if reason is None else f"BAD  {label}: {reason}")
             if reason is None:
                 continue
@@ -805,8 +803,8 @@ def clean_entries(args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):
             current = fastcall.key(cxx) if cxx else None
         for root in cache.writable_roots():
-            for folder in fastcall.folders(root):
-                why = "all" if args.all else ("damaged" if fastcall.verify_folder(folder) else
+            for folder in cache.extension_folders(root):
+                why = "all" if args.all else ("damaged" if cache.verify_extension_folder(folder) else
                                               None if folder.name == current else "stale: another installation's")
                 if why is None:
                     continue

@@ -499,3 +499,12 @@ def test_a_side_planners_error_names_the_batchs_requests():
     ba = fij.BatchAttention(device="cpu")
     with pytest.raises(ValueError, match=r"the prefill side's \[2\]"):
         _plan(ba, _args([1, 1, 10], [5, 5, 3]), causal=True)
+
+
+def test_run_rejects_q_on_another_device():
+    ba = fij.BatchAttention(device="cpu")
+    _plan(ba, _args([1, 5, 1], [20, 40, 3]))
+    q = torch.empty(7, 32, HD, dtype=BF16, device="meta")
+    cache = tuple(torch.zeros(14, 16, 8, HD, dtype=BF16) for _ in range(2))
+    with pytest.raises(ValueError, match="q: on meta, but the wrapper .* is on cpu"):
+        ba.run(q, cache)

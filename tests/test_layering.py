@@ -94,6 +94,16 @@ def violations() -> list[str]:
     return bad
 
 
+def violations_in(fake: Path) -> list[str]:
+    """violations() of a fake package tree (the check's own tests)."""
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, fake
+    try:
+        return violations()
+    finally:
+        PACKAGE = saved
+
+
 def test_layers_import_only_downward_and_families_stay_apart():
     assert violations() == []
 
@@ -109,12 +119,7 @@ def test_the_check_sees_a_violation(tmp_path):
     (fake / "prefill" / "y.py").write_text("from ..decode.spec import DecodeSpec\n")
     (fake / "decode" / "spec.py").write_text("")
     (fake / "decode" / "wrapper.py").write_text("")
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, fake
-    try:
-        found = violations()
-    finally:
-        PACKAGE = saved
+    found = violations_in(fake)
     assert any("runtime/x.py" in v and "above" in v for v in found), found
     assert any("prefill/y.py" in v and "another" in v for v in found), found
 
@@ -125,12 +130,7 @@ def test_a_family_importing_pod_is_caught(tmp_path):
         (fake / d).mkdir(parents=True)
     (fake / "decode" / "z.py").write_text("from ..pod import wrapper\n")
     (fake / "pod" / "wrapper.py").write_text("from ..decode import z\n")
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, fake
-    try:
-        found = violations()
-    finally:
-        PACKAGE = saved
+    found = violations_in(fake)
     assert [v for v in found if "decode/z.py" in v and "above" in v], found
     assert not [v for v in found if "pod/wrapper.py" in v], found
 

@@ -974,9 +974,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              + (", heads packed (stride(0) = num_qo_heads x stride(1))" if config.q_tokens > 1 else ""))
         if return_lse and lse is None:
             lse = torch.empty(q.shape[0], config.num_qo_heads, dtype=torch.float32, device=q.device)
-        if lse is not None and (type(lse) is not _Tensor or lse.shape != (q.shape[0], config.num_qo_heads)
-                                or lse.dtype != torch.float32 or not lse.is_contiguous()):
-            raise ValueError(f"lse: expected a contiguous float32 [{q.shape[0]}, {config.num_qo_heads}] tensor")
+        if lse is not None:
+            _check_lse(lse, q.shape[0], config.num_qo_heads)
         if q_scale is None and k_scale is None:
             logit_scale = config.logit_scale
         else:
@@ -1091,9 +1090,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         elif type(out) is not _Tensor or out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
             raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(q.dtype)}")
         if lse is not None:
-            if type(lse) is not _Tensor or lse.shape != (q.shape[0], config.num_qo_heads) or \
-                    lse.dtype != torch.float32 or not lse.is_contiguous():
-                raise ValueError(f"lse: expected a contiguous float32 [{q.shape[0]}, {config.num_qo_heads}] tensor")
+            _check_lse(lse, q.shape[0], config.num_qo_heads)
         elif return_lse:
             lse = torch.empty(q.shape[0], config.num_qo_heads, dtype=torch.float32, device=q.device)
         logit_scale = config.logit_scale if q_scale is None and k_scale is None else \
@@ -1148,6 +1145,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.q_standard = q.stride() == (hq * d, d, 1)
         plan.no_lse = _empty_f32(q.device)
         return cache.k, cache.v
+
+
+def _check_lse(lse, rows: int, hq: int) -> None:
+    if type(lse) is not _Tensor or lse.shape != (rows, hq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"lse: expected a contiguous float32 [{rows}, {hq}] tensor")
 
 
 def _token_rows(q, out, lse, n: int, hq: int) -> tuple:

@@ -132,22 +132,30 @@ def verify_entry(entry_dir: Path, manifest: dict | None = None,
     files = manifest.get("files")
     if not isinstance(files, dict) or manifest.get("library") not in files:
         return "manifest lists no library"
-    if any(not (isinstance(meta, dict) and "size" in meta and "sha256" in meta) for meta in files.values()):
-        rel = next(r for r, m in files.items() if not (isinstance(m, dict) and "size" in m and "sha256" in m))
-        return f"manifest entry of {rel} has no size and sha256"
+    unlisted = next((r for r, m in files.items() if not (isinstance(m, dict) and "size" in m and "sha256" in m)),
+                    None)
+    if unlisted is not None:
+        return f"manifest entry of {unlisted} has no size and sha256"
     wrong = manifest_inconsistency(entry_dir, manifest)
     if wrong is not None:
         return wrong
+    return files_mismatch(entry_dir, files, contents)
+
+
+def files_mismatch(folder: Path, files: dict, contents: dict[str, bytes] | None = None) -> str | None:
+    """None if every file of a manifest's `files` ({rel: {size, sha256}}) is in `folder`
+    with its size and sha256, else the first that is not (verify_entry; the fastcall
+    extension's folder). `contents`: as verify_entry's."""
     for rel, meta in files.items():
-        path = entry_dir / rel
+        path = folder / rel
         try:
             data = path.read_bytes() if contents is not None else None
             size = path.stat().st_size if data is None else len(data)
         except OSError:
             return f"{rel} is missing"
-        if size != meta["size"]:
-            return f"{rel} has {size} bytes, manifest says {meta['size']}"
-        if (sha256_file(path) if data is None else sha256_bytes(data)) != meta["sha256"]:
+        if size != meta.get("size"):
+            return f"{rel} has {size} bytes, manifest says {meta.get('size')}"
+        if (sha256_file(path) if data is None else sha256_bytes(data)) != meta.get("sha256"):
             return f"{rel} does not match its sha256"
         if contents is not None:
             contents[rel] = data
@@ -195,16 +203,7 @@ def verify_extension_folder(folder: Path) -> str | None:
     files, library = manifest.get("files"), manifest.get("library")
     if not isinstance(files, dict) or not isinstance(library, str) or not isinstance(files.get(library), dict):
         return "manifest lists no library"
-    meta, path = files[library], folder / library
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return f"{library} is missing"
-    if size != meta.get("size"):
-        return f"{library} has {size} bytes, manifest says {meta.get('size')}"
-    if sha256_file(path) != meta.get("sha256"):
-        return f"{library} does not match its sha256"
-    return None
+    return files_mismatch(folder, {library: files[library]})
 
 
 def extension_folders(root: Path, subdir: str = ".fastcall") -> list[Path]:

@@ -132,6 +132,7 @@ class BatchAttention:
         self._device = torch.device(device)
         self._kv_layout = kv_layout
         ws = [torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device) for _ in range(3)]
+        self._device = ws[0].device  # ("cuda" made an index: what q and the outputs are compared with)
         self._pod = BatchPODWithPagedKVCacheWrapper(ws[0], kv_layout)
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout)
         self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
@@ -183,10 +184,9 @@ class BatchAttention:
         else:
             mode = "pod"
         heads = (num_qo_heads, num_kv_heads)
-        if mode == "prefill":
-            self._prefill.plan(torch.from_numpy(qo.astype(np.int32)), torch.from_numpy(kv.astype(np.int32)),
-                               kv_indices, torch.from_numpy(np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-                                                            .astype(np.int32)),
+        if mode == "prefill":  # the whole batch: its page table is the one cut that takes every request
+            self._prefill.plan(torch.from_numpy(qo.astype(np.int32)),
+                               *_side_table(np.arange(batch), kv, lens, page_size, kv_indices),
                                *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal,
                                sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
                                kv_data_type=kv_dtype)
@@ -235,15 +235,19 @@ class BatchAttention:
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         if q.dtype != q_dtype:
             raise ValueError(f"q: planned for {dtype_str(q_dtype)}, got {dtype_str(q.dtype)}")
+        if q.device != self._device:
+            raise ValueError(f"q: on {q.device}, but the wrapper (its workspace and plan) is on {self._device}")
         if out is None:
             out = torch.empty((tokens, hq, dvo), dtype=q.dtype, device=q.device)
-        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (tokens, hq, dvo) or out.dtype != q.dtype:
-            raise ValueError(f"out: expected {dtype_str(q.dtype)} [{tokens}, {hq}, {dvo}]")
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (tokens, hq, dvo) or out.dtype != q.dtype or \
+                out.device != q.device or out.stride(-1) != 1:
+            raise ValueError(f"out: expected {dtype_str(q.dtype)} [{tokens}, {hq}, {dvo}] on {q.device} with a "
+                             "contiguous last dimension")
         if lse is None:
             lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
         elif not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (tokens, hq) or lse.dtype != torch.float32 \
-                or not lse.is_contiguous():
-            raise ValueError(f"lse: expected a contiguous float32 [{tokens}, {hq}] tensor")
+                or not lse.is_contiguous() or lse.device != q.device:
+            raise ValueError(f"lse: expected a contiguous float32 [{tokens}, {hq}] tensor on {q.device}")
         if mode == "prefill":
             self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse)
             return out, lse

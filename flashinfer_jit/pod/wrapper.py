@@ -11,16 +11,20 @@ block has 4 warps), and the prefill side for 64-row query tiles (POD_TILE_ROWS).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ..decode.spec import DecodeSpec
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..pipeline import env
+from ..prefill.spec import PrefillSpec
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 from ..runtime.checks import dtype_str, expect_bool, expect_choice, expect_workspace
 from ..runtime.device import supports_pdl
 from ..runtime.launch import module_op
 from ..runtime.page_table import unpack_paged_kv_cache
-from .spec import POD_TILE_ROWS, PodSpec, pod_spec
+from .spec import POD_TILE_ROWS, PodSpec
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
 
@@ -38,6 +42,15 @@ def _no_rope(value: str, name: str) -> None:
     if value != "NONE":
         raise ValueError(f"{name}: POD applies no positional encoding in the kernel (as FlashInfer's POD), got "
                          f"{value!r}; rotate q and k first (flashinfer_jit.apply_rope...) and pass 'NONE'")
+
+
+@functools.lru_cache(maxsize=64)
+def _pod_spec_of(prefill: PrefillSpec, decode: DecodeSpec, prefill_kv: str, kv_layout: str) -> PodSpec:
+    """The POD module whose sides are these two plans' modules (validated once a pair, not
+    at every run())."""
+    return PodSpec(dtype_q=decode.dtype_q, dtype_kv=decode.dtype_kv, head_dim=decode.head_dim, prefill_kv=prefill_kv,
+                   page_table=decode.page_table, kv_layout=kv_layout, mask=prefill.mask,
+                   group_tile=decode.group_tile).validate()
 
 
 def _capturing(device: torch.device) -> bool:
@@ -82,8 +95,7 @@ class _Pod:
                              "configuration")
         if pc.head_dim_qk != dc.head_dim:
             raise ValueError(f"q_p: head_dim {pc.head_dim_qk} differs from the decode plan's {dc.head_dim}")
-        return pod_spec(ds.dtype_q, ds.dtype_kv, dc.head_dim, prefill_kv, ds.page_table, self._kv_layout, ps.mask,
-                        dc.num_qo_heads, dc.num_kv_heads)
+        return _pod_spec_of(ps, ds, prefill_kv, self._kv_layout)
 
     def _launch(self, spec: PodSpec, p_args: tuple, d_args: tuple, enable_pdl) -> None:
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)

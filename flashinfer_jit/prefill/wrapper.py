@@ -775,10 +775,7 @@ class _PrefillWrapper:
             spec = plan.sinks_spec
             if spec is None:
                 spec = plan.sinks_spec = self._spec(c, plan.layout, True)
-        if window_left is None:
-            window_left = c.window_left
-        elif type(window_left) is not int or window_left < -1:
-            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        window_left = _run_window(window_left, c)
         # (a window given to run() on a plan that reordered the pages reads the ids as given;
         # plan() reorders only without a window, so any window here is run()'s)
         as_given = window_left >= 0 and plan.unordered is not None
@@ -851,10 +848,7 @@ class _PrefillWrapper:
         c = plan.config
         if passed_run_checks(q, k, v, plan.checked) is None:
             self._check_run(q, k, v, plan)
-        if window_left is None:
-            window_left = c.window_left
-        elif type(window_left) is not int or window_left < -1:
-            raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+        window_left = _run_window(window_left, c)
         tokens = q.shape[0]
         # (out / lse given: rows of a mixed batch's outputs, BatchAttention's views)
         if out is None:
@@ -919,6 +913,15 @@ class _PrefillWrapper:
 
 _Tensor = torch.Tensor
 
+
+
+def _run_window(window_left, c) -> int:
+    """run()'s window_left: the planned one when None, else checked."""
+    if window_left is None:
+        return c.window_left
+    if type(window_left) is not int or window_left < -1:
+        raise ValueError(f"window_left: expected -1 (off) or a non-negative int, got {window_left!r}")
+    return window_left
 
 
 def _logit_scales(c, q_scale, k_scale) -> tuple[float, float]:

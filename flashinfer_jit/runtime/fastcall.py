@@ -100,20 +100,6 @@ def _library(root: Path, k: str) -> Path:
     return root / SUBDIR / k / f"{MODULE}{_suffix()}"
 
 
-MANIFEST = cache.MANIFEST
-
-
-def write_manifest(folder: Path, k: str) -> None:
-    cache.write_extension_manifest(folder, MODULE, k, f"{MODULE}{_suffix()}")
-
-
-verify_folder = cache.verify_extension_folder
-
-
-def folders(root: Path) -> list[Path]:
-    return cache.extension_folders(root, SUBDIR)
-
-
 def find(k: str) -> Path | None:
     """The built extension of key k in a lookup root (prebuilt roots first), verified
     against its manifest, or None. A folder that does not verify is skipped with a
@@ -122,7 +108,7 @@ def find(k: str) -> Path | None:
         path = _library(root, k)
         if not path.is_file():
             continue
-        wrong = verify_folder(path.parent)
+        wrong = cache.verify_extension_folder(path.parent)
         if wrong is None:
             return path
         prebuilt = root in cache.prebuilt_roots()
@@ -132,7 +118,7 @@ def find(k: str) -> Path | None:
         if not prebuilt:
             with contextlib.suppress(OSError):
                 with FileLock(str(_lock_path(root, k))):
-                    if verify_folder(path.parent) is not None:
+                    if cache.verify_extension_folder(path.parent) is not None:
                         cache.discard(path.parent, root)
     return None
 
@@ -151,11 +137,11 @@ def build(root: Path | None = None) -> Path:
     k = key(cxx)
     root = root or cache.build_root()
     target = _library(root, k)
-    if target.is_file() and verify_folder(target.parent) is None:
+    if target.is_file() and cache.verify_extension_folder(target.parent) is None:
         return target
     (root / ".locks").mkdir(parents=True, exist_ok=True)
     with FileLock(str(_lock_path(root, k))):  # concurrent builders: one compiles, the others find it
-        if target.is_file() and verify_folder(target.parent) is None:
+        if target.is_file() and cache.verify_extension_folder(target.parent) is None:
             return target
         if target.parent.exists():  # a damaged or half-unpacked folder: out of the way first
             cache.discard(target.parent, root)
@@ -189,7 +175,7 @@ def _build_locked(cxx: str, k: str, root: Path, target: Path) -> Path:
         cache.discard(tmp, root)
         raise BuildError(MODULE, log, [line for line in output.splitlines() if "error" in line][:4])
     logger.info("built %s in %.1f s", MODULE, time.perf_counter() - t0)
-    write_manifest(tmp, k)  # (tmp is named after nothing: the manifest names the key its folder will have)
+    cache.write_extension_manifest(tmp, MODULE, k, target.name)  # (tmp is named after nothing: the manifest names the key its folder will have)
     os.chmod(tmp, 0o755)
     target.parent.parent.mkdir(parents=True, exist_ok=True)
     try:
