@@ -151,15 +151,20 @@ class Row(NamedTuple):
 
 
 def row_list(quick: bool, only=()) -> list[Row]:
-    rows = [Row(128, ((512, 512),), 128, 2048), Row(128, ((1024, 1024),), 128, 2048),
-            Row(128, ((2048, 2048),), 128, 2048, note=REFERENCE, interleaved=True),
-            Row(128, ((2048, 8192),), 128, 2048), Row(128, ((1024, 1024),), 64, 8192),
-            Row(128, ((1024, 1024),), 256, 1024), Row(128, ((2048, 2048),) * 2, 128, 2048, interleaved=True),
-            Row(128, ((512, 4096),) * 4, 128, 4096),
-            Row(64, ((2048, 2048),), 128, 2048), Row(256, ((2048, 2048),), 128, 2048),
-            Row(128, ((2048, 2048),), 128, 2048, "float8_e4m3fn")]
+    """The issue's mixes (note "mix N"; --quick: those alone), then the other rows."""
+    mixes = [Row(128, ((2048, 2048),) * 2, 128, 2048, note="mix 1", interleaved=True),
+             Row(128, ((2048, 2048),), 128, 2048, note="mix 2; " + REFERENCE, interleaved=True),
+             Row(128, ((4096, 4096),), 128, 4096, note="mix 3"),
+             Row(128, ((4096, 4096),), 128, 8192, note="mix 4"),
+             Row(128, ((6000, 7000),), 128, 8192, note="mix 5"),
+             Row(128, ((512, 4096),) * 4, 256, 2048, note="mix 6: chunked prefill as served")]
+    rows = mixes + [Row(128, ((512, 512),), 128, 2048), Row(128, ((1024, 1024),), 128, 2048),
+                    Row(128, ((2048, 8192),), 128, 2048), Row(128, ((1024, 1024),), 64, 8192),
+                    Row(128, ((1024, 1024),), 256, 1024), Row(128, ((512, 4096),) * 4, 128, 4096),
+                    Row(64, ((2048, 2048),), 128, 2048), Row(256, ((2048, 2048),), 128, 2048),
+                    Row(128, ((2048, 2048),), 128, 2048, "float8_e4m3fn")]
     if quick:
-        rows = [rows[2], rows[4], rows[6]]
+        rows = mixes
     return [r for r in rows if not only or any(o in r.label for o in only)]
 
 

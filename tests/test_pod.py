@@ -451,6 +451,52 @@ def test_batch_pod(causal, shared, return_lse, kv_dtype, scales, workspace):
               fp8=kv_dtype.itemsize == 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_rows, share", [(64, None), (128, None), (64, 0.0), (64, 0.25), (64, 1.0), (128, 0.0),
+                                              (128, 0.5), (128, 1.0)])
+def test_batch_pod_replan_tiles_and_shares(tile_rows, share, workspace):
+    """The prefill side's two tiles and decode shares from none (the prefill first) to all
+    (the decodes first), each over two plans of the same mask with other lengths (the second
+    plan must plan the prefill side again), two runs each: the counters the first launch
+    leaves are what the second starts from."""
+    rnd, gen = _seeded(31 + tile_rows + int(10 * (share or 0)))
+    page_size, (hq, hk) = 16, LLAMA
+    w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    w.tile_rows = tile_rows
+    w.force_decode_share = share
+    for qo_lens, kv_lens, batch_d in (([300, 1, 64], [700, 2048, 64], 40), ([1000, 5], [1000, 1500], 7)):
+        lens_d = decode_lens(batch_d, 1500, page_size, rnd)
+        pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
+        num_pages = pages_p + pages_d + 3
+        ids = rnd.sample(range(num_pages), num_pages)
+        table_p, table_d = csr_table(kv_lens, page_size, ids[:pages_p]), csr_table(lens_d, page_size, ids[pages_p:])
+        cache = make_cache(num_pages, page_size, hk, HD, BF16, gen)
+        nan_outside(cache, page_size, [table_p, table_d])
+        qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
+        w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(batch_d + 1))), *table_d.plan_args, hq, hk, HD,
+               page_size, q_data_type=BF16, causal=True)
+        assert w._prefill._plan.tile_rows == tile_rows
+        for _ in range(2):
+            q_p = randn((sum(qo_lens), hq, HD), BF16, gen)
+            dec = Decode(randn((batch_d, hq, HD), BF16, gen), cache, table_d)
+            _poison_allocator(q_p, dec.q)
+            result = w.run(q_p, cache.run_arg, dec.q, cache.run_arg, causal_p=True, return_lse=True)
+            torch.cuda.synchronize()
+            ref_p = prefill_ref(q_p, qo_indptr_p, cache.k, cache.v, page_table=table_p.table, causal=True)
+            check_pod(unpack(result, True, True), ref_p, decode_reference(dec), BF16)
+
+
+def test_decode_share_follows_the_sides_estimated_times():
+    """decode_share: the decode side's share of the two sides' estimated times alone."""
+    from flashinfer_jit.pod.wrapper import csr_kv_lens, decode_share, prefill_flops
+
+    assert prefill_flops([4], [4], True, 1, 1) == (4 + 3 + 2 + 1) * 4  # causal: the keys each row sees
+    assert prefill_flops([4], [10], False, 2, 8) == 4 * 10 * 2 * 8 * 4
+    assert csr_kv_lens([0, 2, 2, 5], [3, 1, 16], 16).tolist() == [19, 0, 48]
+    assert decode_share(0.0, 1e9) == 1.0 and decode_share(1e12, 0.0) == 0.0
+    assert 0.0 < decode_share(1e11, 1e9) < decode_share(1e11, 2e9) < 1.0
+
+
 # --- argument checks: before any launch (CPU; the cuda variants where a GPU is) ------------------
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 PLAN = (32, 8, HD, 16)  # num_qo_heads, num_kv_heads, head_dim, page_size

@@ -13,19 +13,26 @@
 // and split merge are exactly its own launch's (resolve_prefill / resolve_decode); POD only
 // chooses, block by block, which of the two a block runs.
 //
-// The choice (pod_claim): the grid has P + D blocks, P prefill slots (the prefill launch's
-// grid: block i takes items i, i + P, ...) and D decode slots (items x head blocks). Thread 0
-// of a block counts the blocks that started on its SM so far (k) and takes the prefill side
-// for k's share P / (P + D), by a Bresenham step: prefill iff floor((k + 1) P / (P + D)) >
-// floor(k P / (P + D)); each SM's started blocks split in the ratio of the sides' slots.
-// It then takes the side's next slot from that side's counter; a side whose slots are all
-// taken hands the block to the other. Every slot runs exactly once: a block fails to get a
-// slot of its first side only when all of them are taken, and then the other side has a free
-// one (P + D blocks, one slot each).
+// The schedule (pod_claim): the grid is persistent, one wave (the blocks an SM holds x the
+// SMs, fewer for a small launch), and every block loops: it takes a unit of work, runs it,
+// takes the next. Units are prefill work items (the prefill plan's list, heaviest first)
+// and decode (item, head block) pairs, each taken once from its side's counter. Which side
+// a block takes is decided per SM, at each take: the decode side while this SM runs fewer
+// than decode_blocks_per_sm decode units (counted per SM: up at a take, down when the unit
+// ends), else the prefill side; a side with nothing left hands the block to the other. So
+// each SM holds a fixed number of decode blocks streaming K/V (DRAM bound: a block or two
+// an SM keep enough bytes in flight) and its other blocks run prefill tiles (tensor-core
+// bound) for as long as both sides have work; the side that runs out first leaves the
+// whole GPU to the other. decode_blocks_per_sm is the host's decode share of each launch (from
+// the two sides' estimated times: flashinfer_jit/pod/wrapper.py) of the blocks an SM holds.
+//
+// FlashInfer's POD (and this kernel before) assigned each block, once, a side in the ratio of
+// the two sides' block counts; blocks of the two sides last different times, so an SM's mix
+// of resident blocks drifted with the batch, and a long prefill could crowd the decodes out.
 //
 // The counters are left at zero for the next launch without a memset (a CUDA graph replays
-// the kernel alone): the last block to claim (an arrival count) resets them; every block has
-// claimed by then.
+// the kernel alone): the last block to find no work left (an arrival count) resets them;
+// every block has taken its last unit by then.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -44,25 +51,39 @@ FIJ_DEVICE unsigned sm_id() {
   return id;
 }
 
-// Thread 0's choice for its block: (side, slot); side 0 = prefill, 1 = decode.
-FIJ_DEVICE int2 pod_claim(const PodParams& p) {
-  int32_t* const per_sm = p.counters;
+// Thread 0's next unit: (side, index), side 0 = prefill, 1 = decode, -1 = no work left.
+// prev_side: the side of the unit this block just ran (-1 at the start). P and D: the sides'
+// unit counts.
+FIJ_DEVICE int2 pod_claim(const PodParams& p, int32_t* resident, int prev_side, int P, int D) {
   int32_t* const next = p.counters + kPodSmSlots;  // [0] prefill, [1] decode
-  int32_t* const arrived = p.counters + kPodSmSlots + 2;
-  const int64_t P = p.prefill_slots, D = p.decode_slots, total = P + D;
-  const int64_t k = atomicAdd(per_sm + sm_id() % kPodSmSlots, 1);
-  int side = ((k + 1) * P / total > k * P / total) ? 0 : 1;
-  int slot = atomicAdd(next + side, 1);
-  if (slot >= (side == 0 ? P : D)) {  // this side's slots are all taken: the other side's
-    side ^= 1;
-    slot = atomicAdd(next + side, 1);
+  if (prev_side == 1) atomicSub(resident, 1);
+  if (D > 0 && atomicAdd(resident, 1) < p.decode_blocks_per_sm) {
+    const int s = atomicAdd(next + 1, 1);
+    if (s < D) return make_int2(1, s);
   }
-  __threadfence();  // the claims above before the arrival below
-  if (atomicAdd(arrived, 1) == total - 1) {
-    // The last block to claim: every block has claimed. Reset for the next launch.
+  if (D > 0) atomicSub(resident, 1);
+  if (P > 0) {
+    const int s = atomicAdd(next, 1);
+    if (s < P) return make_int2(0, s);
+  }
+  if (D > 0) {  // the prefill side has nothing left: decodes past this SM's share
+    const int s = atomicAdd(next + 1, 1);
+    if (s < D) {
+      atomicAdd(resident, 1);
+      return make_int2(1, s);
+    }
+  }
+  return make_int2(-1, 0);
+}
+
+// The block found no work left: the last one to (every block has taken its last unit)
+// resets the counters for the next launch.
+FIJ_DEVICE void pod_leave(const PodParams& p) {
+  int32_t* const arrived = p.counters + kPodSmSlots + 2;
+  __threadfence();  // this block's claims before its arrival
+  if (atomicAdd(arrived, 1) == static_cast<int>(gridDim.x) - 1) {
     for (int i = 0; i < kPodCounters; ++i) atomicExch(p.counters + i, 0);
   }
-  return make_int2(side, slot);
 }
 
 template <class PrefillT, bool WarpPagesOnly, bool NoWindow, class DecodeT>
@@ -74,21 +95,35 @@ __global__ void __launch_bounds__(PrefillT::kThreads, (PrefillT::kMinBlocksPerSM
   static_assert(DecodeT::kCluster == 1, "POD: decode blocks without clusters");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int2 claim;
-  // Only after the kernel before (programmatic launch): q, K/V and the outputs, and the
-  // counters, which the POD launch before this one (the next layer's, say) resets.
+  // Only after the kernel before (programmatic launch): q, K/V and the outputs, the work
+  // lists' counts (a CUDA graph's plan writes them before each replay), and the counters,
+  // which the POD launch before this one (the next layer's, say) resets.
   pdl_wait();
-  if (threadIdx.x == 0) claim = pod_claim(p);
-  __syncthreads();
-  const int2 c = claim;
-  if (c.x == 0) {
-    const int items = p.prefill.work[0];
-    for (int i = c.y; i < items; i += p.prefill_slots) {
-      prefill_block<PrefillT, WarpPagesOnly, NoWindow>(p.prefill, i, smem);
-      __syncthreads();
+  // Units of each side, from the plans' work lists (a CUDA graph's grid outlives its plan)
+  const int P = p.prefill_slots > 0 ? p.prefill.work[0] : 0;
+  const int D = p.decode_slots > 0 ? p.decode.work[0] * p.decode_head_blocks : 0;
+  int32_t* const resident = p.counters + sm_id() % kPodSmSlots;
+  int side = -1;
+  for (;;) {
+    if (threadIdx.x == 0) {
+      claim = pod_claim(p, resident, side, P, D);
+      if (claim.x < 0) pod_leave(p);
     }
-  } else {
-    decode_mma_block<DecodeT>(p.decode, c.y / p.decode_head_blocks, c.y % p.decode_head_blocks,
-                              p.decode_head_blocks, smem, InsideLaunch{});
+    __syncthreads();
+    const int2 c = claim;
+    if (c.x < 0) break;
+    side = c.x;
+    // (the shared memory's address through an empty asm: what the units derive from it is
+    // computed in the iteration, not hoisted out of the loop to stay live across both)
+    unsigned char* unit_smem = smem;
+    asm volatile("" : "+l"(unit_smem));
+    if (c.x == 0) {
+      prefill_block<PrefillT, WarpPagesOnly, NoWindow>(p.prefill, c.y, unit_smem);
+    } else {
+      decode_mma_block<DecodeT>(p.decode, c.y / p.decode_head_blocks, c.y % p.decode_head_blocks,
+                                p.decode_head_blocks, unit_smem, InsideLaunch{});
+    }
+    __syncthreads();  // the unit's shared memory and `claim` read by every thread before the next
   }
   pdl_trigger();
 }
@@ -98,11 +133,32 @@ constexpr int pod_smem_bytes() {
   return PrefillT::kSmemBytes > DecodeT::kSmemBytes ? PrefillT::kSmemBytes : DecodeT::kSmemBytes;
 }
 
+// Blocks of a POD kernel an SM holds (its registers and shared memory), once per device.
+template <auto* Kernel>
+inline int pod_blocks_per_sm(int threads, int smem) {
+  static int cached[64] = {0};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= 64) device = 0;
+  if (cached[device] == 0) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 1;
+    }
+    cached[device] = n > 0 ? n : 1;
+  }
+  return cached[device];
+}
+
 // One POD launch: the fused kernel, then a side's merge kernel where its split rows are not
-// merged in the kernel (merge.num_rows > 0). The prefill grid of 0 items or a decode of no
-// blocks leaves the other side alone in the grid.
+// merged in the kernel (merge.num_rows > 0). A prefill of 0 items or a decode of no blocks
+// leaves the other side the whole grid. decode_share: the share of an SM's blocks (B) that
+// run decode units while both sides have work: round(decode_share B), at least 1 and at most
+// B - 1; 0 or less: none (the prefill first, then the decodes), 1 or more: B (decodes first).
 template <class PrefillT, class DecodeT, class O>
-int launch_pod(const PrefillLaunch& lp, const DecodeLaunch& ld, int32_t* counters, cudaStream_t stream, bool pdl) {
+int launch_pod(const PrefillLaunch& lp, const DecodeLaunch& ld, int32_t* counters, double decode_share,
+               cudaStream_t stream, bool pdl) {
   PodParams p;
   p.prefill = lp.params;
   p.decode = ld.params;
@@ -111,14 +167,25 @@ int launch_pod(const PrefillLaunch& lp, const DecodeLaunch& ld, int32_t* counter
   p.prefill_slots = lp.grid > 0 ? lp.grid : 0;
   p.decode_head_blocks = ld.num_kv_heads * (ld.params.group / DecodeT::kTileHeads);
   p.decode_slots = ld.grid_items > 0 ? ld.grid_items * p.decode_head_blocks : 0;
-  const int blocks = p.prefill_slots + p.decode_slots;
-  if (blocks > 0) {
+  const int64_t units = int64_t(p.prefill_slots) + p.decode_slots;  // the most a launch can have
+  if (units > 0) {
     constexpr int smem = pod_smem_bytes<PrefillT, DecodeT>();
     const int err = with_prefill_variant<PrefillT>(p.prefill, [&](auto warp_pages, auto no_window) {
       constexpr bool kWarpPages = decltype(warp_pages)::value, kNoWindow = decltype(no_window)::value;
       if (const int e = allow_dynamic_smem<pod_kernel<PrefillT, kWarpPages, kNoWindow, DecodeT>>(smem)) return e;
-      return launch_kernel(pod_kernel<PrefillT, kWarpPages, kNoWindow, DecodeT>, dim3(blocks),
-                           dim3(PrefillT::kThreads), smem, stream, pdl, p);
+      const int per_sm =
+          pod_blocks_per_sm<pod_kernel<PrefillT, kWarpPages, kNoWindow, DecodeT>>(PrefillT::kThreads, smem);
+      const int wave = per_sm * num_sms();
+      if (decode_share <= 0.0) {
+        p.decode_blocks_per_sm = 0;
+      } else if (decode_share >= 1.0) {
+        p.decode_blocks_per_sm = per_sm;
+      } else {
+        const int r = static_cast<int>(decode_share * per_sm + 0.5);
+        p.decode_blocks_per_sm = r < 1 ? 1 : (r > per_sm - 1 ? (per_sm > 1 ? per_sm - 1 : 1) : r);
+      }
+      const int blocks = static_cast<int>(units < wave ? units : wave);
+      return launch_kernel(pod_kernel<PrefillT, kWarpPages, kNoWindow, DecodeT>, dim3(blocks), dim3(PrefillT::kThreads), smem, stream, pdl, p);
     });
     if (err != 0) return err;
   }

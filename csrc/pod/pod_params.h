@@ -5,9 +5,9 @@
 
 namespace fij {
 
-// POD's scheduling counters, int32 zeros between launches (pod_claim resets them): one a
-// possible SM (indexed by %smid modulo kPodSmSlots), then the prefill and decode slot
-// counters and the arrival count.
+// POD's scheduling counters, int32 zeros between launches (pod_leave resets them): the
+// decode units running on each possible SM (indexed by %smid modulo kPodSmSlots), then the
+// prefill and decode unit counters and the arrival count.
 constexpr int kPodSmSlots = 256;
 constexpr int kPodCounters = kPodSmSlots + 3;
 
@@ -15,9 +15,10 @@ struct PodParams {
   PrefillParams prefill;
   DecodeParams decode;
   int32_t* counters = nullptr;  // [kPodCounters], zeros
-  int32_t prefill_slots = 0;    // P: the prefill launch's grid
-  int32_t decode_slots = 0;     // D: decode items x head blocks
+  int32_t prefill_slots = 0;    // the prefill launch's grid (0: no prefill side)
+  int32_t decode_slots = 0;     // decode items (the plan's grid) x head blocks (0: no decode side)
   int32_t decode_head_blocks = 0;
+  int32_t decode_blocks_per_sm = 1;  // decode units an SM runs at a time while prefill work remains
 };
 
 }  // namespace fij

@@ -11,12 +11,15 @@ from ..decode.spec import DecodeSpec, group_tile
 from ..pipeline.spec import FP8_DTYPES, HEAD_DIMS, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES, Spec, choice
 from ..prefill.spec import MASKS, PrefillSpec
 
-# The prefill side's query tile. One launch has one block size and one register budget:
-# the 64-row tile is 128 threads as the decode block is, and both fit 128 registers
-# (four blocks an SM at head_dim <= 128; docs/architecture.md, the blocks table), so an SM
-# holds prefill and decode blocks side by side. The 128-row tile needs 255 registers,
-# which would halve the decode blocks an SM holds.
-POD_TILE_ROWS = 64
+
+
+def pod_tiles(head_dim: int) -> tuple[int, ...]:
+    """The prefill side's query tiles a POD module holds. One launch has one block size: the
+    decode block's 128 threads. The 64-row tile has them at every head_dim (128 registers,
+    four blocks an SM at head_dim <= 128); the 128-row tile has them up to head_dim 128 (4
+    warps of 32 rows, 255 registers, two blocks an SM), and 8 warps at 256 (csrc/prefill/
+    prefill.cuh kWide), so not there."""
+    return (64, 128) if head_dim <= 128 else (64,)
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,16 @@ class PodSpec(Spec):
                           group_tile=self.group_tile, page_table=self.page_table, kv_layout=self.kv_layout)
 
     def context(self) -> dict:
-        return super().context() | {"prefill": self.prefill_spec().context(), "decode": self.decode_spec().context()}
+        return super().context() | {"prefill": self.prefill_spec().context(), "decode": self.decode_spec().context(),
+                                    "tile_rows": list(pod_tiles(self.head_dim))}
 
     def op_schemas(self) -> dict[str, str]:
         # One op: the prefill op's arguments (_p; flashinfer_jit/prefill/spec.py) and the
         # decode op's (_d; flashinfer_jit/decode/spec.py), without what POD leaves out (sinks,
         # soft cap, RoPE, KV-head pairs, clusters), and pod_counters: int32 zeros
-        # (csrc/pod/pod_params.h kPodCounters), which the kernel leaves at zero.
+        # (csrc/pod/pod_params.h kPodCounters), which the kernel leaves at zero;
+        # decode_share: the share of an SM's blocks that run decode units while both sides
+        # have work (csrc/pod/pod.cuh launch_pod).
         return {"pod": (
             "(Tensor q_p, Tensor k_p, Tensor v_p, Tensor[] kv_index_p, Tensor qo_indptr_p, Tensor work_p, "
             "Tensor merge_indptr_p, Tensor? mask_p, Tensor? mask_indptr_p, Tensor(a!) out_p, Tensor(b!) lse_p, "
@@ -84,7 +90,8 @@ class PodSpec(Spec):
             "Tensor q_d, Tensor k_cache_d, Tensor v_cache_d, Tensor[] page_table_d, Tensor work_d, "
             "Tensor merge_indptr_d, Tensor(f!) out_d, Tensor(g!) lse_d, Tensor(h!) partial_o_d, "
             "Tensor(i!) partial_lse_d, float logit_scale_d, float v_scale_d, int window_left_d, int grid_items_d, "
-            "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, bool enable_pdl=False) -> ()")}
+            "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, float decode_share, "
+            "bool enable_pdl=False) -> ()")}
 
 
 def pod_spec(dtype_q: str, dtype_kv: str, head_dim: int, prefill_kv: str, page_table: str, kv_layout: str, mask: str,

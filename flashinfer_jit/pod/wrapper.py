@@ -7,12 +7,13 @@ in halves between them as FlashInfer splits it. run() takes both plans' resolved
 arguments (the families' `_resolved_args`) and launches the POD module
 (csrc/pod/pod.cuh): one grid of both sides' blocks, each block choosing its side on the SM
 it starts on. The decode side plans for blocks of one KV head without clusters (every POD
-block has 4 warps), and the prefill side for 64-row query tiles (POD_TILE_ROWS)."""
+block has 4 warps), and the prefill side for the query tile _Pod.tile_rows picks."""
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ..decode.spec import DecodeSpec
@@ -20,11 +21,11 @@ from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..pipeline import env
 from ..prefill.spec import PrefillSpec
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
-from ..runtime.checks import dtype_str, expect_bool, expect_choice, expect_workspace
+from ..runtime.checks import as_dtype, dtype_str, expect_bool, expect_choice, expect_workspace
 from ..runtime.device import supports_pdl
 from ..runtime.launch import module_op
 from ..runtime.page_table import unpack_paged_kv_cache
-from .spec import POD_TILE_ROWS, PodSpec
+from .spec import PodSpec, pod_tiles
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
 
@@ -53,12 +54,50 @@ def _pod_spec_of(prefill: PrefillSpec, decode: DecodeSpec, prefill_kv: str, kv_l
                    group_tile=decode.group_tile).validate()
 
 
+# Rates for the two sides' time estimates (decode_share): what each side alone reaches on an
+# H200 (bf16, head_dim 128): the prefill's 64-row tile in TFLOP/s, the decode's DRAM read.
+# Only their ratio matters.
+_PREFILL_FLOPS_PER_S = 3.0e14
+_DECODE_BYTES_PER_S = 4.2e12
+
+
+def prefill_flops(qo_lens, kv_lens, causal: bool, num_qo_heads: int, head_dim: int) -> float:
+    """Attention FLOPs of a prefill batch (Q K^T and P V), causal counting the visible keys."""
+    q = np.asarray(qo_lens, dtype=np.float64)
+    k = np.asarray(kv_lens, dtype=np.float64)
+    seen = np.clip(k - (q - 1) / 2, 0, None) if causal else k
+    return float((q * seen).sum()) * num_qo_heads * head_dim * 4.0
+
+
+def csr_kv_lens(indptr, last_page_len, page_size: int) -> np.ndarray:
+    """Each request's keys from a CSR page table (host copies of its arrays)."""
+    ind = np.asarray(torch.as_tensor(indptr).detach().cpu(), dtype=np.int64)
+    last = np.asarray(torch.as_tensor(last_page_len).detach().cpu(), dtype=np.int64)
+    pages = ind[1:] - ind[:-1]
+    return np.where(pages > 0, (pages - 1) * page_size + last[:pages.shape[0]], 0)
+
+
+def decode_share(flops: float, kv_bytes: float) -> float:
+    """The share of an SM's blocks that run decode units while both sides have work: the
+    decode side's share of the two sides' estimated times alone (csrc/pod/pod.cuh launch_pod
+    turns it into blocks an SM, at least one for each side)."""
+    t_p, t_d = flops / _PREFILL_FLOPS_PER_S, kv_bytes / _DECODE_BYTES_PER_S
+    return t_d / (t_p + t_d) if t_p + t_d > 0 else 0.5
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class _Pod:
     """What both POD wrappers share: the two sides' wrappers, the scheduling counters, the launch."""
+
+    # The prefill side's query tile at head_dim <= 128 (pod_tiles): 64 or 128 rows, or None
+    # for the prefill planner's choice. Head_dim 256 runs 64. Benchmarks set it on a wrapper.
+    tile_rows = 64
+    # The decode share of each launch (launch_pod), or None: decode_share() of the plans.
+    # Benchmarks pin it on a wrapper.
+    force_decode_share = None
 
     def __init__(self, float_workspace_buffer, kv_layout: str, prefill, decode_buffers: tuple, use_cuda_graph: bool):
         expect_workspace(float_workspace_buffer)
@@ -69,12 +108,29 @@ class _Pod:
         self._use_cuda_graph = use_cuda_graph
         ws_p, ws_d = _halves(float_workspace_buffer)
         self._prefill = prefill(ws_p)
-        self._prefill._force_tile_rows = POD_TILE_ROWS
         self._decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, kv_layout, use_cuda_graph, True, *decode_buffers)
         self._decode._pod_side = True
         # csrc/pod/pod_params.h: zeros, which every launch leaves at zero
         self._counters = torch.zeros(POD_COUNTERS, dtype=torch.int32, device=self._device)
         self._pdl = supports_pdl(self._device) if self._device.type == "cuda" else False
+        self._flops = 0.0  # the planned prefill's and decodes' work, for decode_share
+        self._kv_bytes = 0.0
+
+    def _pin_tile(self, head_dim: int) -> None:
+        """The prefill side's tile for its next plan: a tile the POD module holds."""
+        self._prefill._force_tile_rows = self.tile_rows if 128 in pod_tiles(head_dim) else 64
+
+    def _plan_decode_bytes(self, indptr, last_page_len, num_kv_heads: int, head_dim: int, page_size: int,
+                           kv_data_type, q_data_type) -> None:
+        dtype = as_dtype(kv_data_type, "kv_data_type", q_data_type or "float16")
+        item = torch.empty(0, dtype=dtype).element_size()
+        lens = csr_kv_lens(indptr, last_page_len, page_size)
+        self._kv_bytes = float(lens.sum()) * num_kv_heads * head_dim * 2 * item
+
+    def _decode_share(self) -> float:
+        if self.force_decode_share is not None:
+            return float(self.force_decode_share)
+        return decode_share(self._flops, self._kv_bytes)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -99,7 +155,7 @@ class _Pod:
 
     def _launch(self, spec: PodSpec, p_args: tuple, d_args: tuple, enable_pdl) -> None:
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
-        module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, pdl)
+        module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, self._decode_share(), pdl)
 
 
 class PODWithPagedKVCacheWrapper(_Pod):
@@ -133,6 +189,8 @@ class PODWithPagedKVCacheWrapper(_Pod):
                           pos_encoding_mode=pos_encoding_mode, window_left=window_left, q_data_type=q_data_type,
                           kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
                           rope_theta=rope_theta, non_blocking=non_blocking)
+        self._plan_decode_bytes(indptr, last_page_len, num_kv_heads, head_dim, page_size,
+                                kv_data_type if kv_data_type is not None else data_type, q_data_type)
 
     begin_forward = plan
 
@@ -150,6 +208,8 @@ class PODWithPagedKVCacheWrapper(_Pod):
         if _capturing(self._device):
             raise RuntimeError("PODWithPagedKVCacheWrapper.run(): the prefill's lengths or options changed during "
                                "CUDA-graph capture; run it once with them before capturing")
+        self._pin_tile(q_p.shape[2])
+        self._flops = prefill_flops([qo_len], [kv_len], bool(causal), q_p.shape[1], q_p.shape[2])
         self._prefill.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                            q_p.shape[1], k_p.shape[1], q_p.shape[2], custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window_left,
@@ -248,6 +308,11 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                           data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking)
         self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads, num_kv_heads,
                               head_dim, page_size, window_left, sm_scale, q_dtype or "float16", kv_dtype, non_blocking)
+        self._plan_decode_bytes(kv_indptr_d, last_page_len_d, num_kv_heads, head_dim, page_size, kv_dtype,
+                                q_dtype or "float16")
+        qo = np.asarray(torch.as_tensor(qo_indptr_p).detach().cpu(), dtype=np.int64)
+        self._prefill_lens = (qo[1:] - qo[:-1], csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
+        self._prefill_mask = None
         self._plan_prefill(causal, None, None)
 
     begin_forward = plan
@@ -263,6 +328,8 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run(): causal_p or a custom mask differs from what "
                                "plan() planned, during CUDA-graph capture; pass plan() causal=causal_p")
         qo, kv, ids, last, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = self._prefill_args
+        self._pin_tile(d)
+        self._flops = prefill_flops(*self._prefill_lens, bool(causal) and not custom, hq, d)
         self._prefill.plan(qo, kv, ids, last, hq, hk, d, ps, custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window,
                            sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, non_blocking=nb,
