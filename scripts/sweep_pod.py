@@ -2,15 +2,15 @@
 """POD's schedule, swept: the prefill side's tile (64 or 128 rows) and the decode share of each
 SM's blocks (csrc/pod/pod.cuh launch_pod), on the mixes of scripts/bench_pod.py, against each
 side alone (with each tile, and the decode as POD plans it: no KV-head pairs or clusters) and
-the two launches in turn. What flashinfer_jit/pod/wrapper.py's decode_share() and the tile
-choice are calibrated from (docs/pod.md).
+the two launches in turn. What flashinfer_jit/pod/wrapper.py's schedule (tile, decode share,
+decode SMs) is calibrated from (docs/pod.md).
 
 Per row, interleaved (bench_prefill.time_interleaved: CUDA events on eager calls, L2 flushed
 before each, median of --reps): serial (our prefill, planner's tile, then the tensor-core
 decode), prefill_t64 / prefill_t128 / prefill_auto, decode_only, decode_pod (the POD side's
-plan, its own kernel), and pod_t{64,128}_s{share} for every share a tile's blocks an SM make
-distinct (0: the prefill first, then the decodes, in one launch; 1: the decodes first). Every
-POD's outputs are checked against serial's (max abs diff < 2e-2).
+plan, its own kernel), and pod_t{tile}_s{share}_k{sms} for each of VARIANTS: every SM with a
+share of decode blocks (k0), or k SMs decode-only and the others prefill-only while both
+sides have work. Every POD's outputs are checked against serial's (max abs diff < 2e-2).
 
   python3 scripts/sweep_pod.py [--rows 'p2x2k;4k@4k'] [--reps 30] [--out F]
 JSON (default $OUT/sweep_pod.json): meta, rows (per row: impls with median_us ..., checks).
@@ -30,7 +30,10 @@ import bench_common as bc  # noqa: E402
 import bench_pod as bpod  # noqa: E402
 import bench_prefill as bp  # noqa: E402
 
-SHARES = {64: (0.0, 0.25, 0.5, 0.75, 1.0), 128: (0.0, 0.5, 1.0)}
+# (tile, decode share of an SM's blocks, decode SMs: 0 = every SM); share 1.0 with K SMs: K SMs
+# run only decodes and the others only prefill tiles, while both have work
+VARIANTS = [(64, 0.5, 0), (64, 0.75, 0), (64, 1.0, 44), (64, 1.0, 66),
+            (128, 0.5, 0), (128, 1.0, 33), (128, 1.0, 44), (128, 1.0, 55), (128, 1.0, 66), (128, 1.0, 88)]
 
 
 def providers(row, x):
@@ -66,14 +69,14 @@ def providers(row, x):
         out[f"prefill_t{tile}"] = prefill(tile)
     out["decode_only"] = dec
     out["decode_pod"] = decode(True)
-    for tile in (64, 128) if d <= 128 else (64,):
-        for share in SHARES[tile] if d <= 128 else (0.0, 0.5, 1.0):
-            w = fij.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
-            w.tile_rows = tile
-            w.force_decode_share = share
-            w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
-                   x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype, causal=True)
-            out[f"pod_t{tile}_s{share:g}"] = (lambda w=w: w.run(x.q_p, x.cache_p, x.q_d, x.cache_d, causal_p=True))
+    for tile, share, sms in VARIANTS:
+        if tile == 128 and d > 128:
+            continue
+        w = fij.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+        w.tile_rows, w.force_decode_share, w.force_decode_sms = tile, share, sms
+        w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
+               x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype, causal=True)
+        out[f"pod_t{tile}_s{share:g}_k{sms}"] = (lambda w=w: w.run(x.q_p, x.cache_p, x.q_d, x.cache_d, causal_p=True))
     # the default choice (the wrapper's tile and decode_share())
     w = fij.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
     w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,

@@ -54,10 +54,10 @@ FIJ_DEVICE unsigned sm_id() {
 // Thread 0's next unit: (side, index), side 0 = prefill, 1 = decode, -1 = no work left.
 // prev_side: the side of the unit this block just ran (-1 at the start). P and D: the sides'
 // unit counts.
-FIJ_DEVICE int2 pod_claim(const PodParams& p, int32_t* resident, int prev_side, int P, int D) {
+FIJ_DEVICE int2 pod_claim(const PodParams& p, int32_t* resident, int cap, int prev_side, int P, int D) {
   int32_t* const next = p.counters + kPodSmSlots;  // [0] prefill, [1] decode
   if (prev_side == 1) atomicSub(resident, 1);
-  if (D > 0 && atomicAdd(resident, 1) < p.decode_blocks_per_sm) {
+  if (D > 0 && atomicAdd(resident, 1) < cap) {
     const int s = atomicAdd(next + 1, 1);
     if (s < D) return make_int2(1, s);
   }
@@ -102,11 +102,17 @@ __global__ void __launch_bounds__(PrefillT::kThreads, (PrefillT::kMinBlocksPerSM
   // Units of each side, from the plans' work lists (a CUDA graph's grid outlives its plan)
   const int P = p.prefill_slots > 0 ? p.prefill.work[0] : 0;
   const int D = p.decode_slots > 0 ? p.decode.work[0] * p.decode_head_blocks : 0;
-  int32_t* const resident = p.counters + sm_id() % kPodSmSlots;
+  const int sm = static_cast<int>(sm_id());
+  int32_t* const resident = p.counters + sm % kPodSmSlots;
+  // This SM's decode units at a time: decode_blocks_per_sm on the decode SMs (decode_sms of
+  // them, spread over the SM ids by a Bresenham step), none on the others.
+  const int64_t k = p.decode_sms, n = p.num_sms;
+  const bool decode_sm = k <= 0 || k >= n || ((sm + 1) * k / n > sm * k / n);
+  const int cap = decode_sm ? p.decode_blocks_per_sm : 0;
   int side = -1;
   for (;;) {
     if (threadIdx.x == 0) {
-      claim = pod_claim(p, resident, side, P, D);
+      claim = pod_claim(p, resident, cap, side, P, D);
       if (claim.x < 0) pod_leave(p);
     }
     __syncthreads();
@@ -156,9 +162,11 @@ inline int pod_blocks_per_sm(int threads, int smem) {
 // leaves the other side the whole grid. decode_share: the share of an SM's blocks (B) that
 // run decode units while both sides have work: round(decode_share B), at least 1 and at most
 // B - 1; 0 or less: none (the prefill first, then the decodes), 1 or more: B (decodes first).
+// decode_sms > 0: only that many SMs run decode units (their share of blocks each) while the
+// prefill has work; the others run prefill tiles only (0: every SM).
 template <class PrefillT, class DecodeT, class O>
 int launch_pod(const PrefillLaunch& lp, const DecodeLaunch& ld, int32_t* counters, double decode_share,
-               cudaStream_t stream, bool pdl) {
+               int decode_sms, cudaStream_t stream, bool pdl) {
   PodParams p;
   p.prefill = lp.params;
   p.decode = ld.params;
@@ -167,6 +175,8 @@ int launch_pod(const PrefillLaunch& lp, const DecodeLaunch& ld, int32_t* counter
   p.prefill_slots = lp.grid > 0 ? lp.grid : 0;
   p.decode_head_blocks = ld.num_kv_heads * (ld.params.group / DecodeT::kTileHeads);
   p.decode_slots = ld.grid_items > 0 ? ld.grid_items * p.decode_head_blocks : 0;
+  p.num_sms = num_sms();
+  p.decode_sms = decode_sms;
   const int64_t units = int64_t(p.prefill_slots) + p.decode_slots;  // the most a launch can have
   if (units > 0) {
     constexpr int smem = pod_smem_bytes<PrefillT, DecodeT>();

@@ -18,7 +18,9 @@ struct PodParams {
   int32_t prefill_slots = 0;    // the prefill launch's grid (0: no prefill side)
   int32_t decode_slots = 0;     // decode items (the plan's grid) x head blocks (0: no decode side)
   int32_t decode_head_blocks = 0;
-  int32_t decode_blocks_per_sm = 1;  // decode units an SM runs at a time while prefill work remains
+  int32_t decode_blocks_per_sm = 1;  // decode units a decode SM runs at a time while prefill work remains
+  int32_t decode_sms = 0;            // the SMs that run decode units while prefill work remains (0: all)
+  int32_t num_sms = 1;
 };
 
 }  // namespace fij

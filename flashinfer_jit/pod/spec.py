@@ -81,7 +81,7 @@ class PodSpec(Spec):
         # soft cap, RoPE, KV-head pairs, clusters), and pod_counters: int32 zeros
         # (csrc/pod/pod_params.h kPodCounters), which the kernel leaves at zero;
         # decode_share: the share of an SM's blocks that run decode units while both sides
-        # have work (csrc/pod/pod.cuh launch_pod).
+        # have work, on decode_sms SMs (0: every SM; csrc/pod/pod.cuh launch_pod).
         return {"pod": (
             "(Tensor q_p, Tensor k_p, Tensor v_p, Tensor[] kv_index_p, Tensor qo_indptr_p, Tensor work_p, "
             "Tensor merge_indptr_p, Tensor? mask_p, Tensor? mask_indptr_p, Tensor(a!) out_p, Tensor(b!) lse_p, "
@@ -90,7 +90,7 @@ class PodSpec(Spec):
             "Tensor q_d, Tensor k_cache_d, Tensor v_cache_d, Tensor[] page_table_d, Tensor work_d, "
             "Tensor merge_indptr_d, Tensor(f!) out_d, Tensor(g!) lse_d, Tensor(h!) partial_o_d, "
             "Tensor(i!) partial_lse_d, float logit_scale_d, float v_scale_d, int window_left_d, int grid_items_d, "
-            "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, float decode_share, "
+            "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, float decode_share, int decode_sms, "
             "bool enable_pdl=False) -> ()")}
 
 

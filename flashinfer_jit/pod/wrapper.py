@@ -98,6 +98,9 @@ class _Pod:
     # The decode share of each launch (launch_pod), or None: decode_share() of the plans.
     # Benchmarks pin it on a wrapper.
     force_decode_share = None
+    # The SMs that run decode units while the prefill has work (0: every SM), or None: the
+    # default. Benchmarks pin it on a wrapper.
+    force_decode_sms = None
 
     def __init__(self, float_workspace_buffer, kv_layout: str, prefill, decode_buffers: tuple, use_cuda_graph: bool):
         expect_workspace(float_workspace_buffer)
@@ -127,6 +130,9 @@ class _Pod:
         lens = csr_kv_lens(indptr, last_page_len, page_size)
         self._kv_bytes = float(lens.sum()) * num_kv_heads * head_dim * 2 * item
 
+    def _decode_sms(self) -> int:
+        return int(self.force_decode_sms) if self.force_decode_sms is not None else 0
+
     def _decode_share(self) -> float:
         if self.force_decode_share is not None:
             return float(self.force_decode_share)
@@ -155,7 +161,8 @@ class _Pod:
 
     def _launch(self, spec: PodSpec, p_args: tuple, d_args: tuple, enable_pdl) -> None:
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
-        module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, self._decode_share(), pdl)
+        module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, self._decode_share(),
+                                                   self._decode_sms(), pdl)
 
 
 class PODWithPagedKVCacheWrapper(_Pod):
