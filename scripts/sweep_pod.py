@@ -77,6 +77,27 @@ def providers(row, x):
         w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
                x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype, causal=True)
         out[f"pod_t{tile}_s{share:g}_k{sms}"] = (lambda w=w: w.run(x.q_p, x.cache_p, x.q_d, x.cache_d, causal_p=True))
+    # the two families' kernels on two streams at once: the prefill's grid pinned to g blocks (one
+    # or two an SM: what room its 128-row tile leaves for decode blocks beside it)
+    side = torch.cuda.Stream()
+    for g in (132, 264):
+        for pod_side in (False, True):
+            pw = fij.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
+            pw._force_tile_rows = 128 if d <= 128 else 64
+            pw.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, *heads, causal=True, q_data_type=bf16,
+                    kv_data_type=x.kv_dtype)
+            pw._plan.grid = min(pw._plan.grid, g)
+            dd = decode(pod_side)
+
+            def streams(pw=pw, dd=dd):
+                cur = torch.cuda.current_stream()
+                side.wait_stream(cur)
+                a = pw.run(x.q_p, x.cache_p)
+                with torch.cuda.stream(side):
+                    b = dd()
+                cur.wait_stream(side)
+                return a, b
+            out[f"streams_g{g}{'_podside' if pod_side else ''}"] = streams
     # the default choice (the wrapper's tile and decode_share())
     w = fij.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
     w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
