@@ -96,11 +96,12 @@ OURS = ("pod", "pod_single", "serial", "serial_single", "prefill_only", "prefill
 FI = ("flashinfer_pod", "flashinfer_pod_single", "flashinfer_serial", "flashinfer_batch_attention")
 SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_single")  # one prefill request
 INTERLEAVED = ("batch_attention_interleaved",)  # on the rows marked interleaved only
+NO_DECODES = ("batch_attention", "prefill_only", "flashinfer_batch_attention")  # rows of decodes=0
 # what each output is checked against: the first of these that ran
-CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "batch_attention": ("pod", "serial"),
+CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "batch_attention": ("pod", "serial", "prefill_only"),
           "batch_attention_interleaved": ("pod", "serial"), "flashinfer_pod": ("serial",),
           "flashinfer_pod_single": ("serial_single",), "flashinfer_serial": ("serial",),
-          "flashinfer_batch_attention": ("serial",)}
+          "flashinfer_batch_attention": ("serial", "prefill_only")}
 FI_MODULE = {"flashinfer_pod": "batch_pod", "flashinfer_pod_single": "pod", "flashinfer_serial": "prefill",
              "flashinfer_batch_attention": "batch_attention"}
 FI_SCOPE = "FlashInfer is measured on the head_dim 128 bf16 rows only (each POD module builds for ~3.5 min)"
@@ -116,9 +117,12 @@ class Row(NamedTuple):
     kv_dtype: str = "bfloat16"  # of the paged cache
     note: str = ""
     interleaved: bool = False  # also time batch_attention_interleaved (the prefills among the decodes)
+    name: str = ""  # the label, where the default would mislead
 
     @property
     def label(self) -> str:
+        if self.name:
+            return self.name
         (qo, kv) = self.prefill[0]
         return (f"hd{self.head_dim} p{len(self.prefill)}x{bp._k(qo)}@{bp._k(kv)}+d{self.decodes}x{bp._k(self.decode_kv)}"
                 + (" e4m3" if self.kv_dtype != "bfloat16" else ""))
@@ -132,6 +136,8 @@ class Row(NamedTuple):
         return self.head_dim == 128 and self.kv_dtype == "bfloat16"
 
     def impls(self, names) -> list[str]:
+        if self.decodes == 0:  # one mixed batch without one-token decodes: BatchAttention's rows
+            return [n for n in names if n in NO_DECODES]
         return [n for n in names if (self.single or n not in SINGLE) and (self.interleaved or n not in INTERLEAVED)]
 
     def prefill_flops(self) -> int:
@@ -157,7 +163,9 @@ def row_list(quick: bool, only=()) -> list[Row]:
              Row(128, ((4096, 4096),), 128, 4096, note="mix 3"),
              Row(128, ((4096, 4096),), 128, 8192, note="mix 4"),
              Row(128, ((6000, 7000),), 128, 8192, note="mix 5"),
-             Row(128, ((512, 4096),) * 4, 256, 2048, note="mix 6: chunked prefill as served")]
+             Row(128, ((512, 4096),) * 4, 256, 2048, note="mix 6: chunked prefill as served"),
+             Row(128, ((512, 4096),) * 2 + ((4, 4096),) * 64, 0, 4096, name="hd128 p2x512@4k+v64x4@4k",
+                 note="mix 7: speculative verification (64 x 4 tokens) beside 2 chunks, through BatchAttention")]
     rows = mixes + [Row(128, ((512, 512),), 128, 2048), Row(128, ((1024, 1024),), 128, 2048),
                     Row(128, ((2048, 8192),), 128, 2048), Row(128, ((1024, 1024),), 64, 8192),
                     Row(128, ((1024, 1024),), 256, 1024), Row(128, ((512, 4096),) * 4, 128, 4096),
@@ -459,6 +467,8 @@ def make(name: str, x: Inputs, row: Row, fi):
         def prefill():
             return pw.run(x.q_p, x.cache_p)
     if base.startswith("prefill"):
+        if row.decodes == 0:  # the whole batch (checked against): no decode rows
+            return lambda: (prefill(), x.q_d)
         return prefill
     dw = lib.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
     dw.plan(x.kv_indptr_d, x.indices_d, x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype)

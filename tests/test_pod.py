@@ -452,18 +452,19 @@ def test_batch_pod(causal, shared, return_lse, kv_dtype, scales, workspace):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_rows, share", [(64, None), (128, None), (64, 0.0), (64, 0.25), (64, 1.0), (128, 0.0),
-                                              (128, 0.5), (128, 1.0)])
-def test_batch_pod_replan_tiles_and_shares(tile_rows, share, workspace):
-    """The prefill side's two tiles and decode shares from none (the prefill first) to all
-    (the decodes first), each over two plans of the same mask with other lengths (the second
-    plan must plan the prefill side again), two runs each: the counters the first launch
-    leaves are what the second starts from."""
-    rnd, gen = _seeded(31 + tile_rows + int(10 * (share or 0)))
+@pytest.mark.parametrize("tile_rows, share, sms", [(64, None, None), (128, None, None), (64, 0.0, 0), (64, 0.25, 0),
+                                                   (64, 1.0, 0), (128, 0.0, 0), (128, 0.5, 0), (128, 1.0, 0),
+                                                   (128, 1.0, 5), (128, 1.0, 66), (64, 0.5, 100)])
+def test_batch_pod_replan_tiles_and_shares(tile_rows, share, sms, workspace):
+    """The prefill side's two tiles and schedules from no decode blocks beside prefill ones (the
+    prefill first) to all (the decodes first), and decode-only SMs, each over two plans of the
+    same mask with other lengths (the second plan must plan the prefill side again), two runs
+    each: the counters the first launch leaves are what the second starts from."""
+    rnd, gen = _seeded(31 + tile_rows + int(10 * (share or 0)) + (sms or 0))
     page_size, (hq, hk) = 16, LLAMA
     w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
     w.tile_rows = tile_rows
-    w.force_decode_share = share
+    w.force_decode_share, w.force_decode_sms = share, sms
     for qo_lens, kv_lens, batch_d in (([300, 1, 64], [700, 2048, 64], 40), ([1000, 5], [1000, 1500], 7)):
         lens_d = decode_lens(batch_d, 1500, page_size, rnd)
         pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
@@ -495,6 +496,16 @@ def test_decode_share_follows_the_sides_estimated_times():
     assert csr_kv_lens([0, 2, 2, 5], [3, 1, 16], 16).tolist() == [19, 0, 48]
     assert decode_share(0.0, 1e9) == 1.0 and decode_share(1e12, 0.0) == 0.0
     assert 0.0 < decode_share(1e11, 1e9) < decode_share(1e11, 2e9) < 1.0
+
+
+def test_pod_schedule_picks_decode_sms_for_decode_heavy_batches_on_the_128_row_tile():
+    from flashinfer_jit.pod.wrapper import pod_schedule
+
+    flops, kv_bytes = 7e10, 1.07e9  # mix 1: 2 x 2k causal chunks beside 128 decodes of 2k (about half each)
+    share, sms = pod_schedule(flops, 2 * kv_bytes, 128, 132)
+    assert share == 1.0 and 66 < sms < 132
+    assert pod_schedule(flops, 2 * kv_bytes, 64, 132)[1] == 0  # the 64-row tile: a share of every SM
+    assert pod_schedule(4 * flops, kv_bytes, 128, 132)[1] == 0  # prefill-heavy: both on every SM
 
 
 # --- argument checks: before any launch (CPU; the cuda variants where a GPU is) ------------------

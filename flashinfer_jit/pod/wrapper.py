@@ -22,7 +22,7 @@ from ..pipeline import env
 from ..prefill.spec import PrefillSpec
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 from ..runtime.checks import as_dtype, dtype_str, expect_bool, expect_choice, expect_workspace
-from ..runtime.device import supports_pdl
+from ..runtime.device import sm_count, supports_pdl
 from ..runtime.launch import module_op
 from ..runtime.page_table import unpack_paged_kv_cache
 from .spec import PodSpec, pod_tiles
@@ -85,6 +85,20 @@ def decode_share(flops: float, kv_bytes: float) -> float:
     return t_d / (t_p + t_d) if t_p + t_d > 0 else 0.5
 
 
+def pod_schedule(flops: float, kv_bytes: float, tile_rows: int, num_sms: int) -> tuple[float, int]:
+    """(decode share of an SM's blocks, decode SMs) of a launch (csrc/pod/pod.cuh launch_pod).
+
+    Measured on an H200 (scripts/sweep_pod.py, docs/pod.md): with the 128-row tile (two blocks
+    an SM) and a decode side of at least half the estimated time, decode-only SMs in proportion
+    to that share (the others prefill-only) were fastest (1.01-1.09x over one decode and one
+    prefill block on every SM); below half, and with the 64-row tile (four blocks an SM), a
+    share of every SM's blocks."""
+    share = decode_share(flops, kv_bytes)
+    if tile_rows == 128 and share >= 0.5 and num_sms > 1:
+        return 1.0, max(1, min(num_sms - 1, round(share * num_sms)))
+    return share, 0
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -92,14 +106,13 @@ def _capturing(device: torch.device) -> bool:
 class _Pod:
     """What both POD wrappers share: the two sides' wrappers, the scheduling counters, the launch."""
 
-    # The prefill side's query tile at head_dim <= 128 (pod_tiles): 64 or 128 rows, or None
-    # for the prefill planner's choice. Head_dim 256 runs 64. Benchmarks set it on a wrapper.
-    tile_rows = 64
-    # The decode share of each launch (launch_pod), or None: decode_share() of the plans.
-    # Benchmarks pin it on a wrapper.
+    # The prefill side's query tile at head_dim <= 128 (pod_tiles): None, the prefill
+    # planner's choice (as the prefill family's: 128 rows for long requests), or 64 or 128
+    # pinned. Head_dim 256 runs 64. Benchmarks and tests pin it on a wrapper.
+    tile_rows = None
+    # The schedule of each launch (launch_pod): None, pod_schedule() of the plans, or pinned
+    # (the decode share of an SM's blocks; the decode SMs, 0 every SM). Benchmarks pin them.
     force_decode_share = None
-    # The SMs that run decode units while the prefill has work (0: every SM), or None: the
-    # default. Benchmarks pin it on a wrapper.
     force_decode_sms = None
 
     def __init__(self, float_workspace_buffer, kv_layout: str, prefill, decode_buffers: tuple, use_cuda_graph: bool):
@@ -116,8 +129,9 @@ class _Pod:
         # csrc/pod/pod_params.h: zeros, which every launch leaves at zero
         self._counters = torch.zeros(POD_COUNTERS, dtype=torch.int32, device=self._device)
         self._pdl = supports_pdl(self._device) if self._device.type == "cuda" else False
-        self._flops = 0.0  # the planned prefill's and decodes' work, for decode_share
+        self._flops = 0.0  # the planned prefill's and decodes' work, for pod_schedule
         self._kv_bytes = 0.0
+        self._planned_schedule = (0.5, 0)
 
     def _pin_tile(self, head_dim: int) -> None:
         """The prefill side's tile for its next plan: a tile the POD module holds."""
@@ -130,13 +144,20 @@ class _Pod:
         lens = csr_kv_lens(indptr, last_page_len, page_size)
         self._kv_bytes = float(lens.sum()) * num_kv_heads * head_dim * 2 * item
 
-    def _decode_sms(self) -> int:
-        return int(self.force_decode_sms) if self.force_decode_sms is not None else 0
-
-    def _decode_share(self) -> float:
+    def _schedule(self) -> tuple[float, int]:
+        """(decode share, decode SMs) of the planned launch: pinned, or pod_schedule()'s."""
+        share, sms = self._planned_schedule
         if self.force_decode_share is not None:
-            return float(self.force_decode_share)
-        return decode_share(self._flops, self._kv_bytes)
+            share = float(self.force_decode_share)
+        if self.force_decode_sms is not None:
+            sms = int(self.force_decode_sms)
+        return share, sms
+
+    def _plan_schedule(self) -> None:
+        """pod_schedule() of the two plans (after either plans)."""
+        tile = self._prefill._plan.tile_rows if self._prefill._plan is not None else 64
+        num_sms = sm_count(self._device) if self._device.type == "cuda" else 132
+        self._planned_schedule = pod_schedule(self._flops, self._kv_bytes, tile, num_sms)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -161,8 +182,7 @@ class _Pod:
 
     def _launch(self, spec: PodSpec, p_args: tuple, d_args: tuple, enable_pdl) -> None:
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
-        module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, self._decode_share(),
-                                                   self._decode_sms(), pdl)
+        module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, *self._schedule(), pdl)
 
 
 class PODWithPagedKVCacheWrapper(_Pod):
@@ -198,6 +218,7 @@ class PODWithPagedKVCacheWrapper(_Pod):
                           rope_theta=rope_theta, non_blocking=non_blocking)
         self._plan_decode_bytes(indptr, last_page_len, num_kv_heads, head_dim, page_size,
                                 kv_data_type if kv_data_type is not None else data_type, q_data_type)
+        self._plan_schedule()
 
     begin_forward = plan
 
@@ -221,6 +242,7 @@ class PODWithPagedKVCacheWrapper(_Pod):
                            q_p.shape[1], k_p.shape[1], q_p.shape[2], custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window_left,
                            sm_scale=sm_scale, q_data_type=q_p.dtype, kv_data_type=k_p.dtype)
+        self._plan_schedule()
         self._prefill_key = None if custom_mask is not None or packed_custom_mask is not None else key
 
     def run(self, q_p, k_p, v_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
@@ -341,6 +363,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window,
                            sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, non_blocking=nb,
                            sort_pages=not custom)
+        self._plan_schedule()
         self._prefill_mask = None if custom else bool(causal)
 
     def run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
