@@ -92,13 +92,15 @@ MAX_ABS_DIFF = 2e-2  # a POD's outputs against the serial outputs of the same fo
 RESERVE_S = 5.0  # left at the end for the report
 DEVICE = "cuda"
 OURS = ("pod", "pod_single", "serial", "serial_single", "prefill_only", "prefill_single_only", "decode_only",
-        "batch_attention", "batch_attention_interleaved")
+        "batch_attention", "batch_attention_interleaved", "batch_attention_t64")
 FI = ("flashinfer_pod", "flashinfer_pod_single", "flashinfer_serial", "flashinfer_batch_attention")
 SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_single")  # one prefill request
 INTERLEAVED = ("batch_attention_interleaved",)  # on the rows marked interleaved only
-NO_DECODES = ("batch_attention", "prefill_only", "flashinfer_batch_attention")  # rows of decodes=0
+# rows of decodes=0; batch_attention_t64: its prefill side pinned to 64-row tiles
+NO_DECODES = ("batch_attention", "batch_attention_t64", "prefill_only", "flashinfer_batch_attention")
 # what each output is checked against: the first of these that ran
 CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "batch_attention": ("pod", "serial", "prefill_only"),
+          "batch_attention_t64": ("prefill_only",),
           "batch_attention_interleaved": ("pod", "serial"), "flashinfer_pod": ("serial",),
           "flashinfer_pod_single": ("serial_single",), "flashinfer_serial": ("serial",),
           "flashinfer_batch_attention": ("serial", "prefill_only")}
@@ -433,6 +435,8 @@ def make(name: str, x: Inputs, row: Row, fi):
     if base.startswith("batch_attention"):
         b = make_batch(x, row, interleaved=base == "batch_attention_interleaved")
         w = lib.BatchAttention(kv_layout="NHD", device=DEVICE)
+        if base == "batch_attention_t64":
+            w._prefill._force_tile_rows = 64
         # FlashInfer's plan() synchronizes the device (and reads the index tensors on the host); ours takes
         # host tensors without any synchronization
         w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.kv_len_arr, NUM_QO_HEADS, NUM_KV_HEADS, d, d, PAGE_SIZE,
