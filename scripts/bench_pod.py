@@ -610,12 +610,12 @@ COLS1 = ["row", "pod", "pod1", "serial", "serial1", "prefill", "pre1", "decode",
          "ser1/pod1", "idl1/pod1", "pod/BA", "check"]
 COLS2 = ["row", "pod", "pod1", "BA", "FI pod", "FI pod1", "FI serial", "FI BA", "FI/pod", "FI1/pod1", "FIBA/BA",
          "FIs/FIpod", "FI check"]
-COLS3 = ["row", "pod", "BA", "BAi", "pod/BA", "ser/BA", "BAi/BA", "BAi/BA paired"]
+COLS3 = ["row", "pod", "BA", "BAi", "pod/BA", "ser/BA", "BAi/BA", "BAi/BA paired", "BA t64"]
 
 
 def line1(res: dict) -> list:
     im, sp = res["impls"], res["speedup"]
-    return [res["label"], *[_us(im.get(k)) for k in OURS if k != "batch_attention_interleaved"],
+    return [res["label"], *[_us(im.get(k)) for k in OURS if k not in ("batch_attention_interleaved", "batch_attention_t64")],
             sp.get("pod_vs_serial"), sp.get("pod_vs_ideal"), sp.get("pod_single_vs_serial_single"),
             sp.get("pod_single_vs_ideal"), sp.get("batch_attention_vs_pod"), _check(res, CHECKED_OURS)]
 
@@ -633,7 +633,8 @@ def line3(res: dict) -> list:
     return [res["label"], *[_us(im.get(k)) for k in ("pod", "batch_attention", "batch_attention_interleaved")],
             sp.get("batch_attention_vs_pod"), sp.get("batch_attention_vs_serial"),
             sp.get("batch_attention_vs_interleaved"),
-            res["paired"].get("batch_attention_interleaved_over_batch_attention", {}).get("median")]
+            res["paired"].get("batch_attention_interleaved_over_batch_attention", {}).get("median"),
+            _us(im.get("batch_attention_t64"))]
 
 
 def fmt(cells: list) -> str:
