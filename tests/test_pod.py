@@ -487,6 +487,61 @@ def test_batch_pod_replan_tiles_and_shares(tile_rows, share, sms, workspace):
             check_pod(unpack(result, True, True), ref_p, decode_reference(dec), BF16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_rows", [None, 64], ids=["planner-tile", "t64"])
+def test_batch_pod_cuda_graph_replay(tile_rows, workspace):
+    """Batch POD with use_cuda_graph=True (both sides' page tables in FlashInfer's fixed
+    buffers): run() captured once, replayed with new q values in the same tensors, then after
+    plans of other lengths (the same numbers of requests, within the buffers) over the same
+    cache refilled in place, on the wide tile the first plan picked (a graph keeps its plan's
+    tile) or 64 rows pinned."""
+    rnd, gen = _seeded(41 + (tile_rows or 0))
+    page_size, (hq, hk) = 16, LLAMA
+    batch_p, batch_d, max_kv_p, max_kv_d = 3, 21, 1500, 1200
+    max_pages_p, max_pages_d = batch_p * -(-max_kv_p // page_size), batch_d * -(-max_kv_d // page_size)
+    num_pages = max_pages_p + max_pages_d + 4
+    cache = make_cache(num_pages, page_size, hk, HD, BF16, gen)
+    zeros = lambda n: _i32([0] * n)  # noqa: E731
+    w = fij.BatchPODWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, qo_indptr_buf_p=zeros(batch_p + 1),
+        paged_kv_indptr_buf_p=zeros(batch_p + 1), paged_kv_indices_buf_p=zeros(max_pages_p),
+        paged_kv_last_page_len_buf_p=zeros(batch_p), paged_kv_indptr_buf_d=zeros(batch_d + 1),
+        paged_kv_indices_buf_d=zeros(max_pages_d), paged_kv_last_page_len_buf_d=zeros(batch_d))
+    w.tile_rows = tile_rows
+    q_p = randn((600, hq, HD), BF16, gen)
+    q_d = randn((batch_d, hq, HD), BF16, gen)
+    graph = outs = None
+    lengths = [([500, 37, 63], [1400, 37, 900]), None, ([300, 200, 100], [300, 1500, 700])]
+    for step, shape in enumerate(lengths):
+        if shape is not None:  # step 1: the same plan, new q values only
+            qo_lens, kv_lens = shape
+            lens_d = decode_lens(batch_d, max_kv_d, page_size, rnd)
+            ids = rnd.sample(range(num_pages), num_pages)
+            pages_p = sum(-(-n // page_size) for n in kv_lens)
+            table_p = csr_table(kv_lens, page_size, ids[:pages_p])
+            table_d = csr_table(lens_d, page_size, ids[pages_p:])
+            for part in (cache.k, cache.v):
+                part.copy_(randn(part.shape, BF16, gen))
+            nan_outside(cache, page_size, [table_p, table_d])
+            qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
+            w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(batch_d + 1))), *table_d.plan_args, hq, hk, HD,
+                   page_size, q_data_type=BF16, causal=True)
+        q_p.copy_(randn(q_p.shape, BF16, gen))
+        q_d.copy_(randn(q_d.shape, BF16, gen))
+        tokens = sum(qo_lens)
+        if graph is None:
+            graph, outs = capture_graph(lambda: w.run(q_p[:tokens], cache.run_arg, q_d, cache.run_arg, causal_p=True,
+                                                      return_lse=True))
+            (out_p, out_d), (lse_p, lse_d) = outs
+        for t in (out_p, out_d, lse_p, lse_d):
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        # (both plans have 600 prefill tokens: the captured q_p[:600] and outputs serve both)
+        ref_p = prefill_ref(q_p[:tokens], qo_indptr_p, cache.k, cache.v, page_table=table_p.table, causal=True)
+        check_pod((out_p, out_d, lse_p, lse_d), ref_p, decode_reference(Decode(q_d, cache, table_d)), BF16)
+
+
 def test_decode_share_follows_the_sides_estimated_times():
     """decode_share: the decode side's share of the two sides' estimated times alone."""
     from flashinfer_jit.pod.wrapper import csr_kv_lens, decode_share, prefill_flops
