@@ -24,6 +24,28 @@ HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("FLASHINFER_JIT_CUDA_ARCH_LIST", "9.0a")
 
+# The same compile step runs the compiler once a session (tests/compile_cache.py): many tests
+# build the same small module into caches of their own. FIJ_TEST_COMPILE_CACHE=0 turns it
+# off; a FLASHINFER_JIT_COMPILER_LAUNCHER of the caller's own is kept.
+if os.environ.get("FIJ_TEST_COMPILE_CACHE", "") != "0" and not os.environ.get("FLASHINFER_JIT_COMPILER_LAUNCHER"):
+    import sys
+    import tempfile
+
+    import shlex
+
+    _COMPILE_CACHE = tempfile.mkdtemp(prefix="fij-test-compiles-")
+    os.environ["FIJ_TEST_COMPILE_CACHE"] = _COMPILE_CACHE
+    os.environ["FLASHINFER_JIT_COMPILER_LAUNCHER"] = " ".join(
+        shlex.quote(word) for word in (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                   "compile_cache.py")))
+else:
+    _COMPILE_CACHE = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _COMPILE_CACHE:
+        shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
+
 
 def pytest_addoption(parser):
     parser.addoption("--exhaustive", action="store_true", default=False,

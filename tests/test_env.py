@@ -97,3 +97,24 @@ def test_decode_plan_with_a_bad_log_level_raises_instead_of_falling_back(monkeyp
     finally:
         monkeypatch.delenv("FLASHINFER_JIT_LOG_LEVEL")
         clear_registry()
+
+
+def test_compiler_launcher_reads_a_command_and_rejects_what_is_not_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHINFER_JIT_COMPILER_LAUNCHER", "")
+    assert env.compiler_launcher() == ()
+    monkeypatch.setenv("FLASHINFER_JIT_COMPILER_LAUNCHER", "env -u NOTHING")
+    assert env.compiler_launcher() == ("env", "-u", "NOTHING")
+    for value in ("no-such-launcher-here", str(tmp_path), "'unclosed"):
+        monkeypatch.setenv("FLASHINFER_JIT_COMPILER_LAUNCHER", value)
+        with pytest.raises(SettingError, match="FLASHINFER_JIT_COMPILER_LAUNCHER"):
+            env.compiler_launcher()
+
+
+def test_compiler_launcher_is_put_before_each_compile_step_not_the_link(monkeypatch):
+    from flashinfer_jit.pipeline import build, toolchain
+
+    monkeypatch.setenv("FLASHINFER_JIT_COMPILER_LAUNCHER", "env")
+    rules = build.ninja_rules(toolchain.get(), build.make_flags(("9.0a",), False, True))
+    assert "launcher = env\n" in rules
+    commands = [line.strip() for line in rules.splitlines() if line.strip().startswith("command =")]
+    assert [c.split()[2] for c in commands] == ["$launcher", "$launcher", "$cxx"]  # nvcc, cxx; link

@@ -84,24 +84,27 @@ def ninja_rules(tc: Toolchain, flags: Flags) -> str:
     """Variables and rules, shared by every entry of a build.ninja."""
     torch_inc = " ".join(f"-isystem {_q(p)}" for p in tc.torch_include)
     threads = f"--threads {env.nvcc_threads()}"
+    launcher = " ".join(_q(w) for w in env.compiler_launcher())
     return f"""ninja_required_version = 1.3
+launcher = {launcher}
 nvcc = {_q(tc.nvcc)}
 cxx = {_q(tc.cxx)}
 nvcc_flags = {' '.join(flags.nvcc)} {threads}
 cxx_flags = {' '.join(flags.cxx)} {torch_inc}
 ldflags = {' '.join(flags.ld)}{''.join(' ' + _q(p) for p in tc.cxx_runtime)} -L{_q(tc.torch_lib)} -L{_q(tc.cuda_lib)} -Wl,-rpath,{_q(tc.torch_lib)} -Wl,-rpath,{_q(tc.cuda_lib)}
 
+# $launcher: FLASHINFER_JIT_COMPILER_LAUNCHER (e.g. ccache) before each compile step.
 # Each step writes its output to $out.log (merged into the entry's build.log by
 # collect_logs, so an entry built among many in one AOT ninja keeps its own ptxas report)
 # and prints it only on failure, where ninja shows it under FAILED.
 rule nvcc
-  command = $nvcc $nvcc_flags -I$incdir -MD -MF $out.d -c $in -o $out > $out.log 2>&1 || {{ cat $out.log; exit 1; }}
+  command = $launcher $nvcc $nvcc_flags -I$incdir -MD -MF $out.d -c $in -o $out > $out.log 2>&1 || {{ cat $out.log; exit 1; }}
   depfile = $out.d
   deps = gcc
   description = NVCC $out
 
 rule cxx
-  command = $cxx -MMD -MF $out.d $cxx_flags -I$incdir -c $in -o $out > $out.log 2>&1 || {{ cat $out.log; exit 1; }}
+  command = $launcher $cxx -MMD -MF $out.d $cxx_flags -I$incdir -c $in -o $out > $out.log 2>&1 || {{ cat $out.log; exit 1; }}
   depfile = $out.d
   deps = gcc
   description = CXX $out

@@ -170,6 +170,31 @@ def nvcc_threads() -> int:
     return _positive_int("FLASHINFER_JIT_NVCC_THREADS") or 1
 
 
+def compiler_launcher() -> tuple[str, ...]:
+    """FLASHINFER_JIT_COMPILER_LAUNCHER: a command put before every nvcc and host-compiler
+    step of a module build (and of the fastcall extension's), e.g. "ccache" (as CMake's
+    <LANG>_COMPILER_LAUNCHER). Unset or empty: none. Its first word must be an executable
+    (a path, or a name on PATH); anything else is a SettingError naming the variable. It
+    does not enter cache keys: a launcher must produce the compiler's output."""
+    import shlex
+
+    raw = os.environ.get("FLASHINFER_JIT_COMPILER_LAUNCHER", "").strip()
+    if not raw:
+        return ()
+    try:
+        words = tuple(shlex.split(raw))
+    except ValueError as exc:
+        words, why = (), str(exc)
+    else:
+        why = "" if words and (shutil.which(words[0]) or (os.path.isfile(words[0]) and os.access(words[0], os.X_OK))) \
+            else f"{words[0]!r} is not an executable file or a command on PATH" if words else "no command"
+    if why:
+        from .errors import SettingError
+
+        raise SettingError(f"FLASHINFER_JIT_COMPILER_LAUNCHER={raw!r}: {why} (e.g. 'ccache', or leave it unset)")
+    return words
+
+
 def cuda_home() -> Path | None:
     """CUDA_HOME (or CUDA_PATH), else the toolkit above `nvcc` on PATH, else /usr/local/cuda.
 

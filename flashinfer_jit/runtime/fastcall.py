@@ -154,7 +154,7 @@ def _build_locked(cxx: str, k: str, root: Path, target: Path) -> Path:
     out = tmp / target.name
     csrc = env.source_dir("csrc")
     includes, lib, abi, _ = _torch()
-    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden", "-w",
+    cmd = [*env.compiler_launcher(), cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{_python_include()}",
            *(f"-I{inc}" for inc in includes), f"-I{csrc}", str(csrc / "runtime" / "fastcall.cc"), "-o", str(out),
            f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10"]
