@@ -16,7 +16,7 @@ include folder named `csrc` (the module's staged copy of the sources, or the che
 other include folders (torch's, Python's) are fixed for the session and enter by path. A
 hit copies the stored output and dependency file into place and prints the stored compiler
 output (ptxas' register report for build.log); where the copy fails (a full disk, a file-size
-limit), the compiler runs instead, so a test of those faults sees the compiler meet them.
+limit), the step fails with the system's message (what the pipeline reads to blame the disk).
 Without FIJ_TEST_COMPILE_CACHE the compiler runs as if called directly.
 """
 
@@ -96,8 +96,9 @@ def main(argv: list[str]) -> int:
             shutil.copymode(slot / "output", out)
             if "-MF" in where and (slot / "deps").is_file():
                 shutil.copyfile(slot / "deps", where["-MF"])
-        except OSError:
-            return run_compiler(cmd)  # meet the fault as the compiler would
+        except OSError as exc:  # a full disk, a file-size limit: fail as the compiler would, saying why
+            print(f"compile_cache.py: cannot write {out}: {exc}", file=sys.stderr)
+            return 1
         sys.stdout.write((slot / "log").read_text(errors="replace"))
         return 0
     done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
