@@ -1,0 +1,47 @@
+"""Every family's module builds, links and imports without a GPU: one small module of each
+family that no other test of the default run builds (RoPE, flatten, merge, decode, prefill;
+the others' are built by test_cache.py, test_cli.py, test_decode*.py and test_pod.py), in one
+`flashinfer-jit aot` run with two jobs, then each loaded and its ops looked up."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashinfer_jit import cli
+from flashinfer_jit.pipeline import jit, toolchain
+from flashinfer_jit.pipeline.errors import ToolchainError
+from flashinfer_jit.pipeline.matrix import parse_matrix_text
+from flashinfer_jit.specs import FAMILIES
+
+# the smallest module of each (head_dim 64 where a family has one)
+MATRIX = """\
+rope     dtype_in=bfloat16  dtype_out=bfloat16
+flatten  dtype_kv=bfloat16  dtype_out=bfloat16  head_dim=64
+merge    dtype=bfloat16  head_dim=64
+decode   dtype_q=float16  dtype_kv=float16  head_dim=64  group_tile=1
+prefill  dtype_q=float16  dtype_kv=float16  dtype_o=float16  head_dim_qk=64  head_dim_vo=64  kv_source=ragged  mask=none
+"""
+# built by the default run's other tests
+ELSEWHERE = {"batch_indices", "append", "decode_plan", "prefill_plan", "page_order", "pod"}
+
+
+def test_the_matrix_and_the_other_tests_cover_every_family():
+    assert {s.FAMILY for s in parse_matrix_text(MATRIX)} | ELSEWHERE == set(FAMILIES)
+
+
+@pytest.mark.slow
+def test_one_module_of_each_family_builds_links_and_imports(fresh_cache, tmp_path, capsys):
+    try:
+        toolchain.get()
+    except ToolchainError as exc:
+        pytest.skip(f"needs nvcc, ninja and g++: {exc}")
+    matrix = tmp_path / "families"
+    matrix.write_text(MATRIX)
+    specs = parse_matrix_text(MATRIX)
+    assert cli.main(["aot", "--matrix", str(matrix), "-j", "2", "--arch", "9.0a"]) == 0
+    assert f"built {len(specs)}, already cached 0, failed 0" in capsys.readouterr().out
+    for spec in specs:
+        module = jit.get_module(spec)
+        assert module.path.is_relative_to(fresh_cache), module.path
+        for op in spec.op_schemas():
+            assert callable(getattr(module, op)), f"{spec.name}: {op}"
