@@ -183,11 +183,13 @@ def compiler_launcher() -> tuple[str, ...]:
         return ()
     try:
         words = tuple(shlex.split(raw))
-    except ValueError as exc:
+    except ValueError as exc:  # an unclosed quote
         words, why = (), str(exc)
     else:
-        why = "" if words and (shutil.which(words[0]) or (os.path.isfile(words[0]) and os.access(words[0], os.X_OK))) \
-            else f"{words[0]!r} is not an executable file or a command on PATH" if words else "no command"
+        command = words[0] if words else ""
+        runnable = bool(command) and (shutil.which(command) is not None
+                                      or (os.path.isfile(command) and os.access(command, os.X_OK)))
+        why = "" if runnable else f"{command!r} is not an executable file or a command on PATH"
     if why:
         from .errors import SettingError
 

@@ -18,10 +18,11 @@ import torch
 
 from ..decode.spec import DecodeSpec
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
+from ..kvcache.append import get_seq_lens
 from ..pipeline import env
 from ..prefill.spec import PrefillSpec
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
-from ..runtime.checks import as_dtype, dtype_str, expect_bool, expect_choice, expect_workspace
+from ..runtime.checks import dtype_str, expect_bool, expect_choice, expect_workspace
 from ..runtime.device import sm_count, supports_pdl
 from ..runtime.launch import module_op
 from ..runtime.page_table import unpack_paged_kv_cache
@@ -70,11 +71,11 @@ def prefill_flops(qo_lens, kv_lens, causal: bool, num_qo_heads: int, head_dim: i
 
 
 def csr_kv_lens(indptr, last_page_len, page_size: int) -> np.ndarray:
-    """Each request's keys from a CSR page table (host copies of its arrays)."""
-    ind = np.asarray(torch.as_tensor(indptr).detach().cpu(), dtype=np.int64)
-    last = np.asarray(torch.as_tensor(last_page_len).detach().cpu(), dtype=np.int64)
-    pages = ind[1:] - ind[:-1]
-    return np.where(pages > 0, (pages - 1) * page_size + last[:pages.shape[0]], 0)
+    """Each request's keys from a CSR page table, on the host (get_seq_lens; a last-page
+    buffer longer than the batch, a CUDA-graph wrapper's, cut to it)."""
+    indptr = torch.as_tensor(indptr)
+    last = torch.as_tensor(last_page_len)[: indptr.shape[0] - 1]
+    return get_seq_lens(indptr, last, page_size).cpu().numpy().astype(np.int64)
 
 
 def decode_share(flops: float, kv_bytes: float) -> float:
@@ -137,12 +138,10 @@ class _Pod:
         """The prefill side's tile for its next plan: a tile the POD module holds."""
         self._prefill._force_tile_rows = self.tile_rows if 128 in pod_tiles(head_dim) else 64
 
-    def _plan_decode_bytes(self, indptr, last_page_len, num_kv_heads: int, head_dim: int, page_size: int,
-                           kv_data_type, q_data_type) -> None:
-        dtype = as_dtype(kv_data_type, "kv_data_type", q_data_type or "float16")
-        item = torch.empty(0, dtype=dtype).element_size()
-        lens = csr_kv_lens(indptr, last_page_len, page_size)
-        self._kv_bytes = float(lens.sum()) * num_kv_heads * head_dim * 2 * item
+    def _plan_decode_bytes(self, indptr, last_page_len) -> None:
+        """The K/V bytes the planned decodes read (after the decode side's plan())."""
+        c = self._decode._plan.config
+        self._kv_bytes = float(csr_kv_lens(indptr, last_page_len, c.page_size).sum()) * c.num_kv_heads * c.token_bytes
 
     def _schedule(self) -> tuple[float, int]:
         """(decode share, decode SMs) of the planned launch: pinned, or pod_schedule()'s."""
@@ -216,8 +215,7 @@ class PODWithPagedKVCacheWrapper(_Pod):
                           pos_encoding_mode=pos_encoding_mode, window_left=window_left, q_data_type=q_data_type,
                           kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
                           rope_theta=rope_theta, non_blocking=non_blocking)
-        self._plan_decode_bytes(indptr, last_page_len, num_kv_heads, head_dim, page_size,
-                                kv_data_type if kv_data_type is not None else data_type, q_data_type)
+        self._plan_decode_bytes(indptr, last_page_len)
         self._plan_schedule()
 
     begin_forward = plan
@@ -337,8 +335,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                           data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking)
         self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads, num_kv_heads,
                               head_dim, page_size, window_left, sm_scale, q_dtype or "float16", kv_dtype, non_blocking)
-        self._plan_decode_bytes(kv_indptr_d, last_page_len_d, num_kv_heads, head_dim, page_size, kv_dtype,
-                                q_dtype or "float16")
+        self._plan_decode_bytes(kv_indptr_d, last_page_len_d)
         qo = np.asarray(torch.as_tensor(qo_indptr_p).detach().cpu(), dtype=np.int64)
         self._prefill_lens = (qo[1:] - qo[:-1], csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
         self._prefill_mask = None
