@@ -811,6 +811,38 @@ def test_head_dim_256_wide_tile(layout, causal, split, workspace):
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("source", ["ragged", "paged"])
+def test_causal_rows_that_see_no_key(source, tile, split, workspace):
+    """Causal with kv_len < qo_len, FlashInfer's semantics: the mask stays bottom-right
+    aligned, the first qo_len - kv_len rows see no key and give exact zeros and lse -inf
+    (no error, no NaN); requests with some rows, whole tiles and all rows above the diagonal,
+    beside ordinary ones, split into chunks and not."""
+    rnd = random.Random(31 + tile)
+    gen = torch.Generator(device=DEV).manual_seed(31 + tile)
+    shapes = [(20, 5), (7, 7), (300, 64), (0, 3), (129, 1), (64, 2000), (5, 0), (200, 150)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    dims = (128, 128)
+    k_rows, v_rows = make_rows(kv_lens, LLAMA[1], dims, torch.bfloat16, gen)
+    kv = ragged_kv(k_rows, v_rows, kv_lens) if source == "ragged" else paged_kv(k_rows, v_rows, kv_lens, 16, rnd=rnd)
+    q = make_q(sum(qo_lens), LLAMA[0], 128, torch.bfloat16, gen)
+    qo_indptr = indptr_of(qo_lens)
+    wrapper = ragged_wrapper(workspace) if source == "ragged" else paged_wrapper(workspace)
+    wrapper._force_tile_rows = tile
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, dims, 16, causal=True, q_data_type=torch.bfloat16,
+            **(dict(fixed_split_size=64) if split else {}))
+    out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+    first = 0
+    for m, n in shapes:  # (check_prefill: exact zeros and -inf where the reference is -inf)
+        blind = max(0, m - n) if n > 0 else m
+        assert bool(torch.isneginf(lse[first:first + blind]).all()), (m, n)
+        first += m
+
+
 # --- beyond the grid: the same attention by other paths --------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 8, 16])
@@ -1442,10 +1474,10 @@ def test_plan_rejects_indptrs_of_other_batch_sizes(source):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_plan_rejects_causal_with_fewer_keys_than_queries(source):
-    """0 < kv_len < qo_len with causal is an error (kv_len 0 is padding)."""
-    with pytest.raises(ValueError, match="causal"):
-        _plan(source, _args(source, (3, 5, 2), (10, 4, 0)), causal=True)
+def test_plan_takes_causal_with_fewer_keys_than_queries(source):
+    """0 < kv_len < qo_len with causal plans (FlashInfer's semantics; the rows that see no key
+    are checked on a GPU: test_causal_rows_that_see_no_key)."""
+    _plan(source, _args(source, (3, 5, 2), (10, 4, 0)), causal=True)
 
 
 @pytest.mark.parametrize("source", SOURCES)

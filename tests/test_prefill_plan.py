@@ -242,9 +242,27 @@ def test_plan_rejects_bad_qo_indptr(qo, match):
         _plan(_paged(), qo, [0, 1, 2], [5, 5], causal=False)
 
 
-def test_plan_rejects_causal_kv_shorter_than_qo():
-    with pytest.raises(ValueError, match="causal: request 1"):
-        _plan(_paged(), [0, 4, 24], [0, 1, 2], [5, 5])
+def test_plan_takes_causal_kv_shorter_than_qo():
+    """FlashInfer's semantics: bottom-right aligned, the rows above the diagonal see no key
+    (their zeros and -inf are the kernel's; test_prefill.py checks them on a GPU)."""
+    _plan(_paged(), [0, 4, 24], [0, 1, 2], [5, 5])
+
+
+@pytest.mark.parametrize("side", [_CSR, _SEQ_LENS, _RAGGED])
+def test_native_planner_matches_numpy_where_causal_rows_see_no_key(side):
+    """Causal requests with fewer keys than queries (some rows, whole tiles, whole requests
+    above the diagonal), split and not: the C++ planner and its numpy twin agree."""
+    qo = np.array([20, 7, 300, 0, 5, 129, 64])
+    kv = np.array([5, 7, 64, 3, 0, 1, 2000])
+    qo_indptr, a, b = _index_arrays(qo, kv, side)
+    for fixed in (0, 64):
+        cfg = _config(side, fixed=fixed, causal=1)
+        status, host, result = _run_native(cfg, qo_indptr, a, b, qo.shape[0])
+        ref_host, ref_result = np.zeros_like(host), np.zeros(12, dtype=np.int64)
+        assert _plan_numpy(cfg, qo_indptr, a, b, qo.shape[0], ref_host, ref_result) == status == 0
+        np.testing.assert_array_equal(result, ref_result)
+        end = int(result[prefill._END])
+        np.testing.assert_array_equal(host[:end], ref_host[:end])
 
 
 def test_plan_rejects_decreasing_kv_indptr_and_bad_last_page_len():

@@ -73,7 +73,8 @@ enum PrefillPlanError : int {
   kQoIndptr = 1,       // not starting at 0 or decreasing
   kKvIndptr = 2,       // ragged kv_indptr / csr indptr: not starting at 0 or decreasing
   kLastPageLen = 3,    // outside 1..page_size for a request with pages
-  kCausalKvShort = 4,  // causal with 0 < kv_len < qo_len
+  // 4: no longer returned (causal with kv_len < qo_len is planned: rows that see no key write
+  // zeros and lse -inf, as FlashInfer's)
   kSeqLens = 5,        // negative, or over max_kv_len
   kSlotTooSmall = 6,   // host_size < result[kEnd]
   kWorkCapacity = 7,   // more items than work_capacity
@@ -119,12 +120,11 @@ inline int64_t prefill_plan(const PrefillPlanConfig& c, const int32_t* qo_indptr
       if (n < 0) return fail(kKvIndptr, b);
     }
     const int32_t q = qo_indptr[b + 1] - qo_indptr[b];
-    if (c.causal && n > 0 && n < q) return fail(kCausalKvShort, b);
     kv_len[b] = n;
     if (q > 0) active_keys += n;
     if (side != PrefillKVSide::kRagged && n > 0) {
       int64_t movable = (int64_t(n) + c.page_size - 1) / c.page_size - 1;
-      if (c.causal) movable = std::min<int64_t>(movable, (int64_t(n) - q + 1) / c.page_size);
+      if (c.causal) movable = std::min<int64_t>(movable, std::max<int64_t>(0, int64_t(n) - q + 1) / c.page_size);
       result[kMovablePages] = std::max<int64_t>(result[kMovablePages], movable);
     }
   }

@@ -225,8 +225,6 @@ class PODWithPagedKVCacheWrapper(_Pod):
 
     def _plan_prefill(self, q_p, k_p, custom_mask, packed_custom_mask, causal, sm_scale, window_left) -> None:
         qo_len, kv_len = q_p.shape[0], k_p.shape[0]
-        if causal and kv_len < qo_len:
-            raise ValueError(f"causal_p: kv_len ({kv_len}) must be at least qo_len ({qo_len}) for causal prefill")
         key = (qo_len, kv_len, bool(causal), sm_scale, window_left, q_p.dtype, k_p.dtype, q_p.shape[1], k_p.shape[1],
                q_p.shape[2])
         if custom_mask is None and packed_custom_mask is None and key == self._prefill_key:

@@ -212,16 +212,11 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
             result[0], result[1] = 5, int(bad[0])
             return 5
     kv_lens = _kv_lens_numpy(side, kv_a, kv_b, cfg.page_size)
-    if cfg.causal:
-        bad = np.nonzero((kv_lens > 0) & (kv_lens < qo_lens))[0]
-        if bad.size:
-            result[0], result[1] = 4, int(bad[0])
-            return 4
     result[_KV_ROWS] = 0 if side == _SEQ_LENS else int(a[batch])
     if side != _RAGGED and batch:  # (csrc/prefill/prefill_plan.h kMovablePages)
         movable = -(-kv_lens // cfg.page_size) - 1
         if cfg.causal:
-            movable = np.minimum(movable, (kv_lens - qo_lens + 1) // cfg.page_size)
+            movable = np.minimum(movable, np.maximum(kv_lens - qo_lens + 1, 0) // cfg.page_size)
         result[_MOVABLE_PAGES] = max(0, int(movable[kv_lens > 0].max(initial=0)))
     active = int((qo_lens > 0).sum())
     rows_total = int(qo_lens.sum()) * cfg.group
@@ -686,9 +681,6 @@ class _PrefillWrapper:
         if status == 3:
             raise ValueError(f"{b_name}: expected 1..page_size ({config.page_size}) for every request with pages; "
                              f"request {index} has {int(kv_b[index])}")
-        if status == 4:
-            raise ValueError(f"causal: request {index} has kv_len < qo_len ({int(qo[index + 1] - qo[index])} query "
-                             "tokens); a causal prefill needs kv_len >= qo_len (kv_len 0 is padding)")
         if status == 5:
             raise ValueError(f"{a_name}: expected 0..max_pages x page_size for every request; request {index} has "
                              f"{int(kv_a[index])}")

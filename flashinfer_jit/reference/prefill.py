@@ -13,7 +13,7 @@ h // (Hq // Hk). head_dim_qk (q, k) may differ from head_dim_vo (v, out), e.g. 1
   soft cap c > 0:   logits_ij = c * tanh(logits_ij / c)       (None or 0.0: off)
   key j allowed for row i where the mask allows it and, with window_left w >= 0, j >= pos_i - w
     mask none:   every key
-    causal:      j <= pos_i (bottom-right aligned); 0 < kv_len < qo_len is a ValueError
+    causal:      j <= pos_i (bottom-right aligned); with kv_len < qo_len the first rows see no key
     custom:      bit i * kv_len + j of the request's row-major qo_len x kv_len mask; replaces
                  `causal` (FlashInfer's plan(): causal counts only without a custom mask)
   ROPE_LLAMA:     q_i rotated at pos_i, k_j at j, NeoX style over all head_dim_qk dims
@@ -223,10 +223,6 @@ def _request_masks(qo_bounds, kv_lens, causal, custom_mask, packed_custom_mask, 
     """Per request: None (no mask), "causal" or a bool [qo_len, kv_len] tensor."""
     qo_lens = [hi - lo for lo, hi in zip(qo_bounds[:-1], qo_bounds[1:])]
     if custom_mask is None and packed_custom_mask is None:
-        if causal:
-            for b, (m, n) in enumerate(zip(qo_lens, kv_lens)):
-                if 0 < n < m:
-                    raise ValueError(f"causal: request {b} has kv_len {n} < qo_len {m}")
         return ["causal" if causal else None] * len(qo_lens)
     packed = packed_custom_mask is not None
     sizes = [-(-m * n // 8) if packed else m * n for m, n in zip(qo_lens, kv_lens)]
