@@ -12,7 +12,7 @@ plan, its own kernel), and pod_t{tile}_s{share}_k{sms} for each of VARIANTS: eve
 share of decode blocks (k0), or k SMs decode-only and the others prefill-only while both
 sides have work. Every POD's outputs are checked against serial's (max abs diff < 2e-2).
 
-  python3 scripts/sweep_pod.py [--rows 'p2x2k;4k@4k'] [--reps 30] [--out F]
+  python3 scripts/sweep_pod.py [--rows 'p2x2k;4k@4k'] [--reps 30] [--variants 128:0.5:0,...] [--no-streams] [--out F]
 JSON (default $OUT/sweep_pod.json): meta, rows (per row: impls with median_us ..., checks).
 """
 
@@ -36,7 +36,7 @@ VARIANTS = [(64, 0.5, 0), (64, 0.75, 0), (64, 1.0, 44), (64, 1.0, 66),
             (128, 0.5, 0), (128, 1.0, 33), (128, 1.0, 44), (128, 1.0, 55), (128, 1.0, 66), (128, 1.0, 88)]
 
 
-def providers(row, x):
+def providers(row, x, variants=VARIANTS, streams=True):
     import torch
 
     import flashinfer_jit as fij
@@ -69,7 +69,7 @@ def providers(row, x):
         out[f"prefill_t{tile}"] = prefill(tile)
     out["decode_only"] = dec
     out["decode_pod"] = decode(True)
-    for tile, share, sms in VARIANTS:
+    for tile, share, sms in variants:
         if tile == 128 and d > 128:
             continue
         w = fij.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
@@ -80,7 +80,7 @@ def providers(row, x):
     # the two families' kernels on two streams at once: the prefill's grid pinned to g blocks (one
     # or two an SM: what room its 128-row tile leaves for decode blocks beside it)
     side = torch.cuda.Stream()
-    for g in (132, 264):
+    for g in (132, 264) if streams else ():
         for pod_side in (False, True):
             pw = fij.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
             pw._force_tile_rows = 128 if d <= 128 else 64
@@ -103,15 +103,15 @@ def providers(row, x):
     w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
            x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype, causal=True)
     out["pod_default"] = lambda: w.run(x.q_p, x.cache_p, x.q_d, x.cache_d, causal_p=True)
-    out["pod_default"].share = w._decode_share()
+    out["pod_default"].share = w._schedule()
     return out
 
 
-def sweep_row(row, reps: int, flush, seed: int) -> dict:
+def sweep_row(row, reps: int, flush, seed: int, variants=VARIANTS, streams=True) -> dict:
     import torch
 
     x = bpod.Inputs(row, seed)
-    fns = providers(row, x)
+    fns = providers(row, x, variants, streams)
     res = {"label": row.label, "row": row._asdict(), "impls": {}, "checks": {},
            "default_share": getattr(fns["pod_default"], "share", None)}
     ref = fns["serial"]()
@@ -145,7 +145,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="", help="POD schedules to time, e.g. '128:0.5:0,128:1:66' "
+                    "(tile:decode share:decode SMs; default: all of VARIANTS)")
+    ap.add_argument("--no-streams", action="store_true", help="leave out the two-stream probe")
     args = ap.parse_args(argv)
+    variants = [(int(t), float(s), int(k)) for t, s, k in (v.split(":") for v in args.variants.split(",") if v)]
+    variants = variants or VARIANTS
     only = tuple(s for s in args.rows.split(";") if s)
     rows = bpod.row_list(False, only)
     if bc.no_gpu("sweep_pod", " (run it on the GPU machine)"):
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
     for row in rows:
         t0 = time.perf_counter()
         try:
-            r = sweep_row(row, args.reps, flush, args.seed)
+            r = sweep_row(row, args.reps, flush, args.seed, variants, not args.no_streams)
         except Exception as exc:  # noqa: BLE001  (one row's failure must not end the sweep)
             r = {"label": row.label, "error": f"{type(exc).__name__}: {exc}"[:1500]}
         res["rows"].append(r)
