@@ -12,6 +12,7 @@ builds or waits for the modules it needs and runs them; each module is built onc
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -168,3 +169,55 @@ def test_one_process_per_gpu_on_an_empty_cache(tmp_path):
     assert built and len(built) == len(set(built)), f"a module was built more than once: {sorted(built)}"
     entries = [p for p in root.iterdir() if not p.name.startswith(".")]
     assert len(entries) == len(built), (sorted(p.name for p in entries), built)
+
+
+@pytest.mark.gpu
+@needs_two
+def test_pod_alternates_between_two_gpus():
+    """BatchAttention (one POD launch: persistent blocks taking units from their device's
+    scheduling counters) planned on cuda:0 and on cuda:1, each with the other device
+    current, then run in turn, four times, with either device current. Counters shared
+    between the devices, or left non-zero by the other device's launch, would leave rows
+    unwritten (NaN-poisoned here) or give them twice; every run is checked against the
+    float64 reference."""
+    import random
+
+    from flashinfer_jit.reference.prefill import prefill_ref
+
+    rnd = random.Random(3)
+    page_size, hq, hk, hd, bf16 = 16, 32, 8, 128, torch.bfloat16
+    runs = {}
+    for idx, other in ((0, 1), (1, 0)):
+        dev = torch.device("cuda", idx)
+        gen = torch.Generator(device=dev).manual_seed(idx)
+        qo = [1] * 40 + [300, 4, 1, 77]  # decodes, a prompt chunk, a speculative verification, ...
+        rnd.shuffle(qo)
+        kv = [n + rnd.randint(0, 1500) for n in qo]
+        pages = [-(-n // page_size) for n in kv]
+        ids = rnd.sample(range(sum(pages) + 3), sum(pages) + 3)
+
+        def i32(values):
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        qo_indptr, kv_indptr = (i32([0, *itertools.accumulate(x)]) for x in (qo, pages))
+        kv_indices, kv_lens = i32(ids[: sum(pages)]), i32(kv)
+        q = torch.randn(sum(qo), hq, hd, generator=gen, device=dev).to(bf16)
+        cache = torch.randn(len(ids), 2, page_size, hk, hd, generator=gen, device=dev).to(bf16)
+        last = i32([n - (p - 1) * page_size for n, p in zip(kv, pages)])
+        ref, _ = prefill_ref(q, qo_indptr, cache[:, 0], cache[:, 1],
+                             page_table=csr_page_table(kv_indptr, kv_indices, last), causal=True)
+        with torch.cuda.device(other):
+            w = fij.BatchAttention(kv_layout="NHD", device=str(dev))
+            w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, hq, hk, hd, hd, page_size, causal=True,
+                   q_data_type=bf16, kv_data_type=bf16)
+        runs[idx] = (w, q, cache, ref)
+    for i in range(4):
+        for idx in (1, 0) if i % 2 else (0, 1):
+            w, q, cache, ref = runs[idx]
+            with torch.cuda.device(i % 2):  # the other device current every second time
+                out = torch.full_like(q, float("nan"))
+                w.run(q, cache, out=out)
+            torch.cuda.synchronize(idx)
+            err = (out.double() - ref).abs() - 2e-2 * (1 + ref.abs())
+            assert not torch.isnan(out).any(), f"cuda:{idx}, run {i}: rows left unwritten"
+            assert float(err.max()) <= 0, f"cuda:{idx}, run {i}: off by {float(err.max()):.3e} beyond tolerance"

@@ -629,10 +629,9 @@ def test_plan_rejects_in_kernel_rope(cls, device):
 @pytest.mark.parametrize("change, match", [
     (dict(pos_encoding_mode_p="ROPE_LLAMA"), "pos_encoding_mode"),
     (dict(batch=4), r"q_d|batch"),  # 4 decodes where 3 were planned
-    (dict(qo_len=30, kv_len=20, causal_p=True), "causal"),  # fewer keys than queries
     (dict(heads_p=16), r"q_p.*head"),  # 16 query heads on the prefill side, 32 planned for the decodes
     (dict(dtype_p=torch.float16), r"q_p.*dtype"),  # an fp16 prefill (q_p, k_p, v_p), bf16 decodes
-], ids=["rope_p", "decode_batch", "causal_short_kv", "heads", "dtype"])
+], ids=["rope_p", "decode_batch", "heads", "dtype"])
 def test_run_rejects_what_the_plan_does_not_fit(change, match, device):
     w = _planned(device)
     run_kwargs = {k: change[k] for k in ("pos_encoding_mode_p", "causal_p") if k in change}
@@ -642,6 +641,29 @@ def test_run_rejects_what_the_plan_does_not_fit(change, match, device):
     if device == "cpu" and "CUDA" in str(info.value):
         pytest.skip(f"on CPU tensors the device check comes first ({info.value}); the cuda variant checks this")
     assert re.search(match, str(info.value)), f"{info.value!r} does not match {match!r}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_run_time_decode_settings_follow_flashinfer(device):
+    """FlashInfer's rule (its test_pod_with_paged_kv_cache_decode_plan_settings): the decode
+    side's sm_scale and window come from plan(); run()'s sm_scale_d / window_left_d warn as
+    deprecated and must equal plan()'s; causal_d=True is a NotImplementedError. All raise
+    before any launch."""
+    w = _planned(device)
+    _, q_p, k_p, v_p, q_d, cache = _small(device)
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        w.run(q_p, k_p, v_p, q_d, cache, causal_d=True)
+    for change in (dict(window_left_d=7), dict(sm_scale_d=0.01)):
+        with pytest.raises(ValueError, match="differs from the value planned"), \
+                pytest.warns(DeprecationWarning, match="deprecated"):
+            w.run(q_p, k_p, v_p, q_d, cache, **change)
+    if device == "cuda":  # equal to plan()'s: a warning, and the same outputs
+        out_p, out_d = w.run(q_p, k_p, v_p, q_d, cache)
+        with pytest.warns(DeprecationWarning, match="deprecated"):
+            again_p, again_d = w.run(q_p, k_p, v_p, q_d, cache, sm_scale_d=w._decode._plan.config.sm_scale,
+                                          window_left_d=-1)
+        torch.testing.assert_close(again_p, out_p, rtol=0, atol=0)
+        torch.testing.assert_close(again_d, out_d, rtol=0, atol=0)
 
 
 # --- the spec, the AOT matrix, one build (CPU) -----------------------------------------------------

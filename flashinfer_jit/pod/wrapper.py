@@ -12,6 +12,7 @@ block has 4 warps), and the prefill side for the query tile _Pod.tile_rows picks
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import torch
@@ -184,6 +185,18 @@ class _Pod:
         module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, *self._schedule(), pdl)
 
 
+def _planned_decode_option(name: str, value, default, planned) -> None:
+    """A decode-side setting passed to PODWithPagedKVCacheWrapper.run() (sm_scale_d,
+    window_left_d): plan() sets it, as in FlashInfer, where run()'s copy is deprecated.
+    Passed, it warns (DeprecationWarning); one that differs from plan()'s is a ValueError."""
+    if value is None or value == default:
+        return
+    warnings.warn(f"{name} in run() is deprecated: the decode side's settings come from plan()",
+                  DeprecationWarning, stacklevel=3)
+    if float(value) != float(planned):
+        raise ValueError(f"{name}={value} differs from the value planned ({planned}); pass it to plan()")
+
+
 class PODWithPagedKVCacheWrapper(_Pod):
     """FlashInfer's POD wrapper: one prefill request (q_p against k_p / v_p, contiguous K/V
     rows) and a batch of one-token decodes over the paged cache, in one launch.
@@ -194,8 +207,10 @@ class PODWithPagedKVCacheWrapper(_Pod):
     lse_d)), the LSE not asked for None (FlashInfer computes them and drops them). LSEs are
     base 2, float32 [rows, num_qo_heads], as every FlashInfer LSE.
 
-    The decode side's sm_scale and window come from plan() (FlashInfer ignores run()'s
-    `_d` options; here one that disagrees with plan() is an error). q_scale and k_scale
+    The decode side's sm_scale and window come from plan(). run()'s sm_scale_d and
+    window_left_d are deprecated, as in FlashInfer: passed, they warn (DeprecationWarning),
+    and one that differs from plan()'s is a ValueError; causal_d=True is a
+    NotImplementedError (the decode side is non-causal). q_scale and k_scale
     scale the decode logits and v_scale its output, as in FlashInfer."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
@@ -258,13 +273,11 @@ class PODWithPagedKVCacheWrapper(_Pod):
                              f"{kv_layout_d!r}")
         if custom_mask_d is not None or packed_custom_mask_d is not None:
             raise ValueError("custom_mask_d: a decode row is one query that sees all its keys; no mask applies")
-        dc = self._decode._plan.config
-        if sm_scale_d is not None and float(sm_scale_d) != dc.sm_scale:
-            raise ValueError(f"sm_scale_d: the decode side's sm_scale is plan()'s ({dc.sm_scale}), got {sm_scale_d}; "
-                             "pass it to plan()")
-        if window_left_d != -1 and window_left_d != dc.window_left:
-            raise ValueError(f"window_left_d: the decode side's window is plan()'s ({dc.window_left}), got "
-                             f"{window_left_d}; pass it to plan()")
+        if causal_d:
+            raise NotImplementedError("causal_d=True: POD's decode side is non-causal (one query row a request, "
+                                      "which sees all its keys); leave causal_d False")
+        _planned_decode_option("sm_scale_d", sm_scale_d, None, self._decode._plan.config.sm_scale)
+        _planned_decode_option("window_left_d", window_left_d, -1, self._decode._plan.config.window_left)
         for name, t in (("q_p", q_p), ("k_p", k_p), ("v_p", v_p)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
                 raise ValueError(f"{name}: expected a 3-D tensor ([tokens, heads, head_dim]; k_p/v_p HND: [heads, "
