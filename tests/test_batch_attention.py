@@ -494,11 +494,20 @@ def test_plan_rejects_a_page_id_list_shorter_than_the_table():
 
 
 def test_a_side_planners_error_names_the_batchs_requests():
-    """Causal with fewer keys than queries (rejected by the prefill side today) on the
-    batch's request 2, which is the prefill side's request 0: the message maps them."""
+    """A side's planner names its own request numbers; the message says which of the batch's
+    they are (the prefill side's request 0 is the batch's request 2 here). And causal with
+    fewer keys than queries, once such an error, plans: its first rows see no key, as in
+    FlashInfer."""
+    import types
+
+    from flashinfer_jit.pod.batch_attention import _side_errors
+
+    split = types.SimpleNamespace(decode=np.array([0, 1]), prefill=np.array([2]))
+    with pytest.raises(ValueError, match=r"request 0: .*the prefill side's \[2\]"):
+        with _side_errors("the prefill side", split):
+            raise ValueError("request 0: something the prefill planner rejects")
     ba = fij.BatchAttention(device="cpu")
-    with pytest.raises(ValueError, match=r"the prefill side's \[2\]"):
-        _plan(ba, _args([1, 1, 10], [5, 5, 3]), causal=True)
+    _plan(ba, _args([1, 1, 10], [5, 5, 3]), causal=True)
 
 
 def test_run_rejects_q_on_another_device():

@@ -118,3 +118,27 @@ def test_compiler_launcher_is_put_before_each_compile_step_not_the_link(monkeypa
     assert "launcher = env\n" in rules
     commands = [line.strip() for line in rules.splitlines() if line.strip().startswith("command =")]
     assert [c.split()[2] for c in commands] == ["$launcher", "$launcher", "$cxx"]  # nvcc, cxx; link
+
+
+def test_an_aot_entry_compiles_with_its_own_archs(tmp_path):
+    """One AOT build.ninja holds entries of other flags: a host-only module (no archs) first
+    must not leave the next entry's kernel compiled for nvcc's default arch (which stopped
+    ptxas at the first cp.async), and the other way round."""
+    import shutil
+    import subprocess
+
+    from flashinfer_jit.pipeline import build, toolchain
+
+    tc = toolchain.get()
+    host, device = build.make_flags((), False, True), build.make_flags(("9.0a",), False, True)
+    text = build.ninja_rules(tc, host) + build.ninja_builds("h/", "h.so") + \
+        build.ninja_builds("d/", "d.so", tc, device)
+    (tmp_path / "build.ninja").write_text(text)
+    ninja = shutil.which("ninja") or pytest.skip("no ninja on PATH")
+    commands = {}
+    for lib in ("h/h.so", "d/d.so"):
+        out = subprocess.run([ninja, "-C", str(tmp_path), "-t", "commands", lib], capture_output=True, text=True,
+                             check=True).stdout
+        commands[lib] = next(line for line in out.splitlines() if "kernel.o" in line and " -c " in line)
+    assert "code=sm_90a" in commands["d/d.so"], commands["d/d.so"]
+    assert "-gencode" not in commands["h/h.so"], commands["h/h.so"]

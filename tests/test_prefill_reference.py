@@ -374,13 +374,17 @@ def test_bad_input_raises_value_error_naming_the_argument():
     q, qo_indptr, k, v, kv_indptr = make_batch([(3, 5), (4, 2)], 4, 2, 8, 8, seed=22)
     _, _, table = to_paged(k, v, kv_indptr, 2)
     cases = [
-        (dict(causal=True), "causal: request 1 has kv_len 2 < qo_len 4"),
         (dict(custom_mask=torch.ones(22, dtype=torch.bool)), "custom_mask: expected elements per request"),
         (dict(custom_mask=torch.ones(23, dtype=torch.bool), mask_indptr=indptr([16, 7])), "custom_mask"),
         (dict(packed_custom_mask=torch.ones(2, dtype=torch.uint8)), "packed_custom_mask: expected bytes"),
         (dict(page_table=table), "not both or neither"),
         (dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode"),
     ]
+    # causal with fewer keys than queries is no error: bottom-right aligned, request 1's first
+    # two rows (of 4 over 2 keys) see no key and give zeros and an LSE of -inf (FlashInfer's rule)
+    out, lse = prefill_ref(q, qo_indptr, k, v, kv_indptr, causal=True)
+    assert torch.all(out[3:5] == 0) and torch.all(torch.isneginf(lse[3:5]))
+    assert torch.isfinite(lse[:3]).all() and torch.isfinite(lse[5:]).all() and not torch.isnan(out).any()
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             prefill_ref(q, qo_indptr, k, v, kv_indptr, **kwargs)

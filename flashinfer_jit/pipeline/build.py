@@ -80,19 +80,25 @@ def _q(path: str) -> str:
     return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
 
 
-def ninja_rules(tc: Toolchain, flags: Flags) -> str:
-    """Variables and rules, shared by every entry of a build.ninja."""
+def _flag_vars(tc: Toolchain, flags: Flags) -> str:
+    """The nvcc, cxx and link flags of an entry, as ninja variable lines."""
     torch_inc = " ".join(f"-isystem {_q(p)}" for p in tc.torch_include)
     threads = f"--threads {env.nvcc_threads()}"
+    return f"""nvcc_flags = {' '.join(flags.nvcc)} {threads}
+cxx_flags = {' '.join(flags.cxx)} {torch_inc}
+ldflags = {' '.join(flags.ld)}{''.join(' ' + _q(p) for p in tc.cxx_runtime)} -L{_q(tc.torch_lib)} -L{_q(tc.cuda_lib)} -Wl,-rpath,{_q(tc.torch_lib)} -Wl,-rpath,{_q(tc.cuda_lib)}
+"""
+
+
+def ninja_rules(tc: Toolchain, flags: Flags) -> str:
+    """Variables and rules, shared by every entry of a build.ninja (an entry whose flags
+    differ sets its own: ninja_builds)."""
     launcher = " ".join(_q(w) for w in env.compiler_launcher())
     return f"""ninja_required_version = 1.3
 launcher = {launcher}
 nvcc = {_q(tc.nvcc)}
 cxx = {_q(tc.cxx)}
-nvcc_flags = {' '.join(flags.nvcc)} {threads}
-cxx_flags = {' '.join(flags.cxx)} {torch_inc}
-ldflags = {' '.join(flags.ld)}{''.join(' ' + _q(p) for p in tc.cxx_runtime)} -L{_q(tc.torch_lib)} -L{_q(tc.cuda_lib)} -Wl,-rpath,{_q(tc.torch_lib)} -Wl,-rpath,{_q(tc.cuda_lib)}
-
+{_flag_vars(tc, flags)}
 # $launcher: FLASHINFER_JIT_COMPILER_LAUNCHER (e.g. ccache) before each compile step.
 # Each step writes its output to $out.log (merged into the entry's build.log by
 # collect_logs, so an entry built among many in one AOT ninja keeps its own ptxas report)
@@ -115,16 +121,19 @@ rule link
 """
 
 
-def ninja_builds(prefix: str, library: str) -> str:
-    """Build statements of one entry whose files lie under `prefix` ('' or 'dir/')."""
+def ninja_builds(prefix: str, library: str, tc: Toolchain | None = None, flags: Flags | None = None) -> str:
+    """Build statements of one entry whose files lie under `prefix` ('' or 'dir/'). With
+    `flags` (and `tc`), the entry compiles and links with its own flags, not the file's: an
+    AOT build.ninja holds entries of other archs (a host-only module has none) or debug."""
     inc = f"{prefix}csrc" if prefix else "csrc"
+    own = "".join(f"  {line}\n" for line in _flag_vars(tc, flags).splitlines()) if flags is not None else ""
     return f"""
 build {prefix}kernel.o: nvcc {prefix}{KERNEL_SOURCE}
   incdir = {inc}
-build {prefix}binding.o: cxx {prefix}{BINDING_SOURCE}
+{own}build {prefix}binding.o: cxx {prefix}{BINDING_SOURCE}
   incdir = {inc}
-build {prefix}{library}: link {prefix}kernel.o {prefix}binding.o
-"""
+{own}build {prefix}{library}: link {prefix}kernel.o {prefix}binding.o
+{own}"""
 
 
 def write_entry_ninja(build_dir: Path, tc: Toolchain, flags: Flags, library: str) -> None:

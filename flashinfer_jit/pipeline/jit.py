@@ -480,7 +480,8 @@ def _build_missing(preps: list[Prepared], root: Path, look_in: list[Path] | None
                 sub = top / prep.entry(root).dirname
                 sub.mkdir()
                 _stage(prep, sub)
-                parts.append(build.ninja_builds(f"{sub.name}/", f"{prep.name}.so"))
+                own = prep.flags if prep.flags != locked[0].flags else None
+                parts.append(build.ninja_builds(f"{sub.name}/", f"{prep.name}.so", tc, own))
             (top / "build.ninja").write_text("".join(parts))
             total = len(locked)
             watch = _NinjaProgress(progress, total, start)

@@ -784,7 +784,7 @@ class _PrefillWrapper:
         if return_lse and lse is None:
             lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
         elif lse is not None:
-            _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True)
+            _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True, align=4)
         if q_scale is None and k_scale is None:
             logit_scale, cap_log2 = c.logit_scale, c.cap_log2
         else:
@@ -848,7 +848,7 @@ class _PrefillWrapper:
         else:
             _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
         if lse is not None:
-            _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True)
+            _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True, align=4)
         elif return_lse:
             lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
         logit_scale = c.logit_scale if q_scale is None and k_scale is None else _logit_scales(c, q_scale, k_scale)[0]
@@ -921,16 +921,19 @@ def _logit_scales(c, q_scale, k_scale) -> tuple[float, float]:
     return logit_scale(c.sm_scale, c.soft_cap, q_scale, k_scale), soft_cap_log2(c.soft_cap)
 
 
-def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = False) -> None:
+def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = False, align: int = 16) -> None:
+    """An output the caller passes: its shape, dtype and device; a contiguous last dimension
+    (contiguous: all of it); the start and every outer stride a multiple of `align` bytes (16:
+    the output rows' 16-byte stores; the LSE, stored a float at a time, takes 4)."""
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
         got = f"{dtype_str(t.dtype)} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name}: expected {dtype_str(dtype)} {shape} on {device}, got {got}")
     if (contiguous and not t.is_contiguous()) or t.stride(-1) != 1:
         raise ValueError(f"{name}: expected {'a contiguous tensor' if contiguous else 'a contiguous last dimension'}")
     es = t.element_size()
-    if t.data_ptr() % 16 or any((st * es) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
-        raise ValueError(f"{name}: the start address and every stride but the last must be multiples of 16 bytes "
-                         f"(16-byte stores); got strides {t.stride()}")
+    if t.data_ptr() % align or any((st * es) % align for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+        raise ValueError(f"{name}: the start address and every stride but the last must be multiples of {align} "
+                         f"bytes ({align}-byte stores); got strides {t.stride()}")
     if max(t.stride(), default=0) >= 2 ** 31:
         raise ValueError(f"{name}: strides must be below 2^31 elements, got {t.stride()}")
 
