@@ -27,13 +27,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
 
 import numpy as np
 import torch
 
 from ..pipeline import env
-from ..pipeline.jit import op_cache
+from ..pipeline.jit import op_cache, traced_op
 from ..pipeline.spec import HEAD_DIMS, dtype_name
 from ..runtime.capacity import graph_capacity, heads_fixed
 from ..runtime.checks import (
@@ -54,13 +53,14 @@ from ..runtime.checks import (
     run_signature,
     same_cuda_device,
     soft_cap_value,
+    static_inputs,
 )
 
 # (under decode's own names: plan() and run() look them up here, where the tests patch them)
 from ..runtime.device import empty_f32 as _empty_f32
 from ..runtime.device import peak_dram_bytes_per_s as _peak_dram_bytes_per_s
 from ..runtime.device import raw_stream as _raw_stream
-from ..runtime.device import single_workspace, sm_count, supports_clusters, supports_pdl
+from ..runtime.device import outside_graph_pool, single_workspace, sm_count, supports_clusters, supports_pdl
 from ..runtime.graph_ids import GraphPageIds
 from ..runtime.launch import (
     fast_entry,
@@ -68,6 +68,8 @@ from ..runtime.launch import (
     launch_failed,
     module_op,
     recorded,
+    traced_key,
+    traced_namespace,
 )
 from ..runtime.native import ctypes_entry, optional_entry
 from ..runtime.page_order import PageOrder
@@ -669,10 +671,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             plan.checked, plan.q_standard, plan.no_lse = None, False, None
         self._plan = plan
-        # what a run() under torch.compile reads (plain values Dynamo traces; see _run_traced)
-        self._traced = (plan.op, plan.args, unordered, config.num_qo_heads, config.head_dim, config.q_tokens,
+        # what a run() under torch.compile reads (plain values Dynamo traces; see _run_traced),
+        # its tensors marked static inputs (CUDA-graph trees take them where they are)
+        traced = self._traced
+        key = traced[0] if traced is not None and previous is not None and previous.spec is spec else traced_key(spec)
+        static_inputs(*tables, work_dev, merge_dev, counters, *(unordered or ()))
+        self._traced = (key, plan.args, unordered, config.num_qo_heads, config.head_dim, config.q_tokens,
                         config.q_dtype, config.kv_dtype, config.sm_scale, config.soft_cap, config.window_left,
-                        per_block, cluster, cluster_warps)
+                        per_block, cluster, cluster_warps, batch, capacity if graph else batch)
 
     def _cluster_shape(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple[int, int]:
         """(blocks per cluster, warps per block) of the cluster split, or (1, 4) (not
@@ -805,6 +811,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # partial states of (token, head) rows: q_len_per_req x num_qo_heads per request
         rows = num_qo_heads * q_len_per_req
         c.partial_o, c.partial_lse = self._split.views(self._split.rows(rows, head_dim), rows, head_dim)
+        static_inputs(c.partial_o, c.partial_lse)
         c.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         c.soft_cap = soft_cap
         # the logit scale of a run() without q_scale / k_scale (base 2 unless soft-capped)
@@ -1016,22 +1023,43 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _run_traced(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
                     window_left, sinks, q_len_per_req):
         """run() as torch.compile traces it: checks of shapes and dtypes only (no addresses,
-        no host caches), then the module's op, which the graph records (a torch op with a
-        fake implementation). It reads plain values that plan() leaves in self._traced; the
-        plan's buffers enter the graph as inputs, so a re-plan between calls changes their
-        contents, not the graph."""
+        no host caches), then the module's op, which the graph records (a torch op whose
+        writes its schema declares). It reads plain values that plan() leaves in
+        self._traced; the plan's buffers enter the graph as (static) inputs, so a re-plan
+        between calls changes their contents, not the graph."""
+        if sinks is not None:
+            raise ValueError("sinks: attention sinks are not supported by batch decode yet (expected None)")
+        q, k, v, out, lse, _, args = self._traced_args(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
+                                                       return_lse, window_left, q_len_per_req)
+        traced = self._traced
+        op = traced_op(traced_namespace(*traced[0]), "decode")
+        per_block, cluster, cluster_warps = traced[11:14]
+        n, hq = traced[5], traced[3]
+        q_op, out_op, lse_op = _token_rows(q, out, lse, n, hq)
+        tables, work, merge_indptr, partial_o, partial_lse, logit_scale, v_scale, window, soft_cap, rope_scale, \
+            rope_theta, grid_items, merge_rows, counters = args
+        op(q_op, k, v, list(tables), work, merge_indptr, out_op, lse_op, partial_o, partial_lse, logit_scale,
+           v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows, counters,
+           self._pdl if enable_pdl is None else enable_pdl, None, per_block, cluster, cluster_warps)
+        return (out, lse) if return_lse else out
+
+    def _traced_args(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse, window_left=None,
+                     q_len_per_req=None) -> tuple:
+        """What run() and POD's run() take of the plan while torch.compile traces: q's and
+        the cache's checks of shape and dtype, out (given, or new) and lse (given, new with
+        return_lse, else an empty tensor) and the op's planned arguments: (q, k, v, out, lse,
+        lse asked for or given, (page_table, work, merge_indptr, partial_o, partial_lse,
+        logit_scale, v_scale, window_left, soft_cap, rope_scale, rope_theta, grid_items,
+        merge_rows, merge_counters))."""
         traced = self._traced
         if traced is None:
             raise RuntimeError("run() before plan(): call plan() with this batch's page table first (outside the "
                                "compiled region)")
-        op, args, unordered, hq, d, n, q_dtype, kv_dtype, sm_scale, cap, window_planned, per_block, cluster, \
-            cluster_warps = traced
-        if op is None:
-            raise RuntimeError("run() under torch.compile needs plan() on a CUDA device first")
-        if sinks is not None:
-            raise ValueError("sinks: attention sinks are not supported by batch decode yet (expected None)")
+        _, args, unordered, hq, d, n, q_dtype, kv_dtype, sm_scale, cap, window_planned, _, _, _, batch, capacity = \
+            traced
         if q_len_per_req is not None and q_len_per_req != n:
-            raise ValueError(f"q_len_per_req: run() got {q_len_per_req}, plan() was given {n}")
+            raise ValueError(f"q_len_per_req: run() got {q_len_per_req}, plan() was given {n}; pass q_len_per_req "
+                             "to plan()")
         if type(paged_kv_cache) is tuple:
             k, v = paged_kv_cache
         else:
@@ -1039,8 +1067,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q.dim() != 3 or q.shape[1] != hq or q.shape[2] != d or q.dtype != q_dtype or k.dtype != kv_dtype:
             raise ValueError(f"q: expected {dtype_str(q_dtype)} [tokens, {hq}, {d}] and a {dtype_str(kv_dtype)} "
                              "cache as planned")
+        _check_q_rows(q.shape[0], batch, capacity, n, self._use_cuda_graph)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        asked = return_lse or lse is not None
         if lse is None:
             lse = torch.empty((q.shape[0], hq) if return_lse else (0,), dtype=torch.float32, device=q.device)
         logit_scale = scaled_logits(sm_scale, cap, q_scale, k_scale)
@@ -1049,11 +1079,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             merge_rows, counters = args
         if window >= 0 and unordered is not None:
             tables = unordered
-        q_op, out_op, lse_op = _token_rows(q, out, lse, n, hq)
-        op(q_op, k, v, list(tables), work, merge_indptr, out_op, lse_op, partial_o, partial_lse, logit_scale,
-           1.0 if v_scale is None else v_scale, soft_cap, window, rope_scale, rope_theta, grid_items, merge_rows,
-           counters, self._pdl if enable_pdl is None else enable_pdl, None, per_block, cluster, cluster_warps)
-        return (out, lse) if return_lse else out
+        return q, k, v, out, lse, asked, (tables, work, merge_indptr, partial_o, partial_lse, logit_scale,
+                                          1.0 if v_scale is None else v_scale, window, soft_cap, rope_scale,
+                                          rope_theta, grid_items, merge_rows, counters)
 
     forward = run
     begin_forward = plan  # FlashInfer's older names
@@ -1073,6 +1101,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         head, without clusters (a POD side's plan: _pod_side): (out, lse or None, (q, k, v,
         page_table, work, merge_indptr, out, lse, partial_o, partial_lse, logit_scale,
         v_scale, window_left, grid_items, merge_rows, merge_counters))."""
+        if compiling():  # (checks of shapes and dtypes only, the op's arguments from self._traced)
+            q, k, v, out, lse, asked, a = self._traced_args(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
+                                                            return_lse)
+            tables, work, merge_indptr, partial_o, partial_lse, logit_scale, v_scale, window, _, _, _, grid_items, \
+                merge_rows, counters = a
+            return out, (lse if asked else None), (q, k, v, tables, work, merge_indptr, out, lse, partial_o,
+                                                   partial_lse, logit_scale, v_scale, window, grid_items, merge_rows,
+                                                   counters)
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() before plan(): call plan() with this batch's page table first")
@@ -1113,13 +1149,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q.dtype != config.q_dtype:
             raise TypeError(f"q: planned for {dtype_str(config.q_dtype)}, got {dtype_str(q.dtype)}")
         n = config.q_tokens
-        per = f" x q_len_per_req {n}" if n > 1 else ""
-        if self._use_cuda_graph:
-            if not plan.batch * n <= q.shape[0] <= plan.capacity * n or q.shape[0] % n:
-                raise ValueError(f"q: batch {q.shape[0]} must lie between the planned {plan.batch}{per} and the "
-                                 f"captured capacity {plan.capacity}{per}")
-        elif q.shape[0] != plan.batch * n:
-            raise ValueError(f"q: batch size {q.shape[0]} differs from the planned {plan.batch}{per}")
+        _check_q_rows(q.shape[0], plan.batch, plan.capacity, n, self._use_cuda_graph)
         if n > 1 and q.shape[0] > 1 and q.stride(0) != hq * q.stride(1):
             raise ValueError(f"q: multi-token decode reads a request's tokens as one row of heads: expected "
                              f"stride(0) = num_qo_heads x stride(1) = {hq * q.stride(1)}, got {q.stride(0)}")
@@ -1145,6 +1175,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan.q_standard = q.stride() == (hq * d, d, 1)
         plan.no_lse = _empty_f32(q.device)
         return cache.k, cache.v
+
+
+def _check_q_rows(rows, batch: int, capacity: int, n: int, graph: bool) -> None:
+    """q's rows against the plan: batch x q_len_per_req (a CUDA-graph wrapper: up to its
+    captured capacity x q_len_per_req, whole requests), as FlashInfer's tensor-core decode
+    checks them (a q of another q_len_per_req than plan()'s is a ValueError, not a launch)."""
+    per = f" x q_len_per_req {n}" if n > 1 else ""
+    if graph:
+        if not batch * n <= rows <= capacity * n or rows % n:
+            raise ValueError(f"q: batch {rows} must lie between the planned {batch}{per} and the captured capacity "
+                             f"{capacity}{per}" + (f" (q_len_per_req {n} was planned: {rows} rows are not whole "
+                                                   "requests)" if rows % n else ""))
+    elif rows != batch * n:
+        raise ValueError(f"q: {rows} rows, but plan() planned a batch of {batch} requests" + (
+            f" x q_len_per_req {n} = {batch * n} rows" if n > 1 else "") + (
+            f" ({rows} rows are not whole requests of q_len_per_req {n}; q's rows are [batch x q_len_per_req])"
+            if n > 1 and rows % n else ""))
 
 
 def _check_lse(lse, rows: int, hq: int) -> None:
@@ -1271,29 +1318,6 @@ _SINGLE_PLANS = 32  # single_decode_with_kv_cache's planned wrappers kept (by co
 _single_plans: dict = {}
 
 
-def _outside_graph_pool(fn, device: torch.device):
-    """fn() in a helper thread on the caller's current stream (so in stream order): its
-    allocations, which outlive the call, then stay out of a CUDA-graph memory pool that
-    routes the calling thread's allocations (torch.compile's reduce-overhead warm-up counts
-    them as leaked otherwise). Exceptions reach the caller."""
-    stream = torch.cuda.current_stream(device)
-    result, error = [], []
-
-    def target():
-        try:
-            with torch.cuda.stream(stream):
-                result.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            error.append(exc)
-
-    thread = threading.Thread(target=target, name="flashinfer_jit-plan")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
-
-
 def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict, kv_layout: str,
                     device: torch.device) -> BatchDecodeWithPagedKVCacheWrapper:
     """A wrapper planned for one request of this configuration and length (heads: num_qo_heads,
@@ -1302,6 +1326,10 @@ def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict,
     _SINGLE_PLANS is dropped past that. key None: planned, not kept."""
     wrapper = _single_plans.get(key) if key is not None else None
     if wrapper is None:
+        if compiling():
+            raise RuntimeError("single_decode_with_kv_cache under torch.compile: no plan for this length and these "
+                               "options yet; call it once eagerly with them first (Dynamo cannot trace plan())")
+
         def planned():
             w = BatchDecodeWithPagedKVCacheWrapper(single_workspace(device, 32 << 20), kv_layout)
             w.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=device),
@@ -1309,7 +1337,7 @@ def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict,
             _empty_f32(device)  # run()'s placeholder LSE, kept per device
             return w
 
-        wrapper = _outside_graph_pool(planned, device)
+        wrapper = outside_graph_pool(planned, device)
         if key is not None:
             if len(_single_plans) >= _SINGLE_PLANS:
                 _single_plans.pop(next(iter(_single_plans)))
@@ -1341,10 +1369,11 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                    rope_theta=rope_theta)
     heads = (q.shape[0], num_kv_heads, q.shape[1])
     key = (dev, kv_layout, kv_len) + heads + tuple((v, type(v)) for v in options.values())
-    try:
-        hash(key)
-    except TypeError:  # an unhashable option: planned without the cache (and most likely rejected)
-        key = None
+    if not compiling():  # (Dynamo traces the lookup of a key of constants)
+        try:
+            hash(key)
+        except TypeError:  # an unhashable option: planned without the cache (and most likely rejected)
+            key = None
     wrapper = _single_planned(key, heads, kv_len, options, kv_layout, dev)
     result = wrapper.run(q.unsqueeze(0), (k.unsqueeze(0), v.unsqueeze(0)), q_scale=q_scale, k_scale=k_scale,
                          v_scale=v_scale, return_lse=return_lse)

@@ -24,7 +24,7 @@ import torch
 from ..decode.spec import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
-from ..runtime.checks import as_dtype, dtype_str, expect_bool, expect_choice, expect_heads
+from ..runtime.checks import as_dtype, dtype_str, expect_bool, expect_choice, expect_heads, static_inputs
 from ..runtime.page_table import unpack_paged_kv_cache
 from .wrapper import BatchPODWithPagedKVCacheWrapper
 
@@ -215,7 +215,11 @@ class BatchAttention:
             perm = torch.from_numpy(split.perm)
             if self._device.type == "cuda":
                 perm = perm.pin_memory().to(self._device, non_blocking=True)
-        self._planned = (mode, split, perm, int(qo[-1]), num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal)
+            static_inputs(perm)  # (read by a run() that torch.compile traces: see runtime.checks)
+        # (run() reads the split as plain ints, the decode side's requests and each side's run
+        # of rows, not its numpy arrays: Dynamo traces run() under torch.compile)
+        self._planned = (mode, split, perm, int(qo[-1]), num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
+                         len(split.decode), split.decode_rows, split.prefill_rows)
 
     begin_forward = plan
 
@@ -223,7 +227,7 @@ class BatchAttention:
             profiler_buffer=None, kv_cache_sf=None) -> tuple:
         if self._planned is None:
             raise RuntimeError("run() before plan(): call plan() with this batch first")
-        mode, split, perm, tokens, hq, dqk, dvo, q_dtype, cap, causal = self._planned
+        mode, _, perm, tokens, hq, dqk, dvo, q_dtype, cap, causal, nd, decode_rows, prefill_rows = self._planned
         if kv_cache_sf is not None:
             raise ValueError("kv_cache_sf: NVFP4 K/V caches are not supported (expected None)")
         if logits_soft_cap and float(logits_soft_cap) != cap:
@@ -255,7 +259,6 @@ class BatchAttention:
             self._decode.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse)
             return out, lse
         if perm is not None:  # the sides' rows interleave: run them gathered, scatter the outputs back
-            nd = len(split.decode)
             qq = q.index_select(0, perm)
             oo = torch.empty((tokens, hq, dvo), dtype=q.dtype, device=q.device)
             ll = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
@@ -263,7 +266,7 @@ class BatchAttention:
             out.index_copy_(0, perm, oo)
             lse.index_copy_(0, perm, ll)
             return out, lse
-        (d0, d1), (p0, p1) = split.decode_rows, split.prefill_rows
+        (d0, d1), (p0, p1) = decode_rows, prefill_rows
         self._run_sides(mode, q[p0:p1], q[d0:d1], kv_cache, out[p0:p1], lse[p0:p1], out[d0:d1], lse[d0:d1], k_scale,
                         v_scale)
         return out, lse

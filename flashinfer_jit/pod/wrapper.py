@@ -21,9 +21,18 @@ from ..decode.spec import DecodeSpec
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..kvcache.append import get_seq_lens
 from ..pipeline import env
+from ..pipeline.jit import get_module, traced_op
 from ..prefill.spec import PrefillSpec
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
-from ..runtime.checks import dtype_str, expect_bool, expect_choice, expect_workspace
+from ..runtime.checks import (
+    compiling,
+    constant_result,
+    dtype_str,
+    expect_bool,
+    expect_choice,
+    expect_workspace,
+    static_inputs,
+)
 from ..runtime.device import sm_count, supports_pdl
 from ..runtime.launch import module_op
 from ..runtime.page_table import unpack_paged_kv_cache
@@ -54,6 +63,15 @@ def _pod_spec_of(prefill: PrefillSpec, decode: DecodeSpec, prefill_kv: str, kv_l
     return PodSpec(dtype_q=decode.dtype_q, dtype_kv=decode.dtype_kv, head_dim=decode.head_dim, prefill_kv=prefill_kv,
                    page_table=decode.page_table, kv_layout=kv_layout, mask=prefill.mask,
                    group_tile=decode.group_tile).validate()
+
+
+@constant_result
+def _pod_namespace(prefill_key: tuple, decode_key: tuple, prefill_kv: str, kv_layout: str) -> str:
+    """The POD module's torch.ops namespace for a run() that torch.compile traces (the two
+    sides' runtime.launch.traced_key; Dynamo runs this once, at trace time)."""
+    (p_type, p_params), (d_type, d_params) = prefill_key, decode_key
+    spec = _pod_spec_of(p_type(**dict(p_params)), d_type(**dict(d_params)), prefill_kv, kv_layout)
+    return get_module(spec).namespace
 
 
 # Rates for the two sides' time estimates (decode_share): what each side alone reaches on an
@@ -130,6 +148,7 @@ class _Pod:
         self._decode._pod_side = True
         # csrc/pod/pod_params.h: zeros, which every launch leaves at zero
         self._counters = torch.zeros(POD_COUNTERS, dtype=torch.int32, device=self._device)
+        static_inputs(self._counters)
         self._pdl = supports_pdl(self._device) if self._device.type == "cuda" else False
         self._flops = 0.0  # the planned prefill's and decodes' work, for pod_schedule
         self._kv_bytes = 0.0
@@ -163,11 +182,20 @@ class _Pod:
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
 
-    def _spec(self, prefill_kv: str, q_p, q_d) -> PodSpec:
-        ps, ds = self._prefill._plan.spec, self._decode._plan.spec
+    def _spec(self, prefill_kv: str, q_p, q_d):
+        """The POD module of the two plans (checked against each other), or under
+        torch.compile its torch.ops namespace (the sides' checks then in their traced
+        arguments and the POD spec's validation)."""
         if q_p.dtype != q_d.dtype:
             raise ValueError(f"q_p and q_d: POD runs one query dtype, got {dtype_str(q_p.dtype)} and "
                              f"{dtype_str(q_d.dtype)}")
+        if compiling():
+            p_traced, d_traced = self._prefill._traced, self._decode._traced
+            if q_p.shape[1] != d_traced[3] or q_p.shape[2] != d_traced[4]:
+                raise ValueError(f"q_p: POD runs one head configuration: the decode plan's is {d_traced[3]} query "
+                                 f"heads of head_dim {d_traced[4]}, q_p is {tuple(q_p.shape)}")
+            return _pod_namespace(p_traced[0], d_traced[0], prefill_kv, self._kv_layout)
+        ps, ds = self._prefill._plan.spec, self._decode._plan.spec
         if ps.dtype_kv != ds.dtype_kv:
             raise ValueError(f"k_p/v_p and paged_kv_cache_d: POD runs one K/V dtype, got {ps.dtype_kv} and "
                              f"{ds.dtype_kv}")
@@ -180,9 +208,15 @@ class _Pod:
             raise ValueError(f"q_p: head_dim {pc.head_dim_qk} differs from the decode plan's {dc.head_dim}")
         return _pod_spec_of(ps, ds, prefill_kv, self._kv_layout)
 
-    def _launch(self, spec: PodSpec, p_args: tuple, d_args: tuple, enable_pdl) -> None:
-        pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
-        module_op(spec, "pod", env.debug())(*p_args, *d_args, self._counters, *self._schedule(), pdl)
+    def _launch(self, spec, p_args: tuple, d_args: tuple, enable_pdl) -> None:
+        """One POD launch; spec: _spec()'s module, or under torch.compile its namespace."""
+        if compiling():
+            op = traced_op(spec, "pod")
+            pdl = self._pdl if enable_pdl is None else enable_pdl
+        else:
+            op = module_op(spec, "pod", env.debug())
+            pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
+        op(*p_args, *d_args, self._counters, *self._schedule(), pdl)
 
 
 def _planned_decode_option(name: str, value, default, planned) -> None:
@@ -244,6 +278,10 @@ class PODWithPagedKVCacheWrapper(_Pod):
                q_p.shape[2])
         if custom_mask is None and packed_custom_mask is None and key == self._prefill_key:
             return
+        if compiling():
+            raise RuntimeError("PODWithPagedKVCacheWrapper.run() under torch.compile: the prefill's lengths or options "
+                               "differ from its last plan (or it has a custom mask); run it once eagerly with them "
+                               "first (Dynamo cannot trace plan())")
         if _capturing(self._device):
             raise RuntimeError("PODWithPagedKVCacheWrapper.run(): the prefill's lengths or options changed during "
                                "CUDA-graph capture; run it once with them before capturing")
@@ -276,8 +314,9 @@ class PODWithPagedKVCacheWrapper(_Pod):
         if causal_d:
             raise NotImplementedError("causal_d=True: POD's decode side is non-causal (one query row a request, "
                                       "which sees all its keys); leave causal_d False")
-        _planned_decode_option("sm_scale_d", sm_scale_d, None, self._decode._plan.config.sm_scale)
-        _planned_decode_option("window_left_d", window_left_d, -1, self._decode._plan.config.window_left)
+        traced = self._decode._traced  # (plain values: what a run() under torch.compile reads too)
+        _planned_decode_option("sm_scale_d", sm_scale_d, None, traced[8])
+        _planned_decode_option("window_left_d", window_left_d, -1, traced[10])
         for name, t in (("q_p", q_p), ("k_p", k_p), ("v_p", v_p)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
                 raise ValueError(f"{name}: expected a 3-D tensor ([tokens, heads, head_dim]; k_p/v_p HND: [heads, "
@@ -361,6 +400,10 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         custom = custom_mask is not None or packed_custom_mask is not None
         if not custom and self._prefill_mask == bool(causal):
             return
+        if compiling():
+            raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run() under torch.compile: causal_p or a custom mask "
+                               "differs from what plan() planned; pass plan() causal=causal_p (Dynamo cannot trace "
+                               "plan())")
         if _capturing(self._device):
             raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run(): causal_p or a custom mask differs from what "
                                "plan() planned, during CUDA-graph capture; pass plan() causal=causal_p")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..pipeline import env
-from ..pipeline.jit import get_module, op_cache
+from ..pipeline.jit import get_module, op_cache, traced_op
 from ..pipeline.spec import FP8_DTYPES, dtype_name
 from ..runtime import fastcall
 from ..runtime.capacity import graph_capacity
@@ -37,6 +37,7 @@ from ..runtime.checks import (
     POS_ENCODING_MODES,
     as_dtype,
     as_int32_index,
+    compiling,
     dtype_str,
     expect_bool,
     expect_choice,
@@ -48,9 +49,11 @@ from ..runtime.checks import (
     run_signature,
     same_cuda_device,
     soft_cap_value,
+    static_inputs,
 )
 from ..runtime.device import (
     empty_f32,
+    outside_graph_pool,
     placeholder,
     raw_stream,
     single_workspace,
@@ -64,6 +67,8 @@ from ..runtime.launch import (
     launch_failed,
     module_op,
     recorded,
+    traced_key,
+    traced_namespace,
 )
 from ..runtime.native import ctypes_entry, optional_entry
 from ..runtime.page_order import PageOrder
@@ -445,6 +450,7 @@ class _PrefillWrapper:
         self._graph_tile = None
         self._configs = {}
         self._plan = None
+        self._traced = None  # plan()'s values for a run() under torch.compile (_run_traced)
         self._pdl = supports_pdl(self._device)
         self._result = np.zeros(_RESULT_INTS, dtype=np.int64)  # the planner's results (PrefillPlanResult)
         self._result_ptr = self._result.ctypes.data
@@ -628,6 +634,13 @@ class _PrefillWrapper:
         plan.sinks_spec = None  # the module a run() with sinks takes (_run)
         plan.checked = None  # run()'s checks: at the first run() of each plan (kv rows, tokens change)
         self._plan = plan
+        # what a run() under torch.compile reads (plain values Dynamo traces; see _run_traced),
+        # its tensors marked static inputs (CUDA-graph trees take them where they are)
+        traced = self._traced
+        key = traced[0] if traced is not None and previous is not None and previous.spec is spec else traced_key(spec)
+        static_inputs(*plan.args[0], *plan.args[1:], *mask_args, *(plan.unordered or ()))
+        self._traced = (key, plan.args, plan.unordered, mask_args, plan.grid, tile_rows, plan.merge_rows,
+                        bool(partial_rows), qo_tokens, config)
 
     def _call_planner(self, planner, cfg, cfg_address: int, qo, kv_a, kv_b, batch: int, slot, extra: int) -> int:
         """The C++ planner (or its numpy twin) into `slot`, leaving `extra` int32s at its end
@@ -732,6 +745,9 @@ class _PrefillWrapper:
 
     # --- run ----------------------------------------------------------------------------------
     def _run(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks):
+        if compiling():
+            return self._run_traced(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
+                                    window_left, sinks)
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() before plan(): call plan() once per batch first")
@@ -827,6 +843,73 @@ class _PrefillWrapper:
                 plan.quick = (run, address, prepared.data_ptr(), fastcall.tensor_signature(q, k, v, out))
         return (out, lse) if return_lse else out
 
+    def _run_traced(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,
+                    sinks):
+        """run() as torch.compile traces it: checks of shapes and dtypes only (no addresses,
+        no host caches, no fij_fastcall), then the module's op, which the graph records (a
+        torch op whose writes its schema declares). It reads plain values that plan() leaves
+        in self._traced; the plan's buffers enter the graph as (static) inputs, so a re-plan
+        between calls changes their contents, not the graph."""
+        q, k, v, out, lse, _, args = self._traced_args(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse,
+                                                       window_left)
+        traced = self._traced
+        c = traced[-1]
+        spec_type, params = traced[0]
+        if sinks is not None:
+            if sinks.dtype != torch.float32 or tuple(sinks.shape) != (c.num_qo_heads,):
+                raise ValueError(f"sinks: expected a contiguous float32 tensor [{c.num_qo_heads}] (one logit per "
+                                 "query head)")
+            params = tuple((name, True if name == "sinks" else value) for name, value in params)
+        op = traced_op(traced_namespace(spec_type, params), "prefill")
+        kv_index, qo_indptr, work, merge, mask, mask_indptr, out, lse, po, pl, counters, logit_scale, vs, window, \
+            grid, tile_rows, merge_rows = args
+        op(q, k, v, list(kv_index), qo_indptr, work, merge, mask, mask_indptr, sinks, out, lse, po, pl, counters,
+           logit_scale, soft_cap_log2(c.soft_cap), vs, window, c.rope_scale, c.rope_theta, grid, tile_rows,
+           merge_rows, self._pdl if enable_pdl is None else enable_pdl, None)
+        return (out, lse) if return_lse else out
+
+    def _traced_args(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, window_left) -> tuple:
+        """What run() and POD's run() take of the plan while torch.compile traces: q's and
+        K/V's checks of shape and dtype, out (given, or new) and lse (given, new with
+        return_lse, else an empty tensor) and the op's planned arguments: (q, k, v, out, lse,
+        lse asked for or given, (kv_index, qo_indptr, work, merge_indptr, mask, mask_indptr,
+        out, lse, partial_o, partial_lse, merge_counters, logit_scale, v_scale, window_left,
+        grid, tile_rows, merge_rows)). An unsplit plan's placeholders are new empty tensors
+        (the graph's own): one kept tensor passed as two mutable arguments would alias them."""
+        traced = self._traced
+        if traced is None:
+            raise RuntimeError("run() before plan(): call plan() once per batch first (outside the compiled region)")
+        _, args, unordered, mask_args, grid, tile_rows, merge_rows, split, qo_tokens, c = traced
+        if q.dim() != 3 or q.shape[1] != c.num_qo_heads or q.shape[2] != c.head_dim_qk or q.dtype != c.q_dtype:
+            raise ValueError(f"q: expected {dtype_str(c.q_dtype)} [qo_tokens, {c.num_qo_heads}, {c.head_dim_qk}] as "
+                             f"planned, got {dtype_str(q.dtype)} {tuple(q.shape)}")
+        if q.shape[0] < qo_tokens:
+            raise ValueError(f"q: {q.shape[0]} tokens, fewer than qo_indptr[-1] = {qo_tokens}")
+        for name, t, dim in (("k", k, c.head_dim_qk), ("v", v, c.head_dim_vo)):
+            if t.dtype != c.kv_dtype or t.shape[-1] != dim:
+                raise ValueError(f"{name}: expected {dtype_str(c.kv_dtype)} with head_dim {dim} as planned, got "
+                                 f"{dtype_str(t.dtype)} {tuple(t.shape)}")
+        self._check_kv(k, v, c)
+        tokens = q.shape[0]
+        if out is None:
+            out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
+        asked = return_lse or lse is not None
+        if lse is None:
+            lse = torch.empty((tokens, c.num_qo_heads) if return_lse else (0,), dtype=torch.float32, device=q.device)
+        window = c.window_left if window_left is None else window_left
+        logit_scale = c.logit_scale if q_scale is None and k_scale is None else _logit_scales(c, q_scale, k_scale)[0]
+        kv_index, qo_indptr, work, merge, po, pl, counters = args
+        if window >= 0 and unordered is not None:
+            kv_index = unordered  # (a window reads the page ids as given: see _run)
+        if not split:
+            po = torch.empty(0, dtype=torch.float32, device=q.device)
+            pl = torch.empty(0, dtype=torch.float32, device=q.device)
+            counters = torch.empty(0, dtype=torch.int32, device=q.device)
+        mask, mask_indptr = mask_args
+        return q, k, v, out, lse, asked, (kv_index, qo_indptr, work, merge, mask, mask_indptr, out, lse, po, pl,
+                                          counters, logit_scale, 1.0 if v_scale is None else v_scale, window, grid,
+                                          tile_rows, merge_rows)
+
     def _resolved_args(self, q, k, v, q_scale, k_scale, v_scale, return_lse, window_left, out=None,
                        lse=None) -> tuple:
         """What POD (flashinfer_jit/pod/) launches of this wrapper's plan: run()'s checks and
@@ -834,6 +917,10 @@ class _PrefillWrapper:
         neither): (out, lse or None, (q, k, v, kv_index, qo_indptr, work, merge_indptr, mask,
         mask_indptr, out, lse, partial_o, partial_lse, merge_counters, logit_scale, v_scale,
         window_left, grid, tile_rows, merge_rows))."""
+        if compiling():  # (checks of shapes and dtypes only, the op's arguments from self._traced)
+            q, k, v, out, lse, asked, args = self._traced_args(q, k, v, q_scale, k_scale, v_scale, out, lse,
+                                                               return_lse, window_left)
+            return out, (lse if asked else None), (q, k, v, *args)
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() before plan(): call plan() once per batch first")
@@ -1151,6 +1238,49 @@ def block_shape(spec: PrefillSpec, tile_rows: int) -> tuple[int, int, int]:
 
 
 # --- single request ---------------------------------------------------------------------------
+_SINGLE_PLANS = 32  # single_prefill_with_kv_cache's planned wrappers kept (by configuration and lengths)
+_single_plans: dict = {}
+
+
+def _single_planned(key: tuple | None, shape: tuple, options: dict,
+                    device: torch.device) -> BatchPrefillWithRaggedKVCacheWrapper:
+    """A ragged wrapper planned for one request of these lengths and options (shape: qo_len,
+    kv_len, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, q and K/V dtypes): planned
+    once, outside a CUDA-graph pool, so that later calls (and a CUDA graph captured around
+    them: torch.compile's reduce-overhead mode, a custom op's graph) only run, and what it
+    keeps is not counted as the graph's allocations. Under torch.compile the planned
+    wrapper must exist (an eager call of the same shape first; Dynamo cannot trace a plan).
+    The oldest of _SINGLE_PLANS is dropped past that. key None: planned, not kept."""
+    wrapper = _single_plans.get(key) if key is not None else None
+    if wrapper is not None:
+        return wrapper
+    if compiling():
+        raise RuntimeError("single_prefill_with_kv_cache under torch.compile: no plan for these lengths and options "
+                           "yet; call it once eagerly with them first (Dynamo cannot trace plan())")
+    qo_len, kv_len, hq, hk, dqk, dvo, q_dtype, kv_dtype = shape
+    o = dict(options)
+    custom_mask, packed_custom_mask, o_dtype = o.pop("custom_mask"), o.pop("packed_custom_mask"), o.pop("o_dtype")
+
+    def planned():
+        w = BatchPrefillWithRaggedKVCacheWrapper(single_workspace(device, 64 << 20))
+        mask_indptr = None
+        if packed_custom_mask is not None:
+            mask_indptr = torch.tensor([0, packed_custom_mask.numel()], dtype=torch.int32)
+        w.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32), hq, hk,
+               dqk, head_dim_vo=dvo, custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
+               packed_custom_mask=packed_custom_mask, q_data_type=q_dtype, kv_data_type=kv_dtype,
+               o_data_type=o_dtype, mask_indptr=mask_indptr, **o)
+        empty_f32(device)  # run()'s placeholder LSE, kept per device
+        return w
+
+    wrapper = outside_graph_pool(planned, device)
+    if key is not None:
+        if len(_single_plans) >= _SINGLE_PLANS:
+            _single_plans.pop(next(iter(_single_plans)))
+        _single_plans[key] = wrapper
+    return wrapper
+
+
 def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
                                  packed_custom_mask=None, causal: bool = False, kv_layout: str = "NHD",
                                  pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale=None,
@@ -1168,19 +1298,19 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
                          "wrappers' q_scale / k_scale / v_scale")
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
-    device = q.device
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(single_workspace(device, 64 << 20))
-    qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-    kv_indptr = torch.tensor([0, k.shape[0]], dtype=torch.int32)
-    mask_indptr = None
-    if packed_custom_mask is not None:
-        mask_indptr = torch.tensor([0, packed_custom_mask.numel()], dtype=torch.int32)
-    wrapper.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[2], head_dim_vo=v.shape[2],
-                 custom_mask=None if custom_mask is None else custom_mask.reshape(-1),
-                 packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
-                 window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
-                 rope_theta=rope_theta, q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype,
-                 mask_indptr=mask_indptr)
+    options = dict(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+                   pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                   sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, o_dtype=o_dtype)
+    shape = (q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, k.dtype)
+    key = None
+    if custom_mask is None and packed_custom_mask is None:  # (a mask's bits are values: planned every call)
+        key = (q.device, shape, tuple((value, type(value)) for value in options.values()))
+        if not compiling():  # (Dynamo traces the lookup of a key of constants)
+            try:
+                hash(key)
+            except TypeError:  # an unhashable option: planned without the cache (and most likely rejected)
+                key = None
+    wrapper = _single_planned(key, shape, options, q.device)
     return wrapper.run(q, k, v, return_lse=return_lse)
 
 

@@ -21,6 +21,20 @@ import torch
 compiling = torch.compiler.is_dynamo_compiling
 
 
+def static_inputs(*tensors) -> None:
+    """torch._dynamo.mark_static_address(t) for each tensor (None skipped), without its
+    `import torch._dynamo` (seconds, see constant_result): the same mark, which Dynamo reads
+    when a traced run() first reads the tensor. A wrapper marks what it keeps and its ops
+    read or write (plan buffers, workspace views, merge counters): under
+    mode="reduce-overhead" CUDA-graph trees then take them at their own addresses (no copy
+    before each replay), and an op that writes one (partial states, counters) does not make
+    them skip the graph ("mutated inputs"). Unguarded: a tensor at a new address (a plan
+    that grew a buffer) re-records the graph instead of recompiling it. ~55 ns a tensor."""
+    for t in tensors:
+        if t is not None:
+            t._dynamo_static_input_type = "unguarded"
+
+
 def constant_result(fn):
     """torch.compiler.assume_constant_result(fn) without its `import torch._dynamo`: the
     same mark, which Dynamo reads when it traces a call of fn (it runs fn once, at trace

@@ -8,6 +8,7 @@ reads them per configuration, run() at every call. Nothing here runs at import.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -92,3 +93,30 @@ def new_event(device: torch.device):
     on the GPU host. (The fallback, for a torch without torch.Event, records on the
     current device's stream.)"""
     return torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()
+
+
+def outside_graph_pool(fn, device: torch.device):
+    """fn() in a helper thread on the caller's current stream (so in stream order): its
+    allocations, which outlive the call (a planned wrapper's buffers, kept placeholders),
+    then stay out of a CUDA-graph memory pool that routes the calling thread's allocations
+    (torch.compile's reduce-overhead warm-up and recording would count them as live
+    allocations it does not track: "All live allocations must be tracked"). Exceptions
+    reach the caller. Off CUDA, fn() here."""
+    if device.type != "cuda":
+        return fn()
+    stream = torch.cuda.current_stream(device)
+    result, error = [], []
+
+    def target():
+        try:
+            with torch.cuda.stream(stream):
+                result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="flashinfer_jit-plan")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]

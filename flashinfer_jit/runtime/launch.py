@@ -21,6 +21,7 @@ import torch
 from ..pipeline.jit import get_module, op_cache
 from ..pipeline.spec import Spec
 from . import fastcall
+from .checks import constant_result
 from .native import ctypes_entry
 
 # The ctypes argument types of <namespace>_<family>_fast (csrc/runtime/fast_entry.h):
@@ -60,6 +61,21 @@ def module_op(spec: Spec, name: str, debug: bool):
     """Op `name` of spec's module (built or loaded at the first call). debug is part of the
     key: FLASHINFER_JIT_DEBUG set later gets a fresh lookup."""
     return getattr(get_module(spec), name)
+
+
+def traced_key(spec: Spec) -> tuple:
+    """What traced_namespace takes for `spec`: its class and its fields' values, constants
+    that Dynamo passes as they are (a plan keeps it for a run() under torch.compile)."""
+    return type(spec), tuple((f.name, getattr(spec, f.name)) for f in spec.fields())
+
+
+@constant_result
+def traced_namespace(spec_type, params: tuple) -> str:
+    """The torch.ops namespace of the module of traced_key's (spec_type, params), for a run()
+    that torch.compile traces: Dynamo runs this once, at trace time (the module is loaded,
+    or built on a miss, then), and records the string; the op is then
+    pipeline.jit.traced_op(namespace, name), an attribute chain it follows."""
+    return get_module(spec_type(**dict(params))).namespace
 
 
 @op_cache
