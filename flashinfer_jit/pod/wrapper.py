@@ -19,7 +19,6 @@ import torch
 
 from ..decode.spec import DecodeSpec
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
-from ..kvcache.append import get_seq_lens
 from ..pipeline import env
 from ..pipeline.jit import get_module, traced_op
 from ..prefill.spec import PrefillSpec
@@ -85,16 +84,31 @@ def prefill_flops(qo_lens, kv_lens, causal: bool, num_qo_heads: int, head_dim: i
     """Attention FLOPs of a prefill batch (Q K^T and P V), causal counting the visible keys."""
     q = np.asarray(qo_lens, dtype=np.float64)
     k = np.asarray(kv_lens, dtype=np.float64)
-    seen = np.clip(k - (q - 1) / 2, 0, None) if causal else k
-    return float((q * seen).sum()) * num_qo_heads * head_dim * 4.0
+    seen = np.maximum(k - (q - 1) * 0.5, 0.0) if causal else k
+    return float(q @ seen) * num_qo_heads * head_dim * 4.0
+
+
+def _host_ints(t, name: str) -> np.ndarray:
+    """A 1-D int32/int64 index vector (a tensor on any device, or a sequence) as int64 numpy."""
+    if isinstance(t, torch.Tensor):
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {t.dtype} {tuple(t.shape)}")
+        return t.detach().cpu().numpy().astype(np.int64, copy=False)
+    return np.asarray(t, dtype=np.int64).reshape(-1)
 
 
 def csr_kv_lens(indptr, last_page_len, page_size: int) -> np.ndarray:
-    """Each request's keys from a CSR page table, on the host (get_seq_lens; a last-page
-    buffer longer than the batch, a CUDA-graph wrapper's, cut to it)."""
-    indptr = torch.as_tensor(indptr)
-    last = torch.as_tensor(last_page_len)[: indptr.shape[0] - 1]
-    return get_seq_lens(indptr, last, page_size).cpu().numpy().astype(np.int64)
+    """Each request's keys from a CSR page table, on the host: get_seq_lens' formula ((pages
+    - 1) x page_size + the last page's, 0 for a request without pages) in numpy, a few µs
+    where the torch ops on host tensors took tens (a last-page buffer longer than the batch,
+    a CUDA-graph wrapper's, cut to it)."""
+    ip = _host_ints(indptr, "kv_indptr")
+    last = _host_ints(last_page_len, "kv_last_page_len")[: max(ip.shape[0] - 1, 0)]
+    pages = ip[1:] - ip[:-1]
+    if last.shape[0] != pages.shape[0]:
+        raise ValueError(f"kv_last_page_len: expected {pages.shape[0]} values (one a request of kv_indptr), got "
+                         f"{last.shape[0]}")
+    return np.where(pages > 0, (pages - 1) * page_size + last, 0)
 
 
 def decode_share(flops: float, kv_bytes: float) -> float:
@@ -374,8 +388,8 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         _no_rope(pos_encoding_mode, "pos_encoding_mode")
         expect_bool(causal, "causal")
         if qo_indptr_d is not None:
-            d = qo_indptr_d.detach().to("cpu", torch.int64)
-            if d.dim() != 1 or bool((d[1:] - d[:-1] != 1).any()):
+            d = _host_ints(qo_indptr_d, "qo_indptr_d")
+            if bool((d[1:] - d[:-1] != 1).any()):
                 raise ValueError("qo_indptr_d: the decode side takes one query token a request (qo_indptr_d = "
                                  "arange(batch + 1)); put longer requests on the prefill side")
         q_dtype = data_type if q_data_type is None else q_data_type
@@ -386,7 +400,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads, num_kv_heads,
                               head_dim, page_size, window_left, sm_scale, q_dtype or "float16", kv_dtype, non_blocking)
         self._plan_decode_bytes(kv_indptr_d, last_page_len_d)
-        qo = np.asarray(torch.as_tensor(qo_indptr_p).detach().cpu(), dtype=np.int64)
+        qo = _host_ints(qo_indptr_p, "qo_indptr_p")
         self._prefill_lens = (qo[1:] - qo[:-1], csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
         self._prefill_mask = None
         self._plan_prefill(causal, None, None)

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Host cost of the POD wrappers and BatchAttention: plan() and run().
+
+The issue's targets: plan() <= 80 us of host time for 16 prefills plus 256 decodes; run()
+adds <= 10 us. Measured (bf16, 32 query / 8 KV heads, head_dim 128, page 16, CSR page
+tables with host int32 indptr / last_page_len and the page ids on the device):
+  (a) plan() of BatchPODWithPagedKVCacheWrapper for 16 prefill chunks (64-512 query tokens
+      on 1-4k keys) and 256 decodes (1-4k keys), two batches of different lengths in turn;
+      BatchAttention.plan() for the same requests as one mixed batch (decodes first).
+  (b) with a GPU: run()'s enqueue time (no sync inside a round) for a small batch (one
+      16-token chunk and 8 decodes, whose GPU time is below the host's), next to the same
+      batch run by the prefill and the decode wrappers one after the other, and one bare
+      torch launch.
+Each figure is time.perf_counter_ns over n calls a round, the median over rounds. "adds" =
+POD run() - (prefill run() + decode run()) would be the fused call's cost over the two it
+replaces; the target reads run()'s own host time as what a POD launch adds to a step.
+
+  python3 scripts/bench_pod_host.py [--out FILE] [--rounds N]
+JSON: meta, plan_batch_pod, plan_batch_attention, run_* (median_us, min_us, n, rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
+from bench_prefill_host import per_call_us  # noqa: E402
+
+HEADS = (32, 8, 128, 16)
+
+
+def csr(torch, qo, kv, device, page_size=16):
+    """(qo_indptr, kv_indptr, kv_indices, last_page_len, kv_lens): host int32 but the ids."""
+    pages = [-(-n // page_size) for n in kv]
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    acc = lambda v: [0] + list(__import__("itertools").accumulate(v))  # noqa: E731
+    ids = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(len(kv))).int().to(device)
+    return (i32(acc(qo)), i32(acc(pages)), ids, i32([n - (p - 1) * page_size for n, p in zip(kv, pages)]),
+            i32(kv))
+
+
+def mixed(torch, seed: int, device):
+    g = torch.Generator().manual_seed(seed)
+    qo_p = torch.randint(64, 513, (16,), generator=g).tolist()
+    kv_p = [q + int(torch.randint(1024, 4096, (1,), generator=g)) for q in qo_p]
+    kv_d = torch.randint(1024, 4096, (256,), generator=g).tolist()
+    return (csr(torch, qo_p, kv_p, device), csr(torch, [1] * 256, kv_d, device),
+            csr(torch, [1] * 256 + qo_p, kv_d + kv_p, device))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    import torch
+
+    import flashinfer_jit as fij
+
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    sync = torch.cuda.synchronize if gpu else None
+    res = {"benchmark": "pod_host", "meta": bc.run_metadata(), "gpu": gpu}
+    bf16 = torch.bfloat16
+    batches = [mixed(torch, s, device) for s in (0, 1)]
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    pod = fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+
+    def plan_pod():
+        for p, d, _ in batches:
+            pod.plan(p[0], p[1], p[2], p[3], d[0], d[1], d[2], d[3], *HEADS, q_data_type=bf16, kv_data_type=bf16,
+                     causal=True)
+
+    ba = fij.BatchAttention("NHD", device=str(device))
+
+    def plan_ba():
+        for _, _, m in batches:
+            ba.plan(m[0], m[1], m[2], m[4], 32, 8, 128, 128, 16, causal=True, q_data_type=bf16, kv_data_type=bf16)
+
+    for label, fn in (("plan_batch_pod", plan_pod), ("plan_batch_attention", plan_ba)):
+        try:
+            fn()
+            r = per_call_us(fn, 20, args.rounds)
+            res[label] = {k: (round(v / 2, 2) if k.endswith("_us") else v) for k, v in r.items()}  # two plans a call
+        except Exception as exc:  # noqa: BLE001  (a CPU-only machine may lack a planner's module)
+            res[label] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        bc.log(f"{label}: {res[label]}")
+    if gpu:
+        p, d, _ = (csr(torch, [16], [1024], device), csr(torch, [1] * 8, [2048] * 8, device), None)
+        num_pages = int(p[1][-1]) + int(d[1][-1])
+        cache = torch.randn(num_pages, 2, 16, 8, 128, device=device).to(bf16)
+        q_p = torch.randn(16, 32, 128, device=device).to(bf16)
+        q_d = torch.randn(8, 32, 128, device=device).to(bf16)
+        w = fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(p[0], p[1], p[2], p[3], d[0], d[1], d[2], d[3], *HEADS, q_data_type=bf16, kv_data_type=bf16,
+               causal=True)
+        w.run(q_p, cache, q_d, cache, causal_p=True)
+        res["run_batch_pod_small"] = per_call_us(lambda: w.run(q_p, cache, q_d, cache, causal_p=True), 20,
+                                                 args.rounds, sync)
+        pw = fij.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=device))
+        pw.plan(p[0], p[1], p[2], p[3], *HEADS, causal=True, q_data_type=bf16)
+        dw = fij.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=device), "NHD")
+        dw.plan(d[1], d[2], d[3], *HEADS, q_data_type=bf16)
+        pw.run(q_p, cache), dw.run(q_d, cache)
+        res["run_prefill_small"] = per_call_us(lambda: pw.run(q_p, cache), 20, args.rounds, sync)
+        res["run_decode_small"] = per_call_us(lambda: dw.run(q_d, cache), 20, args.rounds, sync)
+        m = csr(torch, [1] * 8 + [16], [2048] * 8 + [1024], device)
+        b = fij.BatchAttention("NHD", device="cuda")
+        b.plan(m[0], m[1], m[2], m[4], 32, 8, 128, 128, 16, causal=True, q_data_type=bf16, kv_data_type=bf16)
+        q_m = torch.cat([q_d, q_p])
+        b.run(q_m, cache)
+        res["run_batch_attention_small"] = per_call_us(lambda: b.run(q_m, cache), 20, args.rounds, sync)
+        x = torch.empty(1024, device=device)
+        res["bare_torch_launch"] = per_call_us(lambda: x.add_(1.0), 20, args.rounds, sync)
+        res["fastcall"] = os.environ.get("FLASHINFER_JIT_FASTCALL", "default")
+    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "bench_pod_host.json")
+    out.write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "meta"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
