@@ -20,6 +20,22 @@ namespace fij {
 // 16 bytes: the widest single load/store a thread issues (LDG.128 / STG.128).
 using Vec16 = uint4;
 
+// The query type a kernel's traits take: q's element type, which is also the output's
+// (fp16, bf16), or QueryOut<fp8 type, 16-bit type> for an fp8 q (decode), which is widened
+// to fp16 where it is loaded and writes the 16-bit output type. QueryTypes reads either.
+template <typename TQ, typename TO>
+struct QueryOut {};
+template <typename T>
+struct QueryTypes {
+  using Q = T;
+  using O = T;
+};
+template <typename TQ, typename TO>
+struct QueryTypes<QueryOut<TQ, TO>> {
+  using Q = TQ;
+  using O = TO;
+};
+
 template <typename T>
 struct VecTraits {
   static constexpr int kElems = 16 / sizeof(T);

@@ -25,7 +25,8 @@ namespace fij {
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool Rope,
           bool SoftCap>
 struct DecodeTraits {
-  using Q = TQ;
+  using Q = typename QueryTypes<TQ>::Q;  // q's elements (fp8 q: loaded as floats, exactly)
+  using O = typename QueryTypes<TQ>::O;  // the output's: q's type, 16-bit for an fp8 q
   using KV = TKV;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kVec = 8;  // elements of a row per lane
@@ -54,6 +55,7 @@ struct DecodeTraits {
   static_assert(kBdx >= 2 * kHeads, "the reduce-scatter needs two lanes per head split");
   static_assert(kTokensPerZ >= 1 && kTileTokens % kBdz == 0, "token lanes must divide the tile");
   static_assert(kRowBytes % 16 == 0, "rows are moved in 16-byte chunks");
+  static_assert(sizeof(O) == 2, "a 16-bit output (8 dims of a lane: one 16-byte store)");
 };
 
 // --- small pieces ---------------------------------------------------------------------------
@@ -144,7 +146,7 @@ struct LaneRows {
 // block's H heads over the request's partial states (float32), by merge.cuh's rule.
 template <class Traits>
 FIJ_DEVICE void decode_merge_split(const DecodeParams& p, int b, int head0, int tid) {
-  using Q = typename Traits::Q;
+  using O = typename Traits::O;
   constexpr int D = Traits::kHeadDim;
   const int begin = p.merge_indptr[b], count = p.merge_indptr[b + 1] - begin;
   for (int i = tid; i < Traits::kHeads * (D / 4); i += Traits::kThreads) {
@@ -160,7 +162,7 @@ FIJ_DEVICE void decode_merge_split(const DecodeParams& p, int b, int head0, int 
       add_weighted4(acc, w, __ldcg(reinterpret_cast<const float4*>(p.partial_o + row(s) * D + dim)));
     }
     const Merged r = merged(mx, den);
-    store4(static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + dim, acc.x * r.norm,
+    store4(static_cast<O*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + dim, acc.x * r.norm,
            acc.y * r.norm, acc.z * r.norm, acc.w * r.norm);
     if (p.lse != nullptr && dim == 0) p.lse[b * p.num_qo_heads + qo_head] = r.lse;
   }
@@ -175,6 +177,7 @@ template <class Traits, class Launch>
 FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, int head_block, int head_blocks,
                                        unsigned char* smem, const Launch& launch) {
   using Q = typename Traits::Q;
+  using O = typename Traits::O;
   using KV = typename Traits::KV;
   constexpr int D = Traits::kHeadDim;
   constexpr int H = Traits::kHeads;
@@ -352,11 +355,11 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
       const Merged r = merged(st.sm[h].m, st.sm[h].d, p.v_scale);  // no key: zeros and -inf, never NaN
       const float norm = r.norm, lse = r.lse;
       if (partial_row < 0) {
-        Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * 8;
+        O* out = static_cast<O*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * 8;
         Vec16 raw;
-        Q* o = reinterpret_cast<Q*>(&raw);
+        O* o = reinterpret_cast<O*>(&raw);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = static_cast<Q>(st.o[h][e] * norm);
+        for (int e = 0; e < 8; ++e) o[e] = static_cast<O>(st.o[h][e] * norm);
         store_vec16(out, raw);
         if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
       } else {

@@ -28,7 +28,9 @@
 // instructions (the dot product does not care which k index holds which dim, as long as
 // q uses the same order): a lane reads 16 contiguous bytes of a K row and feeds them to
 // consecutive k-steps. fp8 K/V are widened to fp16 in registers, exactly (one cvt per
-// pair on sm_89+). q, fp16 or bf16, runs in the K/V type's mma (fp16 for fp8 caches).
+// pair on sm_89+). q, fp16 or bf16, runs in the K/V type's mma (fp16 for fp8 caches); an
+// fp8 q (over an fp8 cache) is widened to fp16 as it is loaded, exactly, and the output
+// is 16-bit (Traits::O).
 #pragma once
 #include <math_constants.h>
 
@@ -45,7 +47,8 @@ namespace fij {
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
           int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1>
 struct DecodeMmaTraits {
-  using Q = TQ;
+  using Q = typename QueryTypes<TQ>::Q;  // q's elements
+  using O = typename QueryTypes<TQ>::O;  // the output's: q's type, 16-bit for an fp8 q
   using KV = TKV;
   using M = typename MmaTypeOf<TKV>::type;
   static constexpr bool kFp8 = sizeof(TKV) == 1;
@@ -150,9 +153,11 @@ struct DecodeMmaTraits {
   // (docs/decode.md). A bf16 output rounds to the same 8 bits anyway; fp16
   // outputs keep float32 partials (fp16's range could clip a partial that the output's
   // average would not).
-  static constexpr bool kBf16Partials = std::is_same_v<Q, __nv_bfloat16>;
+  static constexpr bool kBf16Partials = std::is_same_v<O, __nv_bfloat16>;
   static constexpr PageTableLayout kTable = Table;
   static constexpr bool kSoftCap = SoftCap;
+  static_assert(sizeof(O) == 2 && (sizeof(Q) == 2 || (kFp8 && std::is_same_v<M, __half>)),
+                "q fp16 or bf16, or fp8 over an fp8 cache (widened to fp16); a 16-bit output");
   static_assert(kLiveRows >= 1 && kLiveRows <= 16, "tensor-core decode takes 1 to 16 (token, head) rows a tile");
   static_assert(kQTokens == 1 || kKvHeads == 1, "multi-token tiles take one KV head a block");
   static_assert(kKvHeads == 1 || (kKvHeads == 2 && kRows <= 8), "a block takes one KV head or a pair (tiles <= 8)");
@@ -199,7 +204,7 @@ FIJ_DEVICE float4 load4_cg(const T* src) {
 template <class Traits>
 FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, unsigned rank,
                               const unsigned char* smem) {
-  using Q = typename Traits::Q;
+  using O = typename Traits::O;
   constexpr int C = Traits::kCluster, H = Traits::kBlockRows, S = Traits::kSlice;
   const float* recv_lse = reinterpret_cast<const float*>(smem + Traits::kRecvOffset);  // [C][H]
   const float* recv_o = recv_lse + C * H;                                                // [C][H][S]
@@ -227,7 +232,7 @@ FIJ_DEVICE void cluster_merge(const DecodeParams& p, int b, int block_head0, uns
     const int qo_head = block_head0 + (Traits::kQTokens == 1 ? h
                                            : h / Traits::kTileHeads * (p.num_qo_heads / Traits::kQTokens) +
                                                  h % Traits::kTileHeads);
-    Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + rank * S + 4 * x4;
+    O* out = static_cast<O*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + rank * S + 4 * x4;
     store_out4(out, acc, norm);
     if (p.lse != nullptr && rank == 0 && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = merged_lse(mx, den);
   }
@@ -247,6 +252,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
                                  unsigned char* smem, const Launch& launch) {
   using namespace mma_detail;
   using Q = typename Traits::Q;
+  using O = typename Traits::O;
   using KV = typename Traits::KV;
   using MT = typename Traits::M;
   constexpr int D = Traits::kHeadDim;
@@ -472,13 +478,21 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
     for (int P = 0; P < R / 4; ++P) {
       uint32_t w[E / 2];
       const Q* src = q_rows + row_head(row) * q_row_stride + E * (4 * P + c);
+      if constexpr (sizeof(Q) == 1) {  // fp8 q (fp8 cache, E = 16): 16 bytes, widened to fp16 pairs
+        const uint4 raw = live ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+        fp8x4_to_half2x2<Q>(raw.x, w[0], w[1]);
+        fp8x4_to_half2x2<Q>(raw.y, w[2], w[3]);
+        fp8x4_to_half2x2<Q>(raw.z, w[4], w[5]);
+        fp8x4_to_half2x2<Q>(raw.w, w[6], w[7]);
+      } else {
 #pragma unroll
-      for (int v = 0; v < E / 8; ++v) {
-        const uint4 raw = live ? *reinterpret_cast<const uint4*>(src + 8 * v) : make_uint4(0, 0, 0, 0);
-        w[4 * v + 0] = q_word<Q, MT>(raw.x);
-        w[4 * v + 1] = q_word<Q, MT>(raw.y);
-        w[4 * v + 2] = q_word<Q, MT>(raw.z);
-        w[4 * v + 3] = q_word<Q, MT>(raw.w);
+        for (int v = 0; v < E / 8; ++v) {
+          const uint4 raw = live ? *reinterpret_cast<const uint4*>(src + 8 * v) : make_uint4(0, 0, 0, 0);
+          w[4 * v + 0] = q_word<Q, MT>(raw.x);
+          w[4 * v + 1] = q_word<Q, MT>(raw.y);
+          w[4 * v + 2] = q_word<Q, MT>(raw.z);
+          w[4 * v + 3] = q_word<Q, MT>(raw.w);
+        }
       }
 #pragma unroll
       for (int h = 0; h < Traits::kStepsPerChunk; ++h) {
@@ -783,12 +797,12 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
       st_cluster_f32x4(map_shared_rank(slot, dst), acc.x * norm, acc.y * norm, acc.z * norm, acc.w * norm);
       if (4 * x4 % Traits::kSlice == 0) st_cluster_f32(map_shared_rank(recv_lse + rank * Traits::kBlockRows + h, dst), lse);
     } else if (partial_row < 0) {
-      store_out4(static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4, acc, norm);
+      store_out4(static_cast<O*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4, acc, norm);
       if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
     } else {
       const int64_t at = (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + 4 * x4;
       if (Traits::kBf16Partials && p.merge_counters != nullptr) {  // read by the merge below only
-        store_out4(reinterpret_cast<Q*>(p.partial_o) + at, acc, norm);
+        store_out4(reinterpret_cast<O*>(p.partial_o) + at, acc, norm);
       } else {  // float32, as the separate merge kernel reads them
         *reinterpret_cast<float4*>(p.partial_o + at) = make_float4(acc.x * norm, acc.y * norm, acc.z * norm, acc.w * norm);
       }
@@ -832,7 +846,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   constexpr int kSlotsT = kRowsT * (D / 4);
   const int64_t row_stride = int64_t(p.num_qo_heads) * D;
   // Partial outputs: bf16 or float32 elements (kBf16Partials), 4 dims a load.
-  using PartialT = std::conditional_t<Traits::kBf16Partials, Q, float>;
+  using PartialT = std::conditional_t<Traits::kBf16Partials, O, float>;
   auto slot_src = [&](int slot_i) {
     return reinterpret_cast<const PartialT*>(p.partial_o) +
            (int64_t(begin) * p.num_qo_heads + block_head0 + row_head(slot_i / (D / 4))) * D + 4 * (slot_i % (D / 4));
@@ -911,7 +925,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
     const bool empty = den == 0.f;  // every partial empty: zeros and -inf
     const float norm = empty ? 0.f : 1.f / den;
     const int qo_head = block_head0 + row_head(h);
-    Q* out = static_cast<Q*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4;
+    O* out = static_cast<O*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + 4 * x4;
     store_out4(out, acc, norm);
     if (p.lse != nullptr && x4 == 0) p.lse[b * p.num_qo_heads + qo_head] = empty ? -CUDART_INF_F : head_m[h] + log2f(den);
   }

@@ -16,11 +16,11 @@ struct DecodeParams {
   PagedKVParams kv;
   PageTableParams table;
   const int32_t* work = nullptr;
-  void* out = nullptr;  // [B, num_qo_heads, head_dim], q's dtype
+  void* out = nullptr;  // [B, num_qo_heads, head_dim], q's dtype (fp8 q: the module's 16-bit output dtype)
   int64_t out_stride_b = 0, out_stride_h = 0;
   float* lse = nullptr;  // [B, num_qo_heads], base 2; null: not written
   // [rows, num_qo_heads, head_dim], normalized; float32, but bf16 elements (packed at the
-  // front of the buffer) where the tensor-core kernel merges them itself and q is bf16
+  // front of the buffer) where the tensor-core kernel merges them itself and the output is bf16
   float* partial_o = nullptr;
   float* partial_lse = nullptr;  // [rows, num_qo_heads]
   int32_t num_qo_heads = 0;

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..pipeline.spec import HEAD_DIMS, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES, Spec, choice
+from ..pipeline.spec import DTYPES, FP8_DTYPES, HEAD_DIMS, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES, Spec, choice
 
 GROUP_TILES = (1, 2, 4, 8, 16)
 
@@ -76,12 +76,16 @@ def kv_heads_per_block(paired_kernel: bool, num_qo_heads: int, num_kv_heads: int
 class DecodeSpec(Spec):
     """One query token per request against its paged K/V. Compile-time: dtypes, head_dim,
     the group tile, the page table and KV layout, RoPE and the soft cap (each changes
-    the inner loop); sm_scale, window, scales and lengths are run-time values."""
+    the inner loop); sm_scale, window, scales and lengths are run-time values.
+
+    q is fp16 or bf16 (the output takes its dtype), or fp8 over a cache of the same fp8
+    dtype: then q is widened to fp16 where it is loaded (exactly) and dtype_o names the
+    output's dtype, fp16 or bf16 (None for 16-bit q, so that each module has one spec)."""
 
     FAMILY = "decode"
     TEMPLATES = {"kernel.cu": "decode/decode.cu.j2", "binding.cc": "decode/decode_binding.cc.j2"}
 
-    dtype_q: str = choice("float16", "bfloat16")
+    dtype_q: str = choice("float16", "bfloat16", *FP8_DTYPES)
     dtype_kv: str = choice(*PAGED_KV_DTYPES)
     head_dim: int = choice(*HEAD_DIMS, tag="hd{}")
     group_tile: int = choice(*GROUP_TILES, tag="g{}", default=1)
@@ -91,10 +95,22 @@ class DecodeSpec(Spec):
     soft_cap: bool = choice(False, True, tag="cap", default=False)
     # query tokens per request (plan()'s q_len_per_req), causal among themselves
     q_tokens: int = choice(*range(1, MAX_Q_TOKENS + 1), tag="q{}", default=1, name_default=False)
+    # the output's dtype where it is not q's: fp8 q only (None: q's dtype)
+    dtype_o: str | None = choice(None, "float16", "bfloat16", tag="o{}", default=None, name_default=False)
 
     def check(self) -> None:
         if self.dtype_kv in ("float16", "bfloat16") and self.dtype_kv != self.dtype_q:
             raise ValueError(f"DecodeSpec: a {self.dtype_kv} cache needs q of the same dtype, got {self.dtype_q}")
+        if self.dtype_q in FP8_DTYPES:
+            if self.dtype_kv != self.dtype_q:
+                raise ValueError(f"DecodeSpec: fp8 q ({self.dtype_q}) needs a cache of the same dtype, got "
+                                 f"{self.dtype_kv}")
+            if self.dtype_o is None:
+                raise ValueError(f"DecodeSpec: fp8 q ({self.dtype_q}) needs dtype_o, the output's dtype: "
+                                 "'float16' or 'bfloat16'")
+        elif self.dtype_o is not None:
+            raise ValueError(f"DecodeSpec: dtype_o is for fp8 q only ({self.dtype_q} q writes its own dtype); "
+                             f"leave it None, got {self.dtype_o!r}")
         if self.q_tokens > 1:
             if self.rope:
                 raise ValueError("DecodeSpec: q_tokens > 1 (multi-token decode) runs on tensor cores, without "
@@ -108,9 +124,20 @@ class DecodeSpec(Spec):
         """Whether the module also holds the paired tensor-core kernel (see pairs_kv_heads)."""
         return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.rope, self.kv_layout, self.q_tokens)
 
+    @property
+    def out_dtype(self) -> str:
+        """The output's dtype: q's, or dtype_o for fp8 q."""
+        return self.dtype_o or self.dtype_q
+
     def context(self) -> dict:
-        return super().context() | {"pair_kv_heads": self.pairs_kv_heads, "cluster_blocks": cluster_blocks(self.head_dim),
-                                    "tensor_cores": uses_tensor_cores(self.rope)}
+        # q_type: the kernel traits' query type, q's C++ type, or for fp8 q
+        # fij::QueryOut<fp8 type, output type> (csrc/common/common.cuh)
+        q_type = DTYPES[self.dtype_q][0] if self.dtype_o is None else \
+            f"fij::QueryOut<{DTYPES[self.dtype_q][0]}, {DTYPES[self.dtype_o][0]}>"
+        return super().context() | {"pair_kv_heads": self.pairs_kv_heads,
+                                    "cluster_blocks": cluster_blocks(self.head_dim),
+                                    "tensor_cores": uses_tensor_cores(self.rope), "q_type": q_type,
+                                    "out_dtype": self.out_dtype}
 
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split

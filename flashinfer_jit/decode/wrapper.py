@@ -173,6 +173,8 @@ _LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
 # (docs/decode.md).
 _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S = 4.0e12
 _TABLE_ARGS = ("indptr", "indices", "last_page_len", "block_tables", "seq_lens")  # plan()'s index tensors
+_16BIT_DTYPES = (torch.float16, torch.bfloat16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _Tensor = torch.Tensor
 
 
@@ -386,6 +388,29 @@ def _host_array(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
+def _out_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, o_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The output's dtype where it is not q's (fp8 q: o_data_type, float16 by default), or
+    None (16-bit q writes its own dtype); plan()'s dtype arguments checked, each error
+    naming its argument."""
+    if q_dtype not in _16BIT_DTYPES + _FP8_DTYPES:
+        raise ValueError(f"q_data_type: expected one of {', '.join(map(dtype_str, _16BIT_DTYPES + _FP8_DTYPES))}, "
+                         f"got {dtype_str(q_dtype)}")
+    if q_dtype in _16BIT_DTYPES:
+        if o_dtype is not None and o_dtype != q_dtype:
+            raise ValueError(f"o_data_type: {dtype_str(q_dtype)} q writes {dtype_str(q_dtype)} (other output dtypes "
+                             f"are for fp8 q); got {dtype_str(o_dtype)}")
+        return None
+    if kv_dtype != q_dtype:
+        raise ValueError(f"kv_data_type: fp8 q ({dtype_str(q_dtype)}) needs a cache of the same dtype, got "
+                         f"{dtype_str(kv_dtype)}")
+    if o_dtype is None:
+        return torch.float16
+    if o_dtype not in _16BIT_DTYPES:
+        raise ValueError(f"o_data_type: fp8 q writes float16 or bfloat16 (an fp8 output is not supported), got "
+                         f"{dtype_str(o_dtype)}")
+    return o_dtype
+
+
 class _Config:
     """What plan() derives from its scalar arguments (heads, dtypes, options), checked
     once: a serving engine re-plans with the same ones at every step, so plan() looks
@@ -396,7 +421,7 @@ class _Config:
                  "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
                  "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "full_grid_min_tokens", "native",
-                 "orders_pages", "q_tokens", "wave_token_bytes", "graph_chunks")
+                 "orders_pages", "q_tokens", "wave_token_bytes", "graph_chunks", "out_dtype")
 
     def skewed_target(self, target: int) -> int | None:
         """The split target for a skewed batch, given the (possibly paired) one."""
@@ -406,7 +431,8 @@ class _Config:
         spec = self.specs.get(table_layout)
         if spec is None:  # validated once per page-table layout (an invalid one raises every time)
             spec = DecodeSpec(dtype_name(self.q_dtype), dtype_name(self.kv_dtype), self.head_dim, self.tile,
-                              table_layout, kv_layout, self.rope, self.soft_cap != 0.0, self.q_tokens)
+                              table_layout, kv_layout, self.rope, self.soft_cap != 0.0, self.q_tokens,
+                              None if self.out_dtype is None else dtype_name(self.out_dtype))
             spec.validate()
             self.specs[table_layout] = spec
         return spec
@@ -548,9 +574,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
              logits_soft_cap=None, q_data_type="float16", kv_data_type=None, data_type=None, sm_scale=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True, block_tables=None, seq_lens=None,
              fixed_split_size=None, disable_split_kv: bool = False, sort_pages: bool = True,
-             q_len_per_req: int = 1) -> None:
+             q_len_per_req: int = 1, o_data_type=None) -> None:
         """Index tensors may be int32 (used as given) or int64 (narrowed once).
         logits_soft_cap None or 0.0: off.
+
+        q_data_type float16 or bfloat16, or fp8 (float8_e4m3fn, float8_e5m2) over a cache
+        of the same fp8 dtype: q is then widened to fp16 in the kernel (exactly), run()'s
+        q_scale folds into the logits' scale, and the output is o_data_type, float16
+        (default) or bfloat16. o_data_type (keyword; FlashInfer's later name): the output's
+        dtype, None or q's for 16-bit q.
 
         q_len_per_req: query tokens per request (speculative-decoding verification, MTP):
         run() then takes q [batch x q_len_per_req, num_qo_heads, head_dim], request-major,
@@ -568,7 +600,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             indptr, indices, last_page_len, block_tables, seq_lens = map(as_int32_index, tables, _TABLE_ARGS)
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                 q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, fixed_split_size,
-                disable_split_kv, sort_pages, q_len_per_req)
+                disable_split_kv, sort_pages, q_len_per_req, o_data_type)
         config = remembered(self._configs, args, self._configure)
         graph = self._use_cuda_graph
         layout = "csr"
@@ -678,7 +710,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         static_inputs(*tables, work_dev, merge_dev, counters, *(unordered or ()))
         self._traced = (key, plan.args, unordered, config.num_qo_heads, config.head_dim, config.q_tokens,
                         config.q_dtype, config.kv_dtype, config.sm_scale, config.soft_cap, config.window_left,
-                        per_block, cluster, cluster_warps, batch, capacity if graph else batch)
+                        per_block, cluster, cluster_warps, batch, capacity if graph else batch,
+                        config.out_dtype or config.q_dtype)
 
     def _cluster_shape(self, config: _Config, kv_lens: np.ndarray, capacity: int) -> tuple[int, int]:
         """(blocks per cluster, warps per block) of the cluster split, or (1, 4) (not
@@ -736,7 +769,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _configure(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                    logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
-                   fixed_split_size, disable_split_kv, sort_pages, q_len_per_req) -> _Config:
+                   fixed_split_size, disable_split_kv, sort_pages, q_len_per_req, o_data_type) -> _Config:
         """plan()'s scalar arguments checked, and what follows from them."""
         expect_heads(num_qo_heads, num_kv_heads, head_dim=head_dim, page_size=page_size)
         expect_choice(pos_encoding_mode, "pos_encoding_mode", POS_ENCODING_MODES)
@@ -761,6 +794,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         c.q_dtype = as_dtype(data_type, "data_type") or as_dtype(q_data_type, "q_data_type", torch.float16)
         c.kv_dtype = as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
+        c.out_dtype = _out_dtype(c.q_dtype, c.kv_dtype, as_dtype(o_data_type, "o_data_type"))
         c.q_tokens = q_len_per_req
         c.tile = group_tile(num_qo_heads, num_kv_heads, head_dim, q_len_per_req)
         c.rope = pos_encoding_mode == "ROPE_LLAMA"
@@ -973,11 +1007,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             k, v = self._check_run(q, paged_kv_cache, plan)
             qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         config = plan.config
+        out_dtype = config.out_dtype  # None: q's (16-bit q)
         if out is None:  # empty_like: 1.8 us on the GPU host, torch.empty(shape, dtype=, device=) 4.9
-            out = torch.empty_like(q) if plan.q_standard else torch.empty_like(q, memory_format=torch.contiguous_format)
-        elif type(out) is not _Tensor or out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or \
-                (config.q_tokens > 1 and out.stride(0) != config.num_qo_heads * out.stride(1)):
-            raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(q.dtype)}"
+            if out_dtype is not None:  # fp8 q
+                out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+            else:
+                out = torch.empty_like(q) if plan.q_standard else \
+                    torch.empty_like(q, memory_format=torch.contiguous_format)
+        elif type(out) is not _Tensor or out.shape != q.shape or out.dtype != (out_dtype or q.dtype) or \
+                out.stride(-1) != 1 or (config.q_tokens > 1 and out.stride(0) != config.num_qo_heads * out.stride(1)):
+            raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(out_dtype or q.dtype)}"
                              + (", heads packed (stride(0) = num_qo_heads x stride(1))" if config.q_tokens > 1 else ""))
         if return_lse and lse is None:
             lse = torch.empty(q.shape[0], config.num_qo_heads, dtype=torch.float32, device=q.device)
@@ -1055,8 +1094,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if traced is None:
             raise RuntimeError("run() before plan(): call plan() with this batch's page table first (outside the "
                                "compiled region)")
-        _, args, unordered, hq, d, n, q_dtype, kv_dtype, sm_scale, cap, window_planned, _, _, _, batch, capacity = \
-            traced
+        _, args, unordered, hq, d, n, q_dtype, kv_dtype, sm_scale, cap, window_planned, _, _, _, batch, capacity, \
+            out_dtype = traced
         if q_len_per_req is not None and q_len_per_req != n:
             raise ValueError(f"q_len_per_req: run() got {q_len_per_req}, plan() was given {n}; pass q_len_per_req "
                              "to plan()")
@@ -1069,7 +1108,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              "cache as planned")
         _check_q_rows(q.shape[0], batch, capacity, n, self._use_cuda_graph)
         if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         asked = return_lse or lse is not None
         if lse is None:
             lse = torch.empty((q.shape[0], hq) if return_lse else (0,), dtype=torch.float32, device=q.device)
@@ -1121,10 +1160,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         config = plan.config
         assert config.q_tokens == 1 and plan.kv_heads_per_block == 1 and plan.cluster == 1, "not a POD side's plan"
         # (out / lse given: rows of a mixed batch's outputs, BatchAttention's views)
+        out_dtype = config.out_dtype or q.dtype
         if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        elif type(out) is not _Tensor or out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-            raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(q.dtype)}")
+            out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+        elif type(out) is not _Tensor or out.shape != q.shape or out.dtype != out_dtype or out.stride(-1) != 1:
+            raise ValueError(f"out: expected shape {tuple(q.shape)} and dtype {dtype_str(out_dtype)}")
         if lse is not None:
             _check_lse(lse, q.shape[0], config.num_qo_heads)
         elif return_lse:
@@ -1228,7 +1268,7 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
                      page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
                      q_data_type=None, kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
                      rope_theta=None, non_blocking: bool = True, fixed_split_size=None, disable_split_kv: bool = False,
-                     global_override_indptr_cpu=None) -> None:
+                     global_override_indptr_cpu=None, o_data_type=None) -> None:
     """FlashInfer's fast_decode_plan(wrapper, ...) (SGLang's multi-step draft path, which
     binds it as the wrapper's begin_forward): plan() of `self`, reading the lengths from
     global_override_indptr_cpu (indptr on the host, no device-to-host copy) when given.
@@ -1243,7 +1283,7 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
                     q_data_type=q_data_type if q_data_type is not None else (data_type or "float16"),
                     kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
                     rope_theta=rope_theta, non_blocking=non_blocking, fixed_split_size=fixed_split_size,
-                    disable_split_kv=disable_split_kv)
+                    disable_split_kv=disable_split_kv, o_data_type=o_data_type)
 
 
 def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int, start: int = 0) -> tuple:

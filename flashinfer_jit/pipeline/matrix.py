@@ -164,8 +164,10 @@ def parse_item(cls: type[Spec], item: str) -> tuple[str, list[Any]]:
 
 
 def convert_value(name: str, word: str, allowed: tuple) -> Any:
-    """A word of the file as the field's type (int, bool from true/false, str), which
-    must be one of `allowed`."""
+    """A word of the file as the field's type (int, bool from true/false, str; none for a
+    field that allows None), which must be one of `allowed`."""
+    if word.lower() == "none" and None in allowed:
+        return None
     kind = type(allowed[0])
     if kind is bool:
         if word.lower() not in ("true", "false"):
@@ -185,7 +187,7 @@ def convert_value(name: str, word: str, allowed: tuple) -> Any:
 
 
 def _show(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
 def _did_you_mean(word: str, known) -> str:

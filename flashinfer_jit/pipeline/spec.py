@@ -139,7 +139,7 @@ class Spec:
             raise ValueError(
                 f"{cls.__name__}: unknown parameter(s) {sorted(unknown)}; known: {sorted(known)}"
             )
-        normalized = {k: dtype_name(v) if "dtype" in k else v for k, v in params.items()}
+        normalized = {k: dtype_name(v) if "dtype" in k and v is not None else v for k, v in params.items()}
         return cls(**normalized).validate()
 
     @classmethod

@@ -12,7 +12,8 @@ everything is vectorized over heads and tokens, in float64 on the caches' device
   ROPE_LLAMA:       q rotated at position kv_len - 1, k_j at j, NeoX style (halves);
                     the cache holds unrotated K
   out = sum_j softmax(logits)_j * v_j * v_scale,  lse = log2(sum_j exp(logits_j))
-fp8 K/V are dequantized as float(value). A request of length 0: out zeros, lse -inf.
+fp8 K/V, and an fp8 q, are dequantized as float(value) (q_scale, k_scale and v_scale apply as
+above). A request of length 0: out zeros, lse -inf.
 Query head h reads KV head h // (num_qo_heads // num_kv_heads).
 
 q_len_per_req N (multi-token decode): q holds N rows a request (request-major); row t of
