@@ -379,7 +379,8 @@ def test_bad_input_raises_value_error_naming_the_argument():
         (dict(custom_mask=torch.ones(23, dtype=torch.bool), mask_indptr=indptr([16, 7])), "custom_mask"),
         (dict(packed_custom_mask=torch.ones(2, dtype=torch.uint8)), "packed_custom_mask: expected bytes"),
         (dict(page_table=table), "not both or neither"),
-        (dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode"),
+        (dict(pos_encoding_mode="ALIBI_SQRT"), "pos_encoding_mode"),
+        (dict(pos_encoding_mode="ALIBI", logits_soft_cap=30.0), "ALIBI"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
