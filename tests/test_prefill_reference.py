@@ -378,7 +378,8 @@ def test_bad_input_raises_value_error_naming_the_argument():
         (dict(custom_mask=torch.ones(23, dtype=torch.bool), mask_indptr=indptr([16, 7])), "custom_mask"),
         (dict(packed_custom_mask=torch.ones(2, dtype=torch.uint8)), "packed_custom_mask: expected bytes"),
         (dict(page_table=table), "not both or neither"),
-        (dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode"),
+        (dict(pos_encoding_mode="ALIBI_SQRT"), "pos_encoding_mode"),
+        (dict(pos_encoding_mode="ALIBI", logits_soft_cap=30.0), "ALIBI"),
     ]
     # causal with fewer keys than queries is no error: bottom-right aligned, request 1's first
     # two rows (of 4 over 2 keys) see no key and give zeros and an LSE of -inf (FlashInfer's rule)

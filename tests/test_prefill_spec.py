@@ -35,9 +35,10 @@ def test_valid_combinations_have_distinct_names_and_the_rest_raise_value_error()
     good = [s for s in specs if is_valid(s)]
     assert len({s.name for s in good}) == len(good)
     # 2 q x kv (paged: same or 2 fp8; ragged: same) x 2 out x (paged: 3 page tables x 2 layouts)
-    # x 3 masks x 2 cap x 2 sinks x (4 head pairs x 2 RoPE, less RoPE at 192/128)
-    paged = 2 * 3 * 2 * 6 * 3 * 2 * 2 * (2 * 4 - 1)
-    ragged = 2 * 1 * 2 * 1 * 3 * 2 * 2 * (2 * 4 - 1)
+    # x 3 masks x (2 cap x 2 sinks x (4 head pairs x 2: none, RoPE; less RoPE at 192/128)
+    # + 4 head pairs with ALiBi, which takes neither cap nor sinks)
+    paged = 2 * 3 * 2 * 6 * 3 * (2 * 2 * (2 * 4 - 1) + 4)
+    ragged = 2 * 1 * 2 * 1 * 3 * (2 * 2 * (2 * 4 - 1) + 4)
     assert len(good) == paged + ragged
     for spec in specs:
         if not is_valid(spec):

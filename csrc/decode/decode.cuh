@@ -10,6 +10,8 @@
 // so the loads of tile i+1 are in flight while tile i is computed; every query head of the
 // group reads them from there. At the end the z lanes' states merge through shared
 // memory. Logits live in the log2 domain (exp2), and so does the LSE written out.
+// In-kernel positional encodings (RoPE on q and K, the ALiBi bias: csrc/common/pos_encoding.cuh)
+// run here, on CUDA cores; decode_mma.cuh has none.
 #pragma once
 #include <math_constants.h>
 
@@ -17,12 +19,13 @@
 #include "decode/decode_params.h"
 #include "common/merge.cuh"
 #include "common/page_table.cuh"
+#include "common/pos_encoding.cuh"
 #include "common/rope.cuh"
 #include "common/softmax.cuh"
 
 namespace fij {
 
-template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool Rope,
+template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, PosEncoding Pos,
           bool SoftCap>
 struct DecodeTraits {
   using Q = typename QueryTypes<TQ>::Q;  // q's elements (fp8 q: loaded as floats, exactly)
@@ -49,13 +52,16 @@ struct DecodeTraits {
   static constexpr int kMergeBytes = kBdz * kHeads * (HeadDim + 2) * 4;
   static constexpr int kSmemBytes = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
   static constexpr PageTableLayout kTable = Table;
-  static constexpr bool kRope = Rope;
+  static constexpr bool kRope = Pos == PosEncoding::kRopeLlama;
+  static constexpr bool kAlibi = Pos == PosEncoding::kAlibi;
   static constexpr bool kSoftCap = SoftCap;
   static_assert(kBdx <= 32 && 32 % kBdx == 0, "a row's lanes must sit in one warp");
   static_assert(kBdx >= 2 * kHeads, "the reduce-scatter needs two lanes per head split");
   static_assert(kTokensPerZ >= 1 && kTileTokens % kBdz == 0, "token lanes must divide the tile");
   static_assert(kRowBytes % 16 == 0, "rows are moved in 16-byte chunks");
   static_assert(sizeof(O) == 2, "a 16-bit output (8 dims of a lane: one 16-byte store)");
+  // (the ALiBi bias joins logits in the log2 domain: logit_scale then carries log2 e)
+  static_assert(!(kAlibi && kSoftCap), "ALiBi with a soft cap: DecodeSpec rejects it");
 };
 
 // --- small pieces ---------------------------------------------------------------------------
@@ -209,6 +215,10 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
       freq[e] = p.rope_rcp_scale * rope_inv_freq(float(i), float(D), p.rope_log2_theta);
     }
   }
+  // ALiBi: each head's slope (log2 domain); its bias slope (j - (kv_len - 1)) is <= 0
+  float slope[H];
+#pragma unroll
+  for (int h = 0; h < H; ++h) slope[h] = Traits::kAlibi ? alibi_slope_log2(head0 + h, p.num_qo_heads) : 0.f;
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     load8_float(static_cast<const Q*>(p.q) + b * p.q_stride_b + (head0 + h) * p.q_stride_h + x * 8, q[h]);
@@ -286,6 +296,7 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
       for (int h = 0; h < H; ++h) {
         float v = s[h];
         if constexpr (Traits::kSoftCap) v = p.soft_cap * tanhf(v) * 1.4426950408889634f;  // q carried sm/cap
+        if constexpr (Traits::kAlibi) v = fmaf(slope[h], float(j - (kv_len - 1)), v);
         logits[i][h] = j < end ? v : -CUDART_INF_F;
         tile_max[h] = fmaxf(tile_max[h], logits[i][h]);
       }
@@ -353,7 +364,8 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
     for (int h = 0; h < H; ++h) {
       const int qo_head = head0 + h;
       const Merged r = merged(st.sm[h].m, st.sm[h].d, p.v_scale);  // no key: zeros and -inf, never NaN
-      const float norm = r.norm, lse = r.lse;
+      // (ALiBi: the LSE of FlashInfer's bias slope j, pos_encoding.cuh; -inf stays -inf)
+      const float norm = r.norm, lse = Traits::kAlibi ? r.lse + slope[h] * float(kv_len - 1) : r.lse;
       if (partial_row < 0) {
         O* out = static_cast<O*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * 8;
         Vec16 raw;

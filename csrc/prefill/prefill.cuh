@@ -17,7 +17,9 @@
 // 16-bit tiles in shared memory are swizzled (16-byte chunk c of row r at c ^ (r % 8)), so
 // the 8 rows an ldmatrix reads fall on distinct banks. fp8 K/V arrive raw and are widened
 // to fp16 tiles in one pass per tile; RoPE (ROPE_LLAMA) rotates q as it is loaded and each
-// K tile in shared memory before use.
+// K tile in shared memory before use. ALiBi (csrc/common/pos_encoding.cuh) biases each
+// logit by its row's slope times the key's distance to the row's position, in the log2
+// domain, before the row max.
 //
 // Masks are applied only on tiles that need them (the chunk's end, the causal diagonal,
 // the window's start, custom masks). A row that sees no key keeps m = -inf, d = 0 and
@@ -30,6 +32,7 @@
 #include "common/merge.cuh"
 #include "common/mma.cuh"
 #include "common/page_table.cuh"
+#include "common/pos_encoding.cuh"
 #include "common/rope.cuh"
 #include "common/softmax.cuh"
 #include "prefill/prefill_params.h"
@@ -39,8 +42,10 @@ namespace fij {
 enum class PrefillMask : int { kNone = 0, kCausal = 1, kCustom = 2 };
 
 template <typename TQ, typename TKV, typename TO, int HeadDimQK, int HeadDimVO, bool Ragged, PageTableLayout Table,
-          PrefillMask Mask, bool Rope, bool SoftCap, bool Sinks, int MFrags>
+          PrefillMask Mask, PosEncoding Pos, bool SoftCap, bool Sinks, int MFrags>
 struct PrefillTraits {
+  static constexpr bool kRope = Pos == PosEncoding::kRopeLlama;
+  static constexpr bool kAlibi = Pos == PosEncoding::kAlibi;
   using Q = TQ;
   using KV = TKV;
   using O = TO;
@@ -80,11 +85,11 @@ struct PrefillTraits {
   // further ahead of their HMMAs). Measured on the H100 (docs/prefill.md): 1.03-1.09x at
   // head_dim 64 and for paged head_dim 128 (A/B at c5f680e); ragged head_dim 128 gains with
   // its k step's K fragments loaded before their mmas (1.04-1.10x against 6d5838c). For
-  // 16-bit K/V without RoPE, soft cap or a custom mask (those, fp8 K/V and the 64-row tile:
-  // not measured, and ptxas then spills in the loop; left as they were). Head_dim 256's
+  // 16-bit K/V without RoPE, soft cap, ALiBi or a custom mask (those, fp8 K/V and the 64-row
+  // tile: not measured, and ptxas then spills in the loop; left as they were). Head_dim 256's
   // 128-row tile (kWide) takes the 64-key step without pairs.
-  static constexpr bool kPairTiles = kMFrags == 2 && kTileKV == 64 && sizeof(TKV) == 2 && !Rope && !SoftCap &&
-                                     Mask != PrefillMask::kCustom;
+  static constexpr bool kPairTiles = kMFrags == 2 && kTileKV == 64 && sizeof(TKV) == 2 && Pos == PosEncoding::kNone &&
+                                     !SoftCap && Mask != PrefillMask::kCustom;
   static constexpr int kFullSubKV = kPairTiles || kWide ? kTileKV : kSubKV;
   // Those steps load a k step's K fragments before its mmas: ptxas then schedules them
   // further ahead of their HMMAs (1.04-1.10x for ragged head_dim 128 on the H100). Paged
@@ -97,9 +102,10 @@ struct PrefillTraits {
   // 64's 128-row tile, all 4 k steps (32 registers, 250-255 in all, no spills): non-causal
   // 1.02-1.07x; head_dim 256's 8-warp tile, 4 of its 16 k steps (16 registers; no spills,
   // 8 steps: 24 B): ragged 1.02-1.06x, paged 1.00-1.02x. Head_dim 128's 128-row tile, one
-  // k step: 0.89-1.00x (spills), so none there. (16-bit K/V without RoPE or soft cap, as
-  // kPairTiles: the others were not measured.)
-  static constexpr int kQRegSteps = Mask != PrefillMask::kNone || sizeof(TKV) != 2 || Rope || SoftCap ? 0
+  // k step: 0.89-1.00x (spills), so none there. (16-bit K/V without RoPE, ALiBi or soft
+  // cap, as kPairTiles: the others were not measured.)
+  static constexpr bool kPlainLogits = Pos == PosEncoding::kNone && !SoftCap;
+  static constexpr int kQRegSteps = Mask != PrefillMask::kNone || sizeof(TKV) != 2 || !kPlainLogits ? 0
                                     : kPairTiles && HeadDimQK == 64                               ? kDQK / 16
                                     : kWide                                                        ? 4
                                                                                                    : 0;
@@ -153,13 +159,15 @@ struct PrefillTraits {
   static constexpr bool kRagged = Ragged;
   static constexpr PageTableLayout kTable = Table;
   static constexpr PrefillMask kMask = Mask;
-  static constexpr bool kRope = Rope;
   static constexpr bool kSoftCap = SoftCap;
   static constexpr bool kSinks = Sinks;
   static_assert(kDQK % 64 == 0 || kDQK == 192, "head_dim_qk: 64, 128, 192 or 256");
   static_assert(kDVO % 16 == 0 && kQChunks % 8 == 0 && (kDVO / 8) % 8 == 0, "rows of whole 128-byte swizzle groups");
   static_assert(kMFrags == 1 || kMFrags == 2, "16 or 32 rows a warp");
   static_assert(!kRope || kDQK == kDVO, "RoPE rotates square heads");
+  // (the ALiBi bias joins logits in the log2 domain, logit_scale applied first; PrefillSpec
+  // rejects these combinations)
+  static_assert(!(kAlibi && (kSoftCap || kSinks)), "ALiBi takes no soft cap and no sinks");
 };
 
 namespace prefill_detail {
@@ -581,12 +589,18 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
     cp_async_commit();
   };
 
-  // Rows of this lane: (mf, half) -> row warp 16 MF + mf 16 + g + 8 half; their positions.
+  // Rows of this lane: (mf, half) -> row warp 16 MF + mf 16 + g + 8 half; their positions
+  // and, with ALiBi, their heads' slopes (log2 domain; csrc/common/pos_encoding.cuh).
   int row_pos[MF][2];
+  float row_slope[MF][2];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) row_pos[mf][h] = split_row(row0 + warp * 16 * MF + mf * 16 + g + 8 * h).quot + delta;
+    for (int h = 0; h < 2; ++h) {
+      const DivMod th = split_row(row0 + warp * 16 * MF + mf * 16 + g + 8 * h);
+      row_pos[mf][h] = th.quot + delta;
+      row_slope[mf][h] = Traits::kAlibi ? alibi_slope_log2(kv_head * group + th.rem, p.num_qo_heads) : 0.f;
+    }
 
   // The rows' online softmax (softmax.cuh); d sums this lane's keys of the row only.
   OnlineSoftmax<> st[MF][2];
@@ -600,9 +614,9 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mf][n][e] = 0.f;
   }
-  // Logits' scale in the exponent (log2 e folded in by the host); soft-capped logits are
-  // already in the log2 domain.
-  const float ls = Traits::kSoftCap ? 1.f : p.logit_scale;
+  // Logits' scale in the exponent (log2 e folded in by the host); soft-capped and ALiBi's
+  // biased logits are already in the log2 domain.
+  const float ls = Traits::kSoftCap || Traits::kAlibi ? 1.f : p.logit_scale;
   // A warp whose rows are all padding skips the math (it still copies and syncs).
   const bool warp_live = warp * 16 * MF < live_rows;
   const int64_t mask_base = Traits::kMask == PrefillMask::kCustom ? int64_t(p.mask_indptr[b]) * 8 : 0;
@@ -799,6 +813,10 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
           for (int e = 0; e < 4; ++e) {
             float x = sacc[mf][n][e];
             if constexpr (Traits::kSoftCap) x = p.soft_cap_log2 * tanhf(x * p.logit_scale);
+            if constexpr (Traits::kAlibi) {  // + slope (j - pos): <= 0 up to the causal diagonal
+              const int j = kv0 + 2 * c4 + sub * SUB + n * 8 + (e & 1);
+              x = fmaf(row_slope[mf][e >> 1], float(j - row_pos[mf][e >> 1]), x * p.logit_scale);
+            }
             if constexpr (decltype(masked)::value) {
               // key j = jb + c sees row h iff lo <= j <= hi: c <= hi - jb and c >= lo - jb
               const int c = sub * SUB + n * 8 + (e & 1);
@@ -942,7 +960,8 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
       }
       norm[mf][h] = row.norm(p.v_scale);
       if (r >= live_rows) continue;
-      const float lse = row.lse();
+      // (ALiBi: the LSE of FlashInfer's bias slope (j - t), pos_encoding.cuh; -inf stays -inf)
+      const float lse = Traits::kAlibi ? row.lse() + row_slope[mf][h] * float(delta) : row.lse();
       if (item.partial_row < 0) {
         if (p.lse != nullptr && c4 == 0) p.lse[int64_t(qo_start + t) * p.num_qo_heads + qo_head] = lse;
       } else {

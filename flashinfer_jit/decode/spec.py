@@ -24,7 +24,8 @@ def group_tile(num_qo_heads: int, num_kv_heads: int, head_dim: int = 128, q_toke
     rows (q_tokens x heads, padded to a power of two) fit a tile of max_tile_rows (a larger
     group, e.g. MQA with 32 or 64 query heads, takes several tiles that re-read the same K/V
     from L2). Every tile runs on tensor cores (the rows of the mma tiles are (token, head)
-    pairs) unless RoPE is applied in the kernel; see uses_tensor_cores."""
+    pairs) unless a positional encoding (RoPE, ALiBi) is applied in the kernel; see
+    uses_tensor_cores."""
     group = num_qo_heads // num_kv_heads
     cap = max_tile_rows(head_dim)
     return max(t for t in GROUP_TILES if group % t == 0 and _pow2_ceil(t * q_tokens) <= cap)
@@ -34,25 +35,27 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def uses_tensor_cores(rope: bool) -> bool:
+def uses_tensor_cores(positional: bool) -> bool:
     """Which kernel a DecodeSpec compiles to: csrc/decode/decode_mma.cuh (tensor cores) without
-    in-kernel RoPE, whatever the group tile (1 and 2 heads too: the mma's idle rows cost
-    nothing that matters, and per KV byte it runs the instructions of a 4-head tile),
-    csrc/decode/decode.cuh (CUDA cores) with it. The templates take this choice from the spec's
+    an in-kernel positional encoding, whatever the group tile (1 and 2 heads too: the mma's
+    idle rows cost nothing that matters, and per KV byte it runs the instructions of a 4-head
+    tile), csrc/decode/decode.cuh (CUDA cores) with one (positional: RoPE or ALiBi; the
+    tensor-core kernel has neither). The templates take this choice from the spec's
     context."""
-    return not rope
+    return not positional
 
 
-def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, rope: bool, kv_layout: str,
+def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, positional: bool, kv_layout: str,
                    q_tokens: int = 1) -> bool:
     """Whether a decode module also holds the tensor-core kernel whose blocks take two
     adjacent KV heads (csrc/decode/decode_mma.cuh, kKvHeads = 2): a head's K/V row of <= 128
     bytes in an NHD cache (fp8 at head_dim <= 128, 16-bit at 64), for tiles of 4 or 8
     query heads (16-head tiles need more registers than a pair's block can have). Both
     heads' rows of a token are then requested together, not 128 of every
-    num_kv_heads x 128 bytes. Multi-token tiles (q_tokens > 1) take one KV head a block."""
+    num_kv_heads x 128 bytes. Multi-token tiles (q_tokens > 1) take one KV head a block.
+    positional: RoPE or ALiBi in the kernel (then the CUDA-core kernel, which has no pairs)."""
     row_bytes = head_dim * (1 if dtype_kv.startswith("float8") else 2)
-    return uses_tensor_cores(rope) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128 and q_tokens == 1
+    return uses_tensor_cores(positional) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128 and q_tokens == 1
 
 
 def cluster_blocks(head_dim: int) -> int:
@@ -75,8 +78,10 @@ def kv_heads_per_block(paired_kernel: bool, num_qo_heads: int, num_kv_heads: int
 @dataclass(frozen=True)
 class DecodeSpec(Spec):
     """One query token per request against its paged K/V. Compile-time: dtypes, head_dim,
-    the group tile, the page table and KV layout, RoPE and the soft cap (each changes
-    the inner loop); sm_scale, window, scales and lengths are run-time values.
+    the group tile, the page table and KV layout, RoPE, ALiBi and the soft cap (each
+    changes the inner loop); sm_scale, window, scales and lengths are run-time values.
+    ALiBi's slopes follow from the head index and num_qo_heads (run-time), as FlashInfer's
+    (csrc/common/pos_encoding.cuh).
 
     q is fp16 or bf16 (the output takes its dtype), or fp8 over a cache of the same fp8
     dtype: then q is widened to fp16 where it is loaded (exactly) and dtype_o names the
@@ -97,6 +102,8 @@ class DecodeSpec(Spec):
     q_tokens: int = choice(*range(1, MAX_Q_TOKENS + 1), tag="q{}", default=1, name_default=False)
     # the output's dtype where it is not q's: fp8 q only (None: q's dtype)
     dtype_o: str | None = choice(None, "float16", "bfloat16", tag="o{}", default=None, name_default=False)
+    # pos_encoding_mode="ALIBI": the logits' linear bias, on the CUDA-core kernel as RoPE
+    alibi: bool = choice(False, True, tag="alibi", default=False)
 
     def check(self) -> None:
         if self.dtype_kv in ("float16", "bfloat16") and self.dtype_kv != self.dtype_q:
@@ -111,6 +118,16 @@ class DecodeSpec(Spec):
         elif self.dtype_o is not None:
             raise ValueError(f"DecodeSpec: dtype_o is for fp8 q only ({self.dtype_q} q writes its own dtype); "
                              f"leave it None, got {self.dtype_o!r}")
+        if self.alibi:
+            if self.rope:
+                raise ValueError("DecodeSpec: rope and alibi are two pos_encoding_modes; take one")
+            if self.soft_cap:
+                # FlashInfer caps the biased logit with sm_scale applied twice (variants.cuh);
+                # no model pairs the two, so neither is guessed at here
+                raise ValueError("DecodeSpec: alibi with soft_cap is not supported")
+            if self.q_tokens > 1:
+                raise ValueError("DecodeSpec: alibi with q_tokens > 1 is not supported (multi-token decode runs on "
+                                 "tensor cores, without an in-kernel positional encoding)")
         if self.q_tokens > 1:
             if self.rope:
                 raise ValueError("DecodeSpec: q_tokens > 1 (multi-token decode) runs on tensor cores, without "
@@ -122,7 +139,13 @@ class DecodeSpec(Spec):
     @property
     def pairs_kv_heads(self) -> bool:
         """Whether the module also holds the paired tensor-core kernel (see pairs_kv_heads)."""
-        return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.rope, self.kv_layout, self.q_tokens)
+        return pairs_kv_heads(self.dtype_kv, self.head_dim, self.group_tile, self.positional, self.kv_layout,
+                              self.q_tokens)
+
+    @property
+    def positional(self) -> bool:
+        """Whether a positional encoding (RoPE or ALiBi) runs in the kernel."""
+        return self.rope or self.alibi
 
     @property
     def out_dtype(self) -> str:
@@ -136,8 +159,9 @@ class DecodeSpec(Spec):
             f"fij::QueryOut<{DTYPES[self.dtype_q][0]}, {DTYPES[self.dtype_o][0]}>"
         return super().context() | {"pair_kv_heads": self.pairs_kv_heads,
                                     "cluster_blocks": cluster_blocks(self.head_dim),
-                                    "tensor_cores": uses_tensor_cores(self.rope), "q_type": q_type,
-                                    "out_dtype": self.out_dtype}
+                                    "tensor_cores": uses_tensor_cores(self.positional), "q_type": q_type,
+                                    "out_dtype": self.out_dtype,
+                                    "pos_encoding": "rope_llama" if self.rope else "alibi" if self.alibi else "none"}
 
     def op_schemas(self) -> dict[str, str]:
         # One op runs the decode kernel over the planned work items and, when plan() split

@@ -418,7 +418,7 @@ class _Config:
 
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "q_dtype", "kv_dtype", "tile",
                  "blocks_per_item", "target", "partial_o", "partial_lse", "sm_scale", "logit_scale", "soft_cap",
-                 "window_left", "rope_scale", "rope_theta", "rope", "fixed_split_size", "disable_split_kv",
+                 "window_left", "rope_scale", "rope_theta", "rope", "alibi", "fixed_split_size", "disable_split_kv",
                  "specs", "tensor_cores", "min_chunk", "max_chunks", "pairs", "sms", "skew_factor", "cluster",
                  "token_bytes", "cluster_max_bytes", "wide_cluster_max_bytes", "full_grid_min_tokens", "native",
                  "orders_pages", "q_tokens", "wave_token_bytes", "graph_chunks", "out_dtype")
@@ -432,7 +432,8 @@ class _Config:
         if spec is None:  # validated once per page-table layout (an invalid one raises every time)
             spec = DecodeSpec(dtype_name(self.q_dtype), dtype_name(self.kv_dtype), self.head_dim, self.tile,
                               table_layout, kv_layout, self.rope, self.soft_cap != 0.0, self.q_tokens,
-                              None if self.out_dtype is None else dtype_name(self.out_dtype))
+                              dtype_o=None if self.out_dtype is None else dtype_name(self.out_dtype),
+                              alibi=self.alibi)
             spec.validate()
             self.specs[table_layout] = spec
         return spec
@@ -540,8 +541,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
         # Accepted for FlashInfer compatibility and ignored: the spec picks the kernel (tensor
-        # cores without in-kernel RoPE, whatever the group, CUDA cores with it;
-        # specs.decode.uses_tensor_cores), whatever the caller asks.
+        # cores without an in-kernel positional encoding, whatever the group, CUDA cores with
+        # RoPE or ALiBi; specs.decode.uses_tensor_cores), whatever the caller asks.
         self._use_tensor_cores = bool(use_tensor_cores)
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         # CUDA graphs: the page ids a captured run() reads
@@ -584,16 +585,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         (default) or bfloat16. o_data_type (keyword; FlashInfer's later name): the output's
         dtype, None or q's for 16-bit q.
 
+        pos_encoding_mode: "NONE", "ROPE_LLAMA" (q and K rotated in the kernel) or "ALIBI"
+        (FlashInfer's linear bias, slopes from num_qo_heads; not with a soft cap); both run
+        on CUDA cores, whatever use_tensor_cores says.
+
         q_len_per_req: query tokens per request (speculative-decoding verification, MTP):
         run() then takes q [batch x q_len_per_req, num_qo_heads, head_dim], request-major,
         and token t of a request attends to its keys 0 .. kv_len - q_len_per_req + t (causal
         among the request's tokens). One kernel reads each request's K/V once for all its
         tokens (a tile's rows are (token, query head) pairs). Up to 16 tokens (8 at head_dim
-        256), without in-kernel RoPE.
+        256), without in-kernel RoPE or ALiBi.
 
         sort_pages (not in FlashInfer): where nothing depends on a token's position (no
-        RoPE in the kernel, no window, one query token), run() reads each request's full
-        pages in ascending page-id order, from a copy plan() writes on the GPU; the output is
+        RoPE or ALiBi in the kernel, no window, one query token), run() reads each request's
+        full pages in ascending page-id order, from a copy plan() writes on the GPU; the output is
         the same up to rounding (the sums run in another order). False: the pages as given."""
         tables = (indptr, indices, last_page_len, block_tables, seq_lens)
         if any(type(t) is _Tensor and t.dtype is not torch.int32 for t in tables):  # int64: narrowed once
@@ -777,6 +782,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"head_dim: {head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
         expect_window_left(window_left)
         soft_cap = soft_cap_value(logits_soft_cap)
+        if pos_encoding_mode == "ALIBI" and soft_cap:
+            raise ValueError("pos_encoding_mode='ALIBI' with logits_soft_cap is not supported (pass one of them)")
         if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or \
                 not 1 <= q_len_per_req <= MAX_Q_TOKENS:
             raise ValueError(f"q_len_per_req: expected an int in 1..{MAX_Q_TOKENS}, got {q_len_per_req!r}")
@@ -798,7 +805,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.q_tokens = q_len_per_req
         c.tile = group_tile(num_qo_heads, num_kv_heads, head_dim, q_len_per_req)
         c.rope = pos_encoding_mode == "ROPE_LLAMA"
-        paired = pairs_kv_heads(dtype_name(c.kv_dtype), head_dim, c.tile, c.rope, self._kv_layout, q_len_per_req)
+        c.alibi = pos_encoding_mode == "ALIBI"
+        paired = pairs_kv_heads(dtype_name(c.kv_dtype), head_dim, c.tile, c.rope or c.alibi, self._kv_layout,
+                                q_len_per_req)
         # blocks may take KV-head pairs (half as many blocks per item; plan() decides)
         # (a POD side's blocks take one KV head: POD's blocks all have 4 warps)
         c.pairs = kv_heads_per_block(paired, num_qo_heads, num_kv_heads, c.tile) == 2 and not self._pod_side
@@ -809,7 +818,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # at once; not measured against fewer), about 3 of the CUDA-core kernel (two 32-token
         # stages in flight each); a split costs a partial-state write and the merge.
         device = self._device
-        c.tensor_cores = uses_tensor_cores(c.rope)
+        c.tensor_cores = uses_tensor_cores(c.rope or c.alibi)
         per_sm = _MMA_SPLIT_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
         if c.tensor_cores and head_dim <= 128 and c.tile * q_len_per_req > 8:  # 16-row tiles
             per_sm = 3  # 16-head tiles take more registers (csrc/decode/decode_mma.cuh kMinBlocksPerSM)
@@ -857,9 +866,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         c.specs = {}
         c.native = None  # the C++ planner's (function, configuration struct), False: none; at the first plan()
         # whole pages in any order give the same attention where no term depends on a
-        # token's position: plan() may read them in page-id order (_order_pages)
-        # (not with several query tokens: their causal limits are positions too)
-        c.orders_pages = sort_pages and not c.rope and window_left < 0 and device.type == "cuda" and q_len_per_req == 1
+        # token's position (no RoPE, no ALiBi bias): plan() may read them in page-id order
+        # (_order_pages) (not with several query tokens: their causal limits are positions too)
+        c.orders_pages = sort_pages and not (c.rope or c.alibi) and window_left < 0 and device.type == "cuda" and \
+            q_len_per_req == 1
         return c
 
     def _plan_native(self, config: _Config, layout: str, indptr, indices, last_page_len, block_tables, seq_lens,

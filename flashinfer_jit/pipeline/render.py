@@ -76,6 +76,9 @@ def _environment(templates_dir: str):
         v,
         {"csr": "kCSR", "block_table": "kBlockTable", "block_table_kv_separate": "kBlockTableKVSeparate"},
     )
+    environment.filters["pos_encoding_enum"] = lambda v: _enum(
+        "fij::PosEncoding", v, {"none": "kNone", "rope_llama": "kRopeLlama", "alibi": "kAlibi"}
+    )
     environment.filters["cbool"] = lambda v: "true" if v else "false"
     return environment
 

@@ -12,7 +12,7 @@ from ..pipeline.spec import FP8_DTYPES, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES
 HEAD_DIM_PAIRS = ((64, 64), (128, 128), (256, 256), (192, 128))
 KV_SOURCES = ("paged", "ragged")
 MASKS = ("none", "causal", "custom")
-POS_ENCODINGS = ("none", "rope_llama")
+POS_ENCODINGS = ("none", "rope_llama", "alibi")
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,10 @@ class PrefillSpec(Spec):
     Compiled in (each changes the loads or the inner loop): the dtypes of q, K/V and the
     output; head_dim_qk and head_dim_vo; where K/V come from (`kv_source`: the paged cache
     through `page_table` in `kv_layout`, or ragged [kv_tokens, H, D] rows); the mask
-    (none, causal bottom-right aligned, custom bits); in-kernel RoPE (ROPE_LLAMA); whether
-    logits are soft-capped; whether sink logits join the softmax.
+    (none, causal bottom-right aligned, custom bits); the in-kernel positional encoding
+    (RoPE: ROPE_LLAMA; ALiBi's logit bias, its slopes from the head index and num_qo_heads as
+    FlashInfer's, csrc/common/pos_encoding.cuh); whether logits are soft-capped; whether sink
+    logits join the softmax.
 
     Run-time (plan() or run() arguments, one module for all of them): the lengths
     (qo_indptr, kv_indptr or the page table, mask_indptr), page ids and page size, the
@@ -73,6 +75,13 @@ class PrefillSpec(Spec):
             # rotating all 192 in the kernel is no model's semantics.
             raise ValueError("PrefillSpec: pos_encoding='rope_llama' rotates every head dim; with head_dim_qk=192 "
                              "(DeepSeek-style) apply RoPE to the rope dims before prefill instead")
+        if self.pos_encoding == "alibi":
+            # FlashInfer caps the biased logit with sm_scale applied twice (variants.cuh), and its
+            # sink variant has no ALiBi: no convention to follow, and no model pairs them
+            if self.soft_cap:
+                raise ValueError("PrefillSpec: pos_encoding='alibi' with soft_cap is not supported")
+            if self.sinks:
+                raise ValueError("PrefillSpec: pos_encoding='alibi' with sinks is not supported")
 
     @property
     def tile_rows(self) -> tuple[int, ...]:

@@ -93,6 +93,9 @@ _GRAPH_ITEMS_FACTOR = 4
 _GRAPH_MIN_ITEMS = 4096
 _Q_DTYPES = (torch.float16, torch.bfloat16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# plan()'s pos_encoding_mode -> PrefillSpec.pos_encoding (ALIBI: FlashInfer's linear bias, its
+# slopes from num_qo_heads; not with a soft cap or sinks)
+_POS_ENCODINGS = {"NONE": "none", "ROPE_LLAMA": "rope_llama", "ALIBI": "alibi"}
 # the K/V side of plan() (csrc/prefill/prefill_plan.h PrefillKVSide) and its arguments' names
 _CSR, _SEQ_LENS, _RAGGED = 0, 1, 2
 _SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: ("seq_lens", ""),
@@ -484,9 +487,11 @@ class _PrefillWrapper:
         c.num_qo_heads, c.num_kv_heads, c.group = num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads
         c.head_dim_qk, c.head_dim_vo, c.page_size = head_dim_qk, head_dim_vo, page_size
         c.mask = "custom" if custom else ("causal" if causal else "none")
-        c.pos_encoding = "rope_llama" if pos_encoding_mode == "ROPE_LLAMA" else "none"
+        c.pos_encoding = _POS_ENCODINGS[pos_encoding_mode]
         c.window_left = window_left
         c.soft_cap = soft_cap_value(logits_soft_cap)
+        if c.pos_encoding == "alibi" and c.soft_cap:
+            raise ValueError("pos_encoding_mode='ALIBI' with logits_soft_cap is not supported (pass one of them)")
         c.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk)
         c.rope_scale = float(rope_scale) if rope_scale is not None else 1.0
         c.rope_theta = float(rope_theta) if rope_theta is not None else 1e4
@@ -504,7 +509,8 @@ class _PrefillWrapper:
         c.fixed_split_size, c.disable_split_kv = fixed_split_size, bool(disable_split_kv)
         c.logit_scale, c.cap_log2 = _logit_scales(c, None, None)
         # whether plan() may reorder a paged batch's pages (sort_pages): no term depends on a
-        # key's position (flashinfer_jit/runtime/page_order.py), and the pages are on a GPU
+        # key's position (no RoPE, no ALiBi bias; flashinfer_jit/runtime/page_order.py), and the
+        # pages are on a GPU
         c.pages_movable = c.mask != "custom" and c.pos_encoding == "none" and window_left < 0 and \
             self._device.type == "cuda"
         self._spec(c, "csr", False)  # validates the dtypes and head dims now (ValueError, nothing built)
@@ -780,6 +786,8 @@ class _PrefillWrapper:
                     sinks.device != q.device or not sinks.is_contiguous():
                 raise ValueError(f"sinks: expected a contiguous float32 tensor [{c.num_qo_heads}] (one logit per "
                                  f"query head) on {q.device}")
+            if c.pos_encoding == "alibi":
+                raise ValueError("sinks: not supported with pos_encoding_mode='ALIBI' (expected None)")
             spec = plan.sinks_spec
             if spec is None:
                 spec = plan.sinks_spec = self._spec(c, plan.layout, True)
@@ -1075,13 +1083,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         seq_lens [B]. custom_mask (bools) or packed_custom_mask (uint8, little bit order,
         mask_indptr in bytes as segment_packbits returns) replace causal. o_data_type: the
         output dtype (default q's). fixed_split_size (keys a chunk) / disable_split_kv force
-        plan()'s split-KV choice.
+        plan()'s split-KV choice. pos_encoding_mode: "NONE", "ROPE_LLAMA" or "ALIBI"
+        (FlashInfer's linear bias; not with logits_soft_cap, nor with run()'s sinks).
 
-        sort_pages (not in FlashInfer): where nothing depends on a key's position (no RoPE in
-        the kernel, no window, no custom mask), run() reads the pages that every query row of
-        a request sees whole (all but the last; causal: those of keys up to kv_len - qo_len)
-        in ascending page-id order, from a copy plan() writes on the GPU; the output is the
-        same up to rounding (the sums run in another order). False: the pages as given."""
+        sort_pages (not in FlashInfer): where nothing depends on a key's position (no RoPE or
+        ALiBi in the kernel, no window, no custom mask), run() reads the pages that every query
+        row of a request sees whole (all but the last; causal: those of keys up to kv_len -
+        qo_len) in ascending page-id order, from a copy plan() writes on the GPU; the output is
+        the same up to rounding (the sums run in another order). False: the pages as given."""
         expect_bool(sort_pages, "sort_pages")
         if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
             raise ValueError("prefix_len_ptr / token_pos_in_items_ptr / max_item_len_ptr (multi-item scoring) are not "

@@ -1,6 +1,7 @@
 """What the PyTorch references of several families share: the paged cache read through a
-page table (request_pages_ref, gather_rows_ref) and the RoPE math (as csrc/common/rope.cuh
-is the kernels'). Plain torch, float64."""
+page table (request_pages_ref, gather_rows_ref), the RoPE math (as csrc/common/rope.cuh
+is the kernels') and ALiBi's slopes and bias (csrc/common/pos_encoding.cuh). Plain torch,
+float64."""
 
 from __future__ import annotations
 
@@ -75,6 +76,29 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+
+def alibi_slopes_ref(num_heads: int) -> torch.Tensor:
+    """ALiBi's slope of each of num_heads query heads (float64 [num_heads]), FlashInfer's
+    get_alibi_slopes written as a closed form: with n' the largest power of two <= num_heads,
+    head h < n' takes 2^(-8 (h + 1) / n'), and head h >= n' takes 2^(-4 (2 (h - n') + 1) / n')
+    (the odd steps of the slopes of 2n' heads)."""
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+    pow2 = 1 << (num_heads.bit_length() - 1)
+    h = torch.arange(num_heads, dtype=torch.float64)
+    exponent = torch.where(h < pow2, -8.0 * (h + 1), -4.0 * (2.0 * (h - pow2) + 1.0))
+    return torch.exp2(exponent / pow2)
+
+
+def alibi_bias_ref(num_heads: int, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's ALiBi bias on the natural-log logits (after sm_scale and the fp8
+    scales): slope[h] * (key - row), float64 [num_heads, len(rows), len(keys)]. rows are the
+    query rows' indices within their request (0 .. qo_len - 1; 0 for a decode query), not
+    their positions kv_len - qo_len + i: FlashInfer's kernels pass those as qo_idx. (A
+    constant per row: the softmax is the same either way, the LSE is not.)"""
+    distance = keys.double().cpu()[None, :] - rows.double().cpu()[:, None]
+    return alibi_slopes_ref(num_heads)[:, None, None] * distance[None]
 
 
 def rope_at_positions_ref(x: torch.Tensor, positions: torch.Tensor, rope_scale: float = 1.0,

@@ -11,6 +11,9 @@ everything is vectorized over heads and tokens, in float64 on the caches' device
   window_left w:    only keys j >= kv_len - 1 - w (w = -1: all)
   ROPE_LLAMA:       q rotated at position kv_len - 1, k_j at j, NeoX style (halves);
                     the cache holds unrotated K
+  ALIBI:            logits_j += slope[h] * j (FlashInfer's bias slope (j - qo_idx), qo_idx 0
+                    for a decode query; reference/common.py alibi_slopes_ref over num_qo_heads);
+                    not with a soft cap or q_len_per_req > 1 (rejected as by plan())
   out = sum_j softmax(logits)_j * v_j * v_scale,  lse = log2(sum_j exp(logits_j))
 fp8 K/V, and an fp8 q, are dequantized as float(value) (q_scale, k_scale and v_scale apply as
 above). A request of length 0: out zeros, lse -inf.
@@ -28,7 +31,7 @@ import math
 import torch
 
 from ..runtime.page_table import PageTable
-from .common import LN2, gather_rows_ref, request_pages_ref, rope_at_positions_ref
+from .common import LN2, alibi_bias_ref, gather_rows_ref, request_pages_ref, rope_at_positions_ref
 
 def ordered_pages_ref(page_table: PageTable, kv_lens, page_size: int, segment: int,
                       qo_lens=None) -> list[tuple[list, list]]:
@@ -65,8 +68,11 @@ def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="N
     """
     if kv_layout not in ("NHD", "HND"):
         raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
-    if pos_encoding_mode not in ("NONE", "ROPE_LLAMA"):
-        raise ValueError(f"pos_encoding_mode: expected 'NONE' or 'ROPE_LLAMA', got {pos_encoding_mode!r}")
+    if pos_encoding_mode not in ("NONE", "ROPE_LLAMA", "ALIBI"):
+        raise ValueError(f"pos_encoding_mode: expected 'NONE', 'ROPE_LLAMA' or 'ALIBI', got {pos_encoding_mode!r}")
+    alibi = pos_encoding_mode == "ALIBI"
+    if alibi and (q_len_per_req > 1 or (logits_soft_cap is not None and logits_soft_cap > 0)):
+        raise ValueError("pos_encoding_mode='ALIBI': not with logits_soft_cap or q_len_per_req > 1")
     n_tok = q_len_per_req
     rows, num_qo_heads, head_dim = q.shape
     batch = rows // n_tok
@@ -101,6 +107,9 @@ def decode_ref(q, k_cache, v_cache, page_table: PageTable, kv_lens, kv_layout="N
             k = rope_at_positions_ref(k, torch.arange(n), rope_scale, rope_theta)
         qg = qb.view(num_kv_heads, group, head_dim)
         logits = torch.einsum("kgd,nkd->kgn", qg, k) * scale  # [Hk, group, n]
+        if alibi:
+            bias = alibi_bias_ref(num_qo_heads, torch.zeros(1), torch.arange(n))  # [Hq, 1, n]
+            logits = logits + bias.to(device).view(num_kv_heads, group, n)
         if logits_soft_cap is not None and logits_soft_cap > 0:
             logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
         if window_left >= 0:

@@ -18,6 +18,9 @@ h // (Hq // Hk). head_dim_qk (q, k) may differ from head_dim_vo (v, out), e.g. 1
                  `causal` (FlashInfer's plan(): causal counts only without a custom mask)
   ROPE_LLAMA:     q_i rotated at pos_i, k_j at j, NeoX style over all head_dim_qk dims
                   (reference/rope.py); the cache holds unrotated K
+  ALIBI:          logits_ij += slope[h] * (j - i), i the row's index in its request (FlashInfer's
+                  qo_idx, not pos_i; reference/common.py alibi_slopes_ref over Hq); not with
+                  a soft cap or sinks (rejected as by plan() and run())
   sinks s [Hq]:   D_ih = sum_j allowed exp(logits_ij) + exp(s_h)  (without sinks: no exp(s_h) term)
   out_ih = sum_j allowed exp(logits_ij) v_j / D_ih * v_scale,    lse_ih = log2(D_ih)
 
@@ -46,7 +49,7 @@ import torch
 
 from ..runtime.checks import index_vector, soft_cap_value
 from ..runtime.page_table import PageTable
-from .common import LN2, gather_rows_ref, request_pages_ref, rope_at_positions_ref
+from .common import LN2, alibi_bias_ref, gather_rows_ref, request_pages_ref, rope_at_positions_ref
 
 BITORDERS = ("big", "little")
 
@@ -94,6 +97,7 @@ class _Scores(NamedTuple):
     soft_cap: float        # 0.0: off
     window_left: int       # -1: off
     rope: tuple | None     # (rope_scale, rope_theta) for ROPE_LLAMA
+    alibi: bool            # ALIBI's bias
     sinks: torch.Tensor | None  # [Hq] float64
     v_scale: float
 
@@ -116,8 +120,10 @@ def prefill_ref(q, qo_indptr, k, v, kv_indptr=None, page_table: PageTable | None
     """
     if (kv_indptr is None) == (page_table is None):
         raise ValueError("prefill_ref: give kv_indptr (ragged K/V) or page_table (paged K/V), not both or neither")
-    if pos_encoding_mode not in ("NONE", "ROPE_LLAMA"):
-        raise ValueError(f"pos_encoding_mode: expected 'NONE' or 'ROPE_LLAMA', got {pos_encoding_mode!r}")
+    if pos_encoding_mode not in ("NONE", "ROPE_LLAMA", "ALIBI"):
+        raise ValueError(f"pos_encoding_mode: expected 'NONE', 'ROPE_LLAMA' or 'ALIBI', got {pos_encoding_mode!r}")
+    if pos_encoding_mode == "ALIBI" and (soft_cap_value(logits_soft_cap) > 0 or sinks is not None):
+        raise ValueError("pos_encoding_mode='ALIBI': not with logits_soft_cap or sinks")
     qo_bounds = _bounds(qo_indptr, "qo_indptr", q.shape[0])
     kv_rows = _kv_rows_ref(k, v, kv_indptr, page_table, kv_layout, len(qo_bounds) - 1)
     kv_lens = [n for n, _ in kv_rows]
@@ -131,7 +137,7 @@ def prefill_ref(q, qo_indptr, k, v, kv_indptr=None, page_table: PageTable | None
     scores = _Scores(
         scale=(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale) * _or_one(q_scale) * _or_one(k_scale),
         soft_cap=soft_cap_value(logits_soft_cap), window_left=window_left,
-        rope=rope if pos_encoding_mode == "ROPE_LLAMA" else None,
+        rope=rope if pos_encoding_mode == "ROPE_LLAMA" else None, alibi=pos_encoding_mode == "ALIBI",
         sinks=None if sinks is None else sinks.to(device).double().reshape(num_qo_heads),
         v_scale=_or_one(v_scale))
     head_dim_vo = v.shape[-1]
@@ -157,6 +163,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scores: _Sc
         q = rope_at_positions_ref(q, positions, *scores.rope)
         k = rope_at_positions_ref(k, keys, *scores.rope)
     logits = torch.einsum("mkgd,nkd->kgmn", q.view(m, num_kv_heads, group, -1), k) * scores.scale
+    if scores.alibi:
+        bias = alibi_bias_ref(num_qo_heads, torch.arange(m), torch.arange(n))  # [Hq, m, n]
+        logits = logits + bias.to(q.device).view(num_kv_heads, group, m, n)
     if scores.soft_cap > 0:
         logits = scores.soft_cap * torch.tanh(logits / scores.soft_cap)
     if mask is None:

@@ -98,9 +98,8 @@ def expect_same_cuda_device(named: dict) -> None:
         raise ValueError(f"{first_name}: expected CUDA tensors, got device {first.device}")
 
 
-# plan()'s pos_encoding_mode values the attention families run (FlashInfer's names; ALIBI is not
-# supported)
-POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
+# plan()'s pos_encoding_mode values decode and prefill run (FlashInfer's names; POD takes "NONE" only)
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 # the wrappers' backend values that run this package's kernels (FlashInfer's "fa2" included)
 BACKENDS = ("auto", "fa2")
 
