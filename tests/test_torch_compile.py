@@ -374,7 +374,7 @@ def _assert_kernels_in_graph(compiled, args, fresh_args, eager, what):
         warnings.simplefilter("always")
         for step in range(5):
             for a, f in zip(args, fresh_args(step)):
-                if a is not None:
+                if f is not None:  # (None: that input keeps its values)
                     a.copy_(f)
             expected = [t.clone() for t in eager(*args)]
             got = [t.clone() for t in compiled(*args)]  # (the graph's outputs are reused by the next replay)
@@ -540,6 +540,10 @@ def test_gpu_layer_reduce_overhead_append_rope_prefill_decode():
     pw.plan(append_indptr, *table, HQ, HK, D, PS, causal=True, q_data_type=BF16)
     dw = fi.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(128 << 20, dtype=torch.uint8, device=DEV), "NHD")
     dw.plan(*table, HQ, HK, D, PS, q_data_type=BF16)
+    # the step's index tensors, as an engine keeps them (persistent buffers): static inputs too,
+    # or CUDA-graph trees copy each into the graph's own before every replay (copy kernels)
+    for t in (append_indptr, bi, pos, *table):
+        torch._dynamo.mark_static_address(t)
 
     def layer(q, k, v):
         q_rot, k_rot = fi.apply_rope_pos_ids(q, k, pos)
