@@ -1289,3 +1289,40 @@ def test_reduce_overhead_around_single_decode_in_a_custom_op():
     direct = flashinfer.single_decode_with_kv_cache(q, k, v)
     err = float((direct.double() - ref[0].double()).norm() / ref.double().norm())
     assert err < 2e-3
+
+
+# FlashInfer's test_batch_prefill_with_paged_kv_cache_multi_item_scoring, ported (a sample of
+# its 48 cases: both length cases, its page sizes, soft cap off and 30, the LSE asked for or
+# not; ROPE_LLAMA, fp16, 4 KV heads): our multi-item scoring against our single prefill with
+# FlashInfer's dense reference mask, as its test compares them.
+MULTI_ITEM_CASES = [(0, 1, 0.0, True), (0, 5, 30.0, False), (0, 16, 0.0, False), (1, 16, 30.0, True),
+                    (1, 5, 0.0, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, page_size, soft_cap, return_lse", MULTI_ITEM_CASES)
+def test_multi_item_scoring_as_flashinfer_tests_it(case, page_size, soft_cap, return_lse):
+    from test_prefill import FI_MULTI_ITEM, _items_dense_mask
+
+    kv_len, qo_len, prefix, token_pos, width, max_item = FI_MULTI_ITEM[case]
+    hq, hk, d = 32, 4, 128
+    gen = torch.Generator(device="cuda").manual_seed(case * 100 + page_size)
+    q = torch.randn(qo_len, hq, d, generator=gen, device="cuda").half()
+    pages = -(-kv_len // page_size)
+    kv_data = torch.randn(pages, 2, page_size, hk, d, generator=gen, device="cuda").half()
+    last = (kv_len - 1) % page_size + 1
+    w = fij.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.int8, device="cuda"), "NHD")
+    w.plan(torch.tensor([0, qo_len], dtype=torch.int32, device="cuda"),
+           torch.tensor([0, pages], dtype=torch.int32, device="cuda"),
+           torch.arange(pages, dtype=torch.int32, device="cuda"), torch.tensor([last], dtype=torch.int32, device="cuda"),
+           hq, hk, d, page_size, causal=True, pos_encoding_mode="ROPE_LLAMA", logits_soft_cap=soft_cap,
+           prefix_len_ptr=torch.tensor([prefix]).to(torch.uint32).cuda(),
+           token_pos_in_items_ptr=torch.tensor(token_pos).to(torch.uint16).cuda(), token_pos_in_items_len=width,
+           max_item_len_ptr=torch.tensor([max_item]).to(torch.uint16).cuda())
+    o = w.run_return_lse(q, kv_data)[0] if return_lse else w.run(q, kv_data)
+    k = kv_data[:, 0].reshape(-1, hk, d)[:kv_len]
+    v = kv_data[:, 1].reshape(-1, hk, d)[:kv_len]
+    mask = _items_dense_mask(token_pos, prefix, qo_len, kv_len).cuda()
+    o_ref = fij.single_prefill_with_kv_cache(q, k, v, causal=True, pos_encoding_mode="ROPE_LLAMA",
+                                             logits_soft_cap=soft_cap, custom_mask=mask)
+    torch.testing.assert_close(o, o_ref, rtol=1e-3, atol=1e-3)

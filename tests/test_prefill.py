@@ -30,6 +30,7 @@ import random
 from typing import NamedTuple
 
 import kv_helpers
+import numpy as np
 import pytest
 import torch
 from kv_helpers import (
@@ -1583,3 +1584,118 @@ def test_cuda_graph_plan_rejects_more_requests_than_the_buffers_hold():
         wrapper.plan(**_paged_args([2] * (capacity + 1), [20] * (capacity + 1)), **CPU_HEADS)
     with pytest.raises(ValueError, match="paged_kv_indices"):  # 4 requests of 20 pages: 80 page ids > 64
         wrapper.plan(**_paged_args([2] * capacity, [320] * capacity), **CPU_HEADS)
+
+
+# --- multi-item scoring -----------------------------------------------------------------------------
+def _items_dense_mask(token_pos: list, prefix_len: int, qo_len: int, kv_len: int) -> torch.Tensor:
+    """FlashInfer's test reference for multi-item scoring, written from its rules: the tokens
+    past the prefix are items separated by delimiters (position 0); a delimiter sees the
+    prefix only, an item token the prefix and its own item's tokens up to itself (causal).
+    Rows are the request's qo_len last positions; the query rows inside the prefix (if any)
+    are plain causal."""
+    pos = torch.arange(kv_len - qo_len, kv_len)
+    keys = torch.arange(kv_len)
+    rows = []
+    for p in pos.tolist():
+        if p < prefix_len:
+            rows.append(keys <= p)
+            continue
+        t = token_pos[p - prefix_len]
+        delim = [i for i in range(prefix_len, p + 1) if token_pos[i - prefix_len] == 0]
+        start = max(delim) if delim else prefix_len  # the delimiter opening this item
+        own = (keys > start) & (keys <= p) if t > 0 else torch.zeros(kv_len, dtype=torch.bool)
+        rows.append((keys < prefix_len) | own)
+    return torch.stack(rows) if rows else torch.zeros(0, kv_len, dtype=torch.bool)
+
+
+# FlashInfer's two cases (test_batch_prefill_with_paged_kv_cache_multi_item_scoring): (kv_len,
+# qo_len, prefix_len, token positions, entries a request, max item length)
+FI_MULTI_ITEM = [(54, 37, 17, list(range(17)) + list(range(19)) + [0], 100, 18),
+                 (97, 81, 16, list(range(80)) + [0], 97, 79)]
+
+
+def _random_items(rnd: random.Random, prefix: int, tail: int) -> list:
+    out = []
+    while len(out) < tail:
+        out += [0] + list(range(1, rnd.randint(1, 30) + 1))
+    return out[:tail]
+
+
+def test_multi_item_mask_is_flashinfers():
+    """The mask plan() builds from prefix_len_ptr / token_pos_in_items_ptr (FlashInfer's
+    kernel rule: past the prefix, key j is seen when j < prefix_len or pos < j + t) equals
+    FlashInfer's test reference (delimiters, items, the prefix), on its two cases and random
+    batches of one to four requests, the query rows starting inside the prefix too."""
+    from flashinfer_jit.prefill.wrapper import multi_item_mask
+
+    rnd = random.Random(5)
+    cases = [[c[:4]] for c in FI_MULTI_ITEM]
+    for _ in range(20):
+        batch = []
+        for _ in range(rnd.randint(1, 4)):
+            prefix, tail = rnd.randint(0, 40), rnd.randint(0, 90)
+            kv = prefix + tail
+            qo = rnd.randint(0, kv)
+            batch.append((kv, qo, prefix, _random_items(rnd, prefix, tail)))
+        cases.append(batch)
+    for batch in cases:
+        width = max(len(b[3]) for b in batch) + 3
+        flat = np.zeros(width * len(batch), dtype=np.int64)
+        for i, (_, _, _, tp) in enumerate(batch):
+            flat[i * width: i * width + len(tp)] = tp
+        got = multi_item_mask(np.array([b[1] for b in batch]), np.array([b[0] for b in batch]),
+                              np.array([b[2] for b in batch]), flat, width)
+        want = torch.cat([_items_dense_mask(tp, p, q, k).reshape(-1) for k, q, p, tp in batch])
+        assert torch.equal(torch.from_numpy(got), want), batch
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(token_pos_in_items_ptr=None), "prefix_len_ptr and token_pos_in_items_ptr"),
+    (dict(prefix_len_ptr=[17, 3]), "prefix_len_ptr: expected one prefix length a request"),
+    (dict(prefix_len_ptr=[60]), "prefix_len_ptr: request 0's prefix 60"),
+    (dict(token_pos_in_items_ptr=list(range(10))), "token_pos_in_items_ptr: 10 entries"),
+    (dict(token_pos_in_items_len=-1), "token_pos_in_items_len"),
+    (dict(max_item_len_ptr=[1, 2]), "max_item_len_ptr"),
+])
+def test_multi_item_arguments_are_checked(change, match):
+    """plan()'s multi-item arguments are checked before anything is planned (CPU wrapper)."""
+    kv_len, qo_len, prefix, tp, width, max_item = FI_MULTI_ITEM[0]
+    args = dict(prefix_len_ptr=[prefix], token_pos_in_items_ptr=tp, token_pos_in_items_len=width,
+                max_item_len_ptr=[max_item])
+    args.update(change)
+    args = {k: (torch.tensor(v, dtype=torch.int64) if isinstance(v, list) else v) for k, v in args.items()}
+    w = fij.BatchPrefillWithPagedKVCacheWrapper(torch.empty(32 << 20, dtype=torch.uint8), "NHD")
+    pages = -(-kv_len // 16)
+    with pytest.raises(ValueError, match=match):
+        w.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, pages], dtype=torch.int32),
+               torch.arange(pages, dtype=torch.int32), torch.tensor([kv_len - (pages - 1) * 16], dtype=torch.int32),
+               32, 8, 128, 16, causal=True, q_data_type=torch.bfloat16, **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_multi_item_scoring(page_size, workspace):
+    """FlashInfer's multi-item scoring (prefix_len_ptr, token_pos_in_items_ptr,
+    token_pos_in_items_len, max_item_len_ptr, as its uint32 / uint16 device tensors): its two
+    cases and a batch of three requests with random items in one plan, against the float64
+    reference with the dense mask of FlashInfer's test reference; outputs poisoned."""
+    rnd = random.Random(12 + page_size)
+    gen = torch.Generator(device=DEV).manual_seed(12 + page_size)
+    batches = [[c[:4]] for c in FI_MULTI_ITEM]
+    batches.append([(p + t, q, p, _random_items(rnd, p, t)) for p, t, q in ((300, 120, 120), (40, 700, 500),
+                                                                            (0, 64, 64))])
+    for batch in batches:
+        shapes = [(q, k) for k, q, _, _ in batch]
+        q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, "csr", page_size=page_size)
+        width = max(len(b[3]) for b in batch)
+        flat = torch.zeros(width * len(batch), dtype=torch.int64)
+        for i, (_, _, _, tp) in enumerate(batch):
+            flat[i * width: i * width + len(tp)] = torch.tensor(tp)
+        maxlen = [max([t for t in b[3]] or [0]) for b in batch]
+        _, result = run_base(workspace, shapes, q, qo_indptr, kv, True, page_size=page_size,
+                             prefix_len_ptr=torch.tensor([b[2] for b in batch]).to(torch.uint32).to(DEV),
+                             token_pos_in_items_ptr=flat.to(torch.uint16).to(DEV), token_pos_in_items_len=width,
+                             max_item_len_ptr=torch.tensor(maxlen).to(torch.uint16).to(DEV))
+        masks = [_items_dense_mask(tp, p, qq, k).to(DEV) for k, qq, p, tp in batch]
+        ref_out, ref_lse = reference(q, qo_indptr, kv, **mask_args(masks, shapes, False))
+        check_prefill(*result, ref_out, ref_lse, shapes, tolerance(BF16))

@@ -183,6 +183,74 @@ def _kv_lens_numpy(side: int, kv_a: torch.Tensor, kv_b, page_size: int) -> np.nd
     return n
 
 
+def _host_index(t, name: str) -> np.ndarray:
+    """A 1-D integer tensor (any int or uint dtype, any device; a device one is read with a
+    synchronization) or sequence, as int64 numpy."""
+    if isinstance(t, torch.Tensor):
+        if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}")
+        return t.detach().cpu().to(torch.int64).numpy()
+    return np.asarray(t, dtype=np.int64).reshape(-1)
+
+
+def multi_item_mask(qo_lens, kv_lens, prefix_lens, token_pos, token_pos_len: int) -> np.ndarray:
+    """FlashInfer's multi-item scoring mask (its logits_mask_multi_item_scoring), as the
+    custom mask of each request, flattened and concatenated (qo_len x kv_len bools a request).
+
+    Request b's query row i sits at position pos = kv_len - qo_len + i (bottom-right) and
+    sees key j <= pos; a row past the shared prefix (pos >= prefix_len) sees, beyond the
+    prefix (j < prefix_len), only its own item's keys: j > pos - t, where t =
+    token_pos[b * token_pos_len + pos - prefix_len] is the row's position in its item (0 for
+    a delimiter, which then sees the prefix alone; 1 for an item's first token)."""
+    parts = []
+    for b, (q, k, p) in enumerate(zip(qo_lens.tolist(), kv_lens.tolist(), prefix_lens.tolist())):
+        pos = np.arange(q, dtype=np.int64) + (k - q)
+        keys = np.arange(k, dtype=np.int64)
+        t = np.zeros(q, dtype=np.int64)
+        items = pos >= p
+        t[items] = token_pos[b * token_pos_len + pos[items] - p]
+        sees = keys[None, :] <= pos[:, None]
+        in_item = (keys[None, :] < p) | (pos[:, None] < keys[None, :] + t[:, None])
+        parts.append((sees & (in_item | ~items[:, None])).reshape(-1))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+
+def _multi_item_custom_mask(qo_indptr, kv_lens: np.ndarray, prefix_len_ptr, token_pos_in_items_ptr,
+                            token_pos_in_items_len, max_item_len_ptr) -> torch.Tensor:
+    """plan()'s multi-item scoring arguments checked and turned into a custom mask (bools,
+    on the host): multi_item_mask."""
+    if prefix_len_ptr is None or token_pos_in_items_ptr is None:
+        raise ValueError("prefix_len_ptr and token_pos_in_items_ptr: multi-item scoring takes both (max_item_len_ptr "
+                         "is optional)")
+    if not isinstance(token_pos_in_items_len, int) or token_pos_in_items_len < 0:
+        raise ValueError(f"token_pos_in_items_len: expected a non-negative int, got {token_pos_in_items_len!r}")
+    qo = _host_index(qo_indptr, "qo_indptr")
+    qo_lens = np.diff(qo)
+    batch = qo_lens.shape[0]
+    if kv_lens.shape[0] != batch:
+        raise ValueError(f"qo_indptr: {batch} requests, the page table has {kv_lens.shape[0]}")
+    prefix = _host_index(prefix_len_ptr, "prefix_len_ptr")
+    if prefix.shape[0] != batch:
+        raise ValueError(f"prefix_len_ptr: expected one prefix length a request ({batch}), got {prefix.shape[0]}")
+    if ((prefix < 0) | (prefix > kv_lens)).any():
+        b = int(np.nonzero((prefix < 0) | (prefix > kv_lens))[0][0])
+        raise ValueError(f"prefix_len_ptr: request {b}'s prefix {int(prefix[b])} is not within its {int(kv_lens[b])} "
+                         "keys")
+    token_pos = _host_index(token_pos_in_items_ptr, "token_pos_in_items_ptr")
+    need = np.maximum(kv_lens - prefix, 0)  # entries a request reads: positions prefix_len .. kv_len - 1
+    if batch > 1 and (need > token_pos_in_items_len).any():
+        b = int(np.nonzero(need > token_pos_in_items_len)[0][0])
+        raise ValueError(f"token_pos_in_items_len: request {b} has {int(need[b])} tokens past its prefix, more than "
+                         f"the {token_pos_in_items_len} entries a request of token_pos_in_items_ptr holds")
+    last = (np.arange(batch) * token_pos_in_items_len + need).max(initial=0)
+    if last > token_pos.shape[0]:
+        raise ValueError(f"token_pos_in_items_ptr: {token_pos.shape[0]} entries, fewer than the {int(last)} the "
+                         "requests' tokens past their prefixes read")
+    if max_item_len_ptr is not None and _host_index(max_item_len_ptr, "max_item_len_ptr").shape[0] != batch:
+        raise ValueError(f"max_item_len_ptr: expected one value a request ({batch})")
+    return torch.from_numpy(multi_item_mask(qo_lens, kv_lens, prefix, token_pos, token_pos_in_items_len))
+
+
 def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, host: np.ndarray,
                 result: np.ndarray) -> int:
     """csrc/prefill/prefill_plan.h prefill_plan() in numpy (plan_work): the same validation, layout
@@ -1086,17 +1154,39 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         plan()'s split-KV choice. pos_encoding_mode: "NONE", "ROPE_LLAMA" or "ALIBI"
         (FlashInfer's linear bias; not with logits_soft_cap, nor with run()'s sinks).
 
+        Multi-item scoring (FlashInfer's prefix_len_ptr [B], token_pos_in_items_ptr: each
+        token's position in its item past the shared prefix, 0 for a delimiter, request b's
+        from entry b x token_pos_in_items_len; max_item_len_ptr [B], accepted and unused):
+        each token past its request's prefix sees the prefix and its own item, causally
+        (multi_item_mask). It runs as a custom mask built here from those tensors (read on
+        the host: a device tensor costs a synchronization), replacing causal and any custom
+        mask.
+
         sort_pages (not in FlashInfer): where nothing depends on a key's position (no RoPE or
         ALiBi in the kernel, no window, no custom mask), run() reads the pages that every query
         row of a request sees whole (all but the last; causal: those of keys up to kv_len -
         qo_len) in ascending page-id order, from a copy plan() writes on the GPU; the output is
         the same up to rounding (the sums run in another order). False: the pages as given."""
         expect_bool(sort_pages, "sort_pages")
-        if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
-            raise ValueError("prefix_len_ptr / token_pos_in_items_ptr / max_item_len_ptr (multi-item scoring) are not "
-                             "supported by flashinfer_jit")
         if not isinstance(page_size, int) or not 1 <= page_size <= 1024:
             raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        if prefix_len_ptr is not None or token_pos_in_items_ptr is not None or max_item_len_ptr is not None:
+            # multi-item scoring: FlashInfer's mask, as a custom mask built here (it replaces
+            # causal and any custom mask, as FlashInfer's MULTIITEMSCORING mode does)
+            if block_tables is not None:
+                kv_lens = _host_index(seq_lens, "seq_lens") if seq_lens is not None else None
+                if kv_lens is None:
+                    raise ValueError("seq_lens: block_tables take seq_lens")
+            else:
+                ip = _host_index(paged_kv_indptr, "paged_kv_indptr")
+                last = _host_index(paged_kv_last_page_len, "paged_kv_last_page_len")[: max(ip.shape[0] - 1, 0)]
+                pages = np.diff(ip)
+                if last.shape[0] != pages.shape[0]:
+                    raise ValueError(f"paged_kv_last_page_len: expected {pages.shape[0]} values, got {last.shape[0]}")
+                kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+            custom_mask = _multi_item_custom_mask(qo_indptr, kv_lens, prefix_len_ptr, token_pos_in_items_ptr,
+                                                  token_pos_in_items_len, max_item_len_ptr)
+            packed_custom_mask, mask_indptr = None, None
         args = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, bool(causal),
                 custom_mask is not None or packed_custom_mask is not None, pos_encoding_mode, window_left,
                 logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
