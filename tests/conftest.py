@@ -1,8 +1,10 @@
 """Test configuration: GPU tests are marked `gpu` and skipped where no GPU is visible.
 
 Tests marked `exhaustive` (every supported spec combination rendered, tests/test_specs.py)
-are deselected unless `--exhaustive` is given or a `-m` expression names the marker; the
-default run renders a fixed pairwise sample of them instead.
+or `thorough` (the cache's slowest fault-injection and multi-process tests, each building
+modules of its own) are deselected unless `--exhaustive` is given (CI gives it) or a `-m`
+expression names the marker; the default run renders a fixed pairwise sample of the spec
+combinations instead, and keeps a real build of every family (tests/test_families_build.py).
 
 Without a GPU, modules are still rendered, compiled with nvcc, linked and imported; the
 target defaults to Hopper (9.0a) unless FLASHINFER_JIT_CUDA_ARCH_LIST says otherwise.
@@ -49,16 +51,19 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_addoption(parser):
     parser.addoption("--exhaustive", action="store_true", default=False,
-                     help="also run the tests marked exhaustive: every supported spec combination "
-                          "rendered (~16,000 tests, about a minute more on 2 cores)")
+                     help="also run the tests marked exhaustive (every supported spec combination "
+                          "rendered, ~22,000 tests) and thorough (the cache's slowest fault-injection "
+                          "tests): about three minutes more on 2 cores")
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--exhaustive") and "exhaustive" not in (config.getoption("markexpr") or ""):
-        deselected = [item for item in items if item.get_closest_marker("exhaustive")]
+    if not config.getoption("--exhaustive"):
+        named = config.getoption("markexpr") or ""
+        left_out = [m for m in ("exhaustive", "thorough") if m not in named]
+        deselected = [item for item in items if any(item.get_closest_marker(m) for m in left_out)]
         if deselected:
             config.hook.pytest_deselected(items=deselected)
-            items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
+            items[:] = [item for item in items if item not in deselected]
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")

@@ -390,6 +390,7 @@ RACER = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.thorough
 @pytest.mark.slow
 @needs_toolchain
 def test_eight_processes_one_compile(tmp_path):
@@ -448,6 +449,7 @@ def test_killed_build_publishes_nothing(fresh_cache, tmp_path):
     assert [path for path, _ in cache.iter_entries(root)] == [entry]
 
 
+@pytest.mark.thorough
 @pytest.mark.slow
 def test_corrupted_entry_is_detected_and_rebuilt(built, tmp_path):
     root = copy_cache(built[0], tmp_path / "cache")
@@ -661,6 +663,7 @@ def test_doctor_names_the_shared_libstdcxx_of_a_static_only_compiler(tmp_path, m
     assert check.ok and "no libstdc++.so, so modules link" in check.detail and "libstdc++.so.6" in check.detail
 
 
+@pytest.mark.thorough
 @pytest.mark.slow
 @needs_toolchain
 @needs_binutils
@@ -1014,6 +1017,7 @@ def test_entry_from_another_arch_or_torch_is_never_loaded(built, tmp_path, monke
     never_loaded(other)
 
 
+@pytest.mark.thorough
 @pytest.mark.slow
 @needs_toolchain
 def test_an_entry_built_for_more_archs_serves_each_of_them(tmp_path, monkeypatch):
@@ -1179,6 +1183,7 @@ LOAD_AFTER_REMOVAL = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.thorough
 def test_an_entry_removed_while_loading_is_rebuilt_or_named(built, tmp_path):
     root = copy_cache(built[0], tmp_path / "cache")
     [entry] = entries(root)
