@@ -60,7 +60,7 @@ from ..runtime.checks import (
 from ..runtime.device import empty_f32 as _empty_f32
 from ..runtime.device import peak_dram_bytes_per_s as _peak_dram_bytes_per_s
 from ..runtime.device import raw_stream as _raw_stream
-from ..runtime.device import outside_graph_pool, single_workspace, sm_count, supports_clusters, supports_pdl
+from ..runtime.device import keep_plan, outside_graph_pool, single_workspace, sm_count, supports_clusters, supports_pdl
 from ..runtime.graph_ids import GraphPageIds
 from ..runtime.launch import (
     fast_entry,
@@ -1388,10 +1388,7 @@ def _single_planned(key: tuple | None, heads: tuple, kv_len: int, options: dict,
             return w
 
         wrapper = outside_graph_pool(planned, device)
-        if key is not None:
-            if len(_single_plans) >= _SINGLE_PLANS:
-                _single_plans.pop(next(iter(_single_plans)))
-            _single_plans[key] = wrapper
+        keep_plan(_single_plans, key, wrapper, _SINGLE_PLANS)
     return wrapper
 
 

@@ -93,7 +93,9 @@ def _host_ints(t, name: str) -> np.ndarray:
     if isinstance(t, torch.Tensor):
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {t.dtype} {tuple(t.shape)}")
-        return t.detach().cpu().numpy().astype(np.int64, copy=False)
+        if t.device.type != "cpu" or t.requires_grad:
+            t = t.detach().cpu()
+        return t.numpy().astype(np.int64)  # (a copy: the caller's tensor is never aliased)
     return np.asarray(t, dtype=np.int64).reshape(-1)
 
 

@@ -53,6 +53,7 @@ from ..runtime.checks import (
 )
 from ..runtime.device import (
     empty_f32,
+    keep_plan,
     outside_graph_pool,
     placeholder,
     raw_stream,
@@ -1373,10 +1374,7 @@ def _single_planned(key: tuple | None, shape: tuple, options: dict,
         return w
 
     wrapper = outside_graph_pool(planned, device)
-    if key is not None:
-        if len(_single_plans) >= _SINGLE_PLANS:
-            _single_plans.pop(next(iter(_single_plans)))
-        _single_plans[key] = wrapper
+    keep_plan(_single_plans, key, wrapper, _SINGLE_PLANS)
     return wrapper
 
 

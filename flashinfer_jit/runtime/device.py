@@ -120,3 +120,13 @@ def outside_graph_pool(fn, device: torch.device):
     if error:
         raise error[0]
     return result[0]
+
+
+def keep_plan(plans: dict, key, wrapper, most: int) -> None:
+    """The single-request functions' plans, kept by configuration and length: `wrapper` under
+    `key` (None: not kept), the oldest one dropped past `most`."""
+    if key is None:
+        return
+    if len(plans) >= most:
+        plans.pop(next(iter(plans)))
+    plans[key] = wrapper
