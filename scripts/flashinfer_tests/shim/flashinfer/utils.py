@@ -19,3 +19,7 @@ def is_sm90a_supported(device) -> bool:
 
 def is_sm100a_supported(device) -> bool:
     return get_compute_capability(device)[0] == 10
+
+
+class GPUArchitectureError(Exception):
+    """FlashInfer's error for a kernel its GPU cannot run (its test helpers import it)."""
