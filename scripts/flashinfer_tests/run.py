@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-DEFAULT_EXCLUDE = r"nvfp4|profiler"
+DEFAULT_EXCLUDE = r"nvfp4|profiler|cutile|qk448_vo256"
 
 
 def prepare(flashinfer: Path, files: list[str], work: Path) -> list[str]:
