@@ -19,6 +19,7 @@ Their modules are in scripts/matrices/tests (bf16/fp16 head_dim 128, 32 query / 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -580,3 +581,48 @@ def test_gpu_layer_reduce_overhead_append_rope_prefill_decode():
     layer(*args)  # eager first: modules loaded
     compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
     _assert_kernels_in_graph(compiled, args, lambda i: _layer_inputs(300 + i, lens, nnz, num_pages), eager, "layer")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [False, True], ids=["decodes-first", "interleaved"])
+def test_gpu_batch_attention_compiles(interleaved):
+    """BatchAttention (one POD launch) under torch.compile: fullgraph=True gives eager's bits,
+    then reduce-overhead replays with the POD kernel inside the graph on fresh q values (the
+    cache, the plan's tensors and the row permutation static inputs)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    qo = [1] * 40 + [300, 4, 77]
+    if interleaved:
+        qo = [1] * 20 + [300] + [1] * 20 + [4, 77]
+    kv = [n + 700 for n in qo]
+    pages = [-(-n // PS) for n in kv]
+    acc = list(itertools.accumulate(pages, initial=0))
+    qo_indptr = torch.tensor(list(itertools.accumulate(qo, initial=0)), dtype=torch.int32)
+    ba = fi.BatchAttention("NHD", device=DEV)
+    ba.plan(qo_indptr, torch.tensor(acc, dtype=torch.int32), torch.arange(acc[-1], dtype=torch.int32, device=DEV),
+            torch.tensor(kv, dtype=torch.int32), HQ, HK, D, D, PS, causal=True, q_data_type=BF16, kv_data_type=BF16)
+    cache = torch.randn(acc[-1] + 2, 2, PS, HK, D, generator=torch.Generator(device=DEV).manual_seed(3),
+                        device=DEV).to(BF16)
+    q = torch.randn(sum(qo), HQ, D, generator=torch.Generator(device=DEV).manual_seed(4), device=DEV).to(BF16)
+
+    def step(q, cache):
+        out, lse = ba.run(q * 1.0, cache)
+        return out + 1, lse
+
+    expected = [t.clone() for t in step(q, cache)]
+    explained = torch._dynamo.explain(step)(q, cache)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True)(q, cache)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    torch._dynamo.reset()
+    torch._dynamo.mark_static_address(cache)
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+
+    def fresh(i):
+        g = torch.Generator(device=DEV).manual_seed(400 + i)
+        return [torch.randn(q.shape, generator=g, device=DEV).to(BF16), None]
+
+    _assert_kernels_in_graph(compiled, [q, cache], fresh, step, "BatchAttention")
