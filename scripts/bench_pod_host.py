@@ -22,6 +22,7 @@ JSON: meta, plan_batch_pod, plan_batch_attention, run_* (median_us, min_us, n, r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -37,11 +38,12 @@ HEADS = (32, 8, 128, 16)
 def csr(torch, qo, kv, device, page_size=16):
     """(qo_indptr, kv_indptr, kv_indices, last_page_len, kv_lens): host int32 but the ids."""
     pages = [-(-n // page_size) for n in kv]
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    acc = lambda v: [0] + list(__import__("itertools").accumulate(v))  # noqa: E731
+    def i32(v):
+        return torch.tensor(list(v), dtype=torch.int32)
+
     ids = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(len(kv))).int().to(device)
-    return (i32(acc(qo)), i32(acc(pages)), ids, i32([n - (p - 1) * page_size for n, p in zip(kv, pages)]),
-            i32(kv))
+    return (i32(itertools.accumulate(qo, initial=0)), i32(itertools.accumulate(pages, initial=0)), ids,
+            i32(n - (p - 1) * page_size for n, p in zip(kv, pages)), i32(kv))
 
 
 def mixed(torch, seed: int, device):

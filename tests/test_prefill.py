@@ -1655,6 +1655,7 @@ def test_multi_item_mask_is_flashinfers():
     (dict(prefix_len_ptr=[60]), "prefix_len_ptr: request 0's prefix 60"),
     (dict(token_pos_in_items_ptr=list(range(10))), "token_pos_in_items_ptr: 10 entries"),
     (dict(token_pos_in_items_len=-1), "token_pos_in_items_len"),
+    (dict(token_pos_in_items_ptr=[-1] * 40), "token_pos_in_items_ptr: expected positions >= 0"),
     (dict(max_item_len_ptr=[1, 2]), "max_item_len_ptr"),
 ])
 def test_multi_item_arguments_are_checked(change, match):

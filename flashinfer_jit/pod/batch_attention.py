@@ -24,7 +24,8 @@ import torch
 from ..decode.spec import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
-from ..runtime.checks import as_dtype, dtype_str, expect_bool, expect_choice, expect_heads, static_inputs
+from ..runtime.checks import (as_dtype, dtype_str, expect_bool, expect_choice, expect_heads, host_index,
+                              static_inputs)
 from ..runtime.page_table import unpack_paged_kv_cache
 from .wrapper import BatchPODWithPagedKVCacheWrapper
 
@@ -109,12 +110,6 @@ def _side_errors(side: str, split: BatchSplit):
                          f"[{ids(split.decode)}], the prefill side's [{ids(split.prefill)}])") from exc
 
 
-def _host(t, name: str) -> np.ndarray:
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor")
-    return t.detach().to("cpu", torch.int64).numpy()
-
-
 class BatchAttention:
     """FlashInfer's BatchAttention: one batch of requests of any lengths (decodes, chunks of
     prompts, speculative verification) over one paged KV cache, one q and one output.
@@ -148,9 +143,9 @@ class BatchAttention:
         if use_profiler:
             raise ValueError("use_profiler: FlashInfer's persistent kernel's profiler has no counterpart here; "
                              "pass False")
-        qo = _host(qo_indptr, "qo_indptr")
-        kv = _host(kv_indptr, "kv_indptr")
-        lens = _host(kv_len_arr, "kv_len_arr")
+        qo = host_index(qo_indptr, "qo_indptr")
+        kv = host_index(kv_indptr, "kv_indptr")
+        lens = host_index(kv_len_arr, "kv_len_arr")
         batch = len(lens)
         if len(qo) != batch + 1 or len(kv) != batch + 1:
             raise ValueError(f"qo_indptr and kv_indptr: expected {batch + 1} entries (kv_len_arr has {batch}), got "

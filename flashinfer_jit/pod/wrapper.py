@@ -30,11 +30,12 @@ from ..runtime.checks import (
     expect_bool,
     expect_choice,
     expect_workspace,
+    host_index,
     static_inputs,
 )
 from ..runtime.device import sm_count, supports_pdl
 from ..runtime.launch import module_op
-from ..runtime.page_table import unpack_paged_kv_cache
+from ..runtime.page_table import csr_kv_lens_host, unpack_paged_kv_cache
 from .spec import PodSpec, pod_tiles
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
@@ -88,29 +89,15 @@ def prefill_flops(qo_lens, kv_lens, causal: bool, num_qo_heads: int, head_dim: i
     return float(q @ seen) * num_qo_heads * head_dim * 4.0
 
 
-def _host_ints(t, name: str) -> np.ndarray:
-    """A 1-D int32/int64 index vector (a tensor on any device, or a sequence) as int64 numpy."""
-    if isinstance(t, torch.Tensor):
-        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {t.dtype} {tuple(t.shape)}")
-        if t.device.type != "cpu" or t.requires_grad:
-            t = t.detach().cpu()
-        return t.numpy().astype(np.int64)  # (a copy: the caller's tensor is never aliased)
-    return np.asarray(t, dtype=np.int64).reshape(-1)
-
-
 def csr_kv_lens(indptr, last_page_len, page_size: int) -> np.ndarray:
-    """Each request's keys from a CSR page table, on the host: get_seq_lens' formula ((pages
-    - 1) x page_size + the last page's, 0 for a request without pages) in numpy, a few µs
-    where the torch ops on host tensors took tens (a last-page buffer longer than the batch,
-    a CUDA-graph wrapper's, cut to it)."""
-    ip = _host_ints(indptr, "kv_indptr")
-    last = _host_ints(last_page_len, "kv_last_page_len")[: max(ip.shape[0] - 1, 0)]
-    pages = ip[1:] - ip[:-1]
-    if last.shape[0] != pages.shape[0]:
-        raise ValueError(f"kv_last_page_len: expected {pages.shape[0]} values (one a request of kv_indptr), got "
+    """Each request's keys from a CSR page table, on the host (csr_kv_lens_host; a last-page
+    buffer longer than the batch, a CUDA-graph wrapper's, cut to it)."""
+    ip = host_index(indptr, "kv_indptr")
+    last = host_index(last_page_len, "kv_last_page_len")[: max(ip.shape[0] - 1, 0)]
+    if last.shape[0] != ip.shape[0] - 1:
+        raise ValueError(f"kv_last_page_len: expected {ip.shape[0] - 1} values (one a request of kv_indptr), got "
                          f"{last.shape[0]}")
-    return np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    return csr_kv_lens_host(ip, last, page_size)
 
 
 def decode_share(flops: float, kv_bytes: float) -> float:
@@ -390,7 +377,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         _no_rope(pos_encoding_mode, "pos_encoding_mode")
         expect_bool(causal, "causal")
         if qo_indptr_d is not None:
-            d = _host_ints(qo_indptr_d, "qo_indptr_d")
+            d = host_index(qo_indptr_d, "qo_indptr_d")
             if bool((d[1:] - d[:-1] != 1).any()):
                 raise ValueError("qo_indptr_d: the decode side takes one query token a request (qo_indptr_d = "
                                  "arange(batch + 1)); put longer requests on the prefill side")
@@ -402,7 +389,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads, num_kv_heads,
                               head_dim, page_size, window_left, sm_scale, q_dtype or "float16", kv_dtype, non_blocking)
         self._plan_decode_bytes(kv_indptr_d, last_page_len_d)
-        qo = _host_ints(qo_indptr_p, "qo_indptr_p")
+        qo = host_index(qo_indptr_p, "qo_indptr_p")
         self._prefill_lens = (qo[1:] - qo[:-1], csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
         self._prefill_mask = None
         self._plan_prefill(causal, None, None)

@@ -44,6 +44,7 @@ from ..runtime.checks import (
     expect_heads,
     expect_window_left,
     expect_workspace,
+    host_index,
     passed_run_checks,
     remembered,
     run_signature,
@@ -74,6 +75,7 @@ from ..runtime.launch import (
 from ..runtime.native import ctypes_entry, optional_entry
 from ..runtime.page_order import PageOrder
 from ..runtime.page_table import (
+    csr_kv_lens_host,
     expect_one_page_table,
     parse_block_tables,
     unpack_paged_kv_cache,
@@ -178,20 +180,9 @@ def _kv_lens_numpy(side: int, kv_a: torch.Tensor, kv_b, page_size: int) -> np.nd
     a = kv_a.numpy().astype(np.int64)
     if side == _SEQ_LENS:
         return a
-    n = np.diff(a)
     if side == _CSR:
-        return np.where(n > 0, (n - 1) * page_size + kv_b.numpy(), 0)
-    return n
-
-
-def _host_index(t, name: str) -> np.ndarray:
-    """A 1-D integer tensor (any int or uint dtype, any device; a device one is read with a
-    synchronization) or sequence, as int64 numpy."""
-    if isinstance(t, torch.Tensor):
-        if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"{name}: expected a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}")
-        return t.detach().cpu().to(torch.int64).numpy()
-    return np.asarray(t, dtype=np.int64).reshape(-1)
+        return csr_kv_lens_host(a, kv_b.numpy(), page_size)
+    return np.diff(a)
 
 
 def multi_item_mask(qo_lens, kv_lens, prefix_lens, token_pos, token_pos_len: int) -> np.ndarray:
@@ -225,19 +216,22 @@ def _multi_item_custom_mask(qo_indptr, kv_lens: np.ndarray, prefix_len_ptr, toke
                          "is optional)")
     if not isinstance(token_pos_in_items_len, int) or token_pos_in_items_len < 0:
         raise ValueError(f"token_pos_in_items_len: expected a non-negative int, got {token_pos_in_items_len!r}")
-    qo = _host_index(qo_indptr, "qo_indptr")
+    qo = host_index(qo_indptr, "qo_indptr", any_int=True)
     qo_lens = np.diff(qo)
     batch = qo_lens.shape[0]
     if kv_lens.shape[0] != batch:
         raise ValueError(f"qo_indptr: {batch} requests, the page table has {kv_lens.shape[0]}")
-    prefix = _host_index(prefix_len_ptr, "prefix_len_ptr")
+    prefix = host_index(prefix_len_ptr, "prefix_len_ptr", any_int=True)
     if prefix.shape[0] != batch:
         raise ValueError(f"prefix_len_ptr: expected one prefix length a request ({batch}), got {prefix.shape[0]}")
     if ((prefix < 0) | (prefix > kv_lens)).any():
         b = int(np.nonzero((prefix < 0) | (prefix > kv_lens))[0][0])
         raise ValueError(f"prefix_len_ptr: request {b}'s prefix {int(prefix[b])} is not within its {int(kv_lens[b])} "
                          "keys")
-    token_pos = _host_index(token_pos_in_items_ptr, "token_pos_in_items_ptr")
+    token_pos = host_index(token_pos_in_items_ptr, "token_pos_in_items_ptr", any_int=True)
+    if (token_pos < 0).any():
+        raise ValueError("token_pos_in_items_ptr: expected positions >= 0 (0 a delimiter, 1.. an item's tokens), got "
+                         f"{int(token_pos.min())}")
     need = np.maximum(kv_lens - prefix, 0)  # entries a request reads: positions prefix_len .. kv_len - 1
     if batch > 1 and (need > token_pos_in_items_len).any():
         b = int(np.nonzero(need > token_pos_in_items_len)[0][0])
@@ -247,7 +241,7 @@ def _multi_item_custom_mask(qo_indptr, kv_lens: np.ndarray, prefix_len_ptr, toke
     if last > token_pos.shape[0]:
         raise ValueError(f"token_pos_in_items_ptr: {token_pos.shape[0]} entries, fewer than the {int(last)} the "
                          "requests' tokens past their prefixes read")
-    if max_item_len_ptr is not None and _host_index(max_item_len_ptr, "max_item_len_ptr").shape[0] != batch:
+    if max_item_len_ptr is not None and host_index(max_item_len_ptr, "max_item_len_ptr", any_int=True).shape[0] != batch:
         raise ValueError(f"max_item_len_ptr: expected one value a request ({batch})")
     return torch.from_numpy(multi_item_mask(qo_lens, kv_lens, prefix, token_pos, token_pos_in_items_len))
 
@@ -1175,16 +1169,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             # multi-item scoring: FlashInfer's mask, as a custom mask built here (it replaces
             # causal and any custom mask, as FlashInfer's MULTIITEMSCORING mode does)
             if block_tables is not None:
-                kv_lens = _host_index(seq_lens, "seq_lens") if seq_lens is not None else None
+                kv_lens = host_index(seq_lens, "seq_lens", any_int=True) if seq_lens is not None else None
                 if kv_lens is None:
                     raise ValueError("seq_lens: block_tables take seq_lens")
             else:
-                ip = _host_index(paged_kv_indptr, "paged_kv_indptr")
-                last = _host_index(paged_kv_last_page_len, "paged_kv_last_page_len")[: max(ip.shape[0] - 1, 0)]
-                pages = np.diff(ip)
-                if last.shape[0] != pages.shape[0]:
-                    raise ValueError(f"paged_kv_last_page_len: expected {pages.shape[0]} values, got {last.shape[0]}")
-                kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+                ip = host_index(paged_kv_indptr, "paged_kv_indptr", any_int=True)
+                last = host_index(paged_kv_last_page_len, "paged_kv_last_page_len", any_int=True)
+                if last.shape[0] != ip.shape[0] - 1:
+                    raise ValueError(f"paged_kv_last_page_len: expected {ip.shape[0] - 1} values, got {last.shape[0]}")
+                kv_lens = csr_kv_lens_host(ip, last, page_size)
             custom_mask = _multi_item_custom_mask(qo_indptr, kv_lens, prefix_len_ptr, token_pos_in_items_ptr,
                                                   token_pos_in_items_len, max_item_len_ptr)
             packed_custom_mask, mask_indptr = None, None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+import numpy as np
 import torch
 
 # True while torch.compile's Dynamo traces a call (the only part of torch.compile that runs
@@ -292,3 +293,19 @@ def passed_run_checks(q, k, v, signature) -> tuple | None:
         if not (qp | kp | vp) & 15 and run_signature(q, k, v) == signature:
             return qp, kp, vp
     return None
+
+
+def host_index(t, name: str, any_int: bool = False) -> np.ndarray:
+    """A 1-D index vector on the host, as int64 numpy (a copy; a device tensor is read with a
+    synchronization): an int32 or int64 tensor (with any_int, any integer dtype: FlashInfer's
+    uint16 / uint32 multi-item arrays), or a sequence of ints."""
+    if isinstance(t, torch.Tensor):
+        ok = t.dtype in (torch.int32, torch.int64) or (
+            any_int and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool))
+        if t.dim() != 1 or not ok:
+            raise ValueError(f"{name}: expected a 1-D {'integer' if any_int else 'int32 or int64'} tensor, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+        if t.device.type != "cpu" or t.requires_grad:
+            t = t.detach().cpu()
+        return t.numpy().astype(np.int64)
+    return np.asarray(t, dtype=np.int64).reshape(-1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..pipeline.spec import KV_LAYOUTS, PAGE_TABLES, dtype_name
@@ -85,6 +86,14 @@ class PageTable(NamedTuple):
             raise ValueError(
                 f"page ids out of range: expected 0..{num_pages - 1}, got min {int(used.min())} "
                 f"max {int(used.max())}")
+
+
+def csr_kv_lens_host(indptr: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np.ndarray:
+    """Each request's keys from a CSR page table on the host: (pages - 1) x page_size + the
+    last page's, 0 for a request without pages (get_seq_lens' formula). last_page_len has one
+    value a request (a longer buffer, a CUDA-graph wrapper's: cut it first)."""
+    pages = np.diff(indptr)
+    return np.where(pages > 0, (pages - 1) * page_size + last_page_len, 0)
 
 
 def csr_page_table(kv_indptr, kv_indices, kv_last_page_len=None) -> PageTable:
