@@ -1576,3 +1576,19 @@ def test_batch_decode_multi_token_cluster_split(case, workspace, monkeypatch):
     ref_out, ref_lse = decode_ref(q, k_cache, v_cache, paged.table, lens, kv_layout, logits_soft_cap=cap,
                                   q_len_per_req=n_tok)
     check_decode(out, lse, ref_out, ref_lse, _visible_keys(lens, n_tok), q_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deprecated_data_type_fills_only_what_is_unset(device):
+    """FlashInfer's rule (its decode plan and its tests' `plan(data_type=kv_dtype,
+    q_data_type=q_dtype)`): data_type fills q_data_type and kv_data_type where they are None,
+    so beside q_data_type's default ("float16") it sets the cache's dtype only."""
+    wrapper = _planned(device, data_type=torch.float8_e4m3fn, q_data_type=torch.float16)
+    q = torch.randn(3, 32, 128, device=device).to(torch.float16)
+    with pytest.raises((TypeError, ValueError), match=r"(?i)cache|\bkv"):
+        wrapper.run(q, _cache(6, torch.float16, device))   # planned for an fp8 cache
+    with pytest.raises(ValueError, match="bfloat16 cache needs q of the same dtype, got float16"):
+        _wrapper(device).plan(*_csr(3, device), **PLAN, data_type=torch.bfloat16)   # q stays float16
+    wrapper = _planned(device, data_type=torch.bfloat16, q_data_type=None)
+    with pytest.raises((TypeError, ValueError), match=r"(?i)cache|\bkv"):
+        wrapper.run(q.to(torch.bfloat16), _cache(6, torch.float16, device))   # both bfloat16

@@ -799,8 +799,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         expect_bool(sort_pages, "sort_pages")
         c = _Config()
         c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
-        c.q_dtype = as_dtype(data_type, "data_type") or as_dtype(q_data_type, "q_data_type", torch.float16)
-        c.kv_dtype = as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
+        # FlashInfer's rule for its deprecated data_type: it fills q_data_type and kv_data_type
+        # where they are None, so with q_data_type's default it sets the cache's dtype only
+        data = as_dtype(data_type, "data_type")
+        c.q_dtype = as_dtype(q_data_type, "q_data_type", data or torch.float16)
+        c.kv_dtype = as_dtype(kv_data_type, "kv_data_type", data or c.q_dtype)
         c.out_dtype = _out_dtype(c.q_dtype, c.kv_dtype, as_dtype(o_data_type, "o_data_type"))
         c.q_tokens = q_len_per_req
         c.tile = group_tile(num_qo_heads, num_kv_heads, head_dim, q_len_per_req)
