@@ -1311,7 +1311,7 @@ def test_multi_item_scoring_as_flashinfer_tests_it(case, page_size, soft_cap, re
     pages = -(-kv_len // page_size)
     kv_data = torch.randn(pages, 2, page_size, hk, d, generator=gen, device="cuda").half()
     last = (kv_len - 1) % page_size + 1
-    w = fij.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.int8, device="cuda"), "NHD")
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.int8, device="cuda"), "NHD")
     w.plan(torch.tensor([0, qo_len], dtype=torch.int32, device="cuda"),
            torch.tensor([0, pages], dtype=torch.int32, device="cuda"),
            torch.arange(pages, dtype=torch.int32, device="cuda"), torch.tensor([last], dtype=torch.int32, device="cuda"),
@@ -1323,6 +1323,6 @@ def test_multi_item_scoring_as_flashinfer_tests_it(case, page_size, soft_cap, re
     k = kv_data[:, 0].reshape(-1, hk, d)[:kv_len]
     v = kv_data[:, 1].reshape(-1, hk, d)[:kv_len]
     mask = _items_dense_mask(token_pos, prefix, qo_len, kv_len).cuda()
-    o_ref = fij.single_prefill_with_kv_cache(q, k, v, causal=True, pos_encoding_mode="ROPE_LLAMA",
+    o_ref = flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, pos_encoding_mode="ROPE_LLAMA",
                                              logits_soft_cap=soft_cap, custom_mask=mask)
     torch.testing.assert_close(o, o_ref, rtol=1e-3, atol=1e-3)

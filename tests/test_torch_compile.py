@@ -67,7 +67,21 @@ def _explain_and_compile(fn, *args):
     torch._dynamo.reset()
     torch.compile(fn, fullgraph=True, backend=backend)(*args)
     torch._dynamo.reset()
-    return graphs, torch.compile(fn, fullgraph=True, backend="aot_eager")
+    return graphs, torch.compile(fn, fullgraph=True, backend=_aot_without_synthetic_bases())
+
+
+def _aot_without_synthetic_bases():
+    """aot_eager that fails on an as_strided in the functionalized graph: what AOTAutograd
+    emits where two inputs an op mutates are views of one buffer (a synthetic base, copied
+    whole at every call; inductor read such a copy past the buffer's end on an H200)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward(gm, example_inputs):
+        strided = [str(n.target) for n in gm.graph.nodes if "as_strided" in str(n.target)]
+        assert not strided, f"a synthetic base in the compiled graph: {strided}"
+        return gm.forward
+
+    return aot_autograd(fw_compiler=forward)
 
 
 # === CPU: stand-in ops of the real schemas =========================================================
@@ -275,6 +289,16 @@ def test_pod_wrappers_and_batch_attention_trace_to_the_pod_op(stand_in):
         decode_rows = torch.tensor([n == 1 for n in qo_lens]).repeat_interleave(torch.tensor(qo_lens))
         expect = torch.where(decode_rows[:, None, None], q * 3, q * 2)
         assert torch.equal(out, expect) and bool((lse == 3).all())
+
+        # in place: the caller's out and lse are graph inputs, each side's rows a view of them
+        def into(q, k, v, out, lse):
+            ba.run(q, (k, v), out=out, lse=lse)
+            return out * 1
+
+        out, lse = torch.full_like(q, float("nan")), torch.full((q.shape[0], HQ), float("nan"))
+        graphs, compiled = _explain_and_compile(into, q, k, v, out, lse)
+        assert torch.equal(compiled(q, k, v, out, lse), expect) and torch.equal(out, expect)
+        assert bool((lse == 3).all())
 
 
 # === GPU: the kernels compiled, fullgraph and reduce-overhead ======================================

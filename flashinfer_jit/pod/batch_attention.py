@@ -24,7 +24,7 @@ import torch
 from ..decode.spec import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
-from ..runtime.checks import (as_dtype, dtype_str, expect_bool, expect_choice, expect_heads, host_index,
+from ..runtime.checks import (as_dtype, compiling, dtype_str, expect_bool, expect_choice, expect_heads, host_index,
                               static_inputs)
 from ..runtime.page_table import unpack_paged_kv_cache
 from .wrapper import BatchPODWithPagedKVCacheWrapper
@@ -236,6 +236,7 @@ class BatchAttention:
             raise ValueError(f"q: planned for {dtype_str(q_dtype)}, got {dtype_str(q.dtype)}")
         if q.device != self._device:
             raise ValueError(f"q: on {q.device}, but the wrapper (its workspace and plan) is on {self._device}")
+        given = out is not None or lse is not None
         if out is None:
             out = torch.empty((tokens, hq, dvo), dtype=q.dtype, device=q.device)
         elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (tokens, hq, dvo) or out.dtype != q.dtype or \
@@ -262,6 +263,11 @@ class BatchAttention:
             lse.index_copy_(0, perm, ll)
             return out, lse
         (d0, d1), (p0, p1) = decode_rows, prefill_rows
+        if given and mode == "pod" and compiling():
+            # the caller's out / lse are graph inputs: the two sides' rows as two mutated views
+            # of one input can become a synthetic base, copied whole; the op writes a fresh pair
+            o, l = self.run(q, kv_cache, None, None, k_scale, v_scale, logits_soft_cap)
+            return out.copy_(o), lse.copy_(l)
         self._run_sides(mode, q[p0:p1], q[d0:d1], kv_cache, out[p0:p1], lse[p0:p1], out[d0:d1], lse[d0:d1], k_scale,
                         v_scale)
         return out, lse

@@ -82,13 +82,18 @@ class PodSpec(Spec):
         # (csrc/pod/pod_params.h kPodCounters), which the kernel leaves at zero;
         # decode_share: the share of an SM's blocks that run decode units while both sides
         # have work, on decode_sms SMs (0: every SM; csrc/pod/pod.cuh launch_pod).
+        # partial_o_d is not declared mutated: it is scratch of this launch (both sides' splits
+        # merge inside it), in the workspace half beside partial_o_p's. Under torch.compile two
+        # mutated views of one buffer become a synthetic base that the graph copies whole, and
+        # inductor read that copy past the buffer's end (an illegal address on an H200,
+        # 2026-11-29); one mutated view of the workspace keeps the graph copy-free.
         return {"pod": (
             "(Tensor q_p, Tensor k_p, Tensor v_p, Tensor[] kv_index_p, Tensor qo_indptr_p, Tensor work_p, "
             "Tensor merge_indptr_p, Tensor? mask_p, Tensor? mask_indptr_p, Tensor(a!) out_p, Tensor(b!) lse_p, "
             "Tensor(c!) partial_o_p, Tensor(d!) partial_lse_p, Tensor(e!) merge_counters_p, float logit_scale_p, "
             "float v_scale_p, int window_left_p, int grid_p, int tile_rows_p, int merge_rows_p, "
             "Tensor q_d, Tensor k_cache_d, Tensor v_cache_d, Tensor[] page_table_d, Tensor work_d, "
-            "Tensor merge_indptr_d, Tensor(f!) out_d, Tensor(g!) lse_d, Tensor(h!) partial_o_d, "
+            "Tensor merge_indptr_d, Tensor(f!) out_d, Tensor(g!) lse_d, Tensor partial_o_d, "
             "Tensor(i!) partial_lse_d, float logit_scale_d, float v_scale_d, int window_left_d, int grid_items_d, "
             "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, float decode_share, int decode_sms, "
             "bool enable_pdl=False) -> ()")}
