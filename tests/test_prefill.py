@@ -1511,7 +1511,7 @@ def test_plan_rejects_custom_masks_of_the_wrong_length(source, what):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("dims", [(64, 128), (128, 64), (96, 96), (192, 192), (256, 128), (512, 512)])
+@pytest.mark.parametrize("dims", [(64, 128), (128, 64), (96, 96), (192, 192), (256, 128), (448, 256), (512, 256)])
 def test_plan_rejects_unsupported_head_dims(source, dims):
     with pytest.raises(ValueError, match="head_dim"):
         _plan(source, _args(source), head_dim_qk=dims[0], head_dim_vo=dims[1])

@@ -35,10 +35,10 @@ def test_valid_combinations_have_distinct_names_and_the_rest_raise_value_error()
     good = [s for s in specs if is_valid(s)]
     assert len({s.name for s in good}) == len(good)
     # 2 q x kv (paged: same or 2 fp8; ragged: same) x 2 out x (paged: 3 page tables x 2 layouts)
-    # x 3 masks x (2 cap x 2 sinks x (4 head pairs x 2: none, RoPE; less RoPE at 192/128)
-    # + 4 head pairs with ALiBi, which takes neither cap nor sinks)
-    paged = 2 * 3 * 2 * 6 * 3 * (2 * 2 * (2 * 4 - 1) + 4)
-    ragged = 2 * 1 * 2 * 1 * 3 * (2 * 2 * (2 * 4 - 1) + 4)
+    # x 3 masks x (2 cap x 2 sinks x (5 head pairs x 2: none, RoPE; less RoPE at 192/128)
+    # + 5 head pairs with ALiBi, which takes neither cap nor sinks)
+    paged = 2 * 3 * 2 * 6 * 3 * (2 * 2 * (2 * 5 - 1) + 5)
+    ragged = 2 * 1 * 2 * 1 * 3 * (2 * 2 * (2 * 5 - 1) + 5)
     assert len(good) == paged + ragged
     for spec in specs:
         if not is_valid(spec):
@@ -47,7 +47,7 @@ def test_valid_combinations_have_distinct_names_and_the_rest_raise_value_error()
 
 
 @pytest.mark.parametrize("params, message", [
-    (dict(head_dim_qk=512, head_dim_vo=512), r"head_dim_qk=512 is not supported; supported: 64, 128, 192, 256"),
+    (dict(head_dim_qk=448, head_dim_vo=256), r"head_dim_qk=448 is not supported; supported: 64, 128, 192, 256, 512"),
     (dict(head_dim_qk=64, head_dim_vo=128), r"head_dim_qk=64 with head_dim_vo=128 is not supported; .*\(192, 128\)"),
     (dict(head_dim_qk=192, head_dim_vo=128, pos_encoding="rope_llama"), "apply RoPE to the rope dims before"),
     (dict(dtype_kv="float16"), "a float16 K/V needs q of the same dtype, got bfloat16"),
@@ -83,3 +83,4 @@ def test_registered_and_rendered():
     assert "prefill/prefill.cuh" in rendered.headers and "common/page_table.cuh" in rendered.headers
     assert spec.tile_rows == (64, 128)
     assert PrefillSpec(**BF16, head_dim_qk=256, head_dim_vo=256).tile_rows == (64, 128)
+    assert PrefillSpec(**BF16, head_dim_qk=512, head_dim_vo=512).tile_rows == (64,)  # 8 warps, 192 KB

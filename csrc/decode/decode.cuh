@@ -2,7 +2,7 @@
 //
 // A block takes one work item (a request, or a chunk of it under split-KV) for one KV head
 // and a tile of up to 4 of its query heads. Threads are (x, z):
-//   x  kBdx = head_dim / 8 lanes, each holding 8 dims of a row (q, k, v, o) for every
+//   x  kBdx = head_dim / kVec lanes, each holding kVec dims of a row (q, k, v, o) for every
 //      head of the tile: each K/V element is converted once and used by all the heads,
 //      and their dot products are reduced together (reduce_heads)
 //   z  token lanes: each runs its own online softmax over its tokens of a tile
@@ -32,7 +32,9 @@ struct DecodeTraits {
   using O = typename QueryTypes<TQ>::O;  // the output's: q's type, 16-bit for an fp8 q
   using KV = TKV;
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kVec = 8;  // elements of a row per lane
+  // Elements of a row per lane: 8, 16 at head_dim 512 (a row's lanes sit in one warp: 32
+  // lanes of 16, as FlashInfer's CUDA-core decode takes head_dim 512).
+  static constexpr int kVec = HeadDim > 256 ? 16 : 8;
   static constexpr int kBdx = HeadDim / kVec;
   // Query heads per thread: every K/V element is converted once and used for all of them.
   // A group of 8 runs as two tiles of 4 (8 heads x 16 accumulators would cost occupancy).
@@ -43,7 +45,9 @@ struct DecodeTraits {
   // head_dim 256 keeps its registers (capped at 128 its RoPE variant spilled 96 bytes).
   static constexpr int kMinBlocksPerSM = HeadDim <= 128 ? 4 : 2;
   static constexpr int kBdz = kThreads / kBdx;  // token lanes
-  static constexpr int kTileTokens = 32;         // a stage moves 16 KB of bf16 K+V at head_dim 128
+  // a stage moves 16 KB of bf16 K+V at head_dim 128; 16 tokens at head_dim 512 (32 KB: two
+  // stages take 64 KB, so two blocks an SM still fit)
+  static constexpr int kTileTokens = HeadDim > 256 ? 16 : 32;
   static constexpr int kTokensPerZ = kTileTokens / kBdz;
   static constexpr int kRowBytes = HeadDim * int(sizeof(TKV));
   static constexpr int kChunksPerRow = kRowBytes / 16;  // 16-byte cp.async chunks
@@ -59,13 +63,21 @@ struct DecodeTraits {
   static_assert(kBdx >= 2 * kHeads, "the reduce-scatter needs two lanes per head split");
   static_assert(kTokensPerZ >= 1 && kTileTokens % kBdz == 0, "token lanes must divide the tile");
   static_assert(kRowBytes % 16 == 0, "rows are moved in 16-byte chunks");
-  static_assert(sizeof(O) == 2, "a 16-bit output (8 dims of a lane: one 16-byte store)");
+  static_assert(sizeof(O) == 2, "a 16-bit output (8 dims: one 16-byte store)");
+  static_assert(kVec % 8 == 0, "a lane's dims in whole 16-byte (8 x 16-bit) pieces");
   // (the ALiBi bias joins logits in the log2 domain: logit_scale then carries log2 e)
   static_assert(!(kAlibi && kSoftCap), "ALiBi with a soft cap: DecodeSpec rejects it");
 };
 
 // --- small pieces ---------------------------------------------------------------------------
 // (load8_float: csrc/common/common.cuh)
+
+// A lane's V dims of a row (V a multiple of 8) as floats.
+template <int V, typename T>
+FIJ_DEVICE void load_vec_float(const T* ptr, float (&x)[V]) {
+#pragma unroll
+  for (int i = 0; i < V / 8; ++i) load8_float(ptr + 8 * i, *reinterpret_cast<float(*)[8]>(x + 8 * i));
+}
 
 // Sum over the kBdx lanes of a row (consecutive lanes of one warp).
 template <int Lanes>
@@ -117,13 +129,13 @@ FIJ_DEVICE void reduce_heads(const float (&partial)[Heads], int lane, float (&su
   for (int h = 0; h < Heads; ++h) sums[h] = __shfl_sync(kFull, s, lane_of_head<Lanes, Heads>(h), Lanes);
 }
 
-// NeoX RoPE on a row spread over kBdx lanes: lane x holds dims [8x, 8x+8); its partner
-// x ^ kBdx/2 holds the other half of each pair. freq[e] is the frequency of dim 8x+e.
-template <int Lanes>
-FIJ_DEVICE void rope_row(float (&v)[8], const float (&freq)[8], float pos, int x) {
+// NeoX RoPE on a row spread over kBdx lanes: lane x holds dims [V x, V x + V); its partner
+// x ^ kBdx/2 holds the other half of each pair. freq[e] is the frequency of dim V x + e.
+template <int Lanes, int V>
+FIJ_DEVICE void rope_row(float (&v)[V], const float (&freq)[V], float pos, int x) {
   const bool first_half = x < Lanes / 2;
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
+  for (int e = 0; e < V; ++e) {
     const float partner = __shfl_xor_sync(0xffffffffu, v[e], Lanes / 2);
     float s, c;
     sincosf(pos * freq[e], &s, &c);
@@ -132,17 +144,17 @@ FIJ_DEVICE void rope_row(float (&v)[8], const float (&freq)[8], float pos, int x
 }
 
 // One token lane's rows for kHeads query heads: the online softmax (softmax.cuh) and the
-// unnormalized output of this lane's 8 dims.
-template <int Heads>
+// unnormalized output of this lane's V dims.
+template <int Heads, int V>
 struct LaneRows {
   OnlineSoftmax<SoftmaxStart::kNegInf> sm[Heads];
-  float o[Heads][8];
+  float o[Heads][V];
   FIJ_DEVICE void init() {
 #pragma unroll
     for (int h = 0; h < Heads; ++h) {
       sm[h].init();
 #pragma unroll
-      for (int e = 0; e < 8; ++e) o[h][e] = 0.f;
+      for (int e = 0; e < V; ++e) o[h][e] = 0.f;
     }
   }
 };
@@ -187,6 +199,7 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
   using KV = typename Traits::KV;
   constexpr int D = Traits::kHeadDim;
   constexpr int H = Traits::kHeads;
+  constexpr int V = Traits::kVec;  // a lane's dims of a row
 
   if (item_index >= p.work[0]) return;
   const int32_t* item = p.work + 1 + 4 * item_index;
@@ -206,12 +219,12 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
 
   launch.wait_for_inputs();  // q, K, V and the outputs only after the kernel before
 
-  // q of the tile's heads: 8 dims each per lane, rotated at position kv_len - 1, scaled.
-  float q[H][8], freq[8];
+  // q of the tile's heads: V dims each per lane, rotated at position kv_len - 1, scaled.
+  float q[H][V], freq[V];
   if constexpr (Traits::kRope) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int i = (x * 8 + e) % (D / 2);
+    for (int e = 0; e < V; ++e) {
+      const int i = (x * V + e) % (D / 2);
       freq[e] = p.rope_rcp_scale * rope_inv_freq(float(i), float(D), p.rope_log2_theta);
     }
   }
@@ -221,10 +234,10 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
   for (int h = 0; h < H; ++h) slope[h] = Traits::kAlibi ? alibi_slope_log2(head0 + h, p.num_qo_heads) : 0.f;
 #pragma unroll
   for (int h = 0; h < H; ++h) {
-    load8_float(static_cast<const Q*>(p.q) + b * p.q_stride_b + (head0 + h) * p.q_stride_h + x * 8, q[h]);
+    load_vec_float<V>(static_cast<const Q*>(p.q) + b * p.q_stride_b + (head0 + h) * p.q_stride_h + x * V, q[h]);
     if constexpr (Traits::kRope) rope_row<Traits::kBdx>(q[h], freq, float(kv_len - 1), x);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[h][e] *= p.logit_scale;
+    for (int e = 0; e < V; ++e) q[h][e] *= p.logit_scale;
   }
 
   // Stage s: K rows then V rows. Addresses are computed, not kept in an array indexed by a
@@ -255,7 +268,7 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
     cp_async_commit();
   };
 
-  LaneRows<H> st;
+  LaneRows<H, V> st;
   st.init();
   const int num_tiles = end > start ? (end - start + Traits::kTileTokens - 1) / Traits::kTileTokens : 0;
   if (num_tiles > 0) load_tile(start, 0);
@@ -280,15 +293,15 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
     for (int i = 0; i < Traits::kTokensPerZ; ++i) {
       const int t = z * Traits::kTokensPerZ + i;
       const int j = tile_start + t;
-      float k[8];
-      load8_float(ks + t * D + x * 8, k);
+      float k[V];
+      load_vec_float<V>(ks + t * D + x * V, k);
       if constexpr (Traits::kRope) rope_row<Traits::kBdx>(k, freq, float(j), x);
       float partial[H];
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         partial[h] = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) partial[h] += q[h][e] * k[e];
+        for (int e = 0; e < V; ++e) partial[h] += q[h][e] * k[e];
       }
       float s[H];
       reduce_heads<Traits::kBdx, H>(partial, x, s);
@@ -307,18 +320,18 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
       rescale[h] = st.sm[h].move_max(fmaxf(st.sm[h].m, tile_max[h]));
       st.sm[h].d *= rescale[h];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) st.o[h][e] *= rescale[h];
+      for (int e = 0; e < V; ++e) st.o[h][e] *= rescale[h];
     }
 #pragma unroll
     for (int i = 0; i < Traits::kTokensPerZ; ++i) {
-      float v[8];
-      load8_float(vs + (z * Traits::kTokensPerZ + i) * D + x * 8, v);
+      float v[V];
+      load_vec_float<V>(vs + (z * Traits::kTokensPerZ + i) * D + x * V, v);
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         const float prob = st.sm[h].prob(logits[i][h]);
         st.sm[h].d += prob;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) st.o[h][e] += prob * v[e];
+        for (int e = 0; e < V; ++e) st.o[h][e] += prob * v[e];
       }
     }
     __syncthreads();  // the stage is refilled next iteration
@@ -333,7 +346,7 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
 #pragma unroll
     for (int h = 0; h < H; ++h) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) merge_o[(z * H + h) * D + x * 8 + e] = st.o[h][e];
+      for (int e = 0; e < V; ++e) merge_o[(z * H + h) * D + x * V + e] = st.o[h][e];
       if (x == 0) {
         merge_md[(z * H + h) * 2] = st.sm[h].m;
         merge_md[(z * H + h) * 2 + 1] = st.sm[h].d;
@@ -350,13 +363,13 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
         st.sm[h].m = m;
         st.sm[h].d = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) st.o[h][e] = 0.f;
+        for (int e = 0; e < V; ++e) st.o[h][e] = 0.f;
         if (m == -CUDART_INF_F) continue;  // no key in any lane
         for (int zz = 0; zz < Traits::kBdz; ++zz) {
           const float w = exp2f(merge_md[(zz * H + h) * 2] - m);
           st.sm[h].d += w * merge_md[(zz * H + h) * 2 + 1];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) st.o[h][e] += w * merge_o[(zz * H + h) * D + x * 8 + e];
+          for (int e = 0; e < V; ++e) st.o[h][e] += w * merge_o[(zz * H + h) * D + x * V + e];
         }
       }
     }
@@ -367,19 +380,22 @@ FIJ_DEVICE void decode_cuda_core_block(const DecodeParams& p, int item_index, in
       // (ALiBi: the LSE of FlashInfer's bias slope j, pos_encoding.cuh; -inf stays -inf)
       const float norm = r.norm, lse = Traits::kAlibi ? r.lse + slope[h] * float(kv_len - 1) : r.lse;
       if (partial_row < 0) {
-        O* out = static_cast<O*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * 8;
-        Vec16 raw;
-        O* o = reinterpret_cast<O*>(&raw);
+        O* out = static_cast<O*>(p.out) + b * p.out_stride_b + qo_head * p.out_stride_h + x * V;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = static_cast<O>(st.o[h][e] * norm);
-        store_vec16(out, raw);
+        for (int i = 0; i < V / 8; ++i) {  // 8 dims a 16-byte store
+          Vec16 raw;
+          O* o = reinterpret_cast<O*>(&raw);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o[e] = static_cast<O>(st.o[h][8 * i + e] * norm);
+          store_vec16(out + 8 * i, raw);
+        }
         if (p.lse != nullptr && x == 0) p.lse[b * p.num_qo_heads + qo_head] = lse;
       } else {
-        float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + x * 8;
-        reinterpret_cast<float4*>(out)[0] =
-            make_float4(st.o[h][0] * norm, st.o[h][1] * norm, st.o[h][2] * norm, st.o[h][3] * norm);
-        reinterpret_cast<float4*>(out)[1] =
-            make_float4(st.o[h][4] * norm, st.o[h][5] * norm, st.o[h][6] * norm, st.o[h][7] * norm);
+        float* out = p.partial_o + (int64_t(partial_row) * p.num_qo_heads + qo_head) * D + x * V;
+#pragma unroll
+        for (int i = 0; i < V / 4; ++i)
+          reinterpret_cast<float4*>(out)[i] = make_float4(st.o[h][4 * i] * norm, st.o[h][4 * i + 1] * norm,
+                                                          st.o[h][4 * i + 2] * norm, st.o[h][4 * i + 3] * norm);
         if (x == 0) p.partial_lse[int64_t(partial_row) * p.num_qo_heads + qo_head] = lse;
       }
     }

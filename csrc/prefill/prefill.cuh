@@ -56,13 +56,24 @@ struct PrefillTraits {
   // hold 256 output accumulators a lane), one block an SM; K/V tiles of 64 keys, each read
   // once for 128 rows. Else 4 warps, 16 kMFrags rows each.
   static constexpr bool kWide = HeadDimQK >= 256 && MFrags == 2;
-  static constexpr int kWarps = kWide ? 8 : 4;
+  // Head_dim_vo 512 (kVoSplit 2; the 64-row tile only): a 16-row warp would hold 256 output
+  // accumulators a lane, so two warps take each 16-row slice, warp w rows of slice
+  // w % kRowWarps and output dims [(w / kRowWarps) 256, + 256): 128 accumulators a lane, as
+  // head_dim 256's tiles. Both warps of a slice compute the same S = Q K^T and softmax from
+  // the same shared-memory tiles (the same instructions on the same values, so the same
+  // results; no state crosses warps), at the price of the slice's QK^T twice (1.5x the
+  // mma work of one pass). 8 warps, one block an SM: the q rows take 64 KB of shared
+  // memory, two 32-key stages 128 KB.
+  static constexpr int kVoSplit = HeadDimVO > 256 ? 2 : 1;
+  static constexpr int kWarps = kWide ? 8 : 4 * kVoSplit;
+  static constexpr int kRowWarps = kWarps / kVoSplit;  // warps of distinct rows
+  static constexpr int kDVOWarp = HeadDimVO / kVoSplit;  // output dims a warp holds
   static constexpr int kThreads = 32 * kWarps;
   // Rows per warp: 16 kMFrags. Two 16-row fragments share every K/V fragment a warp reads
   // from shared memory (half the ldmatrix traffic per mma); head_dim 256 keeps one (its
   // 128 output accumulators a lane already).
   static constexpr int kMFrags = kWide ? 1 : MFrags;
-  static constexpr int kRows = kWarps * 16 * kMFrags;
+  static constexpr int kRows = kRowWarps * 16 * kMFrags;
   // The 64-row tile at head_dim_qk <= 128 (kQuad): 32-key K/V tiles and four blocks an SM
   // (128 registers, 48 KB of shared memory at head_dim 128), where it ran 64-key tiles two
   // an SM. Its batches (short requests: speculative verification, small chunks) are bound
@@ -155,13 +166,14 @@ struct PrefillTraits {
   // Two blocks an SM (up to 255 registers a thread; capped at 168 for three blocks, the
   // 64-row tile of 64-key tiles spilled 180 bytes); four for kQuad (128 registers); one for
   // head_dim 256's 128-row tile.
-  static constexpr int kMinBlocksPerSM = kWide ? 1 : kQuad ? 4 : 2;
+  static constexpr int kMinBlocksPerSM = kWide || kVoSplit > 1 ? 1 : kQuad ? 4 : 2;
   static constexpr bool kRagged = Ragged;
   static constexpr PageTableLayout kTable = Table;
   static constexpr PrefillMask kMask = Mask;
   static constexpr bool kSoftCap = SoftCap;
   static constexpr bool kSinks = Sinks;
-  static_assert(kDQK % 64 == 0 || kDQK == 192, "head_dim_qk: 64, 128, 192 or 256");
+  static_assert(kDQK % 64 == 0 || kDQK == 192, "head_dim_qk: 64, 128, 192, 256 or 512");
+  static_assert(kVoSplit == 1 || (MFrags == 1 && kDQK == kDVO), "head_dim 512: the 64-row tile of square heads");
   static_assert(kDVO % 16 == 0 && kQChunks % 8 == 0 && (kDVO / 8) % 8 == 0, "rows of whole 128-byte swizzle groups");
   static_assert(kMFrags == 1 || kMFrags == 2, "16 or 32 rows a warp");
   static_assert(!kRope || kDQK == kDVO, "RoPE rotates square heads");
@@ -327,6 +339,12 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
   constexpr int QC = Traits::kQChunks, VOC = DVO / 8;  // 16-bit chunks a row
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, c4 = lane % 4;
+  // The warp's rows (rwarp: its 16 MF-row slice) and output dims [vo_part DVOW, + DVOW): the
+  // warp itself and all of them but where head_dim 512 splits the dims (Traits::kVoSplit).
+  // The K/V copies are spread over every warp (warp).
+  constexpr int DVOW = Traits::kDVOWarp, OWC = DVOW / 8;  // output dims, 16-byte chunks a warp holds
+  const int rwarp = Traits::kVoSplit == 1 ? warp : warp % Traits::kRowWarps;
+  const int vo_part = Traits::kVoSplit == 1 ? 0 : warp / Traits::kRowWarps;
 
   M* sq = reinterpret_cast<M*>(smem);
   const uint32_t sq_u32 = smem_u32(sq);
@@ -597,20 +615,20 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
   for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const DivMod th = split_row(row0 + warp * 16 * MF + mf * 16 + g + 8 * h);
+      const DivMod th = split_row(row0 + rwarp * 16 * MF + mf * 16 + g + 8 * h);
       row_pos[mf][h] = th.quot + delta;
       row_slope[mf][h] = Traits::kAlibi ? alibi_slope_log2(kv_head * group + th.rem, p.num_qo_heads) : 0.f;
     }
 
   // The rows' online softmax (softmax.cuh); d sums this lane's keys of the row only.
   OnlineSoftmax<> st[MF][2];
-  float o[MF][DVO / 8][4];
+  float o[MF][DVOW / 8][4];
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) st[mf][h].init();
 #pragma unroll
-    for (int n = 0; n < DVO / 8; ++n)
+    for (int n = 0; n < DVOW / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mf][n][e] = 0.f;
   }
@@ -618,7 +636,7 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
   // biased logits are already in the log2 domain.
   const float ls = Traits::kSoftCap || Traits::kAlibi ? 1.f : p.logit_scale;
   // A warp whose rows are all padding skips the math (it still copies and syncs).
-  const bool warp_live = warp * 16 * MF < live_rows;
+  const bool warp_live = rwarp * 16 * MF < live_rows;
   const int64_t mask_base = Traits::kMask == PrefillMask::kCustom ? int64_t(p.mask_indptr[b]) * 8 : 0;
 
   // ldmatrix lane addresses. Lane l reads row r of a swizzled 16-bit tile at chunk 2 ks + h,
@@ -638,7 +656,7 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
     lane_off.v[j] = uint32_t((lane % 16) * VOC) * 16u + ((32u * j) ^ ax);
     lane_off.k[j] = uint32_t((lane % 8 + 8 * (lane / 16)) * QC) * 16u + ((32u * j) ^ kx);
   }
-  const uint32_t q_warp = sq_u32 + uint32_t(warp * 16 * MF * QC) * 16u;  // the warp's q rows
+  const uint32_t q_warp = sq_u32 + uint32_t(rwarp * 16 * MF * QC) * 16u;  // the warp's q rows
   // q fragment of k step ks, row fragment mf (the warp's rows mf 16 ..)
   auto q_frag = [&](int ks, int mf, uint32_t(&a)[4]) {
     ldmatrix_x4(q_warp + lane_off.q[ks % 4] + uint32_t((ks / 4) * 128 + mf * 16 * QC * 16), a);
@@ -879,12 +897,14 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
 #pragma unroll
         for (int mf = 0; mf < MF; ++mf)
 #pragma unroll
-          for (int n = 0; n < DVO / 8; ++n)
+          for (int n = 0; n < DVOW / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[mf][n][e] *= scale[mf][e >> 1];
       }
       // O += P V
-      const uint32_t tv_u32 = smem_u32(tv);
+      // (the warp's dims of V: chunks vo_part OWC .., a multiple of 8, so the swizzle's low
+      // bits and lane_off.v hold; 0 where the dims are not split)
+      const uint32_t tv_u32 = smem_u32(tv) + uint32_t(vo_part * DVOW * 2);
 #pragma unroll
       for (int kt = 0; kt < SUB / 16; ++kt) {
         uint32_t pa[MF][4];
@@ -896,7 +916,7 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
           pa[mf][3] = pack2<M>(sacc[mf][2 * kt + 1][2], sacc[mf][2 * kt + 1][3]);
         }
 #pragma unroll
-        for (int dp = 0; dp < DVO / 16; ++dp) {
+        for (int dp = 0; dp < DVOW / 16; ++dp) {
           uint32_t bv[4];
           ldmatrix_x4_trans(tv_u32 + lane_off.v[dp % 4] + uint32_t((dp / 4) * 128 + (sub * SUB + kt * 16) * VOC * 16), bv);
 #pragma unroll
@@ -945,14 +965,14 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
       OnlineSoftmax<> row = st[mf][h];
       row.d += __shfl_xor_sync(0xffffffffu, row.d, 1);  // the row's whole sum
       row.d += __shfl_xor_sync(0xffffffffu, row.d, 2);
-      const int r = warp * 16 * MF + mf * 16 + g + 8 * h;
+      const int r = rwarp * 16 * MF + mf * 16 + g + 8 * h;
       const DivMod th = split_row(row0 + r);
       const int t = th.quot, qo_head = kv_head * group + th.rem;
       if constexpr (Traits::kSinks) {
         if (item.chunk == 0 && r < live_rows) {
           const float scale = row.add_sink(p.sinks[qo_head] * 1.4426950408889634f);
 #pragma unroll
-          for (int n = 0; n < DVO / 8; ++n) {
+          for (int n = 0; n < DVOW / 8; ++n) {
             o[mf][n][2 * h] *= scale;
             o[mf][n][2 * h + 1] *= scale;
           }
@@ -963,15 +983,15 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
       // (ALiBi: the LSE of FlashInfer's bias slope (j - t), pos_encoding.cuh; -inf stays -inf)
       const float lse = Traits::kAlibi ? row.lse() + row_slope[mf][h] * float(delta) : row.lse();
       if (item.partial_row < 0) {
-        if (p.lse != nullptr && c4 == 0) p.lse[int64_t(qo_start + t) * p.num_qo_heads + qo_head] = lse;
+        if (p.lse != nullptr && c4 == 0 && vo_part == 0) p.lse[int64_t(qo_start + t) * p.num_qo_heads + qo_head] = lse;
       } else {
         const int64_t prow = int64_t(item.partial_row + t * item.chunks + item.chunk) * p.num_qo_heads + qo_head;
-        float* dst = p.partial_o + prow * DVO;
+        float* dst = p.partial_o + prow * DVO + vo_part * DVOW;
 #pragma unroll
-        for (int n = 0; n < DVO / 8; ++n)
+        for (int n = 0; n < DVOW / 8; ++n)
           *reinterpret_cast<float2*>(dst + n * 8 + 2 * c4) =
               make_float2(o[mf][n][2 * h] * norm[mf][h], o[mf][n][2 * h + 1] * norm[mf][h]);
-        if (c4 == 0) p.partial_lse[prow] = lse;
+        if (c4 == 0 && vo_part == 0) p.partial_lse[prow] = lse;
       }
     }
   }
@@ -985,11 +1005,13 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
       // stmatrix: four 8x8 tiles a call (rows 0-7 and 8-15 of columns n and n + 1), each
       // lane the address of one tile row: row (lane / 8 % 2) 8 + lane % 8 of the fragment,
       // chunk n + lane / 16, at (n + lane / 16) ^ (row % 8) = n ^ (lane / 16 ^ lane % 8)
+      // (the warp's dims start at chunk vo_part OWC, a multiple of 8: outside the swizzle)
       const uint32_t row_addr =
-          sq_u32 + uint32_t((warp * 16 * MF + mf * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * QC) * 16u;
+          sq_u32 + uint32_t((rwarp * 16 * MF + mf * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * QC) * 16u +
+          uint32_t(vo_part * DVOW * 2);
       const uint32_t x = uint32_t((lane >> 4) ^ (lane & 7)) * 16u;
 #pragma unroll
-      for (int n = 0; n < DVO / 8; n += 2) {
+      for (int n = 0; n < DVOW / 8; n += 2) {
         const uint32_t w0 = pack2<TO>(o[mf][n][0] * norm[mf][0], o[mf][n][1] * norm[mf][0]);
         const uint32_t w1 = pack2<TO>(o[mf][n][2] * norm[mf][1], o[mf][n][3] * norm[mf][1]);
         const uint32_t w2 = pack2<TO>(o[mf][n + 1][0] * norm[mf][0], o[mf][n + 1][1] * norm[mf][0]);
@@ -1001,10 +1023,10 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
 #else
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 * MF + mf * 16 + g + 8 * h;
-        const uint32_t row_addr = sq_u32 + uint32_t(r * QC) * 16u;
+        const int r = rwarp * 16 * MF + mf * 16 + g + 8 * h;
+        const uint32_t row_addr = sq_u32 + uint32_t(r * QC) * 16u + uint32_t(vo_part * DVOW * 2);
 #pragma unroll
-        for (int n = 0; n < DVO / 8; ++n) {
+        for (int n = 0; n < DVOW / 8; ++n) {
           const uint32_t w = pack2<TO>(o[mf][n][2 * h] * norm[mf][h], o[mf][n][2 * h + 1] * norm[mf][h]);
           asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row_addr + uint32_t((n ^ (r & 7)) * 16 + c4 * 4)), "r"(w));
         }
@@ -1013,22 +1035,24 @@ FIJ_DEVICE void prefill_attend(const PrefillParams& p, const PrefillItem& item, 
     }
     __syncwarp();
     constexpr int kWarpRows = 16 * MF;
-    static_assert(32 % VOC == 0, "whole output rows a warp pass");
-    // lane: chunk lane % VOC of rows r0 + it STEP, its destination stepped by PackedRowSteps
-    constexpr int STEP = 32 / VOC;
-    int r0 = warp * kWarpRows + lane / VOC;
+    static_assert(32 % OWC == 0, "whole output rows (of the warp's dims) a warp pass");
+    // lane: chunk lane % OWC of the warp's dims of rows r0 + it STEP, its destination stepped by
+    // PackedRowSteps
+    constexpr int STEP = 32 / OWC;
+    int r0 = rwarp * kWarpRows + lane / OWC;
     // (an empty asm ties what follows from r0 to this point: ptxas otherwise computed these
     // addresses before the tile loop and spilled them across it, 88 B at head_dim 128)
     asm volatile("" : "+r"(r0));
     PackedRowSteps rs(row0 + r0, STEP, group, p.group_magic, p.out_stride_n, p.out_stride_h);
     TO* dst = static_cast<TO*>(p.out) + int64_t(qo_start) * p.out_stride_n + int64_t(kv_head * group) * p.out_stride_h +
-              rs.first + (lane % VOC) * 8;
+              rs.first + vo_part * DVOW + (lane % OWC) * 8;
     // The warp's rows read from shared memory first, all of them (rows past live_rows hold
     // the tile's unused rows: read, not stored), then stored: the reads' latencies overlap
     // instead of each store waiting on its own read behind a branch.
     uint4 vals[kWarpRows / STEP];
 #pragma unroll
-    for (int it = 0; it < kWarpRows / STEP; ++it) vals[it] = lds128(sq + swz<QC>(r0 + it * STEP, (lane % VOC) * 8));
+    for (int it = 0; it < kWarpRows / STEP; ++it)
+      vals[it] = lds128(sq + swz<QC>(r0 + it * STEP, vo_part * DVOW + (lane % OWC) * 8));
 #pragma unroll
     for (int it = 0; it < kWarpRows / STEP; ++it) {
       if (r0 + it * STEP < live_rows) *reinterpret_cast<uint4*>(dst) = vals[it];

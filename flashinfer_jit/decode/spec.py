@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from ..pipeline.spec import DTYPES, FP8_DTYPES, HEAD_DIMS, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES, Spec, choice
 
 GROUP_TILES = (1, 2, 4, 8, 16)
+# head_dim values a decode module takes: the shared ones and 512, which runs on the CUDA-core
+# kernel only (see uses_tensor_cores). (POD, append and merge keep pipeline.spec.HEAD_DIMS.)
+DECODE_HEAD_DIMS = (*HEAD_DIMS, 512)
+# the largest head_dim of the tensor-core kernel (csrc/decode/decode_mma.cuh)
+MAX_MMA_HEAD_DIM = 256
 
 
 MAX_Q_TOKENS = 16
@@ -35,14 +40,17 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def uses_tensor_cores(positional: bool) -> bool:
+def uses_tensor_cores(positional: bool, head_dim: int = 128) -> bool:
     """Which kernel a DecodeSpec compiles to: csrc/decode/decode_mma.cuh (tensor cores) without
     an in-kernel positional encoding, whatever the group tile (1 and 2 heads too: the mma's
     idle rows cost nothing that matters, and per KV byte it runs the instructions of a 4-head
     tile), csrc/decode/decode.cuh (CUDA cores) with one (positional: RoPE or ALiBi; the
-    tensor-core kernel has neither). The templates take this choice from the spec's
+    tensor-core kernel has neither), and at head_dim 512 (the tensor-core kernel holds q's
+    fragments, 4 registers a k step, and O^T's accumulators, 4 a 16-dim row tile, in
+    registers: 128 + 128 a lane at 512, beyond what a thread has; FlashInfer's CUDA-core decode
+    takes head_dim 512 the same way). The templates take this choice from the spec's
     context."""
-    return not positional
+    return not positional and head_dim <= MAX_MMA_HEAD_DIM
 
 
 def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, positional: bool, kv_layout: str,
@@ -55,7 +63,7 @@ def pairs_kv_heads(dtype_kv: str, head_dim: int, group_tile: int, positional: bo
     num_kv_heads x 128 bytes. Multi-token tiles (q_tokens > 1) take one KV head a block.
     positional: RoPE or ALiBi in the kernel (then the CUDA-core kernel, which has no pairs)."""
     row_bytes = head_dim * (1 if dtype_kv.startswith("float8") else 2)
-    return uses_tensor_cores(positional) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128 and q_tokens == 1
+    return uses_tensor_cores(positional, head_dim) and group_tile <= 8 and kv_layout == "NHD" and row_bytes <= 128 and q_tokens == 1
 
 
 def cluster_blocks(head_dim: int) -> int:
@@ -92,7 +100,7 @@ class DecodeSpec(Spec):
 
     dtype_q: str = choice("float16", "bfloat16", *FP8_DTYPES)
     dtype_kv: str = choice(*PAGED_KV_DTYPES)
-    head_dim: int = choice(*HEAD_DIMS, tag="hd{}")
+    head_dim: int = choice(*DECODE_HEAD_DIMS, tag="hd{}")
     group_tile: int = choice(*GROUP_TILES, tag="g{}", default=1)
     page_table: str = choice(*PAGE_TABLES, default="csr")
     kv_layout: str = choice(*KV_LAYOUTS, default="NHD")
@@ -129,6 +137,9 @@ class DecodeSpec(Spec):
                 raise ValueError("DecodeSpec: alibi with q_tokens > 1 is not supported (multi-token decode runs on "
                                  "tensor cores, without an in-kernel positional encoding)")
         if self.q_tokens > 1:
+            if not uses_tensor_cores(False, self.head_dim):
+                raise ValueError(f"DecodeSpec: q_tokens > 1 (multi-token decode) runs on tensor cores, which take "
+                                 f"head_dim <= {MAX_MMA_HEAD_DIM}, got {self.head_dim}")
             if self.rope:
                 raise ValueError("DecodeSpec: q_tokens > 1 (multi-token decode) runs on tensor cores, without "
                                  "in-kernel RoPE (rotate q and k before the append instead)")
@@ -159,7 +170,7 @@ class DecodeSpec(Spec):
             f"fij::QueryOut<{DTYPES[self.dtype_q][0]}, {DTYPES[self.dtype_o][0]}>"
         return super().context() | {"pair_kv_heads": self.pairs_kv_heads,
                                     "cluster_blocks": cluster_blocks(self.head_dim),
-                                    "tensor_cores": uses_tensor_cores(self.positional), "q_type": q_type,
+                                    "tensor_cores": uses_tensor_cores(self.positional, self.head_dim), "q_type": q_type,
                                     "out_dtype": self.out_dtype,
                                     "pos_encoding": "rope_llama" if self.rope else "alibi" if self.alibi else "none"}
 

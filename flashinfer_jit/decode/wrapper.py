@@ -33,7 +33,7 @@ import torch
 
 from ..pipeline import env
 from ..pipeline.jit import op_cache, traced_op
-from ..pipeline.spec import HEAD_DIMS, dtype_name
+from ..pipeline.spec import dtype_name
 from ..runtime.capacity import graph_capacity, heads_fixed
 from ..runtime.checks import (
     BACKENDS,
@@ -82,6 +82,8 @@ from ..runtime.plan_buffer import PlanBuffer
 from ..runtime.scales import logit_scale as scaled_logits
 from ..runtime.split_kv import SplitBuffers
 from .spec import (
+    DECODE_HEAD_DIMS,
+    MAX_MMA_HEAD_DIM,
     MAX_Q_TOKENS,
     DecodePlanSpec,
     DecodeSpec,
@@ -778,8 +780,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """plan()'s scalar arguments checked, and what follows from them."""
         expect_heads(num_qo_heads, num_kv_heads, head_dim=head_dim, page_size=page_size)
         expect_choice(pos_encoding_mode, "pos_encoding_mode", POS_ENCODING_MODES)
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim: {head_dim} is not supported; supported: {', '.join(map(str, HEAD_DIMS))}")
+        if head_dim not in DECODE_HEAD_DIMS:
+            raise ValueError(f"head_dim: {head_dim} is not supported; supported: "
+                             f"{', '.join(map(str, DECODE_HEAD_DIMS))}")
         expect_window_left(window_left)
         soft_cap = soft_cap_value(logits_soft_cap)
         if pos_encoding_mode == "ALIBI" and soft_cap:
@@ -791,6 +794,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if pos_encoding_mode != "NONE":
                 raise ValueError(f"q_len_per_req={q_len_per_req}: multi-token decode takes pos_encoding_mode='NONE' "
                                  f"(rotate q and k before the append), got {pos_encoding_mode!r}")
+            if not uses_tensor_cores(False, head_dim):
+                raise ValueError(f"q_len_per_req={q_len_per_req}: multi-token decode runs on tensor cores, which take "
+                                 f"head_dim <= {MAX_MMA_HEAD_DIM}, got {head_dim}")
             if q_len_per_req > max_tile_rows(head_dim):
                 raise ValueError(f"q_len_per_req: at most {max_tile_rows(head_dim)} tokens at head_dim {head_dim}, "
                                  f"got {q_len_per_req}")
@@ -821,7 +827,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # at once; not measured against fewer), about 3 of the CUDA-core kernel (two 32-token
         # stages in flight each); a split costs a partial-state write and the merge.
         device = self._device
-        c.tensor_cores = uses_tensor_cores(c.rope or c.alibi)
+        c.tensor_cores = uses_tensor_cores(c.rope or c.alibi, head_dim)
         per_sm = _MMA_SPLIT_BLOCKS_PER_SM if c.tensor_cores and head_dim <= 128 else _SPLIT_BLOCKS_PER_SM
         if c.tensor_cores and head_dim <= 128 and c.tile * q_len_per_req > 8:  # 16-row tiles
             per_sm = 3  # 16-head tiles take more registers (csrc/decode/decode_mma.cuh kMinBlocksPerSM)

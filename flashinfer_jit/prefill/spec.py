@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from ..pipeline.spec import FP8_DTYPES, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES, Spec, choice
 
 # (head_dim_qk, head_dim_vo): square heads, and DeepSeek-style prefill without MLA
-# absorption (192 = 128 nope + 64 rope dims for q and k, 128 for v)
-HEAD_DIM_PAIRS = ((64, 64), (128, 128), (256, 256), (192, 128))
+# absorption (192 = 128 nope + 64 rope dims for q and k, 128 for v); 512 on the 64-row tile
+# only, its output dims split over two warps a row (csrc/prefill/prefill.cuh kVoSplit)
+HEAD_DIM_PAIRS = ((64, 64), (128, 128), (256, 256), (192, 128), (512, 512))
 KV_SOURCES = ("paged", "ragged")
 MASKS = ("none", "causal", "custom")
 POS_ENCODINGS = ("none", "rope_llama", "alibi")
@@ -87,8 +88,9 @@ class PrefillSpec(Spec):
     def tile_rows(self) -> tuple[int, ...]:
         """Query-tile sizes (rows of (token, head) pairs a block) the module holds: 64 and
         128 (at head_dim_qk 256 a 128-row tile is 8 warps of 16 rows: 32 rows a warp would
-        hold 256 accumulators a lane). plan() picks one per batch (csrc/prefill/prefill_plan.h)."""
-        return TILE_ROWS
+        hold 256 accumulators a lane). plan() picks one per batch (csrc/prefill/prefill_plan.h).
+        head_dim 512: the 64-row tile only (its q rows alone take 64 KB of shared memory)."""
+        return tile_rows_of(self.head_dim_qk)
 
     def context(self) -> dict:
         return super().context() | {"tile_rows": self.tile_rows, "mask_enum": _MASK_ENUMS[self.mask]}
@@ -118,7 +120,12 @@ class PrefillSpec(Spec):
 _MASK_ENUMS = {"none": "kNone", "causal": "kCausal", "custom": "kCustom"}
 
 
-TILE_ROWS = (64, 128)  # query-tile sizes every prefill module holds (PrefillSpec.tile_rows)
+TILE_ROWS = (64, 128)  # query-tile sizes a prefill module holds (PrefillSpec.tile_rows)
+
+
+def tile_rows_of(head_dim_qk: int) -> tuple[int, ...]:
+    """The query tiles a module of head_dim_qk holds: TILE_ROWS, the 64-row tile alone at 512."""
+    return (64,) if head_dim_qk >= 512 else TILE_ROWS
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ from ..runtime.page_table import (
 from ..runtime.plan_buffer import PlanBuffer
 from ..runtime.scales import logit_scale, soft_cap_log2
 from ..runtime.split_kv import SplitBuffers
-from .spec import HEAD_DIM_PAIRS, TILE_ROWS, PrefillPlanSpec, PrefillSpec
+from .spec import HEAD_DIM_PAIRS, PrefillPlanSpec, PrefillSpec, tile_rows_of
 
 _PAIR_INTS = 15  # csrc/prefill/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
 _PAIR_IDS_AT, _PAIR_IDS = 11, 4  # (kPrefillPairIdsAt, kPrefillPairIds: the chunk's first page ids, -1 until filled)
@@ -114,6 +114,8 @@ def _blocks_per_sm(head_dim_qk: int, tile_rows: int) -> int:
     head_dim_qk <= 128 runs four (kQuad), head_dim 256's 128-row tile one, the others two."""
     if tile_rows == 64 and head_dim_qk <= 128:
         return 4
+    if head_dim_qk >= 512:  # the 64-row tile of 8 warps, 192 KB of shared memory
+        return 1
     return 1 if tile_rows == 128 and head_dim_qk >= 256 else _BLOCKS_PER_SM
 
 
@@ -723,8 +725,10 @@ class _PrefillWrapper:
     def _max_tile_rows(self, config: _Config) -> int:
         """The largest query tile plan() may pick. A CUDA-graph wrapper's grid loops over the
         work list (_graph_grid); head_dim 256's non-causal 128-row tile takes one item a block
-        (8 warps, csrc/prefill/prefill.cuh kWide, kOneItemABlock), so its graphs keep the 64-row tile."""
-        return min(TILE_ROWS) if self._use_cuda_graph and config.head_dim_qk >= 256 else max(TILE_ROWS)
+        (8 warps, csrc/prefill/prefill.cuh kWide, kOneItemABlock), so its graphs keep the 64-row tile.
+        head_dim 512's modules hold the 64-row tile alone (tile_rows_of)."""
+        tiles = tile_rows_of(config.head_dim_qk)
+        return min(tiles) if self._use_cuda_graph and config.head_dim_qk >= 256 else max(tiles)
 
     def _graph_grid(self, head_dim_qk: int, tile_rows: int) -> int:
         """A CUDA-graph launch's fixed grid: one wave of the tile's blocks, which loop over the
