@@ -1,8 +1,12 @@
-"""The Hopper building blocks (csrc/hopper/: mbarriers, TMA, wgmma) probed by
-tests/hopper/wgmma_probe.cu, a standalone program: S = Q K^T from two TMA-loaded 128B-swizzled
-K-major tiles, O = P V with P in registers and V MN-major (the descriptor's LBO/SBO
-candidates reported), and the dense wgmma rate. The CPU test compiles it for sm_90a (every
-wrapper's PTX assembles); the GPU test runs it on an sm_90 device."""
+"""The Hopper building blocks (csrc/hopper/: mbarriers, TMA, wgmma) in two standalone programs:
+- tests/hopper/wgmma_probe.cu: S = Q K^T from two TMA-loaded 128B-swizzled K-major tiles,
+  O = P V with P in registers and V MN-major (the descriptor's LBO/SBO candidates reported),
+  and the dense wgmma rate;
+- tests/hopper/attn_probe.cu: a first warp-specialized attention kernel on them (producer
+  warpgroup, two consumer warpgroups; bf16, head_dim 128, causal or not, GQA) against a
+  double reference, then timed.
+The CPU tests compile both for sm_90a (every wrapper's PTX assembles, no spills); the GPU
+tests run them on an sm_90 device."""
 
 from __future__ import annotations
 
@@ -15,24 +19,25 @@ import torch
 from flashinfer_jit.pipeline.toolchain import find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "tests" / "hopper" / "wgmma_probe.cu"
+PROBES = ROOT / "tests" / "hopper"
 
 
-def _build(tmp_path) -> Path:
+def _build(tmp_path, name: str = "wgmma_probe") -> Path:
     nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("no nvcc")
-    exe = tmp_path / "wgmma_probe"
+    exe = tmp_path / name
     cmd = [nvcc, "-std=c++17", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", f"-I{ROOT / 'csrc'}",
-           "-Xptxas", "-v", "-o", str(exe), str(PROBE)]
+           "-Xptxas", "-v", "-o", str(exe), str(PROBES / f"{name}.cu")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "spill stores" in done.stderr and " 0 bytes spill stores" in done.stderr
     return exe
 
 
-def test_probe_compiles_for_sm90a(tmp_path):
-    _build(tmp_path)
+@pytest.mark.parametrize("name", ["wgmma_probe", "attn_probe"])
+def test_probe_compiles_for_sm90a(tmp_path, name):
+    _build(tmp_path, name)
 
 
 @pytest.mark.gpu
@@ -45,4 +50,16 @@ def test_probe_on_hopper(tmp_path):
     results = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert float(results["qk_ss_kmajor_rel_err"]) < 1e-5, done.stdout
     assert any(float(v) < 1e-5 for k, v in results.items() if k.startswith("pv_rs_mnmajor")), done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+def test_attention_probe_on_hopper(tmp_path):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma and TMA need an sm_90 device")
+    exe = _build(tmp_path, "attn_probe")
+    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    print(done.stdout)
+    checks = [line.split() for line in done.stdout.splitlines() if line.startswith("check_")]
+    assert len(checks) == 3 and all(float(v) < 2e-2 for _, v in checks), done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr

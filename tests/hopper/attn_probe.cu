@@ -1,0 +1,345 @@
+// A first warp-specialized Hopper attention kernel (issue 64), standalone, on the blocks of
+// csrc/hopper/sm90.cuh: bf16, head_dim 128, ragged requests of equal length (q and K/V
+// [tokens, heads, 128]), causal (bottom-right) or not, GQA. One block: 128 query rows of one
+// head, three warpgroups:
+//   - warpgroup 0, the producer (24 registers): one thread brings Q once and each 128-key K
+//     and V tile by TMA (128B swizzle) into two stages each, waiting on the stages' "empty"
+//     barriers;
+//   - warpgroups 1 and 2, the consumers (240 registers), 64 rows each: S = Q K^T by wgmma
+//     from shared memory, the online softmax in registers, O += P V by wgmma with P from
+//     registers and V MN-major; each stage handed back as soon as its wgmmas are done.
+// No ping-pong between the consumers and no overlap of softmax with the next Q K^T yet:
+// this measures what the plain producer/consumer pipeline gives. Checked against a double
+// reference (tails and masks included), then timed. Prints "name value" lines; exit 0
+// when every check passes.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "hopper/sm90.cuh"
+#include "hopper/tma_host.h"
+
+using bf16 = __nv_bfloat16;
+namespace h = fij::sm90;
+
+#define CHECK_CUDA(x)                                                                     \
+  do {                                                                                    \
+    cudaError_t e = (x);                                                                  \
+    if (e != cudaSuccess) {                                                               \
+      std::printf("cuda_error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
+      return 2;                                                                           \
+    }                                                                                     \
+  } while (0)
+
+constexpr int kD = 128, kBlockM = 128, kBlockN = 128, kStages = 2;
+constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile (and the Q tile): 32 KB
+constexpr int kSmem = kTileBytes * (1 + 2 * kStages) + 1024;
+
+struct Params {
+  bf16* out;           // [tokens, heads_q, 128]
+  float* lse;          // [tokens, heads_q], base 2
+  int seq_len;         // every request: qo_len = kv_len = seq_len
+  int heads_q, group;  // group: query heads per KV head
+  float scale_log2;    // sm_scale * log2(e)
+};
+
+FIJ_SM90 uint32_t pack_bf16(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <bool kCausal>
+__global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CUtensorMap q_map,
+                                                      const __grid_constant__ CUtensorMap k_map,
+                                                      const __grid_constant__ CUtensorMap v_map, Params p) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* sq = smem;
+  unsigned char* sk = smem + kTileBytes;                   // stage s at sk + s * kTileBytes
+  unsigned char* sv = smem + kTileBytes * (1 + kStages);  // the same for V
+  __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+
+  const int tile = blockIdx.x, head = blockIdx.y, req = blockIdx.z;
+  const int kv_head = head / p.group;
+  const int q_start = tile * kBlockM;  // within the request
+  if (q_start >= p.seq_len) return;
+  const int tok0 = req * p.seq_len;  // the request's first token
+  // key tiles this block visits (bottom-right causal with qo_len == kv_len: row i sees keys <= i)
+  const int kv_end = kCausal ? min(p.seq_len, q_start + kBlockM) : p.seq_len;
+  const int n_tiles = (kv_end + kBlockN - 1) / kBlockN;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    h::mbar_init(&q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      h::mbar_init(&k_full[s], 1);
+      h::mbar_init(&v_full[s], 1);
+      h::mbar_init(&k_empty[s], 8);  // lane 0 of each consumer warp
+      h::mbar_init(&v_empty[s], 8);
+    }
+    h::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer
+    h::regs_dealloc<24>();
+    if (threadIdx.x == 0) {
+      h::mbar_expect_tx(&q_full, kTileBytes);
+      for (int a = 0; a < 2; ++a) h::tma_load_3d(sq + a * kTileBytes / 2, &q_map, &q_full, 64 * a, head, tok0 + q_start);
+      for (int n = 0; n < n_tiles; ++n) {
+        const int s = n % kStages, u = n / kStages;
+        h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
+        h::mbar_expect_tx(&k_full[s], kTileBytes);
+        for (int a = 0; a < 2; ++a)
+          h::tma_load_3d(sk + s * kTileBytes + a * kTileBytes / 2, &k_map, &k_full[s], 64 * a, kv_head,
+                         tok0 + n * kBlockN);
+        h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
+        h::mbar_expect_tx(&v_full[s], kTileBytes);
+        for (int a = 0; a < 2; ++a)
+          h::tma_load_3d(sv + s * kTileBytes + a * kTileBytes / 2, &v_map, &v_full[s], 64 * a, kv_head,
+                         tok0 + n * kBlockN);
+      }
+    }
+    return;
+  }
+
+  // consumers
+  h::regs_alloc<240>();
+  const int wi = wg - 1, t = threadIdx.x % 128, lane = t % 32;
+  const int row0 = q_start + 64 * wi + 16 * (t / 32) + lane / 4;  // rows row0 and row0 + 8
+  const int cq = 2 * (lane % 4);
+  float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  const uint32_t q_base = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
+  h::mbar_wait(&q_full, 0);
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int s = n % kStages, u = n / kStages;
+    h::mbar_wait(&k_full[s], u & 1);
+    float sacc[64];
+    const uint32_t k_base = h::smem_addr(sk + s * kTileBytes);
+    h::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks)
+      h::wgmma_ss_n128<0>(sacc,
+                          h::make_desc(q_base + (ks >> 2) * kTileBytes / 2 + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B),
+                          h::kmajor_desc(k_base, kBlockN, ks), ks > 0, bf16{});
+    h::wgmma_commit();
+    h::wgmma_wait<0>();
+    h::fence_regs(sacc);
+    if (lane == 0) h::mbar_arrive(&k_empty[s]);
+
+    // mask (keys past the request; causal: key > row) and the online softmax, rows r0 / r0 + 8
+    const int key0 = n * kBlockN;
+    const bool edge = key0 + kBlockN > p.seq_len || (kCausal && key0 + kBlockN > q_start + 64 * wi);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = sacc[4 * j + e] * p.scale_log2;
+        if (edge) {
+          const int key = key0 + 8 * j + cq + (e & 1), row = row0 + 8 * (e >> 1);
+          if (key >= p.seq_len || (kCausal && key > row)) x = -INFINITY;
+        }
+        sacc[4 * j + e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    float corr[2], base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);
+      base[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet: everything 0
+      corr[r] = exp2f(m[r] - base[r]);
+      m[r] = m_new;
+      l[r] *= corr[r];
+    }
+    uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const float p0 = exp2f(sacc[4 * j] - base[0]), p1 = exp2f(sacc[4 * j + 1] - base[0]);
+      const float p2 = exp2f(sacc[4 * j + 2] - base[1]), p3 = exp2f(sacc[4 * j + 3] - base[1]);
+      l[0] += p0 + p1;
+      l[1] += p2 + p3;
+      // A fragment of k-step j / 2: {row r cols c, row r + 8 cols c, row r cols c + 8, row r + 8 cols c + 8}
+      pa[j / 2][(j & 1) * 2] = pack_bf16(p0, p1);
+      pa[j / 2][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
+      o[4 * j] *= corr[0];
+      o[4 * j + 1] *= corr[0];
+      o[4 * j + 2] *= corr[1];
+      o[4 * j + 3] *= corr[1];
+    }
+
+    h::mbar_wait(&v_full[s], u & 1);
+    const uint32_t v_base = h::smem_addr(sv + s * kTileBytes);
+    h::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      h::wgmma_rs_n128<1>(o, pa[kk], h::make_desc(v_base + kk * 16 * 128, kTileBytes / 2, 1024, h::Swizzle::k128B), 1,
+                          bf16{});
+    h::wgmma_commit();
+    h::wgmma_wait<0>();
+    h::fence_regs(o);
+    if (lane == 0) h::mbar_arrive(&v_empty[s]);
+  }
+
+  // the rows' sums over the quad, then O / l and the LSE
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= p.seq_len) continue;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    bf16* out = p.out + (int64_t(tok0 + row) * p.heads_q + head) * kD;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(out + 8 * j + cq) =
+          __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    if (cq == 0) p.lse[int64_t(tok0 + row) * p.heads_q + head] = l[r] > 0.f ? m[r] + log2f(l[r]) : -INFINITY;
+  }
+}
+
+struct Problem {
+  int batch, seq_len, heads_q, heads_kv;
+  bool causal;
+};
+
+static CUtensorMap map_of(const bf16* base, int heads, int tokens) {
+  const uint64_t dims[3] = {kD, uint64_t(heads), uint64_t(tokens)};
+  const uint64_t strides[2] = {kD * 2, uint64_t(heads) * kD * 2};
+  const uint32_t box[3] = {64, 1, kBlockN};
+  return h::tensor_map_16bit(base, 3, dims, strides, box, true, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// Runs one problem; check: compare with the double reference; reps > 0: time it.
+static int run(const Problem& pr, bool check, int reps, std::mt19937& gen) {
+  const int tokens = pr.batch * pr.seq_len;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto rand_bf16 = [&](size_t n) {
+    std::vector<bf16> v(n);
+    for (auto& x : v) x = __float2bfloat16(nd(gen));
+    return v;
+  };
+  const std::vector<bf16> q = rand_bf16(size_t(tokens) * pr.heads_q * kD), k = rand_bf16(size_t(tokens) * pr.heads_kv * kD),
+                          v = rand_bf16(size_t(tokens) * pr.heads_kv * kD);
+  bf16 *dq, *dk, *dv, *dout;
+  float* dlse;
+  CHECK_CUDA(cudaMalloc(&dq, q.size() * 2));
+  CHECK_CUDA(cudaMalloc(&dk, k.size() * 2));
+  CHECK_CUDA(cudaMalloc(&dv, v.size() * 2));
+  CHECK_CUDA(cudaMalloc(&dout, q.size() * 2));
+  CHECK_CUDA(cudaMalloc(&dlse, size_t(tokens) * pr.heads_q * 4));
+  CHECK_CUDA(cudaMemcpy(dq, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dk, k.data(), k.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dv, v.data(), v.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemset(dout, 0xff, q.size() * 2));  // NaN
+  CUtensorMap q_map = map_of(dq, pr.heads_q, tokens), k_map = map_of(dk, pr.heads_kv, tokens),
+              v_map = map_of(dv, pr.heads_kv, tokens);
+  const float sm_scale = 1.f / std::sqrt(float(kD));
+  Params p{dout, dlse, pr.seq_len, pr.heads_q, pr.heads_q / pr.heads_kv, sm_scale * 1.4426950408889634f};
+  auto kernel = pr.causal ? attn_kernel<true> : attn_kernel<false>;
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const dim3 grid((pr.seq_len + kBlockM - 1) / kBlockM, pr.heads_q, pr.batch);
+  kernel<<<grid, 384, kSmem>>>(q_map, k_map, v_map, p);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  const char* name = pr.causal ? "causal" : "full";
+  int bad = 0;
+  if (check) {
+    std::vector<bf16> out(q.size());
+    CHECK_CUDA(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+    double max_err = 0, max_ref = 0;
+    std::vector<double> srow(pr.seq_len);
+    for (int b = 0; b < pr.batch; ++b)
+      for (int hq = 0; hq < pr.heads_q; ++hq) {
+        const int hk = hq / (pr.heads_q / pr.heads_kv);
+        for (int i = 0; i < pr.seq_len; ++i) {
+          const int last = pr.causal ? i : pr.seq_len - 1;
+          double mx = -1e300;
+          for (int j = 0; j <= last; ++j) {
+            double acc = 0;
+            for (int c = 0; c < kD; ++c)
+              acc += double(__bfloat162float(q[((size_t(b) * pr.seq_len + i) * pr.heads_q + hq) * kD + c])) *
+                     __bfloat162float(k[((size_t(b) * pr.seq_len + j) * pr.heads_kv + hk) * kD + c]);
+            srow[j] = acc * sm_scale;
+            mx = std::max(mx, srow[j]);
+          }
+          double sum = 0;
+          for (int j = 0; j <= last; ++j) sum += (srow[j] = std::exp(srow[j] - mx));
+          for (int c = 0; c < kD; ++c) {
+            double acc = 0;
+            for (int j = 0; j <= last; ++j)
+              acc += srow[j] * __bfloat162float(v[((size_t(b) * pr.seq_len + j) * pr.heads_kv + hk) * kD + c]);
+            const double ref = acc / sum;
+            const float got = __bfloat162float(out[((size_t(b) * pr.seq_len + i) * pr.heads_q + hq) * kD + c]);
+            const double err = std::isfinite(got) ? std::fabs(got - ref) : INFINITY;
+            max_err = std::max(max_err, err);
+            max_ref = std::max(max_ref, std::fabs(ref));
+          }
+        }
+      }
+    std::printf("check_%s_b%d_s%d_h%d_%d_max_abs_err %.3g\n", name, pr.batch, pr.seq_len, pr.heads_q, pr.heads_kv,
+                max_err);
+    bad = !(max_err < 2e-2);
+  }
+  if (reps > 0) {
+    cudaEvent_t e0, e1;
+    CHECK_CUDA(cudaEventCreate(&e0));
+    CHECK_CUDA(cudaEventCreate(&e1));
+    std::vector<float> times;
+    for (int r = 0; r < reps + 3; ++r) {
+      CHECK_CUDA(cudaEventRecord(e0));
+      kernel<<<grid, 384, kSmem>>>(q_map, k_map, v_map, p);
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float ms;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      if (r >= 3) times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+    const double us = times[times.size() / 2] * 1e3;
+    const double pairs = pr.causal ? double(pr.seq_len) * (pr.seq_len + 1) / 2 : double(pr.seq_len) * pr.seq_len;
+    const double flops = 4.0 * kD * pairs * pr.heads_q * pr.batch;
+    std::printf("time_%s_b%d_s%d_h%d_%d_us %.1f\n", name, pr.batch, pr.seq_len, pr.heads_q, pr.heads_kv, us);
+    std::printf("tflops_%s_b%d_s%d_h%d_%d %.1f\n", name, pr.batch, pr.seq_len, pr.heads_q, pr.heads_kv,
+                flops / us / 1e6);
+  }
+  cudaFree(dq);
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(dout);
+  cudaFree(dlse);
+  return bad;
+}
+
+int main() {
+  std::mt19937 gen(11);
+  int bad = 0;
+  try {
+    bad |= run({2, 300, 4, 2, true}, true, 0, gen);
+    bad |= run({2, 300, 4, 2, false}, true, 0, gen);
+    bad |= run({1, 257, 8, 1, true}, true, 0, gen);
+    if (bad) {
+      std::printf("checks_failed 1\n");
+      return 1;
+    }
+    run({1, 16384, 32, 8, true}, false, 10, gen);
+    run({4, 4096, 32, 8, false}, false, 10, gen);
+    run({16, 1024, 32, 8, true}, false, 10, gen);
+  } catch (const std::exception& e) {
+    std::printf("error %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
