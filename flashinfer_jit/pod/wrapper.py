@@ -24,6 +24,7 @@ from ..pipeline import env
 from ..pipeline.jit import get_module, traced_op
 from ..prefill.spec import PrefillSpec
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+from ..runtime import fastcall
 from ..runtime.checks import (
     compiling,
     constant_result,
@@ -34,7 +35,6 @@ from ..runtime.checks import (
     host_index,
     static_inputs,
 )
-from ..runtime import fastcall
 from ..runtime.device import sm_count, supports_pdl
 from ..runtime.launch import fast_entry, launch_buffer, launch_failed, module_op
 from ..runtime.page_table import csr_kv_lens_host, unpack_paged_kv_cache
@@ -179,7 +179,6 @@ class _Pod:
     # pinned. Head_dim 256 runs 64. Benchmarks and tests pin it on a wrapper.
     tile_rows = None
     _force = (None, None)
-    _quick = None
 
     # The schedule of each launch (launch_pod): None, pod_schedule() of the plans, or pinned
     # (the decode share of an SM's blocks; the decode SMs, 0 every SM). Benchmarks pin them;
