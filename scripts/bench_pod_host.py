@@ -16,7 +16,10 @@ POD run() - (prefill run() + decode run()) would be the fused call's cost over t
 replaces; the target reads run()'s own host time as what a POD launch adds to a step.
 
   python3 scripts/bench_pod_host.py [--out FILE] [--rounds N]
-JSON: meta, plan_batch_pod, plan_batch_attention, run_* (median_us, min_us, n, rounds).
+On a machine without a GPU only (a) runs (the plans on CPU tensors: the host time the
+planners and the wrappers' Python take, without the page order's launch).
+JSON: meta, plan_batch_pod, plan_batch_attention, run_* (median_us, min_us, n, rounds),
+pod_fast_path (whether the POD runs took the recorded launch).
 """
 
 from __future__ import annotations
@@ -118,6 +121,8 @@ def main() -> int:
         q_m = torch.cat([q_d, q_p])
         b.run(q_m, cache)
         res["run_batch_attention_small"] = per_call_us(lambda: b.run(q_m, cache), 20, args.rounds, sync)
+        # whether the runs above took the recorded launch (fij_fastcall pod_run) or the op
+        res["pod_fast_path"] = {"batch_pod": w._quick is not None, "batch_attention": b._pod._quick is not None}
         x = torch.empty(1024, device=device)
         res["bare_torch_launch"] = per_call_us(lambda: x.add_(1.0), 20, args.rounds, sync)
         res["fastcall"] = os.environ.get("FLASHINFER_JIT_FASTCALL", "default")

@@ -30,7 +30,7 @@ from test_pod import FP8_FACTOR, TOL, Table, check_lse, check_out, make_cache, n
 
 import flashinfer_jit as fij
 from flashinfer_jit.pipeline.errors import ToolchainError
-from flashinfer_jit.pod.batch_attention import BatchAttention, BatchSplit, _side_table, split_batch
+from flashinfer_jit.pod.batch_attention import BatchAttention, BatchSplit, _side_ids, _side_table, split_batch
 from flashinfer_jit.pod.spec import PodSpec
 from flashinfer_jit.reference.prefill import prefill_ref
 from flashinfer_jit.runtime.page_table import csr_page_table
@@ -300,7 +300,8 @@ KV_INDPTR = np.array([0, 2, 3, 5, 5, 9, 10])
 ], ids=lambda v: "-".join(map(str, v)) if isinstance(v, list) else ("view" if v else "gathered"))
 def test_side_table(requests, view):
     kv_indices = torch.arange(100, 110, dtype=torch.int32)
-    indptr, ids, last = _side_table(np.array(requests, dtype=np.int64), KV_INDPTR, KV_LENS, PS, kv_indices)
+    indptr, last, where = _side_table(np.array(requests, dtype=np.int64), KV_INDPTR, KV_LENS, PS)
+    ids = _side_ids(where, kv_indices)
     pages = [int(KV_INDPTR[r + 1] - KV_INDPTR[r]) for r in requests]
     assert indptr.tolist() == list(itertools.accumulate(pages, initial=0))
     assert ids.tolist() == [100 + i for r in requests for i in range(KV_INDPTR[r], KV_INDPTR[r + 1])]
@@ -311,7 +312,8 @@ def test_side_table(requests, view):
 
 
 def test_side_table_of_no_requests():
-    indptr, ids, last = _side_table(np.zeros(0, dtype=np.int64), KV_INDPTR, KV_LENS, PS, torch.arange(10))
+    indptr, last, where = _side_table(np.zeros(0, dtype=np.int64), KV_INDPTR, KV_LENS, PS)
+    ids = _side_ids(where, torch.arange(10))
     assert indptr.tolist() == [0] and ids.numel() == 0 and last.numel() == 0
 
 
@@ -344,7 +346,7 @@ def test_plan_on_host_picks_the_mode(qo_lens, kv_lens, kwargs, mode, decode):
     ba = fij.BatchAttention(device="cpu")
     _plan(ba, _args(qo_lens, kv_lens), **kwargs)
     assert ba._planned[0] == mode
-    assert ba._planned[1].decode.tolist() == decode
+    assert ba._planned[1].decodes == len(decode)
     assert ba._planned[3] == sum(qo_lens)
 
 
@@ -433,8 +435,8 @@ def test_run_routes_each_row_to_its_side(name, given, cap, monkeypatch):
             lse.fill_(tag)
         return fill
     prefill, decode = side(1.0), side(2.0)
-    monkeypatch.setattr(ba._pod, "_run_into", lambda q_p, kv_p, q_d, kv_d, *a: (prefill(q_p, *a[-4:-2]),
-                                                                                decode(q_d, *a[-2:])))
+    monkeypatch.setattr(ba._pod, "_run_into", lambda q_p, kv_p, q_d, kv_d, *a, **_: (prefill(q_p, *a[-4:-2]),
+                                                                                     decode(q_d, *a[-2:])))
     monkeypatch.setattr(ba._prefill, "run", lambda q, kv, out=None, lse=None, **_: prefill(q, out, lse))
     monkeypatch.setattr(ba._decode, "run", lambda q, kv, out=None, lse=None, **_: decode(q, out, lse))
     q = torch.randn(int(batch.plan_args[0][-1]), 32, HD).to(BF16)

@@ -23,4 +23,15 @@ struct PodParams {
   int32_t num_sms = 1;
 };
 
+// A POD launch as the op resolved it (both sides' launches, the counters and the schedule),
+// which the op copies into run()'s `prepared` bytes and <namespace>_pod_fast relaunches with
+// new q, K/V, output and LSE addresses (flashinfer_jit/pod/wrapper.py, its fast path).
+struct PodLaunch {
+  PrefillLaunch prefill;
+  DecodeLaunch decode;
+  int32_t* counters = nullptr;
+  double decode_share = 0.5;
+  int32_t decode_sms = 0;
+};
+
 }  // namespace fij

@@ -1,5 +1,5 @@
-// The C signatures of the families' fast launch entries: <namespace>_decode_fast and
-// <namespace>_prefill_fast (and the page order's <namespace>_order_pages), exported by each generated module (the templates check their
+// The C signatures of the families' fast launch entries: <namespace>_decode_fast,
+// <namespace>_prefill_fast and <namespace>_pod_fast (and the page order's <namespace>_order_pages), exported by each generated module (the templates check their
 // definitions against these types) and called by csrc/runtime/fastcall.cc, the CPython caller that
 // run() uses instead of ctypes. Plain C: included by nvcc, the host C++ compiler and the
 // Python extension alike. `prepared` is the launch the torch op recorded at the signature's
@@ -16,6 +16,13 @@ typedef int (*fij_decode_fast_fn)(const void* prepared, const void* q, void* k, 
 typedef int (*fij_prefill_fast_fn)(const void* prepared, const void* q, void* k, void* v, void* out, float* lse,
                                    const float* sinks, float logit_scale, float soft_cap_log2, float v_scale,
                                    int window_left, void* stream, int pdl);
+
+// POD's (csrc/pod/pod_fastcall.cc pod_run): `tensors` holds the ten addresses q_p, k_p, v_p,
+// out_p, lse_p, q_d, k_d, v_d, out_d, lse_d (an lse null where none is written). Returns a
+// cudaError_t, or FIJ_FAST_CAPTURING without launching where `stream` is capturing a CUDA
+// graph: the caller then runs the op, which the graph records as it records every op.
+typedef int (*fij_pod_fast_fn)(const void* prepared, void* const* tensors, void* stream, int pdl);
+enum { FIJ_FAST_CAPTURING = -3 };
 
 // The page-order module's <namespace>_order_pages (csrc/runtime/page_order.cuh PageOrderParams),
 // called by plan() of decode and prefill

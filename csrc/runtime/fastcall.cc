@@ -25,6 +25,10 @@
 //     not on a CUDA device (the caller then checks them in full), else the entry's
 //     cudaError_t.
 //
+// POD's run() and plan() have their callers in csrc/pod/pod_fastcall.cc (pod_signature,
+// pod_run, pod_work, batch_split), added to this module at its import; what the two
+// translation units share is csrc/runtime/fastcall_common.h.
+//
 // prefill's plan() calls its C++ planner (csrc/runtime/plan_entry.h) here with the index vectors as
 // they came, where they are of the common form, so that it neither converts nor checks
 // them in Python nor pays ctypes' conversions (~2 us of plan() on the CPU machine):
@@ -36,41 +40,19 @@
 //     tensor (exact torch.Tensor): the planner's status (0, or its error for the caller to
 //     raise); -1 where one is of another form or length, and nothing is called (the caller
 //     converts and checks them, raising its errors, and calls the planner itself).
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
-#include <torch/csrc/autograd/python_variable.h>
-
-#include <cstdint>
-#include <cstring>
 
 #include "runtime/fast_entry.h"
+#include "runtime/fastcall_common.h"
 #include "runtime/plan_entry.h"
 
 namespace {
 
-// An address from a Python int (0: null); nullptr with a Python error set for a negative
-// or too large int, or not an int.
-void* address(PyObject* arg) {
-  const unsigned long long value = PyLong_AsUnsignedLongLong(arg);
-  return value == static_cast<unsigned long long>(-1) && PyErr_Occurred() ? nullptr
-                                                                          : reinterpret_cast<void*>(value);
-}
-
-// args[0 .. n) as addresses; false with a Python error set
-bool addresses(PyObject* const* args, int n, void** out) {
-  for (int i = 0; i < n; ++i) {
-    out[i] = address(args[i]);
-    if (out[i] == nullptr && PyErr_Occurred()) return false;
-  }
-  return true;
-}
-
-bool arity(const char* name, Py_ssize_t got, Py_ssize_t want) {
-  if (got == want) return true;
-  PyErr_Format(PyExc_TypeError, "fij_fastcall.%s(): expected %zd arguments, got %zd", name, want, got);
-  return false;
-}
+using fij_fastcall::address;
+using fij_fastcall::addresses;
+using fij_fastcall::arity;
+using fij_fastcall::describe;
+using fij_fastcall::kTensorWords;
 
 // The arguments after the addresses: `floats` scales (as float), window_left, the stream
 // (with_stream) and pdl; false with a Python error set, also for a null entry.
@@ -114,27 +96,7 @@ PyObject* prefill(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       t.scale[1], t.scale[2], t.window_left, t.stream, t.pdl));
 }
 
-// A tensor's signature words: dim, sizes, strides, dtype, device type and index. At most
-// kMaxDims dims; false for anything else (not an exact torch.Tensor, more dims).
-constexpr int kMaxDims = 6, kTensorWords = 4 + 2 * kMaxDims, kRunTensors = 4;
-
-bool describe(PyObject* obj, int64_t* w) {
-  if (!THPVariable_CheckExact(obj)) return false;
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  const int64_t dim = t.dim();
-  if (dim > kMaxDims) return false;
-  std::memset(w, 0, sizeof(int64_t) * kTensorWords);
-  w[0] = dim;
-  const auto sizes = t.sizes(), strides = t.strides();
-  for (int64_t i = 0; i < dim; ++i) {
-    w[1 + i] = sizes[i];
-    w[1 + kMaxDims + i] = strides[i];
-  }
-  w[1 + 2 * kMaxDims] = static_cast<int64_t>(t.scalar_type());
-  w[2 + 2 * kMaxDims] = static_cast<int64_t>(t.device().type());
-  w[3 + 2 * kMaxDims] = t.device().index();
-  return true;
-}
+constexpr int kRunTensors = 4;
 
 // The signature words of q, k, v, out into w; false where one is not describable.
 bool describe_run(PyObject* const* tensors, int64_t* w) {
@@ -192,13 +154,13 @@ PyObject* prefill_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       stream, t.pdl));
 }
 
-// An index vector of plan()'s common form: its data and length; false for anything else.
+// An index vector of plan()'s common form (a contiguous 1-D int32 CPU tensor): its data and
+// length; false for anything else.
 bool host_int32_vector(PyObject* obj, const int32_t** data, int64_t* size) {
-  if (!THPVariable_CheckExact(obj)) return false;
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  if (t.dim() != 1 || t.scalar_type() != at::ScalarType::Int || !t.is_cpu() || !t.is_contiguous()) return false;
-  *data = static_cast<const int32_t*>(t.data_ptr());
-  *size = t.size(0);
+  fij_fastcall::HostIndex index;
+  if (!fij_fastcall::host_index(obj, false, index)) return false;
+  *data = static_cast<const int32_t*>(index.data);
+  *size = index.size;
   return true;
 }
 
@@ -271,4 +233,11 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "fij_fastcall", "run()'s C launch e
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_fij_fastcall(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_fij_fastcall(void) {
+  PyObject* m = PyModule_Create(&module);
+  if (m != nullptr && PyModule_AddFunctions(m, fij_fastcall::pod_methods) != 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

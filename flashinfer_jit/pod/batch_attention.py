@@ -24,12 +24,13 @@ import torch
 from ..decode.spec import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
+from ..runtime import fastcall
 from ..runtime.checks import (as_dtype, compiling, dtype_str, expect_bool, expect_choice, expect_heads, host_index,
                               static_inputs)
 from ..runtime.page_table import unpack_paged_kv_cache
 from .wrapper import BatchPODWithPagedKVCacheWrapper
 
-__all__ = ["BatchAttention", "split_batch", "BatchSplit"]
+__all__ = ["BatchAttention", "split_batch", "BatchSplit", "BatchCut", "cut_batch"]
 
 _WORKSPACE_BYTES = 128 << 20  # each of the three wrappers' float workspace
 
@@ -73,28 +74,80 @@ def split_batch(qo_indptr: np.ndarray, decode_ok: bool = True) -> BatchSplit:
     return BatchSplit(decode, prefill, None, None, perm)
 
 
-def _side_table(requests: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.ndarray, page_size: int,
-                kv_indices: torch.Tensor) -> tuple:
-    """A side's CSR page table (indptr, indices, last_page_len) cut from the batch's: indptr
-    and last_page_len on the host, the page ids a view of kv_indices where the side's pages
-    are one run of them, else gathered (one small index_select on kv_indices' device)."""
+class BatchCut(NamedTuple):
+    """plan()'s cut of a mixed batch into its two sides' host tables (cut_batch in numpy, or
+    fij_fastcall's batch_split in C++: the same values)."""
+
+    decodes: int  # requests on each side
+    prefills: int
+    rows: int  # qo_indptr[-1]
+    pages: int  # kv_indptr[-1]
+    decode_rows: tuple | None  # BatchSplit's
+    prefill_rows: tuple | None
+    perm: torch.Tensor | None  # BatchSplit's, int64
+    decode: tuple  # (indptr, last_page_len, pages): int32 CPU tensors; pages: _side_table's
+    prefill: tuple  # (qo_indptr, indptr, last_page_len, pages)
+
+
+def _side_table(requests: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.ndarray, page_size: int) -> tuple:
+    """A side's CSR page table cut from the batch's, on the host: (indptr, last_page_len,
+    pages), int32 tensors; pages: (first, end) of kv_indices where the side's pages are one run
+    of them, else their positions (int64; _side_ids gathers them)."""
     pages = kv_indptr[requests + 1] - kv_indptr[requests]
     indptr = np.zeros(len(requests) + 1, dtype=np.int32)
     np.cumsum(pages, out=indptr[1:])
     lens = kv_lens[requests]
     last = np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32)
-    if len(requests) == 0:
-        return torch.from_numpy(indptr), kv_indices[:0], torch.from_numpy(last)
-    first, end = int(kv_indptr[requests[0]]), int(kv_indptr[requests[-1] + 1])
-    if end - first == int(indptr[-1]):  # the side's pages are one run of kv_indices
-        ids = kv_indices[first:end]
-    else:
+    first, end = (int(kv_indptr[requests[0]]), int(kv_indptr[requests[-1] + 1])) if len(requests) else (0, 0)
+    if end - first != int(indptr[-1]):
         where = np.concatenate([np.arange(kv_indptr[r], kv_indptr[r + 1]) for r in requests])
-        index = torch.from_numpy(where)
-        if kv_indices.device.type == "cuda":
-            index = index.pin_memory().to(kv_indices.device, non_blocking=True)
-        ids = kv_indices.index_select(0, index)
-    return torch.from_numpy(indptr), ids, torch.from_numpy(last)
+        return torch.from_numpy(indptr), torch.from_numpy(last), torch.from_numpy(where)
+    return torch.from_numpy(indptr), torch.from_numpy(last), (first, end)
+
+
+def _side_ids(pages, kv_indices: torch.Tensor) -> torch.Tensor:
+    """A side's page ids: a view of kv_indices where they are one run of it, else gathered
+    (one small index_select on kv_indices' device)."""
+    if type(pages) is tuple:
+        return kv_indices[pages[0]:pages[1]]
+    index = pages
+    if kv_indices.device.type == "cuda":
+        index = index.pin_memory().to(kv_indices.device, non_blocking=True)
+    return kv_indices.index_select(0, index)
+
+
+def cut_batch(qo: np.ndarray, kv: np.ndarray, lens: np.ndarray, page_size: int, decode_ok: bool) -> BatchCut:
+    """The two sides' host tables of a batch whose vectors passed plan()'s checks (numpy)."""
+    split = split_batch(qo, decode_ok)
+    p_qo = np.zeros(len(split.prefill) + 1, dtype=np.int32)
+    np.cumsum(np.diff(qo)[split.prefill], out=p_qo[1:])
+    perm = None if split.perm is None else torch.from_numpy(split.perm)
+    return BatchCut(len(split.decode), len(split.prefill), int(qo[-1]), int(kv[-1]), split.decode_rows,
+                    split.prefill_rows, perm, _side_table(split.decode, kv, lens, page_size),
+                    (torch.from_numpy(p_qo), *_side_table(split.prefill, kv, lens, page_size)))
+
+
+def native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size: int, decode_ok: bool) -> BatchCut | None:
+    """cut_batch's tables from the tensors as given, in C++ (fij_fastcall batch_split), where
+    they are contiguous int32 or int64 CPU tensors whose values pass plan()'s checks; None
+    otherwise (plan() then reads them into numpy, checks them and raises its errors)."""
+    ext = fastcall.extension()
+    if ext is None or type(page_size) is not int:
+        return None
+    got = ext.batch_split(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
+    return None if got == -1 else BatchCut(*got)
+
+
+class _LazySplit:
+    """split_batch of the batch, made only where an error message names its requests
+    (_side_errors) after a native cut."""
+
+    def __init__(self, qo_indptr, decode_ok: bool):
+        self._args = (qo_indptr, decode_ok)
+
+    def __getattr__(self, name):
+        qo_indptr, decode_ok = self._args
+        return getattr(split_batch(host_index(qo_indptr, "qo_indptr"), decode_ok), name)
 
 
 @contextlib.contextmanager
@@ -143,6 +196,64 @@ class BatchAttention:
         if use_profiler:
             raise ValueError("use_profiler: FlashInfer's persistent kernel's profiler has no counterpart here; "
                              "pass False")
+        decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS
+        cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
+        split = _LazySplit(qo_indptr, decode_ok)
+        if cut is None:
+            cut, split = self._cut_numpy(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
+        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
+            raise ValueError("kv_indices: expected a 1-D int32 tensor of page ids")
+        if kv_indices.numel() < cut.pages:
+            raise ValueError(f"kv_indices: {kv_indices.numel()} page ids, fewer than kv_indptr[-1] = {cut.pages}")
+        if kv_indices.dtype != torch.int32:
+            kv_indices = kv_indices.to(torch.int32)
+        q_dtype = as_dtype(q_data_type, "q_data_type", torch.bfloat16)
+        kv_dtype = as_dtype(kv_data_type, "kv_data_type", q_dtype)
+        cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+        if cut.decodes == 0:
+            mode = "prefill"
+        elif cut.decode_rows == (0, cut.rows):  # every row a decode's (the rest: requests without rows)
+            mode = "decode"
+        elif cap > 0:
+            mode = "serial"  # POD runs no soft cap; the families do
+        else:
+            mode = "pod"
+        heads = (num_qo_heads, num_kv_heads)
+        d_indptr, d_last, d_pages = cut.decode
+        p_qo, p_indptr, p_last, p_pages = cut.prefill
+        p_table = (p_indptr, _side_ids(p_pages, kv_indices), p_last) if mode != "decode" else None
+        d_table = (d_indptr, _side_ids(d_pages, kv_indices), d_last) if mode != "prefill" else None
+        if mode == "prefill":  # the whole batch: the prefill side takes every request
+            self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal,
+                               sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
+                               kv_data_type=kv_dtype)
+        elif mode == "pod":
+            with _side_errors("both sides", split):
+                self._pod.plan(p_qo, *p_table, None, *d_table, *heads, head_dim_qk, page_size,
+                               q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal)
+        else:
+            with _side_errors("the decode side", split):
+                self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
+                                  q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale)
+            if mode == "serial":
+                with _side_errors("the prefill side", split):
+                    self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
+                                       causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
+                                       q_data_type=q_dtype, kv_data_type=kv_dtype)
+        perm = cut.perm
+        if perm is not None:
+            if self._device.type == "cuda":
+                perm = perm.pin_memory().to(self._device, non_blocking=True)
+            static_inputs(perm)  # (read by a run() that torch.compile traces: see runtime.checks)
+        # (run() reads the cut as plain ints, the decode side's requests and each side's run
+        # of rows: Dynamo traces run() under torch.compile)
+        self._planned = (mode, cut, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
+                         cut.decodes, cut.decode_rows, cut.prefill_rows)
+
+    @staticmethod
+    def _cut_numpy(qo_indptr, kv_indptr, kv_len_arr, page_size: int, decode_ok: bool) -> tuple:
+        """(cut_batch's tables, split_batch's split) of the vectors read into numpy, after
+        plan()'s checks of them (ValueError)."""
         qo = host_index(qo_indptr, "qo_indptr")
         kv = host_index(kv_indptr, "kv_indptr")
         lens = host_index(kv_len_arr, "kv_len_arr")
@@ -159,62 +270,8 @@ class BatchAttention:
             r = int(bad[0])
             raise ValueError(f"kv_len_arr[{r}] = {int(lens[r])} does not fit request {r}'s {int(pages[r])} pages of "
                              f"{page_size} tokens")
-        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
-            raise ValueError("kv_indices: expected a 1-D int32 tensor of page ids")
-        if kv_indices.numel() < kv[-1]:
-            raise ValueError(f"kv_indices: {kv_indices.numel()} page ids, fewer than kv_indptr[-1] = {int(kv[-1])}")
-        if kv_indices.dtype != torch.int32:
-            kv_indices = kv_indices.to(torch.int32)
-        q_dtype = as_dtype(q_data_type, "q_data_type", torch.bfloat16)
-        kv_dtype = as_dtype(kv_data_type, "kv_data_type", q_dtype)
-        cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-        decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS
-        split = split_batch(qo, decode_ok)
-        if len(split.decode) == 0:
-            mode = "prefill"
-        elif split.decode_rows == (0, int(qo[-1])):  # every row a decode's (the rest: requests without rows)
-            mode = "decode"
-        elif cap > 0:
-            mode = "serial"  # POD runs no soft cap; the families do
-        else:
-            mode = "pod"
-        heads = (num_qo_heads, num_kv_heads)
-        if mode == "prefill":  # the whole batch: its page table is the one cut that takes every request
-            self._prefill.plan(torch.from_numpy(qo.astype(np.int32)),
-                               *_side_table(np.arange(batch), kv, lens, page_size, kv_indices),
-                               *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal,
-                               sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
-                               kv_data_type=kv_dtype)
-        else:
-            d_table = _side_table(split.decode, kv, lens, page_size, kv_indices)
-            p_table = _side_table(split.prefill, kv, lens, page_size, kv_indices)
-            p_qo = np.zeros(len(split.prefill) + 1, dtype=np.int32)
-            np.cumsum(np.diff(qo)[split.prefill], out=p_qo[1:])
-            p_qo = torch.from_numpy(p_qo)
-            if mode == "pod":
-                d_qo = torch.arange(len(split.decode) + 1, dtype=torch.int32)
-                with _side_errors("both sides", split):
-                    self._pod.plan(p_qo, *p_table, d_qo, *d_table, *heads, head_dim_qk, page_size,
-                                   q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal)
-            else:
-                with _side_errors("the decode side", split):
-                    self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
-                                      q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale)
-                if mode == "serial":
-                    with _side_errors("the prefill side", split):
-                        self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
-                                           causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
-                                           q_data_type=q_dtype, kv_data_type=kv_dtype)
-        perm = None
-        if split.perm is not None:
-            perm = torch.from_numpy(split.perm)
-            if self._device.type == "cuda":
-                perm = perm.pin_memory().to(self._device, non_blocking=True)
-            static_inputs(perm)  # (read by a run() that torch.compile traces: see runtime.checks)
-        # (run() reads the split as plain ints, the decode side's requests and each side's run
-        # of rows, not its numpy arrays: Dynamo traces run() under torch.compile)
-        self._planned = (mode, split, perm, int(qo[-1]), num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
-                         len(split.decode), split.decode_rows, split.prefill_rows)
+        cut = cut_batch(qo, kv, lens, page_size, decode_ok)
+        return cut, split_batch(qo, decode_ok)
 
     begin_forward = plan
 
@@ -223,6 +280,17 @@ class BatchAttention:
         if self._planned is None:
             raise RuntimeError("run() before plan(): call plan() with this batch first")
         mode, _, perm, tokens, hq, dqk, dvo, q_dtype, cap, causal, nd, decode_rows, prefill_rows = self._planned
+        quick = self._pod._quick  # (recorded by this wrapper's run(): its POD wrapper is its own)
+        if quick is not None and mode == "pod" and perm is None and not compiling() and k_scale is None and \
+                v_scale is None and not logits_soft_cap and kv_cache_sf is None:
+            # The common form of a recorded launch: fij_fastcall checks q, the cache and out /
+            # lse as given against its signature in C++ and launches both sides on their rows
+            # (None: not of it; the checks and the op below)
+            got = self._pod._quick_run(quick, q, kv_cache, q, kv_cache, out, out, lse, lse, prefill_rows[0],
+                                       decode_rows[0], 3, None)
+            if got is not None:
+                return got[0], got[2]
+        out_given, lse_given = out, lse
         if kv_cache_sf is not None:
             raise ValueError("kv_cache_sf: NVFP4 K/V caches are not supported (expected None)")
         if logits_soft_cap and float(logits_soft_cap) != cap:
@@ -236,7 +304,6 @@ class BatchAttention:
             raise ValueError(f"q: planned for {dtype_str(q_dtype)}, got {dtype_str(q.dtype)}")
         if q.device != self._device:
             raise ValueError(f"q: on {q.device}, but the wrapper (its workspace and plan) is on {self._device}")
-        given = out is not None or lse is not None
         if out is None:
             out = torch.empty((tokens, hq, dvo), dtype=q.dtype, device=q.device)
         elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (tokens, hq, dvo) or out.dtype != q.dtype or \
@@ -263,25 +330,30 @@ class BatchAttention:
             lse.index_copy_(0, perm, ll)
             return out, lse
         (d0, d1), (p0, p1) = decode_rows, prefill_rows
-        if given and mode == "pod" and compiling():
+        if (out_given is not None or lse_given is not None) and mode == "pod" and compiling():
             # the caller's out / lse are graph inputs: the two sides' rows as two mutated views
             # of one input can become a synthetic base, copied whole; the op writes a fresh pair
             o, l = self.run(q, kv_cache, None, None, k_scale, v_scale, logits_soft_cap)
             return out.copy_(o), lse.copy_(l)
+        # (the fast path's record: q, the cache, out and lse as given, each side from its rows)
+        record = (q, kv_cache, q, kv_cache, out_given, out_given, lse_given, lse_given, p0, d0, 3) \
+            if k_scale is None and v_scale is None else None
         self._run_sides(mode, q[p0:p1], q[d0:d1], kv_cache, out[p0:p1], lse[p0:p1], out[d0:d1], lse[d0:d1], k_scale,
-                        v_scale)
+                        v_scale, record)
         return out, lse
 
     forward = run
 
-    def _run_sides(self, mode, q_p, q_d, kv_cache, out_p, lse_p, out_d, lse_d, k_scale, v_scale) -> None:
+    def _run_sides(self, mode, q_p, q_d, kv_cache, out_p, lse_p, out_d, lse_d, k_scale, v_scale,
+                   record=None) -> None:
         if mode == "pod":
             if type(kv_cache) is tuple and len(kv_cache) == 2:
                 kv = kv_cache
             else:
                 k, v, _ = unpack_paged_kv_cache(kv_cache, self._kv_layout)
                 kv = (k, v)
-            self._pod._run_into(q_p, kv, q_d, kv, None, k_scale, v_scale, True, None, out_p, lse_p, out_d, lse_d)
+            self._pod._run_into(q_p, kv, q_d, kv, None, k_scale, v_scale, True, None, out_p, lse_p, out_d, lse_d,
+                                record=record)
         else:  # serial: the prefill side, then the decode side
             self._prefill.run(q_p, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out_p, lse=lse_p)
             self._decode.run(q_d, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out_d, lse=lse_d)

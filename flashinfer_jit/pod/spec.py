@@ -81,7 +81,9 @@ class PodSpec(Spec):
         # soft cap, RoPE, KV-head pairs, clusters), and pod_counters: int32 zeros
         # (csrc/pod/pod_params.h kPodCounters), which the kernel leaves at zero;
         # decode_share: the share of an SM's blocks that run decode units while both sides
-        # have work, on decode_sms SMs (0: every SM; csrc/pod/pod.cuh launch_pod).
+        # have work, on decode_sms SMs (0: every SM; csrc/pod/pod.cuh launch_pod). prepared:
+        # a CPU byte tensor that receives the resolved launch (csrc/pod/pod_params.h
+        # PodLaunch) for run()'s fast path, <namespace>_pod_fast.
         # partial_o_d is not declared mutated: it is scratch of this launch (both sides' splits
         # merge inside it), in the workspace half beside partial_o_p's. Under torch.compile two
         # mutated views of one buffer become a synthetic base that the graph copies whole, and
@@ -96,7 +98,7 @@ class PodSpec(Spec):
             "Tensor merge_indptr_d, Tensor(f!) out_d, Tensor(g!) lse_d, Tensor partial_o_d, "
             "Tensor(i!) partial_lse_d, float logit_scale_d, float v_scale_d, int window_left_d, int grid_items_d, "
             "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, float decode_share, int decode_sms, "
-            "bool enable_pdl=False) -> ()")}
+            "bool enable_pdl=False, Tensor(l!)? prepared=None) -> ()")}
 
 
 def pod_spec(dtype_q: str, dtype_kv: str, head_dim: int, prefill_kv: str, page_table: str, kv_layout: str, mask: str,

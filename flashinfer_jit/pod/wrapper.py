@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from ..pipeline import env
 from ..pipeline.jit import get_module, traced_op
 from ..prefill.spec import PrefillSpec
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+from ..runtime import fastcall
 from ..runtime.checks import (
     compiling,
     constant_result,
@@ -34,7 +36,7 @@ from ..runtime.checks import (
     static_inputs,
 )
 from ..runtime.device import sm_count, supports_pdl
-from ..runtime.launch import module_op
+from ..runtime.launch import fast_entry, launch_buffer, launch_failed, module_op
 from ..runtime.page_table import csr_kv_lens_host, unpack_paged_kv_cache
 from .spec import PodSpec, pod_tiles
 
@@ -83,10 +85,23 @@ _DECODE_BYTES_PER_S = 4.2e12
 
 def prefill_flops(qo_lens, kv_lens, causal: bool, num_qo_heads: int, head_dim: int) -> float:
     """Attention FLOPs of a prefill batch (Q K^T and P V), causal counting the visible keys."""
-    q = np.asarray(qo_lens, dtype=np.float64)
-    k = np.asarray(kv_lens, dtype=np.float64)
-    seen = np.maximum(k - (q - 1) * 0.5, 0.0) if causal else k
-    return float(q @ seen) * num_qo_heads * head_dim * 4.0
+    return work_flops(prefill_work(qo_lens, kv_lens), causal, num_qo_heads, head_dim)
+
+
+def prefill_work(qo_lens, kv_lens) -> tuple[int, int]:
+    """(sum of q x k, sum of q x max(2k - q + 1, 0)): a prefill batch's (query, key) pairs and
+    twice those a bottom-right causal mask leaves, as exact integers (what plan() keeps, so
+    that a run() with the other mask needs no lengths; fij_fastcall's pod_work computes the
+    same in C++)."""
+    q = np.asarray(qo_lens, dtype=np.int64)
+    k = np.asarray(kv_lens, dtype=np.int64)
+    return int(q @ k), int(q @ np.maximum(2 * k - q + 1, 0))
+
+
+def work_flops(work: tuple[int, int], causal: bool, num_qo_heads: int, head_dim: int) -> float:
+    """prefill_work's pairs as FLOPs (Q K^T and P V: 4 a pair and head dimension)."""
+    pairs = work[1] / 2 if causal else float(work[0])
+    return pairs * num_qo_heads * head_dim * 4.0
 
 
 def csr_kv_lens(indptr, last_page_len, page_size: int) -> np.ndarray:
@@ -126,6 +141,36 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+class QuickLaunch(NamedTuple):
+    """run()'s fast path: a launch the POD op recorded (`prepared`, at `address`), relaunched
+    by fij_fastcall's pod_run (`run`, with the module's <namespace>_pod_fast at `entry`) for
+    tensors of the recorded `signature` (fij_fastcall.pod_signature of the call's tensors as
+    given), checked in C++; `key`: what the caller compares in Python (the options its
+    signature does not hold); spec: the module, for errors."""
+
+    run: object
+    entry: int
+    prepared: torch.Tensor
+    address: int
+    signature: bytes
+    key: object
+    spec: PodSpec
+
+
+def native_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d,
+                page_size: int) -> tuple | None:
+    """plan()'s per-request arithmetic in C++ (fij_fastcall pod_work): (prefill_work's two
+    sums, the decode side's keys, whether qo_indptr_d is arange(batch + 1) or None), or None
+    where the extension is unavailable or a vector is not a contiguous int32 CPU tensor of its
+    batch's length (plan() then reads them into numpy)."""
+    ext = fastcall.extension()
+    if ext is None or type(page_size) is not int:  # (a bad page_size: the decode side's error)
+        return None
+    work = ext.pod_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d,
+                        page_size)
+    return None if work == -1 else work
+
+
 class _Pod:
     """What both POD wrappers share: the two sides' wrappers, the scheduling counters, the launch."""
 
@@ -133,10 +178,26 @@ class _Pod:
     # planner's choice (as the prefill family's: 128 rows for long requests), or 64 or 128
     # pinned. Head_dim 256 runs 64. Benchmarks and tests pin it on a wrapper.
     tile_rows = None
+    _force = (None, None)
+
     # The schedule of each launch (launch_pod): None, pod_schedule() of the plans, or pinned
-    # (the decode share of an SM's blocks; the decode SMs, 0 every SM). Benchmarks pin them.
-    force_decode_share = None
-    force_decode_sms = None
+    # (the decode share of an SM's blocks; the decode SMs, 0 every SM). Benchmarks pin them;
+    # a pin drops run()'s recorded launch, which holds the schedule.
+    @property
+    def force_decode_share(self):
+        return self._force[0]
+
+    @force_decode_share.setter
+    def force_decode_share(self, value) -> None:
+        self._force, self._quick = (value, self._force[1]), None
+
+    @property
+    def force_decode_sms(self):
+        return self._force[1]
+
+    @force_decode_sms.setter
+    def force_decode_sms(self, value) -> None:
+        self._force, self._quick = (self._force[0], value), None
 
     def __init__(self, float_workspace_buffer, kv_layout: str, prefill, decode_buffers: tuple, use_cuda_graph: bool):
         expect_workspace(float_workspace_buffer)
@@ -156,6 +217,9 @@ class _Pod:
         self._flops = 0.0  # the planned prefill's and decodes' work, for pod_schedule
         self._kv_bytes = 0.0
         self._planned_schedule = (0.5, 0)
+        # run()'s fast path (QuickLaunch): recorded by a run() through the op, dropped by
+        # every plan of either side and every pinned schedule
+        self._quick = None
 
     def _pin_tile(self, head_dim: int) -> None:
         """The prefill side's tile for its next plan: a tile the POD module holds."""
@@ -176,10 +240,11 @@ class _Pod:
         return share, sms
 
     def _plan_schedule(self) -> None:
-        """pod_schedule() of the two plans (after either plans)."""
+        """pod_schedule() of the two plans (after either plans); drops run()'s recorded launch."""
         tile = self._prefill._plan.tile_rows if self._prefill._plan is not None else 64
         num_sms = sm_count(self._device) if self._device.type == "cuda" else 132
         self._planned_schedule = pod_schedule(self._flops, self._kv_bytes, tile, num_sms)
+        self._quick = None
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -211,15 +276,37 @@ class _Pod:
             raise ValueError(f"q_p: head_dim {pc.head_dim_qk} differs from the decode plan's {dc.head_dim}")
         return _pod_spec_of(ps, ds, prefill_kv, self._kv_layout)
 
-    def _launch(self, spec, p_args: tuple, d_args: tuple, enable_pdl) -> None:
-        """One POD launch; spec: _spec()'s module, or under torch.compile its namespace."""
+    def _launch(self, spec, p_args: tuple, d_args: tuple, enable_pdl, record: tuple | None = None, key=None) -> None:
+        """One POD launch; spec: _spec()'s module, or under torch.compile its namespace.
+        record: the call's tensors as given, in fij_fastcall.pod_signature's order (None:
+        a form run()'s fast path does not take): the op records its launch, which later
+        calls of that signature and `key` relaunch from C++ (_quick_run)."""
         if compiling():
-            op = traced_op(spec, "pod")
-            pdl = self._pdl if enable_pdl is None else enable_pdl
-        else:
-            op = module_op(spec, "pod", env.debug())
-            pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
-        op(*p_args, *d_args, self._counters, *self._schedule(), pdl)
+            traced_op(spec, "pod")(*p_args, *d_args, self._counters, *self._schedule(),
+                                   self._pdl if enable_pdl is None else enable_pdl)
+            return
+        op = module_op(spec, "pod", env.debug())
+        pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
+        entry = fast_entry(spec, "pod", env.debug()) if record is not None else None
+        signature = fastcall.extension().pod_signature(*record) if entry is not None and entry.runner else None
+        prepared = launch_buffer(entry) if signature is not None else None
+        op(*p_args, *d_args, self._counters, *self._schedule(), pdl, prepared)
+        if prepared is not None:  # later calls of this signature and key take the fast path
+            run, address = entry.runner
+            self._quick = QuickLaunch(run, address, prepared, prepared.data_ptr(), signature, key, spec)
+
+    def _quick_run(self, quick: QuickLaunch, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d, rows_p: int,
+                   rows_d: int, want_lse: int, enable_pdl):
+        """The recorded launch for these tensors (pod_signature's arguments): (out_p, out_d,
+        lse_p, lse_d), or None where they are not of its signature, not on a CUDA device, or
+        the stream captures a CUDA graph (the caller then runs the op)."""
+        got = quick.run(quick.entry, quick.address, quick.signature, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d,
+                        rows_p, rows_d, want_lse, self._pdl if enable_pdl is None else enable_pdl)
+        if type(got) is tuple:
+            return got
+        if got > 0:
+            raise launch_failed(quick.spec, "pod", got)
+        return None
 
 
 def _planned_decode_option(name: str, value, default, planned) -> None:
@@ -304,6 +391,18 @@ class PODWithPagedKVCacheWrapper(_Pod):
             pos_encoding_mode_d: str = "NONE", sm_scale_d=None, window_left_d: int = -1, rope_scale_d=None,
             rope_theta_d=None, q_scale=None, k_scale=None, v_scale=None, return_lse_d: bool = False,
             use_fp16_qk_reduction: bool = False, enable_pdl=None, *args):
+        quick = self._quick
+        if quick is not None and not compiling() and quick.key == (causal_p, sm_scale_p, window_left_p, kv_layout_p) \
+                and custom_mask_p is None and packed_custom_mask_p is None and custom_mask_d is None and \
+                packed_custom_mask_d is None and not causal_d and sm_scale_d is None and window_left_d == -1 and \
+                kv_layout_d == self._kv_layout and pos_encoding_mode_p == "NONE" and pos_encoding_mode_d == "NONE" \
+                and q_scale is None and k_scale is None and v_scale is None:
+            # The common form of a recorded launch (see BatchPODWithPagedKVCacheWrapper.run)
+            got = self._quick_run(quick, q_p, (k_p, v_p), q_d, paged_kv_cache_d, None, None, None, None, 0, 0,
+                                  int(bool(return_lse_p)) | int(bool(return_lse_d)) << 1, enable_pdl)
+            if got is not None:
+                out_p, out_d, lse_p, lse_d = got
+                return ((out_p, out_d), (lse_p, lse_d)) if return_lse_p or return_lse_d else (out_p, out_d)
         if self._decode._plan is None:
             raise RuntimeError("run() before plan(): call plan() with the decode batch's page table first")
         _no_rope(pos_encoding_mode_p, "pos_encoding_mode_p")
@@ -324,6 +423,12 @@ class PODWithPagedKVCacheWrapper(_Pod):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
                 raise ValueError(f"{name}: expected a 3-D tensor ([tokens, heads, head_dim]; k_p/v_p HND: [heads, "
                                  f"tokens, head_dim])")
+        # (the fast path's record: the tensors as given, K/V HND too, whose addresses are the
+        # transposed views' own)
+        plain = custom_mask_p is None and packed_custom_mask_p is None and sm_scale_d is None and \
+            window_left_d == -1 and q_scale is None and k_scale is None and v_scale is None
+        record = (q_p, (k_p, v_p), q_d, paged_kv_cache_d, None, None, None, None, 0, 0,
+                  int(bool(return_lse_p)) | int(bool(return_lse_d)) << 1) if plain else None
         if kv_layout_p == "HND":
             k_p, v_p = k_p.transpose(0, 1), v_p.transpose(0, 1)
         self._plan_prefill(q_p, k_p, custom_mask_p, packed_custom_mask_p, causal_p, sm_scale_p, window_left_p)
@@ -331,7 +436,7 @@ class PODWithPagedKVCacheWrapper(_Pod):
         out_p, lse_p, p_args = self._prefill._resolved_args(q_p, k_p, v_p, None, None, None, return_lse_p, None)
         out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
                                                            return_lse_d)
-        self._launch(spec, p_args, d_args, enable_pdl)
+        self._launch(spec, p_args, d_args, enable_pdl, record, (causal_p, sm_scale_p, window_left_p, kv_layout_p))
         if return_lse_p or return_lse_d:
             return (out_p, out_d), (lse_p, lse_d)
         return out_p, out_d
@@ -376,11 +481,21 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
              causal: bool = False) -> None:
         _no_rope(pos_encoding_mode, "pos_encoding_mode")
         expect_bool(causal, "causal")
-        if qo_indptr_d is not None:
+        # The two sides' work for the schedule, in C++ where the vectors are of plan()'s
+        # common form (contiguous int32 CPU tensors): no numpy conversions (docs/pod.md "Host
+        # time"); else read into numpy below, after the decode side's own checks.
+        work = native_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d,
+                           page_size)
+        if work is not None:
+            decode_ok = work[3]
+        elif qo_indptr_d is not None:
             d = host_index(qo_indptr_d, "qo_indptr_d")
-            if bool((d[1:] - d[:-1] != 1).any()):
-                raise ValueError("qo_indptr_d: the decode side takes one query token a request (qo_indptr_d = "
-                                 "arange(batch + 1)); put longer requests on the prefill side")
+            decode_ok = not bool((d[1:] - d[:-1] != 1).any())
+        else:
+            decode_ok = True
+        if not decode_ok:
+            raise ValueError("qo_indptr_d: the decode side takes one query token a request (qo_indptr_d = "
+                             "arange(batch + 1)); put longer requests on the prefill side")
         q_dtype = data_type if q_data_type is None else q_data_type
         kv_dtype = kv_data_type if kv_data_type is not None else data_type
         self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -388,9 +503,14 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                           data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking)
         self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads, num_kv_heads,
                               head_dim, page_size, window_left, sm_scale, q_dtype or "float16", kv_dtype, non_blocking)
-        self._plan_decode_bytes(kv_indptr_d, last_page_len_d)
-        qo = host_index(qo_indptr_p, "qo_indptr_p")
-        self._prefill_lens = (qo[1:] - qo[:-1], csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
+        if work is None:
+            decode_keys = int(csr_kv_lens(kv_indptr_d, last_page_len_d, page_size).sum())
+            qo = host_index(qo_indptr_p, "qo_indptr_p")
+            self._prefill_work = prefill_work(qo[1:] - qo[:-1], csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
+        else:
+            decode_keys, self._prefill_work = work[2], work[:2]
+        c = self._decode._plan.config
+        self._kv_bytes = float(decode_keys) * c.num_kv_heads * c.token_bytes
         self._prefill_mask = None
         self._plan_prefill(causal, None, None)
 
@@ -412,7 +532,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                                "plan() planned, during CUDA-graph capture; pass plan() causal=causal_p")
         qo, kv, ids, last, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = self._prefill_args
         self._pin_tile(d)
-        self._flops = prefill_flops(*self._prefill_lens, bool(causal) and not custom, hq, d)
+        self._flops = work_flops(self._prefill_work, bool(causal) and not custom, hq, d)
         self._prefill.plan(qo, kv, ids, last, hq, hk, d, ps, custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window,
                            sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, non_blocking=nb,
@@ -423,6 +543,16 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
     def run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
             causal_p: bool = False, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = False,
             use_fp16_qk_reduction: bool = False, enable_pdl=None):
+        quick = self._quick
+        if quick is not None and not compiling() and quick.key == causal_p and custom_mask_p is None and packed_custom_mask_p is None \
+                and q_scale is None and k_scale is None and v_scale is None:
+            # The common form of a recorded launch: fij_fastcall checks in C++ that the tensors
+            # are of its signature and relaunches it (None: they are not; the op below)
+            got = self._quick_run(quick, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, None, None, None, None, 0, 0,
+                                  3 if return_lse else 0, enable_pdl)
+            if got is not None:
+                out_p, out_d, lse_p, lse_d = got
+                return ((out_p, out_d), (lse_p, lse_d)) if return_lse else (out_p, out_d)
         if self._prefill_args is None:
             raise RuntimeError("run() before plan(): call plan() with both sides' page tables first")
         self._plan_prefill(causal_p, custom_mask_p, packed_custom_mask_p)
@@ -430,22 +560,27 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             k_p, v_p = paged_kv_cache_p
         else:
             k_p, v_p, _ = unpack_paged_kv_cache(paged_kv_cache_p, self._kv_layout)
+        plain = custom_mask_p is None and packed_custom_mask_p is None and q_scale is None and k_scale is None and \
+            v_scale is None
+        record = (q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, None, None, None, None, 0, 0,
+                  3 if return_lse else 0) if plain else None
         (out_p, out_d), (lse_p, lse_d) = self._run_into(q_p, (k_p, v_p), q_d, paged_kv_cache_d, q_scale, k_scale,
-                                                        v_scale, return_lse, enable_pdl)
+                                                        v_scale, return_lse, enable_pdl, record=record,
+                                                        key=bool(causal_p))
         if return_lse:
             return (out_p, out_d), (lse_p, lse_d)
         return out_p, out_d
 
     def _run_into(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, q_scale, k_scale, v_scale, return_lse, enable_pdl,
-                  out_p=None, lse_p=None, out_d=None, lse_d=None) -> tuple:
+                  out_p=None, lse_p=None, out_d=None, lse_d=None, record=None, key=None) -> tuple:
         """The launch of the planned batch; outputs allocated, or the given tensors (rows of a
-        mixed batch's outputs: BatchAttention)."""
+        mixed batch's outputs: BatchAttention). record, key: _launch's (run()'s fast path)."""
         spec = self._spec("paged", q_p, q_d)
         out_p, lse_p, p_args = self._prefill._resolved_args(q_p, *kv_p, q_scale, k_scale, v_scale, return_lse, None,
                                                             out_p, lse_p)
         out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
                                                            return_lse, out_d, lse_d)
-        self._launch(spec, p_args, d_args, enable_pdl)
+        self._launch(spec, p_args, d_args, enable_pdl, record, key)
         return (out_p, out_d), (lse_p, lse_d)
 
     forward = run

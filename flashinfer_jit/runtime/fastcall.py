@@ -20,6 +20,12 @@ prefill's plan() hands its C++ planner (csrc/runtime/plan_entry.h) the index vec
 no conversion or length check in Python and no ctypes call (~2 us of the 256-request
 plan() on the CPU machine); any other form gets -1 back and takes the Python route.
 
+POD (flashinfer_jit/pod/) has its callers in csrc/pod/pod_fastcall.cc, a second translation
+unit of the same extension: run()'s fast path of both POD wrappers and BatchAttention
+(`pod_signature`, `pod_run`: the tensors checked against a recorded signature in C++, the
+outputs allocated there) and plan()'s per-request arithmetic (`pod_work`: both sides' work
+for the schedule; `batch_split`: BatchAttention's cut of a mixed batch into the two sides).
+
 The extension needs CPython's and torch's headers and the host C++ compiler, not nvcc
 (10-30 s to build). It is built once per Python ABI, torch, compiler and source into
 `.fastcall/<key>/` of the cache root (a hidden folder: not a module entry, but with a manifest
@@ -57,7 +63,10 @@ from ..pipeline.toolchain import _version_line, find_cxx
 from .native import optional_entry
 
 MODULE = "fij_fastcall"
-SOURCES = ("runtime/fastcall.cc", "runtime/fast_entry.h", "runtime/plan_entry.h")
+# the extension's translation units (POD's callers beside the families' own), then the
+# headers they include from csrc/
+UNITS = ("runtime/fastcall.cc", "pod/pod_fastcall.cc")
+SOURCES = (*UNITS, "runtime/fast_entry.h", "runtime/fastcall_common.h", "runtime/plan_entry.h")
 SUBDIR = ".fastcall"
 
 
@@ -156,8 +165,8 @@ def _build_locked(cxx: str, k: str, root: Path, target: Path) -> Path:
     includes, lib, abi, _ = _torch()
     cmd = [*env.compiler_launcher(), cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{_python_include()}",
-           *(f"-I{inc}" for inc in includes), f"-I{csrc}", str(csrc / "runtime" / "fastcall.cc"), "-o", str(out),
-           f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10"]
+           *(f"-I{inc}" for inc in includes), f"-I{csrc}", *(str(csrc / unit) for unit in UNITS), "-o", str(out),
+           f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-ltorch_cpu", "-lc10"]
     logger.info("building %s (run()'s caller of the C launch entries) on first use into %s; expect about "
                 "10-30 s, once", MODULE, target.parent)
     t0 = time.perf_counter()

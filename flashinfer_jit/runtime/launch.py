@@ -29,18 +29,22 @@ from .native import ctypes_entry
 _FAST_ARGS = {
     "decode": [ctypes.c_void_p] * 6 + [ctypes.c_float] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int],
     "prefill": [ctypes.c_void_p] * 7 + [ctypes.c_float] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int],
+    # POD: prepared, the ten tensors' addresses (an array), the stream, pdl
+    "pod": [ctypes.c_void_p] * 3 + [ctypes.c_int],
 }
 # Families whose common run() fij_fastcall also launches from the tensors themselves
-# (checking their signature in C++): the extension's function for it.
-_RUNNERS = {"prefill": "prefill_run"}
+# (checking their signature in C++): the extension's function for it. POD has only this
+# form (FastEntry.call None): anything else runs its op.
+_RUNNERS = {"prefill": "prefill_run", "pod": "pod_run"}
+_POINTER_CALLERS = ("decode", "prefill")
 
 
 class FastEntry(NamedTuple):
-    """A module's fast launch: `call` (the C entry through fij_fastcall, else ctypes), the
-    bytes of a prepared launch, and `runner` ((extension function, entry address) for the
-    tensor-taking form, or None)."""
+    """A module's fast launch: `call` (the C entry through fij_fastcall, else ctypes; None
+    for POD), the bytes of a prepared launch, and `runner` ((extension function, entry
+    address) for the tensor-taking form, or None)."""
 
-    call: Callable
+    call: Callable | None
     launch_bytes: int
     runner: tuple | None
 
@@ -87,7 +91,7 @@ def fast_entry(spec: Spec, family: str, debug: bool) -> FastEntry | None:
     fn = ctypes_entry(spec, f"{family}_fast", _FAST_ARGS[family], ctypes.c_int)
     launch_bytes = int(ctypes_entry(spec, f"{family}_launch_bytes", [], ctypes.c_int)())
     runner = fastcall.runner(_RUNNERS[family], fn) if family in _RUNNERS else None
-    return FastEntry(fastcall.bind(family, fn), launch_bytes, runner)
+    return FastEntry(fastcall.bind(family, fn) if family in _POINTER_CALLERS else None, launch_bytes, runner)
 
 
 def launch_buffer(entry: FastEntry | None) -> torch.Tensor | None:

@@ -1,0 +1,408 @@
+// POD's callers in the fij_fastcall extension (flashinfer_jit/pod/, docs/pod.md "Host time"):
+// run()'s fast path and plan()'s per-request arithmetic, on the tensors as they came.
+//
+//   pod_signature(q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d, rows_p, rows_d, want_lse)
+//       -> bytes, or None where an argument is of another form
+//   pod_run(entry, prepared, signature, <pod_signature's arguments>, pdl)
+//       -> (out_p, out_d, lse_p, lse_d), or an int: -1 not the signature (or not aligned), -2 not
+//          on a CUDA device, FIJ_FAST_CAPTURING (-3) the stream captures a graph, > 0 the
+//          entry's cudaError_t
+//     A side reads q rows from `rows`; kv: a (k, v) tuple or one [pages, 2, ...] tensor; an
+//     out or lse given (a tensor) is written from row `rows`, None is allocated like that
+//     side's q (contiguous; for an lse only where bit 0 (prefill) / 1 (decode) of want_lse is
+//     set, else none is written): one allocation for both sides where q_p is q_d (a mixed
+//     batch's, BatchAttention's). The signature holds each tensor's signature words, the
+//     rows, want_lse and which arguments are the same object; pod_run launches
+//     <namespace>_pod_fast (csrc/runtime/fast_entry.h) only for the signature the op recorded.
+//
+//   pod_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d,
+//            qo_indptr_d or None, page_size) -> (sum q k, sum q (2k - q + 1)+, sum k_d, decode ok)
+//       the prefill side's attention work, non-causal and twice the causal count of visible
+//       keys, the decode side's keys, and whether qo_indptr_d is arange(batch + 1); exact
+//       integers, the same as flashinfer_jit/pod/wrapper.py's numpy. -1 where a vector is not
+//       a contiguous 1-D int32 CPU tensor of its batch's length (a last_page_len may be
+//       longer: a CUDA-graph wrapper's buffer).
+//
+//   batch_split(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok) -> tuple, or -1
+//       BatchAttention's cut (flashinfer_jit/pod/batch_attention.py cut_batch, the same values):
+//       (decodes, prefills, rows, pages, decode_rows, prefill_rows, perm, decode (indptr,
+//       last_page_len, pages), prefill (qo_indptr, indptr, last_page_len, pages)); rows (start,
+//       end) or None, perm int64 or None, a side's pages (first, end) of kv_indices or their
+//       int64 positions. -1 where a vector is not a contiguous 1-D int32 or int64
+//       CPU tensor or a value is out of its rule (the numpy path then raises its error).
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <vector>
+
+#include "runtime/fast_entry.h"
+#include "runtime/fastcall_common.h"
+
+namespace {
+
+using fij_fastcall::HostIndex;
+using fij_fastcall::kTensorWords;
+
+constexpr int kSideArgs = 4;  // q, kv, out, lse of a side
+// Words: per side q, k, v, out, lse; then rows_p, rows_d, want_lse, the aliases
+constexpr int kSigWords = 2 * 5 * kTensorWords + 4;
+constexpr int64_t kNone = -1, kOneTensor = -2;  // a slot's dim word: None; v of a [pages, 2, ...] cache
+
+struct Side {
+  PyObject* q;
+  PyObject* kv;
+  PyObject* out;
+  PyObject* lse;
+  int64_t rows;
+};
+
+void none_words(int64_t* w, int64_t dim) {
+  std::memset(w, 0, sizeof(int64_t) * kTensorWords);
+  w[0] = dim;
+}
+
+// A side's words; false where an argument is of another form.
+bool side_words(const Side& s, int64_t* w) {
+  if (!fij_fastcall::describe(s.q, w)) return false;
+  w += kTensorWords;
+  if (PyTuple_CheckExact(s.kv) && PyTuple_GET_SIZE(s.kv) == 2) {
+    if (!fij_fastcall::describe(PyTuple_GET_ITEM(s.kv, 0), w) ||
+        !fij_fastcall::describe(PyTuple_GET_ITEM(s.kv, 1), w + kTensorWords))
+      return false;
+  } else {
+    if (!fij_fastcall::describe(s.kv, w) || w[0] < 2) return false;
+    none_words(w + kTensorWords, kOneTensor);
+  }
+  w += 2 * kTensorWords;
+  for (PyObject* t : {s.out, s.lse}) {
+    if (t == Py_None) {
+      none_words(w, kNone);
+    } else if (!fij_fastcall::describe(t, w)) {
+      return false;
+    }
+    w += kTensorWords;
+  }
+  return true;
+}
+
+// args: q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d, rows_p, rows_d, want_lse
+bool read_sides(PyObject* const* args, Side* sides, int64_t* want_lse) {
+  sides[0] = {args[0], args[1], args[4], args[6], PyLong_AsLongLong(args[8])};
+  sides[1] = {args[2], args[3], args[5], args[7], PyLong_AsLongLong(args[9])};
+  *want_lse = PyLong_AsLongLong(args[10]);
+  return !PyErr_Occurred();
+}
+
+bool signature_words(const Side* sides, int64_t want_lse, int64_t* w) {
+  if (!side_words(sides[0], w) || !side_words(sides[1], w + 5 * kTensorWords)) return false;
+  int64_t* tail = w + 10 * kTensorWords;
+  tail[0] = sides[0].rows;
+  tail[1] = sides[1].rows;
+  tail[2] = want_lse;
+  tail[3] = (sides[0].q == sides[1].q) | (sides[0].out == sides[1].out) << 1 | (sides[0].lse == sides[1].lse) << 2;
+  return true;
+}
+
+constexpr Py_ssize_t kSignatureArgs = 11;
+
+PyObject* pod_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!fij_fastcall::arity("pod_signature", nargs, kSignatureArgs)) return nullptr;
+  Side sides[2];
+  int64_t want_lse = 0, w[kSigWords];
+  if (!read_sides(args, sides, &want_lse)) return nullptr;
+  try {
+    if (!signature_words(sides, want_lse, w)) Py_RETURN_NONE;
+  } catch (const std::exception&) {  // a tensor torch cannot describe here: no fast path
+    Py_RETURN_NONE;
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(w));
+}
+
+// A row of a [rows, ...] tensor: its address (the signature fixed the stride)
+void* row(const at::Tensor& t, int64_t rows) {
+  return static_cast<char*>(t.data_ptr()) + rows * t.stride(0) * static_cast<int64_t>(t.element_size());
+}
+
+struct Launch {
+  void* ptr[10];             // csrc/runtime/fast_entry.h fij_pod_fast_fn's tensors
+  PyObject* result[4] = {};  // out_p, out_d, lse_p, lse_d (new references)
+  ~Launch() {
+    for (PyObject* r : result) Py_XDECREF(r);
+  }
+};
+
+// An output of a side (a new reference; its address from row `rows` into *ptr): the given
+// tensor, or a new one shaped like q (an lse: [rows, heads] float32) where `make`, the other
+// side's where `shared` is it, else None (a null address: nothing written).
+PyObject* output(PyObject* given, const at::Tensor& q, int64_t rows, bool make, bool lse, PyObject* shared,
+                 void** ptr) {
+  if (given != Py_None) {
+    *ptr = row(THPVariable_Unpack(given), rows);
+    Py_INCREF(given);
+    return given;
+  }
+  if (!make) {
+    *ptr = nullptr;
+    Py_INCREF(Py_None);
+    return Py_None;
+  }
+  if (shared != nullptr) {
+    *ptr = row(THPVariable_Unpack(shared), rows);
+    Py_INCREF(shared);
+    return shared;
+  }
+  at::Tensor t = lse ? at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat)) : at::empty(q.sizes(), q.options());
+  *ptr = row(t, rows);
+  return THPVariable_Wrap(std::move(t));
+}
+
+// The addresses of a side's q, k, v, out and lse into ptr[0..5); false where one is not
+// aligned as the kernels need (16 bytes; an lse 4).
+bool side_pointers(const Side& s, int side, int64_t want_lse, const Side& other, Launch& l, void** ptr) {
+  const at::Tensor& q = THPVariable_Unpack(s.q);
+  ptr[0] = row(q, s.rows);
+  if (PyTuple_CheckExact(s.kv)) {
+    ptr[1] = THPVariable_Unpack(PyTuple_GET_ITEM(s.kv, 0)).data_ptr();
+    ptr[2] = THPVariable_Unpack(PyTuple_GET_ITEM(s.kv, 1)).data_ptr();
+  } else {  // [pages, 2, ...]: K at index 0 of dim 1, V at 1
+    const at::Tensor& kv = THPVariable_Unpack(s.kv);
+    ptr[1] = kv.data_ptr();
+    ptr[2] = static_cast<char*>(ptr[1]) + kv.stride(1) * static_cast<int64_t>(kv.element_size());
+  }
+  const bool same_q = s.q == other.q;
+  // (the decode side, second, shares the prefill side's allocation where q is one tensor)
+  PyObject* shared_out = side == 1 && same_q && s.out == Py_None && other.out == Py_None ? l.result[0] : nullptr;
+  PyObject* shared_lse = side == 1 && same_q && s.lse == Py_None && other.lse == Py_None ? l.result[2] : nullptr;
+  l.result[side] = output(s.out, q, s.rows, true, false, shared_out, &ptr[3]);
+  l.result[2 + side] = output(s.lse, q, s.rows, (want_lse >> side) & 1, true, shared_lse, &ptr[4]);
+  for (int i = 0; i < 4; ++i)
+    if (reinterpret_cast<uintptr_t>(ptr[i]) % 16 != 0) return false;
+  return reinterpret_cast<uintptr_t>(ptr[4]) % 4 == 0;
+}
+
+PyObject* pod_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!fij_fastcall::arity("pod_run", nargs, 3 + kSignatureArgs + 1)) return nullptr;
+  void* a[2];  // entry, prepared
+  if (!fij_fastcall::addresses(args, 2, a)) return nullptr;
+  PyObject* signature = args[2];
+  if (!PyBytes_Check(signature) || PyBytes_GET_SIZE(signature) != kSigWords * 8) {
+    PyErr_SetString(PyExc_TypeError, "fij_fastcall.pod_run(): signature: expected pod_signature()'s bytes");
+    return nullptr;
+  }
+  Side sides[2];
+  int64_t want_lse = 0;
+  if (!read_sides(args + 3, sides, &want_lse)) return nullptr;
+  const int pdl = PyObject_IsTrue(args[3 + kSignatureArgs]);
+  if (pdl < 0) return nullptr;
+  if (a[0] == nullptr || a[1] == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.pod_run(): null entry or prepared launch");
+    return nullptr;
+  }
+  Launch l;
+  void* stream = nullptr;
+  try {
+    int64_t w[kSigWords];
+    if (!signature_words(sides, want_lse, w) || std::memcmp(w, PyBytes_AS_STRING(signature), sizeof(w)) != 0)
+      return PyLong_FromLong(-1);
+    const at::Tensor& q = THPVariable_Unpack(sides[0].q);
+    if (!q.is_cuda()) return PyLong_FromLong(-2);
+    if (!side_pointers(sides[0], 0, want_lse, sides[1], l, l.ptr) ||
+        !side_pointers(sides[1], 1, want_lse, sides[0], l, l.ptr + 5))
+      return PyLong_FromLong(-1);
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    stream = impl.getStream(q.device()).native_handle();
+  } catch (const std::exception&) {  // a tensor torch cannot describe or allocate here: the op decides
+    return PyLong_FromLong(-1);
+  }
+  const int code = reinterpret_cast<fij_pod_fast_fn>(a[0])(a[1], l.ptr, stream, pdl);
+  if (code != 0) return PyLong_FromLong(code);
+  PyObject* result = PyTuple_New(4);
+  if (result == nullptr) return nullptr;
+  for (int i = 0; i < 4; ++i) {
+    PyTuple_SET_ITEM(result, i, l.result[i]);  // (the tuple takes the references)
+    l.result[i] = nullptr;
+  }
+  return result;
+}
+
+// Each request's keys of a CSR side: (pages - 1) x page_size + the last page's, 0 without
+// pages (flashinfer_jit/runtime/page_table.py csr_kv_lens_host)
+int64_t csr_len(const HostIndex& indptr, const HostIndex& last, int64_t r, int64_t page_size) {
+  const int64_t pages = indptr[r + 1] - indptr[r];
+  return pages > 0 ? (pages - 1) * page_size + last[r] : 0;
+}
+
+PyObject* pod_work(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!fij_fastcall::arity("pod_work", nargs, 7)) return nullptr;
+  const int64_t page_size = PyLong_AsLongLong(args[6]);
+  if (PyErr_Occurred()) return nullptr;
+  HostIndex qo_p, kv_p, last_p, kv_d, last_d, qo_d;
+  const bool given_d = args[5] != Py_None;
+  try {
+    if (!fij_fastcall::host_index(args[0], false, qo_p) || !fij_fastcall::host_index(args[1], false, kv_p) ||
+        !fij_fastcall::host_index(args[2], false, last_p) || !fij_fastcall::host_index(args[3], false, kv_d) ||
+        !fij_fastcall::host_index(args[4], false, last_d) ||
+        (given_d && !fij_fastcall::host_index(args[5], false, qo_d)))
+      return PyLong_FromLong(-1);
+  } catch (const std::exception&) {
+    return PyLong_FromLong(-1);
+  }
+  const int64_t batch_p = qo_p.size - 1, batch_d = kv_d.size - 1;
+  if (batch_p < 0 || batch_d < 0 || kv_p.size != batch_p + 1 || last_p.size < batch_p || last_d.size < batch_d)
+    return PyLong_FromLong(-1);
+  // (unsigned sums: values a planner rejects may wrap, never overflow; every valid batch is
+  // far below 2^63)
+  uint64_t full = 0, causal2 = 0, keys_d = 0;
+  for (int64_t r = 0; r < batch_p; ++r) {
+    const int64_t q = qo_p[r + 1] - qo_p[r], k = csr_len(kv_p, last_p, r, page_size);
+    const int64_t seen2 = 2 * k - q + 1;  // twice the keys a causal row sees on average
+    full += static_cast<uint64_t>(q * k);
+    causal2 += seen2 > 0 ? static_cast<uint64_t>(q * seen2) : 0;
+  }
+  for (int64_t r = 0; r < batch_d; ++r) keys_d += static_cast<uint64_t>(csr_len(kv_d, last_d, r, page_size));
+  bool decode_ok = true;
+  if (given_d) {
+    for (int64_t i = 1; i < qo_d.size && decode_ok; ++i) decode_ok = qo_d[i] - qo_d[i - 1] == 1;
+  }
+  return Py_BuildValue("(KKKO)", static_cast<unsigned long long>(full), static_cast<unsigned long long>(causal2),
+                       static_cast<unsigned long long>(keys_d), decode_ok ? Py_True : Py_False);
+}
+
+// A new 1-D CPU tensor of `n` int32 (int64 with `wide`) values
+at::Tensor host_vector(int64_t n, bool wide) {
+  return at::empty({n}, at::TensorOptions().dtype(wide ? at::kLong : at::kInt));
+}
+
+// A side's CSR table cut from the batch's (_side_table): (indptr, last_page_len, pages) with
+// pages (first, end) of kv_indices where the side's pages are one run of them, else their
+// positions (int64); qo: its qo_indptr too (the prefill side).
+PyObject* side_table(const std::vector<int64_t>& requests, const HostIndex& qo, const HostIndex& kv,
+                     const HostIndex& lens, int64_t page_size, bool with_qo) {
+  const int64_t n = static_cast<int64_t>(requests.size());
+  at::Tensor indptr = host_vector(n + 1, false), last = host_vector(n, false), qo_side = host_vector(n + 1, false);
+  int32_t *ip = indptr.data_ptr<int32_t>(), *lp = last.data_ptr<int32_t>(), *qp = qo_side.data_ptr<int32_t>();
+  ip[0] = qp[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = requests[i], pages = kv[r + 1] - kv[r];
+    ip[i + 1] = static_cast<int32_t>(ip[i] + pages);
+    qp[i + 1] = static_cast<int32_t>(qp[i] + qo[r + 1] - qo[r]);
+    lp[i] = static_cast<int32_t>(pages > 0 ? lens[r] - (pages - 1) * page_size : 0);
+  }
+  PyObject* pages;
+  const int64_t first = n ? kv[requests[0]] : 0, end = n ? kv[requests[n - 1] + 1] : 0;
+  if (end - first == ip[n]) {
+    pages = Py_BuildValue("(LL)", static_cast<long long>(first), static_cast<long long>(end));
+  } else {
+    at::Tensor where = host_vector(ip[n], true);
+    int64_t* wp = where.data_ptr<int64_t>();
+    for (const int64_t r : requests)
+      for (int64_t j = kv[r]; j < kv[r + 1]; ++j) *wp++ = j;
+    pages = THPVariable_Wrap(std::move(where));
+  }
+  if (pages == nullptr) return nullptr;
+  if (with_qo)
+    return Py_BuildValue("(NNNN)", THPVariable_Wrap(std::move(qo_side)), THPVariable_Wrap(std::move(indptr)),
+                         THPVariable_Wrap(std::move(last)), pages);
+  return Py_BuildValue("(NNN)", THPVariable_Wrap(std::move(indptr)), THPVariable_Wrap(std::move(last)), pages);
+}
+
+// false where a value breaks BatchAttention.plan()'s rules (its numpy checks raise then)
+bool valid_batch(const HostIndex& qo, const HostIndex& kv, const HostIndex& lens, int64_t page_size) {
+  if (qo[0] != 0 || kv[0] != 0) return false;
+  for (int64_t r = 0; r < lens.size; ++r) {
+    const int64_t pages = kv[r + 1] - kv[r], len = lens[r];
+    if (qo[r + 1] < qo[r] || pages < 0 || len > pages * page_size || (pages > 0 && len <= (pages - 1) * page_size) ||
+        (pages == 0 && len != 0))
+      return false;
+  }
+  return true;
+}
+
+PyObject* rows_or_none(bool some, int64_t start, int64_t end) {
+  if (!some) Py_RETURN_NONE;
+  return Py_BuildValue("(LL)", static_cast<long long>(start), static_cast<long long>(end));
+}
+
+PyObject* batch_split(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!fij_fastcall::arity("batch_split", nargs, 5)) return nullptr;
+  const int64_t page_size = PyLong_AsLongLong(args[3]);
+  const int decode_ok = PyObject_IsTrue(args[4]);
+  if (PyErr_Occurred() || decode_ok < 0) return nullptr;
+  HostIndex qo, kv, lens;
+  try {
+    if (!fij_fastcall::host_index(args[0], true, qo) || !fij_fastcall::host_index(args[1], true, kv) ||
+        !fij_fastcall::host_index(args[2], true, lens))
+      return PyLong_FromLong(-1);
+  } catch (const std::exception&) {
+    return PyLong_FromLong(-1);
+  }
+  const int64_t batch = lens.size;
+  if (qo.size != batch + 1 || kv.size != batch + 1 || !valid_batch(qo, kv, lens, page_size))
+    return PyLong_FromLong(-1);
+  std::vector<int64_t> decode, prefill;
+  int changes = 0, first_label = -1, label = -1;  // the side of the rows so far (-1: no row yet)
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t len = qo[r + 1] - qo[r];
+    const bool is_decode = decode_ok && len == 1;
+    (is_decode ? decode : prefill).push_back(r);
+    if (len > 0) {
+      changes += label >= 0 && label != static_cast<int>(is_decode);
+      label = static_cast<int>(is_decode);
+      if (first_label < 0) first_label = label;
+    }
+  }
+  const int64_t nd = static_cast<int64_t>(decode.size()), total = qo[batch];
+  PyObject *decode_rows, *prefill_rows, *perm;
+  try {
+    if (nd == 0 || nd == total) {
+      decode_rows = rows_or_none(nd > 0, 0, nd);
+      prefill_rows = rows_or_none(!prefill.empty(), nd, total);
+      perm = (Py_INCREF(Py_None), Py_None);
+    } else if (changes == 1) {
+      const bool first = first_label == 1;
+      decode_rows = rows_or_none(true, first ? 0 : total - nd, first ? nd : total);
+      prefill_rows = rows_or_none(true, first ? nd : 0, first ? total : total - nd);
+      perm = (Py_INCREF(Py_None), Py_None);
+    } else {
+      decode_rows = (Py_INCREF(Py_None), Py_None);
+      prefill_rows = (Py_INCREF(Py_None), Py_None);
+      at::Tensor order = host_vector(total, true);
+      int64_t* op = order.data_ptr<int64_t>();
+      for (const auto* side : {&decode, &prefill})
+        for (const int64_t r : *side)
+          for (int64_t j = qo[r]; j < qo[r + 1]; ++j) *op++ = j;
+      perm = THPVariable_Wrap(std::move(order));
+    }
+    PyObject* d = side_table(decode, qo, kv, lens, page_size, false);
+    PyObject* p = side_table(prefill, qo, kv, lens, page_size, true);
+    if (d == nullptr || p == nullptr) {
+      for (PyObject* o : {decode_rows, prefill_rows, perm, d, p}) Py_XDECREF(o);
+      return nullptr;
+    }
+    return Py_BuildValue("(LLLLNNNNN)", static_cast<long long>(nd), static_cast<long long>(prefill.size()),
+                         static_cast<long long>(total), static_cast<long long>(kv[batch]), decode_rows, prefill_rows,
+                         perm, d, p);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+}  // namespace
+
+namespace fij_fastcall {
+
+PyMethodDef pod_methods[] = {
+    {"pod_signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_signature)),
+     METH_FASTCALL,
+     "pod_signature(q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d, rows_p, rows_d, want_lse) -> bytes | None"},
+    {"pod_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_run)), METH_FASTCALL,
+     "pod_run(entry, prepared, signature, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d, rows_p, rows_d, "
+     "want_lse, pdl) -> (out_p, out_d, lse_p, lse_d) | int"},
+    {"pod_work", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_work)), METH_FASTCALL,
+     "pod_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d, page_size) "
+     "-> (sum q k, sum q (2k - q + 1)+, decode keys, decode ok) | -1"},
+    {"batch_split", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(batch_split)), METH_FASTCALL,
+     "batch_split(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok) -> tuple | -1"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace fij_fastcall

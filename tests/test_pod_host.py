@@ -1,0 +1,596 @@
+"""POD's host time (docs/pod.md "Host time"): plan()'s per-request arithmetic in C++ and run()'s
+fast path, for BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper and BatchAttention.
+
+CPU tests: fij_fastcall's pod_work and batch_split give what the numpy code gives (and what the
+code before them gave: the FLOP formula, the split and the side tables, inlined below) on random
+batches; plans made through them equal the numpy path's (schedules, sides' buffers); the
+signature and pod_run refuse other forms; the wrappers take a recorded launch only for its
+common form and key, fall back to the op otherwise, and never under torch.compile.
+
+GPU tests: a recorded launch's results equal the op path's bit for bit and the float64
+references, outputs poisoned with NaN first (given ones in place, allocated ones through the
+caching allocator); a call of another signature falls back to the op and records again; during
+CUDA-graph capture the entry refuses and the op is captured.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from kv_helpers import DEV, randn
+from test_pod import (BF16, HD, LLAMA, TOL, Decode, _poison_allocator, check_lse, check_out, check_pod, csr_table,
+                      decode_reference, make_cache, make_prefill, nan_outside, prefill_reference, unpack)
+
+import flashinfer_jit as fij
+from flashinfer_jit.pod import batch_attention as ba_mod
+from flashinfer_jit.pod import wrapper as pod_mod
+from flashinfer_jit.pod.batch_attention import cut_batch, native_cut, split_batch
+from flashinfer_jit.reference.prefill import prefill_ref
+from flashinfer_jit.runtime import fastcall
+from flashinfer_jit.runtime.page_table import csr_kv_lens_host, csr_page_table
+
+
+@pytest.fixture(scope="module")
+def ext():
+    e = fastcall.extension()
+    if e is None:
+        pytest.skip("fij_fastcall could not be built here")
+    return e
+
+
+def _i32(values, device="cpu"):
+    return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+
+def _csr(kv_lens, page_size, rnd=None):
+    pages = [-(-n // page_size) for n in kv_lens]
+    ids = list(range(sum(pages)))
+    if rnd is not None:
+        rnd.shuffle(ids)
+    return (_i32(itertools.accumulate(pages, initial=0)), _i32(ids),
+            _i32(n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)))
+
+
+def _old_prefill_flops(qo_lens, kv_lens, causal, hq, d) -> float:
+    """The FLOP estimate before pod_work (float64 numpy), which the schedule must keep."""
+    q, k = np.asarray(qo_lens, dtype=np.float64), np.asarray(kv_lens, dtype=np.float64)
+    seen = np.maximum(k - (q - 1) * 0.5, 0.0) if causal else k
+    return float(q @ seen) * hq * d * 4.0
+
+
+def _random_pod_batch(rnd: random.Random, page_size: int):
+    n_p, n_d = rnd.randint(0, 20), rnd.randint(0, 300)
+    qo_p = [rnd.choice([0, 1, 2, 7, rnd.randint(1, 600)]) for _ in range(n_p)]
+    kv_p = [rnd.choice([0, q, q + rnd.randint(0, 5000), max(0, q - 3)]) for q in qo_p]
+    kv_d = [rnd.choice([0, 1, page_size, rnd.randint(1, 9000)]) for _ in range(n_d)]
+    return qo_p, kv_p, kv_d
+
+
+# --- plan(): C++ and numpy agree with the code before them (CPU) ----------------------------------
+@pytest.mark.parametrize("seed", range(12))
+def test_pod_work_equals_numpy_and_the_old_estimate(ext, seed):
+    rnd = random.Random(seed)
+    page_size = rnd.choice([1, 16, 64])
+    qo_p, kv_p, kv_d = _random_pod_batch(rnd, page_size)
+    ip_p, _, last_p = _csr(kv_p, page_size)
+    ip_d, _, last_d = _csr(kv_d, page_size)
+    qo_indptr = _i32(itertools.accumulate(qo_p, initial=0))
+    full, causal2, keys_d, ok = ext.pod_work(qo_indptr, ip_p, last_p, ip_d, last_d, None, page_size)
+    assert ok and (full, causal2) == pod_mod.prefill_work(qo_p, kv_p) and keys_d == sum(kv_d)
+    assert (keys_d == int(csr_kv_lens_host(ip_d.numpy().astype(np.int64), last_d.numpy(), page_size).sum()))
+    for causal in (False, True):
+        hq, d = rnd.choice([(32, 128), (8, 64), (4, 256)])
+        assert pod_mod.work_flops((full, causal2), causal, hq, d) == _old_prefill_flops(qo_p, kv_p, causal, hq, d)
+
+
+def test_pod_work_refuses_other_forms(ext):
+    qo, (ip, _, last) = _i32([0, 3]), _csr([20], 16)
+    assert ext.pod_work(qo, ip, last, ip, last, None, 16)[3]
+    assert not ext.pod_work(qo, ip, last, ip, last, _i32([0, 2]), 16)[3]  # a decode of two tokens
+    for bad in (ip.long(), ip[:1], torch.zeros(2, 1, dtype=torch.int32), _i32([0, 2, 9])[::2], [0, 2]):
+        assert ext.pod_work(qo, bad, last, ip, last, None, 16) == -1
+    # a CUDA-graph wrapper's last_page_len buffer, longer than the batch: its first values
+    assert ext.pod_work(qo, ip, _i32([4, 99, 99]), ip, last, None, 16)[0] == 3 * 20
+
+
+def _plan_pod(w, batch, page_size, causal, host_form):
+    qo_p, kv_p, kv_d = batch
+    rnd = random.Random(1)
+    ip_p, ids_p, last_p = _csr(kv_p, page_size, rnd)
+    ip_d, ids_d, last_d = _csr(kv_d, page_size, rnd)
+    qo = _i32(itertools.accumulate(qo_p, initial=0))
+    qo_d = torch.arange(len(kv_d) + 1, dtype=torch.int32)
+    tables = [qo, ip_p, ids_p, last_p, qo_d, ip_d, ids_d, last_d]
+    if host_form == "int64":  # not plan()'s common form: the numpy path (same planners)
+        tables = [t.long() for t in tables]
+    w.plan(*tables, *LLAMA, HD, page_size, q_data_type=BF16, causal=causal)
+
+
+def _plan_state(w):
+    """What a plan decides: the schedule's inputs and result, and both sides' planned buffers."""
+    tensors = [*w._prefill._plan.args[1:4], *w._decode._plan.args[1:3]]
+    return (w._flops, w._kv_bytes, w._planned_schedule, w._prefill._plan.tile_rows, w._prefill._plan.grid,
+            w._decode._plan.args[8], [t.clone() for t in tensors if t is not None])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_pod_plan_through_cxx_equals_the_numpy_path(ext, seed):
+    rnd = random.Random(100 + seed)
+    page_size = rnd.choice([16, 1])
+    batch = _random_pod_batch(rnd, page_size)
+    hq, hk = LLAMA
+    for causal in (False, True):
+        states = []
+        for form in ("int32", "int64"):
+            w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+            _plan_pod(w, batch, page_size, causal, form)
+            states.append(_plan_state(w))
+            kv_bytes = float(sum(batch[2])) * hk * HD * 2 * 2  # K and V, bf16
+            flops = _old_prefill_flops(batch[0], batch[1], causal, hq, HD)
+            assert (w._flops, w._kv_bytes) == (flops, kv_bytes), "not the estimate of the code before"
+        (a, b) = states
+        assert a[:6] == b[:6]
+        assert all(torch.equal(x, y) for x, y in zip(a[6], b[6]))
+
+
+def test_batch_pod_plan_checks_the_decode_side_the_same_way(ext):
+    w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    ip, ids, last = _csr([20, 30], 16)
+    for qo_d in (_i32([0, 1, 3]), _i32([0, 1, 3]).long()):  # C++, numpy
+        with pytest.raises(ValueError, match="qo_indptr_d: the decode side takes one query token"):
+            w.plan(_i32([0, 5, 9]), ip, ids, last, qo_d, ip, ids, last, *LLAMA, HD, 16, q_data_type=BF16)
+
+
+# --- BatchAttention's cut (CPU) -------------------------------------------------------------------
+def _old_side_table(requests, kv_indptr, kv_lens, page_size, kv_indices):
+    """BatchAttention's side table before cut_batch (indptr, ids, last)."""
+    pages = kv_indptr[requests + 1] - kv_indptr[requests]
+    indptr = np.zeros(len(requests) + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    last = np.where(pages > 0, kv_lens[requests] - (pages - 1) * page_size, 0).astype(np.int32)
+    if len(requests) == 0:
+        return indptr, kv_indices[:0], last
+    where = np.concatenate([np.arange(kv_indptr[r], kv_indptr[r + 1]) for r in requests])
+    return indptr, kv_indices[torch.from_numpy(where)], last
+
+
+def _random_mixed(rnd: random.Random, page_size: int):
+    n = rnd.randint(0, 40)
+    order = rnd.choice(["decodes-first", "decodes-last", "mixed"])
+    qo = [rnd.choice([0, 1, 1, 1, 2, 4, rnd.randint(5, 300)]) for _ in range(n)]
+    if order != "mixed":
+        qo.sort(key=lambda q: (q != 1) == (order == "decodes-first"))
+    kv = [0 if rnd.random() < 0.1 else rnd.randint(q, q + 3000) for q in qo]
+    return qo, kv
+
+
+def _mixed_tensors(qo, kv, page_size, wide=False):
+    ip, ids, _ = _csr(kv, page_size, random.Random(7))
+    t = [_i32(itertools.accumulate(qo, initial=0)), ip, _i32(kv)]
+    return [x.long() for x in t] if wide else t, ids
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
+            torch.equal(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_batch_split_equals_cut_batch_and_the_old_split(ext, seed):
+    rnd = random.Random(seed)
+    page_size = rnd.choice([1, 4, 16])
+    qo, kv = _random_mixed(rnd, page_size)
+    decode_ok = seed % 5 != 4
+    for wide in (False, True):
+        (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo, kv, page_size, wide)
+        got = native_cut(qo_t, kv_t, lens_t, page_size, decode_ok)
+        arrays = [t.numpy().astype(np.int64) for t in (qo_t, kv_t, lens_t)]
+        want = cut_batch(*arrays, page_size, decode_ok)
+        assert got is not None and all(_same(x, y) for x, y in zip(got, want)), (got, want)
+        # against the code before: split_batch's split and the old side tables
+        split = split_batch(arrays[0], decode_ok)
+        assert (got.decodes, got.prefills, got.decode_rows, got.prefill_rows) == \
+            (len(split.decode), len(split.prefill), split.decode_rows, split.prefill_rows)
+        assert _same(got.perm, None if split.perm is None else torch.from_numpy(split.perm))
+        for side, requests in ((got.decode, split.decode), (got.prefill[1:], split.prefill)):
+            indptr, old_ids, last = _old_side_table(requests, arrays[1], arrays[2], page_size, ids)
+            assert np.array_equal(side[0].numpy(), indptr) and np.array_equal(side[1].numpy(), last)
+            assert torch.equal(ba_mod._side_ids(side[2], ids), old_ids)
+        p_qo = np.concatenate([[0], np.cumsum(np.diff(arrays[0])[split.prefill])]).astype(np.int32)
+        assert np.array_equal(got.prefill[0].numpy(), p_qo)
+
+
+@pytest.mark.parametrize("qo, kv, lens", [
+    ([0, 1, 3], [0, 2, 3], [33, 5]),        # 33 keys on 2 pages of 16
+    ([0, 1, 3], [0, 2, 3], [20, 17]),       # 17 keys on 1 page
+    ([0, 2, 1], [0, 1, 2], [5, 5]),         # qo_indptr decreasing
+    ([0, 1, 2], [0, 1], [5, 5]),            # kv_indptr too short
+    ([1, 2, 3], [0, 1, 2], [5, 5]),         # not from 0
+    ([0, 1, 2], [0, 0, 1], [3, 5]),         # keys without pages
+])
+def test_batch_split_leaves_bad_batches_to_the_numpy_checks(ext, qo, kv, lens):
+    assert native_cut(_i32(qo), _i32(kv), _i32(lens), 16, True) is None
+    ba = fij.BatchAttention(device="cpu")
+    with pytest.raises(ValueError, match="kv_len_arr|qo_indptr and kv_indptr"):
+        ba.plan(_i32(qo), _i32(kv), _i32(range(8)), _i32(lens), *LLAMA, HD, HD, 16)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_attention_plan_through_cxx_equals_the_numpy_path(ext, seed, monkeypatch):
+    rnd = random.Random(50 + seed)
+    qo, kv = _random_mixed(rnd, 16)
+    (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo, kv, 16)
+    planned = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(ba_mod, "native_cut", lambda *a: None)
+        ba = fij.BatchAttention(device="cpu")
+        ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True)
+        mode = ba._planned[0]
+        sides = {"pod": [ba._pod._prefill, ba._pod._decode], "prefill": [ba._prefill], "decode": [ba._decode],
+                 "serial": [ba._prefill, ba._decode]}[mode]
+        buffers = [t.clone() for w in sides for t in w._plan.args[1:3] if isinstance(t, torch.Tensor)]
+        sched = (ba._pod._flops, ba._pod._kv_bytes, ba._pod._planned_schedule) if mode == "pod" else None
+        planned.append((mode, ba._planned[3:], ba._planned[2], sched, buffers))
+    (a, b) = planned
+    assert (a[0], a[1], a[3]) == (b[0], b[1], b[3]) and _same(a[2], b[2])
+    assert len(a[4]) == len(b[4]) and all(torch.equal(x, y) for x, y in zip(a[4], b[4]))
+
+
+# --- run(): the signature and pod_run (CPU) -------------------------------------------------------
+def _pod_args(q_p, kv_p, q_d, kv_d, out=None, lse=None, rows=(0, 0), want=0):
+    return (q_p, kv_p, q_d, kv_d, out, out, lse, lse, *rows, want)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_pod_signature_tells_apart_what_the_launch_depends_on(ext):
+    q = torch.zeros(7, 4, 64, dtype=BF16)
+    k, v = torch.zeros(5, 16, 2, 64, dtype=BF16), torch.zeros(5, 16, 2, 64, dtype=BF16)
+    cache = torch.zeros(5, 2, 16, 2, 64, dtype=BF16)
+    base = ext.pod_signature(*_pod_args(q, (k, v), q, (k, v)))
+    assert isinstance(base, bytes)
+    same = ext.pod_signature(*_pod_args(q.clone(), (k.clone(), v.clone()), q.clone(), (k, v)))
+    assert same != base  # q_p is no longer q_d: the outputs are allocated apart
+    assert ext.pod_signature(*_pod_args(q, (k.clone(), v), q, (k, v))) == base  # new addresses only
+    others = [
+        _pod_args(q[:6], (k, v), q[:6], (k, v)),                      # rows
+        _pod_args(q.float(), (k, v), q.float(), (k, v)),              # dtype
+        _pod_args(q, (k, v), q, cache),                               # one cache tensor
+        _pod_args(q, (k, v), q, (k, v), want=1),                      # an LSE asked for
+        _pod_args(q, (k, v), q, (k, v), rows=(0, 3)),                 # the sides' rows
+        _pod_args(q, (k, v), q, (k, v), out=torch.zeros(7, 4, 64, dtype=BF16)),  # out given
+        _pod_args(q, (k, v.transpose(1, 2).contiguous().transpose(1, 2)), q, (k, v)),  # strides
+    ]
+    sigs = [ext.pod_signature(*a) for a in others]
+    assert all(isinstance(s, bytes) and s != base for s in sigs) and len(set(sigs)) == len(sigs)
+    assert ext.pod_signature(*_pod_args(q, [k, v], q, (k, v))) is None  # a list: not the common form
+    assert ext.pod_signature(*_pod_args(q, (k, v), q.as_subclass(_Sub), (k, v))) is None  # a subclass
+
+
+def test_pod_run_launches_only_its_signature_on_a_cuda_device(ext):
+    q = torch.zeros(7, 4, 64, dtype=BF16)
+    kv = (torch.zeros(5, 16, 2, 64, dtype=BF16), torch.zeros(5, 16, 2, 64, dtype=BF16))
+    sig = ext.pod_signature(*_pod_args(q, kv, q, kv))
+    assert ext.pod_run(1, 1, sig, *_pod_args(q, kv, q, kv), False) == -2  # its signature, on the CPU
+    assert ext.pod_run(1, 1, sig, *_pod_args(q[:5], kv, q[:5], kv), False) == -1
+    assert ext.pod_run(1, 1, sig, *_pod_args(q, kv, q, list(kv)), False) == -1
+    with pytest.raises(ValueError, match="null entry"):
+        ext.pod_run(0, 1, sig, *_pod_args(q, kv, q, kv), False)
+    with pytest.raises(TypeError, match="signature"):
+        ext.pod_run(1, 1, b"short", *_pod_args(q, kv, q, kv), False)
+
+
+# --- run(): which path the wrappers take (CPU, a stand-in record) ---------------------------------
+class _Spy:
+    """A stand-in for fij_fastcall.pod_run: records its arguments, returns `result`."""
+
+    def __init__(self, result):
+        self.result, self.calls = result, []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return self.result
+
+
+def _planned_batch_pod(causal=True):
+    w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    _plan_pod(w, ([5, 9], [40, 100], [20, 30, 3]), 16, causal, "int32")
+    return w
+
+
+def _record(w, spy, key):
+    w._quick = pod_mod.QuickLaunch(spy, 11, torch.zeros(8, dtype=torch.uint8), 22, b"sig", key, None)
+
+
+def test_batch_pod_run_takes_the_record_for_its_common_form():
+    w = _planned_batch_pod()
+    q_p, q_d = torch.zeros(14, 32, HD, dtype=BF16), torch.zeros(3, 32, HD, dtype=BF16)
+    cache = torch.zeros(20, 2, 16, 8, HD, dtype=BF16)
+    outs = tuple(torch.zeros(1) for _ in range(4))
+    spy = _Spy(outs)
+    _record(w, spy, True)
+    assert w.run(q_p, cache, q_d, cache, causal_p=True) == outs[:2]
+    assert w.run(q_p, cache, q_d, cache, causal_p=True, return_lse=True) == (outs[:2], outs[2:])
+    assert spy.calls[0] == (11, 22, b"sig", q_p, cache, q_d, cache, None, None, None, None, 0, 0, 0, w._pdl)
+    assert spy.calls[1][13] == 3  # both LSEs asked for
+    # not its form or key: the op path (which on CPU tensors stops at the device check)
+    for kwargs in (dict(causal_p=False), dict(causal_p=True, k_scale=2.0),
+                   dict(causal_p=True, packed_custom_mask_p=torch.zeros(1, dtype=torch.uint8))):
+        spy = _Spy(outs)
+        _record(w, spy, True)
+        with pytest.raises(ValueError):
+            w.run(q_p, cache, q_d, cache, **kwargs)
+        assert not spy.calls, kwargs
+
+
+@pytest.mark.parametrize("code, error", [(-1, ValueError), (-2, ValueError), (-3, ValueError)])
+def test_a_refused_record_falls_back_to_the_op(code, error):
+    """-1: not the signature, -2: not on a CUDA device, -3: the stream captures a graph."""
+    w = _planned_batch_pod()
+    q_p, q_d = torch.zeros(14, 32, HD, dtype=BF16), torch.zeros(3, 32, HD, dtype=BF16)
+    cache = torch.zeros(20, 2, 16, 8, HD, dtype=BF16)
+    spy = _Spy(code)
+    _record(w, spy, True)
+    with pytest.raises(error, match="CUDA"):  # the op path's checks ran
+        w.run(q_p, cache, q_d, cache, causal_p=True)
+    assert len(spy.calls) == 1
+
+
+def test_a_launch_error_of_the_record_is_raised(monkeypatch):
+    w = _planned_batch_pod()
+    monkeypatch.setattr(pod_mod, "launch_failed", lambda spec, family, code: RuntimeError(f"{family} {code}"))
+    _record(w, _Spy(700), True)
+    cache = torch.zeros(20, 2, 16, 8, HD, dtype=BF16)
+    with pytest.raises(RuntimeError, match="pod 700"):
+        w.run(torch.zeros(14, 32, HD, dtype=BF16), cache, torch.zeros(3, 32, HD, dtype=BF16), cache, causal_p=True)
+
+
+def test_plans_and_pinned_schedules_drop_the_record():
+    w = _planned_batch_pod()
+    for drop in (lambda: setattr(w, "force_decode_share", 0.5), lambda: setattr(w, "force_decode_sms", 4),
+                 lambda: _plan_pod(w, ([5], [40], [20]), 16, True, "int32"),
+                 lambda: w._plan_prefill(False, None, None)):
+        _record(w, _Spy(-1), True)
+        drop()
+        assert w._quick is None
+    assert (w.force_decode_share, w.force_decode_sms) == (0.5, 4)
+
+
+def test_single_pod_run_takes_the_record_for_its_key():
+    w = fij.PODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    ip, ids, last = _csr([20, 30, 3], 16)
+    w.plan(ip, ids, last, *LLAMA, HD, 16, q_data_type=BF16)
+    q_p, k_p, v_p = torch.zeros(9, 32, HD, dtype=BF16), torch.zeros(30, 8, HD, dtype=BF16), \
+        torch.zeros(30, 8, HD, dtype=BF16)
+    q_d, cache = torch.zeros(3, 32, HD, dtype=BF16), torch.zeros(6, 2, 16, 8, HD, dtype=BF16)
+    outs = tuple(torch.zeros(1) for _ in range(4))
+    spy = _Spy(outs)
+    _record(w, spy, (True, None, -1, "NHD"))
+    assert w.run(q_p, k_p, v_p, q_d, cache, causal_p=True, return_lse_d=True) == (outs[:2], outs[2:])
+    args = spy.calls[0]
+    assert args[3] is q_p and args[4] == (k_p, v_p) and args[5] is q_d and args[13] == 2
+    for kwargs in (dict(causal_p=False), dict(causal_p=True, sm_scale_p=0.1), dict(causal_p=True, kv_layout_p="HND"),
+                   dict(causal_p=True, v_scale=2.0)):
+        spy = _Spy(outs)
+        _record(w, spy, (True, None, -1, "NHD"))
+        with pytest.raises(ValueError):
+            w.run(q_p, k_p, v_p, q_d, cache, **kwargs)
+        assert not spy.calls, kwargs
+
+
+@pytest.mark.parametrize("qo_lens, taken", [([1, 1, 5], True), ([5, 1, 1], True), ([1, 5, 1], False)],
+                         ids=["decodes-first", "decodes-last", "interleaved"])
+def test_batch_attention_run_takes_the_record_where_both_sides_are_runs(qo_lens, taken):
+    ba = fij.BatchAttention(device="cpu")
+    kv = [20, 40, 3]
+    (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo_lens, kv, 16)
+    ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True)
+    assert ba._planned[0] == "pod"
+    q, cache = torch.zeros(7, 32, HD, dtype=BF16), torch.zeros(8, 2, 16, 8, HD, dtype=BF16)
+    outs = tuple(torch.zeros(1) for _ in range(4))
+    spy = _Spy(outs)
+    _record(ba._pod, spy, None)
+    if taken:
+        assert ba.run(q, cache) == (outs[0], outs[2])
+        _, (d0, _), (p0, _) = ba._planned[10:13]
+        assert spy.calls[0][3:] == (q, cache, q, cache, None, None, None, None, p0, d0, 3, ba._pod._pdl)
+    else:  # the gather and scatter: the op path
+        with pytest.raises(ValueError, match="CUDA"):
+            ba.run(q, cache)
+        assert not spy.calls
+    with pytest.raises(ValueError):  # scales: the op path
+        ba.run(q, cache, k_scale=2.0)
+    assert len(spy.calls) == int(taken)
+
+
+def test_the_record_is_never_taken_under_torch_compile(monkeypatch):
+    """Dynamo traces run() to the op (test_torch_compile.py's stand-ins): a record left on the
+    wrapper is not called."""
+    from test_torch_compile import _explain_and_compile, _stand_in_library, _NS
+    from flashinfer_jit.runtime.checks import constant_result
+
+    _stand_in_library()
+    monkeypatch.setattr(pod_mod, "_pod_namespace", constant_result(lambda *a: _NS))
+    import flashinfer_jit.decode.wrapper as dw
+    import flashinfer_jit.prefill.wrapper as pw
+    monkeypatch.setattr(dw, "traced_namespace", constant_result(lambda *a: _NS))
+    monkeypatch.setattr(pw, "traced_namespace", constant_result(lambda *a: _NS))
+    w = _planned_batch_pod()
+    spy = _Spy(-1)
+    _record(w, spy, True)
+    q_p, q_d = torch.randn(14, 32, HD).to(BF16), torch.randn(3, 32, HD).to(BF16)
+    k, v = (torch.randn(20, 16, 8, HD).to(BF16) for _ in range(2))
+
+    def step(q_p, q_d, k, v):
+        return w.run(q_p, (k, v), q_d, (k, v), causal_p=True)
+
+    graphs, compiled = _explain_and_compile(step, q_p, q_d, k, v)
+    out_p, out_d = compiled(q_p, q_d, k, v)
+    assert torch.equal(out_p, q_p * 2) and torch.equal(out_d, q_d * 3) and not spy.calls
+
+
+# --- GPU: the recorded launch against the op and the references ----------------------------------
+def _spy_record(w):
+    """Wrap the wrapper's record so the test sees each fast call's result."""
+    results = []
+    run = w._quick.run
+
+    def spy(*args):
+        results.append(run(*args))
+        return results[-1]
+
+    w._quick = w._quick._replace(run=spy)
+    return results
+
+
+def _host_batch(page_size=16, seed=5, shared=True):
+    """Prefill requests (qo 7, 300, 1 over kv 500, 300, 2048) and 9 decodes, host indptr /
+    last_page_len (plan()'s common form), page ids on the GPU; one cache or two."""
+    rnd, gen = random.Random(seed), torch.Generator(device=DEV).manual_seed(seed)
+    qo_lens, kv_lens = [7, 300, 1], [500, 300, 2048]
+    lens_d = [rnd.randint(1, 1500) for _ in range(9)]
+    pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
+    num_pages = pages_p + pages_d + 5
+    ids = rnd.sample(range(num_pages), num_pages)
+    table_p, table_d = csr_table(kv_lens, page_size, ids[:pages_p]), csr_table(lens_d, page_size, ids[pages_p:])
+    cache_p = make_cache(num_pages, page_size, LLAMA[1], HD, BF16, gen, single=shared)
+    cache_d = cache_p if shared else make_cache(num_pages, page_size, LLAMA[1], HD, BF16, gen)
+    nan_outside(cache_p, page_size, [table_p, table_d] if shared else [table_p])
+    if not shared:
+        nan_outside(cache_d, page_size, [table_d])
+    qo_indptr = _i32(itertools.accumulate(qo_lens, initial=0))
+    q_p = randn((sum(qo_lens), LLAMA[0], HD), BF16, gen)
+    dec = Decode(randn((len(lens_d), LLAMA[0], HD), BF16, gen), cache_d, table_d)
+    host = lambda t: (t[0].cpu(), t[1], t[2].cpu())  # noqa: E731
+    plan_args = (qo_indptr, *host(table_p.plan_args), torch.arange(10, dtype=torch.int32), *host(table_d.plan_args))
+    return plan_args, q_p, cache_p, dec, table_p, qo_indptr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, return_lse, shared", [(True, False, True), (False, True, False)],
+                         ids=["causal-one-cache", "lse-two-caches"])
+def test_gpu_batch_pod_fast_path_equals_the_op_and_the_reference(causal, return_lse, shared, workspace):
+    plan_args, q_p, cache_p, dec, table_p, qo_indptr = _host_batch(shared=shared)
+    w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    w.plan(*plan_args, *LLAMA, HD, 16, q_data_type=BF16, causal=causal)
+
+    def call():
+        _poison_allocator(q_p, dec.q)
+        got = unpack(w.run(q_p, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=causal, return_lse=return_lse),
+                     return_lse, return_lse)
+        torch.cuda.synchronize()
+        return [t.clone() if t is not None else None for t in got]
+
+    by_op = call()
+    assert w._quick is not None, "the op recorded no launch"
+    results = _spy_record(w)
+    fast = call()
+    assert results and type(results[-1]) is tuple, f"the fast path was not taken: {results}"
+    for a, b in zip(by_op, fast):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    ref_p = prefill_ref(q_p, qo_indptr.to(DEV), cache_p.k, cache_p.v, page_table=table_p.table, causal=causal)
+    check_pod(fast, ref_p, decode_reference(dec), BF16)
+    # another signature (the other LSE request): refused (-1), the op runs and records it
+    recorded = w._quick.signature
+    other = unpack(w.run(q_p, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=causal,
+                         return_lse=not return_lse), not return_lse, not return_lse)
+    torch.cuda.synchronize()
+    assert results[-1] == -1 and w._quick.signature != recorded
+    assert torch.equal(other[0], by_op[0]) and torch.equal(other[1], by_op[1])
+
+
+@pytest.mark.gpu
+def test_gpu_single_pod_fast_path_equals_the_op_and_the_reference(workspace):
+    rnd, gen = random.Random(3), torch.Generator(device=DEV).manual_seed(3)
+    lens = [rnd.randint(1, 1000) for _ in range(17)]
+    num_pages = sum(-(-n // 16) for n in lens) + 4
+    table = csr_table(lens, 16, rnd.sample(range(num_pages), num_pages))
+    cache = make_cache(num_pages, 16, LLAMA[1], HD, BF16, gen)
+    nan_outside(cache, 16, [table])
+    dec = Decode(randn((17, LLAMA[0], HD), BF16, gen), cache, table)
+    q_p, k_p, v_p = make_prefill(127, 700, LLAMA, HD, BF16, gen)
+    w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    w.plan(table.plan_args[0].cpu(), table.plan_args[1], table.plan_args[2].cpu(), *LLAMA, HD, 16, q_data_type=BF16)
+
+    def call():
+        _poison_allocator(q_p, dec.q)
+        got = unpack(w.run(q_p, k_p, v_p, dec.q, cache.run_arg, causal_p=True, return_lse_p=True), True, False)
+        torch.cuda.synchronize()
+        return [t.clone() if t is not None else None for t in got]
+
+    by_op = call()
+    results = _spy_record(w)
+    fast = call()
+    assert results and type(results[-1]) is tuple
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(by_op, fast))
+    check_pod(fast, prefill_reference(q_p, k_p, v_p, causal=True), decode_reference(dec), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("given", [False, True], ids=["allocated", "in-place"])
+@pytest.mark.parametrize("decodes_first", [True, False], ids=["decodes-first", "decodes-last"])
+def test_gpu_batch_attention_fast_path_equals_the_op_and_the_reference(given, decodes_first):
+    rnd, gen = random.Random(11), torch.Generator(device=DEV).manual_seed(11)
+    qo = [1] * 40 + [300, 17]
+    if not decodes_first:
+        qo = qo[40:] + qo[:40]
+    kv = [rnd.randint(1, 2000) if n == 1 else n + rnd.randint(0, 900) for n in qo]
+    (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo, kv, 16)
+    ids = ids.to(DEV)
+    cache = make_cache(int(kv_t[-1]) + 3, 16, LLAMA[1], HD, BF16, gen, single=True)
+    ba = fij.BatchAttention(device=DEV)
+    ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True, q_data_type=BF16, kv_data_type=BF16)
+    assert ba._planned[0] == "pod"
+    q = randn((sum(qo), LLAMA[0], HD), BF16, gen)
+
+    def call():
+        if given:
+            out = torch.full((q.shape[0], LLAMA[0], HD), float("nan"), dtype=BF16, device=DEV)
+            lse = torch.full((q.shape[0], LLAMA[0]), float("nan"), device=DEV)
+            got = ba.run(q, cache.run_arg, out=out, lse=lse)
+            assert got[0] is out and got[1] is lse
+        else:
+            _poison_allocator(q)
+            got = ba.run(q, cache.run_arg)
+        torch.cuda.synchronize()
+        return [t.clone() for t in got]
+
+    by_op = call()
+    results = _spy_record(ba._pod)
+    fast = call()
+    assert results and type(results[-1]) is tuple, f"the fast path was not taken: {results}"
+    assert torch.equal(by_op[0], fast[0]) and torch.equal(by_op[1], fast[1])
+    ref = prefill_ref(q, qo_t.to(DEV), cache.k, cache.v, page_table=csr_page_table(kv_t.to(DEV), ids,
+                      _csr(kv, 16)[2].to(DEV)), causal=True)
+    check_out(fast[0], ref[0], TOL[BF16], "out")
+    check_lse(fast[1], ref[1], "lse")
+
+
+@pytest.mark.gpu
+def test_gpu_capture_takes_the_op_and_replays(workspace):
+    """A recorded launch is refused while the stream captures a CUDA graph (FIJ_FAST_CAPTURING):
+    the op is captured, and the replay gives the op's results."""
+    plan_args, q_p, cache_p, dec, table_p, qo_indptr = _host_batch()
+    w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    w.plan(*plan_args, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    by_op = [t.clone() for t in w.run(q_p, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=True)]
+    results = _spy_record(w)
+    from kv_helpers import capture_graph
+    graph, outs = capture_graph(lambda: w.run(q_p, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=True))
+    assert -3 in results, f"the entry launched during capture: {results}"
+    for t in outs:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], by_op[0]) and torch.equal(outs[1], by_op[1])
