@@ -59,7 +59,8 @@ def measure_row(row: dict, fi, reps: int) -> dict:
     result = dict(row, kv_bytes=kv_bytes, impls={})
 
     def ours(tokens: int, q, **split):
-        w = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **bc.cuda_graph_buffers(b, num_pages))
+        w = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True,
+                                                   **bc.cuda_graph_buffers(b, num_pages))
         w.plan(indptr, indices, last, HQ, HK, D, PAGE, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
                q_len_per_req=tokens, **split)
         out = torch.empty_like(q)

@@ -237,7 +237,7 @@ try:
         n = int(what[len("decode"):])
         for batch, kv in ((1, 40), (8, 1024), (64, 4096)):
             cache, indptr, indices, last = paged(batch, kv)
-            w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
             w.plan(indptr, indices, last, hq, hk, hd, page, q_data_type=bf16, kv_data_type=bf16, q_len_per_req=n)
             w.run(torch.randn(batch * n, hq, hd, device="cuda", dtype=bf16), (cache, cache))
     else:
@@ -807,7 +807,7 @@ def measure_decode(res: dict, inputs: Inputs, row: Row, ctx: Context, measure, r
         def prepare(q=q, out=out, tokens=tokens):
             out.fill_(float("nan"))
             ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
-            w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            w = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
             w.plan(inputs.page_indptr, inputs.indices, inputs.last_page_len, NUM_QO_HEADS, NUM_KV_HEADS, hd,
                    PAGE_SIZE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, q_len_per_req=tokens)
             return (lambda: w.run(q, (inputs.k_cache, inputs.v_cache), out=out)), (lambda: out)

@@ -228,7 +228,8 @@ def exercise_decode(spec, matrix=()) -> None:
     k_cache, v_cache = (paged_cache(kv_dt, spec.kv_layout, num_pages, d) for _ in range(2))
     options = dict(pos_encoding_mode="ROPE_LLAMA" if spec.rope else "NONE",
                    logits_soft_cap=SOFT_CAP if spec.soft_cap else None)
-    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout)
+    # (use_tensor_cores: what q_len_per_req > 1 needs; one token a request ignores it)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout, use_tensor_cores=True)
     wrapper.plan(**plan_table_args(table), num_qo_heads=hq, num_kv_heads=KV_HEADS, head_dim=d, page_size=PAGE,
                  q_data_type=q_dt, kv_data_type=kv_dt, q_len_per_req=n, **options)
     q = randn((len(lens) * n, hq, d), q_dt)

@@ -202,7 +202,7 @@ def test_decode_plan_takes_alibi_on_cuda_cores(use_tensor_cores):
 ])
 def test_decode_plan_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        _decode_plan(**{"pos_encoding_mode": "ALIBI", **kwargs})
+        _decode_plan(True, **{"pos_encoding_mode": "ALIBI", **kwargs})  # (q_len_per_req > 1 needs tensor cores)
 
 
 def _prefill_plan(source, **kwargs):

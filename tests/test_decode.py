@@ -1441,14 +1441,14 @@ def _visible_keys(lens, n_tok: int, window_left: int = -1) -> list[int]:
                                        (f"-w{c[9]}" if c[9] >= 0 else "") + (f"-{c[10]}" if c[10] != "auto" else ""))
 def test_batch_decode_multi_token(case, workspace):
     """N query tokens a request, causal among themselves, against the float64 reference:
-    random lengths (one padding request of length 0, one shorter than N, one of exactly N),
-    NaN-poisoned outputs, unused pages NaN."""
+    random lengths (two of exactly N, whose first token sees one key, one of N + 1: plan()
+    takes no request under N tokens), NaN-poisoned outputs, unused pages NaN."""
     q_name, kv_name, d, (hq, hk), table_layout, kv_layout, cap, n_tok, ps, window, split = case
     seed = sum(map(ord, str(case)))
     rnd = random.Random(seed)
     gen = torch.Generator(device=DEV).manual_seed(seed)
     q_dtype, kv_dtype = dtype_of(q_name), dtype_of(kv_name)
-    lens = [rnd.randint(n_tok, 700) for _ in range(9)] + [0, n_tok - 1, n_tok, 1537]
+    lens = [rnd.randint(n_tok, 700) for _ in range(9)] + [n_tok, n_tok + 1, n_tok, 1537]
     rnd.shuffle(lens)
     batch = len(lens)
     num_pages = sum(-(-n // ps) for n in lens) + 5
@@ -1458,7 +1458,7 @@ def test_batch_decode_multi_token(case, workspace):
     nan_pages(v_cache, paged.v_unused)
     q = randn((batch * n_tok, hq, d), q_dtype, gen, 4.0 if cap else 1.0)
     scales = dict(k_scale=0.5, v_scale=2.0) if kv_dtype.itemsize == 1 else {}
-    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout, use_tensor_cores=True)
     wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, window_left=window,
                  logits_soft_cap=cap, q_data_type=q_dtype, kv_data_type=kv_dtype, q_len_per_req=n_tok,
                  **_split_kwargs(split))
@@ -1491,11 +1491,12 @@ def test_batch_decode_multi_token_cuda_graph_replay(workspace):
     indptr_buf = torch.zeros(capacity + 1, dtype=torch.int32, device=DEV)
     indices_buf = torch.zeros(num_pages, dtype=torch.int32, device=DEV)
     last_buf = torch.zeros(capacity, dtype=torch.int32, device=DEV)
-    wrapper = fij.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(workspace, indptr_buf, indices_buf, last_buf, "NHD")
+    wrapper = fij.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(workspace, indptr_buf, indices_buf, last_buf, "NHD",
+                                                              use_tensor_cores=True)
     q = randn((capacity * n_tok, hq, d), torch.bfloat16, gen)
     out = torch.full_like(q, float("nan"))
     graph = None
-    for lens in ([rnd.randint(4, 2000) for _ in range(capacity)], [5, 1200, 4, 0, 2222], [3000, 17]):
+    for lens in ([rnd.randint(4, 2000) for _ in range(capacity)], [5, 1200, 4, 4, 2222], [3000, 17]):
         paged = make_page_table("csr", lens, ps, num_pages, rnd)
         wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps,
                      q_data_type=torch.bfloat16, q_len_per_req=n_tok)
@@ -1513,7 +1514,7 @@ def test_batch_decode_multi_token_cuda_graph_replay(workspace):
 def test_multi_token_plan_rejects_what_it_cannot_run():
     """q_len_per_req: an int in 1..16 (8 at head_dim 256), without in-kernel RoPE; run()
     with another value than planned, or q of the wrong row count: errors before any launch."""
-    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), "NHD")
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), "NHD", use_tensor_cores=True)
     table = dict(indptr=torch.tensor([0, 2], dtype=torch.int32), indices=torch.tensor([0, 1], dtype=torch.int32),
                  last_page_len=torch.tensor([3], dtype=torch.int32))
     base = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_data_type=torch.bfloat16)
@@ -1533,6 +1534,146 @@ def test_multi_token_plan_rejects_what_it_cannot_run():
         DecodeSpec("bfloat16", "bfloat16", 128, 8, q_tokens=4).validate()
     with pytest.raises(ValueError, match="RoPE"):
         DecodeSpec("bfloat16", "bfloat16", 128, 4, rope=True, q_tokens=2).validate()
+
+
+# --- FlashInfer's test_tensor_core_decode_rejects_mismatched_q_len, case by case (CPU: each check
+# fires in plan() or run() before any build or launch; the whole test on the GPU is
+# tests/test_flashinfer_api.py test_flashinfer_tensor_core_decode_rejects_mismatched_q_len)
+FI_BATCH, FI_PS = 4, 16
+FI_PLAN = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=FI_PS, q_data_type=torch.bfloat16,
+               kv_data_type=torch.bfloat16)
+
+
+def _fi_table(last: int = FI_PS, batch: int = FI_BATCH) -> tuple:
+    """FlashInfer's table: one page a request, `last` tokens on it."""
+    return (torch.arange(batch + 1, dtype=torch.int32), torch.arange(batch, dtype=torch.int32),
+            torch.full((batch,), last, dtype=torch.int32))
+
+
+def _fi_wrapper(**kwargs):
+    return fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), "NHD", **kwargs)
+
+
+def _fi_graph_wrapper():
+    buf = lambda n: torch.empty(n, dtype=torch.int32)  # noqa: E731
+    return _fi_wrapper(use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=buf(FI_BATCH + 1),
+                       paged_kv_indices_buffer=buf(FI_BATCH), paged_kv_last_page_len_buffer=buf(FI_BATCH))
+
+
+def _native(monkeypatch, flag: str) -> None:
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
+
+
+NATIVE = pytest.mark.parametrize("native", ["1", "0"], ids=["cpp", "numpy"])
+
+
+def test_fi_q_of_another_q_len_is_a_value_error():
+    """Its first check: q of 3 tokens a request against a plan of 2."""
+    w = _fi_wrapper(use_tensor_cores=True)
+    w.plan(*_fi_table(), **FI_PLAN, q_len_per_req=2)
+    k, v = (torch.zeros(FI_BATCH, FI_PS, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    with pytest.raises(ValueError, match="q_len_per_req"):
+        w.run(torch.zeros(FI_BATCH * 3, 8, 128, dtype=torch.bfloat16), (k, v))
+
+
+def test_fi_multi_token_plan_needs_use_tensor_cores():
+    """FlashInfer's CUDA-core decode is single-token: q_len_per_req > 1 with
+    use_tensor_cores=False is a ValueError naming use_tensor_cores. One token a request
+    still ignores the flag (the spec picks the kernel)."""
+    with pytest.raises(ValueError, match="use_tensor_cores"):
+        _fi_wrapper().plan(*_fi_table(), **FI_PLAN, q_len_per_req=2)
+    with pytest.raises(ValueError, match="use_tensor_cores=True"):
+        fij.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(1 << 20, dtype=torch.uint8), *(torch.zeros(n, dtype=torch.int32) for n in (5, 4, 4))
+        ).plan(*_fi_table(), **FI_PLAN, q_len_per_req=2)
+    one = [_fi_wrapper(use_tensor_cores=flag) for flag in (False, True)]
+    for w in one:
+        w.plan(*_fi_table(), **FI_PLAN)
+    assert one[0]._plan.spec == one[1]._plan.spec and one[0]._plan.config.tensor_cores
+    w = _fi_wrapper(use_tensor_cores=True)
+    w.plan(*_fi_table(), **FI_PLAN, q_len_per_req=2)
+    assert w._plan.spec.q_tokens == 2
+
+
+def test_fi_decode_backend_fa3_is_not_implemented_at_plan():
+    """backend='fa3': the decode wrapper takes it, and plan() raises NotImplementedError
+    naming fa2 (one token a request or more, every time). Prefill keeps its ValueError at
+    construction; other backends stay a ValueError."""
+    w = _fi_wrapper(use_tensor_cores=True, backend="fa3")
+    for n in (2, 2, 1):
+        with pytest.raises(NotImplementedError, match="fa2"):
+            w.plan(*_fi_table(), **FI_PLAN, q_len_per_req=n)
+    assert w._plan is None
+    with pytest.raises(ValueError, match="backend"):
+        _fi_wrapper(backend="trtllm-gen")
+    with pytest.raises(ValueError, match="fa3"):
+        fij.BatchPrefillWithPagedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), "NHD", backend="fa3")
+
+
+@NATIVE
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_fi_multi_token_plan_rejects_an_empty_kv_range(native, graph, monkeypatch):
+    """A request of kv_len < q_len_per_req (its first token would see no key) is a
+    ValueError at plan() naming the request and its lengths, on the C++ planner's path
+    (which reports it: the numpy path then raises) and on the numpy path alike; kv_len ==
+    q_len_per_req plans. One token a request keeps its empty requests."""
+    _native(monkeypatch, native)
+    w = _fi_graph_wrapper() if graph else _fi_wrapper(use_tensor_cores=True)
+    with pytest.raises(ValueError, match="empty KV range") as info:
+        w.plan(*_fi_table(last=1), **FI_PLAN, q_len_per_req=2)
+    assert "request 0 has kv_len 1 < q_len_per_req 2" in str(info.value)
+    assert w._plan is None and w._capacity is None  # a rejected first plan fixes no capacity
+    indptr, indices, _ = _fi_table()
+    last = torch.tensor([16, 3, 16, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"request 1 has kv_len 3 < q_len_per_req 4.*\(2 of 4 do not\)"):
+        w.plan(indptr, indices, last, **FI_PLAN, q_len_per_req=4)
+    w.plan(indptr, indices, last, **FI_PLAN, q_len_per_req=2)  # the shortest request is exactly 2 tokens
+    assert (w._plan.config.native is not False) == (native == "1")
+    with pytest.raises(ValueError, match="request 3 has kv_len 1"):  # the wrapper's next plan checks too
+        w.plan(indptr, indices, torch.tensor([16, 3, 16, 1], dtype=torch.int32), **FI_PLAN, q_len_per_req=2)
+    table = dict(block_tables=torch.arange(FI_BATCH, dtype=torch.int32).view(FI_BATCH, 1),
+                 seq_lens=torch.tensor([16, 5, 1, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match="request 2 has kv_len 1 < q_len_per_req 2"):
+        _fi_wrapper(use_tensor_cores=True).plan(**table, **FI_PLAN, q_len_per_req=2)
+    empty = _fi_wrapper()
+    empty.plan(indptr, indices, last, **FI_PLAN)
+    empty.plan(torch.tensor([0, 1, 1], dtype=torch.int32), indices, last[:2], **FI_PLAN)  # a request of no tokens
+
+
+@NATIVE
+def test_fi_cuda_graph_q_len_is_frozen(native, monkeypatch):
+    """A CUDA-graph wrapper keeps the q_len_per_req of its first plan (its captured run()
+    launches that kernel): the same value re-plans, another is a ValueError naming frozen
+    that leaves the plan as it was."""
+    _native(monkeypatch, native)
+    w = _fi_graph_wrapper()
+    w.plan(*_fi_table(), **FI_PLAN, q_len_per_req=2)
+    first = w._plan
+    w.plan(*_fi_table(), **FI_PLAN, q_len_per_req=2)  # same value re-plans fine
+    for n in (3, 1, 4):
+        with pytest.raises(ValueError, match="frozen") as info:
+            w.plan(*_fi_table(), **FI_PLAN, q_len_per_req=n)
+        assert f"q_len_per_req={n}" in str(info.value) and "(2)" in str(info.value)
+    assert w._plan.config is first.config and w._plan.config.q_tokens == 2
+    w.plan(*_fi_table(last=7, batch=3), **FI_PLAN, q_len_per_req=2)  # fewer, shorter requests: still fine
+    eager = _fi_wrapper(use_tensor_cores=True)  # an eager wrapper re-plans any q_len_per_req
+    for n in (2, 3, 1):
+        eager.plan(*_fi_table(), **FI_PLAN, q_len_per_req=n)
+        assert eager._plan.config.q_tokens == n
+
+
+def test_fi_fast_decode_plan_needs_a_prior_plan():
+    """fast_decode_plan re-plans a planned wrapper, as FlashInfer's: on one never planned it
+    is a ValueError naming the prior plan. After a plan() it takes q_len_per_req."""
+    unplanned = _fi_wrapper(use_tensor_cores=True)
+    with pytest.raises(ValueError, match="prior plan"):
+        fij.decode.fast_decode_plan(unplanned, *_fi_table(), **FI_PLAN, q_len_per_req=2)
+    assert unplanned._plan is None
+    unplanned.plan(*_fi_table(), **FI_PLAN, q_len_per_req=2)
+    fij.decode.fast_decode_plan(unplanned, *_fi_table(last=9), **FI_PLAN, q_len_per_req=2)
+    assert unplanned._plan.config.q_tokens == 2
+    fij.decode.fast_decode_plan(unplanned, *_fi_table(), **FI_PLAN)
+    assert unplanned._plan.config.q_tokens == 1
 
 
 # (q, kv, heads, page table, KV layout, soft cap, N, lengths, expected warps a cluster block)
@@ -1563,7 +1704,7 @@ def test_batch_decode_multi_token_cluster_split(case, workspace, monkeypatch):
     nan_pages(k_cache, paged.k_unused)
     nan_pages(v_cache, paged.v_unused)
     q = randn((len(lens) * n_tok, hq, d), q_dtype, gen, 4.0 if cap else 1.0)
-    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout)
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout, use_tensor_cores=True)
     wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, logits_soft_cap=cap,
                  q_data_type=q_dtype, kv_data_type=kv_dtype, q_len_per_req=n_tok)
     assert (wrapper._plan.cluster, wrapper._plan.cluster_warps) == (8, warps)

@@ -187,8 +187,9 @@ def test_fast_decode_plan_and_cuda_graph_wrapper_take_fp8_q():
     """fast_decode_plan (bound as SGLang binds it) and the CUDA-graph wrapper plan the same
     fp8-q module as plan()."""
     w = _cpu_wrapper()
-    w.plan = functools.partial(fij.decode.fast_decode_plan, w)
     indptr, indices, last = _csr()
+    w.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=BF16)  # the prior plan fast_decode_plan needs
+    w.plan = functools.partial(fij.decode.fast_decode_plan, w)
     w.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=E4M3, kv_data_type=E4M3, o_data_type=BF16,
            global_override_indptr_cpu=indptr)
     assert w._plan.spec == DecodeSpec("float8_e4m3fn", "float8_e4m3fn", 128, 4, dtype_o="bfloat16")
@@ -308,7 +309,7 @@ def test_batch_decode_fp8_q_multi_token(workspace):
     rnd = random.Random(71)
     gen = torch.Generator(device=DEV).manual_seed(71)
     (hq, hk), d, ps, n = c.heads, c.head_dim, c.page_size, MULTI_TOKENS
-    lens = [rnd.randint(n, 2500) for _ in range(11)] + [0, n - 1, n]
+    lens = [rnd.randint(n, 2500) for _ in range(11)] + [n, n + 1, n]  # (plan() takes none under n tokens)
     rnd.shuffle(lens)
     num_pages = sum(-(-x // ps) for x in lens) + 5
     paged = make_page_table("csr", lens, ps, num_pages, rnd)
@@ -316,7 +317,7 @@ def test_batch_decode_fp8_q_multi_token(workspace):
     nan_pages(k_cache, paged.k_unused)
     scales = dict(q_scale=0.75, k_scale=1.5, v_scale=0.5)
     q = fp8_q((len(lens) * n, hq, d), E4M3, gen, 0.75)
-    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
     wrapper.plan(**paged.plan_args, num_qo_heads=hq, num_kv_heads=hk, head_dim=d, page_size=ps, q_data_type=E4M3,
                  q_len_per_req=n)
     assert wrapper._plan.spec == case_spec(c, n)
@@ -383,6 +384,7 @@ def test_fast_decode_plan_fp8_q(workspace):
         plain.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=E4M3, o_data_type=BF16)
         expected = plain.run(q, (k, v), **scales).clone()
         w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros_like(workspace), "NHD")
+        w.plan(indptr, indices, last, hq, hk, d, ps, q_data_type=BF16)  # the prior plan fast_decode_plan needs
         w.begin_forward = functools.partial(fij.decode.fast_decode_plan, w)
         w.begin_forward(indptr, indices, last, hq, hk, d, ps, q_data_type=E4M3, kv_data_type=E4M3, o_data_type=BF16,
                         global_override_indptr_cpu=indptr.cpu())

@@ -457,7 +457,7 @@ def plan_uniform(native: str, monkeypatch, batch: int, kv_len: int, num_qo_heads
     planner for `batch` requests of kv_len tokens (CSR, bf16 q, HK KV heads, head_dim D,
     page PS); checks that the planner asked for planned it."""
     monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", native)
-    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD", use_tensor_cores=True)
     w.plan(**csr([kv_len] * batch), num_qo_heads=num_qo_heads, num_kv_heads=HK, head_dim=D, page_size=PS,
            q_data_type=torch.bfloat16, **plan_kwargs)
     assert (w._plan.config.native is not False) == (native == "1")
@@ -502,7 +502,8 @@ def test_plan_multi_token_waves(batch, kv_len, hq, n_tok, chunks, native, op, mo
     w = plan_uniform(native, monkeypatch, batch, kv_len, hq, q_len_per_req=n_tok)
     assert w._plan.args[8] == batch * chunks  # grid items
     # a CUDA-graph wrapper at that capacity has the rows for the same split
-    g = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD", use_cuda_graph=True)
+    g = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD", use_cuda_graph=True,
+                                               use_tensor_cores=True)
     g.plan(**csr([kv_len] * batch), num_qo_heads=hq, num_kv_heads=HK, head_dim=D, page_size=PS,
            q_data_type=torch.bfloat16, q_len_per_req=n_tok)
     assert int(g._plan.args[1][0]) == batch * chunks and g._plan.args[8] >= batch * chunks
@@ -1066,6 +1067,7 @@ def _plan_both(native, reference, numpy_plans: list, lens, args: dict, plan_kwar
             errors.append(str(exc))
     assert errors[0] == errors[1], lens
     if errors[0] is not None:
+        numpy_plans.clear()  # (the C++ planner leaves what it rejects to the numpy path's error)
         return False
     assert not numpy_plans, f"the C++ planner left {len(lens)} requests to the numpy path"
     assert reference._plan.config.native is False
@@ -1120,9 +1122,9 @@ def test_native_planner_matches_the_numpy_path(config, table, with_clusters, op,
     hq, hk, d, kv_dtype, kwargs = PLAN_CONFIGS[config]
     for workspace_bytes in (WORKSPACE_BYTES, 64 << 10):
         ws = torch.zeros(workspace_bytes, dtype=torch.uint8)
-        native = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        native = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         numpy_ws = torch.zeros(workspace_bytes, dtype=torch.uint8)
-        reference = fij.BatchDecodeWithPagedKVCacheWrapper(numpy_ws, "NHD")
+        reference = fij.BatchDecodeWithPagedKVCacheWrapper(numpy_ws, "NHD", use_tensor_cores=True)
         numpy_plans = []  # the native wrapper's plans that took the numpy path
         numpy_path = native._host_page_table  # the numpy path's first step
         native._host_page_table = lambda *a: numpy_plans.append(a) or numpy_path(*a)
@@ -1164,7 +1166,7 @@ def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table,
     wrappers = []
     for flag in ("1", "0"):
         monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", flag)
-        w = wrapper(graph_capacity=capacity, pool=pool)
+        w = wrapper(graph_capacity=capacity, pool=pool, use_tensor_cores=True)
         first = [3000] * capacity  # the capture-time plan sets the capacity
         args = csr(first) if table == "csr" else block_table(first)
         w.plan(**args, **plan_kwargs)
@@ -1174,7 +1176,8 @@ def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table,
     numpy_plans = []
     numpy_path = native._host_page_table
     native._host_page_table = lambda *a: numpy_plans.append(a) or numpy_path(*a)
-    singles = [([n], csr([n], seed=n) if table == "csr" else block_table([n], seed=n)) for n in (5, 0, 2048, 2999)]
+    # (4: the multi-token configs' longest q_len_per_req, the shortest request they take)
+    singles = [([n], csr([n], seed=n) if table == "csr" else block_table([n], seed=n)) for n in (5, 0, 4, 2048, 2999)]
     for lens, args in _planner_batches(table) + singles:
         if not lens or len(lens) > capacity:
             continue
@@ -1230,6 +1233,29 @@ def test_native_planner_writes_its_section_at_a_start_offset(lens, graph, op, mo
         assert (shifted[start + end:] == SENTINEL).all()
     # too small a buffer: the size it needs counts the start
     assert _native_at(reference, table, len(lens), 100, capacity, host_size=100 + end - 1)[0] == 100 + end
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_native_planner_reports_a_request_under_min_kv_len(graph, op, monkeypatch):
+    """DecodePlanConfig.min_kv_len (q_len_per_req where > 1): a shorter request is -7, and
+    nothing is written; a plan of one token a request (min_kv_len 0) takes empty requests.
+    plan() then raises the numpy path's "empty KV range" error."""
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", "1")
+    kwargs = dict(num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    multi = wrapper(graph_capacity=3 if graph else None, pool=64, use_tensor_cores=True)
+    multi.plan(**csr([40, 4, 700]), **kwargs, q_len_per_req=4)
+    assert multi._plan.config.native is not False
+    capacity = 3 if graph else 0
+    for lens, want in (([40, 4, 700], 0), ([40, 3, 700], -7), ([0, 40, 40], -7), ([], 0)):
+        code, host, _ = _native_at(multi, csr(lens), len(lens), 0, capacity)
+        assert code == want, lens
+        if want:
+            assert (host == SENTINEL).all()
+    one = wrapper(graph_capacity=3 if graph else None, pool=64)
+    one.plan(**csr([40, 0, 700]), **kwargs)
+    assert _native_at(one, csr([0, 1, 0]), 3, 0, capacity)[0] == 0
+    with pytest.raises(ValueError, match="request 1 has kv_len 3 < q_len_per_req 4, an empty KV range"):
+        multi.plan(**csr([40, 3, 700]), **kwargs, q_len_per_req=4)
 
 
 @pytest.mark.parametrize("capacity", [None, 48], ids=["eager", "graph"])

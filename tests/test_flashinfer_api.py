@@ -1139,6 +1139,7 @@ def test_backend_and_sinks_are_checked():
     with pytest.raises(ValueError, match="backend"):
         flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend="trtllm-gen")
     flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")  # (plan(): NotImplementedError)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------
@@ -1178,12 +1179,14 @@ def test_fast_decode_plan_bound_as_plan_does_not_recurse():
     """FlashInfer's tests and SGLang's multi-step draft path bind it as the wrapper's plan:
     `wrapper.plan = partial(fast_decode_plan, wrapper)`, then call `wrapper.plan(...)`. It
     must run the class's plan(), not the instance's attribute (itself: a RecursionError
-    before). The plan it makes, twice in a row, is a plain plan()'s (CPU: the plan only)."""
+    before). The plan it makes, twice in a row, is a plain plan()'s (CPU: the plan only).
+    As in FlashInfer, it re-plans a wrapper planned before (FlashInfer's test plans first)."""
     lens = [120, 4000, 17]
     indptr, indices, last = _decode_csr(lens, seed=6)
     ref = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8), "NHD")
     ref.plan(indptr, indices, last, DEC_HQ, DEC_HK, DEC_D, DEC_PS, q_data_type=torch.bfloat16)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8), "NHD")
+    w.plan(*_decode_csr([5, 900]), DEC_HQ, DEC_HK, DEC_D, DEC_PS, q_data_type=torch.bfloat16)  # the prior plan
     w.plan = functools.partial(flashinfer.decode.fast_decode_plan, w)
     for _ in range(2):
         w.plan(indptr, indices, last, DEC_HQ, DEC_HK, DEC_D, DEC_PS, q_data_type=torch.bfloat16,
@@ -1214,6 +1217,7 @@ def test_fast_decode_plan_as_sglang_binds_it(decode_workspace):
     ref_w.plan(indptr, indices, last, DEC_HQ, DEC_HK, DEC_D, DEC_PS, q_data_type=torch.bfloat16)
     expected = ref_w.run(q, (k, v)).clone()
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.zeros_like(decode_workspace), "NHD")
+    w.plan(indptr, indices, last, DEC_HQ, DEC_HK, DEC_D, DEC_PS, q_data_type=torch.bfloat16)  # the prior plan
     w.begin_forward = functools.partial(flashinfer.decode.fast_decode_plan, w)
     w.begin_forward(indptr, indices, last, DEC_HQ, DEC_HK, DEC_D, DEC_PS, data_type=torch.bfloat16, q_data_type=torch.bfloat16,
                     global_override_indptr_cpu=indptr.cpu())
@@ -1221,6 +1225,79 @@ def test_fast_decode_plan_as_sglang_binds_it(decode_workspace):
     out, lse = w.run_return_lse(q, (k, v))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     w.end_forward()
+
+
+@pytest.mark.gpu
+def test_flashinfer_tensor_core_decode_rejects_mismatched_q_len():
+    """FlashInfer's test_tensor_core_decode_rejects_mismatched_q_len
+    (tests/attention/test_batch_decode_kernels.py), as it is written there: q of another
+    q_len_per_req, use_tensor_cores=False with q_len_per_req > 1, backend='fa3', a request
+    of kv_len < q_len_per_req, a CUDA-graph wrapper re-planned with another q_len_per_req,
+    fast_decode_plan without a prior plan. Its checks case by case on the CPU: tests/
+    test_decode.py test_fi_*."""
+    batch_size = 4
+    page_size = 16
+    num_qo_heads, num_kv_heads, head_dim = 8, 2, 128
+    dtype = torch.bfloat16
+    indptr = torch.arange(0, batch_size + 1, dtype=torch.int32, device="cuda:0")
+    indices = torch.arange(batch_size, dtype=torch.int32, device="cuda:0")
+    last_len = torch.full((batch_size,), page_size, dtype=torch.int32, device="cuda:0")
+    kv_data = torch.randn(batch_size, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device="cuda:0")
+    ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda:0")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    wrapper.plan(indptr, indices, last_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_data_type=dtype,
+                 kv_data_type=dtype, q_len_per_req=2)
+    q = torch.randn(batch_size * 3, num_qo_heads, head_dim, dtype=dtype, device="cuda:0")
+    with pytest.raises(ValueError, match="q_len_per_req"):
+        wrapper.run(q, kv_data)
+
+    cuda_core_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=False)
+    with pytest.raises(ValueError, match="use_tensor_cores"):
+        cuda_core_wrapper.plan(indptr, indices, last_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                               q_data_type=dtype, kv_data_type=dtype, q_len_per_req=2)
+
+    fa3_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, backend="fa3")
+    with pytest.raises(NotImplementedError, match="fa2"):
+        fa3_wrapper.plan(indptr, indices, last_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                         q_data_type=dtype, kv_data_type=dtype, q_len_per_req=2)
+
+    short_kv_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    short_last_len = torch.ones(batch_size, dtype=torch.int32, device="cuda:0")
+    with pytest.raises(ValueError, match="empty KV range"):
+        short_kv_wrapper.plan(indptr, indices, short_last_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                              q_data_type=dtype, kv_data_type=dtype, q_len_per_req=2)
+
+    graph_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+        paged_kv_indptr_buffer=torch.empty(batch_size + 1, dtype=torch.int32, device="cuda:0"),
+        paged_kv_indices_buffer=torch.empty(batch_size, dtype=torch.int32, device="cuda:0"),
+        paged_kv_last_page_len_buffer=torch.empty(batch_size, dtype=torch.int32, device="cuda:0"))
+
+    def plan_graph(q_len):
+        graph_wrapper.plan(indptr, indices, last_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                           q_data_type=dtype, kv_data_type=dtype, q_len_per_req=q_len)
+
+    plan_graph(2)
+    plan_graph(2)  # same value re-plans fine
+    with pytest.raises(ValueError, match="frozen"):
+        plan_graph(3)
+
+    unplanned = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    with pytest.raises(ValueError, match="prior plan"):
+        flashinfer.decode.fast_decode_plan(unplanned, indptr, indices, last_len, num_qo_heads, num_kv_heads,
+                                           head_dim, page_size, q_data_type=dtype, kv_data_type=dtype,
+                                           q_len_per_req=2)
+    # (not in FlashInfer's test: the plans that passed still run, and match the reference)
+    torch.cuda.synchronize()
+    q2 = torch.randn(batch_size * 2, num_qo_heads, head_dim, dtype=dtype, device="cuda:0")
+    k, v = kv_data[:, 0], kv_data[:, 1]
+    ref, _ = decode_ref(q2, k, v, csr_page_table(indptr, indices, last_len), [page_size] * batch_size,
+                        q_len_per_req=2)
+    for w in (wrapper, graph_wrapper):
+        out = w.run(q2, kv_data)
+        torch.cuda.synchronize()
+        err = float((out.double() - ref.double()).norm() / ref.double().norm())
+        assert err < 1e-2, err
 
 
 @pytest.mark.gpu
@@ -1233,7 +1310,7 @@ def test_torch_compile_fullgraph_traces_run(n_tok, decode_workspace):
 
     lens = [900, 65, 3000]
     q, k, v = _decode_inputs(lens, 7, n_tok=n_tok)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(decode_workspace, "NHD")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(decode_workspace, "NHD", use_tensor_cores=True)
     w.plan(*_decode_csr(lens, device=DEV, seed=8), DEC_HQ, DEC_HK, DEC_D, DEC_PS, q_data_type=torch.bfloat16, q_len_per_req=n_tok)
 
     def layer(q, k, v):

@@ -145,7 +145,7 @@ def _cpu_cache(num_pages):
 def test_decode_run_traces_to_its_op(stand_in, n_tok):
     lens = [37, 5, 300]
     table = _csr(lens)
-    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(32 << 20, dtype=torch.uint8), "NHD")
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(32 << 20, dtype=torch.uint8), "NHD", use_tensor_cores=True)
     w.plan(*table, HQ, HK, D, PS, q_data_type=BF16, q_len_per_req=n_tok)
     assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in w._plan.args[0])
     q = torch.randn(len(lens) * n_tok, HQ, D).to(BF16)
@@ -348,7 +348,7 @@ def test_gpu_fullgraph_equals_eager(kind):
         n = 4 if kind == "decode_mtp" else 1
         lens = [900, 65, 3000]
         table = _csr(lens, device=DEV)
-        w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         w.plan(*table, HQ, HK, D, PS, q_data_type=BF16, q_len_per_req=n)
         kv = _gpu_cache(int(table[0][-1]) + 3)
         rows, call = 3 * n, (lambda q, kv, **kw: w.run(q, kv, **kw))

@@ -30,6 +30,7 @@ struct DecodePlanConfig {
   int32_t full_grid_min_tokens;  // decode.py _full_grid_chunks's most_min_tokens
   int32_t wave_token_bytes;  // token_bytes x query tokens a request: the wave split's measure of a block
   int32_t graph_chunks;     // a CUDA-graph grid holds this many chunks of every request (1: the usual spare rows)
+  int32_t min_kv_len;       // q_len_per_req where > 1, else 0: a shorter request is -7 (decode.py _expect_kv_ranges)
   int64_t max_partials;     // partial rows the workspace holds
   // int32s of the host buffer before this plan's section, which starts with merge_indptr
   // and ends with the work list: a fused launch (POD) places the prefill planner's section
@@ -176,8 +177,8 @@ inline int64_t count_items(const std::vector<int64_t>& lens, const Sized& s) {
 
 // Returns 0 and fills host[c.start, end) and result; > 0: the host buffer must hold this
 // many int32, c.start included (call again with a larger one); < 0: bad input, a batch
-// over the capacity or a list over the workspace (decode.py's numpy path then raises its
-// error). CSR where
+// over the capacity, a list over the workspace or a request under c.min_kv_len tokens
+// (decode.py's numpy path then raises its error). CSR where
 // indptr is given (indptr [batch + 1], last_page_len [batch], limit = len(indices)), else
 // block tables (seq_lens [batch], limit = max_pages x page_size). capacity 0: an eager
 // wrapper; > 0: a CUDA-graph wrapper's, every array padded to it and the grid fixed by it.
@@ -212,6 +213,7 @@ inline int64_t decode_plan(const DecodePlanConfig& c, const int32_t* indptr, con
     }
   }
   for (const int64_t n : lens) {
+    if (n < c.min_kv_len) return -7;
     longest = std::max(longest, n);
     total += n;
   }

@@ -175,6 +175,10 @@ _LONG_CLUSTER_MAX_BLOCK_BYTES = 2 << 20
 # (docs/decode.md).
 _LONG_CLUSTER_MAX_PEAK_BYTES_PER_S = 4.0e12
 _TABLE_ARGS = ("indptr", "indices", "last_page_len", "block_tables", "seq_lens")  # plan()'s index tensors
+# the constructor's backends: BACKENDS run here; "fa3" is FlashInfer's name, accepted and
+# a NotImplementedError at plan(), as FlashInfer's decode wrapper does (prefill's "fa3" is
+# a ValueError at construction: prefill/wrapper.py _check_backend)
+_DECODE_BACKENDS = BACKENDS + ("fa3",)
 _16BIT_DTYPES = (torch.float16, torch.bfloat16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _Tensor = torch.Tensor
@@ -465,7 +469,7 @@ class _NativeConfig(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "page_size", "blocks_per_item", "target", "pairs", "sms", "cluster", "fixed_split_size", "disable_split_kv",
         "min_chunk", "max_chunks", "skew_factor", "token_bytes", "cluster_max_block_bytes",
-        "wide_cluster_max_block_bytes", "full_grid_min_tokens", "wave_token_bytes", "graph_chunks")] + \
+        "wide_cluster_max_block_bytes", "full_grid_min_tokens", "wave_token_bytes", "graph_chunks", "min_kv_len")] + \
         [("max_partials", ctypes.c_int64), ("start", ctypes.c_int64)]
 
 
@@ -486,7 +490,7 @@ def _native_config(config: _Config):
         token_bytes=config.token_bytes, cluster_max_block_bytes=config.cluster_max_bytes,
         wide_cluster_max_block_bytes=config.wide_cluster_max_bytes, full_grid_min_tokens=config.full_grid_min_tokens,
         wave_token_bytes=config.wave_token_bytes, graph_chunks=config.graph_chunks,
-        max_partials=int(config.partial_o.shape[0]))
+        min_kv_len=config.q_tokens if config.q_tokens > 1 else 0, max_partials=int(config.partial_o.shape[0]))
     return fn, ctypes.addressof(struct), struct
 
 
@@ -524,8 +528,13 @@ def _same_launch(a: _Plan, b: _Plan) -> bool:
 class BatchDecodeWithPagedKVCacheWrapper:
     """FlashInfer's decode wrapper: plan() once per batch, run() per layer.
 
-    backend: "auto" (and FlashInfer's "fa2") run this library's kernels; other FlashInfer
-    backends ("trtllm-gen", ...) are a ValueError."""
+    backend: "auto" (and FlashInfer's "fa2") run this library's kernels; "fa3" is accepted
+    here and a NotImplementedError at plan() (as in FlashInfer, whose decode runs fa2
+    kernels); other FlashInfer backends ("trtllm-gen", ...) are a ValueError.
+
+    use_tensor_cores: ignored for one query token a request (the spec picks the kernel);
+    plan(q_len_per_req > 1) needs it True, as FlashInfer's (its CUDA-core decode takes one
+    token a request)."""
 
     # True for the decode side of a POD wrapper (flashinfer_jit/pod/): plans for blocks of one
     # KV head and no clusters, which POD's kernel runs beside prefill blocks
@@ -536,15 +545,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
                  paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None):
         expect_workspace(float_workspace_buffer)
         expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
-        expect_choice(backend, "backend", BACKENDS)
+        expect_choice(backend, "backend", _DECODE_BACKENDS)
+        self._backend = backend
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
         self._device_is_cpu = self._device.type == "cpu"
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
-        # Accepted for FlashInfer compatibility and ignored: the spec picks the kernel (tensor
-        # cores without an in-kernel positional encoding, whatever the group, CUDA cores with
-        # RoPE or ALiBi; specs.decode.uses_tensor_cores), whatever the caller asks.
+        # Ignored for one token a request: the spec picks the kernel (tensor cores without an
+        # in-kernel positional encoding, whatever the group, CUDA cores with RoPE or ALiBi;
+        # specs.decode.uses_tensor_cores), whatever the caller asks. plan(q_len_per_req > 1)
+        # checks it is True, FlashInfer's rule (its CUDA-core decode is single-token).
         self._use_tensor_cores = bool(use_tensor_cores)
         self._user_buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         # CUDA graphs: the page ids a captured run() reads
@@ -596,7 +607,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         and token t of a request attends to its keys 0 .. kv_len - q_len_per_req + t (causal
         among the request's tokens). One kernel reads each request's K/V once for all its
         tokens (a tile's rows are (token, query head) pairs). Up to 16 tokens (8 at head_dim
-        256), without in-kernel RoPE or ALiBi.
+        256), without in-kernel RoPE or ALiBi. As FlashInfer's: above 1 it needs
+        use_tensor_cores=True and every request kv_len >= q_len_per_req, and a CUDA-graph
+        wrapper keeps its first plan's value (each a ValueError).
 
         sort_pages (not in FlashInfer): where nothing depends on a token's position (no
         RoPE or ALiBi in the kernel, no window, one query token), run() reads each request's
@@ -624,6 +637,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             table_host, kv_lens = self._host_page_table(layout, indptr, indices, last_page_len, block_tables,
                                                         seq_lens, page_size)
+            if config.q_tokens > 1:  # (the C++ planner leaves such a batch to this path: min_kv_len)
+                _expect_kv_ranges(kv_lens, config.q_tokens)
             spec = config.spec(layout, self._kv_layout)
             batch = len(kv_lens)
             longest = int(np.maximum.reduce(kv_lens, initial=0))
@@ -664,8 +679,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             slot = self._plan_buffer.host(offsets[-1])
             pack_plan(slot.array, offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
         previous = self._plan
-        if graph and previous is not None and previous.max_items != max_items:
-            raise heads_fixed()
+        if graph and previous is not None and (previous.config is not config or previous.max_items != max_items):
+            _expect_graph_replan(previous, config.q_tokens, max_items)
         plan_buffer = self._plan_buffer
         plan_buffer.ship(slot, offsets[-1], non_blocking)
         merge_dev, work_dev, table_dev, ids_dev = plan_buffer.views(
@@ -778,6 +793,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                    logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta,
                    fixed_split_size, disable_split_kv, sort_pages, q_len_per_req, o_data_type) -> _Config:
         """plan()'s scalar arguments checked, and what follows from them."""
+        if self._backend == "fa3":  # (never remembered: every plan() raises)
+            raise NotImplementedError("backend='fa3': the decode wrapper runs backend='fa2' / 'auto' kernels (this "
+                                      "library's tensor-core and CUDA-core decode); construct it with "
+                                      "backend='auto' or 'fa2'")
         expect_heads(num_qo_heads, num_kv_heads, head_dim=head_dim, page_size=page_size)
         expect_choice(pos_encoding_mode, "pos_encoding_mode", POS_ENCODING_MODES)
         if head_dim not in DECODE_HEAD_DIMS:
@@ -791,6 +810,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 not 1 <= q_len_per_req <= MAX_Q_TOKENS:
             raise ValueError(f"q_len_per_req: expected an int in 1..{MAX_Q_TOKENS}, got {q_len_per_req!r}")
         if q_len_per_req > 1:
+            if not self._use_tensor_cores:
+                raise ValueError(f"q_len_per_req={q_len_per_req} needs use_tensor_cores=True: multi-token decode "
+                                 "runs on the tensor-core kernel, as FlashInfer's (its CUDA-core decode takes one "
+                                 "token a request); construct the wrapper with use_tensor_cores=True")
             if pos_encoding_mode != "NONE":
                 raise ValueError(f"q_len_per_req={q_len_per_req}: multi-token decode takes pos_encoding_mode='NONE' "
                                  f"(rotate q and k before the append), got {pos_encoding_mode!r}")
@@ -890,7 +913,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         instead: no planner module (FLASHINFER_JIT_NATIVE_PLAN=0, or it failed to load: a
         warning says why), page ids on the host of an eager GPU wrapper (they travel in the
         packed buffer), or arguments the planner does not take as they are (the numpy
-        path then plans them, or raises its error)."""
+        path then plans them, or raises its error: bad tables, a batch over the capacity, a
+        request shorter than q_len_per_req > 1)."""
         native = config.native
         if native is None:
             native = config.native = _native_config(config)
@@ -932,6 +956,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array),
                       self._native_result_ptr)
         if code != 0:
+            if self._use_cuda_graph and self._plan is None:
+                self._capacity = None  # the numpy path decides, and a first plan it rejects fixes nothing
             return None
         items, any_split, cluster, warps, per_block, grid_items, longest = result.tolist()
         return batch, capacity or batch, slot, items, grid_items, bool(any_split), cluster, warps, per_block, longest
@@ -1253,6 +1279,29 @@ def _check_q_rows(rows, batch: int, capacity: int, n: int, graph: bool) -> None:
             if n > 1 and rows % n else ""))
 
 
+def _expect_kv_ranges(kv_lens: np.ndarray, n: int) -> None:
+    """Every request of a plan with n query tokens a request holds at least n tokens (its
+    first token sits at kv_len - n and sees keys 0 .. kv_len - n), FlashInfer's rule for
+    multi-token decode. Called only where n > 1: one-token plans keep empty requests."""
+    short = np.flatnonzero(kv_lens < n)
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"q_len_per_req={n}: request {i} has kv_len {int(kv_lens[i])} < q_len_per_req {n}, an "
+                         f"empty KV range for its first query token (token t sees keys 0 .. kv_len - {n} + t); "
+                         f"every request needs kv_len >= q_len_per_req ({len(short)} of {len(kv_lens)} do not)")
+
+
+def _expect_graph_replan(previous: _Plan, q_tokens: int, max_items) -> None:
+    """A CUDA-graph wrapper's later plan against its first: the captured run() launches the
+    first plan's module (its q_len_per_req) over its grid (max_items rows)."""
+    if previous.config.q_tokens != q_tokens:
+        raise ValueError(f"q_len_per_req={q_tokens}: a CUDA-graph wrapper's q_len_per_req is frozen at its first "
+                         f"plan() ({previous.config.q_tokens}), whose kernel a captured run() launches; make a new "
+                         "wrapper for another q_len_per_req")
+    if previous.max_items != max_items:
+        raise heads_fixed()
+
+
 def _check_lse(lse, rows: int, hq: int) -> None:
     if type(lse) is not _Tensor or lse.shape != (rows, hq) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"lse: expected a contiguous float32 [{rows}, {hq}] tensor")
@@ -1287,14 +1336,19 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
                      page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
                      q_data_type=None, kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
                      rope_theta=None, non_blocking: bool = True, fixed_split_size=None, disable_split_kv: bool = False,
-                     global_override_indptr_cpu=None, o_data_type=None) -> None:
+                     global_override_indptr_cpu=None, o_data_type=None, q_len_per_req: int = 1) -> None:
     """FlashInfer's fast_decode_plan(wrapper, ...) (SGLang's multi-step draft path, which
     binds it as the wrapper's begin_forward): plan() of `self`, reading the lengths from
     global_override_indptr_cpu (indptr on the host, no device-to-host copy) when given.
+    As FlashInfer's, it re-plans a wrapper planned before: on one never planned it is a
+    ValueError.
     plan() itself already makes one host-to-device copy and no other. It calls the class's
     plan(), never the instance's attribute: FlashInfer's tests and SGLang bind this function
     as `wrapper.plan = functools.partial(fast_decode_plan, wrapper)`, and `self.plan` would
     then be this function again (a RecursionError)."""
+    if self._plan is None:
+        raise ValueError("fast_decode_plan: the wrapper needs a prior plan() (fast_decode_plan re-plans a planned "
+                         "wrapper, as FlashInfer's); call wrapper.plan(...) once first")
     if global_override_indptr_cpu is not None:
         indptr = global_override_indptr_cpu
     type(self).plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -1302,7 +1356,7 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
                     q_data_type=q_data_type if q_data_type is not None else (data_type or "float16"),
                     kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
                     rope_theta=rope_theta, non_blocking=non_blocking, fixed_split_size=fixed_split_size,
-                    disable_split_kv=disable_split_kv, o_data_type=o_data_type)
+                    disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, o_data_type=o_data_type)
 
 
 def _offsets(layout: str, capacity: int, grid_items: int, num_ids: int, start: int = 0) -> tuple:
