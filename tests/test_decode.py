@@ -1733,3 +1733,9 @@ def test_deprecated_data_type_fills_only_what_is_unset(device):
     wrapper = _planned(device, data_type=torch.bfloat16, q_data_type=None)
     with pytest.raises((TypeError, ValueError), match=r"(?i)cache|\bkv"):
         wrapper.run(q.to(torch.bfloat16), _cache(6, torch.float16, device))   # both bfloat16
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_use_tensor_cores_reads_back(flag):
+    """FlashInfer's wrapper exposes the constructor's flag (its decode tests read it)."""
+    assert _wrapper("cpu", use_tensor_cores=flag).use_tensor_cores is flag

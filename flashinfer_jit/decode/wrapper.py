@@ -582,6 +582,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
 
+    @property
+    def use_tensor_cores(self) -> bool:
+        """The constructor's use_tensor_cores, as FlashInfer's attribute. Which kernel runs is
+        the spec's choice (q_len_per_req > 1 needs True)."""
+        return self._use_tensor_cores
+
     # --- plan ---------------------------------------------------------------------------------
     def plan(self, indptr=None, indices=None, last_page_len=None, num_qo_heads=None, num_kv_heads=None,
              head_dim=None, page_size=None, pos_encoding_mode: str = "NONE", window_left: int = -1,
