@@ -30,6 +30,7 @@
 //       end) or None, perm int64 or None, a side's pages (first, end) of kv_indices or their
 //       int64 positions. -1 where a vector is not a contiguous 1-D int32 or int64
 //       CPU tensor or a value is out of its rule (the numpy path then raises its error).
+#include <ATen/ops/empty.h>  // at::empty: not reached through the torch/python headers in every torch (2.11)
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <vector>
