@@ -3,8 +3,8 @@
   O = P V with P in registers and V MN-major (the descriptor's LBO/SBO candidates reported),
   and the dense wgmma rate;
 - tests/hopper/attn_probe.cu: a first warp-specialized attention kernel on them (producer
-  warpgroup, two consumer warpgroups; bf16, head_dim 128, causal or not, GQA) against a
-  double reference, then timed.
+  warpgroup, two consumer warpgroups; bf16, head_dim 128, causal or not, GQA), its plain
+  and its overlapped consumer loop, each against a double reference, then timed.
 The CPU tests compile both for sm_90a (every wrapper's PTX assembles, no spills); the GPU
 tests run them on an sm_90 device."""
 
@@ -32,6 +32,9 @@ def _build(tmp_path, name: str = "wgmma_probe") -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "spill stores" in done.stderr and " 0 bytes spill stores" in done.stderr
+    # ptxas' advisory C7513: a wgmma pipeline serialized (registers an in-flight wgmma reads
+    # written before its wait); the overlapped consumer loop exists to avoid exactly that
+    assert "C7513" not in done.stderr, done.stderr[-2000:]
     return exe
 
 
@@ -61,5 +64,5 @@ def test_attention_probe_on_hopper(tmp_path):
     done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     print(done.stdout)
     checks = [line.split() for line in done.stdout.splitlines() if line.startswith("check_")]
-    assert len(checks) == 3 and all(float(v) < 2e-2 for _, v in checks), done.stdout + done.stderr
+    assert len(checks) == 8 and all(float(v) < 2e-2 for _, v in checks), done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr

@@ -8,8 +8,9 @@
 //   - warpgroups 1 and 2, the consumers (240 registers), 64 rows each: S = Q K^T by wgmma
 //     from shared memory, the online softmax in registers, O += P V by wgmma with P from
 //     registers and V MN-major; each stage handed back as soon as its wgmmas are done.
-// No ping-pong between the consumers and no overlap of softmax with the next Q K^T yet:
-// this measures what the plain producer/consumer pipeline gives. Checked against a double
+// Two consumer loops (kOverlap): the plain one (S, softmax, P V, one after the other) and
+// FA3's intra-warpgroup overlap (tile n's S issued before tile n - 1's P V, its softmax
+// while that P V runs). No ping-pong between the consumers yet. Checked against a double
 // reference (tails and masks included), then timed. Prints "name value" lines; exit 0
 // when every check passes.
 #include <cuda_bf16.h>
@@ -52,7 +53,110 @@ FIJ_SM90 uint32_t pack_bf16(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// A consumer thread's rows: row0 and row0 + 8 of the request, its key columns 8 j + cq
+// (+ 1) of a tile; first_row: its warpgroup's first row (tiles past it on the diagonal mask).
+struct Rows {
+  int row0, cq, first_row, seq_len;
+  float scale_log2;
+};
+
+// S = Q K^T of one 128-key tile, issued (not waited for).
+FIJ_SM90 void issue_qk(float (&sacc)[64], uint32_t q_base, uint32_t k_tile) {
+  h::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    const uint64_t a = h::make_desc(q_base + (ks >> 2) * kTileBytes / 2 + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B);
+    if (ks == 0)  // S = Q K^T: the first k-step does not read the accumulators
+      h::wgmma_ss_n128<0, 0>(sacc, a, h::kmajor_desc(k_tile, kBlockN, ks), bf16{});
+    else
+      h::wgmma_ss_n128<0>(sacc, a, h::kmajor_desc(k_tile, kBlockN, ks), bf16{});
+  }
+  h::wgmma_commit();
+}
+
+// O += P V of one tile, P the A fragments of its 8 k-steps, V MN-major; issued.
+FIJ_SM90 void issue_pv(float (&o)[64], uint32_t (&pa)[kBlockN / 16][4], uint32_t v_tile) {
+  h::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk)
+    h::wgmma_rs_n128<1>(o, pa[kk], h::make_desc(v_tile + kk * 16 * 128, kTileBytes / 2, 1024, h::Swizzle::k128B),
+                        bf16{});
+  h::wgmma_commit();
+}
+
+// The online softmax of tile n (base 2): masks S (keys past the request; causal: key >
+// row), moves the rows' max, rescales l, and leaves P = 2^(S - max) in S's registers;
+// corr: the factor O's rows take for the new max.
+// The scaled and masked logit of S's element (j, e).
 template <bool kCausal>
+FIJ_SM90 float logit(const float (&sacc)[64], int j, int e, int key0, bool edge, const Rows& r) {
+  const float x = sacc[4 * j + e] * r.scale_log2;
+  if (edge) {
+    const int key = key0 + 8 * j + r.cq + (e & 1), row = r.row0 + 8 * (e >> 1);
+    if (key >= r.seq_len || (kCausal && key > row)) return -INFINITY;
+  }
+  return x;
+}
+
+template <bool kCausal>
+FIJ_SM90 void softmax_tile(float (&sacc)[64], int n, const Rows& r, float (&m)[2], float (&l)[2], float (&corr)[2]) {
+  const int key0 = n * kBlockN;
+  const bool edge = key0 + kBlockN > r.seq_len || (kCausal && key0 + kBlockN > r.first_row);
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sacc[4 * j + e] = logit<kCausal>(sacc, j, e, key0, edge, r);
+      mx[e >> 1] = fmaxf(mx[e >> 1], sacc[4 * j + e]);
+    }
+  float base[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    const float m_new = fmaxf(m[i], mx[i]);
+    base[i] = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet: everything 0
+    corr[i] = exp2f(m[i] - base[i]);
+    m[i] = m_new;
+    l[i] *= corr[i];
+  }
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    const float p0 = exp2f(sacc[4 * j] - base[0]), p1 = exp2f(sacc[4 * j + 1] - base[0]);
+    const float p2 = exp2f(sacc[4 * j + 2] - base[1]), p3 = exp2f(sacc[4 * j + 3] - base[1]);
+    l[0] += p0 + p1;
+    l[1] += p2 + p3;
+    sacc[4 * j] = p0;
+    sacc[4 * j + 1] = p1;
+    sacc[4 * j + 2] = p2;
+    sacc[4 * j + 3] = p3;
+  }
+}
+
+// P (in S's registers) to bf16, the A fragments of P V: k-step j / 2 takes {row r cols c,
+// row r + 8 cols c, row r cols c + 8, row r + 8 cols c + 8}. Done only once the P V before
+// is complete: registers an in-flight wgmma reads must not be written (ptxas serializes the
+// pipeline where they are, C7513).
+FIJ_SM90 void pack_p(const float (&sacc)[64], uint32_t (&pa)[kBlockN / 16][4]) {
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    pa[j / 2][(j & 1) * 2] = pack_bf16(sacc[4 * j], sacc[4 * j + 1]);
+    pa[j / 2][(j & 1) * 2 + 1] = pack_bf16(sacc[4 * j + 2], sacc[4 * j + 3]);
+  }
+}
+
+FIJ_SM90 void rescale(float (&o)[64], const float (&corr)[2]) {
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j) {
+    o[4 * j] *= corr[0];
+    o[4 * j + 1] *= corr[0];
+    o[4 * j + 2] *= corr[1];
+    o[4 * j + 3] *= corr[1];
+  }
+}
+
+template <bool kCausal, bool kOverlap>
 __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CUtensorMap q_map,
                                                       const __grid_constant__ CUtensorMap k_map,
                                                       const __grid_constant__ CUtensorMap v_map, Params p) {
@@ -116,78 +220,64 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   const uint32_t q_base = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
+  const uint32_t k0 = h::smem_addr(sk), v0 = h::smem_addr(sv);
+  const Rows rows{row0, cq, q_start + 64 * wi, p.seq_len, p.scale_log2};
   h::mbar_wait(&q_full, 0);
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int s = n % kStages, u = n / kStages;
-    h::mbar_wait(&k_full[s], u & 1);
-    float sacc[64];
-    const uint32_t k_base = h::smem_addr(sk + s * kTileBytes);
-    h::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks)
-      h::wgmma_ss_n128<0>(sacc,
-                          h::make_desc(q_base + (ks >> 2) * kTileBytes / 2 + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B),
-                          h::kmajor_desc(k_base, kBlockN, ks), ks > 0, bf16{});
-    h::wgmma_commit();
+  uint32_t pa[kBlockN / 16][4];
+  float sacc[64], corr[2];
+  if constexpr (!kOverlap) {
+    for (int n = 0; n < n_tiles; ++n) {
+      const int s = n % kStages, u = n / kStages;
+      h::mbar_wait(&k_full[s], u & 1);
+      issue_qk(sacc, q_base, k0 + s * kTileBytes);
+      h::wgmma_wait<0>();
+      h::fence_regs(sacc);
+      if (lane == 0) h::mbar_arrive(&k_empty[s]);
+      softmax_tile<kCausal>(sacc, n, rows, m, l, corr);
+      pack_p(sacc, pa);
+      rescale(o, corr);
+      h::mbar_wait(&v_full[s], u & 1);
+      issue_pv(o, pa, v0 + s * kTileBytes);
+      h::wgmma_wait<0>();
+      h::fence_regs(o);
+      h::fence_regs(pa);
+      if (lane == 0) h::mbar_arrive(&v_empty[s]);
+    }
+  } else {
+    // Tile n's S = Q K^T is issued before tile n - 1's O += P V, and its softmax runs while
+    // that P V is on the tensor cores; O is rescaled once the P V is done.
+    h::mbar_wait(&k_full[0], 0);
+    issue_qk(sacc, q_base, k0);
     h::wgmma_wait<0>();
     h::fence_regs(sacc);
-    if (lane == 0) h::mbar_arrive(&k_empty[s]);
-
-    // mask (keys past the request; causal: key > row) and the online softmax, rows r0 / r0 + 8
-    const int key0 = n * kBlockN;
-    const bool edge = key0 + kBlockN > p.seq_len || (kCausal && key0 + kBlockN > q_start + 64 * wi);
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = sacc[4 * j + e] * p.scale_log2;
-        if (edge) {
-          const int key = key0 + 8 * j + cq + (e & 1), row = row0 + 8 * (e >> 1);
-          if (key >= p.seq_len || (kCausal && key > row)) x = -INFINITY;
-        }
-        sacc[4 * j + e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
-    float corr[2], base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m[r], mx[r]);
-      base[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet: everything 0
-      corr[r] = exp2f(m[r] - base[r]);
-      m[r] = m_new;
-      l[r] *= corr[r];
+    if (lane == 0) h::mbar_arrive(&k_empty[0]);
+    softmax_tile<kCausal>(sacc, 0, rows, m, l, corr);  // O is 0: nothing to rescale
+    pack_p(sacc, pa);
+    for (int n = 1; n < n_tiles; ++n) {
+      const int s = n % kStages, u = n / kStages, sp = (n - 1) % kStages, up = (n - 1) / kStages;
+      h::mbar_wait(&k_full[s], u & 1);
+      issue_qk(sacc, q_base, k0 + s * kTileBytes);
+      h::mbar_wait(&v_full[sp], up & 1);
+      issue_pv(o, pa, v0 + sp * kTileBytes);
+      h::wgmma_wait<1>();  // S of tile n (committed first)
+      h::fence_regs(sacc);
+      if (lane == 0) h::mbar_arrive(&k_empty[s]);
+      softmax_tile<kCausal>(sacc, n, rows, m, l, corr);
+      h::wgmma_wait<0>();  // P V of tile n - 1
+      h::fence_regs(o);
+      h::fence_regs(pa);
+      if (lane == 0) h::mbar_arrive(&v_empty[sp]);
+      rescale(o, corr);
+      pack_p(sacc, pa);
     }
-    uint32_t pa[kBlockN / 16][4];
-#pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) {
-      const float p0 = exp2f(sacc[4 * j] - base[0]), p1 = exp2f(sacc[4 * j + 1] - base[0]);
-      const float p2 = exp2f(sacc[4 * j + 2] - base[1]), p3 = exp2f(sacc[4 * j + 3] - base[1]);
-      l[0] += p0 + p1;
-      l[1] += p2 + p3;
-      // A fragment of k-step j / 2: {row r cols c, row r + 8 cols c, row r cols c + 8, row r + 8 cols c + 8}
-      pa[j / 2][(j & 1) * 2] = pack_bf16(p0, p1);
-      pa[j / 2][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
-      o[4 * j] *= corr[0];
-      o[4 * j + 1] *= corr[0];
-      o[4 * j + 2] *= corr[1];
-      o[4 * j + 3] *= corr[1];
-    }
-
-    h::mbar_wait(&v_full[s], u & 1);
-    const uint32_t v_base = h::smem_addr(sv + s * kTileBytes);
-    h::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      h::wgmma_rs_n128<1>(o, pa[kk], h::make_desc(v_base + kk * 16 * 128, kTileBytes / 2, 1024, h::Swizzle::k128B), 1,
-                          bf16{});
-    h::wgmma_commit();
+    const int sl = (n_tiles - 1) % kStages, ul = (n_tiles - 1) / kStages;
+    h::mbar_wait(&v_full[sl], ul & 1);
+    issue_pv(o, pa, v0 + sl * kTileBytes);
     h::wgmma_wait<0>();
     h::fence_regs(o);
-    if (lane == 0) h::mbar_arrive(&v_empty[s]);
+    h::fence_regs(pa);
+    if (lane == 0) h::mbar_arrive(&v_empty[sl]);
   }
 
   // the rows' sums over the quad, then O / l and the LSE
@@ -223,7 +313,7 @@ static CUtensorMap map_of(const bf16* base, int heads, int tokens) {
 }
 
 // Runs one problem; check: compare with the double reference; reps > 0: time it.
-static int run(const Problem& pr, bool check, int reps, std::mt19937& gen) {
+static int run(const Problem& pr, bool overlap, bool check, int reps, std::mt19937& gen) {
   const int tokens = pr.batch * pr.seq_len;
   std::normal_distribution<float> nd(0.f, 1.f);
   auto rand_bf16 = [&](size_t n) {
@@ -248,13 +338,14 @@ static int run(const Problem& pr, bool check, int reps, std::mt19937& gen) {
               v_map = map_of(dv, pr.heads_kv, tokens);
   const float sm_scale = 1.f / std::sqrt(float(kD));
   Params p{dout, dlse, pr.seq_len, pr.heads_q, pr.heads_q / pr.heads_kv, sm_scale * 1.4426950408889634f};
-  auto kernel = pr.causal ? attn_kernel<true> : attn_kernel<false>;
+  auto kernel = overlap ? (pr.causal ? attn_kernel<true, true> : attn_kernel<false, true>)
+                        : (pr.causal ? attn_kernel<true, false> : attn_kernel<false, false>);
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid((pr.seq_len + kBlockM - 1) / kBlockM, pr.heads_q, pr.batch);
   kernel<<<grid, 384, kSmem>>>(q_map, k_map, v_map, p);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  const char* name = pr.causal ? "causal" : "full";
+  const char* name = overlap ? (pr.causal ? "overlap_causal" : "overlap_full") : (pr.causal ? "causal" : "full");
   int bad = 0;
   if (check) {
     std::vector<bf16> out(q.size());
@@ -327,16 +418,21 @@ int main() {
   std::mt19937 gen(11);
   int bad = 0;
   try {
-    bad |= run({2, 300, 4, 2, true}, true, 0, gen);
-    bad |= run({2, 300, 4, 2, false}, true, 0, gen);
-    bad |= run({1, 257, 8, 1, true}, true, 0, gen);
+    for (const bool overlap : {false, true}) {
+      bad |= run({2, 300, 4, 2, true}, overlap, true, 0, gen);
+      bad |= run({2, 300, 4, 2, false}, overlap, true, 0, gen);
+      bad |= run({1, 257, 8, 1, true}, overlap, true, 0, gen);
+      bad |= run({1, 1000, 4, 4, true}, overlap, true, 0, gen);
+    }
     if (bad) {
       std::printf("checks_failed 1\n");
       return 1;
     }
-    run({1, 16384, 32, 8, true}, false, 10, gen);
-    run({4, 4096, 32, 8, false}, false, 10, gen);
-    run({16, 1024, 32, 8, true}, false, 10, gen);
+    for (const bool overlap : {false, true}) {
+      run({1, 16384, 32, 8, true}, overlap, false, 10, gen);
+      run({4, 4096, 32, 8, false}, overlap, false, 10, gen);
+      run({16, 1024, 32, 8, true}, overlap, false, 10, gen);
+    }
   } catch (const std::exception& e) {
     std::printf("error %s\n", e.what());
     return 2;

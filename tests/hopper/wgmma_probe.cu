@@ -69,8 +69,12 @@ __global__ void __launch_bounds__(128) qk_kernel(const __grid_constant__ CUtenso
   h::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks)
-    h::wgmma_ss_n128<0>(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks),
-                        ks > 0, bf16{});
+    if (ks == 0)
+      h::wgmma_ss_n128<0, 0>(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks),
+                             bf16{});
+    else
+      h::wgmma_ss_n128<0>(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks),
+                          bf16{});
   h::wgmma_commit();
   h::wgmma_wait<0>();
   h::fence_regs(d);
@@ -104,8 +108,11 @@ __global__ void __launch_bounds__(128) pv_kernel(const bf16* p, const __grid_con
   for (int ks = 0; ks < kKv / 16; ++ks) {
     const uint32_t a[4] = {pack2(p + r * kKv + 16 * ks + c), pack2(p + (r + 8) * kKv + 16 * ks + c),
                            pack2(p + r * kKv + 16 * ks + 8 + c), pack2(p + (r + 8) * kKv + 16 * ks + 8 + c)};
-    h::wgmma_rs_n128<1>(d, a, h::make_desc(h::smem_addr(sv) + ks * 16 * 128, lbo, sbo, h::Swizzle::k128B), ks > 0,
-                        bf16{});
+    const uint64_t b = h::make_desc(h::smem_addr(sv) + ks * 16 * 128, lbo, sbo, h::Swizzle::k128B);
+    if (ks == 0)
+      h::wgmma_rs_n128<1, 0>(d, a, b, bf16{});
+    else
+      h::wgmma_rs_n128<1>(d, a, b, bf16{});
   }
   h::wgmma_commit();
   h::wgmma_wait<0>();
@@ -141,7 +148,7 @@ __global__ void __launch_bounds__(128) rate_kernel(const __grid_constant__ CUten
     h::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks)
-      h::wgmma_ss_n128<0>(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks), 1,
+      h::wgmma_ss_n128<0>(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks),
                           bf16{});
     h::wgmma_commit();
     h::wgmma_wait<1>();
