@@ -118,7 +118,7 @@ def test_wrappers_plan_512_on_the_host():
             r = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
             r.plan(i32([0, 300, 301]), i32([0, 1000, 1100]), 8, 2, 512, causal=False, q_data_type=torch.bfloat16)
             assert r._plan.tile_rows == 64
-    dw = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    dw = fij.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)  # as multi-token decode asks
     with pytest.raises(ValueError, match="multi-token decode runs on tensor cores"):
         dw.plan(i32([0, 1]), i32([0]), i32([1]), 8, 2, 512, 16, q_len_per_req=2)
 
