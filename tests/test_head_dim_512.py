@@ -136,6 +136,7 @@ def test_512_renders(spec):
     assert "512" in rendered.sources["kernel.cu"]
 
 
+@pytest.mark.thorough  # two full hd512 builds (~28 s): CI's --exhaustive run
 @pytest.mark.parametrize("spec", [
     PrefillSpec(BF16, BF16, BF16, 512, 512, mask="causal", pos_encoding="rope_llama"),
     DecodeSpec(F16, F16, 512, 8, rope=True),

@@ -38,7 +38,7 @@ def _build(tmp_path, name: str = "wgmma_probe") -> Path:
     return exe
 
 
-@pytest.mark.parametrize("name", ["wgmma_probe", "attn_probe"])
+@pytest.mark.parametrize("name", ["wgmma_probe", pytest.param("attn_probe", marks=pytest.mark.thorough)])
 def test_probe_compiles_for_sm90a(tmp_path, name):
     _build(tmp_path, name)
 
