@@ -45,13 +45,13 @@ import functools
 import hashlib
 import importlib.machinery
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 import sysconfig
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from filelock import FileLock
@@ -163,26 +163,42 @@ def _build_locked(cxx: str, k: str, root: Path, target: Path) -> Path:
     out = tmp / target.name
     csrc = env.source_dir("csrc")
     includes, lib, abi, _ = _torch()
-    cmd = [*env.compiler_launcher(), cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{_python_include()}",
-           *(f"-I{inc}" for inc in includes), f"-I{csrc}", *(str(csrc / unit) for unit in UNITS), "-o", str(out),
-           f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-ltorch_cpu", "-lc10"]
+    flags = ["-O2", "-fPIC", "-std=c++17", "-fvisibility=hidden", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             f"-I{_python_include()}", *(f"-I{inc}" for inc in includes), f"-I{csrc}"]
+    # one compile step a unit, side by side (each is mostly torch's headers), then the link
+    objects = [tmp / (Path(unit).stem + ".o") for unit in UNITS]
+    steps = [[*env.compiler_launcher(), cxx, *flags, "-c", str(csrc / unit), "-o", str(obj)]
+             for unit, obj in zip(UNITS, objects)]
+    link = [cxx, "-shared", *map(str, objects), "-o", str(out), f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python",
+            "-ltorch_cpu", "-lc10"]
     logger.info("building %s (run()'s caller of the C launch entries) on first use into %s; expect about "
                 "10-30 s, once", MODULE, target.parent)
     t0 = time.perf_counter()
+
+    def run(cmd):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        with ThreadPoolExecutor(len(steps)) as pool:
+            done = list(pool.map(run, steps))
+        failed = [d for d in done if d.returncode != 0]
+        if not failed:
+            done = [run(link)]
+            failed = [d for d in done if d.returncode != 0]
     except (OSError, subprocess.SubprocessError) as exc:
         cache.discard(tmp, root)
         raise BuildError(MODULE, "(none: the compiler did not run)", [f"could not run {cxx}: {exc}"]) from exc
-    if done.returncode != 0:
-        output = done.stdout + done.stderr
+    if failed:
+        output = "".join(d.stdout + d.stderr for d in failed)
+        commands = "\n".join(" ".join(map(str, d.args)) for d in failed)
         try:  # (on a full disk the log itself may not fit: the error says so instead)
-            log = str(cache.save_failed_log(root, f"fastcall-{k}", " ".join(cmd) + "\n" + output))
+            log = str(cache.save_failed_log(root, f"fastcall-{k}", commands + "\n" + output))
         except OSError as exc:
             log = f"(not saved: {exc})"
         cache.discard(tmp, root)
         raise BuildError(MODULE, log, [line for line in output.splitlines() if "error" in line][:4])
+    for obj in objects:  # the library is the entry; its objects are not
+        obj.unlink(missing_ok=True)
     logger.info("built %s in %.1f s", MODULE, time.perf_counter() - t0)
     cache.write_extension_manifest(tmp, MODULE, k, target.name)  # (tmp is named after nothing: the manifest names the key its folder will have)
     os.chmod(tmp, 0o755)
