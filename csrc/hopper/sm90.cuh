@@ -198,6 +198,13 @@ FIJ_SM90 void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t des
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleD), "n"(kTransB));
 }
 
+// Named barriers (ids 1-15; 0 is __syncthreads'): `threads` counts every thread that syncs
+// or arrives. Two consumer warpgroups take turns through a pair of them (ping-pong).
+FIJ_SM90 void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
+FIJ_SM90 void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Warp-specialized register budgets: producer warpgroups give registers back, consumer
 // warpgroups take them (every warp of the warpgroup executes it).
 template <int kRegs>

@@ -8,9 +8,11 @@
 //   - warpgroups 1 and 2, the consumers (240 registers), 64 rows each: S = Q K^T by wgmma
 //     from shared memory, the online softmax in registers, O += P V by wgmma with P from
 //     registers and V MN-major; each stage handed back as soon as its wgmmas are done.
-// Two consumer loops (kOverlap): the plain one (S, softmax, P V, one after the other) and
-// FA3's intra-warpgroup overlap (tile n's S issued before tile n - 1's P V, its softmax
-// while that P V runs). No ping-pong between the consumers yet. Checked against a double
+// Three consumer loops (kLoop): 0, the plain one (S, softmax, P V, one after the other);
+// 1, FA3's intra-warpgroup overlap (tile n's S issued before tile n - 1's P V, its softmax
+// while that P V runs); 2, that overlap with the two consumers taking turns to issue their
+// wgmmas (ping-pong through two named barriers), so that one's softmax runs under the
+// other's GEMMs. Checked against a double
 // reference (tails and masks included), then timed. Prints "name value" lines; exit 0
 // when every check passes.
 #include <cuda_bf16.h>
@@ -156,7 +158,7 @@ FIJ_SM90 void rescale(float (&o)[64], const float (&corr)[2]) {
   }
 }
 
-template <bool kCausal, bool kOverlap>
+template <bool kCausal, int kLoop>
 __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CUtensorMap q_map,
                                                       const __grid_constant__ CUtensorMap k_map,
                                                       const __grid_constant__ CUtensorMap v_map, Params p) {
@@ -226,7 +228,7 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
 
   uint32_t pa[kBlockN / 16][4];
   float sacc[64], corr[2];
-  if constexpr (!kOverlap) {
+  if constexpr (kLoop == 0) {
     for (int n = 0; n < n_tiles; ++n) {
       const int s = n % kStages, u = n / kStages;
       h::mbar_wait(&k_full[s], u & 1);
@@ -246,9 +248,24 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
     }
   } else {
     // Tile n's S = Q K^T is issued before tile n - 1's O += P V, and its softmax runs while
-    // that P V is on the tensor cores; O is rescaled once the P V is done.
+    // that P V is on the tensor cores; O is rescaled once the P V is done. kLoop 2: each
+    // round's issue (prologue, n_tiles - 1 loop trips, epilogue) waits for this warpgroup's
+    // turn and passes it on; warpgroup 0 starts, and warpgroup 1 passes no turn after its
+    // last round (no one waits for it).
+    constexpr bool kPingPong = kLoop == 2;
+    const auto my_turn = [&] {
+      if constexpr (kPingPong) h::named_sync(1 + wi, 256);
+    };
+    const auto pass_turn = [&](bool last) {
+      if constexpr (kPingPong)
+        if (!(last && wi == 1)) h::named_arrive(2 - wi, 256);
+    };
+    if constexpr (kPingPong)
+      if (wi == 1) h::named_arrive(1, 256);
     h::mbar_wait(&k_full[0], 0);
+    my_turn();
     issue_qk(sacc, q_base, k0);
+    pass_turn(false);
     h::wgmma_wait<0>();
     h::fence_regs(sacc);
     if (lane == 0) h::mbar_arrive(&k_empty[0]);
@@ -257,9 +274,11 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
     for (int n = 1; n < n_tiles; ++n) {
       const int s = n % kStages, u = n / kStages, sp = (n - 1) % kStages, up = (n - 1) / kStages;
       h::mbar_wait(&k_full[s], u & 1);
-      issue_qk(sacc, q_base, k0 + s * kTileBytes);
       h::mbar_wait(&v_full[sp], up & 1);
+      my_turn();
+      issue_qk(sacc, q_base, k0 + s * kTileBytes);
       issue_pv(o, pa, v0 + sp * kTileBytes);
+      pass_turn(false);
       h::wgmma_wait<1>();  // S of tile n (committed first)
       h::fence_regs(sacc);
       if (lane == 0) h::mbar_arrive(&k_empty[s]);
@@ -273,7 +292,9 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
     }
     const int sl = (n_tiles - 1) % kStages, ul = (n_tiles - 1) / kStages;
     h::mbar_wait(&v_full[sl], ul & 1);
+    my_turn();
     issue_pv(o, pa, v0 + sl * kTileBytes);
+    pass_turn(true);
     h::wgmma_wait<0>();
     h::fence_regs(o);
     h::fence_regs(pa);
@@ -313,7 +334,7 @@ static CUtensorMap map_of(const bf16* base, int heads, int tokens) {
 }
 
 // Runs one problem; check: compare with the double reference; reps > 0: time it.
-static int run(const Problem& pr, bool overlap, bool check, int reps, std::mt19937& gen) {
+static int run(const Problem& pr, int loop, bool check, int reps, std::mt19937& gen) {
   const int tokens = pr.batch * pr.seq_len;
   std::normal_distribution<float> nd(0.f, 1.f);
   auto rand_bf16 = [&](size_t n) {
@@ -338,14 +359,17 @@ static int run(const Problem& pr, bool overlap, bool check, int reps, std::mt199
               v_map = map_of(dv, pr.heads_kv, tokens);
   const float sm_scale = 1.f / std::sqrt(float(kD));
   Params p{dout, dlse, pr.seq_len, pr.heads_q, pr.heads_q / pr.heads_kv, sm_scale * 1.4426950408889634f};
-  auto kernel = overlap ? (pr.causal ? attn_kernel<true, true> : attn_kernel<false, true>)
-                        : (pr.causal ? attn_kernel<true, false> : attn_kernel<false, false>);
+  auto kernel = loop == 2   ? (pr.causal ? attn_kernel<true, 2> : attn_kernel<false, 2>)
+                : loop == 1 ? (pr.causal ? attn_kernel<true, 1> : attn_kernel<false, 1>)
+                            : (pr.causal ? attn_kernel<true, 0> : attn_kernel<false, 0>);
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid((pr.seq_len + kBlockM - 1) / kBlockM, pr.heads_q, pr.batch);
   kernel<<<grid, 384, kSmem>>>(q_map, k_map, v_map, p);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  const char* name = overlap ? (pr.causal ? "overlap_causal" : "overlap_full") : (pr.causal ? "causal" : "full");
+  static const char* const kNames[3][2] = {{"full", "causal"}, {"overlap_full", "overlap_causal"},
+                                           {"pingpong_full", "pingpong_causal"}};
+  const char* name = kNames[loop][pr.causal];
   int bad = 0;
   if (check) {
     std::vector<bf16> out(q.size());
@@ -418,20 +442,20 @@ int main() {
   std::mt19937 gen(11);
   int bad = 0;
   try {
-    for (const bool overlap : {false, true}) {
-      bad |= run({2, 300, 4, 2, true}, overlap, true, 0, gen);
-      bad |= run({2, 300, 4, 2, false}, overlap, true, 0, gen);
-      bad |= run({1, 257, 8, 1, true}, overlap, true, 0, gen);
-      bad |= run({1, 1000, 4, 4, true}, overlap, true, 0, gen);
+    for (const int loop : {0, 1, 2}) {
+      bad |= run({2, 300, 4, 2, true}, loop, true, 0, gen);
+      bad |= run({2, 300, 4, 2, false}, loop, true, 0, gen);
+      bad |= run({1, 257, 8, 1, true}, loop, true, 0, gen);
+      bad |= run({1, 1000, 4, 4, true}, loop, true, 0, gen);
     }
     if (bad) {
       std::printf("checks_failed 1\n");
       return 1;
     }
-    for (const bool overlap : {false, true}) {
-      run({1, 16384, 32, 8, true}, overlap, false, 10, gen);
-      run({4, 4096, 32, 8, false}, overlap, false, 10, gen);
-      run({16, 1024, 32, 8, true}, overlap, false, 10, gen);
+    for (const int loop : {0, 1, 2}) {
+      run({1, 16384, 32, 8, true}, loop, false, 10, gen);
+      run({4, 4096, 32, 8, false}, loop, false, 10, gen);
+      run({16, 1024, 32, 8, true}, loop, false, 10, gen);
     }
   } catch (const std::exception& e) {
     std::printf("error %s\n", e.what());
