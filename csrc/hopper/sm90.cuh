@@ -30,6 +30,10 @@
 namespace fij::sm90 {
 
 FIJ_SM90 uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+// The first 1024-byte boundary at or after p: where a 128B-swizzled tile must start.
+FIJ_SM90 unsigned char* align_1024(unsigned char* p) {
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) & ~uintptr_t(1023));
+}
 
 // --- mbarriers ---------------------------------------------------------------------------------
 FIJ_SM90 void mbar_init(uint64_t* bar, uint32_t arrivals) {

@@ -25,18 +25,10 @@
 
 #include "hopper/sm90.cuh"
 #include "hopper/tma_host.h"
+#include "probe_common.cuh"
 
 using bf16 = __nv_bfloat16;
 namespace h = fij::sm90;
-
-#define CHECK_CUDA(x)                                                                     \
-  do {                                                                                    \
-    cudaError_t e = (x);                                                                  \
-    if (e != cudaSuccess) {                                                               \
-      std::printf("cuda_error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      return 2;                                                                           \
-    }                                                                                     \
-  } while (0)
 
 constexpr int kD = 128, kBlockM = 128, kBlockN = 128, kStages = 2;
 constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile (and the Q tile): 32 KB
@@ -163,7 +155,7 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
                                                       const __grid_constant__ CUtensorMap k_map,
                                                       const __grid_constant__ CUtensorMap v_map, Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = h::align_1024(smem_raw);
   unsigned char* sq = smem;
   unsigned char* sk = smem + kTileBytes;                   // stage s at sk + s * kTileBytes
   unsigned char* sv = smem + kTileBytes * (1 + kStages);  // the same for V

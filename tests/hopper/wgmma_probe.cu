@@ -17,18 +17,10 @@
 
 #include "hopper/sm90.cuh"
 #include "hopper/tma_host.h"
+#include "probe_common.cuh"
 
 using bf16 = __nv_bfloat16;
 namespace h = fij::sm90;
-
-#define CHECK_CUDA(x)                                                                   \
-  do {                                                                                  \
-    cudaError_t e = (x);                                                                \
-    if (e != cudaSuccess) {                                                             \
-      std::printf("cuda_error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      return 2;                                                                         \
-    }                                                                                   \
-  } while (0)
 
 constexpr int kM = 64, kD = 128, kN = 128, kKv = 64;
 
@@ -45,26 +37,40 @@ __device__ void store_acc(const float (&d)[N / 2], float* out) {
   }
 }
 
-__global__ void __launch_bounds__(128) qk_kernel(const __grid_constant__ CUtensorMap q_map,
-                                                 const __grid_constant__ CUtensorMap k_map, float* s_out) {
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  unsigned char* sq = smem;                  // 2 atoms x 64 rows x 128 B
-  unsigned char* sk = smem + kM * kD * 2;    // 2 atoms x 128 rows x 128 B
-  __shared__ uint64_t bar;
+// One barrier; thread 0 issues `bytes` of TMA loads (issue()), every thread waits for them.
+template <typename Issue>
+__device__ void load_once(uint64_t* bar, uint32_t bytes, Issue issue) {
   if (threadIdx.x == 0) {
-    h::mbar_init(&bar, 1);
+    h::mbar_init(bar, 1);
     h::fence_barrier_init();
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    h::mbar_expect_tx(&bar, (kM + kN) * kD * 2);
-    for (int a = 0; a < kD / 64; ++a) {
-      h::tma_load_2d(sq + a * kM * 128, &q_map, &bar, 64 * a, 0);
-      h::tma_load_2d(sk + a * kN * 128, &k_map, &bar, 64 * a, 0);
-    }
+    h::mbar_expect_tx(bar, bytes);
+    issue();
   }
-  h::mbar_wait(&bar, 0);
+  h::mbar_wait(bar, 0);
+}
+
+// Test 1's tiles: Q [64 x 128] and K [128 x 128], each two 64-wide atoms.
+__device__ void load_qk(unsigned char* sq, unsigned char* sk, const CUtensorMap* q_map, const CUtensorMap* k_map,
+                        uint64_t* bar) {
+  load_once(bar, (kM + kN) * kD * 2, [&] {
+    for (int a = 0; a < kD / 64; ++a) {
+      h::tma_load_2d(sq + a * kM * 128, q_map, bar, 64 * a, 0);
+      h::tma_load_2d(sk + a * kN * 128, k_map, bar, 64 * a, 0);
+    }
+  });
+}
+
+__global__ void __launch_bounds__(128) qk_kernel(const __grid_constant__ CUtensorMap q_map,
+                                                 const __grid_constant__ CUtensorMap k_map, float* s_out) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = h::align_1024(smem_raw);
+  unsigned char* sq = smem;                  // 2 atoms x 64 rows x 128 B
+  unsigned char* sk = smem + kM * kD * 2;    // 2 atoms x 128 rows x 128 B
+  __shared__ uint64_t bar;
+  load_qk(sq, sk, &q_map, &k_map, &bar);
   float d[kN / 2];
   h::wgmma_fence();
 #pragma unroll
@@ -89,18 +95,11 @@ __device__ uint32_t pack2(const bf16* p) {
 __global__ void __launch_bounds__(128) pv_kernel(const bf16* p, const __grid_constant__ CUtensorMap v_map,
                                                  uint32_t lbo, uint32_t sbo, float* o_out) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* sv = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* sv = h::align_1024(smem_raw);
   __shared__ uint64_t bar;
-  if (threadIdx.x == 0) {
-    h::mbar_init(&bar, 1);
-    h::fence_barrier_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    h::mbar_expect_tx(&bar, kKv * kN * 2);
+  load_once(&bar, kKv * kN * 2, [&] {
     for (int a = 0; a < kN / 64; ++a) h::tma_load_2d(sv + a * kKv * 128, &v_map, &bar, 64 * a, 0);
-  }
-  h::mbar_wait(&bar, 0);
+  });
   const int t = threadIdx.x, r = 16 * (t / 32) + (t % 32) / 4, c = 2 * (t % 4);
   float d[kN / 2];
   h::wgmma_fence();
@@ -124,23 +123,11 @@ __global__ void __launch_bounds__(128) pv_kernel(const bf16* p, const __grid_con
 __global__ void __launch_bounds__(128) rate_kernel(const __grid_constant__ CUtensorMap q_map,
                                                    const __grid_constant__ CUtensorMap k_map, int reps, float* sink) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = h::align_1024(smem_raw);
   unsigned char* sq = smem;
   unsigned char* sk = smem + kM * kD * 2;
   __shared__ uint64_t bar;
-  if (threadIdx.x == 0) {
-    h::mbar_init(&bar, 1);
-    h::fence_barrier_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    h::mbar_expect_tx(&bar, (kM + kN) * kD * 2);
-    for (int a = 0; a < kD / 64; ++a) {
-      h::tma_load_2d(sq + a * kM * 128, &q_map, &bar, 64 * a, 0);
-      h::tma_load_2d(sk + a * kN * 128, &k_map, &bar, 64 * a, 0);
-    }
-  }
-  h::mbar_wait(&bar, 0);
+  load_qk(sq, sk, &q_map, &k_map, &bar);
   float d[kN / 2];
 #pragma unroll
   for (int i = 0; i < kN / 2; ++i) d[i] = 0.f;
