@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -35,11 +36,13 @@ constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile (and the Q tile
 constexpr int kSmem = kTileBytes * (1 + 2 * kStages) + 1024;
 
 struct Params {
-  bf16* out;           // [tokens, heads_q, 128]
-  float* lse;          // [tokens, heads_q], base 2
-  int seq_len;         // every request: qo_len = kv_len = seq_len
-  int heads_q, group;  // group: query heads per KV head
-  float scale_log2;    // sm_scale * log2(e)
+  bf16* out;             // [tokens, heads_q, 128]
+  float* lse;            // [tokens, heads_q], base 2
+  int seq_len;           // every request: qo_len = kv_len = seq_len
+  int heads_q, group;    // group: query heads per KV head
+  int batch, q_tiles;    // requests; 128-row query tiles a request
+  int num_items;         // q_tiles * heads_q * batch
+  float scale_log2;      // sm_scale * log2(e)
 };
 
 FIJ_SM90 uint32_t pack_bf16(float a, float b) {
@@ -79,46 +82,44 @@ FIJ_SM90 void issue_pv(float (&o)[64], uint32_t (&pa)[kBlockN / 16][4], uint32_t
 }
 
 // The online softmax of tile n (base 2): masks S (keys past the request; causal: key >
-// row), moves the rows' max, rescales l, and leaves P = 2^(S - max) in S's registers;
-// corr: the factor O's rows take for the new max.
-// The scaled and masked logit of S's element (j, e).
-template <bool kCausal>
-FIJ_SM90 float logit(const float (&sacc)[64], int j, int e, int key0, bool edge, const Rows& r) {
-  const float x = sacc[4 * j + e] * r.scale_log2;
-  if (edge) {
-    const int key = key0 + 8 * j + r.cq + (e & 1), row = r.row0 + 8 * (e >> 1);
-    if (key >= r.seq_len || (kCausal && key > row)) return -INFINITY;
-  }
-  return x;
-}
-
+// row), moves the rows' max (m, of the unscaled logits), rescales l, and leaves
+// P = 2^(S scale - m scale) in S's registers (one FFMA and one EX2 an element); corr: the
+// factor O's rows take for the new max.
 template <bool kCausal>
 FIJ_SM90 void softmax_tile(float (&sacc)[64], int n, const Rows& r, float (&m)[2], float (&l)[2], float (&corr)[2]) {
   const int key0 = n * kBlockN;
   const bool edge = key0 + kBlockN > r.seq_len || (kCausal && key0 + kBlockN > r.first_row);
-  float mx[2] = {-INFINITY, -INFINITY};
+  if (edge) {
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + 8 * j + r.cq + (e & 1), row = r.row0 + 8 * (e >> 1);
+        if (key >= r.seq_len || (kCausal && key > row)) sacc[4 * j + e] = -INFINITY;
+      }
+  }
+  float mx[2] = {m[0], m[1]};
 #pragma unroll
   for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      sacc[4 * j + e] = logit<kCausal>(sacc, j, e, key0, edge, r);
-      mx[e >> 1] = fmaxf(mx[e >> 1], sacc[4 * j + e]);
-    }
+    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], sacc[4 * j + e]);
   float base[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    const float m_new = fmaxf(m[i], mx[i]);
-    base[i] = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet: everything 0
-    corr[i] = exp2f(m[i] - base[i]);
-    m[i] = m_new;
+    // a row with no key yet: everything 0 (base 0 keeps -inf - base at -inf, not NaN)
+    base[i] = mx[i] == -INFINITY ? 0.f : mx[i] * r.scale_log2;
+    corr[i] = exp2f(m[i] * r.scale_log2 - base[i]);
+    m[i] = mx[i];
     l[i] *= corr[i];
   }
 #pragma unroll
   for (int j = 0; j < kBlockN / 8; ++j) {
-    const float p0 = exp2f(sacc[4 * j] - base[0]), p1 = exp2f(sacc[4 * j + 1] - base[0]);
-    const float p2 = exp2f(sacc[4 * j + 2] - base[1]), p3 = exp2f(sacc[4 * j + 3] - base[1]);
+    const float p0 = exp2f(fmaf(sacc[4 * j], r.scale_log2, -base[0]));
+    const float p1 = exp2f(fmaf(sacc[4 * j + 1], r.scale_log2, -base[0]));
+    const float p2 = exp2f(fmaf(sacc[4 * j + 2], r.scale_log2, -base[1]));
+    const float p3 = exp2f(fmaf(sacc[4 * j + 3], r.scale_log2, -base[1]));
     l[0] += p0 + p1;
     l[1] += p2 + p3;
     sacc[4 * j] = p0;
@@ -150,7 +151,37 @@ FIJ_SM90 void rescale(float (&o)[64], const float (&corr)[2]) {
   }
 }
 
-template <bool kCausal, int kLoop>
+// One unit of work: 128 query rows of one head of one request. Items are numbered with the
+// heaviest first (for causal, the last query tiles see the most keys): index idx is query
+// tile q_tiles - 1 - idx / (heads * batch) of head idx % heads of request idx / heads % batch.
+struct Work {
+  int q_start, head, req;
+};
+
+FIJ_SM90 Work work_of(int idx, const Params& p) {
+  const int hb = p.heads_q * p.batch, rest = idx % hb;
+  return {(p.q_tiles - 1 - idx / hb) * kBlockM, rest % p.heads_q, rest / p.heads_q};
+}
+
+// The k-th item of this block. One block an item (kPersistent false: the grid is the item
+// list), or one block an SM walking the list in rounds of gridDim.x items, in snake order
+// (even rounds left to right, odd rounds right to left) so that, heaviest first, every SM's
+// sum stays close to the others'. Past the list: num_items or more.
+template <bool kPersistent>
+FIJ_SM90 int item_index(int k) {
+  if constexpr (!kPersistent) return k == 0 ? int(blockIdx.x) : INT_MAX;
+  const int g = gridDim.x;
+  return k * g + ((k & 1) ? g - 1 - int(blockIdx.x) : int(blockIdx.x));
+}
+
+// Key tiles item w visits (bottom-right causal with qo_len == kv_len: row i sees keys <= i).
+template <bool kCausal>
+FIJ_SM90 int kv_tiles(const Work& w, const Params& p) {
+  const int kv_end = kCausal ? min(p.seq_len, w.q_start + kBlockM) : p.seq_len;
+  return (kv_end + kBlockN - 1) / kBlockN;
+}
+
+template <bool kCausal, int kLoop, bool kPersistent>
 __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CUtensorMap q_map,
                                                       const __grid_constant__ CUtensorMap k_map,
                                                       const __grid_constant__ CUtensorMap v_map, Params p) {
@@ -159,20 +190,13 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
   unsigned char* sq = smem;
   unsigned char* sk = smem + kTileBytes;                   // stage s at sk + s * kTileBytes
   unsigned char* sv = smem + kTileBytes * (1 + kStages);  // the same for V
-  __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
-
-  const int tile = blockIdx.x, head = blockIdx.y, req = blockIdx.z;
-  const int kv_head = head / p.group;
-  const int q_start = tile * kBlockM;  // within the request
-  if (q_start >= p.seq_len) return;
-  const int tok0 = req * p.seq_len;  // the request's first token
-  // key tiles this block visits (bottom-right causal with qo_len == kv_len: row i sees keys <= i)
-  const int kv_end = kCausal ? min(p.seq_len, q_start + kBlockM) : p.seq_len;
-  const int n_tiles = (kv_end + kBlockN - 1) / kBlockN;
+  // q_empty: both consumer warpgroups are done reading the Q tile (their last Q K^T complete)
+  __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     h::mbar_init(&q_full, 1);
+    h::mbar_init(&q_empty, 2);  // thread 0 of each consumer warpgroup
     for (int s = 0; s < kStages; ++s) {
       h::mbar_init(&k_full[s], 1);
       h::mbar_init(&v_full[s], 1);
@@ -183,23 +207,34 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
   }
   __syncthreads();
 
+  // Both roles walk the same items; `it` counts key tiles over all of them (the stages'
+  // phases run on across items).
   if (wg == 0) {  // producer
     h::regs_dealloc<24>();
     if (threadIdx.x == 0) {
-      h::mbar_expect_tx(&q_full, kTileBytes);
-      for (int a = 0; a < 2; ++a) h::tma_load_3d(sq + a * kTileBytes / 2, &q_map, &q_full, 64 * a, head, tok0 + q_start);
-      for (int n = 0; n < n_tiles; ++n) {
-        const int s = n % kStages, u = n / kStages;
-        h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
-        h::mbar_expect_tx(&k_full[s], kTileBytes);
+      int it = 0;
+      for (int k = 0;; ++k) {
+        const int idx = item_index<kPersistent>(k);
+        if (idx >= p.num_items) break;
+        const Work w = work_of(idx, p);
+        const int kv_head = w.head / p.group, tok0 = w.req * p.seq_len, n_tiles = kv_tiles<kCausal>(w, p);
+        if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);
+        h::mbar_expect_tx(&q_full, kTileBytes);
         for (int a = 0; a < 2; ++a)
-          h::tma_load_3d(sk + s * kTileBytes + a * kTileBytes / 2, &k_map, &k_full[s], 64 * a, kv_head,
-                         tok0 + n * kBlockN);
-        h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
-        h::mbar_expect_tx(&v_full[s], kTileBytes);
-        for (int a = 0; a < 2; ++a)
-          h::tma_load_3d(sv + s * kTileBytes + a * kTileBytes / 2, &v_map, &v_full[s], 64 * a, kv_head,
-                         tok0 + n * kBlockN);
+          h::tma_load_3d(sq + a * kTileBytes / 2, &q_map, &q_full, 64 * a, w.head, tok0 + w.q_start);
+        for (int n = 0; n < n_tiles; ++n, ++it) {
+          const int s = it % kStages, u = it / kStages;
+          h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
+          h::mbar_expect_tx(&k_full[s], kTileBytes);
+          for (int a = 0; a < 2; ++a)
+            h::tma_load_3d(sk + s * kTileBytes + a * kTileBytes / 2, &k_map, &k_full[s], 64 * a, kv_head,
+                           tok0 + n * kBlockN);
+          h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
+          h::mbar_expect_tx(&v_full[s], kTileBytes);
+          for (int a = 0; a < 2; ++a)
+            h::tma_load_3d(sv + s * kTileBytes + a * kTileBytes / 2, &v_map, &v_full[s], 64 * a, kv_head,
+                           tok0 + n * kBlockN);
+        }
       }
     }
     return;
@@ -208,108 +243,124 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
   // consumers
   h::regs_alloc<240>();
   const int wi = wg - 1, t = threadIdx.x % 128, lane = t % 32;
-  const int row0 = q_start + 64 * wi + 16 * (t / 32) + lane / 4;  // rows row0 and row0 + 8
   const int cq = 2 * (lane % 4);
-  float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-#pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
   const uint32_t q_base = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
   const uint32_t k0 = h::smem_addr(sk), v0 = h::smem_addr(sv);
-  const Rows rows{row0, cq, q_start + 64 * wi, p.seq_len, p.scale_log2};
-  h::mbar_wait(&q_full, 0);
-
-  uint32_t pa[kBlockN / 16][4];
-  float sacc[64], corr[2];
-  if constexpr (kLoop == 0) {
-    for (int n = 0; n < n_tiles; ++n) {
-      const int s = n % kStages, u = n / kStages;
-      h::mbar_wait(&k_full[s], u & 1);
-      issue_qk(sacc, q_base, k0 + s * kTileBytes);
-      h::wgmma_wait<0>();
-      h::fence_regs(sacc);
-      if (lane == 0) h::mbar_arrive(&k_empty[s]);
-      softmax_tile<kCausal>(sacc, n, rows, m, l, corr);
-      pack_p(sacc, pa);
-      rescale(o, corr);
-      h::mbar_wait(&v_full[s], u & 1);
-      issue_pv(o, pa, v0 + s * kTileBytes);
-      h::wgmma_wait<0>();
-      h::fence_regs(o);
-      h::fence_regs(pa);
-      if (lane == 0) h::mbar_arrive(&v_empty[s]);
-    }
-  } else {
-    // Tile n's S = Q K^T is issued before tile n - 1's O += P V, and its softmax runs while
-    // that P V is on the tensor cores; O is rescaled once the P V is done. kLoop 2: each
-    // round's issue (prologue, n_tiles - 1 loop trips, epilogue) waits for this warpgroup's
-    // turn and passes it on; warpgroup 0 starts, and warpgroup 1 passes no turn after its
-    // last round (no one waits for it).
-    constexpr bool kPingPong = kLoop == 2;
-    const auto my_turn = [&] {
-      if constexpr (kPingPong) h::named_sync(1 + wi, 256);
-    };
-    const auto pass_turn = [&](bool last) {
-      if constexpr (kPingPong)
-        if (!(last && wi == 1)) h::named_arrive(2 - wi, 256);
-    };
+  // Ping-pong (kLoop 2): each round's issue (prologue, n_tiles - 1 loop trips, epilogue of
+  // every item) waits for this warpgroup's turn and passes it on; warpgroup 0 starts, and
+  // warpgroup 1 passes no turn after its last round of its last item (no one waits for it).
+  constexpr bool kPingPong = kLoop == 2;
+  const auto my_turn = [&] {
+    if constexpr (kPingPong) h::named_sync(1 + wi, 256);
+  };
+  const auto pass_turn = [&](bool last) {
     if constexpr (kPingPong)
-      if (wi == 1) h::named_arrive(1, 256);
-    h::mbar_wait(&k_full[0], 0);
-    my_turn();
-    issue_qk(sacc, q_base, k0);
-    pass_turn(false);
-    h::wgmma_wait<0>();
-    h::fence_regs(sacc);
-    if (lane == 0) h::mbar_arrive(&k_empty[0]);
-    softmax_tile<kCausal>(sacc, 0, rows, m, l, corr);  // O is 0: nothing to rescale
-    pack_p(sacc, pa);
-    for (int n = 1; n < n_tiles; ++n) {
-      const int s = n % kStages, u = n / kStages, sp = (n - 1) % kStages, up = (n - 1) / kStages;
-      h::mbar_wait(&k_full[s], u & 1);
-      h::mbar_wait(&v_full[sp], up & 1);
+      if (!(last && wi == 1)) h::named_arrive(2 - wi, 256);
+  };
+  if constexpr (kPingPong)
+    if (wi == 1) h::named_arrive(1, 256);
+
+  int it = 0;
+  for (int k = 0;; ++k) {
+    const int idx = item_index<kPersistent>(k);
+    if (idx >= p.num_items) break;
+    const bool last_item = item_index<kPersistent>(k + 1) >= p.num_items;
+    const Work w = work_of(idx, p);
+    const int tok0 = w.req * p.seq_len, n_tiles = kv_tiles<kCausal>(w, p);
+    const int row0 = w.q_start + 64 * wi + 16 * (t / 32) + lane / 4;  // rows row0 and row0 + 8
+    const Rows rows{row0, cq, w.q_start + 64 * wi, p.seq_len, p.scale_log2};
+    float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    h::mbar_wait(&q_full, k & 1);
+
+    uint32_t pa[kBlockN / 16][4];
+    float sacc[64], corr[2];
+    if constexpr (kLoop == 0) {
+      for (int n = 0; n < n_tiles; ++n) {
+        const int s = (it + n) % kStages, u = (it + n) / kStages;
+        h::mbar_wait(&k_full[s], u & 1);
+        issue_qk(sacc, q_base, k0 + s * kTileBytes);
+        h::wgmma_wait<0>();
+        h::fence_regs(sacc);
+        if (lane == 0) h::mbar_arrive(&k_empty[s]);
+        softmax_tile<kCausal>(sacc, n, rows, m, l, corr);
+        pack_p(sacc, pa);
+        rescale(o, corr);
+        h::mbar_wait(&v_full[s], u & 1);
+        issue_pv(o, pa, v0 + s * kTileBytes);
+        h::wgmma_wait<0>();
+        h::fence_regs(o);
+        h::fence_regs(pa);
+        if (lane == 0) h::mbar_arrive(&v_empty[s]);
+      }
+      if (t == 0) h::mbar_arrive(&q_empty);
+    } else {
+      // Tile n's S = Q K^T is issued before tile n - 1's O += P V, and its softmax runs while
+      // that P V is on the tensor cores; O is rescaled once the P V is done.
+      const int s0 = it % kStages, u0 = it / kStages;
+      h::mbar_wait(&k_full[s0], u0 & 1);
       my_turn();
-      issue_qk(sacc, q_base, k0 + s * kTileBytes);
-      issue_pv(o, pa, v0 + sp * kTileBytes);
+      issue_qk(sacc, q_base, k0 + s0 * kTileBytes);
       pass_turn(false);
-      h::wgmma_wait<1>();  // S of tile n (committed first)
+      h::wgmma_wait<0>();
       h::fence_regs(sacc);
-      if (lane == 0) h::mbar_arrive(&k_empty[s]);
-      softmax_tile<kCausal>(sacc, n, rows, m, l, corr);
-      h::wgmma_wait<0>();  // P V of tile n - 1
+      if (lane == 0) h::mbar_arrive(&k_empty[s0]);
+      softmax_tile<kCausal>(sacc, 0, rows, m, l, corr);  // O is 0: nothing to rescale
+      pack_p(sacc, pa);
+      for (int n = 1; n < n_tiles; ++n) {
+        const int s = (it + n) % kStages, u = (it + n) / kStages;
+        const int sp = (it + n - 1) % kStages, up = (it + n - 1) / kStages;
+        h::mbar_wait(&k_full[s], u & 1);
+        h::mbar_wait(&v_full[sp], up & 1);
+        my_turn();
+        issue_qk(sacc, q_base, k0 + s * kTileBytes);
+        issue_pv(o, pa, v0 + sp * kTileBytes);
+        pass_turn(false);
+        h::wgmma_wait<1>();  // S of tile n (committed first)
+        h::fence_regs(sacc);
+        if (lane == 0) h::mbar_arrive(&k_empty[s]);
+        softmax_tile<kCausal>(sacc, n, rows, m, l, corr);
+        h::wgmma_wait<0>();  // P V of tile n - 1
+        h::fence_regs(o);
+        h::fence_regs(pa);
+        if (lane == 0) h::mbar_arrive(&v_empty[sp]);
+        rescale(o, corr);
+        pack_p(sacc, pa);
+      }
+      if (t == 0) h::mbar_arrive(&q_empty);  // every Q K^T of this item is complete
+      const int sl = (it + n_tiles - 1) % kStages, ul = (it + n_tiles - 1) / kStages;
+      h::mbar_wait(&v_full[sl], ul & 1);
+      my_turn();
+      issue_pv(o, pa, v0 + sl * kTileBytes);
+      pass_turn(last_item);
+      h::wgmma_wait<0>();
       h::fence_regs(o);
       h::fence_regs(pa);
-      if (lane == 0) h::mbar_arrive(&v_empty[sp]);
-      rescale(o, corr);
-      pack_p(sacc, pa);
+      if (lane == 0) h::mbar_arrive(&v_empty[sl]);
     }
-    const int sl = (n_tiles - 1) % kStages, ul = (n_tiles - 1) / kStages;
-    h::mbar_wait(&v_full[sl], ul & 1);
-    my_turn();
-    issue_pv(o, pa, v0 + sl * kTileBytes);
-    pass_turn(true);
-    h::wgmma_wait<0>();
-    h::fence_regs(o);
-    h::fence_regs(pa);
-    if (lane == 0) h::mbar_arrive(&v_empty[sl]);
-  }
+    it += n_tiles;
 
-  // the rows' sums over the quad, then O / l and the LSE
+    // the rows' sums over the quad, then O / l and the LSE (base 2, of the scaled logits)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    if (row >= p.seq_len) continue;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    bf16* out = p.out + (int64_t(tok0 + row) * p.heads_q + head) * kD;
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 8 * r;
+      if (row >= p.seq_len) continue;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      bf16* out = p.out + (int64_t(tok0 + row) * p.heads_q + w.head) * kD;
 #pragma unroll
-    for (int j = 0; j < kD / 8; ++j)
-      *reinterpret_cast<__nv_bfloat162*>(out + 8 * j + cq) =
-          __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-    if (cq == 0) p.lse[int64_t(tok0 + row) * p.heads_q + head] = l[r] > 0.f ? m[r] + log2f(l[r]) : -INFINITY;
+      for (int j = 0; j < kD / 8; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(out + 8 * j + cq) =
+            __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      if (cq == 0)
+        p.lse[int64_t(tok0 + row) * p.heads_q + w.head] =
+            l[r] > 0.f ? m[r] * p.scale_log2 + log2f(l[r]) : -INFINITY;
+    }
   }
 }
 
@@ -326,7 +377,7 @@ static CUtensorMap map_of(const bf16* base, int heads, int tokens) {
 }
 
 // Runs one problem; check: compare with the double reference; reps > 0: time it.
-static int run(const Problem& pr, int loop, bool check, int reps, std::mt19937& gen) {
+static int run(const Problem& pr, int variant, bool check, int reps, std::mt19937& gen) {
   const int tokens = pr.batch * pr.seq_len;
   std::normal_distribution<float> nd(0.f, 1.f);
   auto rand_bf16 = [&](size_t n) {
@@ -347,26 +398,37 @@ static int run(const Problem& pr, int loop, bool check, int reps, std::mt19937& 
   CHECK_CUDA(cudaMemcpy(dk, k.data(), k.size() * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dv, v.data(), v.size() * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemset(dout, 0xff, q.size() * 2));  // NaN
+  CHECK_CUDA(cudaMemset(dlse, 0xff, size_t(tokens) * pr.heads_q * 4));
   CUtensorMap q_map = map_of(dq, pr.heads_q, tokens), k_map = map_of(dk, pr.heads_kv, tokens),
               v_map = map_of(dv, pr.heads_kv, tokens);
   const float sm_scale = 1.f / std::sqrt(float(kD));
-  Params p{dout, dlse, pr.seq_len, pr.heads_q, pr.heads_q / pr.heads_kv, sm_scale * 1.4426950408889634f};
-  auto kernel = loop == 2   ? (pr.causal ? attn_kernel<true, 2> : attn_kernel<false, 2>)
-                : loop == 1 ? (pr.causal ? attn_kernel<true, 1> : attn_kernel<false, 1>)
-                            : (pr.causal ? attn_kernel<true, 0> : attn_kernel<false, 0>);
+  const int q_tiles = (pr.seq_len + kBlockM - 1) / kBlockM, num_items = q_tiles * pr.heads_q * pr.batch;
+  Params p{dout, dlse, pr.seq_len, pr.heads_q, pr.heads_q / pr.heads_kv, pr.batch, q_tiles, num_items,
+           sm_scale * 1.4426950408889634f};
+  // variant 0: the plain loop; 1: overlap + ping-pong, one block an item; 2: that, persistent
+  using Kernel = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, Params);
+  const Kernel kernels[3][2] = {{attn_kernel<false, 0, false>, attn_kernel<true, 0, false>},
+                                {attn_kernel<false, 2, false>, attn_kernel<true, 2, false>},
+                                {attn_kernel<false, 2, true>, attn_kernel<true, 2, true>}};
+  const Kernel kernel = kernels[variant][pr.causal];
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid((pr.seq_len + kBlockM - 1) / kBlockM, pr.heads_q, pr.batch);
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // the checks run the persistent kernel on 5 blocks, so that each walks several items
+  const int grid = variant == 2 ? std::min(num_items, check ? 5 : sms) : num_items;
   kernel<<<grid, 384, kSmem>>>(q_map, k_map, v_map, p);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  static const char* const kNames[3][2] = {{"full", "causal"}, {"overlap_full", "overlap_causal"},
-                                           {"pingpong_full", "pingpong_causal"}};
-  const char* name = kNames[loop][pr.causal];
+  static const char* const kNames[3][2] = {{"full", "causal"}, {"pingpong_full", "pingpong_causal"},
+                                           {"persistent_full", "persistent_causal"}};
+  const char* name = kNames[variant][pr.causal];
   int bad = 0;
   if (check) {
     std::vector<bf16> out(q.size());
+    std::vector<float> lse(size_t(tokens) * pr.heads_q);
     CHECK_CUDA(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
-    double max_err = 0, max_ref = 0;
+    CHECK_CUDA(cudaMemcpy(lse.data(), dlse, lse.size() * 4, cudaMemcpyDeviceToHost));
+    double max_err = 0, max_ref = 0, lse_err = 0;
     std::vector<double> srow(pr.seq_len);
     for (int b = 0; b < pr.batch; ++b)
       for (int hq = 0; hq < pr.heads_q; ++hq) {
@@ -384,6 +446,9 @@ static int run(const Problem& pr, int loop, bool check, int reps, std::mt19937& 
           }
           double sum = 0;
           for (int j = 0; j <= last; ++j) sum += (srow[j] = std::exp(srow[j] - mx));
+          const double lse_ref = (mx + std::log(sum)) / std::log(2.0);  // base 2
+          const float lse_got = lse[(size_t(b) * pr.seq_len + i) * pr.heads_q + hq];
+          lse_err = std::max(lse_err, std::isfinite(lse_got) ? std::fabs(lse_got - lse_ref) : INFINITY);
           for (int c = 0; c < kD; ++c) {
             double acc = 0;
             for (int j = 0; j <= last; ++j)
@@ -398,7 +463,9 @@ static int run(const Problem& pr, int loop, bool check, int reps, std::mt19937& 
       }
     std::printf("check_%s_b%d_s%d_h%d_%d_max_abs_err %.3g\n", name, pr.batch, pr.seq_len, pr.heads_q, pr.heads_kv,
                 max_err);
-    bad = !(max_err < 2e-2);
+    std::printf("lse_%s_b%d_s%d_h%d_%d_max_abs_err %.3g\n", name, pr.batch, pr.seq_len, pr.heads_q, pr.heads_kv,
+                lse_err);
+    bad = !(max_err < 2e-2) || !(lse_err < 1e-3);
   }
   if (reps > 0) {
     cudaEvent_t e0, e1;
@@ -434,20 +501,20 @@ int main() {
   std::mt19937 gen(11);
   int bad = 0;
   try {
-    for (const int loop : {0, 1, 2}) {
-      bad |= run({2, 300, 4, 2, true}, loop, true, 0, gen);
-      bad |= run({2, 300, 4, 2, false}, loop, true, 0, gen);
-      bad |= run({1, 257, 8, 1, true}, loop, true, 0, gen);
-      bad |= run({1, 1000, 4, 4, true}, loop, true, 0, gen);
+    for (const int variant : {0, 1, 2}) {
+      bad |= run({2, 300, 4, 2, true}, variant, true, 0, gen);
+      bad |= run({2, 300, 4, 2, false}, variant, true, 0, gen);
+      bad |= run({1, 257, 8, 1, true}, variant, true, 0, gen);
+      bad |= run({1, 1000, 4, 4, true}, variant, true, 0, gen);
     }
     if (bad) {
       std::printf("checks_failed 1\n");
       return 1;
     }
-    for (const int loop : {0, 1, 2}) {
-      run({1, 16384, 32, 8, true}, loop, false, 10, gen);
-      run({4, 4096, 32, 8, false}, loop, false, 10, gen);
-      run({16, 1024, 32, 8, true}, loop, false, 10, gen);
+    for (const int variant : {0, 1, 2}) {
+      run({1, 16384, 32, 8, true}, variant, false, 10, gen);
+      run({4, 4096, 32, 8, false}, variant, false, 10, gen);
+      run({16, 1024, 32, 8, true}, variant, false, 10, gen);
     }
   } catch (const std::exception& e) {
     std::printf("error %s\n", e.what());
