@@ -7,14 +7,14 @@ from .kvcache.flatten_spec import FlattenSpec
 from .kvcache.rope_spec import RopeSpec
 from .pipeline.spec import Spec
 from .pod.spec import PodSpec
-from .prefill.spec import PrefillPlanSpec, PrefillSpec
+from .prefill.spec import PrefillPlanSpec, PrefillSm90Spec, PrefillSpec
 from .runtime.shared_specs import MergeSpec, PageOrderSpec
 
 FAMILIES: dict[str, type[Spec]] = {
     cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec, DecodePlanSpec,
-                                PageOrderSpec, PrefillSpec, PrefillPlanSpec, PodSpec)
+                                PageOrderSpec, PrefillSpec, PrefillPlanSpec, PrefillSm90Spec, PodSpec)
 }
 
 __all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "DecodeSpec", "MergeSpec", "DecodePlanSpec",
-           "PageOrderSpec", "PrefillSpec", "PrefillPlanSpec", "PodSpec",
+           "PageOrderSpec", "PrefillSpec", "PrefillPlanSpec", "PrefillSm90Spec", "PodSpec",
            "FAMILIES"]

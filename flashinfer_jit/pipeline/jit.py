@@ -67,7 +67,7 @@ class Prepared:
 def prepare(spec: Spec, archs: tuple[str, ...] | None = None) -> Prepared:
     module = render(spec)
     # host-only modules (no device code) build without target archs: one entry for every GPU
-    archs = () if spec.HOST_ONLY else (archs or env.target_archs())
+    archs = () if spec.HOST_ONLY else (spec.ARCHS or archs or env.target_archs())
     torch_id = toolchain.torch_identity()
     flags = build.make_flags(archs, env.debug(), torch_id["cxx11_abi"])
     content = cache.content_key(module, flags, torch_id)

@@ -56,6 +56,10 @@ class Spec:
     # True: the module has host code only (its kernel.cu holds no device code), so it
     # builds for no target arch and one entry serves every GPU
     HOST_ONLY: ClassVar[bool] = False
+    # None: the module builds for the target archs (FLASHINFER_JIT_CUDA_ARCH_LIST, else the
+    # visible GPUs'); a tuple: for these archs only, whatever the targets (code that no other
+    # arch can run: sm_90a's wgmma)
+    ARCHS: ClassVar[tuple[str, ...] | None] = None
 
     # --- what a family provides -------------------------------------------------
     def check(self) -> None:

@@ -182,7 +182,7 @@ class BatchAttention:
         ws = [torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device) for _ in range(3)]
         self._device = ws[0].device  # ("cuda" made an index: what q and the outputs are compared with)
         self._pod = BatchPODWithPagedKVCacheWrapper(ws[0], kv_layout)
-        self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout)
+        self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout, backend="fa2")
         self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
         self._planned = None
 

@@ -340,7 +340,9 @@ class PODWithPagedKVCacheWrapper(_Pod):
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
                  jit_args=None):
-        super().__init__(float_workspace_buffer, kv_layout, BatchPrefillWithRaggedKVCacheWrapper,
+        # (POD launches the mma.sync kernel's blocks: its prefill side plans for them, backend "fa2")
+        super().__init__(float_workspace_buffer, kv_layout,
+                         lambda ws: BatchPrefillWithRaggedKVCacheWrapper(ws, backend="fa2"),
                          (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer),
                          use_cuda_graph)
         self._prefill_key = None
@@ -467,7 +469,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         def prefill(ws):
             return BatchPrefillWithPagedKVCacheWrapper(
                 ws, kv_layout, use_cuda_graph, qo_indptr_buf_p,
-                paged_kv_indptr_buf_p, paged_kv_indices_buf_p, paged_kv_last_page_len_buf_p)
+                paged_kv_indptr_buf_p, paged_kv_indices_buf_p, paged_kv_last_page_len_buf_p, backend="fa2")
 
         super().__init__(float_workspace_buffer, kv_layout, prefill,
                          (paged_kv_indptr_buf_d, paged_kv_indices_buf_d, paged_kv_last_page_len_buf_d), use_cuda_graph)

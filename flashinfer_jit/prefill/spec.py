@@ -128,6 +128,42 @@ def tile_rows_of(head_dim_qk: int) -> tuple[int, ...]:
     return (64,) if head_dim_qk >= 512 else TILE_ROWS
 
 
+# What the Hopper path (PrefillSm90Spec) takes in this version; everything else runs the
+# mma.sync kernel (backend "fa2"; docs/hopper.md lists the cases and why)
+SM90_HEAD_DIMS = (64, 128)
+SM90_MASKS = ("none", "causal")
+
+
+@dataclass(frozen=True)
+class PrefillSm90Spec(Spec):
+    """Batch prefill on Hopper (csrc/hopper/prefill_sm90.cuh, docs/hopper.md): wgmma from shared
+    memory, TMA loads of q and ragged K/V, a producer warpgroup and two ping-ponging consumer
+    warpgroups, a persistent grid over plan()'s list of (query tile, head) items, heaviest
+    first. sm_90a only (ARCHS): its wgmma and setmaxnreg exist on no other arch.
+
+    Compiled in: the dtype (q, K/V and the output share it), head_dim (qk = vo), the mask.
+    Run-time: the lengths (plan()'s work list, read on the device, so a CUDA graph replays
+    any later plan), head counts and so the GQA group, sm_scale * q_scale * k_scale,
+    v_scale, whether the LSE is written, the strides of q, K/V and out."""
+
+    FAMILY = "prefill_sm90"
+    TEMPLATES = {"kernel.cu": "prefill/prefill_sm90.cu.j2", "binding.cc": "prefill/prefill_sm90_binding.cc.j2"}
+    ARCHS = ("9.0a",)
+
+    dtype_q: str = choice("float16", "bfloat16")
+    head_dim: int = choice(*SM90_HEAD_DIMS, tag="hd{}")
+    mask: str = choice(*SM90_MASKS, default="none", name_default=False)
+
+    def op_schemas(self) -> dict[str, str]:
+        # work: plan()'s list (csrc/hopper/prefill_sm90_params.h); lse: [q_tokens, heads]
+        # or an empty tensor (not written); grid: the persistent grid (one block an SM).
+        return {
+            "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor(a!) out, Tensor(b!) lse, "
+                             "float scale_log2, float v_scale, int grid) -> ()"),
+            "block_shape": "() -> int[]",
+        }
+
+
 @dataclass(frozen=True)
 class PrefillPlanSpec(Spec):
     """Batch prefill's plan() on the host, in C++ (csrc/prefill/prefill_plan.h): one module for every

@@ -83,6 +83,7 @@ from ..runtime.page_table import (
 from ..runtime.plan_buffer import PlanBuffer
 from ..runtime.scales import logit_scale, soft_cap_log2
 from ..runtime.split_kv import SplitBuffers
+from . import sm90
 from .spec import HEAD_DIM_PAIRS, PrefillPlanSpec, PrefillSpec, tile_rows_of
 
 _PAIR_INTS = 15  # csrc/prefill/prefill_params.h kPrefillPairInts: a (tile, chunk) pair; its items differ in the KV head
@@ -355,15 +356,11 @@ def _carve(buf: torch.Tensor, key: tuple) -> tuple:
     return buf[table_at - cap - 1: table_at], table, merge, buf[work_at: end], mask
 
 
-def _fa3_error() -> ValueError:
-    return ValueError("backend='fa3': the Hopper path (wgmma, TMA) is not available yet in flashinfer_jit; "
-                      "use backend='auto' or 'fa2' (the tensor-core mma.sync path, sm_80 and later)")
+_PREFILL_BACKENDS = BACKENDS + ("fa3",)  # "fa3": the Hopper path (flashinfer_jit/prefill/sm90.py)
 
 
 def _check_backend(backend: str) -> None:
-    if backend == "fa3":
-        raise _fa3_error()
-    expect_choice(backend, "backend", BACKENDS)
+    expect_choice(backend, "backend", _PREFILL_BACKENDS)
 
 
 def _host_vector(t, name: str) -> np.ndarray:
@@ -497,6 +494,8 @@ class _PrefillWrapper:
         expect_workspace(float_workspace_buffer)
         expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
         _check_backend(backend)
+        self._backend = backend
+        self._sm90 = None  # the Hopper path's planner (sm90.Sm90Planner), made at its first plan
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
         self._kv_layout = kv_layout
@@ -536,6 +535,38 @@ class _PrefillWrapper:
     @property
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
+
+    @property
+    def planned_backend(self) -> str | None:
+        """What run() launches for the current plan: "fa3" (the Hopper path) or "fa2" (the
+        mma.sync kernel); None before the first plan()."""
+        plan = self._plan
+        return None if plan is None else "fa3" if type(plan) is sm90.Sm90Plan else "fa2"
+
+    def _plan_sm90(self, config: _Config, qo_indptr, kv_indptr, non_blocking: bool) -> bool:
+        """plan() on the Hopper path when the backend asks for it (sm90.choose); False: the
+        mma.sync kernel's plan follows."""
+        if self._backend == "fa2" or self._backend == "auto" and (
+                sm90.unsupported(config, self._ragged) is not None or sm90.arch_error(self._device) is not None):
+            return False
+        sm90.choose(self._backend, config, self._ragged, self._device, np.zeros(0))  # (fa3: its errors first)
+        qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
+        qo, kv = qo.numpy(), kv.numpy()
+        if not sm90.choose(self._backend, config, self._ragged, self._device, np.diff(qo)):
+            return False
+        if self._sm90 is None:
+            self._sm90 = sm90.Sm90Planner(self._device, self._use_cuda_graph)
+        previous = self._plan
+        plan = self._sm90.plan(config, qo, kv, non_blocking)
+        if previous is not None and getattr(previous, "spec", None) is plan.spec:
+            plan.op, plan.traced_key = previous.op, previous.traced_key
+        if plan.traced_key is None:
+            plan.traced_key = traced_key(plan.spec)
+        self._kv_rows = int(kv[-1])
+        self._plan = plan
+        self._traced = None
+        static_inputs(plan.work)
+        return True
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
@@ -818,6 +849,8 @@ class _PrefillWrapper:
 
     # --- run ----------------------------------------------------------------------------------
     def _run(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left, sinks):
+        if type(self._plan) is sm90.Sm90Plan:
+            return self._run_sm90(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks)
         if compiling():
             return self._run_traced(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl,
                                     window_left, sinks)
@@ -916,6 +949,43 @@ class _PrefillWrapper:
             if record_quick:  # (prepared stays alive in plan.fast[False])
                 run, address = entry.runner
                 plan.quick = (run, address, prepared.data_ptr(), fastcall.tensor_signature(q, k, v, out))
+        return (out, lse) if return_lse else out
+
+    def _run_sm90(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, window_left, sinks):
+        """run() of a plan on the Hopper path: the checks run() makes for the mma.sync kernel,
+        then its op (one launch: no split, no merge)."""
+        plan = self._plan
+        c = plan.config
+        if sinks is not None:
+            raise ValueError("sinks: not supported on the Hopper path yet (plan with backend='fa2' to pass sinks)")
+        if window_left is not None and window_left >= 0:
+            raise ValueError("window_left: not supported on the Hopper path yet (plan with backend='fa2')")
+        traced = compiling()
+        if not traced and passed_run_checks(q, k, v, plan.checked) is None:
+            self._check_run(q, k, v, plan)
+        tokens = q.shape[0]
+        if traced:
+            if q.dim() != 3 or q.shape[1] != c.num_qo_heads or q.shape[2] != c.head_dim_qk or q.dtype != c.q_dtype:
+                raise ValueError(f"q: expected {dtype_str(c.q_dtype)} [qo_tokens, {c.num_qo_heads}, "
+                                 f"{c.head_dim_qk}] as planned, got {dtype_str(q.dtype)} {tuple(q.shape)}")
+            self._check_kv(k, v, c)
+        if out is None:
+            out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
+        elif not traced:
+            _check_out(out, (tokens, c.num_qo_heads, c.head_dim_vo), c.o_dtype, q.device, "out")
+        if return_lse and lse is None:
+            lse = torch.empty((tokens, c.num_qo_heads), dtype=torch.float32, device=q.device)
+        elif lse is not None and not traced:
+            _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True, align=4)
+        logit_scale = c.logit_scale if q_scale is None and k_scale is None else _logit_scales(c, q_scale, k_scale)[0]
+        vs = 1.0 if v_scale is None else float(v_scale)
+        if traced:
+            op = traced_op(traced_namespace(*plan.traced_key), "prefill_sm90")
+        else:
+            op = plan.op
+            if op is None:
+                op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
+        op(q, k, v, plan.work, out, lse if lse is not None else empty_f32(q.device), logit_scale, vs, plan.grid)
         return (out, lse) if return_lse else out
 
     def _run_traced(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,
@@ -1121,8 +1191,8 @@ def _pack_segments(bits: torch.Tensor, sizes: np.ndarray, byte_starts: np.ndarra
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     """FlashInfer's paged prefill wrapper: plan() once per batch, run() per layer.
 
-    backend: "auto" and "fa2" run this library's tensor-core (mma.sync) kernels; "fa3" is a
-    ValueError (the Hopper path is not available yet)."""
+    backend: "auto" and "fa2" run this library's tensor-core (mma.sync) kernels; "fa3" (the
+    Hopper path) takes ragged K/V only so far, so plan() with it is a ValueError here."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
@@ -1190,6 +1260,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
+        self._plan_sm90(config, qo_indptr, None, non_blocking)  # (backend 'fa3' on paged K/V: its ValueError)
         if block_tables is not None:
             expect_one_page_table("paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len",
                                   paged_kv_indptr is not None or paged_kv_last_page_len is not None)
@@ -1258,7 +1329,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     """FlashInfer's ragged prefill wrapper: K/V as rows [kv_tokens, num_kv_heads, head_dim]
-    (any token and head strides), request b's at kv_indptr[b] .. kv_indptr[b + 1]."""
+    (any token and head strides), request b's at kv_indptr[b] .. kv_indptr[b + 1].
+
+    backend: "fa2" runs the tensor-core (mma.sync) kernel; "fa3" the Hopper path (sm_90:
+    wgmma, TMA, warp-specialized and persistent; flashinfer_jit/prefill/sm90.py lists what it
+    takes, and plan() raises ValueError naming anything else); "auto" takes the Hopper path
+    on an sm_90 GPU for a configuration it takes and requests averaging 64 or more query
+    tokens, else the mma.sync kernel. `planned_backend` tells which a plan runs."""
 
     _ragged = True
 
@@ -1285,6 +1362,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                 logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
+        if self._plan_sm90(config, qo_indptr, kv_indptr, non_blocking):
+            return
         self._plan_common(config, qo_indptr, _RAGGED, kv_indptr, None, "csr", None, 0, custom_mask,
                           packed_custom_mask, mask_indptr, non_blocking)
 
@@ -1357,9 +1436,10 @@ def _single_planned(key: tuple | None, shape: tuple, options: dict,
     qo_len, kv_len, hq, hk, dqk, dvo, q_dtype, kv_dtype = shape
     o = dict(options)
     custom_mask, packed_custom_mask, o_dtype = o.pop("custom_mask"), o.pop("packed_custom_mask"), o.pop("o_dtype")
+    backend = o.pop("backend")
 
     def planned():
-        w = BatchPrefillWithRaggedKVCacheWrapper(single_workspace(device, 64 << 20))
+        w = BatchPrefillWithRaggedKVCacheWrapper(single_workspace(device, 64 << 20), backend=backend)
         mask_indptr = None
         if packed_custom_mask is not None:
             mask_indptr = torch.tensor([0, packed_custom_mask.numel()], dtype=torch.int32)
@@ -1394,7 +1474,8 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     options = dict(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
                    pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                   sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, o_dtype=o_dtype)
+                   sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, o_dtype=o_dtype,
+                   backend=backend)
     shape = (q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, k.dtype)
     key = None
     if custom_mask is None and packed_custom_mask is None:  # (a mask's bits are values: planned every call)

@@ -1,0 +1,379 @@
+// Batch prefill on Hopper (sm_90a): wgmma from shared memory, TMA loads, warp
+// specialization, a persistent grid. Ragged K/V; docs/hopper.md.
+//
+// One block per SM, three warpgroups:
+//   - warpgroup 0, the producer (24 registers): one thread brings each item's Q tile and its
+//     128-key K and V tiles by TMA (128B swizzle) into two stages each, waiting on the
+//     stages' "empty" barriers, and the next item's Q as soon as both consumers have issued
+//     their last Q K^T of the current one;
+//   - warpgroups 1 and 2, the consumers (240 registers), 64 query rows each: S = Q K^T by
+//     wgmma from shared memory, the online softmax in registers, O += P V by wgmma with P
+//     from registers and V MN-major. Tile n's S is issued before tile n - 1's P V, and its
+//     softmax runs while that P V is on the tensor cores (intra-warpgroup overlap); the two
+//     consumers take turns to issue their wgmmas (ping-pong through named barriers 1 and 2),
+//     so one's softmax runs under the other's GEMMs.
+// Items (one 128-row query tile of one query head) come from plan()'s list, heaviest first;
+// block b takes, in round k, item k G + b (k even) or k G + G - 1 - b (k odd) of the G
+// blocks: snake order, which keeps the SMs' sums of a heaviest-first list close. The
+// stages' barrier phases run on across items (one counter of key tiles).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "common/common.cuh"  // allow_dynamic_smem
+#include "hopper/prefill_sm90_params.h"
+#include "hopper/sm90.cuh"
+
+namespace fij {
+
+// The kernel's parameters, from PrefillSm90Args: the TMA maps encoded on the host
+// (templates/prefill/prefill_sm90.cu.j2), passed as a __grid_constant__.
+struct PrefillSm90Params {
+  // q [q_tokens, num_qo_heads, D], k / v [kv_tokens, num_kv_heads, D] as TMA maps (dims
+  // innermost first: D, heads, tokens; 64-element boxes of 128 rows, 128B swizzle)
+  CUtensorMap q_map, k_map, v_map;
+  void* out = nullptr;  // [q_tokens, num_qo_heads, D], any token and head strides
+  int64_t out_stride_n = 0, out_stride_h = 0;
+  float* lse = nullptr;  // [q_tokens, num_qo_heads] contiguous, base 2; null: not written
+  const int32_t* work = nullptr;
+  int32_t num_qo_heads = 0;
+  int32_t group = 1;        // num_qo_heads / num_kv_heads
+  float scale_log2 = 1.f;   // sm_scale * q_scale * k_scale * log2(e)
+  float v_scale = 1.f;
+};
+
+namespace sm90_prefill {
+
+namespace h = fij::sm90;
+
+constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kThreads = 384;
+constexpr int kAtomBytes = 128 * 128;  // 128 rows of one 64-element (128-byte) swizzle atom
+
+template <typename DType>
+FIJ_SM90 uint32_t pack2(float a, float b) {
+  if constexpr (std::is_same_v<DType, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// A consumer thread's rows within its item: r0 and r0 + 8 of the tile (0..127); its key
+// columns of a key tile: 8 j + cq (+ 1).
+struct Rows {
+  int r0, cq, first;  // first: the warpgroup's first row (0 or 64)
+  int kv_len, diag;
+  float scale_log2;
+};
+
+template <typename DType, int kD, bool kCausal>
+struct Sm90Kernel {
+  static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile, and the Q tile
+  static constexpr int kAtoms = kD / 64;
+  static constexpr int kSmemBytes = kTileBytes * (1 + 2 * kStages) + 1024;
+  static constexpr int kOut = kD / 2;  // O accumulators a thread
+
+  // S = Q K^T of one 128-key tile, issued (not waited for).
+  static FIJ_SM90 void issue_qk(float (&s)[64], uint32_t q_base, uint32_t k_tile) {
+    h::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint64_t a = h::make_desc(q_base + (ks >> 2) * kAtomBytes + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B);
+      if (ks == 0)  // S = Q K^T: the first k-step does not read the accumulators
+        h::wgmma_ss_n128<0, 0>(s, a, h::kmajor_desc(k_tile, kBlockN, ks), DType{});
+      else
+        h::wgmma_ss_n128<0>(s, a, h::kmajor_desc(k_tile, kBlockN, ks), DType{});
+    }
+    h::wgmma_commit();
+  }
+
+  // O += P V of one tile, P the A fragments of its 8 k-steps, V MN-major; issued.
+  static FIJ_SM90 void issue_pv(float (&o)[kOut], uint32_t (&pa)[kBlockN / 16][4], uint32_t v_tile) {
+    h::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t b = h::make_desc(v_tile + kk * 16 * 128, kAtomBytes, 1024, h::Swizzle::k128B);
+      if constexpr (kD == 128)
+        h::wgmma_rs_n128<1>(o, pa[kk], b, DType{});
+      else
+        h::wgmma_rs_n64<1>(o, pa[kk], b, DType{});
+    }
+    h::wgmma_commit();
+  }
+
+  // The online softmax of key tile n (base 2): masks S (keys past kv_len; causal: key >
+  // diag + row), moves the rows' max m (of the unscaled logits), rescales l, and leaves
+  // P = 2^(S scale - m scale) in S's registers; corr: the factor O's rows take.
+  static FIJ_SM90 void softmax(float (&s)[64], int n, const Rows& r, float (&m)[2], float (&l)[2],
+                               float (&corr)[2]) {
+    const int key0 = n * kBlockN;
+    const bool edge = key0 + kBlockN > r.kv_len || (kCausal && key0 + kBlockN - 1 > r.diag + r.first);
+    if (edge) {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * j + r.cq + (e & 1), row = r.r0 + 8 * (e >> 1);
+          if (key >= r.kv_len || (kCausal && key > r.diag + row)) s[4 * j + e] = -INFINITY;
+        }
+    }
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+    float base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      // a row with no key yet: everything 0 (base 0 keeps -inf - base at -inf, not NaN)
+      base[i] = mx[i] == -INFINITY ? 0.f : mx[i] * r.scale_log2;
+      corr[i] = exp2f(m[i] * r.scale_log2 - base[i]);
+      m[i] = mx[i];
+      l[i] *= corr[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const float p0 = exp2f(fmaf(s[4 * j], r.scale_log2, -base[0]));
+      const float p1 = exp2f(fmaf(s[4 * j + 1], r.scale_log2, -base[0]));
+      const float p2 = exp2f(fmaf(s[4 * j + 2], r.scale_log2, -base[1]));
+      const float p3 = exp2f(fmaf(s[4 * j + 3], r.scale_log2, -base[1]));
+      l[0] += p0 + p1;
+      l[1] += p2 + p3;
+      s[4 * j] = p0;
+      s[4 * j + 1] = p1;
+      s[4 * j + 2] = p2;
+      s[4 * j + 3] = p3;
+    }
+  }
+
+  // P (in S's registers) to 16-bit A fragments of P V: k-step j / 2 takes {row r cols c, row
+  // r + 8 cols c, row r cols c + 8, row r + 8 cols c + 8}. Only once the P V before is
+  // complete: registers an in-flight wgmma reads must not be written (ptxas would serialize
+  // the pipeline, advisory C7513).
+  static FIJ_SM90 void pack_p(const float (&s)[64], uint32_t (&pa)[kBlockN / 16][4]) {
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      pa[j / 2][(j & 1) * 2] = pack2<DType>(s[4 * j], s[4 * j + 1]);
+      pa[j / 2][(j & 1) * 2 + 1] = pack2<DType>(s[4 * j + 2], s[4 * j + 3]);
+    }
+  }
+
+  static FIJ_SM90 void rescale(float (&o)[kOut], const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      o[4 * j] *= corr[0];
+      o[4 * j + 1] *= corr[0];
+      o[4 * j + 2] *= corr[1];
+      o[4 * j + 3] *= corr[1];
+    }
+  }
+
+  // O / l (times v_scale) and the LSE of this thread's two rows; l 0 (no key): 0 and -inf.
+  static FIJ_SM90 void store(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int r0, int cq,
+                             const float (&o)[kOut], const float (&m)[2], const float (&l)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r0 + 8 * r;
+      if (row >= tile.rows) continue;
+      const int64_t token = tile.q_row0 + row;
+      const float inv = l[r] > 0.f ? p.v_scale / l[r] : 0.f;
+      DType* out = static_cast<DType*>(p.out) + token * p.out_stride_n + head * p.out_stride_h;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j)
+        *reinterpret_cast<uint32_t*>(out + 8 * j + cq) = pack2<DType>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      if (p.lse != nullptr && cq == 0)
+        p.lse[token * p.num_qo_heads + head] = l[r] > 0.f ? m[r] * p.scale_log2 + log2f(l[r]) : -INFINITY;
+    }
+  }
+};
+
+FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
+  const int4* at = reinterpret_cast<const int4*>(work + kSm90WorkHeader + kSm90TileInts * t);
+  const int4 a = at[0], b = at[1];
+  return {a.x, a.y, a.z, a.w, b.x, b.y, 0, 0};
+}
+
+// The k-th item of this block (snake order over rounds of gridDim.x items); INT_MAX past
+// the list is never reached by a caller that compares with the item count first.
+FIJ_SM90 int item_index(int k) {
+  const int g = gridDim.x;
+  return k * g + ((k & 1) ? g - 1 - int(blockIdx.x) : int(blockIdx.x));
+}
+
+}  // namespace sm90_prefill
+
+template <typename DType, int kD, bool kCausal>
+__global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
+    prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
+  using namespace sm90_prefill;
+  using K = Sm90Kernel<DType, kD, kCausal>;
+  constexpr int kTileBytes = K::kTileBytes;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = h::align_1024(smem_raw);
+  unsigned char* sq = smem;
+  unsigned char* sk = smem + kTileBytes;                   // stage s at sk + s * kTileBytes
+  unsigned char* sv = smem + kTileBytes * (1 + kStages);  // the same for V
+  // q_empty: both consumer warpgroups have seen their last Q K^T of an item complete
+  __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+
+  const int num_items = p.work[0], active = p.work[1];
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    h::mbar_init(&q_full, 1);
+    h::mbar_init(&q_empty, 2);  // thread 0 of each consumer warpgroup
+    for (int s = 0; s < kStages; ++s) {
+      h::mbar_init(&k_full[s], 1);
+      h::mbar_init(&v_full[s], 1);
+      h::mbar_init(&k_empty[s], 8);  // lane 0 of each consumer warp
+      h::mbar_init(&v_empty[s], 8);
+    }
+    h::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer: one thread issues every copy
+    h::regs_dealloc<24>();
+    if (threadIdx.x == 0) {
+      h::tma_prefetch_descriptor(&p.q_map);
+      h::tma_prefetch_descriptor(&p.k_map);
+      h::tma_prefetch_descriptor(&p.v_map);
+      int it = 0;  // key tiles over every item so far (the stages' phases)
+      for (int k = 0;; ++k) {
+        const int idx = item_index(k);
+        if (idx >= active) break;
+        const Sm90Tile tile = load_tile(p.work, idx / p.num_qo_heads);
+        const int head = idx % p.num_qo_heads, kv_head = head / p.group;
+        if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);
+        h::mbar_expect_tx(&q_full, kTileBytes);
+        for (int a = 0; a < K::kAtoms; ++a)
+          h::tma_load_3d(sq + a * kAtomBytes, &p.q_map, &q_full, 64 * a, head, tile.q_row0);
+        for (int n = 0; n < tile.kv_tiles; ++n, ++it) {
+          const int s = it % kStages, u = it / kStages;
+          h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
+          h::mbar_expect_tx(&k_full[s], kTileBytes);
+          for (int a = 0; a < K::kAtoms; ++a)
+            h::tma_load_3d(sk + s * kTileBytes + a * kAtomBytes, &p.k_map, &k_full[s], 64 * a, kv_head,
+                           tile.kv_row0 + n * kBlockN);
+          h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
+          h::mbar_expect_tx(&v_full[s], kTileBytes);
+          for (int a = 0; a < K::kAtoms; ++a)
+            h::tma_load_3d(sv + s * kTileBytes + a * kAtomBytes, &p.v_map, &v_full[s], 64 * a, kv_head,
+                           tile.kv_row0 + n * kBlockN);
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers
+  h::regs_alloc<240>();
+  const int wi = wg - 1, t = threadIdx.x % 128, lane = t % 32;
+  const int r0 = 64 * wi + 16 * (t / 32) + lane / 4, cq = 2 * (lane % 4);  // rows r0, r0 + 8 of a tile
+  const uint32_t q_base = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
+  const uint32_t k0 = h::smem_addr(sk), v0 = h::smem_addr(sv);
+  // Each round's issue (the first S, one per further key tile, the last P V) waits for this
+  // warpgroup's turn and passes it on; warpgroup 0 starts, and warpgroup 1 passes no turn
+  // after its last round (no one waits for it). A block without items passes none.
+  const auto my_turn = [&] { h::named_sync(1 + wi, 256); };
+  const auto pass_turn = [&](bool last) {
+    if (!(last && wi == 1)) h::named_arrive(2 - wi, 256);
+  };
+  if (wi == 1 && item_index(0) < active) h::named_arrive(1, 256);
+
+  int it = 0;
+  for (int k = 0;; ++k) {
+    const int idx = item_index(k);
+    if (idx >= active) break;
+    const bool last_item = item_index(k + 1) >= active;
+    const Sm90Tile tile = load_tile(p.work, idx / p.num_qo_heads);
+    const int head = idx % p.num_qo_heads, n_tiles = tile.kv_tiles;
+    const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.scale_log2};
+    float o[K::kOut], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < K::kOut; ++i) o[i] = 0.f;
+    uint32_t pa[kBlockN / 16][4];
+    float s[64], corr[2];
+    h::mbar_wait(&q_full, k & 1);
+
+    const int s0 = it % kStages, u0 = it / kStages;
+    h::mbar_wait(&k_full[s0], u0 & 1);
+    my_turn();
+    K::issue_qk(s, q_base, k0 + s0 * kTileBytes);
+    pass_turn(false);
+    h::wgmma_wait<0>();
+    h::fence_regs(s);
+    if (lane == 0) h::mbar_arrive(&k_empty[s0]);
+    K::softmax(s, 0, rows, m, l, corr);  // O is 0: nothing to rescale
+    K::pack_p(s, pa);
+    for (int n = 1; n < n_tiles; ++n) {
+      const int st = (it + n) % kStages, u = (it + n) / kStages;
+      const int sp = (it + n - 1) % kStages, up = (it + n - 1) / kStages;
+      h::mbar_wait(&k_full[st], u & 1);
+      h::mbar_wait(&v_full[sp], up & 1);
+      my_turn();
+      K::issue_qk(s, q_base, k0 + st * kTileBytes);
+      K::issue_pv(o, pa, v0 + sp * kTileBytes);
+      pass_turn(false);
+      h::wgmma_wait<1>();  // S of tile n (committed first)
+      h::fence_regs(s);
+      if (lane == 0) h::mbar_arrive(&k_empty[st]);
+      K::softmax(s, n, rows, m, l, corr);
+      h::wgmma_wait<0>();  // P V of tile n - 1
+      h::fence_regs(o);
+      h::fence_regs(pa);
+      if (lane == 0) h::mbar_arrive(&v_empty[sp]);
+      K::rescale(o, corr);
+      K::pack_p(s, pa);
+    }
+    if (t == 0) h::mbar_arrive(&q_empty);  // every Q K^T of this item is complete
+    const int sl = (it + n_tiles - 1) % kStages, ul = (it + n_tiles - 1) / kStages;
+    h::mbar_wait(&v_full[sl], ul & 1);
+    my_turn();
+    K::issue_pv(o, pa, v0 + sl * kTileBytes);
+    pass_turn(last_item);
+    h::wgmma_wait<0>();
+    h::fence_regs(o);
+    h::fence_regs(pa);
+    if (lane == 0) h::mbar_arrive(&v_empty[sl]);
+    it += n_tiles;
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // the rows' sums over the quad
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    K::store(p, tile, head, r0, cq, o, m, l);
+  }
+
+  // Items whose tiles see no key (the end of the list): zeros and an LSE of -inf, strided
+  // over the blocks; no barrier.
+  {
+    float o[K::kOut], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < K::kOut; ++i) o[i] = 0.f;
+    for (int idx = active + blockIdx.x; idx < num_items; idx += gridDim.x) {
+      const Sm90Tile tile = load_tile(p.work, idx / p.num_qo_heads);
+      K::store(p, tile, idx % p.num_qo_heads, r0, cq, o, m, l);
+    }
+  }
+}
+
+// Launches the kernel on `grid` blocks (one an SM: every block walks the list).
+template <typename DType, int kD, bool kCausal>
+inline int launch_prefill_sm90(const PrefillSm90Params& p, int grid, cudaStream_t stream) {
+  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal>;
+  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal>>(K::kSmemBytes);
+  if (err != 0) return err;
+  if (grid <= 0) return 0;
+  prefill_sm90_kernel<DType, kD, kCausal><<<grid, sm90_prefill::kThreads, K::kSmemBytes, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace fij

@@ -1,0 +1,45 @@
+// The Hopper prefill kernel's work list and launch arguments (csrc/hopper/prefill_sm90.cuh):
+// no CUDA types here, so that the torch binding, compiled without CUDA's headers, shares them.
+#pragma once
+#include <cstdint>
+
+namespace fij {
+
+// plan() writes the work list (flashinfer_jit/prefill/sm90.py plan_sm90), int32 on the device:
+//   work[0]   items: tiles x num_qo_heads (an item is one query tile of one query head)
+//   work[1]   active items: the first ones, whose tiles see at least one key; the rest (at
+//             the end of the list) only write zeros and an LSE of -inf
+//   work[2-3] unused (the tiles start 16-byte aligned)
+//   work[4 + kSm90TileInts * t + f]  field f of tile t (Sm90Tile), heaviest tile first
+// Item i is tile i / num_qo_heads, query head i % num_qo_heads: one round of the persistent
+// grid holds a few tiles of every head, so a KV head's keys serve its group from L2.
+constexpr int kSm90TileInts = 8, kSm90WorkHeader = 4;
+struct Sm90Tile {
+  int32_t q_row0;    // the tile's first query row (token) in q
+  int32_t rows;      // its rows that belong to the request (<= 128)
+  int32_t kv_row0;   // the request's first K/V row
+  int32_t kv_len;
+  int32_t diag;      // causal: the last key the tile's first row sees (its position in the
+                     // request + kv_len - qo_len: bottom-right aligned); row r sees keys <= diag + r
+  int32_t kv_tiles;  // 128-key tiles the tile visits (0: none; a row with no key gives 0, LSE -inf)
+  int32_t pad0, pad1;
+};
+
+// What the host binding resolves from the op's tensors (no CUDA types: the binding is
+// compiled without the CUDA headers); the module's launch() encodes the TMA maps from it.
+struct PrefillSm90Args {
+  const void* q = nullptr;  // [q_tokens, num_qo_heads, D]; strides in elements
+  int64_t q_tokens = 0, q_stride_n = 0, q_stride_h = 0;
+  const void* k = nullptr;  // [kv_tokens, num_kv_heads, D]
+  const void* v = nullptr;
+  int64_t kv_tokens = 0, k_stride_n = 0, k_stride_h = 0, v_stride_n = 0, v_stride_h = 0;
+  int32_t num_qo_heads = 0, num_kv_heads = 0;
+  void* out = nullptr;
+  int64_t out_stride_n = 0, out_stride_h = 0;
+  float* lse = nullptr;
+  const int32_t* work = nullptr;
+  float scale_log2 = 1.f, v_scale = 1.f;
+  int32_t grid = 0;
+};
+
+}  // namespace fij

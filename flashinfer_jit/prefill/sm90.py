@@ -1,0 +1,168 @@
+"""The Hopper prefill path (backend "fa3"; csrc/hopper/prefill_sm90.cuh, docs/hopper.md):
+which configurations it takes, its planner (a work list of 128-row query tiles, heaviest
+first) and its plan object. The ragged wrapper and single_prefill_with_kv_cache plan it;
+flashinfer_jit/prefill/wrapper.py runs it."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import torch
+
+from ..pipeline.spec import dtype_name
+from ..runtime.device import sm_count
+from .spec import SM90_HEAD_DIMS, SM90_MASKS, PrefillSm90Spec
+
+TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM (query rows an item) and kBlockN (keys a tile)
+TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts, kSm90WorkHeader
+# backend "auto" takes the Hopper path for a batch whose requests average at least this many
+# query tokens; shorter ones (decode-like rows, speculative verification) keep the packed
+# (token, head) rows of the mma.sync kernel, whose tiles they fill (a 128-row tile of one
+# head holds one 4-token request's 4 rows)
+AUTO_MIN_MEAN_QO_LEN = 64
+_GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this many tiles
+_GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
+
+
+def unsupported(c, ragged: bool) -> str | None:
+    """Why the Hopper path cannot run this configuration (the feature, as plan()'s argument
+    names it), or None. c: the wrapper's _Config."""
+    if not ragged:
+        return "paged K/V (the Hopper path reads ragged K/V only so far; use BatchPrefillWithRaggedKVCacheWrapper)"
+    if c.head_dim_qk != c.head_dim_vo or c.head_dim_qk not in SM90_HEAD_DIMS:
+        return (f"head_dim_qk={c.head_dim_qk}, head_dim_vo={c.head_dim_vo} (the Hopper path takes head_dim "
+                f"{' or '.join(map(str, SM90_HEAD_DIMS))})")
+    if c.mask not in SM90_MASKS:
+        return f"a {c.mask} mask (custom_mask / packed_custom_mask)"
+    if c.pos_encoding != "none":
+        return f"pos_encoding_mode={c.pos_encoding.upper()!r}"
+    if c.soft_cap:
+        return "logits_soft_cap"
+    if c.window_left >= 0:
+        return "window_left >= 0"
+    if c.kv_dtype != c.q_dtype:
+        return f"kv_data_type {dtype_name(c.kv_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
+    if c.o_dtype != c.q_dtype:
+        return f"o_data_type {dtype_name(c.o_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
+    return None
+
+
+@cache
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def arch_error(device: torch.device) -> str | None:
+    """Why `device` cannot run the Hopper path (it needs sm_90: wgmma and setmaxnreg exist on
+    no other arch), or None."""
+    cap = _capability(device)
+    if cap == (9, 0):
+        return None
+    where = f"{device} is sm_{cap[0]}{cap[1]}" if cap is not None else f"the workspace is on {device}"
+    return f"backend='fa3': the Hopper path runs on sm_90 GPUs (H100, H200) only; {where}"
+
+
+def choose(backend: str, c, ragged: bool, device: torch.device, qo_lens: np.ndarray) -> bool:
+    """Whether plan() takes the Hopper path: backend 'fa3' (an unsupported configuration or
+    device is a ValueError), or 'auto' on an sm_90 device for a configuration it takes and
+    requests of AUTO_MIN_MEAN_QO_LEN or more query tokens on average."""
+    if backend == "fa2":
+        return False
+    why = unsupported(c, ragged)
+    if backend == "fa3":
+        if why is not None:
+            raise ValueError(f"backend='fa3': not supported on the Hopper path yet: {why}; use backend='auto' or "
+                             "'fa2' (the mma.sync kernel takes it)")
+        arch = arch_error(device)
+        if arch is not None:
+            raise ValueError(arch)
+        return True
+    return why is None and arch_error(device) is None and qo_lens.size > 0 and \
+        float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN
+
+
+def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool) -> tuple[np.ndarray, int]:
+    """The tiles of a batch (int32 [tiles, TILE_INTS]: Sm90Tile's fields), the ones with the
+    most key tiles first (ties in request and tile order), and how many see a key at all.
+    Causal masks are bottom-right aligned: row i of a request sees keys j <= i + kv_len - qo_len."""
+    qo = qo_indptr.astype(np.int64)
+    kv = kv_indptr.astype(np.int64)
+    qo_lens, kv_lens = np.diff(qo), np.diff(kv)
+    per_req = (qo_lens + TILE_ROWS - 1) // TILE_ROWS
+    n = int(per_req.sum())
+    req = np.repeat(np.arange(qo_lens.size), per_req)
+    starts = np.repeat(np.cumsum(per_req) - per_req, per_req)
+    q_start = (np.arange(n) - starts) * TILE_ROWS
+    tiles = np.zeros((n, TILE_INTS), dtype=np.int64)
+    kvl = kv_lens[req]
+    diag = q_start + kvl - qo_lens[req]
+    kv_end = np.clip(np.minimum(kvl, diag + TILE_ROWS), 0, None) if causal else kvl
+    kv_tiles = (kv_end + TILE_ROWS - 1) // TILE_ROWS
+    tiles[:, 0] = qo[req] + q_start
+    tiles[:, 1] = np.minimum(TILE_ROWS, qo_lens[req] - q_start)
+    tiles[:, 2] = kv[req]
+    tiles[:, 3] = kvl
+    tiles[:, 4] = diag
+    tiles[:, 5] = kv_tiles
+    order = np.argsort(-kv_tiles, kind="stable")
+    return tiles[order].astype(np.int32), int(np.count_nonzero(kv_tiles))
+
+
+class Sm90Plan:
+    """A plan on the Hopper path: the spec, the work list on the device, the grid; the
+    fields run()'s shared checks read and write (config, qo_tokens, checked, fast, quick)."""
+
+    __slots__ = ("config", "spec", "op", "work", "grid", "qo_tokens", "checked", "fast", "quick", "traced_key")
+
+
+class Sm90Planner:
+    """A wrapper's Hopper-path planning: its work-list buffer (fixed at the first plan for a
+    CUDA-graph wrapper, whose captured launch reads whatever plan() wrote there last)."""
+
+    def __init__(self, device: torch.device, use_cuda_graph: bool):
+        self._device = device
+        self._graph = use_cuda_graph
+        self._buffer = None  # CUDA graphs: the fixed work list
+        self._specs = {}
+
+    def plan(self, c, qo_indptr: np.ndarray, kv_indptr: np.ndarray, non_blocking: bool) -> Sm90Plan:
+        causal = c.mask == "causal"
+        tiles, active_tiles = plan_tiles(qo_indptr, kv_indptr, causal)
+        heads = c.num_qo_heads
+        items = tiles.shape[0] * heads
+        if items >= 2 ** 31:
+            raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles x {heads} heads exceed the Hopper path's "
+                             "int32 item count")
+        host = np.zeros(WORK_HEADER + tiles.size, dtype=np.int32)
+        host[0], host[1] = items, active_tiles * heads
+        host[WORK_HEADER:] = tiles.reshape(-1)
+        src = torch.from_numpy(host)
+        if self._graph:
+            if self._buffer is None:
+                capacity = max(_GRAPH_MIN_TILES, _GRAPH_TILES_FACTOR * tiles.shape[0])
+                self._buffer = torch.zeros(WORK_HEADER + capacity * TILE_INTS, dtype=torch.int32,
+                                           device=self._device)
+            if host.size > self._buffer.numel():
+                raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles of {TILE_ROWS} rows exceed the "
+                                 f"{(self._buffer.numel() - WORK_HEADER) // TILE_INTS} this CUDA-graph wrapper's "
+                                 "first plan sized its work list for")
+            self._buffer[:host.size].copy_(src, non_blocking=non_blocking)
+            work = self._buffer
+            grid = sm_count(self._device)
+        else:
+            work = src.to(self._device, non_blocking=non_blocking)
+            grid = max(1, min(sm_count(self._device), items))
+        p = Sm90Plan()
+        p.config = c
+        key = (c.q_dtype, c.head_dim_qk, c.mask)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask).validate()
+        p.spec, p.op, p.work, p.grid = spec, None, work, grid
+        p.qo_tokens = int(qo_indptr[-1])
+        p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
+        return p
+
+
+__all__ = ["AUTO_MIN_MEAN_QO_LEN", "Sm90Plan", "Sm90Planner", "arch_error", "choose", "plan_tiles", "unsupported"]
