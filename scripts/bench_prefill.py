@@ -14,13 +14,21 @@ Measures, in one process on one GPU (docs/prefill.md, "Speed"):
   - per row and provider: device time of one run() (plan() once, outside the timing), TFLOP/s
     (4 x sum over requests of qo_len x keys attended x num_qo_heads x head_dim; causal counts
     the unmasked keys only, bottom-right aligned), its fraction of the matmul rate, and for
-    the KV-bound rows the KV bytes read per second. Providers: ours (paged, ragged), FlashInfer
-    FA2 and FA3 (sm90 only; paged, ragged), torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION
-    backends on dense [B, H, L, D] copies of the same values (enable_gqa, else the KV heads
-    repeated; bottom-right causal where qo_len < kv_len). Each that cannot run says why;
-  - per row: ours' speed over FA2's (FA2 us / ours us; target >= 1.0, paged and ragged), and
-    a check, once, that every provider's output agrees with ours (max abs diff; ours'
-    output buffer NaN-poisoned first, so a row it does not write shows).
+    the KV-bound rows the KV bytes read per second. Providers: ours (paged, ragged; planned
+    with backend="fa2", today's mma.sync kernels, whatever backend="auto" would pick), our
+    Hopper path (ours_fa3_ragged: the ragged wrapper with backend="fa3", sm90 only; a row whose
+    configuration plan() declines with a ValueError, e.g. head_dim 256, is skipped with that
+    error's text), FlashInfer FA2 and FA3 (sm90 only; paged, ragged), torch SDPA's
+    FLASH_ATTENTION and CUDNN_ATTENTION backends on dense [B, H, L, D] copies of the same
+    values (enable_gqa, else the KV heads repeated; bottom-right causal where qo_len < kv_len).
+    Each that cannot run says why;
+  - per row: ours' speed over FA2's (FA2 us / ours us; target >= 1.0, paged and ragged), our
+    Hopper path's over the best of FlashInfer FA3 ragged, SDPA cuDNN and SDPA flash
+    (fa3_path_vs_best_peer: the fastest one's us / ours_fa3_ragged us) and over ours ragged
+    (fa3_path_vs_ours_ragged), and a check, once, that every provider's output agrees with
+    ours (max abs diff; ours' output buffer NaN-poisoned first, so a row it does not write
+    shows); the Hopper path's output is checked against ours ragged's (check_fa3_path, the
+    peers' tolerance; a disagreement is a missed target).
 
 Timing: CUDA events around each eager run(), an L2 flush (a memset of max(4 x L2, 64 MiB))
 before each, warm-up of at least 200 ms a provider (bench_common.warmup_ms), then the median
@@ -95,8 +103,10 @@ DEVICE = "cuda"
 
 WRAPPERS = ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper")
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
-IMPLS = ("ours_paged", "ours_ragged", "fa2_paged", "fa2_ragged", "fa3_paged", "fa3_ragged", *SDPA_BACKENDS)
+FA3_PATH = "ours_fa3_ragged"  # our Hopper (sm_90a) path: the ragged wrapper with backend="fa3"
+IMPLS = ("ours_paged", "ours_ragged", FA3_PATH, "fa2_paged", "fa2_ragged", "fa3_paged", "fa3_ragged", *SDPA_BACKENDS)
 CHECK_PEERS = ("fa2_paged", "fa2_ragged", "sdpa_flash", "sdpa_cudnn", "fa3_paged", "fa3_ragged")
+FA3_PATH_PEERS = ("fa3_ragged", "sdpa_cudnn", "sdpa_flash")  # fa3_path_vs_best_peer: the fastest of these
 
 
 # --- rows -----------------------------------------------------------------------------------------
@@ -127,9 +137,9 @@ class Row(NamedTuple):
         return 2 * self.batch * self.kv_len * NUM_KV_HEADS * self.head_dim * 2
 
     def budget_s(self, reps: int) -> float:
-        """A rough upper estimate of the row's wall time (8 providers, ~300 TFLOP/s, warm-up,
+        """A rough upper estimate of the row's wall time (9 providers, ~300 TFLOP/s, warm-up,
         plan, checks): a row that would end past --time-limit is not started."""
-        return 8 * (0.55 + (reps + 12) * self.flops() / 300e12)
+        return 9 * (0.55 + (reps + 12) * self.flops() / 300e12)
 
     def io_bytes(self) -> int:
         """q + K + V + out bytes (bf16): what a run touches at least once."""
@@ -173,14 +183,18 @@ def row_list(head_dims, only=()) -> list[Row]:
     return rows
 
 
-def ours_configs(rows, hd: int, prefill: bool) -> list[str]:
-    """Our configurations the rows of head dim `hd` use, as the warm-up names them."""
+def ours_configs(rows, hd: int, prefill: bool, fa3: bool = False) -> list[str]:
+    """Our configurations the rows of head dim `hd` use, as the warm-up names them
+    (<form>_<mask> for backend="fa2"; ragged_<mask>_fa3 for the Hopper path, with `fa3`)."""
     found = []
     for r in rows:
         if r.head_dim != hd:
             continue
         if prefill:
-            found += [f"{form}_{'causal' if r.causal else 'full'}" for form in r.forms]
+            mask = "causal" if r.causal else "full"
+            found += [f"{form}_{mask}" for form in r.forms]
+            if fa3 and "ragged" in r.forms:
+                found.append(f"ragged_{mask}_fa3")
         if r.kind == "spec":
             found += ["decode4", "decode1"]
     return sorted(set(found))
@@ -223,6 +237,7 @@ try:
     import flashinfer_jit as fij
     hd, what = int(sys.argv[1]), sys.argv[2]
     hq, hk, page, bf16 = 32, 8, 16, torch.bfloat16
+    unsupported = None  # fa3: the ValueError with which plan() declined the configuration
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
 
     def paged(batch, kv):
@@ -241,27 +256,36 @@ try:
             w.plan(indptr, indices, last, hq, hk, hd, page, q_data_type=bf16, kv_data_type=bf16, q_len_per_req=n)
             w.run(torch.randn(batch * n, hq, hd, device="cuda", dtype=bf16), (cache, cache))
     else:
-        form, mask = what.split("_")
-        causal = mask == "causal"
-        # short and long queries, one and many requests, a partial last page: what plan()
-        # may pick different kernels for
-        for batch, qo, kv in ((1, 40, 40), (4, 4, 1024), (2, 256, 2048), (1, 1024, 1024)):
+        form, mask, *rest = what.split("_")  # <form>_<mask>[_fa3]
+        causal, backend = mask == "causal", (rest or ["fa2"])[0]
+        # fa2: short and long queries, one and many requests, a partial last page: what plan()
+        # may pick different kernels for; fa3 (ragged only): the benchmark's kind, qo = kv
+        shapes = ((1, 40, 40), (4, 4, 1024), (2, 256, 2048), (1, 1024, 1024)) if backend == "fa2" else \
+            ((1, 1024, 1024), (4, 256, 256))
+        for batch, qo, kv in shapes:
             q = torch.randn(batch * qo, hq, hd, device="cuda", dtype=bf16)
             qo_indptr = torch.arange(0, batch * qo + 1, qo, dtype=torch.int32)
             if form == "paged":
                 cache, indptr, indices, last = paged(batch, kv)
-                w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+                w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
                 w.plan(qo_indptr, indptr, indices, last, hq, hk, hd, page, causal=causal, q_data_type=bf16,
                        kv_data_type=bf16)
                 w.run(q, (cache, cache))
             else:
                 k = torch.randn(batch * kv, hk, hd, device="cuda", dtype=bf16)
-                w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-                w.plan(qo_indptr, torch.arange(0, batch * kv + 1, kv, dtype=torch.int32), hq, hk, hd,
-                       causal=causal, q_data_type=bf16, kv_data_type=bf16)
+                try:
+                    w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+                    w.plan(qo_indptr, torch.arange(0, batch * kv + 1, kv, dtype=torch.int32), hq, hk, hd,
+                           causal=causal, q_data_type=bf16, kv_data_type=bf16)
+                except ValueError as exc:  # the Hopper path declines this configuration: nothing to
+                    if backend != "fa3":   # warm up (the row's plan() says why again, and is skipped)
+                        raise
+                    unsupported = f"{type(exc).__name__}: {exc}"[-600:]
+                    break
                 w.run(q, k, k)
     torch.cuda.synchronize()
-    print(json.dumps({"ok": True, "seconds": time.perf_counter() - t0}))
+    print(json.dumps({"ok": True, "seconds": time.perf_counter() - t0}
+                     | ({"unsupported": unsupported} if unsupported else {})))
 except BaseException as exc:  # report anything, never hang the benchmark
     print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[-1500:], "seconds": time.perf_counter() - t0}))
 """
@@ -634,6 +658,7 @@ class Context(NamedTuple):
     reps: int
     flush: Flush
     matmul_tflops: float
+    fa3_path_reason: str | None = None  # why our Hopper path (ours_fa3_ragged) is not tried, or None
 
 
 def measure_row(row: Row, ctx: Context, seed: int) -> dict:
@@ -649,7 +674,8 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     inputs = Inputs(row, seed, ragged="ragged" in row.forms, dense=ctx.sdpa)
     bf16 = torch.bfloat16
     mask = "causal" if row.causal else "full"
-    ref = {}  # "out": ours' output, the row's reference
+    ref = {}  # "out": ours' output, the row's reference ("impl": whose); "ours_ragged": ours ragged's output
+    planned = {}  # impl -> our wrapper's planned_backend after plan() (where the wrapper has one)
     # The row's providers are prepared (planned, checked) one by one, then timed together,
     # interleaved run by run (time_interleaved), so that the GPU's clock drift over the row
     # weighs on each alike.
@@ -663,34 +689,57 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
         if "flops" not in entry:
             entry["frac_matmul"] = entry["tflops"] / ctx.matmul_tflops
 
-    def wrapper_runner(module, form: str, backend: str | None):
+    def wrapper_runner(module, form: str, backend: str | None, impl: str | None = None):
+        """A planned wrapper's run(). For ours (`impl` given), the backend plan() settled on
+        (planned_backend, where the wrapper has it) is recorded, and must be the one asked for."""
         kw = {} if backend is None else {"backend": backend}
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
         if form == "paged":
             w = module.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
             w.plan(inputs.qo_indptr, inputs.page_indptr, inputs.indices, inputs.last_page_len, NUM_QO_HEADS,
                    NUM_KV_HEADS, hd, PAGE_SIZE, causal=row.causal, q_data_type=bf16, kv_data_type=bf16)
-            return lambda: w.run(inputs.q, (inputs.k_cache, inputs.v_cache), out=inputs.out)
-        w = module.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
-        w.plan(inputs.qo_indptr, inputs.kv_indptr, NUM_QO_HEADS, NUM_KV_HEADS, hd, causal=row.causal,
-               q_data_type=bf16, kv_data_type=bf16)
-        return lambda: w.run(inputs.q, inputs.k, inputs.v, out=inputs.out)
+            run = lambda: w.run(inputs.q, (inputs.k_cache, inputs.v_cache), out=inputs.out)
+        else:
+            w = module.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
+            w.plan(inputs.qo_indptr, inputs.kv_indptr, NUM_QO_HEADS, NUM_KV_HEADS, hd, causal=row.causal,
+                   q_data_type=bf16, kv_data_type=bf16)
+            run = lambda: w.run(inputs.q, inputs.k, inputs.v, out=inputs.out)
+        if impl is not None:
+            got = getattr(w, "planned_backend", None)
+            if got is not None:
+                planned[impl] = got
+                if backend is not None and got != backend:
+                    raise RuntimeError(f"plan() with backend={backend!r} planned {got!r}")
+        return run
 
-    def measure(impl: str, prepare, reference=None) -> dict:
+    def measure(impl: str, prepare, reference=None, unsupported=()) -> dict:
         """prepare() -> (run, output): plan outside the timing; one checked run (outputs
-        NaN-poisoned first); the entry's timing comes with the row's (time_interleaved)."""
+        NaN-poisoned first); the entry's timing comes with the row's (time_interleaved). An
+        exception of the types `unsupported` from prepare() (a plan() that declines the
+        configuration) makes the entry skipped, with the exception's text."""
         try:
             inputs.out.fill_(float("nan"))
-            run, output = prepare()
+            try:
+                run, output = prepare()
+            except unsupported as exc:
+                why = f"{type(exc).__name__}: {exc}"[:800]
+                bc.log(f"{row.label} {impl}: skipped: {why}")
+                return {"skipped": why}
             run()
             torch.cuda.synchronize()
             entry = {}
             if reference is not None:
                 entry["vs_ours"] = compare(output(), reference)
-            elif impl.startswith("ours") and "out" not in ref:
+            elif impl.startswith("ours") and impl != FA3_PATH and "out" not in ref:
                 got = output()
                 entry["wrote_every_row"] = not bool(torch.isnan(got).any())
                 ref["out"], ref["impl"] = got.clone(), impl
+            elif impl == FA3_PATH:  # no output of ours to check it against
+                entry["wrote_every_row"] = not bool(torch.isnan(output()).any())
+            if impl == "ours_ragged":  # the Hopper path's reference
+                ref["ours_ragged"] = ref["out"] if ref.get("impl") == impl else output().clone()
+            if impl in planned:
+                entry["planned_backend"] = planned[impl]
         except Exception as exc:  # noqa: BLE001  (one failing provider must not end the run)
             bc.log(f"{row.label} {impl}: {type(exc).__name__}: {exc}")
             try:
@@ -708,7 +757,8 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     def out_of_wrapper():
         return inputs.out
 
-    # ours, paged then ragged (the first to run is the row's reference)
+    # ours, paged then ragged (the first to run is the row's reference), backend="fa2": today's
+    # kernels, whichever backend="auto" would pick
     for form in ("paged", "ragged"):
         impl = f"ours_{form}"
         if form not in row.forms:
@@ -716,7 +766,24 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             continue
         why = ctx.ours_reason or (ctx.builds and ctx.builds.status(("ours", hd, f"{form}_{mask}")))
         res["impls"][impl] = {"skipped": f"ours: {why}"} if why else \
-            measure(impl, lambda f=form: (wrapper_runner(fij, f, None), out_of_wrapper), ours_reference())
+            measure(impl, lambda f=form, i=impl: (wrapper_runner(fij, f, "fa2", i), out_of_wrapper),
+                    ours_reference())
+    # our Hopper path: the ragged wrapper with backend="fa3", checked against ours ragged (else
+    # against the row's reference); a configuration its plan() declines (ValueError) is skipped
+    if "ragged" not in row.forms:
+        res["impls"][FA3_PATH] = {"skipped": f"{row.kind} rows are paged only"}
+    else:
+        why = ctx.ours_reason or ctx.fa3_path_reason or \
+            (ctx.builds and ctx.builds.status(("ours", hd, f"ragged_{mask}_fa3")))
+        if why:
+            res["impls"][FA3_PATH] = {"skipped": f"ours: {why}"}
+        else:
+            against = "ours_ragged" if "ours_ragged" in ref else ref.get("impl")
+            res["impls"][FA3_PATH] = measure(
+                FA3_PATH, lambda: (wrapper_runner(fij, "ragged", "fa3", FA3_PATH), out_of_wrapper),
+                ref.get("ours_ragged", ref.get("out")), unsupported=(ValueError,))
+            if "vs_ours" in res["impls"][FA3_PATH]:
+                res["impls"][FA3_PATH]["checked_against"] = against
     # FlashInfer FA2 and FA3
     for backend in ("fa2", "fa3"):
         for form in ("paged", "ragged"):
@@ -836,7 +903,8 @@ def paired_speedup(ours: dict, fa2: dict) -> dict | None:
 
 
 def derive(res: dict) -> None:
-    """Speed over FA2, the agreement check and the targets of one row."""
+    """Speed over FA2, our Hopper path's speed over the best peer, the agreement checks and
+    the targets of one row."""
     impls = res["impls"]
     us = {k: v.get("median_us") for k, v in impls.items()}
     res["speedup_vs_fa2"], res["time_ratio_ours_over_fa2"] = {}, {}
@@ -860,9 +928,27 @@ def derive(res: dict) -> None:
         res["check"]["ours_wrote_every_row"] = impls.get(res["check"]["ours"], {}).get("wrote_every_row")
     else:
         res["check"] = {"skipped": "no output of ours" if not ours_impl else "no peer ran (FA2, SDPA, FA3)"}
+    # our Hopper path: over the fastest of FA3 ragged, SDPA cuDNN and SDPA flash, and over ours ragged
+    fa3_path, fa3_us = impls.get(FA3_PATH, {}), us.get(FA3_PATH)
+    peers = {p: us[p] for p in FA3_PATH_PEERS if us.get(p)}
+    best = min(peers, key=peers.get) if peers else None
+    res["fa3_path_vs_best_peer"] = peers[best] / fa3_us if fa3_us and best else None
+    res["fa3_path_best_peer"] = best if fa3_us else None
+    paired = paired_ratio((fa3_path.get("timing") or {}).get("samples_us") or [],
+                          (impls.get(best, {}).get("timing") or {}).get("samples_us") or []) if fa3_us and best else None
+    if paired is not None:
+        res["paired_fa3_path_vs_best_peer"] = paired
+    if fa3_us and us.get("ours_ragged"):
+        res["fa3_path_vs_ours_ragged"] = us["ours_ragged"] / fa3_us
+    if "vs_ours" in fa3_path:
+        res["check_fa3_path"] = {"impl": FA3_PATH, "reference": fa3_path.get("checked_against"),
+                                 "tolerance": f"|ours_fa3_ragged - ref| <= {ATOL:g} + {RTOL:g} |ref|",
+                                 **fa3_path["vs_ours"]}
     targets = {}
     for form, s in res["speedup_vs_fa2"].items():
         targets[f"{form} >= {TARGET_SPEEDUP_VS_FA2:g}x FA2"] = s >= TARGET_SPEEDUP_VS_FA2
+    if "check_fa3_path" in res:
+        targets["sm90 rg agrees with ours"] = bool(res["check_fa3_path"]["agrees"])
     if res["kind"] == "spec":
         prefill, q4, q1 = us.get("ours_paged"), us.get("ours_decode_q4"), us.get("ours_decode_q1")
         res["prefill_over_decode"] = {}
@@ -876,8 +962,9 @@ def derive(res: dict) -> None:
 
 
 # --- report -----------------------------------------------------------------------------------------
-SHORT = {"ours_paged": "ours pg", "ours_ragged": "ours rg", "fa2_paged": "FA2 pg", "fa2_ragged": "FA2 rg",
-         "fa3_paged": "FA3 pg", "fa3_ragged": "FA3 rg", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN"}
+SHORT = {"ours_paged": "ours pg", "ours_ragged": "ours rg", FA3_PATH: "ours sm90 rg", "fa2_paged": "FA2 pg",
+         "fa2_ragged": "FA2 rg", "fa3_paged": "FA3 pg", "fa3_ragged": "FA3 rg", "sdpa_flash": "SDPA flash",
+         "sdpa_cudnn": "SDPA cuDNN"}
 
 
 def _cell(entry: dict | None, key: str):
@@ -886,6 +973,14 @@ def _cell(entry: dict | None, key: str):
     if key in entry:
         return entry[key]
     return "err" if "error" in entry else "skip" if "skipped" in entry else None
+
+
+def _agreement(chk: dict) -> str:
+    if "agrees" not in chk:
+        return "-"
+    if chk.get("max_abs_diff") is None:
+        return "NaN"
+    return f"{'ok' if chk['agrees'] else 'DIFFERS'} {chk['max_abs_diff']:.3f}"
 
 
 def report(res: dict) -> str:
@@ -924,24 +1019,25 @@ def report(res: dict) -> str:
     for r in res["rows"]:
         im = r["impls"]
         chk = r.get("check", {})
-        if "agrees" not in chk:
-            agree = "-"
-        elif chk.get("max_abs_diff") is None:
-            agree = "NaN"
-        else:
-            agree = f"{'ok' if chk['agrees'] else 'DIFFERS'} {chk['max_abs_diff']:.3f}"
+        agree = _agreement(chk)
         miss = [name for name, ok in r.get("targets", {}).items() if not ok]
+        best = r.get("fa3_path_best_peer")
         tf_rows.append([r["label"], *[_cell(im.get(k), "tflops") for k in IMPLS],
                         _cell(im.get("ours_paged"), "frac_matmul"),
                         r["speedup_vs_fa2"].get("paged"), r["speedup_vs_fa2"].get("ragged"),
                         *[r.get("paired_speedup_vs_fa2", {}).get(f, {}).get("median") for f in ("paged", "ragged")],
+                        r.get("fa3_path_vs_best_peer"), SHORT.get(best, best),
+                        r.get("paired_fa3_path_vs_best_peer", {}).get("median"),
                         f"{chk.get('reference', '')} {agree}".strip(),
+                        _agreement(r.get("check_fa3_path", {})),
                         ("MISS " + "; ".join(miss)) if miss else ("ok" if r.get("targets") else "-")])
         us_rows.append([r["label"], *[_cell(im.get(k), "median_us") for k in IMPLS]])
     lines += ["", "TFLOP/s (x FA2: FA2 us / ours us, >= 1 is ours faster; paired: the median over the rounds of "
-                  "that ratio in one round; frac: ours paged / matmul rate)",
+                  "that ratio in one round; frac: ours paged / matmul rate; sm90 x best: the best peer's us (of "
+                  "FA3 rg, SDPA cuDNN, SDPA flash; which: best peer) / ours sm90 rg us, paired likewise; "
+                  "sm90 check: ours sm90 rg against ours rg)",
               bc.table(tf_rows, ["row", *[SHORT[k] for k in IMPLS], "frac", "x FA2 pg", "x FA2 rg", "paired pg",
-                                 "paired rg", "check",
+                                 "paired rg", "sm90 x best", "best peer", "paired best", "check", "sm90 check",
                                  "targets"]),
               "", "us per run()", bc.table(us_rows, ["row", *[SHORT[k] for k in IMPLS]])]
     spec = [r for r in res["rows"] if r["kind"] == "spec"]
@@ -1058,6 +1154,8 @@ def main(argv=None) -> int:
     fi_info = flashinfer_status(not args.no_flashinfer)
     fa3_reason = "--no-fa3" if args.no_fa3 else None if cap[0] == 9 else \
         f"FA3 needs sm90 (this device is sm{cap[0]}{cap[1]})"
+    # our Hopper path (ours_fa3_ragged) is tried on sm90 only; there plan() says what it declines
+    fa3_path_reason = None if cap[0] == 9 else f"the sm90 path needs sm90 (this device is sm{cap[0]}{cap[1]})"
     import flashinfer_jit as fij
 
     try:
@@ -1067,16 +1165,18 @@ def main(argv=None) -> int:
         ours_reason = f"importing flashinfer_jit's prefill wrappers failed: {type(exc).__name__}: {exc}"[:600]
     order = head_dim_order(r.head_dim for r in rows)
     stages = [(hd, (["fa2"] + ([] if fa3_reason else ["fa3"])) if fi_info["available"] else [],
-               ours_configs(rows, hd, prefill=ours_reason is None)) for hd in order]
+               ours_configs(rows, hd, prefill=ours_reason is None, fa3=fa3_path_reason is None)) for hd in order]
     builds = Builds(stages, fi_env() if fi_info["available"] else None)
     try:
-        return run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, deadline, build_deadline)
+        return run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, deadline, build_deadline,
+                   fa3_path_reason)
     finally:  # whatever happened, no build of ours outlives the run
         if builds.running():
             builds.kill("ended: the run finished first")
 
 
-def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, deadline, build_deadline) -> int:
+def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, deadline, build_deadline,
+        fa3_path_reason=None) -> int:
     import torch
 
     res = {"benchmark": "bench_prefill", "meta": bc.run_metadata() | {"cudnn": torch.backends.cudnn.version()},
@@ -1098,12 +1198,24 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                "speedup_vs_fa2": "FA2 median us / ours (>= 1: ours as fast or faster); time_ratio_ours_over_fa2 "
                                  "its inverse; paired_speedup_vs_fa2: the median (p10, p90) over the rounds of FA2's "
                                  "time over ours in the same round",
+               "ours": "ours_paged / ours_ragged: our wrappers planned with backend='fa2' (today's mma.sync "
+                       "kernels, whatever 'auto' would pick); ours_fa3_ragged: the ragged wrapper with "
+                       "backend='fa3' (the Hopper path; sm90 only; skipped with plan()'s ValueError where it "
+                       "declines the configuration); planned_backend: the wrapper's, after plan()",
+               "fa3_path_vs_best_peer": "the fastest (median us) of " + ", ".join(FA3_PATH_PEERS)
+                                        + " (fa3_path_best_peer) over ours_fa3_ragged (>= 1: ours faster); "
+                                          "paired_fa3_path_vs_best_peer: the same paired round by round; "
+                                          "fa3_path_vs_ours_ragged: ours_ragged us / ours_fa3_ragged us",
+               "check_fa3_path": "ours_fa3_ragged's output against ours_ragged's (else the row's reference), "
+                                 f"agrees if |d| <= {ATOL:g} + {RTOL:g} |ref| everywhere; a disagreement "
+                                 "misses the row's targets",
                "check": f"every provider's output against ours: max abs diff, agrees if |d| <= {ATOL:g} + "
                         f"{RTOL:g} |ours| everywhere",
                "sdpa": "dense [B, H, L, D] copies of the same values; enable_gqa (or the KV heads repeated); "
                        "causal with qo_len < kv_len bottom-right (flash: its op's is_causal; cuDNN: a boolean mask)"
                if args.sdpa else "--no-sdpa"},
-           "flashinfer": fi_info, "ours": {"prefill": ours_reason or "available"}}
+           "flashinfer": fi_info, "ours": {"prefill": ours_reason or "available",
+                                           "fa3_path": ours_reason or fa3_path_reason or "tried (sm90)"}}
     bc.log(f"bench_prefill: {len(rows)} rows, head dims {order}; FlashInfer "
            f"{'available' if fi_info['available'] else fi_info['reason']}; ours {ours_reason or 'available'}")
 
@@ -1132,7 +1244,7 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
         except Exception as exc:  # noqa: BLE001  (a peer failing must not end the benchmark)
             fi_info.update(available=False, reason=f"import failed: {type(exc).__name__}: {exc}"[:800])
     ctx = Context(fi, None if fi is not None else fi_info.get("reason", "unavailable"), fa3_reason, ours_reason,
-                  args.sdpa, builds, args.reps, flush, res["matmul"]["tflops"])
+                  args.sdpa, builds, args.reps, flush, res["matmul"]["tflops"], fa3_path_reason)
     res["rows"], res["skipped"] = [], []
     for index, row in enumerate(rows):
         if time.perf_counter() < build_deadline:

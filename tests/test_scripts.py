@@ -2,7 +2,9 @@
 ceiling's CUDA source still compiles, bench_decode.py's dense peers gather the paged cache
 and attend as a float64 reference does, sweep_decode.py picks its cases, and
 bench_prefill.py merges a provider's two blocks of runs and ends its warm-ups before it
-times anything."""
+times anything, lists its rows without a GPU, and plans its columns with the backends they
+name (ours fa2; the sm90 column fa3, checked against ours ragged, skipped where plan()
+declines), on the CPU with stand-in wrappers."""
 
 from __future__ import annotations
 
@@ -179,3 +181,121 @@ def test_bench_prefill_starts_every_warm_up_before_timing(monkeypatch):
     builds.ours_done(time.perf_counter() + 60)
     assert all(job["result"] is not None and job["result"].get("ok") for job in builds.jobs.values())
     assert not builds.running()
+
+
+def test_bench_prefill_list_runs_without_a_gpu(capsys):
+    import bench_prefill as bp
+
+    assert bp.main(["--list", "--only", "hd128 causal 1x16k;hd64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("hd128 causal 1x16k") and len(lines) == 11  # one hd128 row, ten hd64 rows
+    assert bp.ours_configs(bp.row_list((128,), ("hd128 causal 1x16k", "spec")), 128, True, fa3=True) == \
+        ["decode1", "decode4", "paged_causal", "ragged_causal", "ragged_causal_fa3"]
+    assert "ragged_causal_fa3" not in bp.ours_configs(bp.row_list((128,)), 128, True)
+
+
+def _fake_fij(declines_hd=(256,), fa3_offset=0.0):
+    """A stand-in for flashinfer_jit's prefill wrappers on the CPU: out = q (+ fa3_offset for
+    backend="fa3"); backend="fa3" declines the head dims `declines_hd` at plan() (ValueError)."""
+    import types
+
+    class Ragged:
+        def __init__(self, ws, layout, backend="auto"):
+            self.backend = backend
+
+        def plan(self, qo_indptr, kv_indptr, hq, hk, hd, causal=False, **_):
+            if self.backend == "fa3" and hd in declines_hd:
+                raise ValueError(f"backend='fa3': head_dim {hd} is not supported (64, 128)")
+            self.planned_backend = "fa3" if self.backend == "fa3" else "fa2"
+
+        def run(self, q, k, v, out):
+            out.copy_(q + (fa3_offset if self.backend == "fa3" else 0.0))
+
+    class Paged(Ragged):
+        def plan(self, *args, **kw):
+            self.planned_backend = "fa2"
+
+        def run(self, q, kv, out):
+            out.copy_(q)
+
+    calls = []
+
+    def make(cls):
+        def new(*args, **kw):
+            calls.append((cls.__name__, kw.get("backend")))
+            return cls(*args, **kw)
+        return new
+
+    return types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=make(Ragged),
+                                 BatchPrefillWithPagedKVCacheWrapper=make(Paged)), calls
+
+
+def _measure_rows_on_cpu(monkeypatch, fake, labels, head_dims):
+    torch = pytest.importorskip("torch")
+    import bench_prefill as bp
+
+    monkeypatch.setattr(bp, "DEVICE", "cpu")
+    monkeypatch.setattr(bp, "WORKSPACE_BYTES", 16)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setitem(sys.modules, "flashinfer_jit", fake)
+    # each provider's runs: 100 us x its place in the row (ours paged fastest), 5 rounds
+    monkeypatch.setattr(bp, "time_interleaved", lambda fns, reps, flush: [
+        bp.bc.summarize([100.0 * (i + 1)] * 5) | {"_samples": [100.0 * (i + 1)] * 5} for i in range(len(fns))])
+    monkeypatch.setattr(bp, "PREFILL_SHAPES", ((2, 64),))  # small rows
+    monkeypatch.setattr(bp, "SPEC", (2, 4, 64))
+    ctx = bp.Context(None, "no FlashInfer here", "no FlashInfer here", None, False, None, 5, None, 1000.0, None)
+    rows = [bp.measure_row(r, ctx, seed=0) for r in bp.row_list(head_dims, labels)]
+    return bp, rows
+
+
+def test_bench_prefill_sm90_column_plans_fa3_checks_and_skips(monkeypatch):
+    """ours paged / ragged plan with backend="fa2"; ours_fa3_ragged with backend="fa3", is
+    checked against ours ragged, and where plan() declines (ValueError) its cell is skipped
+    with the error's text; paged-only rows skip it; report() shows it all."""
+    fake, calls = _fake_fij()
+    bp, rows = _measure_rows_on_cpu(monkeypatch, fake, ("causal 2x64", "spec"), (128, 256))
+    assert [r["label"] for r in rows] == ["hd128 causal 2x64", "hd128 spec 2x4 on 64",
+                                          "hd256 causal 2x64", "hd256 spec 2x4 on 64"]
+    assert {b for _, b in calls} == {"fa2", "fa3"}
+    assert ("Paged", "fa2") in calls and ("Ragged", "fa2") in calls and ("Paged", "fa3") not in calls
+    hd128, spec, hd256 = rows[0], rows[1], rows[2]
+    e = hd128["impls"][bp.FA3_PATH]
+    assert e["planned_backend"] == "fa3" and hd128["impls"]["ours_ragged"]["planned_backend"] == "fa2"
+    assert e["checked_against"] == "ours_ragged" and e["vs_ours"]["agrees"] and e["vs_ours"]["max_abs_diff"] == 0
+    assert hd128["check_fa3_path"]["agrees"] and hd128["targets"]["sm90 rg agrees with ours"]
+    # the fake timings: ours paged 100, ours ragged 200, ours sm90 300 us; no peer ran
+    assert e["median_us"] == 300.0 and abs(hd128["fa3_path_vs_ours_ragged"] - 2 / 3) < 1e-9
+    assert hd128["fa3_path_vs_best_peer"] is None and hd128["fa3_path_best_peer"] is None
+    assert hd256["impls"][bp.FA3_PATH] == {
+        "skipped": "ValueError: backend='fa3': head_dim 256 is not supported (64, 128)"}
+    assert "check_fa3_path" not in hd256 and hd256["fa3_path_vs_best_peer"] is None
+    assert hd256["impls"]["ours_ragged"]["median_us"] == 200.0  # the skip leaves the others' timing alone
+    assert spec["impls"][bp.FA3_PATH] == {"skipped": "spec rows are paged only"}
+    res = {"meta": {}, "flashinfer": {"available": False, "reason": "no FlashInfer here"}, "rows": rows}
+    text = bp.report(res)
+    assert "ours sm90 rg" in text and "sm90 x best" in text
+    assert "ours_fa3_ragged: ValueError: backend='fa3': head_dim 256 is not supported (64, 128)  [1 rows]" in text
+
+
+def test_bench_prefill_sm90_column_disagreeing_misses_the_target(monkeypatch):
+    fake, _ = _fake_fij(fa3_offset=1.0)
+    bp, rows = _measure_rows_on_cpu(monkeypatch, fake, ("causal 2x64",), (64,))
+    row = rows[0]
+    assert not row["check_fa3_path"]["agrees"] and row["targets"]["sm90 rg agrees with ours"] is False
+    assert "MISS" in bp.report({"meta": {}, "flashinfer": {}, "rows": rows})
+
+
+def test_bench_prefill_fa3_path_vs_best_peer():
+    """fa3_path_vs_best_peer: the fastest of FA3 ragged, SDPA cuDNN and SDPA flash (that ran)
+    over ours_fa3_ragged, also paired round by round."""
+    import bench_prefill as bp
+
+    t = lambda us: {"median_us": us, "timing": {"samples_us": [us, us * 1.1, us * 0.9]}}
+    res = {"forms": ["paged", "ragged"], "kind": "prefill", "impls": {
+        "ours_ragged": t(150.0), bp.FA3_PATH: t(100.0), "fa3_ragged": t(120.0), "sdpa_flash": t(110.0),
+        "sdpa_cudnn": {"error": "RuntimeError: no"}, "fa2_ragged": t(50.0)}}  # FA2: not one of the peers
+    bp.derive(res)
+    assert res["fa3_path_best_peer"] == "sdpa_flash" and abs(res["fa3_path_vs_best_peer"] - 1.1) < 1e-9
+    assert abs(res["paired_fa3_path_vs_best_peer"]["median"] - 1.1) < 1e-9
+    assert abs(res["fa3_path_vs_ours_ragged"] - 1.5) < 1e-9
