@@ -1,0 +1,738 @@
+"""Batch and single prefill on the Hopper path (backend="fa3": sm_90a, wgmma / TMA, warp-specialized,
+persistent), against the float64 reference (flashinfer_jit/reference/prefill.py prefill_ref) and
+against backend="fa2" (the mma.sync kernels) on the same inputs.
+
+What the Hopper path supports in its first version, and so what is checked here: ragged K/V
+(BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache), q and K/V float16 or
+bfloat16 (one dtype, the output q's), head_dim 64 or 128, causal or not (bottom-right aligned),
+any GQA group, the LSE, q_scale / k_scale / v_scale, sm_scale, requests with qo_len 0 or kv_len 0,
+q/k/v with any token and head strides, out= given, and use_cuda_graph=True. What it lacks is a
+ValueError at plan() naming the feature; a workspace not on an sm_90 GPU a ValueError naming sm_90.
+
+GPU tests (marked gpu, and skipped unless torch.cuda.get_device_capability() == (9, 0): the
+sm90 / hopper_workspace fixtures):
+- test_fa3_batch_against_reference: a pairwise grid (CASES, its coverage checked on the CPU by
+  test_fa3_cases_cover_every_pair_of_options) of dtype x head_dim x causal x GQA group
+  (1, 4, 6, 8) x batch (BATCHES: mixed lengths with qo_len 0 padding, kv_len 0, kv_len < qo_len,
+  chunks at the end of longer K/V, long prompts over many 128-row tiles) x LSE asked or not;
+- test_fa3_causal_rows_that_see_no_key, test_fa3_padding_requests: kv_len < qo_len with causal
+  (exact zeros, LSE -inf) and batches of padding requests, an all-kv_len-0 batch among them;
+- test_fa3_matches_fa2: the two backends on the same inputs agree to rounding (tol / 2) and
+  each matches the reference;
+- test_fa3_strided_qkv: q / K / V slices of a packed qkv buffer, K and V halves of one
+  [tokens, Hk, 2D] buffer with a strided q, and head-major [heads, tokens, D] transposed views;
+- test_fa3_single_prefill: single_prefill_with_kv_cache(backend="fa3"), NHD and HND;
+- test_fa3_long_causal_16k (thorough): 1 x 16384 causal, 32/8 heads, hd128 bf16, against fa2
+  in full and a random sample of rows against prefill_ref;
+- test_fa3_cuda_graph_replay_after_replan: run() captured once, replayed after plans with fewer
+  requests and tokens, padding and kv_len 0 (within the captured capacity); rows past
+  qo_indptr[-1] stay untouched;
+- test_auto_cuda_graph_replay_across_the_backend_choice: an "auto" CUDA-graph wrapper re-planned
+  with a batch that alone would pick the other backend: re-plan refused or replay correct;
+- test_auto_picks_the_backend / test_auto_keeps_fa2_where_fa3_lacks_the_feature: planned_backend
+  of backend="auto" on sm_90 (mean qo_len >= 64 and a supported configuration: "fa3");
+- test_fa3_scales: q_scale / k_scale / v_scale per run() and sm_scale per plan();
+- test_fa3_run_rejects_sinks_and_windows: run(sinks=) (and run(window_left >= 0)) on an fa3 plan.
+Every output is NaN-poisoned (out= / lse= filled with NaN inside SENTINEL rows that must stay
+untouched: test_prefill.run_poisoned) and every input fresh torch.randn data; comparisons are
+test_prefill's (|out - ref| <= tol * (1 + |ref|), tol by dtype; LSE base 2 as prefill_ref
+returns it, within LSE_TOL * max(1, |ref|); rows that see no key exactly 0 with LSE -inf).
+
+CPU tests (no marker; a CPU workspace, as test_prefill.py's plan() checks use): backend="fa3"
+with what the Hopper path lacks raises a ValueError naming it (the feature checks come before
+the device check); with a supported configuration, a ValueError naming sm_90; backend="auto"
+on a CPU workspace plans fa2. And the fa2 modules the default GPU run compares with are in
+scripts/matrices/tests (the fa3 modules are not listed here: add them to that matrix with the
+Hopper family's spec).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import NamedTuple
+
+import pytest
+import torch
+from kv_helpers import DEV, TESTS_MATRIX, dtype_of, randn, replay_poisoned
+from test_prefill import (
+    LLAMA,
+    PADDING_BATCHES,
+    check_agree,
+    check_lse,
+    check_out,
+    check_prefill,
+    indptr_of,
+    make_q,
+    make_rows,
+    plan_kv,
+    prefill_spec,
+    ragged_kv,
+    ragged_wrapper,
+    reference,
+    reference_by_rows,
+    run_poisoned,
+    tolerance,
+)
+
+import flashinfer_jit as fij
+from flashinfer_jit.pipeline.matrix import parse_matrix
+from flashinfer_jit.reference.prefill import prefill_ref, segment_packbits_ref
+
+F16, BF16 = "float16", "bfloat16"
+# fa3 against fa2: both round P to 16 bits and sum in float32, in other orders; half the
+# tolerance against the float64 reference is still a few output ulps
+AGREE_FACTOR = 0.5
+
+
+# --- the device ------------------------------------------------------------------------------------
+@pytest.fixture
+def sm90():
+    """Skips unless the GPU is an sm_90 (Hopper) one; the gpu marker already skips without a GPU.
+    (Checked in the test, not at collection: no CUDA context in the collecting process.)"""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("backend='fa3' (wgmma, TMA) needs an sm_90 device")
+
+
+@pytest.fixture
+def hopper_workspace(sm90, workspace):
+    """conftest's module workspace (128 MB on the GPU), on an sm_90 device only."""
+    return workspace
+
+
+# --- the pairwise grid ---------------------------------------------------------------------------
+class Case(NamedTuple):
+    dtype: str
+    head_dim: int
+    causal: bool
+    heads: tuple          # (num_qo_heads, num_kv_heads): groups 1, 4, 8 and 6 (not a power of two)
+    batch: str            # a key of BATCHES
+    lse: bool             # lse= given (and compared), or no LSE asked for
+
+
+OPTIONS = {
+    "dtype": (F16, BF16),
+    "head_dim": (64, 128),
+    "causal": (False, True),
+    "heads": ((8, 8), (32, 8), (32, 4), (24, 4)),
+    "batch": ("mixed", "chunks", "long"),
+    "lse": (True, False),
+}
+
+# (qo_len, kv_len) per request (shuffled per case). Query lengths off the 128-row tile (1, 5, 20,
+# 37, 127, 129, 130, 255, 300, 383, 577, 1025, 2049) beside multiples of it.
+BATCHES = {
+    # padding (qo_len 0, with and without keys), queries without keys (kv_len 0), kv_len < qo_len
+    # (causal: the first qo_len - kv_len rows see no key), a decode-like row on long K/V,
+    # self-attention, a chunk at the end of its keys
+    "mixed": [(37, 37), (0, 50), (300, 1200), (129, 129), (5, 0), (200, 150), (1, 700), (0, 0), (577, 641),
+              (128, 128), (20, 5)],
+    # chunked prefill: queries at the end of longer K/V (a prefix every row sees), one padding request
+    "chunks": [(255, 2048), (64, 1064), (383, 383), (1, 1), (130, 4000), (0, 9), (256, 333)],
+    # long prompts over many tiles and K/V stages
+    "long": [(1025, 1025), (2049, 2049), (127, 300), (768, 897)],
+}
+
+# A covering array of OPTIONS (every pair of option values in some case, and every
+# dtype x head_dim x causal triple: each fa3 module once at least), generated greedily (seed 0)
+# over the 12 heads x batch pairs; checked by test_fa3_cases_cover_every_pair_of_options.
+CASES = [
+    Case(BF16, 64, False, (32, 4), "long", False),
+    Case(BF16, 64, True, (32, 8), "mixed", True),
+    Case(BF16, 128, False, (32, 4), "mixed", True),
+    Case(BF16, 128, False, (32, 8), "chunks", False),
+    Case(BF16, 128, True, (8, 8), "chunks", True),
+    Case(BF16, 128, True, (24, 4), "long", False),
+    Case(F16, 64, False, (8, 8), "mixed", False),
+    Case(F16, 64, False, (24, 4), "chunks", True),
+    Case(F16, 64, True, (32, 8), "long", True),
+    Case(F16, 128, False, (24, 4), "mixed", False),
+    Case(F16, 128, True, (8, 8), "long", False),
+    Case(F16, 128, True, (32, 4), "chunks", True),
+]
+
+
+def case_id(i: int, c: Case) -> str:
+    short = {F16: "f16", BF16: "bf16"}[c.dtype]
+    return (f"{i:02d}-{short}-hd{c.head_dim}-{'causal' if c.causal else 'none'}-{c.heads[0]}x{c.heads[1]}-{c.batch}"
+            + ("-lse" if c.lse else ""))
+
+
+# --- inputs and runs -----------------------------------------------------------------------------
+def ragged_inputs(shapes, heads, head_dim: int, dtype: torch.dtype, gen, host: bool = True, q_scale: float = 1.0):
+    """(q, qo_indptr, k_rows, v_rows, kv) for ragged K/V: fresh random q [tokens, Hq, D] (times
+    q_scale: larger logits move the running max across K/V tiles) and K/V rows [kv_tokens, Hk, D];
+    the indptrs on the host or the device."""
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, heads[1], (head_dim, head_dim), dtype, gen)
+    kv = ragged_kv(k_rows, v_rows, kv_lens, host_indptr=host)
+    q = make_q(sum(qo_lens), heads[0], head_dim, dtype, gen, q_scale)
+    return q, indptr_of(qo_lens, "cpu" if host else DEV), k_rows, v_rows, kv
+
+
+def fa3_wrapper(workspace, **kwargs):
+    return ragged_wrapper(workspace, backend="fa3", **kwargs)
+
+
+def plan_and_run(workspace, backend: str, shapes, q, qo_indptr, kv, heads, head_dim: int, dtype: torch.dtype,
+                 causal: bool, return_lse: bool = True, run_kwargs: dict | None = None, **plan_kwargs):
+    """A ragged wrapper of `backend`, planned (checking planned_backend) and run into poisoned
+    outputs. -> (out, lse or None)."""
+    wrapper = ragged_wrapper(workspace, backend=backend)
+    plan_kv(wrapper, qo_indptr, kv, *heads, (head_dim, head_dim), causal=causal, q_data_type=dtype, **plan_kwargs)
+    assert wrapper.planned_backend == backend, f"backend={backend!r} planned {wrapper.planned_backend!r}"
+    return run_poisoned(wrapper, q, kv, head_dim, dtype, return_lse, **(run_kwargs or {}))
+
+
+# --- the grid and the edge lengths ---------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(i, c) for i, c in enumerate(CASES)])
+def test_fa3_batch_against_reference(index, hopper_workspace):
+    case = CASES[index]
+    rnd = random.Random(index)
+    gen = torch.Generator(device=DEV).manual_seed(900 + index)
+    dtype = dtype_of(case.dtype)
+    shapes = list(BATCHES[case.batch])
+    rnd.shuffle(shapes)
+    host = index % 2 == 0  # index tensors on the host or on the device
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, case.heads, case.head_dim, dtype, gen, host,
+                                                     q_scale=(1.0, 3.0)[index % 2])
+    wrapper = fa3_wrapper(hopper_workspace)
+    plan_kv(wrapper, qo_indptr, kv, *case.heads, (case.head_dim, case.head_dim), causal=case.causal,
+            q_data_type=case.dtype if host else dtype, o_data_type=None if index % 3 else dtype)
+    assert wrapper.planned_backend == "fa3"
+    out, lse = run_poisoned(wrapper, q, kv, case.head_dim, dtype, case.lse)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, case.causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fa3_causal_rows_that_see_no_key(head_dim, hopper_workspace):
+    """Causal with kv_len < qo_len, as prefill_ref and the fa2 kernels define it (bottom-right
+    aligned; test_prefill.py test_causal_rows_that_see_no_key): the first qo_len - kv_len rows
+    see no key and give exact zeros and LSE -inf, no NaN; whole 128-row tiles above the diagonal
+    (300 rows on 64 keys, 129 rows on one key) beside ordinary requests."""
+    gen = torch.Generator(device=DEV).manual_seed(31 + head_dim)
+    shapes = [(20, 5), (7, 7), (300, 64), (0, 3), (129, 1), (64, 2000), (5, 0), (200, 150), (384, 130)]
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, head_dim, torch.bfloat16, gen)
+    out, lse = plan_and_run(hopper_workspace, "fa3", shapes, q, qo_indptr, kv, LLAMA, head_dim, torch.bfloat16, True)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+    first = 0
+    for m, n in shapes:  # (check_prefill: exact zeros where the reference's LSE is -inf)
+        blind = max(0, m - n) if n > 0 else m
+        assert bool(torch.isneginf(lse[first:first + blind]).all()), (m, n)
+        assert bool(torch.isfinite(lse[first + blind:first + m]).all()), (m, n)
+        first += m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("batch", sorted(PADDING_BATCHES))
+def test_fa3_padding_requests(batch, causal, hopper_workspace):
+    """test_prefill.py's padding batches (requests with qo_len 0, kv_len 0 or both; "no_keys":
+    no request has a key, K and V have no rows): rows without keys are zeros with LSE -inf, no
+    NaN anywhere, nothing written outside out / lse."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    shapes = PADDING_BATCHES[batch]
+    q, qo_indptr, _, _, kv = ragged_inputs(shapes, LLAMA, 128, torch.bfloat16, gen)
+    out, lse = plan_and_run(hopper_workspace, "fa3", shapes, q, qo_indptr, kv, LLAMA, 128, torch.bfloat16, causal)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+    no_keys = torch.tensor([n == 0 for m, n in shapes for _ in range(m)], dtype=torch.bool, device=DEV)
+    assert bool((out[no_keys] == 0).all()) and bool(torch.isneginf(lse[no_keys]).all())
+
+
+# --- against fa2 ---------------------------------------------------------------------------------
+# (dtype, head_dim, causal) compared with fa2 in the default run: the fa2 modules that
+# scripts/matrices/tests already has (test_tests_matrix_has_the_fa2_modules_compared_with); the
+# other five build an fa2 module each (~40 s of nvcc): thorough.
+FA2_DEFAULT = [(BF16, 128, False), (BF16, 128, True), (BF16, 64, False)]
+
+
+def fa2_params():
+    for dtype, head_dim, causal in itertools.product((F16, BF16), (64, 128), (False, True)):
+        marks = () if (dtype, head_dim, causal) in FA2_DEFAULT else (pytest.mark.thorough,)
+        yield pytest.param(dtype, head_dim, causal, marks=marks,
+                           id=f"{dtype}-hd{head_dim}-{'causal' if causal else 'none'}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,causal", list(fa2_params()))
+def test_fa3_matches_fa2(dtype, head_dim, causal, hopper_workspace):
+    """backend="fa3" and backend="fa2" on the same inputs (the mixed batch, GQA-4): each matches
+    the reference, and they agree with each other to rounding (AGREE_FACTOR x the tolerance)."""
+    gen = torch.Generator(device=DEV).manual_seed(41 + head_dim + causal)
+    torch_dtype = dtype_of(dtype)
+    shapes = BATCHES["mixed"]
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, head_dim, torch_dtype, gen, q_scale=2.0)
+    results = [plan_and_run(hopper_workspace, backend, shapes, q, qo_indptr, kv, LLAMA, head_dim, torch_dtype, causal)
+               for backend in ("fa3", "fa2")]
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    tol = tolerance(torch_dtype)
+    for out, lse in results:
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    check_agree(*results[0], *results[1], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
+
+
+# --- strides -------------------------------------------------------------------------------------
+def _strided_inputs(layout: str, gen):
+    """(shapes, heads, head_dim, dtype, causal, q, k_rows, v_rows) with q / K / V as views that are
+    not contiguous (last dimension contiguous, every other stride a multiple of 16 bytes)."""
+    if layout == "qkv_packed":  # one [tokens, Hq + 2 Hk, D] projection output: self-attention
+        shapes, heads, d, dtype, causal = [(300, 300), (0, 0), (129, 129), (1, 1), (700, 700)], LLAMA, 128, \
+            torch.bfloat16, True
+        tokens = sum(m for m, _ in shapes)
+        buf = randn((tokens, heads[0] + 2 * heads[1], d), dtype, gen)
+        q, k, v = buf[:, :heads[0]], buf[:, heads[0]:heads[0] + heads[1]], buf[:, heads[0] + heads[1]:]
+    elif layout == "kv_halves":  # K and V halves of one [kv_tokens, Hk, 2D] buffer; q a slice of [T, Hq + 1, D]
+        shapes, heads, d, dtype, causal = BATCHES["mixed"], (32, 4), 64, torch.float16, False
+        k, v = make_rows([n for _, n in shapes], heads[1], (d, d), dtype, gen, form="halves")
+        q = make_q(sum(m for m, _ in shapes), heads[0], d, dtype, gen, strided=True)
+    else:  # "heads_major": [heads, tokens, D] transposed (token stride D, head stride tokens x D)
+        shapes, heads, d, dtype, causal = BATCHES["chunks"], (24, 4), 128, torch.bfloat16, True
+        qo_tokens, kv_tokens = sum(m for m, _ in shapes), sum(n for _, n in shapes)
+        q = randn((heads[0], qo_tokens, d), dtype, gen).transpose(0, 1)
+        k = randn((heads[1], kv_tokens, d), dtype, gen).transpose(0, 1)
+        v = randn((heads[1], kv_tokens, d), dtype, gen).transpose(0, 1)
+    return shapes, heads, d, dtype, causal, q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["qkv_packed", "kv_halves", "heads_major"])
+def test_fa3_strided_qkv(layout, hopper_workspace):
+    """q, K and V as strided views (the Hopper path's TMA descriptors take the strides; no
+    hidden copy is asked for), out= given (poisoned), against the reference."""
+    gen = torch.Generator(device=DEV).manual_seed(61)
+    shapes, heads, d, dtype, causal, q, k_rows, v_rows = _strided_inputs(layout, gen)
+    for name, t in (("q", q), ("k", k_rows), ("v", v_rows)):
+        assert not t.is_contiguous() and t.stride(-1) == 1, f"{layout}: {name} should be a strided view"
+    kv = ragged_kv(k_rows, v_rows, [n for _, n in shapes])
+    qo_indptr = indptr_of([m for m, _ in shapes], "cpu")
+    out, lse = plan_and_run(hopper_workspace, "fa3", shapes, q, qo_indptr, kv, heads, d, dtype, causal)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(dtype))
+
+
+# --- single prefill ------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_fa3_single_prefill(kv_layout, sm90):
+    """single_prefill_with_kv_cache(backend="fa3"), K/V NHD or HND (HND: a transposed view
+    reaches the kernel), causal or not, kv_len > qo_len, == and (causal) <; with return_lse and
+    without, against the reference."""
+    gen = torch.Generator(device=DEV).manual_seed(71)
+    for dtype, head_dim, heads, causal, m, n in ((torch.bfloat16, 128, LLAMA, True, 300, 1000),
+                                                 (torch.float16, 64, (16, 16), False, 257, 257),
+                                                 (torch.bfloat16, 128, (32, 4), True, 500, 200),
+                                                 (torch.float16, 128, (8, 1), False, 129, 4000)):
+        q = make_q(m, heads[0], head_dim, dtype, gen)
+        k, v = make_rows([n], heads[1], (head_dim, head_dim), dtype, gen)
+        k_in, v_in = (k, v) if kv_layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+        shapes = [(m, n)]
+        out, lse = fij.single_prefill_with_kv_cache(q, k_in, v_in, causal=causal, kv_layout=kv_layout,
+                                                    backend="fa3", return_lse=True)
+        assert out.shape == (m, heads[0], head_dim) and out.dtype == dtype and lse.shape == (m, heads[0])
+        ref_out, ref_lse = prefill_ref(q, indptr_of([m]), k, v, indptr_of([n]), causal=causal)
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(dtype))
+        plain = fij.single_prefill_with_kv_cache(q, k_in, v_in, causal=causal, kv_layout=kv_layout, backend="fa3")
+        assert isinstance(plain, torch.Tensor)
+        check_out(plain, ref_out, shapes, tolerance(dtype))
+
+
+# --- one long request ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.thorough
+def test_fa3_long_causal_16k(hopper_workspace):
+    """One causal request of 16384 tokens, 32/8 heads, head_dim 128, bf16 (the benchmark's
+    shape): fa3 against fa2 on every row (to rounding), and 160 rows (random, and the tile edges
+    and the ends) against the float64 reference, a row at a time (row i sees keys 0..i)."""
+    n, heads = 16384, LLAMA
+    rnd = random.Random(16)
+    gen = torch.Generator(device=DEV).manual_seed(16)
+    shapes = [(n, n)]
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, heads, 128, torch.bfloat16, gen)
+    fa3 = plan_and_run(hopper_workspace, "fa3", shapes, q, qo_indptr, kv, heads, 128, torch.bfloat16, True)
+    fa2 = plan_and_run(hopper_workspace, "fa2", shapes, q, qo_indptr, kv, heads, 128, torch.bfloat16, True)
+    tol = tolerance(BF16)
+    check_agree(*fa3, *fa2, shapes, tol * AGREE_FACTOR, "fa3", "fa2")
+    rows = sorted(set(rnd.sample(range(n), 144)) | {0, 1, 63, 64, 127, 128, 129, 4095, 8191, 8192, 16255, 16256,
+                                                   n - 2, n - 1})
+    refs = [prefill_ref(q[i:i + 1], indptr_of([1]), k_rows[:i + 1], v_rows[:i + 1], indptr_of([i + 1]), causal=True)
+            for i in rows]
+    ref_out, ref_lse = torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs])
+    sample = torch.tensor(rows, device=DEV)
+    picked = [(len(rows), n)]  # (the rows as one request, for the failure messages)
+    check_out(fa3[0][sample], ref_out, picked, tol, "fa3 sampled rows")
+    check_lse(fa3[1][sample], ref_lse, picked, "fa3 sampled rows' lse")
+
+
+# --- CUDA graphs ---------------------------------------------------------------------------------
+def _partition(total: int, parts: int, rnd: random.Random) -> list[int]:
+    cuts = sorted(rnd.sample(range(1, total), parts - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
+
+
+def _graph_wrapper(workspace, capacity: int, backend: str):
+    return ragged_wrapper(workspace, use_cuda_graph=True, backend=backend,
+                          qo_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
+                          kv_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV))
+
+
+class _Static(NamedTuple):
+    """A CUDA graph's fixed tensors: q [max_q, Hq, D], K/V [max_kv, Hk, D], out, lse (NaN)."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def make(cls, max_q: int, max_kv: int, heads, d: int, gen):
+        dt = torch.bfloat16
+        return cls(randn((max_q, heads[0], d), dt, gen), randn((max_kv, heads[1], d), dt, gen),
+                   randn((max_kv, heads[1], d), dt, gen),
+                   torch.full((max_q, heads[0], d), float("nan"), dtype=dt, device=DEV),
+                   torch.full((max_q, heads[0]), float("nan"), dtype=torch.float32, device=DEV))
+
+    def refill(self, gen) -> None:
+        """New inputs copied into the captured tensors (an engine's next step)."""
+        for t in (self.q, self.k, self.v):
+            t.copy_(randn(t.shape, t.dtype, gen))
+
+    def run(self, wrapper):
+        return wrapper.run(self.q, self.k, self.v, out=self.out, lse=self.lse, return_lse=True)
+
+
+def _plan_graph_round(wrapper, shapes, heads, causal: bool) -> None:
+    wrapper.plan(indptr_of([m for m, _ in shapes], "cpu"), indptr_of([n for _, n in shapes], "cpu"),
+                 num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim_qk=128, causal=causal,
+                 q_data_type=torch.bfloat16)
+
+
+def _check_graph_round(static: _Static, shapes, causal: bool) -> None:
+    """The live rows against the reference; the rows past qo_indptr[-1] still NaN."""
+    rows = sum(m for m, _ in shapes)
+    kv_rows = sum(n for _, n in shapes)
+    ref_out, ref_lse = reference_by_rows(static.q[:rows], shapes, static.k[:kv_rows], static.v[:kv_rows], causal)
+    check_prefill(static.out[:rows], static.lse[:rows], ref_out, ref_lse, shapes, tolerance(BF16))
+    assert bool(static.out[rows:].isnan().all()) and bool(static.lse[rows:].isnan().all()), \
+        "rows past qo_indptr[-1] were written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_fa3_cuda_graph_replay_after_replan(causal, hopper_workspace):
+    """use_cuda_graph=True, backend="fa3": run() captured once (8 requests, 1024 query tokens),
+    then plan() with other lengths (fewer requests and tokens; one long K/V; padding and
+    kv_len 0; one token), new inputs copied into the captured q / K / V, replay: the live rows
+    match the reference, the rows past them stay untouched; a plan() with more requests than
+    the buffers hold is an error."""
+    capacity, max_q, max_kv, heads = 8, 1024, 8192, LLAMA
+    rnd = random.Random(13)
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    wrapper = _graph_wrapper(hopper_workspace, capacity, "fa3")
+    static = _Static.make(max_q, max_kv, heads, 128, gen)
+    rounds = [
+        [(m, m + rnd.randint(0, 500)) for m in _partition(max_q, capacity, rnd)],
+        [(1, 6000), (300, 300), (0, 50), (250, 1200), (49, 66)],
+        [(0, 0), (200, 200), (17, 0)],
+        [(1, 1)],
+        [(127, 127)] * capacity,  # the full capacity again
+    ]
+    graph = None
+    for shapes in rounds:
+        assert len(shapes) <= capacity and sum(m for m, _ in shapes) <= max_q and sum(n for _, n in shapes) <= max_kv
+        _plan_graph_round(wrapper, shapes, heads, causal)
+        assert wrapper.planned_backend == "fa3"
+        static.refill(gen)
+        graph = replay_poisoned(graph, lambda: static.run(wrapper), static.out, static.lse)
+        _check_graph_round(static, shapes, causal)
+    with pytest.raises(ValueError, match="qo_indptr|batch|capacity|captured"):
+        _plan_graph_round(wrapper, [(1, 10)] * (capacity + 1), heads, causal)
+
+
+@pytest.mark.gpu
+def test_auto_cuda_graph_replay_across_the_backend_choice(hopper_workspace):
+    """backend="auto" with use_cuda_graph=True: the first plan (long prompts) picks fa3 and run()
+    is captured; a later plan of 4-token requests (alone: fa2) must not leave the graph replaying
+    one backend's kernel on the other's plan. The API leaves open how (the first plan fixing the
+    backend, as it fixes fa2's tile; or the re-plan refused): either passes, a wrong replay
+    does not."""
+    capacity, heads = 8, LLAMA
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    wrapper = _graph_wrapper(hopper_workspace, capacity, "auto")
+    static = _Static.make(2048, 4096, heads, 128, gen)
+    long_prompts = [(512, 512), (300, 700), (700, 900), (129, 129)]
+    _plan_graph_round(wrapper, long_prompts, heads, True)
+    assert wrapper.planned_backend == "fa3"
+    graph = replay_poisoned(None, lambda: static.run(wrapper), static.out, static.lse)
+    _check_graph_round(static, long_prompts, True)
+    short = [(4, 4 + 9 * i) for i in range(capacity)]
+    try:
+        _plan_graph_round(wrapper, short, heads, True)
+    except ValueError:
+        return  # the re-plan refused: allowed
+    static.refill(gen)
+    replay_poisoned(graph, None, static.out, static.lse)
+    _check_graph_round(static, short, True)
+
+
+# --- backend="auto" ------------------------------------------------------------------------------
+AUTO_BATCHES = {
+    "long_prompts": ([(512, 512), (300, 1300), (1025, 1025), (64, 64)], "fa3"),
+    "mean_64": ([(64, 64)] * 6, "fa3"),       # the threshold: mean qo_len >= 64
+    "mean_63": ([(63, 63)] * 6, "fa2"),
+    "four_tokens": ([(4, 4 + 37 * i) for i in range(16)], "fa2"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", sorted(AUTO_BATCHES))
+def test_auto_picks_the_backend(batch, hopper_workspace):
+    """backend="auto" (the default) on sm_90, bf16 head_dim 128 causal GQA-4: planned_backend is
+    "fa3" where the mean qo_len is at least 64 tokens, "fa2" below; run() matches the reference
+    either way."""
+    shapes, expected = AUTO_BATCHES[batch]
+    gen = torch.Generator(device=DEV).manual_seed(19)
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, 128, torch.bfloat16, gen)
+    wrapper = ragged_wrapper(hopper_workspace)  # (backend left at its default)
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), causal=True, q_data_type=torch.bfloat16)
+    assert wrapper.planned_backend == expected
+    out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+def _auto_lacking_params():
+    """(plan() arguments beyond the base, whether on the paged wrapper)."""
+    shapes = AUTO_BATCHES["long_prompts"][0]
+    flat = torch.ones(sum(m * n for m, n in shapes), dtype=torch.bool)
+    packed, byte_indptr = segment_packbits_ref(flat, indptr_of([m * n for m, n in shapes], "cpu"), "little")
+    return [
+        pytest.param(dict(logits_soft_cap=30.0), False, id="soft_cap"),
+        pytest.param(dict(custom_mask=flat), False, id="custom_mask"),
+        pytest.param(dict(packed_custom_mask=packed, mask_indptr=byte_indptr), False, id="packed_custom_mask"),
+        pytest.param(dict(window_left=256), False, id="window"),
+        pytest.param(dict(pos_encoding_mode="ROPE_LLAMA"), False, id="rope"),
+        pytest.param(dict(pos_encoding_mode="ALIBI"), False, id="alibi"),
+        pytest.param(dict(head_dim_qk=256, head_dim_vo=256), False, id="hd256"),
+        pytest.param(dict(head_dim_qk=192, head_dim_vo=128), False, id="hd192x128"),
+        pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
+        pytest.param(dict(), True, id="paged"),
+        pytest.param(dict(kv_data_type=torch.float8_e4m3fn), True, id="paged_fp8_kv"),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra, paged", _auto_lacking_params())
+def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspace):
+    """backend="auto" on sm_90 with long prompts that alone pick fa3 (checked first), plus a
+    feature the Hopper path lacks (or the paged wrapper): planned_backend "fa2", no error. Plans
+    only (no module is built)."""
+    shapes = AUTO_BATCHES["long_prompts"][0]
+    qo, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    base = dict(num_qo_heads=LLAMA[0], num_kv_heads=LLAMA[1], head_dim_qk=128, causal=True,
+                q_data_type=torch.bfloat16)
+    control = ragged_wrapper(hopper_workspace)
+    control.plan(indptr_of(qo, "cpu"), indptr_of(kv_lens, "cpu"), **base)
+    assert control.planned_backend == "fa3", "the control plan (long prompts, supported) should pick fa3"
+    kwargs = dict(base, **extra)
+    if "custom_mask" in extra or "packed_custom_mask" in extra:
+        kwargs.pop("causal")
+    if paged:
+        pages = [-(-n // 16) for n in kv_lens]
+        wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(hopper_workspace, "NHD")
+        wrapper.plan(indptr_of(qo, "cpu"), indptr_of(pages, "cpu"), torch.arange(sum(pages), dtype=torch.int32),
+                     torch.tensor([n - 16 * (p - 1) for n, p in zip(kv_lens, pages)], dtype=torch.int32),
+                     page_size=16, **kwargs)
+    else:
+        wrapper = ragged_wrapper(hopper_workspace)
+        wrapper.plan(indptr_of(qo, "cpu"), indptr_of(kv_lens, "cpu"), **kwargs)
+    assert wrapper.planned_backend == "fa2"
+
+
+# --- scales and run()'s options ------------------------------------------------------------------
+@pytest.mark.gpu
+def test_fa3_scales(hopper_workspace):
+    """One fa3 plan, run() per layer with its own q, K/V and scales (q_scale and k_scale fold
+    into the logits' scale, v_scale multiplies the output: test_prefill.py
+    test_plan_once_run_per_layer), then a plan with sm_scale: each against the reference."""
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    shapes = [(300, 900), (1, 17), (129, 129), (250, 600), (0, 5), (7, 0)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    tol = tolerance(BF16)
+    for sm_scale, layers in ((None, (dict(), dict(k_scale=0.7, v_scale=1.5), dict(q_scale=1.3),
+                                     dict(q_scale=0.5, k_scale=2.5, v_scale=0.25))),
+                             (0.05, (dict(), dict(q_scale=1.3, v_scale=3.0)))):
+        wrapper = fa3_wrapper(hopper_workspace)
+        wrapper.plan(qo_indptr, indptr_of(kv_lens, "cpu"), num_qo_heads=LLAMA[0], num_kv_heads=LLAMA[1],
+                     head_dim_qk=128, causal=True, sm_scale=sm_scale, q_data_type=torch.bfloat16)
+        assert wrapper.planned_backend == "fa3"
+        for scales in layers:
+            k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (128, 128), torch.bfloat16, gen)
+            kv = ragged_kv(k_rows, v_rows, kv_lens, host_indptr=True)
+            q = make_q(sum(qo_lens), LLAMA[0], 128, torch.bfloat16, gen, 2.0)
+            out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16, **scales)
+            ref_out, ref_lse = reference(q, qo_indptr, kv, causal=True, sm_scale=sm_scale, **scales)
+            check_prefill(out, lse, ref_out, ref_lse, shapes, tol, scales.get("v_scale"))
+
+
+@pytest.mark.gpu
+def test_fa3_run_rejects_sinks_and_windows(hopper_workspace):
+    """run(sinks=...) on an fa3 plan: a ValueError naming sinks, before any launch (out keeps
+    its NaN). Likewise run(window_left >= 0), the window plan() refuses for fa3 (inferred: the
+    API names only plan()'s window; a run()'s must not be ignored silently); run(window_left=-1)
+    (off) runs."""
+    gen = torch.Generator(device=DEV).manual_seed(15)
+    shapes = [(100, 300), (64, 64)]
+    q, qo_indptr, _, _, kv = ragged_inputs(shapes, LLAMA, 128, torch.bfloat16, gen)
+    wrapper = fa3_wrapper(hopper_workspace)
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), causal=True, q_data_type=torch.bfloat16)
+    out = torch.full((q.shape[0], LLAMA[0], 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="sinks"):
+        wrapper.run(q, *kv.run_args, out=out, sinks=torch.zeros(LLAMA[0], dtype=torch.float32, device=DEV))
+    with pytest.raises(ValueError, match="window"):
+        wrapper.run(q, *kv.run_args, out=out, window_left=32)
+    torch.cuda.synchronize()
+    assert bool(out.isnan().all()), "a rejected run() wrote its output"
+    out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16, window_left=-1)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=True)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+# --- on the CPU: the grid's coverage, the matrix, plan()'s errors ----------------------------------
+def test_fa3_cases_cover_every_pair_of_options():
+    names = list(OPTIONS)
+    seen = set()
+    for case in CASES:
+        assert all(getattr(case, n) in OPTIONS[n] for n in names), case
+        seen |= {(a, getattr(case, a), b, getattr(case, b)) for a, b in itertools.combinations(names, 2)}
+    missing = [(a, x, b, y) for a, b in itertools.combinations(names, 2) for x in OPTIONS[a] for y in OPTIONS[b]
+               if (a, x, b, y) not in seen]
+    assert not missing, f"{len(missing)} pairs no case has, e.g. {missing[:5]}"
+    triples = {(c.dtype, c.head_dim, c.causal) for c in CASES}
+    assert len(triples) == 8, "every dtype x head_dim x causal should appear"
+
+
+def test_tests_matrix_has_the_fa2_modules_compared_with():
+    """The fa2 modules the default GPU run of this file loads (test_fa3_matches_fa2's default
+    cases, the fa2 plans of test_auto_picks_the_backend) are prebuilt by scripts/matrices/tests."""
+    needed = {prefill_spec(dtype, dims=(hd, hd), source="ragged", mask="causal" if causal else "none")
+              for dtype, hd, causal in FA2_DEFAULT + [(BF16, 128, True)]}
+    missing = sorted(s.name for s in needed - set(parse_matrix(TESTS_MATRIX)))
+    assert not missing, f"scripts/matrices/tests lacks {missing}"
+
+
+CPU_HEADS = dict(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+CPU_QO, CPU_KV = (100, 200, 0, 7), (300, 200, 5, 0)
+
+
+def _cpu_workspace() -> torch.Tensor:
+    # (as test_prefill.py's plan() checks: the wrappers take a CPU workspace and plan on the host)
+    return torch.empty(1 << 20, dtype=torch.uint8)
+
+
+def _cpu_indptr(lens) -> torch.Tensor:
+    return torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32)
+
+
+def _cpu_ragged_plan(backend: str = "fa3", use_cuda_graph: bool = False, **kwargs):
+    """A ragged wrapper on a CPU workspace, planned (bf16, 32/8 heads, head_dim 128 by default)."""
+    graph = dict(qo_indptr_buf=torch.zeros(len(CPU_QO) + 1, dtype=torch.int32),
+                 kv_indptr_buf=torch.zeros(len(CPU_QO) + 1, dtype=torch.int32)) if use_cuda_graph else {}
+    wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD", use_cuda_graph=use_cuda_graph,
+                                                       backend=backend, **graph)
+    args = dict(CPU_HEADS, q_data_type=torch.bfloat16)
+    args.update(kwargs)
+    wrapper.plan(_cpu_indptr(CPU_QO), _cpu_indptr(CPU_KV), **args)
+    return wrapper
+
+
+def _cpu_masks() -> dict:
+    sizes = [m * n for m, n in zip(CPU_QO, CPU_KV)]
+    flat = torch.ones(sum(sizes), dtype=torch.bool)
+    packed, byte_indptr = segment_packbits_ref(flat, _cpu_indptr(sizes), "little")
+    return dict(bool=dict(custom_mask=flat), packed=dict(packed_custom_mask=packed, mask_indptr=byte_indptr))
+
+
+# (plan() arguments beyond CPU_HEADS, the error's match): what the Hopper path lacks
+FA3_LACKS = [
+    pytest.param(_cpu_masks()["bool"], r"(?i)custom", id="custom_mask"),
+    pytest.param(_cpu_masks()["packed"], r"(?i)custom", id="packed_custom_mask"),
+    pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA"), r"pos_encoding", id="rope"),
+    pytest.param(dict(pos_encoding_mode="ALIBI"), r"pos_encoding", id="alibi"),
+    pytest.param(dict(logits_soft_cap=30.0), r"(?i)logits_soft_cap|soft.?cap", id="soft_cap"),
+    pytest.param(dict(window_left=128), r"window", id="window"),
+    pytest.param(dict(causal=True, window_left=0), r"window", id="window_0"),
+    pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8_kv"),
+    pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"kv_data_type|q_data_type|dtype",
+                 id="kv_dtype_not_q"),  # (inferred from "same dtype for q and kv")
+    pytest.param(dict(head_dim_qk=256), r"head_dim", id="hd256"),
+    pytest.param(dict(head_dim_qk=192, head_dim_vo=128), r"head_dim", id="hd192x128"),
+    pytest.param(dict(head_dim_qk=512), r"head_dim", id="hd512"),
+    pytest.param(dict(o_data_type=torch.float16), r"o_data_type", id="o_dtype"),
+]
+
+
+@pytest.mark.parametrize("extra, match", FA3_LACKS)
+def test_fa3_plan_names_what_it_lacks(extra, match):
+    """backend="fa3" on a CPU workspace with a feature the Hopper path lacks: plan() raises a
+    ValueError naming the feature (the feature checks come before the device check)."""
+    with pytest.raises(ValueError, match=match):
+        _cpu_ragged_plan(**extra)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["same", "fp8"])
+def test_fa3_plan_rejects_paged_kv(kv_dtype):
+    """The paged wrapper with backend="fa3": plan() raises a ValueError naming paged K/V (fp8
+    K/V, paged only, may name either)."""
+    pages = [-(-n // 16) for n in CPU_KV]
+    wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
+    with pytest.raises(ValueError, match=r"(?i)paged" if kv_dtype is None else r"(?i)paged|fp8|float8|kv_data_type"):
+        wrapper.plan(_cpu_indptr(CPU_QO), _cpu_indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+                     torch.tensor([n - 16 * (p - 1) if p else 0 for n, p in zip(CPU_KV, pages)], dtype=torch.int32),
+                     page_size=16, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, **CPU_HEADS)
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(), id="bf16-hd128-none"),
+    pytest.param(dict(causal=True, q_data_type=torch.float16, head_dim_qk=64), id="f16-hd64-causal"),
+    pytest.param(dict(causal=True, num_qo_heads=24, num_kv_heads=4, sm_scale=0.07, o_data_type=torch.bfloat16,
+                      kv_data_type=torch.bfloat16), id="gqa6-sm_scale-explicit-dtypes"),
+    pytest.param(dict(causal=True, use_cuda_graph=True), id="cuda_graph"),
+])
+def test_fa3_plan_on_the_cpu_names_sm90(config):
+    """backend="fa3" with a configuration the Hopper path supports, on a CPU workspace: a
+    ValueError naming the arch it needs (sm_90), from the constructor or plan()."""
+    with pytest.raises(ValueError, match=r"sm_90"):
+        _cpu_ragged_plan(**config)
+
+
+def test_fa3_single_prefill_on_the_cpu():
+    """single_prefill_with_kv_cache(backend="fa3") with CPU tensors: a ValueError naming the
+    feature it lacks (logits_soft_cap) first, else one naming sm_90 (inferred from the
+    wrappers' rule: the single function has no workspace; its tensors' device is the check)."""
+    q = torch.randn(50, 8, 128, dtype=torch.bfloat16)
+    k = torch.randn(80, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(80, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"(?i)logits_soft_cap|soft.?cap"):
+        fij.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=30.0, backend="fa3")
+    with pytest.raises(ValueError, match=r"sm_90"):
+        fij.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa3")
+
+
+@pytest.mark.parametrize("backend", ["auto", "fa2"])
+def test_planned_backend_off_hopper_is_fa2(backend):
+    """backend="auto" on a CPU workspace (no sm_90 device) plans fa2, never raises for the
+    device; "fa2" plans fa2. planned_backend is read-only."""
+    wrapper = _cpu_ragged_plan(backend, causal=True)
+    assert wrapper.planned_backend == "fa2"
+    with pytest.raises(AttributeError):
+        wrapper.planned_backend = "fa3"
+    # the long prompts that pick fa3 on sm_90 (test_auto_picks_the_backend): still fa2 here
+    wrapper.plan(_cpu_indptr([512, 1025]), _cpu_indptr([512, 1025]), causal=True, q_data_type=torch.bfloat16,
+                 **CPU_HEADS)
+    assert wrapper.planned_backend == "fa2"
