@@ -1,5 +1,6 @@
 """Every family's module builds, links and imports without a GPU: one small module of each
-family that no other test of the default run builds (RoPE, flatten, merge, decode, prefill;
+family that no other test of the default run builds (RoPE, flatten, merge, decode, prefill,
+Hopper prefill: sm_90a, built without a GPU as an AOT image builds it;
 the others' are built by test_cache.py, test_cli.py, test_decode*.py and test_pod.py), in one
 `flashinfer-jit aot` run with two jobs, then each loaded and its ops looked up."""
 
@@ -20,6 +21,7 @@ flatten  dtype_kv=bfloat16  dtype_out=bfloat16  head_dim=64
 merge    dtype=bfloat16  head_dim=64
 decode   dtype_q=float16  dtype_kv=float16  head_dim=64  group_tile=1
 prefill  dtype_q=float16  dtype_kv=float16  dtype_o=float16  head_dim_qk=64  head_dim_vo=64  kv_source=ragged  mask=none
+prefill_sm90  dtype_q=float16  head_dim=64
 """
 # built by the default run's other tests
 ELSEWHERE = {"batch_indices", "append", "decode_plan", "prefill_plan", "page_order", "pod"}

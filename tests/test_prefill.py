@@ -1563,8 +1563,8 @@ def test_paged_plan_rejects_sort_pages_not_a_bool(value):
 
 @pytest.mark.parametrize("name", ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"])
 def test_fa3_backend_is_a_clear_error(name):
-    """backend="fa3" (FlashInfer's Hopper path) is not available yet: a ValueError naming it,
-    from the constructor or at the latest from plan(); an unknown backend names `backend`."""
+    """backend="fa3" (the Hopper path) on a CPU workspace: a ValueError naming it from plan()
+    (it runs on sm_90 GPUs; paged K/V are not on it yet); an unknown backend names `backend`."""
     source = "paged" if "Paged" in name else "ragged"
     with pytest.raises(ValueError, match=r"(?i)fa3|hopper"):
         getattr(fij, name)(_cpu_workspace(), "NHD", backend="fa3").plan(**_args(source), **CPU_HEADS)
