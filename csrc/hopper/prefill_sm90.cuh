@@ -12,10 +12,12 @@
 //     softmax runs while that P V is on the tensor cores (intra-warpgroup overlap); the two
 //     consumers take turns to issue their wgmmas (ping-pong through named barriers 1 and 2),
 //     so one's softmax runs under the other's GEMMs.
-// Items (one 128-row query tile of one query head) come from plan()'s list, heaviest first;
-// block b takes, in round k, item k G + b (k even) or k G + G - 1 - b (k odd) of the G
-// blocks: snake order, which keeps the SMs' sums of a heaviest-first list close. The
-// stages' barrier phases run on across items (one counter of key tiles).
+// Items (one 128-row query tile of one query head) come from plan()'s list, heaviest first:
+// block b takes item b, then each block's producer takes the next one left from an atomic
+// counter (a greedy longest-first schedule, which keeps the SMs' sums close where the items
+// differ, as a causal mask's do) and hands its index to the consumers in shared memory with
+// the Q tile's barrier. The stages' barrier phases run on across items (one counter of key
+// tiles).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -39,6 +41,9 @@ struct PrefillSm90Params {
   int64_t out_stride_n = 0, out_stride_h = 0;
   float* lse = nullptr;  // [q_tokens, num_qo_heads] contiguous, base 2; null: not written
   const int32_t* work = nullptr;
+  // [items taken past the first round, blocks done]: zeros between launches (the last
+  // block to find no item left resets them)
+  int32_t* counters = nullptr;
   int32_t num_qo_heads = 0;
   int32_t group = 1;        // num_qo_heads / num_kv_heads
   float scale_log2 = 1.f;   // sm_scale * q_scale * k_scale * log2(e)
@@ -200,13 +205,6 @@ FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
   return {a.x, a.y, a.z, a.w, b.x, b.y, 0, 0};
 }
 
-// The k-th item of this block (snake order over rounds of gridDim.x items); INT_MAX past
-// the list is never reached by a caller that compares with the item count first.
-FIJ_SM90 int item_index(int k) {
-  const int g = gridDim.x;
-  return k * g + ((k & 1) ? g - 1 - int(blockIdx.x) : int(blockIdx.x));
-}
-
 }  // namespace sm90_prefill
 
 template <typename DType, int kD, bool kCausal>
@@ -222,6 +220,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   unsigned char* sv = smem + kTileBytes * (1 + kStages);  // the same for V
   // q_empty: both consumer warpgroups have seen their last Q K^T of an item complete
   __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  __shared__ int item_slot[2];  // item k's index in slot k % 2 (-1: none left)
 
   const int num_items = p.work[0], active = p.work[1];
   const int wg = threadIdx.x / 128;
@@ -246,11 +245,16 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       h::tma_prefetch_descriptor(&p.v_map);
       int it = 0;  // key tiles over every item so far (the stages' phases)
       for (int k = 0;; ++k) {
-        const int idx = item_index(k);
-        if (idx >= active) break;
+        const int idx = k == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(&p.counters[0], 1);
+        if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);  // (the slot's last reader is past it too)
+        item_slot[k & 1] = idx < active ? idx : -1;
+        if (idx >= active) {
+          h::mbar_arrive(&q_full);  // the consumers read -1: done
+          if (atomicAdd(&p.counters[1], 1) == int(gridDim.x) - 1) p.counters[0] = p.counters[1] = 0;
+          break;
+        }
         const Sm90Tile tile = load_tile(p.work, idx / p.num_qo_heads);
         const int head = idx % p.num_qo_heads, kv_head = head / p.group;
-        if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);
         h::mbar_expect_tx(&q_full, kTileBytes);
         for (int a = 0; a < K::kAtoms; ++a)
           h::tma_load_3d(sq + a * kAtomBytes, &p.q_map, &q_full, 64 * a, head, tile.q_row0);
@@ -279,19 +283,17 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   const uint32_t q_base = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
   const uint32_t k0 = h::smem_addr(sk), v0 = h::smem_addr(sv);
   // Each round's issue (the first S, one per further key tile, the last P V) waits for this
-  // warpgroup's turn and passes it on; warpgroup 0 starts, and warpgroup 1 passes no turn
-  // after its last round (no one waits for it). A block without items passes none.
+  // warpgroup's turn and passes it on; warpgroup 0 starts, and takes warpgroup 1's last
+  // pass after its loop (neither knows which item is its last before it has run it).
   const auto my_turn = [&] { h::named_sync(1 + wi, 256); };
-  const auto pass_turn = [&](bool last) {
-    if (!(last && wi == 1)) h::named_arrive(2 - wi, 256);
-  };
-  if (wi == 1 && item_index(0) < active) h::named_arrive(1, 256);
+  const auto pass_turn = [&] { h::named_arrive(2 - wi, 256); };
+  if (wi == 1) h::named_arrive(1, 256);
 
   int it = 0;
   for (int k = 0;; ++k) {
-    const int idx = item_index(k);
-    if (idx >= active) break;
-    const bool last_item = item_index(k + 1) >= active;
+    h::mbar_wait(&q_full, k & 1);
+    const int idx = item_slot[k & 1];
+    if (idx < 0) break;
     const Sm90Tile tile = load_tile(p.work, idx / p.num_qo_heads);
     const int head = idx % p.num_qo_heads, n_tiles = tile.kv_tiles;
     const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.scale_log2};
@@ -300,13 +302,12 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     for (int i = 0; i < K::kOut; ++i) o[i] = 0.f;
     uint32_t pa[kBlockN / 16][4];
     float s[64], corr[2];
-    h::mbar_wait(&q_full, k & 1);
 
     const int s0 = it % kStages, u0 = it / kStages;
     h::mbar_wait(&k_full[s0], u0 & 1);
     my_turn();
     K::issue_qk(s, q_base, k0 + s0 * kTileBytes);
-    pass_turn(false);
+    pass_turn();
     h::wgmma_wait<0>();
     h::fence_regs(s);
     if (lane == 0) h::mbar_arrive(&k_empty[s0]);
@@ -320,7 +321,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       my_turn();
       K::issue_qk(s, q_base, k0 + st * kTileBytes);
       K::issue_pv(o, pa, v0 + sp * kTileBytes);
-      pass_turn(false);
+      pass_turn();
       h::wgmma_wait<1>();  // S of tile n (committed first)
       h::fence_regs(s);
       if (lane == 0) h::mbar_arrive(&k_empty[st]);
@@ -337,7 +338,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     h::mbar_wait(&v_full[sl], ul & 1);
     my_turn();
     K::issue_pv(o, pa, v0 + sl * kTileBytes);
-    pass_turn(last_item);
+    pass_turn();
     h::wgmma_wait<0>();
     h::fence_regs(o);
     h::fence_regs(pa);
@@ -351,6 +352,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     }
     K::store(p, tile, head, r0, cq, o, m, l);
   }
+  if (wi == 0) my_turn();  // warpgroup 1's last pass
 
   // Items whose tiles see no key (the end of the list): zeros and an LSE of -inf, strided
   // over the blocks; no barrier.

@@ -38,6 +38,7 @@ struct PrefillSm90Args {
   int64_t out_stride_n = 0, out_stride_h = 0;
   float* lse = nullptr;
   const int32_t* work = nullptr;
+  int32_t* counters = nullptr;  // the dynamic schedule's two counters, zeros between launches
   float scale_log2 = 1.f, v_scale = 1.f;
   int32_t grid = 0;
 };

@@ -113,7 +113,8 @@ class Sm90Plan:
     """A plan on the Hopper path: the spec, the work list on the device, the grid; the
     fields run()'s shared checks read and write (config, qo_tokens, checked, fast, quick)."""
 
-    __slots__ = ("config", "spec", "op", "work", "grid", "qo_tokens", "checked", "fast", "quick", "traced_key")
+    __slots__ = ("config", "spec", "op", "work", "counters", "grid", "qo_tokens", "checked", "fast", "quick",
+                 "traced_key")
 
 
 class Sm90Planner:
@@ -125,6 +126,9 @@ class Sm90Planner:
         self._graph = use_cuda_graph
         self._buffer = None  # CUDA graphs: the fixed work list
         self._specs = {}
+        # the kernel's dynamic schedule: two counters, zeros that every launch leaves at zero
+        # (csrc/hopper/prefill_sm90.cuh); one pair a wrapper, as its plan is
+        self._counters = torch.zeros(2, dtype=torch.int32, device=device)
 
     def plan(self, c, qo_indptr: np.ndarray, kv_indptr: np.ndarray, non_blocking: bool) -> Sm90Plan:
         causal = c.mask == "causal"
@@ -159,7 +163,7 @@ class Sm90Planner:
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask).validate()
-        p.spec, p.op, p.work, p.grid = spec, None, work, grid
+        p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
         p.qo_tokens = int(qo_indptr[-1])
         p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
         return p

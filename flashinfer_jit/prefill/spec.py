@@ -155,11 +155,12 @@ class PrefillSm90Spec(Spec):
     mask: str = choice(*SM90_MASKS, default="none", name_default=False)
 
     def op_schemas(self) -> dict[str, str]:
-        # work: plan()'s list (csrc/hopper/prefill_sm90_params.h); lse: [q_tokens, heads]
-        # or an empty tensor (not written); grid: the persistent grid (one block an SM).
+        # work: plan()'s list (csrc/hopper/prefill_sm90_params.h); counters: the dynamic
+        # schedule's two int32 zeros (each launch leaves them at zero); lse: [q_tokens,
+        # heads] or an empty tensor (not written); grid: the persistent grid (one block an SM).
         return {
-            "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor(a!) out, Tensor(b!) lse, "
-                             "float scale_log2, float v_scale, int grid) -> ()"),
+            "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor(c!) counters, Tensor(a!) out, "
+                             "Tensor(b!) lse, float scale_log2, float v_scale, int grid) -> ()"),
             "block_shape": "() -> int[]",
         }
 

@@ -565,7 +565,7 @@ class _PrefillWrapper:
         self._kv_rows = int(kv[-1])
         self._plan = plan
         self._traced = None
-        static_inputs(plan.work)
+        static_inputs(plan.work, plan.counters)
         return True
 
     # --- plan ---------------------------------------------------------------------------------
@@ -985,7 +985,8 @@ class _PrefillWrapper:
             op = plan.op
             if op is None:
                 op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
-        op(q, k, v, plan.work, out, lse if lse is not None else empty_f32(q.device), logit_scale, vs, plan.grid)
+        op(q, k, v, plan.work, plan.counters, out, lse if lse is not None else empty_f32(q.device), logit_scale, vs,
+           plan.grid)
         return (out, lse) if return_lse else out
 
     def _run_traced(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,

@@ -42,6 +42,7 @@ struct Params {
   int heads_q, group;    // group: query heads per KV head
   int batch, q_tiles;    // requests; 128-row query tiles a request
   int num_items;         // q_tiles * heads_q * batch
+  int* counters;         // dynamic scheduling: [next item past the first round, blocks done], zeros
   float scale_log2;      // sm_scale * log2(e)
 };
 
@@ -181,7 +182,11 @@ FIJ_SM90 int kv_tiles(const Work& w, const Params& p) {
   return (kv_end + kBlockN - 1) / kBlockN;
 }
 
-template <bool kCausal, int kLoop, bool kPersistent>
+// kSt: K/V stages; kDyn (persistent only): after the first round (item blockIdx.x), each
+// block's producer takes the next item from an atomic counter (the heaviest left: a greedy
+// longest-first schedule) and hands its index to the consumers in shared memory with the
+// Q tile's barrier; the last block to find none left resets the counters.
+template <bool kCausal, int kLoop, bool kPersistent, int kSt = kStages, bool kDyn = false>
 __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CUtensorMap q_map,
                                                       const __grid_constant__ CUtensorMap k_map,
                                                       const __grid_constant__ CUtensorMap v_map, Params p) {
@@ -189,15 +194,16 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
   unsigned char* smem = h::align_1024(smem_raw);
   unsigned char* sq = smem;
   unsigned char* sk = smem + kTileBytes;                   // stage s at sk + s * kTileBytes
-  unsigned char* sv = smem + kTileBytes * (1 + kStages);  // the same for V
+  unsigned char* sv = smem + kTileBytes * (1 + kSt);  // the same for V
   // q_empty: both consumer warpgroups are done reading the Q tile (their last Q K^T complete)
-  __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  __shared__ uint64_t q_full, q_empty, k_full[kSt], v_full[kSt], k_empty[kSt], v_empty[kSt];
+  __shared__ int item_slot[2];  // kDyn: item k's index in slot k % 2 (-1: none left)
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     h::mbar_init(&q_full, 1);
     h::mbar_init(&q_empty, 2);  // thread 0 of each consumer warpgroup
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kSt; ++s) {
       h::mbar_init(&k_full[s], 1);
       h::mbar_init(&v_full[s], 1);
       h::mbar_init(&k_empty[s], 8);  // lane 0 of each consumer warp
@@ -214,16 +220,28 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
     if (threadIdx.x == 0) {
       int it = 0;
       for (int k = 0;; ++k) {
-        const int idx = item_index<kPersistent>(k);
-        if (idx >= p.num_items) break;
+        int idx;
+        if constexpr (kDyn) {
+          idx = k == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(&p.counters[0], 1);
+          if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);
+          item_slot[k & 1] = idx < p.num_items ? idx : -1;
+          if (idx >= p.num_items) {
+            h::mbar_arrive(&q_full);  // the consumers read -1: done
+            if (atomicAdd(&p.counters[1], 1) == int(gridDim.x) - 1) p.counters[0] = p.counters[1] = 0;
+            break;
+          }
+        } else {
+          idx = item_index<kPersistent>(k);
+          if (idx >= p.num_items) break;
+          if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);
+        }
         const Work w = work_of(idx, p);
         const int kv_head = w.head / p.group, tok0 = w.req * p.seq_len, n_tiles = kv_tiles<kCausal>(w, p);
-        if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);
         h::mbar_expect_tx(&q_full, kTileBytes);
         for (int a = 0; a < 2; ++a)
           h::tma_load_3d(sq + a * kTileBytes / 2, &q_map, &q_full, 64 * a, w.head, tok0 + w.q_start);
         for (int n = 0; n < n_tiles; ++n, ++it) {
-          const int s = it % kStages, u = it / kStages;
+          const int s = it % kSt, u = it / kSt;
           h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
           h::mbar_expect_tx(&k_full[s], kTileBytes);
           for (int a = 0; a < 2; ++a)
@@ -255,16 +273,25 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
   };
   const auto pass_turn = [&](bool last) {
     if constexpr (kPingPong)
-      if (!(last && wi == 1)) h::named_arrive(2 - wi, 256);
+      if (kDyn || !(last && wi == 1)) h::named_arrive(2 - wi, 256);
   };
   if constexpr (kPingPong)
     if (wi == 1) h::named_arrive(1, 256);
 
   int it = 0;
   for (int k = 0;; ++k) {
-    const int idx = item_index<kPersistent>(k);
-    if (idx >= p.num_items) break;
-    const bool last_item = item_index<kPersistent>(k + 1) >= p.num_items;
+    int idx;
+    bool last_item = false;
+    if constexpr (kDyn) {
+      // (kDyn: warpgroup 1 passes every turn, and warpgroup 0 takes the last one after the loop)
+      h::mbar_wait(&q_full, k & 1);
+      idx = item_slot[k & 1];
+      if (idx < 0) break;
+    } else {
+      idx = item_index<kPersistent>(k);
+      if (idx >= p.num_items) break;
+      last_item = item_index<kPersistent>(k + 1) >= p.num_items;
+    }
     const Work w = work_of(idx, p);
     const int tok0 = w.req * p.seq_len, n_tiles = kv_tiles<kCausal>(w, p);
     const int row0 = w.q_start + 64 * wi + 16 * (t / 32) + lane / 4;  // rows row0 and row0 + 8
@@ -272,13 +299,13 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
     float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.f;
-    h::mbar_wait(&q_full, k & 1);
+    if constexpr (!kDyn) h::mbar_wait(&q_full, k & 1);
 
     uint32_t pa[kBlockN / 16][4];
     float sacc[64], corr[2];
     if constexpr (kLoop == 0) {
       for (int n = 0; n < n_tiles; ++n) {
-        const int s = (it + n) % kStages, u = (it + n) / kStages;
+        const int s = (it + n) % kSt, u = (it + n) / kSt;
         h::mbar_wait(&k_full[s], u & 1);
         issue_qk(sacc, q_base, k0 + s * kTileBytes);
         h::wgmma_wait<0>();
@@ -298,7 +325,7 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
     } else {
       // Tile n's S = Q K^T is issued before tile n - 1's O += P V, and its softmax runs while
       // that P V is on the tensor cores; O is rescaled once the P V is done.
-      const int s0 = it % kStages, u0 = it / kStages;
+      const int s0 = it % kSt, u0 = it / kSt;
       h::mbar_wait(&k_full[s0], u0 & 1);
       my_turn();
       issue_qk(sacc, q_base, k0 + s0 * kTileBytes);
@@ -309,8 +336,8 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
       softmax_tile<kCausal>(sacc, 0, rows, m, l, corr);  // O is 0: nothing to rescale
       pack_p(sacc, pa);
       for (int n = 1; n < n_tiles; ++n) {
-        const int s = (it + n) % kStages, u = (it + n) / kStages;
-        const int sp = (it + n - 1) % kStages, up = (it + n - 1) / kStages;
+        const int s = (it + n) % kSt, u = (it + n) / kSt;
+        const int sp = (it + n - 1) % kSt, up = (it + n - 1) / kSt;
         h::mbar_wait(&k_full[s], u & 1);
         h::mbar_wait(&v_full[sp], up & 1);
         my_turn();
@@ -329,7 +356,7 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
         pack_p(sacc, pa);
       }
       if (t == 0) h::mbar_arrive(&q_empty);  // every Q K^T of this item is complete
-      const int sl = (it + n_tiles - 1) % kStages, ul = (it + n_tiles - 1) / kStages;
+      const int sl = (it + n_tiles - 1) % kSt, ul = (it + n_tiles - 1) / kSt;
       h::mbar_wait(&v_full[sl], ul & 1);
       my_turn();
       issue_pv(o, pa, v0 + sl * kTileBytes);
@@ -362,6 +389,8 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
             l[r] > 0.f ? m[r] * p.scale_log2 + log2f(l[r]) : -INFINITY;
     }
   }
+  if constexpr (kDyn && kPingPong)
+    if (wi == 0) h::named_sync(1, 256);  // warpgroup 1's last pass
 }
 
 struct Problem {
@@ -403,24 +432,36 @@ static int run(const Problem& pr, int variant, bool check, int reps, std::mt1993
               v_map = map_of(dv, pr.heads_kv, tokens);
   const float sm_scale = 1.f / std::sqrt(float(kD));
   const int q_tiles = (pr.seq_len + kBlockM - 1) / kBlockM, num_items = q_tiles * pr.heads_q * pr.batch;
-  Params p{dout, dlse, pr.seq_len, pr.heads_q, pr.heads_q / pr.heads_kv, pr.batch, q_tiles, num_items,
+  Params p{dout, dlse, pr.seq_len, pr.heads_q, pr.heads_q / pr.heads_kv, pr.batch, q_tiles, num_items, nullptr,
            sm_scale * 1.4426950408889634f};
   // variant 0: the plain loop; 1: overlap + ping-pong, one block an item; 2: that, persistent
+  // (snake order); 3: persistent, dynamic (atomic counter); 4: snake, 3 stages; 5: dynamic, 3 stages
   using Kernel = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, Params);
-  const Kernel kernels[3][2] = {{attn_kernel<false, 0, false>, attn_kernel<true, 0, false>},
+  const Kernel kernels[6][2] = {{attn_kernel<false, 0, false>, attn_kernel<true, 0, false>},
                                 {attn_kernel<false, 2, false>, attn_kernel<true, 2, false>},
-                                {attn_kernel<false, 2, true>, attn_kernel<true, 2, true>}};
+                                {attn_kernel<false, 2, true>, attn_kernel<true, 2, true>},
+                                {attn_kernel<false, 2, true, 2, true>, attn_kernel<true, 2, true, 2, true>},
+                                {attn_kernel<false, 2, true, 3>, attn_kernel<true, 2, true, 3>},
+                                {attn_kernel<false, 2, true, 3, true>, attn_kernel<true, 2, true, 3, true>}};
   const Kernel kernel = kernels[variant][pr.causal];
-  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const int smem_bytes = variant >= 4 ? kTileBytes * 7 + 1024 : kSmem;
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  int* counters = nullptr;
+  CHECK_CUDA(cudaMalloc(&counters, 8));
+  CHECK_CUDA(cudaMemset(counters, 0, 8));
+  p.counters = counters;
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   // the checks run the persistent kernel on 5 blocks, so that each walks several items
-  const int grid = variant == 2 ? std::min(num_items, check ? 5 : sms) : num_items;
-  kernel<<<grid, 384, kSmem>>>(q_map, k_map, v_map, p);
+  const int grid = variant >= 2 ? std::min(num_items, check ? 5 : sms) : num_items;
+  kernel<<<grid, 384, smem_bytes>>>(q_map, k_map, v_map, p);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
-  static const char* const kNames[3][2] = {{"full", "causal"}, {"pingpong_full", "pingpong_causal"},
-                                           {"persistent_full", "persistent_causal"}};
+  static const char* const kNames[6][2] = {{"full", "causal"}, {"pingpong_full", "pingpong_causal"},
+                                           {"persistent_full", "persistent_causal"},
+                                           {"dynamic_full", "dynamic_causal"},
+                                           {"stages3_full", "stages3_causal"},
+                                           {"dynamic3_full", "dynamic3_causal"}};
   const char* name = kNames[variant][pr.causal];
   int bad = 0;
   if (check) {
@@ -474,7 +515,7 @@ static int run(const Problem& pr, int variant, bool check, int reps, std::mt1993
     std::vector<float> times;
     for (int r = 0; r < reps + 3; ++r) {
       CHECK_CUDA(cudaEventRecord(e0));
-      kernel<<<grid, 384, kSmem>>>(q_map, k_map, v_map, p);
+      kernel<<<grid, 384, smem_bytes>>>(q_map, k_map, v_map, p);
       CHECK_CUDA(cudaEventRecord(e1));
       CHECK_CUDA(cudaEventSynchronize(e1));
       float ms;
@@ -494,6 +535,7 @@ static int run(const Problem& pr, int variant, bool check, int reps, std::mt1993
   cudaFree(dv);
   cudaFree(dout);
   cudaFree(dlse);
+  cudaFree(counters);
   return bad;
 }
 
@@ -501,7 +543,7 @@ int main() {
   std::mt19937 gen(11);
   int bad = 0;
   try {
-    for (const int variant : {0, 1, 2}) {
+    for (const int variant : {0, 1, 2, 3, 4, 5}) {
       bad |= run({2, 300, 4, 2, true}, variant, true, 0, gen);
       bad |= run({2, 300, 4, 2, false}, variant, true, 0, gen);
       bad |= run({1, 257, 8, 1, true}, variant, true, 0, gen);
@@ -511,7 +553,7 @@ int main() {
       std::printf("checks_failed 1\n");
       return 1;
     }
-    for (const int variant : {0, 1, 2}) {
+    for (const int variant : {0, 1, 2, 3, 4, 5}) {
       run({1, 16384, 32, 8, true}, variant, false, 10, gen);
       run({4, 4096, 32, 8, false}, variant, false, 10, gen);
       run({16, 1024, 32, 8, true}, variant, false, 10, gen);
