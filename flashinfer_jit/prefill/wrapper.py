@@ -496,6 +496,7 @@ class _PrefillWrapper:
         _check_backend(backend)
         self._backend = backend
         self._sm90 = None  # the Hopper path's planner (sm90.Sm90Planner), made at its first plan
+        self._graph_backend = None  # CUDA graphs: the kernel of the first plan ("fa3" or "fa2"), kept
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
         self._kv_layout = kv_layout
@@ -545,15 +546,25 @@ class _PrefillWrapper:
 
     def _plan_sm90(self, config: _Config, qo_indptr, kv_indptr, non_blocking: bool) -> bool:
         """plan() on the Hopper path when the backend asks for it (sm90.choose); False: the
-        mma.sync kernel's plan follows."""
-        if self._backend == "fa2" or self._backend == "auto" and (
+        mma.sync kernel's plan follows. A CUDA-graph wrapper keeps its first plan's kernel
+        (a captured run() replays that kernel): with backend "auto", later plans take the
+        same one."""
+        backend = self._backend
+        if self._use_cuda_graph and backend == "auto" and self._graph_backend is not None:
+            backend = self._graph_backend
+        if backend == "fa2" or backend == "auto" and (
                 sm90.unsupported(config, self._ragged) is not None or sm90.arch_error(self._device) is not None):
+            self._graph_backend = self._graph_backend or "fa2"
             return False
-        sm90.choose(self._backend, config, self._ragged, self._device, np.zeros(0))  # (fa3: its errors first)
+        sm90.choose(backend, config, self._ragged, self._device, np.zeros(0))  # (fa3: its errors first)
         qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
         qo, kv = qo.numpy(), kv.numpy()
-        if not sm90.choose(self._backend, config, self._ragged, self._device, np.diff(qo)):
+        if not sm90.choose(backend, config, self._ragged, self._device, np.diff(qo)):
+            self._graph_backend = self._graph_backend or "fa2"
             return False
+        if self._use_cuda_graph:
+            self._capacity = graph_capacity(self._capacity, batch)
+            self._graph_backend = "fa3"
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, self._use_cuda_graph)
         previous = self._plan
