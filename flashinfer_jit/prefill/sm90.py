@@ -16,11 +16,17 @@ from .spec import SM90_HEAD_DIMS, SM90_MASKS, PrefillSm90Spec
 
 TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM (query rows an item) and kBlockN (keys a tile)
 TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts, kSm90WorkHeader
-# backend "auto" takes the Hopper path for a batch whose requests average at least this many
-# query tokens; shorter ones (decode-like rows, speculative verification) keep the packed
-# (token, head) rows of the mma.sync kernel, whose tiles they fill (a 128-row tile of one
-# head holds one 4-token request's 4 rows)
+# backend "auto" takes the Hopper path for a batch whose requests average at least
+# AUTO_MIN_MEAN_QO_LEN query tokens and whose query tiles visit on average at least
+# AUTO_MIN_KEY_TILES[head_dim] key tiles of 128. Shorter queries (decode-like rows,
+# speculative verification) keep the mma.sync kernel's packed (token, head) rows, which they
+# fill (a 128-row tile of one head holds one 4-token request's 4 rows); tiles with few keys
+# spend more on each item's start than the Hopper kernel gains on its loop. Measured on an
+# H200 (docs/hopper.md): head_dim 128, causal 64 x 256 (1.5 key tiles a tile) 0.87x the
+# mma.sync kernel, causal 16 x 1024 (4.5) 1.15x; head_dim 64, causal 16 x 1024 (4.5) 0.92x,
+# 4 x 4096 (32) 1.13x. The thresholds sit between those rows.
 AUTO_MIN_MEAN_QO_LEN = 64
+AUTO_MIN_KEY_TILES = {64: 16.0, 128: 4.0}
 _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this many tiles
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
@@ -63,10 +69,12 @@ def arch_error(device: torch.device) -> str | None:
     return f"backend='fa3': the Hopper path runs on sm_90 GPUs (H100, H200) only; {where}"
 
 
-def choose(backend: str, c, ragged: bool, device: torch.device, qo_lens: np.ndarray) -> bool:
+def choose(backend: str, c, ragged: bool, device: torch.device, qo_lens: np.ndarray,
+           key_tiles: np.ndarray | None = None) -> bool:
     """Whether plan() takes the Hopper path: backend 'fa3' (an unsupported configuration or
-    device is a ValueError), or 'auto' on an sm_90 device for a configuration it takes and
-    requests of AUTO_MIN_MEAN_QO_LEN or more query tokens on average."""
+    device is a ValueError), or 'auto' on an sm_90 device for a configuration it takes, with
+    requests of AUTO_MIN_MEAN_QO_LEN or more query tokens on average and query tiles of
+    AUTO_MIN_KEY_TILES or more key tiles on average (key_tiles: plan_tiles' column 5)."""
     if backend == "fa2":
         return False
     why = unsupported(c, ragged)
@@ -79,7 +87,8 @@ def choose(backend: str, c, ragged: bool, device: torch.device, qo_lens: np.ndar
             raise ValueError(arch)
         return True
     return why is None and arch_error(device) is None and qo_lens.size > 0 and \
-        float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN
+        float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and key_tiles is not None and key_tiles.size > 0 and \
+        float(key_tiles.mean()) >= AUTO_MIN_KEY_TILES[c.head_dim_qk]
 
 
 def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool) -> tuple[np.ndarray, int]:
@@ -130,9 +139,8 @@ class Sm90Planner:
         # (csrc/hopper/prefill_sm90.cuh); one pair a wrapper, as its plan is
         self._counters = torch.zeros(2, dtype=torch.int32, device=device)
 
-    def plan(self, c, qo_indptr: np.ndarray, kv_indptr: np.ndarray, non_blocking: bool) -> Sm90Plan:
-        causal = c.mask == "causal"
-        tiles, active_tiles = plan_tiles(qo_indptr, kv_indptr, causal)
+    def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool) -> Sm90Plan:
+        """tiles, active_tiles: plan_tiles' result for this batch."""
         heads = c.num_qo_heads
         items = tiles.shape[0] * heads
         if items >= 2 ** 31:
@@ -169,4 +177,4 @@ class Sm90Planner:
         return p
 
 
-__all__ = ["AUTO_MIN_MEAN_QO_LEN", "Sm90Plan", "Sm90Planner", "arch_error", "choose", "plan_tiles", "unsupported"]
+__all__ = ["AUTO_MIN_KEY_TILES", "AUTO_MIN_MEAN_QO_LEN", "Sm90Plan", "Sm90Planner", "arch_error", "choose", "plan_tiles", "unsupported"]

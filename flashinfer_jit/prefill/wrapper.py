@@ -559,7 +559,8 @@ class _PrefillWrapper:
         sm90.choose(backend, config, self._ragged, self._device, np.zeros(0))  # (fa3: its errors first)
         qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
         qo, kv = qo.numpy(), kv.numpy()
-        if not sm90.choose(backend, config, self._ragged, self._device, np.diff(qo)):
+        tiles, active = sm90.plan_tiles(qo, kv, config.mask == "causal")
+        if not sm90.choose(backend, config, self._ragged, self._device, np.diff(qo), tiles[:, 5]):
             self._graph_backend = self._graph_backend or "fa2"
             return False
         if self._use_cuda_graph:
@@ -568,7 +569,7 @@ class _PrefillWrapper:
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, self._use_cuda_graph)
         previous = self._plan
-        plan = self._sm90.plan(config, qo, kv, non_blocking)
+        plan = self._sm90.plan(config, qo, tiles, active, non_blocking)
         if previous is not None and getattr(previous, "spec", None) is plan.spec:
             plan.op, plan.traced_key = previous.op, previous.traced_key
         if plan.traced_key is None:
@@ -1346,8 +1347,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     backend: "fa2" runs the tensor-core (mma.sync) kernel; "fa3" the Hopper path (sm_90:
     wgmma, TMA, warp-specialized and persistent; flashinfer_jit/prefill/sm90.py lists what it
     takes, and plan() raises ValueError naming anything else); "auto" takes the Hopper path
-    on an sm_90 GPU for a configuration it takes and requests averaging 64 or more query
-    tokens, else the mma.sync kernel. `planned_backend` tells which a plan runs."""
+    on an sm_90 GPU for a configuration it takes, requests averaging 64 or more query tokens
+    and query tiles averaging enough keys (sm90.AUTO_MIN_KEY_TILES), else the mma.sync
+    kernel. `planned_backend` tells which a plan runs."""
 
     _ragged = True
 
