@@ -480,13 +480,13 @@ def test_auto_cuda_graph_replay_across_the_backend_choice(hopper_workspace):
 
 
 # --- backend="auto" ------------------------------------------------------------------------------
-# (sm90.AUTO_MIN_MEAN_QO_LEN 64 query tokens a request and AUTO_MIN_KEY_TILES[128] = 4 key
-# tiles a query tile, on average: 5.1 for long_prompts, 8 for the two 1024-key batches)
+# (sm90.AUTO_MIN_MEAN_QO_LEN 64 query tokens a request and AUTO_MIN_KEYS[128] = 512 keys a
+# query tile, on average: 627 for long_prompts, 1024 for the two 1024-key batches, 192 for few_keys)
 AUTO_BATCHES = {
     "long_prompts": ([(512, 512), (300, 1300), (1025, 1025), (64, 64)], "fa3"),
     "mean_64": ([(64, 1024)] * 6, "fa3"),       # the query threshold: mean qo_len >= 64
     "mean_63": ([(63, 1024)] * 6, "fa2"),
-    "few_keys": ([(256, 256)] * 8, "fa2"),     # 1.5 key tiles a query tile
+    "few_keys": ([(256, 256)] * 8, "fa2"),     # 192 keys a query tile
     "four_tokens": ([(4, 4 + 37 * i) for i in range(16)], "fa2"),
 }
 
@@ -495,8 +495,8 @@ AUTO_BATCHES = {
 @pytest.mark.parametrize("batch", sorted(AUTO_BATCHES))
 def test_auto_picks_the_backend(batch, hopper_workspace):
     """backend="auto" (the default) on sm_90, bf16 head_dim 128 causal GQA-4: planned_backend is
-    "fa3" where the mean qo_len is at least 64 tokens and the query tiles see 4 key tiles or
-    more on average, "fa2" otherwise; run() matches the reference either way."""
+    "fa3" where the mean qo_len is at least 64 tokens and the query tiles see 512 keys or more
+    on average, "fa2" otherwise; run() matches the reference either way."""
     shapes, expected = AUTO_BATCHES[batch]
     gen = torch.Generator(device=DEV).manual_seed(19)
     q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, 128, torch.bfloat16, gen)

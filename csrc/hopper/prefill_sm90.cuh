@@ -54,8 +54,9 @@ namespace sm90_prefill {
 
 namespace h = fij::sm90;
 
-constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kThreads = 384;
-constexpr int kAtomBytes = 128 * 128;  // 128 rows of one 64-element (128-byte) swizzle atom
+constexpr int kBlockM = 128, kStages = 2, kThreads = 384;
+
+
 
 template <typename DType>
 FIJ_SM90 uint32_t pack2(float a, float b) {
@@ -76,33 +77,50 @@ struct Rows {
   float scale_log2;
 };
 
-template <typename DType, int kD, bool kCausal>
+// kN: keys a K/V tile, 128 or 176 (the spec's key_tile; plan() counts key tiles in these
+// units). 176, FA3's choice at head_dim 128 without a causal mask, takes fewer rounds of
+// barriers and row reductions for the same work.
+template <typename DType, int kD, bool kCausal, int kN>
 struct Sm90Kernel {
-  static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile, and the Q tile
+  static constexpr int kBlockN = kN;
+  static constexpr int kQBytes = kBlockM * kD * 2;     // the Q tile
+  static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile
+  static constexpr int kQAtom = kBlockM * 128;         // a tile's rows of one 64-element (128-byte)
+  static constexpr int kKVAtom = kBlockN * 128;        // swizzle atom (1024-byte multiples)
   static constexpr int kAtoms = kD / 64;
-  static constexpr int kSmemBytes = kTileBytes * (1 + 2 * kStages) + 1024;
+  static constexpr int kSmemBytes = kQBytes + kTileBytes * 2 * kStages + 1024;
   static constexpr int kOut = kD / 2;  // O accumulators a thread
+  static constexpr int kS = kBlockN / 2;  // S accumulators a thread
 
-  // S = Q K^T of one 128-key tile, issued (not waited for).
-  static FIJ_SM90 void issue_qk(float (&s)[64], uint32_t q_base, uint32_t k_tile) {
+  // S = Q K^T of one key tile, issued (not waited for).
+  static FIJ_SM90 void issue_qk(float (&s)[kS], uint32_t q_base, uint32_t k_tile) {
     h::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
-      const uint64_t a = h::make_desc(q_base + (ks >> 2) * kAtomBytes + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B);
-      if (ks == 0)  // S = Q K^T: the first k-step does not read the accumulators
-        h::wgmma_ss_n128<0, 0>(s, a, h::kmajor_desc(k_tile, kBlockN, ks), DType{});
-      else
-        h::wgmma_ss_n128<0>(s, a, h::kmajor_desc(k_tile, kBlockN, ks), DType{});
+      const uint64_t a = h::make_desc(q_base + (ks >> 2) * kQAtom + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B);
+      const uint64_t b = h::kmajor_desc(k_tile, kBlockN, ks);
+      // S = Q K^T: the first k-step does not read the accumulators
+      if constexpr (kBlockN == 176) {
+        if (ks == 0)
+          h::wgmma_ss_n176<0, 0>(s, a, b, DType{});
+        else
+          h::wgmma_ss_n176<0>(s, a, b, DType{});
+      } else {
+        if (ks == 0)
+          h::wgmma_ss_n128<0, 0>(s, a, b, DType{});
+        else
+          h::wgmma_ss_n128<0>(s, a, b, DType{});
+      }
     }
     h::wgmma_commit();
   }
 
-  // O += P V of one tile, P the A fragments of its 8 k-steps, V MN-major; issued.
+  // O += P V of one tile, P the A fragments of its k-steps, V MN-major; issued.
   static FIJ_SM90 void issue_pv(float (&o)[kOut], uint32_t (&pa)[kBlockN / 16][4], uint32_t v_tile) {
     h::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = h::make_desc(v_tile + kk * 16 * 128, kAtomBytes, 1024, h::Swizzle::k128B);
+      const uint64_t b = h::make_desc(v_tile + kk * 16 * 128, kKVAtom, 1024, h::Swizzle::k128B);
       if constexpr (kD == 128)
         h::wgmma_rs_n128<1>(o, pa[kk], b, DType{});
       else
@@ -114,7 +132,7 @@ struct Sm90Kernel {
   // The online softmax of key tile n (base 2): masks S (keys past kv_len; causal: key >
   // diag + row), moves the rows' max m (of the unscaled logits), rescales l, and leaves
   // P = 2^(S scale - m scale) in S's registers; corr: the factor O's rows take.
-  static FIJ_SM90 void softmax(float (&s)[64], int n, const Rows& r, float (&m)[2], float (&l)[2],
+  static FIJ_SM90 void softmax(float (&s)[kS], int n, const Rows& r, float (&m)[2], float (&l)[2],
                                float (&corr)[2]) {
     const int key0 = n * kBlockN;
     const bool edge = key0 + kBlockN > r.kv_len || (kCausal && key0 + kBlockN - 1 > r.diag + r.first);
@@ -162,7 +180,7 @@ struct Sm90Kernel {
   // r + 8 cols c, row r cols c + 8, row r + 8 cols c + 8}. Only once the P V before is
   // complete: registers an in-flight wgmma reads must not be written (ptxas would serialize
   // the pipeline, advisory C7513).
-  static FIJ_SM90 void pack_p(const float (&s)[64], uint32_t (&pa)[kBlockN / 16][4]) {
+  static FIJ_SM90 void pack_p(const float (&s)[kS], uint32_t (&pa)[kBlockN / 16][4]) {
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
       pa[j / 2][(j & 1) * 2] = pack2<DType>(s[4 * j], s[4 * j + 1]);
@@ -207,17 +225,17 @@ FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
 
 }  // namespace sm90_prefill
 
-template <typename DType, int kD, bool kCausal>
+template <typename DType, int kD, bool kCausal, int kN>
 __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   using namespace sm90_prefill;
-  using K = Sm90Kernel<DType, kD, kCausal>;
-  constexpr int kTileBytes = K::kTileBytes;
+  using K = Sm90Kernel<DType, kD, kCausal, kN>;
+  constexpr int kTileBytes = K::kTileBytes, kBlockN = K::kBlockN;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = h::align_1024(smem_raw);
   unsigned char* sq = smem;
-  unsigned char* sk = smem + kTileBytes;                   // stage s at sk + s * kTileBytes
-  unsigned char* sv = smem + kTileBytes * (1 + kStages);  // the same for V
+  unsigned char* sk = smem + K::kQBytes;                        // stage s at sk + s * kTileBytes
+  unsigned char* sv = smem + K::kQBytes + kTileBytes * kStages;  // the same for V
   // q_empty: both consumer warpgroups have seen their last Q K^T of an item complete
   __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   __shared__ int item_slot[2];  // item k's index in slot k % 2 (-1: none left)
@@ -255,20 +273,20 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
         }
         const Sm90Tile tile = load_tile(p.work, idx / p.num_qo_heads);
         const int head = idx % p.num_qo_heads, kv_head = head / p.group;
-        h::mbar_expect_tx(&q_full, kTileBytes);
+        h::mbar_expect_tx(&q_full, K::kQBytes);
         for (int a = 0; a < K::kAtoms; ++a)
-          h::tma_load_3d(sq + a * kAtomBytes, &p.q_map, &q_full, 64 * a, head, tile.q_row0);
+          h::tma_load_3d(sq + a * K::kQAtom, &p.q_map, &q_full, 64 * a, head, tile.q_row0);
         for (int n = 0; n < tile.kv_tiles; ++n, ++it) {
           const int s = it % kStages, u = it / kStages;
           h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
           h::mbar_expect_tx(&k_full[s], kTileBytes);
           for (int a = 0; a < K::kAtoms; ++a)
-            h::tma_load_3d(sk + s * kTileBytes + a * kAtomBytes, &p.k_map, &k_full[s], 64 * a, kv_head,
+            h::tma_load_3d(sk + s * kTileBytes + a * K::kKVAtom, &p.k_map, &k_full[s], 64 * a, kv_head,
                            tile.kv_row0 + n * kBlockN);
           h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
           h::mbar_expect_tx(&v_full[s], kTileBytes);
           for (int a = 0; a < K::kAtoms; ++a)
-            h::tma_load_3d(sv + s * kTileBytes + a * kAtomBytes, &p.v_map, &v_full[s], 64 * a, kv_head,
+            h::tma_load_3d(sv + s * kTileBytes + a * K::kKVAtom, &p.v_map, &v_full[s], 64 * a, kv_head,
                            tile.kv_row0 + n * kBlockN);
         }
       }
@@ -301,7 +319,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < K::kOut; ++i) o[i] = 0.f;
     uint32_t pa[kBlockN / 16][4];
-    float s[64], corr[2];
+    float s[K::kS], corr[2];
 
     const int s0 = it % kStages, u0 = it / kStages;
     h::mbar_wait(&k_full[s0], u0 & 1);
@@ -368,13 +386,13 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
 }
 
 // Launches the kernel on `grid` blocks (one an SM: every block walks the list).
-template <typename DType, int kD, bool kCausal>
+template <typename DType, int kD, bool kCausal, int kN>
 inline int launch_prefill_sm90(const PrefillSm90Params& p, int grid, cudaStream_t stream) {
-  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal>;
-  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal>>(K::kSmemBytes);
+  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN>;
+  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN>>(K::kSmemBytes);
   if (err != 0) return err;
   if (grid <= 0) return 0;
-  prefill_sm90_kernel<DType, kD, kCausal><<<grid, sm90_prefill::kThreads, K::kSmemBytes, stream>>>(p);
+  prefill_sm90_kernel<DType, kD, kCausal, kN><<<grid, sm90_prefill::kThreads, K::kSmemBytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

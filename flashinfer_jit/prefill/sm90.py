@@ -14,11 +14,19 @@ from ..pipeline.spec import dtype_name
 from ..runtime.device import sm_count
 from .spec import SM90_HEAD_DIMS, SM90_MASKS, PrefillSm90Spec
 
-TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM (query rows an item) and kBlockN (keys a tile)
+TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM: query rows an item
 TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts, kSm90WorkHeader
+
+
+def key_tile(head_dim: int, causal: bool) -> int:
+    """Keys a K/V tile of the kernel (csrc/hopper/prefill_sm90.cuh key_tile): 176 at head_dim
+    128 without a causal mask, else 128."""
+    return 176 if head_dim == 128 and not causal else 128
+
+
 # backend "auto" takes the Hopper path for a batch whose requests average at least
 # AUTO_MIN_MEAN_QO_LEN query tokens and whose query tiles visit on average at least
-# AUTO_MIN_KEY_TILES[head_dim] key tiles of 128. Shorter queries (decode-like rows,
+# AUTO_MIN_KEYS[head_dim] keys (4 and 16 tiles of 128). Shorter queries (decode-like rows,
 # speculative verification) keep the mma.sync kernel's packed (token, head) rows, which they
 # fill (a 128-row tile of one head holds one 4-token request's 4 rows); tiles with few keys
 # spend more on each item's start than the Hopper kernel gains on its loop. Measured on an
@@ -26,7 +34,7 @@ TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts
 # mma.sync kernel, causal 16 x 1024 (4.5) 1.15x; head_dim 64, causal 16 x 1024 (4.5) 0.92x,
 # 4 x 4096 (32) 1.13x. The thresholds sit between those rows.
 AUTO_MIN_MEAN_QO_LEN = 64
-AUTO_MIN_KEY_TILES = {64: 16.0, 128: 4.0}
+AUTO_MIN_KEYS = {64: 2048.0, 128: 512.0}
 _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this many tiles
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
@@ -70,11 +78,11 @@ def arch_error(device: torch.device) -> str | None:
 
 
 def choose(backend: str, c, ragged: bool, device: torch.device, qo_lens: np.ndarray,
-           key_tiles: np.ndarray | None = None) -> bool:
+           keys: np.ndarray | None = None) -> bool:
     """Whether plan() takes the Hopper path: backend 'fa3' (an unsupported configuration or
     device is a ValueError), or 'auto' on an sm_90 device for a configuration it takes, with
-    requests of AUTO_MIN_MEAN_QO_LEN or more query tokens on average and query tiles of
-    AUTO_MIN_KEY_TILES or more key tiles on average (key_tiles: plan_tiles' column 5)."""
+    requests of AUTO_MIN_MEAN_QO_LEN or more query tokens on average and query tiles that
+    visit AUTO_MIN_KEYS or more keys on average (keys: plan_tiles' column 6)."""
     if backend == "fa2":
         return False
     why = unsupported(c, ragged)
@@ -87,14 +95,17 @@ def choose(backend: str, c, ragged: bool, device: torch.device, qo_lens: np.ndar
             raise ValueError(arch)
         return True
     return why is None and arch_error(device) is None and qo_lens.size > 0 and \
-        float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and key_tiles is not None and key_tiles.size > 0 and \
-        float(key_tiles.mean()) >= AUTO_MIN_KEY_TILES[c.head_dim_qk]
+        float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and keys is not None and keys.size > 0 and \
+        float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
 
 
-def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool) -> tuple[np.ndarray, int]:
-    """The tiles of a batch (int32 [tiles, TILE_INTS]: Sm90Tile's fields), the ones with the
-    most key tiles first (ties in request and tile order), and how many see a key at all.
-    Causal masks are bottom-right aligned: row i of a request sees keys j <= i + kv_len - qo_len."""
+def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool,
+               keys_a_tile: int = TILE_ROWS) -> tuple[np.ndarray, int]:
+    """The tiles of a batch (int32 [tiles, TILE_INTS]: Sm90Tile's fields; column 6, which
+    the kernel does not read, the keys the tile visits), the ones with the most key tiles
+    (of keys_a_tile: key_tile()) first, ties in request and tile order, and how many see a
+    key at all. Causal masks are bottom-right aligned: row i of a request sees keys
+    j <= i + kv_len - qo_len."""
     qo = qo_indptr.astype(np.int64)
     kv = kv_indptr.astype(np.int64)
     qo_lens, kv_lens = np.diff(qo), np.diff(kv)
@@ -107,13 +118,14 @@ def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool) -> tu
     kvl = kv_lens[req]
     diag = q_start + kvl - qo_lens[req]
     kv_end = np.clip(np.minimum(kvl, diag + TILE_ROWS), 0, None) if causal else kvl
-    kv_tiles = (kv_end + TILE_ROWS - 1) // TILE_ROWS
+    kv_tiles = (kv_end + keys_a_tile - 1) // keys_a_tile
     tiles[:, 0] = qo[req] + q_start
     tiles[:, 1] = np.minimum(TILE_ROWS, qo_lens[req] - q_start)
     tiles[:, 2] = kv[req]
     tiles[:, 3] = kvl
     tiles[:, 4] = diag
     tiles[:, 5] = kv_tiles
+    tiles[:, 6] = kv_end
     order = np.argsort(-kv_tiles, kind="stable")
     return tiles[order].astype(np.int32), int(np.count_nonzero(kv_tiles))
 
@@ -139,8 +151,9 @@ class Sm90Planner:
         # (csrc/hopper/prefill_sm90.cuh); one pair a wrapper, as its plan is
         self._counters = torch.zeros(2, dtype=torch.int32, device=device)
 
-    def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool) -> Sm90Plan:
-        """tiles, active_tiles: plan_tiles' result for this batch."""
+    def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
+             keys_a_tile: int) -> Sm90Plan:
+        """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile."""
         heads = c.num_qo_heads
         items = tiles.shape[0] * heads
         if items >= 2 ** 31:
@@ -167,14 +180,15 @@ class Sm90Planner:
             grid = max(1, min(sm_count(self._device), items))
         p = Sm90Plan()
         p.config = c
-        key = (c.q_dtype, c.head_dim_qk, c.mask)
+        key = (c.q_dtype, c.head_dim_qk, c.mask, keys_a_tile)
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask).validate()
+            spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask,
+                                                      keys_a_tile).validate()
         p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
         p.qo_tokens = int(qo_indptr[-1])
         p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
         return p
 
 
-__all__ = ["AUTO_MIN_KEY_TILES", "AUTO_MIN_MEAN_QO_LEN", "Sm90Plan", "Sm90Planner", "arch_error", "choose", "plan_tiles", "unsupported"]
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "key_tile", "Sm90Plan", "Sm90Planner", "arch_error", "choose", "plan_tiles", "unsupported"]

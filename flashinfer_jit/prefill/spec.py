@@ -153,6 +153,13 @@ class PrefillSm90Spec(Spec):
     dtype_q: str = choice("float16", "bfloat16")
     head_dim: int = choice(*SM90_HEAD_DIMS, tag="hd{}")
     mask: str = choice(*SM90_MASKS, default="none", name_default=False)
+    # keys a K/V tile (flashinfer_jit/prefill/sm90.py key_tile: 176 at head_dim 128 without a
+    # causal mask, else 128); 176 at head_dim 128 only (S takes 88 registers a thread)
+    key_tile: int = choice(128, 176, tag="n{}", default=128, name_default=False)
+
+    def check(self) -> None:
+        if self.key_tile == 176 and self.head_dim != 128:
+            raise ValueError(f"PrefillSm90Spec: key_tile=176 is for head_dim 128, got head_dim={self.head_dim}")
 
     def op_schemas(self) -> dict[str, str]:
         # work: plan()'s list (csrc/hopper/prefill_sm90_params.h); counters: the dynamic

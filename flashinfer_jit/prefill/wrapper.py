@@ -488,6 +488,7 @@ class _PrefillWrapper:
 
     _ragged = False
     _force_tile_rows = None  # benchmarks and tests pin the query tile (64 or 128 rows) here
+    _force_key_tile = None  # ... and the Hopper kernel's key tile (128, or 176 at head_dim 128) here
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
@@ -559,8 +560,10 @@ class _PrefillWrapper:
         sm90.choose(backend, config, self._ragged, self._device, np.zeros(0))  # (fa3: its errors first)
         qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
         qo, kv = qo.numpy(), kv.numpy()
-        tiles, active = sm90.plan_tiles(qo, kv, config.mask == "causal")
-        if not sm90.choose(backend, config, self._ragged, self._device, np.diff(qo), tiles[:, 5]):
+        causal = config.mask == "causal"
+        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal)
+        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile)
+        if not sm90.choose(backend, config, self._ragged, self._device, np.diff(qo), tiles[:, 6]):
             self._graph_backend = self._graph_backend or "fa2"
             return False
         if self._use_cuda_graph:
@@ -569,7 +572,7 @@ class _PrefillWrapper:
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, self._use_cuda_graph)
         previous = self._plan
-        plan = self._sm90.plan(config, qo, tiles, active, non_blocking)
+        plan = self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile)
         if previous is not None and getattr(previous, "spec", None) is plan.spec:
             plan.op, plan.traced_key = previous.op, previous.traced_key
         if plan.traced_key is None:
@@ -1348,7 +1351,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     wgmma, TMA, warp-specialized and persistent; flashinfer_jit/prefill/sm90.py lists what it
     takes, and plan() raises ValueError naming anything else); "auto" takes the Hopper path
     on an sm_90 GPU for a configuration it takes, requests averaging 64 or more query tokens
-    and query tiles averaging enough keys (sm90.AUTO_MIN_KEY_TILES), else the mma.sync
+    and query tiles averaging enough keys (sm90.AUTO_MIN_KEYS), else the mma.sync
     kernel. `planned_backend` tells which a plan runs."""
 
     _ragged = True
