@@ -464,7 +464,8 @@ def test_auto_cuda_graph_replay_across_the_backend_choice(hopper_workspace):
     gen = torch.Generator(device=DEV).manual_seed(17)
     wrapper = _graph_wrapper(hopper_workspace, capacity, "auto")
     static = _Static.make(2048, 4096, heads, 128, gen)
-    long_prompts = [(512, 512), (300, 700), (700, 900), (129, 129)]
+    # (chunks at the end of longer keys: 876 keys a query tile on average, above auto's 512)
+    long_prompts = [(512, 1200), (300, 900), (700, 1100), (129, 800)]
     _plan_graph_round(wrapper, long_prompts, heads, True)
     assert wrapper.planned_backend == "fa3"
     graph = replay_poisoned(None, lambda: static.run(wrapper), static.out, static.lse)
