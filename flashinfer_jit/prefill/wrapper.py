@@ -545,42 +545,62 @@ class _PrefillWrapper:
         plan = self._plan
         return None if plan is None else "fa3" if type(plan) is sm90.Sm90Plan else "fa2"
 
-    def _plan_sm90(self, config: _Config, qo_indptr, kv_indptr, non_blocking: bool) -> bool:
+    def _plan_sm90(self, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str = "csr",
+                   page_ids=None, last_page_len=None) -> bool:
         """plan() on the Hopper path when the backend asks for it (sm90.choose); False: the
-        mma.sync kernel's plan follows. A CUDA-graph wrapper keeps its first plan's kernel
-        (a captured run() replays that kernel): with backend "auto", later plans take the
-        same one."""
+        mma.sync kernel's plan follows. Ragged: kv_indptr the K/V rows' offsets. Paged: the
+        CSR page table (kv_indptr, page_ids, last_page_len); table "block_tables" for the
+        other form (which the Hopper path does not take). A CUDA-graph wrapper keeps its
+        first plan's kernel (a captured run() replays that kernel): with backend "auto",
+        later plans take the same one."""
         backend = self._backend
-        if self._use_cuda_graph and backend == "auto" and self._graph_backend is not None:
+        graph = self._use_cuda_graph
+        if graph and backend == "auto" and self._graph_backend is not None:
             backend = self._graph_backend
         if backend == "fa2" or backend == "auto" and (
-                sm90.unsupported(config, self._ragged) is not None or sm90.arch_error(self._device) is not None):
+                sm90.unsupported(config, self._ragged, table, graph) is not None or
+                sm90.arch_error(self._device) is not None):
             self._graph_backend = self._graph_backend or "fa2"
             return False
-        sm90.choose(backend, config, self._ragged, self._device, np.zeros(0))  # (fa3: its errors first)
-        qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
-        qo, kv = qo.numpy(), kv.numpy()
+        sm90.choose(backend, config, self._ragged, self._device, np.zeros(0), None, table, graph)  # (fa3: errors)
         causal = config.mask == "causal"
-        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal)
-        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile)
-        if not sm90.choose(backend, config, self._ragged, self._device, np.diff(qo), tiles[:, 6]):
+        if self._ragged:
+            qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
+            qo, kv = qo.numpy(), kv.numpy()
+            kv_lens, ids, page_size = None, None, None
+        else:
+            qo, kv, last, batch = _host_vectors(qo_indptr, _CSR, kv_indptr, last_page_len)
+            qo, kv = qo.numpy(), kv.numpy()
+            page_size = config.page_size
+            kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size)
+            ids = as_int32_index(page_ids, "paged_kv_indices")
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+                raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
+            if ids.shape[0] < int(kv[-1]):
+                raise ValueError(f"paged_kv_indptr: its last offset {int(kv[-1])} exceeds the {ids.shape[0]} page ids "
+                                 "of paged_kv_indices")
+            ids = ids.to(self._device, non_blocking=non_blocking)
+        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
+        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens)
+        if not sm90.choose(backend, config, self._ragged, self._device, np.diff(qo), tiles[:, 6], table, graph):
             self._graph_backend = self._graph_backend or "fa2"
             return False
-        if self._use_cuda_graph:
+        if graph:
             self._capacity = graph_capacity(self._capacity, batch)
             self._graph_backend = "fa3"
         if self._sm90 is None:
-            self._sm90 = sm90.Sm90Planner(self._device, self._use_cuda_graph)
+            self._sm90 = sm90.Sm90Planner(self._device, graph)
         previous = self._plan
-        plan = self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile)
+        plan = self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout)
         if previous is not None and getattr(previous, "spec", None) is plan.spec:
             plan.op, plan.traced_key = previous.op, previous.traced_key
         if plan.traced_key is None:
             plan.traced_key = traced_key(plan.spec)
-        self._kv_rows = int(kv[-1])
+        if self._ragged:
+            self._kv_rows = int(kv[-1])
         self._plan = plan
         self._traced = None
-        static_inputs(plan.work, plan.counters)
+        static_inputs(plan.work, plan.counters, plan.page_ids)
         return True
 
     # --- plan ---------------------------------------------------------------------------------
@@ -1000,8 +1020,8 @@ class _PrefillWrapper:
             op = plan.op
             if op is None:
                 op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
-        op(q, k, v, plan.work, plan.counters, out, lse if lse is not None else empty_f32(q.device), logit_scale, vs,
-           plan.grid)
+        op(q, k, v, plan.work, plan.page_ids, plan.counters, out, lse if lse is not None else empty_f32(q.device),
+           logit_scale, vs, plan.grid)
         return (out, lse) if return_lse else out
 
     def _run_traced(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,
@@ -1207,8 +1227,10 @@ def _pack_segments(bits: torch.Tensor, sizes: np.ndarray, byte_starts: np.ndarra
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     """FlashInfer's paged prefill wrapper: plan() once per batch, run() per layer.
 
-    backend: "auto" and "fa2" run this library's tensor-core (mma.sync) kernels; "fa3" (the
-    Hopper path) takes ragged K/V only so far, so plan() with it is a ValueError here."""
+    backend: "fa2" runs the tensor-core (mma.sync) kernel; "fa3" the Hopper path (sm_90;
+    flashinfer_jit/prefill/sm90.py lists what it takes: the CSR page table, pages of 16-128
+    tokens, no CUDA graphs yet; plan() raises ValueError naming anything else); "auto" as
+    the ragged wrapper's."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
@@ -1276,7 +1298,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
-        self._plan_sm90(config, qo_indptr, None, non_blocking)  # (backend 'fa3' on paged K/V: its ValueError)
+        if block_tables is not None:
+            self._plan_sm90(config, qo_indptr, None, non_blocking, "block_tables")  # ('fa3': its ValueError)
+        elif self._plan_sm90(config, qo_indptr, paged_kv_indptr, non_blocking, "csr", paged_kv_indices,
+                             paged_kv_last_page_len):
+            return
         if block_tables is not None:
             expect_one_page_table("paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len",
                                   paged_kv_indptr is not None or paged_kv_last_page_len is not None)
