@@ -371,6 +371,30 @@ def exercise_prefill(spec, matrix=()) -> None:
     expect_close(lse, ref_lse, 1e-2, 1e-2, "lse")
 
 
+def exercise_prefill_sm90(spec, matrix=()) -> None:
+    """The Hopper prefill kernel (backend="fa3", ragged K/V): the spec's dtype, head_dim, mask
+    and key tile (pinned, so that the 128-key tile's module of a head_dim 128 unmasked spec
+    is the one loaded). Its code runs on sm_90 only: on another GPU the module is loaded from
+    the cache (its presence is what an image for several archs must show) and not run."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        jit.get_module(spec)
+        return
+    shapes = [(1, 16), (7, 40), (200, 300)]  # (qo_len, kv_len)
+    hq, d, dt = 4 * KV_HEADS, spec.head_dim, dtype(spec.dtype_q)
+    causal = spec.mask == "causal"
+    qo_indptr, kv_indptr = offsets(m for m, _ in shapes), offsets(n for _, n in shapes)
+    q = randn((int(qo_indptr[-1]), hq, d), dt)
+    k, v = randn((int(kv_indptr[-1]), KV_HEADS, d), dt), randn((int(kv_indptr[-1]), KV_HEADS, d), dt)
+    wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(workspace(DEVICE), "NHD", backend="fa3")
+    wrapper._force_key_tile = spec.key_tile
+    wrapper.plan(qo_indptr, kv_indptr, hq, KV_HEADS, d, causal=causal, q_data_type=dt)
+    out, lse = wrapper.run(q, k, v, out=nan_like((q.shape[0], hq, d), dt), return_lse=True)
+    synchronize()
+    ref_out, ref_lse = prefill_ref(q, qo_indptr, k, v, kv_indptr=kv_indptr, causal=causal)
+    expect_close(out, ref_out, PREFILL_TOL[dt], PREFILL_TOL[dt], "out")
+    expect_close(lse, ref_lse, 1e-2, 1e-2, "lse")
+
+
 def exercise_pod(spec, matrix=()) -> None:
     """POD: PODWithPagedKVCacheWrapper (prefill_kv ragged: one prefill request on contiguous
     K/V) or BatchPODWithPagedKVCacheWrapper (paged: three prefill requests on the cache the
@@ -445,6 +469,7 @@ EXERCISERS = {
     "rope": exercise_rope,
     "flatten": exercise_flatten,
     "prefill": exercise_prefill,
+    "prefill_sm90": exercise_prefill_sm90,
     "pod": exercise_pod,
     "decode_plan": planned_by(DecodeSpec),  # the C++ planner: every plan()
     # plan() sorts each request's full pages only where no term depends on a token's position

@@ -1597,8 +1597,8 @@ def test_fi_multi_token_plan_needs_use_tensor_cores():
 
 def test_fi_decode_backend_fa3_is_not_implemented_at_plan():
     """backend='fa3': the decode wrapper takes it, and plan() raises NotImplementedError
-    naming fa2 (one token a request or more, every time). Prefill keeps its ValueError at
-    construction; other backends stay a ValueError."""
+    naming fa2 (one token a request or more, every time). Prefill's fa3 (the Hopper path) on
+    a CPU workspace is a ValueError from plan(); other backends stay a ValueError."""
     w = _fi_wrapper(use_tensor_cores=True, backend="fa3")
     for n in (2, 2, 1):
         with pytest.raises(NotImplementedError, match="fa2"):
@@ -1607,7 +1607,8 @@ def test_fi_decode_backend_fa3_is_not_implemented_at_plan():
     with pytest.raises(ValueError, match="backend"):
         _fi_wrapper(backend="trtllm-gen")
     with pytest.raises(ValueError, match="fa3"):
-        fij.BatchPrefillWithPagedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), "NHD", backend="fa3")
+        fij.BatchPrefillWithRaggedKVCacheWrapper(torch.zeros(1 << 20, dtype=torch.uint8), backend="fa3").plan(
+            torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32), 8, 2, 128)
 
 
 @NATIVE

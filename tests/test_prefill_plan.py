@@ -279,8 +279,8 @@ def test_plan_rejects_unsupported_heads_and_backends():
     with pytest.raises(ValueError, match="num_qo_heads"):
         _paged().plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
                       torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 6, 4, 128, 16)
-    with pytest.raises(ValueError, match="fa3.*Hopper"):
-        _paged(backend="fa3")
+    with pytest.raises(ValueError, match="fa3.*Hopper"):  # (the Hopper path: at plan(), on a GPU workspace)
+        _plan(_paged(backend="fa3"), [0, 1, 2], [0, 1, 2], [5, 5], causal=False)
     with pytest.raises(ValueError, match="backend"):
         _paged(backend="trtllm-gen")
 
