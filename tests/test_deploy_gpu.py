@@ -171,3 +171,15 @@ def test_deploy_check_runs_the_llama_matrix_from_a_prebuilt_cache_without_nvcc(t
     outside = [e["name"] for e in result["entries"] if Path(e["module_path"]).parent != root]
     assert not outside, f"loaded from outside the prebuilt root {root}: {outside}"
     assert published(writable) == [] and published(user / "flashinfer_jit") == [], "the check wrote cache entries"
+
+
+TESTS_SM90_SPECS = [s for s in parse_matrix(SCRIPTS / "matrices" / "tests") if s.FAMILY == "prefill_sm90"]
+
+
+@pytest.mark.parametrize("spec", TESTS_SM90_SPECS, ids=lambda spec: spec.name)
+def test_prefill_sm90_exerciser_arguments_select_their_spec(spec, asked):
+    """The Hopper prefill modules of the tests matrix (both key tiles at head_dim 128):
+    exercise_prefill_sm90's arguments ask for exactly that module."""
+    with pytest.raises(Selected) as info:
+        deploy_check.EXERCISERS["prefill_sm90"](spec, [])
+    assert info.value.spec == spec, f"asked for {info.value.spec.name}"
