@@ -560,6 +560,33 @@ def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspa
     assert wrapper.planned_backend == "fa2"
 
 
+# --- head_dim 256 (64-key tiles; backend "fa3" only: auto does not take it before it is measured) ------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, causal, group", [(BF16, True, 4), (F16, False, 1), (BF16, False, 8)])
+def test_fa3_head_dim_256(dtype, causal, group, hopper_workspace):
+    """head_dim 256 on the Hopper path (64-key tiles, O in 128 registers a thread, m64n256k16
+    P V): mixed ragged batches against the float64 reference and the mma.sync kernel."""
+    gen = torch.Generator(device=DEV).manual_seed(256 + group)
+    shapes = [(300, 300), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000)]
+    heads = {1: (4, 4), 4: (8, 2), 8: (8, 1)}[group]
+    torch_dtype = dtype_of(dtype)
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, heads, 256, torch_dtype, gen)
+    results = {}
+    for backend in ("fa3", "fa2"):
+        wrapper = ragged_wrapper(hopper_workspace, backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *heads, (256, 256), causal=causal, q_data_type=torch_dtype)
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, 256, torch_dtype)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    tol = tolerance(dtype)
+    for out, lse in results.values():
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    check_agree(*results["fa3"], *results["fa2"], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
+    auto = ragged_wrapper(hopper_workspace)
+    plan_kv(auto, qo_indptr, kv, *heads, (256, 256), causal=causal, q_data_type=torch_dtype)
+    assert auto.planned_backend == "fa2"
+
+
 # --- paged K/V ----------------------------------------------------------------------------------
 PAGED_SHAPES = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (64, 65), (300, 300)]
 
@@ -575,6 +602,8 @@ PAGED_SHAPES = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (6
     (64, "NHD", False, 128, F16, "single"),
     (128, "NHD", True, 128, BF16, "tuple"),
     (128, "HND", False, 64, BF16, "tuple"),
+    (16, "NHD", True, 256, BF16, "tuple"),
+    (64, "HND", False, 256, F16, "tuple"),
 ], ids=lambda v: str(v))
 def test_fa3_paged_against_reference(page_size, kv_layout, causal, head_dim, dtype, form, hopper_workspace):
     """The paged wrapper on the Hopper path (one TMA box a page): the CSR page table on a
@@ -761,7 +790,6 @@ FA3_LACKS = [
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8_kv"),
     pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"kv_data_type|q_data_type|dtype",
                  id="kv_dtype_not_q"),  # (inferred from "same dtype for q and kv")
-    pytest.param(dict(head_dim_qk=256), r"head_dim", id="hd256"),
     pytest.param(dict(head_dim_qk=192, head_dim_vo=128), r"head_dim", id="hd192x128"),
     pytest.param(dict(head_dim_qk=512), r"head_dim", id="hd512"),
     pytest.param(dict(o_data_type=torch.float16), r"o_data_type", id="o_dtype"),
@@ -794,6 +822,7 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
 @pytest.mark.parametrize("options, match", [
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8"),
     pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
+    pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
     pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
     pytest.param(dict(table="block_tables"), r"block_tables", id="block_tables"),
     pytest.param(dict(use_cuda_graph=True), r"use_cuda_graph", id="cuda_graph"),
@@ -819,6 +848,7 @@ def test_fa3_paged_plan_on_the_cpu_names_sm90(page_size):
     pytest.param(dict(causal=True, num_qo_heads=24, num_kv_heads=4, sm_scale=0.07, o_data_type=torch.bfloat16,
                       kv_data_type=torch.bfloat16), id="gqa6-sm_scale-explicit-dtypes"),
     pytest.param(dict(causal=True, use_cuda_graph=True), id="cuda_graph"),
+    pytest.param(dict(causal=True, head_dim_qk=256), id="bf16-hd256-causal"),
 ])
 def test_fa3_plan_on_the_cpu_names_sm90(config):
     """backend="fa3" with a configuration the Hopper path supports, on a CPU workspace: a

@@ -79,9 +79,10 @@ struct Rows {
   float scale_log2;
 };
 
-// kN: keys a K/V tile, 128 or 176 (the spec's key_tile; plan() counts key tiles in these
-// units). 176, FA3's choice at head_dim 128 without a causal mask, takes fewer rounds of
-// barriers and row reductions for the same work.
+// kN: keys a K/V tile, 64, 128 or 176 (the spec's key_tile; plan() counts key tiles in
+// these units). 176, FA3's choice at head_dim 128 without a causal mask, takes fewer rounds
+// of barriers and row reductions for the same work; head_dim 256 takes 64 (its Q tile is 64
+// KB, two stages of 64-key K and V tiles 128 KB; O holds 128 registers a thread).
 template <typename DType, int kD, bool kCausal, int kN>
 struct Sm90Kernel {
   static constexpr int kBlockN = kN;
@@ -107,6 +108,11 @@ struct Sm90Kernel {
           h::wgmma_ss_n176<0, 0>(s, a, b, DType{});
         else
           h::wgmma_ss_n176<0>(s, a, b, DType{});
+      } else if constexpr (kBlockN == 64) {
+        if (ks == 0)
+          h::wgmma_ss_n64<0, 0>(s, a, b, DType{});
+        else
+          h::wgmma_ss_n64<0>(s, a, b, DType{});
       } else {
         if (ks == 0)
           h::wgmma_ss_n128<0, 0>(s, a, b, DType{});
@@ -123,7 +129,9 @@ struct Sm90Kernel {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint64_t b = h::make_desc(v_tile + kk * 16 * 128, kKVAtom, 1024, h::Swizzle::k128B);
-      if constexpr (kD == 128)
+      if constexpr (kD == 256)
+        h::wgmma_rs_n256<1>(o, pa[kk], b, DType{});
+      else if constexpr (kD == 128)
         h::wgmma_rs_n128<1>(o, pa[kk], b, DType{});
       else
         h::wgmma_rs_n64<1>(o, pa[kk], b, DType{});

@@ -19,8 +19,10 @@ TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts
 
 
 def key_tile(head_dim: int, causal: bool, page_size: int | None = None) -> int:
-    """Keys a K/V tile of the kernel (the spec's key_tile): 176 at head_dim 128 without a
-    causal mask where pages (if any) divide it (16 tokens), else 128."""
+    """Keys a K/V tile of the kernel (the spec's key_tile): 64 at head_dim 256; 176 at head_dim
+    128 without a causal mask where pages (if any) divide it (16 tokens); else 128."""
+    if head_dim == 256:
+        return 64
     return 176 if head_dim == 128 and not causal and (page_size is None or 176 % page_size == 0) else 128
 
 
@@ -34,7 +36,8 @@ def key_tile(head_dim: int, causal: bool, page_size: int | None = None) -> int:
 # mma.sync kernel, causal 16 x 1024 (4.5) 1.15x; head_dim 64, causal 16 x 1024 (4.5) 0.92x,
 # 4 x 4096 (32) 1.13x. The thresholds sit between those rows.
 AUTO_MIN_MEAN_QO_LEN = 64
-AUTO_MIN_KEYS = {64: 2048.0, 128: 512.0}
+# head_dim 256: not measured yet, so "auto" does not take it (backend "fa3" does)
+AUTO_MIN_KEYS = {64: 2048.0, 128: 512.0, 256: float("inf")}
 _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this many tiles
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
@@ -49,8 +52,10 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
     if not ragged:
         if table != "csr":
             return "block_tables (the Hopper path reads the CSR page table so far)"
-        if c.page_size not in PAGE_SIZES:
-            return f"page_size={c.page_size} (the Hopper path takes pages of {', '.join(map(str, PAGE_SIZES))} tokens)"
+        sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
+        if c.page_size not in sizes:
+            return (f"page_size={c.page_size} (the Hopper path takes pages of {', '.join(map(str, sizes))} tokens at "
+                    f"head_dim {c.head_dim_qk})")
         if graph:
             return "use_cuda_graph with paged K/V (not on the Hopper path yet)"
     if c.head_dim_qk != c.head_dim_vo or c.head_dim_qk not in SM90_HEAD_DIMS:

@@ -130,7 +130,7 @@ def tile_rows_of(head_dim_qk: int) -> tuple[int, ...]:
 
 # What the Hopper path (PrefillSm90Spec) takes in this version; everything else runs the
 # mma.sync kernel (backend "fa2"; docs/hopper.md lists the cases and why)
-SM90_HEAD_DIMS = (64, 128)
+SM90_HEAD_DIMS = (64, 128, 256)
 SM90_MASKS = ("none", "causal")
 
 
@@ -158,12 +158,16 @@ class PrefillSm90Spec(Spec):
     kv_source: str = choice("ragged", "paged", default="ragged", name_default=False)
     kv_layout: str = choice(*KV_LAYOUTS, default="NHD", name_default=False)
     # keys a K/V tile (flashinfer_jit/prefill/sm90.py key_tile: 176 at head_dim 128 without a
-    # causal mask, else 128); 176 at head_dim 128 only (S takes 88 registers a thread)
-    key_tile: int = choice(128, 176, tag="n{}", default=128, name_default=False)
+    # causal mask, 64 at head_dim 256, else 128); 176 at head_dim 128 only (S takes 88
+    # registers a thread), and head_dim 256 takes 64 only (shared memory and O's registers)
+    key_tile: int = choice(64, 128, 176, tag="n{}", default=128, name_default=False)
 
     def check(self) -> None:
         if self.key_tile == 176 and self.head_dim != 128:
             raise ValueError(f"PrefillSm90Spec: key_tile=176 is for head_dim 128, got head_dim={self.head_dim}")
+        if (self.head_dim == 256) != (self.key_tile == 64):
+            raise ValueError(f"PrefillSm90Spec: head_dim 256 takes key_tile=64 and only it takes it; got "
+                             f"head_dim={self.head_dim}, key_tile={self.key_tile}")
         if self.kv_source == "ragged" and self.kv_layout != "NHD":
             raise ValueError("PrefillSm90Spec: ragged K/V has no KV layout (rows [kv_tokens, H, D] with any "
                              "strides); leave kv_layout='NHD'")
