@@ -945,6 +945,7 @@ def test_a_load_marks_the_entry_used_except_in_prebuilt_roots(built, tmp_path, m
 
 # --- deployment: a miss with JIT disabled names the aot line that builds it ----------------------
 @pytest.mark.slow
+@pytest.mark.thorough  # (80 s on two cores: it builds the module the printed command names)
 @needs_toolchain
 def test_disable_jit_miss_gives_the_aot_command_that_builds_exactly_it(fresh_cache, monkeypatch, capsys):
     import shlex

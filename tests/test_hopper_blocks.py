@@ -2,10 +2,10 @@
 - tests/hopper/wgmma_probe.cu: S = Q K^T from two TMA-loaded 128B-swizzled K-major tiles,
   O = P V with P in registers and V MN-major (the descriptor's LBO/SBO candidates reported),
   and the dense wgmma rate;
-- tests/hopper/attn_probe.cu: a first warp-specialized attention kernel on them (producer
-  warpgroup, two consumer warpgroups; bf16, head_dim 128, causal or not, GQA), its three
-  consumer loops (plain, overlapped, overlapped with ping-pong), each against a double
-  reference, then timed.
+- tests/hopper/attn_probe.cu: the Hopper attention kernel's schedules around the library
+  kernel's consumer blocks (csrc/hopper/prefill_sm90.cuh; bf16, head_dim 128, causal or not,
+  GQA): six variants (plain, ping-pong, persistent in snake order or from an atomic counter,
+  two or three stages), each against a double reference, then timed.
 The CPU tests compile both for sm_90a (every wrapper's PTX assembles, no spills); the GPU
 tests run them on an sm_90 device."""
 
@@ -65,5 +65,5 @@ def test_attention_probe_on_hopper(tmp_path):
     done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     print(done.stdout)
     checks = [line.split() for line in done.stdout.splitlines() if line.startswith("check_")]
-    assert len(checks) == 12 and all(float(v) < 2e-2 for _, v in checks), done.stdout + done.stderr
+    assert len(checks) == 24 and all(float(v) < 2e-2 for _, v in checks), done.stdout + done.stderr  # 6 x 4
     assert done.returncode == 0, done.stdout + done.stderr

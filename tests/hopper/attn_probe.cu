@@ -1,20 +1,17 @@
-// A first warp-specialized Hopper attention kernel (issue 64), standalone, on the blocks of
-// csrc/hopper/sm90.cuh: bf16, head_dim 128, ragged requests of equal length (q and K/V
-// [tokens, heads, 128]), causal (bottom-right) or not, GQA. One block: 128 query rows of one
-// head, three warpgroups:
-//   - warpgroup 0, the producer (24 registers): one thread brings Q once and each 128-key K
-//     and V tile by TMA (128B swizzle) into two stages each, waiting on the stages' "empty"
-//     barriers;
-//   - warpgroups 1 and 2, the consumers (240 registers), 64 rows each: S = Q K^T by wgmma
-//     from shared memory, the online softmax in registers, O += P V by wgmma with P from
-//     registers and V MN-major; each stage handed back as soon as its wgmmas are done.
-// Three consumer loops (kLoop): 0, the plain one (S, softmax, P V, one after the other);
-// 1, FA3's intra-warpgroup overlap (tile n's S issued before tile n - 1's P V, its softmax
-// while that P V runs); 2, that overlap with the two consumers taking turns to issue their
-// wgmmas (ping-pong through two named barriers), so that one's softmax runs under the
-// other's GEMMs. Checked against a double
-// reference (tails and masks included), then timed. Prints "name value" lines; exit 0
-// when every check passes.
+// The Hopper attention kernel's schedules, standalone (issue 64; the library's kernel is
+// csrc/hopper/prefill_sm90.cuh, whose consumer blocks this probe calls): bf16, head_dim
+// 128, ragged requests of equal length (q and K/V [tokens, heads, 128]), causal
+// (bottom-right) or not, GQA. A block runs three warpgroups: a TMA producer (24 registers)
+// and two consumers (240 registers, 64 query rows each). What varies is the loop around the
+// blocks (`variant` in run()):
+//   0: one block an item, the plain loop (S, softmax, P V, one after the other);
+//   1: one block an item, FA3's overlap (tile n's S before tile n - 1's P V, the softmax
+//      under it) and ping-pong (the two consumers take turns to issue their wgmmas);
+//   2: that, persistent (one block an SM), items heaviest first in snake order;
+//   3: persistent, items from an atomic counter (the library's schedule);
+//   4, 5: 2 and 3 with three K/V stages.
+// Each is checked against a double reference (tails and masks included, output and LSE
+// NaN-poisoned), then timed. Prints "name value" lines; exit 0 when every check passes.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -24,6 +21,7 @@
 #include <random>
 #include <vector>
 
+#include "hopper/prefill_sm90.cuh"
 #include "hopper/sm90.cuh"
 #include "hopper/tma_host.h"
 #include "probe_common.cuh"
@@ -46,111 +44,11 @@ struct Params {
   float scale_log2;      // sm_scale * log2(e)
 };
 
-FIJ_SM90 uint32_t pack_bf16(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// A consumer thread's rows: row0 and row0 + 8 of the request, its key columns 8 j + cq
-// (+ 1) of a tile; first_row: its warpgroup's first row (tiles past it on the diagonal mask).
-struct Rows {
-  int row0, cq, first_row, seq_len;
-  float scale_log2;
-};
-
-// S = Q K^T of one 128-key tile, issued (not waited for).
-FIJ_SM90 void issue_qk(float (&sacc)[64], uint32_t q_base, uint32_t k_tile) {
-  h::wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks) {
-    const uint64_t a = h::make_desc(q_base + (ks >> 2) * kTileBytes / 2 + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B);
-    if (ks == 0)  // S = Q K^T: the first k-step does not read the accumulators
-      h::wgmma_ss_n128<0, 0>(sacc, a, h::kmajor_desc(k_tile, kBlockN, ks), bf16{});
-    else
-      h::wgmma_ss_n128<0>(sacc, a, h::kmajor_desc(k_tile, kBlockN, ks), bf16{});
-  }
-  h::wgmma_commit();
-}
-
-// O += P V of one tile, P the A fragments of its 8 k-steps, V MN-major; issued.
-FIJ_SM90 void issue_pv(float (&o)[64], uint32_t (&pa)[kBlockN / 16][4], uint32_t v_tile) {
-  h::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk)
-    h::wgmma_rs_n128<1>(o, pa[kk], h::make_desc(v_tile + kk * 16 * 128, kTileBytes / 2, 1024, h::Swizzle::k128B),
-                        bf16{});
-  h::wgmma_commit();
-}
-
-// The online softmax of tile n (base 2): masks S (keys past the request; causal: key >
-// row), moves the rows' max (m, of the unscaled logits), rescales l, and leaves
-// P = 2^(S scale - m scale) in S's registers (one FFMA and one EX2 an element); corr: the
-// factor O's rows take for the new max.
+// The consumers' blocks are the library kernel's (csrc/hopper/prefill_sm90.cuh): Q K^T and
+// P V issued by wgmma, the online softmax with its masks, P packed for P V, O rescaled. This
+// probe varies only what the loop around them does.
 template <bool kCausal>
-FIJ_SM90 void softmax_tile(float (&sacc)[64], int n, const Rows& r, float (&m)[2], float (&l)[2], float (&corr)[2]) {
-  const int key0 = n * kBlockN;
-  const bool edge = key0 + kBlockN > r.seq_len || (kCausal && key0 + kBlockN > r.first_row);
-  if (edge) {
-#pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + 8 * j + r.cq + (e & 1), row = r.row0 + 8 * (e >> 1);
-        if (key >= r.seq_len || (kCausal && key > row)) sacc[4 * j + e] = -INFINITY;
-      }
-  }
-  float mx[2] = {m[0], m[1]};
-#pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], sacc[4 * j + e]);
-  float base[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    // a row with no key yet: everything 0 (base 0 keeps -inf - base at -inf, not NaN)
-    base[i] = mx[i] == -INFINITY ? 0.f : mx[i] * r.scale_log2;
-    corr[i] = exp2f(m[i] * r.scale_log2 - base[i]);
-    m[i] = mx[i];
-    l[i] *= corr[i];
-  }
-#pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j) {
-    const float p0 = exp2f(fmaf(sacc[4 * j], r.scale_log2, -base[0]));
-    const float p1 = exp2f(fmaf(sacc[4 * j + 1], r.scale_log2, -base[0]));
-    const float p2 = exp2f(fmaf(sacc[4 * j + 2], r.scale_log2, -base[1]));
-    const float p3 = exp2f(fmaf(sacc[4 * j + 3], r.scale_log2, -base[1]));
-    l[0] += p0 + p1;
-    l[1] += p2 + p3;
-    sacc[4 * j] = p0;
-    sacc[4 * j + 1] = p1;
-    sacc[4 * j + 2] = p2;
-    sacc[4 * j + 3] = p3;
-  }
-}
-
-// P (in S's registers) to bf16, the A fragments of P V: k-step j / 2 takes {row r cols c,
-// row r + 8 cols c, row r cols c + 8, row r + 8 cols c + 8}. Done only once the P V before
-// is complete: registers an in-flight wgmma reads must not be written (ptxas serializes the
-// pipeline where they are, C7513).
-FIJ_SM90 void pack_p(const float (&sacc)[64], uint32_t (&pa)[kBlockN / 16][4]) {
-#pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j) {
-    pa[j / 2][(j & 1) * 2] = pack_bf16(sacc[4 * j], sacc[4 * j + 1]);
-    pa[j / 2][(j & 1) * 2 + 1] = pack_bf16(sacc[4 * j + 2], sacc[4 * j + 3]);
-  }
-}
-
-FIJ_SM90 void rescale(float (&o)[64], const float (&corr)[2]) {
-#pragma unroll
-  for (int j = 0; j < kD / 8; ++j) {
-    o[4 * j] *= corr[0];
-    o[4 * j + 1] *= corr[0];
-    o[4 * j + 2] *= corr[1];
-    o[4 * j + 3] *= corr[1];
-  }
-}
+using Blocks = fij::sm90_prefill::Sm90Kernel<bf16, kD, kCausal, kBlockN>;
 
 // One unit of work: 128 query rows of one head of one request. Items are numbered with the
 // heaviest first (for causal, the last query tiles see the most keys): index idx is query
@@ -294,8 +192,10 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
     }
     const Work w = work_of(idx, p);
     const int tok0 = w.req * p.seq_len, n_tiles = kv_tiles<kCausal>(w, p);
-    const int row0 = w.q_start + 64 * wi + 16 * (t / 32) + lane / 4;  // rows row0 and row0 + 8
-    const Rows rows{row0, cq, w.q_start + 64 * wi, p.seq_len, p.scale_log2};
+    const int r0 = 64 * wi + 16 * (t / 32) + lane / 4, row0 = w.q_start + r0;  // rows row0 and row0 + 8
+    // (qo_len == kv_len: the tile's first row sees keys up to its own position, q_start)
+    const fij::sm90_prefill::Rows rows{r0, cq, 64 * wi, p.seq_len, w.q_start, p.scale_log2};
+    using K = Blocks<kCausal>;
     float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.f;
@@ -307,15 +207,15 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
       for (int n = 0; n < n_tiles; ++n) {
         const int s = (it + n) % kSt, u = (it + n) / kSt;
         h::mbar_wait(&k_full[s], u & 1);
-        issue_qk(sacc, q_base, k0 + s * kTileBytes);
+        K::issue_qk(sacc, q_base, k0 + s * kTileBytes);
         h::wgmma_wait<0>();
         h::fence_regs(sacc);
         if (lane == 0) h::mbar_arrive(&k_empty[s]);
-        softmax_tile<kCausal>(sacc, n, rows, m, l, corr);
-        pack_p(sacc, pa);
-        rescale(o, corr);
+        K::softmax(sacc, n, rows, m, l, corr);
+        K::pack_p(sacc, pa);
+        K::rescale(o, corr);
         h::mbar_wait(&v_full[s], u & 1);
-        issue_pv(o, pa, v0 + s * kTileBytes);
+        K::issue_pv(o, pa, v0 + s * kTileBytes);
         h::wgmma_wait<0>();
         h::fence_regs(o);
         h::fence_regs(pa);
@@ -328,38 +228,38 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
       const int s0 = it % kSt, u0 = it / kSt;
       h::mbar_wait(&k_full[s0], u0 & 1);
       my_turn();
-      issue_qk(sacc, q_base, k0 + s0 * kTileBytes);
+      K::issue_qk(sacc, q_base, k0 + s0 * kTileBytes);
       pass_turn(false);
       h::wgmma_wait<0>();
       h::fence_regs(sacc);
       if (lane == 0) h::mbar_arrive(&k_empty[s0]);
-      softmax_tile<kCausal>(sacc, 0, rows, m, l, corr);  // O is 0: nothing to rescale
-      pack_p(sacc, pa);
+      K::softmax(sacc, 0, rows, m, l, corr);  // O is 0: nothing to rescale
+      K::pack_p(sacc, pa);
       for (int n = 1; n < n_tiles; ++n) {
         const int s = (it + n) % kSt, u = (it + n) / kSt;
         const int sp = (it + n - 1) % kSt, up = (it + n - 1) / kSt;
         h::mbar_wait(&k_full[s], u & 1);
         h::mbar_wait(&v_full[sp], up & 1);
         my_turn();
-        issue_qk(sacc, q_base, k0 + s * kTileBytes);
-        issue_pv(o, pa, v0 + sp * kTileBytes);
+        K::issue_qk(sacc, q_base, k0 + s * kTileBytes);
+        K::issue_pv(o, pa, v0 + sp * kTileBytes);
         pass_turn(false);
         h::wgmma_wait<1>();  // S of tile n (committed first)
         h::fence_regs(sacc);
         if (lane == 0) h::mbar_arrive(&k_empty[s]);
-        softmax_tile<kCausal>(sacc, n, rows, m, l, corr);
+        K::softmax(sacc, n, rows, m, l, corr);
         h::wgmma_wait<0>();  // P V of tile n - 1
         h::fence_regs(o);
         h::fence_regs(pa);
         if (lane == 0) h::mbar_arrive(&v_empty[sp]);
-        rescale(o, corr);
-        pack_p(sacc, pa);
+        K::rescale(o, corr);
+        K::pack_p(sacc, pa);
       }
       if (t == 0) h::mbar_arrive(&q_empty);  // every Q K^T of this item is complete
       const int sl = (it + n_tiles - 1) % kSt, ul = (it + n_tiles - 1) / kSt;
       h::mbar_wait(&v_full[sl], ul & 1);
       my_turn();
-      issue_pv(o, pa, v0 + sl * kTileBytes);
+      K::issue_pv(o, pa, v0 + sl * kTileBytes);
       pass_turn(last_item);
       h::wgmma_wait<0>();
       h::fence_regs(o);
