@@ -31,22 +31,31 @@ def test_the_matrix_and_the_other_tests_cover_every_family():
     assert {s.FAMILY for s in parse_matrix_text(MATRIX + SM90_MATRIX)} | ELSEWHERE == set(FAMILIES)
 
 
-@pytest.mark.slow
-def test_one_module_of_each_family_builds_links_and_imports(fresh_cache, tmp_path, capsys):
+def _build_and_load(text: str, tmp_path, capsys, arch: str) -> list:
+    """`flashinfer-jit aot` of the matrix `text` with two jobs for `arch`, then each module
+    loaded from the test's fresh cache with its ops looked up; the modules."""
     try:
         toolchain.get()
     except ToolchainError as exc:
         pytest.skip(f"needs nvcc, ninja and g++: {exc}")
-    matrix = tmp_path / "families"
-    matrix.write_text(MATRIX)
-    specs = parse_matrix_text(MATRIX)
-    assert cli.main(["aot", "--matrix", str(matrix), "-j", "2", "--arch", "9.0a"]) == 0
+    matrix = tmp_path / "matrix"
+    matrix.write_text(text)
+    specs = parse_matrix_text(text)
+    assert cli.main(["aot", "--matrix", str(matrix), "-j", "2", "--arch", arch]) == 0
     assert f"built {len(specs)}, already cached 0, failed 0" in capsys.readouterr().out
+    modules = []
     for spec in specs:
         module = jit.get_module(spec)
-        assert module.path.is_relative_to(fresh_cache), module.path
         for op in spec.op_schemas():
             assert callable(getattr(module, op)), f"{spec.name}: {op}"
+        modules.append(module)
+    return modules
+
+
+@pytest.mark.slow
+def test_one_module_of_each_family_builds_links_and_imports(fresh_cache, tmp_path, capsys):
+    for module in _build_and_load(MATRIX, tmp_path, capsys, "9.0a"):
+        assert module.path.is_relative_to(fresh_cache), module.path
 
 
 @pytest.mark.slow
@@ -55,17 +64,6 @@ def test_hopper_prefill_module_builds_without_a_gpu(fresh_cache, tmp_path, capsy
     """The Hopper prefill module (sm_90a only: wgmma, setmaxnreg) builds, links and imports on
     a machine without a GPU, as an AOT image builds it, whatever --arch says. (Thorough: the
     default run stays under five minutes on two cores; CI runs it.)"""
-    try:
-        toolchain.get()
-    except ToolchainError as exc:
-        pytest.skip(f"needs nvcc, ninja and g++: {exc}")
-    matrix = tmp_path / "sm90"
-    matrix.write_text(SM90_MATRIX)
-    (spec,) = parse_matrix_text(SM90_MATRIX)
-    assert cli.main(["aot", "--matrix", str(matrix), "-j", "2", "--arch", "8.0"]) == 0
-    assert "built 1, already cached 0, failed 0" in capsys.readouterr().out
-    module = jit.get_module(spec)
+    (module,) = _build_and_load(SM90_MATRIX, tmp_path, capsys, "8.0")
     assert module.path.is_relative_to(fresh_cache), module.path
     assert "9.0a" in (module.path / "manifest.json").read_text()  # its own arch, not --arch's
-    for op in spec.op_schemas():
-        assert callable(getattr(module, op)), f"{spec.name}: {op}"

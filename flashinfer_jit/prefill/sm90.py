@@ -91,25 +91,22 @@ def arch_error(device: torch.device) -> str | None:
     return f"backend='fa3': the Hopper path runs on sm_90 GPUs (H100, H200) only; {where}"
 
 
-def choose(backend: str, c, ragged: bool, device: torch.device, qo_lens: np.ndarray,
-           keys: np.ndarray | None = None, table: str | None = "csr", graph: bool = False) -> bool:
-    """Whether plan() takes the Hopper path: backend 'fa3' (an unsupported configuration or
-    device is a ValueError), or 'auto' on an sm_90 device for a configuration it takes, with
-    requests of AUTO_MIN_MEAN_QO_LEN or more query tokens on average and query tiles that
-    visit AUTO_MIN_KEYS or more keys on average (keys: plan_tiles' column 6)."""
-    if backend == "fa2":
-        return False
+def refusal(c, ragged: bool, device: torch.device, table: str | None = "csr", graph: bool = False) -> str | None:
+    """Why the Hopper path cannot run this plan, as backend 'fa3''s ValueError says it: a
+    feature it does not take yet (unsupported; table, graph: as there), else the device
+    (arch_error); None: it can."""
     why = unsupported(c, ragged, table, graph)
-    if backend == "fa3":
-        if why is not None:
-            raise ValueError(f"backend='fa3': not supported on the Hopper path yet: {why}; use backend='auto' or "
-                             "'fa2' (the mma.sync kernel takes it)")
-        arch = arch_error(device)
-        if arch is not None:
-            raise ValueError(arch)
-        return True
-    return why is None and arch_error(device) is None and qo_lens.size > 0 and \
-        float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and keys is not None and keys.size > 0 and \
+    if why is not None:
+        return (f"backend='fa3': not supported on the Hopper path yet: {why}; use backend='auto' or 'fa2' (the "
+                "mma.sync kernel takes it)")
+    return arch_error(device)
+
+
+def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
+    """Whether backend 'auto' takes the Hopper path for a batch it can run: requests of
+    AUTO_MIN_MEAN_QO_LEN or more query tokens on average, query tiles that visit
+    AUTO_MIN_KEYS or more keys on average (keys: plan_tiles' column 6)."""
+    return qo_lens.size > 0 and float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and keys.size > 0 and \
         float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
 
 
@@ -213,4 +210,5 @@ class Sm90Planner:
         return p
 
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "key_tile", "Sm90Plan", "Sm90Planner", "arch_error", "choose", "plan_tiles", "unsupported"]
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "key_tile", "Sm90Plan", "Sm90Planner", "arch_error",
+           "auto_takes", "plan_tiles", "refusal", "unsupported"]

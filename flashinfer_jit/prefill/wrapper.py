@@ -547,22 +547,43 @@ class _PrefillWrapper:
 
     def _plan_sm90(self, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str = "csr",
                    page_ids=None, last_page_len=None) -> bool:
-        """plan() on the Hopper path when the backend asks for it (sm90.choose); False: the
-        mma.sync kernel's plan follows. Ragged: kv_indptr the K/V rows' offsets. Paged: the
-        CSR page table (kv_indptr, page_ids, last_page_len); table "block_tables" for the
-        other form (which the Hopper path does not take). A CUDA-graph wrapper keeps its
-        first plan's kernel (a captured run() replays that kernel): with backend "auto",
-        later plans take the same one."""
+        """plan() on the Hopper path where the backend takes it; False: the mma.sync kernel's
+        plan follows. Ragged: kv_indptr the K/V rows' offsets. Paged: the CSR page table
+        (kv_indptr, page_ids, last_page_len); table "block_tables" for the other form (which
+        the Hopper path does not take). "fa3": the Hopper path, or a ValueError saying why it
+        cannot run (a feature, then the device: sm90.refusal). "auto": the Hopper path where
+        it can run and the batch is one it measured faster on (sm90.auto_takes). A CUDA-graph
+        wrapper keeps its first plan's kernel (a captured run() replays that kernel): with
+        "auto", later plans take the same one."""
         backend = self._backend
-        graph = self._use_cuda_graph
-        if graph and backend == "auto" and self._graph_backend is not None:
+        if self._use_cuda_graph and backend == "auto" and self._graph_backend is not None:
             backend = self._graph_backend
-        if backend == "fa2" or backend == "auto" and (
-                sm90.unsupported(config, self._ragged, table, graph) is not None or
-                sm90.arch_error(self._device) is not None):
+        plan = None if backend == "fa2" else self._sm90_plan(backend, config, qo_indptr, kv_indptr, non_blocking,
+                                                              table, page_ids, last_page_len)
+        if plan is None:
             self._graph_backend = self._graph_backend or "fa2"
             return False
-        sm90.choose(backend, config, self._ragged, self._device, np.zeros(0), None, table, graph)  # (fa3: errors)
+        if self._use_cuda_graph:
+            self._graph_backend = "fa3"
+        previous = self._plan
+        if previous is not None and getattr(previous, "spec", None) is plan.spec:
+            plan.op, plan.traced_key = previous.op, previous.traced_key
+        if plan.traced_key is None:
+            plan.traced_key = traced_key(plan.spec)
+        self._plan = plan
+        self._traced = None
+        static_inputs(plan.work, plan.counters, plan.page_ids)
+        return True
+
+    def _sm90_plan(self, backend: str, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str,
+                   page_ids, last_page_len):
+        """_plan_sm90's plan for backend "fa3" or "auto", or None where "auto" declines."""
+        graph = self._use_cuda_graph
+        why = sm90.refusal(config, self._ragged, self._device, table, graph)
+        if why is not None:
+            if backend == "fa3":
+                raise ValueError(why)
+            return None
         causal = config.mask == "causal"
         if self._ragged:
             qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
@@ -579,29 +600,19 @@ class _PrefillWrapper:
             if ids.shape[0] < int(kv[-1]):
                 raise ValueError(f"paged_kv_indptr: its last offset {int(kv[-1])} exceeds the {ids.shape[0]} page ids "
                                  "of paged_kv_indices")
-            ids = ids.to(self._device, non_blocking=non_blocking)
         keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
         tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens)
-        if not sm90.choose(backend, config, self._ragged, self._device, np.diff(qo), tiles[:, 6], table, graph):
-            self._graph_backend = self._graph_backend or "fa2"
-            return False
+        if backend == "auto" and not sm90.auto_takes(config, np.diff(qo), tiles[:, 6]):
+            return None
         if graph:
             self._capacity = graph_capacity(self._capacity, batch)
-            self._graph_backend = "fa3"
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, graph)
-        previous = self._plan
-        plan = self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout)
-        if previous is not None and getattr(previous, "spec", None) is plan.spec:
-            plan.op, plan.traced_key = previous.op, previous.traced_key
-        if plan.traced_key is None:
-            plan.traced_key = traced_key(plan.spec)
         if self._ragged:
             self._kv_rows = int(kv[-1])
-        self._plan = plan
-        self._traced = None
-        static_inputs(plan.work, plan.counters, plan.page_ids)
-        return True
+        else:
+            ids = ids.to(self._device, non_blocking=non_blocking)
+        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout)
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
@@ -1000,10 +1011,7 @@ class _PrefillWrapper:
             self._check_run(q, k, v, plan)
         tokens = q.shape[0]
         if traced:
-            if q.dim() != 3 or q.shape[1] != c.num_qo_heads or q.shape[2] != c.head_dim_qk or q.dtype != c.q_dtype:
-                raise ValueError(f"q: expected {dtype_str(c.q_dtype)} [qo_tokens, {c.num_qo_heads}, "
-                                 f"{c.head_dim_qk}] as planned, got {dtype_str(q.dtype)} {tuple(q.shape)}")
-            self._check_kv(k, v, c)
+            self._check_traced(q, k, v, c, plan.qo_tokens)
         if out is None:
             out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
         elif not traced:
@@ -1049,6 +1057,20 @@ class _PrefillWrapper:
            merge_rows, self._pdl if enable_pdl is None else enable_pdl, None)
         return (out, lse) if return_lse else out
 
+    def _check_traced(self, q, k, v, c: _Config, qo_tokens: int) -> None:
+        """run()'s checks while torch.compile traces it: shapes and dtypes against the plan (no
+        addresses, no host caches)."""
+        if q.dim() != 3 or q.shape[1] != c.num_qo_heads or q.shape[2] != c.head_dim_qk or q.dtype != c.q_dtype:
+            raise ValueError(f"q: expected {dtype_str(c.q_dtype)} [qo_tokens, {c.num_qo_heads}, {c.head_dim_qk}] as "
+                             f"planned, got {dtype_str(q.dtype)} {tuple(q.shape)}")
+        if q.shape[0] < qo_tokens:
+            raise ValueError(f"q: {q.shape[0]} tokens, fewer than qo_indptr[-1] = {qo_tokens}")
+        for name, t, dim in (("k", k, c.head_dim_qk), ("v", v, c.head_dim_vo)):
+            if t.dtype != c.kv_dtype or t.shape[-1] != dim:
+                raise ValueError(f"{name}: expected {dtype_str(c.kv_dtype)} with head_dim {dim} as planned, got "
+                                 f"{dtype_str(t.dtype)} {tuple(t.shape)}")
+        self._check_kv(k, v, c)
+
     def _traced_args(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, window_left) -> tuple:
         """What run() and POD's run() take of the plan while torch.compile traces: q's and
         K/V's checks of shape and dtype, out (given, or new) and lse (given, new with
@@ -1061,16 +1083,7 @@ class _PrefillWrapper:
         if traced is None:
             raise RuntimeError("run() before plan(): call plan() once per batch first (outside the compiled region)")
         _, args, unordered, mask_args, grid, tile_rows, merge_rows, split, qo_tokens, c = traced
-        if q.dim() != 3 or q.shape[1] != c.num_qo_heads or q.shape[2] != c.head_dim_qk or q.dtype != c.q_dtype:
-            raise ValueError(f"q: expected {dtype_str(c.q_dtype)} [qo_tokens, {c.num_qo_heads}, {c.head_dim_qk}] as "
-                             f"planned, got {dtype_str(q.dtype)} {tuple(q.shape)}")
-        if q.shape[0] < qo_tokens:
-            raise ValueError(f"q: {q.shape[0]} tokens, fewer than qo_indptr[-1] = {qo_tokens}")
-        for name, t, dim in (("k", k, c.head_dim_qk), ("v", v, c.head_dim_vo)):
-            if t.dtype != c.kv_dtype or t.shape[-1] != dim:
-                raise ValueError(f"{name}: expected {dtype_str(c.kv_dtype)} with head_dim {dim} as planned, got "
-                                 f"{dtype_str(t.dtype)} {tuple(t.shape)}")
-        self._check_kv(k, v, c)
+        self._check_traced(q, k, v, c, qo_tokens)
         tokens = q.shape[0]
         if out is None:
             out = torch.empty((tokens, c.num_qo_heads, c.head_dim_vo), dtype=c.o_dtype, device=q.device)
