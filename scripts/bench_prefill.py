@@ -16,8 +16,10 @@ Measures, in one process on one GPU (docs/prefill.md, "Speed"):
     the unmasked keys only, bottom-right aligned), its fraction of the matmul rate, and for
     the KV-bound rows the KV bytes read per second. Providers: ours (paged, ragged; planned
     with backend="fa2", today's mma.sync kernels, whatever backend="auto" would pick), our
-    Hopper path (ours_fa3_ragged: the ragged wrapper with backend="fa3", sm90 only; a row whose
-    configuration plan() declines with a ValueError, e.g. head_dim 256, is skipped with that
+    Hopper path (sm90 only; ours_fa3_ragged: the ragged wrapper with backend="fa3";
+    ours_fa3_paged: the paged wrapper with backend="fa3" on the same page table, cache and
+    page size as ours_paged, every row, the chunked and speculative rows included; a
+    configuration the constructor or plan() declines with a ValueError is skipped with that
     error's text), FlashInfer FA2 and FA3 (sm90 only; paged, ragged), torch SDPA's
     FLASH_ATTENTION and CUDNN_ATTENTION backends on dense [B, H, L, D] copies of the same
     values (enable_gqa, else the KV heads repeated; bottom-right causal where qo_len < kv_len).
@@ -25,10 +27,14 @@ Measures, in one process on one GPU (docs/prefill.md, "Speed"):
   - per row: ours' speed over FA2's (FA2 us / ours us; target >= 1.0, paged and ragged), our
     Hopper path's over the best of FlashInfer FA3 ragged, SDPA cuDNN and SDPA flash
     (fa3_path_vs_best_peer: the fastest one's us / ours_fa3_ragged us) and over ours ragged
-    (fa3_path_vs_ours_ragged), and a check, once, that every provider's output agrees with
-    ours (max abs diff; ours' output buffer NaN-poisoned first, so a row it does not write
-    shows); the Hopper path's output is checked against ours ragged's (check_fa3_path, the
-    peers' tolerance; a disagreement is a missed target).
+    (fa3_path_vs_ours_ragged); the paged Hopper column's likewise over the best of FlashInfer
+    FA3 paged, FA3 ragged, SDPA cuDNN and SDPA flash (fa3_paged_vs_best_peer, naming it in
+    fa3_paged_best_peer) and over ours paged (fa3_paged_vs_ours_paged); and a check, once,
+    that every provider's output agrees with ours (max abs diff; ours' output buffer
+    NaN-poisoned first, so a row it does not write shows); the Hopper path's outputs are
+    checked against ours of the same form (check_fa3_path against ours ragged,
+    check_fa3_paged against ours paged; the peers' tolerance; a disagreement is a missed
+    target).
 
 Timing: CUDA events around each eager run(), an L2 flush (a memset of max(4 x L2, 64 MiB))
 before each, warm-up of at least 200 ms a provider (bench_common.warmup_ms), then the median
@@ -65,6 +71,8 @@ and prints the tables last.
   PYTHONPATH=.peers/site python3 scripts/bench_prefill.py [--quick] [--head-dims 64,128,256] [--out FILE]
   python3 scripts/bench_prefill.py --list      (the rows, FLOPs and bytes; no GPU needed)
   python3 scripts/bench_prefill.py --only 'hd128 causal;spec' --no-sdpa
+  PYTHONPATH=.peers/site python3 scripts/bench_prefill.py --head-dims 128 --only 'hd128 causal 4x4k;hd128 chunked;spec;hd128 causal 1x16k'
+      (the sm90 columns, ragged and paged, on the rows that matter most to them)
 """
 
 from __future__ import annotations
@@ -104,9 +112,13 @@ DEVICE = "cuda"
 WRAPPERS = ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper")
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 FA3_PATH = "ours_fa3_ragged"  # our Hopper (sm_90a) path: the ragged wrapper with backend="fa3"
-IMPLS = ("ours_paged", "ours_ragged", FA3_PATH, "fa2_paged", "fa2_ragged", "fa3_paged", "fa3_ragged", *SDPA_BACKENDS)
+FA3_PAGED = "ours_fa3_paged"  # the same path over the paged cache: the paged wrapper with backend="fa3"
+FA3_IMPLS = (FA3_PATH, FA3_PAGED)
+IMPLS = ("ours_paged", "ours_ragged", FA3_PATH, FA3_PAGED, "fa2_paged", "fa2_ragged", "fa3_paged", "fa3_ragged",
+         *SDPA_BACKENDS)
 CHECK_PEERS = ("fa2_paged", "fa2_ragged", "sdpa_flash", "sdpa_cudnn", "fa3_paged", "fa3_ragged")
 FA3_PATH_PEERS = ("fa3_ragged", "sdpa_cudnn", "sdpa_flash")  # fa3_path_vs_best_peer: the fastest of these
+FA3_PAGED_PEERS = ("fa3_paged", "fa3_ragged", "sdpa_cudnn", "sdpa_flash")  # fa3_paged_vs_best_peer: likewise
 
 
 # --- rows -----------------------------------------------------------------------------------------
@@ -137,9 +149,9 @@ class Row(NamedTuple):
         return 2 * self.batch * self.kv_len * NUM_KV_HEADS * self.head_dim * 2
 
     def budget_s(self, reps: int) -> float:
-        """A rough upper estimate of the row's wall time (9 providers, ~300 TFLOP/s, warm-up,
+        """A rough upper estimate of the row's wall time (10 providers, ~300 TFLOP/s, warm-up,
         plan, checks): a row that would end past --time-limit is not started."""
-        return 9 * (0.55 + (reps + 12) * self.flops() / 300e12)
+        return 10 * (0.55 + (reps + 12) * self.flops() / 300e12)
 
     def io_bytes(self) -> int:
         """q + K + V + out bytes (bf16): what a run touches at least once."""
@@ -185,7 +197,7 @@ def row_list(head_dims, only=()) -> list[Row]:
 
 def ours_configs(rows, hd: int, prefill: bool, fa3: bool = False) -> list[str]:
     """Our configurations the rows of head dim `hd` use, as the warm-up names them
-    (<form>_<mask> for backend="fa2"; ragged_<mask>_fa3 for the Hopper path, with `fa3`)."""
+    (<form>_<mask> for backend="fa2"; <form>_<mask>_fa3 for the Hopper path, with `fa3`)."""
     found = []
     for r in rows:
         if r.head_dim != hd:
@@ -193,8 +205,8 @@ def ours_configs(rows, hd: int, prefill: bool, fa3: bool = False) -> list[str]:
         if prefill:
             mask = "causal" if r.causal else "full"
             found += [f"{form}_{mask}" for form in r.forms]
-            if fa3 and "ragged" in r.forms:
-                found.append(f"ragged_{mask}_fa3")
+            if fa3:
+                found += [f"{form}_{mask}_fa3" for form in r.forms]
         if r.kind == "spec":
             found += ["decode4", "decode1"]
     return sorted(set(found))
@@ -259,30 +271,32 @@ try:
         form, mask, *rest = what.split("_")  # <form>_<mask>[_fa3]
         causal, backend = mask == "causal", (rest or ["fa2"])[0]
         # fa2: short and long queries, one and many requests, a partial last page: what plan()
-        # may pick different kernels for; fa3 (ragged only): the benchmark's kind, qo = kv
+        # may pick different kernels for; fa3 (ragged and paged, pages of 16): the benchmark's
+        # kind, qo = kv (one module a form, mask and head dim serves every length)
         shapes = ((1, 40, 40), (4, 4, 1024), (2, 256, 2048), (1, 1024, 1024)) if backend == "fa2" else \
             ((1, 1024, 1024), (4, 256, 256))
         for batch, qo, kv in shapes:
             q = torch.randn(batch * qo, hq, hd, device="cuda", dtype=bf16)
             qo_indptr = torch.arange(0, batch * qo + 1, qo, dtype=torch.int32)
-            if form == "paged":
-                cache, indptr, indices, last = paged(batch, kv)
-                w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-                w.plan(qo_indptr, indptr, indices, last, hq, hk, hd, page, causal=causal, q_data_type=bf16,
-                       kv_data_type=bf16)
-                w.run(q, (cache, cache))
-            else:
-                k = torch.randn(batch * kv, hk, hd, device="cuda", dtype=bf16)
-                try:
+            try:
+                if form == "paged":
+                    cache, indptr, indices, last = paged(batch, kv)
+                    w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                    w.plan(qo_indptr, indptr, indices, last, hq, hk, hd, page, causal=causal, q_data_type=bf16,
+                           kv_data_type=bf16)
+                    run = lambda: w.run(q, (cache, cache))
+                else:
+                    k = torch.randn(batch * kv, hk, hd, device="cuda", dtype=bf16)
                     w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
                     w.plan(qo_indptr, torch.arange(0, batch * kv + 1, kv, dtype=torch.int32), hq, hk, hd,
                            causal=causal, q_data_type=bf16, kv_data_type=bf16)
-                except ValueError as exc:  # the Hopper path declines this configuration: nothing to
-                    if backend != "fa3":   # warm up (the row's plan() says why again, and is skipped)
-                        raise
-                    unsupported = f"{type(exc).__name__}: {exc}"[-600:]
-                    break
-                w.run(q, k, k)
+                    run = lambda: w.run(q, k, k)
+            except ValueError as exc:  # the Hopper path declines this configuration: nothing to
+                if backend != "fa3":   # warm up (the row's plan() says why again, and is skipped)
+                    raise
+                unsupported = f"{type(exc).__name__}: {exc}"[-600:]
+                break
+            run()
     torch.cuda.synchronize()
     print(json.dumps({"ok": True, "seconds": time.perf_counter() - t0}
                      | ({"unsupported": unsupported} if unsupported else {})))
@@ -658,7 +672,7 @@ class Context(NamedTuple):
     reps: int
     flush: Flush
     matmul_tflops: float
-    fa3_path_reason: str | None = None  # why our Hopper path (ours_fa3_ragged) is not tried, or None
+    fa3_path_reason: str | None = None  # why our Hopper path (ours_fa3_ragged / _paged) is not tried, or None
 
 
 def measure_row(row: Row, ctx: Context, seed: int) -> dict:
@@ -674,7 +688,7 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     inputs = Inputs(row, seed, ragged="ragged" in row.forms, dense=ctx.sdpa)
     bf16 = torch.bfloat16
     mask = "causal" if row.causal else "full"
-    ref = {}  # "out": ours' output, the row's reference ("impl": whose); "ours_ragged": ours ragged's output
+    ref = {}  # "out": ours' output, the row's reference ("impl": whose); "ours_ragged" / "ours_paged": that one's
     planned = {}  # impl -> our wrapper's planned_backend after plan() (where the wrapper has one)
     # The row's providers are prepared (planned, checked) one by one, then timed together,
     # interleaved run by run (time_interleaved), so that the GPU's clock drift over the row
@@ -730,14 +744,14 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             entry = {}
             if reference is not None:
                 entry["vs_ours"] = compare(output(), reference)
-            elif impl.startswith("ours") and impl != FA3_PATH and "out" not in ref:
+            elif impl.startswith("ours") and impl not in FA3_IMPLS and "out" not in ref:
                 got = output()
                 entry["wrote_every_row"] = not bool(torch.isnan(got).any())
                 ref["out"], ref["impl"] = got.clone(), impl
-            elif impl == FA3_PATH:  # no output of ours to check it against
+            elif impl in FA3_IMPLS:  # no output of ours to check it against
                 entry["wrote_every_row"] = not bool(torch.isnan(output()).any())
-            if impl == "ours_ragged":  # the Hopper path's reference
-                ref["ours_ragged"] = ref["out"] if ref.get("impl") == impl else output().clone()
+            if impl in ("ours_ragged", "ours_paged"):  # the Hopper path's reference, form for form
+                ref[impl] = ref["out"] if ref.get("impl") == impl else output().clone()
             if impl in planned:
                 entry["planned_backend"] = planned[impl]
         except Exception as exc:  # noqa: BLE001  (one failing provider must not end the run)
@@ -768,22 +782,25 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
         res["impls"][impl] = {"skipped": f"ours: {why}"} if why else \
             measure(impl, lambda f=form, i=impl: (wrapper_runner(fij, f, "fa2", i), out_of_wrapper),
                     ours_reference())
-    # our Hopper path: the ragged wrapper with backend="fa3", checked against ours ragged (else
-    # against the row's reference); a configuration its plan() declines (ValueError) is skipped
-    if "ragged" not in row.forms:
-        res["impls"][FA3_PATH] = {"skipped": f"{row.kind} rows are paged only"}
-    else:
+    # our Hopper path: the ragged wrapper with backend="fa3" (ours_fa3_ragged), then the paged
+    # one on the same page table and cache as ours_paged (ours_fa3_paged), each checked against
+    # ours of its form (else against the row's reference); a configuration the constructor or
+    # plan() declines (ValueError) is skipped with the error's text
+    for form, impl in (("ragged", FA3_PATH), ("paged", FA3_PAGED)):
+        if form not in row.forms:
+            res["impls"][impl] = {"skipped": f"{row.kind} rows are paged only"}
+            continue
         why = ctx.ours_reason or ctx.fa3_path_reason or \
-            (ctx.builds and ctx.builds.status(("ours", hd, f"ragged_{mask}_fa3")))
+            (ctx.builds and ctx.builds.status(("ours", hd, f"{form}_{mask}_fa3")))
         if why:
-            res["impls"][FA3_PATH] = {"skipped": f"ours: {why}"}
-        else:
-            against = "ours_ragged" if "ours_ragged" in ref else ref.get("impl")
-            res["impls"][FA3_PATH] = measure(
-                FA3_PATH, lambda: (wrapper_runner(fij, "ragged", "fa3", FA3_PATH), out_of_wrapper),
-                ref.get("ours_ragged", ref.get("out")), unsupported=(ValueError,))
-            if "vs_ours" in res["impls"][FA3_PATH]:
-                res["impls"][FA3_PATH]["checked_against"] = against
+            res["impls"][impl] = {"skipped": f"ours: {why}"}
+            continue
+        against = f"ours_{form}" if f"ours_{form}" in ref else ref.get("impl")
+        res["impls"][impl] = measure(
+            impl, lambda f=form, i=impl: (wrapper_runner(fij, f, "fa3", i), out_of_wrapper),
+            ref.get(f"ours_{form}", ref.get("out")), unsupported=(ValueError,))
+        if "vs_ours" in res["impls"][impl]:
+            res["impls"][impl]["checked_against"] = against
     # FlashInfer FA2 and FA3
     for backend in ("fa2", "fa3"):
         for form in ("paged", "ragged"):
@@ -903,8 +920,8 @@ def paired_speedup(ours: dict, fa2: dict) -> dict | None:
 
 
 def derive(res: dict) -> None:
-    """Speed over FA2, our Hopper path's speed over the best peer, the agreement checks and
-    the targets of one row."""
+    """Speed over FA2, our Hopper columns' speed over their best peer (derive_fa3), the
+    agreement checks and the targets of one row."""
     impls = res["impls"]
     us = {k: v.get("median_us") for k, v in impls.items()}
     res["speedup_vs_fa2"], res["time_ratio_ours_over_fa2"] = {}, {}
@@ -928,27 +945,16 @@ def derive(res: dict) -> None:
         res["check"]["ours_wrote_every_row"] = impls.get(res["check"]["ours"], {}).get("wrote_every_row")
     else:
         res["check"] = {"skipped": "no output of ours" if not ours_impl else "no peer ran (FA2, SDPA, FA3)"}
-    # our Hopper path: over the fastest of FA3 ragged, SDPA cuDNN and SDPA flash, and over ours ragged
-    fa3_path, fa3_us = impls.get(FA3_PATH, {}), us.get(FA3_PATH)
-    peers = {p: us[p] for p in FA3_PATH_PEERS if us.get(p)}
-    best = min(peers, key=peers.get) if peers else None
-    res["fa3_path_vs_best_peer"] = peers[best] / fa3_us if fa3_us and best else None
-    res["fa3_path_best_peer"] = best if fa3_us else None
-    paired = paired_ratio((fa3_path.get("timing") or {}).get("samples_us") or [],
-                          (impls.get(best, {}).get("timing") or {}).get("samples_us") or []) if fa3_us and best else None
-    if paired is not None:
-        res["paired_fa3_path_vs_best_peer"] = paired
-    if fa3_us and us.get("ours_ragged"):
-        res["fa3_path_vs_ours_ragged"] = us["ours_ragged"] / fa3_us
-    if "vs_ours" in fa3_path:
-        res["check_fa3_path"] = {"impl": FA3_PATH, "reference": fa3_path.get("checked_against"),
-                                 "tolerance": f"|ours_fa3_ragged - ref| <= {ATOL:g} + {RTOL:g} |ref|",
-                                 **fa3_path["vs_ours"]}
+    # our Hopper path, ragged (fa3_path_*) and paged (fa3_paged_*): over the fastest of its
+    # peers, and over ours of its form
+    derive_fa3(res, FA3_PATH, "fa3_path", FA3_PATH_PEERS, "ours_ragged")
+    derive_fa3(res, FA3_PAGED, "fa3_paged", FA3_PAGED_PEERS, "ours_paged")
     targets = {}
     for form, s in res["speedup_vs_fa2"].items():
         targets[f"{form} >= {TARGET_SPEEDUP_VS_FA2:g}x FA2"] = s >= TARGET_SPEEDUP_VS_FA2
-    if "check_fa3_path" in res:
-        targets["sm90 rg agrees with ours"] = bool(res["check_fa3_path"]["agrees"])
+    for key, name in (("check_fa3_path", "sm90 rg"), ("check_fa3_paged", "sm90 pg")):
+        if key in res:
+            targets[f"{name} agrees with ours"] = bool(res[key]["agrees"])
     if res["kind"] == "spec":
         prefill, q4, q1 = us.get("ours_paged"), us.get("ours_decode_q4"), us.get("ours_decode_q1")
         res["prefill_over_decode"] = {}
@@ -961,10 +967,34 @@ def derive(res: dict) -> None:
     res["targets"] = targets
 
 
+def derive_fa3(res: dict, impl: str, key: str, peers: tuple, ours: str) -> None:
+    """One Hopper column's figures, under `key` (fa3_path: ours_fa3_ragged; fa3_paged:
+    ours_fa3_paged): <key>_vs_best_peer, the fastest (median us) of `peers` that ran on the
+    row (<key>_best_peer) over `impl` (None where either did not run); paired_<key>_vs_best_peer,
+    the same paired round by round; <key>_vs_<ours>, ours' us over `impl`'s; check_<key>, its
+    output against ours of its form (vs_ours)."""
+    impls = res["impls"]
+    us = {k: v.get("median_us") for k, v in impls.items()}
+    entry, own = impls.get(impl, {}), us.get(impl)
+    ran = {p: us[p] for p in peers if us.get(p)}
+    best = min(ran, key=ran.get) if ran else None
+    res[f"{key}_vs_best_peer"] = ran[best] / own if own and best else None
+    res[f"{key}_best_peer"] = best if own else None
+    paired = paired_ratio((entry.get("timing") or {}).get("samples_us") or [],
+                          (impls.get(best, {}).get("timing") or {}).get("samples_us") or []) if own and best else None
+    if paired is not None:
+        res[f"paired_{key}_vs_best_peer"] = paired
+    if own and us.get(ours):
+        res[f"{key}_vs_{ours}"] = us[ours] / own
+    if "vs_ours" in entry:
+        res[f"check_{key}"] = {"impl": impl, "reference": entry.get("checked_against"),
+                               "tolerance": f"|{impl} - ref| <= {ATOL:g} + {RTOL:g} |ref|", **entry["vs_ours"]}
+
+
 # --- report -----------------------------------------------------------------------------------------
-SHORT = {"ours_paged": "ours pg", "ours_ragged": "ours rg", FA3_PATH: "ours sm90 rg", "fa2_paged": "FA2 pg",
-         "fa2_ragged": "FA2 rg", "fa3_paged": "FA3 pg", "fa3_ragged": "FA3 rg", "sdpa_flash": "SDPA flash",
-         "sdpa_cudnn": "SDPA cuDNN"}
+SHORT = {"ours_paged": "ours pg", "ours_ragged": "ours rg", FA3_PATH: "ours sm90 rg", FA3_PAGED: "ours sm90 pg",
+         "fa2_paged": "FA2 pg", "fa2_ragged": "FA2 rg", "fa3_paged": "FA3 pg", "fa3_ragged": "FA3 rg",
+         "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN"}
 
 
 def _cell(entry: dict | None, key: str):
@@ -1021,23 +1051,27 @@ def report(res: dict) -> str:
         chk = r.get("check", {})
         agree = _agreement(chk)
         miss = [name for name, ok in r.get("targets", {}).items() if not ok]
-        best = r.get("fa3_path_best_peer")
+        best, best_pg = r.get("fa3_path_best_peer"), r.get("fa3_paged_best_peer")
         tf_rows.append([r["label"], *[_cell(im.get(k), "tflops") for k in IMPLS],
                         _cell(im.get("ours_paged"), "frac_matmul"),
                         r["speedup_vs_fa2"].get("paged"), r["speedup_vs_fa2"].get("ragged"),
                         *[r.get("paired_speedup_vs_fa2", {}).get(f, {}).get("median") for f in ("paged", "ragged")],
                         r.get("fa3_path_vs_best_peer"), SHORT.get(best, best),
                         r.get("paired_fa3_path_vs_best_peer", {}).get("median"),
+                        r.get("fa3_paged_vs_best_peer"), SHORT.get(best_pg, best_pg),
+                        r.get("paired_fa3_paged_vs_best_peer", {}).get("median"),
                         f"{chk.get('reference', '')} {agree}".strip(),
-                        _agreement(r.get("check_fa3_path", {})),
+                        _agreement(r.get("check_fa3_path", {})), _agreement(r.get("check_fa3_paged", {})),
                         ("MISS " + "; ".join(miss)) if miss else ("ok" if r.get("targets") else "-")])
         us_rows.append([r["label"], *[_cell(im.get(k), "median_us") for k in IMPLS]])
     lines += ["", "TFLOP/s (x FA2: FA2 us / ours us, >= 1 is ours faster; paired: the median over the rounds of "
                   "that ratio in one round; frac: ours paged / matmul rate; sm90 x best: the best peer's us (of "
                   "FA3 rg, SDPA cuDNN, SDPA flash; which: best peer) / ours sm90 rg us, paired likewise; "
-                  "sm90 check: ours sm90 rg against ours rg)",
+                  "sm90 pg x best: the same for ours sm90 pg, its peers FA3 pg, FA3 rg, SDPA cuDNN, SDPA flash; "
+                  "sm90 check / sm90 pg check: ours sm90 rg against ours rg, ours sm90 pg against ours pg)",
               bc.table(tf_rows, ["row", *[SHORT[k] for k in IMPLS], "frac", "x FA2 pg", "x FA2 rg", "paired pg",
-                                 "paired rg", "sm90 x best", "best peer", "paired best", "check", "sm90 check",
+                                 "paired rg", "sm90 x best", "best peer", "paired best", "sm90 pg x best",
+                                 "pg best peer", "paired pg best", "check", "sm90 check", "sm90 pg check",
                                  "targets"]),
               "", "us per run()", bc.table(us_rows, ["row", *[SHORT[k] for k in IMPLS]])]
     spec = [r for r in res["rows"] if r["kind"] == "spec"]
@@ -1048,12 +1082,12 @@ def report(res: dict) -> str:
             sp.append([r["label"], _cell(im.get("ours_paged"), "median_us"), _cell(im.get("ours_paged"), "kv_tb_per_s"),
                        _cell(im.get("ours_decode_q4"), "median_us"), _cell(im.get("ours_decode_q1"), "median_us"),
                        r.get("prefill_over_decode", {}).get("q_len_per_req"),
-                       r.get("prefill_over_decode", {}).get("one_token"),
+                       r.get("prefill_over_decode", {}).get("one_token"), _cell(im.get(FA3_PAGED), "median_us"),
                        _cell(im.get("fa2_paged"), "median_us"), _cell(im.get("fa3_paged"), "median_us")])
         lines += ["", f"speculative verification (target: ours prefill <= {TARGET_SPEC_OVER_DECODE:g}x our "
                       "one-token decode)",
                   bc.table(sp, ["row", "ours prefill us", "KV TB/s", "decode q4 us", "decode q1 us",
-                                "prefill/q4", "prefill/q1", "FA2 us", "FA3 us"])]
+                                "prefill/q4", "prefill/q1", "ours sm90 pg us", "FA2 us", "FA3 us"])]
     return "\n".join(lines)
 
 
@@ -1154,7 +1188,8 @@ def main(argv=None) -> int:
     fi_info = flashinfer_status(not args.no_flashinfer)
     fa3_reason = "--no-fa3" if args.no_fa3 else None if cap[0] == 9 else \
         f"FA3 needs sm90 (this device is sm{cap[0]}{cap[1]})"
-    # our Hopper path (ours_fa3_ragged) is tried on sm90 only; there plan() says what it declines
+    # our Hopper path (ours_fa3_ragged, ours_fa3_paged) is tried on sm90 only; there plan() says what
+    # it declines
     fa3_path_reason = None if cap[0] == 9 else f"the sm90 path needs sm90 (this device is sm{cap[0]}{cap[1]})"
     import flashinfer_jit as fij
 
@@ -1199,9 +1234,11 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                                  "its inverse; paired_speedup_vs_fa2: the median (p10, p90) over the rounds of FA2's "
                                  "time over ours in the same round",
                "ours": "ours_paged / ours_ragged: our wrappers planned with backend='fa2' (today's mma.sync "
-                       "kernels, whatever 'auto' would pick); ours_fa3_ragged: the ragged wrapper with "
-                       "backend='fa3' (the Hopper path; sm90 only; skipped with plan()'s ValueError where it "
-                       "declines the configuration); planned_backend: the wrapper's, after plan()",
+                       "kernels, whatever 'auto' would pick); ours_fa3_ragged / ours_fa3_paged: the ragged / "
+                       "paged wrapper with backend='fa3' (the Hopper path; sm90 only; the paged one on "
+                       "ours_paged's page table, cache and page size, every row; skipped with the "
+                       "constructor's or plan()'s ValueError where it declines the configuration); "
+                       "planned_backend: the wrapper's, after plan()",
                "fa3_path_vs_best_peer": "the fastest (median us) of " + ", ".join(FA3_PATH_PEERS)
                                         + " (fa3_path_best_peer) over ours_fa3_ragged (>= 1: ours faster); "
                                           "paired_fa3_path_vs_best_peer: the same paired round by round; "
@@ -1209,6 +1246,13 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
                "check_fa3_path": "ours_fa3_ragged's output against ours_ragged's (else the row's reference), "
                                  f"agrees if |d| <= {ATOL:g} + {RTOL:g} |ref| everywhere; a disagreement "
                                  "misses the row's targets",
+               "fa3_paged_vs_best_peer": "the fastest (median us) of " + ", ".join(FA3_PAGED_PEERS)
+                                         + " that ran on the row (fa3_paged_best_peer) over ours_fa3_paged (>= 1: "
+                                           "ours faster); paired_fa3_paged_vs_best_peer: the same paired round by "
+                                           "round; fa3_paged_vs_ours_paged: ours_paged us / ours_fa3_paged us",
+               "check_fa3_paged": "ours_fa3_paged's output against ours_paged's (else the row's reference), "
+                                  f"agrees if |d| <= {ATOL:g} + {RTOL:g} |ref| everywhere; a disagreement "
+                                  "misses the row's targets ('sm90 pg agrees with ours')",
                "check": f"every provider's output against ours: max abs diff, agrees if |d| <= {ATOL:g} + "
                         f"{RTOL:g} |ours| everywhere",
                "sdpa": "dense [B, H, L, D] copies of the same values; enable_gqa (or the KV heads repeated); "

@@ -65,6 +65,8 @@ from test_prefill import (
     indptr_of,
     make_q,
     make_rows,
+    paged_kv,
+    paged_wrapper,
     plan_kv,
     prefill_spec,
     ragged_kv,
@@ -524,7 +526,7 @@ def _auto_lacking_params():
         pytest.param(dict(head_dim_qk=256, head_dim_vo=256), False, id="hd256"),
         pytest.param(dict(head_dim_qk=192, head_dim_vo=128), False, id="hd192x128"),
         pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
-        pytest.param(dict(), True, id="paged"),
+        pytest.param(dict(page_size=8), True, id="paged_page_8"),
         pytest.param(dict(kv_data_type=torch.float8_e4m3fn), True, id="paged_fp8_kv"),
     ]
 
@@ -546,15 +548,129 @@ def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspa
     if "custom_mask" in extra or "packed_custom_mask" in extra:
         kwargs.pop("causal")
     if paged:
-        pages = [-(-n // 16) for n in kv_lens]
+        ps = kwargs.pop("page_size", 16)
+        pages = [-(-n // ps) for n in kv_lens]
         wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(hopper_workspace, "NHD")
         wrapper.plan(indptr_of(qo, "cpu"), indptr_of(pages, "cpu"), torch.arange(sum(pages), dtype=torch.int32),
-                     torch.tensor([n - 16 * (p - 1) for n, p in zip(kv_lens, pages)], dtype=torch.int32),
-                     page_size=16, **kwargs)
+                     torch.tensor([n - ps * (p - 1) for n, p in zip(kv_lens, pages)], dtype=torch.int32),
+                     page_size=ps, **kwargs)
     else:
         wrapper = ragged_wrapper(hopper_workspace)
         wrapper.plan(indptr_of(qo, "cpu"), indptr_of(kv_lens, "cpu"), **kwargs)
     assert wrapper.planned_backend == "fa2"
+
+
+# --- head_dim 256 (64-key tiles; backend "fa3" only: auto does not take it before it is measured) ------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, causal, group", [(BF16, True, 4), (F16, False, 1), (BF16, False, 8)])
+def test_fa3_head_dim_256(dtype, causal, group, hopper_workspace):
+    """head_dim 256 on the Hopper path (64-key tiles, O in 128 registers a thread, m64n256k16
+    P V): mixed ragged batches against the float64 reference and the mma.sync kernel."""
+    gen = torch.Generator(device=DEV).manual_seed(256 + group)
+    shapes = [(300, 300), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000)]
+    heads = {1: (4, 4), 4: (8, 2), 8: (8, 1)}[group]
+    torch_dtype = dtype_of(dtype)
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, heads, 256, torch_dtype, gen)
+    results = {}
+    for backend in ("fa3", "fa2"):
+        wrapper = ragged_wrapper(hopper_workspace, backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *heads, (256, 256), causal=causal, q_data_type=torch_dtype)
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, 256, torch_dtype)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    tol = tolerance(dtype)
+    for out, lse in results.values():
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    check_agree(*results["fa3"], *results["fa2"], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
+    auto = ragged_wrapper(hopper_workspace)
+    plan_kv(auto, qo_indptr, kv, *heads, (256, 256), causal=causal, q_data_type=torch_dtype)
+    assert auto.planned_backend == "fa2"
+
+
+# --- paged K/V ----------------------------------------------------------------------------------
+PAGED_SHAPES = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (64, 65), (300, 300)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, kv_layout, causal, head_dim, dtype, form", [
+    (16, "NHD", True, 128, BF16, "tuple"),
+    (16, "HND", False, 128, F16, "single"),
+    (16, "NHD", False, 128, BF16, "halves"),
+    (32, "NHD", False, 64, BF16, "tuple"),
+    (32, "HND", True, 128, BF16, "tuple"),
+    (64, "HND", True, 64, F16, "tuple"),
+    (64, "NHD", False, 128, F16, "single"),
+    (128, "NHD", True, 128, BF16, "tuple"),
+    (128, "HND", False, 64, BF16, "tuple"),
+    (16, "NHD", True, 256, BF16, "tuple"),
+    (64, "HND", False, 256, F16, "tuple"),
+], ids=lambda v: str(v))
+def test_fa3_paged_against_reference(page_size, kv_layout, causal, head_dim, dtype, form, hopper_workspace):
+    """The paged wrapper on the Hopper path (one TMA box a page): the CSR page table on a
+    random permutation of pages, NaN in every unused page and slot (the last page's rows past
+    kv_len reach the tile: the kernel zeroes V's), requests without keys or queries, page
+    sizes 16-128, NHD and HND, K/V as a tuple, one [P, 2, ...] tensor or halves of one buffer
+    (strided); against the float64 reference, NaN-poisoned outputs."""
+    rnd = random.Random(page_size + head_dim)
+    gen = torch.Generator(device=DEV).manual_seed(page_size + head_dim)
+    torch_dtype = dtype_of(dtype)
+    qo_lens, kv_lens = [m for m, _ in PAGED_SHAPES], [n for _, n in PAGED_SHAPES]
+    k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (head_dim, head_dim), torch_dtype, gen)
+    kv = paged_kv(k_rows, v_rows, kv_lens, page_size, "csr", kv_layout, form, rnd)
+    q = make_q(sum(qo_lens), LLAMA[0], head_dim, torch_dtype, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    wrapper = paged_wrapper(hopper_workspace, kv_layout, backend="fa3")
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, (head_dim, head_dim), page_size, causal=causal, q_data_type=torch_dtype)
+    assert wrapper.planned_backend == "fa3"
+    out, lse = run_poisoned(wrapper, q, kv, head_dim, torch_dtype)
+    ref_out, ref_lse = reference(q, qo_indptr.to(DEV), kv, causal=causal)
+    check_prefill(out, lse, ref_out, ref_lse, PAGED_SHAPES, tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_fa3_paged_matches_ragged_and_fa2(causal, hopper_workspace):
+    """The same rows through the paged cache (pages of 16) and as ragged tensors, on the
+    Hopper path, and the paged cache on the mma.sync kernel: the three agree."""
+    rnd = random.Random(31)
+    gen = torch.Generator(device=DEV).manual_seed(31)
+    shapes = [(512, 2048), (300, 1300), (129, 700), (1, 33)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (128, 128), torch.bfloat16, gen)
+    q = make_q(sum(qo_lens), LLAMA[0], 128, torch.bfloat16, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    paged = paged_kv(k_rows, v_rows, kv_lens, 16, rnd=rnd)
+    results = {}
+    for name, wrapper, kv in (("fa3 paged", paged_wrapper(hopper_workspace, backend="fa3"), paged),
+                              ("fa3 ragged", ragged_wrapper(hopper_workspace, backend="fa3"),
+                               ragged_kv(k_rows, v_rows, kv_lens)),
+                              ("fa2 paged", paged_wrapper(hopper_workspace, backend="fa2"), paged)):
+        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), 16, causal=causal, q_data_type=torch.bfloat16)
+        results[name] = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    tol = tolerance(BF16)
+    for name, (out, lse) in results.items():
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    first = results["fa3 paged"]
+    for name in ("fa3 ragged", "fa2 paged"):
+        check_agree(*first, *results[name], shapes, tol * AGREE_FACTOR, "fa3 paged", name)
+
+
+@pytest.mark.gpu
+def test_auto_takes_fa3_for_paged_prompts(hopper_workspace):
+    """backend="auto" on the paged wrapper: long prompts on pages of 16 take the Hopper path;
+    pages of 8 keep the mma.sync kernel."""
+    shapes = AUTO_BATCHES["long_prompts"][0]
+    qo, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    base = dict(num_qo_heads=LLAMA[0], num_kv_heads=LLAMA[1], head_dim_qk=128, causal=True,
+                q_data_type=torch.bfloat16)
+    for ps, expected in ((16, "fa3"), (8, "fa2")):
+        pages = [-(-n // ps) for n in kv_lens]
+        wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(hopper_workspace, "NHD")
+        wrapper.plan(indptr_of(qo, "cpu"), indptr_of(pages, "cpu"), torch.arange(sum(pages), dtype=torch.int32),
+                     torch.tensor([n - ps * (p - 1) for n, p in zip(kv_lens, pages)], dtype=torch.int32),
+                     page_size=ps, **base)
+        assert wrapper.planned_backend == expected, ps
 
 
 # --- scales and run()'s options ------------------------------------------------------------------
@@ -674,7 +790,6 @@ FA3_LACKS = [
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8_kv"),
     pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"kv_data_type|q_data_type|dtype",
                  id="kv_dtype_not_q"),  # (inferred from "same dtype for q and kv")
-    pytest.param(dict(head_dim_qk=256), r"head_dim", id="hd256"),
     pytest.param(dict(head_dim_qk=192, head_dim_vo=128), r"head_dim", id="hd192x128"),
     pytest.param(dict(head_dim_qk=512), r"head_dim", id="hd512"),
     pytest.param(dict(o_data_type=torch.float16), r"o_data_type", id="o_dtype"),
@@ -689,16 +804,42 @@ def test_fa3_plan_names_what_it_lacks(extra, match):
         _cpu_ragged_plan(**extra)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["same", "fp8"])
-def test_fa3_plan_rejects_paged_kv(kv_dtype):
-    """The paged wrapper with backend="fa3": plan() raises a ValueError naming paged K/V (fp8
-    K/V, paged only, may name either)."""
-    pages = [-(-n // 16) for n in CPU_KV]
-    wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
-    with pytest.raises(ValueError, match=r"(?i)paged" if kv_dtype is None else r"(?i)paged|fp8|float8|kv_data_type"):
+def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: bool = False, **kwargs):
+    pages = [-(-n // page_size) for n in CPU_KV]
+    wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", use_cuda_graph=use_cuda_graph,
+                                                      backend="fa3")
+    kwargs = dict(dict(q_data_type=torch.bfloat16, **CPU_HEADS), **kwargs)
+    if table == "csr":
         wrapper.plan(_cpu_indptr(CPU_QO), _cpu_indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
-                     torch.tensor([n - 16 * (p - 1) if p else 0 for n, p in zip(CPU_KV, pages)], dtype=torch.int32),
-                     page_size=16, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, **CPU_HEADS)
+                     torch.tensor([n - page_size * (p - 1) if p else 0 for n, p in zip(CPU_KV, pages)],
+                                  dtype=torch.int32), page_size=page_size, **kwargs)
+    else:
+        table = torch.arange(len(CPU_KV) * max(pages), dtype=torch.int32).reshape(len(CPU_KV), max(pages))
+        wrapper.plan(_cpu_indptr(CPU_QO), None, None, None, page_size=page_size, block_tables=table,
+                     seq_lens=torch.tensor(CPU_KV, dtype=torch.int32), **kwargs)
+
+
+@pytest.mark.parametrize("options, match", [
+    pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8"),
+    pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
+    pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
+    pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
+    pytest.param(dict(table="block_tables"), r"block_tables", id="block_tables"),
+    pytest.param(dict(use_cuda_graph=True), r"use_cuda_graph", id="cuda_graph"),
+])
+def test_fa3_paged_plan_names_what_it_lacks(options, match):
+    """The paged wrapper with backend="fa3": plan() raises a ValueError naming what the Hopper
+    path does not take with paged K/V (before the arch: a CPU workspace here)."""
+    with pytest.raises(ValueError, match=match):
+        _cpu_paged_plan(**options)
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+def test_fa3_paged_plan_on_the_cpu_names_sm90(page_size):
+    """A paged configuration the Hopper path takes (CSR, pages of 16-128): on a CPU
+    workspace, the ValueError names the arch."""
+    with pytest.raises(ValueError, match=r"sm_90"):
+        _cpu_paged_plan(page_size=page_size, causal=True)
 
 
 @pytest.mark.parametrize("config", [
@@ -707,6 +848,7 @@ def test_fa3_plan_rejects_paged_kv(kv_dtype):
     pytest.param(dict(causal=True, num_qo_heads=24, num_kv_heads=4, sm_scale=0.07, o_data_type=torch.bfloat16,
                       kv_data_type=torch.bfloat16), id="gqa6-sm_scale-explicit-dtypes"),
     pytest.param(dict(causal=True, use_cuda_graph=True), id="cuda_graph"),
+    pytest.param(dict(causal=True, head_dim_qk=256), id="bf16-hd256-causal"),
 ])
 def test_fa3_plan_on_the_cpu_names_sm90(config):
     """backend="fa3" with a configuration the Hopper path supports, on a CPU workspace: a

@@ -3,8 +3,9 @@ ceiling's CUDA source still compiles, bench_decode.py's dense peers gather the p
 and attend as a float64 reference does, sweep_decode.py picks its cases, and
 bench_prefill.py merges a provider's two blocks of runs and ends its warm-ups before it
 times anything, lists its rows without a GPU, and plans its columns with the backends they
-name (ours fa2; the sm90 column fa3, checked against ours ragged, skipped where plan()
-declines), on the CPU with stand-in wrappers."""
+name (ours fa2; the sm90 columns fa3, ragged checked against ours ragged and paged against
+ours paged, skipped where the constructor or plan() declines), on the CPU with stand-in
+wrappers."""
 
 from __future__ import annotations
 
@@ -190,13 +191,19 @@ def test_bench_prefill_list_runs_without_a_gpu(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("hd128 causal 1x16k") and len(lines) == 11  # one hd128 row, ten hd64 rows
     assert bp.ours_configs(bp.row_list((128,), ("hd128 causal 1x16k", "spec")), 128, True, fa3=True) == \
-        ["decode1", "decode4", "paged_causal", "ragged_causal", "ragged_causal_fa3"]
-    assert "ragged_causal_fa3" not in bp.ours_configs(bp.row_list((128,)), 128, True)
+        ["decode1", "decode4", "paged_causal", "paged_causal_fa3", "ragged_causal", "ragged_causal_fa3"]
+    assert bp.ours_configs(bp.row_list((128,), ("chunked",)), 128, True, fa3=True) == \
+        ["paged_causal", "paged_causal_fa3"]  # the paged-only rows warm up the paged sm90 column
+    assert not any(c.endswith("_fa3") for c in bp.ours_configs(bp.row_list((128,)), 128, True))
+    compile(bp.OURS_WARMUP, "OURS_WARMUP", "exec")  # the warm-up program (run on the GPU) parses
 
 
-def _fake_fij(declines_hd=(256,), fa3_offset=0.0):
-    """A stand-in for flashinfer_jit's prefill wrappers on the CPU: out = q (+ fa3_offset for
-    backend="fa3"); backend="fa3" declines the head dims `declines_hd` at plan() (ValueError)."""
+def _fake_fij(declines_hd=(256,), fa3_offset=0.0, paged_declines_hd=(256,), fa3_paged_offset=0.0,
+              paged_ctor_declines=False):
+    """A stand-in for flashinfer_jit's prefill wrappers on the CPU: out = q (+ fa3_offset, for
+    the paged wrapper fa3_paged_offset, with backend="fa3"); backend="fa3" declines the head
+    dims `declines_hd` (ragged) / `paged_declines_hd` (paged) at plan() with a ValueError, and
+    with paged_ctor_declines the paged wrapper's constructor declines it."""
     import types
 
     class Ragged:
@@ -212,11 +219,19 @@ def _fake_fij(declines_hd=(256,), fa3_offset=0.0):
             out.copy_(q + (fa3_offset if self.backend == "fa3" else 0.0))
 
     class Paged(Ragged):
-        def plan(self, *args, **kw):
-            self.planned_backend = "fa2"
+        def __init__(self, ws, layout, backend="auto"):
+            if backend == "fa3" and paged_ctor_declines:
+                raise ValueError("backend='fa3': not supported on the Hopper path yet: use_cuda_graph")
+            super().__init__(ws, layout, backend)
+
+        def plan(self, qo_indptr, indptr, indices, last, hq, hk, hd, page_size, causal=False, **_):
+            if self.backend == "fa3" and hd in paged_declines_hd:
+                raise ValueError(f"backend='fa3': not supported on the Hopper path yet: page_size={page_size} "
+                                 f"at head_dim {hd}")
+            self.planned_backend = "fa3" if self.backend == "fa3" else "fa2"
 
         def run(self, q, kv, out):
-            out.copy_(q)
+            out.copy_(q + (fa3_paged_offset if self.backend == "fa3" else 0.0))
 
     calls = []
 
@@ -244,6 +259,7 @@ def _measure_rows_on_cpu(monkeypatch, fake, labels, head_dims):
         bp.bc.summarize([100.0 * (i + 1)] * 5) | {"_samples": [100.0 * (i + 1)] * 5} for i in range(len(fns))])
     monkeypatch.setattr(bp, "PREFILL_SHAPES", ((2, 64),))  # small rows
     monkeypatch.setattr(bp, "SPEC", (2, 4, 64))
+    monkeypatch.setattr(bp, "CHUNKED", (2, 16, 64))
     ctx = bp.Context(None, "no FlashInfer here", "no FlashInfer here", None, False, None, 5, None, 1000.0, None)
     rows = [bp.measure_row(r, ctx, seed=0) for r in bp.row_list(head_dims, labels)]
     return bp, rows
@@ -253,12 +269,12 @@ def test_bench_prefill_sm90_column_plans_fa3_checks_and_skips(monkeypatch):
     """ours paged / ragged plan with backend="fa2"; ours_fa3_ragged with backend="fa3", is
     checked against ours ragged, and where plan() declines (ValueError) its cell is skipped
     with the error's text; paged-only rows skip it; report() shows it all."""
-    fake, calls = _fake_fij()
+    fake, calls = _fake_fij(paged_declines_hd=())
     bp, rows = _measure_rows_on_cpu(monkeypatch, fake, ("causal 2x64", "spec"), (128, 256))
     assert [r["label"] for r in rows] == ["hd128 causal 2x64", "hd128 spec 2x4 on 64",
                                           "hd256 causal 2x64", "hd256 spec 2x4 on 64"]
     assert {b for _, b in calls} == {"fa2", "fa3"}
-    assert ("Paged", "fa2") in calls and ("Ragged", "fa2") in calls and ("Paged", "fa3") not in calls
+    assert ("Paged", "fa2") in calls and ("Ragged", "fa2") in calls and ("Ragged", "fa3") in calls
     hd128, spec, hd256 = rows[0], rows[1], rows[2]
     e = hd128["impls"][bp.FA3_PATH]
     assert e["planned_backend"] == "fa3" and hd128["impls"]["ours_ragged"]["planned_backend"] == "fa2"
@@ -299,3 +315,89 @@ def test_bench_prefill_fa3_path_vs_best_peer():
     assert res["fa3_path_best_peer"] == "sdpa_flash" and abs(res["fa3_path_vs_best_peer"] - 1.1) < 1e-9
     assert abs(res["paired_fa3_path_vs_best_peer"]["median"] - 1.1) < 1e-9
     assert abs(res["fa3_path_vs_ours_ragged"] - 1.5) < 1e-9
+
+
+def test_bench_prefill_sm90_paged_column_runs_every_row(monkeypatch):
+    """ours_fa3_paged: the paged wrapper with backend="fa3" on every row (the chunked and the
+    speculative rows too), on ours_paged's page table and cache, checked against ours paged;
+    where plan() declines (ValueError) its cell is skipped with the error's text; report()
+    shows the column, its best-peer ratio and its check."""
+    fake, calls = _fake_fij(declines_hd=(), paged_declines_hd=(256,))
+    bp, rows = _measure_rows_on_cpu(monkeypatch, fake, ("causal 2x64", "chunked", "spec"), (128, 256))
+    assert [r["label"] for r in rows] == ["hd128 causal 2x64", "hd128 chunked 2x16 on 64", "hd128 spec 2x4 on 64",
+                                          "hd256 causal 2x64", "hd256 chunked 2x16 on 64", "hd256 spec 2x4 on 64"]
+    assert ("Paged", "fa3") in calls and ("Ragged", "fa3") in calls
+    hd128, chunked, spec = rows[:3]
+    # the fake timings, 100 us a place: prefill rows ours pg, ours rg, sm90 rg, sm90 pg; paged-only
+    # rows ours pg, sm90 pg
+    e = hd128["impls"][bp.FA3_PAGED]
+    assert e["planned_backend"] == "fa3" and e["checked_against"] == "ours_paged"
+    assert e["vs_ours"]["agrees"] and e["vs_ours"]["max_abs_diff"] == 0 and e["median_us"] == 400.0
+    assert hd128["check_fa3_paged"]["agrees"] and hd128["check_fa3_paged"]["reference"] == "ours_paged"
+    assert hd128["check_fa3_paged"]["tolerance"].startswith("|ours_fa3_paged - ref|")
+    assert hd128["targets"]["sm90 pg agrees with ours"] and hd128["targets"]["sm90 rg agrees with ours"]
+    assert abs(hd128["fa3_paged_vs_ours_paged"] - 0.25) < 1e-9
+    assert hd128["fa3_paged_vs_best_peer"] is None and hd128["fa3_paged_best_peer"] is None  # no peer ran
+    assert hd128["impls"][bp.FA3_PATH]["median_us"] == 300.0  # the ragged column where it was
+    for row in (chunked, spec):
+        e = row["impls"][bp.FA3_PAGED]
+        assert e["planned_backend"] == "fa3" and e["checked_against"] == "ours_paged" and e["vs_ours"]["agrees"]
+        assert e["median_us"] == 200.0 and abs(row["fa3_paged_vs_ours_paged"] - 0.5) < 1e-9
+        assert row["targets"]["sm90 pg agrees with ours"]
+        assert row["impls"][bp.FA3_PATH] == {"skipped": f"{row['kind']} rows are paged only"}
+    why = "ValueError: backend='fa3': not supported on the Hopper path yet: page_size=16 at head_dim 256"
+    for row in rows[3:]:
+        assert row["impls"][bp.FA3_PAGED] == {"skipped": why}
+        assert "check_fa3_paged" not in row and row["fa3_paged_vs_best_peer"] is None
+        assert "sm90 pg agrees with ours" not in row["targets"]
+        assert row["impls"]["ours_paged"]["median_us"] == 100.0
+    assert rows[3]["impls"][bp.FA3_PATH]["median_us"] == 300.0  # the ragged column still runs at hd256
+    text = bp.report({"meta": {}, "flashinfer": {"available": False, "reason": "no FlashInfer here"}, "rows": rows})
+    for name in ("ours sm90 pg", "sm90 pg x best", "pg best peer", "paired pg best", "sm90 pg check",
+                 "ours sm90 pg us"):
+        assert name in text
+    assert f"ours_fa3_paged: {why}  [3 rows]" in text
+
+
+def test_bench_prefill_sm90_paged_column_disagreeing_misses_the_target(monkeypatch):
+    fake, _ = _fake_fij(fa3_paged_offset=1.0)
+    bp, rows = _measure_rows_on_cpu(monkeypatch, fake, ("causal 2x64", "spec"), (64,))
+    for row in rows:
+        assert not row["check_fa3_paged"]["agrees"] and row["check_fa3_paged"]["max_abs_diff"] >= 1.0
+        assert row["targets"]["sm90 pg agrees with ours"] is False
+    assert rows[0]["targets"]["sm90 rg agrees with ours"]  # the ragged column is fine
+    text = bp.report({"meta": {}, "flashinfer": {}, "rows": rows})
+    assert "MISS sm90 pg agrees with ours" in text and "DIFFERS 1." in text
+
+
+def test_bench_prefill_sm90_paged_column_constructor_declines(monkeypatch):
+    """A ValueError from the paged wrapper's constructor (not only plan()) skips the cell."""
+    fake, _ = _fake_fij(paged_ctor_declines=True)
+    bp, rows = _measure_rows_on_cpu(monkeypatch, fake, ("causal 2x64",), (128,))
+    assert rows[0]["impls"][bp.FA3_PAGED] == {
+        "skipped": "ValueError: backend='fa3': not supported on the Hopper path yet: use_cuda_graph"}
+    assert rows[0]["impls"][bp.FA3_PATH]["vs_ours"]["agrees"]
+
+
+def test_bench_prefill_fa3_paged_vs_best_peer():
+    """fa3_paged_vs_best_peer: the fastest of FA3 paged, FA3 ragged, SDPA cuDNN and SDPA flash
+    (that ran) over ours_fa3_paged, also paired round by round; fa3_paged_vs_ours_paged."""
+    import bench_prefill as bp
+
+    t = lambda us: {"median_us": us, "timing": {"samples_us": [us, us * 1.1, us * 0.9]}}
+    res = {"forms": ["paged", "ragged"], "kind": "prefill", "impls": {
+        "ours_paged": t(200.0), bp.FA3_PAGED: t(100.0), "fa3_paged": t(130.0), "fa3_ragged": t(105.0),
+        "sdpa_flash": t(110.0), "sdpa_cudnn": {"error": "RuntimeError: no"}, "fa2_paged": t(50.0)}}
+    bp.derive(res)
+    assert res["fa3_paged_best_peer"] == "fa3_ragged" and abs(res["fa3_paged_vs_best_peer"] - 1.05) < 1e-9
+    assert abs(res["paired_fa3_paged_vs_best_peer"]["median"] - 1.05) < 1e-9
+    assert abs(res["fa3_paged_vs_ours_paged"] - 2.0) < 1e-9
+    assert res["fa3_path_vs_best_peer"] is None and "check_fa3_paged" not in res  # no ragged sm90 run; no check
+    del res["impls"]["fa3_ragged"]
+    bp.derive(res)
+    assert res["fa3_paged_best_peer"] == "sdpa_flash" and abs(res["fa3_paged_vs_best_peer"] - 1.1) < 1e-9
+    res = {"forms": ["paged"], "kind": "spec", "impls": {
+        "ours_paged": t(200.0), "fa3_paged": t(130.0), bp.FA3_PAGED: {"skipped": "ValueError: no"}}}
+    bp.derive(res)
+    assert res["fa3_paged_vs_best_peer"] is None and res["fa3_paged_best_peer"] is None
+    assert "paired_fa3_paged_vs_best_peer" not in res and "fa3_paged_vs_ours_paged" not in res

@@ -34,9 +34,13 @@ namespace fij {
 // The kernel's parameters, from PrefillSm90Args: the TMA maps encoded on the host
 // (templates/prefill/prefill_sm90.cu.j2), passed as a __grid_constant__.
 struct PrefillSm90Params {
-  // q [q_tokens, num_qo_heads, D], k / v [kv_tokens, num_kv_heads, D] as TMA maps (dims
-  // innermost first: D, heads, tokens; 64-element boxes of 128 rows, 128B swizzle)
+  // q [q_tokens, num_qo_heads, D] as a TMA map (dims innermost first: D, heads, tokens;
+  // 64-element boxes of 128 rows, 128B swizzle); K and V: ragged rows the same way (boxes
+  // of the key tile's rows), or paged caches as 4-D maps (D, page_size, heads, pages:
+  // boxes of one page's rows, whatever the layout's strides)
   CUtensorMap q_map, k_map, v_map;
+  const int32_t* page_ids = nullptr;  // paged: the page table's indices
+  int32_t page_shift = 0;             // paged: log2(page_size); a page divides the key tile
   void* out = nullptr;  // [q_tokens, num_qo_heads, D], any token and head strides
   int64_t out_stride_n = 0, out_stride_h = 0;
   float* lse = nullptr;  // [q_tokens, num_qo_heads] contiguous, base 2; null: not written
@@ -55,8 +59,6 @@ namespace sm90_prefill {
 namespace h = fij::sm90;
 
 constexpr int kBlockM = 128, kStages = 2, kThreads = 384;
-
-
 
 template <typename DType>
 FIJ_SM90 uint32_t pack2(float a, float b) {
@@ -77,9 +79,10 @@ struct Rows {
   float scale_log2;
 };
 
-// kN: keys a K/V tile, 128 or 176 (the spec's key_tile; plan() counts key tiles in these
-// units). 176, FA3's choice at head_dim 128 without a causal mask, takes fewer rounds of
-// barriers and row reductions for the same work.
+// kN: keys a K/V tile, 64, 128 or 176 (the spec's key_tile; plan() counts key tiles in
+// these units). 176, FA3's choice at head_dim 128 without a causal mask, takes fewer rounds
+// of barriers and row reductions for the same work; head_dim 256 takes 64 (its Q tile is 64
+// KB, two stages of 64-key K and V tiles 128 KB; O holds 128 registers a thread).
 template <typename DType, int kD, bool kCausal, int kN>
 struct Sm90Kernel {
   static constexpr int kBlockN = kN;
@@ -105,6 +108,11 @@ struct Sm90Kernel {
           h::wgmma_ss_n176<0, 0>(s, a, b, DType{});
         else
           h::wgmma_ss_n176<0>(s, a, b, DType{});
+      } else if constexpr (kBlockN == 64) {
+        if (ks == 0)
+          h::wgmma_ss_n64<0, 0>(s, a, b, DType{});
+        else
+          h::wgmma_ss_n64<0>(s, a, b, DType{});
       } else {
         if (ks == 0)
           h::wgmma_ss_n128<0, 0>(s, a, b, DType{});
@@ -121,7 +129,9 @@ struct Sm90Kernel {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint64_t b = h::make_desc(v_tile + kk * 16 * 128, kKVAtom, 1024, h::Swizzle::k128B);
-      if constexpr (kD == 128)
+      if constexpr (kD == 256)
+        h::wgmma_rs_n256<1>(o, pa[kk], b, DType{});
+      else if constexpr (kD == 128)
         h::wgmma_rs_n128<1>(o, pa[kk], b, DType{});
       else
         h::wgmma_rs_n64<1>(o, pa[kk], b, DType{});
@@ -198,6 +208,46 @@ struct Sm90Kernel {
     }
   }
 
+  // Key tile n of item `tile` into a stage (one thread; completes on `full`). Ragged: one
+  // box of the tile's rows an atom. Paged: one box a page an atom, the page ids read from
+  // the table; only the request's pages (the last tile's rows past them are not written:
+  // zero_tail clears V's before its P V).
+  template <bool kPaged>
+  static FIJ_SM90 void load_kv(const PrefillSm90Params& p, const CUtensorMap* map, unsigned char* dst, uint64_t* full,
+                               const Sm90Tile& tile, int n, int kv_head) {
+    if constexpr (!kPaged) {
+      h::mbar_expect_tx(full, kTileBytes);
+#pragma unroll
+      for (int a = 0; a < kAtoms; ++a)
+        h::tma_load_3d(dst + a * kKVAtom, map, full, 64 * a, kv_head, tile.kv_row0 + n * kBlockN);
+    } else {
+      const int shift = p.page_shift, page_rows = 1 << shift;
+      const int first = (n * kBlockN) >> shift;
+      const int pages = min(kBlockN >> shift, ((tile.kv_len + page_rows - 1) >> shift) - first);
+      h::mbar_expect_tx(full, pages * page_rows * 128 * kAtoms);
+      const int32_t* ids = p.page_ids + tile.kv_row0 + first;
+      for (int i = 0; i < pages; ++i) {
+        const int page = ids[i];
+#pragma unroll
+        for (int a = 0; a < kAtoms; ++a)
+          h::tma_load_4d(dst + a * kKVAtom + i * page_rows * 128, map, full, 64 * a, 0, kv_head, page);
+      }
+    }
+  }
+
+  // Zeros the rows of a V tile from `row` on (paged: the last tile's rows past kv_len hold
+  // whatever the cache or an earlier tile left, NaN included, and P V multiplies them by
+  // P's zeros). Whole 128-byte rows, so the swizzle does not matter; then made visible to
+  // wgmma (the async proxy) and to the warpgroup's other warps. t: the thread in its
+  // warpgroup; bar: the warpgroup's named barrier.
+  static FIJ_SM90 void zero_tail(unsigned char* v_tile, int row, int t, int bar) {
+    for (int off = row * 128 + t * 16; off < kBlockN * 128; off += 128 * 16)
+#pragma unroll
+      for (int a = 0; a < kAtoms; ++a) *reinterpret_cast<uint4*>(v_tile + a * kKVAtom + off) = make_uint4(0, 0, 0, 0);
+    h::fence_proxy_async();
+    h::named_sync(bar, 128);
+  }
+
   // O / l (times v_scale) and the LSE of this thread's two rows; l 0 (no key): 0 and -inf.
   static FIJ_SM90 void store(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int r0, int cq,
                              const float (&o)[kOut], const float (&m)[2], const float (&l)[2]) {
@@ -225,7 +275,7 @@ FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
 
 }  // namespace sm90_prefill
 
-template <typename DType, int kD, bool kCausal, int kN>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged>
 __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   using namespace sm90_prefill;
@@ -279,15 +329,9 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
         for (int n = 0; n < tile.kv_tiles; ++n, ++it) {
           const int s = it % kStages, u = it / kStages;
           h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
-          h::mbar_expect_tx(&k_full[s], kTileBytes);
-          for (int a = 0; a < K::kAtoms; ++a)
-            h::tma_load_3d(sk + s * kTileBytes + a * K::kKVAtom, &p.k_map, &k_full[s], 64 * a, kv_head,
-                           tile.kv_row0 + n * kBlockN);
+          K::template load_kv<kPaged>(p, &p.k_map, sk + s * kTileBytes, &k_full[s], tile, n, kv_head);
           h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
-          h::mbar_expect_tx(&v_full[s], kTileBytes);
-          for (int a = 0; a < K::kAtoms; ++a)
-            h::tma_load_3d(sv + s * kTileBytes + a * K::kKVAtom, &p.v_map, &v_full[s], 64 * a, kv_head,
-                           tile.kv_row0 + n * kBlockN);
+          K::template load_kv<kPaged>(p, &p.v_map, sv + s * kTileBytes, &v_full[s], tile, n, kv_head);
         }
       }
     }
@@ -354,6 +398,10 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     if (t == 0) h::mbar_arrive(&q_empty);  // every Q K^T of this item is complete
     const int sl = (it + n_tiles - 1) % kStages, ul = (it + n_tiles - 1) / kStages;
     h::mbar_wait(&v_full[sl], ul & 1);
+    if constexpr (kPaged) {
+      const int tail = tile.kv_len - (n_tiles - 1) * kBlockN;  // the last tile's rows that are keys
+      if (tail < kBlockN) K::zero_tail(sv + sl * kTileBytes, tail, t, 3 + wi);
+    }
     my_turn();
     K::issue_pv(o, pa, v0 + sl * kTileBytes);
     pass_turn();
@@ -386,13 +434,13 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
 }
 
 // Launches the kernel on `grid` blocks (one an SM: every block walks the list).
-template <typename DType, int kD, bool kCausal, int kN>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged>
 inline int launch_prefill_sm90(const PrefillSm90Params& p, int grid, cudaStream_t stream) {
   using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN>;
-  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN>>(K::kSmemBytes);
+  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged>>(K::kSmemBytes);
   if (err != 0) return err;
   if (grid <= 0) return 0;
-  prefill_sm90_kernel<DType, kD, kCausal, kN><<<grid, sm90_prefill::kThreads, K::kSmemBytes, stream>>>(p);
+  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged><<<grid, sm90_prefill::kThreads, K::kSmemBytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -17,7 +17,8 @@ constexpr int kSm90TileInts = 8, kSm90WorkHeader = 4;
 struct Sm90Tile {
   int32_t q_row0;    // the tile's first query row (token) in q
   int32_t rows;      // its rows that belong to the request (<= 128)
-  int32_t kv_row0;   // the request's first K/V row
+  int32_t kv_row0;   // ragged: the request's first K/V row; paged: the index of its first
+                     // page id in the page table's indices (paged_kv_indptr[b])
   int32_t kv_len;
   int32_t diag;      // causal: the last key the tile's first row sees (its position in the
                      // request + kv_len - qo_len: bottom-right aligned); row r sees keys <= diag + r
@@ -30,9 +31,15 @@ struct Sm90Tile {
 struct PrefillSm90Args {
   const void* q = nullptr;  // [q_tokens, num_qo_heads, D]; strides in elements
   int64_t q_tokens = 0, q_stride_n = 0, q_stride_h = 0;
-  const void* k = nullptr;  // [kv_tokens, num_kv_heads, D]
+  // ragged: k / v [kv_tokens, num_kv_heads, D]; paged: the caches [pages, page_size,
+  // heads, D] (NHD) or [pages, heads, page_size, D] (HND), k_stride_p / v_stride_p between
+  // pages and kv_tokens the page count
+  const void* k = nullptr;
   const void* v = nullptr;
   int64_t kv_tokens = 0, k_stride_n = 0, k_stride_h = 0, v_stride_n = 0, v_stride_h = 0;
+  int64_t k_stride_p = 0, v_stride_p = 0;
+  int32_t page_size = 0;             // paged: tokens a page (16, 32, 64 or 128)
+  const int32_t* page_ids = nullptr;  // paged: the page table's indices
   int32_t num_qo_heads = 0, num_kv_heads = 0;
   void* out = nullptr;
   int64_t out_stride_n = 0, out_stride_h = 0;

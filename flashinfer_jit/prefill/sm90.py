@@ -18,10 +18,12 @@ TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM: query rows an item
 TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts, kSm90WorkHeader
 
 
-def key_tile(head_dim: int, causal: bool) -> int:
-    """Keys a K/V tile of the kernel (csrc/hopper/prefill_sm90.cuh key_tile): 176 at head_dim
-    128 without a causal mask, else 128."""
-    return 176 if head_dim == 128 and not causal else 128
+def key_tile(head_dim: int, causal: bool, page_size: int | None = None) -> int:
+    """Keys a K/V tile of the kernel (the spec's key_tile): 64 at head_dim 256; 176 at head_dim
+    128 without a causal mask where pages (if any) divide it (16 tokens); else 128."""
+    if head_dim == 256:
+        return 64
+    return 176 if head_dim == 128 and not causal and (page_size is None or 176 % page_size == 0) else 128
 
 
 # backend "auto" takes the Hopper path for a batch whose requests average at least
@@ -34,16 +36,28 @@ def key_tile(head_dim: int, causal: bool) -> int:
 # mma.sync kernel, causal 16 x 1024 (4.5) 1.15x; head_dim 64, causal 16 x 1024 (4.5) 0.92x,
 # 4 x 4096 (32) 1.13x. The thresholds sit between those rows.
 AUTO_MIN_MEAN_QO_LEN = 64
-AUTO_MIN_KEYS = {64: 2048.0, 128: 512.0}
+# head_dim 256: not measured yet, so "auto" does not take it (backend "fa3" does)
+AUTO_MIN_KEYS = {64: 2048.0, 128: 512.0, 256: float("inf")}
 _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this many tiles
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
 
-def unsupported(c, ragged: bool) -> str | None:
+PAGE_SIZES = (16, 32, 64, 128)  # one TMA box a page: a page divides the key tile
+
+
+def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False) -> str | None:
     """Why the Hopper path cannot run this configuration (the feature, as plan()'s argument
-    names it), or None. c: the wrapper's _Config."""
+    names it), or None. c: the wrapper's _Config; table: a paged plan's page table ("csr",
+    else FlashInfer's block_tables); graph: a CUDA-graph wrapper."""
     if not ragged:
-        return "paged K/V (the Hopper path reads ragged K/V only so far; use BatchPrefillWithRaggedKVCacheWrapper)"
+        if table != "csr":
+            return "block_tables (the Hopper path reads the CSR page table so far)"
+        sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
+        if c.page_size not in sizes:
+            return (f"page_size={c.page_size} (the Hopper path takes pages of {', '.join(map(str, sizes))} tokens at "
+                    f"head_dim {c.head_dim_qk})")
+        if graph:
+            return "use_cuda_graph with paged K/V (not on the Hopper path yet)"
     if c.head_dim_qk != c.head_dim_vo or c.head_dim_qk not in SM90_HEAD_DIMS:
         return (f"head_dim_qk={c.head_dim_qk}, head_dim_vo={c.head_dim_vo} (the Hopper path takes head_dim "
                 f"{' or '.join(map(str, SM90_HEAD_DIMS))})")
@@ -77,10 +91,11 @@ def arch_error(device: torch.device) -> str | None:
     return f"backend='fa3': the Hopper path runs on sm_90 GPUs (H100, H200) only; {where}"
 
 
-def refusal(c, ragged: bool, device: torch.device) -> str | None:
+def refusal(c, ragged: bool, device: torch.device, table: str | None = "csr", graph: bool = False) -> str | None:
     """Why the Hopper path cannot run this plan, as backend 'fa3''s ValueError says it: a
-    feature it does not take yet (unsupported), else the device (arch_error); None: it can."""
-    why = unsupported(c, ragged)
+    feature it does not take yet (unsupported; table, graph: as there), else the device
+    (arch_error); None: it can."""
+    why = unsupported(c, ragged, table, graph)
     if why is not None:
         return (f"backend='fa3': not supported on the Hopper path yet: {why}; use backend='auto' or 'fa2' (the "
                 "mma.sync kernel takes it)")
@@ -95,16 +110,19 @@ def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
         float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
 
 
-def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool,
-               keys_a_tile: int = TILE_ROWS) -> tuple[np.ndarray, int]:
+def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_a_tile: int = TILE_ROWS,
+               kv_lens: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """The tiles of a batch (int32 [tiles, TILE_INTS]: Sm90Tile's fields; column 6, which
     the kernel does not read, the keys the tile visits), the ones with the most key tiles
     (of keys_a_tile: key_tile()) first, ties in request and tile order, and how many see a
     key at all. Causal masks are bottom-right aligned: row i of a request sees keys
-    j <= i + kv_len - qo_len."""
+    j <= i + kv_len - qo_len. Ragged: kv_indptr the requests' K/V rows. Paged: kv_indptr
+    the CSR page table's indptr (a tile's kv_row0 is its request's first page id's index)
+    and kv_lens the requests' key counts."""
     qo = qo_indptr.astype(np.int64)
     kv = kv_indptr.astype(np.int64)
-    qo_lens, kv_lens = np.diff(qo), np.diff(kv)
+    qo_lens = np.diff(qo)
+    kv_lens = np.diff(kv) if kv_lens is None else kv_lens.astype(np.int64)
     per_req = (qo_lens + TILE_ROWS - 1) // TILE_ROWS
     n = int(per_req.sum())
     req = np.repeat(np.arange(qo_lens.size), per_req)
@@ -130,8 +148,8 @@ class Sm90Plan:
     """A plan on the Hopper path: the spec, the work list on the device, the grid; the
     fields run()'s shared checks read and write (config, qo_tokens, checked, fast, quick)."""
 
-    __slots__ = ("config", "spec", "op", "work", "counters", "grid", "qo_tokens", "checked", "fast", "quick",
-                 "traced_key")
+    __slots__ = ("config", "spec", "op", "work", "page_ids", "counters", "grid", "qo_tokens", "checked", "fast",
+                 "quick", "traced_key")
 
 
 class Sm90Planner:
@@ -146,10 +164,12 @@ class Sm90Planner:
         # the kernel's dynamic schedule: two counters, zeros that every launch leaves at zero
         # (csrc/hopper/prefill_sm90.cuh); one pair a wrapper, as its plan is
         self._counters = torch.zeros(2, dtype=torch.int32, device=device)
+        self._no_ids = torch.empty(0, dtype=torch.int32, device=device)  # ragged K/V's page_ids
 
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
-             keys_a_tile: int) -> Sm90Plan:
-        """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile."""
+             keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD") -> Sm90Plan:
+        """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile;
+        page_ids: the CSR page table's indices, int32 on the device (paged), else None."""
         heads = c.num_qo_heads
         items = tiles.shape[0] * heads
         if items >= 2 ** 31:
@@ -176,15 +196,19 @@ class Sm90Planner:
             grid = max(1, min(sm_count(self._device), items))
         p = Sm90Plan()
         p.config = c
-        key = (c.q_dtype, c.head_dim_qk, c.mask, keys_a_tile)
+        paged = page_ids is not None
+        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile)
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask,
+                                                      "paged" if paged else "ragged", layout if paged else "NHD",
                                                       keys_a_tile).validate()
         p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
+        p.page_ids = page_ids if paged else self._no_ids
         p.qo_tokens = int(qo_indptr[-1])
         p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
         return p
 
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "key_tile", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "key_tile", "Sm90Plan", "Sm90Planner", "arch_error",
+           "auto_takes", "plan_tiles", "refusal", "unsupported"]

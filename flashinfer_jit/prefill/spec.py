@@ -130,7 +130,7 @@ def tile_rows_of(head_dim_qk: int) -> tuple[int, ...]:
 
 # What the Hopper path (PrefillSm90Spec) takes in this version; everything else runs the
 # mma.sync kernel (backend "fa2"; docs/hopper.md lists the cases and why)
-SM90_HEAD_DIMS = (64, 128)
+SM90_HEAD_DIMS = (64, 128, 256)
 SM90_MASKS = ("none", "causal")
 
 
@@ -153,21 +153,33 @@ class PrefillSm90Spec(Spec):
     dtype_q: str = choice("float16", "bfloat16")
     head_dim: int = choice(*SM90_HEAD_DIMS, tag="hd{}")
     mask: str = choice(*SM90_MASKS, default="none", name_default=False)
+    # ragged rows, or the paged cache through a CSR page table (pages of 16, 32, 64 or 128
+    # tokens, one TMA box a page) in kv_layout
+    kv_source: str = choice("ragged", "paged", default="ragged", name_default=False)
+    kv_layout: str = choice(*KV_LAYOUTS, default="NHD", name_default=False)
     # keys a K/V tile (flashinfer_jit/prefill/sm90.py key_tile: 176 at head_dim 128 without a
-    # causal mask, else 128); 176 at head_dim 128 only (S takes 88 registers a thread)
-    key_tile: int = choice(128, 176, tag="n{}", default=128, name_default=False)
+    # causal mask, 64 at head_dim 256, else 128); 176 at head_dim 128 only (S takes 88
+    # registers a thread), and head_dim 256 takes 64 only (shared memory and O's registers)
+    key_tile: int = choice(64, 128, 176, tag="n{}", default=128, name_default=False)
 
     def check(self) -> None:
         if self.key_tile == 176 and self.head_dim != 128:
             raise ValueError(f"PrefillSm90Spec: key_tile=176 is for head_dim 128, got head_dim={self.head_dim}")
+        if (self.head_dim == 256) != (self.key_tile == 64):
+            raise ValueError(f"PrefillSm90Spec: head_dim 256 takes key_tile=64 and only it takes it; got "
+                             f"head_dim={self.head_dim}, key_tile={self.key_tile}")
+        if self.kv_source == "ragged" and self.kv_layout != "NHD":
+            raise ValueError("PrefillSm90Spec: ragged K/V has no KV layout (rows [kv_tokens, H, D] with any "
+                             "strides); leave kv_layout='NHD'")
 
     def op_schemas(self) -> dict[str, str]:
-        # work: plan()'s list (csrc/hopper/prefill_sm90_params.h); counters: the dynamic
+        # work: plan()'s list (csrc/hopper/prefill_sm90_params.h); page_ids: the page table's
+        # int32 indices on q's device (paged; empty for ragged K/V); counters: the dynamic
         # schedule's two int32 zeros (each launch leaves them at zero); lse: [q_tokens,
         # heads] or an empty tensor (not written); grid: the persistent grid (one block an SM).
         return {
-            "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor(c!) counters, Tensor(a!) out, "
-                             "Tensor(b!) lse, float scale_log2, float v_scale, int grid) -> ()"),
+            "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor page_ids, Tensor(c!) counters, "
+                             "Tensor(a!) out, Tensor(b!) lse, float scale_log2, float v_scale, int grid) -> ()"),
             "block_shape": "() -> int[]",
         }
 

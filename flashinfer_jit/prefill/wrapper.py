@@ -545,17 +545,21 @@ class _PrefillWrapper:
         plan = self._plan
         return None if plan is None else "fa3" if type(plan) is sm90.Sm90Plan else "fa2"
 
-    def _plan_sm90(self, config: _Config, qo_indptr, kv_indptr, non_blocking: bool) -> bool:
+    def _plan_sm90(self, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str = "csr",
+                   page_ids=None, last_page_len=None) -> bool:
         """plan() on the Hopper path where the backend takes it; False: the mma.sync kernel's
-        plan follows. "fa3": the Hopper path, or a ValueError saying why it cannot run (a
-        feature, then the device: sm90.refusal). "auto": the Hopper path where it can run and
-        the batch is one it measured faster on (sm90.auto_takes). A CUDA-graph wrapper keeps
-        its first plan's kernel (a captured run() replays that kernel): with "auto", later
-        plans take the same one."""
+        plan follows. Ragged: kv_indptr the K/V rows' offsets. Paged: the CSR page table
+        (kv_indptr, page_ids, last_page_len); table "block_tables" for the other form (which
+        the Hopper path does not take). "fa3": the Hopper path, or a ValueError saying why it
+        cannot run (a feature, then the device: sm90.refusal). "auto": the Hopper path where
+        it can run and the batch is one it measured faster on (sm90.auto_takes). A CUDA-graph
+        wrapper keeps its first plan's kernel (a captured run() replays that kernel): with
+        "auto", later plans take the same one."""
         backend = self._backend
         if self._use_cuda_graph and backend == "auto" and self._graph_backend is not None:
             backend = self._graph_backend
-        plan = None if backend == "fa2" else self._sm90_plan(backend, config, qo_indptr, kv_indptr, non_blocking)
+        plan = None if backend == "fa2" else self._sm90_plan(backend, config, qo_indptr, kv_indptr, non_blocking,
+                                                              table, page_ids, last_page_len)
         if plan is None:
             self._graph_backend = self._graph_backend or "fa2"
             return False
@@ -568,29 +572,47 @@ class _PrefillWrapper:
             plan.traced_key = traced_key(plan.spec)
         self._plan = plan
         self._traced = None
-        static_inputs(plan.work, plan.counters)
+        static_inputs(plan.work, plan.counters, plan.page_ids)
         return True
 
-    def _sm90_plan(self, backend: str, config: _Config, qo_indptr, kv_indptr, non_blocking: bool):
+    def _sm90_plan(self, backend: str, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str,
+                   page_ids, last_page_len):
         """_plan_sm90's plan for backend "fa3" or "auto", or None where "auto" declines."""
-        why = sm90.refusal(config, self._ragged, self._device)
+        graph = self._use_cuda_graph
+        why = sm90.refusal(config, self._ragged, self._device, table, graph)
         if why is not None:
             if backend == "fa3":
                 raise ValueError(why)
             return None
-        qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
-        qo, kv = qo.numpy(), kv.numpy()
         causal = config.mask == "causal"
-        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal)
-        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile)
+        if self._ragged:
+            qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
+            qo, kv = qo.numpy(), kv.numpy()
+            kv_lens, ids, page_size = None, None, None
+        else:
+            qo, kv, last, batch = _host_vectors(qo_indptr, _CSR, kv_indptr, last_page_len)
+            qo, kv = qo.numpy(), kv.numpy()
+            page_size = config.page_size
+            kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size)
+            ids = as_int32_index(page_ids, "paged_kv_indices")
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+                raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
+            if ids.shape[0] < int(kv[-1]):
+                raise ValueError(f"paged_kv_indptr: its last offset {int(kv[-1])} exceeds the {ids.shape[0]} page ids "
+                                 "of paged_kv_indices")
+        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
+        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens)
         if backend == "auto" and not sm90.auto_takes(config, np.diff(qo), tiles[:, 6]):
             return None
-        if self._use_cuda_graph:
+        if graph:
             self._capacity = graph_capacity(self._capacity, batch)
         if self._sm90 is None:
-            self._sm90 = sm90.Sm90Planner(self._device, self._use_cuda_graph)
-        self._kv_rows = int(kv[-1])
-        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile)
+            self._sm90 = sm90.Sm90Planner(self._device, graph)
+        if self._ragged:
+            self._kv_rows = int(kv[-1])
+        else:
+            ids = ids.to(self._device, non_blocking=non_blocking)
+        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout)
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
@@ -1006,8 +1028,8 @@ class _PrefillWrapper:
             op = plan.op
             if op is None:
                 op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
-        op(q, k, v, plan.work, plan.counters, out, lse if lse is not None else empty_f32(q.device), logit_scale, vs,
-           plan.grid)
+        op(q, k, v, plan.work, plan.page_ids, plan.counters, out, lse if lse is not None else empty_f32(q.device),
+           logit_scale, vs, plan.grid)
         return (out, lse) if return_lse else out
 
     def _run_traced(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,
@@ -1218,8 +1240,10 @@ def _pack_segments(bits: torch.Tensor, sizes: np.ndarray, byte_starts: np.ndarra
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     """FlashInfer's paged prefill wrapper: plan() once per batch, run() per layer.
 
-    backend: "auto" and "fa2" run this library's tensor-core (mma.sync) kernels; "fa3" (the
-    Hopper path) takes ragged K/V only so far, so plan() with it is a ValueError here."""
+    backend: "fa2" runs the tensor-core (mma.sync) kernel; "fa3" the Hopper path (sm_90;
+    flashinfer_jit/prefill/sm90.py lists what it takes: the CSR page table, pages of 16-128
+    tokens, no CUDA graphs yet; plan() raises ValueError naming anything else); "auto" as
+    the ragged wrapper's."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
@@ -1287,7 +1311,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
-        self._plan_sm90(config, qo_indptr, None, non_blocking)  # (backend 'fa3' on paged K/V: its ValueError)
+        if block_tables is not None:
+            self._plan_sm90(config, qo_indptr, None, non_blocking, "block_tables")  # ('fa3': its ValueError)
+        elif self._plan_sm90(config, qo_indptr, paged_kv_indptr, non_blocking, "csr", paged_kv_indices,
+                             paged_kv_last_page_len):
+            return
         if block_tables is not None:
             expect_one_page_table("paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len",
                                   paged_kv_indptr is not None or paged_kv_last_page_len is not None)
