@@ -155,35 +155,45 @@ struct Sm90Kernel {
           if (key >= r.kv_len || (kCausal && key > r.diag + row)) s[4 * j + e] = -INFINITY;
         }
     }
-    float mx[2] = {m[0], m[1]};
+    // the rows' maxima in four partial chains a row (a chain of kBlockN / 8 dependent
+    // FMNMX, not kBlockN / 4: two consumer warps a scheduler hide little latency)
+    float part[2][4];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) part[c / 4][c % 4] = m[c / 4];
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-    float base[2];
+      for (int e = 0; e < 4; ++e) part[e >> 1][2 * (j & 1) + (e & 1)] = fmaxf(part[e >> 1][2 * (j & 1) + (e & 1)], s[4 * j + e]);
+    float mx[2], base[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(fmaxf(part[i][0], part[i][1]), fmaxf(part[i][2], part[i][3]));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
       // a row with no key yet: everything 0 (base 0 keeps -inf - base at -inf, not NaN)
       base[i] = mx[i] == -INFINITY ? 0.f : mx[i] * r.scale_log2;
-      corr[i] = exp2f(m[i] * r.scale_log2 - base[i]);
+      corr[i] = fast_exp2(m[i] * r.scale_log2 - base[i]);
       m[i] = mx[i];
-      l[i] *= corr[i];
     }
+    // P by the flush-to-zero MUFU alone (exp2f adds a range check and two multiplies an
+    // exponent for subnormal results, weights below 2^-126 that cannot move a row's sum);
+    // the rows' sums in two chains a row
+    float sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
-      const float p0 = exp2f(fmaf(s[4 * j], r.scale_log2, -base[0]));
-      const float p1 = exp2f(fmaf(s[4 * j + 1], r.scale_log2, -base[0]));
-      const float p2 = exp2f(fmaf(s[4 * j + 2], r.scale_log2, -base[1]));
-      const float p3 = exp2f(fmaf(s[4 * j + 3], r.scale_log2, -base[1]));
-      l[0] += p0 + p1;
-      l[1] += p2 + p3;
+      const float p0 = fast_exp2(fmaf(s[4 * j], r.scale_log2, -base[0]));
+      const float p1 = fast_exp2(fmaf(s[4 * j + 1], r.scale_log2, -base[0]));
+      const float p2 = fast_exp2(fmaf(s[4 * j + 2], r.scale_log2, -base[1]));
+      const float p3 = fast_exp2(fmaf(s[4 * j + 3], r.scale_log2, -base[1]));
+      sum[0][j & 1] += p0 + p1;
+      sum[1][j & 1] += p2 + p3;
       s[4 * j] = p0;
       s[4 * j + 1] = p1;
       s[4 * j + 2] = p2;
       s[4 * j + 3] = p3;
     }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = fmaf(l[i], corr[i], sum[i][0] + sum[i][1]);
   }
 
   // P (in S's registers) to 16-bit A fragments of P V: k-step j / 2 takes {row r cols c, row
@@ -288,7 +298,10 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   unsigned char* sv = smem + K::kQBytes + kTileBytes * kStages;  // the same for V
   // q_empty: both consumer warpgroups have seen their last Q K^T of an item complete
   __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
-  __shared__ int item_slot[2];  // item k's index in slot k % 2 (-1: none left)
+  // item k's index (-1: none left) and tile in slot k % 2: the producer reads the tile from
+  // the work list while the consumers still run item k - 1, so theirs is a shared-memory read
+  __shared__ int item_slot[2];
+  __shared__ Sm90Tile tile_slot[2];
 
   const int num_items = p.work[0], active = p.work[1];
   const int wg = threadIdx.x / 128;
@@ -314,14 +327,15 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       int it = 0;  // key tiles over every item so far (the stages' phases)
       for (int k = 0;; ++k) {
         const int idx = k == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(&p.counters[0], 1);
+        const Sm90Tile tile = idx < active ? load_tile(p.work, idx / p.num_qo_heads) : Sm90Tile{};
         if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);  // (the slot's last reader is past it too)
         item_slot[k & 1] = idx < active ? idx : -1;
+        tile_slot[k & 1] = tile;
         if (idx >= active) {
           h::mbar_arrive(&q_full);  // the consumers read -1: done
           if (atomicAdd(&p.counters[1], 1) == int(gridDim.x) - 1) p.counters[0] = p.counters[1] = 0;
           break;
         }
-        const Sm90Tile tile = load_tile(p.work, idx / p.num_qo_heads);
         const int head = idx % p.num_qo_heads, kv_head = head / p.group;
         h::mbar_expect_tx(&q_full, K::kQBytes);
         for (int a = 0; a < K::kAtoms; ++a)
@@ -356,7 +370,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     h::mbar_wait(&q_full, k & 1);
     const int idx = item_slot[k & 1];
     if (idx < 0) break;
-    const Sm90Tile tile = load_tile(p.work, idx / p.num_qo_heads);
+    const Sm90Tile tile = tile_slot[k & 1];
     const int head = idx % p.num_qo_heads, n_tiles = tile.kv_tiles;
     const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.scale_log2};
     float o[K::kOut], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
