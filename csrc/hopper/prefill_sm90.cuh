@@ -2,10 +2,12 @@
 // specialization, a persistent grid. Ragged K/V; docs/hopper.md.
 //
 // One block per SM, three warpgroups:
-//   - warpgroup 0, the producer (24 registers): one thread brings each item's Q tile and its
-//     128-key K and V tiles by TMA (128B swizzle) into two stages each, waiting on the
-//     stages' "empty" barriers, and the next item's Q as soon as both consumers have issued
-//     their last Q K^T of the current one;
+//   - warpgroup 0, the producer (24 registers): its first warp brings each item's Q tile and
+//     its K and V tiles by TMA (128B swizzle) into two stages each, waiting on the stages'
+//     "empty" barriers; Q has two stages too where shared memory allows (the next item's Q
+//     loads while this one runs), else the next Q loads once both consumers have seen their
+//     last Q K^T of this one complete. Paged K/V: one box a page, each page's box issued by
+//     its own lane, the page ids of the next key tile read ahead of the stage's wait;
 //   - warpgroups 1 and 2, the consumers (240 registers), 64 query rows each: S = Q K^T by
 //     wgmma from shared memory, the online softmax in registers, O += P V by wgmma with P
 //     from registers and V MN-major. Tile n's S is issued before tile n - 1's P V, and its
@@ -91,7 +93,11 @@ struct Sm90Kernel {
   static constexpr int kQAtom = kBlockM * 128;         // a tile's rows of one 64-element (128-byte)
   static constexpr int kKVAtom = kBlockN * 128;        // swizzle atom (1024-byte multiples)
   static constexpr int kAtoms = kD / 64;
-  static constexpr int kSmemBytes = kQBytes + kTileBytes * 2 * kStages + 1024;
+  // Two Q tiles where shared memory holds them (head_dim 64, and 128 with 128-key tiles):
+  // the next item's Q then loads while this one runs, not after its last Q K^T, which
+  // items of a few key tiles (short prompts, causal diagonals) wait for otherwise.
+  static constexpr int kQStages = 2 * kQBytes + kTileBytes * 2 * kStages + 1024 <= 227 * 1024 ? 2 : 1;
+  static constexpr int kSmemBytes = kQBytes * kQStages + kTileBytes * 2 * kStages + 1024;
   static constexpr int kOut = kD / 2;  // O accumulators a thread
   static constexpr int kS = kBlockN / 2;  // S accumulators a thread
 
@@ -218,31 +224,41 @@ struct Sm90Kernel {
     }
   }
 
-  // Key tile n of item `tile` into a stage (one thread; completes on `full`). Ragged: one
-  // box of the tile's rows an atom. Paged: one box a page an atom, the page ids read from
-  // the table; only the request's pages (the last tile's rows past them are not written:
-  // zero_tail clears V's before its P V).
+  // Key tile n of item `tile` into a stage, issued by the producer warp (completes on
+  // `full`). Ragged: lane 0, one box of the tile's rows an atom. Paged: lane i < pages the
+  // boxes of the tile's page i (its id `page`, which the lane read ahead of the stage's
+  // wait: next_page), only the request's pages (the last tile's rows past them are not
+  // written: zero_tail clears V's before its P V).
   template <bool kPaged>
-  static FIJ_SM90 void load_kv(const PrefillSm90Params& p, const CUtensorMap* map, unsigned char* dst, uint64_t* full,
-                               const Sm90Tile& tile, int n, int kv_head) {
+  static FIJ_SM90 void load_kv(const CUtensorMap* map, unsigned char* dst, uint64_t* full, const Sm90Tile& tile,
+                               int n, int kv_head, int lane, int shift, int page) {
     if constexpr (!kPaged) {
-      h::mbar_expect_tx(full, kTileBytes);
-#pragma unroll
-      for (int a = 0; a < kAtoms; ++a)
-        h::tma_load_3d(dst + a * kKVAtom, map, full, 64 * a, kv_head, tile.kv_row0 + n * kBlockN);
-    } else {
-      const int shift = p.page_shift, page_rows = 1 << shift;
-      const int first = (n * kBlockN) >> shift;
-      const int pages = min(kBlockN >> shift, ((tile.kv_len + page_rows - 1) >> shift) - first);
-      h::mbar_expect_tx(full, pages * page_rows * 128 * kAtoms);
-      const int32_t* ids = p.page_ids + tile.kv_row0 + first;
-      for (int i = 0; i < pages; ++i) {
-        const int page = ids[i];
+      if (lane == 0) {
+        h::mbar_expect_tx(full, kTileBytes);
 #pragma unroll
         for (int a = 0; a < kAtoms; ++a)
-          h::tma_load_4d(dst + a * kKVAtom + i * page_rows * 128, map, full, 64 * a, 0, kv_head, page);
+          h::tma_load_3d(dst + a * kKVAtom, map, full, 64 * a, kv_head, tile.kv_row0 + n * kBlockN);
+      }
+    } else {
+      const int pages = tile_pages(tile, n, shift);
+      if (lane == 0) h::mbar_expect_tx(full, (pages << shift) * 128 * kAtoms);
+      __syncwarp();
+      if (lane < pages) {
+#pragma unroll
+        for (int a = 0; a < kAtoms; ++a)
+          h::tma_load_4d(dst + a * kKVAtom + (lane << shift) * 128, map, full, 64 * a, 0, kv_head, page);
       }
     }
+  }
+  // Paged: the pages of key tile n that hold the request's keys, and lane `lane`'s page id
+  // of that tile (0 past them, or past the item's tiles), read before it is needed.
+  static FIJ_SM90 int tile_pages(const Sm90Tile& tile, int n, int shift) {
+    const int first = (n * kBlockN) >> shift;
+    return min(kBlockN >> shift, ((tile.kv_len + (1 << shift) - 1) >> shift) - first);
+  }
+  static FIJ_SM90 int next_page(const PrefillSm90Params& p, const Sm90Tile& tile, int n, int lane) {
+    if (n >= tile.kv_tiles || lane >= tile_pages(tile, n, p.page_shift)) return 0;
+    return p.page_ids[tile.kv_row0 + ((n * kBlockN) >> p.page_shift) + lane];
   }
 
   // Zeros the rows of a V tile from `row` on (paged: the last tile's rows past kv_len hold
@@ -293,11 +309,13 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   constexpr int kTileBytes = K::kTileBytes, kBlockN = K::kBlockN;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = h::align_1024(smem_raw);
-  unsigned char* sq = smem;
-  unsigned char* sk = smem + K::kQBytes;                        // stage s at sk + s * kTileBytes
-  unsigned char* sv = smem + K::kQBytes + kTileBytes * kStages;  // the same for V
-  // q_empty: both consumer warpgroups have seen their last Q K^T of an item complete
-  __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  constexpr int kQStages = K::kQStages;
+  unsigned char* sq = smem;                                   // Q stage j at sq + j * kQBytes
+  unsigned char* sk = smem + K::kQBytes * kQStages;           // K stage s at sk + s * kTileBytes
+  unsigned char* sv = sk + kTileBytes * kStages;              // the same for V
+  // item k's Q in stage k % kQStages; q_empty: both consumer warpgroups have seen their last
+  // Q K^T of the stage's item complete
+  __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   // item k's index (-1: none left) and tile in slot k % 2: the producer reads the tile from
   // the work list while the consumers still run item k - 1, so theirs is a shared-memory read
   __shared__ int item_slot[2];
@@ -306,8 +324,10 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   const int num_items = p.work[0], active = p.work[1];
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    h::mbar_init(&q_full, 1);
-    h::mbar_init(&q_empty, 2);  // thread 0 of each consumer warpgroup
+    for (int j = 0; j < kQStages; ++j) {
+      h::mbar_init(&q_full[j], 1);
+      h::mbar_init(&q_empty[j], 2);  // thread 0 of each consumer warpgroup
+    }
     for (int s = 0; s < kStages; ++s) {
       h::mbar_init(&k_full[s], 1);
       h::mbar_init(&v_full[s], 1);
@@ -318,34 +338,54 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer: one thread issues every copy
+  if (wg == 0) {  // producer: warp 0 issues every copy (lane 0, or a lane a page)
     h::regs_dealloc<24>();
-    if (threadIdx.x == 0) {
-      h::tma_prefetch_descriptor(&p.q_map);
-      h::tma_prefetch_descriptor(&p.k_map);
-      h::tma_prefetch_descriptor(&p.v_map);
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      if (lane == 0) {
+        h::tma_prefetch_descriptor(&p.q_map);
+        h::tma_prefetch_descriptor(&p.k_map);
+        h::tma_prefetch_descriptor(&p.v_map);
+      }
       int it = 0;  // key tiles over every item so far (the stages' phases)
       for (int k = 0;; ++k) {
-        const int idx = k == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(&p.counters[0], 1);
+        int idx = int(blockIdx.x);
+        if (k > 0) {
+          int taken = 0;
+          if (lane == 0) taken = atomicAdd(&p.counters[0], 1);
+          idx = int(gridDim.x) + __shfl_sync(0xffffffffu, taken, 0);
+        }
         const Sm90Tile tile = idx < active ? load_tile(p.work, idx / p.num_qo_heads) : Sm90Tile{};
-        if (k > 0) h::mbar_wait(&q_empty, (k - 1) & 1);  // (the slot's last reader is past it too)
-        item_slot[k & 1] = idx < active ? idx : -1;
-        tile_slot[k & 1] = tile;
+        int page = kPaged && idx < active ? K::next_page(p, tile, 0, lane) : 0;
+        const int qs = k % kQStages, qu = k / kQStages;
+        // the stage's last item has finished its Q K^T (and item k - 2's slot has been read)
+        if (qu > 0) h::mbar_wait(&q_empty[qs], (qu - 1) & 1);
         if (idx >= active) {
-          h::mbar_arrive(&q_full);  // the consumers read -1: done
-          if (atomicAdd(&p.counters[1], 1) == int(gridDim.x) - 1) p.counters[0] = p.counters[1] = 0;
+          if (lane == 0) {
+            item_slot[k & 1] = -1;
+            h::mbar_arrive(&q_full[qs]);  // the consumers read -1: done
+            if (atomicAdd(&p.counters[1], 1) == int(gridDim.x) - 1) p.counters[0] = p.counters[1] = 0;
+          }
           break;
         }
         const int head = idx % p.num_qo_heads, kv_head = head / p.group;
-        h::mbar_expect_tx(&q_full, K::kQBytes);
-        for (int a = 0; a < K::kAtoms; ++a)
-          h::tma_load_3d(sq + a * K::kQAtom, &p.q_map, &q_full, 64 * a, head, tile.q_row0);
+        if (lane == 0) {
+          item_slot[k & 1] = idx;
+          tile_slot[k & 1] = tile;
+          h::mbar_expect_tx(&q_full[qs], K::kQBytes);
+          for (int a = 0; a < K::kAtoms; ++a)
+            h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], 64 * a, head, tile.q_row0);
+        }
         for (int n = 0; n < tile.kv_tiles; ++n, ++it) {
           const int s = it % kStages, u = it / kStages;
+          const int this_page = page;
+          if constexpr (kPaged) page = K::next_page(p, tile, n + 1, lane);  // in flight over the waits
           h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
-          K::template load_kv<kPaged>(p, &p.k_map, sk + s * kTileBytes, &k_full[s], tile, n, kv_head);
+          K::template load_kv<kPaged>(&p.k_map, sk + s * kTileBytes, &k_full[s], tile, n, kv_head, lane,
+                                      p.page_shift, this_page);
           h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
-          K::template load_kv<kPaged>(p, &p.v_map, sv + s * kTileBytes, &v_full[s], tile, n, kv_head);
+          K::template load_kv<kPaged>(&p.v_map, sv + s * kTileBytes, &v_full[s], tile, n, kv_head, lane,
+                                      p.page_shift, this_page);
         }
       }
     }
@@ -356,7 +396,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   h::regs_alloc<240>();
   const int wi = wg - 1, t = threadIdx.x % 128, lane = t % 32;
   const int r0 = 64 * wi + 16 * (t / 32) + lane / 4, cq = 2 * (lane % 4);  // rows r0, r0 + 8 of a tile
-  const uint32_t q_base = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
+  const uint32_t q0 = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
   const uint32_t k0 = h::smem_addr(sk), v0 = h::smem_addr(sv);
   // Each round's issue (the first S, one per further key tile, the last P V) waits for this
   // warpgroup's turn and passes it on; warpgroup 0 starts, and takes warpgroup 1's last
@@ -367,7 +407,9 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
 
   int it = 0;
   for (int k = 0;; ++k) {
-    h::mbar_wait(&q_full, k & 1);
+    const int qs = k % kQStages;
+    h::mbar_wait(&q_full[qs], (k / kQStages) & 1);
+    const uint32_t q_base = q0 + qs * K::kQBytes;
     const int idx = item_slot[k & 1];
     if (idx < 0) break;
     const Sm90Tile tile = tile_slot[k & 1];
@@ -409,7 +451,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       K::rescale(o, corr);
       K::pack_p(s, pa);
     }
-    if (t == 0) h::mbar_arrive(&q_empty);  // every Q K^T of this item is complete
+    if (t == 0) h::mbar_arrive(&q_empty[qs]);  // every Q K^T of this item is complete
     const int sl = (it + n_tiles - 1) % kStages, ul = (it + n_tiles - 1) / kStages;
     h::mbar_wait(&v_full[sl], ul & 1);
     if constexpr (kPaged) {
