@@ -882,3 +882,32 @@ def test_planned_backend_off_hopper_is_fa2(backend):
     wrapper.plan(_cpu_indptr([512, 1025]), _cpu_indptr([512, 1025]), causal=True, q_data_type=torch.bfloat16,
                  **CPU_HEADS)
     assert wrapper.planned_backend == "fa2"
+
+
+# --- the key tile a batch takes ------------------------------------------------------------------
+def test_short_requests_take_the_narrower_key_tile():
+    """Without a causal mask at head_dim 128, a batch keeps the 176-key tile unless it computes
+    more than WIDE_TILE_MAX_PAD times the keys of 128-key tiles (sm90.narrower_tile)."""
+    import numpy as np
+    from flashinfer_jit.prefill import sm90
+    assert sm90.narrower_tile(np.array([256] * 64))  # 352 keys a tile at 176, 256 at 128
+    assert sm90.narrower_tile(np.array([128, 128]))
+    assert not sm90.narrower_tile(np.array([4096] * 4))  # 4224 against 4096: 1.03
+    assert not sm90.narrower_tile(np.array([176] * 8))
+    assert not sm90.narrower_tile(np.array([1024] * 16))  # 1056 against 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_len,key_tile", [(256, 128), (1100, 176)])
+def test_fa3_key_tile_follows_the_batch(kv_len, key_tile, hopper_workspace):
+    """The same non-causal head_dim-128 wrapper runs 128-key tiles for 256-key requests and
+    176-key tiles for long ones (the plan's spec says which), each against the reference."""
+    gen = torch.Generator(device=DEV).manual_seed(kv_len)
+    shapes = [(kv_len, kv_len), (200, kv_len), (kv_len, kv_len)]
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, 128, torch.bfloat16, gen, q_scale=2.0)
+    wrapper = fa3_wrapper(hopper_workspace)
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), causal=False, q_data_type=torch.bfloat16)
+    assert wrapper._plan.spec.key_tile == key_tile
+    out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16, True)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, False)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(torch.bfloat16))

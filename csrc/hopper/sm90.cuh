@@ -107,6 +107,13 @@ FIJ_SM90 uint64_t make_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_
   d |= static_cast<uint64_t>(swizzle) << 62;
   return d;
 }
+// The descriptor of the operand `bytes` further on (a multiple of 16) from d's: only the
+// start address field moves, which cannot carry into the next field below 256 KB of shared
+// memory. One 32-bit add, where make_desc of each k-step's address costs five instructions.
+FIJ_SM90 uint64_t desc_add(uint64_t d, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (bytes >> 4), hi = static_cast<uint32_t>(d >> 32);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
 // K-major 128B-swizzled operand at `tile` (1024-byte aligned), k-step `ks` of 16 elements:
 // atom ks / 4 (each atom `rows` x 128 bytes), 32 bytes a step inside it.
 FIJ_SM90 uint64_t kmajor_desc(uint32_t tile, int rows, int ks) {

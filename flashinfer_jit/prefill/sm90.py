@@ -26,6 +26,21 @@ def key_tile(head_dim: int, causal: bool, page_size: int | None = None) -> int:
     return 176 if head_dim == 128 and not causal and (page_size is None or 176 % page_size == 0) else 128
 
 
+# A batch keeps key_tile()'s 176-key tile only where it visits at most WIDE_TILE_MAX_PAD times
+# the keys that 128-key tiles visit (each tile's keys rounded up to whole tiles): a request of
+# 256 keys is two tiles either way, 352 keys computed at 176 against 256 at 128. A CUDA-graph
+# wrapper keeps key_tile()'s choice (its captured launch is one module).
+WIDE_TILE_MAX_PAD = 1.05
+
+
+def narrower_tile(keys: np.ndarray) -> bool:
+    """Whether a batch whose query tiles visit `keys` keys (plan_tiles' column 6) should take
+    128-key tiles rather than 176."""
+    wide = float(np.sum(-(-keys.astype(np.int64) // 176))) * 176
+    narrow = float(np.sum(-(-keys.astype(np.int64) // 128))) * 128
+    return wide > WIDE_TILE_MAX_PAD * narrow
+
+
 # backend "auto" takes the Hopper path for a batch whose requests average at least
 # AUTO_MIN_MEAN_QO_LEN query tokens and whose query tiles visit on average at least
 # AUTO_MIN_KEYS[head_dim] keys (4 and 16 tiles of 128). Shorter queries (decode-like rows,
@@ -210,5 +225,5 @@ class Sm90Planner:
         return p
 
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "key_tile", "Sm90Plan", "Sm90Planner", "arch_error",
-           "auto_takes", "plan_tiles", "refusal", "unsupported"]
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "key_tile", "narrower_tile",
+           "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

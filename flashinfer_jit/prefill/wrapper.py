@@ -602,6 +602,9 @@ class _PrefillWrapper:
                                  "of paged_kv_indices")
         keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
         tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens)
+        if keys_a_tile == 176 and not graph and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
+            keys_a_tile = 128
+            tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens)
         if backend == "auto" and not sm90.auto_takes(config, np.diff(qo), tiles[:, 6]):
             return None
         if graph:
