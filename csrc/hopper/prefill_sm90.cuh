@@ -104,13 +104,10 @@ struct Sm90Kernel {
   // S = Q K^T of one key tile, issued (not waited for).
   static FIJ_SM90 void issue_qk(float (&s)[kS], uint32_t q_base, uint32_t k_tile) {
     h::wgmma_fence();
-    const uint64_t a0 = h::make_desc(q_base, 16, 1024, h::Swizzle::k128B);
-    const uint64_t b0 = h::kmajor_desc(k_tile, kBlockN, 0);
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
-      // k-step ks: atom ks / 4, 32 bytes a step inside it (h::kmajor_desc)
-      const uint64_t a = h::desc_add(a0, (ks >> 2) * kQAtom + (ks & 3) * 32);
-      const uint64_t b = h::desc_add(b0, (ks >> 2) * kKVAtom + (ks & 3) * 32);
+      const uint64_t a = h::make_desc(q_base + (ks >> 2) * kQAtom + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B);
+      const uint64_t b = h::kmajor_desc(k_tile, kBlockN, ks);
       // S = Q K^T: the first k-step does not read the accumulators
       if constexpr (kBlockN == 176) {
         if (ks == 0)
@@ -135,10 +132,9 @@ struct Sm90Kernel {
   // O += P V of one tile, P the A fragments of its k-steps, V MN-major; issued.
   static FIJ_SM90 void issue_pv(float (&o)[kOut], uint32_t (&pa)[kBlockN / 16][4], uint32_t v_tile) {
     h::wgmma_fence();
-    const uint64_t b0 = h::make_desc(v_tile, kKVAtom, 1024, h::Swizzle::k128B);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = h::desc_add(b0, kk * 16 * 128);
+      const uint64_t b = h::make_desc(v_tile + kk * 16 * 128, kKVAtom, 1024, h::Swizzle::k128B);
       if constexpr (kD == 256)
         h::wgmma_rs_n256<1>(o, pa[kk], b, DType{});
       else if constexpr (kD == 128)
@@ -220,7 +216,6 @@ struct Sm90Kernel {
 
   // (skipped where neither row's max moved, as on most tiles of a long row after its first)
   static FIJ_SM90 void rescale(float (&o)[kOut], const float (&corr)[2]) {
-    if (corr[0] == 1.f && corr[1] == 1.f) return;
 #pragma unroll
     for (int j = 0; j < kD / 8; ++j) {
       o[4 * j] *= corr[0];
@@ -319,8 +314,8 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   unsigned char* sq = smem;                                   // Q stage j at sq + j * kQBytes
   unsigned char* sk = smem + K::kQBytes * kQStages;           // K stage s at sk + s * kTileBytes
   unsigned char* sv = sk + kTileBytes * kStages;              // the same for V
-  // item k's Q in stage k % kQStages; q_empty: every consumer warp has seen its last Q K^T of
-  // the stage's item complete
+  // item k's Q in stage k % kQStages; q_empty: every consumer thread has seen its last Q K^T
+  // of the stage's item complete
   __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   // item k's index (-1: none left) and tile in slot k % 2: the producer reads the tile from
   // the work list while the consumers still run item k - 1, so theirs is a shared-memory read
@@ -332,7 +327,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int j = 0; j < kQStages; ++j) {
       h::mbar_init(&q_full[j], 1);
-      h::mbar_init(&q_empty[j], 8);  // lane 0 of each consumer warp
+      h::mbar_init(&q_empty[j], 256);  // every consumer thread
     }
     for (int s = 0; s < kStages; ++s) {
       h::mbar_init(&k_full[s], 1);
@@ -457,12 +452,11 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       K::rescale(o, corr);
       K::pack_p(s, pa);
     }
-    // every Q K^T of this item is complete, and the warp's reads of the item's slot are done
-    // (each warp signals for its own lanes: with one arrival a warpgroup, only named barriers
-    // ordered the other warps' reads before it, and racecheck reported them against the
-    // producer's next writes of the slot)
-    __syncwarp();
-    if (lane == 0) h::mbar_arrive(&q_empty[qs]);
+    // every Q K^T of this item is complete, and this thread's reads of the item's slot are
+    // done: each consumer thread arrives, since an arrival releases its own thread's accesses
+    // only (with one arrival a warp or a warpgroup, racecheck reported the other threads' slot
+    // reads against the producer's next writes of the slot)
+    h::mbar_arrive(&q_empty[qs]);
     const int sl = (it + n_tiles - 1) % kStages, ul = (it + n_tiles - 1) / kStages;
     h::mbar_wait(&v_full[sl], ul & 1);
     if constexpr (kPaged) {
