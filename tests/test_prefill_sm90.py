@@ -484,7 +484,8 @@ def test_auto_cuda_graph_replay_across_the_backend_choice(hopper_workspace):
 
 # --- backend="auto" ------------------------------------------------------------------------------
 # (sm90.AUTO_MIN_MEAN_QO_LEN 64 query tokens a request and AUTO_MIN_KEYS[128] = 512 keys a
-# query tile, on average: 627 for long_prompts, 1024 for the two 1024-key batches, 192 for few_keys)
+# query tile, on average: 627 for long_prompts, 1024 for the two 1024-key batches, 192 for
+# few_keys)
 AUTO_BATCHES = {
     "long_prompts": ([(512, 512), (300, 1300), (1025, 1025), (64, 64)], "fa3"),
     "mean_64": ([(64, 1024)] * 6, "fa3"),       # the query threshold: mean qo_len >= 64
@@ -523,7 +524,6 @@ def _auto_lacking_params():
         pytest.param(dict(window_left=256), False, id="window"),
         pytest.param(dict(pos_encoding_mode="ROPE_LLAMA"), False, id="rope"),
         pytest.param(dict(pos_encoding_mode="ALIBI"), False, id="alibi"),
-        pytest.param(dict(head_dim_qk=256, head_dim_vo=256), False, id="hd256"),
         pytest.param(dict(head_dim_qk=192, head_dim_vo=128), False, id="hd192x128"),
         pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
         pytest.param(dict(page_size=8), True, id="paged_page_8"),
@@ -560,7 +560,7 @@ def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspa
     assert wrapper.planned_backend == "fa2"
 
 
-# --- head_dim 256 (64-key tiles; backend "fa3" only: auto does not take it before it is measured) ------
+# --- head_dim 256 (64-key tiles; auto takes it where query tiles average 2048 keys, not here) -------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, causal, group", [(BF16, True, 4), (F16, False, 1), (BF16, False, 8)])
 def test_fa3_head_dim_256(dtype, causal, group, hopper_workspace):
@@ -911,3 +911,30 @@ def test_fa3_key_tile_follows_the_batch(kv_len, key_tile, hopper_workspace):
     out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16, True)
     ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, False)
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(torch.bfloat16))
+
+
+def test_auto_rule_by_head_dim():
+    """auto's measured thresholds (sm90.auto_takes): mean query tokens a request >= 64 and mean
+    keys a query tile >= AUTO_MIN_KEYS[head_dim] (512 at 128, 2048 at 64 and 256)."""
+    import types
+    import numpy as np
+    from flashinfer_jit.prefill import sm90
+    long_q = np.array([512, 512])
+    for head_dim, below, at in ((128, 511, 512), (64, 2047, 2048), (256, 2047, 2048)):
+        c = types.SimpleNamespace(head_dim_qk=head_dim)
+        assert sm90.auto_takes(c, long_q, np.array([at, at]))
+        assert not sm90.auto_takes(c, long_q, np.array([below, below]))
+        assert not sm90.auto_takes(c, np.array([63, 63]), np.array([at * 4, at * 4]))  # decode-like rows
+
+
+@pytest.mark.parametrize("batch", sorted(AUTO_BATCHES))
+def test_auto_decides_on_the_cpu_as_on_sm90(batch, monkeypatch):
+    """The same decisions as test_auto_picks_the_backend, planned on the CPU with the arch check
+    passed (plan() decides on the host; the GPU test then runs what it planned)."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    shapes, expected = AUTO_BATCHES[batch]
+    wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD")
+    wrapper.plan(_cpu_indptr([m for m, _ in shapes]), _cpu_indptr([n for _, n in shapes]), *LLAMA, 128,
+                 causal=True, q_data_type=torch.bfloat16)
+    assert wrapper.planned_backend == expected
