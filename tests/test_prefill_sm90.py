@@ -628,6 +628,46 @@ def test_fa3_paged_against_reference(page_size, kv_layout, causal, head_dim, dty
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size, kv_layout, causal, head_dim, dtype", [
+    (16, "NHD", True, 128, BF16),
+    (32, "HND", False, 128, F16),
+    (64, "NHD", True, 64, BF16),
+    (16, "HND", False, 256, BF16),
+], ids=lambda v: str(v))
+def test_fa3_block_tables_against_reference(page_size, kv_layout, causal, head_dim, dtype, hopper_workspace):
+    """vLLM's block table [B, max_pages] on the Hopper path (request b's page ids from entry
+    b x the row stride; columns past a request's pages point at a NaN page): against the
+    float64 reference and the mma.sync kernel on the same table, NaN-poisoned outputs; auto
+    takes the Hopper path for these long requests, and TensorRT-LLM's separate K/V ids
+    [B, 2, max_pages] keep the mma.sync kernel."""
+    rnd = random.Random(7 * page_size + head_dim)
+    gen = torch.Generator(device=DEV).manual_seed(page_size + head_dim + 1)
+    torch_dtype = dtype_of(dtype)
+    qo_lens, kv_lens = [m for m, _ in PAGED_SHAPES], [n for _, n in PAGED_SHAPES]
+    k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (head_dim, head_dim), torch_dtype, gen)
+    kv = paged_kv(k_rows, v_rows, kv_lens, page_size, "block_table", kv_layout, "tuple", rnd)
+    q = make_q(sum(qo_lens), LLAMA[0], head_dim, torch_dtype, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    results = {}
+    for backend in ("fa3", "fa2"):
+        wrapper = paged_wrapper(hopper_workspace, kv_layout, backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (head_dim, head_dim), page_size, causal=causal,
+                q_data_type=torch_dtype)
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch_dtype)
+    ref_out, ref_lse = reference(q, qo_indptr.to(DEV), kv, causal=causal)
+    tol = tolerance(dtype)
+    for out, lse in results.values():
+        check_prefill(out, lse, ref_out, ref_lse, PAGED_SHAPES, tol)
+    check_agree(*results["fa3"], *results["fa2"], PAGED_SHAPES, tol * AGREE_FACTOR, "fa3", "fa2")
+    separate = paged_kv(k_rows, v_rows, kv_lens, page_size, "block_table_kv_separate", kv_layout, "tuple", rnd)
+    auto = paged_wrapper(hopper_workspace, kv_layout)
+    plan_kv(auto, qo_indptr, separate, *LLAMA, (head_dim, head_dim), page_size, causal=causal,
+            q_data_type=torch_dtype)
+    assert auto.planned_backend == "fa2"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 def test_fa3_paged_matches_ragged_and_fa2(causal, hopper_workspace):
     """The same rows through the paged cache (pages of 16) and as ragged tensors, on the
@@ -809,12 +849,15 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
     wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", use_cuda_graph=use_cuda_graph,
                                                       backend="fa3")
     kwargs = dict(dict(q_data_type=torch.bfloat16, **CPU_HEADS), **kwargs)
+    table_kind = table
     if table == "csr":
         wrapper.plan(_cpu_indptr(CPU_QO), _cpu_indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
                      torch.tensor([n - page_size * (p - 1) if p else 0 for n, p in zip(CPU_KV, pages)],
                                   dtype=torch.int32), page_size=page_size, **kwargs)
-    else:
+    else:  # "block_table" (vLLM [B, max_pages]) or "block_table_kv_separate" ([B, 2, max_pages])
         table = torch.arange(len(CPU_KV) * max(pages), dtype=torch.int32).reshape(len(CPU_KV), max(pages))
+        if table_kind == "block_table_kv_separate":
+            table = torch.stack([table, table], 1)
         wrapper.plan(_cpu_indptr(CPU_QO), None, None, None, page_size=page_size, block_tables=table,
                      seq_lens=torch.tensor(CPU_KV, dtype=torch.int32), **kwargs)
 
@@ -824,7 +867,7 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
     pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
     pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
     pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
-    pytest.param(dict(table="block_tables"), r"block_tables", id="block_tables"),
+    pytest.param(dict(table="block_table_kv_separate"), r"block_tables \[batch_size, 2", id="kv_separate_tables"),
     pytest.param(dict(use_cuda_graph=True), r"use_cuda_graph", id="cuda_graph"),
 ])
 def test_fa3_paged_plan_names_what_it_lacks(options, match):
@@ -938,3 +981,71 @@ def test_auto_decides_on_the_cpu_as_on_sm90(batch, monkeypatch):
     wrapper.plan(_cpu_indptr([m for m, _ in shapes]), _cpu_indptr([n for _, n in shapes]), *LLAMA, 128,
                  causal=True, q_data_type=torch.bfloat16)
     assert wrapper.planned_backend == expected
+
+
+# --- vLLM block tables on the Hopper path ----------------------------------------------------------
+def test_block_table_ids_view_and_offsets():
+    """sm90.block_table_ids: a 1-D view from row 0 to the end of the last row of a (possibly
+    row-strided) block table, request b's first page id at b x the row stride; seq_lens past
+    the table's pages, or negative, are ValueErrors naming seq_lens."""
+    import numpy as np
+    from flashinfer_jit.prefill import sm90
+    base = torch.arange(4 * 10, dtype=torch.int32).reshape(4, 10)
+    table = base[:, :6]  # row stride 10, 6 pages a request
+    ids, first = sm90.block_table_ids(table, np.array([96, 1, 0, 50]), 16)
+    assert first.tolist() == [0, 10, 20, 30, 40]
+    assert ids.shape == (36,) and ids.data_ptr() == table.data_ptr()
+    for b in range(4):
+        assert torch.equal(ids[first[b]:first[b] + 6], table[b])
+    with pytest.raises(ValueError, match="seq_lens: request 0's 97 keys need 7 pages"):
+        sm90.block_table_ids(table, np.array([97, 1, 0, 50]), 16)
+    with pytest.raises(ValueError, match="seq_lens: expected lengths >= 0"):
+        sm90.block_table_ids(table, np.array([1, -1, 0, 0]), 16)
+    empty, first = sm90.block_table_ids(torch.zeros((0, 6), dtype=torch.int32), np.zeros(0, dtype=np.int64), 16)
+    assert empty.numel() == 0 and first.tolist() == [0]
+
+
+def test_block_table_plan_on_the_cpu_names_sm90():
+    """vLLM's block table passes the Hopper path's feature checks: backend="fa3" then names
+    the arch, as the CSR table does."""
+    with pytest.raises(ValueError, match="sm_90"):
+        _cpu_paged_plan(table="block_table")
+
+
+def test_block_table_plan_matches_the_csr_plan(monkeypatch):
+    """With the arch check passed, a block-table plan's work list equals the CSR plan's but
+    for each tile's first page index (b x the row stride instead of the CSR indptr), and its
+    page-id vector holds the table's rows at those offsets."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    monkeypatch.setattr(sm90, "sm_count", lambda device: 132)
+    page_size, qo, kv = 16, [300, 1, 129, 64], [300, 700, 129, 1000]
+    pages = [-(-n // page_size) for n in kv]
+    max_pages = max(pages) + 3
+    ids = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(5)).int()
+    table = torch.full((len(kv), max_pages), -1, dtype=torch.int32)
+    starts = list(itertools.accumulate(pages, initial=0))
+    for b, p in enumerate(pages):
+        table[b, :p] = ids[starts[b]:starts[b] + p]
+    plans = {}
+    for form in ("csr", "block_table"):
+        w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
+        args = dict(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, page_size=page_size, causal=True,
+                    q_data_type=torch.bfloat16)
+        if form == "csr":
+            w.plan(_cpu_indptr(qo), _cpu_indptr(pages), ids, torch.tensor(
+                [n - page_size * (p - 1) for n, p in zip(kv, pages)], dtype=torch.int32), **args)
+        else:
+            w.plan(_cpu_indptr(qo), None, None, None, block_tables=table, seq_lens=torch.tensor(kv, dtype=torch.int32),
+                   **args)
+        assert w.planned_backend == "fa3"
+        plans[form] = w._plan
+    work = {f: p.work[4:].reshape(-1, 8) for f, p in plans.items()}
+    assert torch.equal(work["csr"][:, [0, 1, 3, 4, 5]], work["block_table"][:, [0, 1, 3, 4, 5]])
+    req_of = {s: b for b, s in enumerate(starts[:-1])}
+    for row_csr, row_bt in zip(work["csr"].tolist(), work["block_table"].tolist()):
+        b = req_of[row_csr[2]]
+        assert row_bt[2] == b * max_pages
+        n = pages[b]
+        assert torch.equal(plans["block_table"].page_ids[row_bt[2]:row_bt[2] + n],
+                           plans["csr"].page_ids[row_csr[2]:row_csr[2] + n])

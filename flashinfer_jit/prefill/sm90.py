@@ -66,11 +66,13 @@ PAGE_SIZES = (16, 32, 64, 128)  # one TMA box a page: a page divides the key til
 
 def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False) -> str | None:
     """Why the Hopper path cannot run this configuration (the feature, as plan()'s argument
-    names it), or None. c: the wrapper's _Config; table: a paged plan's page table ("csr",
-    else FlashInfer's block_tables); graph: a CUDA-graph wrapper."""
+    names it), or None. c: the wrapper's _Config; table: a paged plan's page table layout
+    ("csr", "block_table": vLLM's [B, max_pages], "block_table_kv_separate": TensorRT-LLM's
+    [B, 2, max_pages]); graph: a CUDA-graph wrapper."""
     if not ragged:
-        if table != "csr":
-            return "block_tables (the Hopper path reads the CSR page table so far)"
+        if table not in ("csr", "block_table"):
+            return ("block_tables [batch_size, 2, max_pages] (separate K and V page ids: the Hopper path reads one "
+                    "page id a page so far)")
         sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
         if c.page_size not in sizes:
             return (f"page_size={c.page_size} (the Hopper path takes pages of {', '.join(map(str, sizes))} tokens at "
@@ -129,6 +131,28 @@ def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
         float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
 
 
+def block_table_ids(tables: torch.Tensor, kv_lens: np.ndarray, page_size: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(page ids, first): vLLM's block table [B, max_pages] (int32, its last dimension
+    contiguous: parse_block_tables) as the kernel reads a page-id vector: a 1-D view from
+    row 0 to the end of the last row, and request b's first page id at b x the row stride
+    (plan_tiles' kv_indptr, B + 1 entries). kv_lens: seq_lens on the host, checked here
+    (the Hopper path returns before the mma.sync planner's checks)."""
+    batch, max_pages = tables.shape
+    if kv_lens.size and int(kv_lens.min()) < 0:
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {int(kv_lens.min())}")
+    pages = -(-kv_lens // page_size)
+    if pages.size and int(pages.max()) > max_pages:
+        b = int(np.argmax(pages))
+        raise ValueError(f"seq_lens: request {b}'s {int(kv_lens[b])} keys need {int(pages[b])} pages of {page_size}; "
+                         f"block_tables holds {max_pages} a request")
+    stride = tables.stride(0) if batch > 0 else max_pages
+    first = np.arange(batch + 1, dtype=np.int64) * stride
+    if batch and int(first[-1]) >= 2 ** 31:
+        raise ValueError(f"block_tables: {batch} rows of stride {stride} exceed the Hopper path's int32 page index")
+    span = (batch - 1) * stride + max_pages if batch > 0 else 0
+    return torch.as_strided(tables, (span,), (1,), tables.storage_offset()), first
+
+
 def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_a_tile: int = TILE_ROWS,
                kv_lens: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """The tiles of a batch (int32 [tiles, TILE_INTS]: Sm90Tile's fields; column 6, which
@@ -136,7 +160,8 @@ def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_
     (of keys_a_tile: key_tile()) first, ties in request and tile order, and how many see a
     key at all. Causal masks are bottom-right aligned: row i of a request sees keys
     j <= i + kv_len - qo_len. Ragged: kv_indptr the requests' K/V rows. Paged: kv_indptr
-    the CSR page table's indptr (a tile's kv_row0 is its request's first page id's index)
+    the index of each request's first page id in the page-id vector (the CSR table's indptr;
+    block tables: b x the table's row stride), so a tile's kv_row0 is that index,
     and kv_lens the requests' key counts."""
     qo = qo_indptr.astype(np.int64)
     kv = kv_indptr.astype(np.int64)
@@ -229,5 +254,5 @@ class Sm90Planner:
         return p
 
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "key_tile", "narrower_tile",
-           "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "key_tile",
+           "narrower_tile", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

@@ -549,8 +549,9 @@ class _PrefillWrapper:
                    page_ids=None, last_page_len=None) -> bool:
         """plan() on the Hopper path where the backend takes it; False: the mma.sync kernel's
         plan follows. Ragged: kv_indptr the K/V rows' offsets. Paged: the CSR page table
-        (kv_indptr, page_ids, last_page_len); table "block_tables" for the other form (which
-        the Hopper path does not take). "fa3": the Hopper path, or a ValueError saying why it
+        (table "csr": kv_indptr, page_ids, last_page_len) or block tables (table
+        parse_block_tables' layout: kv_indptr seq_lens, page_ids the int32 table; the Hopper
+        path takes vLLM's [B, max_pages], not separate K and V ids). "fa3": the Hopper path, or a ValueError saying why it
         cannot run (a feature, then the device: sm90.refusal). "auto": the Hopper path where
         it can run and the batch is one it measured faster on (sm90.auto_takes). A CUDA-graph
         wrapper keeps its first plan's kernel (a captured run() replays that kernel): with
@@ -589,6 +590,11 @@ class _PrefillWrapper:
             qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
             qo, kv = qo.numpy(), kv.numpy()
             kv_lens, ids, page_size = None, None, None
+        elif table != "csr":  # vLLM's block table [B, max_pages], int32 (parse_block_tables)
+            qo, lens, _, batch = _host_vectors(qo_indptr, _SEQ_LENS, kv_indptr, None)
+            qo, kv_lens = qo.numpy(), lens.numpy().astype(np.int64)
+            page_size = config.page_size
+            ids, kv = sm90.block_table_ids(page_ids, kv_lens, page_size)
         else:
             qo, kv, last, batch = _host_vectors(qo_indptr, _CSR, kv_indptr, last_page_len)
             qo, kv = qo.numpy(), kv.numpy()
@@ -1315,14 +1321,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
         if block_tables is not None:
-            self._plan_sm90(config, qo_indptr, None, non_blocking, "block_tables")  # ('fa3': its ValueError)
+            expect_one_page_table("paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len",
+                                  paged_kv_indptr is not None or paged_kv_last_page_len is not None)
+            layout, block_tables = parse_block_tables(block_tables, seq_lens)
+            if self._plan_sm90(config, qo_indptr, seq_lens, non_blocking, layout, block_tables):
+                return
         elif self._plan_sm90(config, qo_indptr, paged_kv_indptr, non_blocking, "csr", paged_kv_indices,
                              paged_kv_last_page_len):
             return
         if block_tables is not None:
-            expect_one_page_table("paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len",
-                                  paged_kv_indptr is not None or paged_kv_last_page_len is not None)
-            layout, block_tables = parse_block_tables(block_tables, seq_lens)
             if self._use_cuda_graph:
                 ids = self._graph_ids.fill_block_tables(block_tables, self._capacity)
             else:
