@@ -628,24 +628,24 @@ def test_fa3_paged_against_reference(page_size, kv_layout, causal, head_dim, dty
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size, kv_layout, causal, head_dim, dtype", [
-    (16, "NHD", True, 128, BF16),
-    (32, "HND", False, 128, F16),
-    (64, "NHD", True, 64, BF16),
-    (16, "HND", False, 256, BF16),
+@pytest.mark.parametrize("page_size, kv_layout, causal, head_dim, dtype, table", [
+    (16, "NHD", True, 128, BF16, "block_table"),
+    (32, "HND", False, 128, F16, "block_table_kv_separate"),
+    (64, "NHD", True, 64, BF16, "block_table_kv_separate"),
+    (16, "HND", False, 256, BF16, "block_table"),
+    (16, "NHD", False, 128, BF16, "block_table_kv_separate"),
 ], ids=lambda v: str(v))
-def test_fa3_block_tables_against_reference(page_size, kv_layout, causal, head_dim, dtype, hopper_workspace):
-    """vLLM's block table [B, max_pages] on the Hopper path (request b's page ids from entry
-    b x the row stride; columns past a request's pages point at a NaN page): against the
-    float64 reference and the mma.sync kernel on the same table, NaN-poisoned outputs; auto
-    takes the Hopper path for these long requests, and TensorRT-LLM's separate K/V ids
-    [B, 2, max_pages] keep the mma.sync kernel."""
+def test_fa3_block_tables_against_reference(page_size, kv_layout, causal, head_dim, dtype, table, hopper_workspace):
+    """Block tables on the Hopper path: vLLM's [B, max_pages] (request b's page ids from entry
+    b x the row stride) and TensorRT-LLM's [B, 2, max_pages] (K and V pages drawn apart; V's
+    ids one table row past K's); columns past a request's pages point at a NaN page. Against
+    the float64 reference and the mma.sync kernel on the same table, NaN-poisoned outputs."""
     rnd = random.Random(7 * page_size + head_dim)
     gen = torch.Generator(device=DEV).manual_seed(page_size + head_dim + 1)
     torch_dtype = dtype_of(dtype)
     qo_lens, kv_lens = [m for m, _ in PAGED_SHAPES], [n for _, n in PAGED_SHAPES]
     k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (head_dim, head_dim), torch_dtype, gen)
-    kv = paged_kv(k_rows, v_rows, kv_lens, page_size, "block_table", kv_layout, "tuple", rnd)
+    kv = paged_kv(k_rows, v_rows, kv_lens, page_size, table, kv_layout, "tuple", rnd)
     q = make_q(sum(qo_lens), LLAMA[0], head_dim, torch_dtype, gen)
     qo_indptr = indptr_of(qo_lens, "cpu")
     results = {}
@@ -660,11 +660,6 @@ def test_fa3_block_tables_against_reference(page_size, kv_layout, causal, head_d
     for out, lse in results.values():
         check_prefill(out, lse, ref_out, ref_lse, PAGED_SHAPES, tol)
     check_agree(*results["fa3"], *results["fa2"], PAGED_SHAPES, tol * AGREE_FACTOR, "fa3", "fa2")
-    separate = paged_kv(k_rows, v_rows, kv_lens, page_size, "block_table_kv_separate", kv_layout, "tuple", rnd)
-    auto = paged_wrapper(hopper_workspace, kv_layout)
-    plan_kv(auto, qo_indptr, separate, *LLAMA, (head_dim, head_dim), page_size, causal=causal,
-            q_data_type=torch_dtype)
-    assert auto.planned_backend == "fa2"
 
 
 @pytest.mark.gpu
@@ -867,7 +862,6 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
     pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
     pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
     pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
-    pytest.param(dict(table="block_table_kv_separate"), r"block_tables \[batch_size, 2", id="kv_separate_tables"),
     pytest.param(dict(use_cuda_graph=True), r"use_cuda_graph", id="cuda_graph"),
 ])
 def test_fa3_paged_plan_names_what_it_lacks(options, match):
@@ -992,24 +986,31 @@ def test_block_table_ids_view_and_offsets():
     from flashinfer_jit.prefill import sm90
     base = torch.arange(4 * 10, dtype=torch.int32).reshape(4, 10)
     table = base[:, :6]  # row stride 10, 6 pages a request
-    ids, first = sm90.block_table_ids(table, np.array([96, 1, 0, 50]), 16)
-    assert first.tolist() == [0, 10, 20, 30, 40]
+    ids, first, v_ids = sm90.block_table_ids(table, np.array([96, 1, 0, 50]), 16)
+    assert first.tolist() == [0, 10, 20, 30, 40] and v_ids == 0
     assert ids.shape == (36,) and ids.data_ptr() == table.data_ptr()
     for b in range(4):
         assert torch.equal(ids[first[b]:first[b] + 6], table[b])
+    separate = torch.arange(4 * 2 * 8, dtype=torch.int32).reshape(4, 2, 8)[..., :6]  # K ids, V ids
+    ids, first, v_ids = sm90.block_table_ids(separate, np.array([96, 1, 0, 50]), 16)
+    assert first.tolist() == [0, 16, 32, 48, 64] and v_ids == 8 and ids.shape == (3 * 16 + 8 + 6,)
+    for b in range(4):
+        assert torch.equal(ids[first[b]:first[b] + 6], separate[b, 0])
+        assert torch.equal(ids[first[b] + v_ids:first[b] + v_ids + 6], separate[b, 1])
     with pytest.raises(ValueError, match="seq_lens: request 0's 97 keys need 7 pages"):
         sm90.block_table_ids(table, np.array([97, 1, 0, 50]), 16)
     with pytest.raises(ValueError, match="seq_lens: expected lengths >= 0"):
         sm90.block_table_ids(table, np.array([1, -1, 0, 0]), 16)
-    empty, first = sm90.block_table_ids(torch.zeros((0, 6), dtype=torch.int32), np.zeros(0, dtype=np.int64), 16)
+    empty, first, _ = sm90.block_table_ids(torch.zeros((0, 6), dtype=torch.int32), np.zeros(0, dtype=np.int64), 16)
     assert empty.numel() == 0 and first.tolist() == [0]
 
 
-def test_block_table_plan_on_the_cpu_names_sm90():
-    """vLLM's block table passes the Hopper path's feature checks: backend="fa3" then names
-    the arch, as the CSR table does."""
+@pytest.mark.parametrize("table", ["block_table", "block_table_kv_separate"])
+def test_block_table_plan_on_the_cpu_names_sm90(table):
+    """Block tables pass the Hopper path's feature checks: backend="fa3" then names the arch,
+    as the CSR table does."""
     with pytest.raises(ValueError, match="sm_90"):
-        _cpu_paged_plan(table="block_table")
+        _cpu_paged_plan(table=table)
 
 
 def test_block_table_plan_matches_the_csr_plan(monkeypatch):
@@ -1027,8 +1028,13 @@ def test_block_table_plan_matches_the_csr_plan(monkeypatch):
     starts = list(itertools.accumulate(pages, initial=0))
     for b, p in enumerate(pages):
         table[b, :p] = ids[starts[b]:starts[b] + p]
+    v_ids = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(6)).int()
+    separate = torch.full((len(kv), 2, max_pages), -1, dtype=torch.int32)
+    for b, p in enumerate(pages):
+        separate[b, 0, :p] = ids[starts[b]:starts[b] + p]
+        separate[b, 1, :p] = v_ids[starts[b]:starts[b] + p]
     plans = {}
-    for form in ("csr", "block_table"):
+    for form in ("csr", "block_table", "block_table_kv_separate"):
         w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
         args = dict(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, page_size=page_size, causal=True,
                     q_data_type=torch.bfloat16)
@@ -1036,16 +1042,21 @@ def test_block_table_plan_matches_the_csr_plan(monkeypatch):
             w.plan(_cpu_indptr(qo), _cpu_indptr(pages), ids, torch.tensor(
                 [n - page_size * (p - 1) for n, p in zip(kv, pages)], dtype=torch.int32), **args)
         else:
-            w.plan(_cpu_indptr(qo), None, None, None, block_tables=table, seq_lens=torch.tensor(kv, dtype=torch.int32),
-                   **args)
+            w.plan(_cpu_indptr(qo), None, None, None, block_tables=table if form == "block_table" else separate,
+                   seq_lens=torch.tensor(kv, dtype=torch.int32), **args)
         assert w.planned_backend == "fa3"
         plans[form] = w._plan
     work = {f: p.work[4:].reshape(-1, 8) for f, p in plans.items()}
+    assert [int(p.work[2]) for p in plans.values()] == [0, 0, max_pages]  # V ids past K's
     assert torch.equal(work["csr"][:, [0, 1, 3, 4, 5]], work["block_table"][:, [0, 1, 3, 4, 5]])
+    assert torch.equal(work["csr"][:, [0, 1, 3, 4, 5]], work["block_table_kv_separate"][:, [0, 1, 3, 4, 5]])
     req_of = {s: b for b, s in enumerate(starts[:-1])}
-    for row_csr, row_bt in zip(work["csr"].tolist(), work["block_table"].tolist()):
+    for row_csr, row_bt, row_sep in zip(*(work[f].tolist() for f in plans)):
         b = req_of[row_csr[2]]
-        assert row_bt[2] == b * max_pages
+        assert row_bt[2] == b * max_pages and row_sep[2] == 2 * b * max_pages
         n = pages[b]
-        assert torch.equal(plans["block_table"].page_ids[row_bt[2]:row_bt[2] + n],
-                           plans["csr"].page_ids[row_csr[2]:row_csr[2] + n])
+        csr_ids = plans["csr"].page_ids[row_csr[2]:row_csr[2] + n]
+        assert torch.equal(plans["block_table"].page_ids[row_bt[2]:row_bt[2] + n], csr_ids)
+        sep = plans["block_table_kv_separate"].page_ids
+        assert torch.equal(sep[row_sep[2]:row_sep[2] + n], csr_ids)
+        assert torch.equal(sep[row_sep[2] + max_pages:row_sep[2] + max_pages + n], v_ids[starts[b]:starts[b] + n])

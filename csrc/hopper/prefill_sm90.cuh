@@ -257,9 +257,10 @@ struct Sm90Kernel {
     const int first = (n * kBlockN) >> shift;
     return min(kBlockN >> shift, ((tile.kv_len + (1 << shift) - 1) >> shift) - first);
   }
-  static FIJ_SM90 int next_page(const PrefillSm90Params& p, const Sm90Tile& tile, int n, int lane) {
+  // v_ids: where the tile's V page ids start past its K ids (the work list's work[2]).
+  static FIJ_SM90 int next_page(const PrefillSm90Params& p, const Sm90Tile& tile, int n, int lane, int v_ids = 0) {
     if (n >= tile.kv_tiles || lane >= tile_pages(tile, n, p.page_shift)) return 0;
-    return p.page_ids[tile.kv_row0 + ((n * kBlockN) >> p.page_shift) + lane];
+    return p.page_ids[tile.kv_row0 + v_ids + ((n * kBlockN) >> p.page_shift) + lane];
   }
 
   // Zeros the rows of a V tile from `row` on (paged: the last tile's rows past kv_len hold
@@ -348,6 +349,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
         h::tma_prefetch_descriptor(&p.k_map);
         h::tma_prefetch_descriptor(&p.v_map);
       }
+      const int v_ids = kPaged ? p.work[2] : 0;  // V page ids past K's (separate K/V tables)
       int it = 0;  // key tiles over every item so far (the stages' phases)
       for (int k = 0;; ++k) {
         int idx = int(blockIdx.x);
@@ -358,6 +360,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
         }
         const Sm90Tile tile = idx < active ? load_tile(p.work, idx / p.num_qo_heads) : Sm90Tile{};
         int page = kPaged && idx < active ? K::next_page(p, tile, 0, lane) : 0;
+        int page_v = v_ids == 0 ? page : kPaged && idx < active ? K::next_page(p, tile, 0, lane, v_ids) : 0;
         const int qs = k % kQStages, qu = k / kQStages;
         // the stage's last item has finished its Q K^T (and item k - 2's slot has been read)
         if (qu > 0) h::mbar_wait(&q_empty[qs], (qu - 1) & 1);
@@ -379,14 +382,17 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
         }
         for (int n = 0; n < tile.kv_tiles; ++n, ++it) {
           const int s = it % kStages, u = it / kStages;
-          const int this_page = page;
-          if constexpr (kPaged) page = K::next_page(p, tile, n + 1, lane);  // in flight over the waits
+          const int this_page = page, this_page_v = page_v;
+          if constexpr (kPaged) {  // in flight over the waits
+            page = K::next_page(p, tile, n + 1, lane);
+            page_v = v_ids == 0 ? page : K::next_page(p, tile, n + 1, lane, v_ids);
+          }
           h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
           K::template load_kv<kPaged>(&p.k_map, sk + s * kTileBytes, &k_full[s], tile, n, kv_head, lane,
                                       p.page_shift, this_page);
           h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
           K::template load_kv<kPaged>(&p.v_map, sv + s * kTileBytes, &v_full[s], tile, n, kv_head, lane,
-                                      p.page_shift, this_page);
+                                      p.page_shift, this_page_v);
         }
       }
     }

@@ -9,7 +9,10 @@ namespace fij {
 //   work[0]   items: tiles x num_qo_heads (an item is one query tile of one query head)
 //   work[1]   active items: the first ones, whose tiles see at least one key; the rest (at
 //             the end of the list) only write zeros and an LSE of -inf
-//   work[2-3] unused (the tiles start 16-byte aligned)
+//   work[2]   paged: where a tile's V page ids start past its K page ids (0: one id a page
+//             for both, the CSR table and vLLM's block table; TensorRT-LLM's [B, 2, max_pages]
+//             table: its stride between the K and the V row)
+//   work[3]   unused (the tiles start 16-byte aligned)
 //   work[4 + kSm90TileInts * t + f]  field f of tile t (Sm90Tile), heaviest tile first
 // Item i is tile i / num_qo_heads, query head i % num_qo_heads: one round of the persistent
 // grid holds a few tiles of every head, so a KV head's keys serve its group from L2.

@@ -68,11 +68,8 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
     """Why the Hopper path cannot run this configuration (the feature, as plan()'s argument
     names it), or None. c: the wrapper's _Config; table: a paged plan's page table layout
     ("csr", "block_table": vLLM's [B, max_pages], "block_table_kv_separate": TensorRT-LLM's
-    [B, 2, max_pages]); graph: a CUDA-graph wrapper."""
+    [B, 2, max_pages]; the Hopper path takes all three); graph: a CUDA-graph wrapper."""
     if not ragged:
-        if table not in ("csr", "block_table"):
-            return ("block_tables [batch_size, 2, max_pages] (separate K and V page ids: the Hopper path reads one "
-                    "page id a page so far)")
         sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
         if c.page_size not in sizes:
             return (f"page_size={c.page_size} (the Hopper path takes pages of {', '.join(map(str, sizes))} tokens at "
@@ -131,13 +128,15 @@ def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
         float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
 
 
-def block_table_ids(tables: torch.Tensor, kv_lens: np.ndarray, page_size: int) -> tuple[torch.Tensor, np.ndarray]:
-    """(page ids, first): vLLM's block table [B, max_pages] (int32, its last dimension
-    contiguous: parse_block_tables) as the kernel reads a page-id vector: a 1-D view from
-    row 0 to the end of the last row, and request b's first page id at b x the row stride
-    (plan_tiles' kv_indptr, B + 1 entries). kv_lens: seq_lens on the host, checked here
-    (the Hopper path returns before the mma.sync planner's checks)."""
-    batch, max_pages = tables.shape
+def block_table_ids(tables: torch.Tensor, kv_lens: np.ndarray, page_size: int) -> tuple[torch.Tensor, np.ndarray, int]:
+    """(page ids, first, v_ids): a block table (int32, its last dimension contiguous:
+    parse_block_tables), vLLM's [B, max_pages] or TensorRT-LLM's [B, 2, max_pages] (K ids,
+    V ids), as the kernel reads a page-id vector: a 1-D view from row 0 to the end of the
+    last row, request b's first (K) page id at b x the row stride (plan_tiles' kv_indptr,
+    B + 1 entries), its V ids v_ids further on (0: the same ids). kv_lens: seq_lens on the
+    host, checked here (the Hopper path returns before the mma.sync planner's checks)."""
+    batch, max_pages = tables.shape[0], tables.shape[-1]
+    v_ids = tables.stride(1) if tables.dim() == 3 else 0
     if kv_lens.size and int(kv_lens.min()) < 0:
         raise ValueError(f"seq_lens: expected lengths >= 0, got {int(kv_lens.min())}")
     pages = -(-kv_lens // page_size)
@@ -149,8 +148,8 @@ def block_table_ids(tables: torch.Tensor, kv_lens: np.ndarray, page_size: int) -
     first = np.arange(batch + 1, dtype=np.int64) * stride
     if batch and int(first[-1]) >= 2 ** 31:
         raise ValueError(f"block_tables: {batch} rows of stride {stride} exceed the Hopper path's int32 page index")
-    span = (batch - 1) * stride + max_pages if batch > 0 else 0
-    return torch.as_strided(tables, (span,), (1,), tables.storage_offset()), first
+    span = (batch - 1) * stride + v_ids + max_pages if batch > 0 else 0
+    return torch.as_strided(tables, (span,), (1,), tables.storage_offset()), first, v_ids
 
 
 def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_a_tile: int = TILE_ROWS,
@@ -211,7 +210,7 @@ class Sm90Planner:
         self._no_ids = torch.empty(0, dtype=torch.int32, device=device)  # ragged K/V's page_ids
 
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
-             keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD") -> Sm90Plan:
+             keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0) -> Sm90Plan:
         """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile;
         page_ids: the CSR page table's indices, int32 on the device (paged), else None."""
         heads = c.num_qo_heads
@@ -220,7 +219,7 @@ class Sm90Planner:
             raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles x {heads} heads exceed the Hopper path's "
                              "int32 item count")
         host = np.zeros(WORK_HEADER + tiles.size, dtype=np.int32)
-        host[0], host[1] = items, active_tiles * heads
+        host[0], host[1], host[2] = items, active_tiles * heads, v_ids
         host[WORK_HEADER:] = tiles.reshape(-1)
         src = torch.from_numpy(host)
         if self._graph:

@@ -550,8 +550,8 @@ class _PrefillWrapper:
         """plan() on the Hopper path where the backend takes it; False: the mma.sync kernel's
         plan follows. Ragged: kv_indptr the K/V rows' offsets. Paged: the CSR page table
         (table "csr": kv_indptr, page_ids, last_page_len) or block tables (table
-        parse_block_tables' layout: kv_indptr seq_lens, page_ids the int32 table; the Hopper
-        path takes vLLM's [B, max_pages], not separate K and V ids). "fa3": the Hopper path, or a ValueError saying why it
+        parse_block_tables' layout: kv_indptr seq_lens, page_ids the int32 table, vLLM's
+        [B, max_pages] or TensorRT-LLM's [B, 2, max_pages]). "fa3": the Hopper path, or a ValueError saying why it
         cannot run (a feature, then the device: sm90.refusal). "auto": the Hopper path where
         it can run and the batch is one it measured faster on (sm90.auto_takes). A CUDA-graph
         wrapper keeps its first plan's kernel (a captured run() replays that kernel): with
@@ -586,15 +586,16 @@ class _PrefillWrapper:
                 raise ValueError(why)
             return None
         causal = config.mask == "causal"
+        v_ids = 0  # (separate K/V page ids: where a request's V ids start past its K ids)
         if self._ragged:
             qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
             qo, kv = qo.numpy(), kv.numpy()
             kv_lens, ids, page_size = None, None, None
-        elif table != "csr":  # vLLM's block table [B, max_pages], int32 (parse_block_tables)
+        elif table != "csr":  # a block table [B, max_pages] or [B, 2, max_pages], int32 (parse_block_tables)
             qo, lens, _, batch = _host_vectors(qo_indptr, _SEQ_LENS, kv_indptr, None)
             qo, kv_lens = qo.numpy(), lens.numpy().astype(np.int64)
             page_size = config.page_size
-            ids, kv = sm90.block_table_ids(page_ids, kv_lens, page_size)
+            ids, kv, v_ids = sm90.block_table_ids(page_ids, kv_lens, page_size)
         else:
             qo, kv, last, batch = _host_vectors(qo_indptr, _CSR, kv_indptr, last_page_len)
             qo, kv = qo.numpy(), kv.numpy()
@@ -621,7 +622,7 @@ class _PrefillWrapper:
             self._kv_rows = int(kv[-1])
         else:
             ids = ids.to(self._device, non_blocking=non_blocking)
-        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout)
+        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout, v_ids)
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
