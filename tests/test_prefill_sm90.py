@@ -56,6 +56,7 @@ import pytest
 import torch
 from kv_helpers import DEV, TESTS_MATRIX, dtype_of, randn, replay_poisoned
 from test_prefill import (
+    KV,
     LLAMA,
     PADDING_BATCHES,
     check_agree,
@@ -63,6 +64,7 @@ from test_prefill import (
     check_out,
     check_prefill,
     indptr_of,
+    make_page_table,
     make_q,
     make_rows,
     paged_kv,
@@ -75,6 +77,7 @@ from test_prefill import (
     reference_by_rows,
     run_poisoned,
     tolerance,
+    write_rows,
 )
 
 import flashinfer_jit as fij
@@ -453,6 +456,70 @@ def test_fa3_cuda_graph_replay_after_replan(causal, hopper_workspace):
         _check_graph_round(static, shapes, causal)
     with pytest.raises(ValueError, match="qo_indptr|batch|capacity|captured"):
         _plan_graph_round(wrapper, [(1, 10)] * (capacity + 1), heads, causal)
+
+
+def _widened(paged, layout: str, width: int):
+    """make_page_table's block table padded to `width` columns with its spare page id."""
+    from flashinfer_jit.runtime.page_table import block_page_table
+    bt, seq_lens = paged.plan_args["block_tables"], paged.plan_args["seq_lens"]
+    pad = width - bt.shape[-1]
+    wide = torch.cat([bt, bt[..., -1:].expand(*bt.shape[:-1], pad)], dim=-1).contiguous()
+    args = dict(paged.plan_args, block_tables=wide)
+    return paged._replace(table=block_page_table(wide, seq_lens, kv_separate=layout == "block_table_kv_separate"),
+                          plan_args=args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])
+def test_fa3_paged_cuda_graph_replay_after_replan(table, hopper_workspace):
+    """use_cuda_graph=True, backend="fa3" over one paged cache (pages of 16, NHD): run()
+    captured once, then plan() with other requests, lengths and page tables (the page ids
+    copied into the wrapper's fixed buffer, whose address the captured launch holds), the
+    rounds' K/V written into the cache on fresh random pages, every other slot NaN, new q,
+    replay: the live rows match the float64 reference, the rows past them stay NaN."""
+    capacity, max_q, page_size, num_pages, heads, causal = 6, 768, 16, 640, LLAMA, True
+    rnd = random.Random(29)
+    gen = torch.Generator(device=DEV).manual_seed(29)
+    k_cache = torch.empty((num_pages, page_size, heads[1], 128), dtype=torch.bfloat16, device=DEV)
+    v_cache = torch.empty_like(k_cache)
+    q = torch.empty((max_q, heads[0], 128), dtype=torch.bfloat16, device=DEV)
+    out = torch.empty((max_q, heads[0], 128), dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty((max_q, heads[0]), dtype=torch.float32, device=DEV)
+    buffers = dict(paged_kv_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV),
+                   paged_kv_last_page_len_buf=torch.zeros(capacity, dtype=torch.int32, device=DEV)) \
+        if table == "csr" else {}
+    if table == "csr":
+        buffers["paged_kv_indices_buf"] = torch.zeros(num_pages, dtype=torch.int32, device=DEV)
+    wrapper = paged_wrapper(hopper_workspace, "NHD", use_cuda_graph=True, backend="fa3",
+                            qo_indptr_buf=torch.zeros(capacity + 1, dtype=torch.int32, device=DEV), **buffers)
+    rounds = [
+        [(128, 1500), (300, 300), (64, 4000), (200, 900), (1, 33), (75, 75)],
+        [(256, 2048), (0, 17), (33, 0)],
+        [(512, 5000)],
+        [(100, 100)] * capacity,
+    ]
+    graph = None
+    for shapes in rounds:
+        qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+        paged = make_page_table(table, kv_lens, page_size, num_pages, rnd)
+        if table != "csr":  # one table width for every plan (the graph's fixed buffer is the first's)
+            paged = _widened(paged, table, width=num_pages // 2)
+        k_rows, v_rows = make_rows(kv_lens, heads[1], (128, 128), torch.bfloat16, gen)
+        write_rows(k_cache, paged.table, kv_lens, page_size, "NHD", k_rows, 0)
+        write_rows(v_cache, paged.table, kv_lens, page_size, "NHD", v_rows, 1)
+        kv = KV(((k_cache, v_cache),), k_cache, v_cache, paged.table, paged.plan_args, "NHD")
+        rows = sum(qo_lens)
+        q[:rows].copy_(make_q(rows, heads[0], 128, torch.bfloat16, gen))
+        qo_indptr = indptr_of(qo_lens, "cpu")
+        plan_kv(wrapper, qo_indptr, kv, *heads, (128, 128), page_size, causal=causal, q_data_type=torch.bfloat16)
+        assert wrapper.planned_backend == "fa3"
+        graph = replay_poisoned(graph, lambda: wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=True),
+                                out, lse)
+        ref_out, ref_lse = reference(q[:rows], qo_indptr.to(DEV), kv, causal=causal)
+        check_prefill(out[:rows], lse[:rows], ref_out, ref_lse, shapes, tolerance(BF16))
+        assert bool(out[rows:].isnan().all()) and bool(lse[rows:].isnan().all()), "rows past qo_indptr[-1] were written"
 
 
 @pytest.mark.gpu
@@ -862,7 +929,6 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
     pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
     pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
     pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
-    pytest.param(dict(use_cuda_graph=True), r"use_cuda_graph", id="cuda_graph"),
 ])
 def test_fa3_paged_plan_names_what_it_lacks(options, match):
     """The paged wrapper with backend="fa3": plan() raises a ValueError naming what the Hopper
@@ -1005,12 +1071,13 @@ def test_block_table_ids_view_and_offsets():
     assert empty.numel() == 0 and first.tolist() == [0]
 
 
-@pytest.mark.parametrize("table", ["block_table", "block_table_kv_separate"])
-def test_block_table_plan_on_the_cpu_names_sm90(table):
-    """Block tables pass the Hopper path's feature checks: backend="fa3" then names the arch,
-    as the CSR table does."""
+@pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])
+@pytest.mark.parametrize("use_cuda_graph", [False, True], ids=["eager", "graph"])
+def test_block_table_plan_on_the_cpu_names_sm90(table, use_cuda_graph):
+    """Every page table, CUDA-graph wrappers included, passes the Hopper path's feature
+    checks: backend="fa3" then names the arch."""
     with pytest.raises(ValueError, match="sm_90"):
-        _cpu_paged_plan(table=table)
+        _cpu_paged_plan(table=table, use_cuda_graph=use_cuda_graph)
 
 
 def test_block_table_plan_matches_the_csr_plan(monkeypatch):

@@ -74,8 +74,6 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
         if c.page_size not in sizes:
             return (f"page_size={c.page_size} (the Hopper path takes pages of {', '.join(map(str, sizes))} tokens at "
                     f"head_dim {c.head_dim_qk})")
-        if graph:
-            return "use_cuda_graph with paged K/V (not on the Hopper path yet)"
     if c.head_dim_qk != c.head_dim_vo or c.head_dim_qk not in SM90_HEAD_DIMS:
         return (f"head_dim_qk={c.head_dim_qk}, head_dim_vo={c.head_dim_vo} (the Hopper path takes head_dim "
                 f"{' or '.join(map(str, SM90_HEAD_DIMS))})")

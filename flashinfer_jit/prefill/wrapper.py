@@ -595,6 +595,9 @@ class _PrefillWrapper:
             qo, lens, _, batch = _host_vectors(qo_indptr, _SEQ_LENS, kv_indptr, None)
             qo, kv_lens = qo.numpy(), lens.numpy().astype(np.int64)
             page_size = config.page_size
+            if graph:  # the table in the wrapper's fixed buffer, whose address the captured launch holds
+                self._capacity = graph_capacity(self._capacity, batch)
+                page_ids = self._graph_ids.fill_block_tables(page_ids, self._capacity)[:batch]
             ids, kv, v_ids = sm90.block_table_ids(page_ids, kv_lens, page_size)
         else:
             qo, kv, last, batch = _host_vectors(qo_indptr, _CSR, kv_indptr, last_page_len)
@@ -620,6 +623,8 @@ class _PrefillWrapper:
             self._sm90 = sm90.Sm90Planner(self._device, graph)
         if self._ragged:
             self._kv_rows = int(kv[-1])
+        elif graph and table == "csr":  # the ids in the wrapper's fixed buffer (as the block table above)
+            ids = self._graph_ids.fill_indices(ids, "paged_kv_indices")
         else:
             ids = ids.to(self._device, non_blocking=non_blocking)
         return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout, v_ids)
