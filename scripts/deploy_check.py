@@ -373,7 +373,7 @@ def exercise_prefill(spec, matrix=()) -> None:
 
 def exercise_prefill_sm90(spec, matrix=()) -> None:
     """The Hopper prefill kernel (backend="fa3", ragged K/V or the paged cache on the CSR table):
-    the spec's dtype, head_dim, mask, K/V source and layout, and key tile (pinned, so that the 128-key tile's module of a head_dim 128 unmasked spec
+    the spec's dtype, head_dim, mask, K/V source and layout, soft cap, and key tile (pinned, so that the 128-key tile's module of a head_dim 128 unmasked spec
     is the one loaded). Its code runs on sm_90 only: on another GPU the module is loaded from
     the cache (its presence is what an image for several archs must show) and not run."""
     if DEVICE == "cuda" and torch.cuda.get_device_capability() != (9, 0):
@@ -382,6 +382,7 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
     shapes = [(1, 16), (7, 40), (200, 300)]  # (qo_len, kv_len)
     hq, d, dt = 4 * KV_HEADS, spec.head_dim, dtype(spec.dtype_q)
     causal = spec.mask == "causal"
+    cap = dict(logits_soft_cap=30.0) if spec.soft_cap else {}
     lens = [n for _, n in shapes]
     qo_indptr, kv_indptr = offsets(m for m, _ in shapes), offsets(lens)
     q = randn((int(qo_indptr[-1]), hq, d), dt)
@@ -389,7 +390,7 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
         k, v = randn((int(kv_indptr[-1]), KV_HEADS, d), dt), randn((int(kv_indptr[-1]), KV_HEADS, d), dt)
         wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(workspace(DEVICE), "NHD", backend="fa3")
         wrapper._force_key_tile = spec.key_tile
-        wrapper.plan(qo_indptr, kv_indptr, hq, KV_HEADS, d, causal=causal, q_data_type=dt)
+        wrapper.plan(qo_indptr, kv_indptr, hq, KV_HEADS, d, causal=causal, q_data_type=dt, **cap)
         kv_args, ref_kv = (k, v), dict(kv_indptr=kv_indptr)
     else:  # the CSR page table, pages of PAGE tokens
         table, num_pages = page_table("csr", lens)
@@ -397,11 +398,11 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
         wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout, backend="fa3")
         wrapper._force_key_tile = spec.key_tile
         wrapper.plan(qo_indptr, **plan_table_args(table, "paged_kv_"), num_qo_heads=hq, num_kv_heads=KV_HEADS,
-                     head_dim_qk=d, page_size=PAGE, causal=causal, q_data_type=dt)
+                     head_dim_qk=d, page_size=PAGE, causal=causal, q_data_type=dt, **cap)
         kv_args, ref_kv = ((k, v),), dict(page_table=table, kv_layout=spec.kv_layout)
     out, lse = wrapper.run(q, *kv_args, out=nan_like((q.shape[0], hq, d), dt), return_lse=True)
     synchronize()
-    ref_out, ref_lse = prefill_ref(q, qo_indptr, k, v, **ref_kv, causal=causal)
+    ref_out, ref_lse = prefill_ref(q, qo_indptr, k, v, **ref_kv, causal=causal, **cap)
     expect_close(out, ref_out, PREFILL_TOL[dt], PREFILL_TOL[dt], "out")
     expect_close(lse, ref_lse, 1e-2, 1e-2, "lse")
 

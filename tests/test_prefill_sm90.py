@@ -805,9 +805,9 @@ def test_fa3_scales(hopper_workspace):
 @pytest.mark.gpu
 def test_fa3_run_rejects_sinks_and_windows(hopper_workspace):
     """run(sinks=...) on an fa3 plan: a ValueError naming sinks, before any launch (out keeps
-    its NaN). Likewise run(window_left >= 0), the window plan() refuses for fa3 (inferred: the
-    API names only plan()'s window; a run()'s must not be ignored silently); run(window_left=-1)
-    (off) runs."""
+    its NaN). Likewise run(window_left=) with another window than plan()'s (the Hopper plan's
+    first key tiles follow plan()'s window; a run()'s must not be ignored silently);
+    run(window_left=-1), the plan's (none), runs."""
     gen = torch.Generator(device=DEV).manual_seed(15)
     shapes = [(100, 300), (64, 64)]
     q, qo_indptr, _, _, kv = ragged_inputs(shapes, LLAMA, 128, torch.bfloat16, gen)
@@ -816,7 +816,7 @@ def test_fa3_run_rejects_sinks_and_windows(hopper_workspace):
     out = torch.full((q.shape[0], LLAMA[0], 128), float("nan"), dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="sinks"):
         wrapper.run(q, *kv.run_args, out=out, sinks=torch.zeros(LLAMA[0], dtype=torch.float32, device=DEV))
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(ValueError, match="window"):  # another window than plan()'s
         wrapper.run(q, *kv.run_args, out=out, window_left=32)
     torch.cuda.synchronize()
     assert bool(out.isnan().all()), "a rejected run() wrote its output"
@@ -886,9 +886,6 @@ FA3_LACKS = [
     pytest.param(_cpu_masks()["packed"], r"(?i)custom", id="packed_custom_mask"),
     pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA"), r"pos_encoding", id="rope"),
     pytest.param(dict(pos_encoding_mode="ALIBI"), r"pos_encoding", id="alibi"),
-    pytest.param(dict(logits_soft_cap=30.0), r"(?i)logits_soft_cap|soft.?cap", id="soft_cap"),
-    pytest.param(dict(window_left=128), r"window", id="window"),
-    pytest.param(dict(causal=True, window_left=0), r"window", id="window_0"),
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8_kv"),
     pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"kv_data_type|q_data_type|dtype",
                  id="kv_dtype_not_q"),  # (inferred from "same dtype for q and kv")
@@ -962,13 +959,15 @@ def test_fa3_plan_on_the_cpu_names_sm90(config):
 
 def test_fa3_single_prefill_on_the_cpu():
     """single_prefill_with_kv_cache(backend="fa3") with CPU tensors: a ValueError naming the
-    feature it lacks (logits_soft_cap) first, else one naming sm_90 (inferred from the
+    feature it lacks (a custom mask) first, else one naming sm_90 (inferred from the
     wrappers' rule: the single function has no workspace; its tensors' device is the check)."""
     q = torch.randn(50, 8, 128, dtype=torch.bfloat16)
     k = torch.randn(80, 2, 128, dtype=torch.bfloat16)
     v = torch.randn(80, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"(?i)logits_soft_cap|soft.?cap"):
-        fij.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=30.0, backend="fa3")
+    with pytest.raises(ValueError, match=r"(?i)custom"):
+        fij.single_prefill_with_kv_cache(q, k, v, custom_mask=torch.ones(50, 80, dtype=torch.bool), backend="fa3")
+    with pytest.raises(ValueError, match=r"sm_90"):  # a soft cap and a window are taken
+        fij.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=30.0, window_left=20, backend="fa3")
     with pytest.raises(ValueError, match=r"sm_90"):
         fij.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa3")
 
@@ -985,6 +984,62 @@ def test_planned_backend_off_hopper_is_fa2(backend):
     wrapper.plan(_cpu_indptr([512, 1025]), _cpu_indptr([512, 1025]), causal=True, q_data_type=torch.bfloat16,
                  **CPU_HEADS)
     assert wrapper.planned_backend == "fa2"
+
+
+# --- soft cap and sliding window ----------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("options, head_dim, causal, dtype", [
+    (dict(logits_soft_cap=30.0), 128, True, BF16),
+    (dict(logits_soft_cap=50.0), 64, False, F16),
+    (dict(window_left=200), 128, True, BF16),
+    (dict(window_left=0), 128, True, F16),
+    (dict(window_left=300), 128, False, BF16),
+    (dict(window_left=77, logits_soft_cap=20.0), 256, True, BF16),
+    (dict(window_left=1000), 64, True, BF16),
+], ids=lambda v: str(v))
+def test_fa3_soft_cap_and_window(options, head_dim, causal, dtype, hopper_workspace):
+    """logits_soft_cap (cap x tanh(logit / cap), in the softmax's log2 units) and window_left
+    (row at position pos sees keys >= pos - window_left; plan() starts each query tile at its
+    first row's window) on the Hopper path: a mixed batch (long requests whose windows skip
+    whole key tiles, a row past every window, padding) against the float64 reference and the
+    mma.sync kernel, NaN-poisoned outputs; auto keeps the mma.sync kernel for both until they
+    are measured."""
+    gen = torch.Generator(device=DEV).manual_seed(head_dim + int(causal))
+    torch_dtype = dtype_of(dtype)
+    shapes = [(1000, 1000), (0, 9), (300, 2500), (129, 129), (5, 0), (64, 700), (1, 3000)]
+    heads = (8, 2)
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, heads, head_dim, torch_dtype, gen, q_scale=2.0)
+    results = {}
+    for backend in ("fa3", "fa2"):
+        results[backend] = plan_and_run(hopper_workspace, backend, shapes, q, qo_indptr, kv, heads, head_dim,
+                                        torch_dtype, causal, **options)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal, **options)
+    tol = tolerance(dtype)
+    for out, lse in results.values():
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    check_agree(*results["fa3"], *results["fa2"], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
+    auto = ragged_wrapper(hopper_workspace)
+    plan_kv(auto, qo_indptr, kv, *heads, (head_dim, head_dim), causal=causal, q_data_type=torch_dtype, **options)
+    assert auto.planned_backend == "fa2"
+
+
+def test_plan_tiles_start_at_the_window():
+    """sm90.plan_tiles with window_left: a tile's first key tile is its first row's window
+    start over the key tile (column 7), its keys those from there (column 6), the heaviest
+    by key tiles visited first; a tile past every key visits none."""
+    import numpy as np
+    from flashinfer_jit.prefill import sm90
+    qo = np.array([0, 1000, 1001])
+    kv = np.array([0, 1000, 4000])
+    tiles, active = sm90.plan_tiles(qo, kv, True, 128, None, 200)
+    by_row0 = {int(t[0]): t for t in tiles}
+    t = by_row0[512]  # request 0, rows 512-639: causal up to 639, window from 312
+    assert (int(t[5]), int(t[7]), int(t[6])) == (5, 312 // 128, 640 - 312)
+    t = by_row0[1000]  # request 1, one row at position 2999: keys 2799..2999
+    assert (int(t[5]), int(t[7]), int(t[6])) == (24, 2799 // 128, 3000 - 2799)
+    assert active == 9 and int(tiles[0][5] - tiles[0][7]) == max(int(r[5] - r[7]) for r in tiles)
+    none, active = sm90.plan_tiles(np.array([0, 4]), np.array([0, 0]), False, 128, None, 5)
+    assert active == 0 and int(none[0][5]) == 0 and int(none[0][7]) == 0
 
 
 # --- the key tile a batch takes ------------------------------------------------------------------
@@ -1024,8 +1079,11 @@ def test_auto_rule_by_head_dim():
     from flashinfer_jit.prefill import sm90
     long_q = np.array([512, 512])
     for head_dim, below, at in ((128, 511, 512), (64, 2047, 2048), (256, 2047, 2048)):
-        c = types.SimpleNamespace(head_dim_qk=head_dim)
+        c = types.SimpleNamespace(head_dim_qk=head_dim, soft_cap=0.0, window_left=-1)
         assert sm90.auto_takes(c, long_q, np.array([at, at]))
+        for unmeasured in (dict(soft_cap=30.0), dict(window_left=256)):  # taken by fa3, not yet by auto
+            assert not sm90.auto_takes(types.SimpleNamespace(**dict(vars(c), **unmeasured)), long_q,
+                                       np.array([at * 4, at * 4]))
         assert not sm90.auto_takes(c, long_q, np.array([below, below]))
         assert not sm90.auto_takes(c, np.array([63, 63]), np.array([at * 4, at * 4]))  # decode-like rows
 

@@ -52,7 +52,11 @@ struct PrefillSm90Params {
   int32_t* counters = nullptr;
   int32_t num_qo_heads = 0;
   int32_t group = 1;        // num_qo_heads / num_kv_heads
-  float scale_log2 = 1.f;   // sm_scale * q_scale * k_scale * log2(e)
+  // sm_scale * q_scale * k_scale * log2(e); with a soft cap, sm_scale * q_scale * k_scale /
+  // cap, the logits then cap * log2(e) * tanh(logit * that)
+  float scale_log2 = 1.f;
+  float soft_cap_log2 = 0.f;
+  int32_t window_left = -1;  // a sliding window: row at position pos sees keys >= pos - window_left
   float v_scale = 1.f;
 };
 
@@ -78,14 +82,16 @@ FIJ_SM90 uint32_t pack2(float a, float b) {
 struct Rows {
   int r0, cq, first;  // first: the warpgroup's first row (0 or 64)
   int kv_len, diag;
-  float scale_log2;
+  int window;          // PrefillSm90Params::window_left (-1: none)
+  float scale_log2;    // the exponent's scale (1 with a soft cap: the capped logits are in log2 units)
+  float cap_in, cap_log2;  // a soft cap: cap_log2 * tanh(s * cap_in)
 };
 
 // kN: keys a K/V tile, 64, 128 or 176 (the spec's key_tile; plan() counts key tiles in
 // these units). 176, FA3's choice at head_dim 128 without a causal mask, takes fewer rounds
 // of barriers and row reductions for the same work; head_dim 256 takes 64 (its Q tile is 64
 // KB, two stages of 64-key K and V tiles 128 KB; O holds 128 registers a thread).
-template <typename DType, int kD, bool kCausal, int kN>
+template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false>
 struct Sm90Kernel {
   static constexpr int kBlockN = kN;
   static constexpr int kQBytes = kBlockM * kD * 2;     // the Q tile
@@ -150,15 +156,22 @@ struct Sm90Kernel {
   // P = 2^(S scale - m scale) in S's registers; corr: the factor O's rows take.
   static FIJ_SM90 void softmax(float (&s)[kS], int n, const Rows& r, float (&m)[2], float (&l)[2],
                                float (&corr)[2]) {
+    if constexpr (kSoftCap) {  // capped logits, in log2 units (m, P and the LSE follow in them)
+#pragma unroll
+      for (int i = 0; i < kS; ++i) s[i] = r.cap_log2 * tanhf(s[i] * r.cap_in);
+    }
     const int key0 = n * kBlockN;
-    const bool edge = key0 + kBlockN > r.kv_len || (kCausal && key0 + kBlockN - 1 > r.diag + r.first);
+    // a sliding window cuts keys below pos - window_left: up to the warpgroup's last row's
+    const bool windowed = r.window >= 0 && key0 < r.diag + r.first + 63 - r.window;
+    const bool edge = key0 + kBlockN > r.kv_len || (kCausal && key0 + kBlockN - 1 > r.diag + r.first) || windowed;
     if (edge) {
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key0 + 8 * j + r.cq + (e & 1), row = r.r0 + 8 * (e >> 1);
-          if (key >= r.kv_len || (kCausal && key > r.diag + row)) s[4 * j + e] = -INFINITY;
+          if (key >= r.kv_len || (kCausal && key > r.diag + row) || (r.window >= 0 && key < r.diag + row - r.window))
+            s[4 * j + e] = -INFINITY;
         }
     }
     // the rows' maxima in four partial chains a row (a chain of kBlockN / 8 dependent
@@ -279,6 +292,7 @@ struct Sm90Kernel {
   // O / l (times v_scale) and the LSE of this thread's two rows; l 0 (no key): 0 and -inf.
   static FIJ_SM90 void store(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int r0, int cq,
                              const float (&o)[kOut], const float (&m)[2], const float (&l)[2]) {
+    const float m_scale = kSoftCap ? 1.f : p.scale_log2;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = r0 + 8 * r;
@@ -289,8 +303,8 @@ struct Sm90Kernel {
 #pragma unroll
       for (int j = 0; j < kD / 8; ++j)
         *reinterpret_cast<uint32_t*>(out + 8 * j + cq) = pack2<DType>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      if (p.lse != nullptr && cq == 0)
-        p.lse[token * p.num_qo_heads + head] = l[r] > 0.f ? m[r] * p.scale_log2 + log2f(l[r]) : -INFINITY;
+      if (p.lse != nullptr && cq == 0)  // (m in log2 units times m_scale: 1 with a soft cap)
+        p.lse[token * p.num_qo_heads + head] = l[r] > 0.f ? m[r] * m_scale + log2f(l[r]) : -INFINITY;
     }
   }
 };
@@ -298,16 +312,16 @@ struct Sm90Kernel {
 FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
   const int4* at = reinterpret_cast<const int4*>(work + kSm90WorkHeader + kSm90TileInts * t);
   const int4 a = at[0], b = at[1];
-  return {a.x, a.y, a.z, a.w, b.x, b.y, 0, 0};
+  return {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 }
 
 }  // namespace sm90_prefill
 
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap>
 __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   using namespace sm90_prefill;
-  using K = Sm90Kernel<DType, kD, kCausal, kN>;
+  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap>;
   constexpr int kTileBytes = K::kTileBytes, kBlockN = K::kBlockN;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = h::align_1024(smem_raw);
@@ -359,8 +373,8 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
           idx = int(gridDim.x) + __shfl_sync(0xffffffffu, taken, 0);
         }
         const Sm90Tile tile = idx < active ? load_tile(p.work, idx / p.num_qo_heads) : Sm90Tile{};
-        int page = kPaged && idx < active ? K::next_page(p, tile, 0, lane) : 0;
-        int page_v = v_ids == 0 ? page : kPaged && idx < active ? K::next_page(p, tile, 0, lane, v_ids) : 0;
+        int page = kPaged && idx < active ? K::next_page(p, tile, tile.first_tile, lane) : 0;
+        int page_v = v_ids == 0 ? page : kPaged && idx < active ? K::next_page(p, tile, tile.first_tile, lane, v_ids) : 0;
         const int qs = k % kQStages, qu = k / kQStages;
         // the stage's last item has finished its Q K^T (and item k - 2's slot has been read)
         if (qu > 0) h::mbar_wait(&q_empty[qs], (qu - 1) & 1);
@@ -380,7 +394,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
           for (int a = 0; a < K::kAtoms; ++a)
             h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], 64 * a, head, tile.q_row0);
         }
-        for (int n = 0; n < tile.kv_tiles; ++n, ++it) {
+        for (int n = tile.first_tile; n < tile.kv_tiles; ++n, ++it) {
           const int s = it % kStages, u = it / kStages;
           const int this_page = page, this_page_v = page_v;
           if constexpr (kPaged) {  // in flight over the waits
@@ -420,8 +434,9 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     const int idx = item_slot[k & 1];
     if (idx < 0) break;
     const Sm90Tile tile = tile_slot[k & 1];
-    const int head = idx % p.num_qo_heads, n_tiles = tile.kv_tiles;
-    const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.scale_log2};
+    const int head = idx % p.num_qo_heads, n0 = tile.first_tile, n_tiles = tile.kv_tiles - n0;
+    const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.window_left, kSoftCap ? 1.f : p.scale_log2,
+                    p.scale_log2, p.soft_cap_log2};
     float o[K::kOut], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < K::kOut; ++i) o[i] = 0.f;
@@ -436,7 +451,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     h::wgmma_wait<0>();
     h::fence_regs(s);
     if (lane == 0) h::mbar_arrive(&k_empty[s0]);
-    K::softmax(s, 0, rows, m, l, corr);  // O is 0: nothing to rescale
+    K::softmax(s, n0, rows, m, l, corr);  // O is 0: nothing to rescale
     K::pack_p(s, pa);
     for (int n = 1; n < n_tiles; ++n) {
       const int st = (it + n) % kStages, u = (it + n) / kStages;
@@ -450,7 +465,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       h::wgmma_wait<1>();  // S of tile n (committed first)
       h::fence_regs(s);
       if (lane == 0) h::mbar_arrive(&k_empty[st]);
-      K::softmax(s, n, rows, m, l, corr);
+      K::softmax(s, n0 + n, rows, m, l, corr);
       h::wgmma_wait<0>();  // P V of tile n - 1
       h::fence_regs(o);
       h::fence_regs(pa);
@@ -466,7 +481,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     const int sl = (it + n_tiles - 1) % kStages, ul = (it + n_tiles - 1) / kStages;
     h::mbar_wait(&v_full[sl], ul & 1);
     if constexpr (kPaged) {
-      const int tail = tile.kv_len - (n_tiles - 1) * kBlockN;  // the last tile's rows that are keys
+      const int tail = tile.kv_len - (tile.kv_tiles - 1) * kBlockN;  // the last tile's rows that are keys
       if (tail < kBlockN) K::zero_tail(sv + sl * kTileBytes, tail, t, 3 + wi);
     }
     my_turn();
@@ -501,13 +516,14 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
 }
 
 // Launches the kernel on `grid` blocks (one an SM: every block walks the list).
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap = false>
 inline int launch_prefill_sm90(const PrefillSm90Params& p, int grid, cudaStream_t stream) {
-  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN>;
-  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged>>(K::kSmemBytes);
+  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap>;
+  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap>>(K::kSmemBytes);
   if (err != 0) return err;
   if (grid <= 0) return 0;
-  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged><<<grid, sm90_prefill::kThreads, K::kSmemBytes, stream>>>(p);
+  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap>
+      <<<grid, sm90_prefill::kThreads, K::kSmemBytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

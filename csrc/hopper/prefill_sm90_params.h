@@ -25,8 +25,10 @@ struct Sm90Tile {
   int32_t kv_len;
   int32_t diag;      // causal: the last key the tile's first row sees (its position in the
                      // request + kv_len - qo_len: bottom-right aligned); row r sees keys <= diag + r
-  int32_t kv_tiles;  // 128-key tiles the tile visits (0: none; a row with no key gives 0, LSE -inf)
-  int32_t pad0, pad1;
+  int32_t kv_tiles;  // the key tiles (of the kernel's key_tile) up to the last the tile visits
+                     // (0: none; a row with no key gives 0, LSE -inf)
+  int32_t keys;      // the keys the tile visits (plan()'s cost; the kernel does not read it)
+  int32_t first_tile;  // the first key tile it visits (a sliding window's start; else 0)
 };
 
 // What the host binding resolves from the op's tensors (no CUDA types: the binding is
@@ -50,6 +52,8 @@ struct PrefillSm90Args {
   const int32_t* work = nullptr;
   int32_t* counters = nullptr;  // the dynamic schedule's two counters, zeros between launches
   float scale_log2 = 1.f, v_scale = 1.f;
+  float soft_cap_log2 = 0.f;  // the module's soft cap (a soft-capped spec only), log2 units
+  int32_t window_left = -1;   // plan()'s sliding window (-1: none)
   int32_t grid = 0;
 };
 

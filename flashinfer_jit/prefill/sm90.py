@@ -81,10 +81,6 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
         return f"a {c.mask} mask (custom_mask / packed_custom_mask)"
     if c.pos_encoding != "none":
         return f"pos_encoding_mode={c.pos_encoding.upper()!r}"
-    if c.soft_cap:
-        return "logits_soft_cap"
-    if c.window_left >= 0:
-        return "window_left >= 0"
     if c.kv_dtype != c.q_dtype:
         return f"kv_data_type {dtype_name(c.kv_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
     if c.o_dtype != c.q_dtype:
@@ -121,7 +117,10 @@ def refusal(c, ragged: bool, device: torch.device, table: str | None = "csr", gr
 def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
     """Whether backend 'auto' takes the Hopper path for a batch it can run: requests of
     AUTO_MIN_MEAN_QO_LEN or more query tokens on average, query tiles that visit
-    AUTO_MIN_KEYS or more keys on average (keys: plan_tiles' column 6)."""
+    AUTO_MIN_KEYS or more keys on average (keys: plan_tiles' column 6), and none of the
+    features it takes but has not been measured with (a soft cap, a sliding window)."""
+    if c.soft_cap or c.window_left >= 0:
+        return False
     return qo_lens.size > 0 and float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and keys.size > 0 and \
         float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
 
@@ -151,7 +150,7 @@ def block_table_ids(tables: torch.Tensor, kv_lens: np.ndarray, page_size: int) -
 
 
 def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_a_tile: int = TILE_ROWS,
-               kv_lens: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+               kv_lens: np.ndarray | None = None, window_left: int = -1) -> tuple[np.ndarray, int]:
     """The tiles of a batch (int32 [tiles, TILE_INTS]: Sm90Tile's fields; column 6, which
     the kernel does not read, the keys the tile visits), the ones with the most key tiles
     (of keys_a_tile: key_tile()) first, ties in request and tile order, and how many see a
@@ -159,7 +158,9 @@ def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_
     j <= i + kv_len - qo_len. Ragged: kv_indptr the requests' K/V rows. Paged: kv_indptr
     the index of each request's first page id in the page-id vector (the CSR table's indptr;
     block tables: b x the table's row stride), so a tile's kv_row0 is that index,
-    and kv_lens the requests' key counts."""
+    and kv_lens the requests' key counts. window_left >= 0 (a sliding window: the row at
+    position pos sees keys >= pos - window_left): column 7 the first key tile a tile
+    visits (its first row's window start), column 6 the keys from there."""
     qo = qo_indptr.astype(np.int64)
     kv = kv_indptr.astype(np.int64)
     qo_lens = np.diff(qo)
@@ -174,15 +175,24 @@ def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_
     diag = q_start + kvl - qo_lens[req]
     kv_end = np.clip(np.minimum(kvl, diag + TILE_ROWS), 0, None) if causal else kvl
     kv_tiles = (kv_end + keys_a_tile - 1) // keys_a_tile
+    first = np.zeros_like(kv_tiles)
+    kv_start = np.zeros_like(kv_end)
+    if window_left >= 0:
+        kv_start = np.clip(diag - window_left, 0, None)
+        first = np.minimum(kv_start // keys_a_tile, kv_tiles)
+        kv_tiles = np.where(kv_start < kv_end, kv_tiles, 0)  # a window past every key: no key tile
+        first = np.where(kv_tiles > 0, first, 0)
     tiles[:, 0] = qo[req] + q_start
     tiles[:, 1] = np.minimum(TILE_ROWS, qo_lens[req] - q_start)
     tiles[:, 2] = kv[req]
     tiles[:, 3] = kvl
     tiles[:, 4] = diag
     tiles[:, 5] = kv_tiles
-    tiles[:, 6] = kv_end
-    order = np.argsort(-kv_tiles, kind="stable")
-    return tiles[order].astype(np.int32), int(np.count_nonzero(kv_tiles))
+    tiles[:, 6] = np.where(kv_tiles > 0, kv_end - kv_start, 0)
+    tiles[:, 7] = first
+    visited = kv_tiles - first
+    order = np.argsort(-visited, kind="stable")
+    return tiles[order].astype(np.int32), int(np.count_nonzero(visited))
 
 
 class Sm90Plan:
@@ -238,12 +248,12 @@ class Sm90Planner:
         p = Sm90Plan()
         p.config = c
         paged = page_ids is not None
-        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile)
+        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap))
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask,
                                                       "paged" if paged else "ragged", layout if paged else "NHD",
-                                                      keys_a_tile).validate()
+                                                      keys_a_tile, bool(c.soft_cap)).validate()
         p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
         p.page_ids = page_ids if paged else self._no_ids
         p.qo_tokens = int(qo_indptr[-1])

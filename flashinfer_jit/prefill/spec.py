@@ -141,8 +141,8 @@ class PrefillSm90Spec(Spec):
     warpgroups, a persistent grid over plan()'s list of (query tile, head) items, heaviest
     first. sm_90a only (ARCHS): its wgmma and setmaxnreg exist on no other arch.
 
-    Compiled in: the dtype (q, K/V and the output share it), head_dim (qk = vo), the mask.
-    Run-time: the lengths (plan()'s work list, read on the device, so a CUDA graph replays
+    Compiled in: the dtype (q, K/V and the output share it), head_dim (qk = vo), the mask,
+    whether the logits are soft-capped. Run-time: the sliding window, the cap, the lengths (plan()'s work list, read on the device, so a CUDA graph replays
     any later plan), head counts and so the GQA group, sm_scale * q_scale * k_scale,
     v_scale, whether the LSE is written, the strides of q, K/V and out."""
 
@@ -161,6 +161,8 @@ class PrefillSm90Spec(Spec):
     # causal mask, 64 at head_dim 256, else 128); 176 at head_dim 128 only (S takes 88
     # registers a thread), and head_dim 256 takes 64 only (shared memory and O's registers)
     key_tile: int = choice(64, 128, 176, tag="n{}", default=128, name_default=False)
+    # logits soft-capped, cap * tanh(logit / cap) (the cap itself is a launch argument)
+    soft_cap: bool = choice(False, True, tag="cap", default=False)
 
     def check(self) -> None:
         if self.key_tile == 176 and self.head_dim != 128:
@@ -179,7 +181,8 @@ class PrefillSm90Spec(Spec):
         # heads] or an empty tensor (not written); grid: the persistent grid (one block an SM).
         return {
             "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor page_ids, Tensor(c!) counters, "
-                             "Tensor(a!) out, Tensor(b!) lse, float scale_log2, float v_scale, int grid) -> ()"),
+                             "Tensor(a!) out, Tensor(b!) lse, float scale_log2, float soft_cap_log2, int window_left, "
+                             "float v_scale, int grid) -> ()"),
             "block_shape": "() -> int[]",
         }
 

@@ -611,10 +611,11 @@ class _PrefillWrapper:
                 raise ValueError(f"paged_kv_indptr: its last offset {int(kv[-1])} exceeds the {ids.shape[0]} page ids "
                                  "of paged_kv_indices")
         keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
-        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens)
+        window = config.window_left
+        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window)
         if keys_a_tile == 176 and not graph and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
             keys_a_tile = 128
-            tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens)
+            tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window)
         if backend == "auto" and not sm90.auto_takes(config, np.diff(qo), tiles[:, 6]):
             return None
         if graph:
@@ -1019,8 +1020,9 @@ class _PrefillWrapper:
         c = plan.config
         if sinks is not None:
             raise ValueError("sinks: not supported on the Hopper path yet (plan with backend='fa2' to pass sinks)")
-        if window_left is not None and window_left >= 0:
-            raise ValueError("window_left: not supported on the Hopper path yet (plan with backend='fa2')")
+        if window_left is not None and max(window_left, -1) != max(c.window_left, -1):
+            raise ValueError(f"window_left={window_left}: a plan on the Hopper path runs plan()'s window "
+                             f"({c.window_left}); plan() with this one (its first key tiles follow the window)")
         traced = compiling()
         if not traced and passed_run_checks(q, k, v, plan.checked) is None:
             self._check_run(q, k, v, plan)
@@ -1044,7 +1046,7 @@ class _PrefillWrapper:
             if op is None:
                 op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
         op(q, k, v, plan.work, plan.page_ids, plan.counters, out, lse if lse is not None else empty_f32(q.device),
-           logit_scale, vs, plan.grid)
+           logit_scale, c.cap_log2, c.window_left, vs, plan.grid)
         return (out, lse) if return_lse else out
 
     def _run_traced(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,

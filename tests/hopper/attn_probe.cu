@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(384, 1) attn_kernel(const __grid_constant__ CU
     const int tok0 = w.req * p.seq_len, n_tiles = kv_tiles<kCausal>(w, p);
     const int r0 = 64 * wi + 16 * (t / 32) + lane / 4, row0 = w.q_start + r0;  // rows row0 and row0 + 8
     // (qo_len == kv_len: the tile's first row sees keys up to its own position, q_start)
-    const fij::sm90_prefill::Rows rows{r0, cq, 64 * wi, p.seq_len, w.q_start, p.scale_log2};
+    const fij::sm90_prefill::Rows rows{r0, cq, 64 * wi, p.seq_len, w.q_start, -1, p.scale_log2, 0.f, 0.f};
     using K = Blocks<kCausal>;
     float o[64], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
