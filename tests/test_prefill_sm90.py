@@ -803,19 +803,20 @@ def test_fa3_scales(hopper_workspace):
 
 
 @pytest.mark.gpu
-def test_fa3_run_rejects_sinks_and_windows(hopper_workspace):
-    """run(sinks=...) on an fa3 plan: a ValueError naming sinks, before any launch (out keeps
-    its NaN). Likewise run(window_left=) with another window than plan()'s (the Hopper plan's
-    first key tiles follow plan()'s window; a run()'s must not be ignored silently);
-    run(window_left=-1), the plan's (none), runs."""
+def test_fa3_run_checks_sinks_and_windows(hopper_workspace):
+    """run() on an fa3 plan: sinks of another shape or dtype, and a window other than plan()'s
+    (the Hopper plan's first key tiles follow plan()'s window), are ValueErrors before any
+    launch (out keeps its NaN); run(window_left=-1), the plan's (none), runs."""
     gen = torch.Generator(device=DEV).manual_seed(15)
     shapes = [(100, 300), (64, 64)]
     q, qo_indptr, _, _, kv = ragged_inputs(shapes, LLAMA, 128, torch.bfloat16, gen)
     wrapper = fa3_wrapper(hopper_workspace)
     plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), causal=True, q_data_type=torch.bfloat16)
     out = torch.full((q.shape[0], LLAMA[0], 128), float("nan"), dtype=torch.bfloat16, device=DEV)
-    with pytest.raises(ValueError, match="sinks"):
-        wrapper.run(q, *kv.run_args, out=out, sinks=torch.zeros(LLAMA[0], dtype=torch.float32, device=DEV))
+    for bad in (torch.zeros(LLAMA[0] + 1, dtype=torch.float32, device=DEV),
+                torch.zeros(LLAMA[0], dtype=torch.float16, device=DEV)):
+        with pytest.raises(ValueError, match="sinks"):
+            wrapper.run(q, *kv.run_args, out=out, sinks=bad)
     with pytest.raises(ValueError, match="window"):  # another window than plan()'s
         wrapper.run(q, *kv.run_args, out=out, window_left=32)
     torch.cuda.synchronize()
@@ -823,6 +824,30 @@ def test_fa3_run_rejects_sinks_and_windows(hopper_workspace):
     out, lse = run_poisoned(wrapper, q, kv, 128, torch.bfloat16, window_left=-1)
     ref_out, ref_lse = reference(q, qo_indptr, kv, causal=True)
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, head_dim, options", [
+    (True, 128, {}), (False, 64, {}), (True, 128, dict(logits_soft_cap=30.0, window_left=150)), (False, 256, {}),
+], ids=lambda v: str(v))
+def test_fa3_sinks(causal, head_dim, options, hopper_workspace):
+    """run(sinks=...) on the Hopper path: one logit a query head joins each row's denominator
+    (a row with no key writes 0 and the sink as its LSE); against the float64 reference and
+    the mma.sync kernel on a mixed batch with padding and a request without keys."""
+    gen = torch.Generator(device=DEV).manual_seed(head_dim + 3)
+    shapes = [(300, 300), (0, 9), (17, 400), (5, 0), (129, 1000)]
+    heads = (8, 2)
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, heads, head_dim, torch.bfloat16, gen, q_scale=2.0)
+    sinks = torch.randn(heads[0], generator=gen, device=DEV, dtype=torch.float32) * 3.0
+    results = {}
+    for backend in ("fa3", "fa2"):
+        results[backend] = plan_and_run(hopper_workspace, backend, shapes, q, qo_indptr, kv, heads, head_dim,
+                                        torch.bfloat16, causal, run_kwargs=dict(sinks=sinks), **options)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal, sinks=sinks, **options)
+    tol = tolerance(BF16)
+    for out, lse in results.values():
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    check_agree(*results["fa3"], *results["fa2"], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
 
 
 # --- on the CPU: the grid's coverage, the matrix, plan()'s errors ----------------------------------

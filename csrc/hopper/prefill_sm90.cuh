@@ -57,6 +57,7 @@ struct PrefillSm90Params {
   float scale_log2 = 1.f;
   float soft_cap_log2 = 0.f;
   int32_t window_left = -1;  // a sliding window: row at position pos sees keys >= pos - window_left
+  const float* sinks = nullptr;  // [num_qo_heads] logits (natural units) in each row's denominator; null: none
   float v_scale = 1.f;
 };
 
@@ -290,21 +291,31 @@ struct Sm90Kernel {
   }
 
   // O / l (times v_scale) and the LSE of this thread's two rows; l 0 (no key): 0 and -inf.
+  // A sink (a logit with no value) joins the denominator first: a row with no key then
+  // writes 0 and the sink as its LSE, as the mma.sync kernel does.
   static FIJ_SM90 void store(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int r0, int cq,
                              const float (&o)[kOut], const float (&m)[2], const float (&l)[2]) {
     const float m_scale = kSoftCap ? 1.f : p.scale_log2;
+    const float sink = p.sinks != nullptr ? p.sinks[head] * 1.4426950408889634f : -INFINITY;  // log2 units
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = r0 + 8 * r;
       if (row >= tile.rows) continue;
       const int64_t token = tile.q_row0 + row;
-      const float inv = l[r] > 0.f ? p.v_scale / l[r] : 0.f;
+      float mlog2 = m[r] * m_scale, sum = l[r], sc = 1.f;  // (m -inf: no key)
+      if (p.sinks != nullptr) {
+        const float top = fmaxf(mlog2, sink);
+        sc = exp2f(mlog2 - top);  // no key: 0
+        sum = sum * sc + exp2f(sink - top);
+        mlog2 = top;
+      }
+      const float inv = sum > 0.f ? p.v_scale * sc / sum : 0.f;
       DType* out = static_cast<DType*>(p.out) + token * p.out_stride_n + head * p.out_stride_h;
 #pragma unroll
       for (int j = 0; j < kD / 8; ++j)
         *reinterpret_cast<uint32_t*>(out + 8 * j + cq) = pack2<DType>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      if (p.lse != nullptr && cq == 0)  // (m in log2 units times m_scale: 1 with a soft cap)
-        p.lse[token * p.num_qo_heads + head] = l[r] > 0.f ? m[r] * m_scale + log2f(l[r]) : -INFINITY;
+      if (p.lse != nullptr && cq == 0)  // (m times m_scale: log2 units; the scale is 1 with a soft cap)
+        p.lse[token * p.num_qo_heads + head] = sum > 0.f ? mlog2 + log2f(sum) : -INFINITY;
     }
   }
 };

@@ -53,6 +53,7 @@ struct PrefillSm90Args {
   int32_t* counters = nullptr;  // the dynamic schedule's two counters, zeros between launches
   float scale_log2 = 1.f, v_scale = 1.f;
   float soft_cap_log2 = 0.f;  // the module's soft cap (a soft-capped spec only), log2 units
+  const float* sinks = nullptr;  // one logit a query head (natural units) joining each row's denominator; null: none
   int32_t window_left = -1;   // plan()'s sliding window (-1: none)
   int32_t grid = 0;
 };

@@ -178,10 +178,11 @@ class PrefillSm90Spec(Spec):
         # work: plan()'s list (csrc/hopper/prefill_sm90_params.h); page_ids: the page table's
         # int32 indices on q's device (paged; empty for ragged K/V); counters: the dynamic
         # schedule's two int32 zeros (each launch leaves them at zero); lse: [q_tokens,
-        # heads] or an empty tensor (not written); grid: the persistent grid (one block an SM).
+        # heads] or an empty tensor (not written); sinks: one float32 logit a query head, or an
+        # empty tensor (none); grid: the persistent grid (one block an SM).
         return {
             "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor page_ids, Tensor(c!) counters, "
-                             "Tensor(a!) out, Tensor(b!) lse, float scale_log2, float soft_cap_log2, int window_left, "
+                             "Tensor(a!) out, Tensor(b!) lse, Tensor sinks, float scale_log2, float soft_cap_log2, int window_left, "
                              "float v_scale, int grid) -> ()"),
             "block_shape": "() -> int[]",
         }

@@ -944,10 +944,7 @@ class _PrefillWrapper:
             qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         spec = plan.spec
         if sinks is not None:
-            if type(sinks) is not _Tensor or sinks.dtype != torch.float32 or sinks.shape != (c.num_qo_heads,) or \
-                    sinks.device != q.device or not sinks.is_contiguous():
-                raise ValueError(f"sinks: expected a contiguous float32 tensor [{c.num_qo_heads}] (one logit per "
-                                 f"query head) on {q.device}")
+            _check_sinks(sinks, c.num_qo_heads, q.device)
             if c.pos_encoding == "alibi":
                 raise ValueError("sinks: not supported with pos_encoding_mode='ALIBI' (expected None)")
             spec = plan.sinks_spec
@@ -1019,7 +1016,7 @@ class _PrefillWrapper:
         plan = self._plan
         c = plan.config
         if sinks is not None:
-            raise ValueError("sinks: not supported on the Hopper path yet (plan with backend='fa2' to pass sinks)")
+            _check_sinks(sinks, c.num_qo_heads, q.device)
         if window_left is not None and max(window_left, -1) != max(c.window_left, -1):
             raise ValueError(f"window_left={window_left}: a plan on the Hopper path runs plan()'s window "
                              f"({c.window_left}); plan() with this one (its first key tiles follow the window)")
@@ -1046,7 +1043,7 @@ class _PrefillWrapper:
             if op is None:
                 op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
         op(q, k, v, plan.work, plan.page_ids, plan.counters, out, lse if lse is not None else empty_f32(q.device),
-           logit_scale, c.cap_log2, c.window_left, vs, plan.grid)
+           sinks if sinks is not None else empty_f32(q.device), logit_scale, c.cap_log2, c.window_left, vs, plan.grid)
         return (out, lse) if return_lse else out
 
     def _run_traced(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,
@@ -1217,6 +1214,14 @@ def _run_window(window_left, c) -> int:
 def _logit_scales(c, q_scale, k_scale) -> tuple[float, float]:
     """(logit_scale, soft_cap_log2) of csrc/prefill/prefill_params.h for these scales."""
     return logit_scale(c.sm_scale, c.soft_cap, q_scale, k_scale), soft_cap_log2(c.soft_cap)
+
+
+def _check_sinks(sinks, num_qo_heads: int, device) -> None:
+    """run(sinks=...): one float32 logit per query head, contiguous, on q's device."""
+    if type(sinks) is not _Tensor or sinks.dtype != torch.float32 or sinks.shape != (num_qo_heads,) or \
+            sinks.device != device or not sinks.is_contiguous():
+        raise ValueError(f"sinks: expected a contiguous float32 tensor [{num_qo_heads}] (one logit per query head) "
+                         f"on {device}")
 
 
 def _check_out(t, shape: tuple, dtype, device, name: str, contiguous: bool = False, align: int = 16) -> None:
