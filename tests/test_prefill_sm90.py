@@ -48,6 +48,7 @@ Hopper family's spec).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from typing import NamedTuple
@@ -914,8 +915,8 @@ FA3_LACKS = [
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8_kv"),
     pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"kv_data_type|q_data_type|dtype",
                  id="kv_dtype_not_q"),  # (inferred from "same dtype for q and kv")
-    pytest.param(dict(head_dim_qk=192, head_dim_vo=128), r"head_dim", id="hd192x128"),
     pytest.param(dict(head_dim_qk=512), r"head_dim", id="hd512"),
+    pytest.param(dict(head_dim_qk=192, head_dim_vo=192), r"head_dim", id="hd192x192"),
     pytest.param(dict(o_data_type=torch.float16), r"o_data_type", id="o_dtype"),
 ]
 
@@ -1009,6 +1010,54 @@ def test_planned_backend_off_hopper_is_fa2(backend):
     wrapper.plan(_cpu_indptr([512, 1025]), _cpu_indptr([512, 1025]), causal=True, q_data_type=torch.bfloat16,
                  **CPU_HEADS)
     assert wrapper.planned_backend == "fa2"
+
+
+# --- head_dim (192, 128) -------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, causal, source", [(BF16, True, "ragged"), (F16, False, "ragged"),
+                                                   (BF16, False, "paged"), (F16, True, "paged")])
+def test_fa3_head_dim_192_128(dtype, causal, source, hopper_workspace):
+    """head_dim_qk 192 with head_dim_vo 128 (the MLA-style pair without MLA) on the Hopper
+    path: Q K^T over three 64-column atoms, P V and O over two; a mixed batch, ragged or on
+    the CSR paged cache (K and V caches of their own head dims), against the float64
+    reference and the mma.sync kernel; auto keeps the mma.sync kernel until it is measured."""
+    gen = torch.Generator(device=DEV).manual_seed(192 + causal)
+    rnd = random.Random(192)
+    torch_dtype = dtype_of(dtype)
+    shapes = [(300, 300), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000)]
+    heads = (8, 2)
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, heads[1], (192, 128), torch_dtype, gen)
+    if source == "ragged":
+        kv, page_size, make = ragged_kv(k_rows, v_rows, kv_lens), None, ragged_wrapper
+    else:
+        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
+        make = functools.partial(paged_wrapper, kv_layout="NHD")
+    q = make_q(sum(qo_lens), heads[0], 192, torch_dtype, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    results = {}
+    for backend in ("fa3", "fa2"):
+        wrapper = make(hopper_workspace, backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *heads, (192, 128), page_size, causal=causal, q_data_type=torch_dtype)
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, 128, torch_dtype)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal)
+    tol = tolerance(dtype)
+    for out, lse in results.values():
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tol)
+    check_agree(*results["fa3"], *results["fa2"], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
+    auto = make(hopper_workspace)
+    plan_kv(auto, qo_indptr, kv, *heads, (192, 128), page_size, causal=causal, q_data_type=torch_dtype)
+    assert auto.planned_backend == "fa2"
+
+
+def test_head_dim_192_spec():
+    """PrefillSm90Spec at head_dim 192: V and the output at 128 (head_dim_vo), 128-key tiles,
+    one Q stage (209 KB of shared memory)."""
+    spec = fij.prefill.spec.PrefillSm90Spec("bfloat16", 192, "causal").validate()
+    assert spec.head_dim_vo == 128 and spec.context()["head_dim_vo"] == 128 and spec.key_tile == 128
+    from flashinfer_jit.prefill import sm90
+    assert sm90.key_tile(192, False) == 128 and sm90.AUTO_MIN_KEYS[192] == float("inf")
 
 
 # --- soft cap and sliding window ----------------------------------------------------------------

@@ -92,20 +92,31 @@ struct Rows {
 // these units). 176, FA3's choice at head_dim 128 without a causal mask, takes fewer rounds
 // of barriers and row reductions for the same work; head_dim 256 takes 64 (its Q tile is 64
 // KB, two stages of 64-key K and V tiles 128 KB; O holds 128 registers a thread).
+// kD: head_dim of q and K; V and the output take kDvo, the same but at 192 ((192, 128), the
+// MLA-style pair: Q K^T over three 64-column atoms, P V and O over two).
+template <int kD>
+constexpr int sm90_head_dim_vo() {
+  return kD == 192 ? 128 : kD;
+}
+
 template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false>
 struct Sm90Kernel {
   static constexpr int kBlockN = kN;
-  static constexpr int kQBytes = kBlockM * kD * 2;     // the Q tile
-  static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile
+  static constexpr int kDvo = sm90_head_dim_vo<kD>();
+  static constexpr int kQBytes = kBlockM * kD * 2;        // the Q tile
+  static constexpr int kKTileBytes = kBlockN * kD * 2;    // one K tile
+  static constexpr int kVTileBytes = kBlockN * kDvo * 2;  // one V tile
   static constexpr int kQAtom = kBlockM * 128;         // a tile's rows of one 64-element (128-byte)
   static constexpr int kKVAtom = kBlockN * 128;        // swizzle atom (1024-byte multiples)
-  static constexpr int kAtoms = kD / 64;
+  static constexpr int kAtoms = kD / 64;     // Q's and K's 64-column atoms
+  static constexpr int kVAtoms = kDvo / 64;  // V's
   // Two Q tiles where shared memory holds them (head_dim 64, and 128 with 128-key tiles):
   // the next item's Q then loads while this one runs, not after its last Q K^T, which
   // items of a few key tiles (short prompts, causal diagonals) wait for otherwise.
-  static constexpr int kQStages = 2 * kQBytes + kTileBytes * 2 * kStages + 1024 <= 227 * 1024 ? 2 : 1;
-  static constexpr int kSmemBytes = kQBytes * kQStages + kTileBytes * 2 * kStages + 1024;
-  static constexpr int kOut = kD / 2;  // O accumulators a thread
+  static constexpr int kKVBytes = (kKTileBytes + kVTileBytes) * kStages;
+  static constexpr int kQStages = 2 * kQBytes + kKVBytes + 1024 <= 227 * 1024 ? 2 : 1;
+  static constexpr int kSmemBytes = kQBytes * kQStages + kKVBytes + 1024;
+  static constexpr int kOut = kDvo / 2;  // O accumulators a thread
   static constexpr int kS = kBlockN / 2;  // S accumulators a thread
 
   // S = Q K^T of one key tile, issued (not waited for).
@@ -142,9 +153,9 @@ struct Sm90Kernel {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint64_t b = h::make_desc(v_tile + kk * 16 * 128, kKVAtom, 1024, h::Swizzle::k128B);
-      if constexpr (kD == 256)
+      if constexpr (kDvo == 256)
         h::wgmma_rs_n256<1>(o, pa[kk], b, DType{});
-      else if constexpr (kD == 128)
+      else if constexpr (kDvo == 128)
         h::wgmma_rs_n128<1>(o, pa[kk], b, DType{});
       else
         h::wgmma_rs_n64<1>(o, pa[kk], b, DType{});
@@ -231,7 +242,7 @@ struct Sm90Kernel {
   // (skipped where neither row's max moved, as on most tiles of a long row after its first)
   static FIJ_SM90 void rescale(float (&o)[kOut], const float (&corr)[2]) {
 #pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
+    for (int j = 0; j < kDvo / 8; ++j) {
       o[4 * j] *= corr[0];
       o[4 * j + 1] *= corr[0];
       o[4 * j + 2] *= corr[1];
@@ -244,23 +255,24 @@ struct Sm90Kernel {
   // boxes of the tile's page i (its id `page`, which the lane read ahead of the stage's
   // wait: next_page), only the request's pages (the last tile's rows past them are not
   // written: zero_tail clears V's before its P V).
-  template <bool kPaged>
+  // (kTileAtoms: the tile's 64-column atoms, K's kAtoms or V's kVAtoms)
+  template <bool kPaged, int kTileAtoms>
   static FIJ_SM90 void load_kv(const CUtensorMap* map, unsigned char* dst, uint64_t* full, const Sm90Tile& tile,
                                int n, int kv_head, int lane, int shift, int page) {
     if constexpr (!kPaged) {
       if (lane == 0) {
-        h::mbar_expect_tx(full, kTileBytes);
+        h::mbar_expect_tx(full, kKVAtom * kTileAtoms);
 #pragma unroll
-        for (int a = 0; a < kAtoms; ++a)
+        for (int a = 0; a < kTileAtoms; ++a)
           h::tma_load_3d(dst + a * kKVAtom, map, full, 64 * a, kv_head, tile.kv_row0 + n * kBlockN);
       }
     } else {
       const int pages = tile_pages(tile, n, shift);
-      if (lane == 0) h::mbar_expect_tx(full, (pages << shift) * 128 * kAtoms);
+      if (lane == 0) h::mbar_expect_tx(full, (pages << shift) * 128 * kTileAtoms);
       __syncwarp();
       if (lane < pages) {
 #pragma unroll
-        for (int a = 0; a < kAtoms; ++a)
+        for (int a = 0; a < kTileAtoms; ++a)
           h::tma_load_4d(dst + a * kKVAtom + (lane << shift) * 128, map, full, 64 * a, 0, kv_head, page);
       }
     }
@@ -285,7 +297,7 @@ struct Sm90Kernel {
   static FIJ_SM90 void zero_tail(unsigned char* v_tile, int row, int t, int bar) {
     for (int off = row * 128 + t * 16; off < kBlockN * 128; off += 128 * 16)
 #pragma unroll
-      for (int a = 0; a < kAtoms; ++a) *reinterpret_cast<uint4*>(v_tile + a * kKVAtom + off) = make_uint4(0, 0, 0, 0);
+      for (int a = 0; a < kVAtoms; ++a) *reinterpret_cast<uint4*>(v_tile + a * kKVAtom + off) = make_uint4(0, 0, 0, 0);
     h::fence_proxy_async();
     h::named_sync(bar, 128);
   }
@@ -312,7 +324,7 @@ struct Sm90Kernel {
       const float inv = sum > 0.f ? p.v_scale * sc / sum : 0.f;
       DType* out = static_cast<DType*>(p.out) + token * p.out_stride_n + head * p.out_stride_h;
 #pragma unroll
-      for (int j = 0; j < kD / 8; ++j)
+      for (int j = 0; j < kDvo / 8; ++j)
         *reinterpret_cast<uint32_t*>(out + 8 * j + cq) = pack2<DType>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
       if (p.lse != nullptr && cq == 0)  // (m times m_scale: log2 units; the scale is 1 with a soft cap)
         p.lse[token * p.num_qo_heads + head] = sum > 0.f ? mlog2 + log2f(sum) : -INFINITY;
@@ -333,13 +345,13 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   using namespace sm90_prefill;
   using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap>;
-  constexpr int kTileBytes = K::kTileBytes, kBlockN = K::kBlockN;
+  constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = h::align_1024(smem_raw);
   constexpr int kQStages = K::kQStages;
   unsigned char* sq = smem;                                   // Q stage j at sq + j * kQBytes
-  unsigned char* sk = smem + K::kQBytes * kQStages;           // K stage s at sk + s * kTileBytes
-  unsigned char* sv = sk + kTileBytes * kStages;              // the same for V
+  unsigned char* sk = smem + K::kQBytes * kQStages;  // K stage s at sk + s * kKTileBytes
+  unsigned char* sv = sk + kKTileBytes * kStages;    // V stage s at sv + s * kVTileBytes
   // item k's Q in stage k % kQStages; q_empty: every consumer thread has seen its last Q K^T
   // of the stage's item complete
   __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
@@ -413,10 +425,10 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
             page_v = v_ids == 0 ? page : K::next_page(p, tile, n + 1, lane, v_ids);
           }
           h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
-          K::template load_kv<kPaged>(&p.k_map, sk + s * kTileBytes, &k_full[s], tile, n, kv_head, lane,
+          K::template load_kv<kPaged, K::kAtoms>(&p.k_map, sk + s * kKTileBytes, &k_full[s], tile, n, kv_head, lane,
                                       p.page_shift, this_page);
           h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
-          K::template load_kv<kPaged>(&p.v_map, sv + s * kTileBytes, &v_full[s], tile, n, kv_head, lane,
+          K::template load_kv<kPaged, K::kVAtoms>(&p.v_map, sv + s * kVTileBytes, &v_full[s], tile, n, kv_head, lane,
                                       p.page_shift, this_page_v);
         }
       }
@@ -457,7 +469,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     const int s0 = it % kStages, u0 = it / kStages;
     h::mbar_wait(&k_full[s0], u0 & 1);
     my_turn();
-    K::issue_qk(s, q_base, k0 + s0 * kTileBytes);
+    K::issue_qk(s, q_base, k0 + s0 * kKTileBytes);
     pass_turn();
     h::wgmma_wait<0>();
     h::fence_regs(s);
@@ -470,8 +482,8 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       h::mbar_wait(&k_full[st], u & 1);
       h::mbar_wait(&v_full[sp], up & 1);
       my_turn();
-      K::issue_qk(s, q_base, k0 + st * kTileBytes);
-      K::issue_pv(o, pa, v0 + sp * kTileBytes);
+      K::issue_qk(s, q_base, k0 + st * kKTileBytes);
+      K::issue_pv(o, pa, v0 + sp * kVTileBytes);
       pass_turn();
       h::wgmma_wait<1>();  // S of tile n (committed first)
       h::fence_regs(s);
@@ -493,10 +505,10 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     h::mbar_wait(&v_full[sl], ul & 1);
     if constexpr (kPaged) {
       const int tail = tile.kv_len - (tile.kv_tiles - 1) * kBlockN;  // the last tile's rows that are keys
-      if (tail < kBlockN) K::zero_tail(sv + sl * kTileBytes, tail, t, 3 + wi);
+      if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, 3 + wi);
     }
     my_turn();
-    K::issue_pv(o, pa, v0 + sl * kTileBytes);
+    K::issue_pv(o, pa, v0 + sl * kVTileBytes);
     pass_turn();
     h::wgmma_wait<0>();
     h::fence_regs(o);

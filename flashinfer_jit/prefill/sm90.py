@@ -12,7 +12,7 @@ import torch
 
 from ..pipeline.spec import dtype_name
 from ..runtime.device import sm_count
-from .spec import SM90_HEAD_DIMS, SM90_MASKS, PrefillSm90Spec
+from .spec import SM90_HEAD_DIM_VO, SM90_HEAD_DIMS, SM90_MASKS, PrefillSm90Spec
 
 TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM: query rows an item
 TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts, kSm90WorkHeader
@@ -56,7 +56,7 @@ def narrower_tile(keys: np.ndarray) -> bool:
 # caps later plans' query tiles). head_dim 256: causal 4 x 4096 (2112 keys a tile) 1.90x,
 # nothing shorter measured.
 AUTO_MIN_MEAN_QO_LEN = 64
-AUTO_MIN_KEYS = {64: 2048.0, 128: 512.0, 256: 2048.0}
+AUTO_MIN_KEYS = {64: 2048.0, 128: 512.0, 192: float("inf"), 256: 2048.0}  # (192, 128): not measured yet
 _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this many tiles
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
@@ -74,9 +74,9 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
         if c.page_size not in sizes:
             return (f"page_size={c.page_size} (the Hopper path takes pages of {', '.join(map(str, sizes))} tokens at "
                     f"head_dim {c.head_dim_qk})")
-    if c.head_dim_qk != c.head_dim_vo or c.head_dim_qk not in SM90_HEAD_DIMS:
-        return (f"head_dim_qk={c.head_dim_qk}, head_dim_vo={c.head_dim_vo} (the Hopper path takes head_dim "
-                f"{' or '.join(map(str, SM90_HEAD_DIMS))})")
+    if SM90_HEAD_DIM_VO.get(c.head_dim_qk) != c.head_dim_vo:
+        pairs = ", ".join(f"({qk}, {vo})" for qk, vo in SM90_HEAD_DIM_VO.items())
+        return f"head_dim_qk={c.head_dim_qk}, head_dim_vo={c.head_dim_vo} (the Hopper path takes {pairs})"
     if c.mask not in SM90_MASKS:
         return f"a {c.mask} mask (custom_mask / packed_custom_mask)"
     if c.pos_encoding != "none":

@@ -130,7 +130,8 @@ def tile_rows_of(head_dim_qk: int) -> tuple[int, ...]:
 
 # What the Hopper path (PrefillSm90Spec) takes in this version; everything else runs the
 # mma.sync kernel (backend "fa2"; docs/hopper.md lists the cases and why)
-SM90_HEAD_DIMS = (64, 128, 256)
+SM90_HEAD_DIMS = (64, 128, 192, 256)  # 192: (192, 128), V and the output at 128
+SM90_HEAD_DIM_VO = {64: 64, 128: 128, 192: 128, 256: 256}
 SM90_MASKS = ("none", "causal")
 
 
@@ -173,6 +174,14 @@ class PrefillSm90Spec(Spec):
         if self.kv_source == "ragged" and self.kv_layout != "NHD":
             raise ValueError("PrefillSm90Spec: ragged K/V has no KV layout (rows [kv_tokens, H, D] with any "
                              "strides); leave kv_layout='NHD'")
+
+    @property
+    def head_dim_vo(self) -> int:
+        """V's and the output's head_dim: head_dim's, but 128 at 192 (the (192, 128) pair)."""
+        return SM90_HEAD_DIM_VO[self.head_dim]
+
+    def context(self) -> dict:
+        return super().context() | {"head_dim_vo": self.head_dim_vo}
 
     def op_schemas(self) -> dict[str, str]:
         # work: plan()'s list (csrc/hopper/prefill_sm90_params.h); page_ids: the page table's
