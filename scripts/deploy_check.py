@@ -380,27 +380,27 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
         jit.get_module(spec)
         return
     shapes = [(1, 16), (7, 40), (200, 300)]  # (qo_len, kv_len)
-    hq, d, dt = 4 * KV_HEADS, spec.head_dim, dtype(spec.dtype_q)
+    hq, d, dv, dt = 4 * KV_HEADS, spec.head_dim, spec.head_dim_vo, dtype(spec.dtype_q)
     causal = spec.mask == "causal"
     cap = dict(logits_soft_cap=30.0) if spec.soft_cap else {}
     lens = [n for _, n in shapes]
     qo_indptr, kv_indptr = offsets(m for m, _ in shapes), offsets(lens)
     q = randn((int(qo_indptr[-1]), hq, d), dt)
     if spec.kv_source == "ragged":
-        k, v = randn((int(kv_indptr[-1]), KV_HEADS, d), dt), randn((int(kv_indptr[-1]), KV_HEADS, d), dt)
+        k, v = randn((int(kv_indptr[-1]), KV_HEADS, d), dt), randn((int(kv_indptr[-1]), KV_HEADS, dv), dt)
         wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(workspace(DEVICE), "NHD", backend="fa3")
         wrapper._force_key_tile = spec.key_tile
-        wrapper.plan(qo_indptr, kv_indptr, hq, KV_HEADS, d, causal=causal, q_data_type=dt, **cap)
+        wrapper.plan(qo_indptr, kv_indptr, hq, KV_HEADS, d, head_dim_vo=dv, causal=causal, q_data_type=dt, **cap)
         kv_args, ref_kv = (k, v), dict(kv_indptr=kv_indptr)
     else:  # the CSR page table, pages of PAGE tokens
         table, num_pages = page_table("csr", lens)
-        k, v = paged_cache(dt, spec.kv_layout, num_pages, d), paged_cache(dt, spec.kv_layout, num_pages, d)
+        k, v = paged_cache(dt, spec.kv_layout, num_pages, d), paged_cache(dt, spec.kv_layout, num_pages, dv)
         wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout, backend="fa3")
         wrapper._force_key_tile = spec.key_tile
         wrapper.plan(qo_indptr, **plan_table_args(table, "paged_kv_"), num_qo_heads=hq, num_kv_heads=KV_HEADS,
-                     head_dim_qk=d, page_size=PAGE, causal=causal, q_data_type=dt, **cap)
+                     head_dim_qk=d, head_dim_vo=dv, page_size=PAGE, causal=causal, q_data_type=dt, **cap)
         kv_args, ref_kv = ((k, v),), dict(page_table=table, kv_layout=spec.kv_layout)
-    out, lse = wrapper.run(q, *kv_args, out=nan_like((q.shape[0], hq, d), dt), return_lse=True)
+    out, lse = wrapper.run(q, *kv_args, out=nan_like((q.shape[0], hq, dv), dt), return_lse=True)
     synchronize()
     ref_out, ref_lse = prefill_ref(q, qo_indptr, k, v, **ref_kv, causal=causal, **cap)
     expect_close(out, ref_out, PREFILL_TOL[dt], PREFILL_TOL[dt], "out")
