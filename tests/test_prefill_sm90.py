@@ -1060,6 +1060,44 @@ def test_head_dim_192_spec():
     assert sm90.key_tile(192, False) == 128 and sm90.AUTO_MIN_KEYS[192] == float("inf")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, source", [(True, "ragged"), (False, "paged")])
+def test_fa3_head_dim_256_on_80_key_tiles(causal, source, hopper_workspace):
+    """head_dim 256 on FA3's 80-key tile (pinned: plan() takes 64 until an A/B decides; S in 40
+    registers a thread, 225 KB of shared memory), ragged or on pages of 16, against the
+    float64 reference."""
+    gen = torch.Generator(device=DEV).manual_seed(80 + causal)
+    rnd = random.Random(80)
+    shapes = [(300, 300), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000)]
+    heads = (8, 2)
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, heads[1], (256, 256), torch.bfloat16, gen)
+    if source == "ragged":
+        kv, page_size, wrapper = ragged_kv(k_rows, v_rows, kv_lens), None, fa3_wrapper(hopper_workspace)
+    else:
+        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
+        wrapper = paged_wrapper(hopper_workspace, "NHD", backend="fa3")
+    wrapper._force_key_tile = 80
+    q = make_q(sum(qo_lens), heads[0], 256, torch.bfloat16, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    plan_kv(wrapper, qo_indptr, kv, *heads, (256, 256), page_size, causal=causal, q_data_type=torch.bfloat16)
+    assert wrapper.planned_backend == "fa3" and wrapper._plan.spec.key_tile == 80
+    out, lse = run_poisoned(wrapper, q, kv, 256, torch.bfloat16)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+def test_key_tiles_the_spec_takes():
+    """PrefillSm90Spec's key tiles: 176 at head_dim 128 only, 64 and 80 at head_dim 256 and
+    only there, 128 elsewhere."""
+    from flashinfer_jit.prefill.spec import PrefillSm90Spec
+    for head_dim, tile in ((256, 64), (256, 80), (128, 176), (128, 128), (64, 128), (192, 128)):
+        PrefillSm90Spec("bfloat16", head_dim, "none", key_tile=tile).validate()
+    for head_dim, tile in ((256, 128), (128, 80), (64, 176), (192, 64)):
+        with pytest.raises(ValueError, match="key_tile"):
+            PrefillSm90Spec("bfloat16", head_dim, "none", key_tile=tile).validate()
+
+
 # --- soft cap and sliding window ----------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("options, head_dim, causal, dtype", [

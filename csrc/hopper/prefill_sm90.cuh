@@ -88,7 +88,7 @@ struct Rows {
   float cap_in, cap_log2;  // a soft cap: cap_log2 * tanh(s * cap_in)
 };
 
-// kN: keys a K/V tile, 64, 128 or 176 (the spec's key_tile; plan() counts key tiles in
+// kN: keys a K/V tile, 64, 80, 128 or 176 (the spec's key_tile; plan() counts key tiles in
 // these units). 176, FA3's choice at head_dim 128 without a causal mask, takes fewer rounds
 // of barriers and row reductions for the same work; head_dim 256 takes 64 (its Q tile is 64
 // KB, two stages of 64-key K and V tiles 128 KB; O holds 128 registers a thread).
@@ -132,6 +132,11 @@ struct Sm90Kernel {
           h::wgmma_ss_n176<0, 0>(s, a, b, DType{});
         else
           h::wgmma_ss_n176<0>(s, a, b, DType{});
+      } else if constexpr (kBlockN == 80) {
+        if (ks == 0)
+          h::wgmma_ss_n80<0, 0>(s, a, b, DType{});
+        else
+          h::wgmma_ss_n80<0>(s, a, b, DType{});
       } else if constexpr (kBlockN == 64) {
         if (ks == 0)
           h::wgmma_ss_n64<0, 0>(s, a, b, DType{});

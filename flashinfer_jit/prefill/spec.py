@@ -160,16 +160,17 @@ class PrefillSm90Spec(Spec):
     kv_layout: str = choice(*KV_LAYOUTS, default="NHD", name_default=False)
     # keys a K/V tile (flashinfer_jit/prefill/sm90.py key_tile: 176 at head_dim 128 without a
     # causal mask, 64 at head_dim 256, else 128); 176 at head_dim 128 only (S takes 88
-    # registers a thread), and head_dim 256 takes 64 only (shared memory and O's registers)
-    key_tile: int = choice(64, 128, 176, tag="n{}", default=128, name_default=False)
+    # registers a thread), and head_dim 256 takes 64 or 80 only (shared memory and O's
+    # registers; 80, FA3's choice there, plan() takes only where pinned until an A/B decides)
+    key_tile: int = choice(64, 80, 128, 176, tag="n{}", default=128, name_default=False)
     # logits soft-capped, cap * tanh(logit / cap) (the cap itself is a launch argument)
     soft_cap: bool = choice(False, True, tag="cap", default=False)
 
     def check(self) -> None:
         if self.key_tile == 176 and self.head_dim != 128:
             raise ValueError(f"PrefillSm90Spec: key_tile=176 is for head_dim 128, got head_dim={self.head_dim}")
-        if (self.head_dim == 256) != (self.key_tile == 64):
-            raise ValueError(f"PrefillSm90Spec: head_dim 256 takes key_tile=64 and only it takes it; got "
+        if (self.head_dim == 256) != (self.key_tile in (64, 80)):
+            raise ValueError(f"PrefillSm90Spec: head_dim 256 takes key_tile=64 or 80, and only it takes them; got "
                              f"head_dim={self.head_dim}, key_tile={self.key_tile}")
         if self.kv_source == "ragged" and self.kv_layout != "NHD":
             raise ValueError("PrefillSm90Spec: ragged K/V has no KV layout (rows [kv_tokens, H, D] with any "
