@@ -214,7 +214,6 @@ struct Sm90Kernel {
     }
   }
 
-  // (skipped where neither row's max moved, as on most tiles of a long row after its first)
   static FIJ_SM90 void rescale(float (&o)[kOut], const float (&corr)[2]) {
 #pragma unroll
     for (int j = 0; j < kD / 8; ++j) {
