@@ -336,6 +336,14 @@ struct Sm90Kernel {
   }
 };
 
+// Key tile i, counted over every item a block has run, sits in stage i % kStages; its
+// barriers' phase parity is (i / kStages) & 1 ("empty" waits take the other parity).
+struct Stage {
+  int s;
+  uint32_t parity;
+};
+FIJ_SM90 Stage stage_of(int i) { return {i % kStages, uint32_t(i / kStages) & 1u}; }
+
 FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
   const int4* at = reinterpret_cast<const int4*>(work + kSm90WorkHeader + kSm90TileInts * t);
   const int4 a = at[0], b = at[1];
@@ -422,16 +430,16 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
             h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], 64 * a, head, tile.q_row0);
         }
         for (int n = tile.first_tile; n < tile.kv_tiles; ++n, ++it) {
-          const int s = it % kStages, u = it / kStages;
+          const auto [s, parity] = stage_of(it);
           const int this_page = page, this_page_v = page_v;
           if constexpr (kPaged) {  // in flight over the waits
             page = K::next_page(p, tile, n + 1, lane);
             page_v = v_ids == 0 ? page : K::next_page(p, tile, n + 1, lane, v_ids);
           }
-          h::mbar_wait(&k_empty[s], (u & 1) ^ 1);
+          h::mbar_wait(&k_empty[s], parity ^ 1);
           K::template load_kv<kPaged, K::kAtoms>(&p.k_map, sk + s * kKTileBytes, &k_full[s], tile, n, kv_head, lane,
                                       p.page_shift, this_page);
-          h::mbar_wait(&v_empty[s], (u & 1) ^ 1);
+          h::mbar_wait(&v_empty[s], parity ^ 1);
           K::template load_kv<kPaged, K::kVAtoms>(&p.v_map, sv + s * kVTileBytes, &v_full[s], tile, n, kv_head, lane,
                                       p.page_shift, this_page_v);
         }
@@ -470,8 +478,9 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     uint32_t pa[kBlockN / 16][4];
     float s[K::kS], corr[2];
 
-    const int s0 = it % kStages, u0 = it / kStages;
-    h::mbar_wait(&k_full[s0], u0 & 1);
+    const Stage first = stage_of(it);
+    const int s0 = first.s;
+    h::mbar_wait(&k_full[s0], first.parity);
     my_turn();
     K::issue_qk(s, q_base, k0 + s0 * kKTileBytes);
     pass_turn();
@@ -481,10 +490,10 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     K::softmax(s, n0, rows, m, l, corr);  // O is 0: nothing to rescale
     K::pack_p(s, pa);
     for (int n = 1; n < n_tiles; ++n) {
-      const int st = (it + n) % kStages, u = (it + n) / kStages;
-      const int sp = (it + n - 1) % kStages, up = (it + n - 1) / kStages;
-      h::mbar_wait(&k_full[st], u & 1);
-      h::mbar_wait(&v_full[sp], up & 1);
+      const Stage cur = stage_of(it + n), prev = stage_of(it + n - 1);
+      const int st = cur.s, sp = prev.s;
+      h::mbar_wait(&k_full[st], cur.parity);
+      h::mbar_wait(&v_full[sp], prev.parity);
       my_turn();
       K::issue_qk(s, q_base, k0 + st * kKTileBytes);
       K::issue_pv(o, pa, v0 + sp * kVTileBytes);
@@ -505,8 +514,9 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     // only (with one arrival a warp or a warpgroup, racecheck reported the other threads' slot
     // reads against the producer's next writes of the slot)
     h::mbar_arrive(&q_empty[qs]);
-    const int sl = (it + n_tiles - 1) % kStages, ul = (it + n_tiles - 1) / kStages;
-    h::mbar_wait(&v_full[sl], ul & 1);
+    const Stage last = stage_of(it + n_tiles - 1);
+    const int sl = last.s;
+    h::mbar_wait(&v_full[sl], last.parity);
     if constexpr (kPaged) {
       const int tail = tile.kv_len - (tile.kv_tiles - 1) * kBlockN;  // the last tile's rows that are keys
       if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, 3 + wi);
