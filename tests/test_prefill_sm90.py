@@ -628,11 +628,11 @@ def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspa
     assert wrapper.planned_backend == "fa2"
 
 
-# --- head_dim 256 (64-key tiles; auto takes it where query tiles average 2048 keys, not here) -------
+# --- head_dim 256 (80-key tiles, 64 on pages of 32 or more; auto takes it where query tiles average 2048 keys)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, causal, group", [(BF16, True, 4), (F16, False, 1), (BF16, False, 8)])
 def test_fa3_head_dim_256(dtype, causal, group, hopper_workspace):
-    """head_dim 256 on the Hopper path (64-key tiles, O in 128 registers a thread, m64n256k16
+    """head_dim 256 on the Hopper path (80-key tiles, O in 128 registers a thread, m64n256k16
     P V): mixed ragged batches against the float64 reference and the mma.sync kernel."""
     gen = torch.Generator(device=DEV).manual_seed(256 + group)
     shapes = [(300, 300), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000)]
@@ -644,6 +644,8 @@ def test_fa3_head_dim_256(dtype, causal, group, hopper_workspace):
         wrapper = ragged_wrapper(hopper_workspace, backend=backend)
         plan_kv(wrapper, qo_indptr, kv, *heads, (256, 256), causal=causal, q_data_type=torch_dtype)
         assert wrapper.planned_backend == backend
+        if backend == "fa3":
+            assert wrapper._plan.spec.key_tile == 80
         results[backend] = run_poisoned(wrapper, q, kv, 256, torch_dtype)
     ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
     tol = tolerance(dtype)
@@ -1062,10 +1064,10 @@ def test_head_dim_192_spec():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal, source", [(True, "ragged"), (False, "paged")])
-def test_fa3_head_dim_256_on_80_key_tiles(causal, source, hopper_workspace):
-    """head_dim 256 on FA3's 80-key tile (pinned: plan() takes 64 until an A/B decides; S in 40
-    registers a thread, 225 KB of shared memory), ragged or on pages of 16, against the
-    float64 reference."""
+def test_fa3_head_dim_256_on_64_key_tiles(causal, source, hopper_workspace):
+    """head_dim 256 on 64-key tiles (plan() takes them for pages of 32 or more; pinned here, ragged
+    or on pages of 16, where it takes 80; S in 32 registers a thread), against the float64
+    reference."""
     gen = torch.Generator(device=DEV).manual_seed(80 + causal)
     rnd = random.Random(80)
     shapes = [(300, 300), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000)]
@@ -1077,11 +1079,11 @@ def test_fa3_head_dim_256_on_80_key_tiles(causal, source, hopper_workspace):
     else:
         kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
         wrapper = paged_wrapper(hopper_workspace, "NHD", backend="fa3")
-    wrapper._force_key_tile = 80
+    wrapper._force_key_tile = 64
     q = make_q(sum(qo_lens), heads[0], 256, torch.bfloat16, gen)
     qo_indptr = indptr_of(qo_lens, "cpu")
     plan_kv(wrapper, qo_indptr, kv, *heads, (256, 256), page_size, causal=causal, q_data_type=torch.bfloat16)
-    assert wrapper.planned_backend == "fa3" and wrapper._plan.spec.key_tile == 80
+    assert wrapper.planned_backend == "fa3" and wrapper._plan.spec.key_tile == 64
     out, lse = run_poisoned(wrapper, q, kv, 256, torch.bfloat16)
     ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal)
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))

@@ -122,10 +122,13 @@ struct Sm90Kernel {
   // S = Q K^T of one key tile, issued (not waited for).
   static FIJ_SM90 void issue_qk(float (&s)[kS], uint32_t q_base, uint32_t k_tile) {
     h::wgmma_fence();
+    const uint64_t a0 = h::make_desc(q_base, 16, 1024, h::Swizzle::k128B);
+    const uint64_t b0 = h::kmajor_desc(k_tile, kBlockN, 0);
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
-      const uint64_t a = h::make_desc(q_base + (ks >> 2) * kQAtom + (ks & 3) * 32, 16, 1024, h::Swizzle::k128B);
-      const uint64_t b = h::kmajor_desc(k_tile, kBlockN, ks);
+      // k-step ks: atom ks / 4, 32 bytes a step inside it (h::kmajor_desc)
+      const uint64_t a = h::desc_add(a0, (ks >> 2) * kQAtom + (ks & 3) * 32);
+      const uint64_t b = h::desc_add(b0, (ks >> 2) * kKVAtom + (ks & 3) * 32);
       // S = Q K^T: the first k-step does not read the accumulators
       if constexpr (kBlockN == 176) {
         if (ks == 0)
@@ -155,9 +158,10 @@ struct Sm90Kernel {
   // O += P V of one tile, P the A fragments of its k-steps, V MN-major; issued.
   static FIJ_SM90 void issue_pv(float (&o)[kOut], uint32_t (&pa)[kBlockN / 16][4], uint32_t v_tile) {
     h::wgmma_fence();
+    const uint64_t b0 = h::make_desc(v_tile, kKVAtom, 1024, h::Swizzle::k128B);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = h::make_desc(v_tile + kk * 16 * 128, kKVAtom, 1024, h::Swizzle::k128B);
+      const uint64_t b = h::desc_add(b0, kk * 16 * 128);
       if constexpr (kDvo == 256)
         h::wgmma_rs_n256<1>(o, pa[kk], b, DType{});
       else if constexpr (kDvo == 128)
@@ -306,18 +310,17 @@ struct Sm90Kernel {
     h::named_sync(bar, 128);
   }
 
-  // O / l (times v_scale) and the LSE of this thread's two rows; l 0 (no key): 0 and -inf.
-  // A sink (a logit with no value) joins the denominator first: a row with no key then
-  // writes 0 and the sink as its LSE, as the mma.sync kernel does.
-  static FIJ_SM90 void store(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int r0, int cq,
-                             const float (&o)[kOut], const float (&m)[2], const float (&l)[2]) {
+  // The factors O's two rows of this thread take, 1 / l (times v_scale), and their LSE, which
+  // lane cq 0 writes; l 0 (no key): 0 and -inf. A sink (a logit with no value) joins the
+  // denominator first: a row with no key then writes 0 and the sink as its LSE, as the
+  // mma.sync kernel does.
+  static FIJ_SM90 void finish_rows(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int r0, int cq,
+                                   const float (&m)[2], const float (&l)[2], float (&inv)[2]) {
     const float m_scale = kSoftCap ? 1.f : p.scale_log2;
     const float sink = p.sinks != nullptr ? p.sinks[head] * 1.4426950408889634f : -INFINITY;  // log2 units
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = r0 + 8 * r;
-      if (row >= tile.rows) continue;
-      const int64_t token = tile.q_row0 + row;
       float mlog2 = m[r] * m_scale, sum = l[r], sc = 1.f;  // (m -inf: no key)
       if (p.sinks != nullptr) {
         const float top = fmaxf(mlog2, sink);
@@ -325,13 +328,59 @@ struct Sm90Kernel {
         sum = sum * sc + exp2f(sink - top);
         mlog2 = top;
       }
-      const float inv = sum > 0.f ? p.v_scale * sc / sum : 0.f;
-      DType* out = static_cast<DType*>(p.out) + token * p.out_stride_n + head * p.out_stride_h;
+      inv[r] = sum > 0.f ? p.v_scale * sc / sum : 0.f;
+      if (p.lse != nullptr && cq == 0 && row < tile.rows)  // (m times m_scale: log2 units; 1 with a soft cap)
+        p.lse[(tile.q_row0 + row) * int64_t(p.num_qo_heads) + head] = sum > 0.f ? mlog2 + log2f(sum) : -INFINITY;
+    }
+  }
+
+  // O / l of this thread's two rows, straight from registers (4-byte stores), and the LSE.
+  static FIJ_SM90 void store(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int r0, int cq,
+                             const float (&o)[kOut], const float (&m)[2], const float (&l)[2]) {
+    float inv[2];
+    finish_rows(p, tile, head, r0, cq, m, l, inv);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r0 + 8 * r;
+      if (row >= tile.rows) continue;
+      DType* out = static_cast<DType*>(p.out) + (tile.q_row0 + row) * p.out_stride_n + head * p.out_stride_h;
 #pragma unroll
       for (int j = 0; j < kDvo / 8; ++j)
-        *reinterpret_cast<uint32_t*>(out + 8 * j + cq) = pack2<DType>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      if (p.lse != nullptr && cq == 0)  // (m times m_scale: log2 units; the scale is 1 with a soft cap)
-        p.lse[token * p.num_qo_heads + head] = sum > 0.f ? mlog2 + log2f(sum) : -INFINITY;
+        *reinterpret_cast<uint32_t*>(out + 8 * j + cq) = pack2<DType>(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+    }
+  }
+
+  // O / l through shared memory: the warpgroup's own 64 rows of its item's Q tile (q_stage;
+  // dead once its last Q K^T is complete) take O in Q's swizzled layout (conflict-free 4-byte
+  // writes), then leave in 16-byte stores, a row's chunks from consecutive threads, where the
+  // output's rows and heads are 16-byte aligned (else straight from registers). wi: the
+  // warpgroup; t: the thread in it; bar: the warpgroup's named barrier.
+  static FIJ_SM90 void store_staged(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int wi, int t, int r0,
+                                    int cq, const float (&o)[kOut], const float (&m)[2], const float (&l)[2],
+                                    unsigned char* q_stage, int bar) {
+    const bool vec = ((reinterpret_cast<uintptr_t>(p.out) | uintptr_t(p.out_stride_n * 2) | uintptr_t(p.out_stride_h * 2)) & 15) == 0;
+    if (!vec) return store(p, tile, head, r0, cq, o, m, l);
+    float inv[2];
+    finish_rows(p, tile, head, r0, cq, m, l, inv);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r0 + 8 * r;  // row % 8: lane / 4, so a warp's 8 rows take 8 distinct chunks
+#pragma unroll
+      for (int j = 0; j < kDvo / 8; ++j)
+        *reinterpret_cast<uint32_t*>(q_stage + (j / 8) * kQAtom + row * 128 + (((j % 8) ^ (row % 8)) * 16) + cq * 2) =
+            pack2<DType>(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+    }
+    h::named_sync(bar, 128);
+    constexpr int kChunks = kDvo / 8, kRowsPass = 128 / kChunks;  // 16-byte chunks a row
+    const int c = t % kChunks;
+#pragma unroll
+    for (int i = 0; i < 64 / kRowsPass; ++i) {
+      const int row = 64 * wi + i * kRowsPass + t / kChunks;
+      if (row < tile.rows) {
+        const uint4 v = *reinterpret_cast<const uint4*>(q_stage + (c / 8) * kQAtom + row * 128 + (((c % 8) ^ (row % 8)) * 16));
+        DType* out = static_cast<DType*>(p.out) + (tile.q_row0 + row) * p.out_stride_n + head * p.out_stride_h + 8 * c;
+        *reinterpret_cast<uint4*>(out) = v;
+      }
     }
   }
 };
@@ -373,7 +422,9 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   __shared__ Sm90Tile tile_slot[2];
 
   const int num_items = p.work[0], active = p.work[1];
-  const int wg = threadIdx.x / 128;
+  // the warpgroup, broadcast from lane 0 so that the compiler knows it warp-uniform: the shared
+  // addresses made from it (the wgmma descriptors) then live in uniform registers
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (threadIdx.x == 0) {
     for (int j = 0; j < kQStages; ++j) {
       h::mbar_init(&q_full[j], 1);
@@ -509,11 +560,12 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       K::rescale(o, corr);
       K::pack_p(s, pa);
     }
-    // every Q K^T of this item is complete, and this thread's reads of the item's slot are
-    // done: each consumer thread arrives, since an arrival releases its own thread's accesses
-    // only (with one arrival a warp or a warpgroup, racecheck reported the other threads' slot
-    // reads against the producer's next writes of the slot)
-    h::mbar_arrive(&q_empty[qs]);
+    // one Q stage: every Q K^T of this item is complete, and this thread's reads of the
+    // item's slot are done: each consumer thread arrives, since an arrival releases its own
+    // thread's accesses only (with one arrival a warp or a warpgroup, racecheck reported the
+    // other threads' slot reads against the producer's next writes of the slot). Two: the
+    // next item's Q is in the other stage, and this one takes O on its way out first.
+    if constexpr (kQStages == 1) h::mbar_arrive(&q_empty[qs]);
     const Stage last = stage_of(it + n_tiles - 1);
     const int sl = last.s;
     h::mbar_wait(&v_full[sl], last.parity);
@@ -535,7 +587,13 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
-    K::store(p, tile, head, r0, cq, o, m, l);
+    if constexpr (kQStages == 2) {
+      K::store_staged(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, 3 + wi);
+      h::fence_proxy_async();  // this thread's generic accesses to the stage before the next TMA write
+      h::mbar_arrive(&q_empty[qs]);
+    } else {
+      K::store(p, tile, head, r0, cq, o, m, l);
+    }
   }
   if (wi == 0) my_turn();  // warpgroup 1's last pass
 

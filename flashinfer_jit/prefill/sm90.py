@@ -19,10 +19,12 @@ TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts
 
 
 def key_tile(head_dim: int, causal: bool, page_size: int | None = None) -> int:
-    """Keys a K/V tile of the kernel (the spec's key_tile): 64 at head_dim 256; 176 at head_dim
-    128 without a causal mask where pages (if any) divide it (16 tokens); else 128."""
+    """Keys a K/V tile of the kernel (the spec's key_tile). head_dim 256: 80 (FA3's tile) where
+    pages (if any) divide it, pages of up to 16 tokens, else 64; an A/B on an H200 (2026-11-29,
+    docs/hopper.md) measured 80 at 0.88-0.98x the time of 64. head_dim 128 without a causal
+    mask: 176 where pages divide it (16 tokens). Else 128."""
     if head_dim == 256:
-        return 64
+        return 80 if page_size is None or 80 % page_size == 0 else 64
     return 176 if head_dim == 128 and not causal and (page_size is None or 176 % page_size == 0) else 128
 
 

@@ -488,7 +488,7 @@ class _PrefillWrapper:
 
     _ragged = False
     _force_tile_rows = None  # benchmarks and tests pin the query tile (64 or 128 rows) here
-    _force_key_tile = None  # ... and the Hopper kernel's key tile (128, or 176 at head_dim 128) here
+    _force_key_tile = None  # ... and the Hopper kernel's key tile (sm90.key_tile's choices) here
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
