@@ -645,8 +645,9 @@ def base_inputs(shapes, gen, rnd, source: str = "csr", heads=LLAMA, page_size: i
     return q, indptr_of(qo_lens, "cpu" if host_indptr else DEV), k_rows, v_rows, kv
 
 
-def run_base(workspace, shapes, q, qo_indptr, kv, causal: bool, heads=LLAMA, page_size: int = 16, **plan_kwargs):
-    wrapper = ragged_wrapper(workspace) if kv.table is None else paged_wrapper(workspace)
+def run_base(workspace, shapes, q, qo_indptr, kv, causal: bool, heads=LLAMA, page_size: int = 16, backend="auto",
+             **plan_kwargs):
+    wrapper = ragged_wrapper(workspace, backend=backend) if kv.table is None else paged_wrapper(workspace, backend=backend)
     plan_kv(wrapper, qo_indptr, kv, *heads, (128, 128), page_size, causal=causal, q_data_type=torch.bfloat16,
             **plan_kwargs)
     return wrapper, run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
@@ -896,7 +897,7 @@ def test_paged_plan_orders_pages(causal, workspace):
     qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
     for layout in ("block_table", "block_table_kv_separate", "csr"):  # (csr last: its run()s below)
         q, qo_indptr, k_rows, v_rows, kv = base_inputs(shapes, gen, rnd, layout, page_size=ps)
-        wrapper = paged_wrapper(workspace)
+        wrapper = paged_wrapper(workspace, backend="fa2")  # (the mma.sync kernel's plan orders pages)
         plan_kv(wrapper, qo_indptr, kv, *LLAMA, (128, 128), ps, causal=causal, q_data_type=torch.bfloat16)
         assert wrapper._plan.unordered is not None, f"{layout}: plan() should reorder the pages"
         torch.cuda.synchronize()
@@ -1080,7 +1081,7 @@ def test_split_kv_forced_and_disabled(causal, workspace):
     tol = tolerance(BF16)
     results = []
     for split in (dict(fixed_split_size=256), dict(disable_split_kv=True)):
-        wrapper, first = run_base(workspace, shapes, q, qo_indptr, kv, causal, **split)
+        wrapper, first = run_base(workspace, shapes, q, qo_indptr, kv, causal, backend="fa2", **split)  # (its split-kv)
         first = tuple(t.clone() for t in first)
         again = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
         if "fixed_split_size" in split:

@@ -551,14 +551,15 @@ def test_auto_cuda_graph_replay_across_the_backend_choice(hopper_workspace):
 
 
 # --- backend="auto" ------------------------------------------------------------------------------
-# (sm90.AUTO_MIN_MEAN_QO_LEN 64 query tokens a request and AUTO_MIN_KEYS[128] = 512 keys a
+# (sm90.AUTO_MIN_MEAN_QO_LEN 64 query tokens a request and AUTO_MIN_KEYS[128] = 192 keys a
 # query tile, on average: 627 for long_prompts, 1024 for the two 1024-key batches, 192 for
-# few_keys)
+# few_keys, 128 for fewer_keys)
 AUTO_BATCHES = {
     "long_prompts": ([(512, 512), (300, 1300), (1025, 1025), (64, 64)], "fa3"),
     "mean_64": ([(64, 1024)] * 6, "fa3"),       # the query threshold: mean qo_len >= 64
     "mean_63": ([(63, 1024)] * 6, "fa2"),
-    "few_keys": ([(256, 256)] * 8, "fa2"),     # 192 keys a query tile
+    "few_keys": ([(256, 256)] * 8, "fa3"),     # 192 keys a query tile: the threshold
+    "fewer_keys": ([(128, 128)] * 8, "fa2"),   # 128
     "four_tokens": ([(4, 4 + 37 * i) for i in range(16)], "fa2"),
 }
 
@@ -567,7 +568,7 @@ AUTO_BATCHES = {
 @pytest.mark.parametrize("batch", sorted(AUTO_BATCHES))
 def test_auto_picks_the_backend(batch, hopper_workspace):
     """backend="auto" (the default) on sm_90, bf16 head_dim 128 causal GQA-4: planned_backend is
-    "fa3" where the mean qo_len is at least 64 tokens and the query tiles see 512 keys or more
+    "fa3" where the mean qo_len is at least 64 tokens and the query tiles see 192 keys or more
     on average, "fa2" otherwise; run() matches the reference either way."""
     shapes, expected = AUTO_BATCHES[batch]
     gen = torch.Generator(device=DEV).manual_seed(19)
@@ -1187,12 +1188,12 @@ def test_fa3_key_tile_follows_the_batch(kv_len, key_tile, hopper_workspace):
 
 def test_auto_rule_by_head_dim():
     """auto's measured thresholds (sm90.auto_takes): mean query tokens a request >= 64 and mean
-    keys a query tile >= AUTO_MIN_KEYS[head_dim] (512 at 128, 2048 at 64 and 256)."""
+    keys a query tile >= AUTO_MIN_KEYS[head_dim] (192 at 128, 512 at 64, 2048 at 256)."""
     import types
     import numpy as np
     from flashinfer_jit.prefill import sm90
     long_q = np.array([512, 512])
-    for head_dim, below, at in ((128, 511, 512), (64, 2047, 2048), (256, 2047, 2048)):
+    for head_dim, below, at in ((128, 191, 192), (64, 511, 512), (256, 2047, 2048)):
         c = types.SimpleNamespace(head_dim_qk=head_dim, soft_cap=0.0, window_left=-1)
         assert sm90.auto_takes(c, long_q, np.array([at, at]))
         for unmeasured in (dict(soft_cap=30.0), dict(window_left=256)):  # taken by fa3, not yet by auto

@@ -48,17 +48,12 @@ def narrower_tile(keys: np.ndarray) -> bool:
 # AUTO_MIN_KEYS[head_dim] keys. Shorter queries (decode-like rows, speculative verification)
 # keep the mma.sync kernel's packed (token, head) rows, which they fill (a 128-row tile of one
 # head holds one 4-token request's 4 rows); tiles with few keys spend more on each item's
-# start than the Hopper kernel gains on its loop. The thresholds were set between rows
-# measured on an H200 before the kernel's two Q stages (docs/hopper.md): head_dim 128, causal
-# 64 x 256 (192 keys a query tile) 0.87x the mma.sync kernel, causal 16 x 1024 (576) 1.15x;
-# head_dim 64, causal 16 x 1024 0.92x, 4 x 4096 1.13x. With two Q stages (2026-11-29) the
-# Hopper kernel wins from 192 keys at head_dim 128 (64 x 256: 1.14x) and from 576 at head_dim
-# 64 (16 x 1024: 1.07x; 64 x 256 0.97x): lower thresholds wait for a GPU run of the whole
-# suite under them (CUDA-graph wrappers keep their first plan's kernel, and the Hopper one
-# caps later plans' query tiles). head_dim 256: causal 4 x 4096 (2112 keys a tile) 1.90x,
-# nothing shorter measured.
+# start than the Hopper kernel gains on its loop. Measured on an H200 (docs/hopper.md,
+# 2026-11-29): head_dim 128 from 192 keys (causal 64 x 256, 192 keys a query tile: 1.14x the
+# mma.sync kernel); head_dim 64 from 512 (causal 16 x 1024, 576 keys: 1.07x; 64 x 256 0.97x);
+# head_dim 256 from 2048 (causal 4 x 4096, 2112 keys: 1.90x; nothing shorter measured).
 AUTO_MIN_MEAN_QO_LEN = 64
-AUTO_MIN_KEYS = {64: 2048.0, 128: 512.0, 192: float("inf"), 256: 2048.0}  # (192, 128): not measured yet
+AUTO_MIN_KEYS = {64: 512.0, 128: 192.0, 192: float("inf"), 256: 2048.0}  # (192, 128): not measured yet
 _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this many tiles
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
