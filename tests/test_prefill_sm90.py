@@ -1090,15 +1090,71 @@ def test_fa3_head_dim_256_on_64_key_tiles(causal, source, hopper_workspace):
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, source, dtype", [(True, "ragged", BF16), (False, "ragged", F16), (True, "paged", BF16),
+                                                   (False, "paged", BF16)])
+def test_fa3_head_dim_64_on_192_row_tiles(causal, source, dtype, hopper_workspace):
+    """head_dim 64 on 192-row query tiles (three consumer warpgroups at 160 registers, pinned
+    until an A/B decides), ragged or on pages of 16, against the float64 reference and the
+    128-row tile: requests shorter than a tile, longer than two, without queries or keys, and
+    a causal diagonal that crosses the tile's third warpgroup."""
+    gen = torch.Generator(device=DEV).manual_seed(192 + causal)
+    rnd = random.Random(192)
+    shapes = [(300, 300), (0, 9), (17, 400), (193, 193), (5, 0), (64, 1000), (385, 700), (191, 191)]
+    heads = (8, 2)
+    torch_dtype = dtype_of(dtype)
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, heads[1], (64, 64), torch_dtype, gen)
+    q = make_q(sum(qo_lens), heads[0], 64, torch_dtype, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    if source == "ragged":
+        kv, page_size = ragged_kv(k_rows, v_rows, kv_lens), None
+    else:
+        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
+    results = {}
+    for rows in (192, 128):
+        wrapper = fa3_wrapper(hopper_workspace) if source == "ragged" else paged_wrapper(hopper_workspace, "NHD",
+                                                                                          backend="fa3")
+        wrapper._force_query_tile = rows if rows == 192 else None
+        plan_kv(wrapper, qo_indptr, kv, *heads, (64, 64), page_size, causal=causal, q_data_type=torch_dtype)
+        assert wrapper.planned_backend == "fa3" and wrapper._plan.spec.query_tile == rows
+        results[rows] = run_poisoned(wrapper, q, kv, 64, torch_dtype)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal)
+    tol = tolerance(dtype)
+    check_prefill(*results[192], ref_out, ref_lse, shapes, tol)
+    check_agree(*results[192], *results[128], shapes, tol * AGREE_FACTOR, "192 rows", "128 rows")
+
+
+def test_plan_tiles_of_192_rows():
+    """plan_tiles with 192-row query tiles: a request's tiles start every 192 rows, the last
+    holds the rest, and a causal tile's keys end at its last row's diagonal."""
+    import numpy as np
+    from flashinfer_jit.prefill import sm90
+    qo = np.array([0, 400, 592], dtype=np.int32)  # 400 rows: 192 + 192 + 16; 192 rows: one tile
+    kv = np.array([0, 1000, 1192], dtype=np.int32)
+    tiles, active = sm90.plan_tiles(qo, kv, True, 128, None, -1, 192)
+    by_start = {int(t[0]): t for t in tiles}
+    assert sorted(by_start) == [0, 192, 384, 400] and active == 4
+    assert [int(by_start[s][1]) for s in (0, 192, 384, 400)] == [192, 192, 16, 192]
+    # request 0: diag = q_start + 1000 - 400; the tile at 192 sees keys up to 792 + 191
+    assert int(by_start[192][4]) == 792 and int(by_start[192][6]) == 792 + 192
+    assert int(by_start[192][5]) == -(-(792 + 192) // 128)
+
+
 def test_key_tiles_the_spec_takes():
     """PrefillSm90Spec's key tiles: 176 at head_dim 128 only, 64 and 80 at head_dim 256 and
-    only there, 128 elsewhere."""
+    only there, 128 elsewhere; its 192-row query tile at head_dim 64 only."""
     from flashinfer_jit.prefill.spec import PrefillSm90Spec
     for head_dim, tile in ((256, 64), (256, 80), (128, 176), (128, 128), (64, 128), (192, 128)):
         PrefillSm90Spec("bfloat16", head_dim, "none", key_tile=tile).validate()
     for head_dim, tile in ((256, 128), (128, 80), (64, 176), (192, 64)):
         with pytest.raises(ValueError, match="key_tile"):
             PrefillSm90Spec("bfloat16", head_dim, "none", key_tile=tile).validate()
+    # 192-row query tiles: head_dim 64 on 128-key tiles only
+    assert PrefillSm90Spec("bfloat16", 64, "causal", query_tile=192).validate().name.endswith("_m192")
+    for head_dim, tile in ((128, 128), (256, 80), (192, 128)):
+        with pytest.raises(ValueError, match="query_tile"):
+            PrefillSm90Spec("bfloat16", head_dim, "none", key_tile=tile, query_tile=192).validate()
 
 
 # --- soft cap and sliding window ----------------------------------------------------------------

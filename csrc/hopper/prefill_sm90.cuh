@@ -1,20 +1,21 @@
 // Batch prefill on Hopper (sm_90a): wgmma from shared memory, TMA loads, warp
-// specialization, a persistent grid. Ragged K/V; docs/hopper.md.
+// specialization, a persistent grid. Ragged or paged K/V; docs/hopper.md.
 //
-// One block per SM, three warpgroups:
+// One block per SM: a producer warpgroup and two consumer warpgroups (three for 192-row
+// query tiles, at head_dim 64):
 //   - warpgroup 0, the producer (24 registers): its first warp brings each item's Q tile and
 //     its K and V tiles by TMA (128B swizzle) into two stages each, waiting on the stages'
 //     "empty" barriers; Q has two stages too where shared memory allows (the next item's Q
-//     loads while this one runs), else the next Q loads once both consumers have seen their
+//     loads while this one runs), else the next Q loads once every consumer has seen its
 //     last Q K^T of this one complete. Paged K/V: one box a page, each page's box issued by
 //     its own lane, the page ids of the next key tile read ahead of the stage's wait;
-//   - warpgroups 1 and 2, the consumers (240 registers), 64 query rows each: S = Q K^T by
-//     wgmma from shared memory, the online softmax in registers, O += P V by wgmma with P
-//     from registers and V MN-major. Tile n's S is issued before tile n - 1's P V, and its
-//     softmax runs while that P V is on the tensor cores (intra-warpgroup overlap); the two
-//     consumers take turns to issue their wgmmas (ping-pong through named barriers 1 and 2),
-//     so one's softmax runs under the other's GEMMs.
-// Items (one 128-row query tile of one query head) come from plan()'s list, heaviest first:
+//   - warpgroups 1.., the consumers (240 registers, 160 with three), 64 query rows each:
+//     S = Q K^T by wgmma from shared memory, the online softmax in registers, O += P V by
+//     wgmma with P from registers and V MN-major. Tile n's S is issued before tile n - 1's
+//     P V, and its softmax runs while that P V is on the tensor cores (intra-warpgroup
+//     overlap); the consumers take turns to issue their wgmmas (ping-pong through named
+//     barriers 1..), so one's softmax runs under the others' GEMMs.
+// Items (one query tile of one query head) come from plan()'s list, heaviest first:
 // block b takes item b, then each block's producer takes the next one left from an atomic
 // counter (a greedy longest-first schedule, which keeps the SMs' sums close where the items
 // differ, as a causal mask's do) and hands its index to the consumers in shared memory with
@@ -65,7 +66,7 @@ namespace sm90_prefill {
 
 namespace h = fij::sm90;
 
-constexpr int kBlockM = 128, kStages = 2, kThreads = 384;
+constexpr int kStages = 2;
 
 template <typename DType>
 FIJ_SM90 uint32_t pack2(float a, float b) {
@@ -99,9 +100,19 @@ constexpr int sm90_head_dim_vo() {
   return kD == 192 ? 128 : kD;
 }
 
-template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false>
+// kM: query rows an item, 64 a consumer warpgroup: 128 (two consumers), or 192 (three, FA3's
+// choice at head_dim 64, where one warpgroup's softmax takes about as long as the other's
+// GEMMs and a third keeps the tensor cores fed).
+template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128>
 struct Sm90Kernel {
+  static_assert(kM == 128 || (kM == 192 && kD == 64), "192-row query tiles are for head_dim 64");
+  static constexpr int kBlockM = kM;
+  static constexpr int kConsumers = kM / 64;            // consumer warpgroups
+  static constexpr int kThreads = 128 * (1 + kConsumers);  // and the producer's
+  // registers a thread after setmaxnreg (the file's 64K: 24 x 128 + 240 x 256, 24 x 128 + 160 x 384)
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr int kBlockN = kN;
+  static constexpr int kChains = kConsumers == 2 ? 4 : 2;  // softmax: partial row-max chains a row
   static constexpr int kDvo = sm90_head_dim_vo<kD>();
   static constexpr int kQBytes = kBlockM * kD * 2;        // the Q tile
   static constexpr int kKTileBytes = kBlockN * kD * 2;    // one K tile
@@ -195,19 +206,24 @@ struct Sm90Kernel {
             s[4 * j + e] = -INFINITY;
         }
     }
-    // the rows' maxima in four partial chains a row (a chain of kBlockN / 8 dependent
-    // FMNMX, not kBlockN / 4: two consumer warps a scheduler hide little latency)
-    float part[2][4];
+    // the rows' maxima in kChains partial chains a row (four: a chain of kBlockN / 8 dependent
+    // FMNMX, not kBlockN / 4, where two consumer warps a scheduler hide little latency; two
+    // with three consumers, whose 160 registers a thread hold no more)
+    float part[2][kChains];
 #pragma unroll
-    for (int c = 0; c < 8; ++c) part[c / 4][c % 4] = m[c / 4];
+    for (int c = 0; c < 2 * kChains; ++c) part[c / kChains][c % kChains] = m[c / kChains];
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) part[e >> 1][2 * (j & 1) + (e & 1)] = fmaxf(part[e >> 1][2 * (j & 1) + (e & 1)], s[4 * j + e]);
+      for (int e = 0; e < 4; ++e) {
+        const int c = (kChains == 4 ? 2 * (j & 1) : 0) + (e & 1);
+        part[e >> 1][c] = fmaxf(part[e >> 1][c], s[4 * j + e]);
+      }
     float mx[2], base[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(fmaxf(part[i][0], part[i][1]), fmaxf(part[i][2], part[i][3]));
+      mx[i] = kChains == 4 ? fmaxf(fmaxf(part[i][0], part[i][1]), fmaxf(part[i][2], part[i][kChains - 1]))
+                           : fmaxf(part[i][0], part[i][1]);
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
       // a row with no key yet: everything 0 (base 0 keeps -inf - base at -inf, not NaN)
@@ -217,7 +233,7 @@ struct Sm90Kernel {
     }
     // P by the flush-to-zero MUFU alone (exp2f adds a range check and two multiplies an
     // exponent for subnormal results, weights below 2^-126 that cannot move a row's sum);
-    // the rows' sums in two chains a row
+    // the rows' sums in two chains a row (one with three consumers)
     float sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
@@ -225,8 +241,8 @@ struct Sm90Kernel {
       const float p1 = fast_exp2(fmaf(s[4 * j + 1], r.scale_log2, -base[0]));
       const float p2 = fast_exp2(fmaf(s[4 * j + 2], r.scale_log2, -base[1]));
       const float p3 = fast_exp2(fmaf(s[4 * j + 3], r.scale_log2, -base[1]));
-      sum[0][j & 1] += p0 + p1;
-      sum[1][j & 1] += p2 + p3;
+      sum[0][kChains == 4 ? (j & 1) : 0] += p0 + p1;
+      sum[1][kChains == 4 ? (j & 1) : 0] += p2 + p3;
       s[4 * j] = p0;
       s[4 * j + 1] = p1;
       s[4 * j + 2] = p2;
@@ -401,11 +417,12 @@ FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
 
 }  // namespace sm90_prefill
 
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap>
-__global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128>
+__global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
     prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   using namespace sm90_prefill;
-  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap>;
+  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM>;
+  constexpr int kC = K::kConsumers;
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = h::align_1024(smem_raw);
@@ -428,20 +445,20 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int j = 0; j < kQStages; ++j) {
       h::mbar_init(&q_full[j], 1);
-      h::mbar_init(&q_empty[j], 256);  // every consumer thread
+      h::mbar_init(&q_empty[j], 128 * kC);  // every consumer thread
     }
     for (int s = 0; s < kStages; ++s) {
       h::mbar_init(&k_full[s], 1);
       h::mbar_init(&v_full[s], 1);
-      h::mbar_init(&k_empty[s], 8);  // lane 0 of each consumer warp
-      h::mbar_init(&v_empty[s], 8);
+      h::mbar_init(&k_empty[s], 4 * kC);  // lane 0 of each consumer warp
+      h::mbar_init(&v_empty[s], 4 * kC);
     }
     h::fence_barrier_init();
   }
   __syncthreads();
 
   if (wg == 0) {  // producer: warp 0 issues every copy (lane 0, or a lane a page)
-    h::regs_dealloc<24>();
+    h::regs_dealloc<K::kProducerRegs>();
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       if (lane == 0) {
@@ -500,17 +517,19 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
   }
 
   // consumers
-  h::regs_alloc<240>();
+  h::regs_alloc<K::kConsumerRegs>();
   const int wi = wg - 1, t = threadIdx.x % 128, lane = t % 32;
   const int r0 = 64 * wi + 16 * (t / 32) + lane / 4, cq = 2 * (lane % 4);  // rows r0, r0 + 8 of a tile
   const uint32_t q0 = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
   const uint32_t k0 = h::smem_addr(sk), v0 = h::smem_addr(sv);
   // Each round's issue (the first S, one per further key tile, the last P V) waits for this
-  // warpgroup's turn and passes it on; warpgroup 0 starts, and takes warpgroup 1's last
-  // pass after its loop (neither knows which item is its last before it has run it).
+  // warpgroup's turn and passes it to the next (named barrier 1 + j: warpgroup j's turn, 256
+  // threads: j's and the one before it); warpgroup 0 starts, and takes the last one's final
+  // pass after its loop (none knows which item is its last before it has run it).
   const auto my_turn = [&] { h::named_sync(1 + wi, 256); };
-  const auto pass_turn = [&] { h::named_arrive(2 - wi, 256); };
-  if (wi == 1) h::named_arrive(1, 256);
+  const auto pass_turn = [&] { h::named_arrive(1 + (wi + 1) % kC, 256); };
+  if (wi == kC - 1) h::named_arrive(1, 256);
+  const int own_bar = 1 + kC + wi;  // this warpgroup's own named barrier (zero_tail, the epilogue)
 
   int it = 0;
   for (int k = 0;; ++k) {
@@ -571,7 +590,7 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
     h::mbar_wait(&v_full[sl], last.parity);
     if constexpr (kPaged) {
       const int tail = tile.kv_len - (tile.kv_tiles - 1) * kBlockN;  // the last tile's rows that are keys
-      if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, 3 + wi);
+      if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, own_bar);
     }
     my_turn();
     K::issue_pv(o, pa, v0 + sl * kVTileBytes);
@@ -588,14 +607,14 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
     if constexpr (kQStages == 2) {
-      K::store_staged(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, 3 + wi);
+      K::store_staged(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, own_bar);
       h::fence_proxy_async();  // this thread's generic accesses to the stage before the next TMA write
       h::mbar_arrive(&q_empty[qs]);
     } else {
       K::store(p, tile, head, r0, cq, o, m, l);
     }
   }
-  if (wi == 0) my_turn();  // warpgroup 1's last pass
+  if (wi == 0) my_turn();  // the last warpgroup's final pass
 
   // Items whose tiles see no key (the end of the list): zeros and an LSE of -inf, strided
   // over the blocks; no barrier.
@@ -611,14 +630,14 @@ __global__ void __launch_bounds__(sm90_prefill::kThreads, 1)
 }
 
 // Launches the kernel on `grid` blocks (one an SM: every block walks the list).
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap = false>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap = false, int kM = 128>
 inline int launch_prefill_sm90(const PrefillSm90Params& p, int grid, cudaStream_t stream) {
-  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap>;
-  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap>>(K::kSmemBytes);
+  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM>;
+  const int err =
+      allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM>>(K::kSmemBytes);
   if (err != 0) return err;
   if (grid <= 0) return 0;
-  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap>
-      <<<grid, sm90_prefill::kThreads, K::kSmemBytes, stream>>>(p);
+  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM><<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -14,7 +14,7 @@ from ..pipeline.spec import dtype_name
 from ..runtime.device import sm_count
 from .spec import SM90_HEAD_DIM_VO, SM90_HEAD_DIMS, SM90_MASKS, PrefillSm90Spec
 
-TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM: query rows an item
+TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM: query rows an item (192: pinned, head_dim 64 only)
 TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts, kSm90WorkHeader
 
 
@@ -147,7 +147,8 @@ def block_table_ids(tables: torch.Tensor, kv_lens: np.ndarray, page_size: int) -
 
 
 def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_a_tile: int = TILE_ROWS,
-               kv_lens: np.ndarray | None = None, window_left: int = -1) -> tuple[np.ndarray, int]:
+               kv_lens: np.ndarray | None = None, window_left: int = -1,
+               tile_rows: int = TILE_ROWS) -> tuple[np.ndarray, int]:
     """The tiles of a batch (int32 [tiles, TILE_INTS]: Sm90Tile's fields; column 6, which
     the kernel does not read, the keys the tile visits), the ones with the most key tiles
     (of keys_a_tile: key_tile()) first, ties in request and tile order, and how many see a
@@ -157,20 +158,21 @@ def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_
     block tables: b x the table's row stride), so a tile's kv_row0 is that index,
     and kv_lens the requests' key counts. window_left >= 0 (a sliding window: the row at
     position pos sees keys >= pos - window_left): column 7 the first key tile a tile
-    visits (its first row's window start), column 6 the keys from there."""
+    visits (its first row's window start), column 6 the keys from there. tile_rows: query
+    rows a tile (the kernel's kBlockM)."""
     qo = qo_indptr.astype(np.int64)
     kv = kv_indptr.astype(np.int64)
     qo_lens = np.diff(qo)
     kv_lens = np.diff(kv) if kv_lens is None else kv_lens.astype(np.int64)
-    per_req = (qo_lens + TILE_ROWS - 1) // TILE_ROWS
+    per_req = (qo_lens + tile_rows - 1) // tile_rows
     n = int(per_req.sum())
     req = np.repeat(np.arange(qo_lens.size), per_req)
     starts = np.repeat(np.cumsum(per_req) - per_req, per_req)
-    q_start = (np.arange(n) - starts) * TILE_ROWS
+    q_start = (np.arange(n) - starts) * tile_rows
     tiles = np.zeros((n, TILE_INTS), dtype=np.int64)
     kvl = kv_lens[req]
     diag = q_start + kvl - qo_lens[req]
-    kv_end = np.clip(np.minimum(kvl, diag + TILE_ROWS), 0, None) if causal else kvl
+    kv_end = np.clip(np.minimum(kvl, diag + tile_rows), 0, None) if causal else kvl
     kv_tiles = (kv_end + keys_a_tile - 1) // keys_a_tile
     first = np.zeros_like(kv_tiles)
     kv_start = np.zeros_like(kv_end)
@@ -180,7 +182,7 @@ def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_
         kv_tiles = np.where(kv_start < kv_end, kv_tiles, 0)  # a window past every key: no key tile
         first = np.where(kv_tiles > 0, first, 0)
     tiles[:, 0] = qo[req] + q_start
-    tiles[:, 1] = np.minimum(TILE_ROWS, qo_lens[req] - q_start)
+    tiles[:, 1] = np.minimum(tile_rows, qo_lens[req] - q_start)
     tiles[:, 2] = kv[req]
     tiles[:, 3] = kvl
     tiles[:, 4] = diag
@@ -215,7 +217,8 @@ class Sm90Planner:
         self._no_ids = torch.empty(0, dtype=torch.int32, device=device)  # ragged K/V's page_ids
 
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
-             keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0) -> Sm90Plan:
+             keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0,
+             tile_rows: int = TILE_ROWS) -> Sm90Plan:
         """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile;
         page_ids: the CSR page table's indices, int32 on the device (paged), else None."""
         heads = c.num_qo_heads
@@ -233,7 +236,7 @@ class Sm90Planner:
                 self._buffer = torch.zeros(WORK_HEADER + capacity * TILE_INTS, dtype=torch.int32,
                                            device=self._device)
             if host.size > self._buffer.numel():
-                raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles of {TILE_ROWS} rows exceed the "
+                raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles of {tile_rows} rows exceed the "
                                  f"{(self._buffer.numel() - WORK_HEADER) // TILE_INTS} this CUDA-graph wrapper's "
                                  "first plan sized its work list for")
             self._buffer[:host.size].copy_(src, non_blocking=non_blocking)
@@ -245,12 +248,12 @@ class Sm90Planner:
         p = Sm90Plan()
         p.config = c
         paged = page_ids is not None
-        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap))
+        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap), tile_rows)
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask,
                                                       "paged" if paged else "ragged", layout if paged else "NHD",
-                                                      keys_a_tile, bool(c.soft_cap)).validate()
+                                                      keys_a_tile, bool(c.soft_cap), tile_rows).validate()
         p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
         p.page_ids = page_ids if paged else self._no_ids
         p.qo_tokens = int(qo_indptr[-1])

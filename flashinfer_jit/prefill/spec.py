@@ -55,6 +55,9 @@ class PrefillSpec(Spec):
     mask: str = choice(*MASKS, default="none", name_default=False)
     pos_encoding: str = choice(*POS_ENCODINGS, default="none", name_default=False)
     soft_cap: bool = choice(False, True, tag="cap", default=False)
+    # query rows an item: 128 (two consumer warpgroups), or 192 at head_dim 64 (three, FA3's
+    # choice there; plan() takes it only where pinned until an A/B decides)
+    query_tile: int = choice(128, 192, tag="m{}", default=128, name_default=False)
     sinks: bool = choice(False, True, tag="sinks", default=False)
 
     def check(self) -> None:
@@ -138,8 +141,8 @@ SM90_MASKS = ("none", "causal")
 @dataclass(frozen=True)
 class PrefillSm90Spec(Spec):
     """Batch prefill on Hopper (csrc/hopper/prefill_sm90.cuh, docs/hopper.md): wgmma from shared
-    memory, TMA loads of q and ragged K/V, a producer warpgroup and two ping-ponging consumer
-    warpgroups, a persistent grid over plan()'s list of (query tile, head) items, heaviest
+    memory, TMA loads of q and K/V, a producer warpgroup and two ping-ponging consumer
+    warpgroups (three for 192-row query tiles), a persistent grid over plan()'s list of (query tile, head) items, heaviest
     first. sm_90a only (ARCHS): its wgmma and setmaxnreg exist on no other arch.
 
     Compiled in: the dtype (q, K/V and the output share it), head_dim (qk = vo), the mask,
@@ -159,14 +162,20 @@ class PrefillSm90Spec(Spec):
     kv_source: str = choice("ragged", "paged", default="ragged", name_default=False)
     kv_layout: str = choice(*KV_LAYOUTS, default="NHD", name_default=False)
     # keys a K/V tile (flashinfer_jit/prefill/sm90.py key_tile: 176 at head_dim 128 without a
-    # causal mask, 64 at head_dim 256, else 128); 176 at head_dim 128 only (S takes 88
-    # registers a thread), and head_dim 256 takes 64 or 80 only (shared memory and O's
-    # registers; 80, FA3's choice there, plan() takes only where pinned until an A/B decides)
+    # causal mask, 80 at head_dim 256 (64 on pages of 32 or more), else 128); 176 at head_dim
+    # 128 only (S takes 88 registers a thread), and head_dim 256 takes 64 or 80 only (shared
+    # memory and O's registers)
     key_tile: int = choice(64, 80, 128, 176, tag="n{}", default=128, name_default=False)
     # logits soft-capped, cap * tanh(logit / cap) (the cap itself is a launch argument)
     soft_cap: bool = choice(False, True, tag="cap", default=False)
+    # query rows an item: 128 (two consumer warpgroups), or 192 at head_dim 64 (three, FA3's
+    # choice there; plan() takes it only where pinned until an A/B decides)
+    query_tile: int = choice(128, 192, tag="m{}", default=128, name_default=False)
 
     def check(self) -> None:
+        if self.query_tile == 192 and (self.head_dim != 64 or self.key_tile != 128):
+            raise ValueError(f"PrefillSm90Spec: query_tile=192 is for head_dim 64 on 128-key tiles, got "
+                             f"head_dim={self.head_dim}, key_tile={self.key_tile}")
         if self.key_tile == 176 and self.head_dim != 128:
             raise ValueError(f"PrefillSm90Spec: key_tile=176 is for head_dim 128, got head_dim={self.head_dim}")
         if (self.head_dim == 256) != (self.key_tile in (64, 80)):

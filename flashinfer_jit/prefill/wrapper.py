@@ -489,6 +489,7 @@ class _PrefillWrapper:
     _ragged = False
     _force_tile_rows = None  # benchmarks and tests pin the query tile (64 or 128 rows) here
     _force_key_tile = None  # ... and the Hopper kernel's key tile (sm90.key_tile's choices) here
+    _force_query_tile = None  # ... and its query tile (192: head_dim 64, three consumer warpgroups; an A/B's pin)
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
@@ -612,10 +613,11 @@ class _PrefillWrapper:
                                  "of paged_kv_indices")
         keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
         window = config.window_left
-        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window)
+        rows = self._force_query_tile or sm90.TILE_ROWS
+        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window, rows)
         if keys_a_tile == 176 and not graph and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
             keys_a_tile = 128
-            tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window)
+            tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window, rows)
         if backend == "auto" and not sm90.auto_takes(config, np.diff(qo), tiles[:, 6]):
             return None
         if graph:
@@ -628,7 +630,8 @@ class _PrefillWrapper:
             ids = self._graph_ids.fill_indices(ids, "paged_kv_indices")
         else:
             ids = ids.to(self._device, non_blocking=non_blocking)
-        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout, v_ids)
+        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout, v_ids,
+                               rows)
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
