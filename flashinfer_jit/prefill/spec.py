@@ -55,9 +55,6 @@ class PrefillSpec(Spec):
     mask: str = choice(*MASKS, default="none", name_default=False)
     pos_encoding: str = choice(*POS_ENCODINGS, default="none", name_default=False)
     soft_cap: bool = choice(False, True, tag="cap", default=False)
-    # query rows an item: 128 (two consumer warpgroups), or 192 at head_dim 64 (three, FA3's
-    # choice there; plan() takes it only where pinned until an A/B decides)
-    query_tile: int = choice(128, 192, tag="m{}", default=128, name_default=False)
     sinks: bool = choice(False, True, tag="sinks", default=False)
 
     def check(self) -> None:
