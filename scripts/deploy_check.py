@@ -373,8 +373,8 @@ def exercise_prefill(spec, matrix=()) -> None:
 
 def exercise_prefill_sm90(spec, matrix=()) -> None:
     """The Hopper prefill kernel (backend="fa3", ragged K/V or the paged cache on the CSR table):
-    the spec's dtype, head_dim, mask, K/V source and layout, soft cap, and key tile (pinned, so that the 128-key tile's module of a head_dim 128 unmasked spec
-    is the one loaded). Its code runs on sm_90 only: on another GPU the module is loaded from
+    the spec's dtype, head_dim, mask (a custom one of random bits), K/V source and layout, soft
+    cap, key tile and query tile (pinned, so that the spec's module is the one loaded). Its code runs on sm_90 only: on another GPU the module is loaded from
     the cache (its presence is what an image for several archs must show) and not run."""
     if DEVICE == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         jit.get_module(spec)
@@ -384,12 +384,16 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
     causal = spec.mask == "causal"
     cap = dict(logits_soft_cap=30.0) if spec.soft_cap else {}
     lens = [n for _, n in shapes]
+    if spec.mask == "custom":  # random bits, each request's qo_len x kv_len one after another
+        bits = torch.rand(sum(m * n for m, n in shapes), generator=torch.Generator().manual_seed(5)) < 0.7
+        cap["custom_mask"] = bits.to(DEVICE)
     qo_indptr, kv_indptr = offsets(m for m, _ in shapes), offsets(lens)
     q = randn((int(qo_indptr[-1]), hq, d), dt)
     if spec.kv_source == "ragged":
         k, v = randn((int(kv_indptr[-1]), KV_HEADS, d), dt), randn((int(kv_indptr[-1]), KV_HEADS, dv), dt)
         wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(workspace(DEVICE), "NHD", backend="fa3")
         wrapper._force_key_tile = spec.key_tile
+        wrapper._force_query_tile = spec.query_tile if spec.query_tile != 128 else None
         wrapper.plan(qo_indptr, kv_indptr, hq, KV_HEADS, d, head_dim_vo=dv, causal=causal, q_data_type=dt, **cap)
         kv_args, ref_kv = (k, v), dict(kv_indptr=kv_indptr)
     else:  # the CSR page table, pages of PAGE tokens
@@ -397,6 +401,7 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
         k, v = paged_cache(dt, spec.kv_layout, num_pages, d), paged_cache(dt, spec.kv_layout, num_pages, dv)
         wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout, backend="fa3")
         wrapper._force_key_tile = spec.key_tile
+        wrapper._force_query_tile = spec.query_tile if spec.query_tile != 128 else None
         wrapper.plan(qo_indptr, **plan_table_args(table, "paged_kv_"), num_qo_heads=hq, num_kv_heads=KV_HEADS,
                      head_dim_qk=d, head_dim_vo=dv, page_size=PAGE, causal=causal, q_data_type=dt, **cap)
         kv_args, ref_kv = ((k, v),), dict(page_table=table, kv_layout=spec.kv_layout)

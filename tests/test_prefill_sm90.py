@@ -604,8 +604,9 @@ def _auto_lacking_params():
 @pytest.mark.parametrize("extra, paged", _auto_lacking_params())
 def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspace):
     """backend="auto" on sm_90 with long prompts that alone pick fa3 (checked first), plus a
-    feature the Hopper path lacks (or the paged wrapper): planned_backend "fa2", no error. Plans
-    only (no module is built)."""
+    feature the Hopper path lacks or has not been measured with (a custom mask, a soft cap, a
+    window; or the paged wrapper): planned_backend "fa2", no error. Plans only (no module is
+    built)."""
     shapes = AUTO_BATCHES["long_prompts"][0]
     qo, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
     base = dict(num_qo_heads=LLAMA[0], num_kv_heads=LLAMA[1], head_dim_qk=128, causal=True,
@@ -911,8 +912,6 @@ def _cpu_masks() -> dict:
 
 # (plan() arguments beyond CPU_HEADS, the error's match): what the Hopper path lacks
 FA3_LACKS = [
-    pytest.param(_cpu_masks()["bool"], r"(?i)custom", id="custom_mask"),
-    pytest.param(_cpu_masks()["packed"], r"(?i)custom", id="packed_custom_mask"),
     pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA"), r"pos_encoding", id="rope"),
     pytest.param(dict(pos_encoding_mode="ALIBI"), r"pos_encoding", id="alibi"),
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8_kv"),
@@ -951,6 +950,7 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
 
 
 @pytest.mark.parametrize("options, match", [
+    pytest.param(dict(_cpu_masks()["bool"], use_cuda_graph=True), r"(?i)custom.*use_cuda_graph", id="mask_graph"),
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8"),
     pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
     pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
@@ -973,6 +973,8 @@ def test_fa3_paged_plan_on_the_cpu_names_sm90(page_size):
 
 @pytest.mark.parametrize("config", [
     pytest.param(dict(), id="bf16-hd128-none"),
+    pytest.param(_cpu_masks()["bool"], id="custom_mask"),
+    pytest.param(_cpu_masks()["packed"], id="packed_custom_mask"),
     pytest.param(dict(causal=True, q_data_type=torch.float16, head_dim_qk=64), id="f16-hd64-causal"),
     pytest.param(dict(causal=True, num_qo_heads=24, num_kv_heads=4, sm_scale=0.07, o_data_type=torch.bfloat16,
                       kv_data_type=torch.bfloat16), id="gqa6-sm_scale-explicit-dtypes"),
@@ -988,12 +990,14 @@ def test_fa3_plan_on_the_cpu_names_sm90(config):
 
 def test_fa3_single_prefill_on_the_cpu():
     """single_prefill_with_kv_cache(backend="fa3") with CPU tensors: a ValueError naming the
-    feature it lacks (a custom mask) first, else one naming sm_90 (inferred from the
-    wrappers' rule: the single function has no workspace; its tensors' device is the check)."""
+    feature it lacks (RoPE) first, else one naming sm_90 (inferred from the wrappers' rule:
+    the single function has no workspace; its tensors' device is the check)."""
     q = torch.randn(50, 8, 128, dtype=torch.bfloat16)
     k = torch.randn(80, 2, 128, dtype=torch.bfloat16)
     v = torch.randn(80, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"(?i)custom"):
+    with pytest.raises(ValueError, match=r"pos_encoding"):
+        fij.single_prefill_with_kv_cache(q, k, v, pos_encoding_mode="ROPE_LLAMA", backend="fa3")
+    with pytest.raises(ValueError, match=r"sm_90"):  # a custom mask is taken
         fij.single_prefill_with_kv_cache(q, k, v, custom_mask=torch.ones(50, 80, dtype=torch.bool), backend="fa3")
     with pytest.raises(ValueError, match=r"sm_90"):  # a soft cap and a window are taken
         fij.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=30.0, window_left=20, backend="fa3")
@@ -1125,6 +1129,78 @@ def test_fa3_head_dim_64_on_192_row_tiles(causal, source, dtype, hopper_workspac
     check_agree(*results[192], *results[128], shapes, tol * AGREE_FACTOR, "192 rows", "128 rows")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("source, form, dtype, head_dim", [("ragged", "bool", BF16, 128), ("ragged", "packed", F16, 64),
+                                                           ("paged", "packed", BF16, 128), ("paged", "bool", BF16, 256)])
+def test_fa3_custom_mask(source, form, dtype, head_dim, hopper_workspace):
+    """A custom mask on the Hopper path (each tile's bits read as 32-bit words from a padded
+    copy, funnel-shifted to the thread's keys): random bits with a row that sees no key, a row
+    that sees every key, requests of odd lengths (bit offsets off word boundaries), one
+    without queries and one without keys; bool and packed forms, ragged and paged, against
+    the float64 reference and the mma.sync kernel."""
+    gen = torch.Generator(device=DEV).manual_seed(77 + head_dim)
+    rnd = random.Random(77)
+    shapes = [(130, 301), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000), (200, 77)]
+    heads = (8, 2)
+    torch_dtype = dtype_of(dtype)
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, heads[1], (head_dim, head_dim), torch_dtype, gen)
+    q = make_q(sum(qo_lens), heads[0], head_dim, torch_dtype, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    masks = []
+    for m, n in shapes:
+        bits = torch.rand(m, n, generator=torch.Generator().manual_seed(m * 1000 + n)) < 0.6
+        if m > 3 and n > 0:
+            bits[1] = False  # a row with no key: zeros and an LSE of -inf
+            bits[2] = True
+        masks.append(bits.reshape(-1))
+    flat = torch.cat(masks)
+    if form == "bool":
+        mask_kwargs = dict(custom_mask=flat.to(DEV))
+    else:
+        packed, byte_indptr = segment_packbits_ref(flat, indptr_of([m * n for m, n in shapes], "cpu"), "little")
+        mask_kwargs = dict(packed_custom_mask=packed.to(DEV), mask_indptr=byte_indptr)
+    if source == "ragged":
+        kv, page_size = ragged_kv(k_rows, v_rows, kv_lens), None
+    else:
+        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
+    results = {}
+    for backend in ("fa3", "fa2"):
+        wrapper = ragged_wrapper(hopper_workspace, backend=backend) if source == "ragged" else \
+            paged_wrapper(hopper_workspace, "NHD", backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *heads, (head_dim, head_dim), page_size, q_data_type=torch_dtype,
+                **mask_kwargs)
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch_dtype)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, custom_mask=flat.to(DEV))
+    tol = tolerance(dtype)
+    check_prefill(*results["fa3"], ref_out, ref_lse, shapes, tol)
+    check_agree(*results["fa3"], *results["fa2"], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
+    auto = ragged_wrapper(hopper_workspace) if source == "ragged" else paged_wrapper(hopper_workspace, "NHD")
+    plan_kv(auto, qo_indptr, kv, *heads, (head_dim, head_dim), page_size, q_data_type=torch_dtype, **mask_kwargs)
+    assert auto.planned_backend == "fa2"  # (auto waits for a measurement)
+
+
+def test_mask_bases_of_the_tiles():
+    """sm90.mask_bases: a tile's first bit is its request's byte offset x 8 + the tile's first
+    row's position in the request x kv_len; mask_buffer pads to 16-byte multiples, 64 bytes
+    or more past the bits, and keeps them."""
+    import numpy as np
+    from flashinfer_jit.prefill import sm90
+    qo = np.array([0, 300, 300, 310], dtype=np.int32)
+    kv = np.array([0, 700, 709, 1109], dtype=np.int32)
+    kv_lens = np.diff(kv).astype(np.int64)
+    starts = np.array([0, 26250, 26250, 26750], dtype=np.int64)  # ceil(300 x 700 / 8), then 0, then 10 x 400 / 8
+    tiles, _ = sm90.plan_tiles(qo, kv, False, 128)
+    bases = sm90.mask_bases(tiles, qo, kv_lens, starts)
+    want = {0: 0, 128: 128 * 700, 256: 256 * 700, 300: 26250 * 8}
+    assert {int(t[0]): int(b) for t, b in zip(tiles, bases)} == want
+    packed = torch.arange(37, dtype=torch.uint8)
+    buf = sm90.mask_buffer(packed, torch.device("cpu"))
+    assert buf.numel() % 16 == 0 and buf.numel() >= 37 + 64 and torch.equal(buf[:37], packed)
+    assert int(buf[37:].sum()) == 0
+
+
 def test_plan_tiles_of_192_rows():
     """plan_tiles with 192-row query tiles: a request's tiles start every 192 rows, the last
     holds the rest, and a causal tile's keys end at its last row's diagonal."""
@@ -1250,9 +1326,9 @@ def test_auto_rule_by_head_dim():
     from flashinfer_jit.prefill import sm90
     long_q = np.array([512, 512])
     for head_dim, below, at in ((128, 191, 192), (64, 511, 512), (256, 2047, 2048)):
-        c = types.SimpleNamespace(head_dim_qk=head_dim, soft_cap=0.0, window_left=-1)
+        c = types.SimpleNamespace(head_dim_qk=head_dim, soft_cap=0.0, window_left=-1, mask="causal")
         assert sm90.auto_takes(c, long_q, np.array([at, at]))
-        for unmeasured in (dict(soft_cap=30.0), dict(window_left=256)):  # taken by fa3, not yet by auto
+        for unmeasured in (dict(soft_cap=30.0), dict(window_left=256), dict(mask="custom")):  # taken by fa3, not by auto
             assert not sm90.auto_takes(types.SimpleNamespace(**dict(vars(c), **unmeasured)), long_q,
                                        np.array([at * 4, at * 4]))
         assert not sm90.auto_takes(c, long_q, np.array([below, below]))

@@ -60,6 +60,10 @@ struct PrefillSm90Params {
   int32_t window_left = -1;  // a sliding window: row at position pos sees keys >= pos - window_left
   const float* sinks = nullptr;  // [num_qo_heads] logits (natural units) in each row's denominator; null: none
   float v_scale = 1.f;
+  // a custom mask: the packed bits (little-endian; row i of a request sees key j where bit
+  // base + i * kv_len + j is set, base the item's tile's entry of the work list's int64
+  // array after the tiles), as 32-bit words of a buffer padded past the last bit read
+  const uint32_t* mask = nullptr;
 };
 
 namespace sm90_prefill {
@@ -103,8 +107,9 @@ constexpr int sm90_head_dim_vo() {
 // kM: query rows an item, 64 a consumer warpgroup: 128 (two consumers), or 192 (three, FA3's
 // choice at head_dim 64, where one warpgroup's softmax takes about as long as the other's
 // GEMMs and a third keeps the tensor cores fed).
-template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128>
+template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128, bool kCustom = false>
 struct Sm90Kernel {
+  static_assert(!(kCausal && kCustom), "a custom mask replaces the causal one");
   static_assert(kM == 128 || (kM == 192 && kD == 64), "192-row query tiles are for head_dim 64");
   static constexpr int kBlockM = kM;
   static constexpr int kConsumers = kM / 64;            // consumer warpgroups
@@ -113,6 +118,8 @@ struct Sm90Kernel {
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr int kBlockN = kN;
   static constexpr int kChains = kConsumers == 2 ? 4 : 2;  // softmax: partial row-max chains a row
+  static constexpr int kMaskChunks = (kN + 31) / 32;  // a custom mask: 32-bit chunks of a row's key tile
+  using MaskBits = uint32_t[2][kMaskChunks];
   static constexpr int kDvo = sm90_head_dim_vo<kD>();
   static constexpr int kQBytes = kBlockM * kD * 2;        // the Q tile
   static constexpr int kKTileBytes = kBlockN * kD * 2;    // one K tile
@@ -186,8 +193,33 @@ struct Sm90Kernel {
   // The online softmax of key tile n (base 2): masks S (keys past kv_len; causal: key >
   // diag + row), moves the rows' max m (of the unscaled logits), rescales l, and leaves
   // P = 2^(S scale - m scale) in S's registers; corr: the factor O's rows take.
+  // A custom mask's bits for this thread's two rows over key tile n: chunk c bit x is key
+  // n * kBlockN + 32 c + x. Loaded before the tile's S is waited for (their latency under
+  // the Q K^T). Rows past the tile's `rows` (not stored) read the last row's bits, so
+  // every word read lies in the mask's buffer (plan() pads it past the last tile's keys).
+  static FIJ_SM90 void load_mask(MaskBits& bits, const uint32_t* mask, int64_t base, int n, const Rows& r, int rows) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = min(r.r0 + 8 * i, rows - 1);
+      const int64_t o = base + int64_t(row) * r.kv_len + int64_t(n) * kBlockN;
+      const uint32_t* w = mask + (o >> 5);
+      const int sh = static_cast<int>(o & 31);
+      uint32_t words[kMaskChunks + 1];
+#pragma unroll
+      for (int c = 0; c <= kMaskChunks; ++c) words[c] = __ldg(w + c);
+#pragma unroll
+      for (int c = 0; c < kMaskChunks; ++c) bits[i][c] = __funnelshift_r(words[c], words[c + 1], sh);
+    }
+  }
+
   static FIJ_SM90 void softmax(float (&s)[kS], int n, const Rows& r, float (&m)[2], float (&l)[2],
                                float (&corr)[2]) {
+    MaskBits none;
+    softmax(s, n, r, m, l, corr, none);
+  }
+  // bits: load_mask's (a custom mask only)
+  static FIJ_SM90 void softmax(float (&s)[kS], int n, const Rows& r, float (&m)[2], float (&l)[2],
+                               float (&corr)[2], const MaskBits& bits) {
     if constexpr (kSoftCap) {  // capped logits, in log2 units (m, P and the LSE follow in them)
 #pragma unroll
       for (int i = 0; i < kS; ++i) s[i] = r.cap_log2 * tanhf(s[i] * r.cap_in);
@@ -195,14 +227,17 @@ struct Sm90Kernel {
     const int key0 = n * kBlockN;
     // a sliding window cuts keys below pos - window_left: up to the warpgroup's last row's
     const bool windowed = r.window >= 0 && key0 < r.diag + r.first + 63 - r.window;
-    const bool edge = key0 + kBlockN > r.kv_len || (kCausal && key0 + kBlockN - 1 > r.diag + r.first) || windowed;
+    const bool edge =
+        kCustom || key0 + kBlockN > r.kv_len || (kCausal && key0 + kBlockN - 1 > r.diag + r.first) || windowed;
     if (edge) {
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = key0 + 8 * j + r.cq + (e & 1), row = r.r0 + 8 * (e >> 1);
-          if (key >= r.kv_len || (kCausal && key > r.diag + row) || (r.window >= 0 && key < r.diag + row - r.window))
+          const int x = 8 * j + r.cq + (e & 1), key = key0 + x, row = r.r0 + 8 * (e >> 1);
+          const bool hidden = kCustom && ((bits[e >> 1][x >> 5] >> (x & 31)) & 1u) == 0u;
+          if (key >= r.kv_len || (kCausal && key > r.diag + row) || (r.window >= 0 && key < r.diag + row - r.window) ||
+              hidden)
             s[4 * j + e] = -INFINITY;
         }
     }
@@ -417,11 +452,11 @@ FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
 
 }  // namespace sm90_prefill
 
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128, bool kCustom = false>
 __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
     prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   using namespace sm90_prefill;
-  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM>;
+  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom>;
   constexpr int kC = K::kConsumers;
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -437,8 +472,13 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
   // the work list while the consumers still run item k - 1, so theirs is a shared-memory read
   __shared__ int item_slot[2];
   __shared__ Sm90Tile tile_slot[2];
+  __shared__ int64_t mask_slot[2];  // a custom mask: the item's tile's first bit
 
   const int num_items = p.work[0], active = p.work[1];
+  // a custom mask: each tile's first bit, an int64 a tile after the tiles (16-byte aligned)
+  const int64_t* mask_bases =
+      kCustom ? reinterpret_cast<const int64_t*>(p.work + kSm90WorkHeader + kSm90TileInts * (num_items / p.num_qo_heads))
+              : nullptr;
   // the warpgroup, broadcast from lane 0 so that the compiler knows it warp-uniform: the shared
   // addresses made from it (the wgmma descriptors) then live in uniform registers
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
@@ -493,6 +533,7 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
         if (lane == 0) {
           item_slot[k & 1] = idx;
           tile_slot[k & 1] = tile;
+          if constexpr (kCustom) mask_slot[k & 1] = mask_bases[idx / p.num_qo_heads];
           h::mbar_expect_tx(&q_full[qs], K::kQBytes);
           for (int a = 0; a < K::kAtoms; ++a)
             h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], 64 * a, head, tile.q_row0);
@@ -547,6 +588,8 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
     for (int i = 0; i < K::kOut; ++i) o[i] = 0.f;
     uint32_t pa[kBlockN / 16][4];
     float s[K::kS], corr[2];
+    typename K::MaskBits bits;  // a custom mask's, of the tile whose S is in flight
+    const int64_t mask_base = kCustom ? mask_slot[k & 1] : 0;
 
     const Stage first = stage_of(it);
     const int s0 = first.s;
@@ -554,10 +597,11 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
     my_turn();
     K::issue_qk(s, q_base, k0 + s0 * kKTileBytes);
     pass_turn();
+    if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0, rows, tile.rows);
     h::wgmma_wait<0>();
     h::fence_regs(s);
     if (lane == 0) h::mbar_arrive(&k_empty[s0]);
-    K::softmax(s, n0, rows, m, l, corr);  // O is 0: nothing to rescale
+    K::softmax(s, n0, rows, m, l, corr, bits);  // O is 0: nothing to rescale
     K::pack_p(s, pa);
     for (int n = 1; n < n_tiles; ++n) {
       const Stage cur = stage_of(it + n), prev = stage_of(it + n - 1);
@@ -568,10 +612,11 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
       K::issue_qk(s, q_base, k0 + st * kKTileBytes);
       K::issue_pv(o, pa, v0 + sp * kVTileBytes);
       pass_turn();
+      if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0 + n, rows, tile.rows);
       h::wgmma_wait<1>();  // S of tile n (committed first)
       h::fence_regs(s);
       if (lane == 0) h::mbar_arrive(&k_empty[st]);
-      K::softmax(s, n0 + n, rows, m, l, corr);
+      K::softmax(s, n0 + n, rows, m, l, corr, bits);
       h::wgmma_wait<0>();  // P V of tile n - 1
       h::fence_regs(o);
       h::fence_regs(pa);
@@ -630,14 +675,16 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
 }
 
 // Launches the kernel on `grid` blocks (one an SM: every block walks the list).
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap = false, int kM = 128>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap = false, int kM = 128,
+          bool kCustom = false>
 inline int launch_prefill_sm90(const PrefillSm90Params& p, int grid, cudaStream_t stream) {
-  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM>;
+  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom>;
   const int err =
-      allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM>>(K::kSmemBytes);
+      allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom>>(K::kSmemBytes);
   if (err != 0) return err;
   if (grid <= 0) return 0;
-  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM><<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
+  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom>
+      <<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

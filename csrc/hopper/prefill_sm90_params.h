@@ -14,6 +14,9 @@ namespace fij {
 //             table: its stride between the K and the V row)
 //   work[3]   unused (the tiles start 16-byte aligned)
 //   work[4 + kSm90TileInts * t + f]  field f of tile t (Sm90Tile), heaviest tile first
+//   then, with a custom mask, one int64 a tile (in the tiles' order): the packed mask's bit
+//   of the tile's first row and the request's first key (the request's mask_indptr x 8 + the
+//   row's position in the request x kv_len)
 // Item i is tile i / num_qo_heads, query head i % num_qo_heads: one round of the persistent
 // grid holds a few tiles of every head, so a KV head's keys serve its group from L2.
 constexpr int kSm90TileInts = 8, kSm90WorkHeader = 4;
@@ -55,6 +58,7 @@ struct PrefillSm90Args {
   float soft_cap_log2 = 0.f;  // the module's soft cap (a soft-capped spec only), log2 units
   const float* sinks = nullptr;  // one logit a query head (natural units) joining each row's denominator; null: none
   int32_t window_left = -1;   // plan()'s sliding window (-1: none)
+  const void* mask = nullptr;  // a custom mask: plan()'s packed bits, 4-byte aligned and padded (sm90.py)
   int32_t grid = 0;
 };
 

@@ -75,7 +75,9 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
         pairs = ", ".join(f"({qk}, {vo})" for qk, vo in SM90_HEAD_DIM_VO.items())
         return f"head_dim_qk={c.head_dim_qk}, head_dim_vo={c.head_dim_vo} (the Hopper path takes {pairs})"
     if c.mask not in SM90_MASKS:
-        return f"a {c.mask} mask (custom_mask / packed_custom_mask)"
+        return f"a {c.mask} mask"
+    if c.mask == "custom" and graph:  # (plan() copies the bits into a buffer of each batch's size)
+        return "custom_mask / packed_custom_mask with use_cuda_graph=True"
     if c.pos_encoding != "none":
         return f"pos_encoding_mode={c.pos_encoding.upper()!r}"
     if c.kv_dtype != c.q_dtype:
@@ -115,8 +117,9 @@ def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
     """Whether backend 'auto' takes the Hopper path for a batch it can run: requests of
     AUTO_MIN_MEAN_QO_LEN or more query tokens on average, query tiles that visit
     AUTO_MIN_KEYS or more keys on average (keys: plan_tiles' column 6), and none of the
-    features it takes but has not been measured with (a soft cap, a sliding window)."""
-    if c.soft_cap or c.window_left >= 0:
+    features it takes but has not been measured with (a soft cap, a sliding window, a custom
+    mask)."""
+    if c.soft_cap or c.window_left >= 0 or c.mask == "custom":
         return False
     return qo_lens.size > 0 and float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and keys.size > 0 and \
         float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
@@ -194,12 +197,32 @@ def plan_tiles(qo_indptr: np.ndarray, kv_indptr: np.ndarray, causal: bool, keys_
     return tiles[order].astype(np.int32), int(np.count_nonzero(visited))
 
 
+def mask_bases(tiles: np.ndarray, qo_indptr: np.ndarray, kv_lens: np.ndarray, byte_starts: np.ndarray) -> np.ndarray:
+    """A custom mask's first bit of each tile (plan_tiles' order): its request's byte offset
+    (mask_indptr of the packed form) x 8 + the tile's first row's position in the request x
+    kv_len, int64 (the packed bits of row i, key j of a request at i x kv_len + j)."""
+    qo = qo_indptr.astype(np.int64)
+    q_row0 = tiles[:, 0].astype(np.int64)
+    req = np.searchsorted(qo, q_row0, side="right") - 1
+    return byte_starts.astype(np.int64)[req] * 8 + (q_row0 - qo[req]) * kv_lens.astype(np.int64)[req]
+
+
+def mask_buffer(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A custom mask's packed bits (uint8) in a buffer the kernel reads as 32-bit words: 16-byte
+    aligned, padded with 64 zero bytes past the bits (a tile's last row reads up to a key tile
+    and two words past its request's keys; csrc/hopper/prefill_sm90.cuh load_mask)."""
+    n = packed.numel()
+    buf = torch.zeros((n + 64 + 15) // 16 * 16, dtype=torch.uint8, device=device)
+    buf[:n].copy_(packed.reshape(-1))
+    return buf
+
+
 class Sm90Plan:
     """A plan on the Hopper path: the spec, the work list on the device, the grid; the
     fields run()'s shared checks read and write (config, qo_tokens, checked, fast, quick)."""
 
-    __slots__ = ("config", "spec", "op", "work", "page_ids", "counters", "grid", "qo_tokens", "checked", "fast",
-                 "quick", "traced_key")
+    __slots__ = ("config", "spec", "op", "work", "page_ids", "mask", "counters", "grid", "qo_tokens", "checked",
+                 "fast", "quick", "traced_key")
 
 
 class Sm90Planner:
@@ -215,20 +238,26 @@ class Sm90Planner:
         # (csrc/hopper/prefill_sm90.cuh); one pair a wrapper, as its plan is
         self._counters = torch.zeros(2, dtype=torch.int32, device=device)
         self._no_ids = torch.empty(0, dtype=torch.int32, device=device)  # ragged K/V's page_ids
+        self._no_mask = torch.empty(0, dtype=torch.uint8, device=device)  # no custom mask
 
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
              keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0,
-             tile_rows: int = TILE_ROWS) -> Sm90Plan:
+             tile_rows: int = TILE_ROWS, mask: tuple | None = None) -> Sm90Plan:
         """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile;
-        page_ids: the CSR page table's indices, int32 on the device (paged), else None."""
+        page_ids: the CSR page table's indices, int32 on the device (paged), else None; mask:
+        a custom mask's (packed bits on the device, padded: mask_buffer; each tile's first
+        bit: mask_bases), else None."""
         heads = c.num_qo_heads
         items = tiles.shape[0] * heads
         if items >= 2 ** 31:
             raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles x {heads} heads exceed the Hopper path's "
                              "int32 item count")
-        host = np.zeros(WORK_HEADER + tiles.size, dtype=np.int32)
+        bases = 0 if mask is None else 2 * tiles.shape[0]  # (an int64 a tile, after the tiles)
+        host = np.zeros(WORK_HEADER + tiles.size + bases, dtype=np.int32)
         host[0], host[1], host[2] = items, active_tiles * heads, v_ids
-        host[WORK_HEADER:] = tiles.reshape(-1)
+        host[WORK_HEADER: WORK_HEADER + tiles.size] = tiles.reshape(-1)
+        if mask is not None:
+            host[WORK_HEADER + tiles.size:] = mask[1].astype(np.int64).view(np.int32)
         src = torch.from_numpy(host)
         if self._graph:
             if self._buffer is None:
@@ -256,10 +285,12 @@ class Sm90Planner:
                                                       keys_a_tile, bool(c.soft_cap), tile_rows).validate()
         p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
         p.page_ids = page_ids if paged else self._no_ids
+        p.mask = mask[0] if mask is not None else self._no_mask
         p.qo_tokens = int(qo_indptr[-1])
         p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
         return p
 
 
 __all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "key_tile",
+           "mask_bases", "mask_buffer",
            "narrower_tile", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

@@ -132,7 +132,7 @@ def tile_rows_of(head_dim_qk: int) -> tuple[int, ...]:
 # mma.sync kernel (backend "fa2"; docs/hopper.md lists the cases and why)
 SM90_HEAD_DIMS = (64, 128, 192, 256)  # 192: (192, 128), V and the output at 128
 SM90_HEAD_DIM_VO = {64: 64, 128: 128, 192: 128, 256: 256}
-SM90_MASKS = ("none", "causal")
+SM90_MASKS = ("none", "causal", "custom")
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ class PrefillSm90Spec(Spec):
         # heads] or an empty tensor (not written); sinks: one float32 logit a query head, or an
         # empty tensor (none); grid: the persistent grid (one block an SM).
         return {
-            "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor page_ids, Tensor(c!) counters, "
+            "prefill_sm90": ("(Tensor q, Tensor k, Tensor v, Tensor work, Tensor page_ids, Tensor mask, Tensor(c!) counters, "
                              "Tensor(a!) out, Tensor(b!) lse, Tensor sinks, float scale_log2, float soft_cap_log2, int window_left, "
                              "float v_scale, int grid) -> ()"),
             "block_shape": "() -> int[]",

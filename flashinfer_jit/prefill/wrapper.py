@@ -547,7 +547,7 @@ class _PrefillWrapper:
         return None if plan is None else "fa3" if type(plan) is sm90.Sm90Plan else "fa2"
 
     def _plan_sm90(self, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str = "csr",
-                   page_ids=None, last_page_len=None) -> bool:
+                   page_ids=None, last_page_len=None, mask_args: tuple = (None, None, None)) -> bool:
         """plan() on the Hopper path where the backend takes it; False: the mma.sync kernel's
         plan follows. Ragged: kv_indptr the K/V rows' offsets. Paged: the CSR page table
         (table "csr": kv_indptr, page_ids, last_page_len) or block tables (table
@@ -561,7 +561,7 @@ class _PrefillWrapper:
         if self._use_cuda_graph and backend == "auto" and self._graph_backend is not None:
             backend = self._graph_backend
         plan = None if backend == "fa2" else self._sm90_plan(backend, config, qo_indptr, kv_indptr, non_blocking,
-                                                              table, page_ids, last_page_len)
+                                                              table, page_ids, last_page_len, mask_args)
         if plan is None:
             self._graph_backend = self._graph_backend or "fa2"
             return False
@@ -574,12 +574,13 @@ class _PrefillWrapper:
             plan.traced_key = traced_key(plan.spec)
         self._plan = plan
         self._traced = None
-        static_inputs(plan.work, plan.counters, plan.page_ids)
+        static_inputs(plan.work, plan.counters, plan.page_ids, plan.mask)
         return True
 
     def _sm90_plan(self, backend: str, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str,
-                   page_ids, last_page_len):
-        """_plan_sm90's plan for backend "fa3" or "auto", or None where "auto" declines."""
+                   page_ids, last_page_len, mask_args: tuple):
+        """_plan_sm90's plan for backend "fa3" or "auto", or None where "auto" declines.
+        mask_args: plan()'s (custom_mask, packed_custom_mask, mask_indptr)."""
         graph = self._use_cuda_graph
         why = sm90.refusal(config, self._ragged, self._device, table, graph)
         if why is not None:
@@ -630,8 +631,16 @@ class _PrefillWrapper:
             ids = self._graph_ids.fill_indices(ids, "paged_kv_indices")
         else:
             ids = ids.to(self._device, non_blocking=non_blocking)
+        mask = None
+        if config.mask == "custom":  # the bits in a padded buffer of words, each tile's first bit
+            qo_lens = np.diff(qo.astype(np.int64))
+            lens = np.diff(kv.astype(np.int64)) if kv_lens is None else kv_lens
+            custom_mask, packed_custom_mask, mask_indptr = mask_args
+            starts = self._mask_offsets(qo_lens, lens, custom_mask, packed_custom_mask, mask_indptr)
+            packed = self._packed_mask(config, qo_lens, lens, custom_mask, packed_custom_mask, starts)
+            mask = (sm90.mask_buffer(packed, self._device), sm90.mask_bases(tiles, qo, lens, starts))
         return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout, v_ids,
-                               rows)
+                               rows, mask)
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
@@ -1045,7 +1054,7 @@ class _PrefillWrapper:
             op = plan.op
             if op is None:
                 op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
-        op(q, k, v, plan.work, plan.page_ids, plan.counters, out, lse if lse is not None else empty_f32(q.device),
+        op(q, k, v, plan.work, plan.page_ids, plan.mask, plan.counters, out, lse if lse is not None else empty_f32(q.device),
            sinks if sinks is not None else empty_f32(q.device), logit_scale, c.cap_log2, c.window_left, vs, plan.grid)
         return (out, lse) if return_lse else out
 
@@ -1340,10 +1349,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             expect_one_page_table("paged_kv_indptr/paged_kv_indices/paged_kv_last_page_len",
                                   paged_kv_indptr is not None or paged_kv_last_page_len is not None)
             layout, block_tables = parse_block_tables(block_tables, seq_lens)
-            if self._plan_sm90(config, qo_indptr, seq_lens, non_blocking, layout, block_tables):
+            if self._plan_sm90(config, qo_indptr, seq_lens, non_blocking, layout, block_tables,
+                               mask_args=(custom_mask, packed_custom_mask, mask_indptr)):
                 return
         elif self._plan_sm90(config, qo_indptr, paged_kv_indptr, non_blocking, "csr", paged_kv_indices,
-                             paged_kv_last_page_len):
+                             paged_kv_last_page_len, (custom_mask, packed_custom_mask, mask_indptr)):
             return
         if block_tables is not None:
             if self._use_cuda_graph:
@@ -1444,7 +1454,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                 logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
                 fixed_split_size, disable_split_kv)
         config = self._config(args)
-        if self._plan_sm90(config, qo_indptr, kv_indptr, non_blocking):
+        if self._plan_sm90(config, qo_indptr, kv_indptr, non_blocking,
+                           mask_args=(custom_mask, packed_custom_mask, mask_indptr)):
             return
         self._plan_common(config, qo_indptr, _RAGGED, kv_indptr, None, "csr", None, 0, custom_mask,
                           packed_custom_mask, mask_indptr, non_blocking)
