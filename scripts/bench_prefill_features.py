@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Batch prefill with each option the Hopper path takes or lacks: what `backend="auto"`'s
+rules for them rest on (docs/hopper.md, "Using it").
+
+For each option and batch (bf16, 32 query / 8 KV heads, head_dim 128 unless the option is a
+head_dim), in one process, providers interleaved in every round, L2 flushed before each run,
+CUDA events, the median of --reps runs:
+  fa2        the mma.sync kernel with the option (backend="fa2");
+  fa3        the Hopper kernel with it (backend="fa3"), or the ValueError's reason where it
+             does not take it;
+  fa3_plain  the Hopper kernel on the same batch without the option: the option's cost on the
+             Hopper path, or the best it could do where it lacks the option;
+  prepass    where a separate launch stands in for the option before the Hopper kernel:
+             RoPE (q and k rotated by flashinfer_jit.apply_rope, ragged), an fp8 cache (the
+             pages dequantized to bf16 first, paged). Timed with the pre-pass included.
+Options: none, logits_soft_cap, window_left, a custom mask (the causal pattern as bits, so
+fa3_plain is the causal kernel), run(sinks=), RoPE (ROPE_LLAMA), ALiBi, an fp8 e4m3 cache
+(paged, pages of 16), head_dim (192, 128). Batches: causal 4 x 4k and 16 x 1k (ragged; the
+fp8 rows paged). Outputs of fa3 and the pre-pass are checked against fa2's.
+
+  python3 scripts/bench_prefill_features.py [--only 'rope;fp8'] [--reps N] [--out FILE] [--list]
+JSON: meta, rows (option, batch, form, flops, impls {name: median_us, tflops, or skipped}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
+
+HQ, HK = 32, 8
+BATCHES = {"causal 4x4k": (4, 4096), "causal 16x1k": (16, 1024)}
+OPTIONS = ("none", "soft_cap", "window", "custom_mask", "sinks", "rope", "alibi", "fp8_kv", "hd192x128")
+PAGE = 16
+
+
+def rows(only: list[str] | None) -> list[tuple[str, str]]:
+    out = [(o, b) for o in OPTIONS for b in BATCHES]
+    return [r for r in out if not only or any(s in f"{r[0]} {r[1]}" for s in only)]
+
+
+def causal_flops(batch: int, seq: int, dqk: int, dvo: int, window: int = -1) -> float:
+    """Q K^T and P V of the keys each causal row sees (within the window, if any)."""
+    pairs = sum(min(i + 1, window + 1) if window >= 0 else i + 1 for i in range(seq)) * batch
+    return 2.0 * pairs * HQ * (dqk + dvo)
+
+
+def measure(option: str, batch_label: str, reps: int, ws, flush) -> dict:
+    import torch
+
+    import flashinfer_jit as fij
+
+    batch, seq = BATCHES[batch_label]
+    dqk, dvo = (192, 128) if option == "hd192x128" else (128, 128)
+    dev, bf16 = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(11)
+    n = batch * seq
+    qo = torch.arange(batch + 1, dtype=torch.int32) * seq
+    q = torch.randn(n, HQ, dqk, dtype=bf16, device=dev, generator=g)
+    k = torch.randn(n, HK, dqk, dtype=bf16, device=dev, generator=g)
+    v = torch.randn(n, HK, dvo, dtype=bf16, device=dev, generator=g)
+    window = 1024 if option == "window" else -1
+    res = {"option": option, "batch": batch_label, "form": "paged" if option == "fp8_kv" else "ragged",
+           "flops": causal_flops(batch, seq, dqk, dvo, window), "impls": {}}
+    plan_kw = dict(causal=True, q_data_type=bf16)
+    run_kw = {}
+    if option == "soft_cap":
+        plan_kw["logits_soft_cap"] = 30.0
+    elif option == "window":
+        plan_kw["window_left"] = window
+    elif option == "custom_mask":
+        tri = torch.ones(seq, seq, dtype=torch.bool, device=dev).tril()
+        plan_kw = dict(custom_mask=tri.reshape(-1).repeat(batch), q_data_type=bf16)
+    elif option == "sinks":
+        run_kw["sinks"] = torch.randn(HQ, dtype=torch.float32, device=dev, generator=g)
+    elif option == "rope":
+        plan_kw["pos_encoding_mode"] = "ROPE_LLAMA"
+    elif option == "alibi":
+        plan_kw["pos_encoding_mode"] = "ALIBI"
+
+    calls, outs = {}, {}
+    if option == "fp8_kv":
+        pages = n // PAGE
+        ids = torch.randperm(pages, device=dev, generator=g).int()
+        k8 = (k.view(pages, PAGE, HK, dqk) * 0.5).to(torch.float8_e4m3fn)
+        v8 = (v.view(pages, PAGE, HK, dvo) * 0.5).to(torch.float8_e4m3fn)
+        kv_ip = torch.arange(batch + 1, dtype=torch.int32) * (seq // PAGE)
+        last = torch.full((batch,), PAGE, dtype=torch.int32)
+        cache_bf = (k8.to(bf16), v8.to(bf16))
+
+        def paged(backend, kv_dtype):
+            w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(qo, kv_ip, ids, last, HQ, HK, dqk, PAGE, causal=True, q_data_type=bf16, kv_data_type=kv_dtype)
+            return w
+        for name, backend, dtype_kv, cache in (("fa2", "fa2", torch.float8_e4m3fn, (k8, v8)),
+                                                ("fa3", "fa3", torch.float8_e4m3fn, (k8, v8)),
+                                                ("fa3_plain", "fa3", bf16, cache_bf)):
+            try:
+                w = paged(backend, dtype_kv)
+                calls[name] = (lambda w=w, cache=cache: w.run(q, cache))
+            except ValueError as exc:
+                res["impls"][name] = {"skipped": str(exc)[:300]}
+        w_pre = paged("fa3", bf16)
+        calls["prepass"] = lambda: w_pre.run(q, (k8.to(bf16), v8.to(bf16)))
+    else:
+        def ragged(backend, **kw):
+            w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(qo, qo, HQ, HK, dqk, head_dim_vo=dvo, **kw)
+            return w
+        plain_kw = dict(causal=True, q_data_type=bf16)
+        for name, backend, kw, rk in (("fa2", "fa2", plan_kw, run_kw), ("fa3", "fa3", plan_kw, run_kw),
+                                      ("fa3_plain", "fa3", plain_kw, {})):
+            try:
+                w = ragged(backend, **kw)
+                calls[name] = (lambda w=w, rk=rk: w.run(q, k, v, **rk))
+            except ValueError as exc:
+                res["impls"][name] = {"skipped": str(exc)[:300]}
+        if option == "rope":
+            w_pre = ragged("fa3", **plain_kw)
+            offsets = torch.zeros(batch, dtype=torch.int32, device=dev)
+            qo_dev = qo.to(dev)
+
+            def prepass():
+                qr, kr = fij.apply_rope(q, k, qo_dev, offsets)
+                return w_pre.run(qr, kr, v)
+            calls["prepass"] = prepass
+    for fn in calls.values():  # warm-up (builds, first launches)
+        fn()
+    torch.cuda.synchronize()
+    for name, fn in calls.items():
+        outs[name] = fn().float()
+    if "fa2" in outs:
+        for name, out in outs.items():
+            if name not in ("fa2", "fa3_plain"):
+                res["impls"].setdefault(name, {})["max_abs_diff_vs_fa2"] = float((out - outs["fa2"]).abs().max())
+    times = {name: [] for name in calls}
+    warm_until = time.perf_counter() + bc.warmup_ms() / 1e3  # (bench_common's warm-up, all providers)
+    while time.perf_counter() < warm_until:
+        for fn in calls.values():
+            fn()
+        torch.cuda.synchronize()
+    for _ in range(reps):
+        for name, fn in calls.items():
+            flush.zero_()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            times[name].append(e0.elapsed_time(e1) * 1e3)
+    for name, ts in times.items():
+        s = bc.summarize(ts)
+        res["impls"].setdefault(name, {}).update(median_us=s["median_us"], p10_us=s["p10_us"], p90_us=s["p90_us"],
+                                                 tflops=res["flops"] / s["median_us"] / 1e6)
+    return res
+
+
+def report(res: dict) -> str:
+    names = ("fa2", "fa3", "fa3_plain", "prepass")
+    out = []
+    for r in res["rows"]:
+        im = r["impls"]
+        us = {n: im.get(n, {}).get("median_us") for n in names}
+        speed = us["fa2"] / us["fa3"] if us["fa2"] and us["fa3"] else None
+        out.append([r["option"], r["batch"], r["form"], *[us[n] for n in names], speed,
+                    *[im.get(n, {}).get("tflops") for n in ("fa2", "fa3")]])
+    return bc.table(out, ["option", "batch", "form", "fa2 us", "fa3 us", "fa3 plain us", "prepass us", "fa2/fa3",
+                          "fa2 TF/s", "fa3 TF/s"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=None, help="';'-separated substrings of 'option batch' (e.g. 'rope;fp8')")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--list", action="store_true", help="print the rows, then exit (no GPU needed)")
+    args = ap.parse_args()
+    only = [s for s in args.only.split(";") if s] if args.only else None
+    todo = rows(only)
+    if args.list:
+        for option, batch in todo:
+            print(f"{option:12s} {batch}")
+        return 0
+    if bc.no_gpu("bench_prefill_features"):
+        return 2
+    import torch
+
+    started = time.perf_counter()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(max(256 << 20, 4 * bc.l2_bytes()), dtype=torch.uint8, device="cuda")
+    res = {"benchmark": "bench_prefill_features", "meta": bc.run_metadata(), "rows": [], "errors": []}
+    for option, batch in todo:
+        try:
+            res["rows"].append(measure(option, batch, args.reps, ws, flush))
+            bc.log(f"{option} {batch}: {res['rows'][-1]['impls']}")
+        except Exception as exc:  # noqa: BLE001  (one row's failure is recorded, the rest run)
+            res["errors"].append({"row": f"{option} {batch}", "error": f"{type(exc).__name__}: {exc}"[:500]})
+            bc.log(f"{option} {batch}: {type(exc).__name__}: {exc}")
+    return bc.finish(args.out or bc.default_out("bench_prefill_features.json"), res, report, started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
