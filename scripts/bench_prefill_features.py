@@ -36,6 +36,7 @@ HQ, HK = 32, 8
 BATCHES = {"causal 4x4k": (4, 4096), "causal 16x1k": (16, 1024)}
 OPTIONS = ("none", "soft_cap", "window", "custom_mask", "sinks", "rope", "alibi", "fp8_kv", "hd192x128")
 PAGE = 16
+DEV = "cuda"  # (tests plan on the CPU)
 
 
 def rows(only: list[str] | None) -> list[tuple[str, str]]:
@@ -49,6 +50,78 @@ def causal_flops(batch: int, seq: int, dqk: int, dvo: int, window: int = -1) -> 
     return 2.0 * pairs * HQ * (dqk + dvo)
 
 
+def make_plans(option: str, batch_label: str, ws) -> tuple[dict, dict, dict]:
+    """The row's planned wrappers {provider: wrapper} (fa2, fa3, fa3_plain, and prepass's),
+    the providers skipped {provider: reason}, and run()'s keyword arguments {provider: ...}."""
+    import torch
+
+    import flashinfer_jit as fij
+
+    batch, seq = BATCHES[batch_label]
+    dqk, dvo = (192, 128) if option == "hd192x128" else (128, 128)
+    dev, bf16 = DEV, torch.bfloat16
+    qo = torch.arange(batch + 1, dtype=torch.int32) * seq
+    plan_kw = dict(causal=True, q_data_type=bf16)
+    plain_kw = dict(causal=True, q_data_type=bf16)
+    sinks = {}
+    if option == "soft_cap":
+        plan_kw["logits_soft_cap"] = 30.0
+    elif option == "window":
+        plan_kw["window_left"] = 1024
+    elif option == "custom_mask":  # the causal pattern, so that fa3_plain (causal) does the same work
+        tri = torch.ones(seq, seq, dtype=torch.bool, device=dev).tril()
+        plan_kw = dict(custom_mask=tri.reshape(-1).repeat(batch), q_data_type=bf16)
+    elif option == "sinks":
+        sinks = {"sinks": torch.randn(HQ, dtype=torch.float32, device=dev)}
+    elif option in ("rope", "alibi"):
+        plan_kw["pos_encoding_mode"] = "ROPE_LLAMA" if option == "rope" else "ALIBI"
+    wrappers, skipped, run_kw = {}, {}, {}
+    if option == "fp8_kv":
+        pages = batch * seq // PAGE
+        ids = torch.randperm(pages, generator=torch.Generator().manual_seed(3)).int().to(dev)
+        kv_ip = torch.arange(batch + 1, dtype=torch.int32) * (seq // PAGE)
+        last = torch.full((batch,), PAGE, dtype=torch.int32)
+        todo = (("fa2", "fa2", torch.float8_e4m3fn), ("fa3", "fa3", torch.float8_e4m3fn),
+                ("fa3_plain", "fa3", bf16), ("prepass", "fa3", bf16))
+        for name, backend, kv_dtype in todo:
+            try:
+                w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                w.plan(qo, kv_ip, ids, last, HQ, HK, dqk, PAGE, causal=True, q_data_type=bf16, kv_data_type=kv_dtype)
+                wrappers[name] = w
+            except ValueError as exc:
+                skipped[name] = str(exc)[:300]
+        return wrappers, skipped, run_kw
+    todo = [("fa2", "fa2", plan_kw, sinks), ("fa3", "fa3", plan_kw, sinks), ("fa3_plain", "fa3", plain_kw, {})]
+    if option == "rope":
+        todo.append(("prepass", "fa3", plain_kw, {}))
+    for name, backend, kw, rk in todo:
+        try:
+            w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(qo, qo, HQ, HK, dqk, head_dim_vo=dvo, **kw)
+            wrappers[name], run_kw[name] = w, rk
+        except ValueError as exc:
+            skipped[name] = str(exc)[:300]
+    return wrappers, skipped, run_kw
+
+
+def prebuild(todo: list[tuple[str, str]], ws) -> dict:
+    """Every module the rows' plans run, built in parallel (one ninja run) before any timing:
+    a plan's spec, and the sinks module of the mma.sync kernel's sinks row."""
+    from flashinfer_jit.pipeline.jit import build_many
+
+    specs = []
+    for option, batch in todo:
+        wrappers, _, _ = make_plans(option, batch, ws)
+        for name, w in wrappers.items():
+            plan = w._plan
+            specs.append(plan.spec)
+            if option == "sinks" and name == "fa2":
+                specs.append(w._spec(plan.config, plan.layout, True))
+    started = time.perf_counter()
+    report = build_many(specs, jobs=16)
+    return {"modules": len(specs), "seconds": time.perf_counter() - started, "report": str(report)[:400]}
+
+
 def measure(option: str, batch_label: str, reps: int, ws, flush) -> dict:
     import torch
 
@@ -59,75 +132,34 @@ def measure(option: str, batch_label: str, reps: int, ws, flush) -> dict:
     dev, bf16 = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(11)
     n = batch * seq
-    qo = torch.arange(batch + 1, dtype=torch.int32) * seq
     q = torch.randn(n, HQ, dqk, dtype=bf16, device=dev, generator=g)
     k = torch.randn(n, HK, dqk, dtype=bf16, device=dev, generator=g)
     v = torch.randn(n, HK, dvo, dtype=bf16, device=dev, generator=g)
     window = 1024 if option == "window" else -1
     res = {"option": option, "batch": batch_label, "form": "paged" if option == "fp8_kv" else "ragged",
            "flops": causal_flops(batch, seq, dqk, dvo, window), "impls": {}}
-    plan_kw = dict(causal=True, q_data_type=bf16)
-    run_kw = {}
-    if option == "soft_cap":
-        plan_kw["logits_soft_cap"] = 30.0
-    elif option == "window":
-        plan_kw["window_left"] = window
-    elif option == "custom_mask":
-        tri = torch.ones(seq, seq, dtype=torch.bool, device=dev).tril()
-        plan_kw = dict(custom_mask=tri.reshape(-1).repeat(batch), q_data_type=bf16)
-    elif option == "sinks":
-        run_kw["sinks"] = torch.randn(HQ, dtype=torch.float32, device=dev, generator=g)
-    elif option == "rope":
-        plan_kw["pos_encoding_mode"] = "ROPE_LLAMA"
-    elif option == "alibi":
-        plan_kw["pos_encoding_mode"] = "ALIBI"
-
+    wrappers, skipped, run_kw = make_plans(option, batch_label, ws)
+    res["impls"].update({name: {"skipped": why} for name, why in skipped.items()})
     calls, outs = {}, {}
     if option == "fp8_kv":
         pages = n // PAGE
-        ids = torch.randperm(pages, device=dev, generator=g).int()
         k8 = (k.view(pages, PAGE, HK, dqk) * 0.5).to(torch.float8_e4m3fn)
         v8 = (v.view(pages, PAGE, HK, dvo) * 0.5).to(torch.float8_e4m3fn)
-        kv_ip = torch.arange(batch + 1, dtype=torch.int32) * (seq // PAGE)
-        last = torch.full((batch,), PAGE, dtype=torch.int32)
         cache_bf = (k8.to(bf16), v8.to(bf16))
-
-        def paged(backend, kv_dtype):
-            w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-            w.plan(qo, kv_ip, ids, last, HQ, HK, dqk, PAGE, causal=True, q_data_type=bf16, kv_data_type=kv_dtype)
-            return w
-        for name, backend, dtype_kv, cache in (("fa2", "fa2", torch.float8_e4m3fn, (k8, v8)),
-                                                ("fa3", "fa3", torch.float8_e4m3fn, (k8, v8)),
-                                                ("fa3_plain", "fa3", bf16, cache_bf)):
-            try:
-                w = paged(backend, dtype_kv)
+        for name, w in wrappers.items():
+            if name == "prepass":  # the pages dequantized to bf16, then the Hopper kernel
+                calls[name] = (lambda w=w: w.run(q, (k8.to(bf16), v8.to(bf16))))
+            else:
+                cache = cache_bf if name == "fa3_plain" else (k8, v8)
                 calls[name] = (lambda w=w, cache=cache: w.run(q, cache))
-            except ValueError as exc:
-                res["impls"][name] = {"skipped": str(exc)[:300]}
-        w_pre = paged("fa3", bf16)
-        calls["prepass"] = lambda: w_pre.run(q, (k8.to(bf16), v8.to(bf16)))
     else:
-        def ragged(backend, **kw):
-            w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
-            w.plan(qo, qo, HQ, HK, dqk, head_dim_vo=dvo, **kw)
-            return w
-        plain_kw = dict(causal=True, q_data_type=bf16)
-        for name, backend, kw, rk in (("fa2", "fa2", plan_kw, run_kw), ("fa3", "fa3", plan_kw, run_kw),
-                                      ("fa3_plain", "fa3", plain_kw, {})):
-            try:
-                w = ragged(backend, **kw)
-                calls[name] = (lambda w=w, rk=rk: w.run(q, k, v, **rk))
-            except ValueError as exc:
-                res["impls"][name] = {"skipped": str(exc)[:300]}
-        if option == "rope":
-            w_pre = ragged("fa3", **plain_kw)
-            offsets = torch.zeros(batch, dtype=torch.int32, device=dev)
-            qo_dev = qo.to(dev)
-
-            def prepass():
-                qr, kr = fij.apply_rope(q, k, qo_dev, offsets)
-                return w_pre.run(qr, kr, v)
-            calls["prepass"] = prepass
+        qo_dev = (torch.arange(batch + 1, dtype=torch.int32) * seq).to(dev)
+        offsets = torch.zeros(batch, dtype=torch.int32, device=dev)
+        for name, w in wrappers.items():
+            if name == "prepass":  # q and k rotated (ROPE_LLAMA's positions: qo_len == kv_len here), then fa3
+                calls[name] = (lambda w=w: w.run(*fij.apply_rope(q, k, qo_dev, offsets), v))
+            else:
+                calls[name] = (lambda w=w, rk=run_kw[name]: w.run(q, k, v, **rk))
     for fn in calls.values():  # warm-up (builds, first launches)
         fn()
     torch.cuda.synchronize()
@@ -193,6 +225,11 @@ def main() -> int:
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     flush = torch.empty(max(256 << 20, 4 * bc.l2_bytes()), dtype=torch.uint8, device="cuda")
     res = {"benchmark": "bench_prefill_features", "meta": bc.run_metadata(), "rows": [], "errors": []}
+    try:
+        res["build"] = prebuild(todo, ws)
+        bc.log(f"prebuilt: {res['build']}")
+    except Exception as exc:  # noqa: BLE001  (the rows then build what they need themselves)
+        res["build"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     for option, batch in todo:
         try:
             res["rows"].append(measure(option, batch, args.reps, ws, flush))
