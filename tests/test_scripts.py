@@ -401,3 +401,44 @@ def test_bench_prefill_fa3_paged_vs_best_peer():
     bp.derive(res)
     assert res["fa3_paged_vs_best_peer"] is None and res["fa3_paged_best_peer"] is None
     assert "paired_fa3_paged_vs_best_peer" not in res and "fa3_paged_vs_ours_paged" not in res
+
+
+def test_bench_prefill_features_lists_its_rows_and_needs_a_gpu_to_measure():
+    """bench_prefill_features.py --list prints every option on both batches without a GPU;
+    --only filters them; without a GPU a run exits with status 2 (nothing measured)."""
+    import subprocess
+
+    script = str(SCRIPTS / "bench_prefill_features.py")
+    listed = subprocess.run([sys.executable, script, "--list"], capture_output=True, text=True, check=True).stdout
+    lines = [ln.split() for ln in listed.splitlines() if ln.strip()]
+    import bench_prefill_features as bpf
+
+    assert len(lines) == len(bpf.OPTIONS) * len(bpf.BATCHES)
+    assert {ln[0] for ln in lines} == set(bpf.OPTIONS)
+    some = subprocess.run([sys.executable, script, "--list", "--only", "rope;fp8"], capture_output=True, text=True,
+                          check=True).stdout
+    assert {ln.split()[0] for ln in some.splitlines() if ln.strip()} == {"rope", "fp8_kv"}
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        assert subprocess.run([sys.executable, script, "--only", "none"], capture_output=True).returncode == 2
+
+
+def test_bench_prefill_features_plans_each_option_as_named():
+    """make_plans on a CPU workspace: the mma.sync kernel's plan carries the option (RoPE and
+    ALiBi in the spec's pos_encoding, fp8 in its K/V dtype, the custom mask, the soft cap,
+    head_dim 192 with 128 for V); the Hopper kernel's providers are skipped with a reason (the
+    arch here, or the option it lacks)."""
+    torch = pytest.importorskip("torch")
+    import bench_prefill_features as bpf
+
+    bpf.DEV = "cpu"
+    ws = torch.empty(64 << 20, dtype=torch.uint8)
+    want = {"rope": ("pos_encoding", "rope_llama"), "alibi": ("pos_encoding", "alibi"),
+            "fp8_kv": ("dtype_kv", "float8_e4m3fn"), "custom_mask": ("mask", "custom"), "soft_cap": ("soft_cap", True),
+            "hd192x128": ("head_dim_qk", 192), "none": ("mask", "causal")}
+    for option, (field, value) in want.items():
+        wrappers, skipped, _ = bpf.make_plans(option, "causal 16x1k", ws)
+        assert getattr(wrappers["fa2"]._plan.spec, field) == value, option
+        assert {"fa3", "fa3_plain"} <= set(skipped), option
+        assert all(why for why in skipped.values())
+
