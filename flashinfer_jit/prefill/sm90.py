@@ -1,7 +1,7 @@
 """The Hopper prefill path (backend "fa3"; csrc/hopper/prefill_sm90.cuh, docs/hopper.md):
 which configurations it takes, its planner (a work list of 128-row query tiles, heaviest
-first) and its plan object. The ragged wrapper and single_prefill_with_kv_cache plan it;
-flashinfer_jit/prefill/wrapper.py runs it."""
+first) and its plan object. Both batch prefill wrappers and single_prefill_with_kv_cache
+plan it; flashinfer_jit/prefill/wrapper.py runs it."""
 
 from __future__ import annotations
 

@@ -1275,8 +1275,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     """FlashInfer's paged prefill wrapper: plan() once per batch, run() per layer.
 
     backend: "fa2" runs the tensor-core (mma.sync) kernel; "fa3" the Hopper path (sm_90;
-    flashinfer_jit/prefill/sm90.py lists what it takes: the CSR page table, pages of 16-128
-    tokens, no CUDA graphs yet; plan() raises ValueError naming anything else); "auto" as
+    flashinfer_jit/prefill/sm90.py lists what it takes: the CSR table or block tables, pages
+    of 16-128 tokens, CUDA graphs; plan() raises ValueError naming anything else); "auto" as
     the ragged wrapper's."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
