@@ -1348,6 +1348,48 @@ def test_auto_decides_on_the_cpu_as_on_sm90(batch, monkeypatch):
     assert wrapper.planned_backend == expected
 
 
+
+@pytest.mark.parametrize("shapes, options, rows", [
+    ([(4096, 4096)] * 2, {}, 192),                          # causal, ~2k keys a 128-row tile
+    ([(1024, 1024)] * 4, dict(causal=False), 192),          # 1024 keys a tile
+    ([(1024, 1024)] * 4, {}, 128),                          # causal: ~576 keys a tile
+    ([(256, 256)] * 16, dict(causal=False), 128),           # 256 keys
+    ([(4096, 4096)] * 2, dict(logits_soft_cap=30.0), 128),  # options the 192-row tile is not measured with
+    ([(4096, 4096)] * 2, dict(window_left=512), 128),
+])
+def test_query_tile_of_head_dim_64(shapes, options, rows, monkeypatch):
+    """sm90.query_tile through plan(): head_dim 64 takes 192-row query tiles where its 128-row
+    tiles visit QUERY_TILE_MIN_KEYS keys or more on average, without a soft cap or a window;
+    planned on the CPU with the arch check passed."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
+    kwargs = dict(dict(causal=True), **options)
+    wrapper.plan(_cpu_indptr([m for m, _ in shapes]), _cpu_indptr([n for _, n in shapes]), *LLAMA, 64,
+                 q_data_type=torch.bfloat16, **kwargs)
+    assert wrapper._plan.spec.query_tile == rows
+    wrapper._force_query_tile = 128  # a pin wins
+    wrapper.plan(_cpu_indptr([m for m, _ in shapes]), _cpu_indptr([n for _, n in shapes]), *LLAMA, 64,
+                 q_data_type=torch.bfloat16, **kwargs)
+    assert wrapper._plan.spec.query_tile == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa3_head_dim_64_picks_192_rows_on_long_tiles(causal, hopper_workspace):
+    """Unpinned, a head_dim 64 batch of long requests plans 192-row query tiles and matches the
+    float64 reference (a causal diagonal inside the third warpgroup's rows, a request shorter
+    than one tile)."""
+    shapes = [(1500, 1500), (2000, 2600), (100, 2100)]
+    gen = torch.Generator(device=DEV).manual_seed(64192 + causal)
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, 64, torch.bfloat16, gen)
+    wrapper = fa3_wrapper(hopper_workspace)
+    plan_kv(wrapper, qo_indptr, kv, *LLAMA, (64, 64), causal=causal, q_data_type=torch.bfloat16)
+    assert wrapper._plan.spec.query_tile == 192
+    out, lse = run_poisoned(wrapper, q, kv, 64, torch.bfloat16)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
 # --- vLLM block tables on the Hopper path ----------------------------------------------------------
 def test_block_table_ids_view_and_offsets():
     """sm90.block_table_ids: a 1-D view from row 0 to the end of the last row of a (possibly

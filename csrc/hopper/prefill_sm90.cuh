@@ -508,12 +508,14 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
       }
       const int v_ids = kPaged ? p.work[2] : 0;  // V page ids past K's (separate K/V tables)
       int it = 0;  // key tiles over every item so far (the stages' phases)
+      // the next item reserved one item ahead; only while this block's items are active
+      int taken = 0;
+      if (lane == 0 && int(blockIdx.x) < active) taken = atomicAdd(&p.counters[0], 1);
       for (int k = 0;; ++k) {
         int idx = int(blockIdx.x);
         if (k > 0) {
-          int taken = 0;
-          if (lane == 0) taken = atomicAdd(&p.counters[0], 1);
           idx = int(gridDim.x) + __shfl_sync(0xffffffffu, taken, 0);
+          if (lane == 0 && idx < active) taken = atomicAdd(&p.counters[0], 1);
         }
         const Sm90Tile tile = idx < active ? load_tile(p.work, idx / p.num_qo_heads) : Sm90Tile{};
         int page = kPaged && idx < active ? K::next_page(p, tile, tile.first_tile, lane) : 0;
@@ -610,6 +612,7 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
       h::mbar_wait(&v_full[sp], prev.parity);
       my_turn();
       K::issue_qk(s, q_base, k0 + st * kKTileBytes);
+      if (n > 1) K::rescale(o, corr);  // O to tile n - 1's max under this Q K^T, before its P V
       K::issue_pv(o, pa, v0 + sp * kVTileBytes);
       pass_turn();
       if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0 + n, rows, tile.rows);
@@ -621,7 +624,6 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
       h::fence_regs(o);
       h::fence_regs(pa);
       if (lane == 0) h::mbar_arrive(&v_empty[sp]);
-      K::rescale(o, corr);
       K::pack_p(s, pa);
     }
     // one Q stage: every Q K^T of this item is complete, and this thread's reads of the
@@ -638,6 +640,7 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
       if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, own_bar);
     }
     my_turn();
+    if (n_tiles > 1) K::rescale(o, corr);
     K::issue_pv(o, pa, v0 + sl * kVTileBytes);
     pass_turn();
     h::wgmma_wait<0>();

@@ -43,6 +43,26 @@ def narrower_tile(keys: np.ndarray) -> bool:
     return wide > WIDE_TILE_MAX_PAD * narrow
 
 
+# head_dim 64 takes 192-row query tiles (three consumer warpgroups, FA3's tile) where its query
+# tiles visit on average at least QUERY_TILE_MIN_KEYS keys (measured at 128-row tiles). An A/B
+# on an H200 (2026-11-29, docs/hopper.md) timed 192 rows at 0.85x the time of 128 on causal
+# 1 x 16384, 0.84x on 4 x 4096 without a mask, 0.92x on causal 4 x 4096 (2112 keys a tile) and
+# 16 x 1024 without a mask (1024 keys), but 1.14x on causal 16 x 1024 (576 keys) and 1.2-1.5x on
+# 64 x 256: a short tile's diagonal and its item's start weigh more on three warpgroups.
+QUERY_TILE_MIN_KEYS = 768
+
+
+def query_tile(c, keys: np.ndarray, forced_key_tile: bool) -> int:
+    """Rows of a query tile for this plan: 192 for head_dim 64 on 128-key tiles without a
+    custom mask, soft cap or window whose 128-row query tiles visit on average at least
+    QUERY_TILE_MIN_KEYS keys (keys: plan_tiles' column 6 at 128 rows), else TILE_ROWS.
+    A CUDA-graph wrapper keeps 128 (its captured launch is one module)."""
+    if (c.head_dim_qk != 64 or forced_key_tile or c.mask not in ("none", "causal") or c.soft_cap
+            or c.window_left >= 0 or keys.size == 0):
+        return TILE_ROWS
+    return 192 if float(keys.mean()) >= QUERY_TILE_MIN_KEYS else TILE_ROWS
+
+
 # backend "auto" takes the Hopper path for a batch whose requests average at least
 # AUTO_MIN_MEAN_QO_LEN query tokens and whose query tiles visit on average at least
 # AUTO_MIN_KEYS[head_dim] keys. Shorter queries (decode-like rows, speculative verification)
@@ -293,4 +313,4 @@ class Sm90Planner:
 
 __all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "key_tile",
            "mask_bases", "mask_buffer",
-           "narrower_tile", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]
+           "narrower_tile", "QUERY_TILE_MIN_KEYS", "query_tile", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

@@ -621,6 +621,11 @@ class _PrefillWrapper:
             tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window, rows)
         if backend == "auto" and not sm90.auto_takes(config, np.diff(qo), tiles[:, 6]):
             return None
+        if self._force_query_tile is None and not graph:  # head_dim 64's 192-row tiles on long tiles
+            wide = sm90.query_tile(config, tiles[:, 6], self._force_key_tile is not None)
+            if wide != rows:
+                rows = wide
+                tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window, rows)
         if graph:
             self._capacity = graph_capacity(self._capacity, batch)
         if self._sm90 is None:
