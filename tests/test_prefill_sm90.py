@@ -583,17 +583,9 @@ def test_auto_picks_the_backend(batch, hopper_workspace):
 
 def _auto_lacking_params():
     """(plan() arguments beyond the base, whether on the paged wrapper)."""
-    shapes = AUTO_BATCHES["long_prompts"][0]
-    flat = torch.ones(sum(m * n for m, n in shapes), dtype=torch.bool)
-    packed, byte_indptr = segment_packbits_ref(flat, indptr_of([m * n for m, n in shapes], "cpu"), "little")
     return [
-        pytest.param(dict(logits_soft_cap=30.0), False, id="soft_cap"),
-        pytest.param(dict(custom_mask=flat), False, id="custom_mask"),
-        pytest.param(dict(packed_custom_mask=packed, mask_indptr=byte_indptr), False, id="packed_custom_mask"),
-        pytest.param(dict(window_left=256), False, id="window"),
         pytest.param(dict(pos_encoding_mode="ROPE_LLAMA"), False, id="rope"),
         pytest.param(dict(pos_encoding_mode="ALIBI"), False, id="alibi"),
-        pytest.param(dict(head_dim_qk=192, head_dim_vo=128), False, id="hd192x128"),
         pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
         pytest.param(dict(page_size=8), True, id="paged_page_8"),
         pytest.param(dict(kv_data_type=torch.float8_e4m3fn), True, id="paged_fp8_kv"),
@@ -604,9 +596,8 @@ def _auto_lacking_params():
 @pytest.mark.parametrize("extra, paged", _auto_lacking_params())
 def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspace):
     """backend="auto" on sm_90 with long prompts that alone pick fa3 (checked first), plus a
-    feature the Hopper path lacks or has not been measured with (a custom mask, a soft cap, a
-    window; or the paged wrapper): planned_backend "fa2", no error. Plans only (no module is
-    built)."""
+    feature the Hopper path lacks (RoPE, ALiBi, an o_data_type, a page size, fp8 K/V):
+    planned_backend "fa2", no error. Plans only (no module is built)."""
     shapes = AUTO_BATCHES["long_prompts"][0]
     qo, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
     base = dict(num_qo_heads=LLAMA[0], num_kv_heads=LLAMA[1], head_dim_qk=128, causal=True,
@@ -1064,7 +1055,7 @@ def test_head_dim_192_spec():
     spec = fij.prefill.spec.PrefillSm90Spec("bfloat16", 192, "causal").validate()
     assert spec.head_dim_vo == 128 and spec.context()["head_dim_vo"] == 128 and spec.key_tile == 128
     from flashinfer_jit.prefill import sm90
-    assert sm90.key_tile(192, False) == 128 and sm90.AUTO_MIN_KEYS[192] == float("inf")
+    assert sm90.key_tile(192, False) == 128 and sm90.AUTO_MIN_KEYS[192] == 512
 
 
 @pytest.mark.gpu
@@ -1320,17 +1311,17 @@ def test_fa3_key_tile_follows_the_batch(kv_len, key_tile, hopper_workspace):
 
 def test_auto_rule_by_head_dim():
     """auto's measured thresholds (sm90.auto_takes): mean query tokens a request >= 64 and mean
-    keys a query tile >= AUTO_MIN_KEYS[head_dim] (192 at 128, 512 at 64, 2048 at 256)."""
+    keys a query tile >= AUTO_MIN_KEYS[head_dim] (192 at 128, 512 at 64 and (192, 128), 2048 at
+    256), with or without the options it takes."""
     import types
     import numpy as np
     from flashinfer_jit.prefill import sm90
     long_q = np.array([512, 512])
-    for head_dim, below, at in ((128, 191, 192), (64, 511, 512), (256, 2047, 2048)):
+    for head_dim, below, at in ((128, 191, 192), (64, 511, 512), (256, 2047, 2048), (192, 511, 512)):
         c = types.SimpleNamespace(head_dim_qk=head_dim, soft_cap=0.0, window_left=-1, mask="causal")
         assert sm90.auto_takes(c, long_q, np.array([at, at]))
-        for unmeasured in (dict(soft_cap=30.0), dict(window_left=256), dict(mask="custom")):  # taken by fa3, not by auto
-            assert not sm90.auto_takes(types.SimpleNamespace(**dict(vars(c), **unmeasured)), long_q,
-                                       np.array([at * 4, at * 4]))
+        for measured in (dict(soft_cap=30.0), dict(window_left=256), dict(mask="custom")):  # measured faster on fa3
+            assert sm90.auto_takes(types.SimpleNamespace(**dict(vars(c), **measured)), long_q, np.array([at, at]))
         assert not sm90.auto_takes(c, long_q, np.array([below, below]))
         assert not sm90.auto_takes(c, np.array([63, 63]), np.array([at * 4, at * 4]))  # decode-like rows
 

@@ -71,9 +71,10 @@ def query_tile(c, keys: np.ndarray, forced_key_tile: bool) -> int:
 # start than the Hopper kernel gains on its loop. Measured on an H200 (docs/hopper.md,
 # 2026-11-29): head_dim 128 from 192 keys (causal 64 x 256, 192 keys a query tile: 1.14x the
 # mma.sync kernel); head_dim 64 from 512 (causal 16 x 1024, 576 keys: 1.07x; 64 x 256 0.97x);
-# head_dim 256 from 2048 (causal 4 x 4096, 2112 keys: 1.90x; nothing shorter measured).
+# head_dim 256 from 2048 (causal 4 x 4096, 2112 keys: 1.90x; nothing shorter measured); head_dim
+# (192, 128) from 512 (causal 16 x 1024, 576 keys: 2.03x; nothing shorter measured).
 AUTO_MIN_MEAN_QO_LEN = 64
-AUTO_MIN_KEYS = {64: 512.0, 128: 192.0, 192: float("inf"), 256: 2048.0}  # (192, 128): not measured yet
+AUTO_MIN_KEYS = {64: 512.0, 128: 192.0, 192: 512.0, 256: 2048.0}
 _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this many tiles
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
@@ -135,12 +136,12 @@ def refusal(c, ragged: bool, device: torch.device, table: str | None = "csr", gr
 
 def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
     """Whether backend 'auto' takes the Hopper path for a batch it can run: requests of
-    AUTO_MIN_MEAN_QO_LEN or more query tokens on average, query tiles that visit
-    AUTO_MIN_KEYS or more keys on average (keys: plan_tiles' column 6), and none of the
-    features it takes but has not been measured with (a soft cap, a sliding window, a custom
-    mask)."""
-    if c.soft_cap or c.window_left >= 0 or c.mask == "custom":
-        return False
+    AUTO_MIN_MEAN_QO_LEN or more query tokens on average and query tiles that visit
+    AUTO_MIN_KEYS or more keys on average (keys: plan_tiles' column 6). Every option the
+    Hopper path takes is measured faster there than on the mma.sync kernel at those lengths
+    (H200, 2026-11-29, scripts/bench_prefill_features.py, causal 4 x 4k and 16 x 1k: soft cap
+    1.20-1.31x, window 1.32-1.38x, custom mask 1.65-1.74x, sinks 1.34-1.55x, head_dim
+    (192, 128) 2.03-2.19x), so none of them keeps the mma.sync kernel."""
     return qo_lens.size > 0 and float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and keys.size > 0 and \
         float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
 
