@@ -6,15 +6,16 @@ from .kvcache.append_spec import AppendSpec, BatchIndicesSpec
 from .kvcache.flatten_spec import FlattenSpec
 from .kvcache.rope_spec import RopeSpec
 from .pipeline.spec import Spec
-from .pod.spec import PodSpec
+from .pod.spec import PodSm90Spec, PodSpec
 from .prefill.spec import PrefillPlanSpec, PrefillSm90Spec, PrefillSpec
 from .runtime.shared_specs import MergeSpec, PageOrderSpec
 
 FAMILIES: dict[str, type[Spec]] = {
     cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec, DecodePlanSpec,
-                                PageOrderSpec, PrefillSpec, PrefillPlanSpec, PrefillSm90Spec, PodSpec)
+                                PageOrderSpec, PrefillSpec, PrefillPlanSpec, PrefillSm90Spec, PodSpec,
+                                PodSm90Spec)
 }
 
 __all__ = ["Spec", "AppendSpec", "BatchIndicesSpec", "RopeSpec", "FlattenSpec", "DecodeSpec", "MergeSpec", "DecodePlanSpec",
-           "PageOrderSpec", "PrefillSpec", "PrefillPlanSpec", "PrefillSm90Spec", "PodSpec",
+           "PageOrderSpec", "PrefillSpec", "PrefillPlanSpec", "PrefillSm90Spec", "PodSpec", "PodSm90Spec",
            "FAMILIES"]

@@ -466,6 +466,43 @@ def exercise_pod(spec, matrix=()) -> None:
     expect_close(lse_d, ref_d[1], 0.0, 1e-2, "lse_d")
 
 
+def exercise_pod_sm90(spec, matrix=()) -> None:
+    """POD on Hopper: BatchPODWithPagedKVCacheWrapper with prefill_backend="fa3", two prefill
+    requests over the cache the three decodes read (other pages), the spec's head_dim, mask and
+    key tile (pinned); both sides' outputs and LSEs against their references. sm_90 only: on
+    another GPU the module is loaded from the cache and not run."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        jit.get_module(spec)
+        return
+    d, dt = spec.head_dim, dtype(spec.dtype_q)
+    hq = next(g * KV_HEADS for g in (spec.group_tile * m for m in (1, 2, 4))
+              if group_tile(g * KV_HEADS, KV_HEADS, d) == spec.group_tile)
+    shapes, d_lens = [(200, 300), (130, 500)], [16, 37, 100]
+    table, num_pages = page_table("csr", d_lens + [n for _, n in shapes])  # decodes first, then the prefills
+    k_cache, v_cache = (paged_cache(dt, spec.kv_layout, num_pages, d) for _ in range(2))
+    indptr, ids, last = table.tensors
+    nd = len(d_lens)
+    d_table = fij.csr_page_table(indptr[:nd + 1] - indptr[0], ids[:int(indptr[nd])], last[:nd])
+    p_table = fij.csr_page_table(indptr[nd:] - indptr[nd], ids[int(indptr[nd]):], last[nd:])
+    qo_indptr = offsets(m for m, _ in shapes)
+    q_p, q_d = randn((int(qo_indptr[-1]), hq, d), dt), randn((nd, hq, d), dt)
+    causal = spec.mask == "causal"
+    pod = fij.BatchPODWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout)
+    pod.prefill_backend = "fa3"
+    pod._prefill._force_key_tile = spec.key_tile
+    pod.plan(qo_indptr, *p_table.tensors, offsets([1] * nd), *d_table.tensors, hq, KV_HEADS, d, PAGE,
+             q_data_type=dt, kv_data_type=dt, causal=causal)
+    (out_p, out_d), (lse_p, lse_d) = pod.run(q_p, (k_cache, v_cache), q_d, (k_cache, v_cache), causal_p=causal,
+                                             return_lse=True)
+    synchronize()
+    ref_p = prefill_ref(q_p, qo_indptr, k_cache, v_cache, page_table=p_table, kv_layout=spec.kv_layout, causal=causal)
+    ref_d = decode_ref(q_d, k_cache, v_cache, d_table, d_lens, spec.kv_layout)
+    expect_close(out_p, ref_p[0], PREFILL_TOL[dt], PREFILL_TOL[dt], "out_p")
+    expect_close(lse_p, ref_p[1], 1e-2, 1e-2, "lse_p")
+    expect_rows(out_d, ref_d[0], DECODE_TOL[dt], "out_d")
+    expect_close(lse_d, ref_d[1], 0.0, 1e-2, "lse_d")
+
+
 def planned_by(cls: type[Spec], usable=lambda spec: True):
     """The exerciser of a module that plan() of `cls`'s wrapper loads (no call of its own):
     `cls`'s exerciser on the matrix's first `cls` spec that `usable` accepts."""
@@ -488,6 +525,7 @@ EXERCISERS = {
     "prefill": exercise_prefill,
     "prefill_sm90": exercise_prefill_sm90,
     "pod": exercise_pod,
+    "pod_sm90": exercise_pod_sm90,
     "decode_plan": planned_by(DecodeSpec),  # the C++ planner: every plan()
     # plan() sorts each request's full pages only where no term depends on a token's position
     "page_order": planned_by(DecodeSpec, lambda s: not s.rope and s.q_tokens == 1),

@@ -451,6 +451,98 @@ def test_batch_pod(causal, shared, return_lse, kv_dtype, scales, workspace):
               fp8=kv_dtype.itemsize == 1)
 
 
+
+# --- POD on Hopper (prefill_backend="auto": csrc/pod/pod_sm90.cuh) -------------------------------
+# (prefill (qo, kv) chunks, decodes, causal, head_dim, prefill_blocks pinned (None: the planner's),
+# return_lse, shared cache, options)
+SM90_CASES = [
+    pytest.param([(300, 500), (700, 700), (129, 2000)], 40, True, 128, None, True, True, {}, id="causal-lse"),
+    pytest.param([(512, 512), (256, 1024)], 130, False, 128, None, False, False, dict(q_scale=1.25, k_scale=0.8,
+                 v_scale=1.5), id="full-two-caches-scales"),
+    pytest.param([(1000, 3000)], 64, True, 128, 1, True, True, {}, id="one-prefill-block"),
+    pytest.param([(1000, 3000)], 64, True, 128, 131, True, True, {}, id="one-decode-block"),
+    pytest.param([(600, 900), (300, 1700)], 33, True, 64, None, True, True, {}, id="hd64"),
+    pytest.param([(800, 800)], 9, True, 256, None, False, True, {}, id="hd256"),
+    pytest.param([(700, 1500), (400, 400)], 50, True, 128, None, True, True, dict(window_left=300), id="window"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks, decodes, causal, head_dim, blocks, return_lse, shared, options", SM90_CASES)
+def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_lse, shared, options, workspace):
+    """prefill_backend="auto" on sm_90: prefill chunks long enough for the Hopper kernel beside
+    one-token decodes, in one launch of POD on Hopper (the planner's split, or pinned to one
+    prefill block or one decode block), against the float64 references, outputs poisoned."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
+    rnd, gen = _seeded(90 + len(chunks) + decodes + head_dim)
+    page_size, (hq, hk) = 16, LLAMA
+    window = options.pop("window_left", -1)
+    qo_lens, kv_lens = [m for m, _ in chunks], [n for _, n in chunks]
+    lens_d = decode_lens(decodes, 2500, page_size, rnd) if decodes else []
+    pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
+    num_pages = pages_p + pages_d + 5
+    ids = rnd.sample(range(num_pages), num_pages)
+    table_p, table_d = csr_table(kv_lens, page_size, ids[:pages_p]), csr_table(lens_d, page_size, ids[pages_p:])
+    cache_p = make_cache(num_pages, page_size, hk, head_dim, BF16, gen)
+    cache_d = cache_p if shared else make_cache(num_pages, page_size, hk, head_dim, BF16, gen)
+    nan_outside(cache_p, page_size, [table_p, table_d] if shared else [table_p])
+    if not shared:
+        nan_outside(cache_d, page_size, [table_d])
+    qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
+    q_p = randn((sum(qo_lens), hq, head_dim), BF16, gen)
+    dec = Decode(randn((len(lens_d), hq, head_dim), BF16, gen), cache_d, table_d)
+    w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    w.prefill_backend = "auto"
+    w.force_prefill_blocks = blocks
+    w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(len(lens_d) + 1))), *table_d.plan_args, hq, hk, head_dim,
+           page_size, q_data_type=BF16, kv_data_type=BF16, causal=causal, window_left=window)
+    assert w._prefill.planned_backend == "fa3"
+    _poison_allocator(q_p, dec.q)
+    result = w.run(q_p, cache_p.run_arg, dec.q, cache_d.run_arg, causal_p=causal, return_lse=return_lse, **options)
+    torch.cuda.synchronize()
+    ref_p = prefill_ref(q_p, qo_indptr_p, cache_p.k, cache_p.v, page_table=table_p.table, causal=causal,
+                        window_left=window, **options)
+    check_pod(unpack(result, return_lse, return_lse), ref_p, decode_reference(dec, window_left=window, **options), BF16)
+    # twice: the counters the first launch left at zero
+    _poison_allocator(q_p, dec.q)
+    again = w.run(q_p, cache_p.run_arg, dec.q, cache_d.run_arg, causal_p=causal, return_lse=return_lse, **options)
+    torch.cuda.synchronize()
+    check_pod(unpack(again, return_lse, return_lse), ref_p, decode_reference(dec, window_left=window, **options), BF16)
+
+
+@pytest.mark.gpu
+def test_batch_attention_on_hopper():
+    """BatchAttention with prefill_backend="auto": decodes interleaved with two long chunks and
+    4-token requests, one launch of POD on Hopper, every row written in place, against the
+    float64 reference of the whole batch."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
+    rnd, gen = _seeded(4242)
+    page_size, (hq, hk) = 16, LLAMA
+    reqs = [(1, rnd.randint(1, 3000)) for _ in range(30)] + [(900, 2000)] + \
+        [(1, rnd.randint(1, 3000)) for _ in range(30)] + [(700, 700)]
+    qo_lens, kv_lens = [m for m, _ in reqs], [n for _, n in reqs]
+    pages = sum(-(-n // page_size) for n in kv_lens)
+    ids = rnd.sample(range(pages + 3), pages)
+    table = csr_table(kv_lens, page_size, ids)
+    cache = make_cache(pages + 3, page_size, hk, HD, BF16, gen)
+    nan_outside(cache, page_size, [table])
+    qo_indptr = _i32(list(itertools.accumulate(qo_lens, initial=0)), "cpu")
+    q = randn((sum(qo_lens), hq, HD), BF16, gen)
+    ba = fij.BatchAttention("NHD")
+    ba.prefill_backend = "auto"
+    ba.plan(qo_indptr, table.plan_args[0].cpu(), table.plan_args[1], torch.tensor(kv_lens, dtype=torch.int32), hq, hk,
+            HD, HD, page_size, causal=True, q_data_type=BF16, kv_data_type=BF16)
+    assert ba._pod._prefill.planned_backend == "fa3"
+    out = torch.full((q.shape[0], hq, HD), float("nan"), dtype=BF16, device=DEV)
+    lse = torch.full((q.shape[0], hq), float("nan"), dtype=torch.float32, device=DEV)
+    ba.run(q, cache.run_arg, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = prefill_ref(q, qo_indptr.to(DEV), cache.k, cache.v, page_table=table.table, causal=True)
+    check_out(out, ref_out, TOL[BF16], "out")
+    check_lse(lse, ref_lse, "lse")
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_rows, share, sms", [(64, None, None), (128, None, None), (64, 0.0, 0), (64, 0.25, 0),
                                                    (64, 1.0, 0), (128, 0.0, 0), (128, 0.5, 0), (128, 1.0, 0),

@@ -264,18 +264,35 @@ FIJ_DEVICE void pdl_trigger() {
 //                      share of a budget that its item's blocks and the other items' share
 //                      (the kernel before still runs: a dependent launch of the family's own
 //                      grid only).
+//   thread(), sync()   the block's thread index and its barrier (decode_mma_block): the CUDA
+//                      block's, or a warpgroup's where the block is a "virtual" one.
 // StreamLaunch is a family's own kernel, launched after the kernel before it in the stream
 // (programmatic dependent launch where asked: pdl_wait / pdl_trigger). A kernel that has
 // waited once at its start for all its blocks (POD) hands a launch whose calls do nothing.
+// WarpgroupLaunch runs a 128-thread block function on one warpgroup of a larger block (POD on
+// Hopper: csrc/pod/pod_sm90.cuh), with its own named barrier.
 struct StreamLaunch {
   bool prefetch = false;
   FIJ_DEVICE void wait_for_inputs() const { pdl_wait(); }
   FIJ_DEVICE void release_next() const { pdl_trigger(); }
+  FIJ_DEVICE int thread() const { return static_cast<int>(threadIdx.x); }
+  FIJ_DEVICE void sync() const { __syncthreads(); }
 };
 struct InsideLaunch {
   static constexpr bool prefetch = false;
   FIJ_DEVICE void wait_for_inputs() const {}
   FIJ_DEVICE void release_next() const {}
+  FIJ_DEVICE int thread() const { return static_cast<int>(threadIdx.x); }
+  FIJ_DEVICE void sync() const { __syncthreads(); }
+};
+struct WarpgroupLaunch {
+  static constexpr bool prefetch = false;
+  int warpgroup;  // threads [128 warpgroup, 128 warpgroup + 128) of the CUDA block
+  int barrier;    // a named barrier (1-15) no other code of the kernel uses at the same time
+  FIJ_DEVICE void wait_for_inputs() const {}
+  FIJ_DEVICE void release_next() const {}
+  FIJ_DEVICE int thread() const { return static_cast<int>(threadIdx.x) - 128 * warpgroup; }
+  FIJ_DEVICE void sync() const { asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory"); }
 };
 
 // cudaFuncSetAttribute(Kernel, Attr, value) once per device and kernel: it costs ~1 us of

@@ -70,16 +70,21 @@ struct SplitCounter {
   int* counter;
   int parts;
 };
-template <class CounterFn>
-FIJ_DEVICE bool last_of_split(bool leader, int& flag, CounterFn counter) {
-  __syncthreads();
+// (sync: the block's barrier; a virtual block's is a named one: WarpgroupLaunch::sync.)
+template <class CounterFn, class SyncFn>
+FIJ_DEVICE bool last_of_split(bool leader, int& flag, CounterFn counter, SyncFn sync) {
+  sync();
   if (leader) {
     const SplitCounter c = counter();
     flag = atomic_add_acq_rel(c.counter, 1) == c.parts - 1;
     if (flag) *c.counter = 0;
   }
-  __syncthreads();
+  sync();
   return flag;
+}
+template <class CounterFn>
+FIJ_DEVICE bool last_of_split(bool leader, int& flag, CounterFn counter) {
+  return last_of_split(leader, flag, counter, [] { __syncthreads(); });
 }
 
 // One block per (row, head); a thread per 4 dims. `state(i)` gives state i's (o ptr, lse).

@@ -271,7 +271,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   // A cluster's first barrier phase: every block has started (so its shared memory may
   // be written) once the wait before the first remote store returns, long after this.
   if constexpr (Traits::kCluster > 1) cluster_arrive_relaxed();
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = launch.thread(), warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, c = lane % 4;
   const unsigned rank = Traits::kCluster > 1 ? cluster_ctarank() : 0;  // in the cluster (its chunk of the request)
   // Block x: KV head (pair) head_block / tiles, query-head tile head_block % tiles (one
@@ -729,7 +729,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
 
   // --- merge the warps: m, d per head and O per (head, dim) through shared memory ------------
   cp_async_wait<0>();
-  __syncthreads();  // every warp is done with the stages
+  launch.sync();  // every warp is done with the stages
   constexpr int kHeadsPad = 8 * HT;
   constexpr int OS = Traits::kOStride;
   float* red_o = reinterpret_cast<float*>(smem);                         // [warp][head][OS]
@@ -759,7 +759,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
       base[OS + dim_hi] = o[i][t][3];
     }
   }
-  __syncthreads();
+  launch.sync();
 
   // Thread -> (block row h, 4 dims); rows past the group tile are padding and never written.
   // Row h is local row h % kLiveRows of the warps that took KV head slot h / kLiveRows.
@@ -825,7 +825,9 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   auto counter = [&] {
     return SplitCounter{p.merge_counters + b * head_blocks + head_block, p.merge_indptr[b + 1] - p.merge_indptr[b]};
   };
-  if (!last_of_split(tid == 0, *reinterpret_cast<int*>(smem + Traits::kFlagOffset), counter)) return;
+  if (!last_of_split(tid == 0, *reinterpret_cast<int*>(smem + Traits::kFlagOffset), counter,
+                     [&] { launch.sync(); }))
+    return;
   // Parallel over partials: per head, the lanes of a warp find the largest LSE and the
   // weights 2^(lse_i - max) (kept in shared memory); then each thread sums one (head,
   // 4 dims) over the partials, 16 loads in flight (a serial loop waits for L2 once per
@@ -889,7 +891,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
       head_den[h] = den[j];
     }
   }
-  __syncthreads();
+  launch.sync();
   for (int slot_i = tid; slot_i < kSlotsT; slot_i += Traits::kThreads) {
     const int h = slot_i / (D / 4), x4 = slot_i % (D / 4);
     const PartialT* src = slot_src(slot_i);

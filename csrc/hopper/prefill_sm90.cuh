@@ -452,14 +452,27 @@ FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
 
 }  // namespace sm90_prefill
 
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128, bool kCustom = false>
-__global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
-    prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
+// Where a block's items come from. The prefill kernel: block b's first item is b, the rest
+// come from the counter past the grid (base = gridDim.x), and the last block to find none left
+// resets the two counters. POD (csrc/pod/pod_sm90.cuh): the blocks that start on prefill take
+// their index first, the others (first = -1) join from the counter once their decode units are
+// done, and the last block also resets the decode side's counter (also_reset).
+struct Sm90Schedule {
+  int first;               // this block's first item, or -1: from the counter
+  int base;                // item = base + the counter's value
+  int32_t* also_reset;     // zeroed with the counters by the last block (null: none)
+};
+
+// One block's share of a launch: items from the schedule until none is left (the whole
+// block, 128 x (1 + kM / 64) threads; shared memory at smem_raw: Sm90Kernel::kSmemBytes,
+// which holds 1 KB for the alignment). The producer warpgroup returns when its last item is loaded,
+// the consumers after the rows without keys are written.
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM, bool kCustom>
+FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* smem_raw, const Sm90Schedule sched) {
   using namespace sm90_prefill;
   using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom>;
   constexpr int kC = K::kConsumers;
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = h::align_1024(smem_raw);
   constexpr int kQStages = K::kQStages;
   unsigned char* sq = smem;                                   // Q stage j at sq + j * kQBytes
@@ -508,13 +521,15 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
       }
       const int v_ids = kPaged ? p.work[2] : 0;  // V page ids past K's (separate K/V tables)
       int it = 0;  // key tiles over every item so far (the stages' phases)
-      // the next item reserved one item ahead; only while this block's items are active
+      // the next item reserved one item ahead (lane 0's `taken`), only while this block's
+      // items are active: its atomic is in flight over the item before
+      const bool fixed_first = sched.first >= 0;
       int taken = 0;
-      if (lane == 0 && int(blockIdx.x) < active) taken = atomicAdd(&p.counters[0], 1);
+      if (lane == 0 && (!fixed_first || sched.first < active)) taken = atomicAdd(&p.counters[0], 1);
       for (int k = 0;; ++k) {
-        int idx = int(blockIdx.x);
-        if (k > 0) {
-          idx = int(gridDim.x) + __shfl_sync(0xffffffffu, taken, 0);
+        int idx = sched.first;
+        if (k > 0 || !fixed_first) {
+          idx = sched.base + __shfl_sync(0xffffffffu, taken, 0);
           if (lane == 0 && idx < active) taken = atomicAdd(&p.counters[0], 1);
         }
         const Sm90Tile tile = idx < active ? load_tile(p.work, idx / p.num_qo_heads) : Sm90Tile{};
@@ -527,7 +542,10 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
           if (lane == 0) {
             item_slot[k & 1] = -1;
             h::mbar_arrive(&q_full[qs]);  // the consumers read -1: done
-            if (atomicAdd(&p.counters[1], 1) == int(gridDim.x) - 1) p.counters[0] = p.counters[1] = 0;
+            if (atomicAdd(&p.counters[1], 1) == int(gridDim.x) - 1) {  // every block's last take is done
+              p.counters[0] = p.counters[1] = 0;
+              if (sched.also_reset != nullptr) *sched.also_reset = 0;
+            }
           }
           break;
         }
@@ -675,6 +693,14 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
       K::store(p, tile, idx % p.num_qo_heads, r0, cq, o, m, l);
     }
   }
+}
+
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128, bool kCustom = false>
+__global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
+    prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom>(
+      p, smem_raw, Sm90Schedule{int(blockIdx.x), int(gridDim.x), nullptr});
 }
 
 // Launches the kernel on `grid` blocks (one an SM: every block walks the list).

@@ -186,6 +186,19 @@ class BatchAttention:
         self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
         self._planned = None
 
+    @property
+    def prefill_backend(self) -> str:
+        """The prefill side's kernel (BatchPODWithPagedKVCacheWrapper.prefill_backend): "fa2"
+        (the default), or "auto": POD on Hopper for a mixed batch whose prefill side plans the
+        Hopper kernel, and the Hopper kernel for a batch without decodes. Set it before plan()."""
+        return self._pod.prefill_backend
+
+    @prefill_backend.setter
+    def prefill_backend(self, value: str) -> None:
+        expect_choice(value, "prefill_backend", ("fa2", "auto", "fa3"))
+        self._pod.prefill_backend = value
+        self._prefill._backend = value
+
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads: int, num_kv_heads: int,
              head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool = False, sm_scale=None,
              logits_soft_cap=None, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..decode.spec import DecodeSpec, group_tile
 from ..pipeline.spec import FP8_DTYPES, HEAD_DIMS, KV_LAYOUTS, PAGE_TABLES, PAGED_KV_DTYPES, Spec, choice
-from ..prefill.spec import MASKS, PrefillSpec
+from ..prefill.spec import MASKS, PrefillSm90Spec, PrefillSpec
 
 
 
@@ -107,3 +107,61 @@ def pod_spec(dtype_q: str, dtype_kv: str, head_dim: int, prefill_kv: str, page_t
     return PodSpec(dtype_q=dtype_q, dtype_kv=dtype_kv, head_dim=head_dim, prefill_kv=prefill_kv, page_table=page_table,
                    kv_layout=kv_layout, mask=mask,
                    group_tile=group_tile(num_qo_heads, num_kv_heads, head_dim)).validate()
+
+
+@dataclass(frozen=True)
+class PodSm90Spec(Spec):
+    """POD on Hopper (csrc/pod/pod_sm90.cuh): the Hopper prefill kernel's blocks over the paged
+    cache and the tensor-core decode blocks, one launch, one block an SM; the SMs split
+    between the sides, and the decode side's blocks join the prefill as their units run out.
+
+    Compiled in: the dtype (q, K/V and the output: f16 or bf16), head_dim (64, 128 or 256),
+    the page table and KV layout of the paged cache (one for both sides), the prefill's mask
+    (none or causal) and key tile (the prefill plan's), the decode's group tile. Everything
+    else as the two families take it at run time. The batch POD wrapper and BatchAttention
+    launch it where their prefill side plans the Hopper kernel (docs/pod.md)."""
+
+    FAMILY = "pod_sm90"
+    TEMPLATES = {"kernel.cu": "pod/pod_sm90.cu.j2", "binding.cc": "pod/pod_sm90_binding.cc.j2"}
+    ARCHS = ("9.0a",)
+
+    dtype_q: str = choice("float16", "bfloat16")
+    head_dim: int = choice(64, 128, 256, tag="hd{}")
+    page_table: str = choice(*PAGE_TABLES, default="csr", name_default=False)
+    kv_layout: str = choice(*KV_LAYOUTS, default="NHD", name_default=False)
+    mask: str = choice("none", "causal", default="none", name_default=False)
+    key_tile: int = choice(64, 80, 128, 176, tag="n{}", default=128, name_default=False)
+    group_tile: int = choice(1, 2, 4, 8, 16, tag="g{}", default=1)
+
+    def check(self) -> None:
+        try:
+            self.prefill_spec().validate()
+            self.decode_spec().validate()
+        except ValueError as exc:  # (named after this spec: the side's rule is what it breaks)
+            raise ValueError(f"PodSm90Spec: {exc}") from None
+
+    def prefill_spec(self) -> PrefillSm90Spec:
+        """The Hopper prefill module whose plan (work list) the launch's prefill side takes."""
+        return PrefillSm90Spec(self.dtype_q, self.head_dim, self.mask, "paged", self.kv_layout, self.key_tile)
+
+    def decode_spec(self) -> DecodeSpec:
+        """The decode module whose work list, params and merge the launch's decode side takes."""
+        return DecodeSpec(dtype_q=self.dtype_q, dtype_kv=self.dtype_q, head_dim=self.head_dim,
+                          group_tile=self.group_tile, page_table=self.page_table, kv_layout=self.kv_layout)
+
+    def context(self) -> dict:
+        return super().context() | {"prefill": self.prefill_spec().context(), "decode": self.decode_spec().context()}
+
+    def op_schemas(self) -> dict[str, str]:
+        # The Hopper prefill op's arguments (_p; flashinfer_jit/prefill/spec.py
+        # PrefillSm90Spec) without the custom mask, sinks, soft cap and grid, the decode op's
+        # (_d) as the POD op takes them, POD's counters (int32 zeros, which the kernel leaves
+        # at zero; its first three) and prefill_blocks: the blocks that start on prefill
+        # items (csrc/pod/pod_sm90.cuh).
+        return {"pod_sm90": (
+            "(Tensor q_p, Tensor k_p, Tensor v_p, Tensor work_p, Tensor page_ids_p, Tensor(a!) out_p, "
+            "Tensor(b!) lse_p, float scale_log2_p, int window_left_p, float v_scale_p, "
+            "Tensor q_d, Tensor k_cache_d, Tensor v_cache_d, Tensor[] page_table_d, Tensor work_d, "
+            "Tensor merge_indptr_d, Tensor(f!) out_d, Tensor(g!) lse_d, Tensor partial_o_d, "
+            "Tensor(i!) partial_lse_d, float logit_scale_d, float v_scale_d, int window_left_d, int grid_items_d, "
+            "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, int prefill_blocks) -> ()")}

@@ -35,10 +35,10 @@ from ..runtime.checks import (
     host_index,
     static_inputs,
 )
-from ..runtime.device import sm_count, supports_pdl
+from ..runtime.device import empty_f32, sm_count, supports_pdl
 from ..runtime.launch import fast_entry, launch_buffer, launch_failed, module_op
 from ..runtime.page_table import csr_kv_lens_host, unpack_paged_kv_cache
-from .spec import PodSpec, pod_tiles
+from .spec import PodSm90Spec, PodSpec, pod_tiles
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
 
@@ -65,6 +65,37 @@ def _pod_spec_of(prefill: PrefillSpec, decode: DecodeSpec, prefill_kv: str, kv_l
     return PodSpec(dtype_q=decode.dtype_q, dtype_kv=decode.dtype_kv, head_dim=decode.head_dim, prefill_kv=prefill_kv,
                    page_table=decode.page_table, kv_layout=kv_layout, mask=prefill.mask,
                    group_tile=decode.group_tile).validate()
+
+
+@functools.lru_cache(maxsize=64)
+def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str) -> PodSm90Spec:
+    """POD on Hopper's module: the prefill plan's Hopper module (PrefillSm90Spec) beside the
+    decode plan's (validated once a pair)."""
+    return PodSm90Spec(dtype_q=decode.dtype_q, head_dim=decode.head_dim, page_table=decode.page_table,
+                       kv_layout=kv_layout, mask=prefill.mask, key_tile=prefill.key_tile,
+                       group_tile=decode.group_tile).validate()
+
+
+# POD on Hopper's split (csrc/pod/pod_sm90.cuh): the Hopper prefill kernel's rate over the paged
+# cache on an H200 (bf16 head_dim 128, 2 x 2k causal: 446 TFLOP/s) and the decode's DRAM read;
+# only their ratio matters.
+_SM90_PREFILL_FLOPS_PER_S = 4.5e14
+
+
+def sm90_prefill_blocks(flops: float, kv_bytes: float, num_sms: int) -> int:
+    """The blocks (SMs) that start on prefill items in POD on Hopper: the prefill side's share
+    of the two sides' estimated times alone, at least one SM each while both have work. The
+    decode side's blocks join the prefill when their units run out, so a decode share on the
+    high side costs little; one on the low side leaves the decode's tail on fewer SMs. An
+    H200 run of the two kernels side by side (two streams, the prefill grid cut to N:
+    docs/pod.md) was fastest at 66-76 prefill SMs of 132 on mixes 1, 3, 5 and 6, where this
+    gives 50-60."""
+    t_p, t_d = flops / _SM90_PREFILL_FLOPS_PER_S, kv_bytes / _DECODE_BYTES_PER_S
+    if t_d <= 0:
+        return num_sms
+    if t_p <= 0:
+        return 0
+    return max(1, min(num_sms - 1, round(num_sms * t_p / (t_p + t_d))))
 
 
 @constant_result
@@ -462,6 +493,18 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
     v_scale apply to both sides, since both read the paged caches (FlashInfer applies them
     to the decode side only)."""
 
+    # The prefill side's kernel: "fa2", the mma.sync kernel's blocks inside POD's kernel
+    # (csrc/pod/pod.cuh); "auto", POD on Hopper (csrc/pod/pod_sm90.cuh: the Hopper prefill
+    # kernel's blocks, one an SM, beside the decode blocks) where the prefill side plans the
+    # Hopper kernel (backend "auto"'s rule: sm_90, prompts long enough; no custom mask), else
+    # "fa2"; "fa3", POD on Hopper or a ValueError naming why not. Set it before plan().
+    # Opt-in: POD on Hopper runs eager launches only (neither CUDA-graph wrappers nor
+    # torch.compile take it yet) and without run()'s fast path.
+    prefill_backend = "fa2"
+    # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
+    # start on prefill items (benchmarks pin it)
+    force_prefill_blocks = None
+
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf_p=None, paged_kv_indptr_buf_p=None, paged_kv_indices_buf_p=None,
                  paged_kv_last_page_len_buf_p=None, paged_kv_indptr_buf_d=None, paged_kv_indices_buf_d=None,
@@ -534,6 +577,13 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                                "plan() planned, during CUDA-graph capture; pass plan() causal=causal_p")
         qo, kv, ids, last, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = self._prefill_args
         self._pin_tile(d)
+        backend = self.prefill_backend
+        expect_choice(backend, "prefill_backend", ("fa2", "auto", "fa3"))
+        if backend == "fa3" and (custom or self._use_cuda_graph):
+            raise ValueError("prefill_backend='fa3': POD on Hopper takes neither a custom mask nor a CUDA-graph "
+                             "wrapper yet; use 'auto' (the mma.sync POD there) or 'fa2'")
+        self._prefill._backend = backend if not custom and not self._use_cuda_graph else "fa2"
+        self._prefill._force_query_tile = 128  # (POD on Hopper's module holds the 128-row tile)
         self._flops = work_flops(self._prefill_work, bool(causal) and not custom, hq, d)
         self._prefill.plan(qo, kv, ids, last, hq, hk, d, ps, custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window,
@@ -577,12 +627,48 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                   out_p=None, lse_p=None, out_d=None, lse_d=None, record=None, key=None) -> tuple:
         """The launch of the planned batch; outputs allocated, or the given tensors (rows of a
         mixed batch's outputs: BatchAttention). record, key: _launch's (run()'s fast path)."""
+        if self._prefill.planned_backend == "fa3":
+            return self._run_sm90(q_p, kv_p, q_d, paged_kv_cache_d, q_scale, k_scale, v_scale, return_lse, out_p,
+                                  lse_p, out_d, lse_d)
         spec = self._spec("paged", q_p, q_d)
         out_p, lse_p, p_args = self._prefill._resolved_args(q_p, *kv_p, q_scale, k_scale, v_scale, return_lse, None,
                                                             out_p, lse_p)
         out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
                                                            return_lse, out_d, lse_d)
         self._launch(spec, p_args, d_args, enable_pdl, record, key)
+        return (out_p, out_d), (lse_p, lse_d)
+
+    def _run_sm90(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, q_scale, k_scale, v_scale, return_lse, out_p,
+                  lse_p, out_d, lse_d) -> tuple:
+        """POD on Hopper (prefill_backend "auto" and a prefill plan on the Hopper kernel): one
+        launch of csrc/pod/pod_sm90.cuh; each side's checks and outputs as its own run()'s."""
+        if compiling():
+            raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run() under torch.compile: POD on Hopper "
+                               "(prefill_backend='auto') runs eager launches only; set prefill_backend='fa2' before "
+                               "plan()")
+        if q_p.dtype != q_d.dtype:
+            raise ValueError(f"q_p and q_d: POD runs one query dtype, got {dtype_str(q_p.dtype)} and "
+                             f"{dtype_str(q_d.dtype)}")
+        pc, dc = self._prefill._plan.config, self._decode._plan.config
+        if (pc.num_qo_heads, pc.num_kv_heads, pc.head_dim_qk) != (dc.num_qo_heads, dc.num_kv_heads, dc.head_dim):
+            raise ValueError(f"q_p: the prefill plan's heads and head_dim ({pc.num_qo_heads} / {pc.num_kv_heads}, "
+                             f"{pc.head_dim_qk}) differ from the decode plan's ({dc.num_qo_heads} / "
+                             f"{dc.num_kv_heads}, {dc.head_dim}); POD runs one head configuration")
+        k_p, v_p = kv_p
+        plan = self._prefill._plan
+        out_p, lse_p, scale_p, vs_p = self._prefill._sm90_args(q_p, k_p, v_p, q_scale, k_scale, v_scale, out_p, lse_p,
+                                                               return_lse)
+        out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
+                                                           return_lse, out_d, lse_d)
+        if q_p.shape[0] > 0 or q_d.shape[0] > 0:
+            spec = _pod_sm90_spec_of(plan.spec, self._decode._plan.spec, self._kv_layout)
+            op = module_op(spec, "pod_sm90", env.debug())
+            blocks = self.force_prefill_blocks
+            if blocks is None:
+                blocks = sm90_prefill_blocks(work_flops(self._prefill_work, pc.mask == "causal", pc.num_qo_heads,
+                                                        pc.head_dim_qk), self._kv_bytes, sm_count(self._device))
+            op(q_p, k_p, v_p, plan.work, plan.page_ids, out_p, lse_p if lse_p is not None else empty_f32(q_p.device),
+               scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks))
         return (out_p, out_d), (lse_p, lse_d)
 
     forward = run

@@ -166,7 +166,7 @@ class PrefillSm90Spec(Spec):
     # logits soft-capped, cap * tanh(logit / cap) (the cap itself is a launch argument)
     soft_cap: bool = choice(False, True, tag="cap", default=False)
     # query rows an item: 128 (two consumer warpgroups), or 192 at head_dim 64 (three, FA3's
-    # choice there; plan() takes it only where pinned until an A/B decides)
+    # choice there; plan() takes it for long query tiles: sm90.query_tile)
     query_tile: int = choice(128, 192, tag="m{}", default=128, name_default=False)
 
     def check(self) -> None:

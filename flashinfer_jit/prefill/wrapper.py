@@ -1034,6 +1034,23 @@ class _PrefillWrapper:
         c = plan.config
         if sinks is not None:
             _check_sinks(sinks, c.num_qo_heads, q.device)
+        out, lse, logit_scale, vs = self._sm90_args(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse,
+                                                    window_left)
+        if compiling():
+            op = traced_op(traced_namespace(*plan.traced_key), "prefill_sm90")
+        else:
+            op = plan.op
+            if op is None:
+                op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
+        op(q, k, v, plan.work, plan.page_ids, plan.mask, plan.counters, out, lse if lse is not None else empty_f32(q.device),
+           sinks if sinks is not None else empty_f32(q.device), logit_scale, c.cap_log2, c.window_left, vs, plan.grid)
+        return (out, lse) if return_lse else out
+
+    def _sm90_args(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, window_left=None) -> tuple:
+        """A Hopper-path run()'s checks and outputs: (out, lse or None, logit scale, v scale),
+        out and lse allocated where not given. POD on Hopper takes them too."""
+        plan = self._plan
+        c = plan.config
         if window_left is not None and max(window_left, -1) != max(c.window_left, -1):
             raise ValueError(f"window_left={window_left}: a plan on the Hopper path runs plan()'s window "
                              f"({c.window_left}); plan() with this one (its first key tiles follow the window)")
@@ -1052,16 +1069,7 @@ class _PrefillWrapper:
         elif lse is not None and not traced:
             _check_out(lse, (tokens, c.num_qo_heads), torch.float32, q.device, "lse", contiguous=True, align=4)
         logit_scale = c.logit_scale if q_scale is None and k_scale is None else _logit_scales(c, q_scale, k_scale)[0]
-        vs = 1.0 if v_scale is None else float(v_scale)
-        if traced:
-            op = traced_op(traced_namespace(*plan.traced_key), "prefill_sm90")
-        else:
-            op = plan.op
-            if op is None:
-                op = plan.op = module_op(plan.spec, "prefill_sm90", env.debug())
-        op(q, k, v, plan.work, plan.page_ids, plan.mask, plan.counters, out, lse if lse is not None else empty_f32(q.device),
-           sinks if sinks is not None else empty_f32(q.device), logit_scale, c.cap_log2, c.window_left, vs, plan.grid)
-        return (out, lse) if return_lse else out
+        return out, lse, logit_scale, 1.0 if v_scale is None else float(v_scale)
 
     def _run_traced(self, q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse, enable_pdl, window_left,
                     sinks):
