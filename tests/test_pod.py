@@ -462,7 +462,7 @@ SM90_CASES = [
     pytest.param([(1000, 3000)], 64, True, 128, 1, True, True, {}, id="one-prefill-block"),
     pytest.param([(1000, 3000)], 64, True, 128, 131, True, True, {}, id="one-decode-block"),
     pytest.param([(600, 900), (300, 1700)], 33, True, 64, None, True, True, {}, id="hd64"),
-    pytest.param([(800, 800)], 9, True, 256, None, False, True, {}, id="hd256"),
+    pytest.param([(2500, 4000)], 9, True, 256, None, False, True, {}, id="hd256"),  # (auto: 2048 keys a tile)
     pytest.param([(700, 1500), (400, 400)], 50, True, 128, None, True, True, dict(window_left=300), id="window"),
 ]
 

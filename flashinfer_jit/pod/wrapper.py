@@ -272,7 +272,8 @@ class _Pod:
 
     def _plan_schedule(self) -> None:
         """pod_schedule() of the two plans (after either plans); drops run()'s recorded launch."""
-        tile = self._prefill._plan.tile_rows if self._prefill._plan is not None else 64
+        # (a Hopper prefill plan, POD on Hopper's, has no mma.sync tile: its split is sm90_prefill_blocks)
+        tile = getattr(self._prefill._plan, "tile_rows", 128) if self._prefill._plan is not None else 64
         num_sms = sm_count(self._device) if self._device.type == "cuda" else 132
         self._planned_schedule = pod_schedule(self._flops, self._kv_bytes, tile, num_sms)
         self._quick = None
