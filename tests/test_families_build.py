@@ -21,8 +21,8 @@ merge    dtype=bfloat16  head_dim=64
 decode   dtype_q=float16  dtype_kv=float16  head_dim=64  group_tile=1
 prefill  dtype_q=float16  dtype_kv=float16  dtype_o=float16  head_dim_qk=64  head_dim_vo=64  kv_source=ragged  mask=none
 """
-# the Hopper prefill module (sm_90a), built alone by its thorough test below
-SM90_MATRIX = "prefill_sm90  dtype_q=float16  head_dim=64\n"
+# the Hopper prefill module and POD on Hopper's (sm_90a), built by their thorough test below
+SM90_MATRIX = "prefill_sm90  dtype_q=float16  head_dim=64\npod_sm90  dtype_q=float16  head_dim=64  group_tile=1\n"
 # built by the default run's other tests
 ELSEWHERE = {"batch_indices", "append", "decode_plan", "prefill_plan", "page_order", "pod"}
 
@@ -61,9 +61,9 @@ def test_one_module_of_each_family_builds_links_and_imports(fresh_cache, tmp_pat
 @pytest.mark.slow
 @pytest.mark.thorough
 def test_hopper_prefill_module_builds_without_a_gpu(fresh_cache, tmp_path, capsys):
-    """The Hopper prefill module (sm_90a only: wgmma, setmaxnreg) builds, links and imports on
-    a machine without a GPU, as an AOT image builds it, whatever --arch says. (Thorough: the
-    default run stays under five minutes on two cores; CI runs it.)"""
-    (module,) = _build_and_load(SM90_MATRIX, tmp_path, capsys, "8.0")
-    assert module.path.is_relative_to(fresh_cache), module.path
-    assert "9.0a" in (module.path / "manifest.json").read_text()  # its own arch, not --arch's
+    """The Hopper prefill module and POD on Hopper's (sm_90a only: wgmma, setmaxnreg) build,
+    link and import on a machine without a GPU, as an AOT image builds them, whatever --arch
+    says. (Thorough: the default run stays under five minutes on two cores; CI runs it.)"""
+    for module in _build_and_load(SM90_MATRIX, tmp_path, capsys, "8.0"):
+        assert module.path.is_relative_to(fresh_cache), module.path
+        assert "9.0a" in (module.path / "manifest.json").read_text()  # its own arch, not --arch's

@@ -585,7 +585,6 @@ def _auto_lacking_params():
     """(plan() arguments beyond the base, whether on the paged wrapper)."""
     return [
         pytest.param(dict(pos_encoding_mode="ROPE_LLAMA"), False, id="rope"),
-        pytest.param(dict(pos_encoding_mode="ALIBI"), False, id="alibi"),
         pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
         pytest.param(dict(page_size=8), True, id="paged_page_8"),
         pytest.param(dict(kv_data_type=torch.float8_e4m3fn), True, id="paged_fp8_kv"),
@@ -596,7 +595,7 @@ def _auto_lacking_params():
 @pytest.mark.parametrize("extra, paged", _auto_lacking_params())
 def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspace):
     """backend="auto" on sm_90 with long prompts that alone pick fa3 (checked first), plus a
-    feature the Hopper path lacks (RoPE, ALiBi, an o_data_type, a page size, fp8 K/V):
+    feature the Hopper path lacks (RoPE, an o_data_type, a page size, fp8 K/V):
     planned_backend "fa2", no error. Plans only (no module is built)."""
     shapes = AUTO_BATCHES["long_prompts"][0]
     qo, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
@@ -904,7 +903,6 @@ def _cpu_masks() -> dict:
 # (plan() arguments beyond CPU_HEADS, the error's match): what the Hopper path lacks
 FA3_LACKS = [
     pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA"), r"pos_encoding", id="rope"),
-    pytest.param(dict(pos_encoding_mode="ALIBI"), r"pos_encoding", id="alibi"),
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8_kv"),
     pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"kv_data_type|q_data_type|dtype",
                  id="kv_dtype_not_q"),  # (inferred from "same dtype for q and kv")
@@ -1370,6 +1368,66 @@ def test_fa3_head_dim_64_picks_192_rows_on_long_tiles(causal, hopper_workspace):
     out, lse = run_poisoned(wrapper, q, kv, 64, torch.bfloat16)
     ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+def test_alibi_plan_ships_each_tiles_shift(monkeypatch):
+    """pos_encoding_mode="ALIBI" on the Hopper path (planned on the CPU with the arch check
+    passed): the ALiBi module, and each tile's `keys` replaced by its request's kv_len - qo_len
+    (the LSE's shift the kernel adds); with a soft cap, plan()'s ValueError."""
+    import numpy as np
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    shapes = [(300, 700), (129, 129), (0, 5), (40, 1000)]
+    wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
+    wrapper.plan(_cpu_indptr([m for m, _ in shapes]), _cpu_indptr([n for _, n in shapes]), *LLAMA, 128,
+                 causal=True, pos_encoding_mode="ALIBI", q_data_type=torch.bfloat16)
+    plan = wrapper._plan
+    assert plan.spec.alibi and "alibi" in plan.spec.name
+    work = plan.work.cpu().numpy()
+    tiles = work[sm90.WORK_HEADER: sm90.WORK_HEADER + sm90.TILE_INTS * (work[0] // LLAMA[0])]
+    tiles = tiles.reshape(-1, sm90.TILE_INTS)
+    qo = np.cumsum([0] + [m for m, _ in shapes])
+    for t in tiles:
+        b = int(np.searchsorted(qo, t[0], side="right") - 1)
+        assert t[6] == shapes[b][1] - shapes[b][0], (t, b)
+    with pytest.raises(ValueError, match="ALIBI"):
+        wrapper.plan(_cpu_indptr([m for m, _ in shapes]), _cpu_indptr([n for _, n in shapes]), *LLAMA, 128,
+                     causal=True, pos_encoding_mode="ALIBI", logits_soft_cap=30.0, q_data_type=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, source, dtype, head_dim", [(True, "ragged", BF16, 128), (False, "ragged", F16, 64),
+                                                              (True, "paged", BF16, 128), (False, "paged", BF16, 256)])
+def test_fa3_alibi(causal, source, dtype, head_dim, hopper_workspace):
+    """pos_encoding_mode="ALIBI" on the Hopper path: FlashInfer's slopes and bias slope x (key -
+    row), the LSE FlashInfer's (the kernel's shift added back), against the float64 reference
+    and the mma.sync kernel, outputs poisoned; requests without queries or keys, one shorter
+    than a tile, 12 query heads (not a power of two: the odd slopes)."""
+    gen = torch.Generator(device=DEV).manual_seed(333 + causal + head_dim)
+    rnd = random.Random(333)
+    shapes = [(300, 700), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000)]
+    heads = (12, 4)
+    torch_dtype = dtype_of(dtype)
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, heads[1], (head_dim, head_dim), torch_dtype, gen)
+    q = make_q(sum(qo_lens), heads[0], head_dim, torch_dtype, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    if source == "ragged":
+        kv, page_size = ragged_kv(k_rows, v_rows, kv_lens), None
+    else:
+        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
+    results = {}
+    for backend in ("fa3", "fa2"):
+        wrapper = ragged_wrapper(hopper_workspace, backend=backend) if source == "ragged" else \
+            paged_wrapper(hopper_workspace, "NHD", backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *heads, (head_dim, head_dim), page_size, causal=causal,
+                pos_encoding_mode="ALIBI", q_data_type=torch_dtype)
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch_dtype)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal, pos_encoding_mode="ALIBI")
+    tol = tolerance(dtype)
+    check_prefill(*results["fa3"], ref_out, ref_lse, shapes, tol)
+    check_agree(*results["fa3"], *results["fa2"], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
 
 # --- vLLM block tables on the Hopper path ----------------------------------------------------------
 def test_block_table_ids_view_and_offsets():

@@ -45,7 +45,7 @@ namespace fij {
 
 
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
-          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1>
+          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1, int StageBudget = 0>
 struct DecodeMmaTraits {
   using Q = typename QueryTypes<TQ>::Q;  // q's elements
   using O = typename QueryTypes<TQ>::O;  // the output's: q's type, 16-bit for an fp8 q
@@ -120,7 +120,9 @@ struct DecodeMmaTraits {
   static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
   // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
   // wave for 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per warp.
-  static constexpr int kStageBudget = (kCluster > 1 ? 98304 : 49152) * kKvHeads;
+  // (StageBudget > 0: that many bytes instead; POD on Hopper's blocks, which hold a third of
+  // the SM's shared memory each: csrc/pod/pod_sm90.cuh)
+  static constexpr int kStageBudget = StageBudget > 0 ? StageBudget : (kCluster > 1 ? 98304 : 49152) * kKvHeads;
   static constexpr int kStages = (kStageBudget / kStageBytes) < 2 ? 2
                                  : ((kStageBudget / kStageBytes) > 8 ? 8 : kStageBudget / kStageBytes);
   // The warps' states in shared memory: O rows of kOStride floats (padded by 4: the rows a

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "common/common.cuh"  // allow_dynamic_smem
+#include "common/pos_encoding.cuh"  // alibi_slope_log2
 #include "hopper/prefill_sm90_params.h"
 #include "hopper/sm90.cuh"
 
@@ -90,7 +91,8 @@ struct Rows {
   int kv_len, diag;
   int window;          // PrefillSm90Params::window_left (-1: none)
   float scale_log2;    // the exponent's scale (1 with a soft cap: the capped logits are in log2 units)
-  float cap_in, cap_log2;  // a soft cap: cap_log2 * tanh(s * cap_in)
+  float cap_in, cap_log2;  // a soft cap: cap_log2 * tanh(s * cap_in); ALiBi: s * cap_in + bias
+  float slope;             // ALiBi: the head's slope in log2 units (csrc/common/pos_encoding.cuh)
 };
 
 // kN: keys a K/V tile, 64, 80, 128 or 176 (the spec's key_tile; plan() counts key tiles in
@@ -107,9 +109,11 @@ constexpr int sm90_head_dim_vo() {
 // kM: query rows an item, 64 a consumer warpgroup: 128 (two consumers), or 192 (three, FA3's
 // choice at head_dim 64, where one warpgroup's softmax takes about as long as the other's
 // GEMMs and a third keeps the tensor cores fed).
-template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128, bool kCustom = false>
+template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128, bool kCustom = false,
+          bool kAlibi = false>
 struct Sm90Kernel {
   static_assert(!(kCausal && kCustom), "a custom mask replaces the causal one");
+  static_assert(!(kAlibi && kSoftCap), "ALiBi takes no soft cap");
   static_assert(kM == 128 || (kM == 192 && kD == 64), "192-row query tiles are for head_dim 64");
   static constexpr int kBlockM = kM;
   static constexpr int kConsumers = kM / 64;            // consumer warpgroups
@@ -225,6 +229,15 @@ struct Sm90Kernel {
       for (int i = 0; i < kS; ++i) s[i] = r.cap_log2 * tanhf(s[i] * r.cap_in);
     }
     const int key0 = n * kBlockN;
+    if constexpr (kAlibi) {  // + slope (key - pos), pos = diag + row: <= 0 up to the causal diagonal
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * j + r.cq + (e & 1), pos = r.diag + r.r0 + 8 * (e >> 1);
+          s[4 * j + e] = fmaf(r.slope, float(key - pos), s[4 * j + e] * r.cap_in);
+        }
+    }
     // a sliding window cuts keys below pos - window_left: up to the warpgroup's last row's
     const bool windowed = r.window >= 0 && key0 < r.diag + r.first + 63 - r.window;
     const bool edge =
@@ -367,8 +380,12 @@ struct Sm90Kernel {
   // mma.sync kernel does.
   static FIJ_SM90 void finish_rows(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int r0, int cq,
                                    const float (&m)[2], const float (&l)[2], float (&inv)[2]) {
-    const float m_scale = kSoftCap ? 1.f : p.scale_log2;
+    const float m_scale = kSoftCap || kAlibi ? 1.f : p.scale_log2;
     const float sink = p.sinks != nullptr ? p.sinks[head] * 1.4426950408889634f : -INFINITY;  // log2 units
+    // ALiBi: FlashInfer's bias is slope (key - i), i the row in the request; the softmax took
+    // slope (key - pos), pos = i + kv_len - qo_len: the LSE gains slope (kv_len - qo_len), which
+    // plan() leaves in the tile's `keys` (pos_encoding.cuh)
+    const float shift = kAlibi ? alibi_slope_log2(head, p.num_qo_heads) * float(tile.keys) : 0.f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = r0 + 8 * r;
@@ -381,7 +398,7 @@ struct Sm90Kernel {
       }
       inv[r] = sum > 0.f ? p.v_scale * sc / sum : 0.f;
       if (p.lse != nullptr && cq == 0 && row < tile.rows)  // (m times m_scale: log2 units; 1 with a soft cap)
-        p.lse[(tile.q_row0 + row) * int64_t(p.num_qo_heads) + head] = sum > 0.f ? mlog2 + log2f(sum) : -INFINITY;
+        p.lse[(tile.q_row0 + row) * int64_t(p.num_qo_heads) + head] = sum > 0.f ? mlog2 + log2f(sum) + shift : -INFINITY;
     }
   }
 
@@ -467,10 +484,11 @@ struct Sm90Schedule {
 // block, 128 x (1 + kM / 64) threads; shared memory at smem_raw: Sm90Kernel::kSmemBytes,
 // which holds 1 KB for the alignment). The producer warpgroup returns when its last item is loaded,
 // the consumers after the rows without keys are written.
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM, bool kCustom>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM, bool kCustom,
+          bool kAlibi = false>
 FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* smem_raw, const Sm90Schedule sched) {
   using namespace sm90_prefill;
-  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom>;
+  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi>;
   constexpr int kC = K::kConsumers;
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
   unsigned char* smem = h::align_1024(smem_raw);
@@ -601,8 +619,8 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     if (idx < 0) break;
     const Sm90Tile tile = tile_slot[k & 1];
     const int head = idx % p.num_qo_heads, n0 = tile.first_tile, n_tiles = tile.kv_tiles - n0;
-    const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.window_left, kSoftCap ? 1.f : p.scale_log2,
-                    p.scale_log2, p.soft_cap_log2};
+    const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.window_left, kSoftCap || kAlibi ? 1.f : p.scale_log2,
+                    p.scale_log2, p.soft_cap_log2, kAlibi ? alibi_slope_log2(head, p.num_qo_heads) : 0.f};
     float o[K::kOut], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < K::kOut; ++i) o[i] = 0.f;
@@ -695,24 +713,25 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
   }
 }
 
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128, bool kCustom = false>
+template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128, bool kCustom = false,
+          bool kAlibi = false>
 __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
     prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom>(
+  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom, kAlibi>(
       p, smem_raw, Sm90Schedule{int(blockIdx.x), int(gridDim.x), nullptr});
 }
 
 // Launches the kernel on `grid` blocks (one an SM: every block walks the list).
 template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap = false, int kM = 128,
-          bool kCustom = false>
+          bool kCustom = false, bool kAlibi = false>
 inline int launch_prefill_sm90(const PrefillSm90Params& p, int grid, cudaStream_t stream) {
-  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom>;
-  const int err =
-      allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom>>(K::kSmemBytes);
+  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi>;
+  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom, kAlibi>>(
+      K::kSmemBytes);
   if (err != 0) return err;
   if (grid <= 0) return 0;
-  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom>
+  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom, kAlibi>
       <<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }

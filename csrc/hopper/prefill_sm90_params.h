@@ -30,7 +30,8 @@ struct Sm90Tile {
                      // request + kv_len - qo_len: bottom-right aligned); row r sees keys <= diag + r
   int32_t kv_tiles;  // the key tiles (of the kernel's key_tile) up to the last the tile visits
                      // (0: none; a row with no key gives 0, LSE -inf)
-  int32_t keys;      // the keys the tile visits (plan()'s cost; the kernel does not read it)
+  int32_t keys;      // the keys the tile visits (plan()'s cost; the kernel does not read it), but
+                     // with ALiBi its request's kv_len - qo_len (the LSE's shift: prefill_sm90.cuh)
   int32_t first_tile;  // the first key tile it visits (a sliding window's start; else 0)
 };
 

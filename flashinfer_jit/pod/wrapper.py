@@ -80,22 +80,25 @@ def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str) -> PodSm90Spe
 # cache on an H200 (bf16 head_dim 128, 2 x 2k causal: 446 TFLOP/s) and the decode's DRAM read;
 # only their ratio matters.
 _SM90_PREFILL_FLOPS_PER_S = 4.5e14
+# The prefill side's share of the SMs, over its share of the estimated time: a decode unit on
+# three of a block's warpgroups streams less than the decode kernel's four blocks an SM, so the
+# decode side needs more SMs than its time share. An H200 sweep of the split (2026-11-29,
+# docs/pod.md) was fastest at 33-44 prefill blocks where the time share gives 30-58.
+_SM90_PREFILL_SHARE = 0.85
 
 
 def sm90_prefill_blocks(flops: float, kv_bytes: float, num_sms: int) -> int:
     """The blocks (SMs) that start on prefill items in POD on Hopper: the prefill side's share
     of the two sides' estimated times alone, at least one SM each while both have work. The
     decode side's blocks join the prefill when their units run out, so a decode share on the
-    high side costs little; one on the low side leaves the decode's tail on fewer SMs. An
-    H200 run of the two kernels side by side (two streams, the prefill grid cut to N:
-    docs/pod.md) was fastest at 66-76 prefill SMs of 132 on mixes 1, 3, 5 and 6, where this
-    gives 50-60."""
+    high side costs little; one on the low side leaves the decode's tail on fewer SMs
+    (_SM90_PREFILL_SHARE)."""
     t_p, t_d = flops / _SM90_PREFILL_FLOPS_PER_S, kv_bytes / _DECODE_BYTES_PER_S
     if t_d <= 0:
         return num_sms
     if t_p <= 0:
         return 0
-    return max(1, min(num_sms - 1, round(num_sms * t_p / (t_p + t_d))))
+    return max(1, min(num_sms - 1, round(_SM90_PREFILL_SHARE * num_sms * t_p / (t_p + t_d))))
 
 
 @constant_result

@@ -54,11 +54,11 @@ QUERY_TILE_MIN_KEYS = 768
 
 def query_tile(c, keys: np.ndarray, forced_key_tile: bool) -> int:
     """Rows of a query tile for this plan: 192 for head_dim 64 on 128-key tiles without a
-    custom mask, soft cap or window whose 128-row query tiles visit on average at least
+    custom mask, soft cap, window or ALiBi whose 128-row query tiles visit on average at least
     QUERY_TILE_MIN_KEYS keys (keys: plan_tiles' column 6 at 128 rows), else TILE_ROWS.
     A CUDA-graph wrapper keeps 128 (its captured launch is one module)."""
     if (c.head_dim_qk != 64 or forced_key_tile or c.mask not in ("none", "causal") or c.soft_cap
-            or c.window_left >= 0 or keys.size == 0):
+            or c.window_left >= 0 or c.pos_encoding != "none" or keys.size == 0):
         return TILE_ROWS
     return 192 if float(keys.mean()) >= QUERY_TILE_MIN_KEYS else TILE_ROWS
 
@@ -99,7 +99,7 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
         return f"a {c.mask} mask"
     if c.mask == "custom" and graph:  # (plan() copies the bits into a buffer of each batch's size)
         return "custom_mask / packed_custom_mask with use_cuda_graph=True"
-    if c.pos_encoding != "none":
+    if c.pos_encoding not in ("none", "alibi"):  # (ALiBi with a soft cap: plan()'s ValueError before)
         return f"pos_encoding_mode={c.pos_encoding.upper()!r}"
     if c.kv_dtype != c.q_dtype:
         return f"kv_data_type {dtype_name(c.kv_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
@@ -277,6 +277,12 @@ class Sm90Planner:
         host = np.zeros(WORK_HEADER + tiles.size + bases, dtype=np.int32)
         host[0], host[1], host[2] = items, active_tiles * heads, v_ids
         host[WORK_HEADER: WORK_HEADER + tiles.size] = tiles.reshape(-1)
+        alibi = c.pos_encoding == "alibi"
+        if alibi and tiles.shape[0]:  # each tile's kv_len - qo_len in its `keys` (the LSE's shift; the kernel's)
+            req = np.searchsorted(qo_indptr, tiles[:, 0], side="right") - 1
+            qo_lens = (qo_indptr[req + 1] - qo_indptr[req]).astype(np.int64)
+            view = host[WORK_HEADER: WORK_HEADER + tiles.size].reshape(tiles.shape)
+            view[:, 6] = tiles[:, 3].astype(np.int64) - qo_lens
         if mask is not None:
             host[WORK_HEADER + tiles.size:] = mask[1].astype(np.int64).view(np.int32)
         src = torch.from_numpy(host)
@@ -298,12 +304,12 @@ class Sm90Planner:
         p = Sm90Plan()
         p.config = c
         paged = page_ids is not None
-        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap), tile_rows)
+        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap), tile_rows, alibi)
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask,
                                                       "paged" if paged else "ragged", layout if paged else "NHD",
-                                                      keys_a_tile, bool(c.soft_cap), tile_rows).validate()
+                                                      keys_a_tile, bool(c.soft_cap), tile_rows, alibi).validate()
         p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
         p.page_ids = page_ids if paged else self._no_ids
         p.mask = mask[0] if mask is not None else self._no_mask

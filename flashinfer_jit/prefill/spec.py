@@ -168,8 +168,13 @@ class PrefillSm90Spec(Spec):
     # query rows an item: 128 (two consumer warpgroups), or 192 at head_dim 64 (three, FA3's
     # choice there; plan() takes it for long query tiles: sm90.query_tile)
     query_tile: int = choice(128, 192, tag="m{}", default=128, name_default=False)
+    # ALiBi (FlashInfer's linear bias, pos_encoding_mode="ALIBI"): slope[h] x (key - row) on the
+    # logits (csrc/common/pos_encoding.cuh); not with a soft cap
+    alibi: bool = choice(False, True, tag="alibi", default=False)
 
     def check(self) -> None:
+        if self.alibi and self.soft_cap:
+            raise ValueError("PrefillSm90Spec: ALiBi takes no soft cap (FlashInfer's ALiBi has none); pass one of them")
         if self.query_tile == 192 and (self.head_dim != 64 or self.key_tile != 128):
             raise ValueError(f"PrefillSm90Spec: query_tile=192 is for head_dim 64 on 128-key tiles, got "
                              f"head_dim={self.head_dim}, key_tile={self.key_tile}")

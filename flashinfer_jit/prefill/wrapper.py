@@ -1034,6 +1034,8 @@ class _PrefillWrapper:
         c = plan.config
         if sinks is not None:
             _check_sinks(sinks, c.num_qo_heads, q.device)
+            if c.pos_encoding == "alibi":
+                raise ValueError("sinks: not supported with pos_encoding_mode='ALIBI' (expected None)")
         out, lse, logit_scale, vs = self._sm90_args(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse,
                                                     window_left)
         if compiling():
