@@ -374,7 +374,7 @@ def exercise_prefill(spec, matrix=()) -> None:
 def exercise_prefill_sm90(spec, matrix=()) -> None:
     """The Hopper prefill kernel (backend="fa3", ragged K/V or the paged cache on the CSR table):
     the spec's dtype, head_dim, mask (a custom one of random bits), K/V source and layout, soft
-    cap, key tile and query tile (pinned, so that the spec's module is the one loaded). Its code runs on sm_90 only: on another GPU the module is loaded from
+    cap, ALiBi, key tile and query tile (pinned, so that the spec's module is the one loaded). Its code runs on sm_90 only: on another GPU the module is loaded from
     the cache (its presence is what an image for several archs must show) and not run."""
     if DEVICE == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         jit.get_module(spec)
@@ -383,6 +383,8 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
     hq, d, dv, dt = 4 * KV_HEADS, spec.head_dim, spec.head_dim_vo, dtype(spec.dtype_q)
     causal = spec.mask == "causal"
     cap = dict(logits_soft_cap=30.0) if spec.soft_cap else {}
+    if spec.alibi:
+        cap["pos_encoding_mode"] = "ALIBI"
     lens = [n for _, n in shapes]
     if spec.mask == "custom":  # random bits, each request's qo_len x kv_len one after another
         bits = torch.rand(sum(m * n for m, n in shapes), generator=torch.Generator().manual_seed(5)) < 0.7
