@@ -173,13 +173,16 @@ def test_one_process_per_gpu_on_an_empty_cache(tmp_path):
 
 @pytest.mark.gpu
 @needs_two
-def test_pod_alternates_between_two_gpus():
+@pytest.mark.parametrize("backend", ["fa2", "auto"], ids=["pod", "pod-on-hopper"])
+def test_pod_alternates_between_two_gpus(backend):
     """BatchAttention (one POD launch: persistent blocks taking units from their device's
     scheduling counters) planned on cuda:0 and on cuda:1, each with the other device
     current, then run in turn, four times, with either device current. Counters shared
     between the devices, or left non-zero by the other device's launch, would leave rows
     unwritten (NaN-poisoned here) or give them twice; every run is checked against the
-    float64 reference."""
+    float64 reference. backend "auto": POD on Hopper (csrc/pod/pod_sm90.cuh) on sm_90."""
+    if backend == "auto" and torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
     import random
 
     from flashinfer_jit.reference.prefill import prefill_ref
@@ -190,7 +193,8 @@ def test_pod_alternates_between_two_gpus():
     for idx, other in ((0, 1), (1, 0)):
         dev = torch.device("cuda", idx)
         gen = torch.Generator(device=dev).manual_seed(idx)
-        qo = [1] * 40 + [300, 4, 1, 77]  # decodes, a prompt chunk, a speculative verification, ...
+        # decodes, a prompt chunk, a speculative verification, ... (long enough for the Hopper kernel)
+        qo = [1] * 40 + ([300, 4, 1, 77] if backend == "fa2" else [900, 4, 1, 500])
         rnd.shuffle(qo)
         kv = [n + rnd.randint(0, 1500) for n in qo]
         pages = [-(-n // page_size) for n in kv]
@@ -208,8 +212,11 @@ def test_pod_alternates_between_two_gpus():
                              page_table=csr_page_table(kv_indptr, kv_indices, last), causal=True)
         with torch.cuda.device(other):
             w = fij.BatchAttention(kv_layout="NHD", device=str(dev))
+            w.prefill_backend = backend
             w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, hq, hk, hd, hd, page_size, causal=True,
                    q_data_type=bf16, kv_data_type=bf16)
+            if backend == "auto":
+                assert w._pod._prefill.planned_backend == "fa3"
         runs[idx] = (w, q, cache, ref)
     for i in range(4):
         for idx in (1, 0) if i % 2 else (0, 1):
