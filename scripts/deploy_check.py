@@ -414,6 +414,25 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
     expect_close(lse, ref_lse, 1e-2, 1e-2, "lse")
 
 
+def pod_inputs(spec, shapes, d_lens, q_dt, kv_dt) -> tuple:
+    """A POD exerciser's inputs: the query heads that give the spec's group tile, one paged cache
+    (K and V) whose CSR table holds the decodes' pages, then the prefill requests' (`shapes`:
+    (qo_len, kv_len)), cut into the two sides' tables, and q of each side: (hq, decodes, k_cache,
+    v_cache, d_table, p_table, qo_indptr, q_p, q_d)."""
+    d = spec.head_dim
+    hq = next(g * KV_HEADS for g in (spec.group_tile * m for m in (1, 2, 4))
+              if group_tile(g * KV_HEADS, KV_HEADS, d) == spec.group_tile)
+    table, num_pages = page_table("csr", d_lens + [n for _, n in shapes])  # decodes first, then the prefills
+    k_cache, v_cache = (paged_cache(kv_dt, spec.kv_layout, num_pages, d) for _ in range(2))
+    indptr, ids, last = table.tensors
+    nd = len(d_lens)
+    d_table = fij.csr_page_table(indptr[:nd + 1] - indptr[0], ids[:int(indptr[nd])], last[:nd])
+    p_table = fij.csr_page_table(indptr[nd:] - indptr[nd], ids[int(indptr[nd]):], last[nd:])
+    qo_indptr = offsets(m for m, _ in shapes)
+    return (hq, nd, k_cache, v_cache, d_table, p_table, qo_indptr, randn((int(qo_indptr[-1]), hq, d), q_dt),
+            randn((nd, hq, d), q_dt))
+
+
 def exercise_pod(spec, matrix=()) -> None:
     """POD: PODWithPagedKVCacheWrapper (prefill_kv ragged: one prefill request on contiguous
     K/V) or BatchPODWithPagedKVCacheWrapper (paged: three prefill requests on the cache the
@@ -422,20 +441,10 @@ def exercise_pod(spec, matrix=()) -> None:
     if spec.page_table != "csr":
         raise CheckFailed(f"{spec.name}: the POD wrappers take CSR page tables (FlashInfer's), not {spec.page_table}")
     d = spec.head_dim
-    hq = next(g * KV_HEADS for g in (spec.group_tile * m for m in (1, 2, 4))
-              if group_tile(g * KV_HEADS, KV_HEADS, d) == spec.group_tile)
     q_dt, kv_dt = dtype(spec.dtype_q), dtype(spec.dtype_kv)
     shapes = [(7, 40)] if spec.prefill_kv == "ragged" else [(1, 16), (7, 40), (20, 100)]  # (qo_len, kv_len)
     d_lens = [16, 37, 100]
-    table, num_pages = page_table("csr", d_lens + [n for _, n in shapes])  # decodes first, then the prefills
-    k_cache, v_cache = (paged_cache(kv_dt, spec.kv_layout, num_pages, d) for _ in range(2))
-    indptr, ids, last = table.tensors
-    nd = len(d_lens)
-    d_table = fij.csr_page_table(indptr[:nd + 1] - indptr[0], ids[:int(indptr[nd])], last[:nd])
-    p_table = fij.csr_page_table(indptr[nd:] - indptr[nd], ids[int(indptr[nd]):], last[nd:])
-    qo_indptr = offsets(m for m, _ in shapes)
-    q_p = randn((int(qo_indptr[-1]), hq, d), q_dt)
-    q_d = randn((nd, hq, d), q_dt)
+    hq, nd, k_cache, v_cache, d_table, p_table, qo_indptr, q_p, q_d = pod_inputs(spec, shapes, d_lens, q_dt, kv_dt)
     mask = {}
     if spec.mask == "custom":
         mask["custom_mask"] = torch.cat([torch.rand(m * n) < 0.5 for m, n in shapes]).to(DEVICE)
@@ -477,17 +486,8 @@ def exercise_pod_sm90(spec, matrix=()) -> None:
         jit.get_module(spec)
         return
     d, dt = spec.head_dim, dtype(spec.dtype_q)
-    hq = next(g * KV_HEADS for g in (spec.group_tile * m for m in (1, 2, 4))
-              if group_tile(g * KV_HEADS, KV_HEADS, d) == spec.group_tile)
     shapes, d_lens = [(200, 300), (130, 500)], [16, 37, 100]
-    table, num_pages = page_table("csr", d_lens + [n for _, n in shapes])  # decodes first, then the prefills
-    k_cache, v_cache = (paged_cache(dt, spec.kv_layout, num_pages, d) for _ in range(2))
-    indptr, ids, last = table.tensors
-    nd = len(d_lens)
-    d_table = fij.csr_page_table(indptr[:nd + 1] - indptr[0], ids[:int(indptr[nd])], last[:nd])
-    p_table = fij.csr_page_table(indptr[nd:] - indptr[nd], ids[int(indptr[nd]):], last[nd:])
-    qo_indptr = offsets(m for m, _ in shapes)
-    q_p, q_d = randn((int(qo_indptr[-1]), hq, d), dt), randn((nd, hq, d), dt)
+    hq, nd, k_cache, v_cache, d_table, p_table, qo_indptr, q_p, q_d = pod_inputs(spec, shapes, d_lens, dt, dt)
     causal = spec.mask == "causal"
     pod = fij.BatchPODWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout)
     pod.prefill_backend = "fa3"

@@ -420,6 +420,22 @@ BATCH_CASES = [
 ]
 
 
+def two_sides(kv_lens, lens_d, page_size: int, hk: int, head_dim: int, kv_dtype, shared: bool, rnd, gen) -> tuple:
+    """Batch POD's inputs: the prefill's and the decodes' CSR tables over disjoint page ids of
+    one cache (shared) or one cache each, every slot outside them NaN: (table_p, table_d,
+    cache_p, cache_d)."""
+    pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
+    num_pages = pages_p + pages_d + 5
+    ids = rnd.sample(range(num_pages), num_pages)
+    table_p, table_d = csr_table(kv_lens, page_size, ids[:pages_p]), csr_table(lens_d, page_size, ids[pages_p:])
+    cache_p = make_cache(num_pages, page_size, hk, head_dim, kv_dtype, gen)
+    cache_d = cache_p if shared else make_cache(num_pages, page_size, hk, head_dim, kv_dtype, gen)
+    nan_outside(cache_p, page_size, [table_p, table_d] if shared else [table_p])
+    if not shared:
+        nan_outside(cache_d, page_size, [table_d])
+    return table_p, table_d, cache_p, cache_d
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal, shared, return_lse, kv_dtype, scales", BATCH_CASES)
 def test_batch_pod(causal, shared, return_lse, kv_dtype, scales, workspace):
@@ -428,15 +444,7 @@ def test_batch_pod(causal, shared, return_lse, kv_dtype, scales, workspace):
     rnd, gen = _seeded(9 + 2 * causal + shared + 4 * (kv_dtype != BF16))
     page_size, (hq, hk) = 16, LLAMA
     qo_lens, kv_lens, lens_d = [7, 300, 1], [500, 300, 2048], decode_lens(9, 1500, page_size, rnd)
-    pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
-    num_pages = pages_p + pages_d + 5
-    ids = rnd.sample(range(num_pages), num_pages)
-    table_p, table_d = csr_table(kv_lens, page_size, ids[:pages_p]), csr_table(lens_d, page_size, ids[pages_p:])
-    cache_p = make_cache(num_pages, page_size, hk, HD, kv_dtype, gen)
-    cache_d = cache_p if shared else make_cache(num_pages, page_size, hk, HD, kv_dtype, gen)
-    nan_outside(cache_p, page_size, [table_p, table_d] if shared else [table_p])
-    if not shared:
-        nan_outside(cache_d, page_size, [table_d])
+    table_p, table_d, cache_p, cache_d = two_sides(kv_lens, lens_d, page_size, hk, HD, kv_dtype, shared, rnd, gen)
     qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
     q_p = randn((sum(qo_lens), hq, HD), BF16, gen)
     dec = Decode(randn((len(lens_d), hq, HD), BF16, gen), cache_d, table_d)
@@ -480,15 +488,7 @@ def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_l
     window = options.pop("window_left", -1)
     qo_lens, kv_lens = [m for m, _ in chunks], [n for _, n in chunks]
     lens_d = decode_lens(decodes, 2500, page_size, rnd) if decodes else []
-    pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
-    num_pages = pages_p + pages_d + 5
-    ids = rnd.sample(range(num_pages), num_pages)
-    table_p, table_d = csr_table(kv_lens, page_size, ids[:pages_p]), csr_table(lens_d, page_size, ids[pages_p:])
-    cache_p = make_cache(num_pages, page_size, hk, head_dim, BF16, gen)
-    cache_d = cache_p if shared else make_cache(num_pages, page_size, hk, head_dim, BF16, gen)
-    nan_outside(cache_p, page_size, [table_p, table_d] if shared else [table_p])
-    if not shared:
-        nan_outside(cache_d, page_size, [table_d])
+    table_p, table_d, cache_p, cache_d = two_sides(kv_lens, lens_d, page_size, hk, head_dim, BF16, shared, rnd, gen)
     qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
     q_p = randn((sum(qo_lens), hq, head_dim), BF16, gen)
     dec = Decode(randn((len(lens_d), hq, head_dim), BF16, gen), cache_d, table_d)

@@ -1115,6 +1115,25 @@ def test_fa3_head_dim_64_on_192_row_tiles(causal, source, dtype, hopper_workspac
     check_agree(*results[192], *results[128], shapes, tol * AGREE_FACTOR, "192 rows", "128 rows")
 
 
+def _on_both_kernels(workspace, source: str, k_rows, v_rows, kv_lens, rnd, q, qo_indptr, heads, head_dim: int,
+                     dtype: torch.dtype, **plan_kwargs) -> tuple:
+    """The batch's K/V ragged, or on pages of 16 (CSR, NHD), planned with plan_kwargs and run on
+    the Hopper kernel and on the mma.sync kernel into poisoned outputs: (kv, {backend: (out,
+    lse)})."""
+    if source == "ragged":
+        kv, page_size = ragged_kv(k_rows, v_rows, kv_lens), None
+    else:
+        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
+    results = {}
+    for backend in ("fa3", "fa2"):
+        wrapper = ragged_wrapper(workspace, backend=backend) if source == "ragged" else \
+            paged_wrapper(workspace, "NHD", backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *heads, (head_dim, head_dim), page_size, q_data_type=dtype, **plan_kwargs)
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, head_dim, dtype)
+    return kv, results
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("source, form, dtype, head_dim", [("ragged", "bool", BF16, 128), ("ragged", "packed", F16, 64),
                                                            ("paged", "packed", BF16, 128), ("paged", "bool", BF16, 256)])
@@ -1146,18 +1165,8 @@ def test_fa3_custom_mask(source, form, dtype, head_dim, hopper_workspace):
     else:
         packed, byte_indptr = segment_packbits_ref(flat, indptr_of([m * n for m, n in shapes], "cpu"), "little")
         mask_kwargs = dict(packed_custom_mask=packed.to(DEV), mask_indptr=byte_indptr)
-    if source == "ragged":
-        kv, page_size = ragged_kv(k_rows, v_rows, kv_lens), None
-    else:
-        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
-    results = {}
-    for backend in ("fa3", "fa2"):
-        wrapper = ragged_wrapper(hopper_workspace, backend=backend) if source == "ragged" else \
-            paged_wrapper(hopper_workspace, "NHD", backend=backend)
-        plan_kv(wrapper, qo_indptr, kv, *heads, (head_dim, head_dim), page_size, q_data_type=torch_dtype,
-                **mask_kwargs)
-        assert wrapper.planned_backend == backend
-        results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch_dtype)
+    kv, results = _on_both_kernels(hopper_workspace, source, k_rows, v_rows, kv_lens, rnd, q, qo_indptr, heads,
+                                   head_dim, torch_dtype, **mask_kwargs)
     ref_out, ref_lse = reference(q, qo_indptr, kv, custom_mask=flat.to(DEV))
     tol = tolerance(dtype)
     check_prefill(*results["fa3"], ref_out, ref_lse, shapes, tol)
@@ -1412,18 +1421,8 @@ def test_fa3_alibi(causal, source, dtype, head_dim, hopper_workspace):
     k_rows, v_rows = make_rows(kv_lens, heads[1], (head_dim, head_dim), torch_dtype, gen)
     q = make_q(sum(qo_lens), heads[0], head_dim, torch_dtype, gen)
     qo_indptr = indptr_of(qo_lens, "cpu")
-    if source == "ragged":
-        kv, page_size = ragged_kv(k_rows, v_rows, kv_lens), None
-    else:
-        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
-    results = {}
-    for backend in ("fa3", "fa2"):
-        wrapper = ragged_wrapper(hopper_workspace, backend=backend) if source == "ragged" else \
-            paged_wrapper(hopper_workspace, "NHD", backend=backend)
-        plan_kv(wrapper, qo_indptr, kv, *heads, (head_dim, head_dim), page_size, causal=causal,
-                pos_encoding_mode="ALIBI", q_data_type=torch_dtype)
-        assert wrapper.planned_backend == backend
-        results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch_dtype)
+    kv, results = _on_both_kernels(hopper_workspace, source, k_rows, v_rows, kv_lens, rnd, q, qo_indptr, heads,
+                                   head_dim, torch_dtype, causal=causal, pos_encoding_mode="ALIBI")
     ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal, pos_encoding_mode="ALIBI")
     tol = tolerance(dtype)
     check_prefill(*results["fa3"], ref_out, ref_lse, shapes, tol)
