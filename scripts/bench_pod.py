@@ -15,7 +15,8 @@ Per row, on the same tensors (our implementations first, then FlashInfer's):
   pod                    BatchPODWithPagedKVCacheWrapper: the prefill paged (same pool as the decodes)
   pod_single             PODWithPagedKVCacheWrapper: the prefill's K/V ragged (rows of one prefill request)
   serial                 BatchPrefillWithPagedKVCacheWrapper.run then BatchDecodeWithPagedKVCacheWrapper
-                         (use_tensor_cores=True).run, timed as one region
+                         (use_tensor_cores=True).run, timed as one region (the prefill's backend
+                         "auto": the Hopper kernel on sm_90 where its rule takes the batch)
   serial_single          single_prefill_with_kv_cache then the same decode
   prefill_only, prefill_single_only, decode_only: each half of those alone
   batch_attention        BatchAttention: the row as one batch in the order engines build it (the
@@ -28,6 +29,10 @@ Per row, on the same tensors (our implementations first, then FlashInfer's):
                          batch with the prefill requests spread among the decodes (one prefill: in
                          the middle), which BatchAttention runs through one gather of q and one
                          scatter of out / lse: what not being decodes-first costs
+  pod_hopper, batch_attention_hopper: batch POD and BatchAttention with prefill_backend="auto"
+                         (POD on Hopper, csrc/pod/pod_sm90.cuh, where the prefill side plans the
+                         Hopper kernel; sm_90 only: elsewhere their rows record the error), timed in
+                         both passes like pod and batch_attention; the last table
   flashinfer_pod, flashinfer_pod_single, flashinfer_serial (FA2 paged prefill + tensor-core
                          decode), flashinfer_batch_attention (its persistent BatchAttention, the
                          batch_attention batch): FlashInfer 0.5.3 on the head_dim 128 bf16 rows
@@ -92,15 +97,19 @@ MAX_ABS_DIFF = 2e-2  # a POD's outputs against the serial outputs of the same fo
 RESERVE_S = 5.0  # left at the end for the report
 DEVICE = "cuda"
 OURS = ("pod", "pod_single", "serial", "serial_single", "prefill_only", "prefill_single_only", "decode_only",
-        "batch_attention", "batch_attention_interleaved", "batch_attention_t64")
+        "batch_attention", "batch_attention_interleaved", "batch_attention_t64", "pod_hopper",
+        "batch_attention_hopper")
+HOPPER = ("pod_hopper", "batch_attention_hopper")  # prefill_backend="auto": POD on Hopper on sm_90
 FI = ("flashinfer_pod", "flashinfer_pod_single", "flashinfer_serial", "flashinfer_batch_attention")
 SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_single")  # one prefill request
 INTERLEAVED = ("batch_attention_interleaved",)  # on the rows marked interleaved only
 # rows of decodes=0; batch_attention_t64: its prefill side pinned to 64-row tiles
-NO_DECODES = ("batch_attention", "batch_attention_t64", "prefill_only", "flashinfer_batch_attention")
+NO_DECODES = ("batch_attention", "batch_attention_t64", "prefill_only", "flashinfer_batch_attention",
+              "batch_attention_hopper")
 # what each output is checked against: the first of these that ran
 CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "batch_attention": ("pod", "serial", "prefill_only"),
-          "batch_attention_t64": ("prefill_only",),
+          "batch_attention_t64": ("prefill_only",), "pod_hopper": ("serial",),
+          "batch_attention_hopper": ("pod", "serial", "prefill_only"),
           "batch_attention_interleaved": ("pod", "serial"), "flashinfer_pod": ("serial",),
           "flashinfer_pod_single": ("serial_single",), "flashinfer_serial": ("serial",),
           "flashinfer_batch_attention": ("serial", "prefill_only")}
@@ -202,8 +211,11 @@ try:
         q_p, q_d, k_p, v_p = randn(qo, hq, hd), randn(nd, hq, hd), randn(kv, hk, hd), randn(kv, hk, hd)
         cache_p, ip_p, ix_p, last_p = paged([kv], kvdt)
         cache_d, ip_d, ix_d, last_d = paged([dkv] * nd, kvdt)
-        if what == "pod":
+        if what in ("pod", "pod_hopper"):
+            if what == "pod_hopper" and torch.cuda.get_device_capability() != (9, 0):
+                break
             w = fij.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+            w.prefill_backend = "auto" if what == "pod_hopper" else "fa2"
             w.plan(torch.tensor([0, qo], dtype=torch.int32), ip_p, ix_p, last_p, torch.arange(nd + 1, dtype=torch.int32),
                    ip_d, ix_d, last_d, hq, hk, hd, page, q_data_type=bf16, kv_data_type=kvdt, causal=True)
             w.run(q_p, cache_p, q_d, cache_d, causal_p=True)
@@ -310,6 +322,8 @@ def start_warmups(rows: list[Row], logdir: Path) -> list[Job]:
     for r in rows:
         keys |= {(r.head_dim, r.kv_dtype, "pod"), (r.head_dim, r.kv_dtype, "decode"),
                  (r.head_dim, r.kv_dtype, "prefill")} | ({(r.head_dim, r.kv_dtype, "pod_single")} if r.single else set())
+        if r.kv_dtype == "bfloat16":  # (POD on Hopper: 16-bit caches)
+            keys.add((r.head_dim, r.kv_dtype, "pod_hopper"))
     return [Job(f"ours_hd{hd}_{dt}_{what}", OURS_WARMUP, [str(hd), dt, what], logdir) for hd, dt, what in sorted(keys)]
 
 
@@ -437,6 +451,8 @@ def make(name: str, x: Inputs, row: Row, fi):
         w = lib.BatchAttention(kv_layout="NHD", device=DEVICE)
         if base == "batch_attention_t64":
             w._prefill._force_tile_rows = 64
+        if base == "batch_attention_hopper":
+            w.prefill_backend = "auto"
         # FlashInfer's plan() synchronizes the device (and reads the index tensors on the host); ours takes
         # host tensors without any synchronization
         w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.kv_len_arr, NUM_QO_HEADS, NUM_KV_HEADS, d, d, PAGE_SIZE,
@@ -449,8 +465,10 @@ def make(name: str, x: Inputs, row: Row, fi):
 
         run.parts = lambda got: (got[0].index_select(0, b.rows_p), got[0].index_select(0, b.rows_d))
         return run
-    if base == "pod":
+    if base in ("pod", "pod_hopper"):
         w = lib.BatchPODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+        if base == "pod_hopper":
+            w.prefill_backend = "auto"
         # ours plans the prefill's mask at plan() (causal: not in FlashInfer; else re-planned at the first run())
         causal = {"causal": True} if "causal" in inspect.signature(w.plan).parameters else {}
         w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
@@ -580,6 +598,17 @@ def derive(res: dict) -> None:
         paired["flashinfer_batch_attention_over_batch_attention"] = p
     ratio("flashinfer_batch_attention_vs_flashinfer_pod", us.get("flashinfer_pod"),
           us.get("flashinfer_batch_attention"))
+    # POD on Hopper: against our serial pair (its prefill the Hopper kernel where auto takes it)
+    # and the mma.sync POD in the first pass; FlashInfer's against its second-pass times
+    ratio("pod_hopper_vs_serial", us.get("serial"), us.get("pod_hopper"))
+    ratio("pod_hopper_vs_pod", us.get("pod"), us.get("pod_hopper"))
+    if us.get("prefill_only") and us.get("decode_only"):
+        ratio("pod_hopper_vs_ideal", max(us["prefill_only"], us["decode_only"]), us.get("pod_hopper"))
+    ratio("batch_attention_hopper_vs_serial", us.get("serial"), us.get("batch_attention_hopper"))
+    h2 = im.get("pod_hopper", {}).get("pass2", {})
+    ratio("pod_hopper_vs_flashinfer_pod", us.get("flashinfer_pod"), h2.get("median_us"))
+    ba2 = im.get("batch_attention_hopper", {}).get("pass2", {})
+    ratio("flashinfer_ba_vs_batch_attention_hopper", us.get("flashinfer_batch_attention"), ba2.get("median_us"))
     res["speedup"], res["paired"] = sp, paired
     res["mismatch"] = any(not c["agrees"] for n, c in res["check"].items() if not n.startswith("flashinfer"))
 
@@ -593,13 +622,13 @@ def _us(entry: dict | None, key: str = "median_us"):
     return "err" if "error" in entry else "skip" if "skipped" in entry else None
 
 
-CHECKED_OURS = ("pod", "pod_single", "batch_attention", "batch_attention_interleaved")
+CHECKED_OURS = ("pod", "pod_single", "batch_attention", "batch_attention_interleaved", *HOPPER)
 
 
 def _check(res: dict, names) -> str:
     short = {"pod": "pod", "pod_single": "pod1", "batch_attention": "BA", "batch_attention_interleaved": "BAi",
              "flashinfer_pod": "pod", "flashinfer_pod_single": "pod1", "flashinfer_serial": "serial",
-             "flashinfer_batch_attention": "BA"}
+             "flashinfer_batch_attention": "BA", "pod_hopper": "podH", "batch_attention_hopper": "BAH"}
     parts = [f"{short[n]} {'ok' if c['agrees'] else 'DIFF'} " + ("NaN" if c["max_abs_diff"] is None else
                                                               f"{c['max_abs_diff']:.4f}")
              for n, c in res["check"].items() if n in names]
@@ -611,11 +640,14 @@ COLS1 = ["row", "pod", "pod1", "serial", "serial1", "prefill", "pre1", "decode",
 COLS2 = ["row", "pod", "pod1", "BA", "FI pod", "FI pod1", "FI serial", "FI BA", "FI/pod", "FI1/pod1", "FIBA/BA",
          "FIs/FIpod", "FI check"]
 COLS3 = ["row", "pod", "BA", "BAi", "pod/BA", "ser/BA", "BAi/BA", "BAi/BA paired", "BA t64"]
+COLS4 = ["row", "podH", "BAH", "serial", "pod", "ser/podH", "pod/podH", "idl/podH", "FI/podH", "FIBA/BAH",
+         "check"]
 
 
 def line1(res: dict) -> list:
     im, sp = res["impls"], res["speedup"]
-    return [res["label"], *[_us(im.get(k)) for k in OURS if k not in ("batch_attention_interleaved", "batch_attention_t64")],
+    return [res["label"], *[_us(im.get(k)) for k in OURS
+                            if k not in ("batch_attention_interleaved", "batch_attention_t64", *HOPPER)],
             sp.get("pod_vs_serial"), sp.get("pod_vs_ideal"), sp.get("pod_single_vs_serial_single"),
             sp.get("pod_single_vs_ideal"), sp.get("batch_attention_vs_pod"), _check(res, CHECKED_OURS)]
 
@@ -635,6 +667,15 @@ def line3(res: dict) -> list:
             sp.get("batch_attention_vs_interleaved"),
             res["paired"].get("batch_attention_interleaved_over_batch_attention", {}).get("median"),
             bc._cell(_us(im.get("batch_attention_t64")))]  # (fmt prints the last cell as given)
+
+
+def line4(res: dict) -> list:
+    """POD on Hopper's row (prefill_backend="auto"): its times, and its ratios to ours and FlashInfer's."""
+    im, sp = res["impls"], res["speedup"]
+    return [res["label"], *[_us(im.get(k)) for k in ("pod_hopper", "batch_attention_hopper", "serial", "pod")],
+            sp.get("pod_hopper_vs_serial"), sp.get("pod_hopper_vs_pod"), sp.get("pod_hopper_vs_ideal"),
+            sp.get("pod_hopper_vs_flashinfer_pod"), sp.get("flashinfer_ba_vs_batch_attention_hopper"),
+            _check(res, HOPPER)]
 
 
 def fmt(cells: list) -> str:
@@ -657,6 +698,11 @@ def report(res: dict) -> str:
         lines += ["", ("FlashInfer (pod, pod1, BA: ours again, interleaved with FlashInfer; FI/pod, FIBA/BA: "
                        "FlashInfer's time over ours)"),
                   bc.table([line2(r) for r in res["rows"] if r["flashinfer_row"]], COLS2)]
+    hopper_rows = [r for r in res["rows"] if any("median_us" in r["impls"].get(k, {}) for k in HOPPER)]
+    if hopper_rows:
+        lines += ["", ("POD on Hopper (podH: batch POD, BAH: BatchAttention, prefill_backend='auto'; x/podH: x's "
+                       "time over podH's; FlashInfer's over podH's and BAH's second-pass times)"),
+                  bc.table([line4(r) for r in hopper_rows], COLS4)]
     lines += [f"skipped {s['row']}: {s['reason']}" for s in res["skipped"]]
     return "\n".join(lines)
 
@@ -805,7 +851,7 @@ def run(args, rows, fi_info, fi_job, warmups, jobs, logdir, started, deadline) -
             r["impls"].update({n: {"skipped": w} for n, w in why.items() if w})
             if not names:
                 continue
-            ours = [n for n in ("pod", "pod_single", "batch_attention") if "median_us" in r["impls"].get(n, {})]
+            ours = [n for n in ("pod", "pod_single", "batch_attention", *HOPPER) if "median_us" in r["impls"].get(n, {})]
             if time.perf_counter() + row.budget_s(len(names) + len(ours), args.reps) > deadline - RESERVE_S:
                 for n in names:
                     r["impls"][n] = {"skipped": f"--time-limit {args.time_limit:g} s: no time left"}

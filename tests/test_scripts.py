@@ -442,3 +442,21 @@ def test_bench_prefill_features_plans_each_option_as_named():
         assert {"fa3", "fa3_plain"} <= set(skipped), option
         assert all(why for why in skipped.values())
 
+
+
+def test_bench_pod_reports_pod_on_hopper_against_ours_and_flashinfer():
+    """bench_pod.py's POD-on-Hopper table: its ratios to our serial pair, the mma.sync POD, the
+    overlap bound and FlashInfer's POD (over its second-pass time), and its check cell."""
+    import bench_pod
+    r = {"label": "mix", "impls": {"pod_hopper": {"median_us": 100.0, "pass2": {"median_us": 104.0}},
+                                   "serial": {"median_us": 110.0}, "pod": {"median_us": 120.0},
+                                   "prefill_only": {"median_us": 50.0}, "decode_only": {"median_us": 70.0},
+                                   "flashinfer_pod": {"median_us": 130.0}},
+         "check": {"pod_hopper": {"agrees": True, "max_abs_diff": 0.001}}}
+    bench_pod.derive(r)
+    sp = r["speedup"]
+    assert sp["pod_hopper_vs_serial"] == pytest.approx(1.1) and sp["pod_hopper_vs_pod"] == pytest.approx(1.2)
+    assert sp["pod_hopper_vs_ideal"] == pytest.approx(0.7) and sp["pod_hopper_vs_flashinfer_pod"] == pytest.approx(1.25)
+    cells = bench_pod.line4(r)
+    assert len(cells) == len(bench_pod.COLS4) and cells[-1] == "podH ok 0.0010" and not r["mismatch"]
+    assert "pod_hopper" in bench_pod.OURS and "batch_attention_hopper" in bench_pod.NO_DECODES
