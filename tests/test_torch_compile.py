@@ -29,9 +29,9 @@ import flashinfer_jit as fi
 from flashinfer_jit.decode import wrapper as decode_wrapper
 from flashinfer_jit.decode.spec import DecodeSpec
 from flashinfer_jit.pod import wrapper as pod_wrapper
-from flashinfer_jit.pod.spec import PodSpec
+from flashinfer_jit.pod.spec import PodSm90Spec, PodSpec
 from flashinfer_jit.prefill import wrapper as prefill_wrapper
-from flashinfer_jit.prefill.spec import PrefillSpec
+from flashinfer_jit.prefill.spec import PrefillSm90Spec, PrefillSpec
 from flashinfer_jit.runtime.checks import constant_result
 
 HQ, HK, D, PS = 32, 8, 128, 16
@@ -99,6 +99,8 @@ def _stand_in_library():
     lib.define("decode" + DecodeSpec.op_schemas(None)["decode"])
     lib.define("prefill" + PrefillSpec.op_schemas(None)["prefill"])
     lib.define("pod" + PodSpec.op_schemas(None)["pod"])
+    lib.define("pod_sm90" + PodSm90Spec.op_schemas(None)["pod_sm90"])
+    lib.define("prefill_sm90" + PrefillSm90Spec.op_schemas(None)["prefill_sm90"])
 
     def decode(q, k, v, page_table, work, merge, out, lse, *rest):
         out.copy_(q * 2)
@@ -115,7 +117,19 @@ def _stand_in_library():
         out_d.copy_(q_d * 3)
         lse_d.fill_(3.0)
 
-    for name, fn in (("decode", decode), ("prefill", prefill), ("pod", pod)):
+    def pod_sm90(q_p, k_p, v_p, work_p, ids_p, out_p, lse_p, ls_p, w_p, vs_p, q_d, k_d, v_d, pt_d, work_d, merge_d,
+                 out_d, lse_d, *rest):
+        out_p.copy_(q_p * 4)
+        lse_p.fill_(5.0)
+        out_d.copy_(q_d * 3)
+        lse_d.fill_(3.0)
+
+    def prefill_sm90(q, k, v, work, ids, mask, counters, out, lse, *rest):
+        out.copy_(q * 4)
+        lse.fill_(5.0)
+
+    for name, fn in (("decode", decode), ("prefill", prefill), ("pod", pod), ("pod_sm90", pod_sm90),
+                     ("prefill_sm90", prefill_sm90)):
         lib.impl(name, fn, "CPU")
     _LIB = lib
 
@@ -129,6 +143,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(decode_wrapper, "traced_namespace", name)
     monkeypatch.setattr(prefill_wrapper, "traced_namespace", name)
     monkeypatch.setattr(pod_wrapper, "_pod_namespace", name)
+    monkeypatch.setattr(pod_wrapper, "_pod_sm90_namespace", name)
     return getattr(torch.ops, _NS)
 
 
@@ -650,3 +665,51 @@ def test_gpu_batch_attention_compiles(interleaved):
         return [torch.randn(q.shape, generator=g, device=DEV).to(BF16), None]
 
     _assert_kernels_in_graph(compiled, [q, cache], fresh, step, "BatchAttention")
+
+
+def test_pod_on_hopper_traces_to_its_op(stand_in, monkeypatch):
+    """BatchPODWithPagedKVCacheWrapper and BatchAttention with prefill_backend="auto" whose
+    prefill side planned the Hopper kernel (planned on the CPU with the arch check passed):
+    run() under torch.compile traces to POD on Hopper's op, without graph breaks, eager's
+    results."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    d_table = _csr([40, 300])
+    k, v = _cpu_cache(int(d_table[0][-1]) + 40)
+    q_d = torch.randn(2, HQ, D).to(BF16)
+    batch_pod = fi.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    batch_pod.prefill_backend = "auto"
+    p_table = _csr([300, 500])
+    qo_p = torch.tensor([0, 200, 400], dtype=torch.int32)
+    batch_pod.plan(qo_p, *p_table, torch.arange(3, dtype=torch.int32), *d_table, HQ, HK, D, PS, q_data_type=BF16,
+                   causal=True)
+    assert batch_pod._prefill.planned_backend == "fa3" and batch_pod._sm90_blocks > 0
+    q_p = torch.randn(400, HQ, D).to(BF16)
+
+    def batch(q_p, q_d, k, v):
+        (out_p, out_d), (lse_p, lse_d) = batch_pod.run(q_p, (k, v), q_d, (k, v), causal_p=True, return_lse=True)
+        return out_p, out_d, lse_p, lse_d
+
+    graphs, compiled = _explain_and_compile(batch, q_p, q_d, k, v)
+    assert _has_op(graphs, stand_in.pod_sm90)
+    out_p, out_d, lse_p, lse_d = compiled(q_p, q_d, k, v)
+    assert torch.equal(out_p, q_p * 4) and torch.equal(out_d, q_d * 3) and bool((lse_p == 5).all())
+    # BatchAttention: decodes first, then two chunks long enough for the Hopper kernel
+    qo_lens, kv_lens = [1, 1, 200, 200], [40, 300, 300, 500]
+    ba = fi.BatchAttention("NHD", device="cpu")
+    ba.prefill_backend = "auto"
+    qo = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
+    indptr, ids, _ = _csr(kv_lens)
+    ba.plan(qo, indptr, ids, torch.tensor(kv_lens, dtype=torch.int32), HQ, HK, D, D, PS, causal=True)
+    assert ba._planned[0] == "pod" and ba._pod._prefill.planned_backend == "fa3"
+    q = torch.randn(int(qo[-1]), HQ, D).to(BF16)
+
+    def mixed(q, k, v):
+        out, lse = ba.run(q, (k, v))
+        return out * 1, lse
+
+    graphs, compiled = _explain_and_compile(mixed, q, k, v)
+    assert _has_op(graphs, stand_in.pod_sm90)
+    out, lse = compiled(q, k, v)
+    decode_rows = torch.tensor([n == 1 for n in qo_lens]).repeat_interleave(torch.tensor(qo_lens))
+    assert torch.equal(out, torch.where(decode_rows[:, None, None], q * 3, q * 4))

@@ -190,7 +190,9 @@ class BatchAttention:
     def prefill_backend(self) -> str:
         """The prefill side's kernel (BatchPODWithPagedKVCacheWrapper.prefill_backend): "fa2"
         (the default), or "auto": POD on Hopper for a mixed batch whose prefill side plans the
-        Hopper kernel, and the Hopper kernel for a batch without decodes. Set it before plan()."""
+        Hopper kernel, and the Hopper kernel for a batch without decodes; "fa3": POD on Hopper or
+        a ValueError naming why not. Set it before plan() (BatchPODWithPagedKVCacheWrapper's
+        prefill_backend says what POD on Hopper does not take yet)."""
         return self._pod.prefill_backend
 
     @prefill_backend.setter

@@ -76,6 +76,14 @@ def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str) -> PodSm90Spe
                        group_tile=decode.group_tile).validate()
 
 
+@constant_result
+def _pod_sm90_namespace(prefill_key: tuple, decode_key: tuple, kv_layout: str) -> str:
+    """POD on Hopper's torch.ops namespace for a run() that torch.compile traces (the two
+    sides' runtime.launch.traced_key: the Hopper prefill module's and the decode module's)."""
+    (p_type, p_params), (d_type, d_params) = prefill_key, decode_key
+    return get_module(_pod_sm90_spec_of(p_type(**dict(p_params)), d_type(**dict(d_params)), kv_layout)).namespace
+
+
 # POD on Hopper's split (csrc/pod/pod_sm90.cuh): the Hopper prefill kernel's rate over the paged
 # cache on an H200 (bf16 head_dim 128, 2 x 2k causal: 446 TFLOP/s) and the decode's DRAM read;
 # only their ratio matters.
@@ -502,8 +510,8 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
     # kernel's blocks, one an SM, beside the decode blocks) where the prefill side plans the
     # Hopper kernel (backend "auto"'s rule: sm_90, prompts long enough; no custom mask), else
     # "fa2"; "fa3", POD on Hopper or a ValueError naming why not. Set it before plan().
-    # Opt-in: POD on Hopper runs eager launches only (neither CUDA-graph wrappers nor
-    # torch.compile take it yet) and without run()'s fast path.
+    # Opt-in: POD on Hopper takes no CUDA-graph wrapper yet and runs without run()'s fast
+    # path (torch.compile traces it to its op).
     prefill_backend = "fa2"
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it)
@@ -522,6 +530,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                          (paged_kv_indptr_buf_d, paged_kv_indices_buf_d, paged_kv_last_page_len_buf_d), use_cuda_graph)
         self._prefill_args = None
         self._prefill_mask = None
+        self._sm90_blocks = 0  # POD on Hopper's split of the plan (sm90_prefill_blocks)
 
     def plan(self, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d, kv_indptr_d, kv_indices_d,
              last_page_len_d, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -595,6 +604,9 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                            sort_pages=not custom)
         self._plan_schedule()
         self._prefill_mask = None if custom else bool(causal)
+        if self._prefill.planned_backend == "fa3":  # POD on Hopper's split, for run() (and a traced run())
+            num_sms = sm_count(self._device) if self._device.type == "cuda" else 132
+            self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, num_sms)
 
     def run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
             causal_p: bool = False, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = False,
@@ -646,10 +658,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                   lse_p, out_d, lse_d) -> tuple:
         """POD on Hopper (prefill_backend "auto" and a prefill plan on the Hopper kernel): one
         launch of csrc/pod/pod_sm90.cuh; each side's checks and outputs as its own run()'s."""
-        if compiling():
-            raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run() under torch.compile: POD on Hopper "
-                               "(prefill_backend='auto') runs eager launches only; set prefill_backend='fa2' before "
-                               "plan()")
+        traced = compiling()
         if q_p.dtype != q_d.dtype:
             raise ValueError(f"q_p and q_d: POD runs one query dtype, got {dtype_str(q_p.dtype)} and "
                              f"{dtype_str(q_d.dtype)}")
@@ -664,13 +673,15 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                                                                return_lse)
         out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
                                                            return_lse, out_d, lse_d)
-        if q_p.shape[0] > 0 or q_d.shape[0] > 0:
-            spec = _pod_sm90_spec_of(plan.spec, self._decode._plan.spec, self._kv_layout)
-            op = module_op(spec, "pod_sm90", env.debug())
-            blocks = self.force_prefill_blocks
-            if blocks is None:
-                blocks = sm90_prefill_blocks(work_flops(self._prefill_work, pc.mask == "causal", pc.num_qo_heads,
-                                                        pc.head_dim_qk), self._kv_bytes, sm_count(self._device))
+        if traced:  # (the shapes are the graph's: it launches whatever rows they hold)
+            op = traced_op(_pod_sm90_namespace(plan.traced_key, self._decode._traced[0], self._kv_layout), "pod_sm90")
+        elif q_p.shape[0] > 0 or q_d.shape[0] > 0:
+            op = module_op(_pod_sm90_spec_of(plan.spec, self._decode._plan.spec, self._kv_layout), "pod_sm90",
+                           env.debug())
+        else:
+            op = None
+        if op is not None:
+            blocks = self.force_prefill_blocks if self.force_prefill_blocks is not None else self._sm90_blocks
             op(q_p, k_p, v_p, plan.work, plan.page_ids, out_p, lse_p if lse_p is not None else empty_f32(q_p.device),
                scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks))
         return (out_p, out_d), (lse_p, lse_d)
