@@ -624,12 +624,16 @@ def test_gpu_layer_reduce_overhead_append_rope_prefill_decode():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [False, True], ids=["decodes-first", "interleaved"])
-def test_gpu_batch_attention_compiles(interleaved):
+@pytest.mark.parametrize("backend", ["fa2", "auto"], ids=["pod", "pod-on-hopper"])
+def test_gpu_batch_attention_compiles(interleaved, backend):
     """BatchAttention (one POD launch) under torch.compile: fullgraph=True gives eager's bits,
     then reduce-overhead replays with the POD kernel inside the graph on fresh q values (the
-    cache, the plan's tensors and the row permutation static inputs)."""
+    cache, the plan's tensors and the row permutation static inputs). backend "auto": POD on
+    Hopper (prefill_backend="auto") on sm_90."""
     import torch._dynamo
 
+    if backend == "auto" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
     torch._dynamo.reset()
     qo = [1] * 40 + [300, 4, 77]
     if interleaved:
@@ -639,8 +643,10 @@ def test_gpu_batch_attention_compiles(interleaved):
     acc = list(itertools.accumulate(pages, initial=0))
     qo_indptr = torch.tensor(list(itertools.accumulate(qo, initial=0)), dtype=torch.int32)
     ba = fi.BatchAttention("NHD", device=DEV)
+    ba.prefill_backend = backend
     ba.plan(qo_indptr, torch.tensor(acc, dtype=torch.int32), torch.arange(acc[-1], dtype=torch.int32, device=DEV),
             torch.tensor(kv, dtype=torch.int32), HQ, HK, D, D, PS, causal=True, q_data_type=BF16, kv_data_type=BF16)
+    assert ba._pod._prefill.planned_backend == ("fa3" if backend == "auto" else "fa2")
     cache = torch.randn(acc[-1] + 2, 2, PS, HK, D, generator=torch.Generator(device=DEV).manual_seed(3),
                         device=DEV).to(BF16)
     q = torch.randn(sum(qo), HQ, D, generator=torch.Generator(device=DEV).manual_seed(4), device=DEV).to(BF16)
