@@ -472,6 +472,7 @@ SM90_CASES = [
     pytest.param([(600, 900), (300, 1700)], 33, True, 64, None, True, True, {}, id="hd64"),
     pytest.param([(2500, 4000)], 9, True, 256, None, False, True, {}, id="hd256"),  # (auto: 2048 keys a tile)
     pytest.param([(700, 1500), (400, 400)], 50, True, 128, None, True, True, dict(window_left=300), id="window"),
+    pytest.param([(200, 300)], 4, True, 128, None, True, True, {}, id="small"),  # (the sanitizers' case)
 ]
 
 
