@@ -1148,10 +1148,8 @@ def test_fa3_custom_mask(source, form, dtype, head_dim, hopper_workspace):
     shapes = [(130, 301), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000), (200, 77)]
     heads = (8, 2)
     torch_dtype = dtype_of(dtype)
-    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
-    k_rows, v_rows = make_rows(kv_lens, heads[1], (head_dim, head_dim), torch_dtype, gen)
-    q = make_q(sum(qo_lens), heads[0], head_dim, torch_dtype, gen)
-    qo_indptr = indptr_of(qo_lens, "cpu")
+    kv_lens = [n for _, n in shapes]
+    q, qo_indptr, k_rows, v_rows, _ = ragged_inputs(shapes, heads, head_dim, torch_dtype, gen)
     masks = []
     for m, n in shapes:
         bits = torch.rand(m, n, generator=torch.Generator().manual_seed(m * 1000 + n)) < 0.6
@@ -1417,10 +1415,8 @@ def test_fa3_alibi(causal, source, dtype, head_dim, hopper_workspace):
     shapes = [(300, 700), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000)]
     heads = (12, 4)
     torch_dtype = dtype_of(dtype)
-    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
-    k_rows, v_rows = make_rows(kv_lens, heads[1], (head_dim, head_dim), torch_dtype, gen)
-    q = make_q(sum(qo_lens), heads[0], head_dim, torch_dtype, gen)
-    qo_indptr = indptr_of(qo_lens, "cpu")
+    kv_lens = [n for _, n in shapes]
+    q, qo_indptr, k_rows, v_rows, _ = ragged_inputs(shapes, heads, head_dim, torch_dtype, gen)
     kv, results = _on_both_kernels(hopper_workspace, source, k_rows, v_rows, kv_lens, rnd, q, qo_indptr, heads,
                                    head_dim, torch_dtype, causal=causal, pos_encoding_mode="ALIBI")
     ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal, pos_encoding_mode="ALIBI")

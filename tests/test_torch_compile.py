@@ -248,6 +248,50 @@ def test_single_functions_trace_once_planned(stand_in):
         torch.compile(unplanned, fullgraph=True, backend="eager")(q, k, v)
 
 
+def _traced_batch_pod(op, d_table, k, v, q_d, qo_lens_p, kv_lens_p, backend: str = "fa2"):
+    """A BatchPODWithPagedKVCacheWrapper (prefill_backend `backend`) planned causal for prefills
+    of qo_lens_p query tokens on kv_lens_p keys beside d_table's decodes, its run() compiled
+    (fullgraph) and traced to `op`: (the wrapper, q_p, the compiled outputs out_p, out_d, lse_p,
+    lse_d)."""
+    batch_pod = fi.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    batch_pod.prefill_backend = backend
+    qo_p = torch.tensor([0, *itertools.accumulate(qo_lens_p)], dtype=torch.int32)
+    batch_pod.plan(qo_p, *_csr(kv_lens_p), torch.arange(q_d.shape[0] + 1, dtype=torch.int32), *d_table, HQ, HK, D,
+                   PS, q_data_type=BF16, causal=True)
+    q_p = torch.randn(int(qo_p[-1]), HQ, D).to(BF16)
+
+    def batch(q_p, q_d, k, v):
+        (out_p, out_d), (lse_p, lse_d) = batch_pod.run(q_p, (k, v), q_d, (k, v), causal_p=True, return_lse=True)
+        return out_p, out_d, lse_p, lse_d
+
+    graphs, compiled = _explain_and_compile(batch, q_p, q_d, k, v)
+    assert _has_op(graphs, op)
+    return batch_pod, q_p, *compiled(q_p, q_d, k, v)
+
+
+def _traced_batch_attention(op, qo_lens, kv_lens, k, v, backend: str = "fa2"):
+    """A BatchAttention (prefill_backend `backend`) planned causal for one batch of qo_lens
+    query tokens on kv_lens keys, its run() compiled (fullgraph) and traced to `op`: (the
+    wrapper, q, the compiled out and lse, which rows are decodes)."""
+    ba = fi.BatchAttention("NHD", device="cpu")
+    ba.prefill_backend = backend
+    qo = torch.tensor([0, *itertools.accumulate(qo_lens)], dtype=torch.int32)
+    indptr, ids, _ = _csr(kv_lens)
+    ba.plan(qo, indptr, ids, torch.tensor(kv_lens, dtype=torch.int32), HQ, HK, D, D, PS, causal=True)
+    assert ba._planned[0] == "pod"
+    q = torch.randn(int(qo[-1]), HQ, D).to(BF16)
+
+    def mixed(q, k, v):
+        out, lse = ba.run(q, (k, v))
+        return out * 1, lse
+
+    graphs, compiled = _explain_and_compile(mixed, q, k, v)
+    assert _has_op(graphs, op)
+    out, lse = compiled(q, k, v)
+    decode_rows = torch.tensor([n == 1 for n in qo_lens]).repeat_interleave(torch.tensor(qo_lens))
+    return ba, q, out, lse, decode_rows
+
+
 def test_pod_wrappers_and_batch_attention_trace_to_the_pod_op(stand_in):
     ws = torch.zeros(64 << 20, dtype=torch.uint8)
     d_table = _csr([40, 300])
@@ -269,39 +313,11 @@ def test_pod_wrappers_and_batch_attention_trace_to_the_pod_op(stand_in):
     out_p, out_d = compiled(q_p, k_p, v_p, q_d, k, v)
     assert torch.equal(out_p, q_p * 2 + 1) and torch.equal(out_d, q_d * 3)
     # a batch of prefills and decodes over the paged cache
-    batch_pod = fi.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
-    p_table = _csr([30, 70])
-    qo_p = torch.tensor([0, 10, 25], dtype=torch.int32)
-    batch_pod.plan(qo_p, *p_table, torch.arange(3, dtype=torch.int32), *d_table, HQ, HK, D, PS, q_data_type=BF16,
-                   causal=True)
-    q_pp = torch.randn(25, HQ, D).to(BF16)
-
-    def batch(q_p, q_d, k, v):
-        (out_p, out_d), (lse_p, lse_d) = batch_pod.run(q_p, (k, v), q_d, (k, v), causal_p=True, return_lse=True)
-        return out_p, out_d, lse_p, lse_d
-
-    graphs, compiled = _explain_and_compile(batch, q_pp, q_d, k, v)
-    assert _has_op(graphs, stand_in.pod)
-    out_p, out_d, lse_p, lse_d = compiled(q_pp, q_d, k, v)
+    _, q_pp, out_p, out_d, lse_p, lse_d = _traced_batch_pod(stand_in.pod, d_table, k, v, q_d, [10, 15], [30, 70])
     assert torch.equal(out_p, q_pp * 2) and torch.equal(out_d, q_d * 3) and bool((lse_d == 3).all())
     # BatchAttention: decodes last (one run of rows each side), then interleaved (gather, scatter)
     for qo_lens in ([10, 15, 1, 1], [1, 10, 1, 15]):
-        ba = fi.BatchAttention("NHD", device="cpu")
-        qo = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
-        kv_lens = [30, 70, 40, 300]
-        indptr, ids, _ = _csr(kv_lens)
-        ba.plan(qo, indptr, ids, torch.tensor(kv_lens, dtype=torch.int32), HQ, HK, D, D, PS, causal=True)
-        assert ba._planned[0] == "pod"
-        q = torch.randn(int(qo[-1]), HQ, D).to(BF16)
-
-        def mixed(q, k, v):
-            out, lse = ba.run(q, (k, v))
-            return out * 1, lse
-
-        graphs, compiled = _explain_and_compile(mixed, q, k, v)
-        assert _has_op(graphs, stand_in.pod)
-        out, lse = compiled(q, k, v)
-        decode_rows = torch.tensor([n == 1 for n in qo_lens]).repeat_interleave(torch.tensor(qo_lens))
+        ba, q, out, lse, decode_rows = _traced_batch_attention(stand_in.pod, qo_lens, [30, 70, 40, 300], k, v)
         expect = torch.where(decode_rows[:, None, None], q * 3, q * 2)
         assert torch.equal(out, expect) and bool((lse == 3).all())
 
@@ -683,39 +699,12 @@ def test_pod_on_hopper_traces_to_its_op(stand_in, monkeypatch):
     d_table = _csr([40, 300])
     k, v = _cpu_cache(int(d_table[0][-1]) + 40)
     q_d = torch.randn(2, HQ, D).to(BF16)
-    batch_pod = fi.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
-    batch_pod.prefill_backend = "auto"
-    p_table = _csr([300, 500])
-    qo_p = torch.tensor([0, 200, 400], dtype=torch.int32)
-    batch_pod.plan(qo_p, *p_table, torch.arange(3, dtype=torch.int32), *d_table, HQ, HK, D, PS, q_data_type=BF16,
-                   causal=True)
+    batch_pod, q_p, out_p, out_d, lse_p, lse_d = _traced_batch_pod(stand_in.pod_sm90, d_table, k, v, q_d, [200, 200],
+                                                                    [300, 500], backend="auto")
     assert batch_pod._prefill.planned_backend == "fa3" and batch_pod._sm90_blocks > 0
-    q_p = torch.randn(400, HQ, D).to(BF16)
-
-    def batch(q_p, q_d, k, v):
-        (out_p, out_d), (lse_p, lse_d) = batch_pod.run(q_p, (k, v), q_d, (k, v), causal_p=True, return_lse=True)
-        return out_p, out_d, lse_p, lse_d
-
-    graphs, compiled = _explain_and_compile(batch, q_p, q_d, k, v)
-    assert _has_op(graphs, stand_in.pod_sm90)
-    out_p, out_d, lse_p, lse_d = compiled(q_p, q_d, k, v)
     assert torch.equal(out_p, q_p * 4) and torch.equal(out_d, q_d * 3) and bool((lse_p == 5).all())
     # BatchAttention: decodes first, then two chunks long enough for the Hopper kernel
-    qo_lens, kv_lens = [1, 1, 200, 200], [40, 300, 300, 500]
-    ba = fi.BatchAttention("NHD", device="cpu")
-    ba.prefill_backend = "auto"
-    qo = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()], dtype=torch.int32)
-    indptr, ids, _ = _csr(kv_lens)
-    ba.plan(qo, indptr, ids, torch.tensor(kv_lens, dtype=torch.int32), HQ, HK, D, D, PS, causal=True)
-    assert ba._planned[0] == "pod" and ba._pod._prefill.planned_backend == "fa3"
-    q = torch.randn(int(qo[-1]), HQ, D).to(BF16)
-
-    def mixed(q, k, v):
-        out, lse = ba.run(q, (k, v))
-        return out * 1, lse
-
-    graphs, compiled = _explain_and_compile(mixed, q, k, v)
-    assert _has_op(graphs, stand_in.pod_sm90)
-    out, lse = compiled(q, k, v)
-    decode_rows = torch.tensor([n == 1 for n in qo_lens]).repeat_interleave(torch.tensor(qo_lens))
+    ba, q, out, lse, decode_rows = _traced_batch_attention(stand_in.pod_sm90, [1, 1, 200, 200], [40, 300, 300, 500],
+                                                           k, v, backend="auto")
+    assert ba._pod._prefill.planned_backend == "fa3"
     assert torch.equal(out, torch.where(decode_rows[:, None, None], q * 3, q * 4))

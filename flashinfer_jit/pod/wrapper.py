@@ -531,6 +531,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         self._prefill_args = None
         self._prefill_mask = None
         self._sm90_blocks = 0  # POD on Hopper's split of the plan (sm90_prefill_blocks)
+        self._sm90_op = None  # ... and its module's op (a CPU workspace: none; a traced run() looks it up)
 
     def plan(self, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d, kv_indptr_d, kv_indices_d,
              last_page_len_d, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -604,9 +605,11 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                            sort_pages=not custom)
         self._plan_schedule()
         self._prefill_mask = None if custom else bool(causal)
-        if self._prefill.planned_backend == "fa3":  # POD on Hopper's split, for run() (and a traced run())
-            num_sms = sm_count(self._device) if self._device.type == "cuda" else 132
-            self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, num_sms)
+        if self._prefill.planned_backend == "fa3":  # POD on Hopper: its split and its op, for run()
+            cuda = self._device.type == "cuda"
+            self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, sm_count(self._device) if cuda else 132)
+            spec = _pod_sm90_spec_of(self._prefill._plan.spec, self._decode._plan.spec, self._kv_layout)
+            self._sm90_op = module_op(spec, "pod_sm90", env.debug()) if cuda else None
 
     def run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
             causal_p: bool = False, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = False,
@@ -658,28 +661,18 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                   lse_p, out_d, lse_d) -> tuple:
         """POD on Hopper (prefill_backend "auto" and a prefill plan on the Hopper kernel): one
         launch of csrc/pod/pod_sm90.cuh; each side's checks and outputs as its own run()'s."""
-        traced = compiling()
-        if q_p.dtype != q_d.dtype:
-            raise ValueError(f"q_p and q_d: POD runs one query dtype, got {dtype_str(q_p.dtype)} and "
-                             f"{dtype_str(q_d.dtype)}")
-        pc, dc = self._prefill._plan.config, self._decode._plan.config
-        if (pc.num_qo_heads, pc.num_kv_heads, pc.head_dim_qk) != (dc.num_qo_heads, dc.num_kv_heads, dc.head_dim):
-            raise ValueError(f"q_p: the prefill plan's heads and head_dim ({pc.num_qo_heads} / {pc.num_kv_heads}, "
-                             f"{pc.head_dim_qk}) differ from the decode plan's ({dc.num_qo_heads} / "
-                             f"{dc.num_kv_heads}, {dc.head_dim}); POD runs one head configuration")
+        # (both sides were planned by one plan(), with one dtype and head configuration: each
+        # side's own checks below hold q_p and q_d to them)
         k_p, v_p = kv_p
-        plan = self._prefill._plan
+        plan, pc = self._prefill._plan, self._prefill._plan.config
         out_p, lse_p, scale_p, vs_p = self._prefill._sm90_args(q_p, k_p, v_p, q_scale, k_scale, v_scale, out_p, lse_p,
                                                                return_lse)
         out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
                                                            return_lse, out_d, lse_d)
-        if traced:  # (the shapes are the graph's: it launches whatever rows they hold)
+        if compiling():  # (the shapes are the graph's: it launches whatever rows they hold)
             op = traced_op(_pod_sm90_namespace(plan.traced_key, self._decode._traced[0], self._kv_layout), "pod_sm90")
-        elif q_p.shape[0] > 0 or q_d.shape[0] > 0:
-            op = module_op(_pod_sm90_spec_of(plan.spec, self._decode._plan.spec, self._kv_layout), "pod_sm90",
-                           env.debug())
         else:
-            op = None
+            op = self._sm90_op if q_p.shape[0] > 0 or q_d.shape[0] > 0 else None
         if op is not None:
             blocks = self.force_prefill_blocks if self.force_prefill_blocks is not None else self._sm90_blocks
             op(q_p, k_p, v_p, plan.work, plan.page_ids, out_p, lse_p if lse_p is not None else empty_f32(q_p.device),
