@@ -803,3 +803,64 @@ def test_module_builds_and_registers_its_ops_without_a_gpu(fresh_cache):
     assert module.path.is_relative_to(fresh_cache), module.path  # built here, not found elsewhere
     for op in SPEC.op_schemas():
         assert callable(getattr(module, op)), op
+
+
+# --- POD on Hopper's bad input (CPU: the checks come before any launch) --------------------------
+def _hopper_pod_plan(monkeypatch, backend="auto", use_cuda_graph=False, **plan_kwargs):
+    """A batch POD planned on the CPU for two long chunks and two decodes, prefill_backend
+    `backend`, the arch check passed (sm_90's plan)."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD",
+                                            use_cuda_graph=use_cuda_graph)
+    w.prefill_backend = backend
+    w.plan(*_cpu_pod_tables(), *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=BF16, causal=True, **plan_kwargs)
+    return w
+
+
+def _cpu_pod_tables() -> tuple:
+    """batch POD's plan() tables on the CPU: two chunks (200 tokens on 300 and 500 keys) and
+    two decodes (40, 70 keys), pages of 16, ids 0.. in order."""
+    def csr(lens, first):
+        pages = [-(-n // 16) for n in lens]
+        return (_i32([0, *itertools.accumulate(pages)], "cpu"), _i32(range(first, first + sum(pages)), "cpu"),
+                _i32([n - 16 * (p - 1) for n, p in zip(lens, pages)], "cpu"))
+    return (_i32([0, 200, 400], "cpu"), *csr([300, 500], 0), _i32([0, 1, 2], "cpu"), *csr([40, 70], 60))
+
+
+def test_pod_on_hopper_rejects_what_it_does_not_take(monkeypatch):
+    """prefill_backend: a value it does not know, and "fa3" with a CUDA-graph wrapper, are
+    ValueErrors at plan() naming it; "fa3" with a custom mask at run() too (before any
+    launch); "fa3" on a device that is not sm_90 names the arch."""
+    with pytest.raises(ValueError, match="prefill_backend"):
+        _hopper_pod_plan(monkeypatch, backend="fa4")
+    with pytest.raises(ValueError, match="prefill_backend='fa3'.*CUDA-graph"):
+        _hopper_pod_plan(monkeypatch, backend="fa3", use_cuda_graph=True)
+    w = _hopper_pod_plan(monkeypatch, backend="fa3")
+    assert w._prefill.planned_backend == "fa3"
+    q_p, q_d = torch.zeros(400, *LLAMA[:1], HD, dtype=BF16), torch.zeros(2, LLAMA[0], HD, dtype=BF16)
+    cache = torch.zeros(70, 2, 16, LLAMA[1], HD, dtype=BF16)
+    with pytest.raises(ValueError, match="prefill_backend='fa3'.*custom mask"):
+        w.run(q_p, cache, q_d, cache, custom_mask_p=torch.ones(200 * 300 + 200 * 500, dtype=torch.bool))
+    monkeypatch.undo()
+    w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.prefill_backend = "fa3"
+    with pytest.raises(ValueError, match="sm_90"):
+        w.plan(*_cpu_pod_tables(), *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=BF16, causal=True)
+    with pytest.raises(ValueError, match="prefill_backend"):
+        fij.BatchAttention("NHD", device="cpu").prefill_backend = "fa1"
+
+
+def test_pod_on_hopper_run_checks_each_side_before_any_launch(monkeypatch):
+    """run() of a POD on Hopper plan with a q_p of another dtype or head_dim than plan()'s, or
+    tensors off the GPU: a ValueError from the prefill side's own checks, before any launch
+    (the decode side's checks are the decode wrapper's, tested with it)."""
+    w = _hopper_pod_plan(monkeypatch)
+    assert w._prefill.planned_backend == "fa3"
+    cache = torch.zeros(70, 2, 16, LLAMA[1], HD, dtype=BF16)
+    q_p, q_d = torch.zeros(400, LLAMA[0], HD, dtype=BF16), torch.zeros(2, LLAMA[0], HD, dtype=BF16)
+    for bad, match in ((q_p.half(), r"q: expected bfloat16 \(plan\(\)'s q_data_type\)"),
+                       (q_p[..., :64].contiguous(), r"q: expected \[qo_tokens, 32, 128\] \(plan\(\)'s heads\)"),
+                       (q_p, "CUDA tensors")):
+        with pytest.raises(ValueError, match=match):
+            w.run(bad, cache, q_d, cache, causal_p=True)
