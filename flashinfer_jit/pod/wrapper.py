@@ -168,7 +168,7 @@ def decode_share(flops: float, kv_bytes: float) -> float:
 def pod_schedule(flops: float, kv_bytes: float, tile_rows: int, num_sms: int) -> tuple[float, int]:
     """(decode share of an SM's blocks, decode SMs) of a launch (csrc/pod/pod.cuh launch_pod).
 
-    Measured on an H200 (scripts/sweep_pod.py, docs/pod.md): with the 128-row tile (two blocks
+    Measured on an H200 (scripts/sweep_pod.py, docs/history/pod.md): with the 128-row tile (two blocks
     an SM) and a decode side of at least half the estimated time, decode-only SMs in proportion
     to that share (the others prefill-only) were fastest (1.01-1.09x over one decode and one
     prefill block on every SM); below half, and with the 64-row tile (four blocks an SM), a

@@ -21,7 +21,7 @@ TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts
 def key_tile(head_dim: int, causal: bool, page_size: int | None = None) -> int:
     """Keys a K/V tile of the kernel (the spec's key_tile). head_dim 256: 80 (FA3's tile) where
     pages (if any) divide it, pages of up to 16 tokens, else 64; an A/B on an H200 (2026-11-29,
-    docs/hopper.md) measured 80 at 0.88-0.98x the time of 64. head_dim 128 without a causal
+    docs/history/hopper.md) measured 80 at 0.88-0.98x the time of 64. head_dim 128 without a causal
     mask: 176 where pages divide it (16 tokens). Else 128."""
     if head_dim == 256:
         return 80 if page_size is None or 80 % page_size == 0 else 64
@@ -45,7 +45,7 @@ def narrower_tile(keys: np.ndarray) -> bool:
 
 # head_dim 64 takes 192-row query tiles (three consumer warpgroups, FA3's tile) where its query
 # tiles visit on average at least QUERY_TILE_MIN_KEYS keys (measured at 128-row tiles). An A/B
-# on an H200 (2026-11-29, docs/hopper.md) timed 192 rows at 0.85x the time of 128 on causal
+# on an H200 (2026-11-29, docs/history/hopper.md) timed 192 rows at 0.85x the time of 128 on causal
 # 1 x 16384, 0.84x on 4 x 4096 without a mask, 0.92x on causal 4 x 4096 (2112 keys a tile) and
 # 16 x 1024 without a mask (1024 keys), but 1.14x on causal 16 x 1024 (576 keys) and 1.2-1.5x on
 # 64 x 256: a short tile's diagonal and its item's start weigh more on three warpgroups.
