@@ -206,7 +206,8 @@ def actual_op_args(recorder: Recorder, table: dict, graph: bool, args: dict | No
         ids = table["indices"] if "indices" in table else table["block_tables"]
         at = 1 if "indices" in table else 0
         tables[at] = tables[at][:len(ids)]
-    return {"work": args["work"].tolist(), "merge_indptr": args["merge_indptr"].tolist(),
+    # (the work list's view runs to the plan buffer's end: the op reads grid_items items)
+    return {"work": args["work"][:1 + 4 * args["grid_items"]].tolist(), "merge_indptr": args["merge_indptr"].tolist(),
             "grid_items": args["grid_items"], "merge_rows": args["merge_rows"], "page_table": tables}
 
 
@@ -1046,7 +1047,7 @@ def _shipped(w) -> tuple:
     layout (views key) and the op's launch arguments."""
     plan = w._plan
     shipped = w._plan_buffer
-    end = shipped.views_key[1][-1]
+    end = shipped.end
     return (shipped.buf[:end].clone(), shipped.views_key, plan.args[8], plan.args[9], plan.args[10] is not None,
             plan.kv_heads_per_block, plan.cluster, plan.cluster_warps, plan.batch, plan.capacity)
 

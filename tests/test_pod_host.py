@@ -27,6 +27,7 @@ from test_pod import (BF16, HD, LLAMA, TOL, Decode, _poison_allocator, check_lse
 
 import flashinfer_jit as fij
 from flashinfer_jit.pod import batch_attention as ba_mod
+from flashinfer_jit.prefill import wrapper as pf
 from flashinfer_jit.pod import wrapper as pod_mod
 from flashinfer_jit.pod.batch_attention import cut_batch, native_cut, split_batch
 from flashinfer_jit.reference.prefill import prefill_ref
@@ -110,9 +111,21 @@ def _plan_pod(w, batch, page_size, causal, host_form):
     w.plan(*tables, *LLAMA, HD, page_size, q_data_type=BF16, causal=causal)
 
 
+def _planned(side) -> list:
+    """A side's planned device lists (prefill: qo_indptr, work, merge_indptr; decode: work,
+    merge_indptr), each work list cut to its items: its view runs to the plan buffer's end
+    (its first element counts the items: prefill pairs of _PAIR_INTS a KV head, decode items
+    of 4 ints)."""
+    if isinstance(side, fij.BatchDecodeWithPagedKVCacheWrapper):
+        work, merge = side._plan.args[1:3]
+        return [work[: 1 + 4 * int(work[0])], merge]
+    qo, work, merge = side._plan.args[1:4]
+    return [qo, work[: 1 + pf._PAIR_INTS * (int(work[0]) // side._plan.config.num_kv_heads)], merge]
+
+
 def _plan_state(w):
     """What a plan decides: the schedule's inputs and result, and both sides' planned buffers."""
-    tensors = [*w._prefill._plan.args[1:4], *w._decode._plan.args[1:3]]
+    tensors = [*_planned(w._prefill)[:3], *_planned(w._decode)[:2]]
     return (w._flops, w._kv_bytes, w._planned_schedule, w._prefill._plan.tile_rows, w._prefill._plan.grid,
             w._decode._plan.args[8], [t.clone() for t in tensors if t is not None])
 
@@ -237,7 +250,7 @@ def test_batch_attention_plan_through_cxx_equals_the_numpy_path(ext, seed, monke
         mode = ba._planned[0]
         sides = {"pod": [ba._pod._prefill, ba._pod._decode], "prefill": [ba._prefill], "decode": [ba._decode],
                  "serial": [ba._prefill, ba._decode]}[mode]
-        buffers = [t.clone() for w in sides for t in w._plan.args[1:3] if isinstance(t, torch.Tensor)]
+        buffers = [t.clone() for w in sides for t in _planned(w) if isinstance(t, torch.Tensor)]
         sched = (ba._pod._flops, ba._pod._kv_bytes, ba._pod._planned_schedule) if mode == "pod" else None
         planned.append((mode, ba._planned[3:], ba._planned[2], sched, buffers))
     (a, b) = planned
@@ -594,3 +607,24 @@ def test_gpu_capture_takes_the_op_and_replays(workspace):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(outs[0], by_op[0]) and torch.equal(outs[1], by_op[1])
+
+
+def test_sm90_prefill_blocks_split():
+    """POD on Hopper's split: every SM to the side that alone has work; else the SMs on which
+    the prefill ends as the decodes end (SMs x t_p / t_d), at most a third of them, at least
+    one a side."""
+    from flashinfer_jit.pod import wrapper as pw
+
+    rate_p, rate_d = pw._SM90_PREFILL_FLOPS_PER_S, pw._DECODE_BYTES_PER_S
+    assert pw.sm90_prefill_blocks(1e12, 0.0, 132) == 132
+    assert pw.sm90_prefill_blocks(0.0, 1e9, 132) == 0
+    # t_p / t_d = 0.3: 40 of 132 SMs; 0.6 and 3.0: the cap, 44
+    assert pw.sm90_prefill_blocks(0.3 * rate_p, rate_d, 132) == 40
+    assert pw.sm90_prefill_blocks(0.6 * rate_p, rate_d, 132) == 44
+    assert pw.sm90_prefill_blocks(3.0 * rate_p, rate_d, 132) == 44
+    assert pw.sm90_prefill_blocks(1e-6 * rate_p, rate_d, 132) == 1  # a tiny prefill: one SM
+    assert pw.sm90_prefill_blocks(0.5 * rate_p, rate_d, 2) == 1  # two SMs: one a side
+    for sms in (2, 3, 78, 114, 132):
+        for ratio in (1e-3, 0.1, 0.5, 1.0, 10.0):
+            blocks = pw.sm90_prefill_blocks(ratio * rate_p, rate_d, sms)
+            assert 1 <= blocks <= sms - 1

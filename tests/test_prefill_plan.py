@@ -380,7 +380,7 @@ def _plans_and_errors(w_paged, w_ragged) -> list:
             got.append((type(exc).__name__, str(exc)))
             return
         buf, key, p = w._plan_buffer.buf, w._plan_buffer.views_key, w._plan
-        got.append((buf[: key[-1]].tolist(), key, p.batch, p.qo_tokens, p.tile_rows, p.grid, p.merge_rows))
+        got.append((buf[: w._plan_buffer.end].tolist(), key, p.batch, p.qo_tokens, p.tile_rows, p.grid, p.merge_rows))
 
     for b in (1, 7, 256):
         qo = rng.integers(1, 17, b)

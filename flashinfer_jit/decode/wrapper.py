@@ -689,8 +689,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             _expect_graph_replan(previous, config.q_tokens, max_items)
         plan_buffer = self._plan_buffer
         plan_buffer.ship(slot, offsets[-1], non_blocking)
+        # (without folded ids the work list's view runs to the buffer's end: the key, and so
+        # the views, stay while plans of one batch size differ in items)
         merge_dev, work_dev, table_dev, ids_dev = plan_buffer.views(
-            (layout, offsets, ids.shape if fold_ids else None), _carve_views)
+            (layout, offsets, ids.shape) if fold_ids else (layout, offsets[:3], None), _carve_views)
         if not fold_ids:
             ids_dev = self._device_ids(layout, ids, capacity)
         tables = (table_dev[0], ids_dev, table_dev[1]) if layout == "csr" else (ids_dev, table_dev[0])
@@ -1420,15 +1422,20 @@ def pack_plan(host: np.ndarray, offsets: tuple, capacity: int, table_host: tuple
 
 def _carve_views(buf: torch.Tensor, key: tuple) -> tuple:
     """(merge_indptr, work, page-table arrays, folded page ids or None): views of the
-    device buffer for key (layout, _offsets' result, the folded ids' shape or None)."""
-    layout, (merge, table, work_at, ids_at, end), ids_shape = key
+    device buffer for key (layout, _offsets' result, the folded ids' shape; or without folded
+    ids, _offsets' first three and None: the work list then runs to the buffer's end, the ops
+    reading its count from its first element)."""
+    layout, offsets, ids_shape = key
+    merge, table, work_at = offsets[:3]
     if layout == "csr":  # indptr [capacity + 1], last_page_len [capacity]
         last_at = table + (table - merge)  # indptr and merge_indptr: capacity + 1 each
         table_dev = (buf[table:last_at], buf[last_at:work_at])
     else:
         table_dev = (buf[table:work_at],)
-    ids = buf[ids_at:end].view(ids_shape) if ids_shape is not None else None
-    return buf[merge:table], buf[work_at:ids_at], table_dev, ids
+    if ids_shape is None:
+        return buf[merge:table], buf[work_at:], table_dev, None
+    ids_at, end = offsets[3:]
+    return buf[merge:table], buf[work_at:ids_at], table_dev, buf[ids_at:end].view(ids_shape)
 
 
 _SINGLE_PLANS = 32  # single_decode_with_kv_cache's planned wrappers kept (by configuration and length)

@@ -88,25 +88,27 @@ def _pod_sm90_namespace(prefill_key: tuple, decode_key: tuple, kv_layout: str) -
 # cache on an H200 (bf16 head_dim 128, 2 x 2k causal: 446 TFLOP/s) and the decode's DRAM read;
 # only their ratio matters.
 _SM90_PREFILL_FLOPS_PER_S = 4.5e14
-# The prefill side's share of the SMs, over its share of the estimated time: a decode unit on
-# three of a block's warpgroups streams less than the decode kernel's four blocks an SM, so the
-# decode side needs more SMs than its time share. An H200 sweep of the split (2026-11-29,
-# docs/pod.md) was fastest at 33-44 prefill blocks where the time share gives 30-58.
-_SM90_PREFILL_SHARE = 0.85
+# The most SMs that start on prefill items, as a share of the SMs. POD on Hopper's decode side
+# streams at most ~43 GB/s an SM (three decode units a block) and ~0.9x the decode kernel's rate
+# overall, which it reaches from about two thirds of the SMs; below that, each SM taken from it
+# slows the decodes. An H200 sweep (2026-11-29, docs/pod.md) of mixes 1-6 at 26-55 prefill
+# blocks fits that model (rms 2.3%): a third of the SMs was within 1.5% of each mix's best.
+_SM90_PREFILL_CAP = 1 / 3
 
 
 def sm90_prefill_blocks(flops: float, kv_bytes: float, num_sms: int) -> int:
-    """The blocks (SMs) that start on prefill items in POD on Hopper: the prefill side's share
-    of the two sides' estimated times alone, at least one SM each while both have work. The
-    decode side's blocks join the prefill when their units run out, so a decode share on the
-    high side costs little; one on the low side leaves the decode's tail on fewer SMs
-    (_SM90_PREFILL_SHARE)."""
+    """The blocks (SMs) that start on prefill items in POD on Hopper. The decode side's blocks
+    join the prefill when their units run out, but the prefill's blocks never take decode
+    units, so the prefill side gets the SMs on which it ends as the decodes end
+    (num_sms x t_p / t_d, the two sides' estimated times alone), at most _SM90_PREFILL_CAP of
+    them (past it the decodes slow), and at least one SM each while both have work."""
     t_p, t_d = flops / _SM90_PREFILL_FLOPS_PER_S, kv_bytes / _DECODE_BYTES_PER_S
     if t_d <= 0:
         return num_sms
     if t_p <= 0:
         return 0
-    return max(1, min(num_sms - 1, round(_SM90_PREFILL_SHARE * num_sms * t_p / (t_p + t_d))))
+    cap = max(1, round(_SM90_PREFILL_CAP * num_sms))
+    return max(1, min(num_sms - 1, cap, round(num_sms * t_p / t_d)))
 
 
 @constant_result
@@ -571,24 +573,25 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         c = self._decode._plan.config
         self._kv_bytes = float(decode_keys) * c.num_kv_heads * c.token_bytes
         self._prefill_mask = None
-        self._plan_prefill(causal, None, None)
+        self._plan_prefill(causal, None, None, in_run=False)
 
     begin_forward = plan
 
     def end_forward(self) -> None:
         pass
 
-    def _plan_prefill(self, causal: bool, custom_mask, packed_custom_mask) -> None:
+    def _plan_prefill(self, causal: bool, custom_mask, packed_custom_mask, in_run: bool = True) -> None:
         custom = custom_mask is not None or packed_custom_mask is not None
         if not custom and self._prefill_mask == bool(causal):
             return
-        if compiling():
-            raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run() under torch.compile: causal_p or a custom mask "
-                               "differs from what plan() planned; pass plan() causal=causal_p (Dynamo cannot trace "
-                               "plan())")
-        if _capturing(self._device):
-            raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run(): causal_p or a custom mask differs from what "
-                               "plan() planned, during CUDA-graph capture; pass plan() causal=causal_p")
+        if in_run:  # (plan() itself is neither traced nor captured)
+            if compiling():
+                raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run() under torch.compile: causal_p or a custom "
+                                   "mask differs from what plan() planned; pass plan() causal=causal_p (Dynamo cannot "
+                                   "trace plan())")
+            if _capturing(self._device):
+                raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run(): causal_p or a custom mask differs from "
+                                   "what plan() planned, during CUDA-graph capture; pass plan() causal=causal_p")
         qo, kv, ids, last, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = self._prefill_args
         self._pin_tile(d)
         backend = self.prefill_backend

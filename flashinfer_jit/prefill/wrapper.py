@@ -343,7 +343,9 @@ def _plan_numpy(cfg, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, batch: int, hos
 def _carve(buf: torch.Tensor, key: tuple) -> tuple:
     """(qo_indptr, the K/V side's arrays, merge_indptr or None, work, mask_indptr or None):
     views of the device plan buffer for key (side, capacity, and the planner's offsets,
-    from the buffer's start: qo_indptr ends where the K/V side's arrays start)."""
+    from the buffer's start: qo_indptr ends where the K/V side's arrays start; end None: no
+    mask index, the work list runs to the buffer's end, the ops reading its count from its
+    first element)."""
     side, cap, table_at, merge_at, work_at, end, total = key
     if side == _CSR:
         table = (buf[table_at: table_at + cap + 1], buf[table_at + cap + 1: table_at + 2 * cap + 1])
@@ -352,8 +354,9 @@ def _carve(buf: torch.Tensor, key: tuple) -> tuple:
     else:
         table = (buf[table_at: table_at + cap + 1],)
     merge = buf[merge_at: work_at] if work_at > merge_at else None
-    mask = buf[end: total] if total > end else None
-    return buf[table_at - cap - 1: table_at], table, merge, buf[work_at: end], mask
+    if end is None:
+        return buf[table_at - cap - 1: table_at], table, merge, buf[work_at:], None
+    return buf[table_at - cap - 1: table_at], table, merge, buf[work_at: end], buf[end: total]
 
 
 _PREFILL_BACKENDS = BACKENDS + ("fa3",)  # "fa3": the Hopper path (flashinfer_jit/prefill/sm90.py)
@@ -767,7 +770,9 @@ class _PrefillWrapper:
             mask_args = (self._packed_mask(config, qo_lens, kv_lens, custom_mask, packed_custom_mask, starts), None)
         total = end + extra
         self._plan_buffer.ship(slot, total, non_blocking)
-        key = (side, capacity, table_at, merge_at, work_at, end, total)
+        # (without a mask index the work list's view runs to the buffer's end: the key, and so
+        # the views, stay while plans of one batch size differ in items)
+        key = (side, capacity, table_at, merge_at, work_at) + ((end, total) if total > end else (None, None))
         qo_dev, table_dev, merge_dev, work_dev, mask_indptr_dev = self._plan_buffer.views(key, _carve)
         if mask_args[0] is not None:
             mask_args = (mask_args[0], mask_indptr_dev)
