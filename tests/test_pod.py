@@ -581,14 +581,17 @@ def test_batch_pod_replan_tiles_and_shares(tile_rows, share, sms, workspace):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_rows", [None, 64], ids=["planner-tile", "t64"])
+@pytest.mark.parametrize("tile_rows", [None, 64, "hopper"], ids=["planner-tile", "t64", "pod-on-hopper"])
 def test_batch_pod_cuda_graph_replay(tile_rows, workspace):
     """Batch POD with use_cuda_graph=True (both sides' page tables in FlashInfer's fixed
     buffers): run() captured once, replayed with new q values in the same tensors, then after
     plans of other lengths (the same numbers of requests, within the buffers) over the same
     cache refilled in place, on the wide tile the first plan picked (a graph keeps its plan's
-    tile) or 64 rows pinned."""
-    rnd, gen = _seeded(41 + (tile_rows or 0))
+    tile) or 64 rows pinned; or POD on Hopper (prefill_backend "fa3", sm_90)."""
+    hopper = tile_rows == "hopper"
+    if hopper and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
+    rnd, gen = _seeded(41 + (64 if tile_rows == 64 else 0) + (7 if hopper else 0))
     page_size, (hq, hk) = 16, LLAMA
     batch_p, batch_d, max_kv_p, max_kv_d = 3, 21, 1500, 1200
     max_pages_p, max_pages_d = batch_p * -(-max_kv_p // page_size), batch_d * -(-max_kv_d // page_size)
@@ -600,7 +603,10 @@ def test_batch_pod_cuda_graph_replay(tile_rows, workspace):
         paged_kv_indptr_buf_p=zeros(batch_p + 1), paged_kv_indices_buf_p=zeros(max_pages_p),
         paged_kv_last_page_len_buf_p=zeros(batch_p), paged_kv_indptr_buf_d=zeros(batch_d + 1),
         paged_kv_indices_buf_d=zeros(max_pages_d), paged_kv_last_page_len_buf_d=zeros(batch_d))
-    w.tile_rows = tile_rows
+    if hopper:
+        w.prefill_backend = "fa3"
+    else:
+        w.tile_rows = tile_rows
     q_p = randn((600, hq, HD), BF16, gen)
     q_d = randn((batch_d, hq, HD), BF16, gen)
     graph = outs = None
@@ -619,6 +625,7 @@ def test_batch_pod_cuda_graph_replay(tile_rows, workspace):
             qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
             w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(batch_d + 1))), *table_d.plan_args, hq, hk, HD,
                    page_size, q_data_type=BF16, causal=True)
+            assert w._prefill.planned_backend == ("fa3" if hopper else "fa2")
         q_p.copy_(randn(q_p.shape, BF16, gen))
         q_d.copy_(randn(q_d.shape, BF16, gen))
         tokens = sum(qo_lens)
@@ -829,13 +836,12 @@ def _cpu_pod_tables() -> tuple:
 
 
 def test_pod_on_hopper_rejects_what_it_does_not_take(monkeypatch):
-    """prefill_backend: a value it does not know, and "fa3" with a CUDA-graph wrapper, are
-    ValueErrors at plan() naming it; "fa3" with a custom mask at run() too (before any
-    launch); "fa3" on a device that is not sm_90 names the arch."""
+    """prefill_backend: a value it does not know is a ValueError at plan() naming it; "fa3"
+    with a custom mask at run() too (before any launch); "fa3" on a device that is not sm_90
+    names the arch. A CUDA-graph wrapper plans POD on Hopper as an eager one does."""
     with pytest.raises(ValueError, match="prefill_backend"):
         _hopper_pod_plan(monkeypatch, backend="fa4")
-    with pytest.raises(ValueError, match="prefill_backend='fa3'.*CUDA-graph"):
-        _hopper_pod_plan(monkeypatch, backend="fa3", use_cuda_graph=True)
+    assert _hopper_pod_plan(monkeypatch, backend="fa3", use_cuda_graph=True)._prefill.planned_backend == "fa3"
     w = _hopper_pod_plan(monkeypatch, backend="fa3")
     assert w._prefill.planned_backend == "fa3"
     q_p, q_d = torch.zeros(400, *LLAMA[:1], HD, dtype=BF16), torch.zeros(2, LLAMA[0], HD, dtype=BF16)

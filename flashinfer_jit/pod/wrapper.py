@@ -512,8 +512,9 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
     # kernel's blocks, one an SM, beside the decode blocks) where the prefill side plans the
     # Hopper kernel (backend "auto"'s rule: sm_90, prompts long enough; no custom mask), else
     # "fa2"; "fa3", POD on Hopper or a ValueError naming why not. Set it before plan().
-    # Opt-in: POD on Hopper takes no CUDA-graph wrapper yet and runs without run()'s fast
-    # path (torch.compile traces it to its op).
+    # Opt-in: POD on Hopper runs without run()'s fast path (torch.compile traces it to its
+    # op). A CUDA-graph wrapper keeps its first plan's choice, and its captured launch the
+    # split of the plan before the capture (sm90_prefill_blocks: a speed choice, not a result).
     prefill_backend = "fa2"
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it)
@@ -596,10 +597,12 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         self._pin_tile(d)
         backend = self.prefill_backend
         expect_choice(backend, "prefill_backend", ("fa2", "auto", "fa3"))
-        if backend == "fa3" and (custom or self._use_cuda_graph):
-            raise ValueError("prefill_backend='fa3': POD on Hopper takes neither a custom mask nor a CUDA-graph "
-                             "wrapper yet; use 'auto' (the mma.sync POD there) or 'fa2'")
-        self._prefill._backend = backend if not custom and not self._use_cuda_graph else "fa2"
+        if backend == "fa3" and custom:
+            raise ValueError("prefill_backend='fa3': POD on Hopper takes no custom mask yet; use 'auto' (the "
+                             "mma.sync POD there) or 'fa2'")
+        # (a CUDA-graph wrapper's prefill side keeps its first plan's kernel: a captured run()
+        # replays that launch)
+        self._prefill._backend = backend if not custom else "fa2"
         self._prefill._force_query_tile = 128  # (POD on Hopper's module holds the 128-row tile)
         self._flops = work_flops(self._prefill_work, bool(causal) and not custom, hq, d)
         self._prefill.plan(qo, kv, ids, last, hq, hk, d, ps, custom_mask=custom_mask,
