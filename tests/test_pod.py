@@ -545,6 +545,78 @@ def test_batch_attention_on_hopper():
     check_lse(lse, ref_lse, "lse")
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("order", ["short-first", "interleaved"])
+def test_batch_attention_speculative_step_on_hopper(order):
+    """BatchAttention with prefill_backend="auto", a speculative-decoding step (4-token
+    verification requests beside long chunks, no one-token decode): two launches, the short
+    requests on the mma.sync kernel's packed rows and the chunks on the Hopper kernel ("split"
+    mode), every row written in place (interleaved: through the gather and scatter), against
+    the float64 reference of the whole batch, outputs poisoned."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on sm_90")
+    rnd, gen = _seeded(777 + len(order))
+    page_size, (hq, hk) = 16, LLAMA
+    spec = [(4, rnd.randint(4, 3000)) for _ in range(24)] + [(0, 50)] + [(3, 700)]
+    chunks = [(600, 2000), (300, 300)]
+    reqs = spec + chunks if order == "short-first" else spec[:10] + chunks[:1] + spec[10:] + chunks[1:]
+    qo_lens, kv_lens = [m for m, _ in reqs], [n for _, n in reqs]
+    pages = sum(-(-n // page_size) for n in kv_lens)
+    ids = rnd.sample(range(pages + 3), pages)
+    table = csr_table(kv_lens, page_size, ids)
+    cache = make_cache(pages + 3, page_size, hk, HD, BF16, gen)
+    nan_outside(cache, page_size, [table])
+    qo_indptr = _i32(list(itertools.accumulate(qo_lens, initial=0)), "cpu")
+    ba = fij.BatchAttention("NHD")
+    ba.prefill_backend = "auto"
+    ba.plan(qo_indptr, table.plan_args[0].cpu(), table.plan_args[1], torch.tensor(kv_lens, dtype=torch.int32), hq, hk,
+            HD, HD, page_size, causal=True, q_data_type=BF16, kv_data_type=BF16)
+    assert ba._planned[0] == "split"
+    assert ba._long.planned_backend == "fa3" and ba._prefill.planned_backend == "fa2"
+    assert (ba._planned[2] is None) == (order == "short-first")  # the gather's permutation
+    for _ in range(2):
+        q = randn((sum(qo_lens), hq, HD), BF16, gen)
+        out = torch.full((q.shape[0], hq, HD), float("nan"), dtype=BF16, device=DEV)
+        lse = torch.full((q.shape[0], hq), float("nan"), dtype=torch.float32, device=DEV)
+        ba.run(q, cache.run_arg, out=out, lse=lse)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = prefill_ref(q, qo_indptr.to(DEV), cache.k, cache.v, page_table=table.table, causal=True)
+        check_out(out, ref_out, TOL[BF16], "out")
+        check_lse(lse, ref_lse, "lse")
+
+
+def test_batch_attention_split_mode_plans_on_the_cpu(monkeypatch):
+    """"split" mode's plan (the Hopper arch check passed): verification requests of at most 16
+    tokens (and a padding request) on the mma.sync prefill wrapper, the longer ones on the
+    Hopper one, each side's rows as runs of the batch's or a permutation; a batch of short
+    requests alone, or with one-token decodes, or with prefill_backend "fa2", is not split."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    page_size = 16
+
+    def plan(qo_lens, kv_lens, backend="auto"):
+        pages = [-(-n // page_size) for n in kv_lens]
+        ba = fij.BatchAttention("NHD", device="cpu")
+        ba.prefill_backend = backend
+        ba.plan(_i32(list(itertools.accumulate(qo_lens, initial=0)), "cpu"),
+                _i32(list(itertools.accumulate(pages, initial=0)), "cpu"), _i32(range(sum(pages)), "cpu"),
+                _i32(kv_lens, "cpu"), *LLAMA, HD, HD, page_size, causal=True, q_data_type=BF16, kv_data_type=BF16)
+        return ba
+
+    ba = plan([4, 4, 0, 16, 900, 600], [4000, 300, 20, 800, 2000, 3000])
+    mode, _, perm, rows, *_, short_rows, short_run, long_run = ba._planned
+    assert (mode, perm, rows, short_rows, short_run, long_run) == ("split", None, 1524, 24, (0, 24), (24, 1524))
+    assert ba._long.planned_backend == "fa3" and ba._prefill.planned_backend == "fa2"
+    assert ba._prefill._plan.batch == 4 and ba._long._plan.qo_tokens == 1500
+    ba = plan([900, 4, 600, 4], [2000, 300, 3000, 500])
+    assert ba._planned[0] == "split" and ba._planned[2].tolist() == [*range(900, 904), *range(1504, 1508),
+                                                                      *range(900), *range(904, 1504)]
+    assert plan([4, 4], [300, 400])._planned[0] == "prefill"  # short requests alone: one launch
+    assert plan([4, 1, 900], [300, 400, 2000])._planned[0] == "pod"  # one-token decodes: POD
+    assert plan([4, 900], [300, 2000], backend="fa2")._planned[0] == "prefill"
+    assert plan([4, 900], [300, 2000], backend="fa2")._long is None
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile_rows, share, sms", [(64, None, None), (128, None, None), (64, 0.0, 0), (64, 0.25, 0),
                                                    (64, 1.0, 0), (128, 0.0, 0), (128, 0.5, 0), (128, 1.0, 0),
                                                    (128, 1.0, 5), (128, 1.0, 66), (64, 0.5, 100)])

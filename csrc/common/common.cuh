@@ -119,20 +119,6 @@ FIJ_DEVICE void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
 FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) { cp_async_16(smem_u32(smem), gmem, valid); }
-// An L2 policy that marks the lines a load brings in as first to evict (data read once, which
-// should not push out data that other blocks read again), and cp_async_16 under a policy.
-FIJ_DEVICE uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-FIJ_DEVICE void cp_async_16(uint32_t smem, const void* gmem, bool valid, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem), "l"(gmem),
-               "r"(valid ? 16 : 0), "l"(policy));
-}
-FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid, uint64_t policy) {
-  cp_async_16(smem_u32(smem), gmem, valid, policy);
-}
 // Brings `bytes` (a multiple of 16, 16-byte aligned) at gmem into L2 without waiting: one
 // bulk request on sm_90+, one per 128-byte line before.
 FIJ_DEVICE void prefetch_l2(const void* gmem, int bytes) {

@@ -32,7 +32,14 @@ from .wrapper import BatchPODWithPagedKVCacheWrapper
 
 __all__ = ["BatchAttention", "split_batch", "BatchSplit", "BatchCut", "cut_batch"]
 
-_WORKSPACE_BYTES = 128 << 20  # each of the three wrappers' float workspace
+_WORKSPACE_BYTES = 128 << 20  # each of the wrappers' float workspace
+# A batch without one-token requests whose requests of at most this many tokens (speculative
+# verification) sit beside longer ones (chunks of prompts), under prefill_backend "auto" or
+# "fa3": the short ones on the mma.sync kernel's packed (token, head) rows, the long ones on
+# the Hopper kernel, two launches ("split" mode). One launch holds one kernel and one tile
+# size: on the Hopper kernel the short requests' tiles are mostly empty rows, on the mma.sync
+# kernel the chunks run at its rate (docs/pod.md, mix 7).
+_SHORT_TOKENS = 16
 
 
 class BatchSplit(NamedTuple):
@@ -49,19 +56,24 @@ class BatchSplit(NamedTuple):
     perm: np.ndarray | None
 
 
-def split_batch(qo_indptr: np.ndarray, decode_ok: bool = True) -> BatchSplit:
+def split_batch(qo_indptr: np.ndarray, decode_ok: bool = True, first_side_max: int = 1) -> BatchSplit:
     """Which requests of a batch (qo_indptr [B+1], host) run on which side: one query token on
     the decode side (when decode_ok), everything else on the prefill side; and whether each
     side's rows are one run of the batch's rows (requests without rows, padding, lie on
-    either side of a run without breaking it). Pure function (numpy)."""
+    either side of a run without breaking it). first_side_max > 1: the first ("decode") side
+    takes every request of at most that many tokens (BatchAttention's short side, padding
+    included). Pure function (numpy)."""
     qo_indptr = np.asarray(qo_indptr, dtype=np.int64)
     lens = np.diff(qo_indptr)
-    is_decode = (lens == 1) if decode_ok else np.zeros(len(lens), dtype=bool)
+    if first_side_max > 1:
+        is_decode = lens <= first_side_max
+    else:
+        is_decode = (lens == 1) if decode_ok else np.zeros(len(lens), dtype=bool)
     decode = np.flatnonzero(is_decode)
     prefill = np.flatnonzero(~is_decode)
     total = int(qo_indptr[-1]) if len(qo_indptr) else 0
     row_is_decode = np.repeat(is_decode, lens)  # a side label a row
-    nd = len(decode)
+    nd = int(np.count_nonzero(row_is_decode))  # the decode side's rows
     if nd == 0 or nd == total:  # one side has every row (a side without requests: None)
         return BatchSplit(decode, prefill, (0, nd) if nd else None, (nd, total) if len(prefill) else None, None)
     changes = int(np.count_nonzero(row_is_decode[1:] != row_is_decode[:-1]))
@@ -151,7 +163,7 @@ class _LazySplit:
 
 
 @contextlib.contextmanager
-def _side_errors(side: str, split: BatchSplit):
+def _side_errors(side: str, split: BatchSplit, names: tuple = ("decode", "prefill")):
     """A side's planner names its own request numbers: say which of the batch's they are."""
     try:
         yield
@@ -159,8 +171,8 @@ def _side_errors(side: str, split: BatchSplit):
         def ids(a):
             return ", ".join(map(str, a[:8].tolist())) + (", ..." if len(a) > 8 else "")
 
-        raise ValueError(f"{exc} (planning {side}: the decode side's requests 0, 1, ... are the batch's "
-                         f"[{ids(split.decode)}], the prefill side's [{ids(split.prefill)}])") from exc
+        raise ValueError(f"{exc} (planning {side}: the {names[0]} side's requests 0, 1, ... are the batch's "
+                         f"[{ids(split.decode)}], the {names[1]} side's [{ids(split.prefill)}])") from exc
 
 
 class BatchAttention:
@@ -184,6 +196,7 @@ class BatchAttention:
         self._pod = BatchPODWithPagedKVCacheWrapper(ws[0], kv_layout)
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout, backend="fa2")
         self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
+        self._long = None  # "split" mode's Hopper prefill of the long requests (at its first use)
         self._planned = None
 
     @property
@@ -234,6 +247,22 @@ class BatchAttention:
         else:
             mode = "pod"
         heads = (num_qo_heads, num_kv_heads)
+        if mode == "prefill" and self._pod.prefill_backend != "fa2":
+            options = dict(head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
+                           q_data_type=q_dtype, kv_data_type=kv_dtype)
+            short_long = self._plan_short_long(qo_indptr, kv_indptr, kv_indices, kv_len_arr, heads, head_dim_qk,
+                                               page_size, options)
+            if short_long is not None:
+                split, short_rows = short_long
+                perm = None
+                if split.perm is not None:
+                    perm = torch.from_numpy(split.perm)
+                    if self._device.type == "cuda":
+                        perm = perm.pin_memory().to(self._device, non_blocking=True)
+                    static_inputs(perm)
+                self._planned = ("split", None, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap,
+                                 causal, short_rows, split.decode_rows, split.prefill_rows)
+                return
         d_indptr, d_last, d_pages = cut.decode
         p_qo, p_indptr, p_last, p_pages = cut.prefill
         p_table = (p_indptr, _side_ids(p_pages, kv_indices), p_last) if mode != "decode" else None
@@ -264,6 +293,45 @@ class BatchAttention:
         # of rows: Dynamo traces run() under torch.compile)
         self._planned = (mode, cut, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
                          cut.decodes, cut.decode_rows, cut.prefill_rows)
+
+    def _plan_short_long(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, heads: tuple, head_dim_qk: int,
+                         page_size: int, options: dict) -> tuple | None:
+        """"split" mode's plans (_SHORT_TOKENS): the requests of at most _SHORT_TOKENS tokens on
+        self._prefill's mma.sync kernel, the longer ones on the Hopper kernel (self._long,
+        prefill_backend's choice); (split_batch's split, the short side's rows), or None where
+        the batch has not both kinds with rows or the Hopper kernel does not take the long
+        ones (plan() then runs the batch as one prefill launch). After plan()'s checks of the
+        vectors."""
+        qo = host_index(qo_indptr, "qo_indptr")
+        q_lens = np.diff(qo)
+        short = q_lens <= _SHORT_TOKENS
+        if short.all() or not (q_lens[short] > 0).any():
+            return None
+        kv, lens = host_index(kv_indptr, "kv_indptr"), host_index(kv_len_arr, "kv_len_arr")
+        split = split_batch(qo, first_side_max=_SHORT_TOKENS)
+
+        def side_table(requests: np.ndarray) -> tuple:
+            side_qo = np.zeros(len(requests) + 1, dtype=np.int32)
+            np.cumsum(q_lens[requests], out=side_qo[1:])
+            indptr, last, pages = _side_table(requests, kv, lens, page_size)
+            return torch.from_numpy(side_qo), indptr, _side_ids(pages, kv_indices), last
+
+        if self._long is None:
+            self._long = BatchPrefillWithPagedKVCacheWrapper(
+                torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device), self._kv_layout)
+        self._long._backend = self._pod.prefill_backend
+        names = ("short", "long")
+        with _side_errors("the long side", split, names):
+            self._long.plan(*side_table(split.prefill), *heads, head_dim_qk, page_size, **options)
+        if self._long.planned_backend != "fa3":
+            return None
+        backend, self._prefill._backend = self._prefill._backend, "fa2"  # (the packed rows' kernel)
+        try:
+            with _side_errors("the short side", split, names):
+                self._prefill.plan(*side_table(split.decode), *heads, head_dim_qk, page_size, **options)
+        finally:
+            self._prefill._backend = backend
+        return split, int(q_lens[short].sum())
 
     @staticmethod
     def _cut_numpy(qo_indptr, kv_indptr, kv_len_arr, page_size: int, decode_ok: bool) -> tuple:
@@ -369,6 +437,9 @@ class BatchAttention:
                 kv = (k, v)
             self._pod._run_into(q_p, kv, q_d, kv, None, k_scale, v_scale, True, None, out_p, lse_p, out_d, lse_d,
                                 record=record)
+        elif mode == "split":  # the long requests on the Hopper kernel, then the short ones
+            self._long.run(q_p, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out_p, lse=lse_p)
+            self._prefill.run(q_d, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out_d, lse=lse_d)
         else:  # serial: the prefill side, then the decode side
             self._prefill.run(q_p, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out_p, lse=lse_p)
             self._decode.run(q_d, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out_d, lse=lse_d)
