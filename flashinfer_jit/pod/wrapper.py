@@ -90,10 +90,11 @@ def _pod_sm90_namespace(prefill_key: tuple, decode_key: tuple, kv_layout: str) -
 _SM90_PREFILL_FLOPS_PER_S = 4.5e14
 # The most SMs that start on prefill items, as a share of the SMs. POD on Hopper's decode side
 # streams at most ~43 GB/s an SM (three decode units a block) and ~0.9x the decode kernel's rate
-# overall, which it reaches from about two thirds of the SMs; below that, each SM taken from it
-# slows the decodes. An H200 sweep (2026-11-29, docs/pod.md) of mixes 1-6 at 26-55 prefill
-# blocks fits that model (rms 2.3%): a third of the SMs was within 1.5% of each mix's best.
-_SM90_PREFILL_CAP = 1 / 3
+# overall, which it reaches from a bit over half the SMs; below that, each SM taken from it
+# slows the decodes. H200 sweeps (2026-11-29, docs/pod.md): where this cap binds (mixes 1, 3, 5
+# and 6), 60 prefill blocks of 132 were the fastest of 36-60 (1-3% over 44); the decode-heavy
+# mixes 2 and 4 were fastest near their time ratio (36-44), and 2-8% slower at 52-60.
+_SM90_PREFILL_CAP = 0.45
 
 
 def sm90_prefill_blocks(flops: float, kv_bytes: float, num_sms: int) -> int:
