@@ -65,10 +65,6 @@ struct PrefillSm90Params {
   // base + i * kv_len + j is set, base the item's tile's entry of the work list's int64
   // array after the tiles), as 32-bit words of a buffer padded past the last bit read
   const uint32_t* mask = nullptr;
-  // An L2 cache policy for the K/V tiles' loads (sm90::kL2EvictLast), 0: none. POD on
-  // Hopper sets it: its decode side streams the whole cache through L2 beside these tiles,
-  // which the other query tiles of their request read again (csrc/pod/pod_sm90.cuh).
-  uint64_t kv_l2_policy = 0;
 };
 
 namespace sm90_prefill {
@@ -334,7 +330,7 @@ struct Sm90Kernel {
   // (kTileAtoms: the tile's 64-column atoms, K's kAtoms or V's kVAtoms)
   template <bool kPaged, int kTileAtoms>
   static FIJ_SM90 void load_kv(const CUtensorMap* map, unsigned char* dst, uint64_t* full, const Sm90Tile& tile,
-                               int n, int kv_head, int lane, int shift, int page, uint64_t policy) {
+                               int n, int kv_head, int lane, int shift, int page) {
     if constexpr (!kPaged) {
       if (lane == 0) {
         h::mbar_expect_tx(full, kKVAtom * kTileAtoms);
@@ -347,15 +343,9 @@ struct Sm90Kernel {
       if (lane == 0) h::mbar_expect_tx(full, (pages << shift) * 128 * kTileAtoms);
       __syncwarp();
       if (lane < pages) {
-        if (policy != 0) {
 #pragma unroll
-          for (int a = 0; a < kTileAtoms; ++a)
-            h::tma_load_4d(dst + a * kKVAtom + (lane << shift) * 128, map, full, 64 * a, 0, kv_head, page, policy);
-        } else {
-#pragma unroll
-          for (int a = 0; a < kTileAtoms; ++a)
-            h::tma_load_4d(dst + a * kKVAtom + (lane << shift) * 128, map, full, 64 * a, 0, kv_head, page);
-        }
+        for (int a = 0; a < kTileAtoms; ++a)
+          h::tma_load_4d(dst + a * kKVAtom + (lane << shift) * 128, map, full, 64 * a, 0, kv_head, page);
       }
     }
   }
@@ -595,10 +585,10 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
           }
           h::mbar_wait(&k_empty[s], parity ^ 1);
           K::template load_kv<kPaged, K::kAtoms>(&p.k_map, sk + s * kKTileBytes, &k_full[s], tile, n, kv_head, lane,
-                                      p.page_shift, this_page, p.kv_l2_policy);
+                                      p.page_shift, this_page);
           h::mbar_wait(&v_empty[s], parity ^ 1);
           K::template load_kv<kPaged, K::kVAtoms>(&p.v_map, sv + s * kVTileBytes, &v_full[s], tile, n, kv_head, lane,
-                                      p.page_shift, this_page_v, p.kv_l2_policy);
+                                      p.page_shift, this_page_v);
         }
       }
     }

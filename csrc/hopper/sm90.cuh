@@ -90,16 +90,6 @@ FIJ_SM90 void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int 
       "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
-// The 4-D load under an L2 cache policy (kL2EvictLast: the tile's lines are the last to leave L2).
-constexpr uint64_t kL2EvictLast = 0x14F0000000000000ull;
-FIJ_SM90 void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3,
-                          uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, "
-      "%4, %5, %6}], [%2], %7;\n" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(policy)
-      : "memory");
-}
 FIJ_SM90 void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 }

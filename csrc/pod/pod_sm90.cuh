@@ -26,8 +26,6 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "common/common.cuh"
 #include "common/merge.cuh"
 #include "decode/decode_mma.cuh"
@@ -99,13 +97,6 @@ int launch_pod_sm90(const PrefillSm90Params& prefill, const DecodeLaunch& ld, in
   PodSm90Params p;
   p.prefill = prefill;
   p.prefill.counters = counters;
-  // (an experiment's switch, 2026-11-29: FIJ_POD_KV_EVICT_LAST=1 loads the prefill side's K/V
-  // tiles with L2 evict-last)
-  static const bool evict_last = [] {
-    const char* v = std::getenv("FIJ_POD_KV_EVICT_LAST");
-    return v != nullptr && v[0] == '1';
-  }();
-  p.prefill.kv_l2_policy = evict_last ? sm90::kL2EvictLast : 0;
   p.decode = ld.params;
   p.decode.dependent_launch = 0;
   p.decode_next = counters + 2;
