@@ -10,7 +10,10 @@ kernel, reading q and writing out / lse in place where each side's rows are one 
 batch's (decodes first or last, as vLLM and SGLang order them), else through one gather of q
 and one scatter of the outputs. A batch of one kind runs that family's own wrapper; a
 configuration POD does not take (soft cap, head_dim 192/128) runs the two sides one after
-the other.
+the other. Under prefill_backend "auto" / "fa3", a speculative-decoding step (verification
+requests of at most 16 tokens beside chunks, no one-token request) runs as two prefill
+launches, the short requests on the mma.sync kernel, the chunks on the Hopper kernel
+("split" mode, _SHORT_TOKENS).
 """
 
 from __future__ import annotations
