@@ -257,12 +257,7 @@ class BatchAttention:
                                                page_size, options)
             if short_long is not None:
                 split, short_rows = short_long
-                perm = None
-                if split.perm is not None:
-                    perm = torch.from_numpy(split.perm)
-                    if self._device.type == "cuda":
-                        perm = perm.pin_memory().to(self._device, non_blocking=True)
-                    static_inputs(perm)
+                perm = None if split.perm is None else self._device_perm(torch.from_numpy(split.perm))
                 self._planned = ("split", None, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap,
                                  causal, short_rows, split.decode_rows, split.prefill_rows)
                 return
@@ -287,15 +282,19 @@ class BatchAttention:
                     self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
                                        causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
                                        q_data_type=q_dtype, kv_data_type=kv_dtype)
-        perm = cut.perm
-        if perm is not None:
-            if self._device.type == "cuda":
-                perm = perm.pin_memory().to(self._device, non_blocking=True)
-            static_inputs(perm)  # (read by a run() that torch.compile traces: see runtime.checks)
+        perm = None if cut.perm is None else self._device_perm(cut.perm)
         # (run() reads the cut as plain ints, the decode side's requests and each side's run
         # of rows: Dynamo traces run() under torch.compile)
         self._planned = (mode, cut, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
                          cut.decodes, cut.decode_rows, cut.prefill_rows)
+
+    def _device_perm(self, perm: torch.Tensor) -> torch.Tensor:
+        """A plan's row permutation (int64, host) on the wrapper's device, marked a static input
+        (read by a run() that torch.compile traces: see runtime.checks)."""
+        if self._device.type == "cuda":
+            perm = perm.pin_memory().to(self._device, non_blocking=True)
+        static_inputs(perm)
+        return perm
 
     def _plan_short_long(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, heads: tuple, head_dim_qk: int,
                          page_size: int, options: dict) -> tuple | None:
