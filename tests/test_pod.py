@@ -520,9 +520,19 @@ def test_batch_attention_on_hopper():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("POD on Hopper runs on sm_90")
     rnd, gen = _seeded(4242)
-    page_size, (hq, hk) = 16, LLAMA
     reqs = [(1, rnd.randint(1, 3000)) for _ in range(30)] + [(900, 2000)] + \
         [(1, rnd.randint(1, 3000)) for _ in range(30)] + [(700, 700)]
+    ba, run_and_check = _hopper_batch_attention(reqs, rnd, gen)
+    assert ba._pod._prefill.planned_backend == "fa3"
+    run_and_check()
+
+
+def _hopper_batch_attention(reqs, rnd, gen):
+    """A BatchAttention with prefill_backend="auto" planned (causal, bf16, LLAMA heads, pages
+    of 16 in random order, NaN outside them) for requests (qo_len, kv_len), and a call that
+    runs it on fresh q into NaN-poisoned out / lse and checks both against the float64
+    reference of the whole batch."""
+    page_size, (hq, hk) = 16, LLAMA
     qo_lens, kv_lens = [m for m, _ in reqs], [n for _, n in reqs]
     pages = sum(-(-n // page_size) for n in kv_lens)
     ids = rnd.sample(range(pages + 3), pages)
@@ -530,19 +540,22 @@ def test_batch_attention_on_hopper():
     cache = make_cache(pages + 3, page_size, hk, HD, BF16, gen)
     nan_outside(cache, page_size, [table])
     qo_indptr = _i32(list(itertools.accumulate(qo_lens, initial=0)), "cpu")
-    q = randn((sum(qo_lens), hq, HD), BF16, gen)
     ba = fij.BatchAttention("NHD")
     ba.prefill_backend = "auto"
     ba.plan(qo_indptr, table.plan_args[0].cpu(), table.plan_args[1], torch.tensor(kv_lens, dtype=torch.int32), hq, hk,
             HD, HD, page_size, causal=True, q_data_type=BF16, kv_data_type=BF16)
-    assert ba._pod._prefill.planned_backend == "fa3"
-    out = torch.full((q.shape[0], hq, HD), float("nan"), dtype=BF16, device=DEV)
-    lse = torch.full((q.shape[0], hq), float("nan"), dtype=torch.float32, device=DEV)
-    ba.run(q, cache.run_arg, out=out, lse=lse)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = prefill_ref(q, qo_indptr.to(DEV), cache.k, cache.v, page_table=table.table, causal=True)
-    check_out(out, ref_out, TOL[BF16], "out")
-    check_lse(lse, ref_lse, "lse")
+
+    def run_and_check():
+        q = randn((sum(qo_lens), hq, HD), BF16, gen)
+        out = torch.full((q.shape[0], hq, HD), float("nan"), dtype=BF16, device=DEV)
+        lse = torch.full((q.shape[0], hq), float("nan"), dtype=torch.float32, device=DEV)
+        ba.run(q, cache.run_arg, out=out, lse=lse)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = prefill_ref(q, qo_indptr.to(DEV), cache.k, cache.v, page_table=table.table, causal=True)
+        check_out(out, ref_out, TOL[BF16], "out")
+        check_lse(lse, ref_lse, "lse")
+
+    return ba, run_and_check
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", ["short-first", "interleaved"])
@@ -555,33 +568,15 @@ def test_batch_attention_speculative_step_on_hopper(order):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel runs on sm_90")
     rnd, gen = _seeded(777 + len(order))
-    page_size, (hq, hk) = 16, LLAMA
     spec = [(4, rnd.randint(4, 3000)) for _ in range(24)] + [(0, 50)] + [(3, 700)]
     chunks = [(600, 2000), (300, 300)]
     reqs = spec + chunks if order == "short-first" else spec[:10] + chunks[:1] + spec[10:] + chunks[1:]
-    qo_lens, kv_lens = [m for m, _ in reqs], [n for _, n in reqs]
-    pages = sum(-(-n // page_size) for n in kv_lens)
-    ids = rnd.sample(range(pages + 3), pages)
-    table = csr_table(kv_lens, page_size, ids)
-    cache = make_cache(pages + 3, page_size, hk, HD, BF16, gen)
-    nan_outside(cache, page_size, [table])
-    qo_indptr = _i32(list(itertools.accumulate(qo_lens, initial=0)), "cpu")
-    ba = fij.BatchAttention("NHD")
-    ba.prefill_backend = "auto"
-    ba.plan(qo_indptr, table.plan_args[0].cpu(), table.plan_args[1], torch.tensor(kv_lens, dtype=torch.int32), hq, hk,
-            HD, HD, page_size, causal=True, q_data_type=BF16, kv_data_type=BF16)
+    ba, run_and_check = _hopper_batch_attention(reqs, rnd, gen)
     assert ba._planned[0] == "split"
     assert ba._long.planned_backend == "fa3" and ba._prefill.planned_backend == "fa2"
     assert (ba._planned[2] is None) == (order == "short-first")  # the gather's permutation
     for _ in range(2):
-        q = randn((sum(qo_lens), hq, HD), BF16, gen)
-        out = torch.full((q.shape[0], hq, HD), float("nan"), dtype=BF16, device=DEV)
-        lse = torch.full((q.shape[0], hq), float("nan"), dtype=torch.float32, device=DEV)
-        ba.run(q, cache.run_arg, out=out, lse=lse)
-        torch.cuda.synchronize()
-        ref_out, ref_lse = prefill_ref(q, qo_indptr.to(DEV), cache.k, cache.v, page_table=table.table, causal=True)
-        check_out(out, ref_out, TOL[BF16], "out")
-        check_lse(lse, ref_lse, "lse")
+        run_and_check()
 
 
 def test_batch_attention_split_mode_plans_on_the_cpu(monkeypatch):
