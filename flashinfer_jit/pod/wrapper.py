@@ -266,6 +266,14 @@ class _Pod:
         # every plan of either side and every pinned schedule
         self._quick = None
 
+    def _no_plan_here(self, traced: str, captured: str) -> None:
+        """A run() that must plan its prefill side again: a RuntimeError (message `traced` or
+        `captured`) under torch.compile or during CUDA-graph capture, where plan() cannot run."""
+        if compiling():
+            raise RuntimeError(traced)
+        if _capturing(self._device):
+            raise RuntimeError(captured)
+
     def _pin_tile(self, head_dim: int) -> None:
         """The prefill side's tile for its next plan: a tile the POD module holds."""
         self._prefill._force_tile_rows = self.tile_rows if 128 in pod_tiles(head_dim) else 64
@@ -416,13 +424,11 @@ class PODWithPagedKVCacheWrapper(_Pod):
                q_p.shape[2])
         if custom_mask is None and packed_custom_mask is None and key == self._prefill_key:
             return
-        if compiling():
-            raise RuntimeError("PODWithPagedKVCacheWrapper.run() under torch.compile: the prefill's lengths or options "
-                               "differ from its last plan (or it has a custom mask); run it once eagerly with them "
-                               "first (Dynamo cannot trace plan())")
-        if _capturing(self._device):
-            raise RuntimeError("PODWithPagedKVCacheWrapper.run(): the prefill's lengths or options changed during "
-                               "CUDA-graph capture; run it once with them before capturing")
+        self._no_plan_here(
+            "PODWithPagedKVCacheWrapper.run() under torch.compile: the prefill's lengths or options differ from its "
+            "last plan (or it has a custom mask); run it once eagerly with them first (Dynamo cannot trace plan())",
+            "PODWithPagedKVCacheWrapper.run(): the prefill's lengths or options changed during CUDA-graph capture; "
+            "run it once with them before capturing")
         self._pin_tile(q_p.shape[2])
         self._flops = prefill_flops([qo_len], [kv_len], bool(causal), q_p.shape[1], q_p.shape[2])
         self._prefill.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
@@ -587,13 +593,11 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         if not custom and self._prefill_mask == bool(causal):
             return
         if in_run:  # (plan() itself is neither traced nor captured)
-            if compiling():
-                raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run() under torch.compile: causal_p or a custom "
-                                   "mask differs from what plan() planned; pass plan() causal=causal_p (Dynamo cannot "
-                                   "trace plan())")
-            if _capturing(self._device):
-                raise RuntimeError("BatchPODWithPagedKVCacheWrapper.run(): causal_p or a custom mask differs from "
-                                   "what plan() planned, during CUDA-graph capture; pass plan() causal=causal_p")
+            self._no_plan_here(
+                "BatchPODWithPagedKVCacheWrapper.run() under torch.compile: causal_p or a custom mask differs from "
+                "what plan() planned; pass plan() causal=causal_p (Dynamo cannot trace plan())",
+                "BatchPODWithPagedKVCacheWrapper.run(): causal_p or a custom mask differs from what plan() planned, "
+                "during CUDA-graph capture; pass plan() causal=causal_p")
         qo, kv, ids, last, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = self._prefill_args
         self._pin_tile(d)
         backend = self.prefill_backend
