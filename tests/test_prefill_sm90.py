@@ -581,10 +581,43 @@ def test_auto_picks_the_backend(batch, hopper_workspace):
     check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fa3_ragged_rope_matches_fa2(causal, head_dim, hopper_workspace):
+    """pos_encoding_mode="ROPE_LLAMA" on the Hopper path (ragged K/V: q and k rotated before the
+    kernel, sm90.rope_prepass), requests with qo_len < kv_len (q rows at kv_len - qo_len + i),
+    rope_scale and rope_theta set: against the float64 reference and the mma.sync kernel's
+    in-kernel RoPE on the same inputs, outputs poisoned; "auto" takes it for these prompts;
+    the single-request function too."""
+    shapes = [(300, 900), (517, 517), (64, 2000), (0, 40), (200, 260)]
+    gen = torch.Generator(device=DEV).manual_seed(23 + head_dim)
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, head_dim, torch.bfloat16, gen)
+    rope = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5)
+    results = {}
+    for backend in ("fa3", "fa2", "auto"):
+        wrapper = ragged_wrapper(hopper_workspace, backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (head_dim, head_dim), causal=causal, q_data_type=torch.bfloat16,
+                **rope)
+        if backend == "auto":
+            assert wrapper.planned_backend == "fa3"
+            continue
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch.bfloat16)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal, **rope)
+    tol = tolerance(BF16)
+    check_prefill(*results["fa3"], ref_out, ref_lse, shapes, tol)
+    check_agree(*results["fa3"], *results["fa2"], shapes, tol / 2, "fa3", "fa2")
+    qs, ks, vs = q[:300], k_rows[:900], v_rows[:900]
+    single3 = fij.single_prefill_with_kv_cache(qs, ks, vs, causal=causal, backend="fa3", **rope)
+    single2 = fij.single_prefill_with_kv_cache(qs, ks, vs, causal=causal, backend="fa2", **rope)
+    check_out(single3, single2, [(300, 900)], tol / 2, "single fa3 against fa2")
+
+
 def _auto_lacking_params():
     """(plan() arguments beyond the base, whether on the paged wrapper)."""
     return [
-        pytest.param(dict(pos_encoding_mode="ROPE_LLAMA"), False, id="rope"),
+        pytest.param(dict(pos_encoding_mode="ROPE_LLAMA", page_size=16), True, id="paged_rope"),
         pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
         pytest.param(dict(page_size=8), True, id="paged_page_8"),
         pytest.param(dict(kv_data_type=torch.float8_e4m3fn), True, id="paged_fp8_kv"),
@@ -595,7 +628,7 @@ def _auto_lacking_params():
 @pytest.mark.parametrize("extra, paged", _auto_lacking_params())
 def test_auto_keeps_fa2_where_fa3_lacks_the_feature(extra, paged, hopper_workspace):
     """backend="auto" on sm_90 with long prompts that alone pick fa3 (checked first), plus a
-    feature the Hopper path lacks (RoPE, an o_data_type, a page size, fp8 K/V):
+    feature the Hopper path lacks (RoPE over a paged cache, an o_data_type, a page size, fp8 K/V):
     planned_backend "fa2", no error. Plans only (no module is built)."""
     shapes = AUTO_BATCHES["long_prompts"][0]
     qo, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
@@ -902,7 +935,6 @@ def _cpu_masks() -> dict:
 
 # (plan() arguments beyond CPU_HEADS, the error's match): what the Hopper path lacks
 FA3_LACKS = [
-    pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA"), r"pos_encoding", id="rope"),
     pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8_kv"),
     pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"kv_data_type|q_data_type|dtype",
                  id="kv_dtype_not_q"),  # (inferred from "same dtype for q and kv")
@@ -944,6 +976,7 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
     pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
     pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
     pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
+    pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA"), r"ROPE_LLAMA.*paged", id="rope_paged"),
 ])
 def test_fa3_paged_plan_names_what_it_lacks(options, match):
     """The paged wrapper with backend="fa3": plan() raises a ValueError naming what the Hopper
@@ -979,12 +1012,13 @@ def test_fa3_plan_on_the_cpu_names_sm90(config):
 
 def test_fa3_single_prefill_on_the_cpu():
     """single_prefill_with_kv_cache(backend="fa3") with CPU tensors: a ValueError naming the
-    feature it lacks (RoPE) first, else one naming sm_90 (inferred from the wrappers' rule:
-    the single function has no workspace; its tensors' device is the check)."""
+    feature it lacks (fp8 K/V) first, else one naming sm_90 (inferred from the wrappers' rule:
+    the single function has no workspace; its tensors' device is the check). RoPE is taken
+    (ragged K/V: rotated before the kernel)."""
     q = torch.randn(50, 8, 128, dtype=torch.bfloat16)
     k = torch.randn(80, 2, 128, dtype=torch.bfloat16)
     v = torch.randn(80, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"pos_encoding"):
+    with pytest.raises(ValueError, match=r"sm_90"):
         fij.single_prefill_with_kv_cache(q, k, v, pos_encoding_mode="ROPE_LLAMA", backend="fa3")
     with pytest.raises(ValueError, match=r"sm_90"):  # a custom mask is taken
         fij.single_prefill_with_kv_cache(q, k, v, custom_mask=torch.ones(50, 80, dtype=torch.bool), backend="fa3")

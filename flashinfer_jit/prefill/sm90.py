@@ -99,7 +99,11 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
         return f"a {c.mask} mask"
     if c.mask == "custom" and graph:  # (plan() copies the bits into a buffer of each batch's size)
         return "custom_mask / packed_custom_mask with use_cuda_graph=True"
-    if c.pos_encoding not in ("none", "alibi"):  # (ALiBi with a soft cap: plan()'s ValueError before)
+    if c.pos_encoding == "rope_llama" and not ragged:  # (ragged: q and k rotated before the kernel, rope_prepass)
+        return "pos_encoding_mode='ROPE_LLAMA' with a paged cache"
+    if c.pos_encoding == "rope_llama" and graph:
+        return "pos_encoding_mode='ROPE_LLAMA' with use_cuda_graph=True"
+    if c.pos_encoding not in ("none", "alibi", "rope_llama"):  # (ALiBi with a soft cap: plan()'s ValueError before)
         return f"pos_encoding_mode={c.pos_encoding.upper()!r}"
     if c.kv_dtype != c.q_dtype:
         return f"kv_data_type {dtype_name(c.kv_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
@@ -243,7 +247,7 @@ class Sm90Plan:
     fields run()'s shared checks read and write (config, qo_tokens, checked, fast, quick)."""
 
     __slots__ = ("config", "spec", "op", "work", "page_ids", "mask", "counters", "grid", "qo_tokens", "checked",
-                 "fast", "quick", "traced_key")
+                 "fast", "quick", "traced_key", "rope")
 
 
 class Sm90Planner:
@@ -263,11 +267,12 @@ class Sm90Planner:
 
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
              keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0,
-             tile_rows: int = TILE_ROWS, mask: tuple | None = None) -> Sm90Plan:
+             tile_rows: int = TILE_ROWS, mask: tuple | None = None, kv_indptr: np.ndarray | None = None) -> Sm90Plan:
         """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile;
         page_ids: the CSR page table's indices, int32 on the device (paged), else None; mask:
         a custom mask's (packed bits on the device, padded: mask_buffer; each tile's first
-        bit: mask_bases), else None."""
+        bit: mask_bases), else None. kv_indptr (ragged K/V, pos_encoding_mode ROPE_LLAMA): the
+        K/V rows' offsets, for the rotation before the kernel (rope_prepass)."""
         heads = c.num_qo_heads
         items = tiles.shape[0] * heads
         if items >= 2 ** 31:
@@ -315,9 +320,38 @@ class Sm90Planner:
         p.mask = mask[0] if mask is not None else self._no_mask
         p.qo_tokens = int(qo_indptr[-1])
         p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
+        p.rope = None
+        if c.pos_encoding == "rope_llama":
+            # q row i of request b at position kv_len - qo_len + i, key j at j (the mma.sync
+            # kernel's in-kernel RoPE): each side's offsets over its own row ranges
+            qo64, kv64 = qo_indptr.astype(np.int64), kv_indptr.astype(np.int64)
+            shift = (kv64[1:] - kv64[:-1]) - (qo64[1:] - qo64[:-1])
+            host_rope = np.concatenate([qo64, shift, kv64, np.zeros(len(kv64) - 1, np.int64)]).astype(np.int32)
+            dev = torch.from_numpy(host_rope).to(self._device, non_blocking=non_blocking)
+            b = len(qo64) - 1
+            p.rope = (dev[: b + 1], dev[b + 1: 2 * b + 1], dev[2 * b + 1: 3 * b + 2], dev[3 * b + 2:])
         return p
+
+
+def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated (ROPE_LLAMA, NeoX halves; rope_scale and rope_theta from the plan's
+    configuration) into new tensors, by the RoPE module's kernel (flashinfer_jit/kvcache/rope.py),
+    each on its own row offsets: the Hopper path's pos_encoding_mode="ROPE_LLAMA" for ragged
+    K/V, before the kernel (measured 2.5-3.3x the mma.sync kernel's in-kernel RoPE: docs/hopper.md).
+    Each call rotates one tensor: the op's second input is a one-head view of it, whose
+    output is dropped."""
+    from ..kvcache.rope import _run_rope
+
+    qo, q_shift, kv, k_shift = rope
+    out = []
+    for t, indptr, offsets in ((q, qo, q_shift), (k, kv, k_shift)):
+        rotated = torch.empty_like(t)
+        _run_rope(t, t[:, :1], rotated, torch.empty_like(t[:, :1]), rotary_dim=None, interleave=False, indptr=indptr,
+                  offsets=offsets, rope_scale=c.rope_scale, rope_theta=c.rope_theta)
+        out.append(rotated)
+    return out[0], out[1]
 
 
 __all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "key_tile",
            "mask_bases", "mask_buffer",
-           "narrower_tile", "QUERY_TILE_MIN_KEYS", "query_tile", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]
+           "narrower_tile", "QUERY_TILE_MIN_KEYS", "query_tile", "rope_prepass", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

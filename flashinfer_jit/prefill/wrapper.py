@@ -577,7 +577,7 @@ class _PrefillWrapper:
             plan.traced_key = traced_key(plan.spec)
         self._plan = plan
         self._traced = None
-        static_inputs(plan.work, plan.counters, plan.page_ids, plan.mask)
+        static_inputs(plan.work, plan.counters, plan.page_ids, plan.mask, *(plan.rope or ()))
         return True
 
     def _sm90_plan(self, backend: str, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str,
@@ -648,7 +648,7 @@ class _PrefillWrapper:
             packed = self._packed_mask(config, qo_lens, lens, custom_mask, packed_custom_mask, starts)
             mask = (sm90.mask_buffer(packed, self._device), sm90.mask_bases(tiles, qo, lens, starts))
         return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout, v_ids,
-                               rows, mask)
+                               rows, mask, kv if self._ragged else None)
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
@@ -1043,6 +1043,8 @@ class _PrefillWrapper:
                 raise ValueError("sinks: not supported with pos_encoding_mode='ALIBI' (expected None)")
         out, lse, logit_scale, vs = self._sm90_args(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse,
                                                     window_left)
+        if plan.rope is not None:  # ROPE_LLAMA on ragged K/V: q and k rotated first
+            q, k = sm90.rope_prepass(q, k, plan.rope, c)
         if compiling():
             op = traced_op(traced_namespace(*plan.traced_key), "prefill_sm90")
         else:
