@@ -33,6 +33,7 @@ from flashinfer_jit.decode import wrapper as decode
 from flashinfer_jit.decode.spec import group_tile, uses_tensor_cores
 from flashinfer_jit.pipeline.jit import get_module
 from flashinfer_jit.reference.decode import ordered_pages_ref
+from flashinfer_jit.runtime import fastcall
 from flashinfer_jit.runtime.page_table import csr_page_table
 from flashinfer_jit.runtime.shared_specs import PageOrderSpec
 
@@ -1193,6 +1194,33 @@ def test_native_planner_matches_the_numpy_path_in_cuda_graph_mode(config, table,
     assert compared >= 5, compared
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_csr_plans_reach_the_planner_through_the_extension(graph, monkeypatch):
+    """plan() of a CSR table in the common form (int32 host indptr and last_page_len) calls the
+    C++ planner through fij_fastcall.decode_plan, without ctypes' conversions; the plan is
+    the one the ctypes call gives (and, in the comparisons above, the numpy path's)."""
+    if fastcall.extension() is None:
+        pytest.skip("the fij_fastcall extension is unavailable here")
+    monkeypatch.setenv("FLASHINFER_JIT_NATIVE_PLAN", "1")
+    w = fij.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD", use_tensor_cores=True,
+                                               use_cuda_graph=graph)
+    kwargs = dict(num_qo_heads=32, num_kv_heads=HK, head_dim=D, page_size=PS, q_data_type=torch.bfloat16)
+    w.plan(**csr(SKEWED), **kwargs)
+    native = w._plan.config.native
+    run, address = native[3]
+    calls = []
+    w._plan.config.native = native[:3] + ((lambda *a: calls.append(a[2]) or run(*a), address),)
+    table = csr(SKEWED[::-1], seed=3)
+    w.plan(**table, **kwargs)
+    assert calls and calls[0] is table["indptr"]
+    through_extension = _shipped(w)
+    w._plan.config.native = native[:3] + (None,)
+    w.plan(**table, **kwargs)
+    through_ctypes = _shipped(w)
+    assert torch.equal(through_extension[0], through_ctypes[0])
+    assert through_extension[1:] == through_ctypes[1:]
+
+
 # --- the planners' start offset (POD: two work lists in one buffer) -------------------------------
 SENTINEL = -7  # what a host buffer holds before a planner writes it
 
@@ -1200,7 +1228,7 @@ SENTINEL = -7  # what a host buffer holds before a planner writes it
 def _native_at(w, table: dict, batch: int, start: int, capacity: int = 0, host_size: int = 1 << 18):
     """(status, host buffer, results) of the C++ planner (csrc/decode/decode_plan.h) for the CSR
     table `table`, under w's last plan's configuration, writing its section from `start`."""
-    fn, _, struct = decode._native_config(w._plan.config)
+    fn, _, struct, _ = decode._native_config(w._plan.config)
     struct.start = start
     host = np.full(host_size, SENTINEL, dtype=np.int32)
     result = np.zeros(7, dtype=np.int64)

@@ -28,6 +28,10 @@ DECODE = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 6 + [ctypes.c_floa
 ORDER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 PLAN = ctypes.CFUNCTYPE(ctypes.c_longlong, *([ctypes.c_void_p] * 4 + [ctypes.c_longlong, ctypes.c_void_p,
                                                                       ctypes.c_longlong, ctypes.c_void_p]))
+DECODE_PLAN = ctypes.CFUNCTYPE(ctypes.c_longlong, *([ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 +
+                                                    [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p]))
+SHIP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int,
+                        ctypes.c_void_p)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +104,27 @@ def test_order_pages_caller_passes_every_argument(ext):
         call(0, 16, 0)
     with pytest.raises(TypeError, match="expected 4 arguments, got 3"):
         ext.order_pages(1, 2, 3)
+
+
+def test_ship_caller_passes_every_argument(ext):
+    """plan()'s copy of its packed buffer (flashinfer_jit/runtime/plan_buffer.py): dst, src,
+    bytes, stream (0: the default), device and event (0: none) reach the entry; a null entry,
+    dst or src, or negative bytes raise before it."""
+    seen = []
+    cb = recorder(SHIP, seen, code=5)
+    call = fastcall.bind("ship", cb)
+    assert call is not cb
+    big = 0x7F00_0000_1000
+    assert call(big, big + 64, 8192, 0, 1, big + 128) == 5
+    assert call(16, 32, 0, big, 0, 0) == 5
+    assert seen == [(big, big + 64, 8192, None, 1, big + 128), (16, 32, 0, big, 0, None)]
+    with pytest.raises(ValueError, match="null entry, dst or src"):
+        call(0, 32, 8, 0, 0, 0)
+    with pytest.raises(ValueError, match="negative bytes"):
+        call(16, 32, -8, 0, 0, 0)
+    with pytest.raises(TypeError, match="expected 7 arguments, got 6"):
+        ext.ship(1, 2, 3, 4, 5, 6)
+    assert len(seen) == 2
 
 
 def test_bad_arguments_raise_before_the_call(ext):
@@ -305,6 +330,44 @@ def test_prefill_plan_calls_the_planner_for_the_common_form_only(ext):
         ext.prefill_plan(address, 64, 3, qo, indptr, last, 4096, 100, 8192)
     with pytest.raises(OverflowError):
         ext.prefill_plan(address, 64, 0, qo, indptr, last, -4096, 100, 8192)
+    assert seen == []
+
+
+def test_decode_plan_calls_the_planner_for_the_common_form_only(ext):
+    """batch decode's planner (csrc/decode/decode_plan.h) through the extension: a CSR table of
+    contiguous 1-D int32 host indptr [B + 1] and last_page_len [B], int32 page ids on any device
+    (their count the limit): the planner's status back; None and no call for any other form
+    (plan() then converts and checks in Python)."""
+    import torch
+
+    seen = []
+    cb = recorder(DECODE_PLAN, seen, code=-3)
+    address = ctypes.cast(cb, ctypes.c_void_p).value
+    i32 = lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    indptr, last, ids = i32(0, 1, 3), i32(4, 16), i32(*range(9))
+    plan = lambda a, b, c, capacity=0: ext.decode_plan(address, 64, a, b, c, capacity, 4096, 100, 8192)  # noqa: E731
+    assert plan(indptr, last, ids) == -3
+    assert plan(indptr, last, ids[:5], 6) == -3
+    assert seen == [(64, indptr.data_ptr(), last.data_ptr(), None, 2, 9, 0, 4096, 100, 8192),
+                    (64, indptr.data_ptr(), last.data_ptr(), None, 2, 5, 6, 4096, 100, 8192)]
+    seen.clear()
+    others = [
+        (indptr.long(), last, ids), (indptr, last.long(), ids), (indptr, last, ids.long()),  # int64
+        (indptr, last[:1], ids), (indptr[:1], last, ids),  # lengths
+        (i32(0, 0, 1, 0, 3)[::2], last, ids),  # not contiguous
+        (indptr, last, ids.view(3, 3)),  # 2-D ids
+        (i32(), i32(), ids),  # no batch
+        (indptr, None, ids), (indptr, last, None), ([0, 1, 3], last, ids),  # not tensors
+    ]
+    for args in others:
+        assert plan(*args) is None, args
+    assert seen == []
+    with pytest.raises(TypeError, match="expected 9 arguments"):
+        ext.decode_plan(address, 64, indptr, last, ids, 0, 4096, 100)
+    with pytest.raises(ValueError, match="null planner"):
+        ext.decode_plan(0, 64, indptr, last, ids, 0, 4096, 100, 8192)
+    with pytest.raises(ValueError, match="negative capacity"):
+        ext.decode_plan(address, 64, indptr, last, ids, -1, 4096, 100, 8192)
     assert seen == []
 
 

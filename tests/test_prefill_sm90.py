@@ -588,8 +588,8 @@ def test_fa3_ragged_rope_matches_fa2(causal, head_dim, hopper_workspace):
     """pos_encoding_mode="ROPE_LLAMA" on the Hopper path (ragged K/V: q and k rotated before the
     kernel, sm90.rope_prepass), requests with qo_len < kv_len (q rows at kv_len - qo_len + i),
     rope_scale and rope_theta set: against the float64 reference and the mma.sync kernel's
-    in-kernel RoPE on the same inputs, outputs poisoned; "auto" takes it for these prompts;
-    the single-request function too."""
+    in-kernel RoPE on the same inputs, outputs poisoned; "auto" picks the kernel it picks for
+    the same batch without RoPE; the single-request function too."""
     shapes = [(300, 900), (517, 517), (64, 2000), (0, 40), (200, 260)]
     gen = torch.Generator(device=DEV).manual_seed(23 + head_dim)
     q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, head_dim, torch.bfloat16, gen)
@@ -599,8 +599,10 @@ def test_fa3_ragged_rope_matches_fa2(causal, head_dim, hopper_workspace):
         wrapper = ragged_wrapper(hopper_workspace, backend=backend)
         plan_kv(wrapper, qo_indptr, kv, *LLAMA, (head_dim, head_dim), causal=causal, q_data_type=torch.bfloat16,
                 **rope)
-        if backend == "auto":
-            assert wrapper.planned_backend == "fa3"
+        if backend == "auto":  # RoPE leaves auto's choice to its rule: that of the same batch without it
+            plain = ragged_wrapper(hopper_workspace, backend="auto")
+            plan_kv(plain, qo_indptr, kv, *LLAMA, (head_dim, head_dim), causal=causal, q_data_type=torch.bfloat16)
+            assert wrapper.planned_backend == plain.planned_backend
             continue
         assert wrapper.planned_backend == backend
         results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch.bfloat16)

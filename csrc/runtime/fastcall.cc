@@ -11,6 +11,8 @@
 //   prefill(entry, prepared, q, k, v, out, lse, sinks, logit_scale, soft_cap_log2, v_scale,
 //           window_left, stream, pdl)
 //   order_pages(entry, params, stream, device)   plan()'s page order (page_order.cuh)
+//   ship(entry, dst, src, bytes, stream, device, event)   plan()'s copy of its packed buffer
+//                                            (runtime/plan_buffer.py), event recorded after it
 // Addresses are Python ints (0: null); each returns the entry's cudaError_t as an int.
 //
 // prefill's run() of the common form (no lse, sinks or per-call scales) goes further: the
@@ -40,6 +42,13 @@
 //     tensor (exact torch.Tensor): the planner's status (0, or its error for the caller to
 //     raise); -1 where one is of another form or length, and nothing is called (the caller
 //     converts and checks them, raising its errors, and calls the planner itself).
+//
+//   decode_plan(planner, config, indptr, last_page_len, indices, capacity, host, host_size, result)
+//     -> int or None
+//     batch decode's planner (csrc/decode/decode_plan.h) on a CSR page table: indptr [B + 1]
+//     and last_page_len [B] contiguous 1-D int32 CPU tensors, indices a 1-D int32 tensor on
+//     any device (its length the planner's limit): the planner's status; None where one is of
+//     another form, and nothing is called.
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "runtime/fast_entry.h"
@@ -194,6 +203,58 @@ PyObject* prefill_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       a[1], qo, kv_a, kv_b, batch, static_cast<int32_t*>(host), host_size, static_cast<long long*>(result)));
 }
 
+PyObject* decode_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("decode_plan", nargs, 9)) return nullptr;
+  void* a[2];  // planner, config
+  if (!addresses(args, 2, a)) return nullptr;
+  const long long capacity = PyLong_AsLongLong(args[5]);
+  void* host = address(args[6]);
+  const long long host_size = PyLong_AsLongLong(args[7]);
+  void* result = address(args[8]);
+  if (PyErr_Occurred()) return nullptr;
+  if (a[0] == nullptr || a[1] == nullptr || host == nullptr || result == nullptr || capacity < 0) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.decode_plan(): null planner, config, host or result, or a "
+                                      "negative capacity");
+    return nullptr;
+  }
+  const int32_t *indptr = nullptr, *last = nullptr;
+  int64_t indptr_size = 0, last_size = 0, limit = 0;
+  try {
+    if (!host_int32_vector(args[2], &indptr, &indptr_size) || !host_int32_vector(args[3], &last, &last_size) ||
+        !THPVariable_CheckExact(args[4]))
+      Py_RETURN_NONE;
+    const at::Tensor& ids = THPVariable_Unpack(args[4]);
+    if (ids.dim() != 1 || ids.scalar_type() != at::ScalarType::Int) Py_RETURN_NONE;
+    limit = ids.size(0);
+  } catch (const std::exception&) {  // a tensor torch cannot describe here: the caller's checks decide
+    Py_RETURN_NONE;
+  }
+  const int64_t batch = indptr_size - 1;
+  if (batch < 0 || last_size != batch) Py_RETURN_NONE;
+  return PyLong_FromLongLong(reinterpret_cast<fij_decode_plan_fn>(a[0])(
+      a[1], indptr, last, nullptr, batch, limit, capacity, static_cast<int32_t*>(host), host_size,
+      static_cast<long long*>(result)));
+}
+
+// ship(entry, dst, src, bytes, stream, device, event) -> int: plan()'s host-to-device copy
+// (fij_ship_fn; torch's copy_ and Event.record cost ~6 us more a plan buffer on the GPU host)
+PyObject* ship(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("ship", nargs, 7)) return nullptr;
+  void* a[3];  // entry, dst, src
+  if (!addresses(args, 3, a)) return nullptr;
+  const long long bytes = PyLong_AsLongLong(args[3]);
+  void* stream = address(args[4]);
+  const long device = PyLong_AsLong(args[5]);
+  void* event = address(args[6]);
+  if (PyErr_Occurred()) return nullptr;
+  if (a[0] == nullptr || a[1] == nullptr || a[2] == nullptr || bytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.ship(): null entry, dst or src, or negative bytes");
+    return nullptr;
+  }
+  return PyLong_FromLong(reinterpret_cast<fij_ship_fn>(a[0])(a[1], a[2], bytes, stream, static_cast<int>(device),
+                                                             event));
+}
+
 // order_pages(entry, params, stream, device) -> int: plan()'s page order
 // (fij_order_pages_fn; ~1 us of ctypes' conversions less a plan)
 PyObject* order_pages(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -222,6 +283,11 @@ PyMethodDef methods[] = {
     {"prefill_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_run)), METH_FASTCALL,
      "prefill_run(entry, prepared, signature, q, k, v, out, logit_scale, soft_cap_log2, v_scale, window_left, pdl) "
      "-> int (-1: not the signature)"},
+    {"decode_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(decode_plan)), METH_FASTCALL,
+     "decode_plan(planner, config, indptr, last_page_len, indices, capacity, host, host_size, result) -> int (None: "
+     "not the common form)"},
+    {"ship", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ship)), METH_FASTCALL,
+     "ship(entry, dst, src, bytes, stream, device, event) -> int"},
     {"prefill_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_plan)), METH_FASTCALL,
      "prefill_plan(planner, config, side, qo_indptr, kv_a, kv_b, host, host_size, result) -> int (-1: not the "
      "common form)"},

@@ -34,6 +34,7 @@ import torch
 from ..pipeline import env
 from ..pipeline.jit import op_cache, traced_op
 from ..pipeline.spec import dtype_name
+from ..runtime import fastcall
 from ..runtime.capacity import graph_capacity, heads_fixed
 from ..runtime.checks import (
     BACKENDS,
@@ -475,8 +476,8 @@ class _NativeConfig(ctypes.Structure):
 
 def _native_config(config: _Config):
     """(the C++ planner, the address of its configuration struct for `config`, the
-    struct), or False: no planner
-    (FLASHINFER_JIT_NATIVE_PLAN=0 or none loads)."""
+    struct, (fij_fastcall's decode_plan, the planner's address) or None without the
+    extension), or False: no planner (FLASHINFER_JIT_NATIVE_PLAN=0 or none loads)."""
     if not env.native_decode_plan():
         return False
     fn = _native_planner()
@@ -491,7 +492,7 @@ def _native_config(config: _Config):
         wide_cluster_max_block_bytes=config.wide_cluster_max_bytes, full_grid_min_tokens=config.full_grid_min_tokens,
         wave_token_bytes=config.wave_token_bytes, graph_chunks=config.graph_chunks,
         min_kv_len=config.q_tokens if config.q_tokens > 1 else 0, max_partials=int(config.partial_o.shape[0]))
-    return fn, ctypes.addressof(struct), struct
+    return fn, ctypes.addressof(struct), struct, fastcall.runner("decode_plan", fn)
 
 
 @op_cache
@@ -928,6 +929,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
             native = config.native = _native_config(config)
         if native is False:
             return None
+        fn, config_ptr, _, runner = native
+        if runner is not None and layout == "csr" and type(indptr) is _Tensor and type(indices) is _Tensor and \
+                not (self._folds_host_ids and indices.is_cpu):
+            # The common form (contiguous int32 host indptr and last_page_len, int32 page ids)
+            # goes to the planner as given, checked in C++ (fij_fastcall.decode_plan); None:
+            # another form, which the code below converts and checks.
+            batch = indptr.shape[0] - 1
+            graph = self._use_cuda_graph
+            capacity = self._capacity if graph else 0
+            if batch >= 0 and not (graph and capacity is not None and batch > capacity):  # (over it: below)
+                if capacity is None:
+                    capacity = self._capacity = batch
+                plan_buffer = self._plan_buffer
+                slot = plan_buffer.host(7 * batch + 8)  # a list without splits fits; a split one may ask for more
+                code = runner[0](runner[1], config_ptr, indptr, last_page_len, indices, capacity, slot.address,
+                                 len(slot.array), self._native_result_ptr)
+                if code is None:
+                    plan_buffer.give_back()
+                    if self._use_cuda_graph and self._plan is None:
+                        self._capacity = None
+                else:
+                    if code > 0:  # the list needs a larger slot: the same slot, grown
+                        slot = plan_buffer.regrow(code)
+                        code = runner[0](runner[1], config_ptr, indptr, last_page_len, indices, capacity,
+                                         slot.address, len(slot.array), self._native_result_ptr)
+                    return self._native_plan_of(batch, capacity, slot, code)
         if layout == "csr":
             if not (_int32_vector(indptr) and _int32_vector(indices) and _int32_vector(last_page_len)):
                 return None
@@ -954,8 +981,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 capacity = self._capacity = batch
             elif batch > capacity:
                 return None  # the numpy path raises graph_capacity's error, after its checks of the table
-        fn, config_ptr, _ = native
-        result = self._native_result
         plan_buffer = self._plan_buffer
         slot = plan_buffer.host(7 * batch + 8)  # a list without splits fits; a split one may ask for more
         code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array), self._native_result_ptr)
@@ -963,11 +988,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             slot = plan_buffer.regrow(code)
             code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array),
                       self._native_result_ptr)
+        return self._native_plan_of(batch, capacity, slot, code)
+
+    def _native_plan_of(self, batch: int, capacity: int, slot, code: int) -> tuple | None:
+        """_plan_native's result from the planner's status `code` (None: its error, which the
+        numpy path raises)."""
         if code != 0:
             if self._use_cuda_graph and self._plan is None:
                 self._capacity = None  # the numpy path decides, and a first plan it rejects fixes nothing
             return None
-        items, any_split, cluster, warps, per_block, grid_items, longest = result.tolist()
+        items, any_split, cluster, warps, per_block, grid_items, longest = self._native_result.tolist()
         return batch, capacity or batch, slot, items, grid_items, bool(any_split), cluster, warps, per_block, longest
 
     def _host_page_table(self, layout: str, indptr, indices, last_page_len, block_tables, seq_lens, page_size):

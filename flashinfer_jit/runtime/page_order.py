@@ -12,6 +12,7 @@ caller decides whether its configuration may reorder; this module writes the cop
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -22,7 +23,7 @@ from .device import raw_stream
 from .native import ctypes_entry, optional_entry
 from .shared_specs import PageOrderSpec
 
-__all__ = ["PageOrderParams", "PageOrder", "page_orderer"]
+__all__ = ["PageOrderParams", "PageOrder", "page_orderer", "shipper"]
 
 
 class PageOrderParams(ctypes.Structure):
@@ -52,6 +53,27 @@ def page_orderer():
 
     return optional_entry(load, "plan() keeps each request's pages as given",
                           f"the page-order module {PageOrderSpec().name}")
+
+
+@op_cache
+def shipper():
+    """The same module's plan-buffer entries (runtime/plan_buffer.py): (ship(dst, src, bytes,
+    stream, device, event) through fij_fastcall, event_create(device, out), event_query,
+    event_synchronize, event_destroy, error_string) through ctypes; None with a warning where the
+    module cannot be had: plan buffers then copy with torch (the same copy, ~6 us more host
+    time a plan() on the GPU host)."""
+    def load():
+        entry = functools.partial(ctypes_entry, PageOrderSpec())
+        ship = entry("ship", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int,
+                              ctypes.c_void_p], ctypes.c_int)
+        return (fastcall.bind("ship", ship), entry("event_create", [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)],
+                                                   ctypes.c_int),
+                entry("event_query", [ctypes.c_void_p], ctypes.c_int),
+                entry("event_synchronize", [ctypes.c_void_p], ctypes.c_int),
+                entry("event_destroy", [ctypes.c_void_p], ctypes.c_int),
+                entry("error_string", [ctypes.c_int], ctypes.c_char_p))
+
+    return optional_entry(load, "plan buffers copy with torch", f"the page-order module {PageOrderSpec().name}")
 
 
 class PageOrder:
