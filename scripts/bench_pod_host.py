@@ -11,6 +11,10 @@ tables with host int32 indptr / last_page_len and the page ids on the device):
       16-token chunk and 8 decodes, whose GPU time is below the host's), next to the same
       batch run by the prefill and the decode wrappers one after the other, and one bare
       torch launch.
+  (c) plan_parts: where a batch POD plan() of (a) spends its time, each step timed by a
+      wrapper around it over 2,000 plans (min, p10, median, µs a call; the wrappers add
+      ~0.2 us each): each side's plan() (its own copy and page order included), the plan
+      buffers' copies (PlanBuffer.ship) and the page-order launches (PageOrder.order).
 Each figure is time.perf_counter_ns over n calls a round, the median over rounds. "adds" =
 POD run() - (prefill run() + decode run()) would be the fused call's cost over the two it
 replaces; the target reads run()'s own host time as what a POD launch adds to a step.
@@ -18,7 +22,7 @@ replaces; the target reads run()'s own host time as what a POD launch adds to a 
   python3 scripts/bench_pod_host.py [--out FILE] [--rounds N]
 On a machine without a GPU only (a) runs (the plans on CPU tensors: the host time the
 planners and the wrappers' Python take, without the page order's launch).
-JSON: meta, plan_batch_pod, plan_batch_attention, run_* (median_us, min_us, n, rounds),
+JSON: meta, plan_batch_pod, plan_batch_attention, plan_parts, run_* (median_us, min_us, n, rounds),
 pod_fast_path (whether the POD runs took the recorded launch).
 """
 
@@ -56,6 +60,49 @@ def mixed(torch, seed: int, device):
     kv_d = torch.randint(1024, 4096, (256,), generator=g).tolist()
     return (csr(torch, qo_p, kv_p, device), csr(torch, [1] * 256, kv_d, device),
             csr(torch, [1] * 256 + qo_p, kv_d + kv_p, device))
+
+
+def plan_parts(plan_pod, calls: int) -> dict:
+    """(c): each step of a batch POD plan() timed by a wrapper around it, `calls` x 2 plans."""
+    import time
+
+    from flashinfer_jit.decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
+    from flashinfer_jit.pod.wrapper import BatchPODWithPagedKVCacheWrapper
+    from flashinfer_jit.prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
+    from flashinfer_jit.runtime.page_order import PageOrder
+    from flashinfer_jit.runtime.plan_buffer import PlanBuffer
+
+    steps = {"pod_plan": (BatchPODWithPagedKVCacheWrapper, "plan"),
+             "decode_side_plan": (BatchDecodeWithPagedKVCacheWrapper, "plan"),
+             "prefill_side_plan": (BatchPrefillWithPagedKVCacheWrapper, "plan"),
+             "plan_buffer_copy": (PlanBuffer, "ship"), "page_order_launch": (PageOrder, "order")}
+    times = {label: [] for label in steps}
+    originals = {}
+
+    def timed(fn, into):
+        def call(*a, **k):
+            t = time.perf_counter_ns()
+            r = fn(*a, **k)
+            into.append(time.perf_counter_ns() - t)
+            return r
+        return call
+
+    for label, (cls, name) in steps.items():
+        originals[label] = getattr(cls, name)
+        setattr(cls, name, timed(originals[label], times[label]))
+    try:
+        for _ in range(calls):
+            plan_pod()
+    finally:
+        for label, (cls, name) in steps.items():
+            setattr(cls, name, originals[label])
+    out = {}
+    for label, ts in times.items():
+        ts.sort()
+        if ts:
+            out[label] = {"n": len(ts), "min_us": round(ts[0] / 1e3, 2), "p10_us": round(ts[len(ts) // 10] / 1e3, 2),
+                          "median_us": round(ts[len(ts) // 2] / 1e3, 2)}
+    return out
 
 
 def main() -> int:
@@ -96,6 +143,9 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001  (a CPU-only machine may lack a planner's module)
             res[label] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
         bc.log(f"{label}: {res[label]}")
+    if "error" not in res["plan_batch_pod"]:
+        res["plan_parts"] = plan_parts(plan_pod, 1000)
+        bc.log(f"plan_parts: {res['plan_parts']}")
     if gpu:
         p, d, _ = (csr(torch, [16], [1024], device), csr(torch, [1] * 8, [2048] * 8, device), None)
         num_pages = int(p[1][-1]) + int(d[1][-1])
