@@ -920,6 +920,9 @@ def test_pod_on_hopper_rejects_what_it_does_not_take(monkeypatch):
     w.prefill_backend = "fa3"
     with pytest.raises(ValueError, match="sm_90"):
         w.plan(*_cpu_pod_tables(), *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=BF16, causal=True)
+    # (the prefill wrapper alone runs an fp8 cache over a copy of the batch's pages; POD on Hopper reads the cache)
+    with pytest.raises(ValueError, match="kv_data_type float8_e4m3fn in POD"):
+        w.plan(*_cpu_pod_tables(), *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=torch.float8_e4m3fn, causal=True)
     with pytest.raises(ValueError, match="prefill_backend"):
         fij.BatchAttention("NHD", device="cpu").prefill_backend = "fa1"
 

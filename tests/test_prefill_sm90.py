@@ -616,13 +616,61 @@ def test_fa3_ragged_rope_matches_fa2(causal, head_dim, hopper_workspace):
     check_out(single3, single2, [(300, 900)], tol / 2, "single fa3 against fa2")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("table, kv_layout, kv_dtype, rope, head_dim, causal", [
+    ("csr", "NHD", torch.float8_e4m3fn, False, 128, True),
+    ("csr", "HND", torch.float8_e5m2, False, 64, False),
+    ("block_table_kv_separate", "NHD", torch.float8_e4m3fn, False, 128, False),
+    ("csr", "NHD", torch.bfloat16, True, 128, True),
+    ("block_table", "HND", torch.float8_e4m3fn, True, 256, True),
+    ("block_table_kv_separate", "NHD", torch.bfloat16, True, 64, False),
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_fa3_paged_copy_fp8_and_rope(table, kv_layout, kv_dtype, rope, head_dim, causal, hopper_workspace):
+    """An fp8 cache and RoPE over the paged cache on the Hopper path: run() copies the batch's
+    pages (widened to bf16, keys rotated) and the kernel reads the copy (sm90.gather_pages). On
+    random pages with NaN in every unused page and slot, the three page tables, NHD and HND,
+    k_scale / v_scale (fp8), requests without keys or queries: against the float64 reference
+    and the mma.sync kernel on the same cache, NaN-poisoned outputs; "auto" takes it; POD's
+    prefill side and a CUDA-graph wrapper do not."""
+    rnd = random.Random(head_dim + 3 * rope)
+    gen = torch.Generator(device=DEV).manual_seed(head_dim + 5 * rope)
+    qo_lens, kv_lens = [m for m, _ in PAGED_SHAPES], [n for _, n in PAGED_SHAPES]
+    k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (head_dim, head_dim), torch.bfloat16, gen)
+    kv = paged_kv(k_rows, v_rows, kv_lens, 16, table, kv_layout, "tuple", rnd, dtype=kv_dtype)
+    q = make_q(sum(qo_lens), LLAMA[0], head_dim, torch.bfloat16, gen)
+    qo_indptr = indptr_of(qo_lens, "cpu")
+    fp8 = kv_dtype != torch.bfloat16
+    options = dict(causal=causal, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    if rope:
+        options.update(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5)
+    scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
+    results = {}
+    for backend in ("fa3", "fa2", "auto"):
+        wrapper = paged_wrapper(hopper_workspace, kv_layout, backend=backend)
+        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (head_dim, head_dim), 16, **options)
+        if backend == "auto":  # as for the same batch over a bf16 cache without RoPE
+            plain = paged_wrapper(hopper_workspace, kv_layout, backend="auto")
+            plan_kv(plain, qo_indptr, kv, *LLAMA, (head_dim, head_dim), 16, causal=causal,
+                    q_data_type=torch.bfloat16)
+            assert wrapper.planned_backend == plain.planned_backend
+            continue
+        assert wrapper.planned_backend == backend
+        results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch.bfloat16, **scales)
+    ref_out, ref_lse = reference(q, qo_indptr.to(DEV), kv, **{k: v for k, v in options.items() if k not in
+                                                             ("q_data_type", "kv_data_type")}, **scales)
+    tol = tolerance(BF16, fp8=fp8)
+    check_prefill(*results["fa3"], ref_out, ref_lse, PAGED_SHAPES, tol, scales.get("v_scale"))
+    check_agree(*results["fa3"], *results["fa2"], PAGED_SHAPES, tol * AGREE_FACTOR, "fa3", "fa2")
+    graph = fij.BatchPrefillWithPagedKVCacheWrapper(hopper_workspace, kv_layout, use_cuda_graph=True, backend="auto")
+    plan_kv(graph, qo_indptr, kv, *LLAMA, (head_dim, head_dim), 16, **options)
+    assert graph.planned_backend == "fa2"  # (the copy is made per run(): no CUDA graphs on the Hopper path)
+
+
 def _auto_lacking_params():
     """(plan() arguments beyond the base, whether on the paged wrapper)."""
     return [
-        pytest.param(dict(pos_encoding_mode="ROPE_LLAMA", page_size=16), True, id="paged_rope"),
         pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
         pytest.param(dict(page_size=8), True, id="paged_page_8"),
-        pytest.param(dict(kv_data_type=torch.float8_e4m3fn), True, id="paged_fp8_kv"),
     ]
 
 
@@ -974,15 +1022,20 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
 
 @pytest.mark.parametrize("options, match", [
     pytest.param(dict(_cpu_masks()["bool"], use_cuda_graph=True), r"(?i)custom.*use_cuda_graph", id="mask_graph"),
-    pytest.param(dict(kv_data_type=torch.float8_e4m3fn), r"(?i)fp8|float8|kv_data_type", id="fp8"),
+    pytest.param(dict(kv_data_type=torch.float8_e4m3fn, use_cuda_graph=True), r"float8_e4m3.*use_cuda_graph",
+                 id="fp8_graph"),
+    pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"bfloat16 K/V needs q of the same",
+                 id="kv_dtype_not_q"),
     pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
     pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
     pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
-    pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA"), r"ROPE_LLAMA.*paged", id="rope_paged"),
+    pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA", use_cuda_graph=True), r"ROPE_LLAMA.*use_cuda_graph",
+                 id="rope_paged_graph"),
 ])
 def test_fa3_paged_plan_names_what_it_lacks(options, match):
     """The paged wrapper with backend="fa3": plan() raises a ValueError naming what the Hopper
-    path does not take with paged K/V (before the arch: a CPU workspace here)."""
+    path does not take with paged K/V (before the arch: a CPU workspace here). An fp8 cache and
+    RoPE run over a copy of the batch's pages, which a CUDA-graph wrapper does not make."""
     with pytest.raises(ValueError, match=match):
         _cpu_paged_plan(**options)
 

@@ -253,6 +253,7 @@ class _Pod:
         self._use_cuda_graph = use_cuda_graph
         ws_p, ws_d = _halves(float_workspace_buffer)
         self._prefill = prefill(ws_p)
+        self._prefill._gather_ok = False  # (POD on Hopper's kernel reads the cache itself: no copy of its pages)
         self._decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, kv_layout, use_cuda_graph, True, *decode_buffers)
         self._decode._pod_side = True
         # csrc/pod/pod_params.h: zeros, which every launch leaves at zero

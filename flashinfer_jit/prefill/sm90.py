@@ -82,11 +82,23 @@ _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 PAGE_SIZES = (16, 32, 64, 128)  # one TMA box a page: a page divides the key tile
 
 
-def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False) -> str | None:
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def gathers(c, ragged: bool) -> bool:
+    """Whether a paged plan runs the Hopper kernel over a copy of the batch's pages
+    (gather_pages): an fp8 cache (the copy in q's dtype, exact) or RoPE in the kernel's place
+    (the copy's keys rotated)."""
+    return not ragged and (c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama")
+
+
+def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False, gather: bool = True) -> str | None:
     """Why the Hopper path cannot run this configuration (the feature, as plan()'s argument
     names it), or None. c: the wrapper's _Config; table: a paged plan's page table layout
     ("csr", "block_table": vLLM's [B, max_pages], "block_table_kv_separate": TensorRT-LLM's
-    [B, 2, max_pages]; the Hopper path takes all three); graph: a CUDA-graph wrapper."""
+    [B, 2, max_pages]; the Hopper path takes all three); graph: a CUDA-graph wrapper;
+    gather: whether the caller runs the copy of the batch's pages that an fp8 cache or
+    RoPE over the paged cache take (gathers; POD on Hopper does not)."""
     if not ragged:
         sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
         if c.page_size not in sizes:
@@ -99,14 +111,22 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False)
         return f"a {c.mask} mask"
     if c.mask == "custom" and graph:  # (plan() copies the bits into a buffer of each batch's size)
         return "custom_mask / packed_custom_mask with use_cuda_graph=True"
-    if c.pos_encoding == "rope_llama" and not ragged:  # (ragged: q and k rotated before the kernel, rope_prepass)
-        return "pos_encoding_mode='ROPE_LLAMA' with a paged cache"
+    # (RoPE: q and k rotated before the kernel, rope_prepass; over the paged cache, the keys of
+    # the copy of the batch's pages, gather_pages; both allocate per run(), which a captured
+    # run() cannot replay for other batches)
     if c.pos_encoding == "rope_llama" and graph:
         return "pos_encoding_mode='ROPE_LLAMA' with use_cuda_graph=True"
+    if c.pos_encoding == "rope_llama" and not ragged and not gather:
+        return "pos_encoding_mode='ROPE_LLAMA' with a paged cache in POD"
     if c.pos_encoding not in ("none", "alibi", "rope_llama"):  # (ALiBi with a soft cap: plan()'s ValueError before)
         return f"pos_encoding_mode={c.pos_encoding.upper()!r}"
     if c.kv_dtype != c.q_dtype:
-        return f"kv_data_type {dtype_name(c.kv_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
+        if c.kv_dtype not in _FP8 or c.q_dtype in _FP8 or ragged:
+            return f"kv_data_type {dtype_name(c.kv_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
+        if graph:
+            return f"kv_data_type {dtype_name(c.kv_dtype)} with use_cuda_graph=True"
+        if not gather:
+            return f"kv_data_type {dtype_name(c.kv_dtype)} in POD"
     if c.o_dtype != c.q_dtype:
         return f"o_data_type {dtype_name(c.o_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
     return None
@@ -127,11 +147,12 @@ def arch_error(device: torch.device) -> str | None:
     return f"backend='fa3': the Hopper path runs on sm_90 GPUs (H100, H200) only; {where}"
 
 
-def refusal(c, ragged: bool, device: torch.device, table: str | None = "csr", graph: bool = False) -> str | None:
+def refusal(c, ragged: bool, device: torch.device, table: str | None = "csr", graph: bool = False,
+            gather: bool = True) -> str | None:
     """Why the Hopper path cannot run this plan, as backend 'fa3''s ValueError says it: a
-    feature it does not take yet (unsupported; table, graph: as there), else the device
+    feature it does not take yet (unsupported; table, graph, gather: as there), else the device
     (arch_error); None: it can."""
-    why = unsupported(c, ragged, table, graph)
+    why = unsupported(c, ragged, table, graph, gather)
     if why is not None:
         return (f"backend='fa3': not supported on the Hopper path yet: {why}; use backend='auto' or 'fa2' (the "
                 "mma.sync kernel takes it)")
@@ -247,7 +268,7 @@ class Sm90Plan:
     fields run()'s shared checks read and write (config, qo_tokens, checked, fast, quick)."""
 
     __slots__ = ("config", "spec", "op", "work", "page_ids", "mask", "counters", "grid", "qo_tokens", "checked",
-                 "fast", "quick", "traced_key", "rope")
+                 "fast", "quick", "traced_key", "rope", "gather")
 
 
 class Sm90Planner:
@@ -267,12 +288,15 @@ class Sm90Planner:
 
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
              keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0,
-             tile_rows: int = TILE_ROWS, mask: tuple | None = None, kv_indptr: np.ndarray | None = None) -> Sm90Plan:
+             tile_rows: int = TILE_ROWS, mask: tuple | None = None, key_rows: tuple | None = None,
+             gather: tuple | None = None) -> Sm90Plan:
         """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile;
         page_ids: the CSR page table's indices, int32 on the device (paged), else None; mask:
         a custom mask's (packed bits on the device, padded: mask_buffer; each tile's first
-        bit: mask_bases), else None. kv_indptr (ragged K/V, pos_encoding_mode ROPE_LLAMA): the
-        K/V rows' offsets, for the rotation before the kernel (rope_prepass)."""
+        bit: mask_bases), else None. key_rows (pos_encoding_mode ROPE_LLAMA): (each request's
+        first key row in the K that the kernel reads, B + 1 offsets; its keys, B) as int64
+        arrays, for the rotation before the kernel (rope_prepass). gather: the pages a paged
+        run() copies first (gather_pages: K's and V's page ids on the device), else None."""
         heads = c.num_qo_heads
         items = tiles.shape[0] * heads
         if items >= 2 ** 31:
@@ -320,12 +344,13 @@ class Sm90Planner:
         p.mask = mask[0] if mask is not None else self._no_mask
         p.qo_tokens = int(qo_indptr[-1])
         p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
-        p.rope = None
+        p.rope, p.gather = None, gather
         if c.pos_encoding == "rope_llama":
             # q row i of request b at position kv_len - qo_len + i, key j at j (the mma.sync
-            # kernel's in-kernel RoPE): each side's offsets over its own row ranges
-            qo64, kv64 = qo_indptr.astype(np.int64), kv_indptr.astype(np.int64)
-            shift = (kv64[1:] - kv64[:-1]) - (qo64[1:] - qo64[:-1])
+            # kernel's in-kernel RoPE): each side's offsets over its own row ranges (a copy of
+            # pages: rows past a request's keys in its last page rotate too, and are never read)
+            qo64, (kv64, kv_lens) = qo_indptr.astype(np.int64), key_rows
+            shift = kv_lens - (qo64[1:] - qo64[:-1])
             host_rope = np.concatenate([qo64, shift, kv64, np.zeros(len(kv64) - 1, np.int64)]).astype(np.int32)
             dev = torch.from_numpy(host_rope).to(self._device, non_blocking=non_blocking)
             b = len(qo64) - 1
@@ -333,11 +358,56 @@ class Sm90Planner:
         return p
 
 
+def gather_plan(ids: torch.Tensor, first: np.ndarray, kv_lens: np.ndarray, page_size: int, v_ids: int,
+                device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, np.ndarray, tuple]:
+    """A paged plan over a copy of the batch's pages (gathers): (the copy's page ids, 0 ..
+    pages - 1 on the device; its offsets, request b's pages from entry first'[b], B + 1;
+    gather_pages' (K page ids, V page ids) on the device). ids: the page-id vector the kernel
+    would read (CSR indices, or a block table's 1-D view: block_table_ids), request b's
+    pages from entry first[b], its V ids v_ids further on."""
+    pages = -(-kv_lens.astype(np.int64) // page_size)
+    offsets = np.zeros(pages.shape[0] + 1, dtype=np.int64)
+    np.cumsum(pages, out=offsets[1:])
+    total = int(offsets[-1])
+    ids = ids.to(device, non_blocking=non_blocking)
+    first = first.astype(np.int64)
+    one_run = pages.shape[0] <= 1 or bool((first[:-1] + pages == first[1:]).all())
+    if one_run and v_ids == 0:  # (CSR: the batch's ids are one run of the vector)
+        start = int(first[0]) if pages.shape[0] else 0
+        k_ids = v_ids_dev = ids[start:start + total]
+    else:
+        at = np.repeat(first[:-1].astype(np.int64) - offsets[:-1], pages) + np.arange(total, dtype=np.int64)
+        at_dev = torch.from_numpy(at).to(device, non_blocking=non_blocking)
+        k_ids = ids[at_dev]
+        v_ids_dev = ids[at_dev + v_ids] if v_ids else k_ids
+    return torch.arange(total, dtype=torch.int32, device=device), offsets, (k_ids, v_ids_dev)
+
+
+def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, dtype: torch.dtype):
+    """The batch's K and V pages (gather: their ids) copied into new NHD tensors of `dtype`
+    [pages, page_size, heads, head_dim], which the Hopper kernel reads through ids 0 ..
+    pages - 1: an fp8 cache widened to q's dtype (exactly: e4m3 and e5m2 values are bf16 and
+    f16 values), any layout or strides. k_scale and v_scale stay the kernel's."""
+    out = []
+    for t, ids in zip((k, v), gather):
+        src = t.view(torch.uint8) if t.element_size() == 1 else t  # (index_select over fp8 as bytes)
+        picked = src.index_select(0, ids)
+        if t.element_size() == 1:
+            picked = picked.view(t.dtype)
+        if layout == "HND":
+            picked = picked.transpose(1, 2)
+        copy = torch.empty(picked.shape, dtype=dtype, device=t.device)
+        copy.copy_(picked)
+        out.append(copy)
+    return out[0], out[1]
+
+
 def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated (ROPE_LLAMA, NeoX halves; rope_scale and rope_theta from the plan's
     configuration) into new tensors, by the RoPE module's kernel (flashinfer_jit/kvcache/rope.py),
-    each on its own row offsets: the Hopper path's pos_encoding_mode="ROPE_LLAMA" for ragged
-    K/V, before the kernel (measured 2.5-3.3x the mma.sync kernel's in-kernel RoPE: docs/hopper.md).
+    each on its own row offsets: the Hopper path's pos_encoding_mode="ROPE_LLAMA", before the
+    kernel (ragged K/V, or the rows of a copy of the batch's pages: gather_pages; measured
+    2.2-3.1x the mma.sync kernel's in-kernel RoPE on ragged K/V: docs/hopper.md).
     Each call rotates one tensor: the op's second input is a one-head view of it, whose
     output is dropped."""
     from ..kvcache.rope import _run_rope
@@ -352,6 +422,7 @@ def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torc
     return out[0], out[1]
 
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "key_tile",
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "gather_pages",
+           "gather_plan", "gathers", "key_tile",
            "mask_bases", "mask_buffer",
            "narrower_tile", "QUERY_TILE_MIN_KEYS", "query_tile", "rope_prepass", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

@@ -493,6 +493,9 @@ class _PrefillWrapper:
     _force_tile_rows = None  # benchmarks and tests pin the query tile (64 or 128 rows) here
     _force_key_tile = None  # ... and the Hopper kernel's key tile (sm90.key_tile's choices) here
     _force_query_tile = None  # ... and its query tile (192: head_dim 64, three consumer warpgroups; an A/B's pin)
+    # whether a Hopper plan may run over a copy of the batch's pages (sm90.gathers: an fp8 cache,
+    # RoPE over the paged cache); POD's prefill side may not (its kernel reads the cache)
+    _gather_ok = True
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
@@ -577,7 +580,7 @@ class _PrefillWrapper:
             plan.traced_key = traced_key(plan.spec)
         self._plan = plan
         self._traced = None
-        static_inputs(plan.work, plan.counters, plan.page_ids, plan.mask, *(plan.rope or ()))
+        static_inputs(plan.work, plan.counters, plan.page_ids, plan.mask, *(plan.rope or ()), *(plan.gather or ()))
         return True
 
     def _sm90_plan(self, backend: str, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str,
@@ -585,7 +588,7 @@ class _PrefillWrapper:
         """_plan_sm90's plan for backend "fa3" or "auto", or None where "auto" declines.
         mask_args: plan()'s (custom_mask, packed_custom_mask, mask_indptr)."""
         graph = self._use_cuda_graph
-        why = sm90.refusal(config, self._ragged, self._device, table, graph)
+        why = sm90.refusal(config, self._ragged, self._device, table, graph, self._gather_ok)
         if why is not None:
             if backend == "fa3":
                 raise ValueError(why)
@@ -633,8 +636,17 @@ class _PrefillWrapper:
             self._capacity = graph_capacity(self._capacity, batch)
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, graph)
+        gather, key_rows, layout = None, None, self._kv_layout
         if self._ragged:
             self._kv_rows = int(kv[-1])
+            key_rows = (kv.astype(np.int64), np.diff(kv.astype(np.int64)))
+        elif sm90.gathers(config, False):
+            # an fp8 cache or RoPE: the kernel reads a copy of the batch's pages (NHD, q's
+            # dtype, keys rotated), made by run() through ids 0 .. pages - 1 (no CUDA graphs:
+            # sm90.unsupported)
+            ids, first, gather = sm90.gather_plan(ids, kv, kv_lens, page_size, v_ids, self._device, non_blocking)
+            layout, v_ids = "NHD", 0
+            key_rows = (first * page_size, kv_lens)
         elif graph and table == "csr":  # the ids in the wrapper's fixed buffer (as the block table above)
             ids = self._graph_ids.fill_indices(ids, "paged_kv_indices")
         else:
@@ -647,8 +659,8 @@ class _PrefillWrapper:
             starts = self._mask_offsets(qo_lens, lens, custom_mask, packed_custom_mask, mask_indptr)
             packed = self._packed_mask(config, qo_lens, lens, custom_mask, packed_custom_mask, starts)
             mask = (sm90.mask_buffer(packed, self._device), sm90.mask_bases(tiles, qo, lens, starts))
-        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, self._kv_layout, v_ids,
-                               rows, mask, kv if self._ragged else None)
+        return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, layout, v_ids, rows, mask,
+                               key_rows, gather)
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
@@ -1043,8 +1055,14 @@ class _PrefillWrapper:
                 raise ValueError("sinks: not supported with pos_encoding_mode='ALIBI' (expected None)")
         out, lse, logit_scale, vs = self._sm90_args(q, k, v, q_scale, k_scale, v_scale, out, lse, return_lse,
                                                     window_left)
-        if plan.rope is not None:  # ROPE_LLAMA on ragged K/V: q and k rotated first
-            q, k = sm90.rope_prepass(q, k, plan.rope, c)
+        if plan.gather is not None:  # an fp8 cache or RoPE over the paged cache: a copy of the batch's pages
+            k, v = sm90.gather_pages(k, v, plan.gather, self._kv_layout, c.q_dtype)
+        if plan.rope is not None:  # ROPE_LLAMA: q and k (ragged, or the copy's rows) rotated first
+            if plan.gather is not None:
+                q, rows = sm90.rope_prepass(q, k.view(-1, *k.shape[2:]), plan.rope, c)
+                k = rows.view(k.shape)
+            else:
+                q, k = sm90.rope_prepass(q, k, plan.rope, c)
         if compiling():
             op = traced_op(traced_namespace(*plan.traced_key), "prefill_sm90")
         else:
