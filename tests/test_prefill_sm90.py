@@ -53,6 +53,7 @@ import itertools
 import random
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from kv_helpers import DEV, TESTS_MATRIX, dtype_of, randn, replay_poisoned
@@ -1038,6 +1039,40 @@ def test_fa3_paged_plan_names_what_it_lacks(options, match):
     RoPE run over a copy of the batch's pages, which a CUDA-graph wrapper does not make."""
     with pytest.raises(ValueError, match=match):
         _cpu_paged_plan(**options)
+
+
+@pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])
+def test_copy_of_pages_gathers_each_requests_pages_in_order(table):
+    """What run() copies for an fp8 cache or RoPE over the paged cache (sm90.copy_offsets,
+    gather_ids): request b's pages at copy offsets b's running page count, K's ids and V's
+    (TensorRT-LLM's table: V's own) in the request's order; the kernel reads the copy through
+    ids 0 .. pages - 1. On the CPU (the planner's arithmetic; the GPU test runs the copy)."""
+    from flashinfer_jit.prefill import sm90
+
+    rnd = random.Random(5)
+    kv_lens = np.array([33, 0, 16, 100, 1], dtype=np.int64)
+    ps = 16
+    pages = [-(-int(n) // ps) for n in kv_lens]
+    offsets = sm90.copy_offsets(kv_lens, ps)
+    assert offsets.tolist() == [0, *itertools.accumulate(pages)]
+    if table == "csr":
+        ids = torch.tensor(rnd.sample(range(100), sum(pages)), dtype=torch.int32)
+        first = np.array([0, *itertools.accumulate(pages)])
+        want_k = want_v = [ids[first[b] + p].item() for b in range(len(pages)) for p in range(pages[b])]
+        copy_ids, (k_ids, v_ids) = sm90.gather_ids(ids, first, offsets, 0, torch.device("cpu"), False)
+    else:
+        width = max(pages) + 2
+        tables = torch.tensor(rnd.sample(range(1000), len(pages) * 2 * width), dtype=torch.int32)
+        tables = tables.reshape(len(pages), 2, width) if table == "block_table_kv_separate" else \
+            tables[:len(pages) * width].reshape(len(pages), width)
+        flat, first, v_off = sm90.block_table_ids(tables, kv_lens, ps)
+        k_rows = tables[:, 0] if tables.dim() == 3 else tables
+        v_rows = tables[:, 1] if tables.dim() == 3 else tables
+        want_k = [k_rows[b, p].item() for b in range(len(pages)) for p in range(pages[b])]
+        want_v = [v_rows[b, p].item() for b in range(len(pages)) for p in range(pages[b])]
+        copy_ids, (k_ids, v_ids) = sm90.gather_ids(flat, first, offsets, v_off, torch.device("cpu"), False)
+    assert copy_ids.tolist() == list(range(sum(pages)))
+    assert k_ids.tolist() == want_k and v_ids.tolist() == want_v
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128])

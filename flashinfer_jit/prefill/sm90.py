@@ -358,29 +358,34 @@ class Sm90Planner:
         return p
 
 
-def gather_plan(ids: torch.Tensor, first: np.ndarray, kv_lens: np.ndarray, page_size: int, v_ids: int,
-                device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, np.ndarray, tuple]:
-    """A paged plan over a copy of the batch's pages (gathers): (the copy's page ids, 0 ..
-    pages - 1 on the device; its offsets, request b's pages from entry first'[b], B + 1;
-    gather_pages' (K page ids, V page ids) on the device). ids: the page-id vector the kernel
-    would read (CSR indices, or a block table's 1-D view: block_table_ids), request b's
-    pages from entry first[b], its V ids v_ids further on."""
+def copy_offsets(kv_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """Each request's first page in the copy of the batch's pages (gathers), B + 1 int64."""
     pages = -(-kv_lens.astype(np.int64) // page_size)
     offsets = np.zeros(pages.shape[0] + 1, dtype=np.int64)
     np.cumsum(pages, out=offsets[1:])
+    return offsets
+
+
+def gather_ids(ids: torch.Tensor, first: np.ndarray, offsets: np.ndarray, v_ids: int, device: torch.device,
+               non_blocking: bool) -> tuple[torch.Tensor, tuple]:
+    """The copy's side of a paged plan (gathers): (its page ids 0 .. pages - 1 on the device,
+    gather_pages' (K page ids, V page ids) on the device). ids: the page-id vector the kernel
+    would read (CSR indices, or a block table's 1-D view: block_table_ids), request b's pages
+    from entry first[b], its V ids v_ids further on; offsets: copy_offsets."""
+    pages = np.diff(offsets)
     total = int(offsets[-1])
-    ids = ids.to(device, non_blocking=non_blocking)
     first = first.astype(np.int64)
+    ids = ids.to(device, non_blocking=non_blocking)
     one_run = pages.shape[0] <= 1 or bool((first[:-1] + pages == first[1:]).all())
     if one_run and v_ids == 0:  # (CSR: the batch's ids are one run of the vector)
         start = int(first[0]) if pages.shape[0] else 0
         k_ids = v_ids_dev = ids[start:start + total]
     else:
-        at = np.repeat(first[:-1].astype(np.int64) - offsets[:-1], pages) + np.arange(total, dtype=np.int64)
+        at = np.repeat(first[:-1] - offsets[:-1], pages) + np.arange(total, dtype=np.int64)
         at_dev = torch.from_numpy(at).to(device, non_blocking=non_blocking)
         k_ids = ids[at_dev]
         v_ids_dev = ids[at_dev + v_ids] if v_ids else k_ids
-    return torch.arange(total, dtype=torch.int32, device=device), offsets, (k_ids, v_ids_dev)
+    return torch.arange(total, dtype=torch.int32, device=device), (k_ids, v_ids_dev)
 
 
 def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, dtype: torch.dtype):
@@ -422,7 +427,7 @@ def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torc
     return out[0], out[1]
 
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "gather_pages",
-           "gather_plan", "gathers", "key_tile",
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "copy_offsets",
+           "gather_ids", "gather_pages", "gathers", "key_tile",
            "mask_bases", "mask_buffer",
            "narrower_tile", "QUERY_TILE_MIN_KEYS", "query_tile", "rope_prepass", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

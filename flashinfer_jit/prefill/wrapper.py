@@ -618,6 +618,15 @@ class _PrefillWrapper:
             if ids.shape[0] < int(kv[-1]):
                 raise ValueError(f"paged_kv_indptr: its last offset {int(kv[-1])} exceeds the {ids.shape[0]} page ids "
                                  "of paged_kv_indices")
+        gather, first, key_rows, layout = None, None, None, self._kv_layout
+        if self._ragged:
+            key_rows = (kv.astype(np.int64), np.diff(kv.astype(np.int64)))
+        elif sm90.gathers(config, False):
+            # an fp8 cache or RoPE: the kernel reads a copy of the batch's pages (NHD, q's
+            # dtype, keys rotated), which run() makes, through ids 0 .. pages - 1 (no CUDA
+            # graphs: sm90.unsupported); the tiles index the copy's page offsets
+            first, kv, layout = kv, sm90.copy_offsets(kv_lens, page_size), "NHD"
+            key_rows = (kv * page_size, kv_lens)
         keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
         window = config.window_left
         rows = self._force_query_tile or sm90.TILE_ROWS
@@ -636,17 +645,11 @@ class _PrefillWrapper:
             self._capacity = graph_capacity(self._capacity, batch)
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, graph)
-        gather, key_rows, layout = None, None, self._kv_layout
         if self._ragged:
             self._kv_rows = int(kv[-1])
-            key_rows = (kv.astype(np.int64), np.diff(kv.astype(np.int64)))
-        elif sm90.gathers(config, False):
-            # an fp8 cache or RoPE: the kernel reads a copy of the batch's pages (NHD, q's
-            # dtype, keys rotated), made by run() through ids 0 .. pages - 1 (no CUDA graphs:
-            # sm90.unsupported)
-            ids, first, gather = sm90.gather_plan(ids, kv, kv_lens, page_size, v_ids, self._device, non_blocking)
-            layout, v_ids = "NHD", 0
-            key_rows = (first * page_size, kv_lens)
+        elif first is not None:  # (the copy's ids and what run() gathers into it, on the device)
+            ids, gather = sm90.gather_ids(ids, first, kv, v_ids, self._device, non_blocking)
+            v_ids = 0
         elif graph and table == "csr":  # the ids in the wrapper's fixed buffer (as the block table above)
             ids = self._graph_ids.fill_indices(ids, "paged_kv_indices")
         else:
