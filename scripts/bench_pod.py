@@ -108,7 +108,7 @@ NO_DECODES = ("batch_attention", "batch_attention_t64", "prefill_only", "flashin
               "batch_attention_hopper")
 # what each output is checked against: the first of these that ran
 CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "batch_attention": ("pod", "serial", "prefill_only"),
-          "batch_attention_t64": ("prefill_only",), "pod_hopper": ("serial",),
+          "batch_attention_t64": ("pod", "serial", "prefill_only"), "pod_hopper": ("serial",),
           "batch_attention_hopper": ("pod", "serial", "prefill_only"),
           "batch_attention_interleaved": ("pod", "serial"), "flashinfer_pod": ("serial",),
           "flashinfer_pod_single": ("serial_single",), "flashinfer_serial": ("serial",),

@@ -26,6 +26,7 @@ PREFILL = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 7 + [ctypes.c_flo
 DECODE = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int,
                                                                    ctypes.c_void_p, ctypes.c_int]))
 ORDER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+ORDER_PAIR = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 PLAN = ctypes.CFUNCTYPE(ctypes.c_longlong, *([ctypes.c_void_p] * 4 + [ctypes.c_longlong, ctypes.c_void_p,
                                                                       ctypes.c_longlong, ctypes.c_void_p]))
 DECODE_PLAN = ctypes.CFUNCTYPE(ctypes.c_longlong, *([ctypes.c_void_p] * 4 + [ctypes.c_longlong] * 3 +
@@ -104,6 +105,22 @@ def test_order_pages_caller_passes_every_argument(ext):
         call(0, 16, 0)
     with pytest.raises(TypeError, match="expected 4 arguments, got 3"):
         ext.order_pages(1, 2, 3)
+
+
+def test_order_pages_pair_caller_passes_every_argument(ext):
+    """POD plan()'s two page orders in one launch: both params, the stream and the device reach
+    the entry; a null entry or params raise before it."""
+    seen = []
+    cb = recorder(ORDER_PAIR, seen, code=4)
+    call = fastcall.bind("order_pages_pair", cb)
+    assert call is not cb
+    assert call(0x7F00_0000_1000, 0x7F00_0000_2000, 0, 1) == 4
+    assert seen == [(0x7F00_0000_1000, 0x7F00_0000_2000, None, 1)]
+    with pytest.raises(ValueError, match="null entry or params"):
+        call(16, 0, 0, 0)
+    with pytest.raises(TypeError, match="expected 5 arguments, got 4"):
+        ext.order_pages_pair(1, 2, 3, 4)
+    assert len(seen) == 1
 
 
 def test_ship_caller_passes_every_argument(ext):

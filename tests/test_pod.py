@@ -460,6 +460,37 @@ def test_batch_pod(causal, shared, return_lse, kv_dtype, scales, workspace):
 
 
 
+@pytest.mark.gpu
+def test_batch_pod_orders_both_sides_pages_in_one_launch(workspace):
+    """Batch POD's plan() launches its two sides' page orders as one kernel
+    (page_order.launch_pending): each side's reordered page ids, and the prefill work list's
+    first page ids, equal those of the decode and prefill wrappers planned alone."""
+    rnd, gen = _seeded(41)
+    page_size, (hq, hk) = 16, LLAMA
+    qo_lens, kv_lens, lens_d = [7, 300, 64], [500, 1300, 4000], decode_lens(12, 3000, page_size, rnd)
+    table_p, table_d, _, _ = two_sides(kv_lens, lens_d, page_size, hk, HD, BF16, True, rnd, gen)
+    qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
+    w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(len(lens_d) + 1))), *table_d.plan_args, hq, hk, HD,
+           page_size, q_data_type=BF16, kv_data_type=BF16, causal=True)
+    orders = (w._decode._page_order, w._prefill._page_order)
+    assert not any(o.pending or o.defer for o in orders)
+    ws = [torch.empty(64 << 20, dtype=torch.uint8, device=DEV) for _ in range(2)]
+    d = fij.BatchDecodeWithPagedKVCacheWrapper(ws[0], "NHD", use_tensor_cores=True)
+    d.plan(*table_d.plan_args, hq, hk, HD, page_size, q_data_type=BF16, kv_data_type=BF16)
+    p = fij.BatchPrefillWithPagedKVCacheWrapper(ws[1], "NHD", backend="fa2")
+    p._force_tile_rows = w._prefill._force_tile_rows
+    p.plan(qo_indptr_p, *table_p.plan_args, hq, hk, HD, page_size, q_data_type=BF16, kv_data_type=BF16, causal=True)
+    torch.cuda.synchronize()
+    pages_d, pages_p = int(table_d.plan_args[0][-1]), int(table_p.plan_args[0][-1])
+    assert w._decode._plan.unordered is not None and w._prefill._plan.unordered is not None  # (both reordered)
+    assert torch.equal(w._decode._plan.args[0][1][:pages_d], d._plan.args[0][1][:pages_d])
+    assert torch.equal(w._prefill._plan.args[0][1][:pages_p], p._plan.args[0][1][:pages_p])
+    end = p._plan_buffer.end
+    assert end == w._prefill._plan_buffer.end
+    assert torch.equal(w._prefill._plan_buffer.buf[:end], p._plan_buffer.buf[:end])  # (the pairs' first page ids)
+
+
 # --- POD on Hopper (prefill_backend="auto": csrc/pod/pod_sm90.cuh) -------------------------------
 # (prefill (qo, kv) chunks, decodes, causal, head_dim, prefill_blocks pinned (None: the planner's),
 # return_lse, shared cache, options)

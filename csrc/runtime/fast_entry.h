@@ -27,6 +27,8 @@ enum { FIJ_FAST_CAPTURING = -3 };
 // The page-order module's <namespace>_order_pages (csrc/runtime/page_order.cuh PageOrderParams),
 // called by plan() of decode and prefill
 typedef int (*fij_order_pages_fn)(const void* params, void* stream, int device);
+// ... and <namespace>_order_pages_pair: two params' sorts in one launch (POD's two sides)
+typedef int (*fij_order_pages_pair_fn)(const void* first, const void* second, void* stream, int device);
 
 // The same module's <namespace>_ship: plan()'s one host-to-device copy of its packed buffer
 // (runtime/plan_buffer.py), `bytes` from pinned `src` to `dst` on `stream` of `device`, then

@@ -11,6 +11,7 @@
 //   prefill(entry, prepared, q, k, v, out, lse, sinks, logit_scale, soft_cap_log2, v_scale,
 //           window_left, stream, pdl)
 //   order_pages(entry, params, stream, device)   plan()'s page order (page_order.cuh)
+//   order_pages_pair(entry, first, second, stream, device)   two of them in one launch (POD)
 //   ship(entry, dst, src, bytes, stream, device, event)   plan()'s copy of its packed buffer
 //                                            (runtime/plan_buffer.py), event recorded after it
 // Addresses are Python ints (0: null); each returns the entry's cudaError_t as an int.
@@ -270,6 +271,20 @@ PyObject* order_pages(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLong(reinterpret_cast<fij_order_pages_fn>(a[0])(a[1], a[2], static_cast<int>(device)));
 }
 
+// order_pages_pair(entry, first, second, stream, device) -> int: POD plan()'s two page orders
+PyObject* order_pages_pair(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("order_pages_pair", nargs, 5)) return nullptr;
+  void* a[4];  // entry, first, second, stream (0: the default stream)
+  if (!addresses(args, 4, a)) return nullptr;
+  const long device = PyLong_AsLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  if (a[0] == nullptr || a[1] == nullptr || a[2] == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.order_pages_pair(): null entry or params");
+    return nullptr;
+  }
+  return PyLong_FromLong(reinterpret_cast<fij_order_pages_pair_fn>(a[0])(a[1], a[2], a[3], static_cast<int>(device)));
+}
+
 PyMethodDef methods[] = {
     {"decode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(decode)), METH_FASTCALL,
      "decode(entry, prepared, q, k, v, out, lse, logit_scale, v_scale, window_left, stream, pdl) -> int"},
@@ -280,6 +295,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "tensor_signature(q, k, v, out) -> bytes"},
     {"order_pages", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(order_pages)), METH_FASTCALL,
      "order_pages(entry, params, stream, device) -> int"},
+    {"order_pages_pair", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(order_pages_pair)),
+     METH_FASTCALL, "order_pages_pair(entry, first, second, stream, device) -> int"},
     {"prefill_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_run)), METH_FASTCALL,
      "prefill_run(entry, prepared, signature, q, k, v, out, logit_scale, soft_cap_log2, v_scale, window_left, pdl) "
      "-> int (-1: not the signature)"},

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 
 namespace fij {
@@ -155,11 +156,12 @@ __device__ __forceinline__ void bitonic_sort(Key (&key)[K], Key* buf) {
   }
 }
 
+// One block's part of a sort: request `r`'s segment blockIdx.y (the block returns whole
+// where there is nothing to do: no barrier is left waiting).
 template <typename Key, int K>
-__global__ void __launch_bounds__(kMaxThreads) order_pages_kernel(const PageOrderParams p) {
-  __shared__ Key buf[K * kMaxThreads];
-  const Request req = request_of(p, blockIdx.x);
-  if (req.pages <= 0) return;  // (whole blocks return: no barrier is left waiting)
+__device__ __forceinline__ void order_request(const PageOrderParams& p, int request, Key* buf) {
+  const Request req = request_of(p, request);
+  if (req.pages <= 0) return;
   const int64_t full = req.movable;  // pages [full, pages) stay where they are
   const int W = blockDim.x;
   if (blockIdx.y == 0)
@@ -183,6 +185,26 @@ __global__ void __launch_bounds__(kMaxThreads) order_pages_kernel(const PageOrde
     if (r * W + t < n) store_key<Key>(p, req.dst + lo + r * W + t, key[r]);
 }
 
+template <typename Key, int K>
+__global__ void __launch_bounds__(kMaxThreads) order_pages_kernel(const PageOrderParams p) {
+  __shared__ Key buf[K * kMaxThreads];
+  order_request<Key, K>(p, blockIdx.x, buf);
+}
+
+// Two tables in one launch (POD's plan(): its decode side's and its prefill side's): blocks
+// [0, first.batch) sort the first's requests, the rest the second's.
+struct PageOrderPair {
+  PageOrderParams first, second;
+};
+
+template <typename Key, int K>
+__global__ void __launch_bounds__(kMaxThreads) order_pages_pair_kernel(const PageOrderPair pp) {
+  __shared__ Key buf[K * kMaxThreads];
+  const int r = static_cast<int>(blockIdx.x);
+  if (r < pp.first.batch) order_request<Key, K>(pp.first, r, buf);
+  else order_request<Key, K>(pp.second, r - pp.first.batch, buf);
+}
+
 // Thread i: page i % pair_ids of pair i / pair_ids's chunk (-1 past the request's pages),
 // read from the table the sort wrote (launched after it, on the same stream).
 __global__ void __launch_bounds__(256) fill_pair_ids_kernel(const PageOrderParams p) {
@@ -196,35 +218,75 @@ __global__ void __launch_bounds__(256) fill_pair_ids_kernel(const PageOrderParam
   w[p.pair_ids_at + l] = page < req.pages ? p.dst[req.dst + page] : -1;
 }
 
-template <typename Key>
-inline void launch(const PageOrderParams& p, int keys, dim3 grid, int threads, cudaStream_t stream) {
-  if (keys == 1) order_pages_kernel<Key, 1><<<grid, threads, 0, stream>>>(p);
-  else if (keys == 2) order_pages_kernel<Key, 2><<<grid, threads, 0, stream>>>(p);
-  else order_pages_kernel<Key, 4><<<grid, threads, 0, stream>>>(p);
+template <typename Key, typename Params>
+inline void launch(const Params& p, int keys, dim3 grid, int threads, cudaStream_t stream) {
+  if constexpr (std::is_same_v<Params, PageOrderParams>) {
+    if (keys == 1) order_pages_kernel<Key, 1><<<grid, threads, 0, stream>>>(p);
+    else if (keys == 2) order_pages_kernel<Key, 2><<<grid, threads, 0, stream>>>(p);
+    else order_pages_kernel<Key, 4><<<grid, threads, 0, stream>>>(p);
+  } else {
+    if (keys == 1) order_pages_pair_kernel<Key, 1><<<grid, threads, 0, stream>>>(p);
+    else if (keys == 2) order_pages_pair_kernel<Key, 2><<<grid, threads, 0, stream>>>(p);
+    else order_pages_pair_kernel<Key, 4><<<grid, threads, 0, stream>>>(p);
+  }
+}
+
+// The shape of a sort of requests of up to `longest_pages` pages: the full pages over up to
+// 1024 threads of 1, 2 or 4 keys (32 threads at least), segments of keys x threads pages.
+struct SortShape {
+  int keys, threads;
+  int64_t segments;
+};
+
+inline SortShape sort_shape(int64_t longest_pages) {
+  const int64_t full = longest_pages > 1 ? longest_pages - 1 : 1;
+  SortShape s;
+  s.keys = full <= kMaxThreads ? 1 : full <= 2 * kMaxThreads ? 2 : kMaxKeys;
+  s.threads = 32;
+  while (int64_t(s.keys) * s.threads < full && s.threads < kMaxThreads) s.threads <<= 1;
+  const int64_t per_block = int64_t(s.keys) * s.threads;
+  s.segments = (full + per_block - 1) / per_block;
+  return s;
+}
+
+inline void fill_pairs(const PageOrderParams& p, cudaStream_t stream) {
+  if (p.src_v == 0 && p.pairs != nullptr && p.num_pairs > 0 && p.pair_ids > 0) {
+    const int64_t n = int64_t(p.num_pairs) * p.pair_ids;
+    fill_pair_ids_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(p);
+  }
 }
 
 }  // namespace page_order
 
 inline cudaError_t launch_order_pages(const PageOrderParams& p, cudaStream_t stream) {
   if (p.batch <= 0) return cudaSuccess;
-  // the longest request's full pages over up to 1024 threads of 1, 2 or 4 keys (32 threads at least)
-  const int64_t full = p.longest_pages > 1 ? p.longest_pages - 1 : 1;
-  const int keys = full <= page_order::kMaxThreads ? 1 : full <= 2 * page_order::kMaxThreads ? 2 : page_order::kMaxKeys;
-  int threads = 32;
-  while (int64_t(keys) * threads < full && threads < page_order::kMaxThreads) threads <<= 1;
-  const int64_t per_block = int64_t(keys) * threads;
-  const int64_t segments = (full + per_block - 1) / per_block;
-  if (segments > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(segments));
+  const page_order::SortShape s = page_order::sort_shape(p.longest_pages);
+  if (s.segments > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(s.segments));
   if (p.src_v) {
-    page_order::launch<unsigned long long>(p, keys, grid, threads, stream);
+    page_order::launch<unsigned long long>(p, s.keys, grid, s.threads, stream);
   } else {
-    page_order::launch<uint32_t>(p, keys, grid, threads, stream);
-    if (p.pairs != nullptr && p.num_pairs > 0 && p.pair_ids > 0) {
-      const int64_t n = int64_t(p.num_pairs) * p.pair_ids;
-      page_order::fill_pair_ids_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(p);
-    }
+    page_order::launch<uint32_t>(p, s.keys, grid, s.threads, stream);
+    page_order::fill_pairs(p, stream);
   }
+  return cudaGetLastError();
+}
+
+// Two tables (one kernel where both hold one id a page; else one launch each): the sort's
+// shape is the longer's, which sorts the shorter's requests as well (more keys a block
+// than they need, padded).
+inline cudaError_t launch_order_pages_pair(const PageOrderParams& a, const PageOrderParams& b, cudaStream_t stream) {
+  if (a.batch <= 0 || b.batch <= 0 || a.src_v || b.src_v) {
+    const cudaError_t err = launch_order_pages(a, stream);
+    return err != cudaSuccess ? err : launch_order_pages(b, stream);
+  }
+  const page_order::SortShape s = page_order::sort_shape(a.longest_pages > b.longest_pages ? a.longest_pages
+                                                                                          : b.longest_pages);
+  if (s.segments > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(a.batch + b.batch), static_cast<unsigned>(s.segments));
+  page_order::launch<uint32_t>(page_order::PageOrderPair{a, b}, s.keys, grid, s.threads, stream);
+  page_order::fill_pairs(a, stream);
+  page_order::fill_pairs(b, stream);
   return cudaGetLastError();
 }
 

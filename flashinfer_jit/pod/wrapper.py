@@ -37,6 +37,7 @@ from ..runtime.checks import (
 )
 from ..runtime.device import empty_f32, sm_count, supports_pdl
 from ..runtime.launch import fast_entry, launch_buffer, launch_failed, module_op
+from ..runtime.page_order import launch_pending
 from ..runtime.page_table import csr_kv_lens_host, unpack_paged_kv_cache
 from .spec import PodSm90Spec, PodSpec, pod_tiles
 
@@ -568,21 +569,29 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                              "arange(batch + 1)); put longer requests on the prefill side")
         q_dtype = data_type if q_data_type is None else q_data_type
         kv_dtype = kv_data_type if kv_data_type is not None else data_type
-        self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim, page_size,
-                          window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                          data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking)
-        self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads, num_kv_heads,
-                              head_dim, page_size, window_left, sm_scale, q_dtype or "float16", kv_dtype, non_blocking)
-        if work is None:
-            decode_keys = int(csr_kv_lens(kv_indptr_d, last_page_len_d, page_size).sum())
-            qo = host_index(qo_indptr_p, "qo_indptr_p")
-            self._prefill_work = prefill_work(qo[1:] - qo[:-1], csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
-        else:
-            decode_keys, self._prefill_work = work[2], work[:2]
-        c = self._decode._plan.config
-        self._kv_bytes = float(decode_keys) * c.num_kv_heads * c.token_bytes
-        self._prefill_mask = None
-        self._plan_prefill(causal, None, None, in_run=False)
+        # both sides' page orders in one launch, after both plans (also when one of them raises)
+        orders = (self._decode._page_order, self._prefill._page_order)
+        orders[0].defer = orders[1].defer = True
+        try:
+            self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
+                              page_size, window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                              data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking)
+            self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads,
+                                  num_kv_heads, head_dim, page_size, window_left, sm_scale, q_dtype or "float16",
+                                  kv_dtype, non_blocking)
+            if work is None:
+                decode_keys = int(csr_kv_lens(kv_indptr_d, last_page_len_d, page_size).sum())
+                qo = host_index(qo_indptr_p, "qo_indptr_p")
+                self._prefill_work = prefill_work(qo[1:] - qo[:-1],
+                                                  csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
+            else:
+                decode_keys, self._prefill_work = work[2], work[:2]
+            c = self._decode._plan.config
+            self._kv_bytes = float(decode_keys) * c.num_kv_heads * c.token_bytes
+            self._prefill_mask = None
+            self._plan_prefill(causal, None, None, in_run=False)
+        finally:
+            launch_pending(*orders)
 
     begin_forward = plan
 

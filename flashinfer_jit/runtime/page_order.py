@@ -23,7 +23,7 @@ from .device import raw_stream
 from .native import ctypes_entry, optional_entry
 from .shared_specs import PageOrderSpec
 
-__all__ = ["PageOrderParams", "PageOrder", "page_orderer", "shipper"]
+__all__ = ["PageOrderParams", "PageOrder", "launch_pending", "page_orderer", "shipper"]
 
 
 class PageOrderParams(ctypes.Structure):
@@ -40,16 +40,18 @@ class PageOrderParams(ctypes.Structure):
 
 @op_cache
 def page_orderer():
-    """(<namespace>_order_pages, <namespace>_error_string) of the PageOrderSpec module
-    through ctypes, built or loaded at the first plan() that reorders pages; None with a
+    """(<namespace>_order_pages, <namespace>_error_string, <namespace>_order_pages_pair) of
+    the PageOrderSpec module (through fij_fastcall where it loads, else ctypes), built or loaded at the first plan() that reorders pages; None with a
     warning where it cannot be had: plan() then keeps the pages as given (same results,
     slower reads)."""
     def load():
         fn = ctypes_entry(PageOrderSpec(), "order_pages", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int,
                           PageOrderParams, "params_bytes")
+        pair = ctypes_entry(PageOrderSpec(), "order_pages_pair", [ctypes.c_void_p] * 3 + [ctypes.c_int], ctypes.c_int)
         # (through fij_fastcall: ~1 us of ctypes' conversions less a plan; fn itself without it)
         return (fastcall.bind("order_pages", fn),
-                ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p))
+                ctypes_entry(PageOrderSpec(), "error_string", [ctypes.c_int], ctypes.c_char_p),
+                fastcall.bind("order_pages_pair", pair))
 
     return optional_entry(load, "plan() keeps each request's pages as given",
                           f"the page-order module {PageOrderSpec().name}")
@@ -82,7 +84,8 @@ class PageOrder:
     reordered buffer, after which every plan writes it, with a plain copy where that plan may
     not reorder) and the kernel's params."""
 
-    __slots__ = ("device", "graph", "buf", "view", "params", "params_address", "graph_orders", "csr_fields")
+    __slots__ = ("device", "graph", "buf", "view", "params", "params_address", "graph_orders", "csr_fields", "defer",
+                 "pending")
 
     def __init__(self, device: torch.device, graph: bool, pair_layout: tuple[int, int, int] = (0, 0, 0)):
         """pair_layout (batch prefill): its work pairs' (ints a pair, field of the first page
@@ -94,6 +97,10 @@ class PageOrder:
         self.params_address = ctypes.addressof(self.params)
         self.graph_orders = None
         self.csr_fields = None  # True: params hold a csr table's layout fields
+        # POD's plan() plans both sides, then launches both orders at once (launch_pending):
+        # with defer set, order() fills the params and leaves the launch pending
+        self.defer = False
+        self.pending = False
 
     def order(self, ids: torch.Tensor, lens: torch.Tensor, csr: bool, batch: int, movable_pages: int,
               page_size: int, may_order: bool, qo_indptr: torch.Tensor | None = None,
@@ -146,8 +153,35 @@ class PageOrder:
         p.last_page_len = last_page_len.data_ptr() if qo_indptr is not None and csr else None
         p.page_size, p.batch, p.sort = page_size, batch, int(may_order)
         p.pairs, p.num_pairs = (pairs_at, num_pairs) if pairs_at and num_pairs > 0 else (None, 0)
-        fn, error = page_orderer()
+        if self.defer:
+            self.pending = True
+        else:
+            self._launch()
+        return view
+
+    def _launch(self) -> None:
+        fn, error, _ = page_orderer()
+        self.pending = False
         code = fn(self.params_address, raw_stream(self.device.index), self.device.index)
         if code:
             raise RuntimeError(f"{PageOrderSpec().name}: order_pages: CUDA error {code} ({error(code).decode()})")
-        return view
+
+
+def launch_pending(first: PageOrder, second: PageOrder) -> None:
+    """The launches two deferred order() calls left pending (POD: its decode side's, then its
+    prefill side's), in one kernel where both are pending (csrc/runtime/page_order.cuh
+    launch_order_pages_pair; ~5-9 us of plan()'s host time a launch on the H200 host), and
+    deferral ends for both. Each side's run() reads its buffer after this, in stream order."""
+    first.defer = second.defer = False
+    if first.pending and second.pending and first.device == second.device:
+        _, error, pair = page_orderer()
+        first.pending = second.pending = False
+        index = first.device.index
+        code = pair(first.params_address, second.params_address, raw_stream(index), index)
+        if code:
+            raise RuntimeError(f"{PageOrderSpec().name}: order_pages_pair: CUDA error {code} "
+                               f"({error(code).decode()})")
+        return
+    for side in (first, second):
+        if side.pending:
+            side._launch()
