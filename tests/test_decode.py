@@ -837,8 +837,9 @@ def test_batch_decode_orders_pages(page_table, page_size, workspace):
     rope_config = wrapper._configure(hq, hk, d, ps, "ROPE_LLAMA", -1, None, torch.bfloat16, None, None, None, None,
                                      None, None, False, True, 1, None)
     assert not rope_config.orders_pages
-    multi_config = wrapper._configure(hq, hk, d, ps, "NONE", -1, None, torch.bfloat16, None, None, None, None,
-                                      None, None, False, True, 4, None)
+    tensor_cores = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    multi_config = tensor_cores._configure(hq, hk, d, ps, "NONE", -1, None, torch.bfloat16, None, None, None, None,
+                                           None, None, False, True, 4, None)
     assert not multi_config.orders_pages  # causal limits among the query tokens are positions
 
 
