@@ -4,11 +4,10 @@ what `flashinfer-jit aot --matrix` lines name, and what the tests import specs f
 from .decode.spec import DecodePlanSpec, DecodeSpec
 from .kvcache.append_spec import AppendSpec, BatchIndicesSpec
 from .kvcache.flatten_spec import FlattenSpec
-from .kvcache.rope_spec import RopeSpec
 from .pipeline.spec import Spec
 from .pod.spec import PodSm90Spec, PodSpec
 from .prefill.spec import PrefillPlanSpec, PrefillSm90Spec, PrefillSpec
-from .runtime.shared_specs import MergeSpec, PageOrderSpec
+from .runtime.shared_specs import MergeSpec, PageOrderSpec, RopeSpec
 
 FAMILIES: dict[str, type[Spec]] = {
     cls.FAMILY: cls for cls in (AppendSpec, BatchIndicesSpec, RopeSpec, FlattenSpec, DecodeSpec, MergeSpec, DecodePlanSpec,

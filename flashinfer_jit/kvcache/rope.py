@@ -32,7 +32,7 @@ from ..runtime.checks import (
 )
 from ..runtime.device import placeholder
 from ..runtime.page_table import PageTable, csr_page_table, unpack_paged_kv_cache
-from .rope_spec import RopeSpec
+from ..runtime.shared_specs import RopeSpec
 
 _HALF = ("float16", "bfloat16")
 _HALF_TORCH = (torch.float16, torch.bfloat16)

@@ -10,8 +10,11 @@ from functools import cache
 import numpy as np
 import torch
 
+from ..pipeline.jit import get_module, traced_op
 from ..pipeline.spec import dtype_name
-from ..runtime.device import sm_count
+from ..runtime.checks import compiling, constant_result
+from ..runtime.device import placeholder, sm_count
+from ..runtime.shared_specs import RopeSpec
 from .spec import SM90_HEAD_DIM_VO, SM90_HEAD_DIMS, SM90_MASKS, PrefillSm90Spec
 
 TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM: query rows an item (192: pinned, head_dim 64 only)
@@ -407,22 +410,43 @@ def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, d
     return out[0], out[1]
 
 
+@cache
+def _rope_spec(dtype: str) -> RopeSpec:
+    """The RoPE kernel's module for the pass: NeoX halves, positions from row offsets, angles
+    computed (the mma.sync kernel's in-kernel RoPE)."""
+    return RopeSpec(dtype, dtype, False, "indptr", "computed").validate()
+
+
+@constant_result
+def _rope_namespace(dtype: str) -> str:
+    return get_module(_rope_spec(dtype)).namespace
+
+
 def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated (ROPE_LLAMA, NeoX halves; rope_scale and rope_theta from the plan's
-    configuration) into new tensors, by the RoPE module's kernel (flashinfer_jit/kvcache/rope.py),
-    each on its own row offsets: the Hopper path's pos_encoding_mode="ROPE_LLAMA", before the
-    kernel (ragged K/V, or the rows of a copy of the batch's pages: gather_pages; measured
-    2.2-3.1x the mma.sync kernel's in-kernel RoPE on ragged K/V: docs/hopper.md).
-    Each call rotates one tensor: the op's second input is a one-head view of it, whose
-    output is dropped."""
-    from ..kvcache.rope import _run_rope
-
+    configuration) into new tensors, by the RoPE kernel (runtime/shared_specs.py RopeSpec, the
+    module kvcache's apply_rope runs), each on its own row offsets: the Hopper path's
+    pos_encoding_mode="ROPE_LLAMA", before the kernel (ragged K/V, or the rows of a copy of
+    the batch's pages: gather_pages; measured 2.2-3.1x the mma.sync kernel's in-kernel RoPE
+    on ragged K/V: docs/hopper.md). Each call rotates one tensor: the op's second input is a
+    one-head view of it, whose output is dropped. q and k passed run()'s checks (dtype,
+    heads, 16-byte rows)."""
+    if c.rope_scale <= 0 or c.rope_theta <= 0:  # (as apply_rope's check)
+        raise ValueError(f"rope_scale and rope_theta must be positive, got {c.rope_scale}, {c.rope_theta}")
+    dtype = dtype_name(q.dtype)
+    traced = compiling()
+    op = traced_op(_rope_namespace(dtype), "rope") if traced else get_module(_rope_spec(dtype)).rope
+    device = q.device
+    # (absent optional tensors: kept placeholders, new ones while Dynamo traces)
+    none_i32, none_f32 = ((torch.empty(0, dtype=torch.int32, device=device),
+                           torch.empty(0, dtype=torch.float32, device=device)) if traced else
+                          (placeholder(device, torch.int32), placeholder(device, torch.float32)))
     qo, q_shift, kv, k_shift = rope
     out = []
     for t, indptr, offsets in ((q, qo, q_shift), (k, kv, k_shift)):
-        rotated = torch.empty_like(t)
-        _run_rope(t, t[:, :1], rotated, torch.empty_like(t[:, :1]), rotary_dim=None, interleave=False, indptr=indptr,
-                  offsets=offsets, rope_scale=c.rope_scale, rope_theta=c.rope_theta)
+        rotated, one_head = torch.empty_like(t), t[:, :1]
+        op(t, one_head, none_i32, none_i32, rotated, torch.empty_like(one_head), none_i32, none_i32, none_i32, indptr,
+           offsets, none_f32, float(c.rope_scale), float(c.rope_theta), 0.0, 0.0, 1.0, 1.0)
         out.append(rotated)
     return out[0], out[1]
 
