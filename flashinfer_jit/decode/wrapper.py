@@ -936,25 +936,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # goes to the planner as given, checked in C++ (fij_fastcall.decode_plan); None:
             # another form, which the code below converts and checks.
             batch = indptr.shape[0] - 1
-            graph = self._use_cuda_graph
-            capacity = self._capacity if graph else 0
-            if batch >= 0 and not (graph and capacity is not None and batch > capacity):  # (over it: below)
-                if capacity is None:
-                    capacity = self._capacity = batch
-                plan_buffer = self._plan_buffer
-                slot = plan_buffer.host(7 * batch + 8)  # a list without splits fits; a split one may ask for more
-                code = runner[0](runner[1], config_ptr, indptr, last_page_len, indices, capacity, slot.address,
-                                 len(slot.array), self._native_result_ptr)
-                if code is None:
-                    plan_buffer.give_back()
-                    if self._use_cuda_graph and self._plan is None:
-                        self._capacity = None
-                else:
-                    if code > 0:  # the list needs a larger slot: the same slot, grown
-                        slot = plan_buffer.regrow(code)
-                        code = runner[0](runner[1], config_ptr, indptr, last_page_len, indices, capacity,
-                                         slot.address, len(slot.array), self._native_result_ptr)
-                    return self._native_plan_of(batch, capacity, slot, code)
+            capacity = self._native_capacity(batch) if batch >= 0 else None
+            if capacity is not None:  # (a batch over a CUDA-graph capacity: the numpy path's error)
+                result = self._native_result_ptr
+                planned = self._native_call(
+                    lambda slot: runner[0](runner[1], config_ptr, indptr, last_page_len, indices, capacity,
+                                           slot.address, len(slot.array), result), batch, capacity)
+                if planned is not False:
+                    return planned
         if layout == "csr":
             if not (_int32_vector(indptr) and _int32_vector(indices) and _int32_vector(last_page_len)):
                 return None
@@ -974,25 +963,37 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if batch and seq.stride(0) != 1:
                 return None
             a, b, c, limit = None, None, seq.data_ptr(), block_tables.shape[-1] * page_size
-        capacity = 0  # eager
-        if self._use_cuda_graph:
-            capacity = self._capacity
-            if capacity is None:
-                capacity = self._capacity = batch
-            elif batch > capacity:
-                return None  # the numpy path raises graph_capacity's error, after its checks of the table
+        capacity = self._native_capacity(batch)
+        if capacity is None:
+            return None  # the numpy path raises graph_capacity's error, after its checks of the table
+        result = self._native_result_ptr
+        return self._native_call(lambda slot: fn(config_ptr, a, b, c, batch, limit, capacity, slot.address,
+                                                 len(slot.array), result), batch, capacity)
+
+    def _native_capacity(self, batch: int) -> int | None:
+        """The planner's capacity for `batch` requests: 0 in an eager wrapper; a CUDA-graph
+        wrapper's (its first plan's batch, fixed here), None where the batch is over it."""
+        if not self._use_cuda_graph:
+            return 0
+        if self._capacity is None:
+            self._capacity = batch
+        return self._capacity if batch <= self._capacity else None
+
+    def _native_call(self, call, batch: int, capacity: int):
+        """_plan_native's result from the C++ planner run as call(host slot) (through
+        fij_fastcall or ctypes), again in a larger slot where it asks for one; False where
+        call returns None (fij_fastcall: not the common form; the slot goes unused)."""
         plan_buffer = self._plan_buffer
         slot = plan_buffer.host(7 * batch + 8)  # a list without splits fits; a split one may ask for more
-        code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array), self._native_result_ptr)
+        code = call(slot)
+        if code is None:
+            plan_buffer.give_back()
+            if self._use_cuda_graph and self._plan is None:
+                self._capacity = None  # (the path that takes the form decides)
+            return False
         if code > 0:  # the list needs a larger slot: the same slot, grown
             slot = plan_buffer.regrow(code)
-            code = fn(config_ptr, a, b, c, batch, limit, capacity, slot.address, len(slot.array),
-                      self._native_result_ptr)
-        return self._native_plan_of(batch, capacity, slot, code)
-
-    def _native_plan_of(self, batch: int, capacity: int, slot, code: int) -> tuple | None:
-        """_plan_native's result from the planner's status `code` (None: its error, which the
-        numpy path raises)."""
+            code = call(slot)
         if code != 0:
             if self._use_cuda_graph and self._plan is None:
                 self._capacity = None  # the numpy path decides, and a first plan it rejects fixes nothing

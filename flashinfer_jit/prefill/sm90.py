@@ -88,11 +88,11 @@ PAGE_SIZES = (16, 32, 64, 128)  # one TMA box a page: a page divides the key til
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def gathers(c, ragged: bool) -> bool:
+def gathers(c) -> bool:
     """Whether a paged plan runs the Hopper kernel over a copy of the batch's pages
     (gather_pages): an fp8 cache (the copy in q's dtype, exact) or RoPE in the kernel's place
     (the copy's keys rotated)."""
-    return not ragged and (c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama")
+    return c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama"
 
 
 def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False, gather: bool = True) -> str | None:

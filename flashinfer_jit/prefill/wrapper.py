@@ -621,7 +621,7 @@ class _PrefillWrapper:
         gather, first, key_rows, layout = None, None, None, self._kv_layout
         if self._ragged:
             key_rows = (kv.astype(np.int64), np.diff(kv.astype(np.int64)))
-        elif sm90.gathers(config, False):
+        elif sm90.gathers(config):  # (paged)
             # an fp8 cache or RoPE: the kernel reads a copy of the batch's pages (NHD, q's
             # dtype, keys rotated), which run() makes, through ids 0 .. pages - 1 (no CUDA
             # graphs: sm90.unsupported); the tiles index the copy's page offsets
