@@ -585,13 +585,16 @@ def test_auto_picks_the_backend(batch, hopper_workspace):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fa3_ragged_rope_matches_fa2(causal, head_dim, hopper_workspace):
+@pytest.mark.parametrize("rows", ["prefix", "fresh"])
+def test_fa3_ragged_rope_matches_fa2(rows, causal, head_dim, hopper_workspace):
     """pos_encoding_mode="ROPE_LLAMA" on the Hopper path (ragged K/V: q and k rotated before the
-    kernel, sm90.rope_prepass), requests with qo_len < kv_len (q rows at kv_len - qo_len + i),
-    rope_scale and rope_theta set: against the float64 reference and the mma.sync kernel's
-    in-kernel RoPE on the same inputs, outputs poisoned; "auto" picks the kernel it picks for
-    the same batch without RoPE; the single-request function too."""
-    shapes = [(300, 900), (517, 517), (64, 2000), (0, 40), (200, 260)]
+    kernel, sm90.rope_prepass), rope_scale and rope_theta set: against the float64 reference
+    and the mma.sync kernel's in-kernel RoPE on the same inputs, outputs poisoned; "auto" picks
+    the kernel it picks for the same batch without RoPE; the single-request function too.
+    "prefix": requests with qo_len < kv_len (q rows at kv_len - qo_len + i; one rotation call a
+    tensor); "fresh": qo_len = kv_len everywhere (q and k rotated in one call)."""
+    shapes = ([(300, 900), (517, 517), (64, 2000), (0, 40), (200, 260)] if rows == "prefix" else
+              [(300, 300), (517, 517), (0, 0), (200, 200), (64, 64)])
     gen = torch.Generator(device=DEV).manual_seed(23 + head_dim)
     q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, head_dim, torch.bfloat16, gen)
     rope = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5)
@@ -606,15 +609,18 @@ def test_fa3_ragged_rope_matches_fa2(causal, head_dim, hopper_workspace):
             assert wrapper.planned_backend == plain.planned_backend
             continue
         assert wrapper.planned_backend == backend
+        if backend == "fa3":  # the one-call rotation exactly where every request's rows coincide
+            assert wrapper._plan.rope[4] == (rows == "fresh")
         results[backend] = run_poisoned(wrapper, q, kv, head_dim, torch.bfloat16)
     ref_out, ref_lse = reference(q, qo_indptr, kv, causal=causal, **rope)
     tol = tolerance(BF16)
     check_prefill(*results["fa3"], ref_out, ref_lse, shapes, tol)
     check_agree(*results["fa3"], *results["fa2"], shapes, tol / 2, "fa3", "fa2")
-    qs, ks, vs = q[:300], k_rows[:900], v_rows[:900]
+    first_qo, first_kv = shapes[0]
+    qs, ks, vs = q[:first_qo], k_rows[:first_kv], v_rows[:first_kv]
     single3 = fij.single_prefill_with_kv_cache(qs, ks, vs, causal=causal, backend="fa3", **rope)
     single2 = fij.single_prefill_with_kv_cache(qs, ks, vs, causal=causal, backend="fa2", **rope)
-    check_out(single3, single2, [(300, 900)], tol / 2, "single fa3 against fa2")
+    check_out(single3, single2, [shapes[0]], tol / 2, "single fa3 against fa2")
 
 
 @pytest.mark.gpu

@@ -357,7 +357,10 @@ class Sm90Planner:
             host_rope = np.concatenate([qo64, shift, kv64, np.zeros(len(kv64) - 1, np.int64)]).astype(np.int32)
             dev = torch.from_numpy(host_rope).to(self._device, non_blocking=non_blocking)
             b = len(qo64) - 1
-            p.rope = (dev[: b + 1], dev[b + 1: 2 * b + 1], dev[2 * b + 1: 3 * b + 2], dev[3 * b + 2:])
+            # every request's queries at its keys' rows and positions (ragged, qo_len = kv_len):
+            # one call rotates q and k together
+            same = gather is None and np.array_equal(qo64, kv64) and not shift.any()
+            p.rope = (dev[: b + 1], dev[b + 1: 2 * b + 1], dev[2 * b + 1: 3 * b + 2], dev[3 * b + 2:], same)
         return p
 
 
@@ -428,9 +431,10 @@ def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torc
     module kvcache's apply_rope runs), each on its own row offsets: the Hopper path's
     pos_encoding_mode="ROPE_LLAMA", before the kernel (ragged K/V, or the rows of a copy of
     the batch's pages: gather_pages; measured 2.2-3.1x the mma.sync kernel's in-kernel RoPE
-    on ragged K/V: docs/hopper.md). Each call rotates one tensor: the op's second input is a
-    one-head view of it, whose output is dropped. q and k passed run()'s checks (dtype,
-    heads, 16-byte rows)."""
+    on ragged K/V: docs/hopper.md). Where every request's queries sit at its keys' rows and
+    positions (the plan's `same`: ragged, qo_len = kv_len) one call rotates both; otherwise one
+    call a tensor, whose second input is a one-head view of it, its output dropped. q and k
+    passed run()'s checks (dtype, heads, 16-byte rows)."""
     if c.rope_scale <= 0 or c.rope_theta <= 0:  # (as apply_rope's check)
         raise ValueError(f"rope_scale and rope_theta must be positive, got {c.rope_scale}, {c.rope_theta}")
     dtype = dtype_name(q.dtype)
@@ -441,12 +445,18 @@ def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torc
     none_i32, none_f32 = ((torch.empty(0, dtype=torch.int32, device=device),
                            torch.empty(0, dtype=torch.float32, device=device)) if traced else
                           (placeholder(device, torch.int32), placeholder(device, torch.float32)))
-    qo, q_shift, kv, k_shift = rope
+    qo, q_shift, kv, k_shift, same = rope
+    scale, theta = float(c.rope_scale), float(c.rope_theta)
+    if same:
+        q_rot, k_rot = torch.empty_like(q), torch.empty_like(k)
+        op(q, k, none_i32, none_i32, q_rot, k_rot, none_i32, none_i32, none_i32, qo, q_shift, none_f32,
+           scale, theta, 0.0, 0.0, 1.0, 1.0)
+        return q_rot, k_rot
     out = []
     for t, indptr, offsets in ((q, qo, q_shift), (k, kv, k_shift)):
         rotated, one_head = torch.empty_like(t), t[:, :1]
         op(t, one_head, none_i32, none_i32, rotated, torch.empty_like(one_head), none_i32, none_i32, none_i32, indptr,
-           offsets, none_f32, float(c.rope_scale), float(c.rope_theta), 0.0, 0.0, 1.0, 1.0)
+           offsets, none_f32, scale, theta, 0.0, 0.0, 1.0, 1.0)
         out.append(rotated)
     return out[0], out[1]
 
