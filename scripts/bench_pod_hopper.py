@@ -10,6 +10,8 @@ same inputs, bench_pod.Inputs). Per row, on the same tensors, timed interleaved
 warm-up, median of --reps):
   pod_hopper          BatchPODWithPagedKVCacheWrapper, prefill_backend="auto" (the planner's split)
   pod_hopper_P<n>     the same with the split pinned: n blocks start on prefill items (--blocks)
+  pod_hopper_S<t>[_P<n>]  the decode side split into chunks of t tokens (its fixed_split_size),
+                      and the split pinned (--variants)
   ba_hopper           BatchAttention, prefill_backend="auto": the row as one batch, decodes first
   serial              our prefill (backend "auto": the Hopper kernel here) then our decode
   serial_fa2          our mma.sync prefill then our decode
@@ -63,8 +65,11 @@ def make(name: str, x, row):
     if name.startswith("pod"):
         w = fij.BatchPODWithPagedKVCacheWrapper(ws(), "NHD")
         w.prefill_backend = "fa2" if name == "pod_fa2" else "auto"
-        if name.startswith("pod_hopper_P"):
-            w.force_prefill_blocks = int(name.removeprefix("pod_hopper_P"))
+        for part in name.removeprefix("pod_hopper").split("_")[1:]:  # pinned: _P<prefill blocks>, _S<decode split>
+            if part[0] == "P":
+                w.force_prefill_blocks = int(part[1:])
+            elif part[0] == "S":
+                w.force_decode_split = int(part[1:])
         w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
                x.last_d, *heads, q_data_type=bf16, kv_data_type=bf16, causal=True)
         if name != "pod_fa2" and w._prefill.planned_backend != "fa3":
@@ -127,7 +132,7 @@ def measure(row, names: list, reps: int, flush) -> dict:
                 sp[f"{other}_over_pod_hopper"] = us[other] / us["pod_hopper"]
         if us.get("prefill_only") and us.get("decode_only"):
             sp["ideal_over_pod_hopper"] = max(us["prefill_only"], us["decode_only"]) / us["pod_hopper"]
-    pinned = {k: v for k, v in us.items() if k.startswith("pod_hopper_P") and v}
+    pinned = {k: v for k, v in us.items() if k.startswith("pod_hopper_") and v}
     if pinned:
         best = min(pinned, key=pinned.get)
         sp["best_pinned"] = best
@@ -144,6 +149,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--blocks", default="44,66,88", help="pinned splits (blocks that start on prefill), comma-separated")
     ap.add_argument("--rows", default="", help="mix numbers, comma-separated (default: 1-6)")
+    ap.add_argument("--variants", default="", help="pinned variants, comma-separated: S<decode split tokens>, "
+                    "P<prefill blocks> or both (S512_P44)")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="the unpinned implementations to time")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -154,7 +162,8 @@ def main() -> int:
         return 0
     import torch
 
-    names = list(IMPLS) + [f"pod_hopper_P{int(b)}" for b in args.blocks.split(",") if b]
+    names = [n for n in args.impls.split(",") if n] + [f"pod_hopper_P{int(b)}" for b in args.blocks.split(",") if b]
+    names += [f"pod_hopper_{v}" for v in args.variants.split(",") if v]
     flush = bp.Flush()
     result = {"benchmark": "pod_hopper", "meta": bc.run_metadata(), "impls": names, "rows": []}
     for row in rows(only):

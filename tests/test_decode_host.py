@@ -957,18 +957,25 @@ def test_run_outputs_and_scales(op):
 
 @pytest.mark.gpu
 def test_host_page_ids_travel_in_the_one_copy(op):
-    """A CUDA workspace with page ids on the host: they go with the packed buffer."""
+    """A CUDA workspace with page ids on the host: they go with the packed buffer (one ship
+    of it, the C copy or torch's; the ids the op reads lie inside its device buffer)."""
+    from flashinfer_jit.runtime.plan_buffer import PlanBuffer
+
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     w = fij.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
     lens = [100, 0, 3000, 17]
     table = csr(lens)
-    with counting_copies() as copies:
+    ships, original = [], PlanBuffer.ship
+    with counting_copies() as copies, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PlanBuffer, "ship", lambda self, *a: ships.append(a) or original(self, *a))
         w.plan(**table, num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PS)
-    assert len(copies) == 1
+    assert len(ships) == 1 and len(copies) <= 1, (ships, copies)
     q = torch.randn(4, HQ, D, device="cuda").to(torch.float16)
     cache = tuple(torch.randn(8, PS, HK, D, device="cuda").to(torch.float16) for _ in range(2))
     w.run(q, cache)
-    assert op.last["page_table"][1].device.type == "cuda"
+    ids, buf = op.last["page_table"][1], w._plan_buffer.buf
+    assert ids.device.type == "cuda"
+    assert buf.data_ptr() <= ids.data_ptr() < buf.data_ptr() + 4 * buf.numel()
     target = cpu_target_blocks(HQ, HK, D) // CPU_SMS * torch.cuda.get_device_properties(0).multi_processor_count
     assert actual_op_args(op, table, graph=False) == expected_op_args(table, lens, target=target, page_order=True)
 

@@ -528,6 +528,9 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it)
     force_prefill_blocks = None
+    # the decode side's split-KV chunk in tokens (its plan()'s fixed_split_size): None, the
+    # decode planner's own choice (benchmarks pin it)
+    force_decode_split = None
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf_p=None, paged_kv_indptr_buf_p=None, paged_kv_indices_buf_p=None,
@@ -575,7 +578,8 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         try:
             self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
                               page_size, window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                              data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking)
+                              data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking,
+                              fixed_split_size=self.force_decode_split)
             self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads,
                                   num_kv_heads, head_dim, page_size, window_left, sm_scale, q_dtype or "float16",
                                   kv_dtype, non_blocking)

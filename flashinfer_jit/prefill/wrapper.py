@@ -580,7 +580,8 @@ class _PrefillWrapper:
             plan.traced_key = traced_key(plan.spec)
         self._plan = plan
         self._traced = None
-        static_inputs(plan.work, plan.counters, plan.page_ids, plan.mask, *(plan.rope or ()), *(plan.gather or ()))
+        static_inputs(plan.work, plan.counters, plan.page_ids, plan.mask, *(plan.rope[:4] if plan.rope else ()),
+                      *(plan.gather or ()))
         return True
 
     def _sm90_plan(self, backend: str, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str,

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Where a batch POD plan() spends its host time: cProfile over many plans of
+bench_pod_host.py's batch (16 prefill chunks + 256 decodes, two batches in turn), the
+functions sorted by their own time. A diagnostic for docs/pod.md's Host time; run it on the
+GPU host (on a CPU-only machine the plans take CPU tensors: no copies, no launches).
+
+  python3 scripts/profile_pod_plan.py [--plans N] [--top K] [--backend fa2|auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common  # noqa: E402,F401  (puts the repository on sys.path)
+from bench_pod_host import HEADS, mixed  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plans", type=int, default=2000)
+    ap.add_argument("--top", type=int, default=45)
+    ap.add_argument("--backend", default="fa2")
+    args = ap.parse_args()
+    import torch
+
+    import flashinfer_jit as fij
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batches = [mixed(torch, s, device) for s in (0, 1)]
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    pod = fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+    pod.prefill_backend = args.backend
+
+    def plan(i):
+        p, d, _ = batches[i & 1]
+        pod.plan(p[0], p[1], p[2], p[3], d[0], d[1], d[2], d[3], *HEADS, q_data_type=torch.bfloat16,
+                 causal=True)
+
+    for i in range(200):
+        plan(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter_ns()
+    for i in range(args.plans):
+        plan(i)
+    plain = (time.perf_counter_ns() - t) / args.plans / 1e3
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(args.plans):
+        plan(i)
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+    print(f"plan() {plain:.1f} us a call without the profiler ({device})")
+    print(s.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
