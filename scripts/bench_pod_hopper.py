@@ -10,8 +10,8 @@ same inputs, bench_pod.Inputs). Per row, on the same tensors, timed interleaved
 warm-up, median of --reps):
   pod_hopper          BatchPODWithPagedKVCacheWrapper, prefill_backend="auto" (the planner's split)
   pod_hopper_P<n>     the same with the split pinned: n blocks start on prefill items (--blocks)
-  pod_hopper_S<t>[_P<n>]  the decode side split into chunks of t tokens (its fixed_split_size),
-                      and the split pinned (--variants)
+  pod_hopper_S<t>[_P<n>]  the decode side split into chunks of t tokens (its fixed_split_size;
+                      S0: the decode planner's own choice), and the split pinned (--variants)
   ba_hopper           BatchAttention, prefill_backend="auto": the row as one batch, decodes first
   serial              our prefill (backend "auto": the Hopper kernel here) then our decode
   serial_fa2          our mma.sync prefill then our decode

@@ -36,6 +36,7 @@ import flashinfer_jit as fij
 from flashinfer_jit.pipeline import render, toolchain
 from flashinfer_jit.pipeline.errors import ToolchainError
 from flashinfer_jit.pipeline.jit import get_module
+from flashinfer_jit.pod import wrapper as pod_mod
 from flashinfer_jit.pod.spec import PodSpec, pod_spec
 from flashinfer_jit.reference.decode import decode_ref
 from flashinfer_jit.reference.prefill import packbits_ref, prefill_ref
@@ -504,6 +505,8 @@ SM90_CASES = [
     pytest.param([(2500, 4000)], 9, True, 256, None, False, True, {}, id="hd256"),  # (auto: 2048 keys a tile)
     pytest.param([(700, 1500), (400, 400)], 50, True, 128, None, True, True, dict(window_left=300), id="window"),
     pytest.param([(200, 300)], 4, True, 128, None, True, True, {}, id="small"),  # (the sanitizers' case)
+    # decodes of up to 9000 keys: those over 4096 split into chunks of 2048 (sm90_decode_split)
+    pytest.param([(1500, 2500)], 40, True, 128, None, True, True, dict(decode_max=9000), id="long-decodes"),
 ]
 
 
@@ -517,9 +520,10 @@ def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_l
         pytest.skip("POD on Hopper runs on sm_90")
     rnd, gen = _seeded(90 + len(chunks) + decodes + head_dim)
     page_size, (hq, hk) = 16, LLAMA
-    window = options.pop("window_left", -1)
+    options = dict(options)
+    window, decode_max = options.pop("window_left", -1), options.pop("decode_max", 2500)
     qo_lens, kv_lens = [m for m, _ in chunks], [n for _, n in chunks]
-    lens_d = decode_lens(decodes, 2500, page_size, rnd) if decodes else []
+    lens_d = decode_lens(decodes, decode_max, page_size, rnd) if decodes else []
     table_p, table_d, cache_p, cache_d = two_sides(kv_lens, lens_d, page_size, hk, head_dim, BF16, shared, rnd, gen)
     qo_indptr_p = _i32(list(itertools.accumulate(qo_lens, initial=0)))
     q_p = randn((sum(qo_lens), hq, head_dim), BF16, gen)
@@ -530,6 +534,7 @@ def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_l
     w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(len(lens_d) + 1))), *table_d.plan_args, hq, hk, head_dim,
            page_size, q_data_type=BF16, kv_data_type=BF16, causal=causal, window_left=window)
     assert w._prefill.planned_backend == "fa3"
+    assert w._decode._plan.config.fixed_split_size == pod_mod.sm90_decode_split(max(lens_d, default=0))
     _poison_allocator(q_p, dec.q)
     result = w.run(q_p, cache_p.run_arg, dec.q, cache_d.run_arg, causal_p=causal, return_lse=return_lse, **options)
     torch.cuda.synchronize()

@@ -80,12 +80,20 @@ def test_pod_work_equals_numpy_and_the_old_estimate(ext, seed):
     ip_p, _, last_p = _csr(kv_p, page_size)
     ip_d, _, last_d = _csr(kv_d, page_size)
     qo_indptr = _i32(itertools.accumulate(qo_p, initial=0))
-    full, causal2, keys_d, ok = ext.pod_work(qo_indptr, ip_p, last_p, ip_d, last_d, None, page_size)
+    full, causal2, keys_d, ok, longest = ext.pod_work(qo_indptr, ip_p, last_p, ip_d, last_d, None, page_size)
     assert ok and (full, causal2) == pod_mod.prefill_work(qo_p, kv_p) and keys_d == sum(kv_d)
+    assert longest == max(kv_d, default=0)
     assert (keys_d == int(csr_kv_lens_host(ip_d.numpy().astype(np.int64), last_d.numpy(), page_size).sum()))
     for causal in (False, True):
         hq, d = rnd.choice([(32, 128), (8, 64), (4, 256)])
         assert pod_mod.work_flops((full, causal2), causal, hq, d) == _old_prefill_flops(qo_p, kv_p, causal, hq, d)
+
+
+@pytest.mark.parametrize("longest, split", [(0, None), (4096, None), (4097, 2048), (65536, 2048)])
+def test_sm90_decode_split(longest, split):
+    """POD on Hopper's decode side splits requests over 4096 keys into chunks of 2048 (the
+    H200 sweep in docs/pod.md)."""
+    assert pod_mod.sm90_decode_split(longest) == split
 
 
 def test_pod_work_refuses_other_forms(ext):

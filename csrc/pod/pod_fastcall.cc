@@ -16,9 +16,11 @@
 //     <namespace>_pod_fast (csrc/runtime/fast_entry.h) only for the signature the op recorded.
 //
 //   pod_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d,
-//            qo_indptr_d or None, page_size) -> (sum q k, sum q (2k - q + 1)+, sum k_d, decode ok)
+//            qo_indptr_d or None, page_size) -> (sum q k, sum q (2k - q + 1)+, sum k_d, decode ok,
+//            max k_d)
 //       the prefill side's attention work, non-causal and twice the causal count of visible
-//       keys, the decode side's keys, and whether qo_indptr_d is arange(batch + 1); exact
+//       keys, the decode side's keys, whether qo_indptr_d is arange(batch + 1), and the
+//       decode side's longest request in keys; exact
 //       integers, the same as flashinfer_jit/pod/wrapper.py's numpy. -1 where a vector is not
 //       a contiguous 1-D int32 CPU tensor of its batch's length (a last_page_len may be
 //       longer: a CUDA-graph wrapper's buffer).
@@ -259,13 +261,19 @@ PyObject* pod_work(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     full += static_cast<uint64_t>(q * k);
     causal2 += seen2 > 0 ? static_cast<uint64_t>(q * seen2) : 0;
   }
-  for (int64_t r = 0; r < batch_d; ++r) keys_d += static_cast<uint64_t>(csr_len(kv_d, last_d, r, page_size));
+  int64_t longest_d = 0;
+  for (int64_t r = 0; r < batch_d; ++r) {
+    const int64_t k = csr_len(kv_d, last_d, r, page_size);
+    keys_d += static_cast<uint64_t>(k);
+    longest_d = k > longest_d ? k : longest_d;
+  }
   bool decode_ok = true;
   if (given_d) {
     for (int64_t i = 1; i < qo_d.size && decode_ok; ++i) decode_ok = qo_d[i] - qo_d[i - 1] == 1;
   }
-  return Py_BuildValue("(KKKO)", static_cast<unsigned long long>(full), static_cast<unsigned long long>(causal2),
-                       static_cast<unsigned long long>(keys_d), decode_ok ? Py_True : Py_False);
+  return Py_BuildValue("(KKKOL)", static_cast<unsigned long long>(full), static_cast<unsigned long long>(causal2),
+                       static_cast<unsigned long long>(keys_d), decode_ok ? Py_True : Py_False,
+                       static_cast<long long>(longest_d));
 }
 
 // A new 1-D CPU tensor of `n` int32 (int64 with `wide`) values
@@ -401,7 +409,7 @@ PyMethodDef pod_methods[] = {
      "want_lse, pdl) -> (out_p, out_d, lse_p, lse_d) | int"},
     {"pod_work", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_work)), METH_FASTCALL,
      "pod_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d, page_size) "
-     "-> (sum q k, sum q (2k - q + 1)+, decode keys, decode ok) | -1"},
+     "-> (sum q k, sum q (2k - q + 1)+, decode keys, decode ok, longest decode) | -1"},
     {"batch_split", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(batch_split)), METH_FASTCALL,
      "batch_split(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok) -> tuple | -1"},
     {nullptr, nullptr, 0, nullptr}};

@@ -98,6 +98,22 @@ _SM90_PREFILL_FLOPS_PER_S = 4.5e14
 _SM90_PREFILL_CAP = 0.45
 
 
+# POD on Hopper's decode side: requests longer than _SM90_DECODE_SPLIT_OVER keys run in chunks
+# of _SM90_DECODE_CHUNK (split-KV, merged after the launch). Its units (request x head block)
+# run three a block on the SMs the prefill leaves, in waves; long ones make a coarse last wave.
+# H200 sweep (2026-11-30, docs/pod.md): 128 decodes of 8k keys beside a 4k prefill (mix 4)
+# 1103 us in chunks of 2048 against 1156 unsplit (1118 in chunks of 1024); at 4k keys (mix 3)
+# chunks of 2048 cost 1.5% (677 against 667), at 2k nothing splits.
+_SM90_DECODE_SPLIT_OVER = 4096
+_SM90_DECODE_CHUNK = 2048
+
+
+def sm90_decode_split(longest: int) -> int | None:
+    """POD on Hopper's decode-side split-KV chunk (the decode plan's fixed_split_size) for a
+    decode side whose longest request has `longest` keys; None: the decode planner's own."""
+    return _SM90_DECODE_CHUNK if longest > _SM90_DECODE_SPLIT_OVER else None
+
+
 def sm90_prefill_blocks(flops: float, kv_bytes: float, num_sms: int) -> int:
     """The blocks (SMs) that start on prefill items in POD on Hopper. The decode side's blocks
     join the prefill when their units run out, but the prefill's blocks never take decode
@@ -206,7 +222,8 @@ class QuickLaunch(NamedTuple):
 def native_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d,
                 page_size: int) -> tuple | None:
     """plan()'s per-request arithmetic in C++ (fij_fastcall pod_work): (prefill_work's two
-    sums, the decode side's keys, whether qo_indptr_d is arange(batch + 1) or None), or None
+    sums, the decode side's keys, whether qo_indptr_d is arange(batch + 1) or None, the decode
+    side's longest request in keys), or None
     where the extension is unavailable or a vector is not a contiguous int32 CPU tensor of its
     batch's length (plan() then reads them into numpy)."""
     ext = fastcall.extension()
@@ -528,8 +545,9 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it)
     force_prefill_blocks = None
-    # the decode side's split-KV chunk in tokens (its plan()'s fixed_split_size): None, the
-    # decode planner's own choice (benchmarks pin it)
+    # the decode side's split-KV chunk in tokens (its plan()'s fixed_split_size): None, POD on
+    # Hopper's rule (sm90_decode_split; the decode planner's own choice elsewhere); 0, the
+    # decode planner's own choice; else pinned (benchmarks pin it)
     force_decode_split = None
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
@@ -576,24 +594,30 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         orders = (self._decode._page_order, self._prefill._page_order)
         orders[0].defer = orders[1].defer = True
         try:
-            self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
-                              page_size, window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                              data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking,
-                              fixed_split_size=self.force_decode_split)
             self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads,
                                   num_kv_heads, head_dim, page_size, window_left, sm_scale, q_dtype or "float16",
                                   kv_dtype, non_blocking)
             if work is None:
-                decode_keys = int(csr_kv_lens(kv_indptr_d, last_page_len_d, page_size).sum())
+                decode_lens = csr_kv_lens(kv_indptr_d, last_page_len_d, page_size)
+                decode_keys, longest = int(decode_lens.sum()), int(np.maximum.reduce(decode_lens, initial=0))
                 qo = host_index(qo_indptr_p, "qo_indptr_p")
                 self._prefill_work = prefill_work(qo[1:] - qo[:-1],
                                                   csr_kv_lens(kv_indptr_p, last_page_len_p, page_size))
             else:
-                decode_keys, self._prefill_work = work[2], work[:2]
+                decode_keys, longest, self._prefill_work = work[2], work[4], work[:2]
+            # the prefill side first: whether it runs the Hopper kernel sets the decode side's split
+            self._prefill_mask = None
+            self._plan_prefill_side(causal, None, None, in_run=False)
+            split = self.force_decode_split
+            if split is None and self._prefill.planned_backend == "fa3" and not self._use_cuda_graph:
+                split = sm90_decode_split(longest)
+            self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
+                              page_size, window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                              data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking,
+                              fixed_split_size=split or None)
             c = self._decode._plan.config
             self._kv_bytes = float(decode_keys) * c.num_kv_heads * c.token_bytes
-            self._prefill_mask = None
-            self._plan_prefill(causal, None, None, in_run=False)
+            self._plan_launch()
         finally:
             launch_pending(*orders)
 
@@ -602,10 +626,17 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
     def end_forward(self) -> None:
         pass
 
-    def _plan_prefill(self, causal: bool, custom_mask, packed_custom_mask, in_run: bool = True) -> None:
+    def _plan_prefill(self, causal: bool, custom_mask, packed_custom_mask) -> None:
+        """run(): the prefill side planned again where its mask differs from the plan's (the
+        decode side's plan stays), then the launch's schedule."""
         custom = custom_mask is not None or packed_custom_mask is not None
         if not custom and self._prefill_mask == bool(causal):
             return
+        self._plan_prefill_side(causal, custom_mask, packed_custom_mask, in_run=True)
+        self._plan_launch()
+
+    def _plan_prefill_side(self, causal: bool, custom_mask, packed_custom_mask, in_run: bool) -> None:
+        custom = custom_mask is not None or packed_custom_mask is not None
         if in_run:  # (plan() itself is neither traced nor captured)
             self._no_plan_here(
                 "BatchPODWithPagedKVCacheWrapper.run() under torch.compile: causal_p or a custom mask differs from "
@@ -628,8 +659,11 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window,
                            sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, non_blocking=nb,
                            sort_pages=not custom)
-        self._plan_schedule()
         self._prefill_mask = None if custom else bool(causal)
+
+    def _plan_launch(self) -> None:
+        """The launch of both sides' plans: the schedule; POD on Hopper's split and op."""
+        self._plan_schedule()
         if self._prefill.planned_backend == "fa3":  # POD on Hopper: its split and its op, for run()
             cuda = self._device.type == "cuda"
             self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, sm_count(self._device) if cuda else 132)
