@@ -506,7 +506,7 @@ SM90_CASES = [
     pytest.param([(700, 1500), (400, 400)], 50, True, 128, None, True, True, dict(window_left=300), id="window"),
     pytest.param([(200, 300)], 4, True, 128, None, True, True, {}, id="small"),  # (the sanitizers' case)
     # decodes of up to 9000 keys: those over 4096 split into chunks of 2048 (sm90_decode_split)
-    pytest.param([(1500, 2500)], 40, True, 128, None, True, True, dict(decode_max=9000), id="long-decodes"),
+    pytest.param([(600, 1000)], 40, True, 128, None, True, True, dict(decode_max=9000), id="long-decodes"),
 ]
 
 
@@ -534,7 +534,11 @@ def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_l
     w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(len(lens_d) + 1))), *table_d.plan_args, hq, hk, head_dim,
            page_size, q_data_type=BF16, kv_data_type=BF16, causal=causal, window_left=window)
     assert w._prefill.planned_backend == "fa3"
-    assert w._decode._plan.config.fixed_split_size == pod_mod.sm90_decode_split(max(lens_d, default=0))
+    d_bytes = float(sum(lens_d)) * hk * 4 * head_dim
+    assert w._decode._plan.config.fixed_split_size == pod_mod.sm90_decode_split(max(lens_d, default=0), w._flops,
+                                                                                d_bytes)
+    if decode_max > 4096:  # (the case meant to split: the decode side is the longer by far)
+        assert w._decode._plan.config.fixed_split_size == 2048
     _poison_allocator(q_p, dec.q)
     result = w.run(q_p, cache_p.run_arg, dec.q, cache_d.run_arg, causal_p=causal, return_lse=return_lse, **options)
     torch.cuda.synchronize()

@@ -89,11 +89,21 @@ def test_pod_work_equals_numpy_and_the_old_estimate(ext, seed):
         assert pod_mod.work_flops((full, causal2), causal, hq, d) == _old_prefill_flops(qo_p, kv_p, causal, hq, d)
 
 
-@pytest.mark.parametrize("longest, split", [(0, None), (4096, None), (4097, 2048), (65536, 2048)])
-def test_sm90_decode_split(longest, split):
-    """POD on Hopper's decode side splits requests over 4096 keys into chunks of 2048 (the
-    H200 sweep in docs/pod.md)."""
-    assert pod_mod.sm90_decode_split(longest) == split
+@pytest.mark.parametrize("longest, ratio, split", [(0, 3.0, None), (4096, 3.0, None), (4097, 3.0, 2048),
+                                                   (65536, 2.0, 2048), (8192, 1.9, None), (8192, 1.2, None)])
+def test_sm90_decode_split(longest, ratio, split):
+    """POD on Hopper's decode side splits requests over 4096 keys into chunks of 2048 where its
+    estimated time is at least twice the prefill side's (the H200 runs in docs/pod.md)."""
+    flops = 1e12
+    kv_bytes = ratio * flops / pod_mod._SM90_PREFILL_FLOPS_PER_S * pod_mod._DECODE_BYTES_PER_S
+    assert pod_mod.sm90_decode_split(longest, flops, kv_bytes) == split
+    # the mixes it was measured on (bf16, 32 / 8 heads, head_dim 128, causal): 4 splits, 5 and 3 not
+    hk, d = 8, 128
+    mix = {4: ((4096, 4096), 128 * 8192), 5: ((6000, 7000), 128 * 8192), 3: ((4096, 4096), 128 * 4096)}
+    for n, ((q, k), keys) in mix.items():
+        flops = pod_mod.work_flops(pod_mod.prefill_work([q], [k]), True, 32, d)
+        got = pod_mod.sm90_decode_split(keys // 128, flops, float(keys) * hk * 4 * d)
+        assert got == (2048 if n == 4 else None), n
 
 
 def test_pod_work_refuses_other_forms(ext):

@@ -98,20 +98,29 @@ _SM90_PREFILL_FLOPS_PER_S = 4.5e14
 _SM90_PREFILL_CAP = 0.45
 
 
-# POD on Hopper's decode side: requests longer than _SM90_DECODE_SPLIT_OVER keys run in chunks
-# of _SM90_DECODE_CHUNK (split-KV, merged after the launch). Its units (request x head block)
-# run three a block on the SMs the prefill leaves, in waves; long ones make a coarse last wave.
-# H200 sweep (2026-11-30, docs/pod.md): 128 decodes of 8k keys beside a 4k prefill (mix 4)
-# 1103 us in chunks of 2048 against 1156 unsplit (1118 in chunks of 1024); at 4k keys (mix 3)
-# chunks of 2048 cost 1.5% (677 against 667), at 2k nothing splits.
+# POD on Hopper's decode side: where it is the longer side by far (estimated at least
+# _SM90_DECODE_SPLIT_RATIO x the prefill's time), requests longer than _SM90_DECODE_SPLIT_OVER
+# keys run in chunks of _SM90_DECODE_CHUNK (split-KV, merged after the launch). Its units
+# (request x head block) run three a block on the SMs the prefill leaves, in waves, and long
+# ones make a coarse last wave, which the prefill side has ended too early to fill. Where the
+# prefill side is comparable, the decode blocks that run out join it, and the merge is pure
+# cost. H200 (2026-11-30, docs/pod.md): 128 decodes of 8k keys beside a 4k prefill (mix 4,
+# decode ~3.4x the prefill) 1103 us in chunks of 2048 against 1156 unsplit (1118 in chunks of
+# 1024), and 1144 against 1223 in a second run; beside a 6000-token prefill (mix 5, ~1.2x)
+# 1685 against 1653; at 4k keys (mix 3) chunks of 2048 cost 1.5% (677 against 667).
 _SM90_DECODE_SPLIT_OVER = 4096
 _SM90_DECODE_CHUNK = 2048
+_SM90_DECODE_SPLIT_RATIO = 2.0
 
 
-def sm90_decode_split(longest: int) -> int | None:
+def sm90_decode_split(longest: int, flops: float, kv_bytes: float) -> int | None:
     """POD on Hopper's decode-side split-KV chunk (the decode plan's fixed_split_size) for a
-    decode side whose longest request has `longest` keys; None: the decode planner's own."""
-    return _SM90_DECODE_CHUNK if longest > _SM90_DECODE_SPLIT_OVER else None
+    decode side whose longest request has `longest` keys and which reads kv_bytes beside a
+    prefill side of `flops`; None: the decode planner's own."""
+    t_p, t_d = flops / _SM90_PREFILL_FLOPS_PER_S, kv_bytes / _DECODE_BYTES_PER_S
+    if longest > _SM90_DECODE_SPLIT_OVER and t_d >= _SM90_DECODE_SPLIT_RATIO * t_p:
+        return _SM90_DECODE_CHUNK
+    return None
 
 
 def sm90_prefill_blocks(flops: float, kv_bytes: float, num_sms: int) -> int:
@@ -610,7 +619,8 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             self._plan_prefill_side(causal, None, None, in_run=False)
             split = self.force_decode_split
             if split is None and self._prefill.planned_backend == "fa3" and not self._use_cuda_graph:
-                split = sm90_decode_split(longest)
+                # (POD on Hopper's K/V is 16-bit: 2 x head_dim x 2 bytes a token and KV head)
+                split = sm90_decode_split(longest, self._flops, float(decode_keys) * num_kv_heads * 4 * head_dim)
             self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
                               page_size, window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
                               data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking,
