@@ -1624,7 +1624,7 @@ def test_block_table_plan_matches_the_csr_plan(monkeypatch):
                    seq_lens=torch.tensor(kv, dtype=torch.int32), **args)
         assert w.planned_backend == "fa3"
         plans[form] = w._plan
-    work = {f: p.work[4:].reshape(-1, 8) for f, p in plans.items()}
+    work = {f: p.work[4:p.work_ints].reshape(-1, 8) for f, p in plans.items()}
     assert [int(p.work[2]) for p in plans.values()] == [0, 0, max_pages]  # V ids past K's
     assert torch.equal(work["csr"][:, [0, 1, 3, 4, 5]], work["block_table"][:, [0, 1, 3, 4, 5]])
     assert torch.equal(work["csr"][:, [0, 1, 3, 4, 5]], work["block_table_kv_separate"][:, [0, 1, 3, 4, 5]])
@@ -1638,3 +1638,46 @@ def test_block_table_plan_matches_the_csr_plan(monkeypatch):
         sep = plans["block_table_kv_separate"].page_ids
         assert torch.equal(sep[row_sep[2]:row_sep[2] + n], csr_ids)
         assert torch.equal(sep[row_sep[2] + max_pages:row_sep[2] + max_pages + n], v_ids[starts[b]:starts[b] + n])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_native_tiles_equal_plan_tiles(seed):
+    """The C++ tile planner (fij_fastcall.sm90_tiles, csrc/hopper/prefill_sm90_plan.h) gives
+    numpy's plan_tiles exactly: ragged, CSR and block-table sides, causal or not, windows, 128-
+    and 192-row query tiles, every key tile; and refuses vectors of another form (-1: plan()
+    then takes numpy's, which raises its errors)."""
+    import random
+    import numpy as np
+    from flashinfer_jit.prefill import sm90
+    from flashinfer_jit.runtime import fastcall
+    if fastcall.extension() is None:
+        pytest.skip("the fij_fastcall extension is unavailable here")
+    rnd = random.Random(seed)
+    planner = sm90.Sm90Planner(torch.device("cpu"), False)
+    page_size = rnd.choice([16, 64])
+    batch = rnd.randint(0, 12)
+    qo_lens = [rnd.choice([0, 1, 64, 127, 128, 129, rnd.randint(0, 3000)]) for _ in range(batch)]
+    kv_lens = [q + rnd.choice([0, 0, 7, rnd.randint(0, 5000)]) for q in qo_lens]
+    i32 = lambda v: torch.tensor(list(v), dtype=torch.int32)  # noqa: E731
+    qo = i32(np.cumsum([0] + qo_lens))
+    pages = [-(-k // page_size) for k in kv_lens]
+    indptr = i32(np.cumsum([0] + pages))
+    last = i32([k - (p - 1) * page_size if p else 0 for k, p in zip(kv_lens, pages)])
+    stride = max(pages + [1]) + rnd.randint(0, 3)
+    sides = [(2, i32(np.cumsum([0] + kv_lens)), None, 0, 0, np.cumsum([0] + kv_lens), None),
+             (0, indptr, last, page_size, 0, indptr.numpy(), np.array(kv_lens, dtype=np.int64)),
+             (1, i32(kv_lens), None, page_size, stride, np.arange(batch + 1) * stride, np.array(kv_lens, np.int64))]
+    for side, kv_a, kv_b, ps, row_stride, kv_np, lens_np in sides:
+        for causal in (False, True):
+            for window in (-1, 0, 300):
+                for keys_a_tile, rows in ((128, 128), (176, 128), (80, 128), (128, 192)):
+                    got = planner.native_tiles(side, qo, kv_a, kv_b, ps, row_stride, causal, keys_a_tile, window, rows)
+                    want, active = sm90.plan_tiles(qo.numpy(), kv_np, causal, keys_a_tile, lens_np, window, rows)
+                    assert got is not None
+                    assert np.array_equal(got[0], want) and got[1] == active, (side, causal, window, keys_a_tile)
+                    assert got[2] == int(want[:, 6].astype(np.int64).sum())
+    ext = fastcall.extension()
+    bad = (i32([0, 5, 3]), i32([0, 9, 9]))  # (a negative query length)
+    assert ext.sm90_tiles(2, *bad, None, 0, 0, True, 128, -1, 128, planner._tiles.ctypes.data, 1) == -1
+    assert ext.sm90_tiles(2, qo.long(), i32(np.cumsum([0] + kv_lens)), None, 0, 0, True, 128, -1, 128,
+                          planner._tiles.ctypes.data, 1) == -1  # (int64)

@@ -227,12 +227,7 @@ PyObject* pod_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
-// Each request's keys of a CSR side: (pages - 1) x page_size + the last page's, 0 without
-// pages (flashinfer_jit/runtime/page_table.py csr_kv_lens_host)
-int64_t csr_len(const HostIndex& indptr, const HostIndex& last, int64_t r, int64_t page_size) {
-  const int64_t pages = indptr[r + 1] - indptr[r];
-  return pages > 0 ? (pages - 1) * page_size + last[r] : 0;
-}
+using fij_fastcall::csr_len;
 
 PyObject* pod_work(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!fij_fastcall::arity("pod_work", nargs, 7)) return nullptr;

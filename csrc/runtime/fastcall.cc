@@ -52,6 +52,7 @@
 //     another form, and nothing is called.
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "hopper/prefill_sm90_plan.h"
 #include "runtime/fast_entry.h"
 #include "runtime/fastcall_common.h"
 #include "runtime/plan_entry.h"
@@ -256,6 +257,52 @@ PyObject* ship(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                                                              event));
 }
 
+// sm90_tiles(side, qo_indptr, kv_a, kv_b, page_size, row_stride, causal, keys_a_tile, window_left,
+//            tile_rows, out, capacity) -> (tiles, active, keys_sum) or -1
+// The Hopper path's tiles (csrc/hopper/prefill_sm90_plan.h) into `out` (an int32 host address,
+// room for `capacity` tiles; nothing is written where they do not fit: the caller grows it and
+// calls again). side: 0 csr (kv_a: page indptr [B + 1], kv_b: last_page_len [B]; a tile's
+// kv_row0 is the request's indptr), 1 seq_lens (kv_a [B]; kv_row0 b x row_stride), 2 ragged
+// (kv_a: K/V row indptr [B + 1]). Each vector a contiguous 1-D int32 CPU tensor (exact
+// torch.Tensor) of its batch's length (last_page_len may be longer), every length >= 0; -1
+// otherwise, and nothing is written (plan() then takes numpy's plan_tiles, which raises the
+// errors).
+std::vector<int64_t> g_sm90_scratch;
+
+PyObject* sm90_tiles(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity("sm90_tiles", nargs, 12)) return nullptr;
+  const long side = PyLong_AsLong(args[0]);
+  const long long page_size = PyLong_AsLongLong(args[4]), stride = PyLong_AsLongLong(args[5]);
+  const int causal = PyObject_IsTrue(args[6]);
+  const long long keys_a_tile = PyLong_AsLongLong(args[7]), window_left = PyLong_AsLongLong(args[8]);
+  const long long tile_rows = PyLong_AsLongLong(args[9]), capacity = PyLong_AsLongLong(args[11]);
+  void* out = address(args[10]);
+  if (PyErr_Occurred()) return nullptr;
+  if (side < 0 || side > 2 || keys_a_tile <= 0 || tile_rows <= 0 || out == nullptr || capacity < 0) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.sm90_tiles(): bad side, tile sizes, out or capacity");
+    return nullptr;
+  }
+  fij_fastcall::HostIndex qo, kv_a, kv_b;
+  if (!fij_fastcall::host_index(args[1], false, qo) || !fij_fastcall::host_index(args[2], false, kv_a) ||
+      (side == 0 && !fij_fastcall::host_index(args[3], false, kv_b)))
+    return PyLong_FromLong(-1);
+  const int64_t batch = qo.size - 1;
+  if (batch < 0 || kv_a.size != (side == 1 ? batch : batch + 1) || (side == 0 && kv_b.size < batch))
+    return PyLong_FromLong(-1);
+  const int32_t* q = static_cast<const int32_t*>(qo.data);
+  auto kv_len = [&](int64_t b) -> int64_t {
+    return side == 0 ? fij_fastcall::csr_len(kv_a, kv_b, b, page_size) : side == 1 ? kv_a[b] : kv_a[b + 1] - kv_a[b];
+  };
+  auto row0 = [&](int64_t b) -> int64_t { return side == 1 ? b * stride : kv_a[b]; };
+  for (int64_t b = 0; b < batch; ++b)
+    if (q[b + 1] < q[b] || kv_len(b) < 0) return PyLong_FromLong(-1);
+  const fij::sm90_plan::TileStats s =
+      fij::sm90_plan::plan_tiles(batch, q, row0, kv_len, causal != 0, keys_a_tile, window_left, tile_rows,
+                                 static_cast<int32_t*>(out), capacity, g_sm90_scratch);
+  return Py_BuildValue("(LLL)", static_cast<long long>(s.tiles), static_cast<long long>(s.active),
+                       static_cast<long long>(s.keys_sum));
+}
+
 // order_pages(entry, params, stream, device) -> int: plan()'s page order
 // (fij_order_pages_fn; ~1 us of ctypes' conversions less a plan)
 PyObject* order_pages(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -303,6 +350,9 @@ PyMethodDef methods[] = {
     {"decode_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(decode_plan)), METH_FASTCALL,
      "decode_plan(planner, config, indptr, last_page_len, indices, capacity, host, host_size, result) -> int (None: "
      "not the common form)"},
+    {"sm90_tiles", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(sm90_tiles)), METH_FASTCALL,
+     "sm90_tiles(side, qo_indptr, kv_a, kv_b, page_size, row_stride, causal, keys_a_tile, window_left, tile_rows, "
+     "out, capacity) -> (tiles, active, keys_sum) | -1"},
     {"ship", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ship)), METH_FASTCALL,
      "ship(entry, dst, src, bytes, stream, device, event) -> int"},
     {"prefill_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_plan)), METH_FASTCALL,

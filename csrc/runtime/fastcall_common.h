@@ -81,6 +81,13 @@ inline bool host_index(PyObject* obj, bool wide_ok, HostIndex& out) {
   return true;
 }
 
+// Each request's keys of a CSR page table: (pages - 1) x page_size + the last page's, 0 without
+// pages (flashinfer_jit/runtime/page_table.py csr_kv_lens_host)
+inline int64_t csr_len(const HostIndex& indptr, const HostIndex& last, int64_t r, int64_t page_size) {
+  const int64_t pages = indptr[r + 1] - indptr[r];
+  return pages > 0 ? (pages - 1) * page_size + last[r] : 0;
+}
+
 // POD's callers (csrc/pod/pod_fastcall.cc), added to the module at its import
 extern PyMethodDef pod_methods[];
 

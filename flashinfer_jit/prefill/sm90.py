@@ -12,8 +12,11 @@ import torch
 
 from ..pipeline.jit import get_module, traced_op
 from ..pipeline.spec import dtype_name
+from ..runtime import fastcall
+from ..runtime.capacity import grown_size
 from ..runtime.checks import compiling, constant_result
 from ..runtime.device import placeholder, sm_count
+from ..runtime.plan_buffer import PlanBuffer
 from ..runtime.shared_specs import RopeSpec
 from .spec import SM90_HEAD_DIM_VO, SM90_HEAD_DIMS, SM90_MASKS, PrefillSm90Spec
 
@@ -170,8 +173,13 @@ def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
     (H200, 2026-11-29, scripts/bench_prefill_features.py, causal 4 x 4k and 16 x 1k: soft cap
     1.20-1.31x, window 1.32-1.38x, custom mask 1.65-1.74x, sinks 1.34-1.55x, head_dim
     (192, 128) 2.03-2.19x), so none of them keeps the mma.sync kernel."""
-    return qo_lens.size > 0 and float(qo_lens.mean()) >= AUTO_MIN_MEAN_QO_LEN and keys.size > 0 and \
-        float(keys.mean()) >= AUTO_MIN_KEYS[c.head_dim_qk]
+    return qo_lens.size > 0 and keys.size > 0 and auto_takes_means(c, float(qo_lens.mean()), float(keys.mean()))
+
+
+def auto_takes_means(c, mean_qo_len: float, mean_keys: float) -> bool:
+    """auto_takes from the means: query tokens a request, keys a query tile (both batches
+    non-empty)."""
+    return mean_qo_len >= AUTO_MIN_MEAN_QO_LEN and mean_keys >= AUTO_MIN_KEYS[c.head_dim_qk]
 
 
 def block_table_ids(tables: torch.Tensor, kv_lens: np.ndarray, page_size: int) -> tuple[torch.Tensor, np.ndarray, int]:
@@ -267,11 +275,12 @@ def mask_buffer(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Sm90Plan:
-    """A plan on the Hopper path: the spec, the work list on the device, the grid; the
+    """A plan on the Hopper path: the spec, the work list on the device (its first work_ints
+    int32: an eager plan's device buffer may be longer), the grid; the
     fields run()'s shared checks read and write (config, qo_tokens, checked, fast, quick)."""
 
-    __slots__ = ("config", "spec", "op", "work", "page_ids", "mask", "counters", "grid", "qo_tokens", "checked",
-                 "fast", "quick", "traced_key", "rope", "gather")
+    __slots__ = ("config", "spec", "op", "work", "work_ints", "page_ids", "mask", "counters", "grid", "qo_tokens",
+                 "checked", "fast", "quick", "traced_key", "rope", "gather")
 
 
 class Sm90Planner:
@@ -288,6 +297,33 @@ class Sm90Planner:
         self._counters = torch.zeros(2, dtype=torch.int32, device=device)
         self._no_ids = torch.empty(0, dtype=torch.int32, device=device)  # ragged K/V's page_ids
         self._no_mask = torch.empty(0, dtype=torch.uint8, device=device)  # no custom mask
+        self._tiles = np.zeros(64 * TILE_INTS, dtype=np.int32)  # native_tiles' output, grown as needed
+        # the work list: pinned host slots and one C copy (runtime/plan_buffer.py; eager plans:
+        # a CUDA-graph wrapper's list is its fixed buffer)
+        self._plan_buffer = None if use_cuda_graph else PlanBuffer(device, False)
+
+    def native_tiles(self, side: int, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, page_size: int, row_stride: int,
+                     causal: bool, keys_a_tile: int, window_left: int, tile_rows: int):
+        """plan_tiles in C++ (csrc/hopper/prefill_sm90_plan.h, through fij_fastcall.sm90_tiles):
+        (tiles, a view of this planner's scratch until the next call; active; the sum of their
+        column 6), or None where the extension is unavailable or the vectors are not of its
+        common form (contiguous int32 CPU tensors of the batch's lengths, lengths >= 0).
+        side: 0 csr (kv_a the page indptr, kv_b last_page_len), 1 seq_lens (kv_a; a request's
+        first page-id index b x row_stride), 2 ragged (kv_a the K/V rows' indptr)."""
+        ext = fastcall.extension()
+        if ext is None:
+            return None
+        for _ in range(2):  # (once more where the scratch was too small)
+            buf = self._tiles
+            got = ext.sm90_tiles(side, qo, kv_a, kv_b, page_size, row_stride, causal, keys_a_tile, window_left,
+                                 tile_rows, buf.ctypes.data, buf.size // TILE_INTS)
+            if got == -1:
+                return None
+            n, active, keys_sum = got
+            if n * TILE_INTS <= buf.size:
+                return buf[:n * TILE_INTS].reshape(n, TILE_INTS), active, keys_sum
+            self._tiles = np.zeros(grown_size(n * TILE_INTS), dtype=np.int32)
+        return None
 
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
              keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0,
@@ -306,8 +342,10 @@ class Sm90Planner:
             raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles x {heads} heads exceed the Hopper path's "
                              "int32 item count")
         bases = 0 if mask is None else 2 * tiles.shape[0]  # (an int64 a tile, after the tiles)
-        host = np.zeros(WORK_HEADER + tiles.size + bases, dtype=np.int32)
-        host[0], host[1], host[2] = items, active_tiles * heads, v_ids
+        size = WORK_HEADER + tiles.size + bases
+        slot = self._plan_buffer.host(size) if self._plan_buffer is not None else None
+        host = slot.array[:size] if slot is not None else np.zeros(size, dtype=np.int32)
+        host[0], host[1], host[2], host[3] = items, active_tiles * heads, v_ids, 0
         host[WORK_HEADER: WORK_HEADER + tiles.size] = tiles.reshape(-1)
         alibi = c.pos_encoding == "alibi"
         if alibi and tiles.shape[0]:  # each tile's kv_len - qo_len in its `keys` (the LSE's shift; the kernel's)
@@ -317,8 +355,8 @@ class Sm90Planner:
             view[:, 6] = tiles[:, 3].astype(np.int64) - qo_lens
         if mask is not None:
             host[WORK_HEADER + tiles.size:] = mask[1].astype(np.int64).view(np.int32)
-        src = torch.from_numpy(host)
         if self._graph:
+            src = torch.from_numpy(host)
             if self._buffer is None:
                 capacity = max(_GRAPH_MIN_TILES, _GRAPH_TILES_FACTOR * tiles.shape[0])
                 self._buffer = torch.zeros(WORK_HEADER + capacity * TILE_INTS, dtype=torch.int32,
@@ -330,8 +368,10 @@ class Sm90Planner:
             self._buffer[:host.size].copy_(src, non_blocking=non_blocking)
             work = self._buffer
             grid = sm_count(self._device)
-        else:
-            work = src.to(self._device, non_blocking=non_blocking)
+        else:  # (the device buffer stays while it is large enough: a later plan's copy follows this
+            # plan's run() in stream order)
+            self._plan_buffer.ship(slot, size, non_blocking)
+            work = self._plan_buffer.buf  # (its first `size` ints: the kernel reads the header's counts)
             grid = max(1, min(sm_count(self._device), items))
         p = Sm90Plan()
         p.config = c
@@ -343,6 +383,7 @@ class Sm90Planner:
                                                       "paged" if paged else "ragged", layout if paged else "NHD",
                                                       keys_a_tile, bool(c.soft_cap), tile_rows, alibi).validate()
         p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
+        p.work_ints = size
         p.page_ids = page_ids if paged else self._no_ids
         p.mask = mask[0] if mask is not None else self._no_mask
         p.qo_tokens = int(qo_indptr[-1])

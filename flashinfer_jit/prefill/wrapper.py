@@ -596,23 +596,29 @@ class _PrefillWrapper:
             return None
         causal = config.mask == "causal"
         v_ids = 0  # (separate K/V page ids: where a request's V ids start past its K ids)
+        # (native: sm90_tiles' vectors, the tiles planned in C++: Sm90Planner.native_tiles)
         if self._ragged:
-            qo, kv, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
-            qo, kv = qo.numpy(), kv.numpy()
+            qo_t, kv_t, _, batch = _host_vectors(qo_indptr, _RAGGED, kv_indptr, None)
+            native = (_RAGGED, qo_t, kv_t, None, 0, 0)
+            qo, kv = qo_t.numpy(), kv_t.numpy()
             kv_lens, ids, page_size = None, None, None
         elif table != "csr":  # a block table [B, max_pages] or [B, 2, max_pages], int32 (parse_block_tables)
-            qo, lens, _, batch = _host_vectors(qo_indptr, _SEQ_LENS, kv_indptr, None)
-            qo, kv_lens = qo.numpy(), lens.numpy().astype(np.int64)
+            qo_t, lens, _, batch = _host_vectors(qo_indptr, _SEQ_LENS, kv_indptr, None)
+            qo, kv_lens = qo_t.numpy(), lens.numpy().astype(np.int64)
             page_size = config.page_size
             if graph:  # the table in the wrapper's fixed buffer, whose address the captured launch holds
                 self._capacity = graph_capacity(self._capacity, batch)
                 page_ids = self._graph_ids.fill_block_tables(page_ids, self._capacity)[:batch]
             ids, kv, v_ids = sm90.block_table_ids(page_ids, kv_lens, page_size)
+            native = (_SEQ_LENS, qo_t, lens, None, page_size, int(kv[1] - kv[0]) if batch else 0)
         else:
-            qo, kv, last, batch = _host_vectors(qo_indptr, _CSR, kv_indptr, last_page_len)
-            qo, kv = qo.numpy(), kv.numpy()
+            qo_t, kv_t, last, batch = _host_vectors(qo_indptr, _CSR, kv_indptr, last_page_len)
+            native = (_CSR, qo_t, kv_t, last, config.page_size, 0)
+            qo, kv = qo_t.numpy(), kv_t.numpy()
             page_size = config.page_size
-            kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size)
+            # (numpy's lengths where something reads them: the C++ tile planner computes its own)
+            kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size) \
+                if config.mask == "custom" or sm90.gathers(config) or fastcall.extension() is None else None
             ids = as_int32_index(page_ids, "paged_kv_indices")
             if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
                 raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
@@ -628,24 +634,37 @@ class _PrefillWrapper:
             # graphs: sm90.unsupported); the tiles index the copy's page offsets
             first, kv, layout = kv, sm90.copy_offsets(kv_lens, page_size), "NHD"
             key_rows = (kv * page_size, kv_lens)
-        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
+            native = None  # (the tiles index the copy's offsets: numpy's plan_tiles)
+        if self._sm90 is None:
+            self._sm90 = sm90.Sm90Planner(self._device, graph)
         window = config.window_left
+
+        def tiles_of(keys_a_tile: int, rows: int):
+            """(tiles, active, their column 6's sum): in C++ where the vectors allow it, else numpy."""
+            got = self._sm90.native_tiles(*native, causal, keys_a_tile, window, rows) if native is not None else None
+            if got is None:
+                lens = kv_lens if kv_lens is not None or native is None or native[0] != _CSR else \
+                    csr_kv_lens_host(kv, native[3].numpy(), page_size)
+                t, a = sm90.plan_tiles(qo, kv, causal, keys_a_tile, lens, window, rows)
+                got = t, a, int(t[:, 6].sum(dtype=np.int64))
+            return got
+
+        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
         rows = self._force_query_tile or sm90.TILE_ROWS
-        tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window, rows)
+        tiles, active, keys = tiles_of(keys_a_tile, rows)
         if keys_a_tile == 176 and not graph and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
             keys_a_tile = 128
-            tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window, rows)
-        if backend == "auto" and not sm90.auto_takes(config, np.diff(qo), tiles[:, 6]):
+            tiles, active, keys = tiles_of(keys_a_tile, rows)
+        if backend == "auto" and not (batch > 0 and tiles.shape[0] > 0 and sm90.auto_takes_means(
+                config, float(int(qo[-1]) - int(qo[0])) / batch, keys / tiles.shape[0])):
             return None
         if self._force_query_tile is None and not graph:  # head_dim 64's 192-row tiles on long tiles
             wide = sm90.query_tile(config, tiles[:, 6], self._force_key_tile is not None)
             if wide != rows:
                 rows = wide
-                tiles, active = sm90.plan_tiles(qo, kv, causal, keys_a_tile, kv_lens, window, rows)
+                tiles, active, keys = tiles_of(keys_a_tile, rows)
         if graph:
             self._capacity = graph_capacity(self._capacity, batch)
-        if self._sm90 is None:
-            self._sm90 = sm90.Sm90Planner(self._device, graph)
         if self._ragged:
             self._kv_rows = int(kv[-1])
         elif first is not None:  # (the copy's ids and what run() gathers into it, on the device)

@@ -66,7 +66,8 @@ MODULE = "fij_fastcall"
 # the extension's translation units (POD's callers beside the families' own), then the
 # headers they include from csrc/
 UNITS = ("runtime/fastcall.cc", "pod/pod_fastcall.cc")
-SOURCES = (*UNITS, "runtime/fast_entry.h", "runtime/fastcall_common.h", "runtime/plan_entry.h")
+SOURCES = (*UNITS, "runtime/fast_entry.h", "runtime/fastcall_common.h", "runtime/plan_entry.h",
+           "hopper/prefill_sm90_plan.h")
 SUBDIR = ".fastcall"
 
 
