@@ -574,6 +574,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         self._prefill_mask = None
         self._sm90_blocks = 0  # POD on Hopper's split of the plan (sm90_prefill_blocks)
         self._sm90_op = None  # ... and its module's op (a CPU workspace: none; a traced run() looks it up)
+        self._sm90_key = None  # the specs (and debug switch) _sm90_op was looked up for
 
     def plan(self, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d, kv_indptr_d, kv_indices_d,
              last_page_len_d, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -677,8 +678,14 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         if self._prefill.planned_backend == "fa3":  # POD on Hopper: its split and its op, for run()
             cuda = self._device.type == "cuda"
             self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, sm_count(self._device) if cuda else 132)
-            spec = _pod_sm90_spec_of(self._prefill._plan.spec, self._decode._plan.spec, self._kv_layout)
-            self._sm90_op = module_op(spec, "pod_sm90", env.debug()) if cuda else None
+            # (the op of the two sides' specs: looked up again only when either spec or the debug
+            # switch changes, not every plan)
+            key = (self._prefill._plan.spec, self._decode._plan.spec, env.debug())
+            last = self._sm90_key
+            if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2] != last[2]:
+                spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout)
+                self._sm90_op = module_op(spec, "pod_sm90", key[2]) if cuda else None
+                self._sm90_key = key
 
     def run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
             causal_p: bool = False, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = False,

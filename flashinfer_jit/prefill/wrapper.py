@@ -504,6 +504,7 @@ class _PrefillWrapper:
         _check_backend(backend)
         self._backend = backend
         self._sm90 = None  # the Hopper path's planner (sm90.Sm90Planner), made at its first plan
+        self._sm90_refusals = {}  # sm90.refusal's answer per (configuration, table, gather_ok)
         self._graph_backend = None  # CUDA graphs: the kernel of the first plan ("fa3" or "fa2"), kept
         self._workspace = float_workspace_buffer
         self._device = float_workspace_buffer.device
@@ -589,7 +590,12 @@ class _PrefillWrapper:
         """_plan_sm90's plan for backend "fa3" or "auto", or None where "auto" declines.
         mask_args: plan()'s (custom_mask, packed_custom_mask, mask_indptr)."""
         graph = self._use_cuda_graph
-        why = sm90.refusal(config, self._ragged, self._device, table, graph, self._gather_ok)
+        # (per configuration: the reasons depend on it, the table and the wrapper alone)
+        refusal_key = (config, table, self._gather_ok)
+        why = self._sm90_refusals.get(refusal_key, False)
+        if why is False:
+            why = self._sm90_refusals[refusal_key] = sm90.refusal(config, self._ragged, self._device, table, graph,
+                                                                  self._gather_ok)
         if why is not None:
             if backend == "fa3":
                 raise ValueError(why)
