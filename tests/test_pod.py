@@ -553,6 +553,61 @@ def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_l
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qo_len, kv_len, causal, head_dim, return_lse", [
+    (1500, 2500, True, 128, True), (2048, 2048, False, 128, False), (900, 1700, True, 64, True),
+    (700, 3000, True, 256, False)], ids=["causal", "full", "hd64", "hd256"])
+def test_single_pod_on_hopper(qo_len, kv_len, causal, head_dim, return_lse, workspace):
+    """PODWithPagedKVCacheWrapper with prefill_backend="auto" on sm_90: one prefill request's
+    K/V rows on the Hopper kernel's blocks beside one-token decodes, one launch (the pod_sm90
+    module with prefill_kv="ragged"), against the float64 references, outputs poisoned; twice
+    (the counters the first launch left at zero); then the same wrapper with a custom mask,
+    which runs the mma.sync POD."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
+    rnd, gen = _seeded(77 + head_dim + qo_len)
+    q_p, k_p, v_p = make_prefill(qo_len, kv_len, LLAMA, head_dim, BF16, gen)
+    dec = make_decode(decode_lens(37, 3000, 16, rnd), LLAMA, head_dim, 16, BF16, BF16, gen, rnd)
+    w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    w.prefill_backend = "auto"
+    plan_pod(w, dec, 16, BF16)
+    ref_p, ref_d = prefill_reference(q_p, k_p, v_p, causal=causal), decode_reference(dec)
+    for _ in range(2):
+        outs = run_pod(w, q_p, k_p, v_p, dec, causal_p=causal, return_lse_p=return_lse, return_lse_d=return_lse)
+        assert w._prefill.planned_backend == "fa3" and w._sm90_key[0].kv_source == "ragged"
+        check_pod(outs, ref_p, ref_d, BF16)
+    mask = torch.rand(qo_len, kv_len, generator=torch.Generator().manual_seed(3)) < 0.7
+    outs = run_pod(w, q_p, k_p, v_p, dec, custom_mask_p=mask.reshape(-1).to(DEV))
+    assert w._prefill.planned_backend == "fa2"
+    check_pod(outs, prefill_reference(q_p, k_p, v_p, custom_mask=mask.reshape(-1)), ref_d, BF16)
+
+
+def test_single_pod_on_hopper_plans_on_the_cpu(monkeypatch):
+    """The single form's prefill side with prefill_backend "auto" plans the Hopper kernel where
+    its rule takes the request (the arch check passed), and its POD module is the ragged one;
+    a short request, a custom mask or HND k_p / v_p keep the mma.sync POD; "fa3" names what it
+    does not take."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    w = fij.PODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.prefill_backend = "auto"
+    w.plan(*_cpu_pod_tables()[5:], *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=BF16)
+    q_p, k_p = torch.zeros(1000, LLAMA[0], HD, dtype=BF16), torch.zeros(1500, LLAMA[1], HD, dtype=BF16)
+    w._plan_prefill(q_p, k_p, None, None, True, None, -1)
+    assert w._prefill.planned_backend == "fa3"
+    spec = pod_mod._pod_sm90_spec_of(w._prefill._plan.spec, w._decode._plan.spec, "NHD")
+    assert spec.prefill_kv == "ragged" and "pragged" in spec.name and spec.prefill_spec().kv_source == "ragged"
+    w._plan_prefill(q_p[:10], k_p, None, None, True, None, -1)  # (10 query rows: auto's rule declines)
+    assert w._prefill.planned_backend == "fa2"
+    w._plan_prefill(q_p, k_p, None, None, True, None, -1, "HND")
+    assert w._prefill.planned_backend == "fa2"
+    w.prefill_backend = "fa3"
+    with pytest.raises(ValueError, match="prefill_backend='fa3'.*HND"):
+        w._plan_prefill(q_p, k_p, None, None, True, None, -1, "HND")
+    with pytest.raises(ValueError, match="prefill_backend='fa3'.*custom mask"):
+        w._plan_prefill(q_p, k_p, torch.ones(1000 * 1500, dtype=torch.bool), None, False, None, -1)
+
+
+@pytest.mark.gpu
 def test_batch_attention_on_hopper():
     """BatchAttention with prefill_backend="auto": decodes interleaved with two long chunks and
     4-token requests, one launch of POD on Hopper, every row written in place, against the

@@ -111,15 +111,15 @@ def pod_spec(dtype_q: str, dtype_kv: str, head_dim: int, prefill_kv: str, page_t
 
 @dataclass(frozen=True)
 class PodSm90Spec(Spec):
-    """POD on Hopper (csrc/pod/pod_sm90.cuh): the Hopper prefill kernel's blocks over the paged
-    cache and the tensor-core decode blocks, one launch, one block an SM; the SMs split
+    """POD on Hopper (csrc/pod/pod_sm90.cuh): the Hopper prefill kernel's blocks (over the paged
+    cache, or one request's K/V rows) and the tensor-core decode blocks, one launch, one block an SM; the SMs split
     between the sides, and the decode side's blocks join the prefill as their units run out.
 
     Compiled in: the dtype (q, K/V and the output: f16 or bf16), head_dim (64, 128 or 256),
-    the page table and KV layout of the paged cache (one for both sides), the prefill's mask
-    (none or causal) and key tile (the prefill plan's), the decode's group tile. Everything
-    else as the two families take it at run time. The batch POD wrapper and BatchAttention
-    launch it where their prefill side plans the Hopper kernel (docs/pod.md)."""
+    the page table and KV layout of the paged cache (one for both sides), the prefill's K/V
+    (paged or ragged), mask (none or causal) and key tile (the prefill plan's), the decode's
+    group tile. Everything else as the two families take it at run time. The POD wrappers and
+    BatchAttention launch it where their prefill side plans the Hopper kernel (docs/pod.md)."""
 
     FAMILY = "pod_sm90"
     TEMPLATES = {"kernel.cu": "pod/pod_sm90.cu.j2", "binding.cc": "pod/pod_sm90_binding.cc.j2"}
@@ -132,6 +132,9 @@ class PodSm90Spec(Spec):
     mask: str = choice("none", "causal", default="none", name_default=False)
     key_tile: int = choice(64, 80, 128, 176, tag="n{}", default=128, name_default=False)
     group_tile: int = choice(1, 2, 4, 8, 16, tag="g{}", default=1)
+    # the prefill's K/V: the paged cache (batch POD, BatchAttention) or one request's rows
+    # (PODWithPagedKVCacheWrapper: k_p / v_p)
+    prefill_kv: str = choice("paged", "ragged", tag="p{}", default="paged", name_default=False)
 
     def check(self) -> None:
         try:
@@ -142,7 +145,8 @@ class PodSm90Spec(Spec):
 
     def prefill_spec(self) -> PrefillSm90Spec:
         """The Hopper prefill module whose plan (work list) the launch's prefill side takes."""
-        return PrefillSm90Spec(self.dtype_q, self.head_dim, self.mask, "paged", self.kv_layout, self.key_tile)
+        layout = self.kv_layout if self.prefill_kv == "paged" else "NHD"  # (ragged rows: strides at run time)
+        return PrefillSm90Spec(self.dtype_q, self.head_dim, self.mask, self.prefill_kv, layout, self.key_tile)
 
     def decode_spec(self) -> DecodeSpec:
         """The decode module whose work list, params and merge the launch's decode side takes."""

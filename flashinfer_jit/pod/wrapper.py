@@ -74,7 +74,7 @@ def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str) -> PodSm90Spe
     decode plan's (validated once a pair)."""
     return PodSm90Spec(dtype_q=decode.dtype_q, head_dim=decode.head_dim, page_table=decode.page_table,
                        kv_layout=kv_layout, mask=prefill.mask, key_tile=prefill.key_tile,
-                       group_tile=decode.group_tile).validate()
+                       group_tile=decode.group_tile, prefill_kv=prefill.kv_source).validate()
 
 
 @constant_result
@@ -252,6 +252,20 @@ class _Pod:
     tile_rows = None
     _force = (None, None)
 
+    # The prefill side's kernel: "fa2", the mma.sync kernel's blocks inside POD's kernel
+    # (csrc/pod/pod.cuh); "auto", POD on Hopper (csrc/pod/pod_sm90.cuh: the Hopper prefill
+    # kernel's blocks, one an SM, beside the decode blocks) where the prefill side plans the
+    # Hopper kernel (backend "auto"'s rule: sm_90, prompts long enough; no custom mask), else
+    # "fa2"; "fa3", POD on Hopper or a ValueError naming why not. Set it before plan() (the
+    # single form: before the run() that plans its prefill). Opt-in: POD on Hopper runs
+    # without run()'s fast path (torch.compile traces it to its op). A CUDA-graph wrapper
+    # keeps its first plan's choice, and its captured launch the split of the plan before the
+    # capture (sm90_prefill_blocks: a speed choice, not a result).
+    prefill_backend = "fa2"
+    # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
+    # start on prefill items (benchmarks pin it)
+    force_prefill_blocks = None
+
     # The schedule of each launch (launch_pod): None, pod_schedule() of the plans, or pinned
     # (the decode share of an SM's blocks; the decode SMs, 0 every SM). Benchmarks pin them;
     # a pin drops run()'s recorded launch, which holds the schedule.
@@ -293,6 +307,9 @@ class _Pod:
         # run()'s fast path (QuickLaunch): recorded by a run() through the op, dropped by
         # every plan of either side and every pinned schedule
         self._quick = None
+        self._sm90_blocks = 0  # POD on Hopper's split of the plan (sm90_prefill_blocks)
+        self._sm90_op = None  # ... and its module's op (a CPU workspace: none; a traced run() looks it up)
+        self._sm90_key = None  # the specs (and debug switch) _sm90_op was looked up for
 
     def _no_plan_here(self, traced: str, captured: str) -> None:
         """A run() that must plan its prefill side again: a RuntimeError (message `traced` or
@@ -305,6 +322,43 @@ class _Pod:
     def _pin_tile(self, head_dim: int) -> None:
         """The prefill side's tile for its next plan: a tile the POD module holds."""
         self._prefill._force_tile_rows = self.tile_rows if 128 in pod_tiles(head_dim) else 64
+
+    def _plan_launch(self) -> None:
+        """The launch of both sides' plans: the schedule; POD on Hopper's split and op."""
+        self._plan_schedule()
+        if self._prefill._plan is not None and self._prefill.planned_backend == "fa3":  # POD on Hopper, for run()
+            cuda = self._device.type == "cuda"
+            self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, sm_count(self._device) if cuda else 132)
+            # (the op of the two sides' specs: looked up again only when either spec or the debug
+            # switch changes, not every plan)
+            key = (self._prefill._plan.spec, self._decode._plan.spec, env.debug())
+            last = self._sm90_key
+            if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2] != last[2]:
+                spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout)
+                self._sm90_op = module_op(spec, "pod_sm90", key[2]) if cuda else None
+                self._sm90_key = key
+
+    def _run_sm90(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, scales_p: tuple, scales_d: tuple, return_lse_p,
+                  return_lse_d, out_p=None, lse_p=None, out_d=None, lse_d=None) -> tuple:
+        """POD on Hopper (a prefill plan on the Hopper kernel): one launch of
+        csrc/pod/pod_sm90.cuh; each side's checks and outputs as its own run()'s. scales_p,
+        scales_d: each side's (q_scale, k_scale, v_scale)."""
+        # (both sides were planned with one dtype and head configuration: each side's own
+        # checks below hold q_p and q_d to them)
+        k_p, v_p = kv_p
+        plan, pc = self._prefill._plan, self._prefill._plan.config
+        out_p, lse_p, scale_p, vs_p = self._prefill._sm90_args(q_p, k_p, v_p, *scales_p, out_p, lse_p, return_lse_p)
+        out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, *scales_d, return_lse_d, out_d,
+                                                           lse_d)
+        if compiling():  # (the shapes are the graph's: it launches whatever rows they hold)
+            op = traced_op(_pod_sm90_namespace(plan.traced_key, self._decode._traced[0], self._kv_layout), "pod_sm90")
+        else:
+            op = self._sm90_op if q_p.shape[0] > 0 or q_d.shape[0] > 0 else None
+        if op is not None:
+            blocks = self.force_prefill_blocks if self.force_prefill_blocks is not None else self._sm90_blocks
+            op(q_p, k_p, v_p, plan.work, plan.page_ids, out_p, lse_p if lse_p is not None else empty_f32(q_p.device),
+               scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks))
+        return (out_p, out_d), (lse_p, lse_d)
 
     def _plan_decode_bytes(self, indptr, last_page_len) -> None:
         """The K/V bytes the planned decodes read (after the decode side's plan())."""
@@ -417,7 +471,12 @@ class PODWithPagedKVCacheWrapper(_Pod):
     window_left_d are deprecated, as in FlashInfer: passed, they warn (DeprecationWarning),
     and one that differs from plan()'s is a ValueError; causal_d=True is a
     NotImplementedError (the decode side is non-causal). q_scale and k_scale
-    scale the decode logits and v_scale its output, as in FlashInfer."""
+    scale the decode logits and v_scale its output, as in FlashInfer.
+
+    prefill_backend (set before the run() that plans the prefill): "fa2", the mma.sync POD;
+    "auto", POD on Hopper (the pod_sm90 module with the request's K/V rows) where the prefill
+    plans the Hopper kernel (sm_90, auto's rule; NHD k_p / v_p, no custom mask, not a
+    CUDA-graph wrapper), else the mma.sync POD; "fa3", POD on Hopper or a ValueError."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
@@ -439,17 +498,19 @@ class PODWithPagedKVCacheWrapper(_Pod):
                           kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
                           rope_theta=rope_theta, non_blocking=non_blocking)
         self._plan_decode_bytes(indptr, last_page_len)
-        self._plan_schedule()
+        self._plan_launch()
 
     begin_forward = plan
 
     def end_forward(self) -> None:
         pass
 
-    def _plan_prefill(self, q_p, k_p, custom_mask, packed_custom_mask, causal, sm_scale, window_left) -> None:
+    def _plan_prefill(self, q_p, k_p, custom_mask, packed_custom_mask, causal, sm_scale, window_left,
+                      kv_layout_p: str = "NHD") -> None:
         qo_len, kv_len = q_p.shape[0], k_p.shape[0]
+        backend = self.prefill_backend
         key = (qo_len, kv_len, bool(causal), sm_scale, window_left, q_p.dtype, k_p.dtype, q_p.shape[1], k_p.shape[1],
-               q_p.shape[2])
+               q_p.shape[2], backend, kv_layout_p)
         if custom_mask is None and packed_custom_mask is None and key == self._prefill_key:
             return
         self._no_plan_here(
@@ -458,13 +519,21 @@ class PODWithPagedKVCacheWrapper(_Pod):
             "PODWithPagedKVCacheWrapper.run(): the prefill's lengths or options changed during CUDA-graph capture; "
             "run it once with them before capturing")
         self._pin_tile(q_p.shape[2])
+        custom = custom_mask is not None or packed_custom_mask is not None
+        expect_choice(backend, "prefill_backend", ("fa2", "auto", "fa3"))
+        if backend == "fa3" and (custom or kv_layout_p != "NHD" or self._use_cuda_graph):
+            raise ValueError("prefill_backend='fa3': the single-prefill POD on Hopper takes no custom mask, HND "
+                             "k_p / v_p (kv_layout_p) or CUDA graphs yet; use 'auto' (the mma.sync POD there) or 'fa2'")
+        # (POD on Hopper: NHD rows, no custom mask, eager; its module holds the 128-row tile)
+        self._prefill._backend = "fa2" if custom or kv_layout_p != "NHD" or self._use_cuda_graph else backend
+        self._prefill._force_query_tile = 128
         self._flops = prefill_flops([qo_len], [kv_len], bool(causal), q_p.shape[1], q_p.shape[2])
         self._prefill.plan(torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                            q_p.shape[1], k_p.shape[1], q_p.shape[2], custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window_left,
                            sm_scale=sm_scale, q_data_type=q_p.dtype, kv_data_type=k_p.dtype)
-        self._plan_schedule()
-        self._prefill_key = None if custom_mask is not None or packed_custom_mask is not None else key
+        self._plan_launch()
+        self._prefill_key = None if custom else key
 
     def run(self, q_p, k_p, v_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
             causal_p: bool = False, kv_layout_p: str = "NHD", pos_encoding_mode_p: str = "NONE", sm_scale_p=None,
@@ -513,7 +582,12 @@ class PODWithPagedKVCacheWrapper(_Pod):
                   int(bool(return_lse_p)) | int(bool(return_lse_d)) << 1) if plain else None
         if kv_layout_p == "HND":
             k_p, v_p = k_p.transpose(0, 1), v_p.transpose(0, 1)
-        self._plan_prefill(q_p, k_p, custom_mask_p, packed_custom_mask_p, causal_p, sm_scale_p, window_left_p)
+        self._plan_prefill(q_p, k_p, custom_mask_p, packed_custom_mask_p, causal_p, sm_scale_p, window_left_p,
+                           kv_layout_p)
+        if self._prefill.planned_backend == "fa3":  # POD on Hopper (FlashInfer's scales: the decode side's)
+            (out_p, out_d), (lse_p, lse_d) = self._run_sm90(q_p, (k_p, v_p), q_d, paged_kv_cache_d, (None,) * 3,
+                                                            (q_scale, k_scale, v_scale), return_lse_p, return_lse_d)
+            return ((out_p, out_d), (lse_p, lse_d)) if return_lse_p or return_lse_d else (out_p, out_d)
         spec = self._spec("ragged", q_p, q_d)
         out_p, lse_p, p_args = self._prefill._resolved_args(q_p, k_p, v_p, None, None, None, return_lse_p, None)
         out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
@@ -542,18 +616,6 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
     v_scale apply to both sides, since both read the paged caches (FlashInfer applies them
     to the decode side only)."""
 
-    # The prefill side's kernel: "fa2", the mma.sync kernel's blocks inside POD's kernel
-    # (csrc/pod/pod.cuh); "auto", POD on Hopper (csrc/pod/pod_sm90.cuh: the Hopper prefill
-    # kernel's blocks, one an SM, beside the decode blocks) where the prefill side plans the
-    # Hopper kernel (backend "auto"'s rule: sm_90, prompts long enough; no custom mask), else
-    # "fa2"; "fa3", POD on Hopper or a ValueError naming why not. Set it before plan().
-    # Opt-in: POD on Hopper runs without run()'s fast path (torch.compile traces it to its
-    # op). A CUDA-graph wrapper keeps its first plan's choice, and its captured launch the
-    # split of the plan before the capture (sm90_prefill_blocks: a speed choice, not a result).
-    prefill_backend = "fa2"
-    # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
-    # start on prefill items (benchmarks pin it)
-    force_prefill_blocks = None
     # the decode side's split-KV chunk in tokens (its plan()'s fixed_split_size): None, POD on
     # Hopper's rule (sm90_decode_split; the decode planner's own choice elsewhere); 0, the
     # decode planner's own choice; else pinned (benchmarks pin it)
@@ -572,9 +634,6 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                          (paged_kv_indptr_buf_d, paged_kv_indices_buf_d, paged_kv_last_page_len_buf_d), use_cuda_graph)
         self._prefill_args = None
         self._prefill_mask = None
-        self._sm90_blocks = 0  # POD on Hopper's split of the plan (sm90_prefill_blocks)
-        self._sm90_op = None  # ... and its module's op (a CPU workspace: none; a traced run() looks it up)
-        self._sm90_key = None  # the specs (and debug switch) _sm90_op was looked up for
 
     def plan(self, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d, kv_indptr_d, kv_indices_d,
              last_page_len_d, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -672,20 +731,6 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                            sort_pages=not custom)
         self._prefill_mask = None if custom else bool(causal)
 
-    def _plan_launch(self) -> None:
-        """The launch of both sides' plans: the schedule; POD on Hopper's split and op."""
-        self._plan_schedule()
-        if self._prefill.planned_backend == "fa3":  # POD on Hopper: its split and its op, for run()
-            cuda = self._device.type == "cuda"
-            self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, sm_count(self._device) if cuda else 132)
-            # (the op of the two sides' specs: looked up again only when either spec or the debug
-            # switch changes, not every plan)
-            key = (self._prefill._plan.spec, self._decode._plan.spec, env.debug())
-            last = self._sm90_key
-            if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2] != last[2]:
-                spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout)
-                self._sm90_op = module_op(spec, "pod_sm90", key[2]) if cuda else None
-                self._sm90_key = key
 
     def run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p=None, packed_custom_mask_p=None,
             causal_p: bool = False, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = False,
@@ -723,7 +768,8 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         """The launch of the planned batch; outputs allocated, or the given tensors (rows of a
         mixed batch's outputs: BatchAttention). record, key: _launch's (run()'s fast path)."""
         if self._prefill.planned_backend == "fa3":
-            return self._run_sm90(q_p, kv_p, q_d, paged_kv_cache_d, q_scale, k_scale, v_scale, return_lse, out_p,
+            scales = (q_scale, k_scale, v_scale)
+            return self._run_sm90(q_p, kv_p, q_d, paged_kv_cache_d, scales, scales, return_lse, return_lse, out_p,
                                   lse_p, out_d, lse_d)
         spec = self._spec("paged", q_p, q_d)
         out_p, lse_p, p_args = self._prefill._resolved_args(q_p, *kv_p, q_scale, k_scale, v_scale, return_lse, None,
@@ -731,28 +777,6 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
                                                            return_lse, out_d, lse_d)
         self._launch(spec, p_args, d_args, enable_pdl, record, key)
-        return (out_p, out_d), (lse_p, lse_d)
-
-    def _run_sm90(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, q_scale, k_scale, v_scale, return_lse, out_p,
-                  lse_p, out_d, lse_d) -> tuple:
-        """POD on Hopper (prefill_backend "auto" and a prefill plan on the Hopper kernel): one
-        launch of csrc/pod/pod_sm90.cuh; each side's checks and outputs as its own run()'s."""
-        # (both sides were planned by one plan(), with one dtype and head configuration: each
-        # side's own checks below hold q_p and q_d to them)
-        k_p, v_p = kv_p
-        plan, pc = self._prefill._plan, self._prefill._plan.config
-        out_p, lse_p, scale_p, vs_p = self._prefill._sm90_args(q_p, k_p, v_p, q_scale, k_scale, v_scale, out_p, lse_p,
-                                                               return_lse)
-        out_d, lse_d, d_args = self._decode._resolved_args(q_d, paged_kv_cache_d, q_scale, k_scale, v_scale,
-                                                           return_lse, out_d, lse_d)
-        if compiling():  # (the shapes are the graph's: it launches whatever rows they hold)
-            op = traced_op(_pod_sm90_namespace(plan.traced_key, self._decode._traced[0], self._kv_layout), "pod_sm90")
-        else:
-            op = self._sm90_op if q_p.shape[0] > 0 or q_d.shape[0] > 0 else None
-        if op is not None:
-            blocks = self.force_prefill_blocks if self.force_prefill_blocks is not None else self._sm90_blocks
-            op(q_p, k_p, v_p, plan.work, plan.page_ids, out_p, lse_p if lse_p is not None else empty_f32(q_p.device),
-               scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks))
         return (out_p, out_d), (lse_p, lse_d)
 
     forward = run
