@@ -29,7 +29,8 @@ Per row, on the same tensors (our implementations first, then FlashInfer's):
                          batch with the prefill requests spread among the decodes (one prefill: in
                          the middle), which BatchAttention runs through one gather of q and one
                          scatter of out / lse: what not being decodes-first costs
-  pod_hopper, batch_attention_hopper: batch POD and BatchAttention with prefill_backend="auto"
+  pod_hopper, batch_attention_hopper, pod_single_hopper: batch POD, BatchAttention and the single
+                         form (its prefill request's K/V rows) with prefill_backend="auto"
                          (POD on Hopper, csrc/pod/pod_sm90.cuh, where the prefill side plans the
                          Hopper kernel; sm_90 only: elsewhere their rows record the error), timed in
                          both passes like pod and batch_attention; the last table
@@ -98,16 +99,17 @@ RESERVE_S = 5.0  # left at the end for the report
 DEVICE = "cuda"
 OURS = ("pod", "pod_single", "serial", "serial_single", "prefill_only", "prefill_single_only", "decode_only",
         "batch_attention", "batch_attention_interleaved", "batch_attention_t64", "pod_hopper",
-        "batch_attention_hopper")
-HOPPER = ("pod_hopper", "batch_attention_hopper")  # prefill_backend="auto": POD on Hopper on sm_90
+        "batch_attention_hopper", "pod_single_hopper")
+HOPPER = ("pod_hopper", "batch_attention_hopper", "pod_single_hopper")  # prefill_backend="auto": POD on Hopper
 FI = ("flashinfer_pod", "flashinfer_pod_single", "flashinfer_serial", "flashinfer_batch_attention")
-SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_single")  # one prefill request
+SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_single",
+          "pod_single_hopper")  # one prefill request
 INTERLEAVED = ("batch_attention_interleaved",)  # on the rows marked interleaved only
 # rows of decodes=0; batch_attention_t64: its prefill side pinned to 64-row tiles
 NO_DECODES = ("batch_attention", "batch_attention_t64", "prefill_only", "flashinfer_batch_attention",
               "batch_attention_hopper")
 # what each output is checked against: the first of these that ran
-CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "batch_attention": ("pod", "serial", "prefill_only"),
+CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "pod_single_hopper": ("serial_single",), "batch_attention": ("pod", "serial", "prefill_only"),
           "batch_attention_t64": ("pod", "serial", "prefill_only"), "pod_hopper": ("serial",),
           "batch_attention_hopper": ("pod", "serial", "prefill_only"),
           "batch_attention_interleaved": ("pod", "serial"), "flashinfer_pod": ("serial",),
@@ -219,8 +221,11 @@ try:
             w.plan(torch.tensor([0, qo], dtype=torch.int32), ip_p, ix_p, last_p, torch.arange(nd + 1, dtype=torch.int32),
                    ip_d, ix_d, last_d, hq, hk, hd, page, q_data_type=bf16, kv_data_type=kvdt, causal=True)
             w.run(q_p, cache_p, q_d, cache_d, causal_p=True)
-        elif what == "pod_single":
+        elif what in ("pod_single", "pod_single_hopper"):
+            if what == "pod_single_hopper" and torch.cuda.get_device_capability() != (9, 0):
+                break
             w = fij.PODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+            w.prefill_backend = "auto" if what == "pod_single_hopper" else "fa2"
             w.plan(ip_d, ix_d, last_d, hq, hk, hd, page, q_data_type=bf16, kv_data_type=kvdt)
             w.run(q_p, k_p, v_p, q_d, cache_d, causal_p=True)
         elif what == "prefill":
@@ -324,6 +329,8 @@ def start_warmups(rows: list[Row], logdir: Path) -> list[Job]:
                  (r.head_dim, r.kv_dtype, "prefill")} | ({(r.head_dim, r.kv_dtype, "pod_single")} if r.single else set())
         if r.kv_dtype == "bfloat16":  # (POD on Hopper: 16-bit caches)
             keys.add((r.head_dim, r.kv_dtype, "pod_hopper"))
+            if r.single:
+                keys.add((r.head_dim, r.kv_dtype, "pod_single_hopper"))
     return [Job(f"ours_hd{hd}_{dt}_{what}", OURS_WARMUP, [str(hd), dt, what], logdir) for hd, dt, what in sorted(keys)]
 
 
@@ -474,8 +481,10 @@ def make(name: str, x: Inputs, row: Row, fi):
         w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
                x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype, **causal)
         return lambda: w.run(x.q_p, x.cache_p, x.q_d, x.cache_d, causal_p=True)
-    if base == "pod_single":
+    if base in ("pod_single", "pod_single_hopper"):
         w = lib.PODWithPagedKVCacheWrapper(ws(), kv_layout="NHD")
+        if base == "pod_single_hopper":
+            w.prefill_backend = "auto"
         w.plan(x.kv_indptr_d, x.indices_d, x.last_d, *heads, q_data_type=bf16, kv_data_type=x.kv_dtype)
         return lambda: w.run(x.q_p, x.k_p, x.v_p, x.q_d, x.cache_d, causal_p=True)
     if base in ("serial_single", "prefill_single_only"):
@@ -607,6 +616,9 @@ def derive(res: dict) -> None:
     ratio("batch_attention_hopper_vs_serial", us.get("serial"), us.get("batch_attention_hopper"))
     h2 = im.get("pod_hopper", {}).get("pass2", {})
     ratio("pod_hopper_vs_flashinfer_pod", us.get("flashinfer_pod"), h2.get("median_us"))
+    s2 = im.get("pod_single_hopper", {}).get("pass2", {})
+    ratio("pod_single_hopper_vs_serial_single", us.get("serial_single"), us.get("pod_single_hopper"))
+    ratio("pod_single_hopper_vs_flashinfer_pod_single", us.get("flashinfer_pod_single"), s2.get("median_us"))
     ba2 = im.get("batch_attention_hopper", {}).get("pass2", {})
     ratio("flashinfer_ba_vs_batch_attention_hopper", us.get("flashinfer_batch_attention"), ba2.get("median_us"))
     res["speedup"], res["paired"] = sp, paired
@@ -641,7 +653,7 @@ COLS2 = ["row", "pod", "pod1", "BA", "FI pod", "FI pod1", "FI serial", "FI BA", 
          "FIs/FIpod", "FI check"]
 COLS3 = ["row", "pod", "BA", "BAi", "pod/BA", "ser/BA", "BAi/BA", "BAi/BA paired", "BA t64"]
 COLS4 = ["row", "podH", "BAH", "serial", "pod", "ser/podH", "pod/podH", "idl/podH", "FI/podH", "FIBA/BAH",
-         "check"]
+         "pod1H", "ser1/pod1H", "FI1/pod1H", "check"]
 
 
 def line1(res: dict) -> list:
@@ -675,7 +687,8 @@ def line4(res: dict) -> list:
     return [res["label"], *[_us(im.get(k)) for k in ("pod_hopper", "batch_attention_hopper", "serial", "pod")],
             sp.get("pod_hopper_vs_serial"), sp.get("pod_hopper_vs_pod"), sp.get("pod_hopper_vs_ideal"),
             sp.get("pod_hopper_vs_flashinfer_pod"), sp.get("flashinfer_ba_vs_batch_attention_hopper"),
-            _check(res, HOPPER)]
+            _us(im.get("pod_single_hopper")), sp.get("pod_single_hopper_vs_serial_single"),
+            sp.get("pod_single_hopper_vs_flashinfer_pod_single"), _check(res, HOPPER)]
 
 
 def fmt(cells: list) -> str:
@@ -700,8 +713,9 @@ def report(res: dict) -> str:
                   bc.table([line2(r) for r in res["rows"] if r["flashinfer_row"]], COLS2)]
     hopper_rows = [r for r in res["rows"] if any("median_us" in r["impls"].get(k, {}) for k in HOPPER)]
     if hopper_rows:
-        lines += ["", ("POD on Hopper (podH: batch POD, BAH: BatchAttention, prefill_backend='auto'; x/podH: x's "
-                       "time over podH's; FlashInfer's over podH's and BAH's second-pass times)"),
+        lines += ["", ("POD on Hopper (podH: batch POD, BAH: BatchAttention, pod1H: the single form, "
+                       "prefill_backend='auto'; x/podH: x's time over podH's; FlashInfer's over podH's, BAH's and "
+                       "pod1H's second-pass times)"),
                   bc.table([line4(r) for r in hopper_rows], COLS4)]
     lines += [f"skipped {s['row']}: {s['reason']}" for s in res["skipped"]]
     return "\n".join(lines)
