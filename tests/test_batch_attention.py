@@ -205,6 +205,39 @@ def test_mixed_batch(seed, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("separate", [False, True], ids=["block_table", "block_table_kv_separate"])
+@pytest.mark.parametrize("name, backend", [("interleaved-causal", "fa2"), ("decodes-first-causal", "fa2"),
+                                           ("prefill-only-causal", "fa2"), ("decode-only", "fa2"),
+                                           ("decodes-first-causal", "auto")])
+def test_mixed_batch_block_tables(name, backend, separate):
+    """The batch's page table as block tables (vLLM's, or TensorRT-LLM's with the V pages
+    elsewhere in the V cache): the same outputs as the float64 reference of its CSR table,
+    outputs poisoned; "auto": POD on Hopper where the chunks take the Hopper kernel."""
+    case = CASES[name]
+    batch, cache, q, _ = make_inputs(case, 300 + len(name))
+    perm = torch.randperm(batch.num_pages, generator=torch.Generator().manual_seed(5)).to(DEV)
+    table = block_tables_of(batch, separate, perm).to(DEV)
+    if separate:  # V page i moves to perm[i]
+        v = torch.empty_like(cache.v)
+        v[perm] = cache.v
+        kv_cache = (cache.k, v)
+    else:
+        kv_cache = cache.run_arg
+    ba = fij.BatchAttention(case.layout)
+    ba.prefill_backend = backend
+    ba.plan(batch.plan_args[0], None, None, batch.plan_args[3], *LLAMA, case.head_dim, case.head_dim,
+            case.page_size, causal=case.causal, q_data_type=case.dtype, kv_data_type=case.dtype,
+            block_tables=table)
+    assert ba._planned[0] == expected_mode(batch.requests, case.cap)
+    if backend == "auto" and ba._planned[0] == "pod" and torch.cuda.get_device_capability() == (9, 0):
+        assert ba._pod._prefill.planned_backend == "fa3"
+    _poison_allocator(q, case.head_dim)
+    out, lse = ba.run(q, kv_cache)
+    torch.cuda.synchronize()
+    check(out, lse, reference(q, batch, cache, case), case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", IN_PLACE)
 def test_out_and_lse_in_place(name):
     """out / lse given: the same objects back, every row written (NaN before), nothing
@@ -348,6 +381,59 @@ def test_plan_on_host_picks_the_mode(qo_lens, kv_lens, kwargs, mode, decode):
     assert ba._planned[0] == mode
     assert ba._planned[1].decodes == len(decode)
     assert ba._planned[3] == sum(qo_lens)
+
+
+def block_tables_of(batch: Batch, separate: bool, v_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The batch's CSR page table as block tables, vLLM's [B, max_pages] or TensorRT-LLM's
+    [B, 2, max_pages]; the V ids v_perm[K id] (the V cache's pages permuted so), padding -1."""
+    qo, kv, ids, lens = batch.plan_args
+    kv, ids = kv.cpu(), ids.cpu()
+    pages = (kv[1:] - kv[:-1]).tolist()
+    width = max(pages + [1]) + 2
+    table = torch.full((len(pages), 2, width) if separate else (len(pages), width), -1, dtype=torch.int32)
+    for b, n in enumerate(pages):
+        row = ids[int(kv[b]):int(kv[b]) + n]
+        if separate:
+            table[b, 0, :n] = row
+            table[b, 1, :n] = v_perm.cpu()[row.long()].int()
+        else:
+            table[b, :n] = row
+    return table
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["block_table", "block_table_kv_separate"])
+@pytest.mark.parametrize("qo_lens, kv_lens, mode, view", [
+    pytest.param([1, 1, 300, 4], [20, 3000, 1000, 50], "pod", True, id="decodes-first"),
+    pytest.param([1, 300, 1, 4], [20, 1000, 3000, 50], "pod", False, id="interleaved"),
+    pytest.param([300, 4, 0], [1000, 129, 0], "prefill", True, id="prefill-only"),
+    pytest.param([1, 1, 1], [1, 17, 3000], "decode", True, id="decode-only"),
+])
+def test_plan_takes_block_tables(qo_lens, kv_lens, mode, view, separate):
+    """BatchAttention.plan(block_tables=..., kv_indptr / kv_indices None): each side plans
+    its requests' rows of the table (a view where they are one run of rows) in the table's
+    layout, with their lengths; the mode and the cut are the CSR plan's."""
+    batch = make_batch(list(zip(qo_lens, kv_lens)), 16, random.Random(0), "cpu")
+    table = block_tables_of(batch, separate, torch.arange(batch.num_pages).flip(0))
+    csr = fij.BatchAttention(device="cpu")
+    _plan(csr, batch.plan_args)
+    ba = fij.BatchAttention(device="cpu")
+    _plan(ba, (batch.plan_args[0], None, None, batch.plan_args[3]), block_tables=table)
+    assert ba._planned[0] == csr._planned[0] == mode
+    layout = "block_table_kv_separate" if separate else "block_table"
+    split = split_batch(batch.plan_args[0].numpy())
+    sides = {"pod": (ba._pod._prefill, ba._pod._decode), "prefill": (ba._prefill,), "decode": (ba._decode,)}[mode]
+    for side in sides:
+        assert side._plan.spec.page_table == layout
+    if mode == "pod":
+        rows = ba._pod._decode._plan.args[0][0]  # (its block table as planned: the decode side's rows)
+        assert torch.equal(rows, table[torch.from_numpy(split.decode)])
+        assert (rows.data_ptr() - table.data_ptr() == int(split.decode[0]) * table.stride(0) * 4) == view
+    with pytest.raises(ValueError, match="block_tables: pass kv_indptr and kv_indices as None"):
+        _plan(ba, batch.plan_args, block_tables=table)
+    short = torch.tensor(kv_lens, dtype=torch.int32)
+    short[0] = table.shape[-1] * 16 + 1
+    with pytest.raises(ValueError, match=r"kv_len_arr\[0\].*block_tables holds"):
+        _plan(ba, (batch.plan_args[0], None, None, short), block_tables=table)
 
 
 def test_plan_takes_int64_index_tensors():

@@ -30,7 +30,7 @@ from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime import fastcall
 from ..runtime.checks import (as_dtype, compiling, dtype_str, expect_bool, expect_choice, expect_heads, host_index,
                               static_inputs)
-from ..runtime.page_table import unpack_paged_kv_cache
+from ..runtime.page_table import parse_block_tables, unpack_paged_kv_cache
 from .wrapper import BatchPODWithPagedKVCacheWrapper
 
 __all__ = ["BatchAttention", "split_batch", "BatchSplit", "BatchCut", "cut_batch"]
@@ -131,6 +131,19 @@ def _side_ids(pages, kv_indices: torch.Tensor) -> torch.Tensor:
     return kv_indices.index_select(0, index)
 
 
+def _side_blocks(block_tables: torch.Tensor, lens: np.ndarray, requests: np.ndarray) -> dict:
+    """A side's page table from the batch's block tables: its requests' rows (a view where
+    they are one run of rows, else one index_select on the table's device) and their KV
+    lengths (int32, host), as the families' plan() takes them (block_tables=, seq_lens=)."""
+    n = len(requests)
+    if n == 0 or int(requests[-1]) - int(requests[0]) + 1 == n:
+        first = int(requests[0]) if n else 0
+        rows = block_tables[first:first + n]
+    else:
+        rows = block_tables.index_select(0, torch.from_numpy(requests.astype(np.int64)).to(block_tables.device))
+    return {"block_tables": rows, "seq_lens": torch.from_numpy(lens[requests].astype(np.int32))}
+
+
 def cut_batch(qo: np.ndarray, kv: np.ndarray, lens: np.ndarray, page_size: int, decode_ok: bool) -> BatchCut:
     """The two sides' host tables of a batch whose vectors passed plan()'s checks (numpy)."""
     split = split_batch(qo, decode_ok)
@@ -220,24 +233,41 @@ class BatchAttention:
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads: int, num_kv_heads: int,
              head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool = False, sm_scale=None,
              logits_soft_cap=None, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-             use_profiler: bool = False) -> None:
+             use_profiler: bool = False, *, block_tables=None) -> None:
+        """block_tables (keyword, not in FlashInfer): the batch's page table as block tables,
+        vLLM's [B, max_pages] or TensorRT-LLM's [B, 2, max_pages] (K and V page ids), with
+        kv_len_arr each request's keys, in place of kv_indptr / kv_indices (None). Each side
+        gets the rows of its requests (a view where they are one run of the table's rows)."""
         expect_heads(num_qo_heads, num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
                      page_size=page_size)
         expect_bool(causal, "causal")
         if use_profiler:
             raise ValueError("use_profiler: FlashInfer's persistent kernel's profiler has no counterpart here; "
                              "pass False")
+        if block_tables is not None:  # (the cut below reads each request's page count)
+            if kv_indptr is not None or kv_indices is not None:
+                raise ValueError("block_tables: pass kv_indptr and kv_indices as None with block tables (kv_len_arr "
+                                 "gives each request's keys)")
+            _, block_tables = parse_block_tables(block_tables, kv_len_arr)
+            lens = host_index(kv_len_arr, "kv_len_arr")
+            pages = -(-lens // page_size)
+            if len(pages) and int(pages.max()) > block_tables.shape[-1]:
+                r = int(np.argmax(pages))
+                raise ValueError(f"kv_len_arr[{r}] = {int(lens[r])} needs {int(pages[r])} pages of {page_size} tokens; "
+                                 f"block_tables holds {block_tables.shape[-1]} a request")
+            kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
         decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS
         cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
         split = _LazySplit(qo_indptr, decode_ok)
         if cut is None:
             cut, split = self._cut_numpy(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
-        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
-            raise ValueError("kv_indices: expected a 1-D int32 tensor of page ids")
-        if kv_indices.numel() < cut.pages:
-            raise ValueError(f"kv_indices: {kv_indices.numel()} page ids, fewer than kv_indptr[-1] = {cut.pages}")
-        if kv_indices.dtype != torch.int32:
-            kv_indices = kv_indices.to(torch.int32)
+        if block_tables is None:
+            if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() != 1:
+                raise ValueError("kv_indices: expected a 1-D int32 tensor of page ids")
+            if kv_indices.numel() < cut.pages:
+                raise ValueError(f"kv_indices: {kv_indices.numel()} page ids, fewer than kv_indptr[-1] = {cut.pages}")
+            if kv_indices.dtype != torch.int32:
+                kv_indices = kv_indices.to(torch.int32)
         q_dtype = as_dtype(q_data_type, "q_data_type", torch.bfloat16)
         kv_dtype = as_dtype(kv_data_type, "kv_data_type", q_dtype)
         cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
@@ -250,7 +280,7 @@ class BatchAttention:
         else:
             mode = "pod"
         heads = (num_qo_heads, num_kv_heads)
-        if mode == "prefill" and self._pod.prefill_backend != "fa2":
+        if mode == "prefill" and self._pod.prefill_backend != "fa2" and block_tables is None:
             options = dict(head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
                            q_data_type=q_dtype, kv_data_type=kv_dtype)
             short_long = self._plan_short_long(qo_indptr, kv_indptr, kv_indices, kv_len_arr, heads, head_dim_qk,
@@ -263,25 +293,33 @@ class BatchAttention:
                 return
         d_indptr, d_last, d_pages = cut.decode
         p_qo, p_indptr, p_last, p_pages = cut.prefill
-        p_table = (p_indptr, _side_ids(p_pages, kv_indices), p_last) if mode != "decode" else None
-        d_table = (d_indptr, _side_ids(d_pages, kv_indices), d_last) if mode != "prefill" else None
+        if block_tables is None:
+            p_table = (p_indptr, _side_ids(p_pages, kv_indices), p_last) if mode != "decode" else None
+            d_table = (d_indptr, _side_ids(d_pages, kv_indices), d_last) if mode != "prefill" else None
+            p_blocks = d_blocks = pod_blocks = {}
+        else:  # each side's rows of the block table and its lengths (the CSR arguments None)
+            p_table = d_table = (None, None, None)
+            p_blocks = _side_blocks(block_tables, lens, split.prefill) if mode != "decode" else {}
+            d_blocks = _side_blocks(block_tables, lens, split.decode) if mode != "prefill" else {}
+            pod_blocks = {f"{k}_{side}": v for side, b in (("p", p_blocks), ("d", d_blocks)) for k, v in b.items()}
         if mode == "prefill":  # the whole batch: the prefill side takes every request
             self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal,
                                sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
-                               kv_data_type=kv_dtype)
+                               kv_data_type=kv_dtype, **p_blocks)
         elif mode == "pod":
             with _side_errors("both sides", split):
                 self._pod.plan(p_qo, *p_table, None, *d_table, *heads, head_dim_qk, page_size,
-                               q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal)
+                               q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal,
+                               **pod_blocks)
         else:
             with _side_errors("the decode side", split):
                 self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
-                                  q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale)
+                                  q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, **d_blocks)
             if mode == "serial":
                 with _side_errors("the prefill side", split):
                     self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
                                        causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
-                                       q_data_type=q_dtype, kv_data_type=kv_dtype)
+                                       q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks)
         perm = None if cut.perm is None else self._device_perm(cut.perm)
         # (run() reads the cut as plain ints, the decode side's requests and each side's run
         # of rows: Dynamo traces run() under torch.compile)

@@ -38,7 +38,7 @@ from ..runtime.checks import (
 from ..runtime.device import empty_f32, sm_count, supports_pdl
 from ..runtime.launch import fast_entry, launch_buffer, launch_failed, module_op
 from ..runtime.page_order import launch_pending
-from ..runtime.page_table import csr_kv_lens_host, unpack_paged_kv_cache
+from ..runtime.page_table import csr_kv_lens_host, parse_block_tables, unpack_paged_kv_cache
 from .spec import PodSm90Spec, PodSpec, pod_tiles
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
@@ -226,6 +226,33 @@ class QuickLaunch(NamedTuple):
     signature: bytes
     key: object
     spec: PodSpec
+
+
+def _side_tables(kv_indptr_p, kv_indices_p, last_page_len_p, block_tables_p, seq_lens_p, kv_indptr_d, kv_indices_d,
+                 last_page_len_d, block_tables_d, seq_lens_d) -> tuple | None:
+    """Batch POD's page tables: None where both sides are CSR; (the prefill side's KV
+    lengths, the decode side's), int64 on the host, where both are block tables of one layout;
+    a ValueError naming the argument for one side of each kind, both forms on one side, or two
+    layouts."""
+    blocks = (block_tables_p is not None, block_tables_d is not None)
+    for side, given, csr in (("p", blocks[0], (kv_indptr_p, kv_indices_p, last_page_len_p)),
+                             ("d", blocks[1], (kv_indptr_d, kv_indices_d, last_page_len_d))):
+        if given and any(t is not None for t in csr):
+            raise ValueError(f"block_tables_{side}: pass one page table a side (kv_indptr_{side}, kv_indices_{side} "
+                             f"and last_page_len_{side} None with block tables)")
+    if not any(blocks):
+        return None
+    if not all(blocks):
+        missing = "block_tables_d" if blocks[0] else "block_tables_p"
+        raise ValueError(f"{missing}: POD reads both sides through one page-table layout; pass block tables for both "
+                         "sides or CSR tables for both")
+    layout_p, _ = parse_block_tables(block_tables_p, seq_lens_p)
+    layout_d, _ = parse_block_tables(block_tables_d, seq_lens_d)
+    if layout_p != layout_d:
+        raise ValueError(f"block_tables_d: {layout_d} beside the prefill side's {layout_p}; POD reads both sides "
+                         "through one page-table layout")
+    return (host_index(seq_lens_p, "seq_lens_p"),
+            host_index(seq_lens_d, "seq_lens_d"))
 
 
 def native_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d,
@@ -639,14 +666,21 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
              last_page_len_d, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
              pos_encoding_mode: str = "NONE", window_left: int = -1, q_data_type="float16", kv_data_type=None,
              data_type=None, sm_scale=None, rope_scale=None, rope_theta=None, non_blocking: bool = True,
-             causal: bool = False) -> None:
+             causal: bool = False, *, block_tables_p=None, seq_lens_p=None, block_tables_d=None,
+             seq_lens_d=None) -> None:
+        """block_tables_p / seq_lens_p, block_tables_d / seq_lens_d (keywords, not in FlashInfer):
+        a side's page table as block tables, vLLM's [B, max_pages] or TensorRT-LLM's
+        [B, 2, max_pages] (K and V page ids), with its requests' KV lengths, in place of its
+        CSR arguments (None). Both sides take one layout (one POD module reads both)."""
         _no_rope(pos_encoding_mode, "pos_encoding_mode")
         expect_bool(causal, "causal")
+        tables = _side_tables(kv_indptr_p, kv_indices_p, last_page_len_p, block_tables_p, seq_lens_p,
+                              kv_indptr_d, kv_indices_d, last_page_len_d, block_tables_d, seq_lens_d)
         # The two sides' work for the schedule, in C++ where the vectors are of plan()'s
         # common form (contiguous int32 CPU tensors): no numpy conversions (docs/pod.md "Host
         # time"); else read into numpy below, after the decode side's own checks.
         work = native_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d,
-                           page_size)
+                           page_size) if tables is None else None
         if work is not None:
             decode_ok = work[3]
         elif qo_indptr_d is not None:
@@ -665,8 +699,13 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         try:
             self._prefill_args = (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, num_qo_heads,
                                   num_kv_heads, head_dim, page_size, window_left, sm_scale, q_dtype or "float16",
-                                  kv_dtype, non_blocking)
-            if work is None:
+                                  kv_dtype, non_blocking, block_tables_p, seq_lens_p)
+            if tables is not None:  # (block tables: the lengths are the seq_lens)
+                decode_lens = tables[1]
+                decode_keys, longest = int(decode_lens.sum()), int(np.maximum.reduce(decode_lens, initial=0))
+                qo = host_index(qo_indptr_p, "qo_indptr_p")
+                self._prefill_work = prefill_work(qo[1:] - qo[:-1], tables[0])
+            elif work is None:
                 decode_lens = csr_kv_lens(kv_indptr_d, last_page_len_d, page_size)
                 decode_keys, longest = int(decode_lens.sum()), int(np.maximum.reduce(decode_lens, initial=0))
                 qo = host_index(qo_indptr_p, "qo_indptr_p")
@@ -684,7 +723,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
                               page_size, window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
                               data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking,
-                              fixed_split_size=split or None)
+                              fixed_split_size=split or None, block_tables=block_tables_d, seq_lens=seq_lens_d)
             c = self._decode._plan.config
             self._kv_bytes = float(decode_keys) * c.num_kv_heads * c.token_bytes
             self._plan_launch()
@@ -713,7 +752,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                 "what plan() planned; pass plan() causal=causal_p (Dynamo cannot trace plan())",
                 "BatchPODWithPagedKVCacheWrapper.run(): causal_p or a custom mask differs from what plan() planned, "
                 "during CUDA-graph capture; pass plan() causal=causal_p")
-        qo, kv, ids, last, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = self._prefill_args
+        qo, kv, ids, last, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb, blocks, lens = self._prefill_args
         self._pin_tile(d)
         backend = self.prefill_backend
         expect_choice(backend, "prefill_backend", ("fa2", "auto", "fa3"))
@@ -728,7 +767,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         self._prefill.plan(qo, kv, ids, last, hq, hk, d, ps, custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window,
                            sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, non_blocking=nb,
-                           sort_pages=not custom)
+                           sort_pages=not custom, block_tables=blocks, seq_lens=lens)
         self._prefill_mask = None if custom else bool(causal)
 
 
