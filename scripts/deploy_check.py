@@ -416,21 +416,41 @@ def exercise_prefill_sm90(spec, matrix=()) -> None:
 
 def pod_inputs(spec, shapes, d_lens, q_dt, kv_dt) -> tuple:
     """A POD exerciser's inputs: the query heads that give the spec's group tile, one paged cache
-    (K and V) whose CSR table holds the decodes' pages, then the prefill requests' (`shapes`:
-    (qo_len, kv_len)), cut into the two sides' tables, and q of each side: (hq, decodes, k_cache,
-    v_cache, d_table, p_table, qo_indptr, q_p, q_d)."""
+    (K and V) whose table (the spec's layout) holds the decodes' pages, then the prefill
+    requests' (`shapes`: (qo_len, kv_len)), cut into the two sides' tables, and q of each side:
+    (hq, decodes, k_cache, v_cache, d_table, p_table, qo_indptr, q_p, q_d)."""
     d = spec.head_dim
     hq = next(g * KV_HEADS for g in (spec.group_tile * m for m in (1, 2, 4))
               if group_tile(g * KV_HEADS, KV_HEADS, d) == spec.group_tile)
-    table, num_pages = page_table("csr", d_lens + [n for _, n in shapes])  # decodes first, then the prefills
+    layout = spec.page_table if spec.prefill_kv == "paged" else "csr"
+    table, num_pages = page_table(layout, d_lens + [n for _, n in shapes])  # decodes first, then the prefills
     k_cache, v_cache = (paged_cache(kv_dt, spec.kv_layout, num_pages, d) for _ in range(2))
-    indptr, ids, last = table.tensors
     nd = len(d_lens)
-    d_table = fij.csr_page_table(indptr[:nd + 1] - indptr[0], ids[:int(indptr[nd])], last[:nd])
-    p_table = fij.csr_page_table(indptr[nd:] - indptr[nd], ids[int(indptr[nd]):], last[nd:])
+    if layout == "csr":
+        indptr, ids, last = table.tensors
+        d_table = fij.csr_page_table(indptr[:nd + 1] - indptr[0], ids[:int(indptr[nd])], last[:nd])
+        p_table = fij.csr_page_table(indptr[nd:] - indptr[nd], ids[int(indptr[nd]):], last[nd:])
+    else:  # each side the rows of its requests
+        rows, lens = table.tensors
+        separate = layout == "block_table_kv_separate"
+        d_table = fij.block_page_table(rows[:nd], lens[:nd], kv_separate=separate)
+        p_table = fij.block_page_table(rows[nd:], lens[nd:], kv_separate=separate)
     qo_indptr = offsets(m for m, _ in shapes)
     return (hq, nd, k_cache, v_cache, d_table, p_table, qo_indptr, randn((int(qo_indptr[-1]), hq, d), q_dt),
             randn((nd, hq, d), q_dt))
+
+
+def pod_tables(table: PageTable) -> tuple:
+    """A side's CSR arguments to batch POD's plan(): the table's, or three None (block tables)."""
+    return table.tensors if table.layout == "csr" else (None, None, None)
+
+
+def pod_blocks(p_table: PageTable, d_table: PageTable) -> dict:
+    """Batch POD's block-table keywords for block-table sides (CSR: none)."""
+    if p_table.layout == "csr":
+        return {}
+    return dict(block_tables_p=p_table.tensors[0], seq_lens_p=p_table.tensors[1], block_tables_d=d_table.tensors[0],
+                seq_lens_d=d_table.tensors[1])
 
 
 def exercise_pod(spec, matrix=()) -> None:
@@ -438,8 +458,9 @@ def exercise_pod(spec, matrix=()) -> None:
     K/V) or BatchPODWithPagedKVCacheWrapper (paged: three prefill requests on the cache the
     decodes read, other pages), beside three decodes; the mask as the spec says. Both
     sides' outputs and LSEs against their references."""
-    if spec.page_table != "csr":
-        raise CheckFailed(f"{spec.name}: the POD wrappers take CSR page tables (FlashInfer's), not {spec.page_table}")
+    if spec.page_table != "csr" and spec.prefill_kv == "ragged":
+        raise CheckFailed(f"{spec.name}: the single-prefill POD wrapper takes a CSR page table (FlashInfer's), not "
+                          f"{spec.page_table}")
     d = spec.head_dim
     q_dt, kv_dt = dtype(spec.dtype_q), dtype(spec.dtype_kv)
     shapes = [(7, 40)] if spec.prefill_kv == "ragged" else [(1, 16), (7, 40), (20, 100)]  # (qo_len, kv_len)
@@ -461,8 +482,8 @@ def exercise_pod(spec, matrix=()) -> None:
         ref_p = prefill_ref(q_p, qo_indptr, k_p, v_p, kv_indptr=offsets([n]), causal=causal, **mask)
     else:
         pod = fij.BatchPODWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout)
-        pod.plan(qo_indptr, *p_table.tensors, offsets([1] * nd), *d_table.tensors, hq, KV_HEADS, d, PAGE,
-                 q_data_type=q_dt, kv_data_type=kv_dt, causal=causal)
+        pod.plan(qo_indptr, *pod_tables(p_table), offsets([1] * nd), *pod_tables(d_table), hq, KV_HEADS, d, PAGE,
+                 q_data_type=q_dt, kv_data_type=kv_dt, causal=causal, **pod_blocks(p_table, d_table))
         custom = {"custom_mask_p": mask["custom_mask"]} if mask else {}
         (out_p, out_d), (lse_p, lse_d) = pod.run(q_p, (k_cache, v_cache), q_d, (k_cache, v_cache), causal_p=causal,
                                                  return_lse=True, **custom)
@@ -492,8 +513,8 @@ def exercise_pod_sm90(spec, matrix=()) -> None:
     pod = fij.BatchPODWithPagedKVCacheWrapper(workspace(DEVICE), spec.kv_layout)
     pod.prefill_backend = "fa3"
     pod._prefill._force_key_tile = spec.key_tile
-    pod.plan(qo_indptr, *p_table.tensors, offsets([1] * nd), *d_table.tensors, hq, KV_HEADS, d, PAGE,
-             q_data_type=dt, kv_data_type=dt, causal=causal)
+    pod.plan(qo_indptr, *pod_tables(p_table), offsets([1] * nd), *pod_tables(d_table), hq, KV_HEADS, d, PAGE,
+             q_data_type=dt, kv_data_type=dt, causal=causal, **pod_blocks(p_table, d_table))
     (out_p, out_d), (lse_p, lse_d) = pod.run(q_p, (k_cache, v_cache), q_d, (k_cache, v_cache), causal_p=causal,
                                              return_lse=True)
     synchronize()
