@@ -430,6 +430,10 @@ def test_plan_takes_block_tables(qo_lens, kv_lens, mode, view, separate):
         assert (rows.data_ptr() - table.data_ptr() == int(split.decode[0]) * table.stride(0) * 4) == view
     with pytest.raises(ValueError, match="block_tables: pass kv_indptr and kv_indices as None"):
         _plan(ba, batch.plan_args, block_tables=table)
+    with pytest.raises(ValueError, match="kv_len_arr and qo_indptr: expected"):
+        _plan(ba, (batch.plan_args[0], None, None, batch.plan_args[3][:-1]), block_tables=table)
+    with pytest.raises(TypeError, match="block_tables: expected an int32 or int64 tensor"):
+        _plan(ba, (batch.plan_args[0], None, None, batch.plan_args[3]), block_tables=table.float())
     short = torch.tensor(kv_lens, dtype=torch.int32)
     short[0] = table.shape[-1] * 16 + 1
     with pytest.raises(ValueError, match=r"kv_len_arr\[0\].*block_tables holds"):

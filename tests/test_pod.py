@@ -997,6 +997,49 @@ def _cpu_pod_tables() -> tuple:
     return (_i32([0, 200, 400], "cpu"), *csr([300, 500], 0), _i32([0, 1, 2], "cpu"), *csr([40, 70], 60))
 
 
+def _cpu_block_tables(lens, first, separate=False):
+    """[B, max_pages] (or [B, 2, max_pages], V ids + 1000) block tables of ids first.., and the lengths."""
+    pages = [-(-n // 16) for n in lens]
+    width = max(pages) + 2
+    table = torch.full((len(lens), 2, width) if separate else (len(lens), width), -1, dtype=torch.int32)
+    for b, p in enumerate(pages):
+        ids = torch.arange(first + 16 * b, first + 16 * b + p, dtype=torch.int32)
+        if separate:
+            table[b, 0, :p], table[b, 1, :p] = ids, ids + 1000
+        else:
+            table[b, :p] = ids
+    return table, _i32(lens, "cpu")
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["block_table", "block_table_kv_separate"])
+def test_batch_pod_plans_block_tables(separate):
+    """Batch POD's plan(block_tables_p=, seq_lens_p=, block_tables_d=, seq_lens_d=): both sides
+    plan the layout; the work estimates are the CSR plan's; mixed forms, one side's tables
+    alone, two layouts and a side's wrong lengths are ValueErrors naming the argument."""
+    bt_p, sl_p = _cpu_block_tables([300, 500], 0, separate)
+    bt_d, sl_d = _cpu_block_tables([40, 70], 100, separate)
+    args = (_i32([0, 200, 400], "cpu"), None, None, None, _i32([0, 1, 2], "cpu"), None, None, None, *LLAMA, HD, 16)
+    w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.plan(*args, q_data_type=BF16, kv_data_type=BF16, causal=True, block_tables_p=bt_p, seq_lens_p=sl_p,
+           block_tables_d=bt_d, seq_lens_d=sl_d)
+    layout = "block_table_kv_separate" if separate else "block_table"
+    assert w._prefill._plan.spec.page_table == w._decode._plan.spec.page_table == layout
+    csr = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    csr.plan(*_cpu_pod_tables(), *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=BF16, causal=True)
+    assert (w._flops, w._kv_bytes) == (csr._flops, csr._kv_bytes)
+    kw = dict(q_data_type=BF16, causal=True)
+    with pytest.raises(ValueError, match="block_tables_p: pass one page table a side"):
+        w.plan(_i32([0, 200, 400], "cpu"), *_cpu_pod_tables()[1:4], *args[4:], block_tables_p=bt_p, seq_lens_p=sl_p,
+               block_tables_d=bt_d, seq_lens_d=sl_d, **kw)
+    with pytest.raises(ValueError, match="block_tables_d: POD reads both sides through one page-table layout"):
+        w.plan(*args, block_tables_p=bt_p, seq_lens_p=sl_p, **kw)
+    other, _ = _cpu_block_tables([40, 70], 100, not separate)
+    with pytest.raises(ValueError, match="block_tables_d: .* beside the prefill side's"):
+        w.plan(*args, block_tables_p=bt_p, seq_lens_p=sl_p, block_tables_d=other, seq_lens_d=sl_d, **kw)
+    with pytest.raises(ValueError, match=r"seq_lens: expected \[2\].*seq_lens_d"):
+        w.plan(*args, block_tables_p=bt_p, seq_lens_p=sl_p, block_tables_d=bt_d, seq_lens_d=sl_d[:1], **kw)
+
+
 def test_pod_on_hopper_rejects_what_it_does_not_take(monkeypatch):
     """prefill_backend: a value it does not know is a ValueError at plan() naming it; "fa3"
     with a custom mask at run() too (before any launch); "fa3" on a device that is not sm_90

@@ -248,8 +248,14 @@ class BatchAttention:
             if kv_indptr is not None or kv_indices is not None:
                 raise ValueError("block_tables: pass kv_indptr and kv_indices as None with block tables (kv_len_arr "
                                  "gives each request's keys)")
-            _, block_tables = parse_block_tables(block_tables, kv_len_arr)
             lens = host_index(kv_len_arr, "kv_len_arr")
+            qo_rows = qo_indptr.shape[0] if isinstance(qo_indptr, torch.Tensor) else len(qo_indptr)
+            if isinstance(block_tables, torch.Tensor) and block_tables.dim() in (2, 3) and \
+                    (len(lens) != block_tables.shape[0] or qo_rows != len(lens) + 1):
+                raise ValueError(f"kv_len_arr and qo_indptr: expected {block_tables.shape[0]} lengths and "
+                                 f"{block_tables.shape[0] + 1} offsets (block_tables has {block_tables.shape[0]} "
+                                 f"rows), got {len(lens)} and {qo_rows}")
+            _, block_tables = parse_block_tables(block_tables, kv_len_arr)
             pages = -(-lens // page_size)
             if len(pages) and int(pages.max()) > block_tables.shape[-1]:
                 r = int(np.argmax(pages))

@@ -246,8 +246,13 @@ def _side_tables(kv_indptr_p, kv_indices_p, last_page_len_p, block_tables_p, seq
         missing = "block_tables_d" if blocks[0] else "block_tables_p"
         raise ValueError(f"{missing}: POD reads both sides through one page-table layout; pass block tables for both "
                          "sides or CSR tables for both")
-    layout_p, _ = parse_block_tables(block_tables_p, seq_lens_p)
-    layout_d, _ = parse_block_tables(block_tables_d, seq_lens_d)
+    layouts = []
+    for side, tables, lens in (("p", block_tables_p, seq_lens_p), ("d", block_tables_d, seq_lens_d)):
+        try:
+            layouts.append(parse_block_tables(tables, lens)[0])
+        except (TypeError, ValueError) as exc:  # (named after the side's arguments)
+            raise type(exc)(f"{exc} [block_tables_{side} / seq_lens_{side}]") from None
+    layout_p, layout_d = layouts
     if layout_p != layout_d:
         raise ValueError(f"block_tables_d: {layout_d} beside the prefill side's {layout_p}; POD reads both sides "
                          "through one page-table layout")
