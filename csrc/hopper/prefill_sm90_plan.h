@@ -15,9 +15,11 @@
 #include <numeric>
 #include <vector>
 
+#include "hopper/prefill_sm90_params.h"
+
 namespace fij::sm90_plan {
 
-constexpr int kTileInts = 8;  // csrc/hopper/prefill_sm90_params.h kSm90TileInts
+constexpr int kTileInts = kSm90TileInts;
 
 struct TileStats {
   int64_t tiles = 0;     // the batch's tiles (written only when they fit)

@@ -121,8 +121,9 @@ def _side_table(requests: np.ndarray, kv_indptr: np.ndarray, kv_lens: np.ndarray
 
 
 def _side_ids(pages, kv_indices: torch.Tensor) -> torch.Tensor:
-    """A side's page ids: a view of kv_indices where they are one run of it, else gathered
-    (one small index_select on kv_indices' device)."""
+    """A side's page ids: a view of kv_indices where they are one run of it ((first, end)),
+    else gathered at those positions (int64, host: one small index_select on kv_indices'
+    device). Block tables too: their rows (_side_blocks)."""
     if type(pages) is tuple:
         return kv_indices[pages[0]:pages[1]]
     index = pages
@@ -136,11 +137,9 @@ def _side_blocks(block_tables: torch.Tensor, lens: np.ndarray, requests: np.ndar
     they are one run of rows, else one index_select on the table's device) and their KV
     lengths (int32, host), as the families' plan() takes them (block_tables=, seq_lens=)."""
     n = len(requests)
-    if n == 0 or int(requests[-1]) - int(requests[0]) + 1 == n:
-        first = int(requests[0]) if n else 0
-        rows = block_tables[first:first + n]
-    else:
-        rows = block_tables.index_select(0, torch.from_numpy(requests.astype(np.int64)).to(block_tables.device))
+    first = int(requests[0]) if n else 0
+    run = n == 0 or int(requests[-1]) - first + 1 == n
+    rows = _side_ids((first, first + n) if run else torch.from_numpy(requests.astype(np.int64)), block_tables)
     return {"block_tables": rows, "seq_lens": torch.from_numpy(lens[requests].astype(np.int32))}
 
 

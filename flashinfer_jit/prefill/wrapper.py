@@ -622,9 +622,9 @@ class _PrefillWrapper:
             native = (_CSR, qo_t, kv_t, last, config.page_size, 0)
             qo, kv = qo_t.numpy(), kv_t.numpy()
             page_size = config.page_size
-            # (numpy's lengths where something reads them: the C++ tile planner computes its own)
+            # (numpy's lengths where the mask or the copy reads them; the tiles compute their own)
             kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size) \
-                if config.mask == "custom" or sm90.gathers(config) or fastcall.extension() is None else None
+                if config.mask == "custom" or sm90.gathers(config) else None
             ids = as_int32_index(page_ids, "paged_kv_indices")
             if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
                 raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
@@ -648,7 +648,7 @@ class _PrefillWrapper:
         def tiles_of(keys_a_tile: int, rows: int):
             """(tiles, active, their column 6's sum): in C++ where the vectors allow it, else numpy."""
             got = self._sm90.native_tiles(*native, causal, keys_a_tile, window, rows) if native is not None else None
-            if got is None:
+            if got is None:  # (CSR without the lengths computed above: numpy's, here)
                 lens = kv_lens if kv_lens is not None or native is None or native[0] != _CSR else \
                     csr_kv_lens_host(kv, native[3].numpy(), page_size)
                 t, a = sm90.plan_tiles(qo, kv, causal, keys_a_tile, lens, window, rows)

@@ -67,7 +67,7 @@ MODULE = "fij_fastcall"
 # headers they include from csrc/
 UNITS = ("runtime/fastcall.cc", "pod/pod_fastcall.cc")
 SOURCES = (*UNITS, "runtime/fast_entry.h", "runtime/fastcall_common.h", "runtime/plan_entry.h",
-           "hopper/prefill_sm90_plan.h")
+           "hopper/prefill_sm90_plan.h", "hopper/prefill_sm90_params.h")
 SUBDIR = ".fastcall"
 
 
