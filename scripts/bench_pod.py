@@ -640,7 +640,8 @@ CHECKED_OURS = ("pod", "pod_single", "batch_attention", "batch_attention_interle
 def _check(res: dict, names) -> str:
     short = {"pod": "pod", "pod_single": "pod1", "batch_attention": "BA", "batch_attention_interleaved": "BAi",
              "flashinfer_pod": "pod", "flashinfer_pod_single": "pod1", "flashinfer_serial": "serial",
-             "flashinfer_batch_attention": "BA", "pod_hopper": "podH", "batch_attention_hopper": "BAH"}
+             "flashinfer_batch_attention": "BA", "pod_hopper": "podH", "batch_attention_hopper": "BAH",
+             "pod_single_hopper": "pod1H"}
     parts = [f"{short[n]} {'ok' if c['agrees'] else 'DIFF'} " + ("NaN" if c["max_abs_diff"] is None else
                                                               f"{c['max_abs_diff']:.4f}")
              for n, c in res["check"].items() if n in names]
