@@ -29,6 +29,12 @@ Per row, on the same tensors (our implementations first, then FlashInfer's):
                          batch with the prefill requests spread among the decodes (one prefill: in
                          the middle), which BatchAttention runs through one gather of q and one
                          scatter of out / lse: what not being decodes-first costs
+  batch_attention_graph  the batch_attention batch on a use_cuda_graph=True BatchAttention: run()
+                         captured once, timed as the graph's replay (the sides' fixed rows: a
+                         gather of q and of the outputs around the POD launch)
+  batch_attention_rope   the batch_attention batch with pos_encoding_mode="ROPE_LLAMA": every
+                         request on the prefill side, the prefill kernel rotating q and K; not
+                         checked here (tests/test_batch_attention.py checks it)
   pod_hopper, batch_attention_hopper, pod_single_hopper: batch POD, BatchAttention and the single
                          form (its prefill request's K/V rows) with prefill_backend="auto"
                          (POD on Hopper, csrc/pod/pod_sm90.cuh, where the prefill side plans the
@@ -99,7 +105,7 @@ RESERVE_S = 5.0  # left at the end for the report
 DEVICE = "cuda"
 OURS = ("pod", "pod_single", "serial", "serial_single", "prefill_only", "prefill_single_only", "decode_only",
         "batch_attention", "batch_attention_interleaved", "batch_attention_t64", "pod_hopper",
-        "batch_attention_hopper", "pod_single_hopper")
+        "batch_attention_hopper", "pod_single_hopper", "batch_attention_rope", "batch_attention_graph")
 HOPPER = ("pod_hopper", "batch_attention_hopper", "pod_single_hopper")  # prefill_backend="auto": POD on Hopper
 FI = ("flashinfer_pod", "flashinfer_pod_single", "flashinfer_serial", "flashinfer_batch_attention")
 SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_single",
@@ -107,12 +113,13 @@ SINGLE = ("pod_single", "serial_single", "prefill_single_only", "flashinfer_pod_
 INTERLEAVED = ("batch_attention_interleaved",)  # on the rows marked interleaved only
 # rows of decodes=0; batch_attention_t64: its prefill side pinned to 64-row tiles
 NO_DECODES = ("batch_attention", "batch_attention_t64", "prefill_only", "flashinfer_batch_attention",
-              "batch_attention_hopper")
+              "batch_attention_hopper", "batch_attention_rope", "batch_attention_graph")
 # what each output is checked against: the first of these that ran
 CHECKS = {"pod": ("serial",), "pod_single": ("serial_single",), "pod_single_hopper": ("serial_single",), "batch_attention": ("pod", "serial", "prefill_only"),
           "batch_attention_t64": ("pod", "serial", "prefill_only"), "pod_hopper": ("serial",),
           "batch_attention_hopper": ("pod", "serial", "prefill_only"),
-          "batch_attention_interleaved": ("pod", "serial"), "flashinfer_pod": ("serial",),
+          "batch_attention_interleaved": ("pod", "serial"), "batch_attention_graph": ("pod", "serial", "prefill_only"),
+          "flashinfer_pod": ("serial",),
           "flashinfer_pod_single": ("serial_single",), "flashinfer_serial": ("serial",),
           "flashinfer_batch_attention": ("serial", "prefill_only")}
 FI_MODULE = {"flashinfer_pod": "batch_pod", "flashinfer_pod_single": "pod", "flashinfer_serial": "prefill",
@@ -455,20 +462,37 @@ def make(name: str, x: Inputs, row: Row, fi):
 
     if base.startswith("batch_attention"):
         b = make_batch(x, row, interleaved=base == "batch_attention_interleaved")
-        w = lib.BatchAttention(kv_layout="NHD", device=DEVICE)
+        w = lib.BatchAttention(kv_layout="NHD", device=DEVICE, use_cuda_graph=base == "batch_attention_graph")
         if base == "batch_attention_t64":
             w._prefill._force_tile_rows = 64
         if base == "batch_attention_hopper":
             w.prefill_backend = "auto"
         # FlashInfer's plan() synchronizes the device (and reads the index tensors on the host); ours takes
         # host tensors without any synchronization
+        # (batch_attention_rope: in-kernel RoPE, every request on the prefill side; not checked here, its
+        # outputs are another function's: tests/test_batch_attention.py checks them)
+        rope = {"pos_encoding_mode": "ROPE_LLAMA"} if base == "batch_attention_rope" else {}
         w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.kv_len_arr, NUM_QO_HEADS, NUM_KV_HEADS, d, d, PAGE_SIZE,
-               causal=True, q_data_type=bf16, kv_data_type=x.kv_dtype)
+               causal=True, q_data_type=bf16, kv_data_type=x.kv_dtype, **rope)
         out = torch.empty(b.q.shape[0], NUM_QO_HEADS, d, dtype=bf16, device=DEVICE)
         lse = torch.empty(b.q.shape[0], NUM_QO_HEADS, dtype=torch.float32, device=DEVICE)
 
         def run():
             return w.run(b.q, x.cache_p, out=out, lse=lse)
+
+        if base == "batch_attention_graph":  # run() captured once (after one eager run), timed as a replay
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+
+            def run():  # noqa: F811
+                graph.replay()
+                return out, lse
 
         run.parts = lambda got: (got[0].index_select(0, b.rows_p), got[0].index_select(0, b.rows_d))
         return run
@@ -652,7 +676,7 @@ COLS1 = ["row", "pod", "pod1", "serial", "serial1", "prefill", "pre1", "decode",
          "ser1/pod1", "idl1/pod1", "pod/BA", "check"]
 COLS2 = ["row", "pod", "pod1", "BA", "FI pod", "FI pod1", "FI serial", "FI BA", "FI/pod", "FI1/pod1", "FIBA/BA",
          "FIs/FIpod", "FI check"]
-COLS3 = ["row", "pod", "BA", "BAi", "pod/BA", "ser/BA", "BAi/BA", "BAi/BA paired", "BA t64"]
+COLS3 = ["row", "pod", "BA", "BAi", "pod/BA", "ser/BA", "BAi/BA", "BAi/BA paired", "BAgraph", "BArope", "BA t64"]
 COLS4 = ["row", "podH", "BAH", "serial", "pod", "ser/podH", "pod/podH", "idl/podH", "FI/podH", "FIBA/BAH",
          "pod1H", "ser1/pod1H", "FI1/pod1H", "check"]
 
@@ -679,6 +703,7 @@ def line3(res: dict) -> list:
             sp.get("batch_attention_vs_pod"), sp.get("batch_attention_vs_serial"),
             sp.get("batch_attention_vs_interleaved"),
             res["paired"].get("batch_attention_interleaved_over_batch_attention", {}).get("median"),
+            _us(im.get("batch_attention_graph")), _us(im.get("batch_attention_rope")),
             bc._cell(_us(im.get("batch_attention_t64")))]  # (fmt prints the last cell as given)
 
 
@@ -706,7 +731,8 @@ def report(res: dict) -> str:
     ba_rows = [r for r in res["rows"] if "median_us" in r["impls"].get("batch_attention", {})]
     if ba_rows:
         lines += ["", ("BatchAttention (BA: decodes first, in place; BAi: the prefills among the decodes, a "
-                       "gather of q and a scatter of out / lse; x/BA: x's time over BA's)"),
+                       "gather of q and a scatter of out / lse; x/BA: x's time over BA's; BAgraph: a "
+                       "use_cuda_graph=True BatchAttention's replay; BArope: with in-kernel RoPE)"),
                   bc.table([line3(r) for r in ba_rows], COLS3)]
     if any(any(k in r["impls"] and "median_us" in r["impls"][k] for k in FI) for r in res["rows"]):
         lines += ["", ("FlashInfer (pod, pod1, BA: ours again, interleaved with FlashInfer; FI/pod, FIBA/BA: "

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
-from kv_helpers import DEV, assert_sentinels, assert_tests_matrix_has, poisoned, randn
+from kv_helpers import DEV, assert_sentinels, assert_tests_matrix_has, capture_graph, poisoned, randn
 from test_pod import FP8_FACTOR, TOL, Table, check_lse, check_out, make_cache, nan_outside
 
 import flashinfer_jit as fij
@@ -63,9 +63,9 @@ BATCHES = {
 }
 
 
-def expected_mode(requests, cap) -> str:
+def expected_mode(requests, cap, pos="NONE") -> str:
     ones = [qo == 1 for qo, _ in requests]
-    if not any(ones):
+    if not any(ones) or pos != "NONE":
         return "prefill"
     if all(qo <= 1 for qo, _ in requests):  # every row a decode's (the rest: requests without rows)
         return "decode"
@@ -109,6 +109,7 @@ class Case(NamedTuple):
     cap: float | None = None       # logits_soft_cap: serial mode
     sm_scale: float | None = None
     kv_scales: tuple = ()          # (k_scale, v_scale) given to run()
+    pos: str = "NONE"              # pos_encoding_mode: ROPE_LLAMA / ALIBI put every request on the prefill side
 
 
 CASES = {
@@ -133,6 +134,8 @@ CASES = {
     "decodes-first-causal-5d": Case("decodes-first", causal=True, single=True),
     "interleaved-causal-HND": Case("interleaved", causal=True, layout="HND"),
     "decodes-first-causal-HND-5d": Case("decodes-first", causal=True, layout="HND", single=True),
+    "interleaved-causal-rope": Case("interleaved", causal=True, pos="ROPE_LLAMA"),
+    "decodes-first-causal-alibi": Case("decodes-first", causal=True, pos="ALIBI"),
 }
 IN_PLACE = ["decodes-first", "decodes-last", "interleaved", "decode-only", "prefill-only"]
 REPLAN = [Case("interleaved", causal=True), Case("decodes-last", causal=True), Case("decode-only")]
@@ -141,7 +144,7 @@ REPLAN = [Case("interleaved", causal=True), Case("decodes-last", causal=True), C
 def plan(ba: BatchAttention, batch: Batch, case: Case) -> None:
     ba.plan(*batch.plan_args, *LLAMA, case.head_dim, case.head_dim, case.page_size, causal=case.causal,
             sm_scale=case.sm_scale, logits_soft_cap=case.cap, q_data_type=case.dtype,
-            kv_data_type=case.kv_dtype or case.dtype)
+            kv_data_type=case.kv_dtype or case.dtype, pos_encoding_mode=case.pos)
 
 
 def make_inputs(case: Case, seed: int, host_indptr=False):
@@ -163,7 +166,7 @@ def reference(q, batch: Batch, cache, case: Case):
     return prefill_ref(q, batch.plan_args[0].to(DEV), cache.k, cache.v,
                        page_table=csr_page_table(indptr, indices, batch.last), kv_layout=cache.layout,
                        causal=case.causal, sm_scale=case.sm_scale, logits_soft_cap=case.cap, k_scale=k_scale,
-                       v_scale=v_scale)
+                       v_scale=v_scale, pos_encoding_mode=case.pos)
 
 
 def run_kwargs(case: Case) -> dict:
@@ -197,7 +200,7 @@ def test_mixed_batch(seed, name):
     batch, cache, q, _ = make_inputs(case, 100 + seed)
     ba = fij.BatchAttention(case.layout)
     plan(ba, batch, case)
-    assert ba._planned[0] == expected_mode(batch.requests, case.cap)
+    assert ba._planned[0] == expected_mode(batch.requests, case.cap, case.pos)
     _poison_allocator(q, case.head_dim)
     out, lse = ba.run(q, cache.run_arg, **run_kwargs(case))
     torch.cuda.synchronize()
@@ -277,6 +280,73 @@ def test_plan_once_run_twice_then_replan():
         out, lse = ba.run(q, cache.run_arg)
         torch.cuda.synchronize()
         check(out, lse, reference(q, batch, cache, case), case)
+
+
+# --- CUDA graphs (use_cuda_graph=True) ---------------------------------------------------------------
+GRAPH_STEPS = [  # (qo_len, kv_len) per request; None: the previous plan again, new q values only
+    lambda rnd: _decodes(rnd, 10, 1500) + [(300, 1000)] + _decodes(rnd, 10, 1500) + [(200, 700)],
+    None,
+    lambda rnd: _decodes(rnd, 36, 2500),                                     # decodes only
+    lambda rnd: [(4, 900), (300, 1000), (4, 2000), (0, 0), (2, 17)],         # no one-token request
+    lambda rnd: [(500, 1500)] + _decodes(rnd, 20, 1200) + [(0, 0)],          # decodes last, padding
+    lambda rnd: [(0, 0), (0, 0)],                                            # no rows at all
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["pod", "pod-on-hopper", "softcap"])
+def test_cuda_graph_replay_after_replan(variant):
+    """use_cuda_graph=True: run() captured once into given out / lse (q a fixed tensor of
+    max_num_tokens rows), then replayed after plans of other batches over the same cache
+    refilled in place: other decode / prefill counts, either side empty, no rows at all. The
+    plan's rows against the float64 reference (outputs NaN before each replay), the rows past
+    them zero. pod: one POD launch; pod-on-hopper: prefill_backend "fa3" (sm_90); softcap: the
+    two families' CUDA-graph wrappers one after the other."""
+    if variant == "pod-on-hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
+    rnd, gen = random.Random(77), torch.Generator(device=DEV).manual_seed(77)
+    case = Case("interleaved", causal=True, cap=30.0 if variant == "softcap" else None)
+    max_batch, max_tokens, pool = 40, 600, 600
+    ba = fij.BatchAttention("NHD", use_cuda_graph=True, max_batch_size=max_batch, max_num_tokens=max_tokens,
+                            max_num_pages=pool)
+    if variant == "pod-on-hopper":
+        ba.prefill_backend = "fa3"
+    cache = make_cache(pool, case.page_size, LLAMA[1], HD, BF16, gen)
+    q = randn((max_tokens, LLAMA[0], HD), BF16, gen)
+    out, lse = torch.empty((max_tokens, LLAMA[0], HD), dtype=BF16, device=DEV), \
+        torch.empty((max_tokens, LLAMA[0]), dtype=torch.float32, device=DEV)
+    graph = batch = None
+    for step, make in enumerate(GRAPH_STEPS):
+        if make is not None:
+            requests = make(rnd)
+            pages = [-(-kv // case.page_size) for _, kv in requests]
+            ids = rnd.sample(range(pool), sum(pages))
+            last = [kv - (p - 1) * case.page_size if p else 0 for (_, kv), p in zip(requests, pages)]
+            i32 = lambda v: torch.tensor(list(v), dtype=torch.int32, device=DEV)  # noqa: E731
+            batch = Batch(requests, (i32(itertools.accumulate([qo for qo, _ in requests], initial=0)),
+                                     i32(itertools.accumulate(pages, initial=0)), i32(ids),
+                                     i32([kv for _, kv in requests])), i32(last), pool)
+            for part in (cache.k, cache.v):
+                part.copy_(randn(part.shape, BF16, gen))
+            read = [kv if qo else 0 for qo, kv in requests]
+            nan_outside(cache, case.page_size, [Table((batch.plan_args[1], batch.plan_args[2], batch.last), None,
+                                                      read)])
+            plan(ba, batch, case)
+            assert ba._planned[0] == ("serial" if case.cap else "pod"), ba._planned[0]
+            if variant == "pod-on-hopper":
+                assert ba._pod._prefill.planned_backend == "fa3"
+        q.copy_(randn(q.shape, BF16, gen))
+        if graph is None:
+            graph, got = capture_graph(lambda: ba.run(q, cache.run_arg, out=out, lse=lse, **run_kwargs(case)))
+            assert got[0] is out and got[1] is lse
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        tokens = int(batch.plan_args[0][-1])
+        assert bool((out[tokens:] == 0).all()) and bool((lse[tokens:] == 0).all()), f"step {step}: rows past the plan"
+        if tokens:
+            check(out[:tokens], lse[:tokens], reference(q[:tokens], batch, cache, case), case)
 
 
 # --- split_batch (CPU) ------------------------------------------------------------------------------
@@ -374,6 +444,8 @@ def _args(qo_lens, kv_lens, device="cpu", page_size=16):
     pytest.param([1, 300, 1], [20, 1000, 3], dict(logits_soft_cap=30.0), "serial", [0, 2], id="serial-softcap"),
     pytest.param([1, 300, 1], [20, 1000, 3], dict(head_dims=(192, 128)), "prefill", [], id="hd192-128"),
     pytest.param([1, 0, 1], [20, 0, 3], {}, "decode", [0, 2], id="decodes-and-padding"),
+    pytest.param([1, 300, 1], [20, 1000, 3], dict(pos_encoding_mode="ROPE_LLAMA"), "prefill", [], id="rope"),
+    pytest.param([1, 1], [20, 3], dict(pos_encoding_mode="ALIBI"), "prefill", [], id="alibi-decodes"),
 ])
 def test_plan_on_host_picks_the_mode(qo_lens, kv_lens, kwargs, mode, decode):
     ba = fij.BatchAttention(device="cpu")
@@ -381,6 +453,14 @@ def test_plan_on_host_picks_the_mode(qo_lens, kv_lens, kwargs, mode, decode):
     assert ba._planned[0] == mode
     assert ba._planned[1].decodes == len(decode)
     assert ba._planned[3] == sum(qo_lens)
+    if "pos_encoding_mode" in kwargs:  # the prefill kernel rotates (adds the bias) in-kernel
+        want = {"ROPE_LLAMA": "rope_llama", "ALIBI": "alibi"}[kwargs["pos_encoding_mode"]]
+        assert ba._prefill._plan.spec.pos_encoding == want
+
+
+def test_plan_rejects_an_unknown_pos_encoding_mode():
+    with pytest.raises(ValueError, match="pos_encoding_mode"):
+        _plan(fij.BatchAttention(device="cpu"), _args([1, 5], [20, 40]), pos_encoding_mode="ROPE")
 
 
 def block_tables_of(batch: Batch, separate: bool, v_perm: torch.Tensor | None = None) -> torch.Tensor:
@@ -609,3 +689,77 @@ def test_run_rejects_q_on_another_device():
     cache = tuple(torch.zeros(14, 16, 8, HD, dtype=BF16) for _ in range(2))
     with pytest.raises(ValueError, match="q: on meta, but the wrapper .* is on cpu"):
         ba.run(q, cache)
+
+
+# --- CUDA-graph plans (CPU) --------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, mode", [
+    pytest.param({}, "pod", id="pod"),
+    pytest.param(dict(logits_soft_cap=30.0), "serial", id="softcap"),
+    pytest.param(dict(head_dims=(192, 128)), "prefill", id="hd192-128"),
+])
+def test_graph_plans_keep_one_launch_form(kwargs, mode):
+    """A CUDA-graph wrapper runs every plan in the form its configuration fixes (decodes only,
+    no decodes, no rows: still POD), and each plan ships where each row lives in the sides'
+    fixed rows: fwd (a side row's batch row: the decode side's max_batch_size rows, then the
+    prefill side's) and inv (a batch row's side row; past the plan's rows, the zero row)."""
+    ba = fij.BatchAttention(device="cpu", use_cuda_graph=True, max_batch_size=6, max_num_tokens=320,
+                            max_num_pages=400)
+    assert ba.is_cuda_graph_enabled()
+    for qo_lens, kv_lens in [([1, 300, 1, 4], [20, 1000, 3000, 50]), ([1, 1, 1], [1, 17, 3000]),
+                             ([300, 4, 0], [1000, 129, 0]), ([0, 0], [0, 0])]:
+        _plan(ba, _args(qo_lens, kv_lens), **kwargs)
+        assert ba._planned[0] == mode
+        if mode == "prefill":
+            assert ba._graph.rows is None
+            continue
+        fwd, inv, _ = (t.tolist() for t in ba._graph.rows)
+        qo = list(itertools.accumulate(qo_lens, initial=0))
+        decode_rows = [qo[r] for r, n in enumerate(qo_lens) if n == 1]
+        prefill_rows = [row for r, n in enumerate(qo_lens) if n != 1 for row in range(qo[r], qo[r + 1])]
+        assert fwd[:len(decode_rows)] == decode_rows and fwd[6:6 + len(prefill_rows)] == prefill_rows
+        want = [0] * 320
+        for i, row in enumerate(decode_rows):
+            want[row] = i
+        for i, row in enumerate(prefill_rows):
+            want[row] = 6 + i
+        for row in range(qo[-1], 320):
+            want[row] = 6 + 320
+        assert inv == want
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(qo_lens=[1] * 7, kv_lens=[5] * 7), "7 requests exceed .* max_batch_size 6"),
+    (dict(qo_lens=[1, 320], kv_lens=[5, 400]), "321 query tokens exceed .* max_num_tokens 320"),
+    (dict(qo_lens=[1, 20], kv_lens=[5, 6500]), "408 page ids exceed .* max_num_pages 400"),
+    (dict(causal=True), "keeps its first plan"),
+    (dict(sm_scale=0.1), "keeps its first plan"),
+], ids=["batch", "tokens", "pages", "causal", "sm_scale"])
+def test_graph_plan_rejects_what_the_capture_does_not_hold(change, match):
+    ba = fij.BatchAttention(device="cpu", use_cuda_graph=True, max_batch_size=6, max_num_tokens=320,
+                            max_num_pages=400)
+    _plan(ba, _args([1, 300, 1], [20, 1000, 3]))
+    args = _args(change.get("qo_lens", [1, 5, 1]), change.get("kv_lens", [20, 40, 3]))
+    kwargs = {k: v for k, v in change.items() if k in ("causal", "sm_scale")}
+    with pytest.raises(ValueError, match=match):
+        _plan(ba, args, **kwargs)
+
+
+def test_graph_capacities_need_use_cuda_graph():
+    with pytest.raises(ValueError, match="max_batch_size: a capacity of a CUDA-graph wrapper"):
+        fij.BatchAttention(device="cpu", max_batch_size=8)
+    with pytest.raises(ValueError, match="max_num_tokens: expected a positive int"):
+        fij.BatchAttention(device="cpu", use_cuda_graph=True, max_num_tokens=0)
+    ba = fij.BatchAttention(device="cpu", use_cuda_graph=True)
+    _plan(ba, _args([1, 300, 1], [20, 1000, 3]))
+    with pytest.raises(ValueError, match="prefill_backend: a CUDA-graph BatchAttention keeps the kernel"):
+        ba.prefill_backend = "auto"
+
+
+def test_graph_run_checks_q_rows_against_plan_and_capacity():
+    ba = fij.BatchAttention(device="cpu", use_cuda_graph=True, max_num_tokens=320)
+    _plan(ba, _args([1, 5, 1], [20, 40, 3]))
+    cache = tuple(torch.zeros(14, 16, 8, HD, dtype=BF16) for _ in range(2))
+    for rows in (6, 321):
+        with pytest.raises(ValueError, match=r"q: expected \[rows, 32, 128\] with qo_indptr\[-1\] = 7 <= rows <= "
+                                             r"max_num_tokens = 320"):
+            ba.run(torch.zeros(rows, 32, HD, dtype=BF16), cache)

@@ -1624,7 +1624,8 @@ def test_fi_multi_token_plan_rejects_an_empty_kv_range(native, graph, monkeypatc
     with pytest.raises(ValueError, match="empty KV range") as info:
         w.plan(*_fi_table(last=1), **FI_PLAN, q_len_per_req=2)
     assert "request 0 has kv_len 1 < q_len_per_req 2" in str(info.value)
-    assert w._plan is None and w._capacity is None  # a rejected first plan fixes no capacity
+    # a rejected first plan fixes no capacity (a CUDA-graph wrapper's is its constructor buffers')
+    assert w._plan is None and w._capacity == (FI_BATCH if graph else None)
     indptr, indices, _ = _fi_table()
     last = torch.tensor([16, 3, 16, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"request 1 has kv_len 3 < q_len_per_req 4.*\(2 of 4 do not\)"):

@@ -566,7 +566,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._plan = None
         self._traced = None  # plan()'s values for a run() under torch.compile
         self._split = SplitBuffers(float_workspace_buffer, self._use_cuda_graph)  # partial states, merge counters
-        self._capacity = None  # CUDA-graph mode: fixed at the first plan()
+        # CUDA-graph mode: the requests a plan may hold, fixed by the constructor's
+        # paged_kv_indptr_buffer (FlashInfer's fixed batch size, an upper bound here), else by
+        # the first plan()
+        self._given_capacity = paged_kv_indptr_buffer.shape[0] - 1 \
+            if self._use_cuda_graph and paged_kv_indptr_buffer is not None else None
+        self._capacity = self._given_capacity
         self._configs = {}  # plan()'s scalar arguments -> _Config
         self._plan_buffer = PlanBuffer(self._device, self._use_cuda_graph)
         self._pdl = supports_pdl(self._device)  # run(enable_pdl=None): as FlashInfer, on from sm_90
@@ -989,14 +994,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if code is None:
             plan_buffer.give_back()
             if self._use_cuda_graph and self._plan is None:
-                self._capacity = None  # (the path that takes the form decides)
+                self._capacity = self._given_capacity  # (the path that takes the form decides)
             return False
         if code > 0:  # the list needs a larger slot: the same slot, grown
             slot = plan_buffer.regrow(code)
             code = call(slot)
         if code != 0:
             if self._use_cuda_graph and self._plan is None:
-                self._capacity = None  # the numpy path decides, and a first plan it rejects fixes nothing
+                # the numpy path decides, and a first plan it rejects fixes nothing
+                self._capacity = self._given_capacity
             return None
         items, any_split, cluster, warps, per_block, grid_items, longest = self._native_result.tolist()
         return batch, capacity or batch, slot, items, grid_items, bool(any_split), cluster, warps, per_block, longest

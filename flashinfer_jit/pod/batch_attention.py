@@ -28,9 +28,11 @@ from ..decode.spec import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime import fastcall
-from ..runtime.checks import (as_dtype, compiling, dtype_str, expect_bool, expect_choice, expect_heads, host_index,
+from ..runtime.checks import (as_dtype, compiling, dtype_str, expect_bool, expect_choice, expect_heads,
+                              expect_positive_int, host_index,
                               static_inputs)
 from ..runtime.page_table import parse_block_tables, unpack_paged_kv_cache
+from ..runtime.plan_buffer import PlanBuffer
 from .wrapper import BatchPODWithPagedKVCacheWrapper
 
 __all__ = ["BatchAttention", "split_batch", "BatchSplit", "BatchCut", "cut_batch"]
@@ -190,6 +192,100 @@ def _side_errors(side: str, split: BatchSplit, names: tuple = ("decode", "prefil
                          f"[{ids(split.decode)}], the {names[1]} side's [{ids(split.prefill)}])") from exc
 
 
+class _GraphBatch:
+    """A CUDA-graph BatchAttention's fixed state. A captured run() replays one launch form
+    over buffers whose addresses the graph holds, so every plan of such a wrapper runs the
+    same form, chosen by its configuration alone: "pod" (both sides in one POD launch, either
+    side possibly empty), "serial" (a soft cap: the two families' CUDA-graph wrappers one
+    after the other) or "prefill" (head_dim 192/128, which no decode kernel takes: every
+    request on the prefill side, reading q and writing the outputs in place). For "pod" and
+    "serial", run() gathers q into the sides' fixed rows (the decode side's max_batch_size
+    rows, then the prefill side's max_num_tokens) and gathers the outputs back into the
+    batch's order, through two index vectors each plan() ships (one copy): `fwd`, a side
+    row's row of the batch; `inv`, a batch row's side row (rows past the plan's tokens: a
+    row of zeros no launch writes)."""
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str, caps: tuple):
+        self.workspace, self.kv_layout, self.caps = workspace, kv_layout, caps
+        self.mode = self.key = None
+        self.pod = self.prefill = self.decode = None
+        self.stage = None  # (q, out, lse) of the sides' rows: [B + T (+ 1), ...]
+        self.rows = None  # (fwd, inv, the plan buffer's device buffer they view)
+        self.buffer = PlanBuffer(workspace.device, True)
+
+    def setup(self, cut: BatchCut, key: tuple, decode_ok: bool, backend: str) -> str:
+        """The launch form of this plan: at the first plan the wrappers and buffers (sized by
+        the capacities given, else this plan's), at later ones the checks that the plan fits
+        them (ValueError)."""
+        batch = cut.decodes + cut.prefills
+        if self.mode is None:
+            caps = tuple(max(1, c if c is not None else n) for c, n in zip(self.caps, (batch, cut.rows, cut.pages)))
+            self.caps = caps
+            self.mode = "prefill" if not decode_ok else "serial" if key[7] > 0 else "pod"
+            self._make(caps, key, backend)
+            self.key = key
+        elif key != self.key:
+            raise ValueError("a CUDA-graph BatchAttention keeps its first plan()'s heads, head dims, page size, "
+                             "causal, sm_scale, logits_soft_cap, dtypes and page-table layout (its captured launch "
+                             "was recorded for them); make another wrapper for another configuration")
+        b, t, p = self.caps
+        if batch > b:
+            raise ValueError(f"qo_indptr: {batch} requests exceed this CUDA-graph BatchAttention's max_batch_size {b}")
+        if cut.rows > t:
+            raise ValueError(f"qo_indptr: {cut.rows} query tokens exceed this CUDA-graph BatchAttention's "
+                             f"max_num_tokens {t}")
+        if key[-1] and cut.pages > p:
+            raise ValueError(f"kv_indptr: {cut.pages} page ids exceed this CUDA-graph BatchAttention's max_num_pages "
+                             f"{p}")
+        return self.mode
+
+    def _make(self, caps: tuple, key: tuple, backend: str) -> None:
+        b, t, p = caps
+        hq, _, dqk, dvo = key[:4]
+        dev = self.workspace.device
+
+        def ids(n):
+            return torch.zeros(n, dtype=torch.int32, device=dev)
+
+        if self.mode == "pod":
+            self.pod = BatchPODWithPagedKVCacheWrapper(self.workspace, self.kv_layout, True, ids(b + 1), ids(b + 1),
+                                                       ids(p), ids(b), ids(b + 1), ids(p), ids(b))
+            self.pod.prefill_backend = backend
+        else:
+            self.prefill = BatchPrefillWithPagedKVCacheWrapper(self.workspace, self.kv_layout, True, ids(b + 1),
+                                                               ids(b + 1), ids(p), ids(b), backend=backend)
+            if self.mode == "serial":
+                self.decode = BatchDecodeWithPagedKVCacheWrapper(
+                    torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), self.kv_layout, True, True,
+                    ids(b + 1), ids(p), ids(b))
+        if self.mode != "prefill":
+            q_dtype = key[8]
+            self.stage = (torch.empty((b + t, hq, dqk), dtype=q_dtype, device=dev),
+                          torch.zeros((b + t + 1, hq, dvo), dtype=q_dtype, device=dev),
+                          torch.zeros((b + t + 1, hq), dtype=torch.float32, device=dev))
+
+    def ship_rows(self, qo: np.ndarray) -> None:
+        """fwd and inv of a batch (qo_indptr on the host) split as split_batch splits it (one
+        query token: the decode side), in one copy to the fixed device buffer."""
+        b, t, _ = self.caps
+        lens = np.diff(qo)
+        one = lens == 1
+        decode_rows = qo[:-1][one]
+        prefill_rows = np.flatnonzero(~np.repeat(one, lens))
+        slot = self.buffer.host(b + 2 * t)
+        fwd, inv = slot.array[:b + t], slot.array[b + t:b + 2 * t]
+        fwd.fill(0)
+        inv.fill(b + t)
+        fwd[:len(decode_rows)] = decode_rows
+        fwd[b:b + len(prefill_rows)] = prefill_rows
+        inv[decode_rows] = np.arange(len(decode_rows))
+        inv[prefill_rows] = b + np.arange(len(prefill_rows))
+        self.buffer.ship(slot, b + 2 * t, True)
+        buf = self.buffer.buf
+        if self.rows is None or self.rows[2] is not buf:
+            self.rows = (buf[:b + t], buf[b + t:b + 2 * t], buf)
+
+
 class BatchAttention:
     """FlashInfer's BatchAttention: one batch of requests of any lengths (decodes, chunks of
     prompts, speculative verification) over one paged KV cache, one q and one output.
@@ -202,17 +298,42 @@ class BatchAttention:
     lse [tokens, num_qo_heads] float32, base 2 (FlashInfer's convention), written in place
     into `out` / `lse` where given."""
 
-    def __init__(self, kv_layout: str = "NHD", device="cuda"):
+    def __init__(self, kv_layout: str = "NHD", device="cuda", use_cuda_graph: bool = False, *,
+                 max_batch_size=None, max_num_tokens=None, max_num_pages=None):
+        """use_cuda_graph (not in FlashInfer's): run() may be captured in a CUDA graph and
+        replayed after later plans of other batches (docs/pod.md#cuda-graphs-of-a-mixed-batch).
+        Such a wrapper holds at most max_batch_size requests, max_num_tokens query rows and
+        max_num_pages page ids a plan (block tables: rows of the first plan's width); each
+        not given is the first plan()'s."""
         expect_choice(kv_layout, "kv_layout", ("NHD", "HND"))
+        expect_bool(use_cuda_graph, "use_cuda_graph")
+        caps = {"max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "max_num_pages": max_num_pages}
+        for name, value in caps.items():
+            if value is not None:
+                if not use_cuda_graph:
+                    raise ValueError(f"{name}: a capacity of a CUDA-graph wrapper; pass use_cuda_graph=True or leave "
+                                     "it None")
+                expect_positive_int(value, name)
         self._device = torch.device(device)
         self._kv_layout = kv_layout
-        ws = [torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device) for _ in range(3)]
+        self._use_cuda_graph = use_cuda_graph
+        ws = [torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+              for _ in range(1 if use_cuda_graph else 3)]
         self._device = ws[0].device  # ("cuda" made an index: what q and the outputs are compared with)
-        self._pod = BatchPODWithPagedKVCacheWrapper(ws[0], kv_layout)
-        self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout, backend="fa2")
-        self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
+        if use_cuda_graph:  # (the wrappers, sized at the first plan(): _GraphBatch)
+            self._graph = _GraphBatch(ws[0], kv_layout, tuple(caps.values()))
+            self._pod = self._prefill = self._decode = None
+        else:
+            self._graph = None
+            self._pod = BatchPODWithPagedKVCacheWrapper(ws[0], kv_layout)
+            self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout, backend="fa2")
+            self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
+        self._backend = "fa2"
         self._long = None  # "split" mode's Hopper prefill of the long requests (at its first use)
         self._planned = None
+
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
 
     @property
     def prefill_backend(self) -> str:
@@ -221,22 +342,34 @@ class BatchAttention:
         Hopper kernel, and the Hopper kernel for a batch without decodes; "fa3": POD on Hopper or
         a ValueError naming why not. Set it before plan() (BatchPODWithPagedKVCacheWrapper's
         prefill_backend says what POD on Hopper does not take yet)."""
-        return self._pod.prefill_backend
+        return self._backend
 
     @prefill_backend.setter
     def prefill_backend(self, value: str) -> None:
         expect_choice(value, "prefill_backend", ("fa2", "auto", "fa3"))
-        self._pod.prefill_backend = value
-        self._prefill._backend = value
+        if self._graph is not None and self._graph.mode is not None and value != self._backend:
+            raise ValueError("prefill_backend: a CUDA-graph BatchAttention keeps the kernel of its first plan(); set "
+                             "it before that plan")
+        self._backend = value
+        if self._graph is None:
+            self._pod.prefill_backend = value
+            self._prefill._backend = value
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads: int, num_kv_heads: int,
              head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool = False, sm_scale=None,
              logits_soft_cap=None, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-             use_profiler: bool = False, *, block_tables=None) -> None:
+             use_profiler: bool = False, *, block_tables=None, pos_encoding_mode: str = "NONE", rope_scale=None,
+             rope_theta=None) -> None:
         """block_tables (keyword, not in FlashInfer): the batch's page table as block tables,
         vLLM's [B, max_pages] or TensorRT-LLM's [B, 2, max_pages] (K and V page ids), with
         kv_len_arr each request's keys, in place of kv_indptr / kv_indices (None). Each side
-        gets the rows of its requests (a view where they are one run of the table's rows)."""
+        gets the rows of its requests (a view where they are one run of the table's rows).
+
+        pos_encoding_mode (keyword, not in FlashInfer's BatchAttention): "ROPE_LLAMA" rotates q
+        and K in the kernel (rope_scale, rope_theta: the prefill wrapper's defaults 1 and 1e4),
+        "ALIBI" adds FlashInfer's linear bias. Every request then runs on the prefill side, one
+        launch of the prefill kernel, whose blocks rotate (the tensor-core decode block POD
+        runs does not)."""
         expect_heads(num_qo_heads, num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
                      page_size=page_size)
         expect_bool(causal, "causal")
@@ -261,7 +394,10 @@ class BatchAttention:
                 raise ValueError(f"kv_len_arr[{r}] = {int(lens[r])} needs {int(pages[r])} pages of {page_size} tokens; "
                                  f"block_tables holds {block_tables.shape[-1]} a request")
             kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
-        decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS
+        expect_choice(pos_encoding_mode, "pos_encoding_mode", ("NONE", "ROPE_LLAMA", "ALIBI"))
+        rope = {} if pos_encoding_mode == "NONE" else dict(pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                                                           rope_theta=rope_theta)
+        decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS and not rope
         cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
         split = _LazySplit(qo_indptr, decode_ok)
         if cut is None:
@@ -276,7 +412,12 @@ class BatchAttention:
         q_dtype = as_dtype(q_data_type, "q_data_type", torch.bfloat16)
         kv_dtype = as_dtype(kv_data_type, "kv_data_type", q_dtype)
         cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-        if cut.decodes == 0:
+        if self._graph is not None:  # one launch form for every plan: the captured one
+            key = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale, cap, q_dtype,
+                   kv_dtype, pos_encoding_mode, rope_scale, rope_theta, block_tables is None)
+            mode = self._graph.setup(cut, key, decode_ok, self._backend)
+            self._pod, self._prefill, self._decode = self._graph.pod, self._graph.prefill, self._graph.decode
+        elif cut.decodes == 0:
             mode = "prefill"
         elif cut.decode_rows == (0, cut.rows):  # every row a decode's (the rest: requests without rows)
             mode = "decode"
@@ -285,9 +426,9 @@ class BatchAttention:
         else:
             mode = "pod"
         heads = (num_qo_heads, num_kv_heads)
-        if mode == "prefill" and self._pod.prefill_backend != "fa2" and block_tables is None:
+        if mode == "prefill" and self._backend != "fa2" and block_tables is None and self._graph is None:
             options = dict(head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
-                           q_data_type=q_dtype, kv_data_type=kv_dtype)
+                           q_data_type=q_dtype, kv_data_type=kv_dtype, **rope)
             short_long = self._plan_short_long(qo_indptr, kv_indptr, kv_indices, kv_len_arr, heads, head_dim_qk,
                                                page_size, options)
             if short_long is not None:
@@ -310,7 +451,7 @@ class BatchAttention:
         if mode == "prefill":  # the whole batch: the prefill side takes every request
             self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal,
                                sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
-                               kv_data_type=kv_dtype, **p_blocks)
+                               kv_data_type=kv_dtype, **p_blocks, **rope)
         elif mode == "pod":
             with _side_errors("both sides", split):
                 self._pod.plan(p_qo, *p_table, None, *d_table, *heads, head_dim_qk, page_size,
@@ -325,6 +466,10 @@ class BatchAttention:
                     self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
                                        causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
                                        q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks)
+        if self._graph is not None:  # each row's place in the fixed buffers of the sides' rows
+            if mode != "prefill":
+                self._graph.ship_rows(host_index(qo_indptr, "qo_indptr"))
+            cut = cut._replace(perm=None)
         perm = None if cut.perm is None else self._device_perm(cut.perm)
         # (run() reads the cut as plain ints, the decode side's requests and each side's run
         # of rows: Dynamo traces run() under torch.compile)
@@ -364,7 +509,7 @@ class BatchAttention:
         if self._long is None:
             self._long = BatchPrefillWithPagedKVCacheWrapper(
                 torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device), self._kv_layout)
-        self._long._backend = self._pod.prefill_backend
+        self._long._backend = self._backend
         names = ("short", "long")
         with _side_errors("the long side", split, names):
             self._long.plan(*side_table(split.prefill), *heads, head_dim_qk, page_size, **options)
@@ -408,7 +553,8 @@ class BatchAttention:
         if self._planned is None:
             raise RuntimeError("run() before plan(): call plan() with this batch first")
         mode, _, perm, tokens, hq, dqk, dvo, q_dtype, cap, causal, nd, decode_rows, prefill_rows = self._planned
-        quick = self._pod._quick  # (recorded by this wrapper's run(): its POD wrapper is its own)
+        # (recorded by this wrapper's run(): its POD wrapper is its own)
+        quick = self._pod._quick if self._graph is None else None
         if quick is not None and mode == "pod" and perm is None and not compiling() and k_scale is None and \
                 v_scale is None and not logits_soft_cap and kv_cache_sf is None:
             # The common form of a recorded launch: fij_fastcall checks q, the cache and out /
@@ -424,25 +570,34 @@ class BatchAttention:
         if logits_soft_cap and float(logits_soft_cap) != cap:
             raise ValueError(f"logits_soft_cap: run() got {logits_soft_cap}, plan() was given {cap or None}; the soft "
                              "cap is a plan() value")
-        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != tokens or q.shape[1] != hq or \
+        rows, expected = tokens, f"[{tokens}, {hq}, {dqk}] (qo_indptr[-1], num_qo_heads, head_dim_qk)"
+        if self._graph is not None:  # (a captured q keeps its rows: at least the plan's, at most the capacity)
+            cap_rows = self._graph.caps[1]
+            rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 and \
+                tokens <= q.shape[0] <= cap_rows else -1
+            expected = f"[rows, {hq}, {dqk}] with qo_indptr[-1] = {tokens} <= rows <= max_num_tokens = {cap_rows}"
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != rows or q.shape[1] != hq or \
                 q.shape[2] != dqk:
-            raise ValueError(f"q: expected [{tokens}, {hq}, {dqk}] (qo_indptr[-1], num_qo_heads, head_dim_qk), got "
+            raise ValueError(f"q: expected {expected}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         if q.dtype != q_dtype:
             raise ValueError(f"q: planned for {dtype_str(q_dtype)}, got {dtype_str(q.dtype)}")
         if q.device != self._device:
             raise ValueError(f"q: on {q.device}, but the wrapper (its workspace and plan) is on {self._device}")
         if out is None:
-            out = torch.empty((tokens, hq, dvo), dtype=q.dtype, device=q.device)
-        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (tokens, hq, dvo) or out.dtype != q.dtype or \
+            out = torch.empty((rows, hq, dvo), dtype=q.dtype, device=q.device)
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, hq, dvo) or out.dtype != q.dtype or \
                 out.device != q.device or out.stride(-1) != 1:
-            raise ValueError(f"out: expected {dtype_str(q.dtype)} [{tokens}, {hq}, {dvo}] on {q.device} with a "
+            raise ValueError(f"out: expected {dtype_str(q.dtype)} [{rows}, {hq}, {dvo}] on {q.device} with a "
                              "contiguous last dimension")
         if lse is None:
-            lse = torch.empty((tokens, hq), dtype=torch.float32, device=q.device)
-        elif not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (tokens, hq) or lse.dtype != torch.float32 \
+            lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)
+        elif not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (rows, hq) or lse.dtype != torch.float32 \
                 or not lse.is_contiguous() or lse.device != q.device:
-            raise ValueError(f"lse: expected a contiguous float32 [{tokens}, {hq}] tensor on {q.device}")
+            raise ValueError(f"lse: expected a contiguous float32 [{rows}, {hq}] tensor on {q.device}")
+        if self._graph is not None and mode != "prefill":
+            self._run_graph(mode, q, kv_cache, out, lse, k_scale, v_scale)
+            return out, lse
         if mode == "prefill":
             self._prefill.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse)
             return out, lse
@@ -471,6 +626,25 @@ class BatchAttention:
         return out, lse
 
     forward = run
+
+    def _run_graph(self, mode: str, q, kv_cache, out, lse, k_scale, v_scale) -> None:
+        """A CUDA-graph wrapper's run of both sides (_GraphBatch): q gathered into the sides'
+        fixed rows, both sides launched there, the outputs gathered back in the batch's order
+        (rows past the plan's: zeros)."""
+        g = self._graph
+        b, t, _ = g.caps
+        fwd, inv, _ = g.rows
+        qs, os_, ls = g.stage
+        n = q.shape[0]
+        if n == 0:
+            return
+        torch.index_select(q, 0, fwd, out=qs)
+        self._run_sides(mode, qs[b:], qs[:b], kv_cache, os_[b:b + t], ls[b:b + t], os_[:b], ls[:b], k_scale, v_scale)
+        for dst, src in ((out, os_), (lse, ls)):
+            if dst.is_contiguous():
+                torch.index_select(src, 0, inv[:n], out=dst)
+            else:
+                dst.copy_(src.index_select(0, inv[:n]))
 
     def _run_sides(self, mode, q_p, q_d, kv_cache, out_p, lse_p, out_d, lse_d, k_scale, v_scale,
                    record=None) -> None:
