@@ -196,12 +196,12 @@ class _GraphBatch:
     """A CUDA-graph BatchAttention's fixed state. A captured run() replays one launch form
     over buffers whose addresses the graph holds, so every plan of such a wrapper runs the
     same form, chosen by its configuration alone: "pod" (both sides in one POD launch, either
-    side possibly empty), "serial" (a soft cap or in-kernel RoPE / ALiBi: the two families'
-    CUDA-graph wrappers one after the other) or "prefill" (head_dim 192/128, which no decode kernel takes: every
-    request on the prefill side, reading q and writing the outputs in place). For "pod" and
-    "serial", run() gathers q into the sides' fixed rows (the decode side's max_batch_size
-    rows, then the prefill side's max_num_tokens) and gathers the outputs back into the
-    batch's order, through two index vectors each plan() ships (one copy): `fwd`, a side
+    side possibly empty), "serial" (a soft cap: the two families' CUDA-graph wrappers one
+    after the other) or "prefill" (head_dim 192/128, which no decode kernel takes, or in-kernel
+    RoPE / ALiBi: every request on the prefill side, reading q and writing the outputs in
+    place). For "pod" and "serial", run() gathers q into the sides' fixed rows (the decode
+    side's max_batch_size rows, then the prefill side's max_num_tokens) and gathers the
+    outputs back into the batch's order, through two index vectors each plan() ships (one copy): `fwd`, a side
     row's row of the batch; `inv`, a batch row's side row (rows past the plan's tokens: a
     row of zeros no launch writes)."""
 
@@ -221,7 +221,7 @@ class _GraphBatch:
         if self.mode is None:
             caps = tuple(max(1, c if c is not None else n) for c, n in zip(self.caps, (batch, cut.rows, cut.pages)))
             self.caps = caps
-            self.mode = "prefill" if not decode_ok else "serial" if key[7] > 0 or key[10] != "NONE" else "pod"
+            self.mode = "prefill" if not decode_ok else "serial" if key[7] > 0 else "pod"
             self._make(caps, key, backend)
             self.key = key
         elif key != self.key:
@@ -366,10 +366,10 @@ class BatchAttention:
         gets the rows of its requests (a view where they are one run of the table's rows).
 
         pos_encoding_mode (keyword, not in FlashInfer's BatchAttention): "ROPE_LLAMA" rotates q
-        and K in the kernels (rope_scale, rope_theta: the families' defaults 1 and 1e4),
-        "ALIBI" adds FlashInfer's linear bias. A mixed batch then runs its two sides one after
-        the other ("serial"): the prefill kernel and the CUDA-core decode kernel take the
-        encoding in-kernel, the tensor-core decode block POD runs does not."""
+        and K in the kernel (rope_scale, rope_theta: the prefill wrapper's defaults 1 and 1e4),
+        "ALIBI" adds FlashInfer's linear bias. Every request then runs on the prefill side, one
+        launch of the prefill kernel, which takes either in-kernel (the tensor-core decode block
+        POD runs takes neither)."""
         expect_heads(num_qo_heads, num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
                      page_size=page_size)
         expect_bool(causal, "causal")
@@ -397,7 +397,10 @@ class BatchAttention:
         expect_choice(pos_encoding_mode, "pos_encoding_mode", ("NONE", "ROPE_LLAMA", "ALIBI"))
         rope = {} if pos_encoding_mode == "NONE" else dict(pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
                                                            rope_theta=rope_theta)
-        decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS
+        # (in-kernel RoPE / ALiBi: every request on the prefill kernel; the tensor-core decode block
+        # takes neither, and the CUDA-core decode kernel that does made the two sides one after the
+        # other slower: H200, 8bb3d5f, mix 2 1197 us against 906, mix 6 2668 against 1917)
+        decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS and not rope
         cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
         split = _LazySplit(qo_indptr, decode_ok)
         if cut is None:
@@ -421,8 +424,8 @@ class BatchAttention:
             mode = "prefill"
         elif cut.decode_rows == (0, cut.rows):  # every row a decode's (the rest: requests without rows)
             mode = "decode"
-        elif cap > 0 or rope:
-            mode = "serial"  # POD runs no soft cap and no positional encoding; the families do
+        elif cap > 0:
+            mode = "serial"  # POD runs no soft cap; the families do
         else:
             mode = "pod"
         heads = (num_qo_heads, num_kv_heads)
@@ -460,12 +463,12 @@ class BatchAttention:
         else:
             with _side_errors("the decode side", split):
                 self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
-                                  q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, **d_blocks, **rope)
+                                  q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, **d_blocks)
             if mode == "serial":
                 with _side_errors("the prefill side", split):
                     self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
                                        causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
-                                       q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks, **rope)
+                                       q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks)
         if self._graph is not None:  # each row's place in the fixed buffers of the sides' rows
             if mode != "prefill":
                 self._graph.ship_rows(host_index(qo_indptr, "qo_indptr"))
