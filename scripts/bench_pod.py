@@ -487,6 +487,8 @@ def make(name: str, x: Inputs, row: Row, fi):
                 graph.replay()
                 return out, lse
 
+            run.wrapper = w  # (the graph reads the wrapper's buffers: it must outlive the graph)
+
         run.parts = lambda got: (got[0].index_select(0, b.rows_p), got[0].index_select(0, b.rows_d))
         return run
     if base in ("pod", "pod_hopper"):
