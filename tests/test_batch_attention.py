@@ -79,12 +79,12 @@ class Batch(NamedTuple):
     num_pages: int
 
 
-def make_batch(requests, page_size: int, rnd: random.Random, device=DEV, host_indptr=False) -> Batch:
-    """The requests' pages drawn at random from a pool with 8 spare pages; kv_indices on
-    `device`, the other index tensors too unless host_indptr."""
-    qo_lens, kv_lens = zip(*requests)
+def make_batch(requests, page_size: int, rnd: random.Random, device=DEV, host_indptr=False, pool=None) -> Batch:
+    """The requests' pages drawn at random from a pool with 8 spare pages (or of `pool`
+    pages); kv_indices on `device`, the other index tensors too unless host_indptr."""
+    qo_lens, kv_lens = zip(*requests) if requests else ((), ())
     pages = [-(-n // page_size) for n in kv_lens]
-    num_pages = sum(pages) + 8
+    num_pages = pool or sum(pages) + 8
     ids = rnd.sample(range(num_pages), num_pages)[: sum(pages)]
     last = [n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)]
     host = "cpu" if host_indptr else device
@@ -318,14 +318,8 @@ def test_cuda_graph_replay_after_replan(variant):
     graph = batch = None
     for step, make in enumerate(GRAPH_STEPS):
         if make is not None:
-            requests = make(rnd)
-            pages = [-(-kv // case.page_size) for _, kv in requests]
-            ids = rnd.sample(range(pool), sum(pages))
-            last = [kv - (p - 1) * case.page_size if p else 0 for (_, kv), p in zip(requests, pages)]
-            i32 = lambda v: torch.tensor(list(v), dtype=torch.int32, device=DEV)  # noqa: E731
-            batch = Batch(requests, (i32(itertools.accumulate([qo for qo, _ in requests], initial=0)),
-                                     i32(itertools.accumulate(pages, initial=0)), i32(ids),
-                                     i32([kv for _, kv in requests])), i32(last), pool)
+            batch = make_batch(make(rnd), case.page_size, rnd, pool=pool)
+            requests = batch.requests
             for part in (cache.k, cache.v):
                 part.copy_(randn(part.shape, BF16, gen))
             read = [kv if qo else 0 for qo, kv in requests]

@@ -192,6 +192,25 @@ def _side_errors(side: str, split: BatchSplit, names: tuple = ("decode", "prefil
                          f"[{ids(split.decode)}], the {names[1]} side's [{ids(split.prefill)}])") from exc
 
 
+class _GraphKey(NamedTuple):
+    """What a CUDA-graph BatchAttention's first plan fixes for its captured launch."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    page_size: int
+    causal: bool
+    sm_scale: float | None
+    soft_cap: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    pos_encoding_mode: str
+    rope_scale: float | None
+    rope_theta: float | None
+    csr: bool  # (block tables: False)
+
+
 class _GraphBatch:
     """A CUDA-graph BatchAttention's fixed state. A captured run() replays one launch form
     over buffers whose addresses the graph holds, so every plan of such a wrapper runs the
@@ -213,7 +232,7 @@ class _GraphBatch:
         self.rows = None  # (fwd, inv, the plan buffer's device buffer they view)
         self.buffer = PlanBuffer(workspace.device, True)
 
-    def setup(self, cut: BatchCut, key: tuple, decode_ok: bool, backend: str) -> str:
+    def setup(self, cut: BatchCut, key: _GraphKey, decode_ok: bool, backend: str) -> str:
         """The launch form of this plan: at the first plan the wrappers and buffers (sized by
         the capacities given, else this plan's), at later ones the checks that the plan fits
         them (ValueError)."""
@@ -221,7 +240,7 @@ class _GraphBatch:
         if self.mode is None:
             caps = tuple(max(1, c if c is not None else n) for c, n in zip(self.caps, (batch, cut.rows, cut.pages)))
             self.caps = caps
-            self.mode = "prefill" if not decode_ok else "serial" if key[7] > 0 else "pod"
+            self.mode = "prefill" if not decode_ok else "serial" if key.soft_cap > 0 else "pod"
             self._make(caps, key, backend)
             self.key = key
         elif key != self.key:
@@ -234,14 +253,14 @@ class _GraphBatch:
         if cut.rows > t:
             raise ValueError(f"qo_indptr: {cut.rows} query tokens exceed this CUDA-graph BatchAttention's "
                              f"max_num_tokens {t}")
-        if key[-1] and cut.pages > p:
+        if key.csr and cut.pages > p:
             raise ValueError(f"kv_indptr: {cut.pages} page ids exceed this CUDA-graph BatchAttention's max_num_pages "
                              f"{p}")
         return self.mode
 
-    def _make(self, caps: tuple, key: tuple, backend: str) -> None:
+    def _make(self, caps: tuple, key: _GraphKey, backend: str) -> None:
         b, t, p = caps
-        hq, _, dqk, dvo = key[:4]
+        hq, dqk, dvo = key.num_qo_heads, key.head_dim_qk, key.head_dim_vo
         dev = self.workspace.device
 
         def ids(n):
@@ -259,19 +278,19 @@ class _GraphBatch:
                     torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), self.kv_layout, True, True,
                     ids(b + 1), ids(p), ids(b))
         if self.mode != "prefill":
-            q_dtype = key[8]
-            self.stage = (torch.empty((b + t, hq, dqk), dtype=q_dtype, device=dev),
-                          torch.zeros((b + t + 1, hq, dvo), dtype=q_dtype, device=dev),
+            self.stage = (torch.empty((b + t, hq, dqk), dtype=key.q_dtype, device=dev),
+                          torch.zeros((b + t + 1, hq, dvo), dtype=key.q_dtype, device=dev),
                           torch.zeros((b + t + 1, hq), dtype=torch.float32, device=dev))
 
-    def ship_rows(self, qo: np.ndarray) -> None:
-        """fwd and inv of a batch (qo_indptr on the host) split as split_batch splits it (one
-        query token: the decode side), in one copy to the fixed device buffer."""
+    def ship_rows(self, qo: np.ndarray, decode: np.ndarray) -> None:
+        """fwd and inv of a batch (qo_indptr on the host) whose decode side holds the requests
+        `decode` (split_batch's), in one copy to the fixed device buffer."""
         b, t, _ = self.caps
         lens = np.diff(qo)
-        one = lens == 1
-        decode_rows = qo[:-1][one]
-        prefill_rows = np.flatnonzero(~np.repeat(one, lens))
+        decode_rows = qo[decode]
+        on_decode = np.zeros(len(lens), dtype=bool)
+        on_decode[decode] = True
+        prefill_rows = np.flatnonzero(~np.repeat(on_decode, lens))
         slot = self.buffer.host(b + 2 * t)
         fwd, inv = slot.array[:b + t], slot.array[b + t:b + 2 * t]
         fwd.fill(0)
@@ -416,8 +435,8 @@ class BatchAttention:
         kv_dtype = as_dtype(kv_data_type, "kv_data_type", q_dtype)
         cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
         if self._graph is not None:  # one launch form for every plan: the captured one
-            key = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale, cap, q_dtype,
-                   kv_dtype, pos_encoding_mode, rope_scale, rope_theta, block_tables is None)
+            key = _GraphKey(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale, cap,
+                            q_dtype, kv_dtype, pos_encoding_mode, rope_scale, rope_theta, block_tables is None)
             mode = self._graph.setup(cut, key, decode_ok, self._backend)
             self._pod, self._prefill, self._decode = self._graph.pod, self._graph.prefill, self._graph.decode
         elif cut.decodes == 0:
@@ -471,7 +490,7 @@ class BatchAttention:
                                        q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks)
         if self._graph is not None:  # each row's place in the fixed buffers of the sides' rows
             if mode != "prefill":
-                self._graph.ship_rows(host_index(qo_indptr, "qo_indptr"))
+                self._graph.ship_rows(host_index(qo_indptr, "qo_indptr"), split.decode)
             cut = cut._replace(perm=None)
         perm = None if cut.perm is None else self._device_perm(cut.perm)
         # (run() reads the cut as plain ints, the decode side's requests and each side's run
