@@ -45,8 +45,7 @@ namespace fij {
 
 
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
-          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1, int StageBudget = 0,
-          bool AllInFlight = false, int WarpTokens = 0>
+          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1, int StageBudget = 0>
 struct DecodeMmaTraits {
   using Q = typename QueryTypes<TQ>::Q;  // q's elements
   using O = typename QueryTypes<TQ>::O;  // the output's: q's type, 16-bit for an fp8 q
@@ -89,14 +88,12 @@ struct DecodeMmaTraits {
   // (plan()), each streaming twice a split block's rate; its main loop takes its page ids
   // and copies in another order (see the kernel).
   static constexpr bool kWide = kCluster > 1 && kWarpsPerHead == 8;
-  // AllInFlight: the wide kernel's copy order (refill, then wait: all kStages tiles in flight)
-  static constexpr bool kAllInFlight = kWide || AllInFlight;
   static constexpr int kWarps = kWarpsPerHead * kKvHeads;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockRows = kKvHeads * kLiveRows;  // query rows a block writes (see row_head)
   // Tokens per warp per tile: 8 (one m16n8k8 for O^T) for 16-bit caches; 16 (m16n8k16)
   // for fp8, whose tiles would otherwise carry half the bytes for the same fixed costs.
-  static constexpr int kWarpTokens = WarpTokens > 0 ? WarpTokens : (kFp8 ? 16 : 8);  // WarpTokens 16: 16-bit caches too
+  static constexpr int kWarpTokens = kFp8 ? 16 : 8;
   static constexpr int kNTiles = kWarpTokens / 8;           // 8-token column tiles of S
   static constexpr int kTileTokens = kWarpsPerHead * kWarpTokens;  // a head's tokens per tile: 32 or 64
   static constexpr int kChunk = 16;                         // bytes per cp.async / LDS.128
@@ -539,7 +536,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   }
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    if constexpr (Traits::kAllInFlight) {
+    if constexpr (Traits::kWide) {
       // The next page ids first (their loads ahead of this tile's copies), then the copies
       // into the stage of the tile before (this warp is done with its rows there), then
       // the wait for this tile: all kStages tiles in flight during the wait (the split
@@ -667,17 +664,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
       for (int n = 0; n < NT; ++n) pb[t][n] = pack2<MT>(prob[t][n][0], prob[t][n][1]);
 
     // O^T += V^T P^T over the warp's 8 tokens.
-    if constexpr (!Traits::kFp8 && NT == 2) {
-      // 16 tokens a warp, 16-bit: m-tile i's A fragment in one ldmatrix.trans (lane l: token
-      // wt + l % 8 + 8 (l / 16), chunk 2i + (l / 8) % 2), one m16n8k16
-#pragma unroll
-      for (int i = 0; i < Traits::kMTiles; ++i) {
-        uint32_t r[4];
-        ldmatrix_x4_trans(vs + v_off(wt + lane % 8 + 8 * (lane / 16), 2 * i + (lane / 8) % 2), r);
-#pragma unroll
-        for (int t = 0; t < HT; ++t) mma_k16<MT>(o[i][t], r, pb[t][0], pb[t][1]);
-      }
-    } else if constexpr (!Traits::kFp8) {
+    if constexpr (!Traits::kFp8) {
       static_assert(NT == 1, "16-bit caches take 8 tokens per warp");
       // ldmatrix.trans: lane l addresses token wt + l % 8 of chunk 4k + l / 8; registers
       // 0/1 are rows g / g+8 (dims 16(2k) + g, + 8 + g) of m-tile 2k, 2/3 those of 2k + 1.

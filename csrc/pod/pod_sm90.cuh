@@ -36,8 +36,6 @@ namespace fij {
 // Stage bytes of each of a block's three decode units: 64 KB (the decode kernel's blocks take
 // 48 KB, four an SM; three units of 48 KB would keep a quarter fewer bytes in flight an SM).
 constexpr int kPodSm90DecodeStages = 64 * 1024;
-template <int kHeadDim>
-constexpr int kPodSm90DecodeWarpTokens = kHeadDim <= 128 ? 16 : 8;  // (experiment: 8 = the decode kernel's)
 
 struct PodSm90Params {
   PrefillSm90Params prefill;  // its counters: POD's [0] and [1]
