@@ -462,7 +462,9 @@ def make(name: str, x: Inputs, row: Row, fi):
 
     if base.startswith("batch_attention"):
         b = make_batch(x, row, interleaved=base == "batch_attention_interleaved")
-        w = lib.BatchAttention(kv_layout="NHD", device=DEVICE, use_cuda_graph=base == "batch_attention_graph")
+        # (use_cuda_graph: ours only; FlashInfer 0.5.3's BatchAttention takes no such argument)
+        graph = {"use_cuda_graph": True} if base == "batch_attention_graph" else {}
+        w = lib.BatchAttention(kv_layout="NHD", device=DEVICE, **graph)
         if base == "batch_attention_t64":
             w._prefill._force_tile_rows = 64
         if base == "batch_attention_hopper":

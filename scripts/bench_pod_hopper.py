@@ -12,6 +12,8 @@ warm-up, median of --reps):
   pod_hopper_P<n>     the same with the split pinned: n blocks start on prefill items (--blocks)
   pod_hopper_S<t>[_P<n>]  the decode side split into chunks of t tokens (its fixed_split_size;
                       S0: the decode planner's own choice), and the split pinned (--variants)
+  single_hopper       PODWithPagedKVCacheWrapper, prefill_backend="auto": the single form, the
+                      prefill request's K/V as rows (bpod.Inputs' copies; rows with one prefill)
   ba_hopper           BatchAttention, prefill_backend="auto": the row as one batch, decodes first
   serial              our prefill (backend "auto": the Hopper kernel here) then our decode
   serial_fa2          our mma.sync prefill then our decode
@@ -40,7 +42,7 @@ import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
 import bench_pod as bpod  # noqa: E402  (the rows and their inputs)
 import bench_prefill as bp  # noqa: E402  (flush, interleaved timing)
 
-IMPLS = ("pod_hopper", "ba_hopper", "serial", "serial_fa2", "pod_fa2", "prefill_only", "decode_only")
+IMPLS = ("pod_hopper", "single_hopper", "ba_hopper", "serial", "serial_fa2", "pod_fa2", "prefill_only", "decode_only")
 MAX_ABS_DIFF = 2e-2
 
 
@@ -75,6 +77,16 @@ def make(name: str, x, row):
         if name != "pod_fa2" and w._prefill.planned_backend != "fa3":
             raise RuntimeError(f"{name}: the prefill side planned {w._prefill.planned_backend}, not the Hopper kernel")
         return lambda: w.run(x.q_p, x.cache_p, x.q_d, x.cache_d, causal_p=True)
+    if name == "single_hopper":  # the single form (one prefill request's K/V rows, bpod.Inputs' copies)
+        if not row.single:
+            raise RuntimeError("single_hopper: the row has more than one prefill request")
+        w = fij.PODWithPagedKVCacheWrapper(ws(), "NHD")
+        w.prefill_backend = "auto"
+        w.plan(x.kv_indptr_d, x.indices_d, x.last_d, *heads, q_data_type=bf16, kv_data_type=bf16)
+        w.run(x.q_p, x.k_p, x.v_p, x.q_d, x.cache_d, causal_p=True)  # (plans the prefill side: outside the timing)
+        if w._prefill.planned_backend != "fa3":
+            raise RuntimeError(f"{name}: the prefill side planned {w._prefill.planned_backend}, not the Hopper kernel")
+        return lambda: w.run(x.q_p, x.k_p, x.v_p, x.q_d, x.cache_d, causal_p=True)
     if name == "ba_hopper":
         b = bpod.make_batch(x, row, interleaved=False)
         w = fij.BatchAttention(kv_layout="NHD", device=bpod.DEVICE)

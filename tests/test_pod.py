@@ -553,28 +553,34 @@ def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_l
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qo_len, kv_len, causal, head_dim, return_lse", [
-    (1500, 2500, True, 128, True), (2048, 2048, False, 128, False), (900, 1700, True, 64, True),
-    (700, 3000, True, 256, False)], ids=["causal", "full", "hd64", "hd256"])
-def test_single_pod_on_hopper(qo_len, kv_len, causal, head_dim, return_lse, workspace):
+@pytest.mark.parametrize("qo_len, kv_len, causal, head_dim, return_lse, decode_max", [
+    (1500, 2500, True, 128, True, 3000), (2048, 2048, False, 128, False, 3000), (900, 1700, True, 64, True, 3000),
+    (700, 3000, True, 256, False, 3000), (600, 900, True, 128, True, 7000)],
+    ids=["causal", "full", "hd64", "hd256", "decode-split"])
+def test_single_pod_on_hopper(qo_len, kv_len, causal, head_dim, return_lse, decode_max, workspace):
     """PODWithPagedKVCacheWrapper with prefill_backend="auto" on sm_90: one prefill request's
     K/V rows on the Hopper kernel's blocks beside one-token decodes, one launch (the pod_sm90
     module with prefill_kv="ragged"), against the float64 references, outputs poisoned; twice
-    (the counters the first launch left at zero); then the same wrapper with a custom mask,
-    which runs the mma.sync POD."""
+    (the counters the first launch left at zero), then again after a second plan(); then the
+    same wrapper with a custom mask, which runs the mma.sync POD. decode-split: decodes of up
+    to 7000 keys beside a short prefill, which the first run() re-plans into chunks of 2048
+    keys (sm90_decode_split) and the second plan() plans so at once."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("POD on Hopper runs on sm_90")
     rnd, gen = _seeded(77 + head_dim + qo_len)
     q_p, k_p, v_p = make_prefill(qo_len, kv_len, LLAMA, head_dim, BF16, gen)
-    dec = make_decode(decode_lens(37, 3000, 16, rnd), LLAMA, head_dim, 16, BF16, BF16, gen, rnd)
+    dec = make_decode(decode_lens(37, decode_max, 16, rnd), LLAMA, head_dim, 16, BF16, BF16, gen, rnd)
     w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
     w.prefill_backend = "auto"
-    plan_pod(w, dec, 16, BF16)
+    split = 2048 if decode_max > 4096 else None
     ref_p, ref_d = prefill_reference(q_p, k_p, v_p, causal=causal), decode_reference(dec)
     for _ in range(2):
-        outs = run_pod(w, q_p, k_p, v_p, dec, causal_p=causal, return_lse_p=return_lse, return_lse_d=return_lse)
-        assert w._prefill.planned_backend == "fa3" and w._sm90_key[0].kv_source == "ragged"
-        check_pod(outs, ref_p, ref_d, BF16)
+        plan_pod(w, dec, 16, BF16)
+        for _ in range(2):
+            outs = run_pod(w, q_p, k_p, v_p, dec, causal_p=causal, return_lse_p=return_lse, return_lse_d=return_lse)
+            assert w._prefill.planned_backend == "fa3" and w._sm90_key[0].kv_source == "ragged"
+            assert (w._decode._plan.config.fixed_split_size or None) == split
+            check_pod(outs, ref_p, ref_d, BF16)
     mask = torch.rand(qo_len, kv_len, generator=torch.Generator().manual_seed(3)) < 0.7
     outs = run_pod(w, q_p, k_p, v_p, dec, custom_mask_p=mask.reshape(-1).to(DEV))
     assert w._prefill.planned_backend == "fa2"
@@ -605,6 +611,44 @@ def test_single_pod_on_hopper_plans_on_the_cpu(monkeypatch):
         w._plan_prefill(q_p, k_p, None, None, True, None, -1, "HND")
     with pytest.raises(ValueError, match="prefill_backend='fa3'.*custom mask"):
         w._plan_prefill(q_p, k_p, torch.ones(1000 * 1500, dtype=torch.bool), None, False, None, -1)
+
+
+def test_single_pod_on_hopper_splits_long_decodes_on_the_cpu(monkeypatch):
+    """The single form on Hopper splits its decode side as batch POD does (sm90_decode_split):
+    plan() cannot know the prefill, so the first run()'s prefill plan re-plans the decode side
+    into chunks of 2048 keys where the rule asks; the next plan() takes the split at once; a
+    prefill that makes the sides comparable, or the mma.sync POD, plans it unsplit again. The
+    re-plan reads copies of plan()'s index tensors, not the caller's (refilled here)."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    lens = [8192] * 16  # 16 decodes of 8k keys: the longer side by far beside a 1k prefill
+    pages = [n // 16 for n in lens]
+    indptr = _i32([0, *itertools.accumulate(pages)], "cpu")
+    indices, last = _i32(range(sum(pages)), "cpu"), _i32([16] * len(lens), "cpu")
+    w = fij.PODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.prefill_backend = "auto"
+
+    def plan():
+        w.plan(indptr, indices, last, *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=BF16)
+        return w._decode._plan.config.fixed_split_size
+
+    assert plan() in (None, 0)  # (no prefill known yet)
+    q_p, k_p = torch.zeros(1000, LLAMA[0], HD, dtype=BF16), torch.zeros(1000, LLAMA[1], HD, dtype=BF16)
+    indices.fill_(-7)  # (the caller refills its buffers after plan(): the re-plan reads plan()'s copies)
+    w._plan_prefill(q_p, k_p, None, None, True, None, -1)
+    assert w._prefill.planned_backend == "fa3" and w._decode._plan.config.fixed_split_size == 2048
+    assert sorted(w._decode._plan.args[0][1].tolist()) == list(range(sum(pages)))  # (plan()'s page ids)
+    assert int(w._decode._plan.config.fixed_split_size) == pod_mod.sm90_decode_split(
+        8192, w._flops, float(sum(lens)) * LLAMA[1] * 4 * HD)
+    indices.copy_(torch.arange(sum(pages), dtype=torch.int32))
+    assert plan() == 2048  # (the last prefill's split, at plan())
+    big = torch.zeros(16000, LLAMA[0], HD, dtype=BF16), torch.zeros(16000, LLAMA[1], HD, dtype=BF16)
+    w._plan_prefill(*big, None, None, True, None, -1)  # (comparable sides: no split)
+    assert w._prefill.planned_backend == "fa3" and w._decode._plan.config.fixed_split_size in (None, 0)
+    w.prefill_backend = "fa2"
+    assert plan() in (None, 0)
+    w._plan_prefill(q_p, k_p, None, None, True, None, -1)
+    assert w._prefill.planned_backend == "fa2" and w._decode._plan.config.fixed_split_size in (None, 0)
 
 
 @pytest.mark.gpu

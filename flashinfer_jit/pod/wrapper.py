@@ -392,11 +392,6 @@ class _Pod:
                scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks))
         return (out_p, out_d), (lse_p, lse_d)
 
-    def _plan_decode_bytes(self, indptr, last_page_len) -> None:
-        """The K/V bytes the planned decodes read (after the decode side's plan())."""
-        c = self._decode._plan.config
-        self._kv_bytes = float(csr_kv_lens(indptr, last_page_len, c.page_size).sum()) * c.num_kv_heads * c.token_bytes
-
     def _schedule(self) -> tuple[float, int]:
         """(decode share, decode SMs) of the planned launch: pinned, or pod_schedule()'s."""
         share, sms = self._planned_schedule
@@ -519,18 +514,59 @@ class PODWithPagedKVCacheWrapper(_Pod):
                          (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer),
                          use_cuda_graph)
         self._prefill_key = None
+        # POD on Hopper's decode-side split (sm90_decode_split) depends on the prefill, which
+        # the single form learns at run(): plan() takes the split the last run()'s prefill
+        # implies, and a run() whose prefill implies another plans the decode side again
+        # from plan()'s arguments (copies, kept only where a split can apply).
+        self._decode_split = None  # the decode plan's fixed_split_size (None: the planner's own)
+        self._decode_replan = None  # (plan()'s arguments, its keywords, the longest request's keys)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, q_data_type="float16",
              kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking: bool = True) -> None:
         _no_rope(pos_encoding_mode, "pos_encoding_mode")
-        self._decode.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                          pos_encoding_mode=pos_encoding_mode, window_left=window_left, q_data_type=q_data_type,
-                          kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
-                          rope_theta=rope_theta, non_blocking=non_blocking)
-        self._plan_decode_bytes(indptr, last_page_len)
+        options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, q_data_type=q_data_type,
+                       kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale,
+                       rope_theta=rope_theta, non_blocking=non_blocking)
+        try:
+            lens = csr_kv_lens(indptr, last_page_len, page_size)
+        except (ValueError, TypeError):
+            lens = None  # (the decode side's plan() below names what is wrong)
+        longest = int(np.maximum.reduce(lens, initial=0)) if lens is not None else 0
+        splittable = self.prefill_backend != "fa2" and not self._use_cuda_graph and longest > _SM90_DECODE_SPLIT_OVER
+        args = (indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size)
+        kv_bytes = float(lens.sum()) * num_kv_heads * 4 * head_dim if splittable else 0.0  # (16-bit K/V: POD on Hopper's)
+        split = self._split_for_prefill(longest, kv_bytes) if splittable else None
+        self._decode_replan = None
+        self._decode.plan(*args, fixed_split_size=split, **options)
+        self._decode_split = split
+        if splittable:  # (the caller may refill its index tensors before run(): copies)
+            copies = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in args[:3])
+            self._decode_replan = (copies + args[3:], options, longest, kv_bytes)
+        if lens is None:
+            lens = csr_kv_lens(indptr, last_page_len, page_size)
+        c = self._decode._plan.config
+        self._kv_bytes = float(lens.sum()) * c.num_kv_heads * c.token_bytes
         self._plan_launch()
+
+    def _split_for_prefill(self, longest: int, kv_bytes: float) -> int | None:
+        """The decode side's split-KV chunk beside the planned prefill: POD on Hopper's rule
+        where the prefill plans the Hopper kernel, else None (the decode planner's own)."""
+        if self._prefill._plan is None or self._prefill.planned_backend != "fa3":
+            return None
+        return sm90_decode_split(longest, self._flops, kv_bytes)
+
+    def _replan_decode(self) -> None:
+        """run(): the decode side planned again where the prefill just planned implies another
+        split than the one planned (POD on Hopper; see __init__)."""
+        if self._decode_replan is None:
+            return
+        args, options, longest, kv_bytes = self._decode_replan
+        split = self._split_for_prefill(longest, kv_bytes)
+        if split != self._decode_split:
+            self._decode.plan(*args, fixed_split_size=split, **options)
+            self._decode_split = split
 
     begin_forward = plan
 
@@ -564,6 +600,7 @@ class PODWithPagedKVCacheWrapper(_Pod):
                            q_p.shape[1], k_p.shape[1], q_p.shape[2], custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window_left,
                            sm_scale=sm_scale, q_data_type=q_p.dtype, kv_data_type=k_p.dtype)
+        self._replan_decode()
         self._plan_launch()
         self._prefill_key = None if custom else key
 
