@@ -370,6 +370,16 @@ class _Pod:
                 self._sm90_op = module_op(spec, "pod_sm90", key[2]) if cuda else None
                 self._sm90_key = key
 
+    def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int) -> int | None:
+        """The decode side's split-KV chunk beside the planned prefill (its plan()'s
+        fixed_split_size): sm90_decode_split where the prefill plans the Hopper kernel outside a
+        CUDA graph (a graph's decode plan keeps its first configuration), else None (the
+        decode planner's own). POD on Hopper's K/V is 16-bit: 2 x head_dim x 2 bytes a token
+        and KV head."""
+        if self._use_cuda_graph or self._prefill._plan is None or self._prefill.planned_backend != "fa3":
+            return None
+        return sm90_decode_split(longest, self._flops, float(decode_keys) * num_kv_heads * 4 * head_dim)
+
     def _run_sm90(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, scales_p: tuple, scales_d: tuple, return_lse_p,
                   return_lse_d, out_p=None, lse_p=None, out_d=None, lse_d=None) -> tuple:
         """POD on Hopper (a prefill plan on the Hopper kernel): one launch of
@@ -514,12 +524,11 @@ class PODWithPagedKVCacheWrapper(_Pod):
                          (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer),
                          use_cuda_graph)
         self._prefill_key = None
-        # POD on Hopper's decode-side split (sm90_decode_split) depends on the prefill, which
+        # POD on Hopper's decode-side split (_sm90_decode_split) depends on the prefill, which
         # the single form learns at run(): plan() takes the split the last run()'s prefill
         # implies, and a run() whose prefill implies another plans the decode side again
         # from plan()'s arguments (copies, kept only where a split can apply).
-        self._decode_split = None  # the decode plan's fixed_split_size (None: the planner's own)
-        self._decode_replan = None  # (plan()'s arguments, its keywords, the longest request's keys)
+        self._decode_replan = None  # (plan()'s arguments, its keywords, the longest request's keys, all keys)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, q_data_type="float16",
@@ -536,37 +545,28 @@ class PODWithPagedKVCacheWrapper(_Pod):
         longest = int(np.maximum.reduce(lens, initial=0)) if lens is not None else 0
         splittable = self.prefill_backend != "fa2" and not self._use_cuda_graph and longest > _SM90_DECODE_SPLIT_OVER
         args = (indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size)
-        kv_bytes = float(lens.sum()) * num_kv_heads * 4 * head_dim if splittable else 0.0  # (16-bit K/V: POD on Hopper's)
-        split = self._split_for_prefill(longest, kv_bytes) if splittable else None
+        keys = int(lens.sum()) if splittable else 0
         self._decode_replan = None
-        self._decode.plan(*args, fixed_split_size=split, **options)
-        self._decode_split = split
+        self._decode.plan(*args, fixed_split_size=self._sm90_decode_split(longest, keys, num_kv_heads, head_dim)
+                          if splittable else None, **options)
         if splittable:  # (the caller may refill its index tensors before run(): copies)
             copies = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in args[:3])
-            self._decode_replan = (copies + args[3:], options, longest, kv_bytes)
+            self._decode_replan = (copies + args[3:], options, longest, keys)
         if lens is None:
             lens = csr_kv_lens(indptr, last_page_len, page_size)
         c = self._decode._plan.config
         self._kv_bytes = float(lens.sum()) * c.num_kv_heads * c.token_bytes
         self._plan_launch()
 
-    def _split_for_prefill(self, longest: int, kv_bytes: float) -> int | None:
-        """The decode side's split-KV chunk beside the planned prefill: POD on Hopper's rule
-        where the prefill plans the Hopper kernel, else None (the decode planner's own)."""
-        if self._prefill._plan is None or self._prefill.planned_backend != "fa3":
-            return None
-        return sm90_decode_split(longest, self._flops, kv_bytes)
-
     def _replan_decode(self) -> None:
         """run(): the decode side planned again where the prefill just planned implies another
         split than the one planned (POD on Hopper; see __init__)."""
         if self._decode_replan is None:
             return
-        args, options, longest, kv_bytes = self._decode_replan
-        split = self._split_for_prefill(longest, kv_bytes)
-        if split != self._decode_split:
+        args, options, longest, keys = self._decode_replan
+        split = self._sm90_decode_split(longest, keys, args[4], args[5])
+        if split != (self._decode._plan.config.fixed_split_size or None):
             self._decode.plan(*args, fixed_split_size=split, **options)
-            self._decode_split = split
 
     begin_forward = plan
 
@@ -759,9 +759,8 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             self._prefill_mask = None
             self._plan_prefill_side(causal, None, None, in_run=False)
             split = self.force_decode_split
-            if split is None and self._prefill.planned_backend == "fa3" and not self._use_cuda_graph:
-                # (POD on Hopper's K/V is 16-bit: 2 x head_dim x 2 bytes a token and KV head)
-                split = sm90_decode_split(longest, self._flops, float(decode_keys) * num_kv_heads * 4 * head_dim)
+            if split is None:
+                split = self._sm90_decode_split(longest, decode_keys, num_kv_heads, head_dim)
             self._decode.plan(kv_indptr_d, kv_indices_d, last_page_len_d, num_qo_heads, num_kv_heads, head_dim,
                               page_size, window_left=window_left, q_data_type=q_data_type, kv_data_type=kv_data_type,
                               data_type=data_type, sm_scale=sm_scale, non_blocking=non_blocking,
