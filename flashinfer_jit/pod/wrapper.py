@@ -69,12 +69,13 @@ def _pod_spec_of(prefill: PrefillSpec, decode: DecodeSpec, prefill_kv: str, kv_l
 
 
 @functools.lru_cache(maxsize=64)
-def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str) -> PodSm90Spec:
+def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str, decode_copy: str = "cp_async") -> PodSm90Spec:
     """POD on Hopper's module: the prefill plan's Hopper module (PrefillSm90Spec) beside the
     decode plan's (validated once a pair)."""
     return PodSm90Spec(dtype_q=decode.dtype_q, head_dim=decode.head_dim, page_table=decode.page_table,
                        kv_layout=kv_layout, mask=prefill.mask, key_tile=prefill.key_tile,
-                       group_tile=decode.group_tile, prefill_kv=prefill.kv_source).validate()
+                       group_tile=decode.group_tile, prefill_kv=prefill.kv_source,
+                       decode_copy=decode_copy).validate()
 
 
 @constant_result
@@ -297,6 +298,8 @@ class _Pod:
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it)
     force_prefill_blocks = None
+    # POD on Hopper's decode copies (PodSm90Spec.decode_copy; benchmarks compare them)
+    sm90_decode_copy = "cp_async"
 
     # The schedule of each launch (launch_pod): None, pod_schedule() of the plans, or pinned
     # (the decode share of an SM's blocks; the decode SMs, 0 every SM). Benchmarks pin them;
@@ -363,10 +366,10 @@ class _Pod:
             self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, sm_count(self._device) if cuda else 132)
             # (the op of the two sides' specs: looked up again only when either spec or the debug
             # switch changes, not every plan)
-            key = (self._prefill._plan.spec, self._decode._plan.spec, env.debug())
+            key = (self._prefill._plan.spec, self._decode._plan.spec, env.debug(), self.sm90_decode_copy)
             last = self._sm90_key
-            if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2] != last[2]:
-                spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout)
+            if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2:] != last[2:]:
+                spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout, key[3])
                 self._sm90_op = module_op(spec, "pod_sm90", key[2]) if cuda else None
                 self._sm90_key = key
 
