@@ -16,7 +16,9 @@ launch ran and at most how many blocks an SM took. The full run ends with them t
 --bulk: that pattern (one head a block, 64 blocks) through 16-byte cp.async against
 256-byte bulk copies on per-warp mbarriers. --locality: its page orders, in order,
 scrambled, scrambled within 2 MB, and scrambled with each block's chunk sorted by page id.
-Both run their rows in two interleaved rounds.)
+Both run their rows in two interleaved rounds. --units: POD on Hopper's decode units, 12
+warps a block and one block an SM on 48 to all SMs, each warp streaming its own 8-token groups
+of one head with 4 stages, through 16-byte cp.async, 256-byte bulk copies and 1 KB TMA boxes.)
 
 Builds scripts/ceilings/read_ceiling.cu with nvcc for sm_90a (the device's nvcc), runs it,
 and writes its rows with the run's metadata to JSON. Needs a GPU.
@@ -42,7 +44,7 @@ SRC = Path(__file__).resolve().parent / "ceilings" / "read_ceiling.cu"
 def build(arch: str) -> Path:
     out = Path(tempfile.mkdtemp(prefix="read_ceiling_")) / "read_ceiling"
     cmd = ["nvcc", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-           "-diag-suppress", "1886", "-o", str(out), str(SRC)]
+           "-diag-suppress", "1886", "-I", str(SRC.parents[2] / "csrc"), "-o", str(out), str(SRC)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
@@ -76,6 +78,9 @@ def main() -> int:
     only.add_argument("--locality", action="store_true",
                     help="only the paged pattern's page orders: in order, scrambled, scrambled within 2 MB, "
                          "each block's chunk sorted by physical page")
+    only.add_argument("--units", action="store_true",
+                    help="only POD on Hopper's decode units (12 warps, one block an SM, on 48-132 SMs): 16-byte "
+                         "cp.async, 256-byte bulk copies and 1 KB TMA boxes")
     ap.add_argument("--arch", default="90a")
     ap.add_argument("--out", default=bc.default_out("read_ceiling.json"))
     args = ap.parse_args()
@@ -83,7 +88,7 @@ def main() -> int:
     sizes = [128] if args.quick else args.sizes_mib
     exe = build(args.arch)
     try:
-        modes = [m for m in ("paged", "bulk", "locality") if getattr(args, m)]
+        modes = [m for m in ("paged", "bulk", "locality", "units") if getattr(args, m)]
         proc = subprocess.run([str(exe)] + modes + [str(s) for s in sizes], capture_output=True, text=True)
     finally:
         shutil.rmtree(exe.parent, ignore_errors=True)

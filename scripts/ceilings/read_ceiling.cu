@@ -12,6 +12,8 @@
 // is the median over replays of (replay time / inner), as bench_decode times run().
 #include <cuda_runtime.h>
 
+#include "hopper/tma_host.h"  // (csrc/: the TMA maps of the units rows)
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -377,6 +379,104 @@ __global__ void read_paged_bulk(const char* __restrict__ k, const char* __restri
   sink_if(acc, sink);
 }
 
+
+// POD on Hopper's decode units (csrc/pod/pod_sm90.cuh): one block an SM of 12 warps, each warp
+// on its own (head, 8-token half page) groups of the decode's paged pattern (NHD pages of 16
+// tokens x 8 heads x 256 bytes, scrambled), S stages of the group's K and V rows (4 KB) a
+// warp, each waiting for its own copies only; a block's warps take groups grid-stride.
+// Copy 0: 16-byte cp.async, a lane a chunk (the decode block's); 1: a 256-byte bulk copy a
+// row (lanes 0-15), on an mbarrier a warp and stage; 2: TMA boxes of 8 rows x 64 dims (1 KB,
+// 128-byte swizzle) of a 3-D map (dim, head, token), four a group, issued by lane 0.
+constexpr int kUnitWarps = 12;
+template <int Copy>
+__host__ __device__ constexpr int unit_stage_bytes() { return Copy == 1 ? 16 * 272 : 4096; }
+template <int Copy, int S>
+__global__ void __launch_bounds__(32 * kUnitWarps, 1)
+    read_units(const char* __restrict__ k, const char* __restrict__ v, const __grid_constant__ CUtensorMap k_map,
+               const __grid_constant__ CUtensorMap v_map, int pages, int per_warp, unsigned* sink) {
+  extern __shared__ __align__(1024) char smem[];
+  constexpr int kStage = unit_stage_bytes<Copy>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  char* stages = smem + warp * S * kStage;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kUnitWarps * S * kStage) + warp * S;
+  const int warps = gridDim.x * kUnitWarps, wid = blockIdx.x * kUnitWarps + warp;
+  if (Copy != 0 && lane == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(&bars[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncwarp();
+  auto group = [&](int i, int& page, int& token0, int& head) {  // warp's i-th group
+    const int g = wid + i * warps;
+    head = g & 7;
+    const int lp = (g >> 3) >> 1;
+    page = (lp * 1031 + 7) & (pages - 1);
+    token0 = ((g >> 3) & 1) * 8;
+  };
+  auto issue = [&](int i) {
+    if (i >= per_warp) {
+      if (Copy == 0) asm volatile("cp.async.commit_group;");
+      return;
+    }
+    const int s = i % S;
+    char* dst = stages + s * kStage;
+    int page, token0, head;
+    group(i, page, token0, head);
+    const size_t base = size_t(page) * 32768 + size_t(token0) * 2048 + head * 256;
+    if constexpr (Copy == 0) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int r = lane / 16 + 2 * u, c = lane % 16;
+        const size_t off = base + r * 2048 + c * 16;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + r * 256 + c * 16))), "l"(k + off));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + 2048 + r * 256 + c * 16))), "l"(v + off));
+      }
+      asm volatile("cp.async.commit_group;");
+    } else if constexpr (Copy == 1) {
+      if (lane == 0) mbar_expect_tx(&bars[s], 4096);
+      __syncwarp();
+      if (lane < 16) {
+        const int r = lane & 7;
+        const char* src = (lane & 8 ? v : k) + base + r * 2048;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];" ::"r"(
+                         static_cast<unsigned>(__cvta_generic_to_shared(dst + (lane >> 3) * 8 * 272 + r * 272))),
+                     "l"(src), "r"(static_cast<unsigned>(__cvta_generic_to_shared(&bars[s])))
+                     : "memory");
+      }
+    } else {
+      if (lane == 0) {
+        mbar_expect_tx(&bars[s], 4096);
+        const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&bars[s]));
+        const int token = page * 16 + token0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const CUtensorMap* map = q < 2 ? &k_map : &v_map;
+          asm volatile(
+              "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
+                  static_cast<unsigned>(__cvta_generic_to_shared(dst + q * 1024))),
+              "l"(map), "r"(bar), "r"((q & 1) * 64), "r"(head), "r"(token)
+              : "memory");
+        }
+      }
+    }
+  };
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  unsigned acc = 0;
+  for (int i = 0; i < per_warp; ++i) {
+    if constexpr (Copy == 0) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(S - 2));
+    } else {
+      mbar_wait(&bars[i % S], (i / S) & 1);
+    }
+    __syncwarp();
+    issue(i + S - 1);
+    const char* src = stages + (i % S) * kStage;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc ^= fold(*reinterpret_cast<const int4*>(src + (u * 32 + lane) * 16));
+  }
+  if constexpr (Copy == 0) asm volatile("cp.async.wait_group 0;");
+  sink_if(acc, sink);
+}
+
 __global__ void fill(uint32_t* p, size_t n, uint32_t seed) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint32_t x = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32);
@@ -661,15 +761,61 @@ static void bulk_rows(Ctx& c) {
   CK(cudaFree(table));
 }
 
+
+// The units rows: each copy kind on `blocks` SMs (one block each), over a buffer of c.size
+// bytes (K its first half, V its second); GB/s over the bytes the warps' whole groups read.
+template <int Copy, int S>
+void run_units(Ctx& c, int blocks, const char* name) {
+  constexpr int kPageBytes = 16 * 8 * 256;
+  const int pages = int(c.size / 2 / kPageBytes);
+  const int warps = blocks * kUnitWarps, per_warp = pages * 2 * 8 / warps;
+  auto kern = read_units<Copy, S>;
+  const int smem = kUnitWarps * S * unit_stage_bytes<Copy>() + kUnitWarps * S * 8;
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  std::vector<CUtensorMap> maps;  // per buffer: K, V (dims: 128 elements, 8 heads, tokens)
+  for (char* b : c.bufs) {
+    for (int half = 0; half < 2; ++half) {
+      const uint64_t dims[3] = {128, 8, uint64_t(pages) * 16}, strides[2] = {256, 2048};
+      const uint32_t box[3] = {64, 1, 8};
+      maps.push_back(fij::sm90::tensor_map_16bit(b + half * (c.size / 2), 3, dims, strides, box, true,
+                                                 CU_TENSOR_MAP_SWIZZLE_128B));
+    }
+  }
+  int set = 0;
+  const double us = time_graph(c, [&](char* b) {
+    int i = 0;
+    while (c.bufs[i] != b) ++i;
+    kern<<<blocks, 32 * kUnitWarps, smem, c.stream>>>(b, b + c.size / 2, maps[2 * i], maps[2 * i + 1], pages, per_warp,
+                                                      c.sink);
+    ++set;
+  });
+  char label[160];
+  snprintf(label, sizeof label, "%s, %d x 4 KB stages a warp, 12 warps a block, one block an SM", name, S);
+  row("units", label, size_t(per_warp) * warps * 4096, blocks, 32 * kUnitWarps, us);
+}
+
+// POD on Hopper's decode units' copies on part of the SMs: 16-byte cp.async, 256-byte bulk
+// copies, 1 KB TMA boxes; two interleaved rounds.
+static void units_rows(Ctx& c, int sms) {
+  for (int round = 0; round < 2; ++round) {
+    for (int blocks : {48, 72, 96, sms}) {
+      run_units<0, 4>(c, blocks, "cp.async 16 B");
+      run_units<1, 4>(c, blocks, "bulk 256 B rows");
+      run_units<2, 4>(c, blocks, "TMA 1 KB boxes");
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   // argv: [paged | bulk | locality] size_mib ... (each a buffer size to measure; paged: only the
   // paged rows; bulk: only cp.async against bulk copies on the paged pattern)
   std::vector<size_t> sizes;
-  bool paged_only = false, bulk_only = false, locality_only = false;
+  bool paged_only = false, bulk_only = false, locality_only = false, units_only = false;
   for (int i = 1; i < argc; ++i) {
     if (strcmp(argv[i], "paged") == 0) paged_only = true;
     else if (strcmp(argv[i], "bulk") == 0) bulk_only = true;
     else if (strcmp(argv[i], "locality") == 0) locality_only = true;
+    else if (strcmp(argv[i], "units") == 0) units_only = true;
     else sizes.push_back(size_t(atoll(argv[i])) << 20);
   }
   if (sizes.empty()) sizes = {128, 1024};
@@ -705,6 +851,10 @@ int main(int argc, char** argv) {
     }
     if (locality_only) {
       locality_rows(c);
+      continue;
+    }
+    if (units_only) {
+      units_rows(c, sms);
       continue;
     }
     // the copy ceiling, the same way (read + write counted)
