@@ -1,6 +1,7 @@
 // Parameters of POD (csrc/pod/pod.cuh): each side's own params, and the scheduling counters.
 #pragma once
 #include "decode/decode_params.h"
+#include "hopper/prefill_sm90_params.h"
 #include "prefill/prefill_params.h"
 
 namespace fij {
@@ -32,6 +33,19 @@ struct PodLaunch {
   int32_t* counters = nullptr;
   double decode_share = 0.5;
   int32_t decode_sms = 0;
+};
+
+// POD on Hopper's launch as its op resolved it (csrc/pod/pod_sm90.cuh): the Hopper prefill
+// side's arguments (its TMA maps are encoded at each launch, from these addresses), the decode
+// side's launch, the counters and the split. <namespace>_pod_fast relaunches it with new q,
+// K/V, output and LSE addresses (run()'s fast path, as PodLaunch's).
+struct PodSm90Launch {
+  PrefillSm90Args prefill;
+  DecodeLaunch decode;
+  int32_t* counters = nullptr;
+  int32_t prefill_blocks = 0;
+  int32_t device = 0;
+  int32_t q_from_decode = 0;  // the prefill side had no rows: its q map on the decode side's q rows
 };
 
 }  // namespace fij

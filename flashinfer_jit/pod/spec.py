@@ -165,11 +165,13 @@ class PodSm90Spec(Spec):
         # PrefillSm90Spec) without the custom mask, sinks, soft cap and grid, the decode op's
         # (_d) as the POD op takes them, POD's counters (int32 zeros, which the kernel leaves
         # at zero; its first three) and prefill_blocks: the blocks that start on prefill
-        # items (csrc/pod/pod_sm90.cuh).
+        # items (csrc/pod/pod_sm90.cuh); prepared: a CPU byte tensor that receives the resolved
+        # launch (csrc/pod/pod_params.h PodSm90Launch) for run()'s fast path, <namespace>_pod_fast.
         return {"pod_sm90": (
             "(Tensor q_p, Tensor k_p, Tensor v_p, Tensor work_p, Tensor page_ids_p, Tensor(a!) out_p, "
             "Tensor(b!) lse_p, float scale_log2_p, int window_left_p, float v_scale_p, "
             "Tensor q_d, Tensor k_cache_d, Tensor v_cache_d, Tensor[] page_table_d, Tensor work_d, "
             "Tensor merge_indptr_d, Tensor(f!) out_d, Tensor(g!) lse_d, Tensor partial_o_d, "
             "Tensor(i!) partial_lse_d, float logit_scale_d, float v_scale_d, int window_left_d, int grid_items_d, "
-            "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, int prefill_blocks) -> ()")}
+            "int merge_rows_d, Tensor(j!)? merge_counters_d, Tensor(k!) pod_counters, int prefill_blocks, "
+            "Tensor(l!)? prepared=None) -> ()")}

@@ -290,14 +290,23 @@ class _Pod:
     # kernel's blocks, one an SM, beside the decode blocks) where the prefill side plans the
     # Hopper kernel (backend "auto"'s rule: sm_90, prompts long enough; no custom mask), else
     # "fa2"; "fa3", POD on Hopper or a ValueError naming why not. Set it before plan() (the
-    # single form: before the run() that plans its prefill). Opt-in: POD on Hopper runs
-    # without run()'s fast path (torch.compile traces it to its op). A CUDA-graph wrapper
+    # single form: before the run() that plans its prefill). Opt-in. POD on Hopper takes run()'s
+    # fast path as the mma.sync POD does (its recorded launch encodes the prefill side's TMA
+    # maps from each call's addresses); torch.compile traces it to its op. A CUDA-graph wrapper
     # keeps its first plan's choice, and its captured launch the split of the plan before the
     # capture (sm90_prefill_blocks: a speed choice, not a result).
     prefill_backend = "fa2"
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
-    # start on prefill items (benchmarks pin it)
-    force_prefill_blocks = None
+    # start on prefill items (benchmarks pin it; a pin drops run()'s recorded launch, which holds
+    # the split)
+    @property
+    def force_prefill_blocks(self):
+        return self._force_blocks
+
+    @force_prefill_blocks.setter
+    def force_prefill_blocks(self, value) -> None:
+        self._force_blocks, self._quick = value, None
+
     # POD on Hopper's decode copies (PodSm90Spec.decode_copy; benchmarks compare them)
     sm90_decode_copy = "cp_async"
 
@@ -344,7 +353,9 @@ class _Pod:
         self._quick = None
         self._sm90_blocks = 0  # POD on Hopper's split of the plan (sm90_prefill_blocks)
         self._sm90_op = None  # ... and its module's op (a CPU workspace: none; a traced run() looks it up)
-        self._sm90_key = None  # the specs (and debug switch) _sm90_op was looked up for
+        self._sm90_key = None  # the specs (and debug switch, decode copy) _sm90_op was looked up for
+        self._sm90_spec = None  # ... and their module (PodSm90Spec)
+        self._force_blocks = None  # force_prefill_blocks
 
     def _no_plan_here(self, traced: str, captured: str) -> None:
         """A run() that must plan its prefill side again: a RuntimeError (message `traced` or
@@ -371,7 +382,7 @@ class _Pod:
             if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2:] != last[2:]:
                 spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout, key[3])
                 self._sm90_op = module_op(spec, "pod_sm90", key[2]) if cuda else None
-                self._sm90_key = key
+                self._sm90_key, self._sm90_spec = key, spec
 
     def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int) -> int | None:
         """The decode side's split-KV chunk beside the planned prefill (its plan()'s
@@ -384,10 +395,11 @@ class _Pod:
         return sm90_decode_split(longest, self._flops, float(decode_keys) * num_kv_heads * 4 * head_dim)
 
     def _run_sm90(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, scales_p: tuple, scales_d: tuple, return_lse_p,
-                  return_lse_d, out_p=None, lse_p=None, out_d=None, lse_d=None) -> tuple:
+                  return_lse_d, out_p=None, lse_p=None, out_d=None, lse_d=None, record=None, key=None) -> tuple:
         """POD on Hopper (a prefill plan on the Hopper kernel): one launch of
         csrc/pod/pod_sm90.cuh; each side's checks and outputs as its own run()'s. scales_p,
-        scales_d: each side's (q_scale, k_scale, v_scale)."""
+        scales_d: each side's (q_scale, k_scale, v_scale). record, key: _launch's (the op
+        records its launch for run()'s fast path, which relaunches it from C++)."""
         # (both sides were planned with one dtype and head configuration: each side's own
         # checks below hold q_p and q_d to them)
         k_p, v_p = kv_p
@@ -401,8 +413,17 @@ class _Pod:
             op = self._sm90_op if q_p.shape[0] > 0 or q_d.shape[0] > 0 else None
         if op is not None:
             blocks = self.force_prefill_blocks if self.force_prefill_blocks is not None else self._sm90_blocks
+            prepared = entry = None
+            if record is not None and not compiling():
+                entry = fast_entry(self._sm90_spec, "pod", env.debug())
+                signature = fastcall.extension().pod_signature(*record) if entry is not None and entry.runner else None
+                prepared = launch_buffer(entry) if signature is not None else None
             op(q_p, k_p, v_p, plan.work, plan.page_ids, out_p, lse_p if lse_p is not None else empty_f32(q_p.device),
-               scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks))
+               scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks), prepared)
+            if prepared is not None:  # later calls of this signature and key take the fast path
+                run, address = entry.runner
+                self._quick = QuickLaunch(run, address, prepared, prepared.data_ptr(), signature, key,
+                                          self._sm90_spec)
         return (out_p, out_d), (lse_p, lse_d)
 
     def _schedule(self) -> tuple[float, int]:
@@ -657,8 +678,9 @@ class PODWithPagedKVCacheWrapper(_Pod):
         self._plan_prefill(q_p, k_p, custom_mask_p, packed_custom_mask_p, causal_p, sm_scale_p, window_left_p,
                            kv_layout_p)
         if self._prefill.planned_backend == "fa3":  # POD on Hopper (FlashInfer's scales: the decode side's)
-            (out_p, out_d), (lse_p, lse_d) = self._run_sm90(q_p, (k_p, v_p), q_d, paged_kv_cache_d, (None,) * 3,
-                                                            (q_scale, k_scale, v_scale), return_lse_p, return_lse_d)
+            (out_p, out_d), (lse_p, lse_d) = self._run_sm90(
+                q_p, (k_p, v_p), q_d, paged_kv_cache_d, (None,) * 3, (q_scale, k_scale, v_scale), return_lse_p,
+                return_lse_d, record=record, key=(causal_p, sm_scale_p, window_left_p, kv_layout_p))
             return ((out_p, out_d), (lse_p, lse_d)) if return_lse_p or return_lse_d else (out_p, out_d)
         spec = self._spec("ragged", q_p, q_d)
         out_p, lse_p, p_args = self._prefill._resolved_args(q_p, k_p, v_p, None, None, None, return_lse_p, None)
@@ -853,7 +875,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         if self._prefill.planned_backend == "fa3":
             scales = (q_scale, k_scale, v_scale)
             return self._run_sm90(q_p, kv_p, q_d, paged_kv_cache_d, scales, scales, return_lse, return_lse, out_p,
-                                  lse_p, out_d, lse_d)
+                                  lse_p, out_d, lse_d, record, key)
         spec = self._spec("paged", q_p, q_d)
         out_p, lse_p, p_args = self._prefill._resolved_args(q_p, *kv_p, q_scale, k_scale, v_scale, return_lse, None,
                                                             out_p, lse_p)
