@@ -10,7 +10,7 @@ same inputs, bench_pod.Inputs). Per row, on the same tensors, timed interleaved
 warm-up, median of --reps):
   pod_hopper          BatchPODWithPagedKVCacheWrapper, prefill_backend="auto" (the planner's split)
   pod_hopper_P<n>     the same with the split pinned: n blocks start on prefill items (--blocks)
-  pod_hopper_B, _E    the decode units' K/V by bulk copies (_E: evict-first in L2); also single_hopper_B, _E
+  pod_hopper_E        the decode units' K/V copies marked evict-first in L2; also single_hopper_E
   pod_hopper_S<t>[_P<n>]  the decode side split into chunks of t tokens (its fixed_split_size;
                       S0: the decode planner's own choice), and the split pinned (--variants)
   single_hopper       PODWithPagedKVCacheWrapper, prefill_backend="auto": the single form, the
@@ -65,7 +65,7 @@ def make(name: str, x, row):
     def ws():
         return torch.empty(bpod.WORKSPACE_BYTES, dtype=torch.uint8, device=bpod.DEVICE)
 
-    copies = {"B": "bulk", "E": "bulk_evict_first"}  # _B, _E: the decode units' copies (PodSm90Spec.decode_copy)
+    copies = {"E": "evict_first"}  # _E: the decode units' copies (PodSm90Spec.decode_copy)
     if name.startswith("pod"):
         w = fij.BatchPODWithPagedKVCacheWrapper(ws(), "NHD")
         w.prefill_backend = "fa2" if name == "pod_fa2" else "auto"

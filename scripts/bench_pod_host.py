@@ -10,7 +10,8 @@ tables with host int32 indptr / last_page_len and the page ids on the device):
   (b) with a GPU: run()'s enqueue time (no sync inside a round) for a small batch (one
       16-token chunk and 8 decodes, whose GPU time is below the host's), next to the same
       batch run by the prefill and the decode wrappers one after the other, and one bare
-      torch launch.
+      torch launch; on sm_90 the same batch through POD on Hopper (prefill_backend "fa3"), with
+      its recorded launch and through its op.
   (c) plan_parts: where a batch POD plan() of (a) spends its time, each step timed by a
       wrapper around it over 2,000 plans (min, p10, median, µs a call; the wrappers add
       ~0.2 us each): each side's plan() (its own copy and page order included), the plan
@@ -23,7 +24,7 @@ replaces; the target reads run()'s own host time as what a POD launch adds to a 
 On a machine without a GPU only (a) runs (the plans on CPU tensors: the host time the
 planners and the wrappers' Python take, without the page order's launch).
 JSON: meta, plan_batch_pod, plan_batch_attention, plan_parts, run_* (median_us, min_us, n, rounds),
-pod_fast_path (whether the POD runs took the recorded launch).
+pod_fast_path, pod_fast_path_hopper (whether the POD runs took the recorded launch).
 """
 
 from __future__ import annotations
@@ -158,6 +159,23 @@ def main() -> int:
         w.run(q_p, cache, q_d, cache, causal_p=True)
         res["run_batch_pod_small"] = per_call_us(lambda: w.run(q_p, cache, q_d, cache, causal_p=True), 20,
                                                  args.rounds, sync)
+        # the same batch on POD on Hopper (prefill_backend "fa3", sm_90): its recorded launch
+        # (PodSm90Launch), and its op (the record dropped before each call, so each call also
+        # records again: an upper bound of the op path)
+        if torch.cuda.get_device_capability(device) == (9, 0):
+            wh = fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+            wh.prefill_backend = "fa3"
+            wh.plan(p[0], p[1], p[2], p[3], d[0], d[1], d[2], d[3], *HEADS, q_data_type=bf16, kv_data_type=bf16,
+                    causal=True)
+            wh.run(q_p, cache, q_d, cache, causal_p=True)
+            res["run_batch_pod_hopper_small"] = per_call_us(lambda: wh.run(q_p, cache, q_d, cache, causal_p=True), 20,
+                                                            args.rounds, sync)
+            res["pod_fast_path_hopper"] = wh._quick is not None
+
+            def op_path():
+                wh._quick = None
+                wh.run(q_p, cache, q_d, cache, causal_p=True)
+            res["run_batch_pod_hopper_small_op"] = per_call_us(op_path, 20, args.rounds, sync)
         pw = fij.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=device))
         pw.plan(p[0], p[1], p[2], p[3], *HEADS, causal=True, q_data_type=bf16)
         dw = fij.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=device), "NHD")

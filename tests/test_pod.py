@@ -511,7 +511,7 @@ SM90_CASES = [
 
 
 # the decode units' copies (PodSm90Spec.decode_copy)
-SM90_COPIES = ["cp_async", "bulk", "bulk_evict_first"]
+SM90_COPIES = ["cp_async", "evict_first"]
 
 
 @pytest.mark.gpu

@@ -508,13 +508,32 @@ def _host_batch(page_size=16, seed=5, shared=True):
     return plan_args, q_p, cache_p, dec, table_p, qo_indptr
 
 
+def _backend(w, backend: str) -> None:
+    """The POD wrapper's prefill_backend: "fa2" (the mma.sync POD) or "fa3" (POD on Hopper,
+    whose module records PodSm90Launch; sm_90 only)."""
+    if backend == "fa3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
+    w.prefill_backend = backend
+
+
+def _planned_as(w, backend: str) -> None:
+    assert w._prefill.planned_backend == backend
+
+
+# (every GPU case for both POD kernels: the mma.sync POD's PodLaunch and POD on Hopper's PodSm90Launch)
+BACKENDS = pytest.mark.parametrize("backend", ["fa2", "fa3"], ids=["mma", "hopper"])
+
+
 @pytest.mark.gpu
+@BACKENDS
 @pytest.mark.parametrize("causal, return_lse, shared", [(True, False, True), (False, True, False)],
                          ids=["causal-one-cache", "lse-two-caches"])
-def test_gpu_batch_pod_fast_path_equals_the_op_and_the_reference(causal, return_lse, shared, workspace):
+def test_gpu_batch_pod_fast_path_equals_the_op_and_the_reference(causal, return_lse, shared, backend, workspace):
     plan_args, q_p, cache_p, dec, table_p, qo_indptr = _host_batch(shared=shared)
     w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    _backend(w, backend)
     w.plan(*plan_args, *LLAMA, HD, 16, q_data_type=BF16, causal=causal)
+    _planned_as(w, backend)
 
     def call():
         _poison_allocator(q_p, dec.q)
@@ -542,7 +561,8 @@ def test_gpu_batch_pod_fast_path_equals_the_op_and_the_reference(causal, return_
 
 
 @pytest.mark.gpu
-def test_gpu_single_pod_fast_path_equals_the_op_and_the_reference(workspace):
+@BACKENDS
+def test_gpu_single_pod_fast_path_equals_the_op_and_the_reference(backend, workspace):
     rnd, gen = random.Random(3), torch.Generator(device=DEV).manual_seed(3)
     lens = [rnd.randint(1, 1000) for _ in range(17)]
     num_pages = sum(-(-n // 16) for n in lens) + 4
@@ -552,6 +572,7 @@ def test_gpu_single_pod_fast_path_equals_the_op_and_the_reference(workspace):
     dec = Decode(randn((17, LLAMA[0], HD), BF16, gen), cache, table)
     q_p, k_p, v_p = make_prefill(127, 700, LLAMA, HD, BF16, gen)
     w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
+    _backend(w, backend)
     w.plan(table.plan_args[0].cpu(), table.plan_args[1], table.plan_args[2].cpu(), *LLAMA, HD, 16, q_data_type=BF16)
 
     def call():
@@ -561,6 +582,7 @@ def test_gpu_single_pod_fast_path_equals_the_op_and_the_reference(workspace):
         return [t.clone() if t is not None else None for t in got]
 
     by_op = call()
+    _planned_as(w, backend)
     results = _spy_record(w)
     fast = call()
     assert results and type(results[-1]) is tuple
@@ -569,9 +591,10 @@ def test_gpu_single_pod_fast_path_equals_the_op_and_the_reference(workspace):
 
 
 @pytest.mark.gpu
+@BACKENDS
 @pytest.mark.parametrize("given", [False, True], ids=["allocated", "in-place"])
 @pytest.mark.parametrize("decodes_first", [True, False], ids=["decodes-first", "decodes-last"])
-def test_gpu_batch_attention_fast_path_equals_the_op_and_the_reference(given, decodes_first):
+def test_gpu_batch_attention_fast_path_equals_the_op_and_the_reference(given, decodes_first, backend):
     rnd, gen = random.Random(11), torch.Generator(device=DEV).manual_seed(11)
     qo = [1] * 40 + [300, 17]
     if not decodes_first:
@@ -581,8 +604,10 @@ def test_gpu_batch_attention_fast_path_equals_the_op_and_the_reference(given, de
     ids = ids.to(DEV)
     cache = make_cache(int(kv_t[-1]) + 3, 16, LLAMA[1], HD, BF16, gen, single=True)
     ba = fij.BatchAttention(device=DEV)
+    _backend(ba, backend)
     ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True, q_data_type=BF16, kv_data_type=BF16)
     assert ba._planned[0] == "pod"
+    _planned_as(ba._pod, backend)
     q = randn((sum(qo), LLAMA[0], HD), BF16, gen)
 
     def call():
@@ -609,12 +634,15 @@ def test_gpu_batch_attention_fast_path_equals_the_op_and_the_reference(given, de
 
 
 @pytest.mark.gpu
-def test_gpu_capture_takes_the_op_and_replays(workspace):
+@BACKENDS
+def test_gpu_capture_takes_the_op_and_replays(backend, workspace):
     """A recorded launch is refused while the stream captures a CUDA graph (FIJ_FAST_CAPTURING):
     the op is captured, and the replay gives the op's results."""
     plan_args, q_p, cache_p, dec, table_p, qo_indptr = _host_batch()
     w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    _backend(w, backend)
     w.plan(*plan_args, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    _planned_as(w, backend)
     by_op = [t.clone() for t in w.run(q_p, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=True)]
     results = _spy_record(w)
     from kv_helpers import capture_graph

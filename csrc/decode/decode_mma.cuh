@@ -40,17 +40,13 @@
 #include "common/mma.cuh"
 #include "common/page_table.cuh"
 #include "common/softmax.cuh"
-#include "hopper/sm90.cuh"  // (bulk copies and mbarriers: POD on Hopper's decode units)
 
 namespace fij {
 
-// How the tensor-core decode block brings K/V rows into shared memory (DecodeMmaTraits): 16-byte
-// cp.async copies, or one bulk copy (sm_90) a row, optionally marked first to leave L2.
-enum class DecodeCopy : int { kCpAsync = 0, kBulk = 1, kBulkEvictFirst = 2 };
 
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
           int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1, int StageBudget = 0,
-          DecodeCopy Copy = DecodeCopy::kCpAsync>
+          bool EvictFirst = false>
 struct DecodeMmaTraits {
   using Q = typename QueryTypes<TQ>::Q;  // q's elements
   using O = typename QueryTypes<TQ>::O;  // the output's: q's type, 16-bit for an fp8 q
@@ -63,6 +59,10 @@ struct DecodeMmaTraits {
   // A tile's rows are (token, query head) pairs, token-major: row r = token r / GroupTile,
   // head r % GroupTile of the tile, so the request's tokens share every K/V tile read.
   static constexpr int kQTokens = QTokens;
+  // K/V copies marked first to leave L2 (each K/V byte is read once): POD on Hopper's decode
+  // units, whose stream would otherwise push out the prefill side's K/V, which its tiles read
+  // again (csrc/pod/pod_sm90.cuh). CUTLASS's constant EVICT_FIRST policy, no createpolicy.
+  static constexpr bool kEvictFirst = EvictFirst;
   static constexpr int kTileHeads = GroupTile;         // query heads of the tile
   static constexpr int kLiveRows = QTokens * GroupTile;  // rows with a query
   // mma rows of the tile: 1, 2, 4, 8 or 16 (rows past kLiveRows idle)
@@ -122,17 +122,7 @@ struct DecodeMmaTraits {
   // warp's stores of its O accumulators (rows 2c, 2c + 1 of lanes c) fell 4-way (16-bit)
   // or 16-way (fp8) on the same banks (docs/decode.md).
   static constexpr int kORowPad = 4;
-  // How K/V rows reach shared memory (DecodeCopy): 16-byte cp.async, a lane a chunk, rows
-  // swizzled (k_off / v_off in the block); or the bulk-copy engine (cp.async.bulk, sm_90: POD
-  // on Hopper's decode units), one copy a K or V row, completing on an mbarrier a warp and
-  // stage. Bulk rows land unswizzled at a stride of the row plus 16 bytes; a warp's K rows
-  // keep its even tokens first, then its odd ones (kBulkRow), so both reads stay on distinct
-  // banks (see the block).
-  static constexpr DecodeCopy kCopy = Copy;
-  static constexpr bool kBulk = Copy != DecodeCopy::kCpAsync;
-  static constexpr int kRowStride = HeadDim * int(sizeof(TKV)) + (kBulk ? 16 : 0);
-  static constexpr int kStageKBytes = kWarps * kWarpTokens * kRowStride;
-  static constexpr int kStageBytes = 2 * kStageKBytes;  // K + V rows of all warps
+  static constexpr int kStageBytes = 2 * kWarps * kWarpTokens * HeadDim * int(sizeof(TKV));  // K + V rows of all warps
   // About 48 KB of stages per KV head: four heads' blocks fit an SM at head_dim <= 128 (one
   // wave for 132 SMs x 4 >= 64 requests x 8 KV heads), with 2 to 7 tiles in flight per warp.
   // (StageBudget > 0: that many bytes instead; POD on Hopper's blocks, which hold a third of
@@ -149,9 +139,7 @@ struct DecodeMmaTraits {
   // [kCluster][kBlockRows][kSlice] output dims (over 48 KB, asked for)
   static constexpr int kRecvOffset = kFlagOffset + 16;
   static constexpr int kRecvBytes = kCluster > 1 ? kCluster * kBlockRows * (kSlice + 1) * 4 : 0;
-  // + bulk copies' mbarriers: [warp][stage]
-  static constexpr int kBarOffset = kRecvOffset + kRecvBytes;
-  static constexpr int kSmemBytes = kBarOffset + (kBulk ? kWarps * kStages * 8 : 0);
+  static constexpr int kSmemBytes = kRecvOffset + kRecvBytes;
   // Blocks per SM the registers must allow (128 threads each; twice that paired): 4 at
   // head_dim <= 128 (128 registers), but 3 for 16-head tiles, whose 64 O accumulators a
   // lane spilled at 128 registers; 2 at 256.
@@ -186,8 +174,6 @@ struct DecodeMmaTraits {
                 "8 warps a head: the cluster split's kernel for larger blocks");
   static_assert(kChunksPerRow >= 4 && 32 % kChunksPerRow == 0 && kWarpTokens % kRowsPerPass == 0,
                 "rows must split into 16-byte chunks over a warp");
-  static_assert(!kBulk || (!kFp8 && kChunksPerRow >= 8 && kCluster == 1 && kKvHeads == 1 && kWarpTokens == 8),
-                "bulk copies: 16-bit caches, rows of 128 bytes or more, no cluster, one KV head a block");
 };
 
 // --- small pieces ---------------------------------------------------------------------------
@@ -324,39 +310,18 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   // chunks per 8 lanes, V rows as 8 rows of one chunk (ldmatrix) or 4 rows x 2 chunks
   // (fp8): flipping bit 2 by the row parity, resp. XOR with the row's low 3 bits, keeps
   // each 8-lane phase on distinct banks. Rows of 4 chunks (64 bytes) need no swizzle.
-  // Bulk copies (Traits::kBulk) write whole rows, unswizzled, at a stride RS of the row plus
-  // 16 bytes (16 mod 128): V's 8-row ldmatrix phases then fall on 8 distinct bank groups.
-  // K's phases read rows 2i and 2i + 1, which must lie 64 bytes apart (mod 128): a warp's 8 K
-  // rows keep its even tokens first, then its odd ones, 4 RS (64 mod 128) later.
-  constexpr int RS = Traits::kRowStride;
-  auto k_off = [](int t, int q) {
-    if constexpr (Traits::kBulk) {
-      return (t & ~7) * RS + ((t & 1) * 4 + ((t & 7) >> 1)) * RS + q * 16;
-    } else {
-      return t * kRowBytes + ((R >= 8 ? q ^ ((t & 1) << 2) : q) * 16);
-    }
-  };
-  auto v_off = [](int t, int q) {
-    if constexpr (Traits::kBulk) {
-      return t * RS + q * 16;
-    } else {
-      return t * kRowBytes + ((R >= 8 ? q ^ (t & 7) : q) * 16);
-    }
-  };
+  auto k_off = [](int t, int q) { return t * kRowBytes + ((R >= 8 ? q ^ ((t & 1) << 2) : q) * 16); };
+  auto v_off = [](int t, int q) { return t * kRowBytes + ((R >= 8 ? q ^ (t & 7) : q) * 16); };
   auto stage_k = [&](int s) { return smem + s * Traits::kStageBytes; };
-  auto stage_v = [&](int s) { return smem + s * Traits::kStageBytes + Traits::kStageKBytes; };
+  auto stage_v = [&](int s) { return smem + s * Traits::kStageBytes + Traits::kStageBytes / 2; };
 
   // --- copies: lane moves chunk (lane % R) of its warp's tokens lane / R + kRowsPerPass * i ---
   // Stage rows: warp w owns rows [w kWarpTokens, (w + 1) kWarpTokens) of every stage; they
   // hold its head's tokens tok_w + 0 .. kWarpTokens - 1 of the tile.
   const int wt = warp * Traits::kWarpTokens;                                 // the warp's first stage row
   const int tok_w = warp % Traits::kWarpsPerHead * Traits::kWarpTokens;      // ... and its first token of a tile
-  // (bulk copies: lane l < 2 kWarpTokens copies the K (l < 8) or V row of token l % 8)
-  constexpr bool kBulk = Traits::kBulk;
-  const int my_chunk = kBulk ? 0 : lane % R;
-  const int my_row = wt + (kBulk ? lane % Traits::kWarpTokens : lane / R);
-  const int my_tok = tok_w + (kBulk ? lane % Traits::kWarpTokens : lane / R);
-  constexpr int TPT = kBulk ? 1 : Traits::kTokensPerThread;
+  const int my_chunk = lane % R, my_row = wt + lane / R, my_tok = tok_w + lane / R;
+  constexpr int TPT = Traits::kTokensPerThread;
   constexpr bool kSeparate = Traits::kTable == PageTableLayout::kBlockTableKVSeparate;
   // Page ids (-1: past the end) and slots of this thread's tokens of a tile.
   struct Pages {
@@ -428,42 +393,7 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
   const int v_sp = static_cast<int>(p.kv.v.stride_page), v_st = static_cast<int>(p.kv.v.stride_token);
   const KV* k_base = static_cast<const KV*>(p.kv.k.data) + (kv_head * static_cast<int>(p.kv.k.stride_head) + my_chunk * E);
   const KV* v_base = static_cast<const KV*>(p.kv.v.data) + (kv_head * static_cast<int>(p.kv.v.stride_head) + my_chunk * E);
-  // Bulk copies: an mbarrier a warp and stage (one arrival, lane 0's, with the tile's bytes),
-  // initialized for this unit. A token past the end copies token end - 1's row instead
-  // (finite V under a zero probability; its K is masked), as a bulk copy cannot zero-fill.
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Traits::kBarOffset) + warp * Traits::kStages;
-  const KV* k_last = k_base;
-  const KV* v_last = v_base;
-  if constexpr (kBulk) {
-    if (lane == 0) {
-#pragma unroll
-      for (int s = 0; s < Traits::kStages; ++s) sm90::mbar_init(bars + s, 1);
-      sm90::fence_barrier_init();
-    }
-    if (end > start) {
-      const int last = end - 1, logical = last / page_size, slot = last - logical * page_size;
-      k_last = k_base + (mul_wide(k_row[logical], k_sp) + slot * k_st);
-      v_last = v_base + (mul_wide(v_row[logical], v_sp) + slot * v_st);
-    }
-    __syncwarp();
-  }
   auto issue = [&](int s, const Pages& pg) {  // the tile's copies into stage s
-    if constexpr (kBulk) {
-      constexpr bool kEvictFirst = Traits::kCopy == DecodeCopy::kBulkEvictFirst;
-      if (lane == 0) sm90::mbar_expect_tx(bars + s, 2 * Traits::kWarpTokens * kRowBytes);
-      if (lane < 2 * Traits::kWarpTokens) {
-        const bool is_v = lane >= Traits::kWarpTokens, valid = pg.k[0] >= 0;
-        const KV* src;
-        if (is_v) {
-          src = valid ? v_base + (mul_wide(kSeparate ? pg.v[0] : pg.k[0], v_sp) + pg.slot[0] * v_st) : v_last;
-        } else {
-          src = valid ? k_base + (mul_wide(pg.k[0], k_sp) + pg.slot[0] * k_st) : k_last;
-        }
-        unsigned char* dst = is_v ? stage_v(s) + v_off(my_row, 0) : stage_k(s) + k_off(my_row, 0);
-        sm90::bulk_load<kEvictFirst>(dst, src, kRowBytes, bars + s);
-      }
-      return;
-    }
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const int t = my_row + i * Traits::kRowsPerPass;
@@ -472,8 +402,13 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
       // past the end: zeros, from an address that is never read
       const KV* k_src = valid ? k_base + (mul_wide(pg.k[i], k_sp) + pg.slot[i] * k_st) : k_base;
       const KV* v_src = valid ? v_base + (mul_wide(vp, v_sp) + pg.slot[i] * v_st) : v_base;
-      cp_async_16(stage_k(s) + k_off(t, my_chunk), k_src, valid);
-      cp_async_16(stage_v(s) + v_off(t, my_chunk), v_src, valid);
+      if constexpr (Traits::kEvictFirst) {
+        cp_async_16_evict_first(stage_k(s) + k_off(t, my_chunk), k_src, valid);
+        cp_async_16_evict_first(stage_v(s) + v_off(t, my_chunk), v_src, valid);
+      } else {
+        cp_async_16(stage_k(s) + k_off(t, my_chunk), k_src, valid);
+        cp_async_16(stage_v(s) + v_off(t, my_chunk), v_src, valid);
+      }
     }
   };
 
@@ -623,11 +558,6 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
       cp_async_commit();
       cp_async_wait<Traits::kStages - 1>();
       __syncwarp();  // the warp's rows of the tile are in
-    } else if constexpr (kBulk) {
-      sm90::mbar_wait(bars + tile % Traits::kStages, (tile / Traits::kStages) & 1);
-      __syncwarp();  // every lane's reads of the stage refilled below are done
-      if (tile + Traits::kStages - 1 < num_tiles) issue((tile + Traits::kStages - 1) % Traits::kStages, next);
-      if (tile + Traits::kStages < num_tiles) lookup(tile + Traits::kStages, next);
     } else {
       cp_async_wait<Traits::kStages - 2>();
       __syncwarp();  // the warp's rows of the tile are in; its rows of the stage refilled below are free
@@ -811,12 +741,6 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
 
   // --- merge the warps: m, d per head and O per (head, dim) through shared memory ------------
   cp_async_wait<0>();
-  if constexpr (kBulk) {  // (every copy issued was waited for in the loop)
-    __syncwarp();
-    if (lane == 0)
-#pragma unroll
-      for (int s = 0; s < Traits::kStages; ++s) sm90::mbar_inval(bars + s);
-  }
   launch.sync();  // every warp is done with the stages
   constexpr int kHeadsPad = 8 * HT;
   constexpr int OS = Traits::kOStride;

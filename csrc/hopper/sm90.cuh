@@ -51,10 +51,6 @@ FIJ_SM90 void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
 FIJ_SM90 void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
-// Ends the barrier's life (before its shared memory is used for anything else or initialized again).
-FIJ_SM90 void mbar_inval(uint64_t* bar) {
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
 // Blocks until the barrier's phase `parity` (0 or 1) has completed.
 FIJ_SM90 void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
@@ -93,24 +89,6 @@ FIJ_SM90 void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int 
       "[%2];\n" ::"r"(smem_addr(dst)),
       "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
-}
-// `bytes` contiguous bytes (a multiple of 16; both addresses 16-byte aligned) from global into
-// shared memory by the bulk-copy engine, completing on `bar`. kEvictFirst: the lines it
-// brings into L2 are the first to leave (CUTLASS's constant EVICT_FIRST policy; no createpolicy).
-template <bool kEvictFirst = false>
-FIJ_SM90 void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  if constexpr (kEvictFirst) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
-            smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(uint64_t(0x12F0000000000000ull))
-        : "memory");
-  } else {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-  }
 }
 FIJ_SM90 void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");

@@ -36,9 +36,6 @@ namespace fij {
 // Stage bytes of each of a block's three decode units: 64 KB (the decode kernel's blocks take
 // 48 KB, four an SM; three units of 48 KB would keep a quarter fewer bytes in flight an SM).
 constexpr int kPodSm90DecodeStages = 64 * 1024;
-// ... and with bulk copies (DecodeCopy::kBulk*), whose rows are 16 bytes longer in shared
-// memory: four stages of 17 KB at head_dim 128 (three units: 207 KB of the SM's 227).
-constexpr int kPodSm90DecodeStagesBulk = 68 * 1024;
 
 struct PodSm90Params {
   PrefillSm90Params prefill;  // its counters: POD's [0] and [1]
@@ -77,9 +74,6 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1) pod_sm90_kernel(const 
       if (u >= units) break;
       decode_mma_block<DecodeT>(p.decode, u / p.decode_head_blocks, u % p.decode_head_blocks, p.decode_head_blocks,
                                 unit_smem, launch);
-      // (bulk copies: this thread's generic accesses to the unit's shared memory, its merge's
-      // included, ordered before the next unit's bulk copies into it)
-      if constexpr (DecodeT::kBulk) sm90::fence_proxy_async();
       launch.sync();  // the unit's shared memory and `claim` read by every thread before the next
     }
     sm90::fence_proxy_async();  // the units' shared-memory writes before the prefill side's TMA writes
