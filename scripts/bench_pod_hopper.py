@@ -10,7 +10,6 @@ same inputs, bench_pod.Inputs). Per row, on the same tensors, timed interleaved
 warm-up, median of --reps):
   pod_hopper          BatchPODWithPagedKVCacheWrapper, prefill_backend="auto" (the planner's split)
   pod_hopper_P<n>     the same with the split pinned: n blocks start on prefill items (--blocks)
-  pod_hopper_E        the decode units' K/V copies marked evict-first in L2; also single_hopper_E
   pod_hopper_S<t>[_P<n>]  the decode side split into chunks of t tokens (its fixed_split_size;
                       S0: the decode planner's own choice), and the split pinned (--variants)
   single_hopper       PODWithPagedKVCacheWrapper, prefill_backend="auto": the single form, the
@@ -65,7 +64,6 @@ def make(name: str, x, row):
     def ws():
         return torch.empty(bpod.WORKSPACE_BYTES, dtype=torch.uint8, device=bpod.DEVICE)
 
-    copies = {"E": "evict_first"}  # _E: the decode units' copies (PodSm90Spec.decode_copy)
     if name.startswith("pod"):
         w = fij.BatchPODWithPagedKVCacheWrapper(ws(), "NHD")
         w.prefill_backend = "fa2" if name == "pod_fa2" else "auto"
@@ -74,20 +72,16 @@ def make(name: str, x, row):
                 w.force_prefill_blocks = int(part[1:])
             elif part[0] == "S":
                 w.force_decode_split = int(part[1:])
-            elif part in copies:
-                w.sm90_decode_copy = copies[part]
         w.plan(x.qo_indptr_p, x.kv_indptr_p, x.indices_p, x.last_p, x.qo_indptr_d, x.kv_indptr_d, x.indices_d,
                x.last_d, *heads, q_data_type=bf16, kv_data_type=bf16, causal=True)
         if name != "pod_fa2" and w._prefill.planned_backend != "fa3":
             raise RuntimeError(f"{name}: the prefill side planned {w._prefill.planned_backend}, not the Hopper kernel")
         return lambda: w.run(x.q_p, x.cache_p, x.q_d, x.cache_d, causal_p=True)
-    if name.startswith("single_hopper"):  # the single form (one prefill request's K/V rows, bpod.Inputs' copies)
+    if name == "single_hopper":  # the single form (one prefill request's K/V rows, bpod.Inputs' copies)
         if not row.single:
             raise RuntimeError("single_hopper: the row has more than one prefill request")
         w = fij.PODWithPagedKVCacheWrapper(ws(), "NHD")
         w.prefill_backend = "auto"
-        for part in name.removeprefix("single_hopper").split("_")[1:]:
-            w.sm90_decode_copy = copies[part]
         w.plan(x.kv_indptr_d, x.indices_d, x.last_d, *heads, q_data_type=bf16, kv_data_type=bf16)
         w.run(x.q_p, x.k_p, x.v_p, x.q_d, x.cache_d, causal_p=True)  # (plans the prefill side: outside the timing)
         if w._prefill.planned_backend != "fa3":

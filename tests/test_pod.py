@@ -510,14 +510,9 @@ SM90_CASES = [
 ]
 
 
-# the decode units' copies (PodSm90Spec.decode_copy)
-SM90_COPIES = ["cp_async", "evict_first"]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("copy", SM90_COPIES)
 @pytest.mark.parametrize("chunks, decodes, causal, head_dim, blocks, return_lse, shared, options", SM90_CASES)
-def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_lse, shared, options, copy, workspace):
+def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_lse, shared, options, workspace):
     """prefill_backend="auto" on sm_90: prefill chunks long enough for the Hopper kernel beside
     one-token decodes, in one launch of POD on Hopper (the planner's split, or pinned to one
     prefill block or one decode block), against the float64 references, outputs poisoned."""
@@ -536,7 +531,6 @@ def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_l
     w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
     w.prefill_backend = "auto"
     w.force_prefill_blocks = blocks
-    w.sm90_decode_copy = copy
     w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(len(lens_d) + 1))), *table_d.plan_args, hq, hk, head_dim,
            page_size, q_data_type=BF16, kv_data_type=BF16, causal=causal, window_left=window)
     assert w._prefill.planned_backend == "fa3"
@@ -563,8 +557,7 @@ def test_batch_pod_on_hopper(chunks, decodes, causal, head_dim, blocks, return_l
     (1500, 2500, True, 128, True, 3000), (2048, 2048, False, 128, False, 3000), (900, 1700, True, 64, True, 3000),
     (700, 3000, True, 256, False, 3000), (600, 900, True, 128, True, 7000)],
     ids=["causal", "full", "hd64", "hd256", "decode-split"])
-@pytest.mark.parametrize("copy", SM90_COPIES)
-def test_single_pod_on_hopper(qo_len, kv_len, causal, head_dim, return_lse, decode_max, copy, workspace):
+def test_single_pod_on_hopper(qo_len, kv_len, causal, head_dim, return_lse, decode_max, workspace):
     """PODWithPagedKVCacheWrapper with prefill_backend="auto" on sm_90: one prefill request's
     K/V rows on the Hopper kernel's blocks beside one-token decodes, one launch (the pod_sm90
     module with prefill_kv="ragged"), against the float64 references, outputs poisoned; twice
@@ -579,7 +572,6 @@ def test_single_pod_on_hopper(qo_len, kv_len, causal, head_dim, return_lse, deco
     dec = make_decode(decode_lens(37, decode_max, 16, rnd), LLAMA, head_dim, 16, BF16, BF16, gen, rnd)
     w = fij.PODWithPagedKVCacheWrapper(workspace, "NHD")
     w.prefill_backend = "auto"
-    w.sm90_decode_copy = copy
     split = 2048 if decode_max > 4096 else None
     ref_p, ref_d = prefill_reference(q_p, k_p, v_p, causal=causal), decode_reference(dec)
     for _ in range(2):

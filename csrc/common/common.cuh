@@ -119,12 +119,6 @@ FIJ_DEVICE void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 16 : 0));
 }
 FIJ_DEVICE void cp_async_16(void* smem, const void* gmem, bool valid) { cp_async_16(smem_u32(smem), gmem, valid); }
-// The same with the lines it brings into L2 marked first to leave (data read once that should
-// not push out data other blocks read again): CUTLASS's constant EVICT_FIRST cache policy.
-FIJ_DEVICE void cp_async_16_evict_first(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0), "l"(uint64_t(0x12F0000000000000ull)));
-}
 // Brings `bytes` (a multiple of 16, 16-byte aligned) at gmem into L2 without waiting: one
 // bulk request on sm_90+, one per 128-byte line before.
 FIJ_DEVICE void prefetch_l2(const void* gmem, int bytes) {

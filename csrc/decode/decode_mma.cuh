@@ -45,8 +45,7 @@ namespace fij {
 
 
 template <typename TQ, typename TKV, int HeadDim, int GroupTile, PageTableLayout Table, bool SoftCap,
-          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1, int StageBudget = 0,
-          bool EvictFirst = false>
+          int KvHeads = 1, int Cluster = 1, int WarpsPerHead = 4, int QTokens = 1, int StageBudget = 0>
 struct DecodeMmaTraits {
   using Q = typename QueryTypes<TQ>::Q;  // q's elements
   using O = typename QueryTypes<TQ>::O;  // the output's: q's type, 16-bit for an fp8 q
@@ -59,10 +58,6 @@ struct DecodeMmaTraits {
   // A tile's rows are (token, query head) pairs, token-major: row r = token r / GroupTile,
   // head r % GroupTile of the tile, so the request's tokens share every K/V tile read.
   static constexpr int kQTokens = QTokens;
-  // K/V copies marked first to leave L2 (each K/V byte is read once): POD on Hopper's decode
-  // units, whose stream would otherwise push out the prefill side's K/V, which its tiles read
-  // again (csrc/pod/pod_sm90.cuh). CUTLASS's constant EVICT_FIRST policy, no createpolicy.
-  static constexpr bool kEvictFirst = EvictFirst;
   static constexpr int kTileHeads = GroupTile;         // query heads of the tile
   static constexpr int kLiveRows = QTokens * GroupTile;  // rows with a query
   // mma rows of the tile: 1, 2, 4, 8 or 16 (rows past kLiveRows idle)
@@ -402,13 +397,8 @@ FIJ_DEVICE void decode_mma_block(const DecodeParams& p, int item_index, int head
       // past the end: zeros, from an address that is never read
       const KV* k_src = valid ? k_base + (mul_wide(pg.k[i], k_sp) + pg.slot[i] * k_st) : k_base;
       const KV* v_src = valid ? v_base + (mul_wide(vp, v_sp) + pg.slot[i] * v_st) : v_base;
-      if constexpr (Traits::kEvictFirst) {
-        cp_async_16_evict_first(stage_k(s) + k_off(t, my_chunk), k_src, valid);
-        cp_async_16_evict_first(stage_v(s) + v_off(t, my_chunk), v_src, valid);
-      } else {
-        cp_async_16(stage_k(s) + k_off(t, my_chunk), k_src, valid);
-        cp_async_16(stage_v(s) + v_off(t, my_chunk), v_src, valid);
-      }
+      cp_async_16(stage_k(s) + k_off(t, my_chunk), k_src, valid);
+      cp_async_16(stage_v(s) + v_off(t, my_chunk), v_src, valid);
     }
   };
 

@@ -135,9 +135,6 @@ class PodSm90Spec(Spec):
     # the prefill's K/V: the paged cache (batch POD, BatchAttention) or one request's rows
     # (PODWithPagedKVCacheWrapper: k_p / v_p)
     prefill_kv: str = choice("paged", "ragged", tag="p{}", default="paged", name_default=False)
-    # the decode units' K/V copies (csrc/decode/decode_mma.cuh kEvictFirst): 16-byte cp.async,
-    # or the same marked first to leave L2
-    decode_copy: str = choice("cp_async", "evict_first", tag="c{}", default="cp_async", name_default=False)
 
     def check(self) -> None:
         try:

@@ -69,13 +69,12 @@ def _pod_spec_of(prefill: PrefillSpec, decode: DecodeSpec, prefill_kv: str, kv_l
 
 
 @functools.lru_cache(maxsize=64)
-def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str, decode_copy: str = "cp_async") -> PodSm90Spec:
+def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str) -> PodSm90Spec:
     """POD on Hopper's module: the prefill plan's Hopper module (PrefillSm90Spec) beside the
     decode plan's (validated once a pair)."""
     return PodSm90Spec(dtype_q=decode.dtype_q, head_dim=decode.head_dim, page_table=decode.page_table,
                        kv_layout=kv_layout, mask=prefill.mask, key_tile=prefill.key_tile,
-                       group_tile=decode.group_tile, prefill_kv=prefill.kv_source,
-                       decode_copy=decode_copy).validate()
+                       group_tile=decode.group_tile, prefill_kv=prefill.kv_source).validate()
 
 
 @constant_result
@@ -307,8 +306,6 @@ class _Pod:
     def force_prefill_blocks(self, value) -> None:
         self._force_blocks, self._quick = value, None
 
-    # POD on Hopper's decode copies (PodSm90Spec.decode_copy; benchmarks compare them)
-    sm90_decode_copy = "cp_async"
 
     # The schedule of each launch (launch_pod): None, pod_schedule() of the plans, or pinned
     # (the decode share of an SM's blocks; the decode SMs, 0 every SM). Benchmarks pin them;
@@ -353,7 +350,7 @@ class _Pod:
         self._quick = None
         self._sm90_blocks = 0  # POD on Hopper's split of the plan (sm90_prefill_blocks)
         self._sm90_op = None  # ... and its module's op (a CPU workspace: none; a traced run() looks it up)
-        self._sm90_key = None  # the specs (and debug switch, decode copy) _sm90_op was looked up for
+        self._sm90_key = None  # the specs (and debug switch) _sm90_op was looked up for
         self._sm90_spec = None  # ... and their module (PodSm90Spec)
         self._force_blocks = None  # force_prefill_blocks
 
@@ -377,10 +374,10 @@ class _Pod:
             self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, sm_count(self._device) if cuda else 132)
             # (the op of the two sides' specs: looked up again only when either spec or the debug
             # switch changes, not every plan)
-            key = (self._prefill._plan.spec, self._decode._plan.spec, env.debug(), self.sm90_decode_copy)
+            key = (self._prefill._plan.spec, self._decode._plan.spec, env.debug())
             last = self._sm90_key
-            if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2:] != last[2:]:
-                spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout, key[3])
+            if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2] != last[2]:
+                spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout)
                 self._sm90_op = module_op(spec, "pod_sm90", key[2]) if cuda else None
                 self._sm90_key, self._sm90_spec = key, spec
 
