@@ -480,22 +480,13 @@ struct Sm90Schedule {
   int32_t* also_reset;     // zeroed with the counters by the last block (null: none)
 };
 
-// What the consumer warpgroups run after their items (none in the prefill kernel).
-struct Sm90NoTail {
-  FIJ_DEVICE void operator()() const {}
-};
-
 // One block's share of a launch: items from the schedule until none is left (the whole
 // block, 128 x (1 + kM / 64) threads; shared memory at smem_raw: Sm90Kernel::kSmemBytes,
 // which holds 1 KB for the alignment). The producer warpgroup returns when its last item is loaded,
-// the consumers after the rows without keys are written and `tail` has run (POD on Hopper's
-// decode units: code there runs under the consumers' setmaxnreg, where ptxas gives it their
-// registers; after the block's return, where the producer's path joins theirs, the decode
-// units spilled 240-600 bytes).
+// the consumers after the rows without keys are written.
 template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM, bool kCustom,
-          bool kAlibi = false, class Tail = Sm90NoTail>
-FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* smem_raw, const Sm90Schedule sched,
-                                   const Tail& tail = Tail{}) {
+          bool kAlibi = false>
+FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* smem_raw, const Sm90Schedule sched) {
   using namespace sm90_prefill;
   using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi>;
   constexpr int kC = K::kConsumers;
@@ -720,7 +711,6 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       K::store(p, tile, idx % p.num_qo_heads, r0, cq, o, m, l);
     }
   }
-  tail();
 }
 
 template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128, bool kCustom = false,

@@ -15,18 +15,14 @@
 //     128 threads (WarpgroupLaunch: its own named barrier), so a block runs three decode
 //     units at a time, taken from the decode counter one after the other;
 //   - a block whose decode units are all taken joins the prefill side (its items from the
-//     counter), so the decode side's SMs come back to the prefill as it ends;
-//   - a block whose prefill items are all taken hands the registers setmaxnreg moved between
-//     its warpgroups back (168 a thread each) and takes the decode units left, so the prefill
-//     side's SMs come back to the decodes as it ends.
-// Either side's SMs thus return to the other, and plan() can give the prefill side most SMs:
-// the decode side reaches its DRAM ceiling from part of the SMs (about 4.1 TB/s from 48 to 96 of
-// an H200's 132, against 4.5 from all: scripts/bench_read_ceiling.py --units), while the prefill
-// scales with the SMs it gets (flashinfer_jit/pod/wrapper.py sm90_prefill_blocks).
+//     counter), so the decode side's SMs come back to the prefill as it ends. The blocks that
+//     start on prefill do not take decode units afterwards: they would have to hand their
+//     setmaxnreg registers back first. plan() therefore gives the decode side at least the
+//     SMs it needs (flashinfer_jit/pod/wrapper.py), and the decode side's late blocks catch
+//     up with the prefill's tail.
 // Counters (int32 zeros between launches, POD's counter buffer): [0] prefill items taken past
-// the first ones, [1] blocks done with the prefill side, [2] decode units taken, [3] blocks
-// done with both. The prefill side's last block resets [0] and [1], the last block done [2]
-// and [3].
+// the first ones, [1] blocks done with the prefill side, [2] decode units taken. Every block
+// runs the prefill side once, last, so the last block to arrive there resets all three.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -45,7 +41,6 @@ struct PodSm90Params {
   PrefillSm90Params prefill;  // its counters: POD's [0] and [1]
   DecodeParams decode;
   int32_t* decode_next = nullptr;  // POD's counter [2]
-  int32_t* blocks_done = nullptr;  // POD's counter [3]: blocks done with both sides
   int32_t prefill_blocks = 0;      // blocks that start on prefill items (with decode units; else all)
   int32_t decode_slots = 0;        // decode items (the plan's grid) x head blocks (0: no decode side)
   int32_t decode_head_blocks = 0;
@@ -67,14 +62,9 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1) pod_sm90_kernel(const 
   const int units = p.decode_slots > 0 ? p.decode.work[0] * p.decode_head_blocks : 0;
   const int first_blocks = units > 0 ? p.prefill_blocks : static_cast<int>(gridDim.x);
   const bool decode_first = static_cast<int>(blockIdx.x) >= first_blocks;
-  // The decode units of `warpgroups` of this block's warpgroups from warpgroup `first`, until
-  // none is left: all three in the blocks that start on them; the two consumer warpgroups in
-  // every block once its prefill items are done (at the 240 registers a thread the prefill
-  // side's setmaxnreg gave them; the producer's 24 take none).
-  const auto decode_units = [&](int first_wg) {
+  if (decode_first) {
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-    if (wg < first_wg) return;
-    // named barriers 8.. (the prefill block's are 1..7)
+    // named barriers 8.. (the prefill block's are 1..7, used after this loop)
     const WarpgroupLaunch launch{wg, 8 + wg};
     unsigned char* unit_smem = sm90::align_1024(smem_raw) + wg * pod_sm90_decode_smem<DecodeT>();
     for (;;) {
@@ -86,35 +76,11 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1) pod_sm90_kernel(const 
                                 unit_smem, launch);
       launch.sync();  // the unit's shared memory and `claim` read by every thread before the next
     }
-  };
-  if (decode_first) {
-    decode_units(0);
     sm90::fence_proxy_async();  // the units' shared-memory writes before the prefill side's TMA writes
     __syncthreads();
   }
-  // then the prefill side; its consumer warpgroups take the decode units left once its items
-  // are done (the prefill side's shared memory is free once both are: named barrier 7, their
-  // 256 threads; the producer warpgroup has returned)
-  const auto tail = [&] {
-    if (units > 0) {
-      sm90::fence_proxy_async();
-      sm90::named_sync(7, 256);
-      decode_units(1);
-    }
-  };
-  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, false, kM, false, false>(
-      p.prefill, smem_raw, Sm90Schedule{decode_first ? -1 : static_cast<int>(blockIdx.x), first_blocks, nullptr},
-      tail);
-  __syncthreads();  // every warpgroup's last claim is done
-  // The last block done resets the decode counter (its other blocks' last claims are done) and
-  // this one; the prefill side's last block reset its two.
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(p.blocks_done, 1) == static_cast<int>(gridDim.x) - 1) {
-      *p.decode_next = 0;
-      *p.blocks_done = 0;
-    }
-  }
+  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, false, kM, false>(
+      p.prefill, smem_raw, Sm90Schedule{decode_first ? -1 : static_cast<int>(blockIdx.x), first_blocks, p.decode_next});
 }
 
 // One launch on every SM (one block each); then the decode side's merge kernel where its split
@@ -134,7 +100,6 @@ int launch_pod_sm90(const PrefillSm90Params& prefill, const DecodeLaunch& ld, in
   p.decode = ld.params;
   p.decode.dependent_launch = 0;
   p.decode_next = counters + 2;
-  p.blocks_done = counters + 3;
   p.decode_head_blocks = ld.num_kv_heads * (ld.params.group / DecodeT::kTileHeads);
   p.decode_slots = ld.grid_items > 0 ? ld.grid_items * p.decode_head_blocks : 0;
   const int sms = num_sms();

@@ -160,7 +160,7 @@ class PodSm90Spec(Spec):
         # The Hopper prefill op's arguments (_p; flashinfer_jit/prefill/spec.py
         # PrefillSm90Spec) without the custom mask, sinks, soft cap and grid, the decode op's
         # (_d) as the POD op takes them, POD's counters (int32 zeros, which the kernel leaves
-        # at zero; its first four) and prefill_blocks: the blocks that start on prefill
+        # at zero; its first three) and prefill_blocks: the blocks that start on prefill
         # items (csrc/pod/pod_sm90.cuh); prepared: a CPU byte tensor that receives the resolved
         # launch (csrc/pod/pod_params.h PodSm90Launch) for run()'s fast path, <namespace>_pod_fast.
         return {"pod_sm90": (
