@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from kv_helpers import DEV, assert_sentinels, assert_tests_matrix_has, capture_graph, poisoned, randn
+from test_pod import mma_pod_by_default  # noqa: F401  (autouse: see test_pod.py)
 from test_pod import FP8_FACTOR, TOL, Table, check_lse, check_out, make_cache, nan_outside
 
 import flashinfer_jit as fij

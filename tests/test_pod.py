@@ -51,6 +51,19 @@ BF16, LLAMA, HD = torch.bfloat16, (32, 8), 128
 SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
 
 
+@pytest.fixture(autouse=True)
+def mma_pod_by_default(monkeypatch):
+    """The POD wrappers' and BatchAttention's default prefill_backend is "auto" (POD on Hopper on
+    sm_90 where the prefill side plans the Hopper kernel). The cases of this file, of
+    test_batch_attention.py and of test_pod_host.py that set none were written for the mma.sync
+    POD and keep it ("fa2"); the POD-on-Hopper cases set "auto" or "fa3" themselves, and
+    test_default_prefill_backend_is_auto checks the default. (FlashInfer's own tests of these
+    wrappers run with the default: docs/api.md.)"""
+    from flashinfer_jit.pod import batch_attention
+    monkeypatch.setattr(pod_mod._Pod, "prefill_backend", "fa2")
+    monkeypatch.setattr(batch_attention, "DEFAULT_PREFILL_BACKEND", "fa2")
+
+
 # --- the grid ----------------------------------------------------------------------------------
 class Case(NamedTuple):
     dtype: str       # q_p, k_p, v_p, q_d, the decode cache and both outputs
@@ -585,6 +598,36 @@ def test_single_pod_on_hopper(qo_len, kv_len, causal, head_dim, return_lse, deco
     outs = run_pod(w, q_p, k_p, v_p, dec, custom_mask_p=mask.reshape(-1).to(DEV))
     assert w._prefill.planned_backend == "fa2"
     check_pod(outs, prefill_reference(q_p, k_p, v_p, custom_mask=mask.reshape(-1)), ref_d, BF16)
+
+
+def test_default_prefill_backend_is_auto(monkeypatch):
+    """Without the file's fixture (undone): every POD wrapper and BatchAttention starts on "auto";
+    on an H100 / H200 a batch POD of a long chunk beside decodes then plans POD on Hopper and
+    matches the float64 references."""
+    monkeypatch.undo()
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    assert fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD").prefill_backend == "auto"
+    assert fij.PODWithPagedKVCacheWrapper(ws, "NHD").prefill_backend == "auto"
+    ba = fij.BatchAttention("NHD", device="cpu")
+    assert ba.prefill_backend == ba._pod.prefill_backend == ba._prefill._backend == "auto"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return
+    rnd, gen = _seeded(5)
+    page_size, (hq, hk) = 16, LLAMA
+    lens_d = decode_lens(24, 2000, page_size, rnd)
+    table_p, table_d, cache_p, cache_d = two_sides([2048], lens_d, page_size, hk, HD, BF16, True, rnd, gen)
+    qo_indptr_p = _i32([0, 2048])
+    q_p = randn((2048, hq, HD), BF16, gen)
+    dec = Decode(randn((len(lens_d), hq, HD), BF16, gen), cache_d, table_d)
+    w = fij.BatchPODWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=DEV), "NHD")
+    w.plan(qo_indptr_p, *table_p.plan_args, _i32(list(range(len(lens_d) + 1))), *table_d.plan_args, hq, hk, HD,
+           page_size, q_data_type=BF16, causal=True)
+    assert w._prefill.planned_backend == "fa3"
+    _poison_allocator(q_p, dec.q)
+    result = w.run(q_p, cache_p.run_arg, dec.q, cache_d.run_arg, causal_p=True, return_lse=True)
+    torch.cuda.synchronize()
+    ref_p = prefill_ref(q_p, qo_indptr_p, cache_p.k, cache_p.v, page_table=table_p.table, causal=True)
+    check_pod(unpack(result, True, True), ref_p, decode_reference(dec), BF16)
 
 
 def test_single_pod_on_hopper_plans_on_the_cpu(monkeypatch):

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from kv_helpers import DEV, randn
+from test_pod import mma_pod_by_default  # noqa: F401  (autouse: see test_pod.py)
 from test_pod import (BF16, HD, LLAMA, TOL, Decode, _poison_allocator, check_lse, check_out, check_pod, csr_table,
                       decode_reference, make_cache, make_prefill, nan_outside, prefill_reference, unpack)
 

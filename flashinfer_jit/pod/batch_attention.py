@@ -38,6 +38,8 @@ from .wrapper import BatchPODWithPagedKVCacheWrapper
 __all__ = ["BatchAttention", "split_batch", "BatchSplit", "BatchCut", "cut_batch"]
 
 _WORKSPACE_BYTES = 128 << 20  # each of the wrappers' float workspace
+# A new BatchAttention's prefill_backend (the POD wrappers' default too: _Pod.prefill_backend)
+DEFAULT_PREFILL_BACKEND = "auto"
 # A batch without one-token requests whose requests of at most this many tokens (speculative
 # verification) sit beside longer ones (chunks of prompts), under prefill_backend "auto" or
 # "fa3": the short ones on the mma.sync kernel's packed (token, head) rows, the long ones on
@@ -348,6 +350,8 @@ class BatchAttention:
             self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout, backend="fa2")
             self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
         self._backend = "fa2"
+        self._long = None
+        self.prefill_backend = DEFAULT_PREFILL_BACKEND
         self._long = None  # "split" mode's Hopper prefill of the long requests (at its first use)
         self._planned = None
 
@@ -356,10 +360,11 @@ class BatchAttention:
 
     @property
     def prefill_backend(self) -> str:
-        """The prefill side's kernel (BatchPODWithPagedKVCacheWrapper.prefill_backend): "fa2"
-        (the default), or "auto": POD on Hopper for a mixed batch whose prefill side plans the
-        Hopper kernel, and the Hopper kernel for a batch without decodes; "fa3": POD on Hopper or
-        a ValueError naming why not. Set it before plan() (BatchPODWithPagedKVCacheWrapper's
+        """The prefill side's kernel (BatchPODWithPagedKVCacheWrapper.prefill_backend): "fa2", or
+        "auto" (the default, DEFAULT_PREFILL_BACKEND): POD on Hopper for a mixed batch whose
+        prefill side plans the Hopper kernel, and the Hopper kernel for a batch without decodes
+        (elsewhere the mma.sync kernels, as "fa2"); "fa3": POD on Hopper or a ValueError naming
+        why not. Set it before plan() (BatchPODWithPagedKVCacheWrapper's
         prefill_backend says what POD on Hopper does not take yet)."""
         return self._backend
 

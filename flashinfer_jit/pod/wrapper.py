@@ -289,12 +289,15 @@ class _Pod:
     # kernel's blocks, one an SM, beside the decode blocks) where the prefill side plans the
     # Hopper kernel (backend "auto"'s rule: sm_90, prompts long enough; no custom mask), else
     # "fa2"; "fa3", POD on Hopper or a ValueError naming why not. Set it before plan() (the
-    # single form: before the run() that plans its prefill). Opt-in. POD on Hopper takes run()'s
-    # fast path as the mma.sync POD does (its recorded launch encodes the prefill side's TMA
-    # maps from each call's addresses); torch.compile traces it to its op. A CUDA-graph wrapper
-    # keeps its first plan's choice, and its captured launch the split of the plan before the
-    # capture (sm90_prefill_blocks: a speed choice, not a result).
-    prefill_backend = "fa2"
+    # single form: before the run() that plans its prefill). "auto" is the default: on an
+    # H100 / H200 POD on Hopper is 1.08-1.13x our Hopper prefill then decode and faster than the
+    # mma.sync POD on every measured mix (docs/pod.md); elsewhere, and for what it does not take,
+    # "auto" is the mma.sync POD. POD on Hopper takes run()'s fast path as the mma.sync POD does
+    # (its recorded launch encodes the prefill side's TMA maps from each call's addresses);
+    # torch.compile traces it to its op. A CUDA-graph wrapper keeps its first plan's choice, and
+    # its captured launch the split of the plan before the capture (sm90_prefill_blocks: a speed
+    # choice, not a result).
+    prefill_backend = "auto"
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it; a pin drops run()'s recorded launch, which holds
     # the split)
