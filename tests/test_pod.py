@@ -601,17 +601,22 @@ def test_single_pod_on_hopper(qo_len, kv_len, causal, head_dim, return_lse, deco
 
 
 def test_default_prefill_backend_is_auto(monkeypatch):
-    """Without the file's fixture (undone): every POD wrapper and BatchAttention starts on "auto";
-    on an H100 / H200 a batch POD of a long chunk beside decodes then plans POD on Hopper and
-    matches the float64 references."""
+    """Without the file's fixture (undone): every POD wrapper and BatchAttention starts on "auto"."""
     monkeypatch.undo()
     ws = torch.empty(1 << 20, dtype=torch.uint8)
     assert fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD").prefill_backend == "auto"
     assert fij.PODWithPagedKVCacheWrapper(ws, "NHD").prefill_backend == "auto"
     ba = fij.BatchAttention("NHD", device="cpu")
     assert ba.prefill_backend == ba._pod.prefill_backend == ba._prefill._backend == "auto"
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return
+
+
+@pytest.mark.gpu
+def test_default_batch_pod_on_hopper(monkeypatch):
+    """Without the file's fixture (undone), on an H100 / H200: a batch POD of a 2k chunk beside
+    decodes plans POD on Hopper by default and matches the float64 references."""
+    monkeypatch.undo()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("POD on Hopper runs on sm_90")
     rnd, gen = _seeded(5)
     page_size, (hq, hk) = 16, LLAMA
     lens_d = decode_lens(24, 2000, page_size, rnd)
