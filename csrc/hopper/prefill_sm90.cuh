@@ -461,24 +461,6 @@ struct Stage {
 };
 FIJ_SM90 Stage stage_of(int i) { return {i % kStages, uint32_t(i / kStages) & 1u}; }
 
-// Item idx's tile and query head. The active items run a KV head at a time (its query heads'
-// tiles, heaviest first, a tile's query heads together), so the items in flight at once read one
-// KV head's K and V, which stay in L2 while they are read again; tile-major (a tile's every
-// query head, then the next tile), they read every KV head's at once (67 MB at 16k bf16
-// tokens of 8 heads of 128, over the L2), and beside POD's decode stream the K/V left L2
-// between its reads. The items without keys (the end of the list) stay tile-major.
-struct ItemPos {
-  int tile, head;
-};
-FIJ_SM90 ItemPos item_pos(int idx, int active, int num_qo_heads, int group) {
-  if (idx < active) {
-    const int per_kv_head = active / num_qo_heads * group;  // the active tiles x the KV head's query heads
-    const int kv_head = idx / per_kv_head, r = idx - kv_head * per_kv_head;
-    return {r / group, kv_head * group + r % group};
-  }
-  return {idx / num_qo_heads, idx % num_qo_heads};
-}
-
 FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
   const int4* at = reinterpret_cast<const int4*>(work + kSm90WorkHeader + kSm90TileInts * t);
   const int4 a = at[0], b = at[1];
@@ -568,8 +550,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
           idx = sched.base + __shfl_sync(0xffffffffu, taken, 0);
           if (lane == 0 && idx < active) taken = atomicAdd(&p.counters[0], 1);
         }
-        const ItemPos pos = item_pos(idx, active, p.num_qo_heads, p.group);
-        const Sm90Tile tile = idx < active ? load_tile(p.work, pos.tile) : Sm90Tile{};
+        const Sm90Tile tile = idx < active ? load_tile(p.work, idx / p.num_qo_heads) : Sm90Tile{};
         int page = kPaged && idx < active ? K::next_page(p, tile, tile.first_tile, lane) : 0;
         int page_v = v_ids == 0 ? page : kPaged && idx < active ? K::next_page(p, tile, tile.first_tile, lane, v_ids) : 0;
         const int qs = k % kQStages, qu = k / kQStages;
@@ -586,11 +567,11 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
           }
           break;
         }
-        const int head = pos.head, kv_head = head / p.group;
+        const int head = idx % p.num_qo_heads, kv_head = head / p.group;
         if (lane == 0) {
           item_slot[k & 1] = idx;
           tile_slot[k & 1] = tile;
-          if constexpr (kCustom) mask_slot[k & 1] = mask_bases[pos.tile];
+          if constexpr (kCustom) mask_slot[k & 1] = mask_bases[idx / p.num_qo_heads];
           h::mbar_expect_tx(&q_full[qs], K::kQBytes);
           for (int a = 0; a < K::kAtoms; ++a)
             h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], 64 * a, head, tile.q_row0);
@@ -637,8 +618,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     const int idx = item_slot[k & 1];
     if (idx < 0) break;
     const Sm90Tile tile = tile_slot[k & 1];
-    const int head = item_pos(idx, active, p.num_qo_heads, p.group).head, n0 = tile.first_tile,
-              n_tiles = tile.kv_tiles - n0;
+    const int head = idx % p.num_qo_heads, n0 = tile.first_tile, n_tiles = tile.kv_tiles - n0;
     const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.window_left, kSoftCap || kAlibi ? 1.f : p.scale_log2,
                     p.scale_log2, p.soft_cap_log2, kAlibi ? alibi_slope_log2(head, p.num_qo_heads) : 0.f};
     float o[K::kOut], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};

@@ -17,10 +17,8 @@ namespace fij {
 //   then, with a custom mask, one int64 a tile (in the tiles' order): the packed mask's bit
 //   of the tile's first row and the request's first key (the request's mask_indptr x 8 + the
 //   row's position in the request x kv_len)
-// Items are (tile, query head) pairs: the active ones a KV head at a time (its query heads' tiles,
-// heaviest first), so one round of the persistent grid reads one KV head's keys, which serve its
-// whole group and its other tiles from L2; the inactive ones tile-major (prefill_sm90.cuh
-// item_pos).
+// Item i is tile i / num_qo_heads, query head i % num_qo_heads: one round of the persistent
+// grid holds a few tiles of every head, so a KV head's keys serve its group from L2.
 constexpr int kSm90TileInts = 8, kSm90WorkHeader = 4;
 struct Sm90Tile {
   int32_t q_row0;    // the tile's first query row (token) in q
