@@ -52,6 +52,17 @@ struct DecodeLaunch {
   int32_t kv_heads_per_block = 1;  // 2: the tensor-core kernel's blocks take KV-head pairs (plan()'s choice)
   int32_t cluster = 1;  // > 1: the tensor-core kernel's blocks run in clusters of this many (plan()'s choice)
   int32_t cluster_warps = 4;  // ... of blocks of this many warps: 4, or 8 (plan()'s choice)
+
+  // A recorded launch given a later call's tensors (run()'s fast paths: decode's and both POD
+  // kernels'): q, the K and V caches, the output and the LSE (null: none), in the params and in
+  // the separate merge's.
+  void rebind(const void* q, void* k, void* v, void* out, float* lse) {
+    params.q = q;
+    params.kv.k.data = k;
+    params.kv.v.data = v;
+    params.out = merge.out = out;
+    params.lse = merge.lse = lse;
+  }
 };
 
 }  // namespace fij
