@@ -349,9 +349,7 @@ class BatchAttention:
             self._pod = BatchPODWithPagedKVCacheWrapper(ws[0], kv_layout)
             self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout, backend="fa2")
             self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
-        self._backend = "fa2"
-        self._long = None
-        self.prefill_backend = DEFAULT_PREFILL_BACKEND
+        self.prefill_backend = DEFAULT_PREFILL_BACKEND  # (its setter passes it to the wrappers)
         self._long = None  # "split" mode's Hopper prefill of the long requests (at its first use)
         self._planned = None
 

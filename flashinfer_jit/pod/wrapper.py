@@ -225,7 +225,7 @@ class QuickLaunch(NamedTuple):
     address: int
     signature: bytes
     key: object
-    spec: PodSpec
+    spec: PodSpec | PodSm90Spec
 
 
 def _side_tables(kv_indptr_p, kv_indices_p, last_page_len_p, block_tables_p, seq_lens_p, kv_indptr_d, kv_indices_d,
@@ -413,17 +413,10 @@ class _Pod:
             op = self._sm90_op if q_p.shape[0] > 0 or q_d.shape[0] > 0 else None
         if op is not None:
             blocks = self.force_prefill_blocks if self.force_prefill_blocks is not None else self._sm90_blocks
-            prepared = entry = None
-            if record is not None and not compiling():
-                entry = fast_entry(self._sm90_spec, "pod", env.debug())
-                signature = fastcall.extension().pod_signature(*record) if entry is not None and entry.runner else None
-                prepared = launch_buffer(entry) if signature is not None else None
+            rec = None if compiling() else self._record_for(self._sm90_spec, record)
             op(q_p, k_p, v_p, plan.work, plan.page_ids, out_p, lse_p if lse_p is not None else empty_f32(q_p.device),
-               scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks), prepared)
-            if prepared is not None:  # later calls of this signature and key take the fast path
-                run, address = entry.runner
-                self._quick = QuickLaunch(run, address, prepared, prepared.data_ptr(), signature, key,
-                                          self._sm90_spec)
+               scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks), rec[2] if rec else None)
+            self._keep_record(rec, key, self._sm90_spec)
         return (out_p, out_d), (lse_p, lse_d)
 
     def _schedule(self) -> tuple[float, int]:
@@ -484,11 +477,23 @@ class _Pod:
             return
         op = module_op(spec, "pod", env.debug())
         pdl = self._pdl if enable_pdl is None else bool(enable_pdl)
+        rec = self._record_for(spec, record)
+        op(*p_args, *d_args, self._counters, *self._schedule(), pdl, rec[2] if rec else None)
+        self._keep_record(rec, key, spec)
+
+    @staticmethod
+    def _record_for(spec, record: tuple | None) -> tuple | None:
+        """For an op call of `spec`'s module whose tensors are `record` (fij_fastcall.pod_signature's
+        arguments; None: a form the fast path does not take): (entry, signature, prepared), the CPU
+        bytes the op fills with its launch (both POD kernels' ops take them); None: nothing recorded."""
         entry = fast_entry(spec, "pod", env.debug()) if record is not None else None
         signature = fastcall.extension().pod_signature(*record) if entry is not None and entry.runner else None
-        prepared = launch_buffer(entry) if signature is not None else None
-        op(*p_args, *d_args, self._counters, *self._schedule(), pdl, prepared)
-        if prepared is not None:  # later calls of this signature and key take the fast path
+        return (entry, signature, launch_buffer(entry)) if signature is not None else None
+
+    def _keep_record(self, rec: tuple | None, key, spec) -> None:
+        """After the op returned: later calls of _record_for's signature and `key` take the fast path."""
+        if rec is not None:
+            entry, signature, prepared = rec
             run, address = entry.runner
             self._quick = QuickLaunch(run, address, prepared, prepared.data_ptr(), signature, key, spec)
 

@@ -781,13 +781,11 @@ void run_units(Ctx& c, int blocks, const char* name) {
                                                  CU_TENSOR_MAP_SWIZZLE_128B));
     }
   }
-  int set = 0;
   const double us = time_graph(c, [&](char* b) {
     int i = 0;
     while (c.bufs[i] != b) ++i;
     kern<<<blocks, 32 * kUnitWarps, smem, c.stream>>>(b, b + c.size / 2, maps[2 * i], maps[2 * i + 1], pages, per_warp,
                                                       c.sink);
-    ++set;
   });
   char label[160];
   snprintf(label, sizeof label, "%s, %d x 4 KB stages a warp, 12 warps a block, one block an SM", name, S);
