@@ -5,7 +5,7 @@ contiguous chunks (a split decode's blocks) or a grid-stride sweep, and the copy
 (read + write) measured the same way. Decode reads its KV once and writes next to nothing,
 so its ceiling is the best of these reads, not the copy.
 
-    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--paged | --bulk | --locality] [--out F]
+    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--paged | --bulk | --locality | --units | --select] [--out F]
 
 (--quick: 128 MiB only, the size of bf16 b=1 kv=32k's K and V at 8 KV heads. --paged: only
 the rows of the decode's own access pattern, 16-token pages of 8 KV heads read a head (or
@@ -18,7 +18,10 @@ launch ran and at most how many blocks an SM took. The full run ends with them t
 scrambled, scrambled within 2 MB, and scrambled with each block's chunk sorted by page id.
 Both run their rows in two interleaved rounds. --units: POD on Hopper's decode units, 12
 warps a block and one block an SM on 48 to all SMs, each warp streaming its own 8-token groups
-of one head with 4 stages, through 16-byte cp.async, 256-byte bulk copies and 1 KB TMA boxes.)
+of one head with 4 stages, through 16-byte cp.async, 256-byte bulk copies and 1 KB TMA boxes.
+--select: those reads with whole pages from a counter, on N SMs chosen by blockIdx (as POD on
+Hopper splits its grid), by low SM ids, by SM ids spread evenly, or one SM a TPC; and with the
+other SMs prefetching the pages next in line into L2 (cp.async.bulk.prefetch.L2).)
 
 Builds scripts/ceilings/read_ceiling.cu with nvcc for sm_90a (the device's nvcc), runs it,
 and writes its rows with the run's metadata to JSON. Needs a GPU.
@@ -78,6 +81,10 @@ def main() -> int:
     only.add_argument("--locality", action="store_true",
                     help="only the paged pattern's page orders: in order, scrambled, scrambled within 2 MB, "
                          "each block's chunk sorted by physical page")
+    only.add_argument("--select", action="store_true",
+                    help="only the units' reads on N of the SMs chosen by blockIdx (POD on Hopper's split), by low "
+                         "SM ids, by SM ids spread evenly, or one SM a TPC; and with the other SMs prefetching "
+                         "the next pages into L2")
     only.add_argument("--units", action="store_true",
                     help="only POD on Hopper's decode units (12 warps, one block an SM, on 48-132 SMs): 16-byte "
                          "cp.async, 256-byte bulk copies and 1 KB TMA boxes")
@@ -88,7 +95,7 @@ def main() -> int:
     sizes = [128] if args.quick else args.sizes_mib
     exe = build(args.arch)
     try:
-        modes = [m for m in ("paged", "bulk", "locality", "units") if getattr(args, m)]
+        modes = [m for m in ("paged", "bulk", "locality", "units", "select") if getattr(args, m)]
         proc = subprocess.run([str(exe)] + modes + [str(s) for s in sizes], capture_output=True, text=True)
     finally:
         shutil.rmtree(exe.parent, ignore_errors=True)

@@ -477,6 +477,75 @@ __global__ void __launch_bounds__(32 * kUnitWarps, 1)
   sink_if(acc, sink);
 }
 
+// POD on Hopper's split, probed: one block of 12 warps on every SM; role[] (by the block's SM
+// id, or by blockIdx where by_smid is 0) says what the block does: 0 nothing, 1 stream (each
+// warp 16-byte cp.async of the units' pattern, 4 stages of 4 KB, whole pages taken from
+// counters[0]), 2 prefetch into L2 (lane 0 of warp 0 issues cp.async.bulk.prefetch.L2 of the
+// next page's K and V, 32 KB each, taken from counters[1], at most `ahead` pages past the
+// streams' counter). Which SM a block ran on goes to smids[blockIdx].
+__global__ void __launch_bounds__(32 * kUnitWarps, 1)
+    read_select(const char* __restrict__ k, const char* __restrict__ v, const unsigned char* __restrict__ role,
+                int by_smid, int pages, int ahead, int* counters, int* smids, unsigned* sink) {
+  extern __shared__ __align__(1024) char smem[];
+  constexpr int S = 4, kStage = 4096;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  if (threadIdx.x == 0) smids[blockIdx.x] = int(sm);
+  const int r = role[by_smid ? (sm & 255) : blockIdx.x];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto phys = [&](int lp) { return (lp * 1031 + 7) & (pages - 1); };
+  if (r == 2) {
+    if (threadIdx.x != 0) return;
+    volatile int* streamed = counters;
+    for (;;) {
+      const int p = atomicAdd(counters + 1, 1);
+      if (p >= pages) return;
+      while (p >= *streamed + ahead) __nanosleep(200);
+      const size_t off = size_t(phys(p)) * 32768;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], 32768;" ::"l"(k + off) : "memory");
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], 32768;" ::"l"(v + off) : "memory");
+    }
+  }
+  if (r != 1) return;
+  char* stages = smem + warp * S * kStage;
+  int issued = 0, page = 0;
+  bool done = false;
+  auto issue = [&]() {
+    if (!done && issued % 16 == 0) {  // a new page: 16 groups (8 heads x 2 halves)
+      int got = 0;
+      if (lane == 0) got = atomicAdd(counters, 1);
+      page = __shfl_sync(0xffffffffu, got, 0);
+      done = page >= pages;
+    }
+    if (!done) {
+      const int g = issued % 16, head = g & 7, token0 = (g >> 3) * 8;
+      char* dst = stages + (issued % S) * kStage;
+      const size_t base = size_t(phys(page)) * 32768 + size_t(token0) * 2048 + head * 256;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int row = lane / 16 + 2 * u, c = lane % 16;
+        const size_t off = base + row * 2048 + c * 16;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + row * 256 + c * 16))), "l"(k + off));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + 2048 + row * 256 + c * 16))), "l"(v + off));
+      }
+      ++issued;
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int i = 0; i < S - 1; ++i) issue();
+  unsigned acc = 0;
+  for (int i = 0; i < issued; ++i) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(S - 2));
+    __syncwarp();
+    issue();
+    const char* src = stages + (i % S) * kStage;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc ^= fold(*reinterpret_cast<const int4*>(src + (u * 32 + lane) * 16));
+  }
+  asm volatile("cp.async.wait_group 0;");
+  sink_if(acc, sink);
+}
+
 __global__ void fill(uint32_t* p, size_t n, uint32_t seed) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint32_t x = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32);
@@ -804,16 +873,80 @@ static void units_rows(Ctx& c, int sms) {
   }
 }
 
+// The select rows: the units' reads on N SMs chosen four ways, the others idle or prefetching
+// into L2 ahead of the streams. Roles: by blockIdx (POD on Hopper's split: blocks >= sms - N
+// stream), SM ids below N, SM ids spread evenly, odd SM ids (one SM a TPC, N = sms / 2).
+static void select_rows(Ctx& c, int sms) {
+  constexpr int kPageBytes = 16 * 8 * 256;
+  const int pages = int(c.size / 2 / kPageBytes);
+  const int smem = kUnitWarps * 4 * 4096;
+  CK(cudaFuncSetAttribute(read_select, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  unsigned char* role;
+  int *counters, *smids;
+  CK(cudaMalloc(&role, 256));
+  CK(cudaMalloc(&counters, 2 * sizeof(int)));
+  CK(cudaMalloc(&smids, sms * sizeof(int)));
+  bool printed_map = false;
+  auto one = [&](const std::vector<unsigned char>& host, int by_smid, int ahead, const char* what, int n) {
+    CK(cudaMemcpy(role, host.data(), 256, cudaMemcpyHostToDevice));
+    const double us = time_graph(c, [&](char* b) {
+      CK(cudaMemsetAsync(counters, 0, 2 * sizeof(int), c.stream));
+      read_select<<<sms, 32 * kUnitWarps, smem, c.stream>>>(b, b + c.size / 2, role, by_smid, pages, ahead, counters,
+                                                            smids, c.sink);
+    });
+    std::vector<int> got(sms);
+    CK(cudaMemcpy(got.data(), smids, sms * sizeof(int), cudaMemcpyDeviceToHost));
+    int streaming = 0;
+    for (int b = 0; b < sms; ++b) streaming += host[by_smid ? (got[b] & 255) : b] == 1;
+    if (!printed_map) {
+      fprintf(stderr, "blockIdx -> smid:");
+      for (int b = 0; b < sms; ++b) fprintf(stderr, " %d", got[b]);
+      fprintf(stderr, "\n");
+      printed_map = true;
+    }
+    char label[160];
+    snprintf(label, sizeof label, "%s, %d SMs streaming%s", what, streaming,
+             ahead > 0 ? ", the others prefetching into L2" : "");
+    if (ahead > 0) snprintf(label + strlen(label), sizeof label - strlen(label), " (%d pages ahead)", ahead);
+    row("select", label, c.size, n, 32 * kUnitWarps, us);
+  };
+  for (int round = 0; round < 2; ++round) {
+    for (int n : {66, 87, 94, sms}) {
+      std::vector<unsigned char> block(256, 0), low(256, 0), spread(256, 0);
+      for (int b = 0; b < sms; ++b) block[b] = b >= sms - n;
+      for (int s = 0; s < 256; ++s) low[s] = s < n;
+      for (int s = 0; s < sms; ++s) spread[s] = (s + 1) * n / sms > s * n / sms;
+      one(block, 0, 0, "by blockIdx (POD's split)", n);
+      one(low, 1, 0, "SM ids below N", n);
+      one(spread, 1, 0, "SM ids spread evenly", n);
+      if (n < sms) {
+        std::vector<unsigned char> pf = block;
+        for (int b = 0; b < sms; ++b) pf[b] = b >= sms - n ? 1 : 2;
+        for (int ahead : {32, 128, 512}) one(pf, 0, ahead, "by blockIdx (POD's split)", n);
+      }
+      if (n == 66) {
+        std::vector<unsigned char> odd(256, 0);
+        for (int s = 0; s < 256; ++s) odd[s] = s & 1;
+        one(odd, 1, 0, "odd SM ids (one SM a TPC)", n);
+      }
+    }
+  }
+  CK(cudaFree(role));
+  CK(cudaFree(counters));
+  CK(cudaFree(smids));
+}
+
 int main(int argc, char** argv) {
   // argv: [paged | bulk | locality] size_mib ... (each a buffer size to measure; paged: only the
   // paged rows; bulk: only cp.async against bulk copies on the paged pattern)
   std::vector<size_t> sizes;
-  bool paged_only = false, bulk_only = false, locality_only = false, units_only = false;
+  bool paged_only = false, bulk_only = false, locality_only = false, units_only = false, select_only = false;
   for (int i = 1; i < argc; ++i) {
     if (strcmp(argv[i], "paged") == 0) paged_only = true;
     else if (strcmp(argv[i], "bulk") == 0) bulk_only = true;
     else if (strcmp(argv[i], "locality") == 0) locality_only = true;
     else if (strcmp(argv[i], "units") == 0) units_only = true;
+    else if (strcmp(argv[i], "select") == 0) select_only = true;
     else sizes.push_back(size_t(atoll(argv[i])) << 20);
   }
   if (sizes.empty()) sizes = {128, 1024};
@@ -853,6 +986,10 @@ int main(int argc, char** argv) {
     }
     if (units_only) {
       units_rows(c, sms);
+      continue;
+    }
+    if (select_only) {
+      select_rows(c, sms);
       continue;
     }
     // the copy ceiling, the same way (read + write counted)
