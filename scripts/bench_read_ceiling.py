@@ -5,7 +5,7 @@ contiguous chunks (a split decode's blocks) or a grid-stride sweep, and the copy
 (read + write) measured the same way. Decode reads its KV once and writes next to nothing,
 so its ceiling is the best of these reads, not the copy.
 
-    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--paged | --bulk | --locality | --units | --select] [--out F]
+    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--paged | --bulk | --locality | --units | --select | --wg-units] [--out F]
 
 (--quick: 128 MiB only, the size of bf16 b=1 kv=32k's K and V at 8 KV heads. --paged: only
 the rows of the decode's own access pattern, 16-token pages of 8 KV heads read a head (or
@@ -21,7 +21,9 @@ warps a block and one block an SM on 48 to all SMs, each warp streaming its own 
 of one head with 4 stages, through 16-byte cp.async, 256-byte bulk copies and 1 KB TMA boxes.
 --select: those reads with whole pages from a counter, on N SMs chosen by blockIdx (as POD on
 Hopper splits its grid), by low SM ids, by SM ids spread evenly, or one SM a TPC; and with the
-other SMs prefetching the pages next in line into L2 (cp.async.bulk.prefetch.L2).)
+other SMs prefetching the pages next in line into L2 (cp.async.bulk.prefetch.L2).
+--wg-units: the decode units as POD on Hopper runs them, a warpgroup a unit of 2048 keys from a
+counter, of one KV head (the decode block's) or of 2, 4 or 8 adjacent heads' rows.)
 
 Builds scripts/ceilings/read_ceiling.cu with nvcc for sm_90a (the device's nvcc), runs it,
 and writes its rows with the run's metadata to JSON. Needs a GPU.
@@ -85,6 +87,9 @@ def main() -> int:
                     help="only the units' reads on N of the SMs chosen by blockIdx (POD on Hopper's split), by low "
                          "SM ids, by SM ids spread evenly, or one SM a TPC; and with the other SMs prefetching "
                          "the next pages into L2")
+    only.add_argument("--wg-units", action="store_true",
+                    help="only POD on Hopper's decode units as units of a warpgroup (2048 keys of 1, 2, 4 or 8 KV "
+                         "heads, taken from a counter) on 66-132 SMs")
     only.add_argument("--units", action="store_true",
                     help="only POD on Hopper's decode units (12 warps, one block an SM, on 48-132 SMs): 16-byte "
                          "cp.async, 256-byte bulk copies and 1 KB TMA boxes")
@@ -95,7 +100,7 @@ def main() -> int:
     sizes = [128] if args.quick else args.sizes_mib
     exe = build(args.arch)
     try:
-        modes = [m for m in ("paged", "bulk", "locality", "units", "select") if getattr(args, m)]
+        modes = [m for m in ("paged", "bulk", "locality", "units", "select", "wg_units") if getattr(args, m)]
         proc = subprocess.run([str(exe)] + modes + [str(s) for s in sizes], capture_output=True, text=True)
     finally:
         shutil.rmtree(exe.parent, ignore_errors=True)

@@ -546,6 +546,62 @@ __global__ void __launch_bounds__(32 * kUnitWarps, 1)
   sink_if(acc, sink);
 }
 
+// POD on Hopper's decode units, probed as units: each warpgroup (three a block) takes units
+// from counters[0] as decode_mma_block does: unit u = (request u / (8 / H) of P pages, heads
+// (u % (8 / H)) x H .. + H - 1), its groups (8 rows of one head: page, half, head in block)
+// in that order, warp w of the warpgroup on groups w, w + 4, ... with 4 stages of 4 KB (K + V);
+// each unit starts its pipeline afresh. H = 1, P = 128: the decode unit of 2048 keys of one KV
+// head; H = 8: whole pages. role[blockIdx]: 1 stream, else return.
+template <int H>
+__global__ void __launch_bounds__(32 * kUnitWarps, 1)
+    read_wg_units(const char* __restrict__ k, const char* __restrict__ v, const unsigned char* __restrict__ role,
+                  int pages, int per_unit_pages, int* counters, unsigned* sink) {
+  extern __shared__ __align__(1024) char smem[];
+  __shared__ int claim[kUnitWarps / 4];
+  constexpr int S = 4, kStage = 4096;
+  if (role[blockIdx.x] != 1) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, w = warp % 4;
+  const int P = per_unit_pages, units = pages / P * (8 / H);
+  auto phys = [&](int lp) { return (lp * 1031 + 7) & (pages - 1); };
+  char* stages = smem + warp * S * kStage;
+  unsigned acc = 0;
+  for (;;) {
+    if (threadIdx.x % 128 == 0) claim[wg] = atomicAdd(counters, 1);
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg));
+    const int u = claim[wg];
+    if (u >= units) break;
+    const int req = u / (8 / H), hb = u % (8 / H);
+    const int mine = (P * 2 * H) / 4;  // this warp's groups
+    auto issue = [&](int i) {
+      if (i < mine) {
+        const int g = w + 4 * i, hi = g % H, half = (g / H) % 2, pg = g / (2 * H);
+        char* dst = stages + (i % S) * kStage;
+        const size_t base = size_t(phys(req * P + pg)) * 32768 + size_t(half) * 8 * 2048 + (hb * H + hi) * 256;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int row = lane / 16 + 2 * q, c = lane % 16;
+          const size_t off = base + row * 2048 + c * 16;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + row * 256 + c * 16))), "l"(k + off));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + 2048 + row * 256 + c * 16))), "l"(v + off));
+        }
+      }
+      asm volatile("cp.async.commit_group;");
+    };
+    for (int i = 0; i < S - 1; ++i) issue(i);
+    for (int i = 0; i < mine; ++i) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(S - 2));
+      __syncwarp();
+      issue(i + S - 1);
+      const char* src = stages + (i % S) * kStage;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc ^= fold(*reinterpret_cast<const int4*>(src + (q * 32 + lane) * 16));
+    }
+    asm volatile("cp.async.wait_group 0;");
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + wg));
+  }
+  sink_if(acc, sink);
+}
+
 __global__ void fill(uint32_t* p, size_t n, uint32_t seed) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint32_t x = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32);
@@ -936,17 +992,56 @@ static void select_rows(Ctx& c, int sms) {
   CK(cudaFree(smids));
 }
 
+// The wg-units rows: read_wg_units on N SMs (blocks >= sms - N, POD on Hopper's split), each
+// unit 2048 keys of H KV heads' rows (P = 128 / H pages); two interleaved rounds.
+template <int H>
+void run_wg_units(Ctx& c, int sms, int n, unsigned char* role, int* counters) {
+  constexpr int kPageBytes = 16 * 8 * 256;
+  const int pages = int(c.size / 2 / kPageBytes), per_unit = 128 / H;
+  const int smem = kUnitWarps * 4 * 4096;
+  CK(cudaFuncSetAttribute(read_wg_units<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  std::vector<unsigned char> host(256, 0);
+  for (int b = 0; b < sms; ++b) host[b] = b >= sms - n;
+  CK(cudaMemcpy(role, host.data(), 256, cudaMemcpyHostToDevice));
+  const double us = time_graph(c, [&](char* b) {
+    CK(cudaMemsetAsync(counters, 0, 2 * sizeof(int), c.stream));
+    read_wg_units<H><<<sms, 32 * kUnitWarps, smem, c.stream>>>(b, b + c.size / 2, role, pages, per_unit, counters,
+                                                                c.sink);
+  });
+  char label[160];
+  snprintf(label, sizeof label, "units of a warpgroup: %d KV head(s) x %d pages (2048 keys), %d SMs", H, per_unit, n);
+  row("wg_units", label, c.size, n, 32 * kUnitWarps, us);
+}
+
+static void wg_units_rows(Ctx& c, int sms) {
+  unsigned char* role;
+  int* counters;
+  CK(cudaMalloc(&role, 256));
+  CK(cudaMalloc(&counters, 2 * sizeof(int)));
+  for (int round = 0; round < 2; ++round) {
+    for (int n : {66, 73, 94, sms}) {
+      run_wg_units<1>(c, sms, n, role, counters);
+      run_wg_units<2>(c, sms, n, role, counters);
+      run_wg_units<4>(c, sms, n, role, counters);
+      run_wg_units<8>(c, sms, n, role, counters);
+    }
+  }
+  CK(cudaFree(role));
+  CK(cudaFree(counters));
+}
+
 int main(int argc, char** argv) {
   // argv: [paged | bulk | locality] size_mib ... (each a buffer size to measure; paged: only the
   // paged rows; bulk: only cp.async against bulk copies on the paged pattern)
   std::vector<size_t> sizes;
-  bool paged_only = false, bulk_only = false, locality_only = false, units_only = false, select_only = false;
+  bool paged_only = false, bulk_only = false, locality_only = false, units_only = false, select_only = false, wg_only = false;
   for (int i = 1; i < argc; ++i) {
     if (strcmp(argv[i], "paged") == 0) paged_only = true;
     else if (strcmp(argv[i], "bulk") == 0) bulk_only = true;
     else if (strcmp(argv[i], "locality") == 0) locality_only = true;
     else if (strcmp(argv[i], "units") == 0) units_only = true;
     else if (strcmp(argv[i], "select") == 0) select_only = true;
+    else if (strcmp(argv[i], "wg_units") == 0) wg_only = true;
     else sizes.push_back(size_t(atoll(argv[i])) << 20);
   }
   if (sizes.empty()) sizes = {128, 1024};
@@ -990,6 +1085,10 @@ int main(int argc, char** argv) {
     }
     if (select_only) {
       select_rows(c, sms);
+      continue;
+    }
+    if (wg_only) {
+      wg_units_rows(c, sms);
       continue;
     }
     // the copy ceiling, the same way (read + write counted)
