@@ -1640,6 +1640,75 @@ def test_block_table_plan_matches_the_csr_plan(monkeypatch):
         assert torch.equal(sep[row_sep[2] + max_pages:row_sep[2] + max_pages + n], v_ids[starts[b]:starts[b] + n])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_common_form_plan_equals_the_general_path(seed, monkeypatch):
+    """The common form's plan (_sm90_plan_common: the work list planned in C++ into the plan
+    buffer's slot) equals the general path's (numpy's tiles, forced by the extension's
+    absence): work list, page ids, module, grid, query rows; ragged and CSR, causal or not,
+    head_dim 64 / 128 / 256 (the 176-key tile and its narrowing, the 192-row tile), "auto"
+    declining alike; and a wrong last_page_len length still raises the general path's error."""
+    import random
+    from flashinfer_jit.prefill import sm90
+    from flashinfer_jit.prefill import wrapper as prefill_wrapper
+    from flashinfer_jit.runtime import fastcall
+    if fastcall.extension() is None:
+        pytest.skip("the fij_fastcall extension is unavailable here")
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    common = prefill_wrapper._PrefillWrapper._sm90_plan_common
+    taken = []
+
+    def spy(self, *args):
+        got = common(self, *args)
+        taken.append(got is not prefill_wrapper._GENERAL)
+        return got
+
+    rnd = random.Random(seed)
+    page_size = 16
+    for _ in range(6):
+        batch = rnd.randint(1, 9)
+        qo_lens = [rnd.choice([0, 1, 64, 129, rnd.randint(0, 3000)]) for _ in range(batch)]
+        kv_lens = [q + rnd.choice([0, 7, rnd.randint(0, 4000)]) for q in qo_lens]
+        pages = [-(-k // page_size) for k in kv_lens]
+        last = torch.tensor([k - (p - 1) * page_size if p else 0 for k, p in zip(kv_lens, pages)], dtype=torch.int32)
+        ids = torch.randperm(sum(pages) + 3, generator=torch.Generator().manual_seed(seed)).int()
+        head_dim, causal = rnd.choice([64, 128, 256]), rnd.random() < 0.5
+        backend = rnd.choice(["auto", "fa3"])
+        plans = []
+        for general in (False, True):
+            taken.clear()
+            if general:
+                monkeypatch.setattr(fastcall, "extension", lambda: None)
+            else:
+                monkeypatch.setattr(prefill_wrapper._PrefillWrapper, "_sm90_plan_common", spy)
+            ragged = rnd.random() < 0.5 if not general else ragged
+            if ragged:
+                w = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD", backend=backend)
+                w.plan(_cpu_indptr(qo_lens), _cpu_indptr(kv_lens), *LLAMA, head_dim, causal=causal,
+                       q_data_type=torch.bfloat16)
+            else:
+                w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend=backend)
+                w.plan(_cpu_indptr(qo_lens), _cpu_indptr(pages), ids, last, *LLAMA, head_dim, page_size,
+                       causal=causal, q_data_type=torch.bfloat16)
+            plans.append((w.planned_backend, w._plan, getattr(w, "_kv_rows", None)))
+            assert taken == ([] if general else [True])  # (the common form's path, then the general one)
+            monkeypatch.undo()
+            monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+        (fast_backend, fast, fast_rows), (slow_backend, slow, slow_rows) = plans
+        assert fast_backend == slow_backend, (qo_lens, kv_lens, head_dim, causal, backend)
+        if fast_backend != "fa3":
+            continue
+        assert fast.work_ints == slow.work_ints
+        assert torch.equal(fast.work[:fast.work_ints], slow.work[:slow.work_ints])
+        assert fast.spec == slow.spec and fast.grid == slow.grid and fast.qo_tokens == slow.qo_tokens
+        assert torch.equal(fast.page_ids, slow.page_ids) and fast_rows == slow_rows
+    # (a last_page_len longer than the batch: the general path's error, as before)
+    w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
+    with pytest.raises(ValueError, match="paged_kv_last_page_len"):
+        w.plan(_cpu_indptr([100]), _cpu_indptr([7]), torch.arange(7, dtype=torch.int32),
+               torch.tensor([16, 16], dtype=torch.int32), *LLAMA, 128, 16, causal=True, q_data_type=torch.bfloat16)
+    assert prefill_wrapper._GENERAL is not None
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_native_tiles_equal_plan_tiles(seed):
     """The C++ tile planner (fij_fastcall.sm90_tiles, csrc/hopper/prefill_sm90_plan.h) gives
@@ -1678,6 +1747,17 @@ def test_native_tiles_equal_plan_tiles(seed):
                     assert got[2] == int(want[:, 6].astype(np.int64).sum())
     ext = fastcall.extension()
     bad = (i32([0, 5, 3]), i32([0, 9, 9]))  # (a negative query length)
-    assert ext.sm90_tiles(2, *bad, None, 0, 0, True, 128, -1, 128, planner._tiles.ctypes.data, 1) == -1
+    assert ext.sm90_tiles(2, *bad, None, 0, 0, True, 128, -1, 128, planner._tiles.ctypes.data, 1, 0) == -1
     assert ext.sm90_tiles(2, qo.long(), i32(np.cumsum([0] + kv_lens)), None, 0, 0, True, 128, -1, 128,
-                          planner._tiles.ctypes.data, 1) == -1  # (int64)
+                          planner._tiles.ctypes.data, 1, 0) == -1  # (int64)
+    # the whole work list (heads > 0): the header, then the same tiles; the batch's scalars
+    for side, kv_a, kv_b, ps, _, kv_np, lens_np in sides[:2]:
+        want, active = sm90.plan_tiles(qo.numpy(), kv_np, True, 128, lens_np, -1, 128)
+        got = planner.native_work(side, qo, kv_a, kv_b, ps, True, 128, -1, 128, 32)
+        assert got is not None
+        slot, tiles, got_active, keys, got_batch, qo_first, qo_last, kv_last = got
+        assert np.array_equal(tiles, want) and got_active == active and got_batch == batch
+        assert list(slot.array[:2]) == [want.shape[0] * 32, active * 32]
+        assert (qo_first, qo_last, kv_last) == (0, int(qo[-1]), int(kv_a[-1]))
+        assert keys == int(want[:, 6].astype(np.int64).sum())
+        planner._plan_buffer.give_back()

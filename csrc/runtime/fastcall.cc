@@ -258,28 +258,33 @@ PyObject* ship(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // sm90_tiles(side, qo_indptr, kv_a, kv_b, page_size, row_stride, causal, keys_a_tile, window_left,
-//            tile_rows, out, capacity) -> (tiles, active, keys_sum) or -1
+//            tile_rows, out, capacity, heads) -> (tiles, active, keys_sum, batch, qo_first, qo_last, kv_last)
+//            or -1
 // The Hopper path's tiles (csrc/hopper/prefill_sm90_plan.h) into `out` (an int32 host address,
 // room for `capacity` tiles; nothing is written where they do not fit: the caller grows it and
-// calls again). side: 0 csr (kv_a: page indptr [B + 1], kv_b: last_page_len [B]; a tile's
+// calls again). heads > 0: `out` is the whole work list, its header (kSm90WorkHeader int32: items,
+// active items, 0, 0) first, then the tiles (capacity counts the tiles' room after it); 0: the
+// tiles alone. side: 0 csr (kv_a: page indptr [B + 1], kv_b: last_page_len [B]; a tile's
 // kv_row0 is the request's indptr), 1 seq_lens (kv_a [B]; kv_row0 b x row_stride), 2 ragged
 // (kv_a: K/V row indptr [B + 1]). Each vector a contiguous 1-D int32 CPU tensor (exact
 // torch.Tensor) of its batch's length (last_page_len may be longer), every length >= 0; -1
 // otherwise, and nothing is written (plan() then takes numpy's plan_tiles, which raises the
-// errors).
+// errors). The batch's scalars come back with the counts: qo_indptr's first and last entries,
+// kv_a's last (csr and ragged; 0 for seq_lens).
 std::vector<int64_t> g_sm90_scratch;
 
 PyObject* sm90_tiles(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity("sm90_tiles", nargs, 12)) return nullptr;
+  if (!arity("sm90_tiles", nargs, 13)) return nullptr;
   const long side = PyLong_AsLong(args[0]);
   const long long page_size = PyLong_AsLongLong(args[4]), stride = PyLong_AsLongLong(args[5]);
   const int causal = PyObject_IsTrue(args[6]);
   const long long keys_a_tile = PyLong_AsLongLong(args[7]), window_left = PyLong_AsLongLong(args[8]);
   const long long tile_rows = PyLong_AsLongLong(args[9]), capacity = PyLong_AsLongLong(args[11]);
+  const long long heads = PyLong_AsLongLong(args[12]);
   void* out = address(args[10]);
   if (PyErr_Occurred()) return nullptr;
-  if (side < 0 || side > 2 || keys_a_tile <= 0 || tile_rows <= 0 || out == nullptr || capacity < 0) {
-    PyErr_SetString(PyExc_ValueError, "fij_fastcall.sm90_tiles(): bad side, tile sizes, out or capacity");
+  if (side < 0 || side > 2 || keys_a_tile <= 0 || tile_rows <= 0 || out == nullptr || capacity < 0 || heads < 0) {
+    PyErr_SetString(PyExc_ValueError, "fij_fastcall.sm90_tiles(): bad side, tile sizes, out, capacity or heads");
     return nullptr;
   }
   fij_fastcall::HostIndex qo, kv_a, kv_b;
@@ -296,11 +301,20 @@ PyObject* sm90_tiles(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto row0 = [&](int64_t b) -> int64_t { return side == 1 ? b * stride : kv_a[b]; };
   for (int64_t b = 0; b < batch; ++b)
     if (q[b + 1] < q[b] || kv_len(b) < 0) return PyLong_FromLong(-1);
+  int32_t* work = static_cast<int32_t*>(out);
+  int32_t* tiles = heads > 0 ? work + fij::kSm90WorkHeader : work;
   const fij::sm90_plan::TileStats s =
-      fij::sm90_plan::plan_tiles(batch, q, row0, kv_len, causal != 0, keys_a_tile, window_left, tile_rows,
-                                 static_cast<int32_t*>(out), capacity, g_sm90_scratch);
-  return Py_BuildValue("(LLL)", static_cast<long long>(s.tiles), static_cast<long long>(s.active),
-                       static_cast<long long>(s.keys_sum));
+      fij::sm90_plan::plan_tiles(batch, q, row0, kv_len, causal != 0, keys_a_tile, window_left, tile_rows, tiles,
+                                 capacity, g_sm90_scratch);
+  if (heads > 0 && s.tiles <= capacity) {  // (items past int32: plan() raises on the count returned)
+    work[0] = static_cast<int32_t>(s.tiles * heads);
+    work[1] = static_cast<int32_t>(s.active * heads);
+    for (int i = 2; i < fij::kSm90WorkHeader; ++i) work[i] = 0;
+  }
+  const long long kv_last = side == 1 ? 0 : static_cast<long long>(kv_a[batch]);
+  return Py_BuildValue("(LLLLLLL)", static_cast<long long>(s.tiles), static_cast<long long>(s.active),
+                       static_cast<long long>(s.keys_sum), static_cast<long long>(batch),
+                       static_cast<long long>(q[0]), static_cast<long long>(q[batch]), kv_last);
 }
 
 // order_pages(entry, params, stream, device) -> int: plan()'s page order
@@ -352,7 +366,7 @@ PyMethodDef methods[] = {
      "not the common form)"},
     {"sm90_tiles", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(sm90_tiles)), METH_FASTCALL,
      "sm90_tiles(side, qo_indptr, kv_a, kv_b, page_size, row_stride, causal, keys_a_tile, window_left, tile_rows, "
-     "out, capacity) -> (tiles, active, keys_sum) | -1"},
+     "out, capacity, heads) -> (tiles, active, keys_sum, batch, qo_first, qo_last, kv_last) | -1"},
     {"ship", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(ship)), METH_FASTCALL,
      "ship(entry, dst, src, bytes, stream, device, event) -> int"},
     {"prefill_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(prefill_plan)), METH_FASTCALL,

@@ -22,6 +22,7 @@ from ..decode.spec import DecodeSpec
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..pipeline import env
 from ..pipeline.jit import get_module, traced_op
+from ..prefill.sm90 import Sm90Plan
 from ..prefill.spec import PrefillSpec
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 from ..runtime import fastcall
@@ -347,7 +348,8 @@ class _Pod:
         self._pdl = supports_pdl(self._device) if self._device.type == "cuda" else False
         self._flops = 0.0  # the planned prefill's and decodes' work, for pod_schedule
         self._kv_bytes = 0.0
-        self._planned_schedule = (0.5, 0)
+        self._planned_schedule = (0.5, 0)  # (None: not computed for the current plan, on POD on Hopper)
+        self._sms = sm_count(self._device)  # (a CPU workspace: CPU_SMS, the H100's 132)
         # run()'s fast path (QuickLaunch): recorded by a run() through the op, dropped by
         # every plan of either side and every pinned schedule
         self._quick = None
@@ -370,19 +372,22 @@ class _Pod:
         self._prefill._force_tile_rows = self.tile_rows if 128 in pod_tiles(head_dim) else 64
 
     def _plan_launch(self) -> None:
-        """The launch of both sides' plans: the schedule; POD on Hopper's split and op."""
-        self._plan_schedule()
-        if self._prefill._plan is not None and self._prefill.planned_backend == "fa3":  # POD on Hopper, for run()
-            cuda = self._device.type == "cuda"
-            self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, sm_count(self._device) if cuda else 132)
-            # (the op of the two sides' specs: looked up again only when either spec or the debug
-            # switch changes, not every plan)
-            key = (self._prefill._plan.spec, self._decode._plan.spec, env.debug())
-            last = self._sm90_key
-            if last is None or key[0] is not last[0] or key[1] is not last[1] or key[2] != last[2]:
-                spec = _pod_sm90_spec_of(key[0], key[1], self._kv_layout)
-                self._sm90_op = module_op(spec, "pod_sm90", key[2]) if cuda else None
-                self._sm90_key, self._sm90_spec = key, spec
+        """The launch of both sides' plans: the mma.sync POD's schedule, or POD on Hopper's
+        split and op; drops run()'s recorded launch."""
+        prefill = self._prefill._plan
+        if prefill is None or type(prefill) is not Sm90Plan:
+            self._plan_schedule()
+            return
+        # POD on Hopper (its schedule is the split; _schedule() computes the mma.sync POD's on demand)
+        self._quick, self._planned_schedule = None, None
+        self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, self._sms)
+        # (the op of the two sides' specs: looked up again only when either spec or the debug
+        # switch changes, not every plan)
+        spec_p, spec_d, debug, last = prefill.spec, self._decode._plan.spec, env.debug(), self._sm90_key
+        if last is None or spec_p is not last[0] or spec_d is not last[1] or debug != last[2]:
+            spec = _pod_sm90_spec_of(spec_p, spec_d, self._kv_layout)
+            self._sm90_op = module_op(spec, "pod_sm90", debug) if self._device.type == "cuda" else None
+            self._sm90_key, self._sm90_spec = (spec_p, spec_d, debug), spec
 
     def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int) -> int | None:
         """The decode side's split-KV chunk beside the planned prefill (its plan()'s
@@ -421,6 +426,8 @@ class _Pod:
 
     def _schedule(self) -> tuple[float, int]:
         """(decode share, decode SMs) of the planned launch: pinned, or pod_schedule()'s."""
+        if self._planned_schedule is None:  # (a plan on POD on Hopper: the mma.sync POD's, on demand)
+            self._plan_schedule()
         share, sms = self._planned_schedule
         if self.force_decode_share is not None:
             share = float(self.force_decode_share)
@@ -432,8 +439,7 @@ class _Pod:
         """pod_schedule() of the two plans (after either plans); drops run()'s recorded launch."""
         # (a Hopper prefill plan, POD on Hopper's, has no mma.sync tile: its split is sm90_prefill_blocks)
         tile = getattr(self._prefill._plan, "tile_rows", 128) if self._prefill._plan is not None else 64
-        num_sms = sm_count(self._device) if self._device.type == "cuda" else 132
-        self._planned_schedule = pod_schedule(self._flops, self._kv_bytes, tile, num_sms)
+        self._planned_schedule = pod_schedule(self._flops, self._kv_bytes, tile, self._sms)
         self._quick = None
 
     @property

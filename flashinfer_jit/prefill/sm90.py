@@ -301,6 +301,8 @@ class Sm90Planner:
         # the work list: pinned host slots and one C copy (runtime/plan_buffer.py; eager plans:
         # a CUDA-graph wrapper's list is its fixed buffer)
         self._plan_buffer = None if use_cuda_graph else PlanBuffer(device, False)
+        self._work_guess = WORK_HEADER + 64 * TILE_INTS  # (native_work's first slot size: the largest list so far)
+        self._sms = sm_count(device)
 
     def native_tiles(self, side: int, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, page_size: int, row_stride: int,
                      causal: bool, keys_a_tile: int, window_left: int, tile_rows: int):
@@ -316,14 +318,91 @@ class Sm90Planner:
         for _ in range(2):  # (once more where the scratch was too small)
             buf = self._tiles
             got = ext.sm90_tiles(side, qo, kv_a, kv_b, page_size, row_stride, causal, keys_a_tile, window_left,
-                                 tile_rows, buf.ctypes.data, buf.size // TILE_INTS)
+                                 tile_rows, buf.ctypes.data, buf.size // TILE_INTS, 0)
             if got == -1:
                 return None
-            n, active, keys_sum = got
+            n, active, keys_sum = got[:3]
             if n * TILE_INTS <= buf.size:
                 return buf[:n * TILE_INTS].reshape(n, TILE_INTS), active, keys_sum
             self._tiles = np.zeros(grown_size(n * TILE_INTS), dtype=np.int32)
         return None
+
+    def native_work(self, side: int, qo: torch.Tensor, kv_a: torch.Tensor, kv_b, page_size: int, causal: bool,
+                    keys_a_tile: int, window_left: int, tile_rows: int, heads: int, slot=None):
+        """The common form's whole work list, planned in C++ (fij_fastcall.sm90_tiles with its
+        header) straight into a pinned slot of this planner's plan buffer: (slot, its tiles
+        as an [n, TILE_INTS] view, active, keys_sum, batch, qo_indptr's first and last entries,
+        kv_a's last); None where native_tiles would return None (the slot goes back) or the
+        wrapper is a CUDA-graph one. side: native_tiles' 0 (csr) or 2 (ragged). slot: plan
+        again into that slot (another key or query tile), else a fresh one."""
+        ext = fastcall.extension()
+        if ext is None or self._plan_buffer is None:
+            return None
+        buffer = self._plan_buffer
+        if slot is None:
+            slot = buffer.host(self._work_guess)
+        for _ in range(2):  # (once more in a grown slot)
+            room = (len(slot.array) - WORK_HEADER) // TILE_INTS
+            got = ext.sm90_tiles(side, qo, kv_a, kv_b, page_size, 0, causal, keys_a_tile, window_left, tile_rows,
+                                 slot.address, room, heads)
+            if got == -1:
+                buffer.give_back()
+                return None
+            n = got[0]
+            if n <= room:
+                self._work_guess = max(self._work_guess, WORK_HEADER + n * TILE_INTS)
+                tiles = slot.array[WORK_HEADER: WORK_HEADER + n * TILE_INTS].reshape(n, TILE_INTS)
+                return (slot, tiles) + got[1:]
+            slot = buffer.regrow(WORK_HEADER + n * TILE_INTS)
+        buffer.give_back()
+        return None
+
+    def finish(self, c, slot, tiles: int, non_blocking: bool, keys_a_tile: int, page_ids: torch.Tensor | None,
+               layout: str, tile_rows: int, qo_tokens: int, mask: tuple | None = None, gather: tuple | None = None,
+               size: int | None = None) -> Sm90Plan:
+        """The plan of a work list filled in `slot` (eager) or given as `slot` (a CUDA-graph
+        wrapper's host array): shipped to the device, with the spec and the fields run() reads.
+        tiles: the list's tiles; size: its int32s (default: the header and the tiles);
+        qo_tokens: the batch's query rows (qo_indptr's last entry)."""
+        heads = c.num_qo_heads
+        items = tiles * heads
+        size = WORK_HEADER + tiles * TILE_INTS if size is None else size
+        if self._graph:
+            host = slot
+            src = torch.from_numpy(host)
+            if self._buffer is None:
+                capacity = max(_GRAPH_MIN_TILES, _GRAPH_TILES_FACTOR * tiles)
+                self._buffer = torch.zeros(WORK_HEADER + capacity * TILE_INTS, dtype=torch.int32,
+                                           device=self._device)
+            if host.size > self._buffer.numel():
+                raise ValueError(f"qo_indptr: {tiles} query tiles of {tile_rows} rows exceed the "
+                                 f"{(self._buffer.numel() - WORK_HEADER) // TILE_INTS} this CUDA-graph wrapper's "
+                                 "first plan sized its work list for")
+            self._buffer[:host.size].copy_(src, non_blocking=non_blocking)
+            work = self._buffer
+            grid = sm_count(self._device)
+        else:  # (the device buffer stays while it is large enough: a later plan's copy follows this
+            # plan's run() in stream order)
+            self._plan_buffer.ship(slot, size, non_blocking)
+            work = self._plan_buffer.buf  # (its first `size` ints: the kernel reads the header's counts)
+            grid = max(1, min(self._sms, items))
+        p = Sm90Plan()
+        paged = page_ids is not None
+        alibi = c.pos_encoding == "alibi"
+        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap), tile_rows, alibi)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask,
+                                                      "paged" if paged else "ragged", layout if paged else "NHD",
+                                                      keys_a_tile, bool(c.soft_cap), tile_rows, alibi).validate()
+        p.config, p.spec, p.op, p.work, p.counters, p.grid = c, spec, None, work, self._counters, grid
+        p.work_ints = size
+        p.page_ids = page_ids if paged else self._no_ids
+        p.mask = mask[0] if mask is not None else self._no_mask
+        p.qo_tokens = qo_tokens
+        p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
+        p.rope, p.gather = None, gather
+        return p
 
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
              keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0,
@@ -355,40 +434,8 @@ class Sm90Planner:
             view[:, 6] = tiles[:, 3].astype(np.int64) - qo_lens
         if mask is not None:
             host[WORK_HEADER + tiles.size:] = mask[1].astype(np.int64).view(np.int32)
-        if self._graph:
-            src = torch.from_numpy(host)
-            if self._buffer is None:
-                capacity = max(_GRAPH_MIN_TILES, _GRAPH_TILES_FACTOR * tiles.shape[0])
-                self._buffer = torch.zeros(WORK_HEADER + capacity * TILE_INTS, dtype=torch.int32,
-                                           device=self._device)
-            if host.size > self._buffer.numel():
-                raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles of {tile_rows} rows exceed the "
-                                 f"{(self._buffer.numel() - WORK_HEADER) // TILE_INTS} this CUDA-graph wrapper's "
-                                 "first plan sized its work list for")
-            self._buffer[:host.size].copy_(src, non_blocking=non_blocking)
-            work = self._buffer
-            grid = sm_count(self._device)
-        else:  # (the device buffer stays while it is large enough: a later plan's copy follows this
-            # plan's run() in stream order)
-            self._plan_buffer.ship(slot, size, non_blocking)
-            work = self._plan_buffer.buf  # (its first `size` ints: the kernel reads the header's counts)
-            grid = max(1, min(sm_count(self._device), items))
-        p = Sm90Plan()
-        p.config = c
-        paged = page_ids is not None
-        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap), tile_rows, alibi)
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask,
-                                                      "paged" if paged else "ragged", layout if paged else "NHD",
-                                                      keys_a_tile, bool(c.soft_cap), tile_rows, alibi).validate()
-        p.spec, p.op, p.work, p.counters, p.grid = spec, None, work, self._counters, grid
-        p.work_ints = size
-        p.page_ids = page_ids if paged else self._no_ids
-        p.mask = mask[0] if mask is not None else self._no_mask
-        p.qo_tokens = int(qo_indptr[-1])
-        p.checked, p.fast, p.quick, p.traced_key = None, [None, None], None, None
-        p.rope, p.gather = None, gather
+        p = self.finish(c, host if self._graph else slot, tiles.shape[0], non_blocking, keys_a_tile, page_ids, layout,
+                        tile_rows, int(qo_indptr[-1]), mask, gather, size)
         if c.pos_encoding == "rope_llama":
             # q row i of request b at position kv_len - qo_len + i, key j at j (the mma.sync
             # kernel's in-kernel RoPE): each side's offsets over its own row ranges (a copy of

@@ -102,6 +102,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _POS_ENCODINGS = {"NONE": "none", "ROPE_LLAMA": "rope_llama", "ALIBI": "alibi"}
 # the K/V side of plan() (csrc/prefill/prefill_plan.h PrefillKVSide) and its arguments' names
 _CSR, _SEQ_LENS, _RAGGED = 0, 1, 2
+_GENERAL = object()  # _sm90_plan_common: not the common form, the general path plans it
 _SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: ("seq_lens", ""),
                _RAGGED: ("kv_indptr", "")}
 # the planner's result slots and statuses (csrc/prefill/prefill_plan.h PrefillPlanResult / Error)
@@ -601,6 +602,11 @@ class _PrefillWrapper:
                 raise ValueError(why)
             return None
         causal = config.mask == "causal"
+        if not graph and (self._ragged or table == "csr") and config.mask != "custom" and \
+                config.pos_encoding == "none" and not sm90.gathers(config):
+            plan = self._sm90_plan_common(backend, config, qo_indptr, kv_indptr, last_page_len, page_ids, non_blocking)
+            if plan is not _GENERAL:
+                return plan
         v_ids = 0  # (separate K/V page ids: where a request's V ids start past its K ids)
         # (native: sm90_tiles' vectors, the tiles planned in C++: Sm90Planner.native_tiles)
         if self._ragged:
@@ -690,6 +696,65 @@ class _PrefillWrapper:
             mask = (sm90.mask_buffer(packed, self._device), sm90.mask_bases(tiles, qo, lens, starts))
         return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, layout, v_ids, rows, mask,
                                key_rows, gather)
+
+    def _sm90_plan_common(self, backend: str, config: _Config, qo_indptr, kv_indptr, last_page_len, page_ids,
+                          non_blocking: bool):
+        """_sm90_plan for the common form (an eager wrapper; ragged, or paged through the CSR
+        table; no custom mask, no positional encoding, no copy of pages; the index vectors
+        contiguous int32 CPU tensors): the work list planned in C++ straight into the plan
+        buffer's pinned slot (Sm90Planner.native_work), without numpy. Its plan, None where
+        "auto" declines, or _GENERAL where the vectors are of another form (the general path
+        then plans them, or raises their errors)."""
+        if self._sm90 is None:
+            self._sm90 = sm90.Sm90Planner(self._device, False)
+        planner = self._sm90
+        causal = config.mask == "causal"
+        side, kv_b, page_size = (_RAGGED, None, None) if self._ragged else (_CSR, last_page_len, config.page_size)
+        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
+        rows = self._force_query_tile or sm90.TILE_ROWS
+        window, heads = config.window_left, config.num_qo_heads
+        got = planner.native_work(side, qo_indptr, kv_indptr, kv_b, page_size or 0, causal, keys_a_tile, window, rows,
+                                  heads)
+        if got is None:
+            return _GENERAL
+        slot, tiles, active, keys, batch, qo_first, qo_last, kv_last = got
+        if side == _CSR and last_page_len.shape[0] != batch:  # (the general path's error)
+            planner._plan_buffer.give_back()
+            return _GENERAL
+        if keys_a_tile == 176 and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
+            keys_a_tile = 128
+            slot, tiles, active, keys, batch, qo_first, qo_last, kv_last = planner.native_work(
+                side, qo_indptr, kv_indptr, kv_b, page_size or 0, causal, keys_a_tile, window, rows, heads, slot)
+        if backend == "auto" and not (batch > 0 and tiles.shape[0] > 0 and sm90.auto_takes_means(
+                config, float(qo_last - qo_first) / batch, keys / tiles.shape[0])):
+            planner._plan_buffer.give_back()
+            return None
+        if self._force_query_tile is None:  # head_dim 64's 192-row tiles on long tiles
+            wide = sm90.query_tile(config, tiles[:, 6], self._force_key_tile is not None)
+            if wide != rows:
+                rows = wide
+                slot, tiles, active, keys, batch, qo_first, qo_last, kv_last = planner.native_work(
+                    side, qo_indptr, kv_indptr, kv_b, page_size or 0, causal, keys_a_tile, window, rows, heads, slot)
+        if tiles.shape[0] * heads >= 2 ** 31:
+            planner._plan_buffer.give_back()
+            raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles x {heads} heads exceed the Hopper path's "
+                             "int32 item count")
+        if self._ragged:
+            self._kv_rows = kv_last
+            ids = None
+        else:
+            ids = as_int32_index(page_ids, "paged_kv_indices")
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+                planner._plan_buffer.give_back()
+                raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
+            if ids.shape[0] < kv_last:
+                planner._plan_buffer.give_back()
+                raise ValueError(f"paged_kv_indptr: its last offset {kv_last} exceeds the {ids.shape[0]} page ids "
+                                 "of paged_kv_indices")
+            if ids.device != self._device:
+                ids = ids.to(self._device, non_blocking=non_blocking)
+        return planner.finish(config, slot, tiles.shape[0], non_blocking, keys_a_tile, ids, self._kv_layout, rows,
+                              qo_last)
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
