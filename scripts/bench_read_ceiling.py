@@ -5,7 +5,7 @@ contiguous chunks (a split decode's blocks) or a grid-stride sweep, and the copy
 (read + write) measured the same way. Decode reads its KV once and writes next to nothing,
 so its ceiling is the best of these reads, not the copy.
 
-    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--paged | --bulk | --locality | --units | --select | --wg-units] [--out F]
+    python3 scripts/bench_read_ceiling.py [--sizes-mib 128 1024] [--quick] [--paged | --bulk | --locality | --units | --select | --wg-units | --warp-units] [--out F]
 
 (--quick: 128 MiB only, the size of bf16 b=1 kv=32k's K and V at 8 KV heads. --paged: only
 the rows of the decode's own access pattern, 16-token pages of 8 KV heads read a head (or
@@ -23,7 +23,9 @@ of one head with 4 stages, through 16-byte cp.async, 256-byte bulk copies and 1 
 Hopper splits its grid), by low SM ids, by SM ids spread evenly, or one SM a TPC; and with the
 other SMs prefetching the pages next in line into L2 (cp.async.bulk.prefetch.L2).
 --wg-units: the decode units as POD on Hopper runs them, a warpgroup a unit of 2048 keys from a
-counter, of one KV head (the decode block's) or of 2, 4 or 8 adjacent heads' rows.)
+counter, of one KV head (the decode block's) or of 2, 4 or 8 adjacent heads' rows.
+--warp-units: the --select streams with a warp's unit of 1 to 128 pages of 1 to 8 adjacent KV
+heads (a whole page: 1 x 8; the decode unit's shape, one warp's share: 128 x 1).)
 
 Builds scripts/ceilings/read_ceiling.cu with nvcc for sm_90a (the device's nvcc), runs it,
 and writes its rows with the run's metadata to JSON. Needs a GPU.
@@ -90,6 +92,9 @@ def main() -> int:
     only.add_argument("--wg-units", action="store_true",
                     help="only POD on Hopper's decode units as units of a warpgroup (2048 keys of 1, 2, 4 or 8 KV "
                          "heads, taken from a counter) on 66-132 SMs")
+    only.add_argument("--warp-units", action="store_true",
+                    help="only the select rows' streams with a warp's unit of 1-128 pages of 1-8 KV heads, taken "
+                         "from a counter, on 66, 94 and all SMs")
     only.add_argument("--units", action="store_true",
                     help="only POD on Hopper's decode units (12 warps, one block an SM, on 48-132 SMs): 16-byte "
                          "cp.async, 256-byte bulk copies and 1 KB TMA boxes")
@@ -100,7 +105,7 @@ def main() -> int:
     sizes = [128] if args.quick else args.sizes_mib
     exe = build(args.arch)
     try:
-        modes = [m for m in ("paged", "bulk", "locality", "units", "select", "wg_units") if getattr(args, m)]
+        modes = [m for m in ("paged", "bulk", "locality", "units", "select", "wg_units", "warp_units") if getattr(args, m)]
         proc = subprocess.run([str(exe)] + modes + [str(s) for s in sizes], capture_output=True, text=True)
     finally:
         shutil.rmtree(exe.parent, ignore_errors=True)

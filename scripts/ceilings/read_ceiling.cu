@@ -485,7 +485,8 @@ __global__ void __launch_bounds__(32 * kUnitWarps, 1)
 // streams' counter). Which SM a block ran on goes to smids[blockIdx].
 __global__ void __launch_bounds__(32 * kUnitWarps, 1)
     read_select(const char* __restrict__ k, const char* __restrict__ v, const unsigned char* __restrict__ role,
-                int by_smid, int pages, int ahead, int* counters, int* smids, unsigned* sink) {
+                int by_smid, int pages, int ahead, int* counters, int* smids, unsigned* sink, int unit_pages = 1,
+                int unit_heads = 8) {
   extern __shared__ __align__(1024) char smem[];
   constexpr int S = 4, kStage = 4096;
   unsigned sm;
@@ -508,17 +509,21 @@ __global__ void __launch_bounds__(32 * kUnitWarps, 1)
   }
   if (r != 1) return;
   char* stages = smem + warp * S * kStage;
-  int issued = 0, page = 0;
+  // a warp's unit: unit_pages pages of unit_heads adjacent KV heads (1 x 8: a whole page), its
+  // groups in (page, half, head) order
+  const int H = unit_heads, P = unit_pages, per_unit = 2 * H * P, units = pages / P * (8 / H);
+  int issued = 0, unit = 0;
   bool done = false;
   auto issue = [&]() {
-    if (!done && issued % 16 == 0) {  // a new page: 16 groups (8 heads x 2 halves)
+    if (!done && issued % per_unit == 0) {
       int got = 0;
       if (lane == 0) got = atomicAdd(counters, 1);
-      page = __shfl_sync(0xffffffffu, got, 0);
-      done = page >= pages;
+      unit = __shfl_sync(0xffffffffu, got, 0);
+      done = unit >= units;
     }
     if (!done) {
-      const int g = issued % 16, head = g & 7, token0 = (g >> 3) * 8;
+      const int g = issued % per_unit, head = (unit % (8 / H)) * H + g % H, token0 = ((g / H) % 2) * 8;
+      const int page = (unit / (8 / H)) * P + g / (2 * H);
       char* dst = stages + (issued % S) * kStage;
       const size_t base = size_t(phys(page)) * 32768 + size_t(token0) * 2048 + head * 256;
 #pragma unroll
@@ -932,7 +937,7 @@ static void units_rows(Ctx& c, int sms) {
 // The select rows: the units' reads on N SMs chosen four ways, the others idle or prefetching
 // into L2 ahead of the streams. Roles: by blockIdx (POD on Hopper's split: blocks >= sms - N
 // stream), SM ids below N, SM ids spread evenly, odd SM ids (one SM a TPC, N = sms / 2).
-static void select_rows(Ctx& c, int sms) {
+static void select_rows(Ctx& c, int sms, bool units_only_shapes = false) {
   constexpr int kPageBytes = 16 * 8 * 256;
   const int pages = int(c.size / 2 / kPageBytes);
   const int smem = kUnitWarps * 4 * 4096;
@@ -966,6 +971,30 @@ static void select_rows(Ctx& c, int sms) {
     if (ahead > 0) snprintf(label + strlen(label), sizeof label - strlen(label), " (%d pages ahead)", ahead);
     row("select", label, c.size, n, 32 * kUnitWarps, us);
   };
+  if (units_only_shapes) {  // a warp's unit shapes on POD's split (blocks >= sms - N stream)
+    for (int round = 0; round < 2; ++round) {
+      for (int n : {66, 94, sms}) {
+        std::vector<unsigned char> block(256, 0);
+        for (int b = 0; b < sms; ++b) block[b] = b >= sms - n;
+        CK(cudaMemcpy(role, block.data(), 256, cudaMemcpyHostToDevice));
+        for (auto ph : {std::pair<int, int>{1, 8}, {16, 8}, {32, 4}, {64, 2}, {128, 1}, {8, 1}}) {
+          const double us = time_graph(c, [&](char* b) {
+            CK(cudaMemsetAsync(counters, 0, 2 * sizeof(int), c.stream));
+            read_select<<<sms, 32 * kUnitWarps, smem, c.stream>>>(b, b + c.size / 2, role, 0, pages, 0, counters,
+                                                                  smids, c.sink, ph.first, ph.second);
+          });
+          char label[160];
+          snprintf(label, sizeof label, "a warp's unit: %d page(s) x %d KV head(s) (%d keys), %d SMs", ph.first,
+                   ph.second, 16 * ph.first, n);
+          row("warp_units", label, c.size, n, 32 * kUnitWarps, us);
+        }
+      }
+    }
+    CK(cudaFree(role));
+    CK(cudaFree(counters));
+    CK(cudaFree(smids));
+    return;
+  }
   for (int round = 0; round < 2; ++round) {
     for (int n : {66, 87, 94, sms}) {
       std::vector<unsigned char> block(256, 0), low(256, 0), spread(256, 0);
@@ -1034,7 +1063,7 @@ int main(int argc, char** argv) {
   // argv: [paged | bulk | locality] size_mib ... (each a buffer size to measure; paged: only the
   // paged rows; bulk: only cp.async against bulk copies on the paged pattern)
   std::vector<size_t> sizes;
-  bool paged_only = false, bulk_only = false, locality_only = false, units_only = false, select_only = false, wg_only = false;
+  bool paged_only = false, bulk_only = false, locality_only = false, units_only = false, select_only = false, wg_only = false, warp_units = false;
   for (int i = 1; i < argc; ++i) {
     if (strcmp(argv[i], "paged") == 0) paged_only = true;
     else if (strcmp(argv[i], "bulk") == 0) bulk_only = true;
@@ -1042,6 +1071,7 @@ int main(int argc, char** argv) {
     else if (strcmp(argv[i], "units") == 0) units_only = true;
     else if (strcmp(argv[i], "select") == 0) select_only = true;
     else if (strcmp(argv[i], "wg_units") == 0) wg_only = true;
+    else if (strcmp(argv[i], "warp_units") == 0) warp_units = true;
     else sizes.push_back(size_t(atoll(argv[i])) << 20);
   }
   if (sizes.empty()) sizes = {128, 1024};
@@ -1089,6 +1119,10 @@ int main(int argc, char** argv) {
     }
     if (wg_only) {
       wg_units_rows(c, sms);
+      continue;
+    }
+    if (warp_units) {
+      select_rows(c, sms, true);
       continue;
     }
     // the copy ceiling, the same way (read + write counted)
