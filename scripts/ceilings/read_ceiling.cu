@@ -560,12 +560,13 @@ __global__ void __launch_bounds__(32 * kUnitWarps, 1)
 template <int H>
 __global__ void __launch_bounds__(32 * kUnitWarps, 1)
     read_wg_units(const char* __restrict__ k, const char* __restrict__ v, const unsigned char* __restrict__ role,
-                  int pages, int per_unit_pages, int* counters, unsigned* sink) {
+                  int pages, int per_unit_pages, int* counters, unsigned* sink, int active_wgs = 3) {
   extern __shared__ __align__(1024) char smem[];
   __shared__ int claim[kUnitWarps / 4];
   constexpr int S = 4, kStage = 4096;
   if (role[blockIdx.x] != 1) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, w = warp % 4;
+  if (wg >= active_wgs) return;  // (a block of fewer streaming warpgroups: the others idle)
   const int P = per_unit_pages, units = pages / P * (8 / H);
   auto phys = [&](int lp) { return (lp * 1031 + 7) & (pages - 1); };
   char* stages = smem + warp * S * kStage;
@@ -1024,9 +1025,10 @@ static void select_rows(Ctx& c, int sms, bool units_only_shapes = false) {
 // The wg-units rows: read_wg_units on N SMs (blocks >= sms - N, POD on Hopper's split), each
 // unit 2048 keys of H KV heads' rows (P = 128 / H pages); two interleaved rounds.
 template <int H>
-void run_wg_units(Ctx& c, int sms, int n, unsigned char* role, int* counters) {
+void run_wg_units(Ctx& c, int sms, int n, unsigned char* role, int* counters, int active_wgs = 3,
+                  int unit_pages = 0) {
   constexpr int kPageBytes = 16 * 8 * 256;
-  const int pages = int(c.size / 2 / kPageBytes), per_unit = 128 / H;
+  const int pages = int(c.size / 2 / kPageBytes), per_unit = unit_pages > 0 ? unit_pages : 128 / H;
   const int smem = kUnitWarps * 4 * 4096;
   CK(cudaFuncSetAttribute(read_wg_units<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   std::vector<unsigned char> host(256, 0);
@@ -1035,10 +1037,11 @@ void run_wg_units(Ctx& c, int sms, int n, unsigned char* role, int* counters) {
   const double us = time_graph(c, [&](char* b) {
     CK(cudaMemsetAsync(counters, 0, 2 * sizeof(int), c.stream));
     read_wg_units<H><<<sms, 32 * kUnitWarps, smem, c.stream>>>(b, b + c.size / 2, role, pages, per_unit, counters,
-                                                                c.sink);
+                                                                c.sink, active_wgs);
   });
   char label[160];
-  snprintf(label, sizeof label, "units of a warpgroup: %d KV head(s) x %d pages (2048 keys), %d SMs", H, per_unit, n);
+  snprintf(label, sizeof label, "units of a warpgroup: %d KV head(s) x %d pages (%d keys), %d SMs, %d warpgroup(s) an SM",
+           H, per_unit, 16 * H * per_unit, n, active_wgs);
   row("wg_units", label, c.size, n, 32 * kUnitWarps, us);
 }
 
@@ -1047,6 +1050,14 @@ static void wg_units_rows(Ctx& c, int sms) {
   int* counters;
   CK(cudaMalloc(&role, 256));
   CK(cudaMalloc(&counters, 2 * sizeof(int)));
+  // one or two streaming warpgroups an SM on every SM (a decode warpgroup beside a one-consumer
+  // prefill block), against three; 128-key units (8 pages of one head) too
+  for (int round = 0; round < 2; ++round) {
+    for (int wgs : {1, 2, 3}) {
+      run_wg_units<1>(c, sms, sms, role, counters, wgs);
+      run_wg_units<1>(c, sms, sms, role, counters, wgs, 8);
+    }
+  }
   for (int round = 0; round < 2; ++round) {
     for (int n : {66, 73, 94, sms}) {
       run_wg_units<1>(c, sms, n, role, counters);
