@@ -9,8 +9,6 @@ same inputs, bench_pod.Inputs). Per row, on the same tensors, timed interleaved
 (bench_prefill.time_interleaved: CUDA events around each eager call, an L2 flush before it,
 warm-up, median of --reps):
   pod_hopper          BatchPODWithPagedKVCacheWrapper, prefill_backend="auto" (the planner's split)
-  pod_hopper_shared   the same, sm90_form="shared": a one-consumer prefill block beside a decode
-                      warpgroup on every SM
   pod_hopper_P<n>     the same with the split pinned: n blocks start on prefill items (--blocks)
   pod_hopper_S<t>[_P<n>]  the decode side split into chunks of t tokens (its fixed_split_size;
                       S0: the decode planner's own choice), and the split pinned (--variants)
@@ -44,7 +42,7 @@ import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
 import bench_pod as bpod  # noqa: E402  (the rows and their inputs)
 import bench_prefill as bp  # noqa: E402  (flush, interleaved timing)
 
-IMPLS = ("pod_hopper", "pod_hopper_shared", "single_hopper", "ba_hopper", "serial", "serial_fa2", "pod_fa2", "prefill_only", "decode_only")
+IMPLS = ("pod_hopper", "single_hopper", "ba_hopper", "serial", "serial_fa2", "pod_fa2", "prefill_only", "decode_only")
 MAX_ABS_DIFF = 2e-2
 
 
@@ -70,9 +68,7 @@ def make(name: str, x, row):
         w = fij.BatchPODWithPagedKVCacheWrapper(ws(), "NHD")
         w.prefill_backend = "fa2" if name == "pod_fa2" else "auto"
         for part in name.removeprefix("pod_hopper").split("_")[1:]:  # pinned: _P<prefill blocks>, _S<decode split>
-            if part == "shared":  # the shared form: a one-consumer prefill block and a decode warpgroup an SM
-                w.sm90_form = "shared"
-            elif part[0] == "P":
+            if part[0] == "P":
                 w.force_prefill_blocks = int(part[1:])
             elif part[0] == "S":
                 w.force_decode_split = int(part[1:])

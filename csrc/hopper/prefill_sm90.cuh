@@ -108,22 +108,20 @@ constexpr int sm90_head_dim_vo() {
 
 // kM: query rows an item, 64 a consumer warpgroup: 128 (two consumers), or 192 (three, FA3's
 // choice at head_dim 64, where one warpgroup's softmax takes about as long as the other's
-// GEMMs and a third keeps the tensor cores fed), or 64 (one consumer: POD on Hopper's block
-// that shares its SM with a decode warpgroup, csrc/pod/pod_sm90.cuh; its turns pass to itself).
+// GEMMs and a third keeps the tensor cores fed).
 template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128, bool kCustom = false,
           bool kAlibi = false>
 struct Sm90Kernel {
   static_assert(!(kCausal && kCustom), "a custom mask replaces the causal one");
   static_assert(!(kAlibi && kSoftCap), "ALiBi takes no soft cap");
-  static_assert(kM == 64 || kM == 128 || (kM == 192 && kD == 64), "192-row query tiles are for head_dim 64");
+  static_assert(kM == 128 || (kM == 192 && kD == 64), "192-row query tiles are for head_dim 64");
   static constexpr int kBlockM = kM;
   static constexpr int kConsumers = kM / 64;            // consumer warpgroups
   static constexpr int kThreads = 128 * (1 + kConsumers);  // and the producer's
-  // registers a thread after setmaxnreg (the file's 64K: 24 x 128 + 240 x 256, 24 x 128 + 160 x 384;
-  // one consumer: 24 x 128 + 240 x 128, the rest the decode warpgroup's 168 x 128)
-  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers <= 2 ? 240 : 160;
+  // registers a thread after setmaxnreg (the file's 64K: 24 x 128 + 240 x 256, 24 x 128 + 160 x 384)
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr int kBlockN = kN;
-  static constexpr int kChains = kConsumers <= 2 ? 4 : 2;  // softmax: partial row-max chains a row
+  static constexpr int kChains = kConsumers == 2 ? 4 : 2;  // softmax: partial row-max chains a row
   static constexpr int kMaskChunks = (kN + 31) / 32;  // a custom mask: 32-bit chunks of a row's key tile
   using MaskBits = uint32_t[2][kMaskChunks];
   static constexpr int kDvo = sm90_head_dim_vo<kD>();
@@ -476,11 +474,6 @@ FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
 // resets the two counters. POD (csrc/pod/pod_sm90.cuh): the blocks that start on prefill take
 // their index first, the others (first = -1) join from the counter once their decode units are
 // done, and the last block also resets the decode side's counter (also_reset).
-// The named barrier of a block's start (its mbarriers initialized): not 0, which
-// __syncthreads() takes for every thread of the CUDA block; the consumers take 1 .. 2 x consumers,
-// decode warpgroups beside them 8 and up.
-constexpr int kSm90InitBarrier = 15;
-
 struct Sm90Schedule {
   int first;               // this block's first item, or -1: from the counter
   int base;                // item = base + the counter's value
@@ -533,9 +526,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     }
     h::fence_barrier_init();
   }
-  // (the block's threads of this side only: POD on Hopper's shared block runs a decode
-  // warpgroup beside them, csrc/pod/pod_sm90.cuh)
-  h::named_sync(kSm90InitBarrier, K::kThreads);
+  __syncthreads();
 
   if (wg == 0) {  // producer: warp 0 issues every copy (lane 0, or a lane a page)
     h::regs_dealloc<K::kProducerRegs>();

@@ -83,61 +83,6 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1) pod_sm90_kernel(const 
       p.prefill, smem_raw, Sm90Schedule{decode_first ? -1 : static_cast<int>(blockIdx.x), first_blocks, p.decode_next});
 }
 
-// kM = 64, the shared form: every SM runs both sides at once. A block of 384 threads is a
-// one-consumer Hopper prefill block (warpgroups 0 and 1: producer and consumer, 64-row query
-// tiles, 161 KB at head_dim 128) beside one decode warpgroup (2: a virtual decode block on the
-// rest of the shared memory). The prefill block takes items as the prefill kernel's blocks do
-// (block b item b, then the counter); the decode warpgroup takes decode units from the decode
-// counter until none is left. Neither side waits for the other, and no split is planned: the
-// decodes stream from every SM while the tensor cores run the prefill. Counters: [0], [1] the
-// prefill's (reset by its last block), [2] decode units taken, [3] decode warpgroups done (the
-// last one resets [2] and [3]).
-template <typename DType, int kD, bool kCausal, int kN, bool kPaged, class DecodeT>
-__global__ void __launch_bounds__(384, 1) pod_sm90_shared_kernel(const __grid_constant__ PodSm90Params p) {
-  static_assert(DecodeT::kThreads == 128 && DecodeT::kCluster == 1,
-                "POD on Hopper: 128-thread decode blocks without clusters, one a warpgroup");
-  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, false, 64, false>;
-  static_assert(K::kThreads == 256, "the shared form: a one-consumer prefill block");
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ int claim;
-  if (threadIdx.x < K::kThreads) {  // warpgroups 0 and 1: the prefill side
-#ifndef FIJ_PROBE_NO_PREFILL
-    prefill_sm90_block<DType, kD, kCausal, kN, kPaged, false, 64, false>(
-        p.prefill, smem_raw, Sm90Schedule{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), nullptr});
-#endif
-    return;
-  }
-#ifdef FIJ_PROBE_NO_DECODE
-  return;
-#endif
-  // warpgroup 2: the decode side, at 232 registers (the file's 64K: 24 x 128 the producer's, 240
-  // x 128 the consumer's; at the launch's 168 ptxas spilled 548 bytes here, at 232 92)
-  sm90::regs_alloc<232>();
-  const WarpgroupLaunch launch{2, 8};
-  const int t = launch.thread();
-  // (after the prefill block's region: K::kSmemBytes holds its 1 KB of alignment)
-  unsigned char* unit_smem = sm90::align_1024(smem_raw) + (K::kSmemBytes - 1024);
-  const int units = p.decode_slots > 0 ? p.decode.work[0] * p.decode_head_blocks : 0;
-  for (;;) {
-    if (t == 0) claim = atomicAdd(p.decode_next, 1);
-    launch.sync();
-    const int u = claim;
-    if (u >= units) break;
-    decode_mma_block<DecodeT>(p.decode, u / p.decode_head_blocks, u % p.decode_head_blocks, p.decode_head_blocks,
-                              unit_smem, launch);
-    launch.sync();  // the unit's shared memory and `claim` read by every thread before the next
-  }
-  // every warpgroup's last claim precedes its arrival here: the last to arrive resets both
-  if (t == 0 && atomicAdd(p.decode_next + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-    p.decode_next[0] = 0;
-    p.decode_next[1] = 0;
-  }
-}
-
-// Stage bytes of the shared form's decode warpgroup: what the one-consumer prefill block
-// leaves of the SM's 227 KB at head_dim 128 (161 KB).
-constexpr int kPodSm90SharedDecodeStages = 64 * 1024;
-
 // One launch on every SM (one block each); then the decode side's merge kernel where its split
 // rows are not merged in the kernel. prefill: the Hopper prefill params (make_params); its
 // counters are replaced by POD's (three int32 zeros). prefill_blocks: the blocks that start on
@@ -146,11 +91,8 @@ template <typename DType, int kD, bool kCausal, int kN, bool kPaged, int kM, cla
 int launch_pod_sm90(const PrefillSm90Params& prefill, const DecodeLaunch& ld, int32_t* counters, int prefill_blocks,
                     cudaStream_t stream) {
   using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, false, kM, false>;
-  // kM 128: the prefill block's or three decode units' shared memory; 64 (the shared form):
-  // the one-consumer prefill block's and one decode unit's
   constexpr int kDecodeBytes = (1 + kM / 64) * pod_sm90_decode_smem<DecodeT>() + 1024;
-  constexpr int kSmem = kM == 64 ? K::kSmemBytes + pod_sm90_decode_smem<DecodeT>()
-                                 : (K::kSmemBytes > kDecodeBytes ? K::kSmemBytes : kDecodeBytes);
+  constexpr int kSmem = K::kSmemBytes > kDecodeBytes ? K::kSmemBytes : kDecodeBytes;
   static_assert(kSmem <= 227 * 1024, "POD on Hopper: the prefill block's or the decode blocks' shared memory");
   PodSm90Params p;
   p.prefill = prefill;
@@ -162,15 +104,9 @@ int launch_pod_sm90(const PrefillSm90Params& prefill, const DecodeLaunch& ld, in
   p.decode_slots = ld.grid_items > 0 ? ld.grid_items * p.decode_head_blocks : 0;
   const int sms = num_sms();
   p.prefill_blocks = prefill_blocks < 0 ? 0 : (prefill_blocks > sms ? sms : prefill_blocks);
-  if constexpr (kM == 64) {
-    constexpr auto kernel = pod_sm90_shared_kernel<DType, kD, kCausal, kN, kPaged, DecodeT>;
-    if (const int err = allow_dynamic_smem<kernel>(kSmem)) return err;
-    kernel<<<sms, 384, kSmem, stream>>>(p);
-  } else {
-    constexpr auto kernel = pod_sm90_kernel<DType, kD, kCausal, kN, kPaged, kM, DecodeT>;
-    if (const int err = allow_dynamic_smem<kernel>(kSmem)) return err;
-    kernel<<<sms, K::kThreads, kSmem, stream>>>(p);
-  }
+  constexpr auto kernel = pod_sm90_kernel<DType, kD, kCausal, kN, kPaged, kM, DecodeT>;
+  if (const int err = allow_dynamic_smem<kernel>(kSmem)) return err;
+  kernel<<<sms, K::kThreads, kSmem, stream>>>(p);
   if (const int err = static_cast<int>(cudaGetLastError())) return err;
   if (ld.merge.num_rows > 0) return launch_merge_splits<O>(ld.merge, stream, false);
   return 0;

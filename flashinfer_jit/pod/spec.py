@@ -135,14 +135,8 @@ class PodSm90Spec(Spec):
     # the prefill's K/V: the paged cache (batch POD, BatchAttention) or one request's rows
     # (PODWithPagedKVCacheWrapper: k_p / v_p)
     prefill_kv: str = choice("paged", "ragged", tag="p{}", default="paged", name_default=False)
-    # query rows a prefill item: 128 (the SMs split between the sides), or 64: the shared form,
-    # a one-consumer prefill block beside a decode warpgroup on every SM (head_dim 128)
-    query_tile: int = choice(128, 64, tag="m{}", default=128, name_default=False)
 
     def check(self) -> None:
-        if self.query_tile == 64 and self.head_dim != 128:
-            raise ValueError(f"PodSm90Spec: query_tile=64 (the shared form) is for head_dim 128, got "
-                             f"head_dim={self.head_dim}")
         try:
             self.prefill_spec().validate()
             self.decode_spec().validate()
@@ -152,8 +146,7 @@ class PodSm90Spec(Spec):
     def prefill_spec(self) -> PrefillSm90Spec:
         """The Hopper prefill module whose plan (work list) the launch's prefill side takes."""
         layout = self.kv_layout if self.prefill_kv == "paged" else "NHD"  # (ragged rows: strides at run time)
-        return PrefillSm90Spec(self.dtype_q, self.head_dim, self.mask, self.prefill_kv, layout, self.key_tile,
-                               query_tile=self.query_tile)
+        return PrefillSm90Spec(self.dtype_q, self.head_dim, self.mask, self.prefill_kv, layout, self.key_tile)
 
     def decode_spec(self) -> DecodeSpec:
         """The decode module whose work list, params and merge the launch's decode side takes."""

@@ -75,8 +75,7 @@ def _pod_sm90_spec_of(prefill, decode: DecodeSpec, kv_layout: str) -> PodSm90Spe
     decode plan's (validated once a pair)."""
     return PodSm90Spec(dtype_q=decode.dtype_q, head_dim=decode.head_dim, page_table=decode.page_table,
                        kv_layout=kv_layout, mask=prefill.mask, key_tile=prefill.key_tile,
-                       group_tile=decode.group_tile, prefill_kv=prefill.kv_source,
-                       query_tile=prefill.query_tile).validate()
+                       group_tile=decode.group_tile, prefill_kv=prefill.kv_source).validate()
 
 
 @constant_result
@@ -303,11 +302,6 @@ class _Pod:
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it; a pin drops run()'s recorded launch, which holds
     # the split)
-    # POD on Hopper's form: "split" (the SMs split between the sides: two-consumer prefill
-    # blocks on some, three decode warpgroups on the others) or "shared" (every SM runs a
-    # one-consumer prefill block beside a decode warpgroup, head_dim 128). Set it before plan().
-    sm90_form = "split"
-
     @property
     def force_prefill_blocks(self):
         return self._force_blocks
@@ -845,9 +839,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         # (a CUDA-graph wrapper's prefill side keeps its first plan's kernel: a captured run()
         # replays that launch)
         self._prefill._backend = backend if not custom else "fa2"
-        expect_choice(self.sm90_form, "sm90_form", ("split", "shared"))
-        # (POD on Hopper's module holds the 128-row tile; its shared form the one-consumer 64-row one)
-        self._prefill._force_query_tile = 64 if self.sm90_form == "shared" and d == 128 else 128
+        self._prefill._force_query_tile = 128  # (POD on Hopper's module holds the 128-row tile)
         self._flops = work_flops(self._prefill_work, bool(causal) and not custom, hq, d)
         self._prefill.plan(qo, kv, ids, last, hq, hk, d, ps, custom_mask=custom_mask,
                            packed_custom_mask=packed_custom_mask, causal=bool(causal), window_left=window,

@@ -166,9 +166,8 @@ class PrefillSm90Spec(Spec):
     # logits soft-capped, cap * tanh(logit / cap) (the cap itself is a launch argument)
     soft_cap: bool = choice(False, True, tag="cap", default=False)
     # query rows an item: 128 (two consumer warpgroups), or 192 at head_dim 64 (three, FA3's
-    # choice there; plan() takes it for long query tiles: sm90.query_tile), or 64 at head_dim
-    # 128 (one: POD on Hopper's shared form, csrc/pod/pod_sm90.cuh)
-    query_tile: int = choice(128, 192, 64, tag="m{}", default=128, name_default=False)
+    # choice there; plan() takes it for long query tiles: sm90.query_tile)
+    query_tile: int = choice(128, 192, tag="m{}", default=128, name_default=False)
     # ALiBi (FlashInfer's linear bias, pos_encoding_mode="ALIBI"): slope[h] x (key - row) on the
     # logits (csrc/common/pos_encoding.cuh); not with a soft cap
     alibi: bool = choice(False, True, tag="alibi", default=False)
@@ -179,9 +178,6 @@ class PrefillSm90Spec(Spec):
         if self.query_tile == 192 and (self.head_dim != 64 or self.key_tile != 128):
             raise ValueError(f"PrefillSm90Spec: query_tile=192 is for head_dim 64 on 128-key tiles, got "
                              f"head_dim={self.head_dim}, key_tile={self.key_tile}")
-        if self.query_tile == 64 and self.head_dim != 128:
-            raise ValueError(f"PrefillSm90Spec: query_tile=64 (one consumer warpgroup, POD on Hopper's shared form) "
-                             f"is for head_dim 128, got head_dim={self.head_dim}")
         if self.key_tile == 176 and self.head_dim != 128:
             raise ValueError(f"PrefillSm90Spec: key_tile=176 is for head_dim 128, got head_dim={self.head_dim}")
         if (self.head_dim == 256) != (self.key_tile in (64, 80)):
