@@ -1129,7 +1129,12 @@ def parse_args(argv=None):
     p.add_argument("--build-only", action="store_true",
                    help="build FlashInfer's modules and warm up ours, then exit (no timing)")
     p.add_argument("--list", action="store_true", help="print the rows, then exit (no GPU needed)")
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE,
+                   help=f"tokens a page of every paged form (default {PAGE_SIZE})")
     args = p.parse_args(argv)
+    if args.page_size < 1 or args.page_size & (args.page_size - 1):
+        p.error("--page-size: a power of two")
+    globals()["PAGE_SIZE"] = args.page_size  # (read by the inputs and plans below)
     if args.head_dims is None:
         args.head_dims = (128,) if args.quick else HEAD_DIMS
     else:

@@ -677,7 +677,7 @@ def _auto_lacking_params():
     """(plan() arguments beyond the base, whether on the paged wrapper)."""
     return [
         pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
-        pytest.param(dict(page_size=8), True, id="paged_page_8"),
+        pytest.param(dict(page_size=4), True, id="paged_page_4"),
     ]
 
 
@@ -756,6 +756,10 @@ PAGED_SHAPES = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (6
     (128, "HND", False, 64, BF16, "tuple"),
     (16, "NHD", True, 256, BF16, "tuple"),
     (64, "HND", False, 256, F16, "tuple"),
+    (8, "NHD", True, 128, BF16, "tuple"),  # pages of one 1 KB swizzle atom (16 or 22 boxes a tile)
+    (8, "HND", False, 128, BF16, "single"),
+    (8, "NHD", True, 64, F16, "tuple"),
+    (8, "NHD", False, 256, BF16, "tuple"),
 ], ids=lambda v: str(v))
 def test_fa3_paged_against_reference(page_size, kv_layout, causal, head_dim, dtype, form, hopper_workspace):
     """The paged wrapper on the Hopper path (one TMA box a page): the CSR page table on a
@@ -1033,7 +1037,7 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
                  id="fp8_graph"),
     pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"bfloat16 K/V needs q of the same",
                  id="kv_dtype_not_q"),
-    pytest.param(dict(page_size=8), r"page_size=8", id="page_8"),
+    pytest.param(dict(page_size=4), r"page_size=4", id="page_4"),
     pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
     pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
     pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA", use_cuda_graph=True), r"ROPE_LLAMA.*use_cuda_graph",
@@ -1081,9 +1085,9 @@ def test_copy_of_pages_gathers_each_requests_pages_in_order(table):
     assert k_ids.tolist() == want_k and v_ids.tolist() == want_v
 
 
-@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 128])
 def test_fa3_paged_plan_on_the_cpu_names_sm90(page_size):
-    """A paged configuration the Hopper path takes (CSR, pages of 16-128): on a CPU
+    """A paged configuration the Hopper path takes (CSR, pages of 8-128): on a CPU
     workspace, the ValueError names the arch."""
     with pytest.raises(ValueError, match=r"sm_90"):
         _cpu_paged_plan(page_size=page_size, causal=True)

@@ -85,7 +85,9 @@ _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this 
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
 
-PAGE_SIZES = (16, 32, 64, 128)  # one TMA box a page: a page divides the key tile
+# one TMA box a page: a page divides the key tile, and holds whole 1 KB swizzle atoms (8 rows
+# of 128 bytes: a 128-byte-swizzled box lands on a 1024-byte boundary)
+PAGE_SIZES = (8, 16, 32, 64, 128)
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
