@@ -624,26 +624,33 @@ def test_fa3_ragged_rope_matches_fa2(rows, causal, head_dim, hopper_workspace):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("table, kv_layout, kv_dtype, rope, head_dim, causal", [
-    ("csr", "NHD", torch.float8_e4m3fn, False, 128, True),
-    ("csr", "HND", torch.float8_e5m2, False, 64, False),
-    ("block_table_kv_separate", "NHD", torch.float8_e4m3fn, False, 128, False),
-    ("csr", "NHD", torch.bfloat16, True, 128, True),
-    ("block_table", "HND", torch.float8_e4m3fn, True, 256, True),
-    ("block_table_kv_separate", "NHD", torch.bfloat16, True, 64, False),
+@pytest.mark.parametrize("table, kv_layout, kv_dtype, rope, head_dim, causal, page_size", [
+    ("csr", "NHD", torch.float8_e4m3fn, False, 128, True, 16),
+    ("csr", "HND", torch.float8_e5m2, False, 64, False, 16),
+    ("block_table_kv_separate", "NHD", torch.float8_e4m3fn, False, 128, False, 16),
+    ("csr", "NHD", torch.bfloat16, True, 128, True, 16),
+    ("block_table", "HND", torch.float8_e4m3fn, True, 256, True, 16),
+    ("block_table_kv_separate", "NHD", torch.bfloat16, True, 64, False, 16),
+    # pages under 8 tokens, repacked into pages of 16 in the copy (sm90.repacks)
+    ("csr", "NHD", torch.bfloat16, False, 128, True, 1),
+    ("csr", "HND", torch.bfloat16, False, 128, False, 2),
+    ("block_table_kv_separate", "NHD", torch.float8_e4m3fn, True, 128, False, 2),
+    ("csr", "NHD", torch.bfloat16, True, 64, True, 4),
+    ("block_table", "NHD", torch.bfloat16, False, 256, True, 1),
 ], ids=lambda v: str(v).replace("torch.", ""))
-def test_fa3_paged_copy_fp8_and_rope(table, kv_layout, kv_dtype, rope, head_dim, causal, hopper_workspace):
-    """An fp8 cache and RoPE over the paged cache on the Hopper path: run() copies the batch's
-    pages (widened to bf16, keys rotated) and the kernel reads the copy (sm90.gather_pages). On
-    random pages with NaN in every unused page and slot, the three page tables, NHD and HND,
-    k_scale / v_scale (fp8), requests without keys or queries: against the float64 reference
-    and the mma.sync kernel on the same cache, NaN-poisoned outputs; "auto" takes it; POD's
-    prefill side and a CUDA-graph wrapper do not."""
+def test_fa3_paged_copy_fp8_and_rope(table, kv_layout, kv_dtype, rope, head_dim, causal, page_size, hopper_workspace):
+    """An fp8 cache, RoPE over the paged cache and pages of 1-4 tokens on the Hopper path: run()
+    copies the batch's pages (widened to bf16, keys rotated, small pages repacked into pages of
+    16) and the kernel reads the copy (sm90.gather_pages). On random pages with NaN in every
+    unused page and slot, the three page tables, NHD and HND, k_scale / v_scale (fp8), requests
+    without keys or queries: against the float64 reference and the mma.sync kernel on the same
+    cache, NaN-poisoned outputs; "auto" takes it; POD's prefill side and a CUDA-graph wrapper
+    do not."""
     rnd = random.Random(head_dim + 3 * rope)
     gen = torch.Generator(device=DEV).manual_seed(head_dim + 5 * rope)
     qo_lens, kv_lens = [m for m, _ in PAGED_SHAPES], [n for _, n in PAGED_SHAPES]
     k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (head_dim, head_dim), torch.bfloat16, gen)
-    kv = paged_kv(k_rows, v_rows, kv_lens, 16, table, kv_layout, "tuple", rnd, dtype=kv_dtype)
+    kv = paged_kv(k_rows, v_rows, kv_lens, page_size, table, kv_layout, "tuple", rnd, dtype=kv_dtype)
     q = make_q(sum(qo_lens), LLAMA[0], head_dim, torch.bfloat16, gen)
     qo_indptr = indptr_of(qo_lens, "cpu")
     fp8 = kv_dtype != torch.bfloat16
@@ -654,10 +661,10 @@ def test_fa3_paged_copy_fp8_and_rope(table, kv_layout, kv_dtype, rope, head_dim,
     results = {}
     for backend in ("fa3", "fa2", "auto"):
         wrapper = paged_wrapper(hopper_workspace, kv_layout, backend=backend)
-        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (head_dim, head_dim), 16, **options)
+        plan_kv(wrapper, qo_indptr, kv, *LLAMA, (head_dim, head_dim), page_size, **options)
         if backend == "auto":  # as for the same batch over a bf16 cache without RoPE
             plain = paged_wrapper(hopper_workspace, kv_layout, backend="auto")
-            plan_kv(plain, qo_indptr, kv, *LLAMA, (head_dim, head_dim), 16, causal=causal,
+            plan_kv(plain, qo_indptr, kv, *LLAMA, (head_dim, head_dim), page_size, causal=causal,
                     q_data_type=torch.bfloat16)
             assert wrapper.planned_backend == plain.planned_backend
             continue
@@ -669,7 +676,7 @@ def test_fa3_paged_copy_fp8_and_rope(table, kv_layout, kv_dtype, rope, head_dim,
     check_prefill(*results["fa3"], ref_out, ref_lse, PAGED_SHAPES, tol, scales.get("v_scale"))
     check_agree(*results["fa3"], *results["fa2"], PAGED_SHAPES, tol * AGREE_FACTOR, "fa3", "fa2")
     graph = fij.BatchPrefillWithPagedKVCacheWrapper(hopper_workspace, kv_layout, use_cuda_graph=True, backend="auto")
-    plan_kv(graph, qo_indptr, kv, *LLAMA, (head_dim, head_dim), 16, **options)
+    plan_kv(graph, qo_indptr, kv, *LLAMA, (head_dim, head_dim), page_size, **options)
     assert graph.planned_backend == "fa2"  # (the copy is made per run(): no CUDA graphs on the Hopper path)
 
 
@@ -677,7 +684,7 @@ def _auto_lacking_params():
     """(plan() arguments beyond the base, whether on the paged wrapper)."""
     return [
         pytest.param(dict(o_data_type=torch.float16), False, id="o_dtype"),
-        pytest.param(dict(page_size=4), True, id="paged_page_4"),
+        pytest.param(dict(page_size=3), True, id="paged_page_3"),
     ]
 
 
@@ -1037,9 +1044,10 @@ def _cpu_paged_plan(page_size: int = 16, table: str = "csr", use_cuda_graph: boo
                  id="fp8_graph"),
     pytest.param(dict(q_data_type=torch.float16, kv_data_type=torch.bfloat16), r"bfloat16 K/V needs q of the same",
                  id="kv_dtype_not_q"),
-    pytest.param(dict(page_size=4), r"page_size=4", id="page_4"),
+    pytest.param(dict(page_size=3), r"page_size=3", id="page_3"),
+    pytest.param(dict(page_size=4, use_cuda_graph=True), r"page_size=4 with use_cuda_graph", id="page_4_graph"),
     pytest.param(dict(page_size=128, head_dim_qk=256), r"page_size=128", id="page_128_hd256"),
-    pytest.param(dict(page_size=1), r"page_size=1", id="page_1"),
+    pytest.param(dict(page_size=1, use_cuda_graph=True), r"page_size=1 with use_cuda_graph", id="page_1_graph"),
     pytest.param(dict(causal=True, pos_encoding_mode="ROPE_LLAMA", use_cuda_graph=True), r"ROPE_LLAMA.*use_cuda_graph",
                  id="rope_paged_graph"),
 ])
@@ -1049,6 +1057,60 @@ def test_fa3_paged_plan_names_what_it_lacks(options, match):
     RoPE run over a copy of the batch's pages, which a CUDA-graph wrapper does not make."""
     with pytest.raises(ValueError, match=match):
         _cpu_paged_plan(**options)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("table", ["csr", "block_table_kv_separate"])
+def test_small_pages_repack_into_pages_of_16(table, page_size):
+    """Pages of 1-4 tokens (sm90.repacks): run()'s copy takes 16 / page_size of the cache's pages
+    a page of the copy, request by request, each request's list padded to whole copy pages
+    with its last page again (sm90.repacked_ids); the copy's page ids 0 .. pages - 1. On the
+    CPU (the planner's arithmetic; the GPU tests run the copy)."""
+    from flashinfer_jit.prefill import sm90
+
+    rnd = random.Random(page_size)
+    kv_lens = np.array([33, 0, 16, 100, 1], dtype=np.int64)
+    per = sm90.COPY_PAGE // page_size
+    have = [-(-int(n) // page_size) for n in kv_lens]
+    offsets = sm90.copy_offsets(kv_lens, sm90.COPY_PAGE)
+    if table == "csr":
+        ids = torch.tensor(rnd.sample(range(1000), sum(have)), dtype=torch.int32)
+        first, v_off = np.array([0, *itertools.accumulate(have)]), 0
+        k_rows = v_rows = [ids[first[b]:first[b] + have[b]].tolist() for b in range(len(have))]
+    else:
+        width = max(have) + 3
+        tables = torch.tensor(rnd.sample(range(5000), len(have) * 2 * width), dtype=torch.int32)
+        tables = tables.reshape(len(have), 2, width)
+        ids, first, v_off = sm90.block_table_ids(tables, kv_lens, page_size)
+        k_rows = [tables[b, 0, :have[b]].tolist() for b in range(len(have))]
+        v_rows = [tables[b, 1, :have[b]].tolist() for b in range(len(have))]
+    copy_ids, (k_ids, v_ids) = sm90.repacked_ids(ids, first, kv_lens, page_size, offsets, v_off,
+                                                 torch.device("cpu"), False)
+    assert copy_ids.tolist() == list(range(int(offsets[-1])))
+
+    def padded(rows):
+        out = []
+        for b, r in enumerate(rows):
+            slots = int(offsets[b + 1] - offsets[b]) * per
+            out += [r[min(j, len(r) - 1)] for j in range(slots)]
+        return out
+
+    assert k_ids.tolist() == padded(k_rows) and v_ids.tolist() == padded(v_rows)
+    assert len(k_ids) * page_size == sm90.COPY_PAGE * int(offsets[-1])
+    # the copy (gather_pages, on CPU tensors here): request b's token t at copy row offsets[b] x 16 + t
+    for layout in ("NHD", "HND"):
+        shape = (5000, page_size, 2, 8) if layout == "NHD" else (5000, 2, page_size, 8)
+        k = torch.randn(shape, generator=torch.Generator().manual_seed(page_size))
+        v = torch.randn(shape, generator=torch.Generator().manual_seed(page_size + 1))
+        ck, cv = sm90.gather_pages(k, v, (k_ids, v_ids), layout, torch.float32)
+        assert ck.shape == (int(offsets[-1]), sm90.COPY_PAGE, 2, 8) and cv.shape == ck.shape
+        nhd_k = k if layout == "NHD" else k.transpose(1, 2)
+        nhd_v = v if layout == "NHD" else v.transpose(1, 2)
+        for b, n in enumerate(kv_lens.tolist()):
+            for t in range(n):
+                row = int(offsets[b]) * sm90.COPY_PAGE + t
+                assert torch.equal(ck.reshape(-1, 2, 8)[row], nhd_k[k_rows[b][t // page_size], t % page_size])
+                assert torch.equal(cv.reshape(-1, 2, 8)[row], nhd_v[v_rows[b][t // page_size], t % page_size])
 
 
 @pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])

@@ -93,11 +93,29 @@ PAGE_SIZES = (8, 16, 32, 64, 128)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+# Pages of 1, 2 or 4 tokens (SGLang's 1, among others) are too small for a swizzled TMA box:
+# run() copies the batch's pages repacked into pages of COPY_PAGE tokens, which the kernel reads.
+COPY_PAGE = 16
+
+
+def repacks(c) -> bool:
+    """Whether a paged plan's pages are smaller than the kernel's TMA boxes take (PAGE_SIZES):
+    run() then copies them into pages of COPY_PAGE tokens (gather_pages)."""
+    return 0 < c.page_size < PAGE_SIZES[0]
+
+
+def copy_page(c) -> int:
+    """Tokens a page of the copy of the batch's pages: COPY_PAGE where the pages are repacked,
+    else the cache's."""
+    return COPY_PAGE if repacks(c) else c.page_size
+
+
 def gathers(c) -> bool:
     """Whether a paged plan runs the Hopper kernel over a copy of the batch's pages
-    (gather_pages): an fp8 cache (the copy in q's dtype, exact) or RoPE in the kernel's place
-    (the copy's keys rotated)."""
-    return c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama"
+    (gather_pages): an fp8 cache (the copy in q's dtype, exact), RoPE in the kernel's place
+    (the copy's keys rotated), or pages of fewer than 8 tokens (repacked into pages of
+    COPY_PAGE)."""
+    return c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama" or repacks(c)
 
 
 def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False, gather: bool = True) -> str | None:
@@ -109,9 +127,14 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False,
     RoPE over the paged cache take (gathers; POD on Hopper does not)."""
     if not ragged:
         sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
-        if c.page_size not in sizes:
-            return (f"page_size={c.page_size} (the Hopper path takes pages of {', '.join(map(str, sizes))} tokens at "
-                    f"head_dim {c.head_dim_qk})")
+        small = c.page_size in (1, 2, 4)  # (repacked into a copy: repacks)
+        if small and graph:
+            return f"page_size={c.page_size} with use_cuda_graph=True (pages under 8 tokens run over a copy)"
+        if small and not gather:
+            return f"page_size={c.page_size} in POD (pages under 8 tokens run over a copy of the batch's pages)"
+        if c.page_size not in sizes and not small:
+            return (f"page_size={c.page_size} (the Hopper path takes pages of 1, 2, 4 (over a copy) or "
+                    f"{', '.join(map(str, sizes))} tokens at head_dim {c.head_dim_qk})")
     if SM90_HEAD_DIM_VO.get(c.head_dim_qk) != c.head_dim_vo:
         pairs = ", ".join(f"({qk}, {vo})" for qk, vo in SM90_HEAD_DIM_VO.items())
         return f"head_dim_qk={c.head_dim_qk}, head_dim_vo={c.head_dim_vo} (the Hopper path takes {pairs})"
@@ -484,11 +507,34 @@ def gather_ids(ids: torch.Tensor, first: np.ndarray, offsets: np.ndarray, v_ids:
     return torch.arange(total, dtype=torch.int32, device=device), (k_ids, v_ids_dev)
 
 
+def repacked_ids(ids: torch.Tensor, first: np.ndarray, kv_lens: np.ndarray, page_size: int, offsets: np.ndarray,
+                 v_ids: int, device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, tuple]:
+    """gather_ids for pages of fewer than 8 tokens (repacks): (the copy's page ids 0 .. pages -
+    1, the cache pages gather_pages reads: COPY_PAGE / page_size of them a page of the copy).
+    Request b's pages are ids[first[b] ..], ceil(kv_lens[b] / page_size) of them, padded to
+    whole copy pages with its last page again (the copy's rows past kv_len: masked, V's zeroed
+    by the kernel); offsets: copy_offsets at COPY_PAGE."""
+    per = COPY_PAGE // page_size
+    slots = np.diff(offsets).astype(np.int64) * per  # cache pages read a request, padded
+    have = -(-kv_lens.astype(np.int64) // page_size)
+    total = int(slots.sum())
+    start = np.repeat(np.cumsum(slots) - slots, slots)
+    j = np.arange(total, dtype=np.int64) - start
+    at = np.repeat(first[:-1].astype(np.int64), slots) + np.minimum(j, np.repeat(have - 1, slots))
+    at_dev = torch.from_numpy(at).to(device, non_blocking=non_blocking)
+    ids = ids.to(device, non_blocking=non_blocking)
+    k_ids = ids[at_dev]
+    v_dev = ids[at_dev + v_ids] if v_ids else k_ids
+    return torch.arange(int(offsets[-1]), dtype=torch.int32, device=device), (k_ids, v_dev)
+
+
 def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, dtype: torch.dtype):
     """The batch's K and V pages (gather: their ids) copied into new NHD tensors of `dtype`
     [pages, page_size, heads, head_dim], which the Hopper kernel reads through ids 0 ..
     pages - 1: an fp8 cache widened to q's dtype (exactly: e4m3 and e5m2 values are bf16 and
-    f16 values), any layout or strides. k_scale and v_scale stay the kernel's."""
+    f16 values), any layout or strides. k_scale and v_scale stay the kernel's. Pages of fewer than
+    8 tokens (repacked_ids) land in pages of COPY_PAGE tokens: the picked pages are consecutive
+    rows of the copy."""
     out = []
     for t, ids in zip((k, v), gather):
         src = t.view(torch.uint8) if t.element_size() == 1 else t  # (index_select over fp8 as bytes)
@@ -497,8 +543,13 @@ def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, d
             picked = picked.view(t.dtype)
         if layout == "HND":
             picked = picked.transpose(1, 2)
-        copy = torch.empty(picked.shape, dtype=dtype, device=t.device)
-        copy.copy_(picked)
+        n, page = picked.shape[0], picked.shape[1]
+        if page < PAGE_SIZES[0]:  # (repacked: n x page rows are n x page / COPY_PAGE copy pages)
+            copy = torch.empty((n * page // COPY_PAGE, COPY_PAGE, *picked.shape[2:]), dtype=dtype, device=t.device)
+            copy.view(picked.shape).copy_(picked)
+        else:
+            copy = torch.empty(picked.shape, dtype=dtype, device=t.device)
+            copy.copy_(picked)
         out.append(copy)
     return out[0], out[1]
 
@@ -551,7 +602,7 @@ def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torc
     return out[0], out[1]
 
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "copy_offsets",
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "COPY_PAGE", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "copy_offsets",
            "gather_ids", "gather_pages", "gathers", "key_tile",
            "mask_bases", "mask_buffer",
            "narrower_tile", "QUERY_TILE_MIN_KEYS", "query_tile", "rope_prepass", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

@@ -644,6 +644,8 @@ class _PrefillWrapper:
             # an fp8 cache or RoPE: the kernel reads a copy of the batch's pages (NHD, q's
             # dtype, keys rotated), which run() makes, through ids 0 .. pages - 1 (no CUDA
             # graphs: sm90.unsupported); the tiles index the copy's page offsets
+            # (pages under 8 tokens: the copy's pages hold COPY_PAGE tokens, sm90.repacks)
+            source_page, page_size = page_size, sm90.copy_page(config)
             first, kv, layout = kv, sm90.copy_offsets(kv_lens, page_size), "NHD"
             key_rows = (kv * page_size, kv_lens)
             native = None  # (the tiles index the copy's offsets: numpy's plan_tiles)
@@ -680,7 +682,11 @@ class _PrefillWrapper:
         if self._ragged:
             self._kv_rows = int(kv[-1])
         elif first is not None:  # (the copy's ids and what run() gathers into it, on the device)
-            ids, gather = sm90.gather_ids(ids, first, kv, v_ids, self._device, non_blocking)
+            if sm90.repacks(config):
+                ids, gather = sm90.repacked_ids(ids, first, kv_lens, source_page, kv, v_ids, self._device,
+                                                non_blocking)
+            else:
+                ids, gather = sm90.gather_ids(ids, first, kv, v_ids, self._device, non_blocking)
             v_ids = 0
         elif graph and table == "csr":  # the ids in the wrapper's fixed buffer (as the block table above)
             ids = self._graph_ids.fill_indices(ids, "paged_kv_indices")
