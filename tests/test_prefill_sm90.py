@@ -763,7 +763,7 @@ PAGED_SHAPES = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (6
     (128, "HND", False, 64, BF16, "tuple"),
     (16, "NHD", True, 256, BF16, "tuple"),
     (64, "HND", False, 256, F16, "tuple"),
-    (8, "NHD", True, 128, BF16, "tuple"),  # pages of one 1 KB swizzle atom (16 or 22 boxes a tile)
+    (8, "NHD", True, 128, BF16, "tuple"),  # (pages of 8: over a copy in pages of 16, sm90.repacks)
     (8, "HND", False, 128, BF16, "single"),
     (8, "NHD", True, 64, F16, "tuple"),
     (8, "NHD", False, 256, BF16, "tuple"),
@@ -1059,10 +1059,10 @@ def test_fa3_paged_plan_names_what_it_lacks(options, match):
         _cpu_paged_plan(**options)
 
 
-@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("page_size", [1, 2, 4, 8])
 @pytest.mark.parametrize("table", ["csr", "block_table_kv_separate"])
 def test_small_pages_repack_into_pages_of_16(table, page_size):
-    """Pages of 1-4 tokens (sm90.repacks): run()'s copy takes 16 / page_size of the cache's pages
+    """Pages of 1-8 tokens (sm90.repacks): run()'s copy takes 16 / page_size of the cache's pages
     a page of the copy, request by request, each request's list padded to whole copy pages
     with its last page again (sm90.repacked_ids); the copy's page ids 0 .. pages - 1. On the
     CPU (the planner's arithmetic; the GPU tests run the copy)."""
@@ -1147,9 +1147,9 @@ def test_copy_of_pages_gathers_each_requests_pages_in_order(table):
     assert k_ids.tolist() == want_k and v_ids.tolist() == want_v
 
 
-@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("page_size", [1, 2, 4, 8, 16, 32, 64, 128])
 def test_fa3_paged_plan_on_the_cpu_names_sm90(page_size):
-    """A paged configuration the Hopper path takes (CSR, pages of 8-128): on a CPU
+    """A paged configuration the Hopper path takes (CSR, pages of 1-128, under 16 over a copy): on a CPU
     workspace, the ValueError names the arch."""
     with pytest.raises(ValueError, match=r"sm_90"):
         _cpu_paged_plan(page_size=page_size, causal=True)

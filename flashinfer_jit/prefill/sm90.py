@@ -85,22 +85,24 @@ _GRAPH_MIN_TILES = 1024  # a CUDA-graph wrapper's work list holds at least this 
 _GRAPH_TILES_FACTOR = 4  # ... and this many times its first plan's
 
 
-# one TMA box a page: a page divides the key tile, and holds whole 1 KB swizzle atoms (8 rows
-# of 128 bytes: a 128-byte-swizzled box lands on a 1024-byte boundary)
-PAGE_SIZES = (8, 16, 32, 64, 128)
+# One TMA box a page: a page divides the key tile. (Pages of 8 tokens, one 1 KB swizzle atom a
+# box, run too, and were measured 1.03-1.07x the mma.sync kernel, against 1.6-1.9x for the copy
+# that smaller pages take (H200, docs/hopper.md): they take the copy.)
+PAGE_SIZES = (16, 32, 64, 128)
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-# Pages of 1, 2 or 4 tokens (SGLang's 1, among others) are too small for a swizzled TMA box:
-# run() copies the batch's pages repacked into pages of COPY_PAGE tokens, which the kernel reads.
+# Pages of 1, 2, 4 or 8 tokens (SGLang's 1, among others): a swizzled TMA box a page is too small
+# (1-4) or too slow (8): run() copies the batch's pages repacked into pages of COPY_PAGE tokens,
+# which the kernel reads.
 COPY_PAGE = 16
 
 
 def repacks(c) -> bool:
-    """Whether a paged plan's pages are smaller than the kernel's TMA boxes take (PAGE_SIZES):
-    run() then copies them into pages of COPY_PAGE tokens (gather_pages)."""
+    """Whether a paged plan's pages are smaller than the kernel reads one TMA box a page
+    (PAGE_SIZES): run() then copies them into pages of COPY_PAGE tokens (gather_pages)."""
     return 0 < c.page_size < PAGE_SIZES[0]
 
 
@@ -113,7 +115,7 @@ def copy_page(c) -> int:
 def gathers(c) -> bool:
     """Whether a paged plan runs the Hopper kernel over a copy of the batch's pages
     (gather_pages): an fp8 cache (the copy in q's dtype, exact), RoPE in the kernel's place
-    (the copy's keys rotated), or pages of fewer than 8 tokens (repacked into pages of
+    (the copy's keys rotated), or pages of fewer than 16 tokens (repacked into pages of
     COPY_PAGE)."""
     return c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama" or repacks(c)
 
@@ -127,13 +129,13 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False,
     RoPE over the paged cache take (gathers; POD on Hopper does not)."""
     if not ragged:
         sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
-        small = c.page_size in (1, 2, 4)  # (repacked into a copy: repacks)
+        small = c.page_size in (1, 2, 4, 8)  # (repacked into a copy: repacks)
         if small and graph:
-            return f"page_size={c.page_size} with use_cuda_graph=True (pages under 8 tokens run over a copy)"
+            return f"page_size={c.page_size} with use_cuda_graph=True (pages under 16 tokens run over a copy)"
         if small and not gather:
-            return f"page_size={c.page_size} in POD (pages under 8 tokens run over a copy of the batch's pages)"
+            return f"page_size={c.page_size} in POD (pages under 16 tokens run over a copy of the batch's pages)"
         if c.page_size not in sizes and not small:
-            return (f"page_size={c.page_size} (the Hopper path takes pages of 1, 2, 4 (over a copy) or "
+            return (f"page_size={c.page_size} (the Hopper path takes pages of 1, 2, 4, 8 (over a copy) or "
                     f"{', '.join(map(str, sizes))} tokens at head_dim {c.head_dim_qk})")
     if SM90_HEAD_DIM_VO.get(c.head_dim_qk) != c.head_dim_vo:
         pairs = ", ".join(f"({qk}, {vo})" for qk, vo in SM90_HEAD_DIM_VO.items())
@@ -509,7 +511,7 @@ def gather_ids(ids: torch.Tensor, first: np.ndarray, offsets: np.ndarray, v_ids:
 
 def repacked_ids(ids: torch.Tensor, first: np.ndarray, kv_lens: np.ndarray, page_size: int, offsets: np.ndarray,
                  v_ids: int, device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, tuple]:
-    """gather_ids for pages of fewer than 8 tokens (repacks): (the copy's page ids 0 .. pages -
+    """gather_ids for pages of fewer than 16 tokens (repacks): (the copy's page ids 0 .. pages -
     1, the cache pages gather_pages reads: COPY_PAGE / page_size of them a page of the copy).
     Request b's pages are ids[first[b] ..], ceil(kv_lens[b] / page_size) of them, padded to
     whole copy pages with its last page again (the copy's rows past kv_len: masked, V's zeroed
@@ -533,7 +535,7 @@ def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, d
     [pages, page_size, heads, head_dim], which the Hopper kernel reads through ids 0 ..
     pages - 1: an fp8 cache widened to q's dtype (exactly: e4m3 and e5m2 values are bf16 and
     f16 values), any layout or strides. k_scale and v_scale stay the kernel's. Pages of fewer than
-    8 tokens (repacked_ids) land in pages of COPY_PAGE tokens: the picked pages are consecutive
+    16 tokens (repacked_ids) land in pages of COPY_PAGE tokens: the picked pages are consecutive
     rows of the copy."""
     out = []
     for t, ids in zip((k, v), gather):
@@ -544,7 +546,7 @@ def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, d
         if layout == "HND":
             picked = picked.transpose(1, 2)
         n, page = picked.shape[0], picked.shape[1]
-        if page < PAGE_SIZES[0]:  # (repacked: n x page rows are n x page / COPY_PAGE copy pages)
+        if page < COPY_PAGE:  # (repacked: n x page rows are n x page / COPY_PAGE copy pages)
             copy = torch.empty((n * page // COPY_PAGE, COPY_PAGE, *picked.shape[2:]), dtype=dtype, device=t.device)
             copy.view(picked.shape).copy_(picked)
         else:
