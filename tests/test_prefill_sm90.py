@@ -1509,12 +1509,33 @@ def test_auto_rule_by_head_dim():
     from flashinfer_jit.prefill import sm90
     long_q = np.array([512, 512])
     for head_dim, below, at in ((128, 191, 192), (64, 511, 512), (256, 2047, 2048), (192, 511, 512)):
-        c = types.SimpleNamespace(head_dim_qk=head_dim, soft_cap=0.0, window_left=-1, mask="causal")
+        c = types.SimpleNamespace(head_dim_qk=head_dim, soft_cap=0.0, window_left=-1, mask="causal", page_size=16)
         assert sm90.auto_takes(c, long_q, np.array([at, at]))
         for measured in (dict(soft_cap=30.0), dict(window_left=256), dict(mask="custom")):  # measured faster on fa3
             assert sm90.auto_takes(types.SimpleNamespace(**dict(vars(c), **measured)), long_q, np.array([at, at]))
         assert not sm90.auto_takes(c, long_q, np.array([below, below]))
         assert not sm90.auto_takes(c, np.array([63, 63]), np.array([at * 4, at * 4]))  # decode-like rows
+
+
+@pytest.mark.parametrize("page_size, causal, expected", [
+    (8, True, "fa2"),   # 64 x 256 causal: 192 keys a tile, under AUTO_MIN_KEYS_PAGE_8
+    (8, False, "fa3"),  # 256 keys a tile
+    (1, True, "fa3"),   # pages of 1: the copy wins on every row measured
+    (16, True, "fa3"),  # one TMA box a page: AUTO_MIN_KEYS alone
+])
+def test_auto_over_the_copy_of_small_pages(page_size, causal, expected, monkeypatch):
+    """backend="auto" for pages of 8 tokens (over the repacked copy) takes the Hopper path only
+    from AUTO_MIN_KEYS_PAGE_8 keys a query tile; pages of 1 and 16 keep AUTO_MIN_KEYS. Planned
+    on the CPU with the arch check passed (64 requests of 256 tokens, hd128)."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    lens = [256] * 64
+    pages = [-(-n // page_size) for n in lens]
+    w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="auto")
+    w.plan(_cpu_indptr(lens), _cpu_indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+           torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32), *LLAMA, 128,
+           page_size, causal=causal, q_data_type=torch.bfloat16)
+    assert w.planned_backend == expected
 
 
 @pytest.mark.parametrize("batch", sorted(AUTO_BATCHES))
