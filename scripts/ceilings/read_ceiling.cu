@@ -380,6 +380,18 @@ __global__ void read_paged_bulk(const char* __restrict__ k, const char* __restri
 }
 
 
+// One group of the decode's paged pattern into a 4 KB stage: 8 rows of one head, K's (2 KB) then
+// V's, rows 2 KB apart from `base`, a warp's 16-byte cp.async (two rows a pass, four passes).
+__device__ __forceinline__ void copy_group(char* dst, const char* k, const char* v, size_t base, int lane) {
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int r = lane / 16 + 2 * u, c = lane % 16;
+    const size_t off = base + r * 2048 + c * 16;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + r * 256 + c * 16))), "l"(k + off));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + 2048 + r * 256 + c * 16))), "l"(v + off));
+  }
+}
+
 // POD on Hopper's decode units (csrc/pod/pod_sm90.cuh): one block an SM of 12 warps, each warp
 // on its own (head, 8-token half page) groups of the decode's paged pattern (NHD pages of 16
 // tokens x 8 heads x 256 bytes, scrambled), S stages of the group's K and V rows (4 KB) a
@@ -423,13 +435,7 @@ __global__ void __launch_bounds__(32 * kUnitWarps, 1)
     group(i, page, token0, head);
     const size_t base = size_t(page) * 32768 + size_t(token0) * 2048 + head * 256;
     if constexpr (Copy == 0) {
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int r = lane / 16 + 2 * u, c = lane % 16;
-        const size_t off = base + r * 2048 + c * 16;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + r * 256 + c * 16))), "l"(k + off));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + 2048 + r * 256 + c * 16))), "l"(v + off));
-      }
+      copy_group(dst, k, v, base, lane);
       asm volatile("cp.async.commit_group;");
     } else if constexpr (Copy == 1) {
       if (lane == 0) mbar_expect_tx(&bars[s], 4096);
@@ -525,14 +531,7 @@ __global__ void __launch_bounds__(32 * kUnitWarps, 1)
       const int g = issued % per_unit, head = (unit % (8 / H)) * H + g % H, token0 = ((g / H) % 2) * 8;
       const int page = (unit / (8 / H)) * P + g / (2 * H);
       char* dst = stages + (issued % S) * kStage;
-      const size_t base = size_t(phys(page)) * 32768 + size_t(token0) * 2048 + head * 256;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int row = lane / 16 + 2 * u, c = lane % 16;
-        const size_t off = base + row * 2048 + c * 16;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + row * 256 + c * 16))), "l"(k + off));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + 2048 + row * 256 + c * 16))), "l"(v + off));
-      }
+      copy_group(dst, k, v, size_t(phys(page)) * 32768 + size_t(token0) * 2048 + head * 256, lane);
       ++issued;
     }
     asm volatile("cp.async.commit_group;");
@@ -582,14 +581,8 @@ __global__ void __launch_bounds__(32 * kUnitWarps, 1)
       if (i < mine) {
         const int g = w + 4 * i, hi = g % H, half = (g / H) % 2, pg = g / (2 * H);
         char* dst = stages + (i % S) * kStage;
-        const size_t base = size_t(phys(req * P + pg)) * 32768 + size_t(half) * 8 * 2048 + (hb * H + hi) * 256;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int row = lane / 16 + 2 * q, c = lane % 16;
-          const size_t off = base + row * 2048 + c * 16;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + row * 256 + c * 16))), "l"(k + off));
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst + 2048 + row * 256 + c * 16))), "l"(v + off));
-        }
+        copy_group(dst, k, v, size_t(phys(req * P + pg)) * 32768 + size_t(half) * 8 * 2048 + (hb * H + hi) * 256,
+                   lane);
       }
       asm volatile("cp.async.commit_group;");
     };
