@@ -497,8 +497,6 @@ class _PrefillWrapper:
     # whether a Hopper plan may run over a copy of the batch's pages (sm90.gathers: an fp8 cache,
     # RoPE over the paged cache); POD's prefill side may not (its kernel reads the cache)
     _gather_ok = True
-    # (an A/B's pin: every paged Hopper plan over a copy of the batch's pages, read as rows)
-    _force_copy = False
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
@@ -604,9 +602,8 @@ class _PrefillWrapper:
                 raise ValueError(why)
             return None
         causal = config.mask == "causal"
-        copy = sm90.gathers(config) or self._force_copy  # (the kernel reads a copy of the batch's pages)
         if not graph and (self._ragged or table == "csr") and config.mask != "custom" and \
-                config.pos_encoding == "none" and not copy:
+                config.pos_encoding == "none" and not sm90.gathers(config):
             plan = self._sm90_plan_common(backend, config, qo_indptr, kv_indptr, last_page_len, page_ids, non_blocking)
             if plan is not _GENERAL:
                 return plan
@@ -632,7 +629,8 @@ class _PrefillWrapper:
             qo, kv = qo_t.numpy(), kv_t.numpy()
             page_size = config.page_size
             # (numpy's lengths where the mask or the copy reads them; the tiles compute their own)
-            kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size) if config.mask == "custom" or copy else None
+            kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size) \
+                if config.mask == "custom" or sm90.gathers(config) else None
             ids = as_int32_index(page_ids, "paged_kv_indices")
             if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
                 raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
@@ -642,16 +640,15 @@ class _PrefillWrapper:
         gather, first, key_rows, layout = None, None, None, self._kv_layout
         if self._ragged:
             key_rows = (kv.astype(np.int64), np.diff(kv.astype(np.int64)))
-        elif copy:  # (paged)
+        elif sm90.gathers(config):  # (paged)
             # an fp8 cache or RoPE: the kernel reads a copy of the batch's pages (NHD, q's
             # dtype, keys rotated), which run() makes, through ids 0 .. pages - 1 (no CUDA
             # graphs: sm90.unsupported); the tiles index the copy's page offsets
-            # (and pages under 16 tokens, sm90.repacks: the copy is read as rows, a request's
-            # pages one run of them)
-            first, copy_pages = kv, sm90.copy_offsets(kv_lens, page_size)
-            kv, layout = copy_pages * page_size, "NHD"  # (each request's first row in the copy)
-            key_rows = (kv, kv_lens)
-            native = None  # (the tiles index the copy's rows: numpy's plan_tiles)
+            # (pages under 8 tokens: the copy's pages hold COPY_PAGE tokens, sm90.repacks)
+            source_page, page_size = page_size, sm90.copy_page(config)
+            first, kv, layout = kv, sm90.copy_offsets(kv_lens, page_size), "NHD"
+            key_rows = (kv * page_size, kv_lens)
+            native = None  # (the tiles index the copy's offsets: numpy's plan_tiles)
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, graph)
         window = config.window_left
@@ -666,9 +663,7 @@ class _PrefillWrapper:
                 got = t, a, int(t[:, 6].sum(dtype=np.int64))
             return got
 
-        # (a copy's rows: the ragged kernel's key tile)
-        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal,
-                                                            None if first is not None else page_size)
+        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
         rows = self._force_query_tile or sm90.TILE_ROWS
         tiles, active, keys = tiles_of(keys_a_tile, rows)
         if keys_a_tile == 176 and not graph and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
@@ -686,9 +681,13 @@ class _PrefillWrapper:
             self._capacity = graph_capacity(self._capacity, batch)
         if self._ragged:
             self._kv_rows = int(kv[-1])
-        elif first is not None:  # (what run() gathers into the copy, on the device; the kernel reads its rows)
-            _, gather = sm90.gather_ids(ids, first, copy_pages, v_ids, self._device, non_blocking)
-            ids, v_ids, layout = None, 0, "NHD"
+        elif first is not None:  # (the copy's ids and what run() gathers into it, on the device)
+            if sm90.repacks(config):
+                ids, gather = sm90.repacked_ids(ids, first, kv_lens, source_page, kv, v_ids, self._device,
+                                                non_blocking)
+            else:
+                ids, gather = sm90.gather_ids(ids, first, kv, v_ids, self._device, non_blocking)
+            v_ids = 0
         elif graph and table == "csr":  # the ids in the wrapper's fixed buffer (as the block table above)
             ids = self._graph_ids.fill_indices(ids, "paged_kv_indices")
         else:
@@ -1159,7 +1158,11 @@ class _PrefillWrapper:
         if plan.gather is not None:  # an fp8 cache or RoPE over the paged cache: a copy of the batch's pages
             k, v = sm90.gather_pages(k, v, plan.gather, self._kv_layout, c.q_dtype)
         if plan.rope is not None:  # ROPE_LLAMA: q and k (ragged, or the copy's rows) rotated first
-            q, k = sm90.rope_prepass(q, k, plan.rope, c)  # (a copy's rows too)
+            if plan.gather is not None:
+                q, rows = sm90.rope_prepass(q, k.view(-1, *k.shape[2:]), plan.rope, c)
+                k = rows.view(k.shape)
+            else:
+                q, k = sm90.rope_prepass(q, k, plan.rope, c)
         if compiling():
             op = traced_op(traced_namespace(*plan.traced_key), "prefill_sm90")
         else:
