@@ -17,12 +17,31 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent  # flashinfer_jit/
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
+# os.environ.get of a variable that is not set costs ~0.7 us (the mapping raises and catches a
+# KeyError), and plan() / run() ask the switches on every call: read os.environ's own dict (what
+# os.environ.get reads, so os.environ's changes and monkeypatch.setenv show) where CPython has it.
+_ENVIRON = getattr(os.environ, "_data", None)
+_KEYS: dict = {}
+
+
+def _getenv(name: str) -> str | None:
+    """os.environ.get(name), without the exception an unset variable costs there."""
+    if _ENVIRON is None or not isinstance(_ENVIRON, dict):
+        return os.environ.get(name)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = os.environ.encodekey(name)
+    raw = _ENVIRON.get(key)
+    return None if raw is None else os.environ.decodevalue(raw)
+
 
 def _switch(name: str, default: bool) -> bool:
     """A yes/no variable: `default` when unset or empty, on for 1 / true / yes / on, off for
     0 / false / no / off (any case); anything else is a SettingError naming the variable (a
     value such as "maybe" must not turn a switch on or off by accident)."""
-    raw = os.environ.get(name, "")
+    raw = _getenv(name)
+    if not raw:  # (unset, the common case: plan() and run() ask some of these every call)
+        return default
     value = raw.strip().lower()
     if not value:
         return default

@@ -395,8 +395,8 @@ class _Pod:
         CUDA graph (a graph's decode plan keeps its first configuration), else None (the
         decode planner's own). POD on Hopper's K/V is 16-bit: 2 x head_dim x 2 bytes a token
         and KV head."""
-        if self._use_cuda_graph or self._prefill._plan is None or self._prefill.planned_backend != "fa3":
-            return None
+        if longest <= _SM90_DECODE_SPLIT_OVER or self._use_cuda_graph or type(self._prefill._plan) is not Sm90Plan:
+            return None  # (no decode long enough to split: sm90_decode_split's first test, before the rest)
         return sm90_decode_split(longest, self._flops, float(decode_keys) * num_kv_heads * 4 * head_dim)
 
     def _run_sm90(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, scales_p: tuple, scales_d: tuple, return_lse_p,
