@@ -129,7 +129,7 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False,
     RoPE over the paged cache take (gathers; POD on Hopper does not)."""
     if not ragged:
         sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
-        small = c.page_size in (1, 2, 4, 8)  # (repacked into a copy: repacks)
+        small = repacks(c) and c.page_size & (c.page_size - 1) == 0  # (1, 2, 4, 8: over a copy)
         if small and graph:
             return f"page_size={c.page_size} with use_cuda_graph=True (pages under 16 tokens run over a copy)"
         if small and not gather:
@@ -417,7 +417,7 @@ class Sm90Planner:
                                  "first plan sized its work list for")
             self._buffer[:host.size].copy_(src, non_blocking=non_blocking)
             work = self._buffer
-            grid = sm_count(self._device)
+            grid = self._sms
         else:  # (the device buffer stays while it is large enough: a later plan's copy follows this
             # plan's run() in stream order)
             self._plan_buffer.ship(slot, size, non_blocking)

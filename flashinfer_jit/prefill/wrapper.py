@@ -103,6 +103,10 @@ _POS_ENCODINGS = {"NONE": "none", "ROPE_LLAMA": "rope_llama", "ALIBI": "alibi"}
 # the K/V side of plan() (csrc/prefill/prefill_plan.h PrefillKVSide) and its arguments' names
 _CSR, _SEQ_LENS, _RAGGED = 0, 1, 2
 _GENERAL = object()  # _sm90_plan_common: not the common form, the general path plans it
+
+
+class _NotCommonForm(Exception):
+    """_sm90_plan_common's tiles_of: the C++ planner declined the vectors (the general path's)."""
 _SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: ("seq_lens", ""),
                _RAGGED: ("kv_indptr", "")}
 # the planner's result slots and statuses (csrc/prefill/prefill_plan.h PrefillPlanResult / Error)
@@ -663,20 +667,10 @@ class _PrefillWrapper:
                 got = t, a, int(t[:, 6].sum(dtype=np.int64))
             return got
 
-        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
-        rows = self._force_query_tile or sm90.TILE_ROWS
-        tiles, active, keys = tiles_of(keys_a_tile, rows)
-        if keys_a_tile == 176 and not graph and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
-            keys_a_tile = 128
-            tiles, active, keys = tiles_of(keys_a_tile, rows)
-        if backend == "auto" and not (batch > 0 and tiles.shape[0] > 0 and sm90.auto_takes_means(
-                config, float(int(qo[-1]) - int(qo[0])) / batch, keys / tiles.shape[0])):
+        chosen = self._sm90_tiles(backend, config, graph, page_size, tiles_of, lambda: (int(qo[-1]) - int(qo[0]), batch))
+        if chosen is None:
             return None
-        if self._force_query_tile is None and not graph:  # head_dim 64's 192-row tiles on long tiles
-            wide = sm90.query_tile(config, tiles[:, 6], self._force_key_tile is not None)
-            if wide != rows:
-                rows = wide
-                tiles, active, keys = tiles_of(keys_a_tile, rows)
+        keys_a_tile, rows, tiles, active = chosen
         if graph:
             self._capacity = graph_capacity(self._capacity, batch)
         if self._ragged:
@@ -703,6 +697,30 @@ class _PrefillWrapper:
         return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, layout, v_ids, rows, mask,
                                key_rows, gather)
 
+    def _sm90_tiles(self, backend: str, config: _Config, graph: bool, page_size, tiles_of, counts):
+        """A Hopper plan's (key tile, query tile, tiles, active tiles), both paths': key_tile()'s
+        tile (176 narrowed to 128 where the batch's requests are short), "auto"'s decision on
+        its tiles (None: it declines), head_dim 64's 192-row tiles where they are long.
+        tiles_of(keys_a_tile, rows) plans the tiles: (tiles, active, their column 6's sum);
+        counts(), after the first: (the batch's query rows, its requests)."""
+        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, config.mask == "causal", page_size)
+        rows = self._force_query_tile or sm90.TILE_ROWS
+        tiles, active, keys = tiles_of(keys_a_tile, rows)
+        if keys_a_tile == 176 and not graph and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
+            keys_a_tile = 128
+            tiles, active, keys = tiles_of(keys_a_tile, rows)
+        if backend == "auto":
+            qo_tokens, batch = counts()
+            if not (batch > 0 and tiles.shape[0] > 0 and sm90.auto_takes_means(config, float(qo_tokens) / batch,
+                                                                                keys / tiles.shape[0])):
+                return None
+        if self._force_query_tile is None and not graph:  # head_dim 64's 192-row tiles on long tiles
+            wide = sm90.query_tile(config, tiles[:, 6], self._force_key_tile is not None)
+            if wide != rows:
+                rows = wide
+                tiles, active, keys = tiles_of(keys_a_tile, rows)
+        return keys_a_tile, rows, tiles, active
+
     def _sm90_plan_common(self, backend: str, config: _Config, qo_indptr, kv_indptr, last_page_len, page_ids,
                           non_blocking: bool):
         """_sm90_plan for the common form (an eager wrapper; ragged, or paged through the CSR
@@ -714,35 +732,30 @@ class _PrefillWrapper:
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, False)
         planner = self._sm90
-        causal = config.mask == "causal"
+        causal, window, heads = config.mask == "causal", config.window_left, config.num_qo_heads
         side, kv_b, page_size = (_RAGGED, None, None) if self._ragged else (_CSR, last_page_len, config.page_size)
-        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, causal, page_size)
-        rows = self._force_query_tile or sm90.TILE_ROWS
-        window, heads = config.window_left, config.num_qo_heads
-        got = planner.native_work(side, qo_indptr, kv_indptr, kv_b, page_size or 0, causal, keys_a_tile, window, rows,
-                                  heads)
-        if got is None:
+        got = None  # native_work's last result: the plan's slot and the batch's scalars
+
+        def tiles_of(keys_a_tile: int, rows: int):
+            nonlocal got
+            got = planner.native_work(side, qo_indptr, kv_indptr, kv_b, page_size or 0, causal, keys_a_tile, window,
+                                      rows, heads, None if got is None else got[0])
+            if got is None or (side == _CSR and last_page_len.shape[0] != got[4]):  # (the general path's errors)
+                raise _NotCommonForm
+            return got[1], got[2], got[3]
+
+        try:  # (native_work's scalars: batch, qo_indptr's first and last entries)
+            chosen = self._sm90_tiles(backend, config, False, page_size, tiles_of, lambda: (got[6] - got[5], got[4]))
+        except _NotCommonForm:
+            if got is not None:
+                planner._plan_buffer.give_back()
             return _GENERAL
-        slot, tiles, active, keys, batch, qo_first, qo_last, kv_last = got
-        if side == _CSR and last_page_len.shape[0] != batch:  # (the general path's error)
-            planner._plan_buffer.give_back()
-            return _GENERAL
-        if keys_a_tile == 176 and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
-            keys_a_tile = 128
-            slot, tiles, active, keys, batch, qo_first, qo_last, kv_last = planner.native_work(
-                side, qo_indptr, kv_indptr, kv_b, page_size or 0, causal, keys_a_tile, window, rows, heads, slot)
-        if backend == "auto" and not (batch > 0 and tiles.shape[0] > 0 and sm90.auto_takes_means(
-                config, float(qo_last - qo_first) / batch, keys / tiles.shape[0])):
+        if chosen is None:
             planner._plan_buffer.give_back()
             return None
-        if self._force_query_tile is None:  # head_dim 64's 192-row tiles on long tiles
-            wide = sm90.query_tile(config, tiles[:, 6], self._force_key_tile is not None)
-            if wide != rows:
-                rows = wide
-                slot, tiles, active, keys, batch, qo_first, qo_last, kv_last = planner.native_work(
-                    side, qo_indptr, kv_indptr, kv_b, page_size or 0, causal, keys_a_tile, window, rows, heads, slot)
+        keys_a_tile, rows, tiles, _ = chosen
+        slot, qo_last, kv_last = got[0], got[6], got[7]
         if tiles.shape[0] * heads >= 2 ** 31:
-            planner._plan_buffer.give_back()
             raise ValueError(f"qo_indptr: {tiles.shape[0]} query tiles x {heads} heads exceed the Hopper path's "
                              "int32 item count")
         if self._ragged:
@@ -751,10 +764,8 @@ class _PrefillWrapper:
         else:
             ids = as_int32_index(page_ids, "paged_kv_indices")
             if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-                planner._plan_buffer.give_back()
                 raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
             if ids.shape[0] < kv_last:
-                planner._plan_buffer.give_back()
                 raise ValueError(f"paged_kv_indptr: its last offset {kv_last} exceeds the {ids.shape[0]} page ids "
                                  "of paged_kv_indices")
             if ids.device != self._device:
