@@ -1059,58 +1059,54 @@ def test_fa3_paged_plan_names_what_it_lacks(options, match):
         _cpu_paged_plan(**options)
 
 
-@pytest.mark.parametrize("page_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("page_size", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("table", ["csr", "block_table_kv_separate"])
-def test_small_pages_repack_into_pages_of_16(table, page_size):
-    """Pages of 1-8 tokens (sm90.repacks): run()'s copy takes 16 / page_size of the cache's pages
-    a page of the copy, request by request, each request's list padded to whole copy pages
-    with its last page again (sm90.repacked_ids); the copy's page ids 0 .. pages - 1. On the
-    CPU (the planner's arithmetic; the GPU tests run the copy)."""
+def test_copy_of_pages_is_read_as_rows(table, page_size, monkeypatch):
+    """A plan over a copy of the batch's pages (sm90.gathers: pages under 16 tokens here, or 16
+    with every paged plan pinned to the copy) reads the copy as ragged rows: request b's token t
+    at row copy_offsets[b] x page_size + t of gather_pages' output (K's and V's own ids from a
+    TensorRT-LLM table), its tiles' first rows there, a ragged module. On the CPU with the arch
+    check passed (the GPU tests run the kernel)."""
     from flashinfer_jit.prefill import sm90
-
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
     rnd = random.Random(page_size)
-    kv_lens = np.array([33, 0, 16, 100, 1], dtype=np.int64)
-    per = sm90.COPY_PAGE // page_size
-    have = [-(-int(n) // page_size) for n in kv_lens]
-    offsets = sm90.copy_offsets(kv_lens, sm90.COPY_PAGE)
+    qo_lens, kv_lens = [33, 0, 16, 100, 1], [33, 7, 16, 300, 1]
+    have = [-(-n // page_size) for n in kv_lens]
+    w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
+    w._force_copy = page_size == 16
+    args = dict(num_qo_heads=4, num_kv_heads=2, head_dim_qk=64, page_size=page_size, causal=True,
+                q_data_type=torch.bfloat16)
     if table == "csr":
         ids = torch.tensor(rnd.sample(range(1000), sum(have)), dtype=torch.int32)
-        first, v_off = np.array([0, *itertools.accumulate(have)]), 0
-        k_rows = v_rows = [ids[first[b]:first[b] + have[b]].tolist() for b in range(len(have))]
+        starts = list(itertools.accumulate(have, initial=0))
+        k_rows = v_rows = [ids[starts[b]:starts[b] + have[b]].tolist() for b in range(len(have))]
+        last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, have)], dtype=torch.int32)
+        w.plan(_cpu_indptr(qo_lens), _cpu_indptr(have), ids, last, **args)
     else:
         width = max(have) + 3
         tables = torch.tensor(rnd.sample(range(5000), len(have) * 2 * width), dtype=torch.int32)
         tables = tables.reshape(len(have), 2, width)
-        ids, first, v_off = sm90.block_table_ids(tables, kv_lens, page_size)
         k_rows = [tables[b, 0, :have[b]].tolist() for b in range(len(have))]
         v_rows = [tables[b, 1, :have[b]].tolist() for b in range(len(have))]
-    copy_ids, (k_ids, v_ids) = sm90.repacked_ids(ids, first, kv_lens, page_size, offsets, v_off,
-                                                 torch.device("cpu"), False)
-    assert copy_ids.tolist() == list(range(int(offsets[-1])))
-
-    def padded(rows):
-        out = []
-        for b, r in enumerate(rows):
-            slots = int(offsets[b + 1] - offsets[b]) * per
-            out += [r[min(j, len(r) - 1)] for j in range(slots)]
-        return out
-
-    assert k_ids.tolist() == padded(k_rows) and v_ids.tolist() == padded(v_rows)
-    assert len(k_ids) * page_size == sm90.COPY_PAGE * int(offsets[-1])
-    # the copy (gather_pages, on CPU tensors here): request b's token t at copy row offsets[b] x 16 + t
-    for layout in ("NHD", "HND"):
-        shape = (5000, page_size, 2, 8) if layout == "NHD" else (5000, 2, page_size, 8)
-        k = torch.randn(shape, generator=torch.Generator().manual_seed(page_size))
-        v = torch.randn(shape, generator=torch.Generator().manual_seed(page_size + 1))
-        ck, cv = sm90.gather_pages(k, v, (k_ids, v_ids), layout, torch.float32)
-        assert ck.shape == (int(offsets[-1]), sm90.COPY_PAGE, 2, 8) and cv.shape == ck.shape
-        nhd_k = k if layout == "NHD" else k.transpose(1, 2)
-        nhd_v = v if layout == "NHD" else v.transpose(1, 2)
-        for b, n in enumerate(kv_lens.tolist()):
-            for t in range(n):
-                row = int(offsets[b]) * sm90.COPY_PAGE + t
-                assert torch.equal(ck.reshape(-1, 2, 8)[row], nhd_k[k_rows[b][t // page_size], t % page_size])
-                assert torch.equal(cv.reshape(-1, 2, 8)[row], nhd_v[v_rows[b][t // page_size], t % page_size])
+        w.plan(_cpu_indptr(qo_lens), None, None, None, block_tables=tables,
+               seq_lens=torch.tensor(kv_lens, dtype=torch.int32), **args)
+    plan = w._plan
+    assert w.planned_backend == "fa3" and plan.spec.kv_source == "ragged" and plan.gather is not None
+    offsets = sm90.copy_offsets(np.array(kv_lens), page_size) * page_size
+    tiles = plan.work[sm90.WORK_HEADER:plan.work_ints].reshape(-1, sm90.TILE_INTS)
+    qo = np.cumsum([0] + qo_lens)
+    for t in tiles.tolist():
+        b = int(np.searchsorted(qo, t[0], side="right") - 1)
+        assert t[2] == offsets[b] and t[3] == kv_lens[b], (t, b)
+    k = torch.randn(5000, page_size, 2, 64, generator=torch.Generator().manual_seed(page_size))
+    v = torch.randn(5000, page_size, 2, 64, generator=torch.Generator().manual_seed(page_size + 1))
+    ck, cv = sm90.gather_pages(k, v, plan.gather, "NHD", torch.float32)
+    assert ck.dim() == 3 and ck.shape[1:] == (2, 64) and cv.shape == ck.shape
+    for b, n in enumerate(kv_lens):
+        for t in range(n):
+            row = int(offsets[b]) + t
+            assert torch.equal(ck[row], k[k_rows[b][t // page_size], t % page_size])
+            assert torch.equal(cv[row], v[v_rows[b][t // page_size], t % page_size])
 
 
 @pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])

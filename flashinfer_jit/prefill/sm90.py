@@ -95,28 +95,18 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # Pages of 1, 2, 4 or 8 tokens (SGLang's 1, among others): a swizzled TMA box a page is too small
-# (1-4) or too slow (8): run() copies the batch's pages repacked into pages of COPY_PAGE tokens,
-# which the kernel reads.
-COPY_PAGE = 16
-
-
+# (1-4) or too slow (8): run() copies the batch's pages, which the kernel reads as rows.
 def repacks(c) -> bool:
     """Whether a paged plan's pages are smaller than the kernel reads one TMA box a page
-    (PAGE_SIZES): run() then copies them into pages of COPY_PAGE tokens (gather_pages)."""
+    (PAGE_SIZES): run() then copies them, and the kernel reads the copy's rows (gather_pages)."""
     return 0 < c.page_size < PAGE_SIZES[0]
-
-
-def copy_page(c) -> int:
-    """Tokens a page of the copy of the batch's pages: COPY_PAGE where the pages are repacked,
-    else the cache's."""
-    return COPY_PAGE if repacks(c) else c.page_size
 
 
 def gathers(c) -> bool:
     """Whether a paged plan runs the Hopper kernel over a copy of the batch's pages
-    (gather_pages): an fp8 cache (the copy in q's dtype, exact), RoPE in the kernel's place
-    (the copy's keys rotated), or pages of fewer than 16 tokens (repacked into pages of
-    COPY_PAGE)."""
+    (gather_pages), which it reads as ragged rows (each request's pages one run of rows): an
+    fp8 cache (the copy in q's dtype, exact), RoPE in the kernel's place (the copy's keys
+    rotated), or pages of fewer than 16 tokens."""
     return c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama" or repacks(c)
 
 
@@ -519,34 +509,12 @@ def gather_ids(ids: torch.Tensor, first: np.ndarray, offsets: np.ndarray, v_ids:
     return torch.arange(total, dtype=torch.int32, device=device), (k_ids, v_ids_dev)
 
 
-def repacked_ids(ids: torch.Tensor, first: np.ndarray, kv_lens: np.ndarray, page_size: int, offsets: np.ndarray,
-                 v_ids: int, device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, tuple]:
-    """gather_ids for pages of fewer than 16 tokens (repacks): (the copy's page ids 0 .. pages -
-    1, the cache pages gather_pages reads: COPY_PAGE / page_size of them a page of the copy).
-    Request b's pages are ids[first[b] ..], ceil(kv_lens[b] / page_size) of them, padded to
-    whole copy pages with its last page again (the copy's rows past kv_len: masked, V's zeroed
-    by the kernel); offsets: copy_offsets at COPY_PAGE."""
-    per = COPY_PAGE // page_size
-    slots = np.diff(offsets).astype(np.int64) * per  # cache pages read a request, padded
-    have = -(-kv_lens.astype(np.int64) // page_size)
-    total = int(slots.sum())
-    start = np.repeat(np.cumsum(slots) - slots, slots)
-    j = np.arange(total, dtype=np.int64) - start
-    at = np.repeat(first[:-1].astype(np.int64), slots) + np.minimum(j, np.repeat(have - 1, slots))
-    at_dev = torch.from_numpy(at).to(device, non_blocking=non_blocking)
-    ids = ids.to(device, non_blocking=non_blocking)
-    k_ids = ids[at_dev]
-    v_dev = ids[at_dev + v_ids] if v_ids else k_ids
-    return torch.arange(int(offsets[-1]), dtype=torch.int32, device=device), (k_ids, v_dev)
-
-
 def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, dtype: torch.dtype):
-    """The batch's K and V pages (gather: their ids) copied into new NHD tensors of `dtype`
-    [pages, page_size, heads, head_dim], which the Hopper kernel reads through ids 0 ..
-    pages - 1: an fp8 cache widened to q's dtype (exactly: e4m3 and e5m2 values are bf16 and
-    f16 values), any layout or strides. k_scale and v_scale stay the kernel's. Pages of fewer than
-    16 tokens (repacked_ids) land in pages of COPY_PAGE tokens: the picked pages are consecutive
-    rows of the copy."""
+    """The batch's K and V pages (gather: their ids) copied into new tensors of `dtype`, as
+    rows [pages x page_size, heads, head_dim] (a request's pages one run of rows, from row
+    copy_offsets x page_size), which the Hopper kernel reads as ragged K/V: an fp8 cache widened
+    to q's dtype (exactly: e4m3 and e5m2 values are bf16 and f16 values), any layout or
+    strides. k_scale and v_scale stay the kernel's."""
     out = []
     for t, ids in zip((k, v), gather):
         src = t.view(torch.uint8) if t.element_size() == 1 else t  # (index_select over fp8 as bytes)
@@ -555,14 +523,9 @@ def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, d
             picked = picked.view(t.dtype)
         if layout == "HND":
             picked = picked.transpose(1, 2)
-        n, page = picked.shape[0], picked.shape[1]
-        if page < COPY_PAGE:  # (repacked: n x page rows are n x page / COPY_PAGE copy pages)
-            copy = torch.empty((n * page // COPY_PAGE, COPY_PAGE, *picked.shape[2:]), dtype=dtype, device=t.device)
-            copy.view(picked.shape).copy_(picked)
-        else:
-            copy = torch.empty(picked.shape, dtype=dtype, device=t.device)
-            copy.copy_(picked)
-        out.append(copy)
+        copy = torch.empty(picked.shape, dtype=dtype, device=t.device)
+        copy.copy_(picked)
+        out.append(copy.view(-1, *copy.shape[2:]))
     return out[0], out[1]
 
 
@@ -614,7 +577,7 @@ def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torc
     return out[0], out[1]
 
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "COPY_PAGE", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "copy_offsets",
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "copy_offsets",
            "gather_ids", "gather_pages", "gathers", "key_tile",
            "mask_bases", "mask_buffer",
            "narrower_tile", "QUERY_TILE_MIN_KEYS", "query_tile", "rope_prepass", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

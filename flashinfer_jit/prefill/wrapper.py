@@ -501,6 +501,8 @@ class _PrefillWrapper:
     # whether a Hopper plan may run over a copy of the batch's pages (sm90.gathers: an fp8 cache,
     # RoPE over the paged cache); POD's prefill side may not (its kernel reads the cache)
     _gather_ok = True
+    # (an A/B's pin: every paged Hopper plan over a copy of the batch's pages, read as rows)
+    _force_copy = False
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
@@ -606,8 +608,9 @@ class _PrefillWrapper:
                 raise ValueError(why)
             return None
         causal = config.mask == "causal"
+        copy = sm90.gathers(config) or self._force_copy  # (the kernel reads a copy of the batch's pages)
         if not graph and (self._ragged or table == "csr") and config.mask != "custom" and \
-                config.pos_encoding == "none" and not sm90.gathers(config):
+                config.pos_encoding == "none" and not copy:
             plan = self._sm90_plan_common(backend, config, qo_indptr, kv_indptr, last_page_len, page_ids, non_blocking)
             if plan is not _GENERAL:
                 return plan
@@ -633,8 +636,7 @@ class _PrefillWrapper:
             qo, kv = qo_t.numpy(), kv_t.numpy()
             page_size = config.page_size
             # (numpy's lengths where the mask or the copy reads them; the tiles compute their own)
-            kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size) \
-                if config.mask == "custom" or sm90.gathers(config) else None
+            kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size) if config.mask == "custom" or copy else None
             ids = as_int32_index(page_ids, "paged_kv_indices")
             if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
                 raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
@@ -644,15 +646,16 @@ class _PrefillWrapper:
         gather, first, key_rows, layout = None, None, None, self._kv_layout
         if self._ragged:
             key_rows = (kv.astype(np.int64), np.diff(kv.astype(np.int64)))
-        elif sm90.gathers(config):  # (paged)
+        elif copy:  # (paged)
             # an fp8 cache or RoPE: the kernel reads a copy of the batch's pages (NHD, q's
             # dtype, keys rotated), which run() makes, through ids 0 .. pages - 1 (no CUDA
             # graphs: sm90.unsupported); the tiles index the copy's page offsets
-            # (pages under 8 tokens: the copy's pages hold COPY_PAGE tokens, sm90.repacks)
-            source_page, page_size = page_size, sm90.copy_page(config)
-            first, kv, layout = kv, sm90.copy_offsets(kv_lens, page_size), "NHD"
-            key_rows = (kv * page_size, kv_lens)
-            native = None  # (the tiles index the copy's offsets: numpy's plan_tiles)
+            # (and pages under 16 tokens, sm90.repacks: the copy is read as rows, a request's
+            # pages one run of them)
+            first, copy_pages = kv, sm90.copy_offsets(kv_lens, page_size)
+            kv, layout = copy_pages * page_size, "NHD"  # (each request's first row in the copy)
+            key_rows = (kv, kv_lens)
+            native = None  # (the tiles index the copy's rows: numpy's plan_tiles)
         if self._sm90 is None:
             self._sm90 = sm90.Sm90Planner(self._device, graph)
         window = config.window_left
@@ -667,7 +670,9 @@ class _PrefillWrapper:
                 got = t, a, int(t[:, 6].sum(dtype=np.int64))
             return got
 
-        chosen = self._sm90_tiles(backend, config, graph, page_size, tiles_of, lambda: (int(qo[-1]) - int(qo[0]), batch))
+        # (a copy's rows: the ragged kernel's key tile)
+        chosen = self._sm90_tiles(backend, config, graph, None if first is not None else page_size, tiles_of,
+                                  lambda: (int(qo[-1]) - int(qo[0]), batch))
         if chosen is None:
             return None
         keys_a_tile, rows, tiles, active = chosen
@@ -675,13 +680,9 @@ class _PrefillWrapper:
             self._capacity = graph_capacity(self._capacity, batch)
         if self._ragged:
             self._kv_rows = int(kv[-1])
-        elif first is not None:  # (the copy's ids and what run() gathers into it, on the device)
-            if sm90.repacks(config):
-                ids, gather = sm90.repacked_ids(ids, first, kv_lens, source_page, kv, v_ids, self._device,
-                                                non_blocking)
-            else:
-                ids, gather = sm90.gather_ids(ids, first, kv, v_ids, self._device, non_blocking)
-            v_ids = 0
+        elif first is not None:  # (what run() gathers into the copy, on the device; the kernel reads its rows)
+            _, gather = sm90.gather_ids(ids, first, copy_pages, v_ids, self._device, non_blocking)
+            ids, v_ids, layout = None, 0, "NHD"
         elif graph and table == "csr":  # the ids in the wrapper's fixed buffer (as the block table above)
             ids = self._graph_ids.fill_indices(ids, "paged_kv_indices")
         else:
@@ -1169,11 +1170,7 @@ class _PrefillWrapper:
         if plan.gather is not None:  # an fp8 cache or RoPE over the paged cache: a copy of the batch's pages
             k, v = sm90.gather_pages(k, v, plan.gather, self._kv_layout, c.q_dtype)
         if plan.rope is not None:  # ROPE_LLAMA: q and k (ragged, or the copy's rows) rotated first
-            if plan.gather is not None:
-                q, rows = sm90.rope_prepass(q, k.view(-1, *k.shape[2:]), plan.rope, c)
-                k = rows.view(k.shape)
-            else:
-                q, k = sm90.rope_prepass(q, k, plan.rope, c)
+            q, k = sm90.rope_prepass(q, k, plan.rope, c)  # (a copy's rows too)
         if compiling():
             op = traced_op(traced_namespace(*plan.traced_key), "prefill_sm90")
         else:
