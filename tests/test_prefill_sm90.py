@@ -1107,6 +1107,8 @@ def test_copy_of_pages_is_read_as_rows(table, page_size, monkeypatch):
             row = int(offsets[b]) + t
             assert torch.equal(ck[row], k[k_rows[b][t // page_size], t % page_size])
             assert torch.equal(cv[row], v[v_rows[b][t // page_size], t % page_size])
+        for row in range(int(offsets[b]) + n, int(offsets[b + 1])):  # (its last page's unused slots)
+            assert not cv[row].any(), (b, row)
 
 
 @pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])

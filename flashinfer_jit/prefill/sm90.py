@@ -509,14 +509,29 @@ def gather_ids(ids: torch.Tensor, first: np.ndarray, offsets: np.ndarray, v_ids:
     return torch.arange(total, dtype=torch.int32, device=device), (k_ids, v_ids_dev)
 
 
+def pad_rows(offsets: np.ndarray, kv_lens: np.ndarray, page_size: int, device: torch.device,
+             non_blocking: bool) -> torch.Tensor:
+    """The rows of a copy of the batch's pages (gather_pages) past each request's keys, in its
+    last page (offsets: copy_offsets), int64 on the device: gather_pages zeros V's there, since
+    the ragged kernel reads a tile's rows past kv_len and P's zeros do not cancel whatever the
+    cache's unused slots hold (NaN included); K's are masked."""
+    ends = offsets[1:].astype(np.int64) * page_size
+    lens = kv_lens.astype(np.int64)
+    counts = ends - (offsets[:-1].astype(np.int64) * page_size + lens)
+    rows = np.repeat(ends - counts, counts) + (np.arange(int(counts.sum()), dtype=np.int64) -
+                                               np.repeat(np.cumsum(counts) - counts, counts))
+    return torch.from_numpy(rows).to(device, non_blocking=non_blocking)
+
+
 def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, dtype: torch.dtype):
     """The batch's K and V pages (gather: their ids) copied into new tensors of `dtype`, as
     rows [pages x page_size, heads, head_dim] (a request's pages one run of rows, from row
     copy_offsets x page_size), which the Hopper kernel reads as ragged K/V: an fp8 cache widened
     to q's dtype (exactly: e4m3 and e5m2 values are bf16 and f16 values), any layout or
-    strides. k_scale and v_scale stay the kernel's."""
+    strides, V's rows past each request's keys zeroed (gather's third entry: pad_rows).
+    k_scale and v_scale stay the kernel's."""
     out = []
-    for t, ids in zip((k, v), gather):
+    for t, ids in zip((k, v), gather[:2]):
         src = t.view(torch.uint8) if t.element_size() == 1 else t  # (index_select over fp8 as bytes)
         picked = src.index_select(0, ids)
         if t.element_size() == 1:
@@ -526,6 +541,8 @@ def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, d
         copy = torch.empty(picked.shape, dtype=dtype, device=t.device)
         copy.copy_(picked)
         out.append(copy.view(-1, *copy.shape[2:]))
+    if gather[2].numel():
+        out[1].index_fill_(0, gather[2], 0)
     return out[0], out[1]
 
 
