@@ -1111,6 +1111,21 @@ def test_copy_of_pages_is_read_as_rows(table, page_size, monkeypatch):
             assert not cv[row].any(), (b, row)
 
 
+@pytest.mark.parametrize("qo_len, graph, copied", [(4096, False, True), (1024, False, False), (4096, True, False)])
+def test_long_prompts_read_a_copy_of_their_pages(qo_len, graph, copied, monkeypatch):
+    """A paged plan of prompts of COPY_MIN_MEAN_QO_LEN query tokens or more on average reads a
+    copy of its pages as rows (the ragged module); shorter prompts and CUDA-graph wrappers read
+    the cache, one TMA box a page. Planned on the CPU with the arch check passed."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    lens = [qo_len] * 2
+    pages = [-(-n // 16) for n in lens]
+    w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", use_cuda_graph=graph, backend="fa3")
+    w.plan(_cpu_indptr(lens), _cpu_indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+           torch.tensor([16, 16], dtype=torch.int32), *LLAMA, 128, 16, causal=True, q_data_type=torch.bfloat16)
+    assert (w._plan.spec.kv_source == "ragged") == copied and (w._plan.gather is not None) == copied
+
+
 @pytest.mark.parametrize("table", ["csr", "block_table", "block_table_kv_separate"])
 def test_copy_of_pages_gathers_each_requests_pages_in_order(table):
     """What run() copies for an fp8 cache or RoPE over the paged cache (sm90.copy_offsets,

@@ -102,6 +102,19 @@ def repacks(c) -> bool:
     return 0 < c.page_size < PAGE_SIZES[0]
 
 
+# A paged plan of long prompts reads a copy of its pages as rows (the ragged kernel) where the
+# copy's read and write cost less than one TMA box a page: H200 (docs/history/hopper.md, the
+# copy read as rows), hd128, 1.12-1.15x faster at 4k-16k query tokens a request, 0.72-0.93x at
+# 256-1k and on 512-token chunks over 8k keys.
+COPY_MIN_MEAN_QO_LEN = 2048
+
+
+def copies_long_prompts(mean_qo_len: float) -> bool:
+    """Whether a paged plan (eager, not POD's: the caller's checks) of requests of mean_qo_len
+    query tokens on average reads a copy of its pages (COPY_MIN_MEAN_QO_LEN)."""
+    return mean_qo_len >= COPY_MIN_MEAN_QO_LEN
+
+
 def gathers(c) -> bool:
     """Whether a paged plan runs the Hopper kernel over a copy of the batch's pages
     (gather_pages), which it reads as ragged rows (each request's pages one run of rows): an

@@ -608,7 +608,12 @@ class _PrefillWrapper:
                 raise ValueError(why)
             return None
         causal = config.mask == "causal"
-        copy = sm90.gathers(config) or self._force_copy  # (the kernel reads a copy of the batch's pages)
+        # (the kernel reads a copy of the batch's pages: an fp8 cache, RoPE, small pages, long prompts)
+        copy = sm90.gathers(config) or self._force_copy
+        if not copy and not self._ragged and not graph and self._gather_ok and type(qo_indptr) is torch.Tensor \
+                and qo_indptr.is_cpu and qo_indptr.dim() == 1 and qo_indptr.shape[0] > 1:  # (no device read)
+            qo_end, qo_start = int(qo_indptr[-1]), int(qo_indptr[0])
+            copy = sm90.copies_long_prompts((qo_end - qo_start) / (qo_indptr.shape[0] - 1))
         if not graph and (self._ragged or table == "csr") and config.mask != "custom" and \
                 config.pos_encoding == "none" and not copy:
             plan = self._sm90_plan_common(backend, config, qo_indptr, kv_indptr, last_page_len, page_ids, non_blocking)
