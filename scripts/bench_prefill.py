@@ -97,7 +97,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
 
 NUM_QO_HEADS, NUM_KV_HEADS, PAGE_SIZE = 32, 8, 16
-FA3_PAGED_COPY = False  # --fa3-paged-copy
+FA3_PAGED_COPY = None  # --fa3-paged-copy (None: the planner's rule)
 DTYPE = "bfloat16"
 HEAD_DIMS = (64, 128, 256)
 PREFILL_SHAPES = ((1, 16384), (4, 4096), (16, 1024), (64, 256))  # batch x qo_len (= kv_len)
@@ -711,8 +711,8 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
         if form == "paged":
             w = module.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
-            if impl == FA3_PAGED and FA3_PAGED_COPY:  # (an A/B: the Hopper path over a copy of the pages)
-                w._force_copy = True
+            if impl == FA3_PAGED and FA3_PAGED_COPY is not None:  # (an A/B: the copy of the pages or not)
+                w._force_copy = FA3_PAGED_COPY
             w.plan(inputs.qo_indptr, inputs.page_indptr, inputs.indices, inputs.last_page_len, NUM_QO_HEADS,
                    NUM_KV_HEADS, hd, PAGE_SIZE, causal=row.causal, q_data_type=bf16, kv_data_type=bf16)
             run = lambda: w.run(inputs.q, (inputs.k_cache, inputs.v_cache), out=inputs.out)
@@ -1132,16 +1132,17 @@ def parse_args(argv=None):
     p.add_argument("--build-only", action="store_true",
                    help="build FlashInfer's modules and warm up ours, then exit (no timing)")
     p.add_argument("--list", action="store_true", help="print the rows, then exit (no GPU needed)")
-    p.add_argument("--fa3-paged-copy", action="store_true",
-                   help="ours_fa3_paged over a copy of the batch's pages read as rows (the wrapper's _force_copy "
-                        "pin: an A/B of the copy against one TMA box a page)")
+    p.add_argument("--fa3-paged-copy", choices=("auto", "on", "off"), default="auto",
+                   help="ours_fa3_paged over a copy of the batch's pages read as rows: the planner's rule (auto), "
+                        "always (on) or never where the rule alone would (off); the wrapper's _force_copy pin, "
+                        "for an A/B of the copy against one TMA box a page")
     p.add_argument("--page-size", type=int, default=PAGE_SIZE,
                    help=f"tokens a page of every paged form (default {PAGE_SIZE})")
     args = p.parse_args(argv)
     if args.page_size < 1 or args.page_size & (args.page_size - 1):
         p.error("--page-size: a power of two")
     globals()["PAGE_SIZE"] = args.page_size  # (read by the inputs and plans below)
-    globals()["FA3_PAGED_COPY"] = args.fa3_paged_copy
+    globals()["FA3_PAGED_COPY"] = {"auto": None, "on": True, "off": False}[args.fa3_paged_copy]
     if args.head_dims is None:
         args.head_dims = (128,) if args.quick else HEAD_DIMS
     else:

@@ -1073,7 +1073,7 @@ def test_copy_of_pages_is_read_as_rows(table, page_size, monkeypatch):
     qo_lens, kv_lens = [33, 0, 16, 100, 1], [33, 7, 16, 300, 1]
     have = [-(-n // page_size) for n in kv_lens]
     w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
-    w._force_copy = page_size == 16
+    w._force_copy = True if page_size == 16 else None
     args = dict(num_qo_heads=4, num_kv_heads=2, head_dim_qk=64, page_size=page_size, causal=True,
                 q_data_type=torch.bfloat16)
     if table == "csr":

@@ -501,8 +501,9 @@ class _PrefillWrapper:
     # whether a Hopper plan may run over a copy of the batch's pages (sm90.gathers: an fp8 cache,
     # RoPE over the paged cache); POD's prefill side may not (its kernel reads the cache)
     _gather_ok = True
-    # (an A/B's pin: every paged Hopper plan over a copy of the batch's pages, read as rows)
-    _force_copy = False
+    # (an A/B's pin of the copy of the batch's pages, read as rows: None, the rules below; True,
+    # every paged Hopper plan over it where it may; False, none that the rules alone would copy)
+    _force_copy = None
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, qo_indptr_buf, custom_mask_buf,
                  mask_indptr_buf, backend: str):
@@ -609,8 +610,8 @@ class _PrefillWrapper:
             return None
         causal = config.mask == "causal"
         # (the kernel reads a copy of the batch's pages: an fp8 cache, RoPE, small pages, long prompts)
-        copy = sm90.gathers(config) or self._force_copy
-        if not copy and not self._ragged and not graph and self._gather_ok and type(qo_indptr) is torch.Tensor \
+        copy = sm90.gathers(config) or self._force_copy is True
+        if not copy and self._force_copy is None and not self._ragged and not graph and self._gather_ok and type(qo_indptr) is torch.Tensor \
                 and qo_indptr.is_cpu and qo_indptr.dim() == 1 and qo_indptr.shape[0] > 1:  # (no device read)
             qo_end, qo_start = int(qo_indptr[-1]), int(qo_indptr[0])
             copy = sm90.copies_long_prompts((qo_end - qo_start) / (qo_indptr.shape[0] - 1))
