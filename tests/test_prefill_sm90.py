@@ -1111,13 +1111,19 @@ def test_copy_of_pages_is_read_as_rows(table, page_size, monkeypatch):
             assert not cv[row].any(), (b, row)
 
 
-@pytest.mark.parametrize("qo_len, graph, copied", [(4096, False, True), (1024, False, False), (4096, True, False)])
-def test_long_prompts_read_a_copy_of_their_pages(qo_len, graph, copied, monkeypatch):
+@pytest.mark.parametrize("qo_len, graph, cap, copied", [(4096, False, None, True), (1024, False, None, False),
+                                                         (4096, True, None, False), (4096, False, 32 << 20, True),
+                                                         (4096, False, (32 << 20) - 1, False)])
+def test_long_prompts_read_a_copy_of_their_pages(qo_len, graph, cap, copied, monkeypatch):
     """A paged plan of prompts of COPY_MIN_MEAN_QO_LEN query tokens or more on average reads a
-    copy of its pages as rows (the ragged module); shorter prompts and CUDA-graph wrappers read
-    the cache, one TMA box a page. Planned on the CPU with the arch check passed."""
+    copy of its pages as rows (the ragged module) where the copy takes at most COPY_MAX_BYTES
+    (here two requests' 4096 keys each x 8 heads x 256 dims x 2 bytes: 32 MiB exactly); shorter
+    prompts, larger copies and CUDA-graph wrappers read the cache, one TMA box a page. Planned on
+    the CPU with the arch check passed."""
     from flashinfer_jit.prefill import sm90
     monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    if cap is not None:
+        monkeypatch.setattr(sm90, "COPY_MAX_BYTES", cap)
     lens = [qo_len] * 2
     pages = [-(-n // 16) for n in lens]
     w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", use_cuda_graph=graph, backend="fa3")

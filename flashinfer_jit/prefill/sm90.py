@@ -103,16 +103,20 @@ def repacks(c) -> bool:
 
 
 # A paged plan of long prompts reads a copy of its pages as rows (the ragged kernel) where the
-# copy's read and write cost less than one TMA box a page: H200 (docs/history/hopper.md, the
-# copy read as rows), hd128, 1.12-1.15x faster at 4k-16k query tokens a request, 0.72-0.93x at
-# 256-1k and on 512-token chunks over 8k keys.
+# copy's read and write cost less than one TMA box a page: H200 (docs/hopper.md, Performance),
+# hd128, 1.11-1.22x faster at 4k-16k query tokens a request (6b14452), 0.72-0.93x at 256-1k
+# and on 512-token chunks over 8k keys (two passes a copy then, 3eea0bc). The copy is
+# allocated per run(): at most COPY_MAX_BYTES of it for speed alone.
 COPY_MIN_MEAN_QO_LEN = 2048
+COPY_MAX_BYTES = 1 << 30
 
 
-def copies_long_prompts(mean_qo_len: float) -> bool:
-    """Whether a paged plan (eager, not POD's: the caller's checks) of requests of mean_qo_len
-    query tokens on average reads a copy of its pages (COPY_MIN_MEAN_QO_LEN)."""
-    return mean_qo_len >= COPY_MIN_MEAN_QO_LEN
+def copies_for_speed(mean_qo_len: float, copy_bytes: int) -> bool:
+    """Whether a paged plan (eager, not POD's, the CSR table: the caller's checks) of requests
+    of mean_qo_len query tokens on average, whose copy of its pages (K and V in q's dtype)
+    takes copy_bytes, reads that copy rather than the cache (COPY_MIN_MEAN_QO_LEN,
+    COPY_MAX_BYTES)."""
+    return mean_qo_len >= COPY_MIN_MEAN_QO_LEN and copy_bytes <= COPY_MAX_BYTES
 
 
 def gathers(c) -> bool:
@@ -545,14 +549,15 @@ def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, d
     k_scale and v_scale stay the kernel's."""
     out = []
     for t, ids in zip((k, v), gather[:2]):
-        src = t.view(torch.uint8) if t.element_size() == 1 else t  # (index_select over fp8 as bytes)
-        picked = src.index_select(0, ids)
-        if t.element_size() == 1:
-            picked = picked.view(t.dtype)
-        if layout == "HND":
-            picked = picked.transpose(1, 2)
-        copy = torch.empty(picked.shape, dtype=dtype, device=t.device)
-        copy.copy_(picked)
+        nhd = t.transpose(1, 2) if layout == "HND" else t  # [pages, page_size, heads, dim], a view
+        shape = (ids.shape[0], *nhd.shape[1:])
+        if t.dtype == dtype:  # one pass: the pages gathered straight into the copy's rows
+            copy = torch.empty(shape, dtype=dtype, device=t.device)
+            torch.index_select(nhd, 0, ids, out=copy)
+        else:  # an fp8 cache: its bytes gathered (index_select takes no fp8), then widened
+            picked = nhd.view(torch.uint8).index_select(0, ids).view(t.dtype)
+            copy = torch.empty(shape, dtype=dtype, device=t.device)
+            copy.copy_(picked)
         out.append(copy.view(-1, *copy.shape[2:]))
     if gather[2].numel():
         out[1].index_fill_(0, gather[2], 0)

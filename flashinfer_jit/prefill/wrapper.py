@@ -610,11 +610,8 @@ class _PrefillWrapper:
             return None
         causal = config.mask == "causal"
         # (the kernel reads a copy of the batch's pages: an fp8 cache, RoPE, small pages, long prompts)
-        copy = sm90.gathers(config) or self._force_copy is True
-        if not copy and self._force_copy is None and not self._ragged and not graph and self._gather_ok and type(qo_indptr) is torch.Tensor \
-                and qo_indptr.is_cpu and qo_indptr.dim() == 1 and qo_indptr.shape[0] > 1:  # (no device read)
-            qo_end, qo_start = int(qo_indptr[-1]), int(qo_indptr[0])
-            copy = sm90.copies_long_prompts((qo_end - qo_start) / (qo_indptr.shape[0] - 1))
+        copy = sm90.gathers(config) or self._force_copy is True or \
+            (table == "csr" and self._force_copy is None and self._copies_for_speed(config, qo_indptr, kv_indptr))
         if not graph and (self._ragged or table == "csr") and config.mask != "custom" and \
                 config.pos_encoding == "none" and not copy:
             plan = self._sm90_plan_common(backend, config, qo_indptr, kv_indptr, last_page_len, page_ids, non_blocking)
@@ -704,6 +701,22 @@ class _PrefillWrapper:
             mask = (sm90.mask_buffer(packed, self._device), sm90.mask_bases(tiles, qo, lens, starts))
         return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, layout, v_ids, rows, mask,
                                key_rows, gather)
+
+    def _copies_for_speed(self, config: _Config, qo_indptr, kv_indptr) -> bool:
+        """Whether a paged plan over the CSR table, which could read the cache, reads a copy of
+        its pages instead (sm90.copies_for_speed: long prompts, a copy of bounded size), from
+        host vectors alone (no device read): eager wrappers outside POD."""
+        if self._ragged or self._use_cuda_graph or not self._gather_ok:
+            return False
+        for t in (qo_indptr, kv_indptr):
+            if type(t) is not torch.Tensor or not t.is_cpu or t.dim() != 1 or t.shape[0] < 2:
+                return False
+        mean_qo = (int(qo_indptr[-1]) - int(qo_indptr[0])) / (qo_indptr.shape[0] - 1)
+        if mean_qo < sm90.COPY_MIN_MEAN_QO_LEN:
+            return False
+        row_bytes = config.num_kv_heads * (config.head_dim_qk + config.head_dim_vo) * config.q_dtype.itemsize
+        copy_bytes = (int(kv_indptr[-1]) - int(kv_indptr[0])) * config.page_size * row_bytes
+        return sm90.copies_for_speed(mean_qo, copy_bytes)
 
     def _sm90_tiles(self, backend: str, config: _Config, graph: bool, page_size, tiles_of, counts):
         """A Hopper plan's (key tile, query tile, tiles, active tiles), both paths': key_tile()'s
