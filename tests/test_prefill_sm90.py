@@ -214,6 +214,34 @@ def test_fa3_batch_against_reference(index, hopper_workspace):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, causal, ramp", [(128, True, "up"), (128, False, "steps"), (256, True, "steps"),
+                                                    (64, False, "up")])
+def test_fa3_running_max_that_grows(head_dim, causal, ramp, hopper_workspace):
+    """The softmax keeps a row's old max until a key tile's logits exceed it by more than
+    kStaleLog2 (8, log2 units), and skips O's rescale where none of a warp's rows moved: keys
+    whose logits grow along the sequence, smoothly ("up": K row j times 0.25 + 6 j / kv_len,
+    logits from about +-2 to +-50) or in jumps every 300 keys ("steps": times 1, 3, 9, 1, 9),
+    so tiles move the max by less and by more than the threshold, against the float64
+    reference; the LSE checks the kept max and the sums agree."""
+    gen = torch.Generator(device=DEV).manual_seed(47 + head_dim)
+    shapes = [(128, 2000), (300, 1500), (64, 900), (1, 1200), (200, 200)]
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k_rows, v_rows = make_rows(kv_lens, LLAMA[1], (head_dim, head_dim), torch.bfloat16, gen)
+    factors = []
+    for n in kv_lens:
+        j = torch.arange(n, device=DEV, dtype=torch.float32)
+        factors.append(0.25 + 6.0 * j / n if ramp == "up" else
+                       torch.tensor([1.0, 3.0, 9.0, 1.0, 9.0], device=DEV)[(j // 300).long().clamp(max=4)])
+    k_rows = (k_rows.float() * torch.cat(factors)[:, None, None]).to(torch.bfloat16)
+    kv = ragged_kv(k_rows, v_rows, kv_lens, host_indptr=True)
+    q = make_q(sum(qo_lens), LLAMA[0], head_dim, torch.bfloat16, gen, 2.0)
+    out, lse = plan_and_run(hopper_workspace, "fa3", shapes, q, indptr_of(qo_lens, "cpu"), kv, LLAMA, head_dim,
+                            torch.bfloat16, causal)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fa3_causal_rows_that_see_no_key(head_dim, hopper_workspace):
     """Causal with kv_len < qo_len, as prefill_ref and the fa2 kernels define it (bottom-right

@@ -122,6 +122,8 @@ struct Sm90Kernel {
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr int kBlockN = kN;
   static constexpr int kChains = kConsumers == 2 ? 4 : 2;  // softmax: partial row-max chains a row
+  // softmax: how far (log2 units) a row's max may grow before it moves and O is rescaled
+  static constexpr float kStaleLog2 = 8.f;
   static constexpr int kMaskChunks = (kN + 31) / 32;  // a custom mask: 32-bit chunks of a row's key tile
   using MaskBits = uint32_t[2][kMaskChunks];
   static constexpr int kDvo = sm90_head_dim_vo<kD>();
@@ -274,10 +276,20 @@ struct Sm90Kernel {
                            : fmaxf(part[i][0], part[i][1]);
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      // a row with no key yet: everything 0 (base 0 keeps -inf - base at -inf, not NaN)
-      base[i] = mx[i] == -INFINITY ? 0.f : mx[i] * r.scale_log2;
-      corr[i] = fast_exp2(m[i] * r.scale_log2 - base[i]);
-      m[i] = mx[i];
+      // The max moves only where it grew by more than kStaleLog2 (log2 units): below that,
+      // P's weights stay under 2^kStaleLog2 against the old max, which l, O and the LSE all
+      // keep, so the result is the same, and O's rows need no rescale (corr exactly 1; the
+      // loop skips the rescale where a warp's rows all keep theirs). A row's first key
+      // always moves it (from -inf: the growth is +inf, or NaN with no key yet).
+      if (!((mx[i] - m[i]) * r.scale_log2 <= kStaleLog2)) {
+        // a row with no key yet: everything 0 (base 0 keeps -inf - base at -inf, not NaN)
+        base[i] = mx[i] == -INFINITY ? 0.f : mx[i] * r.scale_log2;
+        corr[i] = fast_exp2(m[i] * r.scale_log2 - base[i]);
+        m[i] = mx[i];
+      } else {
+        base[i] = m[i] * r.scale_log2;
+        corr[i] = 1.f;
+      }
     }
     // P by the flush-to-zero MUFU alone (exp2f adds a range check and two multiplies an
     // exponent for subnormal results, weights below 2^-126 that cannot move a row's sum);
@@ -310,6 +322,12 @@ struct Sm90Kernel {
       pa[j / 2][(j & 1) * 2] = pack2<DType>(s[4 * j], s[4 * j + 1]);
       pa[j / 2][(j & 1) * 2 + 1] = pack2<DType>(s[4 * j + 2], s[4 * j + 3]);
     }
+  }
+
+  // Whether any of this warp's rows moved its max in the last softmax (a warp-uniform branch
+  // around rescale(): corr is exactly 1 on rows whose max stayed).
+  static FIJ_SM90 bool moved(const float (&corr)[2]) {
+    return __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f);
   }
 
   static FIJ_SM90 void rescale(float (&o)[kOut], const float (&corr)[2]) {
@@ -640,6 +658,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     h::fence_regs(s);
     if (lane == 0) h::mbar_arrive(&k_empty[s0]);
     K::softmax(s, n0, rows, m, l, corr, bits);  // O is 0: nothing to rescale
+    bool rescale = false;  // whether O takes corr before the next P V (K::moved)
     K::pack_p(s, pa);
     for (int n = 1; n < n_tiles; ++n) {
       const Stage cur = stage_of(it + n), prev = stage_of(it + n - 1);
@@ -648,7 +667,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::mbar_wait(&v_full[sp], prev.parity);
       my_turn();
       K::issue_qk(s, q_base, k0 + st * kKTileBytes);
-      if (n > 1) K::rescale(o, corr);  // O to tile n - 1's max under this Q K^T, before its P V
+      if (n > 1 && rescale) K::rescale(o, corr);  // O to tile n - 1's max under this Q K^T, before its P V
       K::issue_pv(o, pa, v0 + sp * kVTileBytes);
       pass_turn();
       if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0 + n, rows, tile.rows);
@@ -656,6 +675,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::fence_regs(s);
       if (lane == 0) h::mbar_arrive(&k_empty[st]);
       K::softmax(s, n0 + n, rows, m, l, corr, bits);
+      rescale = K::moved(corr);
       h::wgmma_wait<0>();  // P V of tile n - 1
       h::fence_regs(o);
       h::fence_regs(pa);
@@ -676,7 +696,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, own_bar);
     }
     my_turn();
-    if (n_tiles > 1) K::rescale(o, corr);
+    if (n_tiles > 1 && rescale) K::rescale(o, corr);
     K::issue_pv(o, pa, v0 + sl * kVTileBytes);
     pass_turn();
     h::wgmma_wait<0>();
