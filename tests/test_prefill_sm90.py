@@ -884,13 +884,14 @@ def test_fa3_paged_matches_ragged_and_fa2(causal, hopper_workspace):
 
 @pytest.mark.gpu
 def test_auto_takes_fa3_for_paged_prompts(hopper_workspace):
-    """backend="auto" on the paged wrapper: long prompts on pages of 16 take the Hopper path;
-    pages of 8 keep the mma.sync kernel."""
+    """backend="auto" on the paged wrapper: long prompts on pages of 16 take the Hopper path, on
+    pages of 8 too (over a copy of the batch's pages: at least AUTO_MIN_KEYS_PAGE_8 keys a query
+    tile here); pages of 12 tokens (not a power of two) keep the mma.sync kernel."""
     shapes = AUTO_BATCHES["long_prompts"][0]
     qo, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
     base = dict(num_qo_heads=LLAMA[0], num_kv_heads=LLAMA[1], head_dim_qk=128, causal=True,
                 q_data_type=torch.bfloat16)
-    for ps, expected in ((16, "fa3"), (8, "fa2")):
+    for ps, expected in ((16, "fa3"), (8, "fa3"), (12, "fa2")):
         pages = [-(-n // ps) for n in kv_lens]
         wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(hopper_workspace, "NHD")
         wrapper.plan(indptr_of(qo, "cpu"), indptr_of(pages, "cpu"), torch.arange(sum(pages), dtype=torch.int32),
