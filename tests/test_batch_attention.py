@@ -667,11 +667,11 @@ def test_a_side_planners_error_names_the_batchs_requests():
     FlashInfer."""
     import types
 
-    from flashinfer_jit.pod.batch_attention import _side_errors
+    from flashinfer_jit.pod.batch_attention import _SideErrors
 
     split = types.SimpleNamespace(decode=np.array([0, 1]), prefill=np.array([2]))
     with pytest.raises(ValueError, match=r"request 0: .*the prefill side's \[2\]"):
-        with _side_errors("the prefill side", split):
+        with _SideErrors("the prefill side", split):
             raise ValueError("request 0: something the prefill planner rejects")
     ba = fij.BatchAttention(device="cpu")
     _plan(ba, _args([1, 1, 10], [5, 5, 3]), causal=True)

@@ -282,13 +282,16 @@ at::Tensor host_vector(int64_t n, bool wide) {
 PyObject* side_table(const std::vector<int64_t>& requests, const HostIndex& qo, const HostIndex& kv,
                      const HostIndex& lens, int64_t page_size, bool with_qo) {
   const int64_t n = static_cast<int64_t>(requests.size());
-  at::Tensor indptr = host_vector(n + 1, false), last = host_vector(n, false), qo_side = host_vector(n + 1, false);
-  int32_t *ip = indptr.data_ptr<int32_t>(), *lp = last.data_ptr<int32_t>(), *qp = qo_side.data_ptr<int32_t>();
-  ip[0] = qp[0] = 0;
+  at::Tensor indptr = host_vector(n + 1, false), last = host_vector(n, false);
+  at::Tensor qo_side = with_qo ? host_vector(n + 1, false) : at::Tensor();  // (the decode side's: none)
+  int32_t *ip = indptr.data_ptr<int32_t>(), *lp = last.data_ptr<int32_t>();
+  int32_t* qp = with_qo ? qo_side.data_ptr<int32_t>() : nullptr;
+  ip[0] = 0;
+  if (qp != nullptr) qp[0] = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = requests[i], pages = kv[r + 1] - kv[r];
     ip[i + 1] = static_cast<int32_t>(ip[i] + pages);
-    qp[i + 1] = static_cast<int32_t>(qp[i] + qo[r + 1] - qo[r]);
+    if (qp != nullptr) qp[i + 1] = static_cast<int32_t>(qp[i] + qo[r + 1] - qo[r]);
     lp[i] = static_cast<int32_t>(pages > 0 ? lens[r] - (pages - 1) * page_size : 0);
   }
   PyObject* pages;

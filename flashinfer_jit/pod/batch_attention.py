@@ -18,7 +18,6 @@ launches, the short requests on the mma.sync kernel, the chunks on the Hopper ke
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -171,7 +170,7 @@ def native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size: int, decode_ok: bool
 
 class _LazySplit:
     """split_batch of the batch, made only where an error message names its requests
-    (_side_errors) after a native cut."""
+    (_SideErrors) after a native cut."""
 
     def __init__(self, qo_indptr, decode_ok: bool):
         self._args = (qo_indptr, decode_ok)
@@ -181,16 +180,27 @@ class _LazySplit:
         return getattr(split_batch(host_index(qo_indptr, "qo_indptr"), decode_ok), name)
 
 
-@contextlib.contextmanager
-def _side_errors(side: str, split: BatchSplit, names: tuple = ("decode", "prefill")):
-    """A side's planner names its own request numbers: say which of the batch's they are."""
-    try:
-        yield
-    except ValueError as exc:
+class _SideErrors:
+    """A side's planner names its own request numbers: say which of the batch's they are
+    (a context manager; a class rather than contextlib's generator, which cost plan() 1-2 us)."""
+
+    __slots__ = ("side", "split", "names")
+
+    def __init__(self, side: str, split: BatchSplit, names: tuple = ("decode", "prefill")):
+        self.side, self.split, self.names = side, split, names
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is None or not issubclass(kind, ValueError):
+            return False
+
         def ids(a):
             return ", ".join(map(str, a[:8].tolist())) + (", ..." if len(a) > 8 else "")
 
-        raise ValueError(f"{exc} (planning {side}: the {names[0]} side's requests 0, 1, ... are the batch's "
+        split, names = self.split, self.names
+        raise ValueError(f"{exc} (planning {self.side}: the {names[0]} side's requests 0, 1, ... are the batch's "
                          f"[{ids(split.decode)}], the {names[1]} side's [{ids(split.prefill)}])") from exc
 
 
@@ -478,16 +488,16 @@ class BatchAttention:
                                sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
                                kv_data_type=kv_dtype, **p_blocks, **rope)
         elif mode == "pod":
-            with _side_errors("both sides", split):
+            with _SideErrors("both sides", split):
                 self._pod.plan(p_qo, *p_table, None, *d_table, *heads, head_dim_qk, page_size,
                                q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal,
                                **pod_blocks)
         else:
-            with _side_errors("the decode side", split):
+            with _SideErrors("the decode side", split):
                 self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
                                   q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, **d_blocks)
             if mode == "serial":
-                with _side_errors("the prefill side", split):
+                with _SideErrors("the prefill side", split):
                     self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
                                        causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
                                        q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks)
@@ -536,13 +546,13 @@ class BatchAttention:
                 torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device), self._kv_layout)
         self._long._backend = self._backend
         names = ("short", "long")
-        with _side_errors("the long side", split, names):
+        with _SideErrors("the long side", split, names):
             self._long.plan(*side_table(split.prefill), *heads, head_dim_qk, page_size, **options)
         if self._long.planned_backend != "fa3":
             return None
         backend, self._prefill._backend = self._prefill._backend, "fa2"  # (the packed rows' kernel)
         try:
-            with _side_errors("the short side", split, names):
+            with _SideErrors("the short side", split, names):
                 self._prefill.plan(*side_table(split.decode), *heads, head_dim_qk, page_size, **options)
         finally:
             self._prefill._backend = backend

@@ -131,6 +131,10 @@ def expect_positive_int(value, name: str) -> None:
 def expect_heads(num_qo_heads, num_kv_heads, **sizes) -> None:
     """Attention heads and `sizes` (head_dim=..., page_size=...): positive ints, the query
     heads a multiple of the KV heads (GQA)."""
+    # (the common case first, in one pass: plain positive ints; plan() calls this each step)
+    if type(num_qo_heads) is int and type(num_kv_heads) is int and num_kv_heads > 0 and num_qo_heads > 0 and \
+            num_qo_heads % num_kv_heads == 0 and all(type(v) is int and v > 0 for v in sizes.values()):
+        return
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), *sizes.items()):
         expect_positive_int(value, name)
     if num_qo_heads % num_kv_heads:
