@@ -109,8 +109,11 @@ constexpr int sm90_head_dim_vo() {
 // kM: query rows an item, 64 a consumer warpgroup: 128 (two consumers), or 192 (three, FA3's
 // choice at head_dim 64, where one warpgroup's softmax takes about as long as the other's
 // GEMMs and a third keeps the tensor cores fed).
+// kStaleMax: the softmax's stale row max (kStaleLog2; off: the max moves with every tile and O
+// is rescaled every tile, what POD on Hopper's prefill side runs: its kernel spilled 64 bytes
+// with it and ran 1.07-1.20x the time on issue 62's mixes 2 and 4, H200, 63d94be).
 template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128, bool kCustom = false,
-          bool kAlibi = false>
+          bool kAlibi = false, bool kStaleMax = true>
 struct Sm90Kernel {
   static_assert(!(kCausal && kCustom), "a custom mask replaces the causal one");
   static_assert(!(kAlibi && kSoftCap), "ALiBi takes no soft cap");
@@ -281,7 +284,7 @@ struct Sm90Kernel {
       // keep, so the result is the same, and O's rows need no rescale (corr exactly 1; the
       // loop skips the rescale where a warp's rows all keep theirs). A row's first key
       // always moves it (from -inf: the growth is +inf, or NaN with no key yet).
-      if (!((mx[i] - m[i]) * r.scale_log2 <= kStaleLog2)) {
+      if (!kStaleMax || !((mx[i] - m[i]) * r.scale_log2 <= kStaleLog2)) {
         // a row with no key yet: everything 0 (base 0 keeps -inf - base at -inf, not NaN)
         base[i] = mx[i] == -INFINITY ? 0.f : mx[i] * r.scale_log2;
         corr[i] = fast_exp2(m[i] * r.scale_log2 - base[i]);
@@ -503,10 +506,10 @@ struct Sm90Schedule {
 // which holds 1 KB for the alignment). The producer warpgroup returns when its last item is loaded,
 // the consumers after the rows without keys are written.
 template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM, bool kCustom,
-          bool kAlibi = false>
+          bool kAlibi = false, bool kStaleMax = true>
 FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* smem_raw, const Sm90Schedule sched) {
   using namespace sm90_prefill;
-  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi>;
+  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi, kStaleMax>;
   constexpr int kC = K::kConsumers;
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
   unsigned char* smem = h::align_1024(smem_raw);
@@ -658,7 +661,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     h::fence_regs(s);
     if (lane == 0) h::mbar_arrive(&k_empty[s0]);
     K::softmax(s, n0, rows, m, l, corr, bits);  // O is 0: nothing to rescale
-    bool rescale = false;  // whether O takes corr before the next P V (K::moved)
+    bool rescale = false;  // whether O takes corr before the next P V (K::moved; always without kStaleMax)
     K::pack_p(s, pa);
     for (int n = 1; n < n_tiles; ++n) {
       const Stage cur = stage_of(it + n), prev = stage_of(it + n - 1);
@@ -667,7 +670,8 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::mbar_wait(&v_full[sp], prev.parity);
       my_turn();
       K::issue_qk(s, q_base, k0 + st * kKTileBytes);
-      if (n > 1 && rescale) K::rescale(o, corr);  // O to tile n - 1's max under this Q K^T, before its P V
+      // O to tile n - 1's max under this Q K^T, before its P V
+      if (n > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
       K::issue_pv(o, pa, v0 + sp * kVTileBytes);
       pass_turn();
       if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0 + n, rows, tile.rows);
@@ -675,7 +679,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::fence_regs(s);
       if (lane == 0) h::mbar_arrive(&k_empty[st]);
       K::softmax(s, n0 + n, rows, m, l, corr, bits);
-      rescale = K::moved(corr);
+      if constexpr (kStaleMax) rescale = K::moved(corr);
       h::wgmma_wait<0>();  // P V of tile n - 1
       h::fence_regs(o);
       h::fence_regs(pa);
@@ -696,7 +700,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, own_bar);
     }
     my_turn();
-    if (n_tiles > 1 && rescale) K::rescale(o, corr);
+    if (n_tiles > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
     K::issue_pv(o, pa, v0 + sl * kVTileBytes);
     pass_turn();
     h::wgmma_wait<0>();
