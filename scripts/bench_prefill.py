@@ -98,6 +98,10 @@ import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
 
 NUM_QO_HEADS, NUM_KV_HEADS, PAGE_SIZE = 32, 8, 16
 FA3_PAGED_COPY = None  # --fa3-paged-copy (None: the planner's rule)
+# --fa3-paged-copy both: ours_fa3_paged with the rule, and these two more providers of the same
+# paged wrapper pinned over the copy and off it, interleaved with the rest in the same rounds
+FA3_PAGED_PINNED = {"ours_fa3_paged_copy": True, "ours_fa3_paged_boxes": False}
+FA3_PAGED_PINS = ()  # (the pinned providers that run: FA3_PAGED_PINNED's keys with "both")
 DTYPE = "bfloat16"
 HEAD_DIMS = (64, 128, 256)
 PREFILL_SHAPES = ((1, 16384), (4, 4096), (16, 1024), (64, 256))  # batch x qo_len (= kv_len)
@@ -713,6 +717,8 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             w = module.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
             if impl == FA3_PAGED and FA3_PAGED_COPY is not None:  # (an A/B: the copy of the pages or not)
                 w._force_copy = FA3_PAGED_COPY
+            elif impl in FA3_PAGED_PINNED:
+                w._force_copy = FA3_PAGED_PINNED[impl]
             w.plan(inputs.qo_indptr, inputs.page_indptr, inputs.indices, inputs.last_page_len, NUM_QO_HEADS,
                    NUM_KV_HEADS, hd, PAGE_SIZE, causal=row.causal, q_data_type=bf16, kv_data_type=bf16)
             run = lambda: w.run(inputs.q, (inputs.k_cache, inputs.v_cache), out=inputs.out)
@@ -804,6 +810,14 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             ref.get(f"ours_{form}", ref.get("out")), unsupported=(ValueError,))
         if "vs_ours" in res["impls"][impl]:
             res["impls"][impl]["checked_against"] = against
+    # (--fa3-paged-copy both) the same paged wrapper pinned over the copy of the pages and off it
+    for impl in FA3_PAGED_PINS:
+        if "paged" not in row.forms or "skipped" in res["impls"].get(FA3_PAGED, {}):
+            res["impls"][impl] = {"skipped": f"as {FA3_PAGED}"}
+            continue
+        res["impls"][impl] = measure(
+            impl, lambda i=impl: (wrapper_runner(fij, "paged", "fa3", i), out_of_wrapper),
+            ref.get("ours_paged", ref.get("out")), unsupported=(ValueError,))
     # FlashInfer FA2 and FA3
     for backend in ("fa2", "fa3"):
         for form in ("paged", "ragged"):
@@ -1132,17 +1146,19 @@ def parse_args(argv=None):
     p.add_argument("--build-only", action="store_true",
                    help="build FlashInfer's modules and warm up ours, then exit (no timing)")
     p.add_argument("--list", action="store_true", help="print the rows, then exit (no GPU needed)")
-    p.add_argument("--fa3-paged-copy", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--fa3-paged-copy", choices=("auto", "on", "off", "both"), default="auto",
                    help="ours_fa3_paged over a copy of the batch's pages read as rows: the planner's rule (auto), "
                         "always (on) or never where the rule alone would (off); the wrapper's _force_copy pin, "
-                        "for an A/B of the copy against one TMA box a page")
+                        "for an A/B of the copy against one TMA box a page. both: the rule, and two more "
+                        "providers pinned on and off (" + ", ".join(FA3_PAGED_PINNED) + "), in the same rounds")
     p.add_argument("--page-size", type=int, default=PAGE_SIZE,
                    help=f"tokens a page of every paged form (default {PAGE_SIZE})")
     args = p.parse_args(argv)
     if args.page_size < 1 or args.page_size & (args.page_size - 1):
         p.error("--page-size: a power of two")
     globals()["PAGE_SIZE"] = args.page_size  # (read by the inputs and plans below)
-    globals()["FA3_PAGED_COPY"] = {"auto": None, "on": True, "off": False}[args.fa3_paged_copy]
+    globals()["FA3_PAGED_COPY"] = {"auto": None, "on": True, "off": False, "both": None}[args.fa3_paged_copy]
+    globals()["FA3_PAGED_PINS"] = tuple(FA3_PAGED_PINNED) if args.fa3_paged_copy == "both" else ()
     if args.head_dims is None:
         args.head_dims = (128,) if args.quick else HEAD_DIMS
     else:
