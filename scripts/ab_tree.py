@@ -121,6 +121,45 @@ def prefill_specs(rows):
     return sorted(specs, key=lambda s: s.name)
 
 
+def sm90_specs(rows) -> list:
+    """The Hopper kernel's modules the rows' wrappers plan under "auto" (key and query tiles,
+    the copy of long prompts' pages read by the ragged module), found by planning each row's
+    host vectors on the CPU with the arch check passed; [] off sm_90 plans (the mma.sync
+    modules come from prefill_specs)."""
+    import bench_prefill as bp
+    import torch
+
+    import flashinfer_jit as fij
+    from flashinfer_jit.prefill import sm90
+
+    def indptr(n, step):
+        return torch.arange(0, n * step + 1, step, dtype=torch.int32)
+
+    saved, sm90.arch_error = sm90.arch_error, (lambda device: None)
+    specs = set()
+    try:
+        ws = torch.empty(64 << 20, dtype=torch.uint8)
+        for r in rows:
+            for form in r.forms:
+                args = dict(causal=r.causal, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                if form == "paged":
+                    pages = -(-r.kv_len // bp.PAGE_SIZE)
+                    w = fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+                    w.plan(indptr(r.batch, r.qo_len), indptr(r.batch, pages),
+                           torch.arange(r.batch * pages, dtype=torch.int32),
+                           torch.full((r.batch,), r.kv_len - (pages - 1) * bp.PAGE_SIZE, dtype=torch.int32),
+                           bp.NUM_QO_HEADS, bp.NUM_KV_HEADS, r.head_dim, bp.PAGE_SIZE, **args)
+                else:
+                    w = fij.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+                    w.plan(indptr(r.batch, r.qo_len), indptr(r.batch, r.kv_len), bp.NUM_QO_HEADS, bp.NUM_KV_HEADS,
+                           r.head_dim, **args)
+                if w.planned_backend == "fa3":
+                    specs.add(w._plan.spec)
+    finally:
+        sm90.arch_error = saved
+    return sorted(specs, key=lambda s: s.name)
+
+
 def measure_prefill_row(row, trees: Trees, reps: int, flush, seed: int) -> list[dict]:
     import bench_prefill as bp
     import torch
@@ -176,7 +215,9 @@ def measure_prefill_row(row, trees: Trees, reps: int, flush, seed: int) -> list[
 
 # --- builds --------------------------------------------------------------------------------------------
 def build(trees: Trees, specs, jobs: int) -> dict:
-    """Both variants' kernel modules, in parallel (one ninja per variant)."""
+    """Both variants' kernel modules, in parallel (one ninja per variant): the mma.sync ones
+    (prefill_specs) and the Hopper ones the rows plan under "auto" (sm90_specs), which a row
+    would otherwise build one at a time on first use."""
     from flashinfer_jit.pipeline import jit
 
     report = {}
@@ -231,7 +272,7 @@ def main(argv=None) -> int:
     trees = Trees(shim)
     head_dims = [int(x) for x in args.head_dims.split(",")]
     p_rows = prefill_rows([128] if args.quick else head_dims)
-    specs = prefill_specs(p_rows)
+    specs = prefill_specs(p_rows) + sm90_specs(p_rows)  # (both trees' modules, built side by side)
     res = {"meta": bc.run_metadata(), "base": str(args.base),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": [],
            "skipped": []}
