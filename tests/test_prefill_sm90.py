@@ -659,7 +659,7 @@ def test_fa3_ragged_rope_matches_fa2(rows, causal, head_dim, hopper_workspace):
     ("csr", "NHD", torch.bfloat16, True, 128, True, 16),
     ("block_table", "HND", torch.float8_e4m3fn, True, 256, True, 16),
     ("block_table_kv_separate", "NHD", torch.bfloat16, True, 64, False, 16),
-    # pages under 8 tokens, repacked into pages of 16 in the copy (sm90.repacks)
+    # pages under 16 tokens, over a copy read as rows (sm90.small_pages)
     ("csr", "NHD", torch.bfloat16, False, 128, True, 1),
     ("csr", "HND", torch.bfloat16, False, 128, False, 2),
     ("block_table_kv_separate", "NHD", torch.float8_e4m3fn, True, 128, False, 2),
@@ -791,7 +791,7 @@ PAGED_SHAPES = [(1, 700), (37, 100), (128, 128), (200, 1500), (0, 9), (5, 0), (6
     (128, "HND", False, 64, BF16, "tuple"),
     (16, "NHD", True, 256, BF16, "tuple"),
     (64, "HND", False, 256, F16, "tuple"),
-    (8, "NHD", True, 128, BF16, "tuple"),  # (pages of 8: over a copy in pages of 16, sm90.repacks)
+    (8, "NHD", True, 128, BF16, "tuple"),  # (pages of 8: over a copy read as rows, sm90.small_pages)
     (8, "HND", False, 128, BF16, "single"),
     (8, "NHD", True, 64, F16, "tuple"),
     (8, "NHD", False, 256, BF16, "tuple"),

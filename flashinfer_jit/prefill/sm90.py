@@ -96,7 +96,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Pages of 1, 2, 4 or 8 tokens (SGLang's 1, among others): a swizzled TMA box a page is too small
 # (1-4) or too slow (8): run() copies the batch's pages, which the kernel reads as rows.
-def repacks(c) -> bool:
+def small_pages(c) -> bool:
     """Whether a paged plan's pages are smaller than the kernel reads one TMA box a page
     (PAGE_SIZES): run() then copies them, and the kernel reads the copy's rows (gather_pages)."""
     return 0 < c.page_size < PAGE_SIZES[0]
@@ -124,7 +124,7 @@ def gathers(c) -> bool:
     (gather_pages), which it reads as ragged rows (each request's pages one run of rows): an
     fp8 cache (the copy in q's dtype, exact), RoPE in the kernel's place (the copy's keys
     rotated), or pages of fewer than 16 tokens."""
-    return c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama" or repacks(c)
+    return c.kv_dtype != c.q_dtype or c.pos_encoding == "rope_llama" or small_pages(c)
 
 
 def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False, gather: bool = True) -> str | None:
@@ -136,7 +136,7 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False,
     RoPE over the paged cache take (gathers; POD on Hopper does not)."""
     if not ragged:
         sizes = [p for p in PAGE_SIZES if key_tile(c.head_dim_qk, False, p) % p == 0]
-        small = repacks(c) and c.page_size & (c.page_size - 1) == 0  # (1, 2, 4, 8: over a copy)
+        small = small_pages(c) and c.page_size & (c.page_size - 1) == 0  # (1, 2, 4, 8: over a copy)
         if small and graph:
             return f"page_size={c.page_size} with use_cuda_graph=True (pages under 16 tokens run over a copy)"
         if small and not gather:
@@ -210,7 +210,7 @@ def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
     return qo_lens.size > 0 and keys.size > 0 and auto_takes_means(c, float(qo_lens.mean()), float(keys.mean()))
 
 
-# Pages of 8 tokens over the copy (repacks): the mma.sync kernel reads them well enough that
+# Pages of 8 tokens over the copy (small_pages): the mma.sync kernel reads them well enough that
 # the copy pays only where query tiles see more keys: H200, hd128 causal 64 x 256 (192 keys a
 # tile) 0.89x the mma.sync kernel's speed, full 64 x 256 (256 keys) 1.13x, 16 x 1k causal
 # 1.11x (docs/hopper.md). Pages of 1-4 tokens: 1.20x and more on every row measured.
@@ -221,7 +221,7 @@ def auto_takes_means(c, mean_qo_len: float, mean_keys: float) -> bool:
     """auto_takes from the means: query tokens a request, keys a query tile (both batches
     non-empty)."""
     least = AUTO_MIN_KEYS[c.head_dim_qk]
-    if repacks(c) and c.page_size >= 8:
+    if small_pages(c) and c.page_size >= 8:
         least = max(least, AUTO_MIN_KEYS_PAGE_8)
     return mean_qo_len >= AUTO_MIN_MEAN_QO_LEN and mean_keys >= least
 
@@ -613,6 +613,6 @@ def rope_prepass(q: torch.Tensor, k: torch.Tensor, rope: tuple, c) -> tuple[torc
 
 
 __all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_MEAN_QO_LEN", "PAGE_SIZES", "WIDE_TILE_MAX_PAD", "block_table_ids", "copy_offsets",
-           "gather_ids", "gather_pages", "gathers", "key_tile",
+           "gather_ids", "gather_pages", "gathers", "key_tile", "small_pages", "copies_for_speed",
            "mask_bases", "mask_buffer",
            "narrower_tile", "QUERY_TILE_MIN_KEYS", "query_tile", "rope_prepass", "Sm90Plan", "Sm90Planner", "arch_error", "auto_takes", "plan_tiles", "refusal", "unsupported"]

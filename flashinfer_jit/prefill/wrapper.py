@@ -102,11 +102,6 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _POS_ENCODINGS = {"NONE": "none", "ROPE_LLAMA": "rope_llama", "ALIBI": "alibi"}
 # the K/V side of plan() (csrc/prefill/prefill_plan.h PrefillKVSide) and its arguments' names
 _CSR, _SEQ_LENS, _RAGGED = 0, 1, 2
-_GENERAL = object()  # _sm90_plan_common: not the common form, the general path plans it
-
-
-class _NotCommonForm(Exception):
-    """_sm90_plan_common's tiles_of: the C++ planner declined the vectors (the general path's)."""
 _SIDE_NAMES = {_CSR: ("paged_kv_indptr", "paged_kv_last_page_len"), _SEQ_LENS: ("seq_lens", ""),
                _RAGGED: ("kv_indptr", "")}
 # the planner's result slots and statuses (csrc/prefill/prefill_plan.h PrefillPlanResult / Error)
@@ -479,6 +474,25 @@ def plan_work(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, num_kv_heads
     return work, (merge_indptr.astype(np.int32) if merge_indptr is not None else None)
 
 
+_GENERAL = object()  # _sm90_plan_common: not the common form, the general path plans it
+
+
+class _NotCommonForm(Exception):
+    """_sm90_plan_common's tiles_of: the C++ planner declined the vectors (the general path's)."""
+
+
+def _csr_page_ids(page_ids, last_offset: int) -> torch.Tensor:
+    """A Hopper plan's CSR page ids (paged_kv_indices) as int32, checked against the indptr's
+    last offset: a 1-D tensor holding at least that many ids."""
+    ids = as_int32_index(page_ids, "paged_kv_indices")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
+    if ids.shape[0] < last_offset:
+        raise ValueError(f"paged_kv_indptr: its last offset {last_offset} exceeds the {ids.shape[0]} page ids "
+                         "of paged_kv_indices")
+    return ids
+
+
 class _Config:
     __slots__ = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo", "page_size", "mask", "pos_encoding",
                  "window_left", "soft_cap", "sm_scale", "rope_scale", "rope_theta", "q_dtype", "kv_dtype", "o_dtype",
@@ -640,21 +654,14 @@ class _PrefillWrapper:
             page_size = config.page_size
             # (numpy's lengths where the mask or the copy reads them; the tiles compute their own)
             kv_lens = csr_kv_lens_host(kv, last.numpy(), page_size) if config.mask == "custom" or copy else None
-            ids = as_int32_index(page_ids, "paged_kv_indices")
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-                raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
-            if ids.shape[0] < int(kv[-1]):
-                raise ValueError(f"paged_kv_indptr: its last offset {int(kv[-1])} exceeds the {ids.shape[0]} page ids "
-                                 "of paged_kv_indices")
+            ids = _csr_page_ids(page_ids, int(kv[-1]))
         gather, first, key_rows, layout = None, None, None, self._kv_layout
         if self._ragged:
             key_rows = (kv.astype(np.int64), np.diff(kv.astype(np.int64)))
         elif copy:  # (paged)
-            # an fp8 cache or RoPE: the kernel reads a copy of the batch's pages (NHD, q's
-            # dtype, keys rotated), which run() makes, through ids 0 .. pages - 1 (no CUDA
-            # graphs: sm90.unsupported); the tiles index the copy's page offsets
-            # (and pages under 16 tokens, sm90.repacks: the copy is read as rows, a request's
-            # pages one run of them)
+            # an fp8 cache, RoPE, pages under 16 tokens or long prompts: the ragged kernel reads
+            # a copy of the batch's pages (NHD, q's dtype, keys rotated), which run() makes, a
+            # request's pages one run of rows (no CUDA graphs: sm90.unsupported)
             first, copy_pages = kv, sm90.copy_offsets(kv_lens, page_size)
             kv, layout = copy_pages * page_size, "NHD"  # (each request's first row in the copy)
             key_rows = (kv, kv_lens)
@@ -783,12 +790,7 @@ class _PrefillWrapper:
             self._kv_rows = kv_last
             ids = None
         else:
-            ids = as_int32_index(page_ids, "paged_kv_indices")
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-                raise ValueError("paged_kv_indices: expected a 1-D int32 or int64 tensor")
-            if ids.shape[0] < kv_last:
-                raise ValueError(f"paged_kv_indptr: its last offset {kv_last} exceeds the {ids.shape[0]} page ids "
-                                 "of paged_kv_indices")
+            ids = _csr_page_ids(page_ids, kv_last)
             if ids.device != self._device:
                 ids = ids.to(self._device, non_blocking=non_blocking)
         return planner.finish(config, slot, tiles.shape[0], non_blocking, keys_a_tile, ids, self._kv_layout, rows,
