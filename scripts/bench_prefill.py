@@ -106,6 +106,7 @@ DTYPE = "bfloat16"
 HEAD_DIMS = (64, 128, 256)
 PREFILL_SHAPES = ((1, 16384), (4, 4096), (16, 1024), (64, 256))  # batch x qo_len (= kv_len)
 CHUNKED = (8, 512, 8192)  # batch, qo_len, kv_len
+CHUNKED_ROWS = [CHUNKED]  # --chunked: the chunked rows measured (the record's is CHUNKED)
 SPEC = (64, 4, 4096)  # batch, tokens a request, kv_len
 WORKSPACE_BYTES = 256 << 20
 TARGET_SPEEDUP_VS_FA2 = 1.0  # FA2 us / ours us, paged and ragged, every row
@@ -193,7 +194,7 @@ def row_list(head_dims, only=()) -> list[Row]:
     for hd in head_dim_order(head_dims):
         for causal in (True, False):
             rows += [Row("prefill", hd, b, n, n, causal) for b, n in PREFILL_SHAPES]
-        rows.append(Row("chunked", hd, CHUNKED[0], CHUNKED[1], CHUNKED[2], True))
+        rows += [Row("chunked", hd, b, q, kv, True) for b, q, kv in CHUNKED_ROWS]
         rows.append(Row("spec", hd, SPEC[0], SPEC[1], SPEC[2], True))
     if only:
         rows = [r for r in rows if any(o in r.label for o in only)]
@@ -1153,7 +1154,22 @@ def parse_args(argv=None):
                         "providers pinned on and off (" + ", ".join(FA3_PAGED_PINNED) + "), in the same rounds")
     p.add_argument("--page-size", type=int, default=PAGE_SIZE,
                    help=f"tokens a page of every paged form (default {PAGE_SIZE})")
+    p.add_argument("--chunked", default=None,
+                   help="the chunked rows, ';'-separated BxQ/KV (chunks of Q query tokens on KV keys, B requests; "
+                        "default " + "{}x{}/{}".format(*CHUNKED) + ")")
     args = p.parse_args(argv)
+    if args.chunked is not None:
+        try:
+            shapes = []
+            for item in args.chunked.split(";"):
+                bq, kv = item.strip().split("/")
+                b, q = bq.split("x")
+                shapes.append((int(b), int(q), int(kv)))
+        except ValueError:
+            p.error("--chunked: ';'-separated BxQ/KV, e.g. 8x512/8192;8x256/8192")
+        if not shapes or any(b < 1 or q < 1 or kv < q for b, q, kv in shapes):
+            p.error("--chunked: B and Q at least 1, KV at least Q")
+        globals()["CHUNKED_ROWS"] = shapes
     if args.page_size < 1 or args.page_size & (args.page_size - 1):
         p.error("--page-size: a power of two")
     globals()["PAGE_SIZE"] = args.page_size  # (read by the inputs and plans below)
@@ -1247,7 +1263,7 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
            "config": {
                "dtype": DTYPE, "num_qo_heads": NUM_QO_HEADS, "num_kv_heads": NUM_KV_HEADS, "page_size": PAGE_SIZE,
                "kv_layout": "NHD", "page_table": "csr, pages in random order", "head_dims": order,
-               "prefill_shapes": [f"{b}x{n}" for b, n in PREFILL_SHAPES], "chunked": "x".join(map(str, CHUNKED)),
+               "prefill_shapes": [f"{b}x{n}" for b, n in PREFILL_SHAPES], "chunked": ";".join("x".join(map(str, c)) for c in CHUNKED_ROWS),
                "spec": "x".join(map(str, SPEC)), "quick": args.quick, "only": list(args.only), "reps": args.reps,
                "time_limit_s": args.time_limit, "build_timeout_s": args.build_timeout, "overlap": not args.no_overlap,
                "flops": "4 x sum over requests of (qo_len x keys attended) x num_qo_heads x head_dim; causal: "

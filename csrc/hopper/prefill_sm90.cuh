@@ -597,19 +597,31 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
           for (int a = 0; a < K::kAtoms; ++a)
             h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], 64 * a, head, tile.q_row0);
         }
+        // K runs a tile ahead of V (FA3's order): the consumers issue tile n + 1's Q K^T beside
+        // tile n's P V, and a stage's K is free again (its Q K^T complete) well before its V
+        // (its P V complete), so K(n + 1) goes out before V(n) waits for its stage.
+        {
+          const Stage first = stage_of(it);
+          h::mbar_wait(&k_empty[first.s], first.parity ^ 1);
+          K::template load_kv<kPaged, K::kAtoms>(&p.k_map, sk + first.s * kKTileBytes, &k_full[first.s], tile,
+                                                 tile.first_tile, kv_head, lane, p.page_shift, page);
+        }
+        int page_k = kPaged ? K::next_page(p, tile, tile.first_tile + 1, lane) : 0;  // tile n + 1's K ids
         for (int n = tile.first_tile; n < tile.kv_tiles; ++n, ++it) {
-          const auto [s, parity] = stage_of(it);
-          const int this_page = page, this_page_v = page_v;
+          const Stage cur = stage_of(it), nxt = stage_of(it + 1);
+          const int this_k = page_k, this_v = page_v;  // tile n + 1's K ids, tile n's V ids
           if constexpr (kPaged) {  // in flight over the waits
-            page = K::next_page(p, tile, n + 1, lane);
-            page_v = v_ids == 0 ? page : K::next_page(p, tile, n + 1, lane, v_ids);
+            page_k = K::next_page(p, tile, n + 2, lane);
+            page_v = v_ids == 0 ? this_k : K::next_page(p, tile, n + 1, lane, v_ids);
           }
-          h::mbar_wait(&k_empty[s], parity ^ 1);
-          K::template load_kv<kPaged, K::kAtoms>(&p.k_map, sk + s * kKTileBytes, &k_full[s], tile, n, kv_head, lane,
-                                      p.page_shift, this_page);
-          h::mbar_wait(&v_empty[s], parity ^ 1);
-          K::template load_kv<kPaged, K::kVAtoms>(&p.v_map, sv + s * kVTileBytes, &v_full[s], tile, n, kv_head, lane,
-                                      p.page_shift, this_page_v);
+          if (n + 1 < tile.kv_tiles) {
+            h::mbar_wait(&k_empty[nxt.s], nxt.parity ^ 1);
+            K::template load_kv<kPaged, K::kAtoms>(&p.k_map, sk + nxt.s * kKTileBytes, &k_full[nxt.s], tile, n + 1,
+                                                   kv_head, lane, p.page_shift, this_k);
+          }
+          h::mbar_wait(&v_empty[cur.s], cur.parity ^ 1);
+          K::template load_kv<kPaged, K::kVAtoms>(&p.v_map, sv + cur.s * kVTileBytes, &v_full[cur.s], tile, n, kv_head,
+                                                  lane, p.page_shift, this_v);
         }
       }
     }
