@@ -1140,24 +1140,27 @@ def test_copy_of_pages_is_read_as_rows(table, page_size, monkeypatch):
             assert not cv[row].any(), (b, row)
 
 
-@pytest.mark.parametrize("qo_len, graph, cap, copied", [(4096, False, None, True), (1024, False, None, False),
-                                                         (4096, True, None, False), (4096, False, 32 << 20, True),
-                                                         (4096, False, (32 << 20) - 1, False)])
-def test_long_prompts_read_a_copy_of_their_pages(qo_len, graph, cap, copied, monkeypatch):
-    """A paged plan of prompts of COPY_MIN_MEAN_QO_LEN query tokens or more on average reads a
-    copy of its pages as rows (the ragged module) where the copy takes at most COPY_MAX_BYTES
-    (here two requests' 4096 keys each x 8 heads x 256 dims x 2 bytes: 32 MiB exactly); shorter
-    prompts, larger copies and CUDA-graph wrappers read the cache, one TMA box a page. Planned on
-    the CPU with the arch check passed."""
+@pytest.mark.parametrize("qo_len, kv_len, graph, cap, copied", [
+    (4096, 4096, False, None, True), (1024, 1024, False, None, False), (4096, 4096, True, None, False),
+    (4096, 4096, False, 32 << 20, True), (4096, 4096, False, (32 << 20) - 1, False),
+    (512, 4096, False, None, True), (512, 4080, False, None, False), (256, 8192, False, None, False),
+    (1024, 16384, False, None, True)])
+def test_long_prompts_read_a_copy_of_their_pages(qo_len, kv_len, graph, cap, copied, monkeypatch):
+    """A paged plan of prompts of COPY_MIN_MEAN_QO_LEN query tokens or more on average, or of
+    chunks of COPY_MIN_CHUNK_QO_LEN on COPY_MIN_CHUNK_KV_LEN keys or more, reads a copy of its
+    pages as rows (the ragged module) where the copy takes at most COPY_MAX_BYTES (here two
+    requests' 4096 keys each x 8 heads x 256 dims x 2 bytes: 32 MiB exactly); shorter prompts,
+    shorter chunks or contexts, larger copies and CUDA-graph wrappers read the cache, one TMA
+    box a page. Planned on the CPU with the arch check passed."""
     from flashinfer_jit.prefill import sm90
     monkeypatch.setattr(sm90, "arch_error", lambda device: None)
     if cap is not None:
         monkeypatch.setattr(sm90, "COPY_MAX_BYTES", cap)
-    lens = [qo_len] * 2
-    pages = [-(-n // 16) for n in lens]
+    pages = [-(-kv_len // 16)] * 2
+    last = kv_len - 16 * (pages[0] - 1)
     w = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", use_cuda_graph=graph, backend="fa3")
-    w.plan(_cpu_indptr(lens), _cpu_indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
-           torch.tensor([16, 16], dtype=torch.int32), *LLAMA, 128, 16, causal=True, q_data_type=torch.bfloat16)
+    w.plan(_cpu_indptr([qo_len] * 2), _cpu_indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+           torch.tensor([last, last], dtype=torch.int32), *LLAMA, 128, 16, causal=True, q_data_type=torch.bfloat16)
     assert (w._plan.spec.kv_source == "ragged") == copied and (w._plan.gather is not None) == copied
 
 

@@ -679,11 +679,13 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       const Stage cur = stage_of(it + n), prev = stage_of(it + n - 1);
       const int st = cur.s, sp = prev.s;
       h::mbar_wait(&k_full[st], cur.parity);
-      h::mbar_wait(&v_full[sp], prev.parity);
       my_turn();
       K::issue_qk(s, q_base, k0 + st * kKTileBytes);
       // O to tile n - 1's max under this Q K^T, before its P V
       if (n > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
+      // (V of tile n - 1 waited for only now: its load went out after K n's, and a late V
+      // need not hold back the Q K^T)
+      h::mbar_wait(&v_full[sp], prev.parity);
       K::issue_pv(o, pa, v0 + sp * kVTileBytes);
       pass_turn();
       if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0 + n, rows, tile.rows);

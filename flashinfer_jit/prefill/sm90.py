@@ -102,21 +102,27 @@ def small_pages(c) -> bool:
     return 0 < c.page_size < PAGE_SIZES[0]
 
 
-# A paged plan of long prompts reads a copy of its pages as rows (the ragged kernel) where the
-# copy's read and write cost less than one TMA box a page: H200 (docs/hopper.md, Performance),
-# hd128, 1.11-1.22x faster at 4k-16k query tokens a request (6b14452), 0.72-0.93x at 256-1k
-# and on 512-token chunks over 8k keys (two passes a copy then, 3eea0bc). The copy is
-# allocated per run(): at most COPY_MAX_BYTES of it for speed alone.
+# A paged plan reads a copy of its pages as rows (the ragged kernel) where the copy's read and
+# write cost less than one TMA box a page: long prompts, and chunks of 512 or more over long
+# contexts. H200, head_dim 128, copy / boxes time (docs/hopper.md, Performance): 0.82-0.90 at
+# 4k-16k query tokens a request (6b14452); chunks (89c64c3, both in the same rounds) 512 on 4k
+# keys 0.98, 512 on 8k 0.94-0.96, 1024 on 16k 0.90, but 256 on 2k-8k 1.10-1.13, 128 on 8k 1.39,
+# and causal 1k prompts 1.02. The copy is allocated per run(): at most COPY_MAX_BYTES of it for
+# speed alone.
 COPY_MIN_MEAN_QO_LEN = 2048
+COPY_MIN_CHUNK_QO_LEN, COPY_MIN_CHUNK_KV_LEN = 512, 4096
 COPY_MAX_BYTES = 1 << 30
 
 
-def copies_for_speed(mean_qo_len: float, copy_bytes: int) -> bool:
+def copies_for_speed(mean_qo_len: float, mean_kv_len: float, copy_bytes: int) -> bool:
     """Whether a paged plan (eager, not POD's, the CSR table: the caller's checks) of requests
-    of mean_qo_len query tokens on average, whose copy of its pages (K and V in q's dtype)
-    takes copy_bytes, reads that copy rather than the cache (COPY_MIN_MEAN_QO_LEN,
-    COPY_MAX_BYTES)."""
-    return mean_qo_len >= COPY_MIN_MEAN_QO_LEN and copy_bytes <= COPY_MAX_BYTES
+    of mean_qo_len query tokens and mean_kv_len keys on average, whose copy of its pages (K and
+    V in q's dtype) takes copy_bytes, reads that copy rather than the cache: prompts of
+    COPY_MIN_MEAN_QO_LEN, or chunks of COPY_MIN_CHUNK_QO_LEN on COPY_MIN_CHUNK_KV_LEN keys, and
+    a copy of at most COPY_MAX_BYTES."""
+    long_enough = mean_qo_len >= COPY_MIN_MEAN_QO_LEN or \
+        (mean_qo_len >= COPY_MIN_CHUNK_QO_LEN and mean_kv_len >= COPY_MIN_CHUNK_KV_LEN)
+    return long_enough and copy_bytes <= COPY_MAX_BYTES
 
 
 def gathers(c) -> bool:

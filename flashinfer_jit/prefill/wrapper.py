@@ -711,19 +711,21 @@ class _PrefillWrapper:
 
     def _copies_for_speed(self, config: _Config, qo_indptr, kv_indptr) -> bool:
         """Whether a paged plan over the CSR table, which could read the cache, reads a copy of
-        its pages instead (sm90.copies_for_speed: long prompts, a copy of bounded size), from
-        host vectors alone (no device read): eager wrappers outside POD."""
+        its pages instead (sm90.copies_for_speed: long prompts or long chunks over long contexts,
+        a copy of bounded size), from host vectors alone (no device read): eager wrappers
+        outside POD."""
         if self._ragged or self._use_cuda_graph or not self._gather_ok:
             return False
         for t in (qo_indptr, kv_indptr):
             if type(t) is not torch.Tensor or not t.is_cpu or t.dim() != 1 or t.shape[0] < 2:
                 return False
-        mean_qo = (int(qo_indptr[-1]) - int(qo_indptr[0])) / (qo_indptr.shape[0] - 1)
-        if mean_qo < sm90.COPY_MIN_MEAN_QO_LEN:
+        batch = qo_indptr.shape[0] - 1
+        mean_qo = (int(qo_indptr[-1]) - int(qo_indptr[0])) / batch
+        if mean_qo < min(sm90.COPY_MIN_MEAN_QO_LEN, sm90.COPY_MIN_CHUNK_QO_LEN):
             return False
+        rows = (int(kv_indptr[-1]) - int(kv_indptr[0])) * config.page_size  # (whole pages: the copy's rows)
         row_bytes = config.num_kv_heads * (config.head_dim_qk + config.head_dim_vo) * config.q_dtype.itemsize
-        copy_bytes = (int(kv_indptr[-1]) - int(kv_indptr[0])) * config.page_size * row_bytes
-        return sm90.copies_for_speed(mean_qo, copy_bytes)
+        return sm90.copies_for_speed(mean_qo, rows / batch, rows * row_bytes)
 
     def _sm90_tiles(self, backend: str, config: _Config, graph: bool, page_size, tiles_of, counts):
         """A Hopper plan's (key tile, query tile, tiles, active tiles), both paths': key_tile()'s
