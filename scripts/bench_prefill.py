@@ -102,6 +102,9 @@ FA3_PAGED_COPY = None  # --fa3-paged-copy (None: the planner's rule)
 # paged wrapper pinned over the copy and off it, interleaved with the rest in the same rounds
 FA3_PAGED_PINNED = {"ours_fa3_paged_copy": True, "ours_fa3_paged_boxes": False}
 FA3_PAGED_PINS = ()  # (the pinned providers that run: FA3_PAGED_PINNED's keys with "both")
+# --fa3-key-tiles T1,T2: ours_fa3_ragged_n<T>, the ragged wrapper with its key tile pinned to T
+# (wrapper._force_key_tile), in the same rounds as the rest
+FA3_TILE_PINS = ()
 DTYPE = "bfloat16"
 HEAD_DIMS = (64, 128, 256)
 PREFILL_SHAPES = ((1, 16384), (4, 4096), (16, 1024), (64, 256))  # batch x qo_len (= kv_len)
@@ -725,6 +728,8 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             run = lambda: w.run(inputs.q, (inputs.k_cache, inputs.v_cache), out=inputs.out)
         else:
             w = module.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
+            if impl in FA3_TILE_PINS:
+                w._force_key_tile = int(impl.rsplit("_n", 1)[1])
             w.plan(inputs.qo_indptr, inputs.kv_indptr, NUM_QO_HEADS, NUM_KV_HEADS, hd, causal=row.causal,
                    q_data_type=bf16, kv_data_type=bf16)
             run = lambda: w.run(inputs.q, inputs.k, inputs.v, out=inputs.out)
@@ -819,6 +824,14 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
         res["impls"][impl] = measure(
             impl, lambda i=impl: (wrapper_runner(fij, "paged", "fa3", i), out_of_wrapper),
             ref.get("ours_paged", ref.get("out")), unsupported=(ValueError,))
+    # (--fa3-key-tiles) the ragged wrapper with its key tile pinned
+    for impl in FA3_TILE_PINS:
+        if "ragged" not in row.forms or "skipped" in res["impls"].get(FA3_PATH, {}):
+            res["impls"][impl] = {"skipped": f"as {FA3_PATH}"}
+            continue
+        res["impls"][impl] = measure(
+            impl, lambda i=impl: (wrapper_runner(fij, "ragged", "fa3", i), out_of_wrapper),
+            ref.get("ours_ragged", ref.get("out")), unsupported=(ValueError,))
     # FlashInfer FA2 and FA3
     for backend in ("fa2", "fa3"):
         for form in ("paged", "ragged"):
@@ -1154,6 +1167,9 @@ def parse_args(argv=None):
                         "providers pinned on and off (" + ", ".join(FA3_PAGED_PINNED) + "), in the same rounds")
     p.add_argument("--page-size", type=int, default=PAGE_SIZE,
                    help=f"tokens a page of every paged form (default {PAGE_SIZE})")
+    p.add_argument("--fa3-key-tiles", default="",
+                   help="comma-separated key tiles (64, 80, 128, 176): ours_fa3_ragged_n<T> providers, the ragged "
+                        "Hopper path with its key tile pinned, in the same rounds (an A/B of the tile rule)")
     p.add_argument("--chunked", default=None,
                    help="the chunked rows, ';'-separated BxQ/KV (chunks of Q query tokens on KV keys, B requests; "
                         "default " + "{}x{}/{}".format(*CHUNKED) + ")")
@@ -1175,6 +1191,13 @@ def parse_args(argv=None):
     globals()["PAGE_SIZE"] = args.page_size  # (read by the inputs and plans below)
     globals()["FA3_PAGED_COPY"] = {"auto": None, "on": True, "off": False, "both": None}[args.fa3_paged_copy]
     globals()["FA3_PAGED_PINS"] = tuple(FA3_PAGED_PINNED) if args.fa3_paged_copy == "both" else ()
+    try:
+        tiles = [int(t) for t in args.fa3_key_tiles.split(",") if t.strip()]
+    except ValueError:
+        tiles = [0]
+    if any(t not in (64, 80, 128, 176) for t in tiles):
+        p.error("--fa3-key-tiles: comma-separated key tiles of 64, 80, 128, 176")
+    globals()["FA3_TILE_PINS"] = tuple(f"{FA3_PATH}_n{t}" for t in tiles)
     if args.head_dims is None:
         args.head_dims = (128,) if args.quick else HEAD_DIMS
     else:
