@@ -1525,14 +1525,17 @@ def test_plan_tiles_start_at_the_window():
 # --- the key tile a batch takes ------------------------------------------------------------------
 def test_short_requests_take_the_narrower_key_tile():
     """Without a causal mask at head_dim 128, a batch keeps the 176-key tile unless it computes
-    more than WIDE_TILE_MAX_PAD times the keys of 128-key tiles (sm90.narrower_tile)."""
+    more than WIDE_TILE_MAX_PAD times the keys of 128-key tiles (sm90.narrower_tile: 1.0, so
+    176 stays only where it computes no more keys)."""
     import numpy as np
     from flashinfer_jit.prefill import sm90
+    assert sm90.WIDE_TILE_MAX_PAD == 1.0
     assert sm90.narrower_tile(np.array([256] * 64))  # 352 keys a tile at 176, 256 at 128
     assert sm90.narrower_tile(np.array([128, 128]))
-    assert not sm90.narrower_tile(np.array([4096] * 4))  # 4224 against 4096: 1.03
+    assert sm90.narrower_tile(np.array([4096] * 4))  # 4224 against 4096: 1.03
+    assert sm90.narrower_tile(np.array([1024] * 16))  # 1056 against 1024
     assert not sm90.narrower_tile(np.array([176] * 8))
-    assert not sm90.narrower_tile(np.array([1024] * 16))  # 1056 against 1024
+    assert not sm90.narrower_tile(np.array([1050] * 3))  # 1056 against 1152
 
 
 @pytest.mark.gpu

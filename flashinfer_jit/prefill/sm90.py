@@ -36,9 +36,12 @@ def key_tile(head_dim: int, causal: bool, page_size: int | None = None) -> int:
 
 # A batch keeps key_tile()'s 176-key tile only where it visits at most WIDE_TILE_MAX_PAD times
 # the keys that 128-key tiles visit (each tile's keys rounded up to whole tiles): a request of
-# 256 keys is two tiles either way, 352 keys computed at 176 against 256 at 128. A CUDA-graph
-# wrapper keeps key_tile()'s choice (its captured launch is one module).
-WIDE_TILE_MAX_PAD = 1.05
+# 256 keys is two tiles either way, 352 keys computed at 176 against 256 at 128. Since the
+# consumers wait for V after the Q K^T (f229984), 128-key tiles (two Q stages, the staged
+# epilogue) ran full 4 x 4096 at 0.96x the time of 176 (3% fewer keys) and 16 x 1024 at 0.90x
+# (H200, both pinned in the same rounds, docs/hopper.md), so 176 stays only where it visits
+# fewer keys. A CUDA-graph wrapper keeps key_tile()'s choice (its captured launch is one module).
+WIDE_TILE_MAX_PAD = 1.0
 
 
 def narrower_tile(keys: np.ndarray) -> bool:
