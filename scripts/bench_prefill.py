@@ -109,7 +109,7 @@ DTYPE = "bfloat16"
 HEAD_DIMS = (64, 128, 256)
 PREFILL_SHAPES = ((1, 16384), (4, 4096), (16, 1024), (64, 256))  # batch x qo_len (= kv_len)
 CHUNKED = (8, 512, 8192)  # batch, qo_len, kv_len
-CHUNKED_ROWS = [CHUNKED]  # --chunked: the chunked rows measured (the record's is CHUNKED)
+CHUNKED_ROWS = None  # --chunked: the chunked rows measured (None: CHUNKED, the record's)
 SPEC = (64, 4, 4096)  # batch, tokens a request, kv_len
 WORKSPACE_BYTES = 256 << 20
 TARGET_SPEEDUP_VS_FA2 = 1.0  # FA2 us / ours us, paged and ragged, every row
@@ -197,7 +197,7 @@ def row_list(head_dims, only=()) -> list[Row]:
     for hd in head_dim_order(head_dims):
         for causal in (True, False):
             rows += [Row("prefill", hd, b, n, n, causal) for b, n in PREFILL_SHAPES]
-        rows += [Row("chunked", hd, b, q, kv, True) for b, q, kv in CHUNKED_ROWS]
+        rows += [Row("chunked", hd, b, q, kv, True) for b, q, kv in (CHUNKED_ROWS or [CHUNKED])]
         rows.append(Row("spec", hd, SPEC[0], SPEC[1], SPEC[2], True))
     if only:
         rows = [r for r in rows if any(o in r.label for o in only)]
@@ -816,22 +816,17 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             ref.get(f"ours_{form}", ref.get("out")), unsupported=(ValueError,))
         if "vs_ours" in res["impls"][impl]:
             res["impls"][impl]["checked_against"] = against
-    # (--fa3-paged-copy both) the same paged wrapper pinned over the copy of the pages and off it
-    for impl in FA3_PAGED_PINS:
-        if "paged" not in row.forms or "skipped" in res["impls"].get(FA3_PAGED, {}):
-            res["impls"][impl] = {"skipped": f"as {FA3_PAGED}"}
+    # pinned variants of our Hopper path, in the same rounds: (--fa3-paged-copy both) the paged
+    # wrapper over the copy of its pages and off it; (--fa3-key-tiles) the ragged one's key tile
+    pins = [(impl, "paged", FA3_PAGED) for impl in FA3_PAGED_PINS] + \
+        [(impl, "ragged", FA3_PATH) for impl in FA3_TILE_PINS]
+    for impl, form, base in pins:
+        if form not in row.forms or "skipped" in res["impls"].get(base, {}):
+            res["impls"][impl] = {"skipped": f"as {base}"}
             continue
         res["impls"][impl] = measure(
-            impl, lambda i=impl: (wrapper_runner(fij, "paged", "fa3", i), out_of_wrapper),
-            ref.get("ours_paged", ref.get("out")), unsupported=(ValueError,))
-    # (--fa3-key-tiles) the ragged wrapper with its key tile pinned
-    for impl in FA3_TILE_PINS:
-        if "ragged" not in row.forms or "skipped" in res["impls"].get(FA3_PATH, {}):
-            res["impls"][impl] = {"skipped": f"as {FA3_PATH}"}
-            continue
-        res["impls"][impl] = measure(
-            impl, lambda i=impl: (wrapper_runner(fij, "ragged", "fa3", i), out_of_wrapper),
-            ref.get("ours_ragged", ref.get("out")), unsupported=(ValueError,))
+            impl, lambda i=impl, f=form: (wrapper_runner(fij, f, "fa3", i), out_of_wrapper),
+            ref.get(f"ours_{form}", ref.get("out")), unsupported=(ValueError,))
     # FlashInfer FA2 and FA3
     for backend in ("fa2", "fa3"):
         for form in ("paged", "ragged"):
@@ -1286,7 +1281,8 @@ def run(args, rows, builds, fi_info, fa3_reason, ours_reason, order, started, de
            "config": {
                "dtype": DTYPE, "num_qo_heads": NUM_QO_HEADS, "num_kv_heads": NUM_KV_HEADS, "page_size": PAGE_SIZE,
                "kv_layout": "NHD", "page_table": "csr, pages in random order", "head_dims": order,
-               "prefill_shapes": [f"{b}x{n}" for b, n in PREFILL_SHAPES], "chunked": ";".join("x".join(map(str, c)) for c in CHUNKED_ROWS),
+               "prefill_shapes": [f"{b}x{n}" for b, n in PREFILL_SHAPES],
+               "chunked": ";".join("x".join(map(str, c)) for c in (CHUNKED_ROWS or [CHUNKED])),
                "spec": "x".join(map(str, SPEC)), "quick": args.quick, "only": list(args.only), "reps": args.reps,
                "time_limit_s": args.time_limit, "build_timeout_s": args.build_timeout, "overlap": not args.no_overlap,
                "flops": "4 x sum over requests of (qo_len x keys attended) x num_qo_heads x head_dim; causal: "
