@@ -1168,8 +1168,8 @@ def test_long_prompts_read_a_copy_of_their_pages(qo_len, kv_len, graph, cap, cop
 def test_copy_of_pages_gathers_each_requests_pages_in_order(table):
     """What run() copies for an fp8 cache or RoPE over the paged cache (sm90.copy_offsets,
     gather_ids): request b's pages at copy offsets b's running page count, K's ids and V's
-    (TensorRT-LLM's table: V's own) in the request's order; the kernel reads the copy through
-    ids 0 .. pages - 1. On the CPU (the planner's arithmetic; the GPU test runs the copy)."""
+    (TensorRT-LLM's table: V's own) in the request's order; the kernel reads the copy as rows.
+    On the CPU (the planner's arithmetic; the GPU test runs the copy)."""
     from flashinfer_jit.prefill import sm90
 
     rnd = random.Random(5)
@@ -1182,7 +1182,7 @@ def test_copy_of_pages_gathers_each_requests_pages_in_order(table):
         ids = torch.tensor(rnd.sample(range(100), sum(pages)), dtype=torch.int32)
         first = np.array([0, *itertools.accumulate(pages)])
         want_k = want_v = [ids[first[b] + p].item() for b in range(len(pages)) for p in range(pages[b])]
-        copy_ids, (k_ids, v_ids) = sm90.gather_ids(ids, first, offsets, 0, torch.device("cpu"), False)
+        k_ids, v_ids = sm90.gather_ids(ids, first, offsets, 0, torch.device("cpu"), False)
     else:
         width = max(pages) + 2
         tables = torch.tensor(rnd.sample(range(1000), len(pages) * 2 * width), dtype=torch.int32)
@@ -1193,8 +1193,7 @@ def test_copy_of_pages_gathers_each_requests_pages_in_order(table):
         v_rows = tables[:, 1] if tables.dim() == 3 else tables
         want_k = [k_rows[b, p].item() for b in range(len(pages)) for p in range(pages[b])]
         want_v = [v_rows[b, p].item() for b in range(len(pages)) for p in range(pages[b])]
-        copy_ids, (k_ids, v_ids) = sm90.gather_ids(flat, first, offsets, v_off, torch.device("cpu"), False)
-    assert copy_ids.tolist() == list(range(sum(pages)))
+        k_ids, v_ids = sm90.gather_ids(flat, first, offsets, v_off, torch.device("cpu"), False)
     assert k_ids.tolist() == want_k and v_ids.tolist() == want_v
 
 

@@ -514,11 +514,11 @@ def copy_offsets(kv_lens: np.ndarray, page_size: int) -> np.ndarray:
 
 
 def gather_ids(ids: torch.Tensor, first: np.ndarray, offsets: np.ndarray, v_ids: int, device: torch.device,
-               non_blocking: bool) -> tuple[torch.Tensor, tuple]:
-    """The copy's side of a paged plan (gathers): (its page ids 0 .. pages - 1 on the device,
-    gather_pages' (K page ids, V page ids) on the device). ids: the page-id vector the kernel
-    would read (CSR indices, or a block table's 1-D view: block_table_ids), request b's pages
-    from entry first[b], its V ids v_ids further on; offsets: copy_offsets."""
+               non_blocking: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What gather_pages copies for a paged plan over the copy of its pages (gathers): (K page
+    ids, V page ids) on the device, the copy's pages in order. ids: the page-id vector the
+    kernel would read (CSR indices, or a block table's 1-D view: block_table_ids), request b's
+    pages from entry first[b], its V ids v_ids further on; offsets: copy_offsets."""
     pages = np.diff(offsets)
     total = int(offsets[-1])
     first = first.astype(np.int64)
@@ -532,7 +532,7 @@ def gather_ids(ids: torch.Tensor, first: np.ndarray, offsets: np.ndarray, v_ids:
         at_dev = torch.from_numpy(at).to(device, non_blocking=non_blocking)
         k_ids = ids[at_dev]
         v_ids_dev = ids[at_dev + v_ids] if v_ids else k_ids
-    return torch.arange(total, dtype=torch.int32, device=device), (k_ids, v_ids_dev)
+    return k_ids, v_ids_dev
 
 
 def pad_rows(offsets: np.ndarray, kv_lens: np.ndarray, page_size: int, device: torch.device,
@@ -559,14 +559,11 @@ def gather_pages(k: torch.Tensor, v: torch.Tensor, gather: tuple, layout: str, d
     out = []
     for t, ids in zip((k, v), gather[:2]):
         nhd = t.transpose(1, 2) if layout == "HND" else t  # [pages, page_size, heads, dim], a view
-        shape = (ids.shape[0], *nhd.shape[1:])
+        copy = torch.empty((ids.shape[0], *nhd.shape[1:]), dtype=dtype, device=t.device)
         if t.dtype == dtype:  # one pass: the pages gathered straight into the copy's rows
-            copy = torch.empty(shape, dtype=dtype, device=t.device)
             torch.index_select(nhd, 0, ids, out=copy)
         else:  # an fp8 cache: its bytes gathered (index_select takes no fp8), then widened
-            picked = nhd.view(torch.uint8).index_select(0, ids).view(t.dtype)
-            copy = torch.empty(shape, dtype=dtype, device=t.device)
-            copy.copy_(picked)
+            copy.copy_(nhd.view(torch.uint8).index_select(0, ids).view(t.dtype))
         out.append(copy.view(-1, *copy.shape[2:]))
     if gather[2].numel():
         out[1].index_fill_(0, gather[2], 0)

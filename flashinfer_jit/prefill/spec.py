@@ -155,7 +155,8 @@ class PrefillSm90Spec(Spec):
     head_dim: int = choice(*SM90_HEAD_DIMS, tag="hd{}")
     mask: str = choice(*SM90_MASKS, default="none", name_default=False)
     # ragged rows, or the paged cache through a CSR page table (pages of 16, 32, 64 or 128
-    # tokens, one TMA box a page; smaller pages run over a copy in pages of 16) in kv_layout
+    # tokens, one TMA box a page) in kv_layout; smaller pages (and long prompts) run the ragged
+    # module over a copy of the batch's pages read as rows
     kv_source: str = choice("ragged", "paged", default="ragged", name_default=False)
     kv_layout: str = choice(*KV_LAYOUTS, default="NHD", name_default=False)
     # keys a K/V tile (flashinfer_jit/prefill/sm90.py key_tile: 176 at head_dim 128 without a

@@ -691,7 +691,7 @@ class _PrefillWrapper:
         if self._ragged:
             self._kv_rows = int(kv[-1])
         elif first is not None:  # (what run() gathers into the copy, on the device; the kernel reads its rows)
-            _, gather = sm90.gather_ids(ids, first, copy_pages, v_ids, self._device, non_blocking)
+            gather = sm90.gather_ids(ids, first, copy_pages, v_ids, self._device, non_blocking)
             gather = (*gather, sm90.pad_rows(copy_pages, kv_lens, page_size, self._device, non_blocking))
             ids, v_ids, layout = None, 0, "NHD"
         elif graph and table == "csr":  # the ids in the wrapper's fixed buffer (as the block table above)
