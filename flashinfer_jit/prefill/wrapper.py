@@ -729,15 +729,21 @@ class _PrefillWrapper:
 
     def _sm90_tiles(self, backend: str, config: _Config, graph: bool, page_size, tiles_of, counts):
         """A Hopper plan's (key tile, query tile, tiles, active tiles), both paths': key_tile()'s
-        tile (176 narrowed to 128 where the batch's requests are short), "auto"'s decision on
+        tile (176 narrowed to 128 wherever 176 computes more keys), "auto"'s decision on
         its tiles (None: it declines), head_dim 64's 192-row tiles where they are long.
         tiles_of(keys_a_tile, rows) plans the tiles: (tiles, active, their column 6's sum);
         counts(), after the first: (the batch's query rows, its requests)."""
         keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, config.mask == "causal", page_size)
         rows = self._force_query_tile or sm90.TILE_ROWS
-        tiles, active, keys = tiles_of(keys_a_tile, rows)
-        if keys_a_tile == 176 and not graph and self._force_key_tile is None and sm90.narrower_tile(tiles[:, 6]):
-            keys_a_tile = 128
+        if keys_a_tile == 176 and not graph and self._force_key_tile is None:
+            # 128-key tiles first, which nearly every batch takes (narrower_tile); the keys a tile
+            # visits (column 6) do not depend on the key tile, so they decide for 176 as well
+            tiles, active, keys = tiles_of(128, rows)
+            if sm90.narrower_tile(tiles[:, 6]):
+                keys_a_tile = 128
+            else:
+                tiles, active, keys = tiles_of(keys_a_tile, rows)
+        else:
             tiles, active, keys = tiles_of(keys_a_tile, rows)
         if backend == "auto":
             qo_tokens, batch = counts()
