@@ -4,7 +4,10 @@ bench_pod_host.py's batch (16 prefill chunks + 256 decodes, two batches in turn)
 functions sorted by their own time. A diagnostic for docs/pod.md's Host time; run it on the
 GPU host (on a CPU-only machine the plans take CPU tensors: no copies, no launches).
 
-  python3 scripts/profile_pod_plan.py [--plans N] [--top K] [--backend fa2|auto]
+  python3 scripts/profile_pod_plan.py [--plans N] [--top K] [--backend fa2|auto] [--wrapper pod|batch_attention]
+
+--wrapper batch_attention profiles BatchAttention.plan() of the same requests as one mixed
+batch (decodes first), as bench_pod_host.py times it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def main() -> int:
     ap.add_argument("--plans", type=int, default=2000)
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--backend", default="fa2")
+    ap.add_argument("--wrapper", default="pod", choices=("pod", "batch_attention"))
     args = ap.parse_args()
     import torch
 
@@ -35,13 +39,22 @@ def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batches = [mixed(torch, s, device) for s in (0, 1)]
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    pod = fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
-    pod.prefill_backend = args.backend
+    if args.wrapper == "pod":
+        pod = fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+        pod.prefill_backend = args.backend
 
-    def plan(i):
-        p, d, _ = batches[i & 1]
-        pod.plan(p[0], p[1], p[2], p[3], d[0], d[1], d[2], d[3], *HEADS, q_data_type=torch.bfloat16,
-                 causal=True)
+        def plan(i):
+            p, d, _ = batches[i & 1]
+            pod.plan(p[0], p[1], p[2], p[3], d[0], d[1], d[2], d[3], *HEADS, q_data_type=torch.bfloat16,
+                     causal=True)
+    else:
+        ba = fij.BatchAttention("NHD", device=str(device))
+        ba.prefill_backend = args.backend
+
+        def plan(i):
+            m = batches[i & 1][2]
+            ba.plan(m[0], m[1], m[2], m[4], 32, 8, 128, 128, 16, causal=True, q_data_type=torch.bfloat16,
+                    kv_data_type=torch.bfloat16)
 
     for i in range(200):
         plan(i)
@@ -58,7 +71,7 @@ def main() -> int:
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
-    print(f"plan() {plain:.1f} us a call without the profiler ({device})")
+    print(f"{args.wrapper} plan() {plain:.1f} us a call without the profiler ({device}, prefill_backend {args.backend})")
     print(s.getvalue())
     return 0
 
