@@ -1,12 +1,16 @@
-"""The Hopper building blocks (csrc/hopper/: mbarriers, TMA, wgmma) in two standalone programs:
+"""The Hopper building blocks (csrc/hopper/: mbarriers, TMA, wgmma) in three standalone programs:
 - tests/hopper/wgmma_probe.cu: S = Q K^T from two TMA-loaded 128B-swizzled K-major tiles,
   O = P V with P in registers and V MN-major (the descriptor's LBO/SBO candidates reported),
   and the dense wgmma rate;
+- tests/hopper/fp8_probe.cu: the e4m3 wgmma of FP8 attention: S = Q K^T from 8-bit TMA tiles,
+  O = P V with P in registers (two candidate A-fragment layouts reported) and V^T K-major,
+  and P packed where the softmax leaves it (S's accumulator layout) against V^T's keys
+  permuted to match; the e4m3 rate;
 - tests/hopper/attn_probe.cu: the Hopper attention kernel's schedules around the library
   kernel's consumer blocks (csrc/hopper/prefill_sm90.cuh; bf16, head_dim 128, causal or not,
   GQA): six variants (plain, ping-pong, persistent in snake order or from an atomic counter,
   two or three stages), each against a double reference, then timed.
-The CPU tests compile both for sm_90a (every wrapper's PTX assembles, no spills); the GPU
+The CPU tests compile them for sm_90a (every wrapper's PTX assembles, no spills); the GPU
 tests run them on an sm_90 device."""
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def _build(tmp_path, name: str = "wgmma_probe") -> Path:
     return exe
 
 
-@pytest.mark.parametrize("name", ["wgmma_probe", pytest.param("attn_probe", marks=pytest.mark.thorough)])
+@pytest.mark.parametrize("name", ["wgmma_probe", "fp8_probe", pytest.param("attn_probe", marks=pytest.mark.thorough)])
 def test_probe_compiles_for_sm90a(tmp_path, name):
     _build(tmp_path, name)
 
@@ -54,6 +58,23 @@ def test_probe_on_hopper(tmp_path):
     results = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert float(results["qk_ss_kmajor_rel_err"]) < 1e-5, done.stdout
     assert any(float(v) < 1e-5 for k, v in results.items() if k.startswith("pv_rs_mnmajor")), done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+def test_fp8_probe_on_hopper(tmp_path):
+    """The e4m3 building blocks: Q K^T exact to fp32 rounding, P V in one of the two candidate
+    A-fragment layouts, and P V from S's layout with V^T's keys permuted, in that layout."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma and TMA need an sm_90 device")
+    exe = _build(tmp_path, "fp8_probe")
+    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    print(done.stdout)
+    results = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert float(results["fp8_qk_ss_rel_err"]) < 1e-5, done.stdout
+    layouts = [i for i in range(2) if float(results[f"fp8_pv_rs_layout{i}_rel_err"]) < 1e-5]
+    assert len(layouts) == 1, done.stdout
+    assert float(results[f"fp8_pv_from_s_layout{layouts[0]}_rel_err"]) < 1e-5, done.stdout
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -1,0 +1,350 @@
+// Probe of csrc/hopper/sm90.cuh's e4m3 wgmma on an sm_90a GPU, the building blocks of FP8
+// attention (tests/test_hopper_blocks.py builds and runs it):
+//  1. S = Q K^T: Q [64 x 128] and K [128 x 128] e4m3, K-major, brought by TMA (8-bit maps,
+//     128-byte rows: one 128B-swizzle atom a row), wgmma m64n128k32 from two descriptors.
+//  2. O = P V with P [64 x 128] e4m3 from registers and V^T [128 x 128] (keys contiguous,
+//     K-major: 8-bit wgmma has no transposed B) by TMA. P goes into the A fragment in each
+//     of two candidate layouts (which registers hold which rows and columns), reported.
+//  3. The same O from P as the attention kernel holds it: its rows' probabilities in the
+//     fp32 accumulator layout of S (columns 8 j + 2 (t % 4) + {0, 1} of rows r and r + 8),
+//     packed to e4m3 in place, four to a register, with V^T's keys permuted in each group of
+//     16 to match (key 2 q + (i & 1) + 8 (i >> 1) at column 4 q + i): no shuffle of P.
+//  4. The e4m3 wgmma issue rate (test 1's four k-steps repeated on every SM).
+// Inputs are random normal values rounded to e4m3; references in double on the host from the
+// rounded values. Prints "name value" lines; exit 0 when 1 and 3 match and a candidate of 2.
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "hopper/sm90.cuh"
+#include "hopper/tma_host.h"
+#include "probe_common.cuh"
+
+using fp8 = __nv_fp8_e4m3;
+namespace h = fij::sm90;
+
+constexpr int kM = 64, kD = 128, kN = 128;  // rows, head_dim, keys (PV's k: kN, its n: kD)
+
+// The warpgroup's accumulators d [64 x 128] to out (row-major).
+__device__ void store_acc(const float (&d)[64], float* out) {
+  const int t = threadIdx.x % 128, row = 16 * (t / 32) + (t % 32) / 4, col = 2 * (t % 4);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    out[row * 128 + 8 * j + col] = d[4 * j];
+    out[row * 128 + 8 * j + col + 1] = d[4 * j + 1];
+    out[(row + 8) * 128 + 8 * j + col] = d[4 * j + 2];
+    out[(row + 8) * 128 + 8 * j + col + 1] = d[4 * j + 3];
+  }
+}
+
+template <typename Issue>
+__device__ void load_once(uint64_t* bar, uint32_t bytes, Issue issue) {
+  if (threadIdx.x == 0) {
+    h::mbar_init(bar, 1);
+    h::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    h::mbar_expect_tx(bar, bytes);
+    issue();
+  }
+  h::mbar_wait(bar, 0);
+}
+
+// 1 and 4: Q (64 rows) then K (128 rows) at sq, sk, 128 bytes a row.
+__device__ void load_qk(unsigned char* sq, unsigned char* sk, const CUtensorMap* q_map, const CUtensorMap* k_map,
+                        uint64_t* bar) {
+  load_once(bar, (kM + kN) * kD, [&] {
+    h::tma_load_2d(sq, q_map, bar, 0, 0);
+    h::tma_load_2d(sk, k_map, bar, 0, 0);
+  });
+}
+
+__global__ void __launch_bounds__(128) qk_kernel(const __grid_constant__ CUtensorMap q_map,
+                                                 const __grid_constant__ CUtensorMap k_map, float* s_out) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* sq = h::align_1024(smem_raw);
+  unsigned char* sk = sq + kM * kD;
+  __shared__ uint64_t bar;
+  load_qk(sq, sk, &q_map, &k_map, &bar);
+  float d[64];
+  h::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kD / 32; ++ks)
+    if (ks == 0)
+      h::wgmma_ss_n128_e4m3<0>(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks));
+    else
+      h::wgmma_ss_n128_e4m3(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks));
+  h::wgmma_commit();
+  h::wgmma_wait<0>();
+  h::fence_regs(d);
+  store_acc(d, s_out);
+}
+
+// Four consecutive e4m3 of row `row` from column `col` as one register (byte i: column col + i).
+__device__ uint32_t four(const fp8* p, int row, int col) {
+  return *reinterpret_cast<const uint32_t*>(p + row * kN + col);
+}
+
+// 2: layout 0 takes {row r cols 4q.., row r + 8 cols 4q.., row r cols 16 + 4q.., row r + 8
+// cols 16 + 4q..} (the bf16 fragment's order, a register four columns wide); layout 1 {row r
+// cols 4q.., row r cols 16 + 4q.., row r + 8 cols 4q.., row r + 8 cols 16 + 4q..}.
+__global__ void __launch_bounds__(128) pv_kernel(const fp8* p, const __grid_constant__ CUtensorMap vt_map, int layout,
+                                                 float* o_out) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* svt = h::align_1024(smem_raw);
+  __shared__ uint64_t bar;
+  load_once(&bar, kD * kN, [&] { h::tma_load_2d(svt, &vt_map, &bar, 0, 0); });
+  const int t = threadIdx.x, r = 16 * (t / 32) + (t % 32) / 4, q = t % 4;
+  uint32_t a[kN / 32][4];  // every k-step's fragment before the fence (else ptxas injects one, C7519)
+#pragma unroll
+  for (int kk = 0; kk < kN / 32; ++kk) {
+    const int c = 32 * kk + 4 * q;
+    a[kk][0] = four(p, r, c);
+    a[kk][1] = layout == 0 ? four(p, r + 8, c) : four(p, r, c + 16);
+    a[kk][2] = layout == 0 ? four(p, r, c + 16) : four(p, r + 8, c);
+    a[kk][3] = four(p, r + 8, c + 16);
+  }
+  float d[64];
+  h::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kN / 32; ++kk) {
+    const uint64_t b = h::kmajor_desc(h::smem_addr(svt), kD, kk);
+    if (kk == 0)
+      h::wgmma_rs_n128_e4m3<0>(d, a[kk], b);
+    else
+      h::wgmma_rs_n128_e4m3(d, a[kk], b);
+  }
+  h::wgmma_commit();
+  h::wgmma_wait<0>();
+  h::fence_regs(d);
+  store_acc(d, o_out);
+}
+
+// e4m3 x4 of four floats, byte i from x[i] (round to nearest, saturated).
+__device__ uint32_t pack4(float x0, float x1, float x2, float x3) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2, x3), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+// 3: P read into the S accumulator layout (floats, as the softmax leaves them), then packed
+// where they lie: k-step kk's registers take S's columns 32 kk + {2q, 2q + 1, 8 + 2q, 8 + 2q +
+// 1} (and + 16) of rows r and r + 8, in layout `layout`'s register order; V^T's keys are
+// permuted on the host to match.
+__global__ void __launch_bounds__(128) pv_from_s_kernel(const float* p, const __grid_constant__ CUtensorMap vt_map,
+                                                        int layout, float* o_out) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* svt = h::align_1024(smem_raw);
+  __shared__ uint64_t bar;
+  load_once(&bar, kD * kN, [&] { h::tma_load_2d(svt, &vt_map, &bar, 0, 0); });
+  const int t = threadIdx.x, r = 16 * (t / 32) + (t % 32) / 4, q = t % 4;
+  float s[64];  // S's layout: s[4 j + {0, 1}] row r, s[4 j + {2, 3}] row r + 8, columns 8 j + 2 q + {0, 1}
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    s[4 * j] = p[r * kN + 8 * j + 2 * q];
+    s[4 * j + 1] = p[r * kN + 8 * j + 2 * q + 1];
+    s[4 * j + 2] = p[(r + 8) * kN + 8 * j + 2 * q];
+    s[4 * j + 3] = p[(r + 8) * kN + 8 * j + 2 * q + 1];
+  }
+  uint32_t a[kN / 32][4];
+#pragma unroll
+  for (int kk = 0; kk < kN / 32; ++kk) {
+    // slabs j = 4 kk .. 4 kk + 3 (8 columns each): {j, j + 1} fill the first 16 keys, {j + 2, j + 3} the next
+    const int j = 4 * kk;
+    const uint32_t r_lo = pack4(s[4 * j], s[4 * j + 1], s[4 * j + 4], s[4 * j + 5]);
+    const uint32_t r8_lo = pack4(s[4 * j + 2], s[4 * j + 3], s[4 * j + 6], s[4 * j + 7]);
+    const uint32_t r_hi = pack4(s[4 * j + 8], s[4 * j + 9], s[4 * j + 12], s[4 * j + 13]);
+    const uint32_t r8_hi = pack4(s[4 * j + 10], s[4 * j + 11], s[4 * j + 14], s[4 * j + 15]);
+    a[kk][0] = r_lo;
+    a[kk][1] = layout == 0 ? r8_lo : r_hi;
+    a[kk][2] = layout == 0 ? r_hi : r8_lo;
+    a[kk][3] = r8_hi;
+  }
+  float d[64];
+  h::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kN / 32; ++kk) {
+    const uint64_t b = h::kmajor_desc(h::smem_addr(svt), kD, kk);
+    if (kk == 0)
+      h::wgmma_rs_n128_e4m3<0>(d, a[kk], b);
+    else
+      h::wgmma_rs_n128_e4m3(d, a[kk], b);
+  }
+  h::wgmma_commit();
+  h::wgmma_wait<0>();
+  h::fence_regs(d);
+  store_acc(d, o_out);
+}
+
+__global__ void __launch_bounds__(128) rate_kernel(const __grid_constant__ CUtensorMap q_map,
+                                                   const __grid_constant__ CUtensorMap k_map, int reps, float* sink) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* sq = h::align_1024(smem_raw);
+  unsigned char* sk = sq + kM * kD;
+  __shared__ uint64_t bar;
+  load_qk(sq, sk, &q_map, &k_map, &bar);
+  float d[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+  for (int rep = 0; rep < reps; ++rep) {
+    h::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 32; ++ks)
+      h::wgmma_ss_n128_e4m3(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks));
+    h::wgmma_commit();
+    h::wgmma_wait<1>();
+  }
+  h::wgmma_wait<0>();
+  h::fence_regs(d);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s += d[i];
+  if (s == 12345.f) sink[0] = s;  // keeps the loop
+}
+
+static double max_rel_err(const std::vector<float>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num = std::fmax(num, std::fabs(got[i] - ref[i]));
+    den = std::fmax(den, std::fabs(ref[i]));
+  }
+  return num / den;
+}
+
+// key at column col of a permuted V^T row: within each 16-key group, column 4 q + i holds key
+// 2 q + (i & 1) + 8 (i >> 1)
+static int permuted_key(int col) {
+  const int g = col / 16, x = col % 16, q = x / 4, i = x % 4;
+  return 16 * g + 2 * q + (i & 1) + 8 * (i >> 1);
+}
+
+int main() {
+  std::mt19937 gen(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  auto rand_fp8 = [&](size_t n, bool probabilities) {
+    std::vector<fp8> v(n);
+    for (auto& x : v) x = fp8(probabilities ? ud(gen) : nd(gen));
+    return v;
+  };
+  const std::vector<fp8> q = rand_fp8(kM * kD, false), k = rand_fp8(kN * kD, false), p = rand_fp8(kM * kN, true),
+                         v = rand_fp8(kN * kD, false);  // v [keys][dims]
+  std::vector<fp8> vt(kD * kN), vt_perm(kD * kN);      // [dims][keys]
+  for (int key = 0; key < kN; ++key)
+    for (int c = 0; c < kD; ++c) vt[c * kN + key] = v[key * kD + c];
+  for (int c = 0; c < kD; ++c)
+    for (int col = 0; col < kN; ++col) vt_perm[c * kN + col] = v[permuted_key(col) * kD + c];
+  std::vector<float> p_float(kM * kN);
+  for (size_t i = 0; i < p.size(); ++i) p_float[i] = float(p[i]);  // exactly e4m3 values: packing keeps them
+
+  fp8 *dq, *dk, *dp, *dvt, *dvtp;
+  float *dpf, *ds, *dout;
+  CHECK_CUDA(cudaMalloc(&dq, q.size()));
+  CHECK_CUDA(cudaMalloc(&dk, k.size()));
+  CHECK_CUDA(cudaMalloc(&dp, p.size()));
+  CHECK_CUDA(cudaMalloc(&dvt, vt.size()));
+  CHECK_CUDA(cudaMalloc(&dvtp, vt_perm.size()));
+  CHECK_CUDA(cudaMalloc(&dpf, p_float.size() * 4));
+  CHECK_CUDA(cudaMalloc(&ds, kM * kN * 4));
+  CHECK_CUDA(cudaMalloc(&dout, kM * kD * 4));
+  CHECK_CUDA(cudaMemcpy(dq, q.data(), q.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dk, k.data(), k.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dp, p.data(), p.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dvt, vt.data(), vt.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dvtp, vt_perm.data(), vt_perm.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dpf, p_float.data(), p_float.size() * 4, cudaMemcpyHostToDevice));
+
+  // maps: 128-byte rows (one swizzle atom), the whole tile one box
+  const uint64_t q_dims[2] = {kD, kM}, k_dims[2] = {kD, kN}, vt_dims[2] = {kN, kD};
+  const uint64_t row_bytes[1] = {128};
+  const uint32_t q_box[2] = {kD, kM}, k_box[2] = {kD, kN}, vt_box[2] = {kN, kD};
+  const auto u8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  CUtensorMap q_map, k_map, vt_map, vtp_map;
+  try {
+    q_map = h::tensor_map(dq, 2, q_dims, row_bytes, q_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
+    k_map = h::tensor_map(dk, 2, k_dims, row_bytes, k_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
+    vt_map = h::tensor_map(dvt, 2, vt_dims, row_bytes, vt_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
+    vtp_map = h::tensor_map(dvtp, 2, vt_dims, row_bytes, vt_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
+  } catch (const std::exception& e) {
+    std::printf("tensor_map_error %s\n", e.what());
+    return 2;
+  }
+  const int qk_smem = (kM + kN) * kD + 1024, pv_smem = kD * kN + 1024;
+  CHECK_CUDA(cudaFuncSetAttribute(qk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, qk_smem));
+  CHECK_CUDA(cudaFuncSetAttribute(rate_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, qk_smem));
+  CHECK_CUDA(cudaFuncSetAttribute(pv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pv_smem));
+  CHECK_CUDA(cudaFuncSetAttribute(pv_from_s_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pv_smem));
+
+  // 1. S = Q K^T
+  CHECK_CUDA(cudaMemset(ds, 0xff, kM * kN * 4));  // NaN: unwritten elements fail
+  qk_kernel<<<1, 128, qk_smem>>>(q_map, k_map, ds);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> s(kM * kN);
+  CHECK_CUDA(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<double> s_ref(kM * kN);
+  for (int i = 0; i < kM; ++i)
+    for (int j = 0; j < kN; ++j) {
+      double acc = 0;
+      for (int c = 0; c < kD; ++c) acc += double(float(q[i * kD + c])) * double(float(k[j * kD + c]));
+      s_ref[i * kN + j] = acc;
+    }
+  const double qk_err = max_rel_err(s, s_ref);
+  std::printf("fp8_qk_ss_rel_err %.3g\n", qk_err);
+
+  // 2 and 3. O = P V
+  std::vector<double> o_ref(kM * kD);
+  for (int i = 0; i < kM; ++i)
+    for (int c = 0; c < kD; ++c) {
+      double acc = 0;
+      for (int key = 0; key < kN; ++key) acc += double(float(p[i * kN + key])) * double(float(v[key * kD + c]));
+      o_ref[i * kD + c] = acc;
+    }
+  auto run_pv = [&](bool from_s, int layout, double* err) -> int {
+    CHECK_CUDA(cudaMemset(dout, 0xff, kM * kD * 4));
+    if (from_s)
+      pv_from_s_kernel<<<1, 128, pv_smem>>>(dpf, vtp_map, layout, dout);
+    else
+      pv_kernel<<<1, 128, pv_smem>>>(dp, vt_map, layout, dout);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<float> o(kM * kD);
+    CHECK_CUDA(cudaMemcpy(o.data(), dout, o.size() * 4, cudaMemcpyDeviceToHost));
+    *err = max_rel_err(o, o_ref);
+    return 0;
+  };
+  int pv_match = -1, from_s_ok = 0;
+  for (int layout = 0; layout < 2; ++layout) {
+    double err = INFINITY;
+    if (run_pv(false, layout, &err) != 0) return 2;
+    std::printf("fp8_pv_rs_layout%d_rel_err %.3g\n", layout, err);
+    if (err < 1e-5 && pv_match < 0) pv_match = layout;
+  }
+  for (int layout = 0; layout < 2; ++layout) {  // (the permuted form in either register order)
+    double err = INFINITY;
+    if (run_pv(true, layout, &err) != 0) return 2;
+    std::printf("fp8_pv_from_s_layout%d_rel_err %.3g\n", layout, err);
+    from_s_ok += err < 1e-5 && layout == pv_match;
+  }
+
+  // 4. issue rate
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int blocks = 2 * sms, reps = 4096;
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  rate_kernel<<<blocks, 128, qk_smem>>>(q_map, k_map, 16, ds);  // warm-up
+  CHECK_CUDA(cudaEventRecord(e0));
+  rate_kernel<<<blocks, 128, qk_smem>>>(q_map, k_map, reps, ds);
+  CHECK_CUDA(cudaEventRecord(e1));
+  CHECK_CUDA(cudaEventSynchronize(e1));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  const double flops = double(blocks) * reps * (kD / 32) * 2.0 * kM * kN * 32;
+  std::printf("wgmma_ss_n128_e4m3_tflops %.1f\n", flops / (ms * 1e-3) / 1e12);
+  return qk_err < 1e-5 && pv_match >= 0 && from_s_ok == 1 ? 0 : 1;
+}
