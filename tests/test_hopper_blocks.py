@@ -5,7 +5,8 @@
 - tests/hopper/fp8_probe.cu: the e4m3 wgmma of FP8 attention: S = Q K^T from 8-bit TMA tiles,
   O = P V with P in registers (two candidate A-fragment layouts reported) and V^T K-major,
   and P packed where the softmax leaves it (S's accumulator layout) against V^T's keys
-  permuted to match; the e4m3 rate;
+  permuted to match, on the host and by the transpose of V in shared memory
+  (csrc/hopper/sm90_fp8.cuh); the e4m3 rate;
 - tests/hopper/attn_probe.cu: the Hopper attention kernel's schedules around the library
   kernel's consumer blocks (csrc/hopper/prefill_sm90.cuh; bf16, head_dim 128, causal or not,
   GQA): six variants (plain, ping-pong, persistent in snake order or from an atomic counter,
@@ -64,7 +65,8 @@ def test_probe_on_hopper(tmp_path):
 @pytest.mark.gpu
 def test_fp8_probe_on_hopper(tmp_path):
     """The e4m3 building blocks: Q K^T exact to fp32 rounding, P V in one of the two candidate
-    A-fragment layouts, and P V from S's layout with V^T's keys permuted, in that layout."""
+    A-fragment layouts, and P V from S's layout (pack_p_e4m3) in that layout, against V^T's
+    keys permuted on the host and against V transposed in shared memory (transpose_v_e4m3)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma and TMA need an sm_90 device")
     exe = _build(tmp_path, "fp8_probe")
@@ -75,6 +77,7 @@ def test_fp8_probe_on_hopper(tmp_path):
     layouts = [i for i in range(2) if float(results[f"fp8_pv_rs_layout{i}_rel_err"]) < 1e-5]
     assert len(layouts) == 1, done.stdout
     assert float(results[f"fp8_pv_from_s_layout{layouts[0]}_rel_err"]) < 1e-5, done.stdout
+    assert float(results[f"fp8_pv_transposed_layout{layouts[0]}_rel_err"]) < 1e-5, done.stdout
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -7,11 +7,13 @@
 //     of two candidate layouts (which registers hold which rows and columns), reported.
 //  3. The same O from P as the attention kernel holds it: its rows' probabilities in the
 //     fp32 accumulator layout of S (columns 8 j + 2 (t % 4) + {0, 1} of rows r and r + 8),
-//     packed to e4m3 in place, four to a register, with V^T's keys permuted in each group of
-//     16 to match (key 2 q + (i & 1) + 8 (i >> 1) at column 4 q + i): no shuffle of P.
+//     packed to e4m3 in place (csrc/hopper/sm90_fp8.cuh pack_p_e4m3), with V^T's keys
+//     permuted in each group of 16 to match (vt_key), on the host: no shuffle of P.
 //  4. The e4m3 wgmma issue rate (test 1's four k-steps repeated on every SM).
+//  5. As 3, with V [keys x dims] brought by TMA and transposed in shared memory into the
+//     permuted V^T (transpose_v_e4m3), as the kernel will.
 // Inputs are random normal values rounded to e4m3; references in double on the host from the
-// rounded values. Prints "name value" lines; exit 0 when 1 and 3 match and a candidate of 2.
+// rounded values. Prints "name value" lines; exit 0 when 1, 3 and 5 match and a candidate of 2.
 #include <cuda_fp8.h>
 
 #include <cmath>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "hopper/sm90.cuh"
+#include "hopper/sm90_fp8.cuh"
 #include "hopper/tma_host.h"
 #include "probe_common.cuh"
 
@@ -124,23 +127,21 @@ __global__ void __launch_bounds__(128) pv_kernel(const fp8* p, const __grid_cons
   store_acc(d, o_out);
 }
 
-// e4m3 x4 of four floats, byte i from x[i] (round to nearest, saturated).
-__device__ uint32_t pack4(float x0, float x1, float x2, float x3) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2, x3), __NV_SATFINITE, __NV_E4M3);
-  return lo | (hi << 16);
-}
-
-// 3: P read into the S accumulator layout (floats, as the softmax leaves them), then packed
-// where they lie: k-step kk's registers take S's columns 32 kk + {2q, 2q + 1, 8 + 2q, 8 + 2q +
-// 1} (and + 16) of rows r and r + 8, in layout `layout`'s register order; V^T's keys are
-// permuted on the host to match.
-__global__ void __launch_bounds__(128) pv_from_s_kernel(const float* p, const __grid_constant__ CUtensorMap vt_map,
-                                                        int layout, float* o_out) {
+// 3 and 5: P read into the S accumulator layout (floats, as the softmax leaves them), then
+// packed where they lie (pack_p_e4m3 in layout `layout`). 3: V^T with its keys permuted comes
+// by TMA (vt_map). 5: V [keys x dims] comes by TMA (vt_map then maps V) and is transposed here.
+template <int kLayout>
+__device__ void pv_from_s(const float* p, const CUtensorMap* vt_map, bool transpose, float* o_out) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* svt = h::align_1024(smem_raw);
+  unsigned char* sv = h::align_1024(smem_raw);  // the TMA tile: V^T (3) or V (5)
+  unsigned char* svt = sv + kD * kN;             // 5: the transposed V^T
   __shared__ uint64_t bar;
-  load_once(&bar, kD * kN, [&] { h::tma_load_2d(svt, &vt_map, &bar, 0, 0); });
+  load_once(&bar, kD * kN, [&] { h::tma_load_2d(sv, vt_map, &bar, 0, 0); });
+  if (transpose) {
+    h::transpose_v_e4m3<kN>(sv, svt, threadIdx.x, 128);
+    h::fence_proxy_async();  // the generic writes, before the wgmma (the async proxy) reads them
+    __syncthreads();
+  }
   const int t = threadIdx.x, r = 16 * (t / 32) + (t % 32) / 4, q = t % 4;
   float s[64];  // S's layout: s[4 j + {0, 1}] row r, s[4 j + {2, 3}] row r + 8, columns 8 j + 2 q + {0, 1}
 #pragma unroll
@@ -150,25 +151,14 @@ __global__ void __launch_bounds__(128) pv_from_s_kernel(const float* p, const __
     s[4 * j + 2] = p[(r + 8) * kN + 8 * j + 2 * q];
     s[4 * j + 3] = p[(r + 8) * kN + 8 * j + 2 * q + 1];
   }
-  uint32_t a[kN / 32][4];
-#pragma unroll
-  for (int kk = 0; kk < kN / 32; ++kk) {
-    // slabs j = 4 kk .. 4 kk + 3 (8 columns each): {j, j + 1} fill the first 16 keys, {j + 2, j + 3} the next
-    const int j = 4 * kk;
-    const uint32_t r_lo = pack4(s[4 * j], s[4 * j + 1], s[4 * j + 4], s[4 * j + 5]);
-    const uint32_t r8_lo = pack4(s[4 * j + 2], s[4 * j + 3], s[4 * j + 6], s[4 * j + 7]);
-    const uint32_t r_hi = pack4(s[4 * j + 8], s[4 * j + 9], s[4 * j + 12], s[4 * j + 13]);
-    const uint32_t r8_hi = pack4(s[4 * j + 10], s[4 * j + 11], s[4 * j + 14], s[4 * j + 15]);
-    a[kk][0] = r_lo;
-    a[kk][1] = layout == 0 ? r8_lo : r_hi;
-    a[kk][2] = layout == 0 ? r_hi : r8_lo;
-    a[kk][3] = r8_hi;
-  }
+  uint32_t a[kN / 32][4];  // every k-step's fragment before the fence (else ptxas injects one, C7519)
+  h::pack_p_e4m3<kLayout>(s, a);
+  const uint32_t b_tile = h::smem_addr(transpose ? svt : sv);
   float d[64];
   h::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kN / 32; ++kk) {
-    const uint64_t b = h::kmajor_desc(h::smem_addr(svt), kD, kk);
+    const uint64_t b = h::kmajor_desc(b_tile, kD, kk);
     if (kk == 0)
       h::wgmma_rs_n128_e4m3<0>(d, a[kk], b);
     else
@@ -178,6 +168,14 @@ __global__ void __launch_bounds__(128) pv_from_s_kernel(const float* p, const __
   h::wgmma_wait<0>();
   h::fence_regs(d);
   store_acc(d, o_out);
+}
+
+__global__ void __launch_bounds__(128) pv_from_s_kernel(const float* p, const __grid_constant__ CUtensorMap vt_map,
+                                                        int layout, int transpose, float* o_out) {
+  if (layout == 0)
+    pv_from_s<0>(p, &vt_map, transpose != 0, o_out);
+  else
+    pv_from_s<1>(p, &vt_map, transpose != 0, o_out);
 }
 
 __global__ void __launch_bounds__(128) rate_kernel(const __grid_constant__ CUtensorMap q_map,
@@ -216,13 +214,6 @@ static double max_rel_err(const std::vector<float>& got, const std::vector<doubl
   return num / den;
 }
 
-// key at column col of a permuted V^T row: within each 16-key group, column 4 q + i holds key
-// 2 q + (i & 1) + 8 (i >> 1)
-static int permuted_key(int col) {
-  const int g = col / 16, x = col % 16, q = x / 4, i = x % 4;
-  return 16 * g + 2 * q + (i & 1) + 8 * (i >> 1);
-}
-
 int main() {
   std::mt19937 gen(11);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -238,17 +229,18 @@ int main() {
   for (int key = 0; key < kN; ++key)
     for (int c = 0; c < kD; ++c) vt[c * kN + key] = v[key * kD + c];
   for (int c = 0; c < kD; ++c)
-    for (int col = 0; col < kN; ++col) vt_perm[c * kN + col] = v[permuted_key(col) * kD + c];
+    for (int col = 0; col < kN; ++col) vt_perm[c * kN + col] = v[h::vt_key(col) * kD + c];
   std::vector<float> p_float(kM * kN);
   for (size_t i = 0; i < p.size(); ++i) p_float[i] = float(p[i]);  // exactly e4m3 values: packing keeps them
 
-  fp8 *dq, *dk, *dp, *dvt, *dvtp;
+  fp8 *dq, *dk, *dp, *dvt, *dvtp, *dv;
   float *dpf, *ds, *dout;
   CHECK_CUDA(cudaMalloc(&dq, q.size()));
   CHECK_CUDA(cudaMalloc(&dk, k.size()));
   CHECK_CUDA(cudaMalloc(&dp, p.size()));
   CHECK_CUDA(cudaMalloc(&dvt, vt.size()));
   CHECK_CUDA(cudaMalloc(&dvtp, vt_perm.size()));
+  CHECK_CUDA(cudaMalloc(&dv, v.size()));
   CHECK_CUDA(cudaMalloc(&dpf, p_float.size() * 4));
   CHECK_CUDA(cudaMalloc(&ds, kM * kN * 4));
   CHECK_CUDA(cudaMalloc(&dout, kM * kD * 4));
@@ -257,28 +249,30 @@ int main() {
   CHECK_CUDA(cudaMemcpy(dp, p.data(), p.size(), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dvt, vt.data(), vt.size(), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dvtp, vt_perm.data(), vt_perm.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dv, v.data(), v.size(), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dpf, p_float.data(), p_float.size() * 4, cudaMemcpyHostToDevice));
 
   // maps: 128-byte rows (one swizzle atom), the whole tile one box
-  const uint64_t q_dims[2] = {kD, kM}, k_dims[2] = {kD, kN}, vt_dims[2] = {kN, kD};
+  const uint64_t q_dims[2] = {kD, kM}, k_dims[2] = {kD, kN}, vt_dims[2] = {kN, kD}, v_dims[2] = {kD, kN};
   const uint64_t row_bytes[1] = {128};
-  const uint32_t q_box[2] = {kD, kM}, k_box[2] = {kD, kN}, vt_box[2] = {kN, kD};
+  const uint32_t q_box[2] = {kD, kM}, k_box[2] = {kD, kN}, vt_box[2] = {kN, kD}, v_box[2] = {kD, kN};
   const auto u8 = CU_TENSOR_MAP_DATA_TYPE_UINT8;
-  CUtensorMap q_map, k_map, vt_map, vtp_map;
+  CUtensorMap q_map, k_map, vt_map, vtp_map, v_map;
   try {
     q_map = h::tensor_map(dq, 2, q_dims, row_bytes, q_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
     k_map = h::tensor_map(dk, 2, k_dims, row_bytes, k_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
     vt_map = h::tensor_map(dvt, 2, vt_dims, row_bytes, vt_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
     vtp_map = h::tensor_map(dvtp, 2, vt_dims, row_bytes, vt_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
+    v_map = h::tensor_map(dv, 2, v_dims, row_bytes, v_box, u8, CU_TENSOR_MAP_SWIZZLE_128B);
   } catch (const std::exception& e) {
     std::printf("tensor_map_error %s\n", e.what());
     return 2;
   }
-  const int qk_smem = (kM + kN) * kD + 1024, pv_smem = kD * kN + 1024;
+  const int qk_smem = (kM + kN) * kD + 1024, pv_smem = kD * kN + 1024, pv_t_smem = 2 * kD * kN + 1024;
   CHECK_CUDA(cudaFuncSetAttribute(qk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, qk_smem));
   CHECK_CUDA(cudaFuncSetAttribute(rate_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, qk_smem));
   CHECK_CUDA(cudaFuncSetAttribute(pv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pv_smem));
-  CHECK_CUDA(cudaFuncSetAttribute(pv_from_s_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pv_smem));
+  CHECK_CUDA(cudaFuncSetAttribute(pv_from_s_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pv_t_smem));
 
   // 1. S = Q K^T
   CHECK_CUDA(cudaMemset(ds, 0xff, kM * kN * 4));  // NaN: unwritten elements fail
@@ -304,12 +298,14 @@ int main() {
       for (int key = 0; key < kN; ++key) acc += double(float(p[i * kN + key])) * double(float(v[key * kD + c]));
       o_ref[i * kD + c] = acc;
     }
-  auto run_pv = [&](bool from_s, int layout, double* err) -> int {
+  // mode 0: P's fragment read whole (2), 1: P from S's layout against the permuted V^T (3),
+  // 2: the same with V transposed in shared memory (5)
+  auto run_pv = [&](int mode, int layout, double* err) -> int {
     CHECK_CUDA(cudaMemset(dout, 0xff, kM * kD * 4));
-    if (from_s)
-      pv_from_s_kernel<<<1, 128, pv_smem>>>(dpf, vtp_map, layout, dout);
-    else
+    if (mode == 0)
       pv_kernel<<<1, 128, pv_smem>>>(dp, vt_map, layout, dout);
+    else
+      pv_from_s_kernel<<<1, 128, pv_t_smem>>>(dpf, mode == 1 ? vtp_map : v_map, layout, mode == 2, dout);
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<float> o(kM * kD);
     CHECK_CUDA(cudaMemcpy(o.data(), dout, o.size() * 4, cudaMemcpyDeviceToHost));
@@ -319,16 +315,17 @@ int main() {
   int pv_match = -1, from_s_ok = 0;
   for (int layout = 0; layout < 2; ++layout) {
     double err = INFINITY;
-    if (run_pv(false, layout, &err) != 0) return 2;
+    if (run_pv(0, layout, &err) != 0) return 2;
     std::printf("fp8_pv_rs_layout%d_rel_err %.3g\n", layout, err);
     if (err < 1e-5 && pv_match < 0) pv_match = layout;
   }
-  for (int layout = 0; layout < 2; ++layout) {  // (the permuted form in either register order)
-    double err = INFINITY;
-    if (run_pv(true, layout, &err) != 0) return 2;
-    std::printf("fp8_pv_from_s_layout%d_rel_err %.3g\n", layout, err);
-    from_s_ok += err < 1e-5 && layout == pv_match;
-  }
+  for (int mode = 1; mode <= 2; ++mode)
+    for (int layout = 0; layout < 2; ++layout) {  // (either register order)
+      double err = INFINITY;
+      if (run_pv(mode, layout, &err) != 0) return 2;
+      std::printf("fp8_pv_%s_layout%d_rel_err %.3g\n", mode == 1 ? "from_s" : "transposed", layout, err);
+      from_s_ok += err < 1e-5 && layout == pv_match;
+    }
 
   // 4. issue rate
   int sms = 0;
@@ -346,5 +343,5 @@ int main() {
   CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
   const double flops = double(blocks) * reps * (kD / 32) * 2.0 * kM * kN * 32;
   std::printf("wgmma_ss_n128_e4m3_tflops %.1f\n", flops / (ms * 1e-3) / 1e12);
-  return qk_err < 1e-5 && pv_match >= 0 && from_s_ok == 1 ? 0 : 1;
+  return qk_err < 1e-5 && pv_match >= 0 && from_s_ok == 2 ? 0 : 1;
 }
