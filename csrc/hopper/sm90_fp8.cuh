@@ -53,18 +53,20 @@ FIJ_SM90 void pack_p_e4m3(const float (&s)[kS], uint32_t (&pa)[kS / 16][4]) {
 FIJ_SM90 int swizzle128(int row, int col) { return row * 128 + ((((col >> 4) ^ row) & 7) << 4) + (col & 15); }
 
 // V [kKeys x 128] e4m3 (one TMA tile: a key a row, 128B-swizzled) into V^T [128 x kKeys] (a
-// head_dim column a row; kKeys = 128: one swizzle atom a row; columns in vt_key's order),
-// by `threads` threads, this one `t`: each moves blocks of four keys (the four of one V^T
-// register of vt_key's order) by four dims, 4-byte reads, a byte transpose by __byte_perm,
-// 4-byte writes. Synchronize, and fence_proxy_async, before a wgmma reads vt. A first form for
-// correctness (the probe): its shared-memory banks conflict (up to 16-way on the writes);
-// ldmatrix / stmatrix, as FA3 transposes, is the next step.
+// head_dim column a row; kKeys = 128: one swizzle atom a row; columns in vt_key's order), by
+// `warps` whole warps, this thread `t` of them. A unit moves four keys (the four of one V^T
+// word in vt_key's order: 16 g + 2 q + {0, 1, 8, 9}) by four dims (4 w ..): four 4-byte reads,
+// a byte transpose by __byte_perm, four 4-byte writes. Lane a + 4 b of a warp's pass takes q = a,
+// g = b, w = w0 + ((b + s) mod 8) (the pass's s in 0..7, w0 in {0, 8, 16, 24}): every read and
+// every write of a pass then hits 32 distinct banks under the 128B swizzle (checked, with
+// every byte, by scripts/fp8_transpose_model.py). Synchronize, and fence_proxy_async, before a wgmma
+// reads vt. ldmatrix / stmatrix (16 bytes a lane) would move the tile in fewer instructions.
 template <int kKeys>
-FIJ_SM90 void transpose_v_e4m3(const unsigned char* v, unsigned char* vt, int t, int threads) {
+FIJ_SM90 void transpose_v_e4m3(const unsigned char* v, unsigned char* vt, int t, int warps) {
   static_assert(kKeys == 128, "V^T rows of one 128-byte swizzle atom");
-  constexpr int kUnits = 32 * (kKeys / 16) * 4;  // dim words x key groups x quads
-  for (int u = t; u < kUnits; u += threads) {
-    const int w = u % 32, q = (u / 32) % 4, g = u / 128;  // dims 4 w .. 4 w + 3; keys of group g, quad q
+  const int lane = t % 32, q = lane % 4, g = lane / 4;
+  for (int pass = t / 32; pass < 32; pass += warps) {
+    const int s = pass % 8, w = 8 * (pass / 8) + ((g + s) & 7);  // dims 4 w .. 4 w + 3
     const int k0 = 16 * g + 2 * q;
     const uint32_t a0 = *reinterpret_cast<const uint32_t*>(v + swizzle128(k0, 4 * w));
     const uint32_t a1 = *reinterpret_cast<const uint32_t*>(v + swizzle128(k0 + 1, 4 * w));
