@@ -1,9 +1,14 @@
 // What the standalone Hopper probes share (tests/hopper/*.cu): the CUDA error check of
-// their main()s.
+// their main()s, a warpgroup's accumulators written out, one TMA load waited for, and the
+// error against a double reference.
 #pragma once
+#include <cmath>
 #include <cstdio>
+#include <vector>
 
 #include <cuda_runtime.h>
+
+#include "hopper/sm90.cuh"
 
 // Prints the error and returns 2 from the calling function (main or a step of it).
 #define CHECK_CUDA(x)                                                                     \
@@ -14,3 +19,43 @@
       return 2;                                                                           \
     }                                                                                     \
   } while (0)
+
+// The warpgroup's accumulators d [64 x N] to out (row-major, ld N): thread t holds rows
+// 16 (t / 32) + (t % 32) / 4 and + 8, columns 8 j + 2 (t % 4) + {0, 1}.
+template <int N>
+__device__ void store_acc(const float (&d)[N / 2], float* out) {
+  const int t = threadIdx.x % 128, row = 16 * (t / 32) + (t % 32) / 4, col = 2 * (t % 4);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    out[row * N + 8 * j + col] = d[4 * j];
+    out[row * N + 8 * j + col + 1] = d[4 * j + 1];
+    out[(row + 8) * N + 8 * j + col] = d[4 * j + 2];
+    out[(row + 8) * N + 8 * j + col + 1] = d[4 * j + 3];
+  }
+}
+
+// One barrier; thread 0 issues `bytes` of TMA loads (issue()), every thread waits for them.
+template <typename Issue>
+__device__ void load_once(uint64_t* bar, uint32_t bytes, Issue issue) {
+  if (threadIdx.x == 0) {
+    fij::sm90::mbar_init(bar, 1);
+    fij::sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fij::sm90::mbar_expect_tx(bar, bytes);
+    issue();
+  }
+  fij::sm90::mbar_wait(bar, 0);
+}
+
+// max |got - ref| / max |ref|; infinite where got has a non-finite value (an unwritten NaN).
+inline double max_rel_err(const std::vector<float>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num = std::fmax(num, std::fabs(got[i] - ref[i]));
+    den = std::fmax(den, std::fabs(ref[i]));
+  }
+  return num / den;
+}
