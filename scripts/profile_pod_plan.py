@@ -5,9 +5,12 @@ functions sorted by their own time. A diagnostic for docs/pod.md's Host time; ru
 GPU host (on a CPU-only machine the plans take CPU tensors: no copies, no launches).
 
   python3 scripts/profile_pod_plan.py [--plans N] [--top K] [--backend fa2|auto] [--wrapper pod|batch_attention]
+                                     [--as-sm90]
 
 --wrapper batch_attention profiles BatchAttention.plan() of the same requests as one mixed
-batch (decodes first), as bench_pod_host.py times it.
+batch (decodes first), as bench_pod_host.py times it. --as-sm90 (for a CPU-only machine)
+plans as on an H100 / H200 (the Hopper kernel's arch check skipped, as the CPU tests of
+its planner do), so the path POD on Hopper takes is the one profiled, less its copies.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--backend", default="fa2")
     ap.add_argument("--wrapper", default="pod", choices=("pod", "batch_attention"))
+    ap.add_argument("--as-sm90", action="store_true")
     args = ap.parse_args()
     import torch
 
     import flashinfer_jit as fij
+
+    if args.as_sm90:
+        from flashinfer_jit.prefill import sm90
+        sm90.arch_error = lambda device: None
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batches = [mixed(torch, s, device) for s in (0, 1)]
@@ -71,7 +79,8 @@ def main() -> int:
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
-    print(f"{args.wrapper} plan() {plain:.1f} us a call without the profiler ({device}, prefill_backend {args.backend})")
+    print(f"{args.wrapper} plan() {plain:.1f} us a call without the profiler ({device}{', as sm90' if args.as_sm90 else ''}, "
+          f"prefill_backend {args.backend})")
     print(s.getvalue())
     return 0
 

@@ -64,7 +64,7 @@ def test_probe_on_hopper(tmp_path):
 
 @pytest.mark.gpu
 def test_fp8_probe_on_hopper(tmp_path):
-    """The e4m3 building blocks: Q K^T exact to fp32 rounding, P V in one of the two candidate
+    """The e4m3 building blocks: Q K^T to the fp8 MMA's accumulation, P V in one of the two candidate
     A-fragment layouts, and P V from S's layout (pack_p_e4m3) in that layout, against V^T's
     keys permuted on the host and against V transposed in shared memory (transpose_v_e4m3)."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -73,11 +73,14 @@ def test_fp8_probe_on_hopper(tmp_path):
     done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     print(done.stdout)
     results = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
-    assert float(results["fp8_qk_ss_rel_err"]) < 1e-5, done.stdout
-    layouts = [i for i in range(2) if float(results[f"fp8_pv_rs_layout{i}_rel_err"]) < 1e-5]
-    assert len(layouts) == 1, done.stdout
-    assert float(results[f"fp8_pv_from_s_layout{layouts[0]}_rel_err"]) < 1e-5, done.stdout
-    assert float(results[f"fp8_pv_transposed_layout{layouts[0]}_rel_err"]) < 1e-5, done.stdout
+    # (fp8 wgmma accumulates in about 13-14 bits: 2.4e-4 and 3.5e-4 on an H200, where a wrong
+    # fragment layout is 0.58 off; fp8_probe.cu's kFp8Tol)
+    tol = 2e-3
+    assert float(results["fp8_qk_ss_rel_err"]) < tol, done.stdout
+    layouts = [i for i in range(2) if float(results[f"fp8_pv_rs_layout{i}_rel_err"]) < tol]
+    assert layouts == [0], done.stdout  # (H200, 2026-11-30: layout 0, pack_p_e4m3's default)
+    assert float(results["fp8_pv_from_s_layout0_rel_err"]) < tol, done.stdout
+    assert float(results["fp8_pv_transposed_layout0_rel_err"]) < tol, done.stdout
     assert done.returncode == 0, done.stdout + done.stderr
 
 

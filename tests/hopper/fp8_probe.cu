@@ -14,6 +14,10 @@
 //     permuted V^T (transpose_v_e4m3), as the kernel will.
 // Inputs are random normal values rounded to e4m3; references in double on the host from the
 // rounded values. Prints "name value" lines; exit 0 when 1, 3 and 5 match and a candidate of 2.
+// "Match": a max error relative to the largest reference value below kFp8Tol. The e4m3 wgmma
+// does not add in full fp32: on an H200 (2026-11-30) Q K^T came out 2.4e-4 off and P V 3.5e-4
+// (about 2^-12, the 13-14 bits an fp8 MMA is known to keep while it accumulates), where the bf16
+// probe's are below 1e-5; the wrong A layout is 0.58 off.
 #include <cuda_fp8.h>
 
 #include <cmath>
@@ -28,6 +32,8 @@
 
 using fp8 = __nv_fp8_e4m3;
 namespace h = fij::sm90;
+
+constexpr double kFp8Tol = 2e-3;
 
 constexpr int kM = 64, kD = 128, kN = 128;  // rows, head_dim, keys (PV's k: kN, its n: kD)
 
@@ -273,14 +279,14 @@ int main() {
     double err = INFINITY;
     if (run_pv(0, layout, &err) != 0) return 2;
     std::printf("fp8_pv_rs_layout%d_rel_err %.3g\n", layout, err);
-    if (err < 1e-5 && pv_match < 0) pv_match = layout;
+    if (err < kFp8Tol && pv_match < 0) pv_match = layout;
   }
   for (int mode = 1; mode <= 2; ++mode)
     for (int layout = 0; layout < 2; ++layout) {  // (either register order)
       double err = INFINITY;
       if (run_pv(mode, layout, &err) != 0) return 2;
       std::printf("fp8_pv_%s_layout%d_rel_err %.3g\n", mode == 1 ? "from_s" : "transposed", layout, err);
-      from_s_ok += err < 1e-5 && layout == pv_match;
+      from_s_ok += err < kFp8Tol && layout == pv_match;
     }
 
   // 4. issue rate
@@ -299,5 +305,5 @@ int main() {
   CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
   const double flops = double(blocks) * reps * (kD / 32) * 2.0 * kM * kN * 32;
   std::printf("wgmma_ss_n128_e4m3_tflops %.1f\n", flops / (ms * 1e-3) / 1e12);
-  return qk_err < 1e-5 && pv_match >= 0 && from_s_ok == 2 ? 0 : 1;
+  return qk_err < kFp8Tol && pv_match >= 0 && from_s_ok == 2 ? 0 : 1;
 }
