@@ -7,6 +7,8 @@
   and P packed where the softmax leaves it (S's accumulator layout) against V^T's keys
   permuted to match, on the host and by the transpose of V in shared memory
   (csrc/hopper/sm90_fp8.cuh); the e4m3 rate;
+- tests/hopper/fp8_attn_probe.cu: the prefill kernel's FP8 form (q, K, V in e4m3) and its bf16
+  form on the same values, launched on hand-made work lists, against a double reference, timed;
 - tests/hopper/attn_probe.cu: the Hopper attention kernel's schedules around the library
   kernel's consumer blocks (csrc/hopper/prefill_sm90.cuh; bf16, head_dim 128, causal or not,
   GQA): six variants (plain, ping-pong, persistent in snake order or from an atomic counter,
@@ -44,7 +46,8 @@ def _build(tmp_path, name: str = "wgmma_probe") -> Path:
     return exe
 
 
-@pytest.mark.parametrize("name", ["wgmma_probe", "fp8_probe", pytest.param("attn_probe", marks=pytest.mark.thorough)])
+@pytest.mark.parametrize("name", ["wgmma_probe", "fp8_probe", "fp8_attn_probe",
+                                  pytest.param("attn_probe", marks=pytest.mark.thorough)])
 def test_probe_compiles_for_sm90a(tmp_path, name):
     _build(tmp_path, name)
 
@@ -81,6 +84,24 @@ def test_fp8_probe_on_hopper(tmp_path):
     assert layouts == [0], done.stdout  # (H200, 2026-11-30: layout 0, pack_p_e4m3's default)
     assert float(results["fp8_pv_from_s_layout0_rel_err"]) < tol, done.stdout
     assert float(results["fp8_pv_transposed_layout0_rel_err"]) < tol, done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+def test_fp8_attention_probe_on_hopper(tmp_path):
+    """The prefill kernel's FP8 form (q, K and V in e4m3, bf16 out) beside its bf16 form on the
+    same values: every row of three small batches and a sample of three large ones against a
+    double reference (outputs NaN-poisoned), then both forms timed (fp8_attn_probe.cu)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma and TMA need an sm_90 device")
+    exe = _build(tmp_path, "fp8_attn_probe")
+    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    print(done.stdout)
+    results = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    errors = {k: float(v) for k, v in results.items() if k.endswith("_rel_err")}
+    assert len(errors) == 12, done.stdout + done.stderr  # 6 cases x 2 forms
+    # (P in e4m3 and the fp8 MMA's ~13-14-bit sums: a few percent; a wrong layout is O(1) off)
+    assert all(v < (6e-2 if "_fp8_" in k else 1e-2) for k, v in errors.items()), done.stdout
     assert done.returncode == 0, done.stdout + done.stderr
 
 

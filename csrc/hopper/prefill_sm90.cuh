@@ -32,6 +32,7 @@
 #include "common/pos_encoding.cuh"  // alibi_slope_log2
 #include "hopper/prefill_sm90_params.h"
 #include "hopper/sm90.cuh"
+#include "hopper/sm90_fp8.cuh"
 
 namespace fij {
 
@@ -112,17 +113,24 @@ constexpr int sm90_head_dim_vo() {
 // kStaleMax: the softmax's stale row max (kStaleLog2; off: the max moves with every tile and O
 // is rescaled every tile, what POD on Hopper's prefill side runs: its kernel spilled 64 bytes
 // with it and ran 1.07-1.20x the time on issue 62's mixes 2 and 4, H200, 63d94be).
+// kFp8: FP8 attention, q, K and V in e4m3 (DType: the output's 16-bit type). Q K^T and P V
+// run e4m3 wgmma (m64n128k32: a k-step is 32 bytes, as bf16's k16); 8-bit wgmma reads both
+// operands K-major, so the producer warpgroup's warps 1-3 transpose each V tile into a V^T
+// stage (sm90_fp8.cuh transpose_v_e4m3, keys in vt_key's order), and P is packed to e4m3
+// where the softmax leaves it (pack_p_e4m3). Head_dim 128, 128-key tiles, ragged K/V.
 template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128, bool kCustom = false,
-          bool kAlibi = false, bool kStaleMax = true>
+          bool kAlibi = false, bool kStaleMax = true, bool kFp8 = false>
 struct Sm90Kernel {
   static_assert(!(kCausal && kCustom), "a custom mask replaces the causal one");
   static_assert(!(kAlibi && kSoftCap), "ALiBi takes no soft cap");
   static_assert(kM == 128 || (kM == 192 && kD == 64), "192-row query tiles are for head_dim 64");
+  static_assert(!kFp8 || (kD == 128 && kN == 128 && kM == 128 && !kCustom), "FP8 attention: head_dim 128, 128-key tiles");
   static constexpr int kBlockM = kM;
   static constexpr int kConsumers = kM / 64;            // consumer warpgroups
   static constexpr int kThreads = 128 * (1 + kConsumers);  // and the producer's
-  // registers a thread after setmaxnreg (the file's 64K: 24 x 128 + 240 x 256, 24 x 128 + 160 x 384)
-  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  // registers a thread after setmaxnreg (the file's 64K: 24 x 128 + 240 x 256, 24 x 128 + 160 x 384;
+  // FP8 40 x 128 + 232 x 256, the producer's transposing warps holding a unit's four words)
+  static constexpr int kProducerRegs = kFp8 ? 40 : 24, kConsumerRegs = kConsumers == 2 ? (kFp8 ? 232 : 240) : 160;
   static constexpr int kBlockN = kN;
   static constexpr int kChains = kConsumers == 2 ? 4 : 2;  // softmax: partial row-max chains a row
   // softmax: how far (log2 units) a row's max may grow before it moves and O is rescaled
@@ -130,17 +138,21 @@ struct Sm90Kernel {
   static constexpr int kMaskChunks = (kN + 31) / 32;  // a custom mask: 32-bit chunks of a row's key tile
   using MaskBits = uint32_t[2][kMaskChunks];
   static constexpr int kDvo = sm90_head_dim_vo<kD>();
-  static constexpr int kQBytes = kBlockM * kD * 2;        // the Q tile
-  static constexpr int kKTileBytes = kBlockN * kD * 2;    // one K tile
-  static constexpr int kVTileBytes = kBlockN * kDvo * 2;  // one V tile
-  static constexpr int kQAtom = kBlockM * 128;         // a tile's rows of one 64-element (128-byte)
-  static constexpr int kKVAtom = kBlockN * 128;        // swizzle atom (1024-byte multiples)
-  static constexpr int kAtoms = kD / 64;     // Q's and K's 64-column atoms
-  static constexpr int kVAtoms = kDvo / 64;  // V's
+  static constexpr int kIn = kFp8 ? 1 : 2;               // bytes an element of q, K and V
+  static constexpr int kAtomElems = 128 / kIn;            // elements a 128-byte swizzle atom's row
+  static constexpr int kQBytes = kBlockM * kD * kIn;        // the Q tile
+  static constexpr int kKTileBytes = kBlockN * kD * kIn;    // one K tile
+  static constexpr int kVTileBytes = kBlockN * kDvo * kIn;  // one V tile (FP8: and one V^T tile)
+  static constexpr int kQAtom = kBlockM * 128;         // a tile's rows of one 128-byte swizzle
+  static constexpr int kKVAtom = kBlockN * 128;        // atom (1024-byte multiples)
+  static constexpr int kAtoms = kD * kIn / 128;     // Q's and K's 128-byte atoms
+  static constexpr int kVAtoms = kDvo * kIn / 128;  // V's
+  static constexpr int kKSteps = kD * kIn / 32;     // Q K^T's k-steps (32 bytes each)
+  static constexpr int kPaSteps = kBlockN * kIn / 32;  // P V's k-steps: P's A fragments
   // Two Q tiles where shared memory holds them (head_dim 64, and 128 with 128-key tiles):
   // the next item's Q then loads while this one runs, not after its last Q K^T, which
   // items of a few key tiles (short prompts, causal diagonals) wait for otherwise.
-  static constexpr int kKVBytes = (kKTileBytes + kVTileBytes) * kStages;
+  static constexpr int kKVBytes = (kKTileBytes + kVTileBytes * (kFp8 ? 2 : 1)) * kStages;
   static constexpr int kQStages = 2 * kQBytes + kKVBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr int kSmemBytes = kQBytes * kQStages + kKVBytes + 1024;
   static constexpr int kOut = kDvo / 2;  // O accumulators a thread
@@ -152,12 +164,17 @@ struct Sm90Kernel {
     const uint64_t a0 = h::make_desc(q_base, 16, 1024, h::Swizzle::k128B);
     const uint64_t b0 = h::kmajor_desc(k_tile, kBlockN, 0);
 #pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
+    for (int ks = 0; ks < kKSteps; ++ks) {
       // k-step ks: atom ks / 4, 32 bytes a step inside it (h::kmajor_desc)
       const uint64_t a = h::desc_add(a0, (ks >> 2) * kQAtom + (ks & 3) * 32);
       const uint64_t b = h::desc_add(b0, (ks >> 2) * kKVAtom + (ks & 3) * 32);
       // S = Q K^T: the first k-step does not read the accumulators
-      if constexpr (kBlockN == 176) {
+      if constexpr (kFp8) {
+        if (ks == 0)
+          h::wgmma_ss_n128_e4m3<0>(s, a, b);
+        else
+          h::wgmma_ss_n128_e4m3<1>(s, a, b);
+      } else if constexpr (kBlockN == 176) {
         if (ks == 0)
           h::wgmma_ss_n176<0, 0>(s, a, b, DType{});
         else
@@ -182,19 +199,25 @@ struct Sm90Kernel {
     h::wgmma_commit();
   }
 
-  // O += P V of one tile, P the A fragments of its k-steps, V MN-major; issued.
-  static FIJ_SM90 void issue_pv(float (&o)[kOut], uint32_t (&pa)[kBlockN / 16][4], uint32_t v_tile) {
+  // O += P V of one tile, P the A fragments of its k-steps, V MN-major (FP8: V^T K-major, a
+  // head_dim column a row, keys in vt_key's order); issued.
+  static FIJ_SM90 void issue_pv(float (&o)[kOut], uint32_t (&pa)[kPaSteps][4], uint32_t v_tile) {
     h::wgmma_fence();
-    const uint64_t b0 = h::make_desc(v_tile, kKVAtom, 1024, h::Swizzle::k128B);
+    if constexpr (kFp8) {
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t b = h::desc_add(b0, kk * 16 * 128);
-      if constexpr (kDvo == 256)
-        h::wgmma_rs_n256<1>(o, pa[kk], b, DType{});
-      else if constexpr (kDvo == 128)
-        h::wgmma_rs_n128<1>(o, pa[kk], b, DType{});
-      else
-        h::wgmma_rs_n64<1>(o, pa[kk], b, DType{});
+      for (int kk = 0; kk < kPaSteps; ++kk) h::wgmma_rs_n128_e4m3<1>(o, pa[kk], h::kmajor_desc(v_tile, kDvo, kk));
+    } else {
+      const uint64_t b0 = h::make_desc(v_tile, kKVAtom, 1024, h::Swizzle::k128B);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t b = h::desc_add(b0, kk * 16 * 128);
+        if constexpr (kDvo == 256)
+          h::wgmma_rs_n256<1>(o, pa[kk], b, DType{});
+        else if constexpr (kDvo == 128)
+          h::wgmma_rs_n128<1>(o, pa[kk], b, DType{});
+        else
+          h::wgmma_rs_n64<1>(o, pa[kk], b, DType{});
+      }
     }
     h::wgmma_commit();
   }
@@ -247,16 +270,39 @@ struct Sm90Kernel {
     const bool windowed = r.window >= 0 && key0 < r.diag + r.first + 63 - r.window;
     const bool edge =
         kCustom || key0 + kBlockN > r.kv_len || (kCausal && key0 + kBlockN - 1 > r.diag + r.first) || windowed;
-    if (edge) {
+    // Causal, and a custom mask at 128-key tiles: the bounds as columns c = 8 j + (e & 1) of this
+    // thread's (key = key0 + cq + c), one compare of a constant a bound an element and fewer
+    // registers live (ptxas, nvcc 13.0.88: the head_dim-64 causal 192-row modules' 76-88 bytes of
+    // spills went, the custom mask's at 128-key tiles 32-36 to 0-4). H200 A/B (2026-11-30): the
+    // causal rows 0.88-0.99x the time, but the non-causal ones 1.02-1.03x, which keep keys and
+    // rows (as a custom mask at 80- or 176-key tiles, which spilled more with the bounds).
+    if constexpr (kCausal || (kCustom && kBlockN == 128)) {
+      if (edge) {
+        const int base = key0 + r.cq, past = r.kv_len - base;  // keys from column `past` on: past kv_len
+        int causal_to[2], window_from[2];  // row r0 + 8 i sees columns <= causal_to[i], >= window_from[i]
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          causal_to[i] = r.diag + r.r0 + 8 * i - base;
+          window_from[i] = r.window >= 0 ? causal_to[i] - r.window : INT_MIN;
+        }
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = 8 * j + (e & 1), x = c + r.cq;
+            const bool hidden = kCustom && ((bits[e >> 1][x >> 5] >> (x & 31)) & 1u) == 0u;
+            if (c >= past || (kCausal && c > causal_to[e >> 1]) || c < window_from[e >> 1] || hidden)
+              s[4 * j + e] = -INFINITY;
+          }
+      }
+    } else if (edge) {
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int x = 8 * j + r.cq + (e & 1), key = key0 + x, row = r.r0 + 8 * (e >> 1);
           const bool hidden = kCustom && ((bits[e >> 1][x >> 5] >> (x & 31)) & 1u) == 0u;
-          if (key >= r.kv_len || (kCausal && key > r.diag + row) || (r.window >= 0 && key < r.diag + row - r.window) ||
-              hidden)
-            s[4 * j + e] = -INFINITY;
+          if (key >= r.kv_len || (r.window >= 0 && key < r.diag + row - r.window) || hidden) s[4 * j + e] = -INFINITY;
         }
     }
     // the rows' maxima in kChains partial chains a row (four: a chain of kBlockN / 8 dependent
@@ -319,11 +365,15 @@ struct Sm90Kernel {
   // r + 8 cols c, row r cols c + 8, row r + 8 cols c + 8}. Only once the P V before is
   // complete: registers an in-flight wgmma reads must not be written (ptxas would serialize
   // the pipeline, advisory C7513).
-  static FIJ_SM90 void pack_p(const float (&s)[kS], uint32_t (&pa)[kBlockN / 16][4]) {
+  static FIJ_SM90 void pack_p(const float (&s)[kS], uint32_t (&pa)[kPaSteps][4]) {
+    if constexpr (kFp8) {  // e4m3, packed in place against V^T's permuted keys
+      h::pack_p_e4m3<0>(s, pa);
+    } else {
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) {
-      pa[j / 2][(j & 1) * 2] = pack2<DType>(s[4 * j], s[4 * j + 1]);
-      pa[j / 2][(j & 1) * 2 + 1] = pack2<DType>(s[4 * j + 2], s[4 * j + 3]);
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        pa[j / 2][(j & 1) * 2] = pack2<DType>(s[4 * j], s[4 * j + 1]);
+        pa[j / 2][(j & 1) * 2 + 1] = pack2<DType>(s[4 * j + 2], s[4 * j + 3]);
+      }
     }
   }
 
@@ -357,7 +407,7 @@ struct Sm90Kernel {
         h::mbar_expect_tx(full, kKVAtom * kTileAtoms);
 #pragma unroll
         for (int a = 0; a < kTileAtoms; ++a)
-          h::tma_load_3d(dst + a * kKVAtom, map, full, 64 * a, kv_head, tile.kv_row0 + n * kBlockN);
+          h::tma_load_3d(dst + a * kKVAtom, map, full, kAtomElems * a, kv_head, tile.kv_row0 + n * kBlockN);
       }
     } else {
       const int pages = tile_pages(tile, n, shift);
@@ -366,7 +416,7 @@ struct Sm90Kernel {
       if (lane < pages) {
 #pragma unroll
         for (int a = 0; a < kTileAtoms; ++a)
-          h::tma_load_4d(dst + a * kKVAtom + (lane << shift) * 128, map, full, 64 * a, 0, kv_head, page);
+          h::tma_load_4d(dst + a * kKVAtom + (lane << shift) * 128, map, full, kAtomElems * a, 0, kv_head, page);
       }
     }
   }
@@ -506,10 +556,11 @@ struct Sm90Schedule {
 // which holds 1 KB for the alignment). The producer warpgroup returns when its last item is loaded,
 // the consumers after the rows without keys are written.
 template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM, bool kCustom,
-          bool kAlibi = false, bool kStaleMax = true>
+          bool kAlibi = false, bool kStaleMax = true, bool kFp8 = false>
 FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* smem_raw, const Sm90Schedule sched) {
   using namespace sm90_prefill;
-  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi, kStaleMax>;
+  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi, kStaleMax, kFp8>;
+  static_assert(!kFp8 || (!kPaged && K::kQStages == 2), "FP8 attention: ragged K/V, two Q stages");
   constexpr int kC = K::kConsumers;
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
   unsigned char* smem = h::align_1024(smem_raw);
@@ -517,9 +568,13 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
   unsigned char* sq = smem;                                   // Q stage j at sq + j * kQBytes
   unsigned char* sk = smem + K::kQBytes * kQStages;  // K stage s at sk + s * kKTileBytes
   unsigned char* sv = sk + kKTileBytes * kStages;    // V stage s at sv + s * kVTileBytes
+  unsigned char* svt = sv + kVTileBytes * kStages;   // FP8: V^T stage s at svt + s * kVTileBytes
   // item k's Q in stage k % kQStages; q_empty: every consumer thread has seen its last Q K^T
   // of the stage's item complete
   __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  // FP8: a V^T stage written (by the 96 transposing threads) and read (its P V complete); V's
+  // stage is then empty once those threads have read it
+  __shared__ uint64_t vt_full[kStages], vt_empty[kStages];
   // item k's index (-1: none left) and tile in slot k % 2: the producer reads the tile from
   // the work list while the consumers still run item k - 1, so theirs is a shared-memory read
   __shared__ int item_slot[2];
@@ -543,7 +598,11 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::mbar_init(&k_full[s], 1);
       h::mbar_init(&v_full[s], 1);
       h::mbar_init(&k_empty[s], 4 * kC);  // lane 0 of each consumer warp
-      h::mbar_init(&v_empty[s], 4 * kC);
+      h::mbar_init(&v_empty[s], kFp8 ? 96 : 4 * kC);  // (FP8: every transposing thread)
+      if constexpr (kFp8) {
+        h::mbar_init(&vt_full[s], 96);
+        h::mbar_init(&vt_empty[s], 4 * kC);
+      }
     }
     h::fence_barrier_init();
   }
@@ -595,7 +654,8 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
           if constexpr (kCustom) mask_slot[k & 1] = mask_bases[idx / p.num_qo_heads];
           h::mbar_expect_tx(&q_full[qs], K::kQBytes);
           for (int a = 0; a < K::kAtoms; ++a)
-            h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], 64 * a, head, tile.q_row0);
+            h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], K::kAtomElems * a, head,
+                           tile.q_row0);
         }
         // K runs a tile ahead of V (FA3's order): the consumers issue tile n + 1's Q K^T beside
         // tile n's P V, and a stage's K is free again (its Q K^T complete) well before its V
@@ -624,6 +684,25 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
                                                   lane, p.page_shift, this_v);
         }
       }
+    } else if constexpr (kFp8) {
+      // warps 1-3: each V tile into its V^T stage, item after item as the consumers take them
+      // (an item's slot is read before its last P V, so before the producer can reuse it)
+      const int t = threadIdx.x - 32;
+      int it = 0;
+      for (int k = 0;; ++k) {
+        h::mbar_wait(&q_full[k % kQStages], (k / kQStages) & 1);
+        if (item_slot[k & 1] < 0) break;
+        const Sm90Tile tile = tile_slot[k & 1];
+        for (int n = tile.first_tile; n < tile.kv_tiles; ++n, ++it) {
+          const Stage cur = stage_of(it);
+          h::mbar_wait(&v_full[cur.s], cur.parity);
+          h::mbar_wait(&vt_empty[cur.s], cur.parity ^ 1);
+          h::transpose_v_e4m3<kBlockN>(sv + cur.s * kVTileBytes, svt + cur.s * kVTileBytes, t, 3);
+          h::fence_proxy_async();  // the generic writes before the wgmma (async proxy) reads them
+          h::mbar_arrive(&vt_full[cur.s]);
+          h::mbar_arrive(&v_empty[cur.s]);
+        }
+      }
     }
     return;
   }
@@ -633,7 +712,11 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
   const int wi = wg - 1, t = threadIdx.x % 128, lane = t % 32;
   const int r0 = 64 * wi + 16 * (t / 32) + lane / 4, cq = 2 * (lane % 4);  // rows r0, r0 + 8 of a tile
   const uint32_t q0 = h::smem_addr(sq) + wi * 64 * 128;  // this warpgroup's 64 rows in each atom
-  const uint32_t k0 = h::smem_addr(sk), v0 = h::smem_addr(sv);
+  const uint32_t k0 = h::smem_addr(sk);
+  // P V's operand: V's stages, or (FP8) the V^T stages, with their barriers
+  const uint32_t v0 = h::smem_addr(kFp8 ? svt : sv);
+  uint64_t* const pv_full = kFp8 ? vt_full : v_full;
+  uint64_t* const pv_empty = kFp8 ? vt_empty : v_empty;
   // Each round's issue (the first S, one per further key tile, the last P V) waits for this
   // warpgroup's turn and passes it to the next (named barrier 1 + j: warpgroup j's turn, 256
   // threads: j's and the one before it); warpgroup 0 starts, and takes the last one's final
@@ -657,7 +740,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     float o[K::kOut], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < K::kOut; ++i) o[i] = 0.f;
-    uint32_t pa[kBlockN / 16][4];
+    uint32_t pa[K::kPaSteps][4];
     float s[K::kS], corr[2];
     typename K::MaskBits bits;  // a custom mask's, of the tile whose S is in flight
     const int64_t mask_base = kCustom ? mask_slot[k & 1] : 0;
@@ -685,7 +768,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       if (n > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
       // (V of tile n - 1 waited for only now: its load went out after K n's, and a late V
       // need not hold back the Q K^T)
-      h::mbar_wait(&v_full[sp], prev.parity);
+      h::mbar_wait(&pv_full[sp], prev.parity);
       K::issue_pv(o, pa, v0 + sp * kVTileBytes);
       pass_turn();
       if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0 + n, rows, tile.rows);
@@ -697,7 +780,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::wgmma_wait<0>();  // P V of tile n - 1
       h::fence_regs(o);
       h::fence_regs(pa);
-      if (lane == 0) h::mbar_arrive(&v_empty[sp]);
+      if (lane == 0) h::mbar_arrive(&pv_empty[sp]);
       K::pack_p(s, pa);
     }
     // one Q stage: every Q K^T of this item is complete, and this thread's reads of the
@@ -708,7 +791,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     if constexpr (kQStages == 1) h::mbar_arrive(&q_empty[qs]);
     const Stage last = stage_of(it + n_tiles - 1);
     const int sl = last.s;
-    h::mbar_wait(&v_full[sl], last.parity);
+    h::mbar_wait(&pv_full[sl], last.parity);
     if constexpr (kPaged) {
       const int tail = tile.kv_len - (tile.kv_tiles - 1) * kBlockN;  // the last tile's rows that are keys
       if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, own_bar);
@@ -720,7 +803,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     h::wgmma_wait<0>();
     h::fence_regs(o);
     h::fence_regs(pa);
-    if (lane == 0) h::mbar_arrive(&v_empty[sl]);
+    if (lane == 0) h::mbar_arrive(&pv_empty[sl]);
     it += n_tiles;
 
 #pragma unroll
@@ -728,7 +811,10 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
-    if constexpr (kQStages == 2) {
+    if constexpr (kQStages == 2 && kFp8) {  // (Q's stage is half O's bytes: straight from registers)
+      K::store(p, tile, head, r0, cq, o, m, l);
+      h::mbar_arrive(&q_empty[qs]);
+    } else if constexpr (kQStages == 2) {
       K::store_staged(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, own_bar);
       h::fence_proxy_async();  // this thread's generic accesses to the stage before the next TMA write
       h::mbar_arrive(&q_empty[qs]);
@@ -752,25 +838,24 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
 }
 
 template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM = 128, bool kCustom = false,
-          bool kAlibi = false>
+          bool kAlibi = false, bool kFp8 = false>
 __global__ void __launch_bounds__(128 * (1 + kM / 64), 1)
     prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom, kAlibi>(
+  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom, kAlibi, true, kFp8>(
       p, smem_raw, Sm90Schedule{int(blockIdx.x), int(gridDim.x), nullptr});
 }
 
 // Launches the kernel on `grid` blocks (one an SM: every block walks the list).
 template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap = false, int kM = 128,
-          bool kCustom = false, bool kAlibi = false>
+          bool kCustom = false, bool kAlibi = false, bool kFp8 = false>
 inline int launch_prefill_sm90(const PrefillSm90Params& p, int grid, cudaStream_t stream) {
-  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi>;
-  const int err = allow_dynamic_smem<prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom, kAlibi>>(
-      K::kSmemBytes);
+  using K = sm90_prefill::Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi, true, kFp8>;
+  constexpr auto kernel = prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom, kAlibi, kFp8>;
+  const int err = allow_dynamic_smem<kernel>(K::kSmemBytes);
   if (err != 0) return err;
   if (grid <= 0) return 0;
-  prefill_sm90_kernel<DType, kD, kCausal, kN, kPaged, kSoftCap, kM, kCustom, kAlibi>
-      <<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
+  kernel<<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
