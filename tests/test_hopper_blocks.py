@@ -46,6 +46,17 @@ def _build(tmp_path, name: str = "wgmma_probe") -> Path:
     return exe
 
 
+def _run_on_hopper(tmp_path, name: str, timeout: int = 120) -> tuple:
+    """Builds probe `name`, runs it on an sm_90 device (else skips), prints its output: (the
+    finished process, its "name value" lines as a dict)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma and TMA need an sm_90 device")
+    exe = _build(tmp_path, name)
+    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=timeout)
+    print(done.stdout)
+    return done, dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+
+
 @pytest.mark.parametrize("name", ["wgmma_probe", "fp8_probe", "fp8_attn_probe",
                                   pytest.param("attn_probe", marks=pytest.mark.thorough)])
 def test_probe_compiles_for_sm90a(tmp_path, name):
@@ -54,12 +65,7 @@ def test_probe_compiles_for_sm90a(tmp_path, name):
 
 @pytest.mark.gpu
 def test_probe_on_hopper(tmp_path):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma and TMA need an sm_90 device")
-    exe = _build(tmp_path)
-    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    print(done.stdout)
-    results = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    done, results = _run_on_hopper(tmp_path, "wgmma_probe")
     assert float(results["qk_ss_kmajor_rel_err"]) < 1e-5, done.stdout
     assert any(float(v) < 1e-5 for k, v in results.items() if k.startswith("pv_rs_mnmajor")), done.stdout
     assert done.returncode == 0, done.stdout + done.stderr
@@ -70,12 +76,7 @@ def test_fp8_probe_on_hopper(tmp_path):
     """The e4m3 building blocks: Q K^T to the fp8 MMA's accumulation, P V in one of the two candidate
     A-fragment layouts, and P V from S's layout (pack_p_e4m3) in that layout, against V^T's
     keys permuted on the host and against V transposed in shared memory (transpose_v_e4m3)."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma and TMA need an sm_90 device")
-    exe = _build(tmp_path, "fp8_probe")
-    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    print(done.stdout)
-    results = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    done, results = _run_on_hopper(tmp_path, "fp8_probe")
     # (fp8 wgmma accumulates in about 13-14 bits: 2.4e-4 and 3.5e-4 on an H200, where a wrong
     # fragment layout is 0.58 off; fp8_probe.cu's kFp8Tol)
     tol = 2e-3
@@ -92,12 +93,7 @@ def test_fp8_attention_probe_on_hopper(tmp_path):
     """The prefill kernel's FP8 form (q, K and V in e4m3, bf16 out) beside its bf16 form on the
     same values: every row of three small batches and a sample of three large ones against a
     double reference (outputs NaN-poisoned), then both forms timed (fp8_attn_probe.cu)."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma and TMA need an sm_90 device")
-    exe = _build(tmp_path, "fp8_attn_probe")
-    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    print(done.stdout)
-    results = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    done, results = _run_on_hopper(tmp_path, "fp8_attn_probe", timeout=300)
     errors = {k: float(v) for k, v in results.items() if k.endswith("_rel_err")}
     assert len(errors) == 12, done.stdout + done.stderr  # 6 cases x 2 forms
     # (P in e4m3 and the fp8 MMA's ~13-14-bit sums: a few percent; a wrong layout is O(1) off)
@@ -107,11 +103,7 @@ def test_fp8_attention_probe_on_hopper(tmp_path):
 
 @pytest.mark.gpu
 def test_attention_probe_on_hopper(tmp_path):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma and TMA need an sm_90 device")
-    exe = _build(tmp_path, "attn_probe")
-    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    print(done.stdout)
+    done, _ = _run_on_hopper(tmp_path, "attn_probe", timeout=300)
     checks = [line.split() for line in done.stdout.splitlines() if line.startswith("check_")]
     assert len(checks) == 24 and all(float(v) < 2e-2 for _, v in checks), done.stdout + done.stderr  # 6 x 4
     assert done.returncode == 0, done.stdout + done.stderr
