@@ -84,6 +84,7 @@ from test_prefill import (
 
 import flashinfer_jit as fij
 from flashinfer_jit.pipeline.matrix import parse_matrix
+from flashinfer_jit.prefill.spec import PrefillSm90Spec
 from flashinfer_jit.reference.prefill import prefill_ref, segment_packbits_ref
 
 F16, BF16 = "float16", "bfloat16"
@@ -975,6 +976,59 @@ def test_fa3_sinks(causal, head_dim, options, hopper_workspace):
     check_agree(*results["fa3"], *results["fa2"], shapes, tol * AGREE_FACTOR, "fa3", "fa2")
 
 
+# --- FP8 attention (q, K and V in e4m3) ----------------------------------------------------------
+# The output against the float64 reference of the dequantized e4m3 values: P is rounded to e4m3
+# (3 mantissa bits) before P V and the e4m3 MMA adds in about 13-14 bits (tests/hopper/fp8_probe.cu),
+# so an element may be a few percent off (|out - ref| <= FP8_ATTN_TOL (1 + |ref|)); over the whole
+# output the error is small (FP8_ATTN_RMS of the reference's rms), where a wrong fragment layout or
+# a missed tile is O(1) off. The LSE (Q K^T and fp32 sums only) keeps the usual tolerance.
+FP8_ATTN_TOL, FP8_ATTN_RMS = 0.06, 0.03
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8_inputs(shapes, heads, gen, scales: tuple):
+    """(q, k, v) in e4m3 and (q, k, v) dequantized in float32 (the e4m3 values times the
+    scales): fresh random values, q twice K's spread (peakier rows)."""
+    qo_lens, kv_lens = [m for m, _ in shapes], [n for _, n in shapes]
+    k, v = make_rows(kv_lens, heads[1], (128, 128), torch.float32, gen)
+    q = make_q(sum(qo_lens), heads[0], 128, torch.float32, gen, 2.0)
+    quant = [(x / sc).to(E4M3) for x, sc in zip((q, k, v), scales)]
+    return quant, [x.float() * sc for x, sc in zip(quant, scales)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, heads, o_dtype", [(True, (32, 8), torch.float16), (False, (8, 8), torch.bfloat16),
+                                                    (True, (24, 4), torch.bfloat16)])
+def test_fa3_fp8_attention(causal, heads, o_dtype, hopper_workspace):
+    """FP8 attention through the ragged wrapper (q_data_type float8_e4m3fn: the Hopper kernel's
+    fp8 form) on the mixed batch (padding, rows without keys, kv_len < qo_len) and a long
+    request, with q / k / v scales: against the float64 reference of the dequantized values, and
+    against the bf16 Hopper kernel on the same e4m3 values (exact in bf16) with the same scales."""
+    gen = torch.Generator(device=DEV).manual_seed(171 + heads[0] + causal)
+    shapes = list(BATCHES["mixed"]) + [(1025, 1025)]
+    scales = (0.7, 1.3, 0.9)
+    (q8, k8, v8), (q, k, v) = fp8_inputs(shapes, heads, gen, scales)
+    kv_lens = [n for _, n in shapes]
+    qo_indptr = indptr_of([m for m, _ in shapes], "cpu")
+    wrapper = fa3_wrapper(hopper_workspace)
+    kv8 = ragged_kv(k8, v8, kv_lens, host_indptr=True)
+    plan_kv(wrapper, qo_indptr, kv8, *heads, (128, 128), causal=causal, q_data_type=E4M3, kv_data_type=E4M3,
+            o_data_type=o_dtype)
+    assert wrapper.planned_backend == "fa3" and wrapper._plan.spec.fp8
+    run_scales = dict(zip(("q_scale", "k_scale", "v_scale"), scales))
+    out, lse = run_poisoned(wrapper, q8, kv8, 128, o_dtype, True, **run_scales)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k, v, causal)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, FP8_ATTN_TOL)
+    err = (out.double() - ref_out.double().to(out.device)).square().mean().sqrt()
+    assert float(err) <= FP8_ATTN_RMS * float(ref_out.double().square().mean().sqrt()), f"rms error {float(err):.4f}"
+    # the bf16 kernel on the same values
+    bf16 = fa3_wrapper(hopper_workspace)
+    kv16 = ragged_kv(k8.to(torch.bfloat16), v8.to(torch.bfloat16), kv_lens, host_indptr=True)
+    plan_kv(bf16, qo_indptr, kv16, *heads, (128, 128), causal=causal, q_data_type=torch.bfloat16)
+    out16, lse16 = run_poisoned(bf16, q8.to(torch.bfloat16), kv16, 128, torch.bfloat16, True, **run_scales)
+    check_agree(out, lse, out16, lse16, shapes, FP8_ATTN_TOL, "fp8", "bf16")
+
+
 # --- on the CPU: the grid's coverage, the matrix, plan()'s errors ----------------------------------
 def test_fa3_cases_cover_every_pair_of_options():
     names = list(OPTIONS)
@@ -994,6 +1048,12 @@ def test_tests_matrix_has_the_fa2_modules_compared_with():
     cases, the fa2 plans of test_auto_picks_the_backend) are prebuilt by scripts/matrices/tests."""
     needed = {prefill_spec(dtype, dims=(hd, hd), source="ragged", mask="causal" if causal else "none")
               for dtype, hd, causal in FA2_DEFAULT + [(BF16, 128, True)]}
+    missing = sorted(s.name for s in needed - set(parse_matrix(TESTS_MATRIX)))
+    assert not missing, f"scripts/matrices/tests lacks {missing}"
+
+
+def test_tests_matrix_has_the_fp8_attention_modules():
+    needed = {PrefillSm90Spec(o, 128, mask, fp8=True) for o in (F16, BF16) for mask in ("none", "causal")}
     missing = sorted(s.name for s in needed - set(parse_matrix(TESTS_MATRIX)))
     assert not missing, f"scripts/matrices/tests lacks {missing}"
 
@@ -1603,6 +1663,72 @@ def test_auto_decides_on_the_cpu_as_on_sm90(batch, monkeypatch):
                  causal=True, q_data_type=torch.bfloat16)
     assert wrapper.planned_backend == expected
 
+
+
+@pytest.mark.parametrize("backend", ["fa3", "auto"])
+@pytest.mark.parametrize("shapes", [[(4, 4096)] * 2, [(300, 300), (77, 200)]])
+def test_fp8_attention_plans_its_form_on_the_cpu(backend, shapes, monkeypatch):
+    """q_data_type float8_e4m3fn plans the Hopper kernel's fp8 form (the spec's dtype the
+    output's, float16 unless o_data_type says otherwise; 128-key tiles, where the 16-bit kernel
+    of these options takes 176) under "fa3" and "auto", short queries too (no other kernel takes
+    fp8 q)."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    for o_dtype, name in ((None, F16), (torch.bfloat16, BF16)):
+        wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD", backend=backend)
+        wrapper.plan(_cpu_indptr([m for m, _ in shapes]), _cpu_indptr([n for _, n in shapes]), *LLAMA, 128,
+                     q_data_type=torch.float8_e4m3fn, kv_data_type="float8_e4m3fn", o_data_type=o_dtype)
+        assert wrapper.planned_backend == "fa3"
+        assert wrapper._plan.spec == PrefillSm90Spec(name, 128, "none", fp8=True)
+
+
+@pytest.mark.parametrize("wrapper_kind, options, message", [
+    ("ragged", dict(backend="fa2"), "FP8 attention runs on the Hopper kernel only"),
+    ("ragged", dict(head_dim=64), "at head_dim 64"),
+    ("ragged", dict(logits_soft_cap=30.0), "a soft cap"),
+    ("ragged", dict(pos_encoding_mode="ROPE_LLAMA"), "a positional encoding"),
+    ("ragged", dict(use_cuda_graph=True), "use_cuda_graph=True"),
+    ("ragged", dict(kv_data_type=torch.bfloat16), "takes e4m3 K and V"),
+    ("ragged", dict(o_data_type=torch.float8_e4m3fn), "o_data_type: expected one of"),
+    ("ragged", dict(q_data_type=torch.float8_e5m2), "q_data_type: expected one of"),
+    ("paged", {}, "with a paged cache"),
+])
+def test_fp8_attention_refuses_what_its_form_does_not_take(wrapper_kind, options, message, monkeypatch):
+    """What the fp8 form does not take is a ValueError at plan() naming it, under "auto" too
+    (the mma.sync kernel takes no fp8 q to fall back to)."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    options = dict(options)
+    ctor = dict(backend=options.pop("backend", "auto"), use_cuda_graph=options.pop("use_cuda_graph", False))
+    head_dim = options.pop("head_dim", 128)
+    plan = dict(q_data_type=torch.float8_e4m3fn) | options
+    qo = _cpu_indptr([100, 200])
+    if wrapper_kind == "ragged":
+        wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD", **ctor)
+        call = lambda: wrapper.plan(qo, qo, *LLAMA, head_dim, causal=True, **plan)  # noqa: E731
+    else:
+        wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", **ctor)
+        call = lambda: wrapper.plan(qo, _cpu_indptr([7, 13]), torch.arange(20, dtype=torch.int32),  # noqa: E731
+                                    torch.tensor([4, 8], dtype=torch.int32), *LLAMA, head_dim, 16, causal=True, **plan)
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_fp8_attention_names_the_arch_off_sm90():
+    """Off sm_90 (here: a CPU workspace) FP8 attention is a ValueError naming the arch, under
+    "auto" as under "fa3"."""
+    for backend in ("auto", "fa3"):
+        wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD", backend=backend)
+        with pytest.raises(ValueError, match="float8_e4m3fn .FP8 attention.: .*sm_90"):
+            wrapper.plan(_cpu_indptr([100]), _cpu_indptr([100]), *LLAMA, 128, q_data_type=torch.float8_e4m3fn)
+
+
+def test_fp8_attention_spec_holds_its_limits():
+    with pytest.raises(ValueError, match="fp8"):
+        PrefillSm90Spec(BF16, 64, "causal", fp8=True).validate()
+    with pytest.raises(ValueError, match="fp8"):
+        PrefillSm90Spec(BF16, 128, "none", key_tile=176, fp8=True).validate()
+    assert PrefillSm90Spec(BF16, 128, "causal", fp8=True).validate().name.endswith("_e4m3")
 
 
 @pytest.mark.parametrize("shapes, options, rows", [

@@ -8,7 +8,8 @@
 namespace fij {
 
 // What a module's spec fixes: its name (for the errors), paged or ragged K/V, the paged
-// layout (NHD or HND), the head dims, a custom mask.
+// layout (NHD or HND), the head dims, a custom mask, FP8 attention (q, K and V in e4m3, the
+// output 16-bit; else all four 16-bit).
 struct Sm90Module {
   const char* name;
   bool paged;
@@ -16,6 +17,7 @@ struct Sm90Module {
   int head_dim;
   int head_dim_vo;
   bool custom;
+  bool fp8 = false;
 };
 
 // q [q_tokens, Hq, D]; k / v: paged, the caches [pages, page_size, Hk, D] (NHD) or
@@ -38,6 +40,11 @@ inline PrefillSm90Args resolve_prefill_sm90(const Sm90Module& m, const at::Tenso
               m.name, ": expected head_dim ", m.head_dim, " for q and K, ", m.head_dim_vo, " for V and out");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1 && out.stride(2) == 1,
               m.name, ": the head_dim axis must be contiguous");
+  // (the TMA maps read elements of the module's width: run() checks the dtypes themselves)
+  const int64_t in_bytes = m.fp8 ? 1 : 2;
+  TORCH_CHECK(q.element_size() == in_bytes && k.element_size() == in_bytes && v.element_size() == in_bytes &&
+                  out.element_size() == 2,
+              m.name, ": expected ", m.fp8 ? "e4m3 q, k and v" : "16-bit q, k and v", " and a 16-bit out");
   expect_aligned(q, 16, "q");
   expect_aligned(k, 16, "k");
   expect_aligned(v, 16, "v");

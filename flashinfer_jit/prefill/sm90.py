@@ -24,6 +24,12 @@ TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM: query rows an item (192
 TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts, kSm90WorkHeader
 
 
+def fp8_attention(c) -> bool:
+    """Whether a configuration is FP8 attention: q (and K, V) in e4m3, the output 16-bit (the
+    Hopper kernel's fp8 form, PrefillSm90Spec.fp8; the mma.sync kernel takes no fp8 q)."""
+    return c.q_dtype == torch.float8_e4m3fn
+
+
 def key_tile(head_dim: int, causal: bool, page_size: int | None = None) -> int:
     """Keys a K/V tile of the kernel (the spec's key_tile). head_dim 256: 80 (FA3's tile) where
     pages (if any) divide it, pages of up to 16 tokens, else 64; an A/B on an H200 (2026-11-29,
@@ -169,6 +175,16 @@ def unsupported(c, ragged: bool, table: str | None = "csr", graph: bool = False,
         return "pos_encoding_mode='ROPE_LLAMA' with a paged cache in POD"
     if c.pos_encoding not in ("none", "alibi", "rope_llama"):  # (ALiBi with a soft cap: plan()'s ValueError before)
         return f"pos_encoding_mode={c.pos_encoding.upper()!r}"
+    if fp8_attention(c):  # (e4m3 q, K and V; the kernel's fp8 form: PrefillSm90Spec.check)
+        if not ragged:
+            return "q_data_type float8_e4m3fn with a paged cache (FP8 attention reads ragged K/V)"
+        if c.head_dim_qk != 128:
+            return f"q_data_type float8_e4m3fn at head_dim {c.head_dim_qk} (FP8 attention: head_dim 128)"
+        if c.mask == "custom" or c.soft_cap or c.pos_encoding != "none":
+            return "q_data_type float8_e4m3fn with a custom mask, a soft cap or a positional encoding"
+        if graph:
+            return "q_data_type float8_e4m3fn with use_cuda_graph=True"
+        return None
     if c.kv_dtype != c.q_dtype:
         if c.kv_dtype not in _FP8 or c.q_dtype in _FP8 or ragged:
             return f"kv_data_type {dtype_name(c.kv_dtype)} with q_data_type {dtype_name(c.q_dtype)}"
@@ -202,10 +218,13 @@ def refusal(c, ragged: bool, device: torch.device, table: str | None = "csr", gr
     feature it does not take yet (unsupported; table, graph, gather: as there), else the device
     (arch_error); None: it can."""
     why = unsupported(c, ragged, table, graph, gather)
+    if why is not None and fp8_attention(c):  # (no other kernel takes fp8 q)
+        return f"{why}: FP8 attention runs on the Hopper kernel's fp8 form only, which does not take that yet"
     if why is not None:
         return (f"backend='fa3': not supported on the Hopper path yet: {why}; use backend='auto' or 'fa2' (the "
                 "mma.sync kernel takes it)")
-    return arch_error(device)
+    why = arch_error(device)
+    return f"q_data_type float8_e4m3fn (FP8 attention): {why}" if why is not None and fp8_attention(c) else why
 
 
 def auto_takes(c, qo_lens: np.ndarray, keys: np.ndarray) -> bool:
@@ -442,12 +461,15 @@ class Sm90Planner:
         p = Sm90Plan()
         paged = page_ids is not None
         alibi = c.pos_encoding == "alibi"
-        key = (c.q_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap), tile_rows, alibi)
+        key = (c.q_dtype, c.o_dtype, c.head_dim_qk, c.mask, paged, layout, keys_a_tile, bool(c.soft_cap), tile_rows,
+               alibi)
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.q_dtype), c.head_dim_qk, c.mask,
-                                                      "paged" if paged else "ragged", layout if paged else "NHD",
-                                                      keys_a_tile, bool(c.soft_cap), tile_rows, alibi).validate()
+            fp8 = fp8_attention(c)  # (the spec's dtype: the output's)
+            spec = self._specs[key] = PrefillSm90Spec(dtype_name(c.o_dtype if fp8 else c.q_dtype), c.head_dim_qk,
+                                                      c.mask, "paged" if paged else "ragged",
+                                                      layout if paged else "NHD", keys_a_tile, bool(c.soft_cap),
+                                                      tile_rows, alibi, fp8).validate()
         p.config, p.spec, p.op, p.work, p.counters, p.grid = c, spec, None, work, self._counters, grid
         p.work_ints = size
         p.page_ids = page_ids if paged else self._no_ids

@@ -142,7 +142,8 @@ class PrefillSm90Spec(Spec):
     warpgroups (three for 192-row query tiles), a persistent grid over plan()'s list of (query tile, head) items, heaviest
     first. sm_90a only (ARCHS): its wgmma and setmaxnreg exist on no other arch.
 
-    Compiled in: the dtype (q, K/V and the output share it), head_dim (qk = vo), the mask,
+    Compiled in: the dtype (q, K/V and the output share it; with fp8, q, K and V are e4m3 and
+    the dtype is the output's: FP8 attention), head_dim (qk = vo), the mask,
     whether the logits are soft-capped. Run-time: the sliding window, the cap, the lengths (plan()'s work list, read on the device, so a CUDA graph replays
     any later plan), head counts and so the GQA group, sm_scale * q_scale * k_scale,
     v_scale, whether the LSE is written, the strides of q, K/V and out."""
@@ -172,8 +173,16 @@ class PrefillSm90Spec(Spec):
     # ALiBi (FlashInfer's linear bias, pos_encoding_mode="ALIBI"): slope[h] x (key - row) on the
     # logits (csrc/common/pos_encoding.cuh); not with a soft cap
     alibi: bool = choice(False, True, tag="alibi", default=False)
+    # FP8 attention: q, K and V in e4m3, dtype_q the output's (csrc/hopper/prefill_sm90.cuh
+    # kFp8: e4m3 wgmma, V transposed in shared memory); head_dim 128 on 128-key tiles, ragged K/V,
+    # no custom mask, soft cap or ALiBi
+    fp8: bool = choice(False, True, tag="e4m3", default=False)
 
     def check(self) -> None:
+        if self.fp8 and (self.head_dim != 128 or self.key_tile != 128 or self.query_tile != 128 or
+                         self.kv_source != "ragged" or self.mask == "custom" or self.soft_cap or self.alibi):
+            raise ValueError("PrefillSm90Spec: fp8 (e4m3 q, K and V) is for head_dim 128 on 128-key tiles, ragged K/V, "
+                             f"no custom mask, soft cap or ALiBi; got {self}")
         if self.alibi and self.soft_cap:
             raise ValueError("PrefillSm90Spec: ALiBi takes no soft cap (FlashInfer's ALiBi has none); pass one of them")
         if self.query_tile == 192 and (self.head_dim != 64 or self.key_tile != 128):

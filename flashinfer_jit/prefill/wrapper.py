@@ -589,6 +589,9 @@ class _PrefillWrapper:
         backend = self._backend
         if self._use_cuda_graph and backend == "auto" and self._graph_backend is not None:
             backend = self._graph_backend
+        if backend == "fa2" and sm90.fp8_attention(config):
+            raise ValueError("q_data_type float8_e4m3fn: FP8 attention runs on the Hopper kernel only (backend='fa3', "
+                             "or 'auto' on sm_90); backend='fa2' takes 16-bit q")
         plan = None if backend == "fa2" else self._sm90_plan(backend, config, qo_indptr, kv_indptr, non_blocking,
                                                               table, page_ids, last_page_len, mask_args)
         if plan is None:
@@ -619,7 +622,7 @@ class _PrefillWrapper:
             why = self._sm90_refusals[refusal_key] = sm90.refusal(config, self._ragged, self._device, table, graph,
                                                                   self._gather_ok)
         if why is not None:
-            if backend == "fa3":
+            if backend == "fa3" or sm90.fp8_attention(config):  # (fp8 q: no mma.sync kernel to fall back to)
                 raise ValueError(why)
             return None
         causal = config.mask == "causal"
@@ -733,7 +736,9 @@ class _PrefillWrapper:
         its tiles (None: it declines), head_dim 64's 192-row tiles where they are long.
         tiles_of(keys_a_tile, rows) plans the tiles: (tiles, active, their column 6's sum);
         counts(), after the first: (the batch's query rows, its requests)."""
-        keys_a_tile = self._force_key_tile or sm90.key_tile(config.head_dim_qk, config.mask == "causal", page_size)
+        fp8 = sm90.fp8_attention(config)  # (its form: 128-key tiles, and "auto" takes every batch)
+        keys_a_tile = self._force_key_tile or \
+            (128 if fp8 else sm90.key_tile(config.head_dim_qk, config.mask == "causal", page_size))
         rows = self._force_query_tile or sm90.TILE_ROWS
         if keys_a_tile == 176 and not graph and self._force_key_tile is None:
             # 128-key tiles first, which nearly every batch takes (narrower_tile); the keys a tile
@@ -745,7 +750,7 @@ class _PrefillWrapper:
                 tiles, active, keys = tiles_of(keys_a_tile, rows)
         else:
             tiles, active, keys = tiles_of(keys_a_tile, rows)
-        if backend == "auto":
+        if backend == "auto" and not fp8:
             qo_tokens, batch = counts()
             if not (batch > 0 and tiles.shape[0] > 0 and sm90.auto_takes_means(config, float(qo_tokens) / batch,
                                                                                 keys / tiles.shape[0])):
@@ -829,12 +834,19 @@ class _PrefillWrapper:
         c.rope_theta = float(rope_theta) if rope_theta is not None else 1e4
         c.q_dtype = as_dtype(q_data_type, "q_data_type", torch.float16)
         c.kv_dtype = as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
-        c.o_dtype = as_dtype(o_data_type, "o_data_type", c.q_dtype)
-        for name, value, allowed in (("q_data_type", c.q_dtype, _Q_DTYPES), ("o_data_type", c.o_dtype, _Q_DTYPES),
+        # FP8 attention (q, K and V in e4m3; the Hopper kernel only): the output float16 unless
+        # o_data_type says bfloat16, as the decode wrapper's fp8 q
+        fp8 = c.q_dtype == torch.float8_e4m3fn
+        c.o_dtype = as_dtype(o_data_type, "o_data_type", torch.float16 if fp8 else c.q_dtype)
+        for name, value, allowed in (("q_data_type", c.q_dtype, _Q_DTYPES + (torch.float8_e4m3fn,)),
+                                     ("o_data_type", c.o_dtype, _Q_DTYPES),
                                      ("kv_data_type", c.kv_dtype, _Q_DTYPES + _FP8_DTYPES)):
             if value not in allowed:
                 raise ValueError(f"{name}: expected one of {', '.join(dtype_str(d) for d in allowed)}, got "
                                  f"{dtype_str(value)}")
+        if fp8 and c.kv_dtype != c.q_dtype:
+            raise ValueError(f"kv_data_type: FP8 attention (q_data_type float8_e4m3fn) takes e4m3 K and V, got "
+                             f"{dtype_str(c.kv_dtype)}")
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size <= 0):
             raise ValueError(f"fixed_split_size: expected None or a positive int (keys per chunk), got "
                              f"{fixed_split_size!r}")
@@ -845,7 +857,8 @@ class _PrefillWrapper:
         # pages are on a GPU
         c.pages_movable = c.mask != "custom" and c.pos_encoding == "none" and window_left < 0 and \
             self._device.type == "cuda"
-        self._spec(c, "csr", False)  # validates the dtypes and head dims now (ValueError, nothing built)
+        if not fp8:  # (fp8: the Hopper kernel's fp8 form or nothing; plan() says why not, sm90.unsupported)
+            self._spec(c, "csr", False)  # validates the dtypes and head dims now (ValueError, nothing built)
         # what plan() keeps per configuration: K/V side -> (the planner's _PlanConfig, its
         # address), page table -> the spec of a run() without sinks
         c.structs, c.plain_specs = {}, {}
