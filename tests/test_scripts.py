@@ -460,3 +460,26 @@ def test_bench_pod_reports_pod_on_hopper_against_ours_and_flashinfer():
     cells = bench_pod.line4(r)
     assert len(cells) == len(bench_pod.COLS4) and cells[-1] == "podH ok 0.0010" and not r["mismatch"]
     assert "pod_hopper" in bench_pod.OURS and "batch_attention_hopper" in bench_pod.NO_DECODES
+
+
+def test_bench_fp8_attention_needs_a_gpu_and_plans_both_forms_on_the_cpu(monkeypatch):
+    """bench_fp8_attention.py exits with status 2 without a GPU; its two providers' plans (the
+    fp8 form and the bf16 kernel of the same wrapper, with the arch check passed) are what its
+    rows time."""
+    import subprocess
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        script = str(SCRIPTS / "bench_fp8_attention.py")
+        assert subprocess.run([sys.executable, script], capture_output=True).returncode == 2
+    import bench_fp8_attention as bfa
+
+    import flashinfer_jit as fij
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    indptr = torch.arange(0, 2 * 1024 + 1, 1024, dtype=torch.int32)
+    for dt in (torch.float8_e4m3fn, torch.bfloat16):
+        w = fij.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), "NHD", backend="fa3")
+        w.plan(indptr, indptr, *bfa.HEADS, bfa.HEAD_DIM, causal=True, q_data_type=dt, kv_data_type=dt,
+               o_data_type=torch.bfloat16)
+        assert w.planned_backend == "fa3" and w._plan.spec.fp8 == (dt == torch.float8_e4m3fn)
