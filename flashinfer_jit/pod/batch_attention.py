@@ -27,7 +27,7 @@ from ..decode.spec import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
 from ..runtime import fastcall
-from ..runtime.checks import (as_dtype, compiling, dtype_str, expect_bool, expect_choice, expect_heads,
+from ..runtime.checks import (as_dtype, compiling, dtype_str, expect_bool, expect_choice, expect_heads, remembered,
                               expect_positive_int, host_index,
                               static_inputs)
 from ..runtime.page_table import parse_block_tables, unpack_paged_kv_cache
@@ -204,6 +204,35 @@ class _SideErrors:
                          f"[{ids(split.decode)}], the {names[1]} side's [{ids(split.prefill)}])") from exc
 
 
+class _Options(NamedTuple):
+    """What plan() makes of its scalar arguments (_options), remembered per argument tuple."""
+
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    cap: float  # the soft cap, 0.0 for none
+    rope: dict  # in-kernel RoPE / ALiBi: the families' plan() keywords (read only), else {}
+    decode_ok: bool  # whether the decode kernels take this configuration
+
+
+def _options(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, q_data_type, kv_data_type,
+             logits_soft_cap, use_profiler, pos_encoding_mode, rope_scale, rope_theta) -> _Options:
+    """plan()'s checks of its scalar arguments (ValueError) and what it makes of them."""
+    expect_heads(num_qo_heads, num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, page_size=page_size)
+    expect_bool(causal, "causal")
+    if use_profiler:
+        raise ValueError("use_profiler: FlashInfer's persistent kernel's profiler has no counterpart here; pass False")
+    expect_choice(pos_encoding_mode, "pos_encoding_mode", ("NONE", "ROPE_LLAMA", "ALIBI"))
+    rope = {} if pos_encoding_mode == "NONE" else dict(pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                                                       rope_theta=rope_theta)
+    # (in-kernel RoPE / ALiBi: every request on the prefill kernel; the tensor-core decode block
+    # takes neither, and the CUDA-core decode kernel that does made the two sides one after the
+    # other slower: H200, 8bb3d5f, mix 2 1197 us against 906, mix 6 2668 against 1917)
+    decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS and not rope
+    q_dtype = as_dtype(q_data_type, "q_data_type", torch.bfloat16)
+    kv_dtype = as_dtype(kv_data_type, "kv_data_type", q_dtype)
+    return _Options(q_dtype, kv_dtype, 0.0 if logits_soft_cap is None else float(logits_soft_cap), rope, decode_ok)
+
+
 class _GraphKey(NamedTuple):
     """What a CUDA-graph BatchAttention's first plan fixes for its captured launch."""
 
@@ -362,6 +391,7 @@ class BatchAttention:
         self.prefill_backend = DEFAULT_PREFILL_BACKEND  # (its setter passes it to the wrappers)
         self._long = None  # "split" mode's Hopper prefill of the long requests (at its first use)
         self._planned = None
+        self._configs = {}  # plan()'s scalar arguments -> _Options (remembered)
 
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
@@ -402,12 +432,11 @@ class BatchAttention:
         "ALIBI" adds FlashInfer's linear bias. Every request then runs on the prefill side, one
         launch of the prefill kernel, which takes either in-kernel (the tensor-core decode block
         POD runs takes neither)."""
-        expect_heads(num_qo_heads, num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-                     page_size=page_size)
-        expect_bool(causal, "causal")
-        if use_profiler:
-            raise ValueError("use_profiler: FlashInfer's persistent kernel's profiler has no counterpart here; "
-                             "pass False")
+        # (the scalar arguments' checks, remembered: an engine plans with the same ones every step)
+        q_dtype, kv_dtype, cap, rope, decode_ok = remembered(
+            self._configs, (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, q_data_type,
+                            kv_data_type, logits_soft_cap, use_profiler, pos_encoding_mode, rope_scale, rope_theta),
+            _options)
         if block_tables is not None:  # (the cut below reads each request's page count)
             if kv_indptr is not None or kv_indices is not None:
                 raise ValueError("block_tables: pass kv_indptr and kv_indices as None with block tables (kv_len_arr "
@@ -426,13 +455,6 @@ class BatchAttention:
                 raise ValueError(f"kv_len_arr[{r}] = {int(lens[r])} needs {int(pages[r])} pages of {page_size} tokens; "
                                  f"block_tables holds {block_tables.shape[-1]} a request")
             kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
-        expect_choice(pos_encoding_mode, "pos_encoding_mode", ("NONE", "ROPE_LLAMA", "ALIBI"))
-        rope = {} if pos_encoding_mode == "NONE" else dict(pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
-                                                           rope_theta=rope_theta)
-        # (in-kernel RoPE / ALiBi: every request on the prefill kernel; the tensor-core decode block
-        # takes neither, and the CUDA-core decode kernel that does made the two sides one after the
-        # other slower: H200, 8bb3d5f, mix 2 1197 us against 906, mix 6 2668 against 1917)
-        decode_ok = head_dim_qk == head_dim_vo and head_dim_qk in DECODE_HEAD_DIMS and not rope
         cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
         split = _LazySplit(qo_indptr, decode_ok)
         if cut is None:
@@ -444,9 +466,6 @@ class BatchAttention:
                 raise ValueError(f"kv_indices: {kv_indices.numel()} page ids, fewer than kv_indptr[-1] = {cut.pages}")
             if kv_indices.dtype != torch.int32:
                 kv_indices = kv_indices.to(torch.int32)
-        q_dtype = as_dtype(q_data_type, "q_data_type", torch.bfloat16)
-        kv_dtype = as_dtype(kv_data_type, "kv_data_type", q_dtype)
-        cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
         if self._graph is not None:  # one launch form for every plan: the captured one
             key = _GraphKey(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale, cap,
                             q_dtype, kv_dtype, pos_encoding_mode, rope_scale, rope_theta, block_tables is None)
