@@ -135,6 +135,8 @@ struct Sm90Kernel {
   static constexpr int kChains = kConsumers == 2 ? 4 : 2;  // softmax: partial row-max chains a row
   // softmax: how far (log2 units) a row's max may grow before it moves and O is rescaled
   static constexpr float kStaleLog2 = 8.f;
+  // (FP8: P then stays below 2^8, within e4m3's 448, which pack_p_e4m3 saturates to)
+  static_assert(!kFp8 || kStaleLog2 <= 8.f, "FP8 attention: P up to 2^kStaleLog2 must fit e4m3");
   static constexpr int kMaskChunks = (kN + 31) / 32;  // a custom mask: 32-bit chunks of a row's key tile
   using MaskBits = uint32_t[2][kMaskChunks];
   static constexpr int kDvo = sm90_head_dim_vo<kD>();
