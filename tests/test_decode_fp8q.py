@@ -226,11 +226,13 @@ def test_16bit_q_plans_as_before():
 
 @pytest.mark.parametrize("wrapper", ["paged", "ragged"])
 def test_prefill_rejects_fp8_q(wrapper):
-    """Batch prefill takes no fp8 q (FlashInfer's FA2 prefill asserts the same; its FA3
-    backend, which does, has no counterpart here yet): a ValueError naming q_data_type."""
+    """Batch prefill takes fp8 q only as FP8 attention, on the Hopper kernel (e4m3, ragged K/V,
+    head_dim 128, an sm_90 GPU: tests/test_prefill_sm90.py); FlashInfer's FA2 prefill asserts
+    on fp8 q. Elsewhere, here a paged cache or a CPU workspace: a ValueError naming
+    q_data_type."""
     ws = torch.zeros(1 << 20, dtype=torch.uint8)
     qo_indptr = torch.tensor([0, 4, 9], dtype=torch.int32)
-    with pytest.raises(ValueError, match="^q_data_type:"):
+    with pytest.raises(ValueError, match="^q_data_type float8_e4m3fn"):
         if wrapper == "paged":
             indptr, indices, last = _csr(2)
             fij.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD").plan(
