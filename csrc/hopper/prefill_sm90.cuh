@@ -124,7 +124,8 @@ struct Sm90Kernel {
   static_assert(!(kCausal && kCustom), "a custom mask replaces the causal one");
   static_assert(!(kAlibi && kSoftCap), "ALiBi takes no soft cap");
   static_assert(kM == 128 || (kM == 192 && kD == 64), "192-row query tiles are for head_dim 64");
-  static_assert(!kFp8 || (kD == 128 && kN == 128 && kM == 128 && !kCustom), "FP8 attention: head_dim 128, 128-key tiles");
+  static_assert(!kFp8 || (kD == 128 && kN == 128 && kM == 128 && !kCustom),
+                "FP8 attention: head_dim 128, 128-key tiles");
   static constexpr int kBlockM = kM;
   static constexpr int kConsumers = kM / 64;            // consumer warpgroups
   static constexpr int kThreads = 128 * (1 + kConsumers);  // and the producer's

@@ -836,7 +836,7 @@ class _PrefillWrapper:
         c.kv_dtype = as_dtype(kv_data_type, "kv_data_type", c.q_dtype)
         # FP8 attention (q, K and V in e4m3; the Hopper kernel only): the output float16 unless
         # o_data_type says bfloat16, as the decode wrapper's fp8 q
-        fp8 = c.q_dtype == torch.float8_e4m3fn
+        fp8 = sm90.fp8_attention(c)
         c.o_dtype = as_dtype(o_data_type, "o_data_type", torch.float16 if fp8 else c.q_dtype)
         for name, value, allowed in (("q_data_type", c.q_dtype, _Q_DTYPES + (torch.float8_e4m3fn,)),
                                      ("o_data_type", c.o_dtype, _Q_DTYPES),

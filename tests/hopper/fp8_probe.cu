@@ -37,30 +37,38 @@ constexpr double kFp8Tol = 2e-3;
 
 constexpr int kM = 64, kD = 128, kN = 128;  // rows, head_dim, keys (PV's k: kN, its n: kD)
 
-// 1 and 4: Q (64 rows) then K (128 rows) at sq, sk, 128 bytes a row.
-__device__ void load_qk(unsigned char* sq, unsigned char* sk, const CUtensorMap* q_map, const CUtensorMap* k_map,
-                        uint64_t* bar) {
-  load_once(bar, (kM + kN) * kD, [&] {
-    h::tma_load_2d(sq, q_map, bar, 0, 0);
-    h::tma_load_2d(sk, k_map, bar, 0, 0);
+// 1 and 4: Q (64 rows) then K (128 rows), 128 bytes a row, into the block's shared memory;
+// returns Q's tile (K's follows it).
+__device__ unsigned char* load_qk(unsigned char* smem_raw, const CUtensorMap* q_map, const CUtensorMap* k_map) {
+  __shared__ uint64_t bar;
+  unsigned char* sq = h::align_1024(smem_raw);
+  load_once(&bar, (kM + kN) * kD, [&] {
+    h::tma_load_2d(sq, q_map, &bar, 0, 0);
+    h::tma_load_2d(sq + kM * kD, k_map, &bar, 0, 0);
   });
+  return sq;
+}
+
+// S (+)= Q K^T of the tiles load_qk left at sq, its four k-steps issued (kAccumulate false: the
+// first k-step overwrites S).
+template <bool kAccumulate>
+__device__ void issue_qk(float (&d)[64], const unsigned char* sq) {
+  const uint32_t q = h::smem_addr(sq), k = q + kM * kD;
+#pragma unroll
+  for (int ks = 0; ks < kD / 32; ++ks)
+    if (ks == 0 && !kAccumulate)
+      h::wgmma_ss_n128_e4m3<0>(d, h::kmajor_desc(q, kM, ks), h::kmajor_desc(k, kN, ks));
+    else
+      h::wgmma_ss_n128_e4m3(d, h::kmajor_desc(q, kM, ks), h::kmajor_desc(k, kN, ks));
 }
 
 __global__ void __launch_bounds__(128) qk_kernel(const __grid_constant__ CUtensorMap q_map,
                                                  const __grid_constant__ CUtensorMap k_map, float* s_out) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* sq = h::align_1024(smem_raw);
-  unsigned char* sk = sq + kM * kD;
-  __shared__ uint64_t bar;
-  load_qk(sq, sk, &q_map, &k_map, &bar);
+  const unsigned char* sq = load_qk(smem_raw, &q_map, &k_map);
   float d[64];
   h::wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < kD / 32; ++ks)
-    if (ks == 0)
-      h::wgmma_ss_n128_e4m3<0>(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks));
-    else
-      h::wgmma_ss_n128_e4m3(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks));
+  issue_qk<false>(d, sq);
   h::wgmma_commit();
   h::wgmma_wait<0>();
   h::fence_regs(d);
@@ -153,18 +161,13 @@ __global__ void __launch_bounds__(128) pv_from_s_kernel(const float* p, const __
 __global__ void __launch_bounds__(128) rate_kernel(const __grid_constant__ CUtensorMap q_map,
                                                    const __grid_constant__ CUtensorMap k_map, int reps, float* sink) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* sq = h::align_1024(smem_raw);
-  unsigned char* sk = sq + kM * kD;
-  __shared__ uint64_t bar;
-  load_qk(sq, sk, &q_map, &k_map, &bar);
+  const unsigned char* sq = load_qk(smem_raw, &q_map, &k_map);
   float d[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) d[i] = 0.f;
   for (int rep = 0; rep < reps; ++rep) {
     h::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 32; ++ks)
-      h::wgmma_ss_n128_e4m3(d, h::kmajor_desc(h::smem_addr(sq), kM, ks), h::kmajor_desc(h::smem_addr(sk), kN, ks));
+    issue_qk<true>(d, sq);
     h::wgmma_commit();
     h::wgmma_wait<1>();
   }
@@ -290,20 +293,9 @@ int main() {
     }
 
   // 4. issue rate
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int blocks = 2 * sms, reps = 4096;
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
-  rate_kernel<<<blocks, 128, qk_smem>>>(q_map, k_map, 16, ds);  // warm-up
-  CHECK_CUDA(cudaEventRecord(e0));
-  rate_kernel<<<blocks, 128, qk_smem>>>(q_map, k_map, reps, ds);
-  CHECK_CUDA(cudaEventRecord(e1));
-  CHECK_CUDA(cudaEventSynchronize(e1));
-  float ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-  const double flops = double(blocks) * reps * (kD / 32) * 2.0 * kM * kN * 32;
-  std::printf("wgmma_ss_n128_e4m3_tflops %.1f\n", flops / (ms * 1e-3) / 1e12);
+  if (report_rate("wgmma_ss_n128_e4m3",
+                  [&](int blocks, int reps) { rate_kernel<<<blocks, 128, qk_smem>>>(q_map, k_map, reps, ds); },
+                  (kD / 32) * 2.0 * kM * kN * 32) != 0)
+    return 2;
   return qk_err < kFp8Tol && pv_match >= 0 && from_s_ok == 2 ? 0 : 1;
 }

@@ -59,3 +59,26 @@ inline double max_rel_err(const std::vector<float>& got, const std::vector<doubl
   }
   return num / den;
 }
+
+// A probe's issue rate: launch(blocks, reps) runs `reps` rounds on `blocks` blocks (two an SM),
+// timed by CUDA events after a warm-up of 16 rounds; prints "<name>_tflops" (flops a block and
+// round) and "<name>_blocks". 0, or 2 on a CUDA error.
+template <typename Launch>
+int report_rate(const char* name, Launch launch, double flops_a_block_round) {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int blocks = 2 * sms, reps = 4096;
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  launch(blocks, 16);  // warm-up
+  CHECK_CUDA(cudaEventRecord(e0));
+  launch(blocks, reps);
+  CHECK_CUDA(cudaEventRecord(e1));
+  CHECK_CUDA(cudaEventSynchronize(e1));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  std::printf("%s_tflops %.1f\n", name, double(blocks) * reps * flops_a_block_round / (ms * 1e-3) / 1e12);
+  std::printf("%s_blocks %d\n", name, blocks);
+  return 0;
+}

@@ -200,21 +200,9 @@ int main() {
   }
 
   // 3. issue rate
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int blocks = 2 * sms, reps = 4096;
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
-  rate_kernel<<<blocks, 128, qk_smem>>>(q_map, k_map, 16, ds);  // warm-up
-  CHECK_CUDA(cudaEventRecord(e0));
-  rate_kernel<<<blocks, 128, qk_smem>>>(q_map, k_map, reps, ds);
-  CHECK_CUDA(cudaEventRecord(e1));
-  CHECK_CUDA(cudaEventSynchronize(e1));
-  float ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-  const double flops = double(blocks) * reps * (kD / 16) * 2.0 * kM * kN * 16;
-  std::printf("wgmma_ss_n128_tflops %.1f\n", flops / (ms * 1e-3) / 1e12);
-  std::printf("wgmma_ss_n128_blocks %d\n", blocks);
+  if (report_rate("wgmma_ss_n128",
+                  [&](int blocks, int reps) { rate_kernel<<<blocks, 128, qk_smem>>>(q_map, k_map, reps, ds); },
+                  (kD / 16) * 2.0 * kM * kN * 16) != 0)
+    return 2;
   return qk_ok && pv_match > 0 ? 0 : 1;
 }
