@@ -14,8 +14,11 @@ tables with host int32 indptr / last_page_len and the page ids on the device):
       its recorded launch and through its op.
   (c) plan_parts: where a batch POD plan() of (a) spends its time, each step timed by a
       wrapper around it over 2,000 plans (min, p10, median, µs a call; the wrappers add
-      ~0.2 us each): each side's plan() (its own copy and page order included), the plan
-      buffers' copies (PlanBuffer.ship) and the page-order launches (PageOrder.order).
+      ~0.2 us each): a plan repeated from its recipe (pod_replan) and its parts (the Hopper
+      side's common-form planner, the decode side's C++ planner and its install), or each
+      side's full plan() where the recipe does not apply (their own copy and page order
+      included), the plan buffers' copies (PlanBuffer.ship) and the page-order launches
+      (PageOrder.order).
 Each figure is time.perf_counter_ns over n calls a round, the median over rounds. "adds" =
 POD run() - (prefill run() + decode run()) would be the fused call's cost over the two it
 replaces; the target reads run()'s own host time as what a POD launch adds to a step.
@@ -74,8 +77,12 @@ def plan_parts(plan_pod, calls: int) -> dict:
     from flashinfer_jit.runtime.plan_buffer import PlanBuffer
 
     steps = {"pod_plan": (BatchPODWithPagedKVCacheWrapper, "plan"),
+             "pod_replan": (BatchPODWithPagedKVCacheWrapper, "_replan"),
              "decode_side_plan": (BatchDecodeWithPagedKVCacheWrapper, "plan"),
              "prefill_side_plan": (BatchPrefillWithPagedKVCacheWrapper, "plan"),
+             "prefill_side_common_form": (BatchPrefillWithPagedKVCacheWrapper, "_sm90_plan_common"),
+             "decode_side_native": (BatchDecodeWithPagedKVCacheWrapper, "_plan_native"),
+             "decode_side_install": (BatchDecodeWithPagedKVCacheWrapper, "_install_native"),
              "plan_buffer_copy": (PlanBuffer, "ship"), "page_order_launch": (PageOrder, "order")}
     times = {label: [] for label in steps}
     originals = {}

@@ -177,6 +177,150 @@ def test_batch_pod_plan_checks_the_decode_side_the_same_way(ext):
             w.plan(_i32([0, 5, 9]), ip, ids, last, qo_d, ip, ids, last, *LLAMA, HD, 16, q_data_type=BF16)
 
 
+# --- a repeated plan (_Pod._replan) equals a full plan (CPU, POD on Hopper's planners) ------------
+def _hopper_batch(rnd: random.Random, page_size: int, kind: str):
+    """A batch POD step: "common" prefill chunks that "auto" puts on the Hopper kernel beside
+    decodes; "short" ones it declines; "long" decodes beside a small prefill (the decode side
+    splits); "empty" sides; "bad" a last_page_len over page_size on the decode side."""
+    n_p = {"common": rnd.randint(1, 6), "short": 2, "long": 1, "empty": 0, "bad": 2}[kind]
+    qo_p = [rnd.randint(3, 8) if kind == "short" else rnd.randint(300, 2000) for _ in range(n_p)]
+    kv_p = [q + rnd.randint(0, 3000) for q in qo_p]
+    n_d = 0 if kind == "empty" and rnd.random() < 0.5 else rnd.randint(1, 200)
+    kv_d = [rnd.randint(6000, 9000) if kind == "long" else rnd.choice([1, page_size, rnd.randint(1, 5000)])
+            for _ in range(n_d)]
+    rng = random.Random(rnd.random())
+    ip_p, ids_p, last_p = _csr(kv_p, page_size, rng)
+    ip_d, ids_d, last_d = _csr(kv_d, page_size, rng)
+    if kind == "bad":
+        last_d[0] = page_size + 1
+    qo = _i32(itertools.accumulate(qo_p, initial=0))
+    return [qo, ip_p, ids_p, last_p, torch.arange(n_d + 1, dtype=torch.int32), ip_d, ids_d, last_d]
+
+
+def _hopper_plan_state(w) -> tuple:
+    """What a POD-on-Hopper plan leaves for run(): both sides' plans (the Hopper work list and
+    page ids, the decode side's tables, work list and launch values) and POD's schedule."""
+    p, d = w._prefill._plan, w._decode._plan
+    tables, work, merge = d.args[0], d.args[1], d.args[2]
+    dec = (tuple(t.clone() for t in tables if t is not None), work[: 1 + 4 * int(work[0])].clone(), merge.clone(),
+           d.args[5:10], d.batch, d.capacity, d.cluster, d.kv_heads_per_block, d.spec.name,
+           d.config.fixed_split_size)
+    pre = (p.work[: p.work_ints].clone(), p.page_ids.clone(), p.grid, p.qo_tokens, p.spec.name)
+    pod = (w._flops, w._kv_bytes, w._sm90_blocks, w._prefill_work, w._prefill_mask, w._planned_schedule, w._quick)
+    return pre, dec, pod
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_repeated_batch_pod_plan_equals_a_full_plan(ext, seed, monkeypatch):
+    """An eager batch POD wrapper planned step after step in one configuration replans from its
+    recipe (_replan: no full plan()) and ends in the state a fresh wrapper's full plan() of the
+    same step gives, bit for bit; steps it does not take ("auto" declining short chunks, another
+    decode split, int64 vectors, a bad value) go the full way, with the full path's errors."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    replans = []
+    original = pod_mod.BatchPODWithPagedKVCacheWrapper._replan
+    monkeypatch.setattr(pod_mod.BatchPODWithPagedKVCacheWrapper, "_replan",
+                        lambda self, *a: replans.append(original(self, *a)) or replans[-1])
+
+    def wrapper():
+        w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+        w.prefill_backend = "auto"
+        return w
+
+    rnd = random.Random(700 + seed)
+    page_size = rnd.choice([16, 32])
+    causal = seed % 2 == 0
+    kinds = ["common"] * 4 + ["short", "common", "long", "common", "int64", "common", "bad", "common", "empty",
+                              "common"]
+    repeated = wrapper()
+    for step, kind in enumerate(kinds):
+        tables = _hopper_batch(rnd, page_size, "common" if kind == "int64" else kind)
+        if kind == "int64":
+            tables = [t.long() for t in tables]
+        before = len(replans)
+        if kind == "bad":
+            with pytest.raises(ValueError) as got:
+                repeated.plan(*tables, *LLAMA, HD, page_size, q_data_type=BF16, causal=causal)
+            with pytest.raises(ValueError) as want:
+                wrapper().plan(*tables, *LLAMA, HD, page_size, q_data_type=BF16, causal=causal)
+            assert str(got.value) == str(want.value)
+            continue
+        repeated.plan(*tables, *LLAMA, HD, page_size, q_data_type=BF16, causal=causal)
+        fresh = wrapper()
+        fresh.plan(*tables, *LLAMA, HD, page_size, q_data_type=BF16, causal=causal)
+        assert repeated._prefill.planned_backend == fresh._prefill.planned_backend, (step, kind)
+        if fresh._prefill.planned_backend != "fa3":
+            assert kind in ("short", "empty") and repeated._recipe is None
+            continue
+        took = len(replans) > before and replans[-1]
+        a, b = _hopper_plan_state(repeated), _hopper_plan_state(fresh)
+        assert _same(a, b), (step, kind, took)
+        assert repeated._prefill_args[:4] == tuple(tables[:4]) and repeated._prefill_args[4:] == \
+            fresh._prefill_args[4:]
+        # the steps a recipe takes: one of the configuration before it, in plan()'s common form
+        after_common = step > 0 and kinds[step - 1] in ("common", "long") and fresh._prefill.planned_backend == "fa3"
+        if kind == "int64" or not after_common:
+            assert not took, (step, kind)
+        elif kind == "common" and kinds[step - 1] == "common":
+            assert took, (step, kind)
+    assert sum(replans) >= 3
+
+
+def test_a_changed_option_plans_in_full(ext, monkeypatch):
+    """A recipe holds one configuration: plan() with another option (causal, sm_scale, the
+    backend, a pinned split) plans in full and records the new one."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    rnd = random.Random(5)
+    w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.prefill_backend = "auto"
+    tables = _hopper_batch(rnd, 16, "common")
+    calls = []
+    original = pod_mod.BatchPODWithPagedKVCacheWrapper._replan
+    monkeypatch.setattr(pod_mod.BatchPODWithPagedKVCacheWrapper, "_replan",
+                        lambda self, *a: calls.append(1) or original(self, *a))
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    assert len(calls) == 1 and w._recipe is not None
+    for change in (dict(causal=False), dict(causal=True, sm_scale=0.1)):
+        w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, **change)
+        assert len(calls) == 1 and w._recipe[0][13] == change["causal"]
+    w.force_decode_split = 512
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True, sm_scale=0.1)
+    assert len(calls) == 1 and w._decode._plan.config.fixed_split_size == 512
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True, sm_scale=0.1)
+    assert len(calls) == 2 and w._decode._plan.config.fixed_split_size == 512
+
+
+def test_a_repeated_batch_attention_plan_equals_a_full_plan(ext, monkeypatch):
+    """BatchAttention's POD steps (decodes first or last, chunks beside them) replan its POD
+    wrapper from the recipe and equal a fresh BatchAttention's full plans."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    replans = []
+    original = pod_mod.BatchPODWithPagedKVCacheWrapper._replan
+    monkeypatch.setattr(pod_mod.BatchPODWithPagedKVCacheWrapper, "_replan",
+                        lambda self, *a: replans.append(original(self, *a)) or replans[-1])
+    rnd = random.Random(11)
+    repeated = fij.BatchAttention(device="cpu")
+    for step in range(8):
+        chunks = [rnd.randint(300, 2000) for _ in range(rnd.randint(1, 4))]
+        qo = [1] * rnd.randint(1, 100) + chunks
+        if step % 2:
+            qo.reverse()
+        kv = [q + rnd.randint(0, 4000) for q in qo]
+        (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo, kv, 16)
+        planned = []
+        for ba in (repeated, fij.BatchAttention(device="cpu")):
+            ba.prefill_backend = "fa3"
+            ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True)
+            assert ba._planned[0] == "pod" and ba._pod._prefill.planned_backend == "fa3"
+            planned.append((_hopper_plan_state(ba._pod), ba._planned[3:]))
+        assert _same(*planned), step
+    assert sum(replans) >= 6
+
+
 # --- BatchAttention's cut (CPU) -------------------------------------------------------------------
 def _old_side_table(requests, kv_indptr, kv_lens, page_size, kv_indices):
     """BatchAttention's side table before cut_batch (indptr, ids, last)."""
@@ -559,6 +703,30 @@ def test_gpu_batch_pod_fast_path_equals_the_op_and_the_reference(causal, return_
     torch.cuda.synchronize()
     assert results[-1] == -1 and w._quick.signature != recorded
     assert torch.equal(other[0], by_op[0]) and torch.equal(other[1], by_op[1])
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_plans_equal_the_reference(workspace):
+    """POD on Hopper planned step after step by one wrapper (each step's batch and cache new):
+    from the second step plan() replans from its recipe (_replan), and each step's run(),
+    through the op and then through its recorded launch, equals the float64 references."""
+    w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    _backend(w, "fa3")
+    replans = []
+    original = w._replan
+    w._replan = lambda *a: replans.append(original(*a)) or replans[-1]
+    for step, causal in enumerate((True, True, True, False, False)):
+        plan_args, q_p, cache_p, dec, table_p, qo_indptr = _host_batch(seed=20 + step)
+        w.plan(*plan_args, *LLAMA, HD, 16, q_data_type=BF16, causal=causal)
+        _planned_as(w, "fa3")
+        ref_p = prefill_ref(q_p, qo_indptr.to(DEV), cache_p.k, cache_p.v, page_table=table_p.table, causal=causal)
+        for _ in range(2):  # (the op, then the launch it recorded)
+            _poison_allocator(q_p, dec.q)
+            got = unpack(w.run(q_p, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=causal, return_lse=True),
+                         True, True)
+            torch.cuda.synchronize()
+            check_pod(got, ref_p, decode_reference(dec), BF16)
+    assert replans == [True, True, True], replans
 
 
 @pytest.mark.gpu

@@ -564,6 +564,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._device, ("paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer"),
             self._user_buffers)
         self._plan = None
+        self._native_planned = False  # whether the C++ planner made the current plan (_plan_native)
         self._traced = None  # plan()'s values for a run() under torch.compile
         self._split = SplitBuffers(float_workspace_buffer, self._use_cuda_graph)  # partial states, merge counters
         # CUDA-graph mode: the requests a plan may hold, fixed by the constructor's
@@ -641,11 +642,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             layout, block_tables = parse_block_tables(block_tables, seq_lens)
         native = self._plan_native(config, layout, indptr, indices, last_page_len, block_tables, seq_lens, page_size)
         if native is not None:  # the C++ planner filled a host slot (page ids not folded into it)
-            batch, capacity, slot, items, grid_items, any_split, cluster, cluster_warps, per_block, longest = native
-            spec = config.spec(layout, self._kv_layout)
-            max_items, fold_ids = (grid_items if graph else None), False
-            ids = indices if layout == "csr" else block_tables
-            offsets = _offsets(layout, capacity, grid_items, 0)
+            self._install_native(config, layout, native, indices if layout == "csr" else block_tables, non_blocking)
         else:
             table_host, kv_lens = self._host_page_table(layout, indptr, indices, last_page_len, block_tables,
                                                         seq_lens, page_size)
@@ -690,6 +687,28 @@ class BatchDecodeWithPagedKVCacheWrapper:
             offsets = _offsets(layout, capacity, grid_items, ids.numel() if fold_ids else 0)
             slot = self._plan_buffer.host(offsets[-1])
             pack_plan(slot.array, offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
+            self._install(config, spec, layout, slot, offsets, ids, fold_ids, batch, capacity, max_items, grid_items,
+                          any_split, cluster, cluster_warps, per_block, longest, non_blocking)
+        self._native_planned = native is not None
+
+    def _install_native(self, config: _Config, layout: str, native: tuple, ids: torch.Tensor,
+                        non_blocking: bool) -> None:
+        """The plan of a host slot the C++ planner filled (_plan_native's result), shipped and
+        made current: plan()'s, and POD's repeated plan's (pod/wrapper.py _Pod._replan). ids: the
+        page ids as given (indices, or the block table)."""
+        batch, capacity, slot, items, grid_items, any_split, cluster, cluster_warps, per_block, longest = native
+        spec = config.spec(layout, self._kv_layout)
+        max_items = grid_items if self._use_cuda_graph else None
+        self._install(config, spec, layout, slot, _offsets(layout, capacity, grid_items, 0), ids, False, batch,
+                      capacity, max_items, grid_items, any_split, cluster, cluster_warps, per_block, longest,
+                      non_blocking)
+
+    def _install(self, config: _Config, spec, layout: str, slot, offsets: tuple, ids: torch.Tensor, fold_ids: bool,
+                 batch: int, capacity: int, max_items, grid_items: int, any_split: bool, cluster: int,
+                 cluster_warps: int, per_block: int, longest: int, non_blocking: bool) -> None:
+        """A planned host slot shipped to the device and made the current plan (with its
+        views, page ids, page order and what run() carries over from the previous plan)."""
+        graph = self._use_cuda_graph
         previous = self._plan
         if graph and previous is not None and (previous.config is not config or previous.max_items != max_items):
             _expect_graph_replan(previous, config.q_tokens, max_items)

@@ -114,6 +114,10 @@ _SM90_DECODE_CHUNK = 2048
 _SM90_DECODE_SPLIT_RATIO = 2.0
 
 
+# the types of plan() arguments a recipe's key holds (_Pod._replan: == on them is exact and cheap)
+_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype))
+
+
 def sm90_decode_split(longest: int, flops: float, kv_bytes: float) -> int | None:
     """POD on Hopper's decode-side split-KV chunk (the decode plan's fixed_split_size) for a
     decode side whose longest request has `longest` keys and which reads kv_bytes beside a
@@ -739,6 +743,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                          (paged_kv_indptr_buf_d, paged_kv_indices_buf_d, paged_kv_last_page_len_buf_d), use_cuda_graph)
         self._prefill_args = None
         self._prefill_mask = None
+        self._recipe = None  # what a plan() of the same configuration repeats (_replan), or None
 
     def plan(self, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d, kv_indptr_d, kv_indices_d,
              last_page_len_d, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -750,6 +755,17 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         a side's page table as block tables, vLLM's [B, max_pages] or TensorRT-LLM's
         [B, 2, max_pages] (K and V page ids), with its requests' KV lengths, in place of its
         CSR arguments (None). Both sides take one layout (one POD module reads both)."""
+        # A plan of the previous plan's configuration (an engine's every step): planned again
+        # from its recipe where it can be (_replan), else in full below
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, q_data_type,
+               kv_data_type, data_type, sm_scale, rope_scale, rope_theta, non_blocking, causal, self.prefill_backend,
+               self.tile_rows, self.force_decode_split, self._prefill._force_key_tile, self._prefill._force_copy)
+        recipe = self._recipe
+        if recipe is not None and block_tables_p is None and block_tables_d is None and recipe[0] == key and \
+                self._replan(recipe, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d,
+                             kv_indptr_d, kv_indices_d, last_page_len_d):
+            return
+        self._recipe = None
         _no_rope(pos_encoding_mode, "pos_encoding_mode")
         expect_bool(causal, "causal")
         tables = _side_tables(kv_indptr_p, kv_indices_p, last_page_len_p, block_tables_p, seq_lens_p,
@@ -806,6 +822,58 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             self._plan_launch()
         finally:
             launch_pending(*orders)
+        prefill, decode = self._prefill, self._decode
+        if work is not None and not self._use_cuda_graph and prefill._plan is prefill._common_plan and \
+                prefill._plan is not None and decode._native_planned and \
+                all(type(v) in _PLAIN for v in key):
+            # (what _replan repeats: both sides' configurations, the decode side's split-KV
+            # chunk; the key's values plain, so that comparing keys is exact and cheap)
+            self._recipe = (key, prefill._plan.config, c, split or None, bool(causal), num_qo_heads, num_kv_heads,
+                            head_dim, page_size, window_left, sm_scale, self._prefill_args[10], kv_dtype,
+                            non_blocking)
+
+    def _replan(self, recipe: tuple, qo_p, kv_p, ids_p, last_p, qo_d, kv_d, ids_d, last_d) -> bool:
+        """plan() again in the configuration of the plan that recorded `recipe` (POD on Hopper;
+        both sides' CSR tables of the common form, contiguous int32 CPU vectors; an eager
+        wrapper): each side planned by its wrapper's common-form planner (C++: the Hopper work
+        list, the decode planner), with the same decisions as a full plan() (the "auto"
+        backend's, the decode side's split-KV chunk), then made current as plan() makes them
+        (_install_sm90, _install_native). False, having changed nothing a run() reads, where
+        anything differs (another form of the vectors, a bad value, "auto" declining, another
+        split): plan() then plans in full and raises its errors. About 2x less host time than
+        the full path (docs/pod.md "Host time")."""
+        _, config_p, config_d, split, causal, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = recipe
+        work = native_work(qo_p, kv_p, last_p, kv_d, last_d, qo_d, ps)
+        if work is None or not work[3]:
+            return False
+        prefill_work, decode_keys, longest = work[:2], work[2], work[4]
+        flops = work_flops(prefill_work, causal, hq, d)
+        if self.force_decode_split is None:  # (_sm90_decode_split's answer, its prefill on the Hopper kernel)
+            now = None if longest <= _SM90_DECODE_SPLIT_OVER else \
+                sm90_decode_split(longest, flops, float(decode_keys) * hk * 4 * d)
+            if now != split:
+                return False
+        prefill, decode = self._prefill, self._decode
+        plan_p = prefill._sm90_plan_common(prefill._backend, config_p, qo_p, kv_p, last_p, ids_p, nb)
+        if type(plan_p) is not Sm90Plan:  # ("auto" declines, or not the common form)
+            return False
+        native = decode._plan_native(config_d, "csr", kv_d, ids_d, last_d, None, None, ps)
+        if native is None:
+            return False
+        orders = (decode._page_order, prefill._page_order)
+        orders[0].defer = orders[1].defer = True
+        try:
+            prefill._install_sm90(plan_p)
+            decode._install_native(config_d, "csr", native, ids_d, nb)
+            decode._native_planned = True
+            self._prefill_args = (qo_p, kv_p, ids_p, last_p, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb,
+                                  None, None)
+            self._prefill_work, self._flops, self._prefill_mask = prefill_work, flops, causal
+            self._kv_bytes = float(decode_keys) * config_d.num_kv_heads * config_d.token_bytes
+            self._plan_launch()
+        finally:
+            launch_pending(*orders)
+        return True
 
     begin_forward = plan
 

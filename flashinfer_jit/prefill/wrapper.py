@@ -526,6 +526,7 @@ class _PrefillWrapper:
         _check_backend(backend)
         self._backend = backend
         self._sm90 = None  # the Hopper path's planner (sm90.Sm90Planner), made at its first plan
+        self._common_plan = None  # the last Hopper plan of the common form (_sm90_plan_common)
         self._sm90_refusals = {}  # sm90.refusal's answer per (configuration, table, gather_ok)
         self._graph_backend = None  # CUDA graphs: the kernel of the first plan ("fa3" or "fa2"), kept
         self._workspace = float_workspace_buffer
@@ -599,6 +600,13 @@ class _PrefillWrapper:
             return False
         if self._use_cuda_graph:
             self._graph_backend = "fa3"
+        self._install_sm90(plan)
+        return True
+
+    def _install_sm90(self, plan) -> None:
+        """A Hopper plan made the current one (plan()'s, and POD's repeated plan's:
+        pod/wrapper.py _Pod._replan), with the module op of the previous plan where the spec is
+        the same."""
         previous = self._plan
         if previous is not None and getattr(previous, "spec", None) is plan.spec:
             plan.op, plan.traced_key = previous.op, previous.traced_key
@@ -608,7 +616,6 @@ class _PrefillWrapper:
         self._traced = None
         static_inputs(plan.work, plan.counters, plan.page_ids, plan.mask, *(plan.rope[:4] if plan.rope else ()),
                       *(plan.gather or ()))
-        return True
 
     def _sm90_plan(self, backend: str, config: _Config, qo_indptr, kv_indptr, non_blocking: bool, table: str,
                    page_ids, last_page_len, mask_args: tuple):
@@ -806,8 +813,9 @@ class _PrefillWrapper:
             ids = _csr_page_ids(page_ids, kv_last)
             if ids.device != self._device:
                 ids = ids.to(self._device, non_blocking=non_blocking)
-        return planner.finish(config, slot, tiles.shape[0], non_blocking, keys_a_tile, ids, self._kv_layout, rows,
-                              qo_last)
+        plan = self._common_plan = planner.finish(config, slot, tiles.shape[0], non_blocking, keys_a_tile, ids,
+                                                  self._kv_layout, rows, qo_last)
+        return plan
 
     # --- plan ---------------------------------------------------------------------------------
     def _configure(self, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, custom,
