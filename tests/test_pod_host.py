@@ -294,14 +294,19 @@ def test_a_changed_option_plans_in_full(ext, monkeypatch):
 
 
 def test_a_repeated_batch_attention_plan_equals_a_full_plan(ext, monkeypatch):
-    """BatchAttention's POD steps (decodes first or last, chunks beside them) replan its POD
-    wrapper from the recipe and equal a fresh BatchAttention's full plans."""
+    """BatchAttention's POD steps (decodes first or last, chunks beside them) take its short
+    path (_plan_pod) and its POD wrapper's recipe (_replan), and equal a fresh
+    BatchAttention's full plans."""
     from flashinfer_jit.prefill import sm90
     monkeypatch.setattr(sm90, "arch_error", lambda device: None)
     replans = []
     original = pod_mod.BatchPODWithPagedKVCacheWrapper._replan
     monkeypatch.setattr(pod_mod.BatchPODWithPagedKVCacheWrapper, "_replan",
                         lambda self, *a: replans.append(original(self, *a)) or replans[-1])
+    quick = []
+    plan_pod = ba_mod.BatchAttention._plan_pod
+    monkeypatch.setattr(ba_mod.BatchAttention, "_plan_pod", lambda self, *a: quick.append(plan_pod(self, *a)) or
+                        quick[-1])
     rnd = random.Random(11)
     repeated = fij.BatchAttention(device="cpu")
     for step in range(8):
@@ -318,7 +323,16 @@ def test_a_repeated_batch_attention_plan_equals_a_full_plan(ext, monkeypatch):
             assert ba._planned[0] == "pod" and ba._pod._prefill.planned_backend == "fa3"
             planned.append((_hopper_plan_state(ba._pod), ba._planned[3:]))
         assert _same(*planned), step
-    assert sum(replans) >= 6
+    assert sum(replans) >= 6 and sum(quick) >= 6
+    bad = lens_t.clone()
+    bad[-1] += 16 * 5  # (more keys than the request's pages hold)
+    messages = []
+    for ba in (repeated, fij.BatchAttention(device="cpu")):
+        ba.prefill_backend = "fa3"
+        with pytest.raises(ValueError) as got:
+            ba.plan(qo_t, kv_t, ids, bad, *LLAMA, HD, HD, 16, causal=True)
+        messages.append(str(got.value))
+    assert messages[0] == messages[1] and "kv_len_arr" in messages[0]
 
 
 # --- BatchAttention's cut (CPU) -------------------------------------------------------------------

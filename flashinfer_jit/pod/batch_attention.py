@@ -392,6 +392,7 @@ class BatchAttention:
         self._long = None  # "split" mode's Hopper prefill of the long requests (at its first use)
         self._planned = None
         self._configs = {}  # plan()'s scalar arguments -> _Options (remembered)
+        self._pod_options = None  # the _Options of the last plan() that ran POD through the CSR table (_plan_pod)
 
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
@@ -433,10 +434,16 @@ class BatchAttention:
         launch of the prefill kernel, which takes either in-kernel (the tensor-core decode block
         POD runs takes neither)."""
         # (the scalar arguments' checks, remembered: an engine plans with the same ones every step)
-        q_dtype, kv_dtype, cap, rope, decode_ok = remembered(
+        options = remembered(
             self._configs, (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, q_data_type,
                             kv_data_type, logits_soft_cap, use_profiler, pos_encoding_mode, rope_scale, rope_theta),
             _options)
+        if options is self._pod_options and block_tables is None and \
+                self._plan_pod(options, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads, num_kv_heads,
+                               head_dim_qk, head_dim_vo, page_size, causal, sm_scale):
+            return
+        self._pod_options = None
+        q_dtype, kv_dtype, cap, rope, decode_ok = options
         if block_tables is not None:  # (the cut below reads each request's page count)
             if kv_indptr is not None or kv_indices is not None:
                 raise ValueError("block_tables: pass kv_indptr and kv_indices as None with block tables (kv_len_arr "
@@ -529,6 +536,31 @@ class BatchAttention:
         # of rows: Dynamo traces run() under torch.compile)
         self._planned = (mode, cut, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
                          cut.decodes, cut.decode_rows, cut.prefill_rows)
+        if mode == "pod" and block_tables is None and self._graph is None:
+            self._pod_options = options
+
+    def _plan_pod(self, options: _Options, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads: int,
+                  num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool,
+                  sm_scale) -> bool:
+        """plan() of a batch whose scalar arguments are those of the last plan(), which ran
+        POD through the CSR table (an engine's every step): where this batch is of plan()'s
+        common form again (native_cut's vectors, decodes beside other requests, each side's
+        rows one run of the batch's, kv_indices an int32 vector of the pages), the POD
+        wrapper's plan() of the two sides (which repeats its own recipe, _Pod._replan) without
+        the mode's decisions; False (nothing changed) otherwise: plan() then plans in full."""
+        cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, True)
+        if cut is None or cut.decodes == 0 or cut.perm is not None or cut.decode_rows == (0, cut.rows) or \
+                type(kv_indices) is not torch.Tensor or kv_indices.dtype is not torch.int32 or \
+                kv_indices.dim() != 1 or kv_indices.shape[0] < cut.pages:
+            return False
+        (d_indptr, d_last, d_pages), (p_qo, p_indptr, p_last, p_pages) = cut.decode, cut.prefill
+        with _SideErrors("both sides", _LazySplit(qo_indptr, True)):
+            self._pod.plan(p_qo, p_indptr, _side_ids(p_pages, kv_indices), p_last, None, d_indptr,
+                           _side_ids(d_pages, kv_indices), d_last, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
+                           q_data_type=options.q_dtype, kv_data_type=options.kv_dtype, sm_scale=sm_scale, causal=causal)
+        self._planned = ("pod", cut, None, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, options.q_dtype, options.cap,
+                         causal, cut.decodes, cut.decode_rows, cut.prefill_rows)
+        return True
 
     def _device_perm(self, perm: torch.Tensor) -> torch.Tensor:
         """A plan's row permutation (int64, host) on the wrapper's device, marked a static input
