@@ -291,6 +291,25 @@ def test_a_changed_option_plans_in_full(ext, monkeypatch):
     assert len(calls) == 1 and w._decode._plan.config.fixed_split_size == 512
     w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True, sm_scale=0.1)
     assert len(calls) == 2 and w._decode._plan.config.fixed_split_size == 512
+    # a run() with a custom mask plans the prefill side on the mma.sync POD: the next plan()
+    # repeats the recipe's (Hopper) prefill side all the same, as a full plan() would
+    qo_lens = (tables[0][1:] - tables[0][:-1]).long()
+    pages = (tables[1][1:] - tables[1][:-1]).long()
+    kv_lens = torch.where(pages > 0, (pages - 1) * 16 + tables[3].long(), 0)
+    w._plan_prefill(False, torch.ones(int((qo_lens * kv_lens).sum()), dtype=torch.bool), None)
+    assert w._prefill.planned_backend == "fa2"
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True, sm_scale=0.1)
+    fresh = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    fresh.force_decode_split, fresh.prefill_backend = 512, "auto"
+    fresh.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True, sm_scale=0.1)
+    assert len(calls) == 3 and w._prefill.planned_backend == "fa3"
+    assert _same(_hopper_plan_state(w), _hopper_plan_state(fresh))
+    # ... and "auto"'s rule, not the custom mask's mma.sync choice, decides a batch of short chunks
+    w._plan_prefill(False, torch.ones(int((qo_lens * kv_lens).sum()), dtype=torch.bool), None)
+    short = _hopper_batch(rnd, 16, "short")
+    for x in (w, fresh):
+        x.plan(*short, *LLAMA, HD, 16, q_data_type=BF16, causal=True, sm_scale=0.1)
+    assert w._prefill.planned_backend == fresh._prefill.planned_backend == "fa2"
 
 
 def test_a_repeated_batch_attention_plan_equals_a_full_plan(ext, monkeypatch):

@@ -854,7 +854,12 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             if now != split:
                 return False
         prefill, decode = self._prefill, self._decode
-        plan_p = prefill._sm90_plan_common(prefill._backend, config_p, qo_p, kv_p, last_p, ids_p, nb)
+        # (the prefill side's kernel choice and tiles as _plan_prefill_side sets them: a run()
+        # with a custom mask since may have changed them)
+        backend = prefill._backend = self.prefill_backend
+        self._pin_tile(d)
+        prefill._force_query_tile = 128
+        plan_p = prefill._sm90_plan_common(backend, config_p, qo_p, kv_p, last_p, ids_p, nb)
         if type(plan_p) is not Sm90Plan:  # ("auto" declines, or not the common form)
             return False
         native = decode._plan_native(config_d, "csr", kv_d, ids_d, last_d, None, None, ps)
