@@ -132,6 +132,12 @@ struct Sm90Kernel {
   // registers a thread after setmaxnreg (the file's 64K: 24 x 128 + 240 x 256, 24 x 128 + 160 x 384;
   // FP8 40 x 128 + 232 x 256, the producer's transposing warps holding a unit's four words)
   static constexpr int kProducerRegs = kFp8 ? 40 : 24, kConsumerRegs = kConsumers == 2 ? (kFp8 ? 232 : 240) : 160;
+  // setmaxnreg moves registers within what the block was launched with: kThreads x the
+  // launch's per-thread count (65536 / kThreads rounded down to 8: 168 at 384 threads, 128 at
+  // 512). Asking for more blocks the consumers' setmaxnreg.inc forever (a hang, not an error:
+  // 64 x 128 + 224 x 256 = 65536 hung the FP8 probe, branch next/fp8-vt-stages).
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536 / kThreads / 8 * 8 * kThreads,
+                "setmaxnreg: the warpgroups' registers exceed the launch's");
   static constexpr int kBlockN = kN;
   static constexpr int kChains = kConsumers == 2 ? 4 : 2;  // softmax: partial row-max chains a row
   // softmax: how far (log2 units) a row's max may grow before it moves and O is rescaled
