@@ -245,24 +245,13 @@ int main() {
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> s(kM * kN);
   CHECK_CUDA(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
-  std::vector<double> s_ref(kM * kN);
-  for (int i = 0; i < kM; ++i)
-    for (int j = 0; j < kN; ++j) {
-      double acc = 0;
-      for (int c = 0; c < kD; ++c) acc += double(float(q[i * kD + c])) * double(float(k[j * kD + c]));
-      s_ref[i * kN + j] = acc;
-    }
+  const auto e4m3 = [](fp8 x) { return float(x); };
+  const std::vector<double> s_ref = ref_matmul(q.data(), k.data(), kM, kN, kD, true, e4m3);
   const double qk_err = max_rel_err(s, s_ref);
   std::printf("fp8_qk_ss_rel_err %.3g\n", qk_err);
 
   // 2 and 3. O = P V
-  std::vector<double> o_ref(kM * kD);
-  for (int i = 0; i < kM; ++i)
-    for (int c = 0; c < kD; ++c) {
-      double acc = 0;
-      for (int key = 0; key < kN; ++key) acc += double(float(p[i * kN + key])) * double(float(v[key * kD + c]));
-      o_ref[i * kD + c] = acc;
-    }
+  const std::vector<double> o_ref = ref_matmul(p.data(), v.data(), kM, kD, kN, false, e4m3);
   // mode 0: P's fragment read whole (2), 1: P from S's layout against the permuted V^T (3),
   // 2: the same with V transposed in shared memory (5)
   auto run_pv = [&](int mode, int layout, double* err) -> int {

@@ -1,6 +1,6 @@
 // What the standalone Hopper probes share (tests/hopper/*.cu): the CUDA error check of
-// their main()s, a warpgroup's accumulators written out, one TMA load waited for, and the
-// error against a double reference.
+// their main()s, a warpgroup's accumulators written out, one TMA load waited for, a double
+// reference of a product and the error against it.
 #pragma once
 #include <cmath>
 #include <cstdio>
@@ -47,6 +47,20 @@ __device__ void load_once(uint64_t* bar, uint32_t bytes, Issue issue) {
     issue();
   }
   fij::sm90::mbar_wait(bar, 0);
+}
+
+// The double reference of a [m x n] product: C = A B^T with b_nt (B [n x k], as K in Q K^T),
+// else C = A B (B [k x n], as V in P V); A [m x k], row-major; value(x) widens an element.
+template <typename T, typename Value>
+std::vector<double> ref_matmul(const T* a, const T* b, int m, int n, int k, bool b_nt, Value value) {
+  std::vector<double> c(size_t(m) * n);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      double acc = 0;
+      for (int x = 0; x < k; ++x) acc += double(value(a[i * k + x])) * double(value(b_nt ? b[j * k + x] : b[x * n + j]));
+      c[size_t(i) * n + j] = acc;
+    }
+  return c;
 }
 
 // max |got - ref| / max |ref|; infinite where got has a non-finite value (an unwritten NaN).

@@ -167,25 +167,14 @@ int main() {
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> s(kM * kN);
   CHECK_CUDA(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
-  std::vector<double> s_ref(kM * kN);
-  for (int i = 0; i < kM; ++i)
-    for (int j = 0; j < kN; ++j) {
-      double acc = 0;
-      for (int c = 0; c < kD; ++c) acc += double(__bfloat162float(q[i * kD + c])) * __bfloat162float(k[j * kD + c]);
-      s_ref[i * kN + j] = acc;
-    }
+  const auto widen = [](bf16 x) { return __bfloat162float(x); };
+  const std::vector<double> s_ref = ref_matmul(q.data(), k.data(), kM, kN, kD, true, widen);
   const double qk_err = max_rel_err(s, s_ref);
   std::printf("qk_ss_kmajor_rel_err %.3g\n", qk_err);
   const bool qk_ok = qk_err < 1e-5;
 
   // 2. O = P V, candidates of the MN-major descriptor
-  std::vector<double> o_ref(kM * kN);
-  for (int i = 0; i < kM; ++i)
-    for (int j = 0; j < kN; ++j) {
-      double acc = 0;
-      for (int c = 0; c < kKv; ++c) acc += double(__bfloat162float(p[i * kKv + c])) * __bfloat162float(v[c * kN + j]);
-      o_ref[i * kN + j] = acc;
-    }
+  const std::vector<double> o_ref = ref_matmul(p.data(), v.data(), kM, kN, kKv, false, widen);
   const uint32_t candidates[][2] = {{kKv * 128, 1024}, {1024, kKv * 128}, {16, 1024}, {1024, 16}};
   int pv_match = 0;
   for (const auto& cand : candidates) {
