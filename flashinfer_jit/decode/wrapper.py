@@ -689,7 +689,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             pack_plan(slot.array, offsets, capacity, table_host, kv_lens, work, merge_indptr, ids if fold_ids else None)
             self._install(config, spec, layout, slot, offsets, ids, fold_ids, batch, capacity, max_items, grid_items,
                           any_split, cluster, cluster_warps, per_block, longest, non_blocking)
-        self._native_planned = native is not None
+            self._native_planned = False
 
     def _install_native(self, config: _Config, layout: str, native: tuple, ids: torch.Tensor,
                         non_blocking: bool) -> None:
@@ -702,6 +702,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._install(config, spec, layout, slot, _offsets(layout, capacity, grid_items, 0), ids, False, batch,
                       capacity, max_items, grid_items, any_split, cluster, cluster_warps, per_block, longest,
                       non_blocking)
+        self._native_planned = True
 
     def _install(self, config: _Config, spec, layout: str, slot, offsets: tuple, ids: torch.Tensor, fold_ids: bool,
                  batch: int, capacity: int, max_items, grid_items: int, any_split: bool, cluster: int,

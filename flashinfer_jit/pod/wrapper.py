@@ -393,15 +393,19 @@ class _Pod:
             self._sm90_op = module_op(spec, "pod_sm90", debug) if self._device.type == "cuda" else None
             self._sm90_key, self._sm90_spec = (spec_p, spec_d, debug), spec
 
-    def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int) -> int | None:
+    def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int,
+                           flops: float | None = None) -> int | None:
         """The decode side's split-KV chunk beside the planned prefill (its plan()'s
         fixed_split_size): sm90_decode_split where the prefill plans the Hopper kernel outside a
         CUDA graph (a graph's decode plan keeps its first configuration), else None (the
         decode planner's own). POD on Hopper's K/V is 16-bit: 2 x head_dim x 2 bytes a token
-        and KV head."""
-        if longest <= _SM90_DECODE_SPLIT_OVER or self._use_cuda_graph or type(self._prefill._plan) is not Sm90Plan:
+        and KV head. flops: the prefill's (_replan's, whose Hopper plan is not yet installed),
+        else the installed plan's (self._flops, where it is a Hopper plan)."""
+        if longest <= _SM90_DECODE_SPLIT_OVER or self._use_cuda_graph or \
+                (flops is None and type(self._prefill._plan) is not Sm90Plan):
             return None  # (no decode long enough to split: sm90_decode_split's first test, before the rest)
-        return sm90_decode_split(longest, self._flops, float(decode_keys) * num_kv_heads * 4 * head_dim)
+        return sm90_decode_split(longest, self._flops if flops is None else flops,
+                                 float(decode_keys) * num_kv_heads * 4 * head_dim)
 
     def _run_sm90(self, q_p, kv_p: tuple, q_d, paged_kv_cache_d, scales_p: tuple, scales_d: tuple, return_lse_p,
                   return_lse_d, out_p=None, lse_p=None, out_d=None, lse_d=None, record=None, key=None) -> tuple:
@@ -828,9 +832,9 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
                 all(type(v) in _PLAIN for v in key):
             # (what _replan repeats: both sides' configurations, the decode side's split-KV
             # chunk; the key's values plain, so that comparing keys is exact and cheap)
-            self._recipe = (key, prefill._plan.config, c, split or None, bool(causal), num_qo_heads, num_kv_heads,
-                            head_dim, page_size, window_left, sm_scale, self._prefill_args[10], kv_dtype,
-                            non_blocking)
+            # (the prefill side's plan arguments past its vectors: hq, hk, head_dim, page_size,
+            # window, sm_scale, dtypes, non_blocking, as _plan_prefill_side reads them)
+            self._recipe = (key, prefill._plan.config, c, split or None, bool(causal), self._prefill_args[4:13])
 
     def _replan(self, recipe: tuple, qo_p, kv_p, ids_p, last_p, qo_d, kv_d, ids_d, last_d) -> bool:
         """plan() again in the configuration of the plan that recorded `recipe` (POD on Hopper;
@@ -840,19 +844,17 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         backend's, the decode side's split-KV chunk), then made current as plan() makes them
         (_install_sm90, _install_native). False, having changed nothing a run() reads, where
         anything differs (another form of the vectors, a bad value, "auto" declining, another
-        split): plan() then plans in full and raises its errors. About 2x less host time than
-        the full path (docs/pod.md "Host time")."""
-        _, config_p, config_d, split, causal, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb = recipe
+        split): plan() then plans in full and raises its errors. 0.64-0.85x the full path's
+        host time on the H200 host (docs/pod.md "Host time")."""
+        _, config_p, config_d, split, causal, scalars = recipe
+        hq, hk, d, ps, nb = scalars[0], scalars[1], scalars[2], scalars[3], scalars[8]
         work = native_work(qo_p, kv_p, last_p, kv_d, last_d, qo_d, ps)
         if work is None or not work[3]:
             return False
         prefill_work, decode_keys, longest = work[:2], work[2], work[4]
         flops = work_flops(prefill_work, causal, hq, d)
-        if self.force_decode_split is None:  # (_sm90_decode_split's answer, its prefill on the Hopper kernel)
-            now = None if longest <= _SM90_DECODE_SPLIT_OVER else \
-                sm90_decode_split(longest, flops, float(decode_keys) * hk * 4 * d)
-            if now != split:
-                return False
+        if self.force_decode_split is None and self._sm90_decode_split(longest, decode_keys, hk, d, flops) != split:
+            return False
         prefill, decode = self._prefill, self._decode
         # (the prefill side's kernel choice and tiles as _plan_prefill_side sets them: a run()
         # with a custom mask since may have changed them)
@@ -870,9 +872,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         try:
             prefill._install_sm90(plan_p)
             decode._install_native(config_d, "csr", native, ids_d, nb)
-            decode._native_planned = True
-            self._prefill_args = (qo_p, kv_p, ids_p, last_p, hq, hk, d, ps, window, sm_scale, q_dtype, kv_dtype, nb,
-                                  None, None)
+            self._prefill_args = (qo_p, kv_p, ids_p, last_p, *scalars, None, None)
             self._prefill_work, self._flops, self._prefill_mask = prefill_work, flops, causal
             self._kv_bytes = float(decode_keys) * config_d.num_kv_heads * config_d.token_bytes
             self._plan_launch()
