@@ -88,6 +88,18 @@ def test_fp8_probe_on_hopper(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_fp8_transpose_model():
+    """scripts/fp8_transpose_model.py (CPU): the V^T transpose's ldmatrix / stmatrix scheme moves
+    every byte of a tile to its vt_key place, each unit once, every phase on 8 distinct bank
+    groups, for the kernel's three transposing warps and for the probe's four; and P packed in
+    place against that V^T gives P V."""
+    for warps in (3, 4):
+        done = subprocess.run(["python3", str(ROOT / "scripts" / "fp8_transpose_model.py"), "--warps", str(warps)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "transpose exact: True" in done.stdout and "worst bank multiplicity: 1" in done.stdout, done.stdout
+
+
 @pytest.mark.gpu
 def test_fp8_attention_probe_on_hopper(tmp_path):
     """The prefill kernel's FP8 form (q, K and V in e4m3, bf16 out) beside its bf16 form on the

@@ -1,6 +1,7 @@
 // FP8 attention's pieces on Hopper, around csrc/hopper/sm90.cuh's e4m3 wgmma (docs/hopper.md,
 // FP8 attention). 8-bit wgmma reads both operands K-major, so P V takes V^T: V's tile, as TMA
-// brings it ([keys x head_dim], 128-byte swizzled rows), is transposed in shared memory. P
+// brings it ([keys x head_dim], 128-byte swizzled rows), is transposed in shared memory
+// (ldmatrix, byte permutes, a transposing stmatrix). P
 // comes from the softmax in S's fp32 accumulator layout, where a thread holds keys 8 j + 2 q +
 // {0, 1} (q = lane % 4); the e4m3 A fragment wants four consecutive k-columns a register. P is
 // packed where it lies, and V^T's keys are permuted to match (vt_key), which the transpose
@@ -48,37 +49,65 @@ FIJ_SM90 void pack_p_e4m3(const float (&s)[kS], uint32_t (&pa)[kS / 16][4]) {
   }
 }
 
-// Byte (row, col) of a 128B-swizzled tile of 128-byte rows (TMA's CU_TENSOR_MAP_SWIZZLE_128B:
-// the 16-byte chunk index XOR the row's index mod 8).
-FIJ_SM90 int swizzle128(int row, int col) { return row * 128 + ((((col >> 4) ^ row) & 7) << 4) + (col & 15); }
 
-// V [kKeys x 128] e4m3 (one TMA tile: a key a row, 128B-swizzled) into V^T [128 x kKeys] (a
-// head_dim column a row; kKeys = 128: one swizzle atom a row; columns in vt_key's order), by
-// `warps` whole warps, this thread `t` of them. A unit moves four keys (the four of one V^T
-// word in vt_key's order: 16 g + 2 q + {0, 1, 8, 9}) by four dims (4 w ..): four 4-byte reads,
-// a byte transpose by __byte_perm, four 4-byte writes. Lane a + 4 b of a warp's pass takes q = a,
-// g = b, w = w0 + ((b + s) mod 8) (the pass's s in 0..7, w0 in {0, 8, 16, 24}): every read and
-// every write of a pass then hits 32 distinct banks under the 128B swizzle (checked, with
-// every byte, by scripts/fp8_transpose_model.py). Synchronize, and fence_proxy_async, before a wgmma
-// reads vt. ldmatrix / stmatrix (16 bytes a lane) would move the tile in fewer instructions.
+// stmatrix .x4 .trans of four 8x8 b16 matrices: lanes 8 m .. 8 m + 7 give the row addresses
+// of matrix m; this thread's r[m] goes to matrix m's rows 2 (lane % 4) (its low half) and
+// 2 (lane % 4) + 1 (its high half), b16 column lane / 4.
+FIJ_SM90 void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+// ldmatrix .x4 (not transposed): lanes 8 m .. give matrix m's row addresses; r[m] holds this
+// thread's 4 bytes of matrix m: row lane / 4, bytes 4 (lane % 4) .. + 3.
+FIJ_SM90 void ldmatrix_x4_rows(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// V [kKeys x 128] e4m3 (one TMA tile: a key a row, 128B-swizzled: byte (row, col) at row x 128 +
+// (((col / 16) ^ row) % 8) x 16 + col % 16; shared address v) into V^T
+// [128 x kKeys] (a head_dim column a row; kKeys = 128: one swizzle atom a row; columns in
+// vt_key's order; shared address vt), by `warps` whole warps, this thread `t` of them.
+//
+// A unit is 16 keys (group G, the keys of one 16-column run of V^T's rows) by 16 dims (segment
+// D). An ldmatrix brings it as two 8 x 16-byte matrices X, Y of V's rows: row rho of X holds
+// key ka = 16 G + 2 (rho / 2) + 8 (rho % 2) for even rho and ka + 1 for odd rho, Y the other one
+// of the pair, so a thread (row rho, dims 4 u .. 4 u + 3) holds both keys of V^T's byte columns
+// 2 rho and 2 rho + 1 (vt_key: keys ka, ka + 1). Two __byte_perm make its pairs (dims 4 u and
+// 4 u + 1: R0; 4 u + 2 and 4 u + 3: R1), and a transposing stmatrix writes each b16 (two keys)
+// to V^T's row of its dim at b16 column rho: matrix A takes R0 of the threads with u = 0 or 3
+// and R1 of u = 1 or 2, B the others, so each matrix's eight rows (dims) differ mod 8. Every
+// phase of both instructions then reads or writes eight distinct 16-byte bank groups under the
+// 128B swizzle (checked, with every byte, by scripts/fp8_transpose_model.py). An ldmatrix .x4
+// and a stmatrix .x4 move two units: 32 of each a tile, against 256 4-byte loads and stores.
+// Synchronize, and fence_proxy_async, before a wgmma reads vt.
 template <int kKeys>
-FIJ_SM90 void transpose_v_e4m3(const unsigned char* v, unsigned char* vt, int t, int warps) {
+FIJ_SM90 void transpose_v_e4m3(uint32_t v, uint32_t vt, int t, int warps) {
   static_assert(kKeys == 128, "V^T rows of one 128-byte swizzle atom");
-  const int lane = t % 32, q = lane % 4, g = lane / 4;
-  for (int pass = t / 32; pass < 32; pass += warps) {
-    const int s = pass % 8, w = 8 * (pass / 8) + ((g + s) & 7);  // dims 4 w .. 4 w + 3
-    const int k0 = 16 * g + 2 * q;
-    const uint32_t a0 = *reinterpret_cast<const uint32_t*>(v + swizzle128(k0, 4 * w));
-    const uint32_t a1 = *reinterpret_cast<const uint32_t*>(v + swizzle128(k0 + 1, 4 * w));
-    const uint32_t a2 = *reinterpret_cast<const uint32_t*>(v + swizzle128(k0 + 8, 4 * w));
-    const uint32_t a3 = *reinterpret_cast<const uint32_t*>(v + swizzle128(k0 + 9, 4 * w));
-    const uint32_t t0 = __byte_perm(a0, a1, 0x5140), t1 = __byte_perm(a0, a1, 0x7362);  // a0/a1 bytes interleaved
-    const uint32_t u0 = __byte_perm(a2, a3, 0x5140), u1 = __byte_perm(a2, a3, 0x7362);
-    const int col = 16 * g + 4 * q;  // byte i of each word: key vt_key(col + i)
-    *reinterpret_cast<uint32_t*>(vt + swizzle128(4 * w, col)) = __byte_perm(t0, u0, 0x5410);
-    *reinterpret_cast<uint32_t*>(vt + swizzle128(4 * w + 1, col)) = __byte_perm(t0, u0, 0x7632);
-    *reinterpret_cast<uint32_t*>(vt + swizzle128(4 * w + 2, col)) = __byte_perm(t1, u1, 0x5410);
-    *reinterpret_cast<uint32_t*>(vt + swizzle128(4 * w + 3, col)) = __byte_perm(t1, u1, 0x7632);
+  const int lane = t % 32, m = lane >> 3, r = lane & 7, j = m >> 1, odd = m & 1;
+  // this lane's row of matrix m (X / A even m, Y / B odd m) of unit j of each step
+  const int kl = 2 * (r >> 1) + ((r & 1) ^ odd);  // its key mod 8; the key: 16 G + kl + 8 (r % 2)
+  const uint32_t ld_row = v + 128 * (kl + 8 * (r & 1));
+  const int up = r >> 1, use_r1 = (up == 1 || up == 2) ^ odd;
+  const int dl = 4 * up + 2 * use_r1 + (r & 1);  // its dim mod 16
+  const uint32_t st_row = vt + 128 * dl;
+  // this thread's pairs: X's row rho holds ka (even rho) or ka + 1 (odd)
+  const int rho = lane >> 2, u = lane & 3;
+  const uint32_t r0 = (rho & 1) ? 0x1504u : 0x5140u, r1 = (rho & 1) ? 0x3726u : 0x7362u;
+  const bool swap = u == 1 || u == 2;
+  const uint32_t sel_a = swap ? r1 : r0, sel_b = swap ? r0 : r1;
+  for (int step = t / 32; step < 32; step += warps) {
+    const int unit = 2 * step + j, g = unit & 7, d = unit >> 3;
+    uint32_t x[4], y[4];
+    ldmatrix_x4_rows(ld_row + 2048 * g + (((d ^ kl) & 7) << 4), x);
+    y[0] = __byte_perm(x[0], x[1], sel_a);
+    y[1] = __byte_perm(x[0], x[1], sel_b);
+    y[2] = __byte_perm(x[2], x[3], sel_a);
+    y[3] = __byte_perm(x[2], x[3], sel_b);
+    stmatrix_x4_trans(st_row + 2048 * d + (((g ^ dl) & 7) << 4), y);
   }
 }
 

@@ -132,7 +132,7 @@ __device__ void pv_from_s(const float* p, const CUtensorMap* vt_map, bool transp
   __shared__ uint64_t bar;
   load_once(&bar, kD * kN, [&] { h::tma_load_2d(sv, vt_map, &bar, 0, 0); });
   if (transpose) {
-    h::transpose_v_e4m3<kN>(sv, svt, threadIdx.x, 4);
+    h::transpose_v_e4m3<kN>(h::smem_addr(sv), h::smem_addr(svt), threadIdx.x, 4);
     h::fence_proxy_async();  // the generic writes, before the wgmma (the async proxy) reads them
     __syncthreads();
   }
