@@ -49,7 +49,6 @@ FIJ_SM90 void pack_p_e4m3(const float (&s)[kS], uint32_t (&pa)[kS / 16][4]) {
   }
 }
 
-
 // stmatrix .x4 .trans of four 8x8 b16 matrices: lanes 8 m .. 8 m + 7 give the row addresses
 // of matrix m; this thread's r[m] goes to matrix m's rows 2 (lane % 4) (its low half) and
 // 2 (lane % 4) + 1 (its high half), b16 column lane / 4.
@@ -59,7 +58,8 @@ FIJ_SM90 void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
                : "memory");
 }
 // ldmatrix .x4 (not transposed): lanes 8 m .. give matrix m's row addresses; r[m] holds this
-// thread's 4 bytes of matrix m: row lane / 4, bytes 4 (lane % 4) .. + 3.
+// thread's 4 bytes of matrix m: row lane / 4, bytes 4 (lane % 4) .. + 3. (common/mma.cuh's
+// ldmatrix_x4 without a memory clobber; this one stays after the mbarrier wait for the tile.)
 FIJ_SM90 void ldmatrix_x4_rows(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
