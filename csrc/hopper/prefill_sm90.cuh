@@ -72,13 +72,7 @@ namespace sm90_prefill {
 
 namespace h = fij::sm90;
 
-constexpr int kStages = 2;  // K / V stages of the 16-bit forms
-// FP8 attention's K / V / V^T stages (its key tiles are half the bytes and half the MMA time:
-// more of them in flight cover the same latency)
-#ifndef FIJ_SM90_FP8_STAGES
-#define FIJ_SM90_FP8_STAGES 2
-#endif
-constexpr int kFp8Stages = FIJ_SM90_FP8_STAGES;
+constexpr int kStages = 2;
 
 template <typename DType>
 FIJ_SM90 uint32_t pack2(float a, float b) {
@@ -167,8 +161,7 @@ struct Sm90Kernel {
   // Two Q tiles where shared memory holds them (head_dim 64, and 128 with 128-key tiles):
   // the next item's Q then loads while this one runs, not after its last Q K^T, which
   // items of a few key tiles (short prompts, causal diagonals) wait for otherwise.
-  static constexpr int kKvStages = kFp8 ? kFp8Stages : kStages;
-  static constexpr int kKVBytes = (kKTileBytes + kVTileBytes * (kFp8 ? 2 : 1)) * kKvStages;
+  static constexpr int kKVBytes = (kKTileBytes + kVTileBytes * (kFp8 ? 2 : 1)) * kStages;
   static constexpr int kQStages = 2 * kQBytes + kKVBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr int kSmemBytes = kQBytes * kQStages + kKVBytes + 1024;
   static constexpr int kOut = kDvo / 2;  // O accumulators a thread
@@ -540,14 +533,13 @@ struct Sm90Kernel {
   }
 };
 
-// Key tile i, counted over every item a block has run, sits in stage i % kN (kN: the kernel's
-// kKvStages); its barriers' phase parity is (i / kN) & 1 ("empty" waits take the other parity).
+// Key tile i, counted over every item a block has run, sits in stage i % kStages; its
+// barriers' phase parity is (i / kStages) & 1 ("empty" waits take the other parity).
 struct Stage {
   int s;
   uint32_t parity;
 };
-template <int kN>
-FIJ_SM90 Stage stage_of(int i) { return {i % kN, uint32_t(i / kN) & 1u}; }
+FIJ_SM90 Stage stage_of(int i) { return {i % kStages, uint32_t(i / kStages) & 1u}; }
 
 FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
   const int4* at = reinterpret_cast<const int4*>(work + kSm90WorkHeader + kSm90TileInts * t);
@@ -578,22 +570,20 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
   using namespace sm90_prefill;
   using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi, kStaleMax, kFp8>;
   static_assert(!kFp8 || (!kPaged && K::kQStages == 2), "FP8 attention: ragged K/V, two Q stages");
-  constexpr int kC = K::kConsumers, kKvStages = K::kKvStages;
-  const auto stage_of = [](int i) { return sm90_prefill::stage_of<kKvStages>(i); };
+  constexpr int kC = K::kConsumers;
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
   unsigned char* smem = h::align_1024(smem_raw);
   constexpr int kQStages = K::kQStages;
   unsigned char* sq = smem;                                   // Q stage j at sq + j * kQBytes
   unsigned char* sk = smem + K::kQBytes * kQStages;  // K stage s at sk + s * kKTileBytes
-  unsigned char* sv = sk + kKTileBytes * kKvStages;    // V stage s at sv + s * kVTileBytes
-  unsigned char* svt = sv + kVTileBytes * kKvStages;   // FP8: V^T stage s at svt + s * kVTileBytes
+  unsigned char* sv = sk + kKTileBytes * kStages;    // V stage s at sv + s * kVTileBytes
+  unsigned char* svt = sv + kVTileBytes * kStages;   // FP8: V^T stage s at svt + s * kVTileBytes
   // item k's Q in stage k % kQStages; q_empty: every consumer thread has seen its last Q K^T
   // of the stage's item complete
-  __shared__ uint64_t q_full[2], q_empty[2], k_full[kKvStages], v_full[kKvStages], k_empty[kKvStages],
-      v_empty[kKvStages];
+  __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   // FP8: a V^T stage written (by the 96 transposing threads) and read (its P V complete); V's
   // stage is then empty once those threads have read it
-  __shared__ uint64_t vt_full[kKvStages], vt_empty[kKvStages];
+  __shared__ uint64_t vt_full[kStages], vt_empty[kStages];
   // item k's index (-1: none left) and tile in slot k % 2: the producer reads the tile from
   // the work list while the consumers still run item k - 1, so theirs is a shared-memory read
   __shared__ int item_slot[2];
@@ -613,7 +603,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::mbar_init(&q_full[j], 1);
       h::mbar_init(&q_empty[j], 128 * kC);  // every consumer thread
     }
-    for (int s = 0; s < kKvStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       h::mbar_init(&k_full[s], 1);
       h::mbar_init(&v_full[s], 1);
       h::mbar_init(&k_empty[s], 4 * kC);  // lane 0 of each consumer warp
