@@ -438,10 +438,13 @@ class BatchAttention:
             self._configs, (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, q_data_type,
                             kv_data_type, logits_soft_cap, use_profiler, pos_encoding_mode, rope_scale, rope_theta),
             _options)
-        if options is self._pod_options and block_tables is None and \
-                self._plan_pod(options, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads, num_kv_heads,
-                               head_dim_qk, head_dim_vo, page_size, causal, sm_scale):
-            return
+        cut = None  # (native_cut's, where the short path made it: plan() below takes it too)
+        if options is self._pod_options and block_tables is None:
+            # (_pod_options is a POD step's: decodes taken, so the cut below is the same one)
+            cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, True)
+            if self._plan_pod(options, cut, qo_indptr, kv_indices, num_qo_heads, num_kv_heads, head_dim_qk,
+                              head_dim_vo, page_size, causal, sm_scale):
+                return
         self._pod_options = None
         q_dtype, kv_dtype, cap, rope, decode_ok = options
         if block_tables is not None:  # (the cut below reads each request's page count)
@@ -462,7 +465,8 @@ class BatchAttention:
                 raise ValueError(f"kv_len_arr[{r}] = {int(lens[r])} needs {int(pages[r])} pages of {page_size} tokens; "
                                  f"block_tables holds {block_tables.shape[-1]} a request")
             kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
-        cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
+        if cut is None:
+            cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
         split = _LazySplit(qo_indptr, decode_ok)
         if cut is None:
             cut, split = self._cut_numpy(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok)
@@ -539,7 +543,7 @@ class BatchAttention:
         if mode == "pod" and block_tables is None and self._graph is None:
             self._pod_options = options
 
-    def _plan_pod(self, options: _Options, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads: int,
+    def _plan_pod(self, options: _Options, cut: BatchCut | None, qo_indptr, kv_indices, num_qo_heads: int,
                   num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool,
                   sm_scale) -> bool:
         """plan() of a batch whose scalar arguments are those of the last plan(), which ran
@@ -547,8 +551,8 @@ class BatchAttention:
         common form again (native_cut's vectors, decodes beside other requests, each side's
         rows one run of the batch's, kv_indices an int32 vector of the pages), the POD
         wrapper's plan() of the two sides (which repeats its own recipe, _Pod._replan) without
-        the mode's decisions; False (nothing changed) otherwise: plan() then plans in full."""
-        cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, True)
+        the mode's decisions; False (nothing changed) otherwise: plan() then plans in full.
+        cut: native_cut of the batch (decodes taken), or None."""
         if cut is None or cut.decodes == 0 or cut.perm is not None or cut.decode_rows == (0, cut.rows) or \
                 type(kv_indices) is not torch.Tensor or kv_indices.dtype is not torch.int32 or \
                 kv_indices.dim() != 1 or kv_indices.shape[0] < cut.pages:
