@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Where POD on Hopper's run() spends its host time when it cannot take its recorded launch:
+the first run() after each plan(), which an engine pays once a step (docs/pod.md, Host time).
+
+bench_pod_host.py's small batch (one 16-token chunk on 1k keys and 8 decodes on 2k, bf16,
+32 / 8 heads, head_dim 128, page 16, causal; its GPU time is below the host's), on a
+BatchPODWithPagedKVCacheWrapper with prefill_backend "fa3". Timed with time.perf_counter_ns
+(no sync inside a round; median over rounds, µs a call):
+  fast           run() through its recorded launch (fij_fastcall.pod_run)
+  op             run() with the record dropped before each call (the op path, recording again)
+  op_no_record   the same, the record not made (the op called without `prepared`)
+  plan_then_run  plan() (a second batch's lengths, then the first's, in turn) and the run()
+                 after it; plan_only the plans alone: the difference is the first run() after
+                 a plan as an engine sees it
+  raw_op         the POD op alone, called with the arguments the wrapper passed it (the
+                 dispatcher, the C++ resolve and the launch)
+and the op path's parts (each timed by a wrapper around it, ~0.2 µs each added): the prefill
+side's argument checks (_sm90_args), the decode side's (_resolved_args), the record's
+signature and buffer (_record_for), the op call. Then cProfile of the op path, by own time.
+
+  python3 scripts/profile_pod_run.py [--calls N] [--rounds R] [--top K] [--out FILE]
+GPU only (sm_90).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import inspect
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
+from bench_pod_host import HEADS, csr  # noqa: E402
+from bench_prefill_host import per_call_us  # noqa: E402
+
+
+def timed_parts(calls: int, fn, parts: dict) -> dict:
+    """Each (cls, name) of `parts` timed by a wrapper around it over `calls` calls of fn."""
+    times = {label: [] for label in parts}
+    originals = {}
+
+    def timed(f, into):
+        def call(*a, **k):
+            t = time.perf_counter_ns()
+            r = f(*a, **k)
+            into.append(time.perf_counter_ns() - t)
+            return r
+        return call
+
+    for label, (owner, name) in parts.items():
+        originals[label] = inspect.getattr_static(owner, name)
+        f = timed(getattr(owner, name), times[label])
+        setattr(owner, name, staticmethod(f) if isinstance(originals[label], staticmethod) else f)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        for label, (owner, name) in parts.items():
+            setattr(owner, name, originals[label])
+    out = {}
+    for label, ts in times.items():
+        ts.sort()
+        if ts:
+            out[label] = {"n": len(ts), "min_us": round(ts[0] / 1e3, 2), "median_us": round(ts[len(ts) // 2] / 1e3, 2)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    import flashinfer_jit as fij
+    if not torch.cuda.is_available():
+        print("profile_pod_run.py: needs a GPU (sm_90)", file=sys.stderr)
+        return 2
+    from flashinfer_jit.decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
+    from flashinfer_jit.pod.wrapper import _Pod
+    from flashinfer_jit.prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
+
+    device = torch.device("cuda")
+    bf16 = torch.bfloat16
+    sync = torch.cuda.synchronize
+    p = csr(torch, [16], [1024], device)
+    p2 = csr(torch, [12], [1500], device)
+    d = csr(torch, [1] * 8, [2048] * 8, device)
+    d2 = csr(torch, [1] * 8, [1800] * 8, device)
+    num_pages = 512
+    cache = torch.randn(num_pages, 2, 16, 8, 128, device=device).to(bf16)
+    q_p = torch.randn(16, 32, 128, device=device).to(bf16)
+    q_p2 = torch.randn(12, 32, 128, device=device).to(bf16)
+    q_d = torch.randn(8, 32, 128, device=device).to(bf16)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    w = fij.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+    w.prefill_backend = "fa3"
+
+    def plan(pp, dd):
+        w.plan(pp[0], pp[1], pp[2], pp[3], dd[0], dd[1], dd[2], dd[3], *HEADS, q_data_type=bf16, kv_data_type=bf16,
+               causal=True)
+
+    plan(p, d)
+    w.run(q_p, cache, q_d, cache, causal_p=True)
+    sync()
+    res = {"meta": bc.run_metadata(), "fast_path_taken": w._quick is not None}
+    run = lambda: w.run(q_p, cache, q_d, cache, causal_p=True)  # noqa: E731
+    res["fast"] = per_call_us(run, args.calls, args.rounds, sync)
+
+    def op():
+        w._quick = None
+        w.run(q_p, cache, q_d, cache, causal_p=True)
+    res["op"] = per_call_us(op, args.calls, args.rounds, sync)
+
+    record_for = _Pod._record_for
+    _Pod._record_for = staticmethod(lambda spec, record: None)
+    try:
+        res["op_no_record"] = per_call_us(op, args.calls, args.rounds, sync)
+    finally:
+        _Pod._record_for = record_for
+
+    # an engine's step: plan() of new lengths, then run() (q's rows follow the plan)
+    state = [0]
+
+    def plan_only():
+        state[0] ^= 1
+        plan(p2, d2) if state[0] else plan(p, d)
+
+    def plan_then_run():
+        state[0] ^= 1
+        if state[0]:
+            plan(p2, d2)
+            w.run(q_p2, cache, q_d, cache, causal_p=True)
+        else:
+            plan(p, d)
+            w.run(q_p, cache, q_d, cache, causal_p=True)
+    res["plan_only"] = per_call_us(plan_only, args.calls, args.rounds, sync)
+    res["plan_then_run"] = per_call_us(plan_then_run, args.calls, args.rounds, sync)
+    res["first_run_after_plan_us"] = round(res["plan_then_run"]["median_us"] - res["plan_only"]["median_us"], 2)
+
+    # the op alone, with the arguments the wrapper last passed it
+    plan(p, d)
+    captured = {}
+    real_op = w._sm90_op
+
+    def spy(*a):
+        captured["args"] = a
+        return real_op(*a)
+    w._sm90_op = spy
+    op()
+    w._sm90_op = real_op
+    a = list(captured["args"])
+    a[-1] = None  # (no record)
+    res["raw_op"] = per_call_us(lambda: real_op(*a), args.calls, args.rounds, sync)
+
+    class OpHolder:  # the op call as a part of its own
+        pass
+    parts = {"prefill _sm90_args": (BatchPrefillWithPagedKVCacheWrapper, "_sm90_args"),
+             "decode _resolved_args": (BatchDecodeWithPagedKVCacheWrapper, "_resolved_args"),
+             "_record_for": (_Pod, "_record_for"), "_keep_record": (_Pod, "_keep_record"),
+             "_run_sm90 (all of the op path below run())": (_Pod, "_run_sm90")}
+    OpHolder.op = staticmethod(real_op)
+    w._sm90_op = lambda *x: OpHolder.op(*x)
+    parts["op call"] = (OpHolder, "op")
+    res["op_parts"] = timed_parts(args.calls * 5, op, parts)
+    w._sm90_op = real_op
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls * 5):
+        op()
+    prof.disable()
+    sync()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+    text = s.getvalue()
+    print(json.dumps(res, indent=1))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        Path(args.out).with_suffix(".profile.txt").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
