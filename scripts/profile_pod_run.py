@@ -10,8 +10,9 @@ BatchPODWithPagedKVCacheWrapper with prefill_backend "fa3". Timed with time.perf
   op             run() with the record dropped before each call (the op path, recording again)
   op_no_record   the same, the record not made (the op called without `prepared`)
   plan_then_run  plan() (a second batch's lengths, then the first's, in turn) and the run()
-                 after it; plan_only the plans alone: the difference is the first run() after
-                 a plan as an engine sees it
+                 after it (through fij_fastcall.pod_rerun); plan_only the plans alone: the
+                 difference is the first run() after a plan as an engine sees it;
+                 plan_then_run_op the same with plan() dropping the record (the op path)
   raw_op         the POD op alone, called with the arguments the wrapper passed it (the
                  dispatcher, the C++ resolve and the launch)
 and the op path's parts (each timed by a wrapper around it, ~0.2 µs each added): the prefill
@@ -121,7 +122,7 @@ def main() -> int:
         w.run(q_p, cache, q_d, cache, causal_p=True)
     res["op"] = per_call_us(op, args.calls, args.rounds, sync)
 
-    record_for = _Pod._record_for
+    record_for = inspect.getattr_static(_Pod, "_record_for")
     _Pod._record_for = staticmethod(lambda spec, record: None)
     try:
         res["op_no_record"] = per_call_us(op, args.calls, args.rounds, sync)
@@ -145,7 +146,13 @@ def main() -> int:
             w.run(q_p, cache, q_d, cache, causal_p=True)
     res["plan_only"] = per_call_us(plan_only, args.calls, args.rounds, sync)
     res["plan_then_run"] = per_call_us(plan_then_run, args.calls, args.rounds, sync)
+    res["rerun_taken"] = w._quick is not None and w._quick.replan is None
+    # the same with plan() dropping the record (as before pod_rerun): the first run() through the op
+    w._replans_record = False
+    res["plan_then_run_op"] = per_call_us(plan_then_run, args.calls, args.rounds, sync)
+    w._replans_record = True
     res["first_run_after_plan_us"] = round(res["plan_then_run"]["median_us"] - res["plan_only"]["median_us"], 2)
+    res["first_run_after_plan_op_us"] = round(res["plan_then_run_op"]["median_us"] - res["plan_only"]["median_us"], 2)
 
     # the op alone, with the arguments the wrapper last passed it
     plan(p, d)

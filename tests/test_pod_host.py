@@ -649,6 +649,133 @@ def test_the_record_is_never_taken_under_torch_compile(monkeypatch):
     assert torch.equal(out_p, q_p * 2) and torch.equal(out_d, q_d * 3) and not spy.calls
 
 
+# --- the first run() after a plan(): the record kept (QuickLaunch.replan) and fij_fastcall.pod_rerun --
+class _FakeExtension:
+    """fastcall.extension() with pod_rerun replaced by a spy."""
+
+    def __init__(self, real, rerun):
+        self._real, self.pod_rerun = real, rerun
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _hopper_wrapper(monkeypatch, rnd, causal=True):
+    """A batch POD wrapper planned on POD on Hopper on the CPU (the arch check skipped, the
+    relaunch entry a stand-in address 99), with a stand-in record of its configuration."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    monkeypatch.setattr(pod_mod, "relaunch_entry", lambda spec, debug: 99)
+    w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.prefill_backend = "auto"
+    w.plan(*_hopper_batch(rnd, 16, "common"), *LLAMA, HD, 16, q_data_type=BF16, causal=causal)
+    assert w._prefill.planned_backend == "fa3"
+    return w
+
+
+def _hopper_record(w, spy=None, key=True):
+    w._quick = pod_mod.QuickLaunch(spy or _Spy(-1), 11, torch.zeros(8, dtype=torch.uint8), 22, b"sig", key,
+                                   w._sm90_spec, (w._prefill._plan.config, w._decode._plan.config))
+
+
+def test_a_plan_of_the_recorded_configuration_keeps_the_hopper_record(ext, monkeypatch):
+    """POD on Hopper's record outlives a plan() of its module and both sides' configurations:
+    the plan leaves it with the new plan's op arguments (as _run_sm90 passes them) and its
+    bounds on q's rows; anything else drops it: another mask (another module), another option
+    (another configuration), a pinned split, the mma.sync POD's record, a CUDA-graph wrapper."""
+    rnd = random.Random(41)
+    w = _hopper_wrapper(monkeypatch, rnd)
+    for step in range(3):  # (new lengths each step, the record kept: recipe and full plans alike)
+        _hopper_record(w)
+        tables = _hopper_batch(rnd, 16, "common" if step != 1 else "long")
+        w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+        assert w._quick is not None and w._quick.replan is not None, step
+        relaunch, plan, bounds = w._quick.replan
+        p, d = w._prefill._plan, w._decode._plan
+        assert relaunch == 99 and bounds == (p.qo_tokens, 1 << 62, d.batch, d.batch)
+        assert plan[0] is p.work and plan[1] is p.page_ids and plan[3] == tuple(d.args[0]) and plan[4] is d.args[1]
+        assert plan[9] is d.args[10] and plan[10] is w._counters and plan[19] == w._sm90_blocks
+        assert plan[11] == p.config.logit_scale and plan[13] == d.config.logit_scale and plan[17] == d.args[8]
+        assert len(plan) == 20 and w._quick.signature == b"sig"
+    w.force_prefill_blocks = 7
+    _hopper_record(w)
+    w.plan(*_hopper_batch(rnd, 16, "common"), *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    assert w._quick.replan[1][19] == 7  # (a pinned split: in the plan's arguments)
+    w.force_prefill_blocks = None
+    tables = _hopper_batch(rnd, 16, "common")
+    for change in (dict(causal=False), dict(causal=True, sm_scale=0.1), dict(causal=True, window_left=100)):
+        _hopper_record(w)
+        w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, **change)
+        assert w._quick is None, change
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    _hopper_record(w)
+    w._quick = w._quick._replace(configs=None)  # (the mma.sync POD's record: no configurations)
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    assert w._quick is None
+    _hopper_record(w)
+    w.force_prefill_blocks = 3  # (a pin after the plan: dropped, as every pin drops it)
+    assert w._quick is None
+
+
+def test_the_first_run_after_a_plan_takes_pod_rerun(ext, monkeypatch):
+    """The run() after a plan() hands the kept record, the plan's arguments and bounds and the
+    call's tensors to fij_fastcall.pod_rerun; its result is returned and the record takes its
+    signature (the next run() goes through pod_run). Refused (-1, -3), the op path runs."""
+    rnd = random.Random(43)
+    w = _hopper_wrapper(monkeypatch, rnd)
+    outs = tuple(torch.zeros(1) for _ in range(4))
+    reruns = _Spy(outs + (b"new",))
+    monkeypatch.setattr(fastcall, "extension", lambda: _FakeExtension(ext, reruns))
+    _hopper_record(w)
+    tables = _hopper_batch(rnd, 16, "common")
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    rows = w._prefill._plan.qo_tokens
+    q_p, q_d = torch.zeros(rows, 32, HD, dtype=BF16), torch.zeros(w._decode._plan.batch, 32, HD, dtype=BF16)
+    cache = torch.zeros(20, 2, 16, 8, HD, dtype=BF16)
+    _, plan, bounds = w._quick.replan
+    assert w.run(q_p, cache, q_d, cache, causal_p=True, return_lse=True) == (outs[:2], outs[2:])
+    assert reruns.calls[0] == (99, 22, b"sig", plan, bounds, (-1, -1), q_p, cache, q_d, cache, None, None, None, None,
+                               0, 0, 3)
+    assert w._quick.replan is None and w._quick.signature == b"new"
+    w._quick = w._quick._replace(run=_Spy(outs))  # (the next run(): pod_run)
+    assert w.run(q_p, cache, q_d, cache, causal_p=True) == outs[:2] and len(reruns.calls) == 1
+    for code in (-1, -3):  # refused: the op path (on CPU tensors it stops at the device check)
+        _hopper_record(w)
+        w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+        refused = _Spy(code)
+        monkeypatch.setattr(fastcall, "extension", lambda: _FakeExtension(ext, refused))
+        with pytest.raises(ValueError, match="CUDA"):
+            w.run(q_p, cache, q_d, cache, causal_p=True)
+        assert len(refused.calls) == 1 and w._quick.replan is not None
+
+
+def test_batch_attention_passes_its_rows_to_pod_rerun(ext, monkeypatch):
+    """BatchAttention's run() after a plan(): each side's offset and row count in the mixed q,
+    and the mixed batch's token count as the bound on q's rows."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    monkeypatch.setattr(pod_mod, "relaunch_entry", lambda spec, debug: 99)
+    ba = fij.BatchAttention(device="cpu")
+    ba.prefill_backend = "auto"
+    qo, kv = [1] * 30 + [700, 400], [rnd_len for rnd_len in range(100, 3100, 100)][:30] + [900, 1500]
+    (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo, kv, 16)
+    ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True)
+    assert ba._planned[0] == "pod" and ba._pod._prefill.planned_backend == "fa3"
+    _hopper_record(ba._pod, key=None)
+    ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True)
+    assert ba._pod._quick is not None and ba._pod._quick.replan is not None
+    outs = tuple(torch.zeros(1) for _ in range(4))
+    reruns = _Spy(outs + (b"new",))
+    monkeypatch.setattr(fastcall, "extension", lambda: _FakeExtension(ext, reruns))
+    tokens = sum(qo)
+    q, cache = torch.zeros(tokens, 32, HD, dtype=BF16), torch.zeros(200, 2, 16, 8, HD, dtype=BF16)
+    assert ba.run(q, cache) == (outs[0], outs[2])
+    (d0, d1), (p0, p1) = ba._planned[11:13]
+    args = reruns.calls[0]
+    assert args[4] == (tokens,) * 4 and args[5] == (p1 - p0, d1 - d0)
+    assert args[6:] == (q, cache, q, cache, None, None, None, None, p0, d0, 3)
+
+
 # --- GPU: the recorded launch against the op and the references ----------------------------------
 def _spy_record(w):
     """Wrap the wrapper's record so the test sees each fast call's result."""
@@ -663,12 +790,13 @@ def _spy_record(w):
     return results
 
 
-def _host_batch(page_size=16, seed=5, shared=True):
-    """Prefill requests (qo 7, 300, 1 over kv 500, 300, 2048) and 9 decodes, host indptr /
-    last_page_len (plan()'s common form), page ids on the GPU; one cache or two."""
+def _host_batch(page_size=16, seed=5, shared=True, qo_lens=(7, 300, 1), kv_lens=(500, 300, 2048), decodes=9):
+    """Prefill requests (qo 7, 300, 1 over kv 500, 300, 2048 unless given) and 9 decodes (unless
+    given), host indptr / last_page_len (plan()'s common form), page ids on the GPU; one cache or
+    two."""
     rnd, gen = random.Random(seed), torch.Generator(device=DEV).manual_seed(seed)
-    qo_lens, kv_lens = [7, 300, 1], [500, 300, 2048]
-    lens_d = [rnd.randint(1, 1500) for _ in range(9)]
+    qo_lens, kv_lens = list(qo_lens), list(kv_lens)
+    lens_d = [rnd.randint(1, 1500) for _ in range(decodes)]
     pages_p, pages_d = (sum(-(-n // page_size) for n in lens) for lens in (kv_lens, lens_d))
     num_pages = pages_p + pages_d + 5
     ids = rnd.sample(range(num_pages), num_pages)
@@ -682,7 +810,8 @@ def _host_batch(page_size=16, seed=5, shared=True):
     q_p = randn((sum(qo_lens), LLAMA[0], HD), BF16, gen)
     dec = Decode(randn((len(lens_d), LLAMA[0], HD), BF16, gen), cache_d, table_d)
     host = lambda t: (t[0].cpu(), t[1], t[2].cpu())  # noqa: E731
-    plan_args = (qo_indptr, *host(table_p.plan_args), torch.arange(10, dtype=torch.int32), *host(table_d.plan_args))
+    plan_args = (qo_indptr, *host(table_p.plan_args), torch.arange(decodes + 1, dtype=torch.int32),
+                 *host(table_d.plan_args))
     return plan_args, q_p, cache_p, dec, table_p, qo_indptr
 
 
@@ -760,6 +889,104 @@ def test_gpu_repeated_plans_equal_the_reference(workspace):
             torch.cuda.synchronize()
             check_pod(got, ref_p, decode_reference(dec), BF16)
     assert replans == [True, True, True], replans
+
+
+def _spy_reruns(monkeypatch):
+    """fij_fastcall.pod_rerun wrapped: the test sees each call's result (a tuple: launched)."""
+    real = fastcall.extension()
+    results = []
+
+    def rerun(*args):
+        results.append(real.pod_rerun(*args))
+        return results[-1]
+    monkeypatch.setattr(fastcall, "extension", lambda: _FakeExtension(real, rerun))
+    return results
+
+
+@pytest.mark.gpu
+def test_gpu_the_first_run_after_each_plan_equals_the_reference(workspace, monkeypatch):
+    """An engine's steps on POD on Hopper: each plan() of new lengths (other prefill chunks,
+    another decode count, so q's rows change) keeps the record, and the run() after it resolves
+    and launches through pod_rerun (no op call); its results, and those of the next run()
+    through pod_run, equal the float64 references. A q with the old step's rows is refused and
+    the op path raises its error."""
+    w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+    _backend(w, "fa3")
+    reruns = _spy_reruns(monkeypatch)
+    ops = []
+    steps = [((7, 300, 1), (500, 300, 2048), 9), ((129, 64), (700, 64), 33), ((5,), (1300,), 1),
+             ((300, 2, 250), (900, 2, 2000), 17), ((16,), (16,), 12), ((64,), (4000,), 1)]
+    prev = None
+    for step, (qo_lens, kv_lens, decodes) in enumerate(steps):
+        plan_args, q_p, cache_p, dec, table_p, qo_indptr = _host_batch(seed=60 + step, qo_lens=qo_lens,
+                                                                        kv_lens=kv_lens, decodes=decodes)
+        w.plan(*plan_args, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+        _planned_as(w, "fa3")
+        if step == 0:  # (one module for every step: the plan keeps its op, which the test counts)
+            real_op = w._sm90_op
+            w._sm90_op = lambda *a: ops.append(step) or real_op(*a)
+        kept = w._quick is not None and w._quick.replan is not None
+        if prev is not None and step > 0:
+            assert kept, f"step {step}: the plan dropped the record"
+            with pytest.raises(ValueError):  # (the last step's q: refused, the op path's row check)
+                w.run(prev[0], cache_p.run_arg, prev[1], dec.cache.run_arg, causal_p=True)
+        ref_p = prefill_ref(q_p, qo_indptr.to(DEV), cache_p.k, cache_p.v, page_table=table_p.table, causal=True)
+        for call in range(2):  # (after the plan: pod_rerun from the second step; then pod_run)
+            before, op_calls = len(reruns), len(ops)
+            _poison_allocator(q_p, dec.q)
+            got = unpack(w.run(q_p, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=True, return_lse=True),
+                         True, True)
+            torch.cuda.synchronize()
+            if step > 0 and call == 0:
+                assert len(reruns) > before and type(reruns[-1]) is tuple, (step, reruns[before:])
+                assert len(ops) == op_calls, f"step {step}: the op ran"
+            check_pod(got, ref_p, decode_reference(dec), BF16)
+        prev = (q_p, dec.q)
+    assert sum(type(r) is tuple for r in reruns) == len(steps) - 1 and ops == [0], (reruns, ops)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_attention_first_run_after_each_plan_equals_the_reference(monkeypatch):
+    """BatchAttention's mixed batches step after step (decodes first or last, other counts and
+    chunks): the run() after each plan() goes through pod_rerun with its rows in the mixed q, in
+    place into a given out / lse or allocated, and equals the float64 reference."""
+    ba = fij.BatchAttention(device=DEV)
+    _backend(ba, "fa3")
+    reruns = _spy_reruns(monkeypatch)
+    rnd, gen = random.Random(71), torch.Generator(device=DEV).manual_seed(71)
+    taken = 0
+    for step in range(5):
+        chunks = [rnd.randint(100, 600) for _ in range(rnd.randint(1, 3))]
+        qo = [1] * rnd.randint(8, 60) + chunks
+        if step % 2:
+            qo = qo[len(qo) - len(chunks):] + qo[:len(qo) - len(chunks)]
+        kv = [rnd.randint(1, 2000) if n == 1 else n + rnd.randint(0, 900) for n in qo]
+        (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo, kv, 16)
+        ids = ids.to(DEV)
+        cache = make_cache(int(kv_t[-1]) + 3, 16, LLAMA[1], HD, BF16, gen, single=True)
+        ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True, q_data_type=BF16, kv_data_type=BF16)
+        assert ba._planned[0] == "pod"
+        _planned_as(ba._pod, "fa3")
+        q = randn((sum(qo), LLAMA[0], HD), BF16, gen)
+        given = step % 3 == 2
+        before = len(reruns)
+        if given:
+            out = torch.full((q.shape[0], LLAMA[0], HD), float("nan"), dtype=BF16, device=DEV)
+            lse = torch.full((q.shape[0], LLAMA[0]), float("nan"), device=DEV)
+            got = ba.run(q, cache.run_arg, out=out, lse=lse)
+            assert got[0] is out and got[1] is lse
+        else:
+            _poison_allocator(q)
+            got = ba.run(q, cache.run_arg)
+        torch.cuda.synchronize()
+        if step > 0:
+            assert len(reruns) > before and type(reruns[-1]) is tuple, (step, reruns[before:])
+            taken += 1
+        ref = prefill_ref(q, qo_t.to(DEV), cache.k, cache.v, page_table=csr_page_table(kv_t.to(DEV), ids,
+                          _csr(kv, 16)[2].to(DEV)), causal=True)
+        check_out(got[0], ref[0], TOL[BF16], "out")
+        check_lse(got[1], ref[1], "lse")
+    assert taken == 4
 
 
 @pytest.mark.gpu

@@ -228,6 +228,149 @@ PyObject* pod_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// --- run()'s first call after a plan(): pod_rerun ------------------------------------------------
+
+// Whether the call's words `w` equal the record's `old` but for what a plan() changes: each
+// side's q, out and lse rows (dim 0 of each, where given) and the row offsets.
+bool same_but_rows(const int64_t* w, const int64_t* old) {
+  for (int side = 0; side < 2; ++side) {
+    for (int slot = 0; slot < 5; ++slot) {
+      const int64_t* a = w + (side * 5 + slot) * kTensorWords;
+      const int64_t* b = old + (side * 5 + slot) * kTensorWords;
+      const bool rows = slot == 0 || slot >= 3;  // q, out, lse
+      for (int i = 0; i < kTensorWords; ++i)
+        if (a[i] != b[i] && !(rows && i == 1 && a[0] >= 1)) return false;
+    }
+  }
+  const int64_t* ta = w + 10 * kTensorWords;
+  const int64_t* tb = old + 10 * kTensorWords;
+  return ta[2] == tb[2] && ta[3] == tb[3];  // want_lse, the aliases
+}
+
+// The plan's arguments (flashinfer_jit/pod/wrapper.py _Pod._relaunch_plan): 11 tensors (the
+// page table a tuple of them, merge_counters_d a tensor or None), then 4 floats and 5 ints.
+constexpr Py_ssize_t kPlanItems = 20;
+
+bool plan_tensor(PyObject* obj, const void** slot) {
+  if (obj == Py_None) {
+    *slot = nullptr;
+    return true;
+  }
+  if (!THPVariable_Check(obj)) return false;
+  *slot = &THPVariable_Unpack(obj);
+  return true;
+}
+
+// pod_rerun(relaunch, prepared, signature, plan, bounds, counts, <pod_signature's arguments>)
+//   -> (out_p, out_d, lse_p, lse_d, signature), or an int: -1 not of the record's form but for
+//   the rows (or rows outside `bounds`, or refused by the entry: the op decides), -2 not on a
+//   CUDA device, FIJ_FAST_CAPTURING (-3) the stream captures a graph, > 0 a cudaError_t.
+// The record's `signature` was taken by a call through the op, whose checks all passed; a
+// call whose tensors differ from it only in their rows (and whose rows fit the new plan:
+// bounds (lo_p, hi_p, lo_d, hi_d) on each side's q rows as given) passes them too. counts: each
+// side's rows from its offset (-1: to the end of its q). The entry <namespace>_pod_relaunch
+// resolves the launch from the call's tensors and the plan, records it into `prepared` and
+// launches it; the returned signature is the call's, which pod_run then takes.
+PyObject* pod_rerun(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!fij_fastcall::arity("pod_rerun", nargs, 6 + kSignatureArgs)) return nullptr;
+  void* a[2];  // relaunch entry, prepared
+  if (!fij_fastcall::addresses(args, 2, a)) return nullptr;
+  PyObject *signature = args[2], *plan = args[3], *bounds = args[4], *counts = args[5];
+  if (!PyBytes_Check(signature) || PyBytes_GET_SIZE(signature) != kSigWords * 8 || !PyTuple_CheckExact(plan) ||
+      PyTuple_GET_SIZE(plan) != kPlanItems || !PyTuple_CheckExact(bounds) || PyTuple_GET_SIZE(bounds) != 4 ||
+      !PyTuple_CheckExact(counts) || PyTuple_GET_SIZE(counts) != 2 || a[0] == nullptr || a[1] == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "fij_fastcall.pod_rerun(): expected (relaunch, prepared, signature bytes, "
+                                     "plan tuple of 20, bounds tuple of 4, counts tuple of 2, ...)");
+    return nullptr;
+  }
+  Side sides[2];
+  int64_t want_lse = 0, lim[4], cnt[2];
+  if (!read_sides(args + 6, sides, &want_lse)) return nullptr;
+  for (int i = 0; i < 4; ++i) lim[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(bounds, i));
+  for (int i = 0; i < 2; ++i) cnt[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(counts, i));
+  double reals[4];
+  long long ints[5];
+  for (int i = 0; i < 4; ++i) reals[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 11 + i));
+  for (int i = 0; i < 5; ++i) ints[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, 15 + i));
+  if (PyErr_Occurred()) return nullptr;
+  for (int i : {0, 1, 2, 4, 5, 6, 7, 8, 10})  // (the plan's tensors; 9 may be None)
+    if (!THPVariable_Check(PyTuple_GET_ITEM(plan, i))) return PyLong_FromLong(-1);
+  Launch l;
+  int64_t w[kSigWords];
+  int code = -1;
+  try {
+    if (!signature_words(sides, want_lse, w) ||
+        !same_but_rows(w, reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(signature))))
+      return PyLong_FromLong(-1);
+    at::Tensor side_t[2][5];  // each side's q, k, v, out, lse as the op takes them
+    int64_t rows[2];
+    for (int s = 0; s < 2; ++s) {
+      const at::Tensor& q = THPVariable_Unpack(sides[s].q);
+      const int64_t off = sides[s].rows;
+      rows[s] = cnt[s] >= 0 ? cnt[s] : q.size(0) - off;
+      if (q.size(0) < lim[2 * s] || q.size(0) > lim[2 * s + 1] || off < 0 || rows[s] < 0 || off + rows[s] > q.size(0))
+        return PyLong_FromLong(-1);
+      for (PyObject* given : {sides[s].out, sides[s].lse})  // (a given output: q's rows, as the op path checks)
+        if (given != Py_None && THPVariable_Unpack(given).size(0) != q.size(0)) return PyLong_FromLong(-1);
+    }
+    if (rows[0] == 0 && rows[1] == 0) return PyLong_FromLong(-1);  // (nothing to launch: the op path's case)
+    const at::Tensor& q0 = THPVariable_Unpack(sides[0].q);
+    if (!q0.is_cuda()) return PyLong_FromLong(-2);
+    if (!side_pointers(sides[0], 0, want_lse, sides[1], l, l.ptr) ||
+        !side_pointers(sides[1], 1, want_lse, sides[0], l, l.ptr + 5))
+      return PyLong_FromLong(-1);
+    const auto part = [](const at::Tensor& t, int64_t off, int64_t n) {
+      return off == 0 && n == t.size(0) ? t : t.narrow(0, off, n);
+    };
+    for (int s = 0; s < 2; ++s) {
+      const at::Tensor& q = THPVariable_Unpack(sides[s].q);
+      const int64_t off = sides[s].rows, n = rows[s];
+      side_t[s][0] = part(q, off, n);
+      if (PyTuple_CheckExact(sides[s].kv)) {
+        side_t[s][1] = THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 0));
+        side_t[s][2] = THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 1));
+      } else {  // [pages, 2, ...]: K at index 0 of dim 1, V at 1
+        const at::Tensor& kv = THPVariable_Unpack(sides[s].kv);
+        side_t[s][1] = kv.select(1, 0);
+        side_t[s][2] = kv.select(1, 1);
+      }
+      side_t[s][3] = part(THPVariable_Unpack(l.result[s]), off, n);
+      PyObject* lse = l.result[2 + s];  // None: not written, the plan's empty tensor
+      side_t[s][4] = lse != Py_None ? part(THPVariable_Unpack(lse), off, n)
+                                    : THPVariable_Unpack(PyTuple_GET_ITEM(plan, s == 0 ? 2 : 6));
+    }
+    PyObject* tables = PyTuple_GET_ITEM(plan, 3);
+    if (!PyTuple_CheckExact(tables) || PyTuple_GET_SIZE(tables) > 8) return PyLong_FromLong(-1);
+    const int n_tables = static_cast<int>(PyTuple_GET_SIZE(tables));
+    const void* t[18 + 8];
+    for (int s = 0; s < 2; ++s)
+      for (int i = 0; i < 5; ++i) t[5 * s + i] = &side_t[s][i];
+    static constexpr int kPlanSlot[8] = {0, 1, 4, 5, 7, 8, 9, 10};  // plan items -> t[10..17]
+    for (int i = 0; i < 8; ++i)
+      if (!plan_tensor(PyTuple_GET_ITEM(plan, kPlanSlot[i]), &t[10 + i]) || (t[10 + i] == nullptr && i != 6))
+        return PyLong_FromLong(-1);
+    for (int i = 0; i < n_tables; ++i)
+      if (!plan_tensor(PyTuple_GET_ITEM(tables, i), &t[18 + i]) || t[18 + i] == nullptr) return PyLong_FromLong(-1);
+    code = reinterpret_cast<fij_pod_relaunch_fn>(a[0])(a[1], t, n_tables, reals, ints);
+  } catch (const std::exception&) {  // a tensor torch cannot describe, allocate or view here: the op decides
+    return PyLong_FromLong(-1);
+  }
+  if (code != 0) return PyLong_FromLong(code);
+  PyObject* result = PyTuple_New(5);
+  if (result == nullptr) return nullptr;
+  for (int i = 0; i < 4; ++i) {
+    PyTuple_SET_ITEM(result, i, l.result[i]);  // (the tuple takes the references)
+    l.result[i] = nullptr;
+  }
+  PyObject* sig = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(w));
+  if (sig == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(result, 4, sig);
+  return result;
+}
+
 using fij_fastcall::csr_len;
 
 PyObject* pod_work(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -407,6 +550,9 @@ PyMethodDef pod_methods[] = {
     {"pod_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_run)), METH_FASTCALL,
      "pod_run(entry, prepared, signature, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d, rows_p, rows_d, "
      "want_lse, pdl) -> (out_p, out_d, lse_p, lse_d) | int"},
+    {"pod_rerun", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_rerun)), METH_FASTCALL,
+     "pod_rerun(relaunch, prepared, signature, plan, bounds, counts, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, "
+     "lse_d, rows_p, rows_d, want_lse) -> (out_p, out_d, lse_p, lse_d, signature) | int"},
     {"pod_work", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_work)), METH_FASTCALL,
      "pod_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d, page_size) "
      "-> (sum q k, sum q (2k - q + 1)+, decode keys, decode ok, longest decode) | -1"},

@@ -650,8 +650,9 @@ class BatchAttention:
             # The common form of a recorded launch: fij_fastcall checks q, the cache and out /
             # lse as given against its signature in C++ and launches both sides on their rows
             # (None: not of it; the checks and the op below)
-            got = self._pod._quick_run(quick, q, kv_cache, q, kv_cache, out, out, lse, lse, prefill_rows[0],
-                                       decode_rows[0], 3, None)
+            (d0, d1), (p0, p1) = decode_rows, prefill_rows
+            got = self._pod._quick_run(quick, q, kv_cache, q, kv_cache, out, out, lse, lse, p0, d0, 3, None,
+                                       (p1 - p0, d1 - d0), (tokens, tokens, tokens, tokens))
             if got is not None:
                 return got[0], got[2]
         out_given, lse_given = out, lse

@@ -37,7 +37,7 @@ from ..runtime.checks import (
     static_inputs,
 )
 from ..runtime.device import empty_f32, sm_count, supports_pdl
-from ..runtime.launch import fast_entry, launch_buffer, launch_failed, module_op
+from ..runtime.launch import fast_entry, launch_buffer, launch_failed, module_op, relaunch_entry
 from ..runtime.page_order import launch_pending
 from ..runtime.page_table import csr_kv_lens_host, parse_block_tables, unpack_paged_kv_cache
 from .spec import PodSm90Spec, PodSpec, pod_tiles
@@ -222,7 +222,15 @@ class QuickLaunch(NamedTuple):
     by fij_fastcall's pod_run (`run`, with the module's <namespace>_pod_fast at `entry`) for
     tensors of the recorded `signature` (fij_fastcall.pod_signature of the call's tensors as
     given), checked in C++; `key`: what the caller compares in Python (the options its
-    signature does not hold); spec: the module, for errors."""
+    signature does not hold); spec: the module, for errors.
+
+    POD on Hopper's record outlives a plan() of the same configuration (configs: both sides'
+    plan configurations it was recorded with, by identity): plan() leaves it with `replan`,
+    (the module's <namespace>_pod_relaunch, _relaunch_plan()'s arguments, the plan's bounds
+    on each side's q rows), and the next run() goes through fij_fastcall.pod_rerun: the call's
+    tensors checked in C++ against the signature but for their rows, the launch resolved
+    from them and the new plan, recorded and launched without the dispatcher (the first run()
+    after each plan(): an engine's every step)."""
 
     run: object
     entry: int
@@ -231,6 +239,8 @@ class QuickLaunch(NamedTuple):
     signature: bytes
     key: object
     spec: PodSpec | PodSm90Spec
+    configs: tuple | None = None
+    replan: tuple | None = None
 
 
 def _side_tables(kv_indptr_p, kv_indices_p, last_page_len_p, block_tables_p, seq_lens_p, kv_indptr_d, kv_indices_d,
@@ -303,6 +313,9 @@ class _Pod:
     # its captured launch the split of the plan before the capture (sm90_prefill_blocks: a speed
     # choice, not a result).
     prefill_backend = "auto"
+    # Whether a plan() of POD on Hopper keeps run()'s record for its next run() (QuickLaunch.replan):
+    # the batch form and BatchAttention's; the single form plans its prefill side in run().
+    _replans_record = False
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it; a pin drops run()'s recorded launch, which holds
     # the split)
@@ -383,15 +396,25 @@ class _Pod:
             self._plan_schedule()
             return
         # POD on Hopper (its schedule is the split; _schedule() computes the mma.sync POD's on demand)
+        quick = self._quick
         self._quick, self._planned_schedule = None, None
         self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, self._sms)
         # (the op of the two sides' specs: looked up again only when either spec or the debug
         # switch changes, not every plan)
-        spec_p, spec_d, debug, last = prefill.spec, self._decode._plan.spec, env.debug(), self._sm90_key
+        decode = self._decode._plan
+        spec_p, spec_d, debug, last = prefill.spec, decode.spec, env.debug(), self._sm90_key
         if last is None or spec_p is not last[0] or spec_d is not last[1] or debug != last[2]:
             spec = _pod_sm90_spec_of(spec_p, spec_d, self._kv_layout)
             self._sm90_op = module_op(spec, "pod_sm90", debug) if self._device.type == "cuda" else None
             self._sm90_key, self._sm90_spec = (spec_p, spec_d, debug), spec
+        # run()'s record outlives a plan of the module and configurations it was recorded with
+        # (QuickLaunch): the next run() resolves it again from the call and this plan, in C++
+        if quick is not None and quick.configs is not None and quick.spec is self._sm90_spec and \
+                quick.configs[0] is prefill.config and quick.configs[1] is decode.config and self._replans_record:
+            relaunch = relaunch_entry(self._sm90_spec, debug)
+            if relaunch is not None:
+                self._quick = quick._replace(replan=(relaunch, self._relaunch_plan(),
+                                                     (prefill.qo_tokens, 1 << 62, decode.batch, decode.batch)))
 
     def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int,
                            flops: float | None = None) -> int | None:
@@ -429,7 +452,7 @@ class _Pod:
             rec = None if compiling() else self._record_for(self._sm90_spec, record)
             op(q_p, k_p, v_p, plan.work, plan.page_ids, out_p, lse_p if lse_p is not None else empty_f32(q_p.device),
                scale_p, pc.window_left, vs_p, *d_args, self._counters, int(blocks), rec[2] if rec else None)
-            self._keep_record(rec, key, self._sm90_spec)
+            self._keep_record(rec, key, self._sm90_spec, (pc, self._decode._plan.config))
         return (out_p, out_d), (lse_p, lse_d)
 
     def _schedule(self) -> tuple[float, int]:
@@ -504,22 +527,47 @@ class _Pod:
         signature = fastcall.extension().pod_signature(*record) if entry is not None and entry.runner else None
         return (entry, signature, launch_buffer(entry)) if signature is not None else None
 
-    def _keep_record(self, rec: tuple | None, key, spec) -> None:
-        """After the op returned: later calls of _record_for's signature and `key` take the fast path."""
+    def _keep_record(self, rec: tuple | None, key, spec, configs: tuple | None = None) -> None:
+        """After the op returned: later calls of _record_for's signature and `key` take the fast
+        path. configs: POD on Hopper's plan configurations (a later plan of the same keeps it)."""
         if rec is not None:
             entry, signature, prepared = rec
             run, address = entry.runner
-            self._quick = QuickLaunch(run, address, prepared, prepared.data_ptr(), signature, key, spec)
+            self._quick = QuickLaunch(run, address, prepared, prepared.data_ptr(), signature, key, spec, configs)
+
+    def _relaunch_plan(self) -> tuple:
+        """POD on Hopper's op arguments that come from the plans (fij_fastcall.pod_rerun's `plan`,
+        in <namespace>_pod_relaunch's order): run()'s common form (no scales) as _run_sm90 passes
+        them to the op."""
+        plan, decode = self._prefill._plan, self._decode._plan
+        pc, dc = plan.config, decode.config
+        tables, work, merge_indptr, partial_o, partial_lse, _, _, _, grid_items, merge_rows, counters = decode.args
+        blocks = self.force_prefill_blocks if self.force_prefill_blocks is not None else self._sm90_blocks
+        return (plan.work, plan.page_ids, empty_f32(self._device), tuple(tables), work, merge_indptr, decode.no_lse,
+                partial_o, partial_lse, counters, self._counters, float(pc.logit_scale), 1.0, float(dc.logit_scale),
+                1.0, int(pc.window_left), int(dc.window_left), int(grid_items), int(merge_rows), int(blocks))
 
     def _quick_run(self, quick: QuickLaunch, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d, rows_p: int,
-                   rows_d: int, want_lse: int, enable_pdl):
+                   rows_d: int, want_lse: int, enable_pdl, counts: tuple = (-1, -1), bounds: tuple | None = None):
         """The recorded launch for these tensors (pod_signature's arguments): (out_p, out_d,
         lse_p, lse_d), or None where they are not of its signature, not on a CUDA device, or
-        the stream captures a CUDA graph (the caller then runs the op)."""
-        got = quick.run(quick.entry, quick.address, quick.signature, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, lse_d,
-                        rows_p, rows_d, want_lse, self._pdl if enable_pdl is None else enable_pdl)
-        if type(got) is tuple:
-            return got
+        the stream captures a CUDA graph (the caller then runs the op). After a plan()
+        (quick.replan), fij_fastcall.pod_rerun resolves it again; counts: each side's rows from
+        its offset (-1: to the end of its q), bounds: on each side's q rows as given (None:
+        the plan's, the batch POD's)."""
+        if quick.replan is not None:
+            relaunch, plan, plan_bounds = quick.replan
+            got = fastcall.extension().pod_rerun(relaunch, quick.address, quick.signature, plan,
+                                                 bounds or plan_bounds, counts, q_p, kv_p, q_d, kv_d, out_p, out_d,
+                                                 lse_p, lse_d, rows_p, rows_d, want_lse)
+            if type(got) is tuple:
+                self._quick = quick._replace(signature=got[4], replan=None)
+                return got[:4]
+        else:
+            got = quick.run(quick.entry, quick.address, quick.signature, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p,
+                            lse_d, rows_p, rows_d, want_lse, self._pdl if enable_pdl is None else enable_pdl)
+            if type(got) is tuple:
+                return got
         if got > 0:
             raise launch_failed(quick.spec, "pod", got)
         return None
@@ -748,6 +796,7 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         self._prefill_args = None
         self._prefill_mask = None
         self._recipe = None  # what a plan() of the same configuration repeats (_replan), or None
+        self._replans_record = not use_cuda_graph  # (a CUDA-graph wrapper's q rows may exceed the plan's)
 
     def plan(self, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d, kv_indptr_d, kv_indices_d,
              last_page_len_d, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,

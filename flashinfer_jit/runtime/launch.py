@@ -94,6 +94,18 @@ def fast_entry(spec: Spec, family: str, debug: bool) -> FastEntry | None:
     return FastEntry(fastcall.bind(family, fn) if family in _POINTER_CALLERS else None, launch_bytes, runner)
 
 
+@op_cache
+def relaunch_entry(spec: Spec, debug: bool) -> int | None:
+    """The address of POD on Hopper's <namespace>_pod_relaunch (csrc/runtime/fast_entry.h
+    fij_pod_relaunch_fn): the first run() after a plan() resolves and launches there, without
+    the dispatcher (fij_fastcall.pod_rerun); None where run() has no fast path (fast_entry)."""
+    if debug or not torch.cuda.is_available() or fastcall.extension() is None:
+        return None
+    fn = ctypes_entry(spec, "pod_relaunch", [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2,
+                      ctypes.c_int)
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def launch_buffer(entry: FastEntry | None) -> torch.Tensor | None:
     """The CPU bytes an op call fills with its resolved launch, or None: nothing recorded."""
     return None if entry is None else torch.empty(entry.launch_bytes, dtype=torch.uint8)
