@@ -13,6 +13,9 @@ BatchPODWithPagedKVCacheWrapper with prefill_backend "fa3". Timed with time.perf
                  after it (through fij_fastcall.pod_rerun); plan_only the plans alone: the
                  difference is the first run() after a plan as an engine sees it;
                  plan_then_run_op the same with plan() dropping the record (the op path)
+  rerun_loop     run() through pod_rerun in a hot loop (the plan's kept record restored
+                 before each call); pod_rerun_alone and pod_run_alone the two extension calls
+                 by themselves
   raw_op         the POD op alone, called with the arguments the wrapper passed it (the
                  dispatcher, the C++ resolve and the launch)
 and the op path's parts (each timed by a wrapper around it, ~0.2 µs each added): the prefill
@@ -153,6 +156,29 @@ def main() -> int:
     w._replans_record = True
     res["first_run_after_plan_us"] = round(res["plan_then_run"]["median_us"] - res["plan_only"]["median_us"], 2)
     res["first_run_after_plan_op_us"] = round(res["plan_then_run_op"]["median_us"] - res["plan_only"]["median_us"], 2)
+
+    # the rerun path in a hot loop (the kept record restored before each run()), and the two
+    # extension calls alone: pod_rerun (resolve, record, launch) against pod_run (relaunch)
+    from flashinfer_jit.runtime import fastcall
+    plan(p, d)
+    kept = w._quick
+    assert kept is not None and kept.replan is not None, "plan() dropped the record"
+
+    def rerun():
+        w._quick = kept
+        w.run(q_p, cache, q_d, cache, causal_p=True)
+    res["rerun_loop"] = per_call_us(rerun, args.calls, args.rounds, sync)
+    relaunch, plan_args, bounds = kept.replan
+    ext = fastcall.extension()
+    rerun_args = (relaunch, kept.address, kept.signature, plan_args, bounds, (-1, -1), q_p, cache, q_d, cache, None,
+                  None, None, None, 0, 0, 0)
+    assert type(ext.pod_rerun(*rerun_args)) is tuple
+    res["pod_rerun_alone"] = per_call_us(lambda: ext.pod_rerun(*rerun_args), args.calls, args.rounds, sync)
+    fresh = w._quick
+    run_args = (fresh.entry, fresh.address, fresh.signature, q_p, cache, q_d, cache, None, None, None, None, 0, 0, 0,
+                False)
+    assert fresh.replan is None and type(fresh.run(*run_args)) is tuple
+    res["pod_run_alone"] = per_call_us(lambda: fresh.run(*run_args), args.calls, args.rounds, sync)
 
     # the op alone, with the arguments the wrapper last passed it
     plan(p, d)
