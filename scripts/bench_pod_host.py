@@ -11,8 +11,8 @@ tables with host int32 indptr / last_page_len and the page ids on the device):
       16-token chunk and 8 decodes, whose GPU time is below the host's), next to the same
       batch run by the prefill and the decode wrappers one after the other, and one bare
       torch launch; on sm_90 the same batch through POD on Hopper (prefill_backend "fa3"), with
-      its recorded launch and through its op, and the first run() after each plan() (plan() of
-      two small batches in turn with and without run(), the difference): through pod_rerun, and
+      its recorded launch and through its op, and the first run() after each plan() (two small
+      batches planned in turn, each run() after its plan() timed alone): through pod_rerun, and
       through the op (plan() dropping the record, as before pod_rerun).
   (c) plan_parts: where a batch POD plan() of (a) spends its time, each step timed by a
       wrapper around it over 2,000 plans (min, p10, median, µs a call; the wrappers add
@@ -28,8 +28,8 @@ replaces; the target reads run()'s own host time as what a POD launch adds to a 
   python3 scripts/bench_pod_host.py [--out FILE] [--rounds N]
 On a machine without a GPU only (a) runs (the plans on CPU tensors: the host time the
 planners and the wrappers' Python take, without the page order's launch).
-JSON: meta, plan_batch_pod, plan_batch_attention, plan_parts, run_* and plan_hopper_small (median_us, min_us, n,
-rounds), run_after_plan_hopper_small(_op) (µs), pod_rerun_taken,
+JSON: meta, plan_batch_pod, plan_batch_attention, plan_parts, run_* (median_us, min_us, n, rounds; the
+run_after_plan_* rows median_us, min_us, n over single calls), pod_rerun_taken,
 pod_fast_path, pod_fast_path_hopper (whether the POD runs took the recorded launch).
 """
 
@@ -67,6 +67,25 @@ def mixed(torch, seed: int, device):
     kv_d = torch.randint(1024, 4096, (256,), generator=g).tolist()
     return (csr(torch, qo_p, kv_p, device), csr(torch, [1] * 256, kv_d, device),
             csr(torch, [1] * 256 + qo_p, kv_d + kv_p, device))
+
+
+def run_after_plan(torch, w, batches, cache, n: int) -> dict:
+    """The host time of the first run() after each plan() (µs; median and min of n): plan()
+    of each batch in turn (untimed), then run() of its q, timed alone."""
+    import time
+
+    bf16 = torch.bfloat16
+    times = []
+    for i in range(n + 4):
+        p, d, q_p, q_d = batches[i % len(batches)]
+        w.plan(p[0], p[1], p[2], p[3], d[0], d[1], d[2], d[3], *HEADS, q_data_type=bf16, kv_data_type=bf16,
+               causal=True)
+        t = time.perf_counter_ns()
+        w.run(q_p, cache, q_d, cache, causal_p=True)
+        if i >= 4:  # (the first plans warm up)
+            times.append((time.perf_counter_ns() - t) / 1e3)
+    times.sort()
+    return {"median_us": round(times[len(times) // 2], 2), "min_us": round(times[0], 2), "n": n}
 
 
 def plan_parts(plan_pod, calls: int) -> dict:
@@ -187,29 +206,18 @@ def main() -> int:
                 wh.run(q_p, cache, q_d, cache, causal_p=True)
             res["run_batch_pod_hopper_small_op"] = per_call_us(op_path, 20, args.rounds, sync)
             # an engine's step: plan() of new lengths (two small batches in turn, so q's rows
-            # change) and the run() after it; less the plans alone, the first run() after a
-            # plan: through pod_rerun (the plan keeps the record), and with the record dropped
-            # by each plan (through the op, as before pod_rerun)
+            # change), then run(): the run()'s own host time (each call timed alone, the median
+            # of 20 x rounds), through pod_rerun (the plan keeps the record) and with the record
+            # dropped by each plan (through the op, as before pod_rerun)
             p2, d2 = csr(torch, [12], [1500], device), csr(torch, [1] * 6, [1800] * 6, device)
             q_p2, q_d2 = q_p[:12].clone(), q_d[:6].clone()
-            turn = [0]
-
-            def step(with_run):
-                turn[0] ^= 1
-                pp, dd, qp, qd = (p2, d2, q_p2, q_d2) if turn[0] else (p, d, q_p, q_d)
-                wh.plan(pp[0], pp[1], pp[2], pp[3], dd[0], dd[1], dd[2], dd[3], *HEADS, q_data_type=bf16,
-                        kv_data_type=bf16, causal=True)
-                if with_run:
-                    wh.run(qp, cache, qd, cache, causal_p=True)
-            plans = per_call_us(lambda: step(False), 20, args.rounds, sync)
-            kept = per_call_us(lambda: step(True), 20, args.rounds, sync)
+            res["run_after_plan_hopper_small"] = run_after_plan(torch, wh, ((p, d, q_p, q_d), (p2, d2, q_p2, q_d2)),
+                                                                cache, 20 * args.rounds)
             res["pod_rerun_taken"] = wh._quick is not None and wh._quick.replan is None
             wh._replans_record = False
-            dropped = per_call_us(lambda: step(True), 20, args.rounds, sync)
+            res["run_after_plan_hopper_small_op"] = run_after_plan(torch, wh, ((p, d, q_p, q_d), (p2, d2, q_p2, q_d2)),
+                                                                   cache, 20 * args.rounds)
             wh._replans_record = True
-            res["plan_hopper_small"] = plans
-            res["run_after_plan_hopper_small"] = round(kept["median_us"] - plans["median_us"], 2)
-            res["run_after_plan_hopper_small_op"] = round(dropped["median_us"] - plans["median_us"], 2)
         pw = fij.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=device))
         pw.plan(p[0], p[1], p[2], p[3], *HEADS, causal=True, q_data_type=bf16)
         dw = fij.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=device), "NHD")

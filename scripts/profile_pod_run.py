@@ -9,10 +9,10 @@ BatchPODWithPagedKVCacheWrapper with prefill_backend "fa3". Timed with time.perf
   fast           run() through its recorded launch (fij_fastcall.pod_run)
   op             run() with the record dropped before each call (the op path, recording again)
   op_no_record   the same, the record not made (the op called without `prepared`)
-  plan_then_run  plan() (a second batch's lengths, then the first's, in turn) and the run()
-                 after it (through fij_fastcall.pod_rerun); plan_only the plans alone: the
-                 difference is the first run() after a plan as an engine sees it;
-                 plan_then_run_op the same with plan() dropping the record (the op path)
+  run_after_plan plan() (two batches of other lengths in turn, untimed), then run(), each
+                 run() timed alone (median of --calls): the first run() after a plan, through
+                 fij_fastcall.pod_rerun; run_after_plan_op the same with plan() dropping
+                 the record (through the op)
   rerun_loop     run() through pod_rerun in a hot loop (the plan's kept record restored
                  before each call); pod_rerun_alone and pod_run_alone the two extension calls
                  by themselves
@@ -132,30 +132,15 @@ def main() -> int:
     finally:
         _Pod._record_for = record_for
 
-    # an engine's step: plan() of new lengths, then run() (q's rows follow the plan)
-    state = [0]
-
-    def plan_only():
-        state[0] ^= 1
-        plan(p2, d2) if state[0] else plan(p, d)
-
-    def plan_then_run():
-        state[0] ^= 1
-        if state[0]:
-            plan(p2, d2)
-            w.run(q_p2, cache, q_d, cache, causal_p=True)
-        else:
-            plan(p, d)
-            w.run(q_p, cache, q_d, cache, causal_p=True)
-    res["plan_only"] = per_call_us(plan_only, args.calls, args.rounds, sync)
-    res["plan_then_run"] = per_call_us(plan_then_run, args.calls, args.rounds, sync)
+    # an engine's step: plan() of new lengths (untimed), then run(), timed alone (q's rows follow
+    # the plan): through pod_rerun, then with plan() dropping the record (through the op)
+    from bench_pod_host import run_after_plan
+    batches = ((p, d, q_p, q_d), (p2, d2, q_p2, q_d))
+    res["run_after_plan"] = run_after_plan(torch, w, batches, cache, args.calls)
     res["rerun_taken"] = w._quick is not None and w._quick.replan is None
-    # the same with plan() dropping the record (as before pod_rerun): the first run() through the op
     w._replans_record = False
-    res["plan_then_run_op"] = per_call_us(plan_then_run, args.calls, args.rounds, sync)
+    res["run_after_plan_op"] = run_after_plan(torch, w, batches, cache, args.calls)
     w._replans_record = True
-    res["first_run_after_plan_us"] = round(res["plan_then_run"]["median_us"] - res["plan_only"]["median_us"], 2)
-    res["first_run_after_plan_op_us"] = round(res["plan_then_run_op"]["median_us"] - res["plan_only"]["median_us"], 2)
 
     # the rerun path in a hot loop (the kept record restored before each run()), and the two
     # extension calls alone: pod_rerun (resolve, record, launch) against pod_run (relaunch)

@@ -697,6 +697,10 @@ def test_a_plan_of_the_recorded_configuration_keeps_the_hopper_record(ext, monke
         assert plan[9] is d.args[10] and plan[10] is w._counters and plan[19] == w._sm90_blocks
         assert plan[11] == p.config.logit_scale and plan[13] == d.config.logit_scale and plan[17] == d.args[8]
         assert len(plan) == 20 and w._quick.signature == b"sig"
+        # (what pod_rerun reads as tensors is one: items 0-2, 4-8 and 10; 9 a tensor or None)
+        assert all(isinstance(plan[i], torch.Tensor) for i in (0, 1, 2, 4, 5, 6, 7, 8, 10)), step
+        assert plan[9] is None or isinstance(plan[9], torch.Tensor)
+        assert all(isinstance(t, torch.Tensor) for t in plan[3])
     w.force_prefill_blocks = 7
     _hopper_record(w)
     w.plan(*_hopper_batch(rnd, 16, "common"), *LLAMA, HD, 16, q_data_type=BF16, causal=True)

@@ -251,6 +251,33 @@ bool same_but_rows(const int64_t* w, const int64_t* old) {
 // page table a tuple of them, merge_counters_d a tensor or None), then 4 floats and 5 ints.
 constexpr Py_ssize_t kPlanItems = 20;
 
+// A view of t's storage (sizes, strides, an element offset from t's) made without the
+// dispatcher: at::select and at::narrow cost ~1-2 us each on the GPU host, and pod_rerun needs up
+// to ten (each side's K and V of a [pages, 2, ...] cache, a mixed batch's q, out and lse rows).
+// The view only carries the op's shapes and addresses into resolve_and_launch.
+at::Tensor view_of(const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()), t.key_set(),
+                                                   t.dtype());
+  impl->set_sizes_and_strides(sizes, strides, t.storage_offset() + offset);
+  return at::Tensor(std::move(impl));
+}
+
+// t[off : off + n] along dim 0 (t itself where that is all of it)
+at::Tensor rows_view(const at::Tensor& t, int64_t off, int64_t n) {
+  if (off == 0 && n == t.size(0)) return t;
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+  sizes[0] = n;
+  return view_of(t, sizes, t.strides(), off * t.stride(0));
+}
+
+// t.select(1, i) of a [pages, 2, ...] cache: K (0) or V (1)
+at::Tensor kv_view(const at::Tensor& t, int64_t i) {
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end());
+  sizes.erase(sizes.begin() + 1);
+  strides.erase(strides.begin() + 1);
+  return view_of(t, sizes, strides, i * t.stride(1));
+}
+
 bool plan_tensor(PyObject* obj, const void** slot) {
   if (obj == Py_None) {
     *slot = nullptr;
@@ -319,9 +346,7 @@ PyObject* pod_rerun(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!side_pointers(sides[0], 0, want_lse, sides[1], l, l.ptr) ||
         !side_pointers(sides[1], 1, want_lse, sides[0], l, l.ptr + 5))
       return PyLong_FromLong(-1);
-    const auto part = [](const at::Tensor& t, int64_t off, int64_t n) {
-      return off == 0 && n == t.size(0) ? t : t.narrow(0, off, n);
-    };
+    const auto part = rows_view;
     for (int s = 0; s < 2; ++s) {
       const at::Tensor& q = THPVariable_Unpack(sides[s].q);
       const int64_t off = sides[s].rows, n = rows[s];
@@ -331,8 +356,8 @@ PyObject* pod_rerun(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         side_t[s][2] = THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 1));
       } else {  // [pages, 2, ...]: K at index 0 of dim 1, V at 1
         const at::Tensor& kv = THPVariable_Unpack(sides[s].kv);
-        side_t[s][1] = kv.select(1, 0);
-        side_t[s][2] = kv.select(1, 1);
+        side_t[s][1] = kv_view(kv, 0);
+        side_t[s][2] = kv_view(kv, 1);
       }
       side_t[s][3] = part(THPVariable_Unpack(l.result[s]), off, n);
       PyObject* lse = l.result[2 + s];  // None: not written, the plan's empty tensor

@@ -543,7 +543,8 @@ class _Pod:
         pc, dc = plan.config, decode.config
         tables, work, merge_indptr, partial_o, partial_lse, _, _, _, grid_items, merge_rows, counters = decode.args
         blocks = self.force_prefill_blocks if self.force_prefill_blocks is not None else self._sm90_blocks
-        return (plan.work, plan.page_ids, empty_f32(self._device), tuple(tables), work, merge_indptr, decode.no_lse,
+        no_lse = empty_f32(self._device)  # (an LSE not written: an empty tensor, as the op path's)
+        return (plan.work, plan.page_ids, no_lse, tuple(tables), work, merge_indptr, no_lse,
                 partial_o, partial_lse, counters, self._counters, float(pc.logit_scale), 1.0, float(dc.logit_scale),
                 1.0, int(pc.window_left), int(dc.window_left), int(grid_items), int(merge_rows), int(blocks))
 
