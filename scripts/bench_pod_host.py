@@ -88,10 +88,44 @@ def run_after_plan(torch, w, batches, cache, n: int) -> dict:
     return {"median_us": round(times[len(times) // 2], 2), "min_us": round(times[0], 2), "n": n}
 
 
-def plan_parts(plan_pod, calls: int) -> dict:
-    """(c): each step of a batch POD plan() timed by a wrapper around it, `calls` x 2 plans."""
+def timed_parts(calls: int, fn, parts: dict) -> dict:
+    """Each (class, method) of `parts` ({label: (owner, name)}) timed by a wrapper around it
+    over `calls` calls of fn: {label: n, min_us, p10_us, median_us} (~0.2 us a wrapper)."""
+    import inspect
     import time
 
+    times = {label: [] for label in parts}
+    originals = {}
+
+    def timed(f, into):
+        def call(*a, **k):
+            t = time.perf_counter_ns()
+            r = f(*a, **k)
+            into.append(time.perf_counter_ns() - t)
+            return r
+        return call
+
+    for label, (owner, name) in parts.items():
+        originals[label] = inspect.getattr_static(owner, name)
+        f = timed(getattr(owner, name), times[label])
+        setattr(owner, name, staticmethod(f) if isinstance(originals[label], staticmethod) else f)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        for label, (owner, name) in parts.items():
+            setattr(owner, name, originals[label])
+    out = {}
+    for label, ts in times.items():
+        ts.sort()
+        if ts:
+            out[label] = {"n": len(ts), "min_us": round(ts[0] / 1e3, 2), "p10_us": round(ts[len(ts) // 10] / 1e3, 2),
+                          "median_us": round(ts[len(ts) // 2] / 1e3, 2)}
+    return out
+
+
+def plan_parts(plan_pod, calls: int) -> dict:
+    """(c): each step of a batch POD plan() timed by a wrapper around it, `calls` x 2 plans."""
     from flashinfer_jit.decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
     from flashinfer_jit.pod.wrapper import BatchPODWithPagedKVCacheWrapper
     from flashinfer_jit.prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
@@ -106,33 +140,7 @@ def plan_parts(plan_pod, calls: int) -> dict:
              "decode_side_native": (BatchDecodeWithPagedKVCacheWrapper, "_plan_native"),
              "decode_side_install": (BatchDecodeWithPagedKVCacheWrapper, "_install_native"),
              "plan_buffer_copy": (PlanBuffer, "ship"), "page_order_launch": (PageOrder, "order")}
-    times = {label: [] for label in steps}
-    originals = {}
-
-    def timed(fn, into):
-        def call(*a, **k):
-            t = time.perf_counter_ns()
-            r = fn(*a, **k)
-            into.append(time.perf_counter_ns() - t)
-            return r
-        return call
-
-    for label, (cls, name) in steps.items():
-        originals[label] = getattr(cls, name)
-        setattr(cls, name, timed(originals[label], times[label]))
-    try:
-        for _ in range(calls):
-            plan_pod()
-    finally:
-        for label, (cls, name) in steps.items():
-            setattr(cls, name, originals[label])
-    out = {}
-    for label, ts in times.items():
-        ts.sort()
-        if ts:
-            out[label] = {"n": len(ts), "min_us": round(ts[0] / 1e3, 2), "p10_us": round(ts[len(ts) // 10] / 1e3, 2),
-                          "median_us": round(ts[len(ts) // 2] / 1e3, 2)}
-    return out
+    return timed_parts(calls, plan_pod, steps)
 
 
 def main() -> int:

@@ -34,46 +34,13 @@ import inspect
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
-from bench_pod_host import HEADS, csr  # noqa: E402
+from bench_pod_host import HEADS, csr, timed_parts  # noqa: E402
 from bench_prefill_host import per_call_us  # noqa: E402
-
-
-def timed_parts(calls: int, fn, parts: dict) -> dict:
-    """Each (cls, name) of `parts` timed by a wrapper around it over `calls` calls of fn."""
-    times = {label: [] for label in parts}
-    originals = {}
-
-    def timed(f, into):
-        def call(*a, **k):
-            t = time.perf_counter_ns()
-            r = f(*a, **k)
-            into.append(time.perf_counter_ns() - t)
-            return r
-        return call
-
-    for label, (owner, name) in parts.items():
-        originals[label] = inspect.getattr_static(owner, name)
-        f = timed(getattr(owner, name), times[label])
-        setattr(owner, name, staticmethod(f) if isinstance(originals[label], staticmethod) else f)
-    try:
-        for _ in range(calls):
-            fn()
-    finally:
-        for label, (owner, name) in parts.items():
-            setattr(owner, name, originals[label])
-    out = {}
-    for label, ts in times.items():
-        ts.sort()
-        if ts:
-            out[label] = {"n": len(ts), "min_us": round(ts[0] / 1e3, 2), "median_us": round(ts[len(ts) // 2] / 1e3, 2)}
-    return out
 
 
 def main() -> int:

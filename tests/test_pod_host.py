@@ -898,6 +898,21 @@ def test_gpu_repeated_plans_equal_the_reference(workspace):
     assert replans == [True, True, True], replans
 
 
+def _ba_run(ba, q, cache, given: bool) -> tuple:
+    """BatchAttention.run() with out / lse given (filled with NaN first: written in place) or
+    allocated (the caching allocator's blocks poisoned first); synchronized."""
+    if given:
+        out = torch.full((q.shape[0], LLAMA[0], HD), float("nan"), dtype=BF16, device=DEV)
+        lse = torch.full((q.shape[0], LLAMA[0]), float("nan"), device=DEV)
+        got = ba.run(q, cache.run_arg, out=out, lse=lse)
+        assert got[0] is out and got[1] is lse
+    else:
+        _poison_allocator(q)
+        got = ba.run(q, cache.run_arg)
+    torch.cuda.synchronize()
+    return got
+
+
 def _spy_reruns(monkeypatch):
     """fij_fastcall.pod_rerun wrapped: the test sees each call's result (a tuple: launched)."""
     real = fastcall.extension()
@@ -979,17 +994,8 @@ def test_gpu_batch_attention_first_run_after_each_plan_equals_the_reference(monk
         assert ba._planned[0] == "pod"
         _planned_as(ba._pod, "fa3")
         q = randn((sum(qo), LLAMA[0], HD), BF16, gen)
-        given = step >= 3
         before = len(reruns)
-        if given:
-            out = torch.full((q.shape[0], LLAMA[0], HD), float("nan"), dtype=BF16, device=DEV)
-            lse = torch.full((q.shape[0], LLAMA[0]), float("nan"), device=DEV)
-            got = ba.run(q, cache.run_arg, out=out, lse=lse)
-            assert got[0] is out and got[1] is lse
-        else:
-            _poison_allocator(q)
-            got = ba.run(q, cache.run_arg)
-        torch.cuda.synchronize()
+        got = _ba_run(ba, q, cache, step >= 3)
         if step > 0:
             assert len(reruns) == before + 1, (step, reruns[before:])
             taken.append(type(reruns[-1]) is tuple)
@@ -1051,16 +1057,7 @@ def test_gpu_batch_attention_fast_path_equals_the_op_and_the_reference(given, de
     q = randn((sum(qo), LLAMA[0], HD), BF16, gen)
 
     def call():
-        if given:
-            out = torch.full((q.shape[0], LLAMA[0], HD), float("nan"), dtype=BF16, device=DEV)
-            lse = torch.full((q.shape[0], LLAMA[0]), float("nan"), device=DEV)
-            got = ba.run(q, cache.run_arg, out=out, lse=lse)
-            assert got[0] is out and got[1] is lse
-        else:
-            _poison_allocator(q)
-            got = ba.run(q, cache.run_arg)
-        torch.cuda.synchronize()
-        return [t.clone() for t in got]
+        return [t.clone() for t in _ba_run(ba, q, cache, given)]
 
     by_op = call()
     results = _spy_record(ba._pod)
