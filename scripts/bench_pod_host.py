@@ -14,6 +14,8 @@ tables with host int32 indptr / last_page_len and the page ids on the device):
       its recorded launch and through its op, and the first run() after each plan() (two small
       batches planned in turn, each run() after its plan() timed alone): through pod_rerun, and
       through the op (plan() dropping the record, as before pod_rerun).
+  (a') with a GPU, the same plans after one run() of each wrapper: an engine's plans, which keep
+      run()'s recorded launch (POD on Hopper) and hand it the new plan's op arguments.
   (c) plan_parts: where a batch POD plan() of (a) spends its time, each step timed by a
       wrapper around it over 2,000 plans (min, p10, median, µs a call; the wrappers add
       ~0.2 us each): a plan repeated from its recipe (pod_replan) and its parts (the Hopper
@@ -28,7 +30,8 @@ replaces; the target reads run()'s own host time as what a POD launch adds to a 
   python3 scripts/bench_pod_host.py [--out FILE] [--rounds N]
 On a machine without a GPU only (a) runs (the plans on CPU tensors: the host time the
 planners and the wrappers' Python take, without the page order's launch).
-JSON: meta, plan_batch_pod, plan_batch_attention, plan_parts, run_* (median_us, min_us, n, rounds; the
+JSON: meta, plan_batch_pod, plan_batch_attention, plan_parts, plan_*_with_record (with GPU: the same plans
+with run()'s record kept, record_kept), run_* (median_us, min_us, n, rounds; the
 run_after_plan_* rows median_us, min_us, n over single calls), pod_rerun_taken,
 pod_fast_path, pod_fast_path_hopper (whether the POD runs took the recorded launch).
 """
@@ -184,6 +187,23 @@ def main() -> int:
     if "error" not in res["plan_batch_pod"]:
         res["plan_parts"] = plan_parts(plan_pod, 1000)
         bc.log(f"plan_parts: {res['plan_parts']}")
+    if gpu and all("error" not in res[k] for k in ("plan_batch_pod", "plan_batch_attention")):
+        # an engine's plans keep run()'s record (POD on Hopper): such a plan() also hands the next
+        # run() the new plan's op arguments. One run() of each wrapper's last plan records its
+        # launch; the same plans are then timed with the record kept
+        pages = max(int(b[2][1][-1]) for b in batches)
+        big_cache = torch.randn(pages, 2, 16, 8, 128, device=device).to(bf16)
+        p, d, m = batches[-1]  # (what both wrappers planned last)
+        pod.run(torch.randn(int(p[0][-1]), 32, 128, device=device).to(bf16), big_cache,
+                torch.randn(len(d[1]) - 1, 32, 128, device=device).to(bf16), big_cache, causal_p=True)
+        ba.run(torch.randn(int(m[0][-1]), 32, 128, device=device).to(bf16), big_cache)
+        sync()
+        for label, fn, w in (("plan_batch_pod_with_record", plan_pod, pod), ("plan_batch_attention_with_record",
+                                                                              plan_ba, ba._pod)):
+            r = per_call_us(fn, 20, args.rounds)
+            res[label] = {k: (round(v / 2, 2) if k.endswith("_us") else v) for k, v in r.items()}
+            res[label]["record_kept"] = w._quick is not None and w._quick.replan is not None
+            bc.log(f"{label}: {res[label]}")
     if gpu:
         p, d, _ = (csr(torch, [16], [1024], device), csr(torch, [1] * 8, [2048] * 8, device), None)
         num_pages = int(p[1][-1]) + int(d[1][-1])
