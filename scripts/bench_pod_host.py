@@ -202,7 +202,7 @@ def main() -> int:
                                                                               plan_ba, ba._pod)):
             r = per_call_us(fn, 20, args.rounds)
             res[label] = {k: (round(v / 2, 2) if k.endswith("_us") else v) for k, v in r.items()}
-            res[label]["record_kept"] = w._quick is not None and w._quick.replan is not None
+            res[label]["record_kept"] = w._quick is not None and w._replan_bounds is not None
             bc.log(f"{label}: {res[label]}")
     if gpu:
         p, d, _ = (csr(torch, [16], [1024], device), csr(torch, [1] * 8, [2048] * 8, device), None)
@@ -241,7 +241,7 @@ def main() -> int:
             q_p2, q_d2 = q_p[:12].clone(), q_d[:6].clone()
             res["run_after_plan_hopper_small"] = run_after_plan(torch, wh, ((p, d, q_p, q_d), (p2, d2, q_p2, q_d2)),
                                                                 cache, 20 * args.rounds)
-            res["pod_rerun_taken"] = wh._quick is not None and wh._quick.replan is None
+            res["pod_rerun_taken"] = wh._quick is not None and wh._replan_bounds is None
             wh._replans_record = False
             res["run_after_plan_hopper_small_op"] = run_after_plan(torch, wh, ((p, d, q_p, q_d), (p2, d2, q_p2, q_d2)),
                                                                    cache, 20 * args.rounds)

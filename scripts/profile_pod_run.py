@@ -104,7 +104,7 @@ def main() -> int:
     from bench_pod_host import run_after_plan
     batches = ((p, d, q_p, q_d), (p2, d2, q_p2, q_d))
     res["run_after_plan"] = run_after_plan(torch, w, batches, cache, args.calls)
-    res["rerun_taken"] = w._quick is not None and w._quick.replan is None
+    res["rerun_taken"] = w._quick is not None and w._replan_bounds is None
     w._replans_record = False
     res["run_after_plan_op"] = run_after_plan(torch, w, batches, cache, args.calls)
     w._replans_record = True
@@ -113,23 +113,22 @@ def main() -> int:
     # extension calls alone: pod_rerun (resolve, record, launch) against pod_run (relaunch)
     from flashinfer_jit.runtime import fastcall
     plan(p, d)
-    kept = w._quick
-    assert kept is not None and kept.replan is not None, "plan() dropped the record"
+    kept, bounds = w._quick, w._replan_bounds
+    assert kept is not None and bounds is not None, "plan() dropped the record"
 
     def rerun():
-        w._quick = kept
+        w._quick, w._replan_bounds = kept, bounds
         w.run(q_p, cache, q_d, cache, causal_p=True)
     res["rerun_loop"] = per_call_us(rerun, args.calls, args.rounds, sync)
-    relaunch, plan_args, bounds = kept.replan
     ext = fastcall.extension()
-    rerun_args = (relaunch, kept.address, kept.signature, plan_args, bounds, (-1, -1), q_p, cache, q_d, cache, None,
-                  None, None, None, 0, 0, 0)
+    rerun_args = (w._sm90_relaunch, kept.address, kept.signature, w._relaunch_plan(), bounds, (-1, -1), q_p, cache,
+                  q_d, cache, None, None, None, None, 0, 0, 0)
     assert type(ext.pod_rerun(*rerun_args)) is tuple
     res["pod_rerun_alone"] = per_call_us(lambda: ext.pod_rerun(*rerun_args), args.calls, args.rounds, sync)
     fresh = w._quick
     run_args = (fresh.entry, fresh.address, fresh.signature, q_p, cache, q_d, cache, None, None, None, None, 0, 0, 0,
                 False)
-    assert fresh.replan is None and type(fresh.run(*run_args)) is tuple
+    assert w._replan_bounds is None and type(fresh.run(*run_args)) is tuple
     res["pod_run_alone"] = per_call_us(lambda: fresh.run(*run_args), args.calls, args.rounds, sync)
 
     # the op alone, with the arguments the wrapper last passed it

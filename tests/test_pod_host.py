@@ -649,7 +649,7 @@ def test_the_record_is_never_taken_under_torch_compile(monkeypatch):
     assert torch.equal(out_p, q_p * 2) and torch.equal(out_d, q_d * 3) and not spy.calls
 
 
-# --- the first run() after a plan(): the record kept (QuickLaunch.replan) and fij_fastcall.pod_rerun --
+# --- the first run() after a plan(): the record kept (_replan_bounds) and fij_fastcall.pod_rerun -----
 class _FakeExtension:
     """fastcall.extension() with pod_rerun replaced by a spy."""
 
@@ -662,14 +662,14 @@ class _FakeExtension:
 
 def _hopper_wrapper(monkeypatch, rnd, causal=True):
     """A batch POD wrapper planned on POD on Hopper on the CPU (the arch check skipped, the
-    relaunch entry a stand-in address 99), with a stand-in record of its configuration."""
+    relaunch entry a stand-in address 99)."""
     from flashinfer_jit.prefill import sm90
     monkeypatch.setattr(sm90, "arch_error", lambda device: None)
-    monkeypatch.setattr(pod_mod, "relaunch_entry", lambda spec, debug: 99)
     w = fij.BatchPODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
     w.prefill_backend = "auto"
     w.plan(*_hopper_batch(rnd, 16, "common"), *LLAMA, HD, 16, q_data_type=BF16, causal=causal)
     assert w._prefill.planned_backend == "fa3"
+    w._sm90_relaunch = 99  # (a CPU workspace looks none up)
     return w
 
 
@@ -689,10 +689,10 @@ def test_a_plan_of_the_recorded_configuration_keeps_the_hopper_record(ext, monke
         _hopper_record(w)
         tables = _hopper_batch(rnd, 16, "common" if step != 1 else "long")
         w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
-        assert w._quick is not None and w._quick.replan is not None, step
-        relaunch, plan, bounds = w._quick.replan
+        assert w._quick is not None and w._replan_bounds is not None, step
+        plan, bounds = w._relaunch_plan(), w._replan_bounds
         p, d = w._prefill._plan, w._decode._plan
-        assert relaunch == 99 and bounds == (p.qo_tokens, 1 << 62, d.batch, d.batch)
+        assert bounds == (p.qo_tokens, 1 << 62, d.batch, d.batch)
         assert plan[0] is p.work and plan[1] is p.page_ids and plan[3] == tuple(d.args[0]) and plan[4] is d.args[1]
         assert plan[9] is d.args[10] and plan[10] is w._counters and plan[19] == w._sm90_blocks
         assert plan[11] == p.config.logit_scale and plan[13] == d.config.logit_scale and plan[17] == d.args[8]
@@ -704,7 +704,7 @@ def test_a_plan_of_the_recorded_configuration_keeps_the_hopper_record(ext, monke
     w.force_prefill_blocks = 7
     _hopper_record(w)
     w.plan(*_hopper_batch(rnd, 16, "common"), *LLAMA, HD, 16, q_data_type=BF16, causal=True)
-    assert w._quick.replan[1][19] == 7  # (a pinned split: in the plan's arguments)
+    assert w._replan_bounds is not None and w._relaunch_plan()[19] == 7  # (a pinned split: in the plan's arguments)
     w.force_prefill_blocks = None
     tables = _hopper_batch(rnd, 16, "common")
     for change in (dict(causal=False), dict(causal=True, sm_scale=0.1), dict(causal=True, window_left=100)):
@@ -715,7 +715,12 @@ def test_a_plan_of_the_recorded_configuration_keeps_the_hopper_record(ext, monke
     _hopper_record(w)
     w._quick = w._quick._replace(configs=None)  # (the mma.sync POD's record: no configurations)
     w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
-    assert w._quick is None
+    assert w._quick is None and w._replan_bounds is None
+    _hopper_record(w)
+    w._sm90_relaunch = None  # (no relaunch entry: the debug mode, no extension)
+    w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
+    assert w._quick is None and w._replan_bounds is None
+    w._sm90_relaunch = 99
     _hopper_record(w)
     w.force_prefill_blocks = 3  # (a pin after the plan: dropped, as every pin drops it)
     assert w._quick is None
@@ -736,11 +741,12 @@ def test_the_first_run_after_a_plan_takes_pod_rerun(ext, monkeypatch):
     rows = w._prefill._plan.qo_tokens
     q_p, q_d = torch.zeros(rows, 32, HD, dtype=BF16), torch.zeros(w._decode._plan.batch, 32, HD, dtype=BF16)
     cache = torch.zeros(20, 2, 16, 8, HD, dtype=BF16)
-    _, plan, bounds = w._quick.replan
+    plan, bounds = w._relaunch_plan(), w._replan_bounds
     assert w.run(q_p, cache, q_d, cache, causal_p=True, return_lse=True) == (outs[:2], outs[2:])
-    assert reruns.calls[0] == (99, 22, b"sig", plan, bounds, (-1, -1), q_p, cache, q_d, cache, None, None, None, None,
-                               0, 0, 3)
-    assert w._quick.replan is None and w._quick.signature == b"new"
+    assert reruns.calls[0][:3] == (99, 22, b"sig") and reruns.calls[0][4:] == (
+        bounds, (-1, -1), q_p, cache, q_d, cache, None, None, None, None, 0, 0, 3)
+    assert all(a is b or a == b for a, b in zip(reruns.calls[0][3], plan))  # (the plan's op arguments, at run())
+    assert w._replan_bounds is None and w._quick.signature == b"new"
     w._quick = w._quick._replace(run=_Spy(outs))  # (the next run(): pod_run)
     assert w.run(q_p, cache, q_d, cache, causal_p=True) == outs[:2] and len(reruns.calls) == 1
     for code in (-1, -3):  # refused: the op path (on CPU tensors it stops at the device check)
@@ -750,7 +756,7 @@ def test_the_first_run_after_a_plan_takes_pod_rerun(ext, monkeypatch):
         monkeypatch.setattr(fastcall, "extension", lambda: _FakeExtension(ext, refused))
         with pytest.raises(ValueError, match="CUDA"):
             w.run(q_p, cache, q_d, cache, causal_p=True)
-        assert len(refused.calls) == 1 and w._quick.replan is not None
+        assert len(refused.calls) == 1 and w._replan_bounds is not None
 
 
 def test_batch_attention_passes_its_rows_to_pod_rerun(ext, monkeypatch):
@@ -758,16 +764,16 @@ def test_batch_attention_passes_its_rows_to_pod_rerun(ext, monkeypatch):
     and the mixed batch's token count as the bound on q's rows."""
     from flashinfer_jit.prefill import sm90
     monkeypatch.setattr(sm90, "arch_error", lambda device: None)
-    monkeypatch.setattr(pod_mod, "relaunch_entry", lambda spec, debug: 99)
     ba = fij.BatchAttention(device="cpu")
     ba.prefill_backend = "auto"
     qo, kv = [1] * 30 + [700, 400], [rnd_len for rnd_len in range(100, 3100, 100)][:30] + [900, 1500]
     (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo, kv, 16)
     ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True)
     assert ba._planned[0] == "pod" and ba._pod._prefill.planned_backend == "fa3"
+    ba._pod._sm90_relaunch = 99  # (a CPU workspace looks none up)
     _hopper_record(ba._pod, key=None)
     ba.plan(qo_t, kv_t, ids, lens_t, *LLAMA, HD, HD, 16, causal=True)
-    assert ba._pod._quick is not None and ba._pod._quick.replan is not None
+    assert ba._pod._quick is not None and ba._pod._replan_bounds is not None
     outs = tuple(torch.zeros(1) for _ in range(4))
     reruns = _Spy(outs + (b"new",))
     monkeypatch.setattr(fastcall, "extension", lambda: _FakeExtension(ext, reruns))
@@ -948,7 +954,7 @@ def test_gpu_the_first_run_after_each_plan_equals_the_reference(workspace, monke
         if step == 0:  # (one module for every step: the plan keeps its op, which the test counts)
             real_op = w._sm90_op
             w._sm90_op = lambda *a: ops.append(step) or real_op(*a)
-        kept = w._quick is not None and w._quick.replan is not None
+        kept = w._quick is not None and w._replan_bounds is not None
         if prev is not None and step > 0:
             assert kept, f"step {step}: the plan dropped the record"
             with pytest.raises(ValueError):  # (the last step's q: refused, the op path's row check)

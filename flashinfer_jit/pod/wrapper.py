@@ -225,12 +225,12 @@ class QuickLaunch(NamedTuple):
     signature does not hold); spec: the module, for errors.
 
     POD on Hopper's record outlives a plan() of the same configuration (configs: both sides'
-    plan configurations it was recorded with, by identity): plan() leaves it with `replan`,
-    (the module's <namespace>_pod_relaunch, _relaunch_plan()'s arguments, the plan's bounds
-    on each side's q rows), and the next run() goes through fij_fastcall.pod_rerun: the call's
-    tensors checked in C++ against the signature but for their rows, the launch resolved
-    from them and the new plan, recorded and launched without the dispatcher (the first run()
-    after each plan(): an engine's every step)."""
+    plan configurations it was recorded with, by identity): plan() keeps it and sets the
+    wrapper's _replan_bounds (the plan's bounds on each side's q rows), and the next run() goes
+    through fij_fastcall.pod_rerun with the module's <namespace>_pod_relaunch and
+    _relaunch_plan()'s arguments: the call's tensors checked in C++ against the signature but
+    for their rows, the launch resolved from them and the new plan, recorded and launched
+    without the dispatcher (the first run() after each plan(): an engine's every step)."""
 
     run: object
     entry: int
@@ -240,7 +240,6 @@ class QuickLaunch(NamedTuple):
     key: object
     spec: PodSpec | PodSm90Spec
     configs: tuple | None = None
-    replan: tuple | None = None
 
 
 def _side_tables(kv_indptr_p, kv_indices_p, last_page_len_p, block_tables_p, seq_lens_p, kv_indptr_d, kv_indices_d,
@@ -313,7 +312,7 @@ class _Pod:
     # its captured launch the split of the plan before the capture (sm90_prefill_blocks: a speed
     # choice, not a result).
     prefill_backend = "auto"
-    # Whether a plan() of POD on Hopper keeps run()'s record for its next run() (QuickLaunch.replan):
+    # Whether a plan() of POD on Hopper keeps run()'s record for its next run() (QuickLaunch):
     # the batch form and BatchAttention's; the single form plans its prefill side in run().
     _replans_record = False
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
@@ -367,13 +366,18 @@ class _Pod:
         self._kv_bytes = 0.0
         self._planned_schedule = (0.5, 0)  # (None: not computed for the current plan, on POD on Hopper)
         self._sms = sm_count(self._device)  # (a CPU workspace: CPU_SMS, the H100's 132)
-        # run()'s fast path (QuickLaunch): recorded by a run() through the op, dropped by
-        # every plan of either side and every pinned schedule
+        # run()'s fast path (QuickLaunch): recorded by a run() through the op, dropped by every
+        # pinned schedule and every plan but POD on Hopper's plans of its configuration (which
+        # keep it for pod_rerun: _plan_launch)
         self._quick = None
         self._sm90_blocks = 0  # POD on Hopper's split of the plan (sm90_prefill_blocks)
         self._sm90_op = None  # ... and its module's op (a CPU workspace: none; a traced run() looks it up)
         self._sm90_key = None  # the specs (and debug switch) _sm90_op was looked up for
         self._sm90_spec = None  # ... and their module (PodSm90Spec)
+        self._sm90_relaunch = None  # ... and its <namespace>_pod_relaunch (None: no fast path)
+        # a kept record's next run() goes through pod_rerun: the plan's bounds on each side's q
+        # rows (prefill at least its tokens, decode its batch), None where the record is current
+        self._replan_bounds = None
         self._force_blocks = None  # force_prefill_blocks
 
     def _no_plan_here(self, traced: str, captured: str) -> None:
@@ -397,7 +401,7 @@ class _Pod:
             return
         # POD on Hopper (its schedule is the split; _schedule() computes the mma.sync POD's on demand)
         quick = self._quick
-        self._quick, self._planned_schedule = None, None
+        self._quick, self._planned_schedule, self._replan_bounds = None, None, None
         self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, self._sms)
         # (the op of the two sides' specs: looked up again only when either spec or the debug
         # switch changes, not every plan)
@@ -405,16 +409,18 @@ class _Pod:
         spec_p, spec_d, debug, last = prefill.spec, decode.spec, env.debug(), self._sm90_key
         if last is None or spec_p is not last[0] or spec_d is not last[1] or debug != last[2]:
             spec = _pod_sm90_spec_of(spec_p, spec_d, self._kv_layout)
-            self._sm90_op = module_op(spec, "pod_sm90", debug) if self._device.type == "cuda" else None
+            cuda = self._device.type == "cuda"
+            self._sm90_op = module_op(spec, "pod_sm90", debug) if cuda else None
+            self._sm90_relaunch = relaunch_entry(spec, debug) if cuda else None
             self._sm90_key, self._sm90_spec = (spec_p, spec_d, debug), spec
         # run()'s record outlives a plan of the module and configurations it was recorded with
         # (QuickLaunch): the next run() resolves it again from the call and this plan, in C++
+        # (the plan's op arguments gathered then, not here: plan() stays as cheap as before)
         if quick is not None and quick.configs is not None and quick.spec is self._sm90_spec and \
-                quick.configs[0] is prefill.config and quick.configs[1] is decode.config and self._replans_record:
-            relaunch = relaunch_entry(self._sm90_spec, debug)
-            if relaunch is not None:
-                self._quick = quick._replace(replan=(relaunch, self._relaunch_plan(),
-                                                     (prefill.qo_tokens, 1 << 62, decode.batch, decode.batch)))
+                quick.configs[0] is prefill.config and quick.configs[1] is decode.config and \
+                self._replans_record and self._sm90_relaunch is not None:
+            self._quick = quick
+            self._replan_bounds = (prefill.qo_tokens, 1 << 62, decode.batch, decode.batch)
 
     def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int,
                            flops: float | None = None) -> int | None:
@@ -471,7 +477,7 @@ class _Pod:
         # (a Hopper prefill plan, POD on Hopper's, has no mma.sync tile: its split is sm90_prefill_blocks)
         tile = getattr(self._prefill._plan, "tile_rows", 128) if self._prefill._plan is not None else 64
         self._planned_schedule = pod_schedule(self._flops, self._kv_bytes, tile, self._sms)
-        self._quick = None
+        self._quick, self._replan_bounds = None, None
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -534,6 +540,7 @@ class _Pod:
             entry, signature, prepared = rec
             run, address = entry.runner
             self._quick = QuickLaunch(run, address, prepared, prepared.data_ptr(), signature, key, spec, configs)
+            self._replan_bounds = None
 
     def _relaunch_plan(self) -> tuple:
         """POD on Hopper's op arguments that come from the plans (fij_fastcall.pod_rerun's `plan`,
@@ -552,17 +559,17 @@ class _Pod:
                    rows_d: int, want_lse: int, enable_pdl, counts: tuple = (-1, -1), bounds: tuple | None = None):
         """The recorded launch for these tensors (pod_signature's arguments): (out_p, out_d,
         lse_p, lse_d), or None where they are not of its signature, not on a CUDA device, or
-        the stream captures a CUDA graph (the caller then runs the op). After a plan()
-        (quick.replan), fij_fastcall.pod_rerun resolves it again; counts: each side's rows from
-        its offset (-1: to the end of its q), bounds: on each side's q rows as given (None:
-        the plan's, the batch POD's)."""
-        if quick.replan is not None:
-            relaunch, plan, plan_bounds = quick.replan
-            got = fastcall.extension().pod_rerun(relaunch, quick.address, quick.signature, plan,
-                                                 bounds or plan_bounds, counts, q_p, kv_p, q_d, kv_d, out_p, out_d,
-                                                 lse_p, lse_d, rows_p, rows_d, want_lse)
+        the stream captures a CUDA graph (the caller then runs the op). After a plan() that
+        kept the record (_replan_bounds), fij_fastcall.pod_rerun resolves it again; counts: each
+        side's rows from its offset (-1: to the end of its q), bounds: on each side's q rows as
+        given (None: the plan's, the batch POD's)."""
+        plan_bounds = self._replan_bounds
+        if plan_bounds is not None:
+            got = fastcall.extension().pod_rerun(self._sm90_relaunch, quick.address, quick.signature,
+                                                 self._relaunch_plan(), bounds or plan_bounds, counts, q_p, kv_p, q_d,
+                                                 kv_d, out_p, out_d, lse_p, lse_d, rows_p, rows_d, want_lse)
             if type(got) is tuple:
-                self._quick = quick._replace(signature=got[4], replan=None)
+                self._quick, self._replan_bounds = quick._replace(signature=got[4]), None
                 return got[:4]
         else:
             got = quick.run(quick.entry, quick.address, quick.signature, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p,
