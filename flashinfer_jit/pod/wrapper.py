@@ -394,7 +394,8 @@ class _Pod:
 
     def _plan_launch(self) -> None:
         """The launch of both sides' plans: the mma.sync POD's schedule, or POD on Hopper's
-        split and op; drops run()'s recorded launch."""
+        split and op; drops run()'s recorded launch, but POD on Hopper's where the plan is of
+        its module and configurations (kept for the next run()'s pod_rerun: _replan_bounds)."""
         prefill = self._prefill._plan
         if prefill is None or type(prefill) is not Sm90Plan:
             self._plan_schedule()
