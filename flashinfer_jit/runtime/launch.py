@@ -98,8 +98,10 @@ def fast_entry(spec: Spec, family: str, debug: bool) -> FastEntry | None:
 def relaunch_entry(spec: Spec, debug: bool) -> int | None:
     """The address of POD on Hopper's <namespace>_pod_relaunch (csrc/runtime/fast_entry.h
     fij_pod_relaunch_fn): the first run() after a plan() resolves and launches there, without
-    the dispatcher (fij_fastcall.pod_rerun); None where run() has no fast path (fast_entry)."""
-    if debug or not torch.cuda.is_available() or fastcall.extension() is None:
+    the dispatcher (fij_fastcall.pod_rerun); None where run() has no fast path (fast_entry's
+    rule: the debug mode, no CUDA device, no fij_fastcall)."""
+    entry = fast_entry(spec, "pod", debug)
+    if entry is None or entry.runner is None:
         return None
     fn = ctypes_entry(spec, "pod_relaunch", [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2,
                       ctypes.c_int)
