@@ -16,6 +16,10 @@ BatchPODWithPagedKVCacheWrapper with prefill_backend "fa3". Timed with time.perf
   rerun_loop     run() through pod_rerun in a hot loop (the plan's kept record restored
                  before each call); pod_rerun_alone and pod_run_alone the two extension calls
                  by themselves
+  *_after_plan, *_after_spin, *_alone  a bare torch launch and run() (pod_rerun), each
+                 call timed alone after an untimed plan() (also plan() and a sync), a 60 µs
+                 spin of the CPU, or nothing: what the time straight after a plan() costs
+                 any launch
   raw_op         the POD op alone, called with the arguments the wrapper passed it (the
                  dispatcher, the C++ resolve and the launch)
 and the op path's parts (each timed by a wrapper around it, ~0.2 µs each added): the prefill
@@ -35,12 +39,26 @@ import io
 import json
 import pstats
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402  (also puts the repository on sys.path)
 from bench_pod_host import HEADS, csr, timed_parts  # noqa: E402
 from bench_prefill_host import per_call_us  # noqa: E402
+
+
+def timed_after(prep, call, n: int) -> dict:
+    """call() timed alone after an untimed prep(), n times (after 4 untimed): median, min µs."""
+    times = []
+    for i in range(n + 4):
+        prep()
+        t = time.perf_counter_ns()
+        call()
+        if i >= 4:
+            times.append((time.perf_counter_ns() - t) / 1e3)
+    times.sort()
+    return {"median_us": round(times[len(times) // 2], 2), "min_us": round(times[0], 2), "n": n}
 
 
 def main() -> int:
@@ -130,6 +148,46 @@ def main() -> int:
                 False)
     assert w._replan_bounds is None and type(fresh.run(*run_args)) is tuple
     res["pod_run_alone"] = per_call_us(lambda: fresh.run(*run_args), args.calls, args.rounds, sync)
+
+    # what "straight after a plan()" costs any launch: each call below timed alone (median of
+    # --calls) after an untimed step: a plan() of the two batches in turn, the same plus a
+    # device sync, a 60 µs spin of the CPU (no plan), or nothing; the call a bare torch launch
+    # or run() (through pod_rerun: the kept record restored where no plan() precedes it)
+    x = torch.empty(1024, device=device)
+    step = [0]
+
+    def plan_next():
+        step[0] += 1
+        pp, dd, _, _ = batches[step[0] % 2]
+        plan(pp, dd)
+
+    def run_planned():
+        _, _, qp, qd = batches[step[0] % 2]
+        w.run(qp, cache, qd, cache, causal_p=True)
+
+    def restore():
+        w._quick, w._replan_bounds = kept, bounds
+
+    def spin():
+        restore()
+        t = time.perf_counter_ns()
+        while time.perf_counter_ns() - t < 60_000:
+            pass
+    plan(p, d)
+    step[0] = 0
+    controls = {"bare_launch_after_plan": (plan_next, lambda: x.add_(1.0)),
+                "bare_launch_after_spin": (spin, lambda: x.add_(1.0)),
+                "bare_launch_alone": (lambda: None, lambda: x.add_(1.0)),
+                "rerun_after_plan": (plan_next, run_planned),
+                "rerun_after_plan_synced": (lambda: (plan_next(), sync()), run_planned),
+                "rerun_after_spin": (spin, run),
+                "rerun_alone": (restore, run)}
+    for label, (prep, call) in controls.items():
+        plan(p, d)
+        step[0] = 0
+        kept, bounds = w._quick, w._replan_bounds
+        res[label] = timed_after(prep, call, args.calls * 2)
+        sync()
 
     # the op alone, with the arguments the wrapper last passed it
     plan(p, d)
