@@ -264,6 +264,25 @@ def test_fa3_causal_rows_that_see_no_key(head_dim, hopper_workspace):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, dtype", [(128, BF16), (128, F16), (64, BF16)], ids=["hd128-bf16", "hd128-f16",
+                                                                                  "hd64-bf16"])
+def test_fa3_causal_half_tiles(head_dim, dtype, hopper_workspace):
+    """Causal key tiles whose upper 64 keys lie past a consumer warpgroup's rows run a half
+    Q K^T and P V (csrc/hopper/prefill_sm90.cuh, causal_half): the diagonal at every offset
+    from a tile's start (kv_len - qo_len of 0, 1, 63, 64, 65, 127, 128, 129, 191, 255 and 1000),
+    items of one tile and of several, a request shorter than a warpgroup's rows, against
+    the float64 reference with poisoned outputs."""
+    gen = torch.Generator(device=DEV).manual_seed(77 + head_dim)
+    shapes = [(m, m + off) for m, off in ((256, 0), (256, 1), (130, 63), (200, 64), (64, 65), (300, 127), (129, 128),
+                                          (1, 129), (192, 191), (383, 255), (40, 1000), (512, 0))]
+    torch_dtype = getattr(torch, dtype)
+    q, qo_indptr, k_rows, v_rows, kv = ragged_inputs(shapes, LLAMA, head_dim, torch_dtype, gen)
+    out, lse = plan_and_run(hopper_workspace, "fa3", shapes, q, qo_indptr, kv, LLAMA, head_dim, torch_dtype, True)
+    ref_out, ref_lse = reference_by_rows(q, shapes, k_rows, v_rows, True)
+    check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(dtype))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 @pytest.mark.parametrize("batch", sorted(PADDING_BATCHES))
 def test_fa3_padding_requests(batch, causal, hopper_workspace):
