@@ -118,7 +118,7 @@ constexpr int sm90_head_dim_vo() {
 // operands K-major, so the producer warpgroup's warps 1-3 transpose each V tile into a V^T
 // stage (sm90_fp8.cuh transpose_v_e4m3, keys in vt_key's order), and P is packed to e4m3
 // where the softmax leaves it (pack_p_e4m3). Head_dim 128, 128-key tiles, ragged K/V.
-// kHalfTiles: causal half tiles (kHalves below; off in POD on Hopper, whose kernel spilled with them).
+// kHalfTiles: causal half tiles (kHalves below; off in POD on Hopper, whose kernel spilled with them, and with 192-row tiles, where ptxas serialized the pipeline).
 template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128, bool kCustom = false,
           bool kAlibi = false, bool kStaleMax = true, bool kFp8 = false, bool kHalfTiles = true>
 struct Sm90Kernel {
@@ -172,9 +172,9 @@ struct Sm90Kernel {
   // Q K^T on its lower 64 keys (m64n64: S's first 32 accumulators, the same fragment layout)
   // and P V on their 4 k-steps; the upper half's S registers are left undefined, and the
   // causal bounds mask them (every such tile is an edge tile) to P = 0.
-  // The consumers run each such tile through its own code (the flag a template argument: a
+  // The consumers run such tiles through their own code (the flag a template argument: a
   // runtime branch around the wgmmas in flight made ptxas serialize the pipeline, C7511).
-  static constexpr bool kHalves = kHalfTiles && kCausal && kBlockN == 128 && !kFp8;
+  static constexpr bool kHalves = kHalfTiles && kCausal && kBlockN == 128 && !kFp8 && kConsumers == 2;
   static FIJ_SM90 bool causal_half(const Rows& r, int n) {
     return kHalves && r.diag + r.first <= n * kBlockN;
   }
@@ -807,7 +807,6 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     h::mbar_wait(&k_full[s0], first.parity);
     // (an item's first tile takes its whole Q K^T: its half form there made ptxas serialize
     // the pipeline, C7511; only its P V may be a half tile's)
-    bool half = K::causal_half(rows, n0);  // (the tile's: K::kHalves)
     my_turn();
     K::issue_qk(s, q_base, k0 + s0 * kKTileBytes);
     pass_turn();
@@ -818,41 +817,41 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     K::softmax(s, n0, rows, m, l, corr, bits);  // O is 0: nothing to rescale
     bool rescale = false;  // whether O takes corr before the next P V (K::moved; always without kStaleMax)
     K::pack_p(s, pa);
-    for (int n = 1; n < n_tiles; ++n) {
+    // key tile n: its S and tile n - 1's P V in flight together; kh: a half tile's Q K^T
+    const auto step = [&](int n, auto kh) {
       const Stage cur = stage_of(it + n), prev = stage_of(it + n - 1);
       const int st = cur.s, sp = prev.s;
       h::mbar_wait(&k_full[st], cur.parity);
-      // tile n's S and tile n - 1's P V in flight together: one code path a pair of flags
-      // (tile n - 1 half: tile n too, since the rows' bounds stay below later tiles)
-      const auto step = [&](auto kh, auto khp) {
-        my_turn();
-        K::template issue_qk<decltype(kh)::value>(s, q_base, k0 + st * kKTileBytes);
-        // O to tile n - 1's max under this Q K^T, before its P V
-        if (n > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
-        // (V of tile n - 1 waited for only now: its load went out after K n's, and a late V
-        // need not hold back the Q K^T)
-        h::mbar_wait(&pv_full[sp], prev.parity);
-        K::template issue_pv<decltype(khp)::value>(o, pa, v0 + sp * kVTileBytes);
-        pass_turn();
-        if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0 + n, rows, tile.rows);
-        h::wgmma_wait<1>();  // S of tile n (committed first)
-        h::fence_regs(s);
-        if (lane == 0) h::mbar_arrive(&k_empty[st]);
-        K::softmax(s, n0 + n, rows, m, l, corr, bits);
-        if constexpr (kStaleMax) rescale = K::moved(corr);
-        h::wgmma_wait<0>();  // P V of tile n - 1
-        h::fence_regs(o);
-        h::fence_regs(pa);
-      };
-      const bool half_prev = half;
-      half = K::causal_half(rows, n0 + n);
-      if (half_prev)
-        K::with_half(true, [&](auto kh) { step(kh, kh); });
-      else
-        K::with_half(half, [&](auto kh) { step(kh, std::false_type{}); });
+      my_turn();
+      K::template issue_qk<decltype(kh)::value>(s, q_base, k0 + st * kKTileBytes);
+      // O to tile n - 1's max under this Q K^T, before its P V
+      if (n > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
+      // (V of tile n - 1 waited for only now: its load went out after K n's, and a late V
+      // need not hold back the Q K^T)
+      h::mbar_wait(&pv_full[sp], prev.parity);
+      K::issue_pv(o, pa, v0 + sp * kVTileBytes);
+      pass_turn();
+      if constexpr (kCustom) K::load_mask(bits, p.mask, mask_base, n0 + n, rows, tile.rows);
+      h::wgmma_wait<1>();  // S of tile n (committed first)
+      h::fence_regs(s);
+      if (lane == 0) h::mbar_arrive(&k_empty[st]);
+      K::softmax(s, n0 + n, rows, m, l, corr, bits);
+      if constexpr (kStaleMax) rescale = K::moved(corr);
+      h::wgmma_wait<0>();  // P V of tile n - 1
+      h::fence_regs(o);
+      h::fence_regs(pa);
       if (lane == 0) h::mbar_arrive(&pv_empty[sp]);
       K::pack_p(s, pa);
-    }
+    };
+    // The tiles before the first half tile, then the half ones (K::kHalves: the last one or
+    // two of a warpgroup's on the diagonal; their P V before the last in full, P being 0 on
+    // the upper keys): two loops, so that the first keeps its code as without half tiles.
+    // (An item's first tile takes its whole Q K^T: its half form there made ptxas serialize
+    // the pipeline, C7511; only its P V below may be a half tile's.)
+    int n = 1;
+    for (; n < n_tiles && !K::causal_half(rows, n0 + n); ++n) step(n, std::false_type{});
+    if constexpr (K::kHalves)
+      for (; n < n_tiles; ++n) step(n, std::true_type{});
     // one Q stage: every Q K^T of this item is complete, and this thread's reads of the
     // item's slot are done: each consumer thread arrives, since an arrival releases its own
     // thread's accesses only (with one arrival a warp or a warpgroup, racecheck reported the
@@ -866,7 +865,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       const int tail = tile.kv_len - (tile.kv_tiles - 1) * kBlockN;  // the last tile's rows that are keys
       if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, own_bar);
     }
-    K::with_half(half, [&](auto kh) {
+    K::with_half(K::causal_half(rows, n0 + n_tiles - 1), [&](auto kh) {
       my_turn();
       if (n_tiles > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
       K::template issue_pv<decltype(kh)::value>(o, pa, v0 + sl * kVTileBytes);
