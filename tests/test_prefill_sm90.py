@@ -266,12 +266,12 @@ def test_fa3_causal_rows_that_see_no_key(head_dim, hopper_workspace):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, dtype", [(128, BF16), (128, F16), (64, BF16)], ids=["hd128-bf16", "hd128-f16",
                                                                                   "hd64-bf16"])
-def test_fa3_causal_half_tiles(head_dim, dtype, hopper_workspace):
-    """Causal key tiles whose upper 64 keys lie past a consumer warpgroup's rows run a half
-    Q K^T and P V (csrc/hopper/prefill_sm90.cuh, causal_half): the diagonal at every offset
-    from a tile's start (kv_len - qo_len of 0, 1, 63, 64, 65, 127, 128, 129, 191, 255 and 1000),
-    items of one tile and of several, a request shorter than a warpgroup's rows, against
-    the float64 reference with poisoned outputs."""
+def test_fa3_causal_diagonal_offsets(head_dim, dtype, hopper_workspace):
+    """Causal masks with the diagonal at every offset from a key tile's and a consumer
+    warpgroup's start (kv_len - qo_len of 0, 1, 63, 64, 65, 127, 128, 129, 191, 255 and 1000):
+    items of one key tile and of several, a request shorter than a warpgroup's 64 rows, tiles
+    a warpgroup sees only in part or not at all, against the float64 reference with poisoned
+    outputs. (Written for the causal half tiles, an A/B that was not kept: docs/history/hopper.md.)"""
     gen = torch.Generator(device=DEV).manual_seed(77 + head_dim)
     shapes = [(m, m + off) for m, off in ((256, 0), (256, 1), (130, 63), (200, 64), (64, 65), (300, 127), (129, 128),
                                           (1, 129), (192, 191), (383, 255), (40, 1000), (512, 0))]

@@ -118,9 +118,8 @@ constexpr int sm90_head_dim_vo() {
 // operands K-major, so the producer warpgroup's warps 1-3 transpose each V tile into a V^T
 // stage (sm90_fp8.cuh transpose_v_e4m3, keys in vt_key's order), and P is packed to e4m3
 // where the softmax leaves it (pack_p_e4m3). Head_dim 128, 128-key tiles, ragged K/V.
-// kHalfTiles: causal half tiles (kHalves below; off in POD on Hopper, whose kernel spilled with them, and with 192-row tiles, where ptxas serialized the pipeline).
 template <typename DType, int kD, bool kCausal, int kN, bool kSoftCap = false, int kM = 128, bool kCustom = false,
-          bool kAlibi = false, bool kStaleMax = true, bool kFp8 = false, bool kHalfTiles = true>
+          bool kAlibi = false, bool kStaleMax = true, bool kFp8 = false>
 struct Sm90Kernel {
   static_assert(!(kCausal && kCustom), "a custom mask replaces the causal one");
   static_assert(!(kAlibi && kSoftCap), "ALiBi takes no soft cap");
@@ -167,50 +166,12 @@ struct Sm90Kernel {
   static constexpr int kSmemBytes = kQBytes * kQStages + kKVBytes + 1024;
   static constexpr int kOut = kDvo / 2;  // O accumulators a thread
   static constexpr int kS = kBlockN / 2;  // S accumulators a thread
-  // Causal 128-key tiles (16-bit): a key tile whose upper 64 keys lie past every row of a
-  // warpgroup (its first row's diagonal at or before the tile's first key: causal_half) takes
-  // Q K^T on its lower 64 keys (m64n64: S's first 32 accumulators, the same fragment layout)
-  // and P V on their 4 k-steps; the upper half's S registers are left undefined, and the
-  // causal bounds mask them (every such tile is an edge tile) to P = 0.
-  // The consumers run such tiles through their own code (the flag a template argument: a
-  // runtime branch around the wgmmas in flight made ptxas serialize the pipeline, C7511).
-  static constexpr bool kHalves = kHalfTiles && kCausal && kBlockN == 128 && !kFp8 && kConsumers == 2;
-  static FIJ_SM90 bool causal_half(const Rows& r, int n) {
-    return kHalves && r.diag + r.first <= n * kBlockN;
-  }
-  // f(std::bool_constant<half>{}) for a runtime `half` (one instantiation without kHalves)
-  template <typename F>
-  static FIJ_SM90 void with_half(bool half, F&& f) {
-    if constexpr (kHalves) {
-      if (half) {
-        f(std::true_type{});
-        return;
-      }
-    }
-    f(std::false_type{});
-  }
 
-  // S = Q K^T of one key tile, issued (not waited for); kHalf: its lower 64 keys (kHalves).
-  template <bool kHalf = false>
+  // S = Q K^T of one key tile, issued (not waited for).
   static FIJ_SM90 void issue_qk(float (&s)[kS], uint32_t q_base, uint32_t k_tile) {
     h::wgmma_fence();
     const uint64_t a0 = h::make_desc(q_base, 16, 1024, h::Swizzle::k128B);
     const uint64_t b0 = h::kmajor_desc(k_tile, kBlockN, 0);
-    if constexpr (kHalves && kHalf) {
-      {
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          const uint64_t a = h::desc_add(a0, (ks >> 2) * kQAtom + (ks & 3) * 32);
-          const uint64_t b = h::desc_add(b0, (ks >> 2) * kKVAtom + (ks & 3) * 32);
-          if (ks == 0)
-            h::wgmma_ss_n64_of_n128<0>(s, a, b, DType{});
-          else
-            h::wgmma_ss_n64_of_n128<1>(s, a, b, DType{});
-        }
-        h::wgmma_commit();
-        return;
-      }
-    }
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
       // k-step ks: atom ks / 4, 32 bytes a step inside it (h::kmajor_desc)
@@ -249,8 +210,6 @@ struct Sm90Kernel {
 
   // O += P V of one tile, P the A fragments of its k-steps, V MN-major (FP8: V^T K-major, a
   // head_dim column a row, keys in vt_key's order); issued.
-  // kHalf: the tile's lower 64 keys (kHalves; P is 0 on the upper ones).
-  template <bool kHalf = false>
   static FIJ_SM90 void issue_pv(float (&o)[kOut], uint32_t (&pa)[kPaSteps][4], uint32_t v_tile) {
     h::wgmma_fence();
     if constexpr (kFp8) {
@@ -258,7 +217,8 @@ struct Sm90Kernel {
       for (int kk = 0; kk < kPaSteps; ++kk) h::wgmma_rs_n128_e4m3<1>(o, pa[kk], h::kmajor_desc(v_tile, kDvo, kk));
     } else {
       const uint64_t b0 = h::make_desc(v_tile, kKVAtom, 1024, h::Swizzle::k128B);
-      const auto step = [&](int kk) {
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
         const uint64_t b = h::desc_add(b0, kk * 16 * 128);
         if constexpr (kDvo == 256)
           h::wgmma_rs_n256<1>(o, pa[kk], b, DType{});
@@ -266,13 +226,6 @@ struct Sm90Kernel {
           h::wgmma_rs_n128<1>(o, pa[kk], b, DType{});
         else
           h::wgmma_rs_n64<1>(o, pa[kk], b, DType{});
-      };
-      constexpr int kLower = kHalves ? kBlockN / 32 : kBlockN / 16;  // k-steps every tile takes
-#pragma unroll
-      for (int kk = 0; kk < kLower; ++kk) step(kk);
-      if constexpr (!kHalves || !kHalf) {
-#pragma unroll
-        for (int kk = kLower; kk < kBlockN / 16; ++kk) step(kk);
       }
     }
     h::wgmma_commit();
@@ -612,10 +565,10 @@ struct Sm90Schedule {
 // which holds 1 KB for the alignment). The producer warpgroup returns when its last item is loaded,
 // the consumers after the rows without keys are written.
 template <typename DType, int kD, bool kCausal, int kN, bool kPaged, bool kSoftCap, int kM, bool kCustom,
-          bool kAlibi = false, bool kStaleMax = true, bool kFp8 = false, bool kHalfTiles = true>
+          bool kAlibi = false, bool kStaleMax = true, bool kFp8 = false>
 FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* smem_raw, const Sm90Schedule sched) {
   using namespace sm90_prefill;
-  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi, kStaleMax, kFp8, kHalfTiles>;
+  using K = Sm90Kernel<DType, kD, kCausal, kN, kSoftCap, kM, kCustom, kAlibi, kStaleMax, kFp8>;
   static_assert(!kFp8 || (!kPaged && K::kQStages == 2), "FP8 attention: ragged K/V, two Q stages");
   constexpr int kC = K::kConsumers;
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
@@ -805,8 +758,6 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     const Stage first = stage_of(it);
     const int s0 = first.s;
     h::mbar_wait(&k_full[s0], first.parity);
-    // (an item's first tile takes its whole Q K^T: its half form there made ptxas serialize
-    // the pipeline, C7511; only its P V may be a half tile's)
     my_turn();
     K::issue_qk(s, q_base, k0 + s0 * kKTileBytes);
     pass_turn();
@@ -817,13 +768,12 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     K::softmax(s, n0, rows, m, l, corr, bits);  // O is 0: nothing to rescale
     bool rescale = false;  // whether O takes corr before the next P V (K::moved; always without kStaleMax)
     K::pack_p(s, pa);
-    // key tile n: its S and tile n - 1's P V in flight together; kh: a half tile's Q K^T
-    const auto step = [&](int n, auto kh) {
+    for (int n = 1; n < n_tiles; ++n) {
       const Stage cur = stage_of(it + n), prev = stage_of(it + n - 1);
       const int st = cur.s, sp = prev.s;
       h::mbar_wait(&k_full[st], cur.parity);
       my_turn();
-      K::template issue_qk<decltype(kh)::value>(s, q_base, k0 + st * kKTileBytes);
+      K::issue_qk(s, q_base, k0 + st * kKTileBytes);
       // O to tile n - 1's max under this Q K^T, before its P V
       if (n > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
       // (V of tile n - 1 waited for only now: its load went out after K n's, and a late V
@@ -842,16 +792,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::fence_regs(pa);
       if (lane == 0) h::mbar_arrive(&pv_empty[sp]);
       K::pack_p(s, pa);
-    };
-    // The tiles before the first half tile, then the half ones (K::kHalves: the last one or
-    // two of a warpgroup's on the diagonal; their P V before the last in full, P being 0 on
-    // the upper keys): two loops, so that the first keeps its code as without half tiles.
-    // (An item's first tile takes its whole Q K^T: its half form there made ptxas serialize
-    // the pipeline, C7511; only its P V below may be a half tile's.)
-    int n = 1;
-    for (; n < n_tiles && !K::causal_half(rows, n0 + n); ++n) step(n, std::false_type{});
-    if constexpr (K::kHalves)
-      for (; n < n_tiles; ++n) step(n, std::true_type{});
+    }
     // one Q stage: every Q K^T of this item is complete, and this thread's reads of the
     // item's slot are done: each consumer thread arrives, since an arrival releases its own
     // thread's accesses only (with one arrival a warp or a warpgroup, racecheck reported the
@@ -865,15 +806,13 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       const int tail = tile.kv_len - (tile.kv_tiles - 1) * kBlockN;  // the last tile's rows that are keys
       if (tail < kBlockN) K::zero_tail(sv + sl * kVTileBytes, tail, t, own_bar);
     }
-    K::with_half(K::causal_half(rows, n0 + n_tiles - 1), [&](auto kh) {
-      my_turn();
-      if (n_tiles > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
-      K::template issue_pv<decltype(kh)::value>(o, pa, v0 + sl * kVTileBytes);
-      pass_turn();
-      h::wgmma_wait<0>();
-      h::fence_regs(o);
-      h::fence_regs(pa);
-    });
+    my_turn();
+    if (n_tiles > 1 && (!kStaleMax || rescale)) K::rescale(o, corr);
+    K::issue_pv(o, pa, v0 + sl * kVTileBytes);
+    pass_turn();
+    h::wgmma_wait<0>();
+    h::fence_regs(o);
+    h::fence_regs(pa);
     if (lane == 0) h::mbar_arrive(&pv_empty[sl]);
     it += n_tiles;
 

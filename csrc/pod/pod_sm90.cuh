@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1) pod_sm90_kernel(const 
     sm90::fence_proxy_async();  // the units' shared-memory writes before the prefill side's TMA writes
     __syncthreads();
   }
-  // (no stale row max and no causal half tiles on this side: Sm90Kernel's kStaleMax, kHalfTiles)
-  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, false, kM, false, false, false, false, false>(
+  // (no stale row max on this side: Sm90Kernel's kStaleMax)
+  prefill_sm90_block<DType, kD, kCausal, kN, kPaged, false, kM, false, false, false>(
       p.prefill, smem_raw, Sm90Schedule{decode_first ? -1 : static_cast<int>(blockIdx.x), first_blocks, p.decode_next});
 }
 
