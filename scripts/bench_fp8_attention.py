@@ -27,7 +27,8 @@ HEADS, HEAD_DIM = (32, 8), 128
 SCALES = (0.7, 1.3, 0.9)  # q, k, v
 # (label, batch, length (qo = kv), causal)
 ROWS = [("causal 1x16k", 1, 16384, True), ("causal 4x4k", 4, 4096, True), ("full 4x4k", 4, 4096, False),
-        ("causal 16x1k", 16, 1024, True), ("full 16x1k", 16, 1024, False)]
+        ("causal 16x1k", 16, 1024, True), ("full 16x1k", 16, 1024, False), ("causal 64x256", 64, 256, True),
+        ("full 64x256", 64, 256, False)]
 WORKSPACE_BYTES = 256 << 20
 
 
