@@ -6,9 +6,11 @@ random inputs.
   ncu --clock-control none --kernel-name regex:'prefill_sm90|PrefillWithKVCache' --launch-skip 2 \
       --launch-count 1 --section SpeedOfLight ... python3 scripts/ncu_prefill_sm90.py ours 128 full 4 4096
 
-implementation: ours (the ragged wrapper, backend="fa3": kernel prefill_sm90_kernel) or fa3
+implementation: ours (the ragged wrapper, backend="fa3": kernel prefill_sm90_kernel), fa3
 (FlashInfer's ragged wrapper, backend="fa3": kernel PrefillWithKVCacheKernel; FlashInfer on
-PYTHONPATH, as bench_prefill.py).
+PYTHONPATH, as bench_prefill.py) or cudnn (torch SDPA's CUDNN_ATTENTION backend on dense
+[B, H, L, D] copies, KV heads grouped by enable_gqa, as bench_prefill.py's sdpa_cudnn; equal
+lengths only; its kernel's name is cuDNN's: profile with --kernel-name regex:'cudnn|sm90').
 Arguments: head_dim, causal|full, requests, tokens a request (query and key alike).
 """
 
@@ -26,10 +28,22 @@ def main() -> None:
         import flashinfer_jit as module
     elif impl == "fa3":
         import flashinfer as module
-    else:
-        raise SystemExit(f"implementation: ours or fa3, not {impl!r}")
+    elif impl != "cudnn":
+        raise SystemExit(f"implementation: ours, fa3 or cudnn, not {impl!r}")
     torch.manual_seed(0)
     heads, kv_heads, dev = 32, 8, "cuda"
+    if impl == "cudnn":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        q = torch.randn(batch, heads, n, hd, dtype=torch.bfloat16, device=dev)
+        k = torch.randn(batch, kv_heads, n, hd, dtype=torch.bfloat16, device=dev)
+        v = torch.randn(batch, kv_heads, n, hd, dtype=torch.bfloat16, device=dev)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            for _ in range(3):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal",
+                                                                       enable_gqa=True)
+        torch.cuda.synchronize()
+        print("done", impl, hd, mask, batch, n, float(out.float().abs().mean()))
+        return
     q = torch.randn(batch * n, heads, hd, dtype=torch.bfloat16, device=dev)
     k = torch.randn(batch * n, kv_heads, hd, dtype=torch.bfloat16, device=dev)
     v = torch.randn(batch * n, kv_heads, hd, dtype=torch.bfloat16, device=dev)
