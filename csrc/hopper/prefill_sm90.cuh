@@ -294,15 +294,28 @@ struct Sm90Kernel {
           causal_to[i] = r.diag + r.r0 + 8 * i - base;
           window_from[i] = r.window >= 0 ? causal_to[i] - r.window : INT_MIN;
         }
+        if (kCausal && r.window < 0) {
+          // causal without a window (a warpgroup-uniform branch): keys past kv_len and past the
+          // diagonal as one bound a row, one compare an element
+          int last[2];
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j)
+          for (int i = 0; i < 2; ++i) last[i] = min(causal_to[i], past - 1);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = 8 * j + (e & 1), x = c + r.cq;
-            const bool hidden = kCustom && ((bits[e >> 1][x >> 5] >> (x & 31)) & 1u) == 0u;
-            if (c >= past || (kCausal && c > causal_to[e >> 1]) || c < window_from[e >> 1] || hidden)
-              s[4 * j + e] = -INFINITY;
-          }
+          for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (8 * j + (e & 1) > last[e >> 1]) s[4 * j + e] = -INFINITY;
+        } else {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int c = 8 * j + (e & 1), x = c + r.cq;
+              const bool hidden = kCustom && ((bits[e >> 1][x >> 5] >> (x & 31)) & 1u) == 0u;
+              if (c >= past || (kCausal && c > causal_to[e >> 1]) || c < window_from[e >> 1] || hidden)
+                s[4 * j + e] = -INFINITY;
+            }
+        }
       }
     } else if (edge) {
 #pragma unroll
