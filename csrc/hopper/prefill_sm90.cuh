@@ -489,9 +489,11 @@ struct Sm90Kernel {
         sum = sum * sc + exp2f(sink - top);
         mlog2 = top;
       }
-      inv[r] = sum > 0.f ? p.v_scale * sc / sum : 0.f;
+      // (sum >= 1 where a key or a sink joined it, the max's own weight: the approximate reciprocal and log2, two
+      // MUFU ops for the accurate forms' ~40 instructions and a slow-path call)
+      inv[r] = sum > 0.f ? __fdividef(p.v_scale * sc, sum) : 0.f;
       if (p.lse != nullptr && cq == 0 && row < tile.rows)  // (m times m_scale: log2 units; 1 with a soft cap)
-        p.lse[(tile.q_row0 + row) * int64_t(p.num_qo_heads) + head] = sum > 0.f ? mlog2 + log2f(sum) + shift : -INFINITY;
+        p.lse[(tile.q_row0 + row) * int64_t(p.num_qo_heads) + head] = sum > 0.f ? mlog2 + __log2f(sum) + shift : -INFINITY;
     }
   }
 
@@ -512,10 +514,13 @@ struct Sm90Kernel {
   }
 
   // O / l through shared memory: the warpgroup's own 64 rows of its item's Q tile (q_stage;
-  // dead once its last Q K^T is complete) take O in Q's swizzled layout (conflict-free 4-byte
-  // writes), then leave in 16-byte stores, a row's chunks from consecutive threads, where the
-  // output's rows and heads are 16-byte aligned (else straight from registers). wi: the
-  // warpgroup; t: the thread in it; bar: the warpgroup's named barrier.
+  // dead once its last Q K^T is complete) take O in Q's swizzled layout (stmatrix: a warp's
+  // four 8 x 8 matrices an instruction, conflict-free), then leave in 16-byte stores, a row's
+  // chunks from consecutive threads, where the output's rows and heads are 16-byte aligned
+  // (else straight from registers). Every shared access by 32-bit address and the output's
+  // pointer stepped a pass, not recomputed (the generic pointer cost 64-bit arithmetic and
+  // ST.E / LD.E an access). wi: the warpgroup; t: the thread in it; bar: the warpgroup's
+  // named barrier.
   static FIJ_SM90 void store_staged(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int wi, int t, int r0,
                                     int cq, const float (&o)[kOut], const float (&m)[2], const float (&l)[2],
                                     unsigned char* q_stage, int bar) {
@@ -523,26 +528,34 @@ struct Sm90Kernel {
     if (!vec) return store(p, tile, head, r0, cq, o, m, l);
     float inv[2];
     finish_rows(p, tile, head, r0, cq, m, l, inv);
+    const uint32_t stage = h::smem_addr(q_stage);
+    {
+      // x4 over 16-byte chunks j, j + 1 (j even) of rows r0 and r0 + 8: matrix mt = 2 (c - j) + r;
+      // lane l gives row l % 8 of matrix l / 8, whose chunk (j + l / 16) sits at
+      // (j + l / 16) ^ (row % 8) = j ^ y (j even), row % 8 = l % 8
+      const int lane = t % 32, row = 64 * wi + 16 * (t / 32) + 8 * ((lane / 8) & 1) + lane % 8;
+      const int y = (lane / 16) ^ (lane % 8);
+      const uint32_t row_addr = stage + row * 128;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r0 + 8 * r;  // row % 8: lane / 4, so a warp's 8 rows take 8 distinct chunks
-#pragma unroll
-      for (int j = 0; j < kDvo / 8; ++j)
-        *reinterpret_cast<uint32_t*>(q_stage + (j / 8) * kQAtom + row * 128 + (((j % 8) ^ (row % 8)) * 16) + cq * 2) =
-            pack2<DType>(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+      for (int j = 0; j < kDvo / 8; j += 2) {
+        const uint32_t r[4] = {pack2<DType>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                               pack2<DType>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                               pack2<DType>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                               pack2<DType>(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1])};
+        h::stmatrix_x4(row_addr + (j / 8) * kQAtom + (((j % 8) ^ y) * 16), r);
+      }
     }
     h::named_sync(bar, 128);
     constexpr int kChunks = kDvo / 8, kRowsPass = 128 / kChunks;  // 16-byte chunks a row
-    const int c = t % kChunks;
+    static_assert(kRowsPass % 8 == 0, "a thread's rows keep one swizzle phase");
+    const int c = t % kChunks, sub = t / kChunks;
+    const uint32_t src = stage + (c / 8) * kQAtom + (64 * wi + sub) * 128 + (((c % 8) ^ (sub % 8)) * 16);
+    const int rows = tile.rows - 64 * wi - sub;  // this thread's rows i x kRowsPass < rows are the request's
+    DType* out = static_cast<DType*>(p.out) + (tile.q_row0 + 64 * wi + sub) * p.out_stride_n + head * p.out_stride_h + 8 * c;
+    const int64_t step = kRowsPass * p.out_stride_n;
 #pragma unroll
-    for (int i = 0; i < 64 / kRowsPass; ++i) {
-      const int row = 64 * wi + i * kRowsPass + t / kChunks;
-      if (row < tile.rows) {
-        const uint4 v = *reinterpret_cast<const uint4*>(q_stage + (c / 8) * kQAtom + row * 128 + (((c % 8) ^ (row % 8)) * 16));
-        DType* out = static_cast<DType*>(p.out) + (tile.q_row0 + row) * p.out_stride_n + head * p.out_stride_h + 8 * c;
-        *reinterpret_cast<uint4*>(out) = v;
-      }
-    }
+    for (int i = 0; i < 64 / kRowsPass; ++i, out += step)
+      if (i * kRowsPass < rows) *reinterpret_cast<uint4*>(out) = h::lds128(src + i * kRowsPass * 128);
   }
 };
 

@@ -293,6 +293,23 @@ FIJ_SM90 void wgmma_rs_n128_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleD));
 }
 
+// --- shared memory by 32-bit address ------------------------------------------------------------
+// (a generic pointer into shared memory costs 64-bit address arithmetic and the generic
+// path's ST.E / LD.E; these take the shared window's 32-bit address)
+// stmatrix .x4 of four 8x8 b16 matrices: lanes 8 m .. 8 m + 7 give the row addresses of
+// matrix m (16 bytes a row); this thread's r[m] goes to matrix m's row lane / 4, b16 columns
+// 2 (lane % 4) and 2 (lane % 4) + 1 (the mma / wgmma accumulators' fragment).
+FIJ_SM90 void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+FIJ_SM90 uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
 // Named barriers (ids 1-15; 0 is __syncthreads'): `threads` counts every thread that syncs
 // or arrives. Two consumer warpgroups take turns through a pair of them (ping-pong).
 FIJ_SM90 void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
