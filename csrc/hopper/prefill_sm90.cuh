@@ -489,11 +489,9 @@ struct Sm90Kernel {
         sum = sum * sc + exp2f(sink - top);
         mlog2 = top;
       }
-      // (sum >= 1 where a key or a sink joined it, the max's own weight: the approximate reciprocal and log2, two
-      // MUFU ops for the accurate forms' ~40 instructions and a slow-path call)
-      inv[r] = sum > 0.f ? __fdividef(p.v_scale * sc, sum) : 0.f;
+      inv[r] = sum > 0.f ? p.v_scale * sc / sum : 0.f;
       if (p.lse != nullptr && cq == 0 && row < tile.rows)  // (m times m_scale: log2 units; 1 with a soft cap)
-        p.lse[(tile.q_row0 + row) * int64_t(p.num_qo_heads) + head] = sum > 0.f ? mlog2 + __log2f(sum) + shift : -INFINITY;
+        p.lse[(tile.q_row0 + row) * int64_t(p.num_qo_heads) + head] = sum > 0.f ? mlog2 + log2f(sum) + shift : -INFINITY;
     }
   }
 
@@ -520,12 +518,17 @@ struct Sm90Kernel {
   // (else straight from registers). Every shared access by 32-bit address and the output's
   // pointer stepped a pass, not recomputed (the generic pointer cost 64-bit arithmetic and
   // ST.E / LD.E an access). wi: the warpgroup; t: the thread in it; bar: the warpgroup's
-  // named barrier.
+  // named barrier; q_empty: the stage's barrier, which this thread arrives on once its reads
+  // of the stage are done (before its global stores: the next item's Q may load meanwhile).
   static FIJ_SM90 void store_staged(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int wi, int t, int r0,
                                     int cq, const float (&o)[kOut], const float (&m)[2], const float (&l)[2],
-                                    unsigned char* q_stage, int bar) {
+                                    unsigned char* q_stage, int bar, uint64_t* q_empty) {
     const bool vec = ((reinterpret_cast<uintptr_t>(p.out) | uintptr_t(p.out_stride_n * 2) | uintptr_t(p.out_stride_h * 2)) & 15) == 0;
-    if (!vec) return store(p, tile, head, r0, cq, o, m, l);
+    if (!vec) {
+      store(p, tile, head, r0, cq, o, m, l);
+      h::mbar_arrive(q_empty);  // (the stage was not touched)
+      return;
+    }
     float inv[2];
     finish_rows(p, tile, head, r0, cq, m, l, inv);
     const uint32_t stage = h::smem_addr(q_stage);
@@ -553,9 +556,15 @@ struct Sm90Kernel {
     const int rows = tile.rows - 64 * wi - sub;  // this thread's rows i x kRowsPass < rows are the request's
     DType* out = static_cast<DType*>(p.out) + (tile.q_row0 + 64 * wi + sub) * p.out_stride_n + head * p.out_stride_h + 8 * c;
     const int64_t step = kRowsPass * p.out_stride_n;
+    uint4 v[64 / kRowsPass];  // (O's registers are dead: room for all of them)
+#pragma unroll
+    for (int i = 0; i < 64 / kRowsPass; ++i)
+      if (i * kRowsPass < rows) v[i] = h::lds128(src + i * kRowsPass * 128);
+    h::fence_proxy_async();  // this thread's generic reads of the stage before the next TMA write
+    h::mbar_arrive(q_empty);
 #pragma unroll
     for (int i = 0; i < 64 / kRowsPass; ++i, out += step)
-      if (i * kRowsPass < rows) *reinterpret_cast<uint4*>(out) = h::lds128(src + i * kRowsPass * 128);
+      if (i * kRowsPass < rows) *reinterpret_cast<uint4*>(out) = v[i];
   }
 };
 
@@ -851,9 +860,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       K::store(p, tile, head, r0, cq, o, m, l);
       h::mbar_arrive(&q_empty[qs]);
     } else if constexpr (kQStages == 2) {
-      K::store_staged(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, own_bar);
-      h::fence_proxy_async();  // this thread's generic accesses to the stage before the next TMA write
-      h::mbar_arrive(&q_empty[qs]);
+      K::store_staged(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, own_bar, &q_empty[qs]);
     } else {
       K::store(p, tile, head, r0, cq, o, m, l);
     }
