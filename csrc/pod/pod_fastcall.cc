@@ -351,7 +351,10 @@ PyObject* pod_rerun(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       const at::Tensor& q = THPVariable_Unpack(sides[s].q);
       const int64_t off = sides[s].rows, n = rows[s];
       side_t[s][0] = part(q, off, n);
-      if (PyTuple_CheckExact(sides[s].kv)) {
+      if (s == 1 && sides[1].kv == sides[0].kv) {  // one cache for both sides (BatchAttention): its views
+        side_t[1][1] = side_t[0][1];
+        side_t[1][2] = side_t[0][2];
+      } else if (PyTuple_CheckExact(sides[s].kv)) {
         side_t[s][1] = THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 0));
         side_t[s][2] = THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 1));
       } else {  // [pages, 2, ...]: K at index 0 of dim 1, V at 1
