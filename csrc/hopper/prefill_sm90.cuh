@@ -158,15 +158,11 @@ struct Sm90Kernel {
   static constexpr int kVAtoms = kDvo * kIn / 128;  // V's
   static constexpr int kKSteps = kD * kIn / 32;     // Q K^T's k-steps (32 bytes each)
   static constexpr int kPaSteps = kBlockN * kIn / 32;  // P V's k-steps: P's A fragments
-  // Q stages: where shared memory holds more than one, the next items' Q tiles load while this
-  // one runs, not after its last Q K^T, which items of a few key tiles (short prompts, causal
-  // diagonals) wait for otherwise. Three where they fit (head_dim 64, and 128 with 128-key
-  // tiles: 225 KB of the 227): there short items wait on the Q tiles' DRAM reads, and a third
-  // stage starts item k + 2's Q while item k runs (cuDNN's kernel on the causal 64 x 256 row
-  // holds 227 KB). Two with FP8 (its V^T stages), one at head_dim 256 and (192, 128).
+  // Two Q tiles where shared memory holds them (head_dim 64, and 128 with 128-key tiles):
+  // the next item's Q then loads while this one runs, not after its last Q K^T, which
+  // items of a few key tiles (short prompts, causal diagonals) wait for otherwise.
   static constexpr int kKVBytes = (kKTileBytes + kVTileBytes * (kFp8 ? 2 : 1)) * kStages;
-  static constexpr int kQStagesFit = (227 * 1024 - 1024 - 512 - kKVBytes) / kQBytes;  // (512: the static slots)
-  static constexpr int kQStages = kFp8 ? 2 : kQStagesFit >= 3 ? 3 : kQStagesFit >= 2 ? 2 : 1;
+  static constexpr int kQStages = 2 * kQBytes + kKVBytes + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr int kSmemBytes = kQBytes * kQStages + kKVBytes + 1024;
   static constexpr int kOut = kDvo / 2;  // O accumulators a thread
   static constexpr int kS = kBlockN / 2;  // S accumulators a thread
@@ -619,17 +615,15 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
   unsigned char* svt = sv + kVTileBytes * kStages;   // FP8: V^T stage s at svt + s * kVTileBytes
   // item k's Q in stage k % kQStages; q_empty: every consumer thread has seen its last Q K^T
   // of the stage's item complete
-  __shared__ uint64_t q_full[3], q_empty[3], k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  __shared__ uint64_t q_full[2], q_empty[2], k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   // FP8: a V^T stage written (by the 96 transposing threads) and read (its P V complete); V's
   // stage is then empty once those threads have read it
   __shared__ uint64_t vt_full[kStages], vt_empty[kStages];
-  // item k's index (-1: none left) and tile in slot k % kSlots: the producer reads the tile
-  // from the work list while the consumers still run earlier items, so theirs is a
-  // shared-memory read (a slot is rewritten only once its item's Q stage is released)
-  constexpr int kSlots = kQStages > 2 ? kQStages : 2;
-  __shared__ int item_slot[kSlots];
-  __shared__ Sm90Tile tile_slot[kSlots];
-  __shared__ int64_t mask_slot[kSlots];  // a custom mask: the item's tile's first bit
+  // item k's index (-1: none left) and tile in slot k % 2: the producer reads the tile from
+  // the work list while the consumers still run item k - 1, so theirs is a shared-memory read
+  __shared__ int item_slot[2];
+  __shared__ Sm90Tile tile_slot[2];
+  __shared__ int64_t mask_slot[2];  // a custom mask: the item's tile's first bit
 
   const int num_items = p.work[0], active = p.work[1];
   // a custom mask: each tile's first bit, an int64 a tile after the tiles (16-byte aligned)
@@ -688,7 +682,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
         if (qu > 0) h::mbar_wait(&q_empty[qs], (qu - 1) & 1);
         if (idx >= active) {
           if (lane == 0) {
-            item_slot[k % kSlots] = -1;
+            item_slot[k & 1] = -1;
             h::mbar_arrive(&q_full[qs]);  // the consumers read -1: done
             if (atomicAdd(&p.counters[1], 1) == int(gridDim.x) - 1) {  // every block's last take is done
               p.counters[0] = p.counters[1] = 0;
@@ -699,9 +693,9 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
         }
         const int head = idx % p.num_qo_heads, kv_head = head / p.group;
         if (lane == 0) {
-          item_slot[k % kSlots] = idx;
-          tile_slot[k % kSlots] = tile;
-          if constexpr (kCustom) mask_slot[k % kSlots] = mask_bases[idx / p.num_qo_heads];
+          item_slot[k & 1] = idx;
+          tile_slot[k & 1] = tile;
+          if constexpr (kCustom) mask_slot[k & 1] = mask_bases[idx / p.num_qo_heads];
           h::mbar_expect_tx(&q_full[qs], K::kQBytes);
           for (int a = 0; a < K::kAtoms; ++a)
             h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], K::kAtomElems * a, head,
@@ -742,8 +736,8 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       int it = 0;
       for (int k = 0;; ++k) {
         h::mbar_wait(&q_full[k % kQStages], (k / kQStages) & 1);
-        if (item_slot[k % kSlots] < 0) break;
-        const Sm90Tile tile = tile_slot[k % kSlots];
+        if (item_slot[k & 1] < 0) break;
+        const Sm90Tile tile = tile_slot[k & 1];
         for (int n = tile.first_tile; n < tile.kv_tiles; ++n, ++it) {
           const Stage cur = stage_of(it);
           h::mbar_wait(&v_full[cur.s], cur.parity);
@@ -782,9 +776,9 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     const int qs = k % kQStages;
     h::mbar_wait(&q_full[qs], (k / kQStages) & 1);
     const uint32_t q_base = q0 + qs * K::kQBytes;
-    const int idx = item_slot[k % kSlots];
+    const int idx = item_slot[k & 1];
     if (idx < 0) break;
-    const Sm90Tile tile = tile_slot[k % kSlots];
+    const Sm90Tile tile = tile_slot[k & 1];
     const int head = idx % p.num_qo_heads, n0 = tile.first_tile, n_tiles = tile.kv_tiles - n0;
     const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.window_left, kSoftCap || kAlibi ? 1.f : p.scale_log2,
                     p.scale_log2, p.soft_cap_log2, kAlibi ? alibi_slope_log2(head, p.num_qo_heads) : 0.f};
@@ -794,7 +788,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     uint32_t pa[K::kPaSteps][4];
     float s[K::kS], corr[2];
     typename K::MaskBits bits;  // a custom mask's, of the tile whose S is in flight
-    const int64_t mask_base = kCustom ? mask_slot[k % kSlots] : 0;
+    const int64_t mask_base = kCustom ? mask_slot[k & 1] : 0;
 
     const Stage first = stage_of(it);
     const int s0 = first.s;
@@ -865,7 +859,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     if constexpr (kQStages == 2 && kFp8) {  // (Q's stage is half O's bytes: straight from registers)
       K::store(p, tile, head, r0, cq, o, m, l);
       h::mbar_arrive(&q_empty[qs]);
-    } else if constexpr (kQStages >= 2) {
+    } else if constexpr (kQStages == 2) {
       K::store_staged(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, own_bar, &q_empty[qs]);
     } else {
       K::store(p, tile, head, r0, cq, o, m, l);
