@@ -566,7 +566,40 @@ struct Sm90Kernel {
     for (int i = 0; i < 64 / kRowsPass; ++i, out += step)
       if (i * kRowsPass < rows) *reinterpret_cast<uint4*>(out) = v[i];
   }
-};
+
+  // store_staged's earlier form, which the modules without a causal mask keep: 4-byte writes
+  // through a generic pointer (64-bit address arithmetic, ST.E / LD.E), each output row's
+  // address computed a pass. With store_staged instead, their long rows ran 1-4% slower on three
+  // H200 A/Bs (2026-11-30) while the loop's SASS kept its instruction mix (its registers moved):
+  // code generation, not the epilogue's own time. The caller releases the stage after it.
+  static FIJ_SM90 void store_staged_words(const PrefillSm90Params& p, const Sm90Tile& tile, int head, int wi, int t, int r0,
+                                    int cq, const float (&o)[kOut], const float (&m)[2], const float (&l)[2],
+                                    unsigned char* q_stage, int bar) {
+    const bool vec = ((reinterpret_cast<uintptr_t>(p.out) | uintptr_t(p.out_stride_n * 2) | uintptr_t(p.out_stride_h * 2)) & 15) == 0;
+    if (!vec) return store(p, tile, head, r0, cq, o, m, l);
+    float inv[2];
+    finish_rows(p, tile, head, r0, cq, m, l, inv);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r0 + 8 * r;  // row % 8: lane / 4, so a warp's 8 rows take 8 distinct chunks
+#pragma unroll
+      for (int j = 0; j < kDvo / 8; ++j)
+        *reinterpret_cast<uint32_t*>(q_stage + (j / 8) * kQAtom + row * 128 + (((j % 8) ^ (row % 8)) * 16) + cq * 2) =
+            pack2<DType>(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+    }
+    h::named_sync(bar, 128);
+    constexpr int kChunks = kDvo / 8, kRowsPass = 128 / kChunks;  // 16-byte chunks a row
+    const int c = t % kChunks;
+#pragma unroll
+    for (int i = 0; i < 64 / kRowsPass; ++i) {
+      const int row = 64 * wi + i * kRowsPass + t / kChunks;
+      if (row < tile.rows) {
+        const uint4 v = *reinterpret_cast<const uint4*>(q_stage + (c / 8) * kQAtom + row * 128 + (((c % 8) ^ (row % 8)) * 16));
+        DType* out = static_cast<DType*>(p.out) + (tile.q_row0 + row) * p.out_stride_n + head * p.out_stride_h + 8 * c;
+        *reinterpret_cast<uint4*>(out) = v;
+      }
+    }
+  }};
 
 // Key tile i, counted over every item a block has run, sits in stage i % kStages; its
 // barriers' phase parity is (i / kStages) & 1 ("empty" waits take the other parity).
@@ -859,8 +892,12 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     if constexpr (kQStages == 2 && kFp8) {  // (Q's stage is half O's bytes: straight from registers)
       K::store(p, tile, head, r0, cq, o, m, l);
       h::mbar_arrive(&q_empty[qs]);
-    } else if constexpr (kQStages == 2) {
+    } else if constexpr (kQStages == 2 && kCausal) {
       K::store_staged(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, own_bar, &q_empty[qs]);
+    } else if constexpr (kQStages == 2) {
+      K::store_staged_words(p, tile, head, wi, t, r0, cq, o, m, l, sq + qs * K::kQBytes, own_bar);
+      h::fence_proxy_async();  // this thread's generic accesses to the stage before the next TMA write
+      h::mbar_arrive(&q_empty[qs]);
     } else {
       K::store(p, tile, head, r0, cq, o, m, l);
     }
