@@ -304,6 +304,10 @@ FIJ_SM90 void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
                "r"(r[2]), "r"(r[3])
                : "memory");
 }
+// 16 bytes to global memory in one STG.128 (a uint4 store the compiler may split into four)
+FIJ_SM90 void stg128(void* ptr, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 FIJ_SM90 uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
