@@ -599,7 +599,8 @@ struct Sm90Kernel {
         *reinterpret_cast<uint4*>(out) = v;
       }
     }
-  }};
+  }
+};
 
 // Key tile i, counted over every item a block has run, sits in stage i % kStages; its
 // barriers' phase parity is (i / kStages) & 1 ("empty" waits take the other parity).
