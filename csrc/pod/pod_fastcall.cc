@@ -134,6 +134,18 @@ struct Launch {
   }
 };
 
+// A new tuple of `size` items whose first four are l's results (the tuple takes their
+// references; the rest are left for the caller); null on failure.
+PyObject* results_tuple(Launch& l, Py_ssize_t size) {
+  PyObject* result = PyTuple_New(size);
+  if (result == nullptr) return nullptr;
+  for (int i = 0; i < 4; ++i) {
+    PyTuple_SET_ITEM(result, i, l.result[i]);
+    l.result[i] = nullptr;
+  }
+  return result;
+}
+
 // An output of a side (a new reference; its address from row `rows` into *ptr): the given
 // tensor, or a new one shaped like q (an lse: [rows, heads] float32) where `make`, the other
 // side's where `shared` is it, else None (a null address: nothing written).
@@ -219,13 +231,7 @@ PyObject* pod_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const int code = reinterpret_cast<fij_pod_fast_fn>(a[0])(a[1], l.ptr, stream, pdl);
   if (code != 0) return PyLong_FromLong(code);
-  PyObject* result = PyTuple_New(4);
-  if (result == nullptr) return nullptr;
-  for (int i = 0; i < 4; ++i) {
-    PyTuple_SET_ITEM(result, i, l.result[i]);  // (the tuple takes the references)
-    l.result[i] = nullptr;
-  }
-  return result;
+  return results_tuple(l, 4);
 }
 
 // --- run()'s first call after a plan(): pod_rerun ------------------------------------------------
@@ -384,12 +390,8 @@ PyObject* pod_rerun(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return PyLong_FromLong(-1);
   }
   if (code != 0) return PyLong_FromLong(code);
-  PyObject* result = PyTuple_New(5);
+  PyObject* result = results_tuple(l, 5);
   if (result == nullptr) return nullptr;
-  for (int i = 0; i < 4; ++i) {
-    PyTuple_SET_ITEM(result, i, l.result[i]);  // (the tuple takes the references)
-    l.result[i] = nullptr;
-  }
   PyObject* sig = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(w));
   if (sig == nullptr) {
     Py_DECREF(result);
