@@ -1440,6 +1440,117 @@ def test_fa3_head_dim_64_on_192_row_tiles(causal, source, dtype, hopper_workspac
     check_agree(*results[192], *results[128], shapes, tol * AGREE_FACTOR, "192 rows", "128 rows")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("source, causal, heads, mask", [("ragged", True, (8, 2), None), ("paged", False, (12, 4), None),
+                                                         ("paged", True, (12, 4), None), ("ragged", False, (8, 2), "bits")])
+def test_fa3_items_by_l2_sections(source, causal, heads, mask, hopper_workspace):
+    """The items run a section of KV-head groups at a time (work[3], sm90.l2_section_heads;
+    pinned here where the batch is small: one group a section, and two of (12, 4) heads' three):
+    against the float64 reference, and equal bit for bit to every head at once (the same tiles
+    in another order), with requests that see no key (items past the active ones), ragged and
+    paged, causal or not, and a custom mask (each tile's first bit follows its tile)."""
+    gen = torch.Generator(device=DEV).manual_seed(31 + causal)
+    rnd = random.Random(31)
+    shapes = [(300, 300), (0, 9), (17, 400), (129, 129), (5, 0), (64, 1000), (200, 77)]
+    group = heads[0] // heads[1]
+    q, qo_indptr, k_rows, v_rows, _ = ragged_inputs(shapes, heads, 128, torch.bfloat16, gen)
+    kv_lens = [n for _, n in shapes]
+    if source == "ragged":
+        kv, page_size = ragged_kv(k_rows, v_rows, kv_lens), None
+    else:
+        kv, page_size = paged_kv(k_rows, v_rows, kv_lens, 16, "csr", "NHD", "tuple", rnd), 16
+    options, ref_options = dict(causal=causal), dict(causal=causal)
+    if mask is not None:
+        flat = torch.cat([(torch.rand(m, n, generator=torch.Generator().manual_seed(m + 7 * n)) < 0.5).reshape(-1)
+                          for m, n in shapes])
+        options, ref_options = dict(custom_mask=flat.to(DEV)), dict(custom_mask=flat.to(DEV))
+    results = {}
+    for section in (0, group, 2 * group):
+        if heads[0] % section if section else False:
+            continue
+        wrapper = fa3_wrapper(hopper_workspace) if source == "ragged" else paged_wrapper(hopper_workspace, "NHD",
+                                                                                          backend="fa3")
+        wrapper._force_l2_heads = section
+        plan_kv(wrapper, qo_indptr, kv, *heads, (128, 128), page_size, q_data_type=torch.bfloat16, **options)
+        assert wrapper.planned_backend == "fa3" and int(wrapper._plan.work[3]) == section
+        results[section] = run_poisoned(wrapper, q, kv, 128, torch.bfloat16)
+    ref_out, ref_lse = reference(q, qo_indptr, kv, **ref_options)
+    for section, (out, lse) in results.items():
+        check_prefill(out, lse, ref_out, ref_lse, shapes, tolerance(BF16))
+        if section:
+            assert torch.equal(out, results[0][0]), f"section of {section} heads: out differs from one section"
+            assert torch.equal(lse, results[0][1]), f"section of {section} heads: lse differs from one section"
+
+
+def test_l2_section_heads_rule():
+    """sm90.l2_section_heads: 0 where every KV head's K/V fit in L2_SECTION_BYTES, else the most
+    whole KV heads (a divisor of num_kv_heads) that fit, times the group, at least one group."""
+    from types import SimpleNamespace
+    from flashinfer_jit.prefill import sm90
+
+    def config(hq, hk, d, dtype=torch.bfloat16, dvo=None):
+        return SimpleNamespace(num_qo_heads=hq, num_kv_heads=hk, head_dim_qk=d, head_dim_vo=dvo or d, q_dtype=dtype)
+
+    assert sm90.L2_SECTION_BYTES == 32 << 20
+    assert sm90.l2_section_heads(config(32, 8, 128), 8192) == 0         # 32 MB: fits
+    assert sm90.l2_section_heads(config(32, 8, 128), 16384) == 16       # 64 MB: four KV heads a section (FA3's)
+    assert sm90.l2_section_heads(config(32, 8, 64), 16384) == 0         # 32 MB
+    assert sm90.l2_section_heads(config(32, 8, 256), 16384) == 8        # 16 MB a KV head: two
+    assert sm90.l2_section_heads(config(32, 8, 128), 1 << 20) == 4      # one KV head outgrows it: one group
+    assert sm90.l2_section_heads(config(24, 6, 128), 24576) == 8        # 12 MB a KV head: two (of 1, 2, 3)
+    assert sm90.l2_section_heads(config(28, 7, 128), 24576) == 4        # 7 KV heads: divisors 1 and 7
+    assert sm90.l2_section_heads(config(32, 32, 128), 16384) == 4       # MHA: 8 MB a head, four
+    assert sm90.l2_section_heads(config(32, 8, 128, torch.float8_e4m3fn), 16384) == 0  # FP8 attention: 32 MB
+    assert sm90.l2_section_heads(config(16, 8, 192, dvo=128), 16384) == 4  # (192, 128): 10 MB a KV head, two
+
+
+@pytest.mark.parametrize("source", ["ragged", "csr", "block_table", "custom"])
+def test_plan_ships_the_items_order(source, monkeypatch):
+    """plan() on the CPU (the arch check passed) writes the items' order into work[3]: 16384
+    keys a KV head at 32 / 8 heads, head_dim 128 (64 MB of K/V) take sections of 16 heads,
+    through the common form's planner (ragged; CSR) and the general one (a block table; a
+    custom mask); 1000 keys take 0 (one section); a pin that is not whole KV-head groups
+    dividing the heads is a ValueError."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    n, page_size = 16384, 16
+
+    def plan(qo_len: int, kv_len: int):
+        if source in ("csr", "block_table"):
+            wrapper = fij.BatchPrefillWithPagedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
+            pages = -(-kv_len // page_size)
+            if source == "csr":
+                wrapper.plan(_cpu_indptr([qo_len]), _cpu_indptr([pages]), torch.arange(pages, dtype=torch.int32),
+                             torch.tensor([kv_len - page_size * (pages - 1)], dtype=torch.int32), *LLAMA, 128,
+                             page_size, causal=True, q_data_type=torch.bfloat16)
+            else:
+                wrapper.plan(_cpu_indptr([qo_len]), None, None, None, *LLAMA, 128, page_size, causal=True,
+                             block_tables=torch.arange(pages, dtype=torch.int32)[None],
+                             seq_lens=torch.tensor([kv_len], dtype=torch.int32), q_data_type=torch.bfloat16)
+        else:
+            wrapper = fij.BatchPrefillWithRaggedKVCacheWrapper(_cpu_workspace(), "NHD", backend="fa3")
+            mask = dict(custom_mask=torch.rand(qo_len * kv_len) < 0.5) if source == "custom" else dict(causal=True)
+            wrapper.plan(_cpu_indptr([qo_len]), _cpu_indptr([kv_len]), *LLAMA, 128, q_data_type=torch.bfloat16,
+                         **mask)
+        return wrapper
+
+    wrapper = plan(128, n)
+    assert int(wrapper._plan.work.cpu()[3]) == 16
+    wrapper = plan(128, 1000)
+    assert int(wrapper._plan.work.cpu()[3]) == 0  # 4 MB: every head at once
+    for bad in (2, 12, -4):
+        wrapper._force_l2_heads = bad
+        with pytest.raises(ValueError, match="l2_heads"):
+            wrapper.plan(_cpu_indptr([1000]), _cpu_indptr([1000]), *LLAMA, 128, causal=True,
+                         q_data_type=torch.bfloat16) if source in ("ragged", "custom") else \
+                wrapper.plan(_cpu_indptr([128]), _cpu_indptr([63]), torch.arange(63, dtype=torch.int32),
+                             torch.tensor([8], dtype=torch.int32), *LLAMA, 128, page_size, causal=True,
+                             q_data_type=torch.bfloat16) if source == "csr" else \
+                wrapper.plan(_cpu_indptr([128]), None, None, None, *LLAMA, 128, page_size, causal=True,
+                             block_tables=torch.arange(63, dtype=torch.int32)[None],
+                             seq_lens=torch.tensor([1000], dtype=torch.int32), q_data_type=torch.bfloat16)
+
+
 def _on_both_kernels(workspace, source: str, k_rows, v_rows, kv_lens, rnd, q, qo_indptr, heads, head_dim: int,
                      dtype: torch.dtype, **plan_kwargs) -> tuple:
     """The batch's K/V ragged, or on pages of 16 (CSR, NHD), planned with plan_kwargs and run on
