@@ -690,7 +690,8 @@ def test_a_plan_of_the_recorded_configuration_keeps_the_hopper_record(ext, monke
         tables = _hopper_batch(rnd, 16, "common" if step != 1 else "long")
         w.plan(*tables, *LLAMA, HD, 16, q_data_type=BF16, causal=True)
         assert w._quick is not None and w._replan_bounds is not None, step
-        plan, bounds = w._relaunch_plan(), w._replan_bounds
+        plan, bounds = w._replan_args, w._replan_bounds  # (gathered by plan(), for the next run())
+        assert all(a is b or a == b for a, b in zip(plan, w._relaunch_plan()))
         p, d = w._prefill._plan, w._decode._plan
         assert bounds == (p.qo_tokens, 1 << 62, d.batch, d.batch)
         assert plan[0] is p.work and plan[1] is p.page_ids and plan[3] == tuple(d.args[0]) and plan[4] is d.args[1]
@@ -704,7 +705,7 @@ def test_a_plan_of_the_recorded_configuration_keeps_the_hopper_record(ext, monke
     w.force_prefill_blocks = 7
     _hopper_record(w)
     w.plan(*_hopper_batch(rnd, 16, "common"), *LLAMA, HD, 16, q_data_type=BF16, causal=True)
-    assert w._replan_bounds is not None and w._relaunch_plan()[19] == 7  # (a pinned split: in the plan's arguments)
+    assert w._replan_bounds is not None and w._replan_args[19] == 7  # (a pinned split: in the plan's arguments)
     w.force_prefill_blocks = None
     tables = _hopper_batch(rnd, 16, "common")
     for change in (dict(causal=False), dict(causal=True, sm_scale=0.1), dict(causal=True, window_left=100)):
@@ -741,7 +742,7 @@ def test_the_first_run_after_a_plan_takes_pod_rerun(ext, monkeypatch):
     rows = w._prefill._plan.qo_tokens
     q_p, q_d = torch.zeros(rows, 32, HD, dtype=BF16), torch.zeros(w._decode._plan.batch, 32, HD, dtype=BF16)
     cache = torch.zeros(20, 2, 16, 8, HD, dtype=BF16)
-    plan, bounds = w._relaunch_plan(), w._replan_bounds
+    plan, bounds = w._replan_args, w._replan_bounds
     assert w.run(q_p, cache, q_d, cache, causal_p=True, return_lse=True) == (outs[:2], outs[2:])
     assert reruns.calls[0][:3] == (99, 22, b"sig") and reruns.calls[0][4:] == (
         bounds, (-1, -1), q_p, cache, q_d, cache, None, None, None, None, 0, 0, 3)

@@ -377,8 +377,10 @@ class _Pod:
         self._sm90_spec = None  # ... and their module (PodSm90Spec)
         self._sm90_relaunch = None  # ... and its <namespace>_pod_relaunch (None: no fast path)
         # a kept record's next run() goes through pod_rerun: the plan's bounds on each side's q
-        # rows (prefill at least its tokens, decode its batch), None where the record is current
+        # rows (prefill at least its tokens, decode its batch), None where the record is current;
+        # and the plan's op arguments for it (_relaunch_plan, gathered by plan())
         self._replan_bounds = None
+        self._replan_args = None
         self._force_blocks = None  # force_prefill_blocks
 
     def _no_plan_here(self, traced: str, captured: str) -> None:
@@ -416,13 +418,15 @@ class _Pod:
             self._sm90_relaunch = relaunch_entry(spec, debug) if cuda else None
             self._sm90_key, self._sm90_spec = (spec_p, spec_d, debug), spec
         # run()'s record outlives a plan of the module and configurations it was recorded with
-        # (QuickLaunch): the next run() resolves it again from the call and this plan, in C++
-        # (the plan's op arguments gathered then, not here: plan() stays as cheap as before)
+        # (QuickLaunch): the next run() resolves it again from the call and this plan, in C++,
+        # with the plan's op arguments gathered here (plan() runs once a step, where an engine
+        # overlaps it with the GPU's work; that run() is on the step's critical path)
         if quick is not None and quick.configs is not None and quick.spec is self._sm90_spec and \
                 quick.configs[0] is prefill.config and quick.configs[1] is decode.config and \
                 self._replans_record and self._sm90_relaunch is not None:
             self._quick = quick
             self._replan_bounds = (prefill.qo_tokens, 1 << 62, decode.batch, decode.batch)
+            self._replan_args = self._relaunch_plan()
 
     def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int,
                            flops: float | None = None) -> int | None:
@@ -568,7 +572,7 @@ class _Pod:
         plan_bounds = self._replan_bounds
         if plan_bounds is not None:
             got = fastcall.extension().pod_rerun(self._sm90_relaunch, quick.address, quick.signature,
-                                                 self._relaunch_plan(), bounds or plan_bounds, counts, q_p, kv_p, q_d,
+                                                 self._replan_args, bounds or plan_bounds, counts, q_p, kv_p, q_d,
                                                  kv_d, out_p, out_d, lse_p, lse_d, rows_p, rows_d, want_lse)
             if type(got) is tuple:
                 # (the constructor: namedtuple's _replace costs ~0.5 us more)
