@@ -105,10 +105,6 @@ FA3_PAGED_PINS = ()  # (the pinned providers that run: FA3_PAGED_PINNED's keys w
 # --fa3-key-tiles T1,T2: ours_fa3_ragged_n<T>, the ragged wrapper with its key tile pinned to T
 # (wrapper._force_key_tile), in the same rounds as the rest
 FA3_TILE_PINS = ()
-# --fa3-l2-heads S1,S2: ours_fa3_ragged_s<S> and ours_fa3_paged_s<S>, the Hopper path with its
-# items' order pinned to sections of S query heads (wrapper._force_l2_heads; 0: every head at
-# once), in the same rounds as the rest
-FA3_L2_PINS = ()
 DTYPE = "bfloat16"
 HEAD_DIMS = (64, 128, 256)
 PREFILL_SHAPES = ((1, 16384), (4, 4096), (16, 1024), (64, 256))  # batch x qo_len (= kv_len)
@@ -727,8 +723,6 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
                 w._force_copy = FA3_PAGED_COPY
             elif impl in FA3_PAGED_PINNED:
                 w._force_copy = FA3_PAGED_PINNED[impl]
-            if impl in FA3_L2_PINS:
-                w._force_l2_heads = int(impl.rsplit("_s", 1)[1])
             w.plan(inputs.qo_indptr, inputs.page_indptr, inputs.indices, inputs.last_page_len, NUM_QO_HEADS,
                    NUM_KV_HEADS, hd, PAGE_SIZE, causal=row.causal, q_data_type=bf16, kv_data_type=bf16)
             run = lambda: w.run(inputs.q, (inputs.k_cache, inputs.v_cache), out=inputs.out)
@@ -736,8 +730,6 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
             w = module.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
             if impl in FA3_TILE_PINS:
                 w._force_key_tile = int(impl.rsplit("_n", 1)[1])
-            if impl in FA3_L2_PINS:
-                w._force_l2_heads = int(impl.rsplit("_s", 1)[1])
             w.plan(inputs.qo_indptr, inputs.kv_indptr, NUM_QO_HEADS, NUM_KV_HEADS, hd, causal=row.causal,
                    q_data_type=bf16, kv_data_type=bf16)
             run = lambda: w.run(inputs.q, inputs.k, inputs.v, out=inputs.out)
@@ -827,8 +819,7 @@ def measure_row(row: Row, ctx: Context, seed: int) -> dict:
     # pinned variants of our Hopper path, in the same rounds: (--fa3-paged-copy both) the paged
     # wrapper over the copy of its pages and off it; (--fa3-key-tiles) the ragged one's key tile
     pins = [(impl, "paged", FA3_PAGED) for impl in FA3_PAGED_PINS] + \
-        [(impl, "ragged", FA3_PATH) for impl in FA3_TILE_PINS] + \
-        [(impl, impl.split("_")[2], FA3_PATH if "ragged" in impl else FA3_PAGED) for impl in FA3_L2_PINS]
+        [(impl, "ragged", FA3_PATH) for impl in FA3_TILE_PINS]
     for impl, form, base in pins:
         if form not in row.forms or "skipped" in res["impls"].get(base, {}):
             res["impls"][impl] = {"skipped": f"as {base}"}
@@ -1174,10 +1165,6 @@ def parse_args(argv=None):
     p.add_argument("--fa3-key-tiles", default="",
                    help="comma-separated key tiles (64, 80, 128, 176): ours_fa3_ragged_n<T> providers, the ragged "
                         "Hopper path with its key tile pinned, in the same rounds (an A/B of the tile rule)")
-    p.add_argument("--fa3-l2-heads", default="",
-                   help="comma-separated sections of query heads (0: every head at once): ours_fa3_ragged_s<S> and "
-                        "ours_fa3_paged_s<S> providers, the Hopper path with its items' order pinned, in the same "
-                        "rounds (an A/B of sm90.l2_section_heads)")
     p.add_argument("--chunked", default=None,
                    help="the chunked rows, ';'-separated BxQ/KV (chunks of Q query tokens on KV keys, B requests; "
                         "default " + "{}x{}/{}".format(*CHUNKED) + ")")
@@ -1206,13 +1193,6 @@ def parse_args(argv=None):
     if any(t not in (64, 80, 128, 176) for t in tiles):
         p.error("--fa3-key-tiles: comma-separated key tiles of 64, 80, 128, 176")
     globals()["FA3_TILE_PINS"] = tuple(f"{FA3_PATH}_n{t}" for t in tiles)
-    try:
-        sections = [int(x) for x in args.fa3_l2_heads.split(",") if x.strip()]
-    except ValueError:
-        sections = [-1]
-    if any(x < 0 for x in sections):
-        p.error("--fa3-l2-heads: comma-separated query-head counts (0: every head at once)")
-    globals()["FA3_L2_PINS"] = tuple(f"{impl}_s{x}" for x in sections for impl in (FA3_PATH, FA3_PAGED))
     if args.head_dims is None:
         args.head_dims = (128,) if args.quick else HEAD_DIMS
     else:

@@ -610,20 +610,6 @@ struct Stage {
 };
 FIJ_SM90 Stage stage_of(int i) { return {i % kStages, uint32_t(i / kStages) & 1u}; }
 
-// Active item idx's tile and query head. section 0: tile idx / heads, head idx % heads (every
-// head in one round of tiles). section > 0 (work[3], a divisor of heads that plan() picks where
-// the batch's K/V outgrow L2: flashinfer_jit/prefill/sm90.py l2_section_heads): the items run
-// `section` heads at a time, each section's tiles heaviest first with its heads inside a tile,
-// so that the blocks in flight read the K/V of that section's KV heads alone.
-struct ItemAt {
-  int tile, head;
-};
-FIJ_SM90 ItemAt item_at(int idx, int heads, int section, int section_items) {
-  if (section == 0) return {idx / heads, idx % heads};
-  const int sec = idx / section_items, rem = idx - sec * section_items;
-  return {rem / section, sec * section + rem % section};
-}
-
 FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
   const int4* at = reinterpret_cast<const int4*>(work + kSm90WorkHeader + kSm90TileInts * t);
   const int4 a = at[0], b = at[1];
@@ -667,15 +653,13 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
   // FP8: a V^T stage written (by the 96 transposing threads) and read (its P V complete); V's
   // stage is then empty once those threads have read it
   __shared__ uint64_t vt_full[kStages], vt_empty[kStages];
-  // item k's query head (-1: none left) and tile in slot k % 2: the producer reads the tile from
+  // item k's index (-1: none left) and tile in slot k % 2: the producer reads the tile from
   // the work list while the consumers still run item k - 1, so theirs is a shared-memory read
   __shared__ int item_slot[2];
   __shared__ Sm90Tile tile_slot[2];
   __shared__ int64_t mask_slot[2];  // a custom mask: the item's tile's first bit
 
   const int num_items = p.work[0], active = p.work[1];
-  // the items' order (item_at): heads a section (0: all), and a section's items
-  const int section = p.work[3], section_items = section * (active / p.num_qo_heads);
   // a custom mask: each tile's first bit, an int64 a tile after the tiles (16-byte aligned)
   const int64_t* mask_bases =
       kCustom ? reinterpret_cast<const int64_t*>(p.work + kSm90WorkHeader + kSm90TileInts * (num_items / p.num_qo_heads))
@@ -724,8 +708,7 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
           idx = sched.base + __shfl_sync(0xffffffffu, taken, 0);
           if (lane == 0 && idx < active) taken = atomicAdd(&p.counters[0], 1);
         }
-        const ItemAt at = idx < active ? item_at(idx, p.num_qo_heads, section, section_items) : ItemAt{0, 0};
-        const Sm90Tile tile = idx < active ? load_tile(p.work, at.tile) : Sm90Tile{};
+        const Sm90Tile tile = idx < active ? load_tile(p.work, idx / p.num_qo_heads) : Sm90Tile{};
         int page = kPaged && idx < active ? K::next_page(p, tile, tile.first_tile, lane) : 0;
         int page_v = v_ids == 0 ? page : kPaged && idx < active ? K::next_page(p, tile, tile.first_tile, lane, v_ids) : 0;
         const int qs = k % kQStages, qu = k / kQStages;
@@ -742,11 +725,11 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
           }
           break;
         }
-        const int head = at.head, kv_head = head / p.group;
+        const int head = idx % p.num_qo_heads, kv_head = head / p.group;
         if (lane == 0) {
-          item_slot[k & 1] = head;
+          item_slot[k & 1] = idx;
           tile_slot[k & 1] = tile;
-          if constexpr (kCustom) mask_slot[k & 1] = mask_bases[at.tile];
+          if constexpr (kCustom) mask_slot[k & 1] = mask_bases[idx / p.num_qo_heads];
           h::mbar_expect_tx(&q_full[qs], K::kQBytes);
           for (int a = 0; a < K::kAtoms; ++a)
             h::tma_load_3d(sq + qs * K::kQBytes + a * K::kQAtom, &p.q_map, &q_full[qs], K::kAtomElems * a, head,
@@ -827,10 +810,10 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     const int qs = k % kQStages;
     h::mbar_wait(&q_full[qs], (k / kQStages) & 1);
     const uint32_t q_base = q0 + qs * K::kQBytes;
-    const int head = item_slot[k & 1];
-    if (head < 0) break;
+    const int idx = item_slot[k & 1];
+    if (idx < 0) break;
     const Sm90Tile tile = tile_slot[k & 1];
-    const int n0 = tile.first_tile, n_tiles = tile.kv_tiles - n0;
+    const int head = idx % p.num_qo_heads, n0 = tile.first_tile, n_tiles = tile.kv_tiles - n0;
     const Rows rows{r0, cq, 64 * wi, tile.kv_len, tile.diag, p.window_left, kSoftCap || kAlibi ? 1.f : p.scale_log2,
                     p.scale_log2, p.soft_cap_log2, kAlibi ? alibi_slope_log2(head, p.num_qo_heads) : 0.f};
     float o[K::kOut], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};

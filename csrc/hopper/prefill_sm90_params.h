@@ -12,20 +12,13 @@ namespace fij {
 //   work[2]   paged: where a tile's V page ids start past its K page ids (0: one id a page
 //             for both, the CSR table and vLLM's block table; TensorRT-LLM's [B, 2, max_pages]
 //             table: its stride between the K and the V row)
-//   work[3]   the items' order: 0, or the query heads a section (a divisor of num_qo_heads,
-//             whole KV-head groups) where the batch's K/V outgrow L2 (plan()'s
-//             l2_section_heads); the tiles start 16-byte aligned after it
+//   work[3]   unused (the tiles start 16-byte aligned)
 //   work[4 + kSm90TileInts * t + f]  field f of tile t (Sm90Tile), heaviest tile first
 //   then, with a custom mask, one int64 a tile (in the tiles' order): the packed mask's bit
 //   of the tile's first row and the request's first key (the request's mask_indptr x 8 + the
 //   row's position in the request x kv_len)
-// Item i is tile i / num_qo_heads, query head i % num_qo_heads (work[3] 0): one round of the
-// persistent grid holds a few tiles of every head, so a KV head's keys serve its group from
-// L2. With a section of S heads (work[3] = S), active items run S heads at a time: the first
-// S x (active tiles) items are tile i / S, head i % S, the next ones the next S heads', and so
-// on (prefill_sm90.cuh item_at), so that the blocks in flight read S / group KV heads' keys,
-// which fit in L2 (FA3's scheduler sections its heads alike). Items past the active ones keep
-// the first order.
+// Item i is tile i / num_qo_heads, query head i % num_qo_heads: one round of the persistent
+// grid holds a few tiles of every head, so a KV head's keys serve its group from L2.
 constexpr int kSm90TileInts = 8, kSm90WorkHeader = 4;
 struct Sm90Tile {
   int32_t q_row0;    // the tile's first query row (token) in q

@@ -24,26 +24,6 @@ TILE_ROWS = 128  # csrc/hopper/prefill_sm90.cuh kBlockM: query rows an item (192
 TILE_INTS, WORK_HEADER = 8, 4  # csrc/hopper/prefill_sm90_params.h kSm90TileInts, kSm90WorkHeader
 
 
-# The items' order (csrc/hopper/prefill_sm90_params.h work[3]): where the K and V that a
-# batch's tiles read, over every KV head, outgrow this many bytes, the kernel runs the query
-# heads a section at a time, so that the blocks in flight read one section's K/V, which L2
-# (50 MB on an H100 / H200) then holds (FA3's scheduler sections its heads by 32 MB too).
-L2_SECTION_BYTES = 32 << 20
-
-
-def l2_section_heads(c, kv_tokens: int) -> int:
-    """The query heads a section of the items' order (work[3]): 0 (every head at once) where
-    the batch's K/V (kv_tokens keys a KV head, every request's) fit in L2_SECTION_BYTES, else
-    whole KV-head groups: the most KV heads, a divisor of num_kv_heads, whose K/V fit (at least
-    one), times the group."""
-    hq, hk = c.num_qo_heads, c.num_kv_heads
-    per_head = kv_tokens * (c.head_dim_qk + c.head_dim_vo) * c.q_dtype.itemsize
-    if per_head * hk <= L2_SECTION_BYTES:
-        return 0
-    kv = max((d for d in range(1, hk) if hk % d == 0 and d * per_head <= L2_SECTION_BYTES), default=1)
-    return kv * (hq // hk)
-
-
 def fp8_attention(c) -> bool:
     """Whether a configuration is FP8 attention: q (and K, V) in e4m3, the output 16-bit (the
     Hopper kernel's fp8 form, PrefillSm90Spec.fp8; the mma.sync kernel takes no fp8 q)."""
@@ -451,21 +431,14 @@ class Sm90Planner:
 
     def finish(self, c, slot, tiles: int, non_blocking: bool, keys_a_tile: int, page_ids: torch.Tensor | None,
                layout: str, tile_rows: int, qo_tokens: int, mask: tuple | None = None, gather: tuple | None = None,
-               size: int | None = None, kv_tokens: int = 0, l2_heads: int | None = None) -> Sm90Plan:
+               size: int | None = None) -> Sm90Plan:
         """The plan of a work list filled in `slot` (eager) or given as `slot` (a CUDA-graph
         wrapper's host array): shipped to the device, with the spec and the fields run() reads.
         tiles: the list's tiles; size: its int32s (default: the header and the tiles);
-        qo_tokens: the batch's query rows (qo_indptr's last entry); kv_tokens: the keys its
-        requests hold (a KV head's), which set the items' order (l2_section_heads), or
-        l2_heads: that order's section pinned (0: every head at once; an A/B's pin)."""
+        qo_tokens: the batch's query rows (qo_indptr's last entry)."""
         heads = c.num_qo_heads
         items = tiles * heads
         size = WORK_HEADER + tiles * TILE_INTS if size is None else size
-        section = l2_section_heads(c, kv_tokens) if l2_heads is None else l2_heads
-        if section < 0 or (section and (heads % section or section % (heads // c.num_kv_heads))):
-            raise ValueError(f"l2_heads={section}: expected 0 or whole KV-head groups dividing the {heads} query "
-                             "heads")
-        (slot if self._graph else slot.array)[3] = section
         if self._graph:
             host = slot
             src = torch.from_numpy(host)
@@ -509,15 +482,14 @@ class Sm90Planner:
     def plan(self, c, qo_indptr: np.ndarray, tiles: np.ndarray, active_tiles: int, non_blocking: bool,
              keys_a_tile: int, page_ids: torch.Tensor | None = None, layout: str = "NHD", v_ids: int = 0,
              tile_rows: int = TILE_ROWS, mask: tuple | None = None, key_rows: tuple | None = None,
-             gather: tuple | None = None, kv_tokens: int = 0, l2_heads: int | None = None) -> Sm90Plan:
+             gather: tuple | None = None) -> Sm90Plan:
         """tiles, active_tiles: plan_tiles' result for this batch, in key tiles of keys_a_tile;
         page_ids: the CSR page table's indices, int32 on the device (paged), else None; mask:
         a custom mask's (packed bits on the device, padded: mask_buffer; each tile's first
         bit: mask_bases), else None. key_rows (pos_encoding_mode ROPE_LLAMA): (each request's
         first key row in the K that the kernel reads, B + 1 offsets; its keys, B) as int64
         arrays, for the rotation before the kernel (rope_prepass). gather: the pages a paged
-        run() copies first (gather_pages: K's and V's page ids on the device), else None.
-        kv_tokens, l2_heads: finish()'s."""
+        run() copies first (gather_pages: K's and V's page ids on the device), else None."""
         heads = c.num_qo_heads
         items = tiles.shape[0] * heads
         if items >= 2 ** 31:
@@ -538,7 +510,7 @@ class Sm90Planner:
         if mask is not None:
             host[WORK_HEADER + tiles.size:] = mask[1].astype(np.int64).view(np.int32)
         p = self.finish(c, host if self._graph else slot, tiles.shape[0], non_blocking, keys_a_tile, page_ids, layout,
-                        tile_rows, int(qo_indptr[-1]), mask, gather, size, kv_tokens, l2_heads)
+                        tile_rows, int(qo_indptr[-1]), mask, gather, size)
         if c.pos_encoding == "rope_llama":
             # q row i of request b at position kv_len - qo_len + i, key j at j (the mma.sync
             # kernel's in-kernel RoPE): each side's offsets over its own row ranges (a copy of

@@ -512,7 +512,6 @@ class _PrefillWrapper:
     _force_tile_rows = None  # benchmarks and tests pin the query tile (64 or 128 rows) here
     _force_key_tile = None  # ... and the Hopper kernel's key tile (sm90.key_tile's choices) here
     _force_query_tile = None  # ... and its query tile (192: head_dim 64, three consumer warpgroups; an A/B's pin)
-    _force_l2_heads = None  # ... and its items' order (sm90.l2_section_heads; 0: every head at once)
     # whether a Hopper plan may run over a copy of the batch's pages (sm90.gathers: an fp8 cache,
     # RoPE over the paged cache); POD's prefill side may not (its kernel reads the cache)
     _gather_ok = True
@@ -717,10 +716,8 @@ class _PrefillWrapper:
             starts = self._mask_offsets(qo_lens, lens, custom_mask, packed_custom_mask, mask_indptr)
             packed = self._packed_mask(config, qo_lens, lens, custom_mask, packed_custom_mask, starts)
             mask = (sm90.mask_buffer(packed, self._device), sm90.mask_bases(tiles, qo, lens, starts))
-        # (the keys the kernel reads a KV head, for the items' order: a CSR table's whole pages)
-        kv_tokens = int(kv_lens.sum()) if kv_lens is not None else (int(kv[-1]) - int(kv[0])) * (page_size or 1)
         return self._sm90.plan(config, qo, tiles, active, non_blocking, keys_a_tile, ids, layout, v_ids, rows, mask,
-                               key_rows, gather, kv_tokens, self._force_l2_heads)
+                               key_rows, gather)
 
     def _copies_for_speed(self, config: _Config, qo_indptr, kv_indptr) -> bool:
         """Whether a paged plan over the CSR table, which could read the cache, reads a copy of
@@ -816,12 +813,8 @@ class _PrefillWrapper:
             ids = _csr_page_ids(page_ids, kv_last)
             if ids.device != self._device:
                 ids = ids.to(self._device, non_blocking=non_blocking)
-        # (the keys the kernel reads a KV head, for the items' order: kv_indptr's last entry's
-        # ragged rows or the CSR table's whole pages; its first entry, nearly always 0, not read)
-        kv_tokens = kv_last * (page_size or 1)
         plan = self._common_plan = planner.finish(config, slot, tiles.shape[0], non_blocking, keys_a_tile, ids,
-                                                  self._kv_layout, rows, qo_last, kv_tokens=kv_tokens,
-                                                  l2_heads=self._force_l2_heads)
+                                                  self._kv_layout, rows, qo_last)
         return plan
 
     # --- plan ---------------------------------------------------------------------------------
