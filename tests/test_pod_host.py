@@ -314,7 +314,7 @@ def test_a_changed_option_plans_in_full(ext, monkeypatch):
 
 def test_a_repeated_batch_attention_plan_equals_a_full_plan(ext, monkeypatch):
     """BatchAttention's POD steps (decodes first or last, chunks beside them) take its short
-    path (_plan_pod) and its POD wrapper's recipe (_replan), and equal a fresh
+    path (_plan_pod_again: the cut in C++) and its POD wrapper's recipe (_replan), and equal a fresh
     BatchAttention's full plans."""
     from flashinfer_jit.prefill import sm90
     monkeypatch.setattr(sm90, "arch_error", lambda device: None)
@@ -322,10 +322,12 @@ def test_a_repeated_batch_attention_plan_equals_a_full_plan(ext, monkeypatch):
     original = pod_mod.BatchPODWithPagedKVCacheWrapper._replan
     monkeypatch.setattr(pod_mod.BatchPODWithPagedKVCacheWrapper, "_replan",
                         lambda self, *a: replans.append(original(self, *a)) or replans[-1])
-    quick = []
-    plan_pod = ba_mod.BatchAttention._plan_pod
-    monkeypatch.setattr(ba_mod.BatchAttention, "_plan_pod", lambda self, *a: quick.append(plan_pod(self, *a)) or
-                        quick[-1])
+    quick = []  # (the short paths taken: _plan_pod_again's C++ cut, else _plan_pod's)
+    for name in ("_plan_pod_again", "_plan_pod"):
+        short = getattr(ba_mod.BatchAttention, name)
+        monkeypatch.setattr(ba_mod.BatchAttention, name,
+                            lambda self, *a, short=short, name=name: quick.append((name, short(self, *a))) or
+                            quick[-1][1])
     rnd = random.Random(11)
     repeated = fij.BatchAttention(device="cpu")
     for step in range(8):
@@ -342,7 +344,7 @@ def test_a_repeated_batch_attention_plan_equals_a_full_plan(ext, monkeypatch):
             assert ba._planned[0] == "pod" and ba._pod._prefill.planned_backend == "fa3"
             planned.append((_hopper_plan_state(ba._pod), ba._planned[3:]))
         assert _same(*planned), step
-    assert sum(replans) >= 6 and sum(quick) >= 6
+    assert sum(replans) >= 6 and sum(taken for name, taken in quick if name == "_plan_pod_again") >= 6
     bad = lens_t.clone()
     bad[-1] += 16 * 5  # (more keys than the request's pages hold)
     messages = []
@@ -415,6 +417,41 @@ def test_batch_split_equals_cut_batch_and_the_old_split(ext, seed):
             assert torch.equal(ba_mod._side_ids(side[2], ids), old_ids)
         p_qo = np.concatenate([[0], np.cumsum(np.diff(arrays[0])[split.prefill])]).astype(np.int32)
         assert np.array_equal(got.prefill[0].numpy(), p_qo)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_pod_cut_equals_batch_split_its_page_ids_and_pod_work(ext, seed):
+    """fij_fastcall.pod_cut (BatchAttention's repeated POD step) gives batch_split's cut, each
+    side's page ids as _side_ids slices them and pod_work's sums of the two sides' tables, on
+    POD's common form (decodes and chunks each one run of rows), and -1 on every other batch."""
+    rnd = random.Random(seed)
+    page_size = rnd.choice([1, 4, 16])
+    qo, kv = _random_mixed(rnd, page_size)
+    if seed % 3 == 0:  # (a POD step as an engine plans it: decodes first or last, chunks beside them)
+        chunks = [rnd.randint(2, 300) for _ in range(rnd.randint(1, 4))]
+        qo = [1] * rnd.randint(1, 40) + chunks
+        if seed % 2:
+            qo.reverse()
+        kv = [q + rnd.randint(0, 3000) for q in qo]
+    for wide in (False, True):
+        (qo_t, kv_t, lens_t), ids = _mixed_tensors(qo, kv, page_size, wide)
+        ids = torch.cat([ids, ids])[::2] if seed % 4 == 1 else ids  # (a strided kv_indices)
+        got = ext.pod_cut(qo_t, kv_t, lens_t, page_size, ids)
+        cut = native_cut(qo_t, kv_t, lens_t, page_size, True)
+        common = cut is not None and cut.decodes > 0 and cut.perm is None and cut.decode_rows != (0, cut.rows) \
+            and type(cut.decode[2]) is tuple and type(cut.prefill[3]) is tuple
+        if seed % 3 == 0:
+            assert common, (qo, kv)
+        if not common:
+            assert got == -1
+            continue
+        assert _same(ba_mod.BatchCut(*got[:9]), cut)
+        assert torch.equal(got[9], ba_mod._side_ids(cut.decode[2], ids))
+        assert torch.equal(got[10], ba_mod._side_ids(cut.prefill[3], ids))
+        assert got[9].data_ptr() == ids[cut.decode[2][0]:].data_ptr()  # (views of kv_indices)
+        (d_ip, d_last, _), (p_qo, p_ip, p_last, _) = cut.decode, cut.prefill
+        assert got[11] == ext.pod_work(p_qo, p_ip, p_last, d_ip, d_last, None, page_size)
+    assert ext.pod_cut(qo_t, kv_t, lens_t, page_size, ids.long()) == -1  # (int64 page ids: the general path)
 
 
 @pytest.mark.parametrize("qo, kv, lens", [

@@ -569,6 +569,108 @@ PyObject* batch_split(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
+
+// pod_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, kv_indices) -> tuple, or -1
+//   BatchAttention.plan()'s repeated POD step (flashinfer_jit/pod/batch_attention.py
+//   _plan_pod_again): batch_split's tuple, with each side's pages (first, end), then each side's
+//   page ids (a view of kv_indices: decode, prefill) and pod_work's tuple of the two sides. Only
+//   for POD's common form: decodes taken, the decode requests and the chunks each one run of
+//   the batch's rows (no perm) and of kv_indices' pages, both sides with rows, kv_indices a 1-D
+//   int32 tensor holding the batch's pages; the five host vectors are views of one allocation.
+//   -1 otherwise (the caller takes batch_split's path, which decides and raises).
+PyObject* pod_cut(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!fij_fastcall::arity("pod_cut", nargs, 5)) return nullptr;
+  const int64_t page_size = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  HostIndex qo, kv, lens;
+  try {
+    if (!fij_fastcall::host_index(args[0], true, qo) || !fij_fastcall::host_index(args[1], true, kv) ||
+        !fij_fastcall::host_index(args[2], true, lens) || !THPVariable_CheckExact(args[4]))
+      return PyLong_FromLong(-1);
+  } catch (const std::exception&) {
+    return PyLong_FromLong(-1);
+  }
+  const at::Tensor& ids = THPVariable_Unpack(args[4]);
+  const int64_t batch = lens.size;
+  if (ids.dim() != 1 || ids.scalar_type() != at::kInt || qo.size != batch + 1 || kv.size != batch + 1 ||
+      !valid_batch(qo, kv, lens, page_size) || ids.size(0) < kv[batch])
+    return PyLong_FromLong(-1);
+  // the sides' requests: each one run of rows (one change of side between rows), both with rows
+  int64_t nd = 0, np = 0, first_d = -1, last_d = -1, first_p = -1, last_p = -1;
+  int changes = 0, first_label = -1, label = -1;
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t len = qo[r + 1] - qo[r];
+    const bool is_decode = len == 1;
+    if (is_decode) {
+      ++nd;
+      if (first_d < 0) first_d = r;
+      last_d = r;
+    } else {
+      ++np;
+      if (first_p < 0) first_p = r;
+      last_p = r;
+    }
+    if (len > 0) {
+      changes += label >= 0 && label != static_cast<int>(is_decode);
+      label = static_cast<int>(is_decode);
+      if (first_label < 0) first_label = label;
+    }
+  }
+  const int64_t total = qo[batch];
+  if (nd == 0 || nd == total || changes != 1) return PyLong_FromLong(-1);
+  const bool decodes_first = first_label == 1;
+  const int64_t d0 = decodes_first ? 0 : total - nd, p0 = decodes_first ? nd : 0;
+  try {
+    // [decode indptr nd + 1 | decode last nd | prefill qo np + 1 | prefill indptr np + 1 | prefill last np]
+    at::Tensor buf = host_vector(3 * nd + 3 * np + 3, false);
+    int32_t* const base = buf.data_ptr<int32_t>();
+    int32_t *dip = base, *dlp = dip + nd + 1, *pqp = dlp + nd, *pip = pqp + np + 1, *plp = pip + np + 1;
+    dip[0] = pqp[0] = pip[0] = 0;
+    uint64_t full = 0, causal2 = 0, keys_d = 0;
+    int64_t longest_d = 0, i = 0, j = 0;
+    for (int64_t r = 0; r < batch; ++r) {
+      const int64_t q = qo[r + 1] - qo[r], pages = kv[r + 1] - kv[r], k = lens[r];
+      const int32_t last = static_cast<int32_t>(pages > 0 ? k - (pages - 1) * page_size : 0);
+      if (q == 1) {
+        dip[i + 1] = static_cast<int32_t>(dip[i] + pages);
+        dlp[i++] = last;
+        keys_d += static_cast<uint64_t>(k);
+        longest_d = k > longest_d ? k : longest_d;
+      } else {
+        pip[j + 1] = static_cast<int32_t>(pip[j] + pages);
+        pqp[j + 1] = static_cast<int32_t>(pqp[j] + q);
+        plp[j++] = last;
+        const int64_t seen2 = 2 * k - q + 1;  // (pod_work's sums)
+        full += static_cast<uint64_t>(q * k);
+        causal2 += seen2 > 0 ? static_cast<uint64_t>(q * seen2) : 0;
+      }
+    }
+    // each side's pages one run of kv_indices
+    const int64_t dfirst = kv[first_d], dend = kv[last_d + 1], pfirst = kv[first_p], pend = kv[last_p + 1];
+    if (dend - dfirst != dip[nd] || pend - pfirst != pip[np]) return PyLong_FromLong(-1);
+    const auto vec = [&buf, base](const int32_t* at, int64_t n) {
+      return THPVariable_Wrap(view_of(buf, {n}, {1}, at - base));
+    };
+    const int64_t stride = ids.stride(0);
+    const auto ids_view = [&ids, stride](int64_t first, int64_t end) {
+      return THPVariable_Wrap(view_of(ids, {end - first}, {stride}, first * stride));
+    };
+    return Py_BuildValue("(LLLL(LL)(LL)N(NN(LL))(NNN(LL))NN(KKKOL))", static_cast<long long>(nd),
+                         static_cast<long long>(np), static_cast<long long>(total), static_cast<long long>(kv[batch]),
+                         static_cast<long long>(d0), static_cast<long long>(d0 + nd), static_cast<long long>(p0),
+                         static_cast<long long>(p0 + total - nd), (Py_INCREF(Py_None), Py_None),
+                         vec(dip, nd + 1), vec(dlp, nd), static_cast<long long>(dfirst),
+                         static_cast<long long>(dend), vec(pqp, np + 1), vec(pip, np + 1), vec(plp, np),
+                         static_cast<long long>(pfirst), static_cast<long long>(pend), ids_view(dfirst, dend),
+                         ids_view(pfirst, pend), static_cast<unsigned long long>(full),
+                         static_cast<unsigned long long>(causal2), static_cast<unsigned long long>(keys_d), Py_True,
+                         static_cast<long long>(longest_d));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 }  // namespace
 
 namespace fij_fastcall {
@@ -588,6 +690,8 @@ PyMethodDef pod_methods[] = {
      "-> (sum q k, sum q (2k - q + 1)+, decode keys, decode ok, longest decode) | -1"},
     {"batch_split", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(batch_split)), METH_FASTCALL,
      "batch_split(qo_indptr, kv_indptr, kv_len_arr, page_size, decode_ok) -> tuple | -1"},
+    {"pod_cut", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_cut)), METH_FASTCALL,
+     "pod_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, kv_indices) -> tuple | -1"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace fij_fastcall

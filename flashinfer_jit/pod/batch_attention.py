@@ -440,7 +440,10 @@ class BatchAttention:
             _options)
         cut = None  # (native_cut's, where the short path made it: plan() below takes it too)
         if options is self._pod_options and block_tables is None:
-            # (_pod_options is a POD step's: decodes taken, so the cut below is the same one)
+            # (_pod_options is a POD step's: decodes taken, so the cuts below are the same one)
+            if self._plan_pod_again(options, qo_indptr, kv_indptr, kv_len_arr, kv_indices, num_qo_heads,
+                                    num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, sm_scale):
+                return
             cut = native_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, True)
             if self._plan_pod(options, cut, qo_indptr, kv_indices, num_qo_heads, num_kv_heads, head_dim_qk,
                               head_dim_vo, page_size, causal, sm_scale):
@@ -542,6 +545,34 @@ class BatchAttention:
                          cut.decodes, cut.decode_rows, cut.prefill_rows)
         if mode == "pod" and block_tables is None and self._graph is None:
             self._pod_options = options
+
+    def _plan_pod_again(self, options: _Options, qo_indptr, kv_indptr, kv_len_arr, kv_indices, num_qo_heads: int,
+                        num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool,
+                        sm_scale) -> bool:
+        """plan() of a POD step after a POD step of the same scalar arguments (an engine's every
+        step), where the batch is of POD's common form (fij_fastcall pod_cut: the cut, each
+        side's page ids a view of kv_indices and both sides' work, in one C++ call) and the POD
+        wrapper has the recipe of its last plan(): that plan() again (_Pod._plan_again, the
+        recipe's _replan), without the cut's tensors, the page ids' slices and the work's sums
+        made again in Python. False, having changed nothing, otherwise: _plan_pod, then the full
+        plan()."""
+        ext = fastcall.extension()
+        if ext is None or type(page_size) is not int:
+            return False
+        got = ext.pod_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, kv_indices)
+        if type(got) is not tuple:
+            return False
+        cut = BatchCut(*got[:9])
+        (d_indptr, d_last, _), (p_qo, p_indptr, p_last, _) = cut.decode, cut.prefill
+        pod = self._pod
+        # (the key plan() makes of _plan_pod's call below: its defaults past the dtypes)
+        key = pod._plan_key(num_qo_heads, num_kv_heads, head_dim_qk, page_size, "NONE", -1, options.q_dtype,
+                            options.kv_dtype, None, sm_scale, None, None, True, causal)
+        if not pod._plan_again(key, got[11], p_qo, p_indptr, got[10], p_last, d_indptr, got[9], d_last):
+            return False
+        self._planned = ("pod", cut, None, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, options.q_dtype, options.cap,
+                         causal, cut.decodes, cut.decode_rows, cut.prefill_rows)
+        return True
 
     def _plan_pod(self, options: _Options, cut: BatchCut | None, qo_indptr, kv_indices, num_qo_heads: int,
                   num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool,

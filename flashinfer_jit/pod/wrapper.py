@@ -827,9 +827,9 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         CSR arguments (None). Both sides take one layout (one POD module reads both)."""
         # A plan of the previous plan's configuration (an engine's every step): planned again
         # from its recipe where it can be (_replan), else in full below
-        key = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, q_data_type,
-               kv_data_type, data_type, sm_scale, rope_scale, rope_theta, non_blocking, causal, self.prefill_backend,
-               self.tile_rows, self.force_decode_split, self._prefill._force_key_tile, self._prefill._force_copy)
+        key = self._plan_key(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+                             q_data_type, kv_data_type, data_type, sm_scale, rope_scale, rope_theta, non_blocking,
+                             causal)
         recipe = self._recipe
         if recipe is not None and block_tables_p is None and block_tables_d is None and recipe[0] == key and \
                 self._replan(recipe, qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p, qo_indptr_d,
@@ -902,7 +902,22 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
             # window, sm_scale, dtypes, non_blocking, as _plan_prefill_side reads them)
             self._recipe = (key, prefill._plan.config, c, split or None, bool(causal), self._prefill_args[4:13])
 
-    def _replan(self, recipe: tuple, qo_p, kv_p, ids_p, last_p, qo_d, kv_d, ids_d, last_d) -> bool:
+    def _plan_key(self, *scalars) -> tuple:
+        """plan()'s scalar arguments past the page tables (num_qo_heads .. causal, in its order)
+        and the switches its decisions read: a recipe repeats for an equal key."""
+        return (*scalars, self.prefill_backend, self.tile_rows, self.force_decode_split, self._prefill._force_key_tile,
+                self._prefill._force_copy)
+
+    def _plan_again(self, key: tuple, work: tuple, qo_p, kv_p, ids_p, last_p, kv_d, ids_d, last_d) -> bool:
+        """plan() of CSR tables of the common form from the last plan()'s recipe, with both
+        sides' work already summed (pod_work's tuple: BatchAttention's cut, fij_fastcall
+        pod_cut): _replan, or False (nothing changed) where there is no recipe of this key."""
+        recipe = self._recipe
+        return recipe is not None and recipe[0] == key and \
+            self._replan(recipe, qo_p, kv_p, ids_p, last_p, None, kv_d, ids_d, last_d, work)
+
+    def _replan(self, recipe: tuple, qo_p, kv_p, ids_p, last_p, qo_d, kv_d, ids_d, last_d,
+                work: tuple | None = None) -> bool:
         """plan() again in the configuration of the plan that recorded `recipe` (POD on Hopper;
         both sides' CSR tables of the common form, contiguous int32 CPU vectors; an eager
         wrapper): each side planned by its wrapper's common-form planner (C++: the Hopper work
@@ -911,10 +926,12 @@ class BatchPODWithPagedKVCacheWrapper(_Pod):
         (_install_sm90, _install_native). False, having changed nothing a run() reads, where
         anything differs (another form of the vectors, a bad value, "auto" declining, another
         split): plan() then plans in full and raises its errors. 0.64-0.85x the full path's
-        host time on the H200 host (docs/pod.md "Host time")."""
+        host time on the H200 host (docs/pod.md "Host time"). work: native_work's tuple of these
+        tables where the caller has it (None: summed here)."""
         _, config_p, config_d, split, causal, scalars = recipe
         hq, hk, d, ps, nb = scalars[0], scalars[1], scalars[2], scalars[3], scalars[8]
-        work = native_work(qo_p, kv_p, last_p, kv_d, last_d, qo_d, ps)
+        if work is None:
+            work = native_work(qo_p, kv_p, last_p, kv_d, last_d, qo_d, ps)
         if work is None or not work[3]:
             return False
         prefill_work, decode_keys, longest = work[:2], work[2], work[4]
