@@ -970,12 +970,17 @@ def _spy_reruns(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_the_first_run_after_each_plan_equals_the_reference(workspace, monkeypatch):
+@pytest.mark.parametrize("prepared", [True, False])
+def test_gpu_the_first_run_after_each_plan_equals_the_reference(workspace, monkeypatch, prepared):
     """An engine's steps on POD on Hopper: each plan() of new lengths (other prefill chunks,
-    another decode count, so q's rows change) keeps the record, and the run() after it resolves
-    and launches through pod_rerun (no op call); its results, and those of the next run()
-    through pod_run, equal the float64 references. A q with the old step's rows is refused and
-    the op path raises its error."""
+    another decode count, so q's rows change) keeps the record and resolves the next run()'s
+    launch for the plan's rows (pod_prepare), which that run() takes through pod_run (no
+    pod_rerun, no op call); without the plan's resolution (prepared False), or for a q_p of
+    more rows than the plan's tokens (one step), the run() resolves and launches through
+    pod_rerun. Its results, and those of the next run() through pod_run, equal the float64
+    references. A q with the old step's rows is refused and the op path raises its error."""
+    if not prepared:
+        monkeypatch.setattr(pod_mod.BatchPODWithPagedKVCacheWrapper, "_prepare_first_run", lambda self, *a: None)
     w = fij.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
     _backend(w, "fa3")
     reruns = _spy_reruns(monkeypatch)
@@ -995,30 +1000,42 @@ def test_gpu_the_first_run_after_each_plan_equals_the_reference(workspace, monke
         kept = w._quick is not None and w._replan_bounds is not None
         if prev is not None and step > 0:
             assert kept, f"step {step}: the plan dropped the record"
+            assert w._run_prepared == prepared, step
             with pytest.raises(ValueError):  # (the last step's q: refused, the op path's row check)
                 w.run(prev[0], cache_p.run_arg, prev[1], dec.cache.run_arg, causal_p=True)
         ref_p = prefill_ref(q_p, qo_indptr.to(DEV), cache_p.k, cache_p.v, page_table=table_p.table, causal=True)
-        for call in range(2):  # (after the plan: pod_rerun from the second step; then pod_run)
+        tokens = q_p.shape[0]
+        padded = prepared and step == 3  # (q_p of more rows than the plan's: pod_rerun takes them)
+        q_call = torch.cat([q_p, randn((5, *q_p.shape[1:]), BF16, torch.Generator(device=DEV))]) if padded else q_p
+        for call in range(2):  # (after the plan: its prepared launch or pod_rerun from the second step; then pod_run)
             before, op_calls = len(reruns), len(ops)
-            _poison_allocator(q_p, dec.q)
-            got = unpack(w.run(q_p, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=True, return_lse=True),
+            _poison_allocator(q_call, dec.q)
+            got = unpack(w.run(q_call, cache_p.run_arg, dec.q, dec.cache.run_arg, causal_p=True, return_lse=True),
                          True, True)
             torch.cuda.synchronize()
             if step > 0 and call == 0:
-                assert len(reruns) > before and type(reruns[-1]) is tuple, (step, reruns[before:])
+                if prepared and not padded:
+                    assert len(reruns) == before and w._replan_bounds is None, (step, reruns[before:])
+                else:
+                    assert len(reruns) > before and type(reruns[-1]) is tuple, (step, reruns[before:])
                 assert len(ops) == op_calls, f"step {step}: the op ran"
-            check_pod(got, ref_p, decode_reference(dec), BF16)
+            check_pod((got[0][:tokens], got[1], got[2][:tokens], got[3]), ref_p, decode_reference(dec), BF16)
         prev = (q_p, dec.q)
-    assert sum(type(r) is tuple for r in reruns) == len(steps) - 1 and ops == [0], (reruns, ops)
+    expected = 1 if prepared else len(steps) - 1
+    assert sum(type(r) is tuple for r in reruns) == expected and ops == [0], (reruns, ops)
 
 
 @pytest.mark.gpu
-def test_gpu_batch_attention_first_run_after_each_plan_equals_the_reference(monkeypatch):
+@pytest.mark.parametrize("prepared", [True, False])
+def test_gpu_batch_attention_first_run_after_each_plan_equals_the_reference(monkeypatch, prepared):
     """BatchAttention's mixed batches step after step (decodes first or last, other counts and
-    chunks): the run() after each plan() goes through pod_rerun with its rows in the mixed q, and
-    equals the float64 reference; outputs allocated for three steps, then given (in place) for
-    three: the first given step is another form of call (out / lse tensors where the record had
-    none), which pod_rerun refuses and the op runs and records."""
+    chunks): the run() after each plan() takes the launch plan() resolved for its rows in the
+    mixed q (pod_prepare, through pod_run), or without it (prepared False) goes through
+    pod_rerun, and equals the float64 reference; outputs allocated for three steps, then given
+    (in place) for three: the first given step is another form of call (out / lse tensors
+    where the record had none), which both refuse and the op runs and records."""
+    if not prepared:
+        monkeypatch.setattr(pod_mod.BatchPODWithPagedKVCacheWrapper, "_prepare_first_run", lambda self, *a: None)
     ba = fij.BatchAttention(device=DEV)
     _backend(ba, "fa3")
     reruns = _spy_reruns(monkeypatch)
@@ -1038,9 +1055,12 @@ def test_gpu_batch_attention_first_run_after_each_plan_equals_the_reference(monk
         assert ba._planned[0] == "pod"
         _planned_as(ba._pod, "fa3")
         q = randn((sum(qo), LLAMA[0], HD), BF16, gen)
-        before = len(reruns)
+        before, was_prepared = len(reruns), ba._pod._run_prepared
         got = _ba_run(ba, q, cache, step >= 3)
-        if step > 0:
+        if step > 0 and prepared:  # (the prepared launch: no pod_rerun unless it refused the call)
+            assert was_prepared, step
+            taken.append(len(reruns) == before and ba._pod._replan_bounds is None)
+        elif step > 0:
             assert len(reruns) == before + 1, (step, reruns[before:])
             taken.append(type(reruns[-1]) is tuple)
         ref = prefill_ref(q, qo_t.to(DEV), cache.k, cache.v, page_table=csr_page_table(kv_t.to(DEV), ids,

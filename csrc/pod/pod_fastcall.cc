@@ -294,6 +294,74 @@ bool plan_tensor(PyObject* obj, const void** slot) {
   return true;
 }
 
+// The plan's arguments as <namespace>_pod_relaunch takes them (read from the plan tuple).
+struct PlanArgs {
+  double reals[4];
+  long long ints[6];  // _relaunch_plan's five, then the entry's launch flag
+  const void* tensors[8];  // the plan's items kPlanSlot: t[10..17] of the entry's array
+  const void* tables[8];
+  const at::Tensor* empty_lse[2];  // each side's empty lse (an lse not written)
+  int n_tables = 0;
+};
+
+// false where the plan tuple is not of _relaunch_plan's form (the caller returns -1); a
+// Python error set (a value of another type) returns false too, with PyErr_Occurred().
+bool read_plan(PyObject* plan, PlanArgs& p) {
+  for (int i = 0; i < 4; ++i) p.reals[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 11 + i));
+  for (int i = 0; i < 5; ++i) p.ints[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, 15 + i));
+  p.ints[5] = 1;
+  if (PyErr_Occurred()) return false;
+  for (int i : {0, 1, 2, 4, 5, 6, 7, 8, 10})  // (the plan's tensors; 9 may be None)
+    if (!THPVariable_Check(PyTuple_GET_ITEM(plan, i))) return false;
+  static constexpr int kPlanSlot[8] = {0, 1, 4, 5, 7, 8, 9, 10};  // plan items -> t[10..17]
+  for (int i = 0; i < 8; ++i)
+    if (!plan_tensor(PyTuple_GET_ITEM(plan, kPlanSlot[i]), &p.tensors[i]) || (p.tensors[i] == nullptr && i != 6))
+      return false;
+  PyObject* tables = PyTuple_GET_ITEM(plan, 3);
+  if (!PyTuple_CheckExact(tables) || PyTuple_GET_SIZE(tables) > 8) return false;
+  p.n_tables = static_cast<int>(PyTuple_GET_SIZE(tables));
+  for (int i = 0; i < p.n_tables; ++i)
+    if (!plan_tensor(PyTuple_GET_ITEM(tables, i), &p.tables[i]) || p.tables[i] == nullptr) return false;
+  p.empty_lse[0] = &THPVariable_Unpack(PyTuple_GET_ITEM(plan, 2));
+  p.empty_lse[1] = &THPVariable_Unpack(PyTuple_GET_ITEM(plan, 6));
+  return true;
+}
+
+// Each side's q, k, v, out and lse as the op takes them (q, out and lse: the side's rows
+// [off, off + n) of the whole tensors; lse undefined: not written, the plan's empty tensor),
+// then <namespace>_pod_relaunch: resolve, record into `prepared`, and launch unless `launch`
+// is false. Returns the entry's code.
+int relaunch(void* entry, void* prepared, const at::Tensor* q, const at::Tensor (*kv)[2], const at::Tensor* out,
+             const at::Tensor* lse, const int64_t* off, const int64_t* n, PlanArgs& p, bool launch) {
+  at::Tensor side_t[2][5];
+  for (int s = 0; s < 2; ++s) {
+    side_t[s][0] = rows_view(q[s], off[s], n[s]);
+    side_t[s][1] = kv[s][0];
+    side_t[s][2] = kv[s][1];
+    side_t[s][3] = rows_view(out[s], off[s], n[s]);
+    side_t[s][4] = lse[s].defined() ? rows_view(lse[s], off[s], n[s]) : *p.empty_lse[s];
+  }
+  const void* t[18 + 8];
+  for (int s = 0; s < 2; ++s)
+    for (int i = 0; i < 5; ++i) t[5 * s + i] = &side_t[s][i];
+  for (int i = 0; i < 8; ++i) t[10 + i] = p.tensors[i];
+  for (int i = 0; i < p.n_tables; ++i) t[18 + i] = p.tables[i];
+  p.ints[5] = launch ? 1 : 0;
+  return reinterpret_cast<fij_pod_relaunch_fn>(entry)(prepared, t, p.n_tables, p.reals, p.ints);
+}
+
+// A side's K and V as the op takes them: the tuple's two tensors, or views of a [pages, 2,
+// ...] cache (K at index 0 of dim 1, V at 1)
+void kv_pair(const at::Tensor& k_or_cache, const at::Tensor* v, at::Tensor* kv) {
+  if (v != nullptr) {
+    kv[0] = k_or_cache;
+    kv[1] = *v;
+  } else {
+    kv[0] = kv_view(k_or_cache, 0);
+    kv[1] = kv_view(k_or_cache, 1);
+  }
+}
+
 // pod_rerun(relaunch, prepared, signature, plan, bounds, counts, <pod_signature's arguments>)
 //   -> (out_p, out_d, lse_p, lse_d, signature), or an int: -1 not of the record's form but for
 //   the rows (or rows outside `bounds`, or refused by the entry: the op decides), -2 not on a
@@ -321,13 +389,9 @@ PyObject* pod_rerun(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!read_sides(args + 6, sides, &want_lse)) return nullptr;
   for (int i = 0; i < 4; ++i) lim[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(bounds, i));
   for (int i = 0; i < 2; ++i) cnt[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(counts, i));
-  double reals[4];
-  long long ints[5];
-  for (int i = 0; i < 4; ++i) reals[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 11 + i));
-  for (int i = 0; i < 5; ++i) ints[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, 15 + i));
   if (PyErr_Occurred()) return nullptr;
-  for (int i : {0, 1, 2, 4, 5, 6, 7, 8, 10})  // (the plan's tensors; 9 may be None)
-    if (!THPVariable_Check(PyTuple_GET_ITEM(plan, i))) return PyLong_FromLong(-1);
+  PlanArgs p;
+  if (!read_plan(plan, p)) return PyErr_Occurred() ? nullptr : PyLong_FromLong(-1);
   Launch l;
   int64_t w[kSigWords];
   int code = -1;
@@ -335,57 +399,37 @@ PyObject* pod_rerun(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!signature_words(sides, want_lse, w) ||
         !same_but_rows(w, reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(signature))))
       return PyLong_FromLong(-1);
-    at::Tensor side_t[2][5];  // each side's q, k, v, out, lse as the op takes them
-    int64_t rows[2];
+    at::Tensor q[2], kv[2][2], out[2], lse[2];
+    int64_t off[2], rows[2];
     for (int s = 0; s < 2; ++s) {
-      const at::Tensor& q = THPVariable_Unpack(sides[s].q);
-      const int64_t off = sides[s].rows;
-      rows[s] = cnt[s] >= 0 ? cnt[s] : q.size(0) - off;
-      if (q.size(0) < lim[2 * s] || q.size(0) > lim[2 * s + 1] || off < 0 || rows[s] < 0 || off + rows[s] > q.size(0))
+      q[s] = THPVariable_Unpack(sides[s].q);
+      off[s] = sides[s].rows;
+      rows[s] = cnt[s] >= 0 ? cnt[s] : q[s].size(0) - off[s];
+      if (q[s].size(0) < lim[2 * s] || q[s].size(0) > lim[2 * s + 1] || off[s] < 0 || rows[s] < 0 ||
+          off[s] + rows[s] > q[s].size(0))
         return PyLong_FromLong(-1);
       for (PyObject* given : {sides[s].out, sides[s].lse})  // (a given output: q's rows, as the op path checks)
-        if (given != Py_None && THPVariable_Unpack(given).size(0) != q.size(0)) return PyLong_FromLong(-1);
+        if (given != Py_None && THPVariable_Unpack(given).size(0) != q[s].size(0)) return PyLong_FromLong(-1);
     }
     if (rows[0] == 0 && rows[1] == 0) return PyLong_FromLong(-1);  // (nothing to launch: the op path's case)
-    const at::Tensor& q0 = THPVariable_Unpack(sides[0].q);
-    if (!q0.is_cuda()) return PyLong_FromLong(-2);
+    if (!q[0].is_cuda()) return PyLong_FromLong(-2);
     if (!side_pointers(sides[0], 0, want_lse, sides[1], l, l.ptr) ||
         !side_pointers(sides[1], 1, want_lse, sides[0], l, l.ptr + 5))
       return PyLong_FromLong(-1);
-    const auto part = rows_view;
     for (int s = 0; s < 2; ++s) {
-      const at::Tensor& q = THPVariable_Unpack(sides[s].q);
-      const int64_t off = sides[s].rows, n = rows[s];
-      side_t[s][0] = part(q, off, n);
       if (s == 1 && sides[1].kv == sides[0].kv) {  // one cache for both sides (BatchAttention): its views
-        side_t[1][1] = side_t[0][1];
-        side_t[1][2] = side_t[0][2];
+        kv[1][0] = kv[0][0];
+        kv[1][1] = kv[0][1];
       } else if (PyTuple_CheckExact(sides[s].kv)) {
-        side_t[s][1] = THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 0));
-        side_t[s][2] = THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 1));
-      } else {  // [pages, 2, ...]: K at index 0 of dim 1, V at 1
-        const at::Tensor& kv = THPVariable_Unpack(sides[s].kv);
-        side_t[s][1] = kv_view(kv, 0);
-        side_t[s][2] = kv_view(kv, 1);
+        const at::Tensor& v = THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 1));
+        kv_pair(THPVariable_Unpack(PyTuple_GET_ITEM(sides[s].kv, 0)), &v, kv[s]);
+      } else {
+        kv_pair(THPVariable_Unpack(sides[s].kv), nullptr, kv[s]);
       }
-      side_t[s][3] = part(THPVariable_Unpack(l.result[s]), off, n);
-      PyObject* lse = l.result[2 + s];  // None: not written, the plan's empty tensor
-      side_t[s][4] = lse != Py_None ? part(THPVariable_Unpack(lse), off, n)
-                                    : THPVariable_Unpack(PyTuple_GET_ITEM(plan, s == 0 ? 2 : 6));
+      out[s] = THPVariable_Unpack(l.result[s]);
+      if (l.result[2 + s] != Py_None) lse[s] = THPVariable_Unpack(l.result[2 + s]);
     }
-    PyObject* tables = PyTuple_GET_ITEM(plan, 3);
-    if (!PyTuple_CheckExact(tables) || PyTuple_GET_SIZE(tables) > 8) return PyLong_FromLong(-1);
-    const int n_tables = static_cast<int>(PyTuple_GET_SIZE(tables));
-    const void* t[18 + 8];
-    for (int s = 0; s < 2; ++s)
-      for (int i = 0; i < 5; ++i) t[5 * s + i] = &side_t[s][i];
-    static constexpr int kPlanSlot[8] = {0, 1, 4, 5, 7, 8, 9, 10};  // plan items -> t[10..17]
-    for (int i = 0; i < 8; ++i)
-      if (!plan_tensor(PyTuple_GET_ITEM(plan, kPlanSlot[i]), &t[10 + i]) || (t[10 + i] == nullptr && i != 6))
-        return PyLong_FromLong(-1);
-    for (int i = 0; i < n_tables; ++i)
-      if (!plan_tensor(PyTuple_GET_ITEM(tables, i), &t[18 + i]) || t[18 + i] == nullptr) return PyLong_FromLong(-1);
-    code = reinterpret_cast<fij_pod_relaunch_fn>(a[0])(a[1], t, n_tables, reals, ints);
+    code = relaunch(a[0], a[1], q, kv, out, lse, off, rows, p, true);
   } catch (const std::exception&) {  // a tensor torch cannot describe, allocate or view here: the op decides
     return PyLong_FromLong(-1);
   }
@@ -399,6 +443,146 @@ PyObject* pod_rerun(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyTuple_SET_ITEM(result, 4, sig);
   return result;
+}
+
+// --- run()'s first call after a plan(), resolved by the plan(): pod_prepare ----------------------
+
+// A tensor of a signature's words at `address` (nothing is allocated, and nothing reads it: it
+// carries a shape, strides, a dtype and a device into the entry's resolution, whose addresses
+// pod_run replaces)
+at::Tensor described(const int64_t* w, uintptr_t address) {
+  const int64_t dim = w[0];
+  const auto dtype = static_cast<at::ScalarType>(w[1 + 2 * fij_fastcall::kMaxDims]);
+  const c10::Device device(static_cast<c10::DeviceType>(w[2 + 2 * fij_fastcall::kMaxDims]),
+                           static_cast<c10::DeviceIndex>(w[3 + 2 * fij_fastcall::kMaxDims]));
+  const c10::IntArrayRef sizes(w + 1, dim), strides(w + 1 + fij_fastcall::kMaxDims, dim);
+  int64_t span = 1;  // (elements from the first to one past the last)
+  for (int64_t i = 0; i < dim; ++i) span += sizes[i] > 0 ? (sizes[i] - 1) * strides[i] : 0;
+  const int64_t bytes = span * static_cast<int64_t>(c10::elementSize(dtype));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes,
+                       c10::DataPtr(reinterpret_cast<void*>(address), device), nullptr, false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::computeDispatchKey(dtype, at::kStrided,
+                                                                                               device),
+                                                   caffe2::TypeMeta::fromScalarType(dtype));
+  impl->set_sizes_and_strides(sizes, strides);
+  return at::Tensor(std::move(impl));
+}
+
+// pod_prepare(relaunch, prepared, signature, plan, rows, offsets, counts) -> bytes, or -1
+//   After a plan() that kept run()'s record: the launch of the next run() resolved now, for a
+//   call of the record's form whose q tensors hold rows = (rows_p, rows_d) rows (outputs
+//   given: as many), each side read from offsets (off_p, off_d), counts (each side's rows
+//   from its offset, -1: to the end) as pod_rerun takes them: the entry resolves it from
+//   tensors described by the signature and the plan, without launching, into `prepared`, and
+//   the returned signature is that call's, which pod_run takes (its addresses replace the
+//   described ones). -1 where the signature or the plan is of another form or the entry
+//   refuses (the record is then unchanged, and the run() takes pod_rerun).
+PyObject* pod_prepare(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!fij_fastcall::arity("pod_prepare", nargs, 7)) return nullptr;
+  void* a[2];  // relaunch entry, prepared
+  if (!fij_fastcall::addresses(args, 2, a)) return nullptr;
+  PyObject *signature = args[2], *plan = args[3];
+  int64_t v[6];
+  for (int i = 0; i < 3; ++i) {
+    PyObject* pair = args[4 + i];
+    if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+      PyErr_SetString(PyExc_TypeError, "fij_fastcall.pod_prepare(): rows, offsets, counts: expected pairs");
+      return nullptr;
+    }
+    v[2 * i] = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 0));
+    v[2 * i + 1] = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
+  }
+  if (PyErr_Occurred()) return nullptr;
+  if (!PyBytes_Check(signature) || PyBytes_GET_SIZE(signature) != kSigWords * 8 || !PyTuple_CheckExact(plan) ||
+      PyTuple_GET_SIZE(plan) != kPlanItems || a[0] == nullptr || a[1] == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "fij_fastcall.pod_prepare(): expected (relaunch, prepared, signature bytes, "
+                                     "plan tuple of 20, rows, offsets, counts)");
+    return nullptr;
+  }
+  PlanArgs p;
+  if (!read_plan(plan, p)) return PyErr_Occurred() ? nullptr : PyLong_FromLong(-1);
+  int64_t w[kSigWords];
+  std::memcpy(w, PyBytes_AS_STRING(signature), sizeof(w));
+  const int64_t* tail = w + 10 * kTensorWords;
+  const int64_t want_lse = tail[2], aliases = tail[3];
+  int64_t off[2], rows[2];
+  for (int s = 0; s < 2; ++s) {
+    off[s] = v[2 + s];
+    rows[s] = v[4 + s] >= 0 ? v[4 + s] : v[s] - off[s];
+    if (v[s] < 1 || off[s] < 0 || rows[s] < 0 || off[s] + rows[s] > v[s]) return PyLong_FromLong(-1);
+  }
+  if (rows[0] == 0 && rows[1] == 0) return PyLong_FromLong(-1);
+  // the call's words: the record's with each side's q, out and lse rows and the offsets
+  for (int s = 0; s < 2; ++s) {
+    for (int slot : {0, 3, 4}) {
+      int64_t* t = w + (s * 5 + slot) * kTensorWords;
+      if (t[0] >= 1) t[1] = v[s];
+      else if (slot == 0) return PyLong_FromLong(-1);
+    }
+    w[10 * kTensorWords + s] = off[s];
+  }
+  if ((aliases & 1) && v[0] != v[1]) return PyLong_FromLong(-1);  // (one q for both sides: one row count)
+  int code = -1;
+  try {
+    // described tensors at distinct 256-byte aligned addresses (the entry checks alignment)
+    uintptr_t next = uintptr_t(1) << 32;
+    const auto at_next = [&next](const int64_t* words) {
+      at::Tensor t = described(words, next);
+      next += (static_cast<uintptr_t>(t.storage().nbytes()) + 511) & ~uintptr_t(255);
+      return t;
+    };
+    at::Tensor q[2], kv[2][2], out[2], lse[2];
+    for (int s = 0; s < 2; ++s) {
+      const int64_t* ws = w + s * 5 * kTensorWords;
+      q[s] = s == 1 && (aliases & 1) ? q[0] : at_next(ws);
+      const int64_t* wk = ws + kTensorWords;
+      if (s == 1 && std::memcmp(wk, w + kTensorWords, 2 * kTensorWords * sizeof(int64_t)) == 0) {
+        kv[1][0] = kv[0][0];  // (one cache for both sides, as far as the words tell: its views)
+        kv[1][1] = kv[0][1];
+      } else if (wk[kTensorWords] == kOneTensor) {
+        kv_pair(at_next(wk), nullptr, kv[s]);
+      } else {
+        const at::Tensor v_t = at_next(wk + kTensorWords);
+        kv_pair(at_next(wk), &v_t, kv[s]);
+      }
+      // outputs: given (their words), else allocated like q (shared where q is one tensor)
+      const bool shared_out = s == 1 && (aliases & 1) && ws[3 * kTensorWords] == kNone &&
+                              w[3 * kTensorWords] == kNone;
+      const bool shared_lse = s == 1 && (aliases & 1) && ws[4 * kTensorWords] == kNone &&
+                              w[4 * kTensorWords] == kNone;
+      if (ws[3 * kTensorWords] != kNone) {
+        out[s] = (s == 1 && (aliases & 2)) ? out[0] : at_next(ws + 3 * kTensorWords);
+      } else if (shared_out) {
+        out[s] = out[0];
+      } else {
+        int64_t ow[kTensorWords];
+        std::memcpy(ow, ws, sizeof(ow));
+        for (int64_t i = ow[0] - 1, stride = 1; i >= 0; --i) {  // (contiguous, as pod_run allocates it)
+          ow[1 + fij_fastcall::kMaxDims + i] = stride;
+          stride *= ow[1 + i];
+        }
+        out[s] = at_next(ow);
+      }
+      if (ws[4 * kTensorWords] != kNone) {
+        lse[s] = (s == 1 && (aliases & 4)) ? lse[0] : at_next(ws + 4 * kTensorWords);
+      } else if (shared_lse && lse[0].defined()) {
+        lse[s] = lse[0];
+      } else if ((want_lse >> s) & 1) {
+        int64_t lw[kTensorWords];
+        std::memcpy(lw, ws, sizeof(lw));
+        lw[0] = 2;
+        lw[1 + fij_fastcall::kMaxDims] = lw[2];  // [rows, heads] float32, contiguous
+        lw[2 + fij_fastcall::kMaxDims] = 1;
+        lw[1 + 2 * fij_fastcall::kMaxDims] = static_cast<int64_t>(at::kFloat);
+        lse[s] = at_next(lw);
+      }
+    }
+    code = relaunch(a[0], a[1], q, kv, out, lse, off, rows, p, false);
+  } catch (const std::exception&) {
+    return PyLong_FromLong(-1);
+  }
+  if (code != 0) return PyLong_FromLong(-1);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(w), sizeof(w));
 }
 
 using fij_fastcall::csr_len;
@@ -685,6 +869,8 @@ PyMethodDef pod_methods[] = {
     {"pod_rerun", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_rerun)), METH_FASTCALL,
      "pod_rerun(relaunch, prepared, signature, plan, bounds, counts, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p, "
      "lse_d, rows_p, rows_d, want_lse) -> (out_p, out_d, lse_p, lse_d, signature) | int"},
+    {"pod_prepare", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_prepare)), METH_FASTCALL,
+     "pod_prepare(relaunch, prepared, signature, plan, rows, offsets, counts) -> bytes | -1"},
     {"pod_work", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pod_work)), METH_FASTCALL,
      "pod_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d, qo_indptr_d, page_size) "
      "-> (sum q k, sum q (2k - q + 1)+, decode keys, decode ok, longest decode) | -1"},

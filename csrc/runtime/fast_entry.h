@@ -36,7 +36,8 @@ enum { FIJ_FAST_CAPTURING = -3 };
 // then the plan's 10 work_p, 11 page_ids_p, 12 work_d, 13 merge_indptr_d, 14 partial_o_d,
 // 15 partial_lse_d, 16 merge_counters_d (null: none), 17 POD's counters, 18.. the decode
 // side's `tables` page-table tensors; reals: scale_log2_p, v_scale_p, logit_scale_d, v_scale_d;
-// ints: window_left_p, window_left_d, grid_items_d, merge_rows_d, prefill_blocks. Returns 0,
+// ints: window_left_p, window_left_d, grid_items_d, merge_rows_d, prefill_blocks, launch (0:
+// resolve and record only, pod_prepare's: the tensors are described, not allocated). Returns 0,
 // FIJ_FAST_CAPTURING without launching, or -1 where the op would raise (the caller runs it).
 typedef int (*fij_pod_relaunch_fn)(void* prepared, const void* const* tensors, int tables, const double* reals,
                                    const long long* ints);

@@ -386,6 +386,7 @@ class BatchAttention:
         else:
             self._graph = None
             self._pod = BatchPODWithPagedKVCacheWrapper(ws[0], kv_layout)
+            self._pod._prepares_first_run = False  # (plan() prepares run()'s launch for its rows: _prepare_run)
             self._prefill = BatchPrefillWithPagedKVCacheWrapper(ws[1], kv_layout, backend="fa2")
             self._decode = BatchDecodeWithPagedKVCacheWrapper(ws[2], kv_layout, use_tensor_cores=True)
         self.prefill_backend = DEFAULT_PREFILL_BACKEND  # (its setter passes it to the wrappers)
@@ -543,6 +544,8 @@ class BatchAttention:
         # of rows: Dynamo traces run() under torch.compile)
         self._planned = (mode, cut, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
                          cut.decodes, cut.decode_rows, cut.prefill_rows)
+        if mode == "pod" and self._graph is None:
+            self._prepare_run(cut)
         if mode == "pod" and block_tables is None and self._graph is None:
             self._pod_options = options
 
@@ -572,7 +575,16 @@ class BatchAttention:
             return False
         self._planned = ("pod", cut, None, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, options.q_dtype, options.cap,
                          causal, cut.decodes, cut.decode_rows, cut.prefill_rows)
+        self._prepare_run(cut)
         return True
+
+    def _prepare_run(self, cut: BatchCut) -> None:
+        """After a POD plan() that kept run()'s record: the next run()'s launch resolved now for
+        q of the batch's rows, each side on its run of them (_Pod._prepare_first_run)."""
+        pod = self._pod
+        if pod._replan_bounds is not None and cut.perm is None:
+            (d0, d1), (p0, p1) = cut.decode_rows, cut.prefill_rows
+            pod._prepare_first_run((cut.rows, cut.rows), (p0, d0), (p1 - p0, d1 - d0))
 
     def _plan_pod(self, options: _Options, cut: BatchCut | None, qo_indptr, kv_indices, num_qo_heads: int,
                   num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool,
@@ -595,6 +607,7 @@ class BatchAttention:
                            q_data_type=options.q_dtype, kv_data_type=options.kv_dtype, sm_scale=sm_scale, causal=causal)
         self._planned = ("pod", cut, None, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, options.q_dtype, options.cap,
                          causal, cut.decodes, cut.decode_rows, cut.prefill_rows)
+        self._prepare_run(cut)
         return True
 
     def _device_perm(self, perm: torch.Tensor) -> torch.Tensor:

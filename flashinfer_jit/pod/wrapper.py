@@ -315,6 +315,10 @@ class _Pod:
     # Whether a plan() of POD on Hopper keeps run()'s record for its next run() (QuickLaunch):
     # the batch form and BatchAttention's; the single form plans its prefill side in run().
     _replans_record = False
+    # Whether such a plan() resolves that run()'s launch itself (_prepare_first_run) for the rows
+    # of its batch form; BatchAttention's POD wrapper leaves it to BatchAttention.plan(), which
+    # knows its rows.
+    _prepares_first_run = True
     # POD on Hopper's split: None, sm90_prefill_blocks() of the plans, or the blocks that
     # start on prefill items (benchmarks pin it; a pin drops run()'s recorded launch, which holds
     # the split)
@@ -381,6 +385,9 @@ class _Pod:
         # and the plan's op arguments for it (_relaunch_plan, gathered by plan())
         self._replan_bounds = None
         self._replan_args = None
+        # ... where plan() also resolved that run()'s launch for the rows it expects
+        # (_prepare_first_run): the record is then that call's, which pod_run takes
+        self._run_prepared = False
         self._force_blocks = None  # force_prefill_blocks
 
     def _no_plan_here(self, traced: str, captured: str) -> None:
@@ -405,7 +412,7 @@ class _Pod:
             return
         # POD on Hopper (its schedule is the split; _schedule() computes the mma.sync POD's on demand)
         quick = self._quick
-        self._quick, self._planned_schedule, self._replan_bounds = None, None, None
+        self._quick, self._planned_schedule, self._replan_bounds, self._run_prepared = None, None, None, False
         self._sm90_blocks = sm90_prefill_blocks(self._flops, self._kv_bytes, self._sms)
         # (the op of the two sides' specs: looked up again only when either spec or the debug
         # switch changes, not every plan)
@@ -427,6 +434,27 @@ class _Pod:
             self._quick = quick
             self._replan_bounds = (prefill.qo_tokens, 1 << 62, decode.batch, decode.batch)
             self._replan_args = self._relaunch_plan()
+            if self._prepares_first_run:  # (the batch form: q_p of the plan's tokens, q_d of its batch)
+                self._prepare_first_run((prefill.qo_tokens, decode.batch), (0, 0), (-1, -1))
+
+    def _prepare_first_run(self, rows: tuple, offsets: tuple, counts: tuple) -> None:
+        """After a plan() that kept run()'s record: the next run()'s launch resolved now, by
+        the module's <namespace>_pod_relaunch without launching (fij_fastcall.pod_prepare), for
+        a call of the record's form with `rows` q rows on each side (prefill, decode), each side
+        read from its offset in `offsets` for `counts` rows (-1: to the end); the record is then
+        that call's, and such a run() takes pod_run as every later one does (8-9 us of host
+        time less than pod_rerun's resolution in the run() on the H200 host: docs/pod.md "Host
+        time"). Where it cannot be prepared, or the run() is of other rows, the run() takes
+        pod_rerun. (A CPU workspace's record is a test's stand-in: nothing to resolve.)"""
+        quick = self._quick
+        if self._device.type != "cuda":
+            return
+        got = fastcall.extension().pod_prepare(self._sm90_relaunch, quick.address, quick.signature,
+                                                self._replan_args, rows, offsets, counts)
+        if type(got) is bytes:
+            self._quick = QuickLaunch(quick.run, quick.entry, quick.prepared, quick.address, got, quick.key,
+                                      quick.spec, quick.configs)
+            self._run_prepared = True
 
     def _sm90_decode_split(self, longest: int, decode_keys: int, num_kv_heads: int, head_dim: int,
                            flops: float | None = None) -> int | None:
@@ -566,11 +594,21 @@ class _Pod:
         """The recorded launch for these tensors (pod_signature's arguments): (out_p, out_d,
         lse_p, lse_d), or None where they are not of its signature, not on a CUDA device, or
         the stream captures a CUDA graph (the caller then runs the op). After a plan() that
-        kept the record (_replan_bounds), fij_fastcall.pod_rerun resolves it again; counts: each
-        side's rows from its offset (-1: to the end of its q), bounds: on each side's q rows as
-        given (None: the plan's, the batch POD's)."""
+        kept the record (_replan_bounds): the launch that plan() resolved for this run(), where
+        it did (_run_prepared) and the tensors are of its rows; else fij_fastcall.pod_rerun
+        resolves it again; counts: each side's rows from its offset (-1: to the end of its q),
+        bounds: on each side's q rows as given (None: the plan's, the batch POD's)."""
         plan_bounds = self._replan_bounds
-        if plan_bounds is not None:
+        got = -1
+        if plan_bounds is None or self._run_prepared:
+            # the record's launch (after a plan(): the one it resolved for this run(), pod_prepare;
+            # a call of other rows leaves it for the next)
+            got = quick.run(quick.entry, quick.address, quick.signature, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p,
+                            lse_d, rows_p, rows_d, want_lse, self._pdl if enable_pdl is None else enable_pdl)
+            if type(got) is tuple:
+                self._replan_bounds = None
+                return got
+        if plan_bounds is not None and got == -1:
             got = fastcall.extension().pod_rerun(self._sm90_relaunch, quick.address, quick.signature,
                                                  self._replan_args, bounds or plan_bounds, counts, q_p, kv_p, q_d,
                                                  kv_d, out_p, out_d, lse_p, lse_d, rows_p, rows_d, want_lse)
@@ -580,11 +618,6 @@ class _Pod:
                                           quick.spec, quick.configs)
                 self._replan_bounds = None
                 return got[:4]
-        else:
-            got = quick.run(quick.entry, quick.address, quick.signature, q_p, kv_p, q_d, kv_d, out_p, out_d, lse_p,
-                            lse_d, rows_p, rows_d, want_lse, self._pdl if enable_pdl is None else enable_pdl)
-            if type(got) is tuple:
-                return got
         if got > 0:
             raise launch_failed(quick.spec, "pod", got)
         return None
