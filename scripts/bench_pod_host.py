@@ -12,8 +12,11 @@ tables with host int32 indptr / last_page_len and the page ids on the device):
       batch run by the prefill and the decode wrappers one after the other, and one bare
       torch launch; on sm_90 the same batch through POD on Hopper (prefill_backend "fa3"), with
       its recorded launch and through its op, and the first run() after each plan() (two small
-      batches planned in turn, each run() after its plan() timed alone): through pod_rerun, and
-      through the op (plan() dropping the record, as before pod_rerun).
+      batches planned in turn, each run() after its plan() timed alone): as it runs (the launch
+      plan() resolved, through pod_run; --disable prepare: through pod_rerun), and through the op
+      (plan() dropping the record, as before pod_rerun); a bare torch launch timed the same way
+      after each plan(); BatchAttention's first run() after each plan() of two small mixed
+      batches.
   (a') with a GPU, the same plans after one run() of each wrapper: an engine's plans, which keep
       run()'s recorded launch (POD on Hopper) and hand it the new plan's op arguments.
   (c) plan_parts: where a batch POD plan() of (a) spends its time, each step timed by a
@@ -27,7 +30,8 @@ Each figure is time.perf_counter_ns over n calls a round, the median over rounds
 POD run() - (prefill run() + decode run()) would be the fused call's cost over the two it
 replaces; the target reads run()'s own host time as what a POD launch adds to a step.
 
-  python3 scripts/bench_pod_host.py [--out FILE] [--rounds N]
+  python3 scripts/bench_pod_host.py [--out FILE] [--rounds N] [--disable prepare,pod_cut]
+--disable takes this tree's newer host paths out (an A/B in one tree, in one host state).
 On a machine without a GPU only (a) runs (the plans on CPU tensors: the host time the
 planners and the wrappers' Python take, without the page order's launch).
 JSON: meta, plan_batch_pod, plan_batch_attention, plan_parts, plan_*_with_record (with GPU: the same plans
@@ -72,9 +76,10 @@ def mixed(torch, seed: int, device):
             csr(torch, [1] * 256 + qo_p, kv_d + kv_p, device))
 
 
-def run_after_plan(torch, w, batches, cache, n: int) -> dict:
+def run_after_plan(torch, w, batches, cache, n: int, timed=None) -> dict:
     """The host time of the first run() after each plan() (µs; median and min of n): plan()
-    of each batch in turn (untimed), then run() of its q, timed alone."""
+    of each batch in turn (untimed), then run() of its q, timed alone. timed(i): another call
+    timed in the run()'s place (a bare launch after each plan(), the same comparison)."""
     import time
 
     bf16 = torch.bfloat16
@@ -84,11 +89,47 @@ def run_after_plan(torch, w, batches, cache, n: int) -> dict:
         w.plan(p[0], p[1], p[2], p[3], d[0], d[1], d[2], d[3], *HEADS, q_data_type=bf16, kv_data_type=bf16,
                causal=True)
         t = time.perf_counter_ns()
-        w.run(q_p, cache, q_d, cache, causal_p=True)
+        if timed is None:
+            w.run(q_p, cache, q_d, cache, causal_p=True)
+        else:
+            timed(i)
         if i >= 4:  # (the first plans warm up)
             times.append((time.perf_counter_ns() - t) / 1e3)
     times.sort()
     return {"median_us": round(times[len(times) // 2], 2), "min_us": round(times[0], 2), "n": n}
+
+
+def ba_run_after_plan(torch, ba, batches, cache, n: int) -> dict:
+    """run_after_plan of BatchAttention: plan() of each mixed batch (qo_indptr, kv_indptr,
+    kv_indices, kv_len_arr, q) in turn, then run() of its q, timed alone."""
+    import time
+
+    bf16 = torch.bfloat16
+    times = []
+    for i in range(n + 4):
+        qo, kv, ids, lens, q = batches[i % len(batches)]
+        ba.plan(qo, kv, ids, lens, 32, 8, 128, 128, 16, causal=True, q_data_type=bf16, kv_data_type=bf16)
+        t = time.perf_counter_ns()
+        ba.run(q, cache)
+        if i >= 4:
+            times.append((time.perf_counter_ns() - t) / 1e3)
+    times.sort()
+    return {"median_us": round(times[len(times) // 2], 2), "min_us": round(times[0], 2), "n": n}
+
+
+def disable(names: str) -> None:
+    """--disable: paths taken out for an A/B in one tree: "prepare" (a plan() keeping run()'s
+    record does not resolve that run()'s launch: it goes through pod_rerun), "pod_cut"
+    (BatchAttention's repeated POD step cuts through batch_split and the POD wrapper's plan())."""
+    from flashinfer_jit.pod.batch_attention import BatchAttention
+    from flashinfer_jit.pod.wrapper import BatchPODWithPagedKVCacheWrapper
+    for name in filter(None, names.split(",")):
+        if name == "prepare":
+            BatchPODWithPagedKVCacheWrapper._prepare_first_run = lambda self, *a: None
+        elif name == "pod_cut":
+            BatchAttention._plan_pod_again = lambda self, *a: False
+        else:
+            raise SystemExit(f"--disable: unknown path {name!r} (prepare, pod_cut)")
 
 
 def timed_parts(calls: int, fn, parts: dict) -> dict:
@@ -150,15 +191,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--disable", default="", help="prepare,pod_cut: paths taken out (an A/B in one tree)")
     args = ap.parse_args()
     import torch
 
     import flashinfer_jit as fij
+    disable(args.disable)
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     sync = torch.cuda.synchronize if gpu else None
-    res = {"benchmark": "pod_host", "meta": bc.run_metadata(), "gpu": gpu}
+    res = {"benchmark": "pod_host", "meta": bc.run_metadata(), "gpu": gpu, "disabled": args.disable}
     bf16 = torch.bfloat16
     batches = [mixed(torch, s, device) for s in (0, 1)]
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
@@ -242,6 +285,20 @@ def main() -> int:
             res["run_after_plan_hopper_small"] = run_after_plan(torch, wh, ((p, d, q_p, q_d), (p2, d2, q_p2, q_d2)),
                                                                 cache, 20 * args.rounds)
             res["pod_rerun_taken"] = wh._quick is not None and wh._replan_bounds is None
+            xb = torch.empty(1024, device=device)
+            res["bare_launch_after_plan"] = run_after_plan(torch, wh, ((p, d, q_p, q_d), (p2, d2, q_p2, q_d2)), cache,
+                                                           20 * args.rounds, timed=lambda i: xb.add_(1.0))
+            # BatchAttention's: two small mixed batches (decodes first) in turn
+            mixes = []
+            for dec, chunk in (((8, 2048), (16, 1024)), ((6, 1800), (12, 1500))):
+                mm = csr(torch, [1] * dec[0] + [chunk[0]], [dec[1]] * dec[0] + [chunk[1]], device)
+                mixes.append((mm[0], mm[1], mm[2], mm[4], torch.cat([q_d[:dec[0]], q_p[:chunk[0]]])))
+            bh = fij.BatchAttention("NHD", device="cuda")
+            bh.prefill_backend = "fa3"
+            bh.plan(*mixes[0][:4], 32, 8, 128, 128, 16, causal=True, q_data_type=bf16, kv_data_type=bf16)
+            bh.run(mixes[0][4], cache)
+            res["run_after_plan_batch_attention_small"] = ba_run_after_plan(torch, bh, mixes, cache, 20 * args.rounds)
+            res["batch_attention_small_mode"] = bh._planned[0]
             wh._replans_record = False
             res["run_after_plan_hopper_small_op"] = run_after_plan(torch, wh, ((p, d, q_p, q_d), (p2, d2, q_p2, q_d2)),
                                                                    cache, 20 * args.rounds)
