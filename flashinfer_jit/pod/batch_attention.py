@@ -582,7 +582,8 @@ class BatchAttention:
         """After a POD plan() that kept run()'s record: the next run()'s launch resolved now for
         q of the batch's rows, each side on its run of them (_Pod._prepare_first_run)."""
         pod = self._pod
-        if pod._replan_bounds is not None and cut.perm is None:
+        if pod._replan_bounds is not None and cut.perm is None and cut.decode_rows is not None and \
+                cut.prefill_rows is not None:
             (d0, d1), (p0, p1) = cut.decode_rows, cut.prefill_rows
             pod._prepare_first_run((cut.rows, cut.rows), (p0, d0), (p1 - p0, d1 - d0))
 

@@ -442,10 +442,11 @@ class _Pod:
         the module's <namespace>_pod_relaunch without launching (fij_fastcall.pod_prepare), for
         a call of the record's form with `rows` q rows on each side (prefill, decode), each side
         read from its offset in `offsets` for `counts` rows (-1: to the end); the record is then
-        that call's, and such a run() takes pod_run as every later one does (8-9 us of host
-        time less than pod_rerun's resolution in the run() on the H200 host: docs/pod.md "Host
-        time"). Where it cannot be prepared, or the run() is of other rows, the run() takes
-        pod_rerun. (A CPU workspace's record is a test's stand-in: nothing to resolve.)"""
+        that call's, and such a run() takes pod_run as every later one does (5.0-5.6 us of that
+        run()'s host time less than through pod_rerun, about 10 more in plan() on the H200 host:
+        docs/pod.md "Host time"). Where it cannot be prepared, or the run() is of other rows,
+        the run() takes pod_rerun. (A CPU workspace's record is a test's stand-in: nothing to
+        resolve.)"""
         quick = self._quick
         if self._device.type != "cuda":
             return
