@@ -15,6 +15,11 @@
 //     rows, want_lse and which arguments are the same object; pod_run launches
 //     <namespace>_pod_fast (csrc/runtime/fast_entry.h) only for the signature the op recorded.
 //
+//   pod_rerun(relaunch, prepared, signature, plan, bounds, counts, <pod_signature's arguments>)
+//   pod_prepare(relaunch, prepared, signature, plan, rows, offsets, counts)
+//       the first run() after a plan() that kept the record (POD on Hopper): resolved from the
+//       call's tensors and launched, or resolved in the plan() for the rows it implies (below).
+//
 //   pod_work(qo_indptr_p, kv_indptr_p, last_page_len_p, kv_indptr_d, last_page_len_d,
 //            qo_indptr_d or None, page_size) -> (sum q k, sum q (2k - q + 1)+, sum k_d, decode ok,
 //            max k_d)
@@ -32,6 +37,9 @@
 //       end) or None, perm int64 or None, a side's pages (first, end) of kv_indices or their
 //       int64 positions. -1 where a vector is not a contiguous 1-D int32 or int64
 //       CPU tensor or a value is out of its rule (the numpy path then raises its error).
+//   pod_cut(qo_indptr, kv_indptr, kv_len_arr, page_size, kv_indices) -> tuple, or -1
+//       batch_split's cut of a POD step of the common form, with both sides' page ids and
+//       pod_work's sums (below).
 #include <ATen/EmptyTensor.h>  // at::detail::empty_cpu
 #include <ATen/ops/empty.h>  // at::empty: not reached through the torch/python headers in every torch (2.11)
 #include <c10/core/impl/VirtualGuardImpl.h>
