@@ -1162,6 +1162,38 @@ def test_pod_on_hopper_rejects_what_it_does_not_take(monkeypatch):
         fij.BatchAttention("NHD", device="cpu").prefill_backend = "fa1"
 
 
+@pytest.mark.parametrize("backend", ["fa3", "auto", "fa2"])
+def test_single_pod_refuses_an_fp8_decode_cache_before_any_launch(monkeypatch, backend):
+    """The single form over an fp8 decode cache: POD runs one K/V dtype and k_p / v_p take q's,
+    so run() raises a ValueError before any launch on either POD. POD on Hopper ("fa3", and
+    "auto", which plans the Hopper kernel for the 16-bit k_p / v_p) has no module for that
+    decode side (its decode blocks read a cache of q's dtype): before 2026-11-30 it launched
+    the 16-bit module over the fp8 cache (an illegal address on the H200, bench_pod.py's e4m3
+    row). The same after a run() of a 16-bit decode side on POD on Hopper, plan() of the fp8
+    one keeping the prefill's plan."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    w = fij.PODWithPagedKVCacheWrapper(torch.zeros(64 << 20, dtype=torch.uint8), "NHD")
+    w.prefill_backend = backend
+    indptr, last = torch.tensor([0, 19, 38], dtype=torch.int32), torch.tensor([12, 12], dtype=torch.int32)
+    ids = torch.arange(38, dtype=torch.int32)
+    q_p, q_d = torch.randn(512, LLAMA[0], HD).to(BF16), torch.randn(2, LLAMA[0], HD).to(BF16)
+    k_p, v_p = torch.randn(2048, LLAMA[1], HD).to(BF16), torch.randn(2048, LLAMA[1], HD).to(BF16)
+    cache = torch.randn(38, 2, 16, LLAMA[1], HD).to(torch.float8_e4m3fn)
+    w.plan(indptr, ids, last, *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_p/v_p and paged_kv_cache_d: POD runs one K/V dtype"):
+        w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+    assert w._prefill.planned_backend == ("fa3" if backend == "fa3" else w._prefill.planned_backend)
+    if backend == "fa3":
+        assert w._sm90_op is None and w._sm90_spec is None  # (no module for this decode side)
+        w.plan(indptr, ids, last, *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=BF16)
+        with pytest.raises(ValueError, match="CUDA tensors"):  # (a 16-bit decode side: POD on Hopper's checks)
+            w.run(q_p, k_p, v_p, q_d, cache.to(BF16), causal_p=True)
+        w.plan(indptr, ids, last, *LLAMA, HD, 16, q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)
+        with pytest.raises(ValueError, match="POD runs one K/V dtype"):
+            w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+
+
 def test_pod_on_hopper_run_checks_each_side_before_any_launch(monkeypatch):
     """run() of a POD on Hopper plan with a q_p of another dtype or head_dim than plan()'s, or
     tensors off the GPU: a ValueError from the prefill side's own checks, before any launch

@@ -419,8 +419,10 @@ class _Pod:
         decode = self._decode._plan
         spec_p, spec_d, debug, last = prefill.spec, decode.spec, env.debug(), self._sm90_key
         if last is None or spec_p is not last[0] or spec_d is not last[1] or debug != last[2]:
-            spec = _pod_sm90_spec_of(spec_p, spec_d, self._kv_layout)
-            cuda = self._device.type == "cuda"
+            # (its decode blocks read a cache of q's dtype: another decode side has no module,
+            # and run() raises: _run_sm90)
+            spec = _pod_sm90_spec_of(spec_p, spec_d, self._kv_layout) if spec_d.dtype_kv == spec_d.dtype_q else None
+            cuda = self._device.type == "cuda" and spec is not None
             self._sm90_op = module_op(spec, "pod_sm90", debug) if cuda else None
             self._sm90_relaunch = relaunch_entry(spec, debug) if cuda else None
             self._sm90_key, self._sm90_spec = (spec_p, spec_d, debug), spec
@@ -479,6 +481,10 @@ class _Pod:
         records its launch for run()'s fast path, which relaunches it from C++)."""
         # (both sides were planned with one dtype and head configuration: each side's own
         # checks below hold q_p and q_d to them)
+        ds = self._decode._plan.spec
+        if ds.dtype_kv != ds.dtype_q:  # (the single form's k_p / v_p are q's dtype: the mma.sync POD's _spec)
+            raise ValueError(f"k_p/v_p and paged_kv_cache_d: POD runs one K/V dtype, got {ds.dtype_q} and "
+                             f"{ds.dtype_kv}")
         k_p, v_p = kv_p
         plan, pc = self._prefill._plan, self._prefill._plan.config
         out_p, lse_p, scale_p, vs_p = self._prefill._sm90_args(q_p, k_p, v_p, *scales_p, out_p, lse_p, return_lse_p)
