@@ -190,7 +190,11 @@ def row_list(quick: bool, only=()) -> list[Row]:
                     Row(128, ((2048, 8192),), 128, 2048), Row(128, ((1024, 1024),), 64, 8192),
                     Row(128, ((1024, 1024),), 256, 1024), Row(128, ((512, 4096),) * 4, 128, 4096),
                     Row(64, ((2048, 2048),), 128, 2048), Row(256, ((2048, 2048),), 128, 2048),
-                    Row(128, ((2048, 2048),), 128, 2048, "float8_e4m3fn")]
+                    Row(128, ((2048, 2048),), 128, 2048, "float8_e4m3fn"),
+                    # (fp8 caches run the mma.sync POD on sm_90 too: where the serial pair is faster)
+                    Row(128, ((4096, 4096),), 128, 4096, "float8_e4m3fn"),
+                    Row(128, ((512, 4096),) * 4, 256, 2048, "float8_e4m3fn"),
+                    Row(128, ((512, 512),), 128, 2048, "float8_e4m3fn")]
     if quick:
         rows = mixes
     return [r for r in rows if not only or any(o in r.label for o in only)]
