@@ -100,17 +100,19 @@ edit("csrc/pod/pod_fastcall.cc", [
      """    if (rows[0] == 0 && rows[1] == 0) return PyLong_FromLong(-1);  // (nothing to launch: the op path's case)
     T[1] = fij_timing::now_us();"""),
     ("""      return PyLong_FromLong(-1);
-    const auto part = rows_view;""", """      return PyLong_FromLong(-1);
+    for (int s = 0; s < 2; ++s) {
+      if (s == 1 && sides[1].kv == sides[0].kv) {""", """      return PyLong_FromLong(-1);
     T[2] = fij_timing::now_us();
-    const auto part = rows_view;"""),
-    ("""    code = reinterpret_cast<fij_pod_relaunch_fn>(a[0])(a[1], t, n_tables, reals, ints);""",
+    for (int s = 0; s < 2; ++s) {
+      if (s == 1 && sides[1].kv == sides[0].kv) {"""),
+    ("""    code = relaunch(a[0], a[1], q, kv, out, lse, off, rows, p, true);""",
      """    T[3] = fij_timing::now_us();
-    code = reinterpret_cast<fij_pod_relaunch_fn>(a[0])(a[1], t, n_tables, reals, ints);
+    code = relaunch(a[0], a[1], q, kv, out, lse, off, rows, p, true);
     T[4] = fij_timing::now_us();"""),
     ("""  PyTuple_SET_ITEM(result, 4, sig);
   return result;""", """  PyTuple_SET_ITEM(result, 4, sig);
   {
-    static fij_timing::Acc acc{"pod_rerun[checks,outputs,views,entry,result]"};
+    static fij_timing::Acc acc{"pod_rerun[checks,outputs,kv views,views+entry,result]"};
     T[5] = fij_timing::now_us();
     acc.add(T, 6);
   }
@@ -133,8 +135,10 @@ edit("templates/pod/pod_sm90_binding.cc.j2", [
   auto* const counters"""),
     ("""    std::memcpy(prepared, &l, sizeof(l));
   }
+  if (!launch_it) return;
   fij::check_launch(""", """    std::memcpy(prepared, &l, sizeof(l));
   }
+  if (!launch_it) return;
   T[3] = fij_timing::now_us();
   fij::check_launch("""),
     ("""                    "{{ module_name }}", "pod_sm90");
