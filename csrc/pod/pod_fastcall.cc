@@ -595,6 +595,15 @@ PyObject* pod_prepare(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 using fij_fastcall::csr_len;
 
+// A prefill request's terms of pod_work's sums: q x k, and q x (2k - q + 1) where positive
+// (twice the keys a causal row sees on average). Unsigned: values a planner rejects may wrap,
+// never overflow; every valid batch is far below 2^63.
+inline void add_prefill_work(int64_t q, int64_t k, uint64_t& full, uint64_t& causal2) {
+  const int64_t seen2 = 2 * k - q + 1;
+  full += static_cast<uint64_t>(q * k);
+  causal2 += seen2 > 0 ? static_cast<uint64_t>(q * seen2) : 0;
+}
+
 PyObject* pod_work(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!fij_fastcall::arity("pod_work", nargs, 7)) return nullptr;
   const int64_t page_size = PyLong_AsLongLong(args[6]);
@@ -613,15 +622,9 @@ PyObject* pod_work(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t batch_p = qo_p.size - 1, batch_d = kv_d.size - 1;
   if (batch_p < 0 || batch_d < 0 || kv_p.size != batch_p + 1 || last_p.size < batch_p || last_d.size < batch_d)
     return PyLong_FromLong(-1);
-  // (unsigned sums: values a planner rejects may wrap, never overflow; every valid batch is
-  // far below 2^63)
   uint64_t full = 0, causal2 = 0, keys_d = 0;
-  for (int64_t r = 0; r < batch_p; ++r) {
-    const int64_t q = qo_p[r + 1] - qo_p[r], k = csr_len(kv_p, last_p, r, page_size);
-    const int64_t seen2 = 2 * k - q + 1;  // twice the keys a causal row sees on average
-    full += static_cast<uint64_t>(q * k);
-    causal2 += seen2 > 0 ? static_cast<uint64_t>(q * seen2) : 0;
-  }
+  for (int64_t r = 0; r < batch_p; ++r)
+    add_prefill_work(qo_p[r + 1] - qo_p[r], csr_len(kv_p, last_p, r, page_size), full, causal2);
   int64_t longest_d = 0;
   for (int64_t r = 0; r < batch_d; ++r) {
     const int64_t k = csr_len(kv_d, last_d, r, page_size);
@@ -646,13 +649,11 @@ at::Tensor host_vector(int64_t n, bool wide) {
 // A side's CSR table cut from the batch's (_side_table): (indptr, last_page_len, pages) with
 // pages (first, end) of kv_indices where the side's pages are one run of them, else their
 // positions (int64); qo: its qo_indptr too (the prefill side).
-PyObject* side_table(const std::vector<int64_t>& requests, const HostIndex& qo, const HostIndex& kv,
-                     const HostIndex& lens, int64_t page_size, bool with_qo) {
+// A side's CSR vectors into ip[n + 1], lp[n] and (where qp is given) qp[n + 1]; whether its
+// pages are one run of kv_indices, [*first, *end).
+bool fill_side(const std::vector<int64_t>& requests, const HostIndex& qo, const HostIndex& kv, const HostIndex& lens,
+               int64_t page_size, int32_t* ip, int32_t* lp, int32_t* qp, int64_t* first, int64_t* end) {
   const int64_t n = static_cast<int64_t>(requests.size());
-  at::Tensor indptr = host_vector(n + 1, false), last = host_vector(n, false);
-  at::Tensor qo_side = with_qo ? host_vector(n + 1, false) : at::Tensor();  // (the decode side's: none)
-  int32_t *ip = indptr.data_ptr<int32_t>(), *lp = last.data_ptr<int32_t>();
-  int32_t* qp = with_qo ? qo_side.data_ptr<int32_t>() : nullptr;
   ip[0] = 0;
   if (qp != nullptr) qp[0] = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -661,12 +662,24 @@ PyObject* side_table(const std::vector<int64_t>& requests, const HostIndex& qo, 
     if (qp != nullptr) qp[i + 1] = static_cast<int32_t>(qp[i] + qo[r + 1] - qo[r]);
     lp[i] = static_cast<int32_t>(pages > 0 ? lens[r] - (pages - 1) * page_size : 0);
   }
+  *first = n ? kv[requests[0]] : 0;
+  *end = n ? kv[requests[n - 1] + 1] : 0;
+  return *end - *first == ip[n];
+}
+
+PyObject* side_table(const std::vector<int64_t>& requests, const HostIndex& qo, const HostIndex& kv,
+                     const HostIndex& lens, int64_t page_size, bool with_qo) {
+  const int64_t n = static_cast<int64_t>(requests.size());
+  at::Tensor indptr = host_vector(n + 1, false), last = host_vector(n, false);
+  at::Tensor qo_side = with_qo ? host_vector(n + 1, false) : at::Tensor();  // (the decode side's: none)
+  int64_t first, end;
+  const bool run = fill_side(requests, qo, kv, lens, page_size, indptr.data_ptr<int32_t>(),
+                             last.data_ptr<int32_t>(), with_qo ? qo_side.data_ptr<int32_t>() : nullptr, &first, &end);
   PyObject* pages;
-  const int64_t first = n ? kv[requests[0]] : 0, end = n ? kv[requests[n - 1] + 1] : 0;
-  if (end - first == ip[n]) {
+  if (run) {
     pages = Py_BuildValue("(LL)", static_cast<long long>(first), static_cast<long long>(end));
   } else {
-    at::Tensor where = host_vector(ip[n], true);
+    at::Tensor where = host_vector(indptr.data_ptr<int32_t>()[n], true);
     int64_t* wp = where.data_ptr<int64_t>();
     for (const int64_t r : requests)
       for (int64_t j = kv[r]; j < kv[r + 1]; ++j) *wp++ = j;
@@ -696,6 +709,30 @@ PyObject* rows_or_none(bool some, int64_t start, int64_t end) {
   return Py_BuildValue("(LL)", static_cast<long long>(start), static_cast<long long>(end));
 }
 
+// A batch's requests by side: one-token requests (decode_ok) and the rest, in the batch's
+// order; changes: how often the side changes between requests with rows; first_label: the
+// side of the first request with rows (1: decode, 0: prefill, -1: none).
+struct Split {
+  std::vector<int64_t> decode, prefill;
+  int changes = 0, first_label = -1;
+};
+
+Split split_requests(const HostIndex& qo, int64_t batch, bool decode_ok) {
+  Split split;
+  int label = -1;  // the side of the rows so far (-1: no row yet)
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t len = qo[r + 1] - qo[r];
+    const bool is_decode = decode_ok && len == 1;
+    (is_decode ? split.decode : split.prefill).push_back(r);
+    if (len > 0) {
+      split.changes += label >= 0 && label != static_cast<int>(is_decode);
+      label = static_cast<int>(is_decode);
+      if (split.first_label < 0) split.first_label = label;
+    }
+  }
+  return split;
+}
+
 PyObject* batch_split(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!fij_fastcall::arity("batch_split", nargs, 5)) return nullptr;
   const int64_t page_size = PyLong_AsLongLong(args[3]);
@@ -712,18 +749,9 @@ PyObject* batch_split(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t batch = lens.size;
   if (qo.size != batch + 1 || kv.size != batch + 1 || !valid_batch(qo, kv, lens, page_size))
     return PyLong_FromLong(-1);
-  std::vector<int64_t> decode, prefill;
-  int changes = 0, first_label = -1, label = -1;  // the side of the rows so far (-1: no row yet)
-  for (int64_t r = 0; r < batch; ++r) {
-    const int64_t len = qo[r + 1] - qo[r];
-    const bool is_decode = decode_ok && len == 1;
-    (is_decode ? decode : prefill).push_back(r);
-    if (len > 0) {
-      changes += label >= 0 && label != static_cast<int>(is_decode);
-      label = static_cast<int>(is_decode);
-      if (first_label < 0) first_label = label;
-    }
-  }
+  const Split split = split_requests(qo, batch, decode_ok);
+  const std::vector<int64_t>&decode = split.decode, &prefill = split.prefill;
+  const int changes = split.changes, first_label = split.first_label;
   const int64_t nd = static_cast<int64_t>(decode.size()), total = qo[batch];
   PyObject *decode_rows, *prefill_rows, *perm;
   try {
@@ -788,58 +816,28 @@ PyObject* pod_cut(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !valid_batch(qo, kv, lens, page_size) || ids.size(0) < kv[batch])
     return PyLong_FromLong(-1);
   // the sides' requests: each one run of rows (one change of side between rows), both with rows
-  int64_t nd = 0, np = 0, first_d = -1, last_d = -1, first_p = -1, last_p = -1;
-  int changes = 0, first_label = -1, label = -1;
-  for (int64_t r = 0; r < batch; ++r) {
-    const int64_t len = qo[r + 1] - qo[r];
-    const bool is_decode = len == 1;
-    if (is_decode) {
-      ++nd;
-      if (first_d < 0) first_d = r;
-      last_d = r;
-    } else {
-      ++np;
-      if (first_p < 0) first_p = r;
-      last_p = r;
-    }
-    if (len > 0) {
-      changes += label >= 0 && label != static_cast<int>(is_decode);
-      label = static_cast<int>(is_decode);
-      if (first_label < 0) first_label = label;
-    }
-  }
+  const Split split = split_requests(qo, batch, true);
+  const int64_t nd = static_cast<int64_t>(split.decode.size()), np = static_cast<int64_t>(split.prefill.size());
   const int64_t total = qo[batch];
-  if (nd == 0 || nd == total || changes != 1) return PyLong_FromLong(-1);
-  const bool decodes_first = first_label == 1;
+  if (nd == 0 || nd == total || split.changes != 1) return PyLong_FromLong(-1);
+  const bool decodes_first = split.first_label == 1;
   const int64_t d0 = decodes_first ? 0 : total - nd, p0 = decodes_first ? nd : 0;
   try {
     // [decode indptr nd + 1 | decode last nd | prefill qo np + 1 | prefill indptr np + 1 | prefill last np]
     at::Tensor buf = host_vector(3 * nd + 3 * np + 3, false);
     int32_t* const base = buf.data_ptr<int32_t>();
     int32_t *dip = base, *dlp = dip + nd + 1, *pqp = dlp + nd, *pip = pqp + np + 1, *plp = pip + np + 1;
-    dip[0] = pqp[0] = pip[0] = 0;
-    uint64_t full = 0, causal2 = 0, keys_d = 0;
-    int64_t longest_d = 0, i = 0, j = 0;
-    for (int64_t r = 0; r < batch; ++r) {
-      const int64_t q = qo[r + 1] - qo[r], pages = kv[r + 1] - kv[r], k = lens[r];
-      const int32_t last = static_cast<int32_t>(pages > 0 ? k - (pages - 1) * page_size : 0);
-      if (q == 1) {
-        dip[i + 1] = static_cast<int32_t>(dip[i] + pages);
-        dlp[i++] = last;
-        keys_d += static_cast<uint64_t>(k);
-        longest_d = k > longest_d ? k : longest_d;
-      } else {
-        pip[j + 1] = static_cast<int32_t>(pip[j] + pages);
-        pqp[j + 1] = static_cast<int32_t>(pqp[j] + q);
-        plp[j++] = last;
-        const int64_t seen2 = 2 * k - q + 1;  // (pod_work's sums)
-        full += static_cast<uint64_t>(q * k);
-        causal2 += seen2 > 0 ? static_cast<uint64_t>(q * seen2) : 0;
-      }
+    int64_t dfirst, dend, pfirst, pend;  // each side's pages one run of kv_indices
+    if (!fill_side(split.decode, qo, kv, lens, page_size, dip, dlp, nullptr, &dfirst, &dend) ||
+        !fill_side(split.prefill, qo, kv, lens, page_size, pip, plp, pqp, &pfirst, &pend))
+      return PyLong_FromLong(-1);
+    uint64_t full = 0, causal2 = 0, keys_d = 0;  // pod_work's sums of the two sides
+    int64_t longest_d = 0;
+    for (const int64_t r : split.decode) {
+      keys_d += static_cast<uint64_t>(lens[r]);
+      longest_d = lens[r] > longest_d ? lens[r] : longest_d;
     }
-    // each side's pages one run of kv_indices
-    const int64_t dfirst = kv[first_d], dend = kv[last_d + 1], pfirst = kv[first_p], pend = kv[last_p + 1];
-    if (dend - dfirst != dip[nd] || pend - pfirst != pip[np]) return PyLong_FromLong(-1);
+    for (const int64_t r : split.prefill) add_prefill_work(qo[r + 1] - qo[r], lens[r], full, causal2);
     const auto vec = [&buf, base](const int32_t* at, int64_t n) {
       return THPVariable_Wrap(view_of(buf, {n}, {1}, at - base));
     };

@@ -540,10 +540,7 @@ class BatchAttention:
                 self._graph.ship_rows(host_index(qo_indptr, "qo_indptr"), split.decode)
             cut = cut._replace(perm=None)
         perm = None if cut.perm is None else self._device_perm(cut.perm)
-        # (run() reads the cut as plain ints, the decode side's requests and each side's run
-        # of rows: Dynamo traces run() under torch.compile)
-        self._planned = (mode, cut, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
-                         cut.decodes, cut.decode_rows, cut.prefill_rows)
+        self._set_planned(mode, cut, perm, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal)
         if mode == "pod" and self._graph is None:
             self._prepare_run(cut)
         if mode == "pod" and block_tables is None and self._graph is None:
@@ -573,10 +570,17 @@ class BatchAttention:
                             options.kv_dtype, None, sm_scale, None, None, True, causal)
         if not pod._plan_again(key, got[11], p_qo, p_indptr, got[10], p_last, d_indptr, got[9], d_last):
             return False
-        self._planned = ("pod", cut, None, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, options.q_dtype, options.cap,
-                         causal, cut.decodes, cut.decode_rows, cut.prefill_rows)
+        self._set_planned("pod", cut, None, num_qo_heads, head_dim_qk, head_dim_vo, options.q_dtype, options.cap,
+                          causal)
         self._prepare_run(cut)
         return True
+
+    def _set_planned(self, mode: str, cut: BatchCut, perm, num_qo_heads: int, head_dim_qk: int, head_dim_vo: int,
+                     q_dtype, cap, causal: bool) -> None:
+        """What run() reads of the plan (as plain ints, the decode side's requests and each
+        side's run of rows: Dynamo traces run() under torch.compile)."""
+        self._planned = (mode, cut, perm, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal,
+                         cut.decodes, cut.decode_rows, cut.prefill_rows)
 
     def _prepare_run(self, cut: BatchCut) -> None:
         """After a POD plan() that kept run()'s record: the next run()'s launch resolved now for
@@ -606,8 +610,8 @@ class BatchAttention:
             self._pod.plan(p_qo, p_indptr, _side_ids(p_pages, kv_indices), p_last, None, d_indptr,
                            _side_ids(d_pages, kv_indices), d_last, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
                            q_data_type=options.q_dtype, kv_data_type=options.kv_dtype, sm_scale=sm_scale, causal=causal)
-        self._planned = ("pod", cut, None, cut.rows, num_qo_heads, head_dim_qk, head_dim_vo, options.q_dtype, options.cap,
-                         causal, cut.decodes, cut.decode_rows, cut.prefill_rows)
+        self._set_planned("pod", cut, None, num_qo_heads, head_dim_qk, head_dim_vo, options.q_dtype, options.cap,
+                          causal)
         self._prepare_run(cut)
         return True
 

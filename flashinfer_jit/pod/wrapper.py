@@ -449,9 +449,9 @@ class _Pod:
         docs/pod.md "Host time"). Where it cannot be prepared, or the run() is of other rows,
         the run() takes pod_rerun. (A CPU workspace's record is a test's stand-in: nothing to
         resolve.)"""
-        quick = self._quick
         if self._device.type != "cuda":
             return
+        quick = self._quick
         got = fastcall.extension().pod_prepare(self._sm90_relaunch, quick.address, quick.signature,
                                                 self._replan_args, rows, offsets, counts)
         if type(got) is bytes:
@@ -481,8 +481,8 @@ class _Pod:
         records its launch for run()'s fast path, which relaunches it from C++)."""
         # (both sides were planned with one dtype and head configuration: each side's own
         # checks below hold q_p and q_d to them)
-        ds = self._decode._plan.spec
-        if ds.dtype_kv != ds.dtype_q:  # (the single form's k_p / v_p are q's dtype: the mma.sync POD's _spec)
+        if self._sm90_spec is None:  # (no module for this decode side: its K/V are not q's dtype, _plan_launch)
+            ds = self._decode._plan.spec
             raise ValueError(f"k_p/v_p and paged_kv_cache_d: POD runs one K/V dtype, got {ds.dtype_q} and "
                              f"{ds.dtype_kv}")
         k_p, v_p = kv_p
