@@ -209,6 +209,27 @@ def test_mixed_batch(seed, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decodes-first-e4m3-causal-scales", "interleaved-e4m3"])
+def test_fp8_cache_under_auto(name):
+    """prefill_backend "auto" over an fp8 cache: on sm_90 the two sides one after the other, the
+    prefill side on the Hopper kernel over a widened copy of its pages (_fp8_serial); elsewhere
+    POD. Against the float64 reference, outputs poisoned."""
+    case = CASES[name]
+    batch, cache, q, _ = make_inputs(case, 700 + len(name))
+    ba = fij.BatchAttention(case.layout)
+    ba.prefill_backend = "auto"
+    plan(ba, batch, case)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert ba._planned[0] == ("serial" if hopper else "pod")
+    if hopper:
+        assert ba._prefill.planned_backend == "fa3"
+    _poison_allocator(q, case.head_dim)
+    out, lse = ba.run(q, cache.run_arg, **run_kwargs(case))
+    torch.cuda.synchronize()
+    check(out, lse, reference(q, batch, cache, case), case)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("separate", [False, True], ids=["block_table", "block_table_kv_separate"])
 @pytest.mark.parametrize("name, backend", [("interleaved-causal", "fa2"), ("decodes-first-causal", "fa2"),
                                            ("prefill-only-causal", "fa2"), ("decode-only", "fa2"),
@@ -451,6 +472,30 @@ def test_plan_on_host_picks_the_mode(qo_lens, kv_lens, kwargs, mode, decode):
     if "pos_encoding_mode" in kwargs:  # the prefill kernel rotates (adds the bias) in-kernel
         want = {"ROPE_LLAMA": "rope_llama", "ALIBI": "alibi"}[kwargs["pos_encoding_mode"]]
         assert ba._prefill._plan.spec.pos_encoding == want
+
+
+@pytest.mark.parametrize("qo_lens, backend, kv_dtype, mode, prefill", [
+    pytest.param([1, 2048, 1, 1], "auto", E4M3, "serial", "fa3", id="e4m3-chunk"),
+    pytest.param([1, 10, 1, 1], "auto", E4M3, "pod", None, id="e4m3-short-chunk"),
+    pytest.param([1, 2048, 1, 1], "fa2", E4M3, "pod", None, id="e4m3-fa2"),
+    pytest.param([1, 2048, 1, 1], "auto", BF16, "pod", None, id="bf16"),
+])
+def test_plan_runs_fp8_caches_on_sm90_as_two_launches(monkeypatch, qo_lens, backend, kv_dtype, mode, prefill):
+    """An fp8 cache on sm_90 under "auto" (the arch check passed on the CPU): serial mode where
+    the prefill side plans the Hopper kernel (POD on Hopper reads no fp8 cache, and the mma.sync
+    POD was slower than the two launches: docs/pod.md), POD where it does not (a short chunk),
+    under "fa2", and for a 16-bit cache (POD on Hopper); under "auto" an fp8 cache's plan()
+    plans in full each time (not POD's repeat path)."""
+    from flashinfer_jit.prefill import sm90
+    monkeypatch.setattr(sm90, "arch_error", lambda device: None)
+    ba = fij.BatchAttention(device="cpu")
+    ba.prefill_backend = backend
+    for _ in range(2):  # (the second plan() of the same arguments: the same mode)
+        _plan(ba, _args(qo_lens, [20, 2048, 3000, 50]), causal=True, kv_data_type=kv_dtype)
+        assert ba._planned[0] == mode
+    if prefill is not None:
+        assert ba._prefill.planned_backend == prefill
+    assert (ba._pod_options is None) == (kv_dtype == E4M3 and backend == "auto")
 
 
 def test_plan_rejects_an_unknown_pos_encoding_mode():

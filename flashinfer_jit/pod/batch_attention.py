@@ -440,6 +440,7 @@ class BatchAttention:
                             kv_data_type, logits_soft_cap, use_profiler, pos_encoding_mode, rope_scale, rope_theta),
             _options)
         cut = None  # (native_cut's, where the short path made it: plan() below takes it too)
+        fp8_serial = None  # (serial mode for an fp8 cache on sm_90: _fp8_serial)
         if options is self._pod_options and block_tables is None:
             # (_pod_options is a POD step's: decodes taken, so the cuts below are the same one)
             if self._plan_pod_again(options, qo_indptr, kv_indptr, kv_len_arr, kv_indices, num_qo_heads,
@@ -492,6 +493,8 @@ class BatchAttention:
             mode = "decode"
         elif cap > 0:
             mode = "serial"  # POD runs no soft cap; the families do
+        elif self._fp8_serial(q_dtype, kv_dtype):
+            mode = fp8_serial = "serial"  # (back to "pod" below unless the prefill side plans the Hopper kernel)
         else:
             mode = "pod"
         heads = (num_qo_heads, num_kv_heads)
@@ -521,12 +524,7 @@ class BatchAttention:
             self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal,
                                sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
                                kv_data_type=kv_dtype, **p_blocks, **rope)
-        elif mode == "pod":
-            with _SideErrors("both sides", split):
-                self._pod.plan(p_qo, *p_table, None, *d_table, *heads, head_dim_qk, page_size,
-                               q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal,
-                               **pod_blocks)
-        else:
+        elif mode != "pod":
             with _SideErrors("the decode side", split):
                 self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
                                   q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, **d_blocks)
@@ -535,6 +533,13 @@ class BatchAttention:
                     self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
                                        causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
                                        q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks)
+                if fp8_serial and self._prefill.planned_backend != "fa3":
+                    mode = "pod"  # (the prefill side runs the mma.sync kernel: POD's place)
+        if mode == "pod":
+            with _SideErrors("both sides", split):
+                self._pod.plan(p_qo, *p_table, None, *d_table, *heads, head_dim_qk, page_size,
+                               q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, causal=causal,
+                               **pod_blocks)
         if self._graph is not None:  # each row's place in the fixed buffers of the sides' rows
             if mode != "prefill":
                 self._graph.ship_rows(host_index(qo_indptr, "qo_indptr"), split.decode)
@@ -543,8 +548,20 @@ class BatchAttention:
         self._set_planned(mode, cut, perm, num_qo_heads, head_dim_qk, head_dim_vo, q_dtype, cap, causal)
         if mode == "pod" and self._graph is None:
             self._prepare_run(cut)
-        if mode == "pod" and block_tables is None and self._graph is None:
-            self._pod_options = options
+        if mode == "pod" and block_tables is None and self._graph is None and not fp8_serial:
+            self._pod_options = options  # (an fp8 cache on sm_90 plans in full each time: _fp8_serial)
+
+    def _fp8_serial(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether an eager plan() under prefill_backend "auto" runs the two sides one after the
+        other for POD's sake: an fp8 cache on an sm_90 GPU. POD on Hopper reads no fp8 cache, and
+        there the Hopper prefill (over a copy of the batch's pages, widened) then the decode took
+        0.64-0.82x the mma.sync POD's time on the four e4m3 rows of scripts/bench_pod.py (H200,
+        2026-11-30, docs/pod.md). plan() goes back to POD where the prefill side does not plan
+        the Hopper kernel (auto's rule: short chunks)."""
+        from ..prefill import sm90
+
+        return self._graph is None and self._backend == "auto" and kv_dtype != q_dtype and \
+            kv_dtype.itemsize == 1 and sm90.arch_error(self._device) is None
 
     def _plan_pod_again(self, options: _Options, qo_indptr, kv_indptr, kv_len_arr, kv_indices, num_qo_heads: int,
                         num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool,
