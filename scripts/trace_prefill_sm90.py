@@ -7,16 +7,17 @@ machine's): where a key tile's cycles go, per consumer warpgroup, from SM clock 
   python3 scripts/trace_prefill_sm90.py --run 128,causal,1,16384 [--out trace.json]
 
 --edit-in-place adds stamps to csrc/hopper/prefill_sm90.cuh's consumer loop: thread 0 of each
-consumer warpgroup of block 0 reads clock64() at six points of each loop iteration (tile n >= 1
+consumer warpgroup of block 0 reads clock64() at eight points of each loop iteration (tile n >= 1
 of an item) and writes them with the tile's index and its item's to a buffer. The buffer rides on
 run(sinks=...): the kernel reads sinks[head] for heads 0 .. H - 1 (kept at -inf: no effect on
-the output) and, patched, writes its stamps from float 64 on (8 uint32 a tile, 4096 tiles a
+the output) and, patched, writes its stamps from float 64 on (12 uint32 a tile, 4096 tiles a
 warpgroup), so no argument, op schema or binding changes. The stamps cost each iteration a few
 instructions and one 32-byte store on one thread: the figures describe the patched kernel.
 
 The points: t0 the iteration's start (the previous tile's P packed), t1 the turn taken (after
 K's wait), t2 both GEMMs issued and the turn passed (after V's wait), t3 S complete
-(wgmma wait 1), t4 the softmax done, t5 P V complete (wgmma wait 0); the next iteration's t0
+(wgmma wait 1), inside the softmax ta (the rows' maxima known) and tb (the exponentials and
+sums done), t4 the softmax done, t5 P V complete (wgmma wait 0); the next iteration's t0
 closes the P packing. --run reports, over the warpgroups' iterations whose next one is in the
 same item, the median cycles of each phase and of the period (t1 to the next t1), and the lag
 of warpgroup 1's turn behind warpgroup 0's (t1 of the same tile).
@@ -34,14 +35,31 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 KERNEL = HERE.parent / "csrc" / "hopper" / "prefill_sm90.cuh"
-SLOTS, MAX_TILES, OFFSET = 8, 4096, 64  # uint32 a tile, tiles a warpgroup, floats before the stamps
+SLOTS, MAX_TILES, OFFSET = 12, 4096, 64  # uint32 a tile, tiles a warpgroup, floats before the stamps
 
 PATCHES = [
+    # inside the softmax: ts[0] once the rows' maxima are known (before the exponentials),
+    # ts[1] once the exponentials and sums are done
+    ("""  static FIJ_SM90 void softmax(float (&s)[kS], int n, const Rows& r, float (&m)[2], float (&l)[2],
+                               float (&corr)[2], const MaskBits& bits) {""",
+     """  static FIJ_SM90 void softmax(float (&s)[kS], int n, const Rows& r, float (&m)[2], float (&l)[2],
+                               float (&corr)[2], const MaskBits& bits, uint32_t* ts = nullptr) {"""),
+    ("""    float sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+""", """    if (ts != nullptr) ts[0] = uint32_t(clock64());
+    float sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+"""),
+    ("""    for (int i = 0; i < 2; ++i) l[i] = fmaf(l[i], corr[i], sum[i][0] + sum[i][1]);
+  }""", """    if (ts != nullptr) ts[1] = uint32_t(clock64());
+    for (int i = 0; i < 2; ++i) l[i] = fmaf(l[i], corr[i], sum[i][0] + sum[i][1]);
+  }"""),
+    ("""      K::softmax(s, n0 + n, rows, m, l, corr, bits);
+""", """      K::softmax(s, n0 + n, rows, m, l, corr, bits, tr_ + 6);
+"""),
     ("""    K::pack_p(s, pa);
     for (int n = 1; n < n_tiles; ++n) {
       const Stage cur""", """    K::pack_p(s, pa);
     for (int n = 1; n < n_tiles; ++n) {
-      uint32_t tr_[6];
+      uint32_t tr_[8];
       tr_[0] = uint32_t(clock64());
       const Stage cur"""),
     ("""      h::mbar_wait(&k_full[st], cur.parity);
@@ -76,9 +94,10 @@ PATCHES = [
       if (lane == 0) h::mbar_arrive(&pv_empty[sp]);
       K::pack_p(s, pa);
       if (p.sinks != nullptr && blockIdx.x == 0 && t == 0 && tr_count < %d) {
-        uint4* at = reinterpret_cast<uint4*>(const_cast<float*>(p.sinks) + %d) + 2 * (wi * %d + tr_count);
+        uint4* at = reinterpret_cast<uint4*>(const_cast<float*>(p.sinks) + %d) + 3 * (wi * %d + tr_count);
         at[0] = make_uint4(tr_[0], tr_[1], tr_[2], tr_[3]);
         at[1] = make_uint4(tr_[4], tr_[5], uint32_t(n), uint32_t(k));
+        at[2] = make_uint4(tr_[6], tr_[7], 0u, 0u);
       }
       ++tr_count;
     }""" % (MAX_TILES, OFFSET, MAX_TILES)),
@@ -128,7 +147,8 @@ def run(row: str, out: Path | None) -> None:
     report = {"row": row, "device": torch.cuda.get_device_name(), "warpgroups": []}
     for wi in range(2):
         tiles = [r for r in raw[wi] if r[1] != 0 or r[0] != 0]
-        phases = {name: [] for name in ("k_and_turn", "issue", "s_wait", "softmax", "pv_wait", "pack", "period")}
+        phases = {name: [] for name in ("k_and_turn", "issue", "s_wait", "softmax", "softmax_max", "softmax_exp",
+                                        "softmax_rest", "pv_wait", "pack", "period")}
         for a, b in zip(tiles, tiles[1:]):
             if b[7] != a[7] or b[6] != a[6] + 1:  # the next iteration is another item's
                 continue
@@ -137,6 +157,9 @@ def run(row: str, out: Path | None) -> None:
             phases["issue"].append(d(a[1], a[2]))
             phases["s_wait"].append(d(a[2], a[3]))
             phases["softmax"].append(d(a[3], a[4]))
+            phases["softmax_max"].append(d(a[3], a[8]))  # masks, the rows' maxima, the stale-max test
+            phases["softmax_exp"].append(d(a[8], a[9]))  # the exponentials and the sums
+            phases["softmax_rest"].append(d(a[9], a[4]))  # l, the vote
             phases["pv_wait"].append(d(a[4], a[5]))
             phases["pack"].append(d(a[5], b[0]))
             phases["period"].append(d(a[1], b[1]))
