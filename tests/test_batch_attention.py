@@ -496,6 +496,13 @@ def test_plan_runs_fp8_caches_on_sm90_as_two_launches(monkeypatch, qo_lens, back
     if prefill is not None:
         assert ba._prefill.planned_backend == prefill
     assert (ba._pod_options is None) == (kv_dtype == E4M3 and backend == "auto")
+    # the same batch through vLLM's block tables: the same mode
+    batch = make_batch(list(zip(qo_lens, [20, 2048, 3000, 50])), 16, random.Random(0), "cpu")
+    bt = fij.BatchAttention(device="cpu")
+    bt.prefill_backend = backend
+    _plan(bt, (batch.plan_args[0], None, None, batch.plan_args[3]), causal=True, kv_data_type=kv_dtype,
+          block_tables=block_tables_of(batch, False))
+    assert bt._planned[0] == mode
 
 
 def test_plan_rejects_an_unknown_pos_encoding_mode():
