@@ -79,14 +79,12 @@ PATCHES = [
       h::wgmma_wait<1>();  // S of tile n (committed first)
       h::fence_regs(s);
       tr_[3] = uint32_t(clock64());"""),
-    ("""      if constexpr (kStaleMax) rescale = K::moved(corr);
-      h::wgmma_wait<0>();  // P V of tile n - 1
+    ("""      h::wgmma_wait<0>();  // P V of tile n - 1
       h::fence_regs(o);
       h::fence_regs(pa);
       if (lane == 0) h::mbar_arrive(&pv_empty[sp]);
       K::pack_p(s, pa);
-    }""", """      if constexpr (kStaleMax) rescale = K::moved(corr);
-      tr_[4] = uint32_t(clock64());
+    }""", """      tr_[4] = uint32_t(clock64());
       h::wgmma_wait<0>();  // P V of tile n - 1
       h::fence_regs(o);
       h::fence_regs(pa);
