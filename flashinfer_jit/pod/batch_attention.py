@@ -26,6 +26,7 @@ import torch
 from ..decode.spec import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..decode.wrapper import BatchDecodeWithPagedKVCacheWrapper
 from ..prefill.wrapper import BatchPrefillWithPagedKVCacheWrapper
+from ..pipeline.spec import FP8_DTYPES, dtype_name
 from ..runtime import fastcall
 from ..runtime.checks import (as_dtype, compiling, dtype_str, expect_bool, expect_choice, expect_heads, remembered,
                               expect_positive_int, host_index,
@@ -493,7 +494,7 @@ class BatchAttention:
             mode = "decode"
         elif cap > 0:
             mode = "serial"  # POD runs no soft cap; the families do
-        elif self._fp8_serial(q_dtype, kv_dtype):
+        elif self._fp8_serial(kv_dtype):
             mode = fp8_serial = "serial"  # (back to "pod" below unless the prefill side plans the Hopper kernel)
         else:
             mode = "pod"
@@ -524,17 +525,17 @@ class BatchAttention:
             self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo, causal=causal,
                                sm_scale=sm_scale, logits_soft_cap=cap or None, q_data_type=q_dtype,
                                kv_data_type=kv_dtype, **p_blocks, **rope)
-        elif mode != "pod":
+        elif mode == "serial":  # (the prefill side first: an fp8 cache's serial mode rests on its kernel)
+            with _SideErrors("the prefill side", split):
+                self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
+                                   causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
+                                   q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks)
+            if fp8_serial and self._prefill.planned_backend != "fa3":
+                mode = "pod"  # (the prefill side runs the mma.sync kernel: POD's place)
+        if mode in ("serial", "decode"):
             with _SideErrors("the decode side", split):
                 self._decode.plan(*d_table, *heads, head_dim_qk, page_size, logits_soft_cap=cap or None,
                                   q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=sm_scale, **d_blocks)
-            if mode == "serial":
-                with _SideErrors("the prefill side", split):
-                    self._prefill.plan(p_qo, *p_table, *heads, head_dim_qk, page_size, head_dim_vo=head_dim_vo,
-                                       causal=causal, sm_scale=sm_scale, logits_soft_cap=cap or None,
-                                       q_data_type=q_dtype, kv_data_type=kv_dtype, **p_blocks)
-                if fp8_serial and self._prefill.planned_backend != "fa3":
-                    mode = "pod"  # (the prefill side runs the mma.sync kernel: POD's place)
         if mode == "pod":
             with _SideErrors("both sides", split):
                 self._pod.plan(p_qo, *p_table, None, *d_table, *heads, head_dim_qk, page_size,
@@ -551,7 +552,7 @@ class BatchAttention:
         if mode == "pod" and block_tables is None and self._graph is None and not fp8_serial:
             self._pod_options = options  # (an fp8 cache on sm_90 plans in full each time: _fp8_serial)
 
-    def _fp8_serial(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    def _fp8_serial(self, kv_dtype: torch.dtype) -> bool:
         """Whether an eager plan() under prefill_backend "auto" runs the two sides one after the
         other for POD's sake: an fp8 cache on an sm_90 GPU. POD on Hopper reads no fp8 cache, and
         there the Hopper prefill (over a copy of the batch's pages, widened) then the decode took
@@ -560,8 +561,7 @@ class BatchAttention:
         the Hopper kernel (auto's rule: short chunks)."""
         from ..prefill import sm90
 
-        return self._graph is None and self._backend == "auto" and kv_dtype != q_dtype and \
-            kv_dtype.itemsize == 1 and sm90.arch_error(self._device) is None
+        return self._backend == "auto" and dtype_name(kv_dtype) in FP8_DTYPES and sm90.arch_error(self._device) is None
 
     def _plan_pod_again(self, options: _Options, qo_indptr, kv_indptr, kv_len_arr, kv_indices, num_qo_heads: int,
                         num_kv_heads: int, head_dim_qk: int, head_dim_vo: int, page_size: int, causal: bool,
