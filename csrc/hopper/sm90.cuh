@@ -317,6 +317,22 @@ FIJ_SM90 uint4 lds128(uint32_t addr) {
 // Named barriers (ids 1-15; 0 is __syncthreads'): `threads` counts every thread that syncs
 // or arrives. Two consumer warpgroups take turns through a pair of them (ping-pong).
 FIJ_SM90 void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
+// named_sync with an OR of each thread's pred (bar.red.or): a barrier with a data input, which
+// the instructions computing pred must precede (where a plain one lets ptxas move them past it)
+FIJ_SM90 bool named_sync_or(int id, int threads, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 q, %2, 0;\n"
+      "bar.red.or.pred p, %1, %3, q;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(r)
+      : "r"(id), "r"(uint32_t(pred)), "r"(threads)
+      : "memory");
+  return r != 0;
+}
 FIJ_SM90 void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
