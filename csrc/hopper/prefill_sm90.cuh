@@ -860,8 +860,9 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       // ptxas (nvcc 13.0) moves the wait below up to the softmax's start, so the softmax never
       // overlaps its own P V. A barrier that reads the row sums keeps it here. Measured (H200,
       // 2026-11-30, docs/hopper.md): 1-2.6% faster on head_dim 128's causal rows, 2-3% slower
-      // on its full rows and on head_dim 64's causal 16 x 1k, so only head_dim 128 causal takes it
-      // (two consumers at 240 registers; three at 160 spilled 84 bytes with it).
+      // on its full rows and on head_dim 64's causal 16 x 1k, no change at head_dim 256, so only
+      // head_dim 128 causal takes it (two consumers at 240 registers; three at 160 spilled 84
+      // bytes with it).
       if constexpr (kPvWaitLate) h::named_sync_or(own_bar, 128, l[0] + l[1] != -1.f);
       h::wgmma_wait<0>();  // P V of tile n - 1
       h::fence_regs(o);
