@@ -5,7 +5,7 @@ bench_prefill.py merges a provider's two blocks of runs and ends its warm-ups be
 times anything, lists its rows without a GPU, and plans its columns with the backends they
 name (ours fa2; the sm90 columns fa3, ragged checked against ours ragged and paged against
 ours paged, skipped where the constructor or plan() declines), on the CPU with stand-in
-wrappers."""
+wrappers; sass_hot_path.py reads the stall field and keeps to ncu's hot path."""
 
 from __future__ import annotations
 
@@ -483,3 +483,37 @@ def test_bench_fp8_attention_needs_a_gpu_and_plans_both_forms_on_the_cpu(monkeyp
         w.plan(indptr, indptr, *bfa.HEADS, bfa.HEAD_DIM, causal=True, q_data_type=dt, kv_data_type=dt,
                o_data_type=torch.bfloat16)
         assert w.planned_backend == "fa3" and w._plan.spec.fp8 == (dt == torch.float8_e4m3fn)
+
+
+def test_sass_hot_path_sums_the_stall_field_along_ncus_hot_path(monkeypatch, tmp_path, capsys):
+    import subprocess
+
+    import sass_hot_path as shp
+
+    # three instructions; the stall field is bits 41-44 of each instruction's second word
+    insns = [("FMNMX R1, R2, R3, !PT", 2), ("@!P0 BRA 0x40", 5), ("MUFU.EX2 R4, R4", 4)]
+    listing = "".join(
+        f"        /*{16 * i:04x}*/                   {t} ;   /* 0x{i:016x} */\n"
+        f"                                                     /* 0x{st << 41:016x} */\n"
+        for i, (t, st) in enumerate(insns))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=listing))
+    assert shp.sass("m.so") == insns
+    csv_path = tmp_path / "src.csv"
+    header = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+    rows = [("FMNMX R1, R2, R3, !PT", 7, 64), ("@!P0 BRA 0x40", 1, 8), ("MUFU.EX2 R4, R4", 3, 64)]
+    csv_path.write_text('"Kernel Name","k"\n' + header + "".join(
+        f'"0x{i}","      {t}","{s}","{n}"\n' for i, (t, s, n) in enumerate(rows)))
+    monkeypatch.setattr(sys, "argv", ["sass_hot_path.py", "m.so", "--ncu", str(csv_path), "--list"])
+    assert shp.main() == 0
+    out = capsys.readouterr().out
+    assert "executed 64 times" in out and "instructions 2, stall cycles 6" in out  # the branch is off the path
+    # another binary than ncu's: refused
+    rows[2] = ("FFMA R4, R4, R4, R4", 3, 64)
+    csv_path.write_text('"Kernel Name","k"\n' + header + "".join(
+        f'"0x{i}","      {t}","{s}","{n}"\n' for i, (t, s, n) in enumerate(rows)))
+    with pytest.raises(SystemExit, match="is not the kernel of"):
+        shp.main()
+    # without ncu: between two patterns, every instruction counted
+    monkeypatch.setattr(sys, "argv", ["sass_hot_path.py", "m.so", "--from", "FMNMX", "--to", "MUFU"])
+    assert shp.main() == 0
+    assert "instructions 2, stall cycles 7" in capsys.readouterr().out
