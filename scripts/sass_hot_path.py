@@ -92,8 +92,10 @@ def main() -> int:
     else:
         if not (a.start and a.end):
             sys.exit("give --ncu, or --from and --to")
-        i = next(k for k, x in enumerate(code) if re.search(a.start, x[0]))
-        j = next(k for k in range(i + 1, len(code)) if re.search(a.end, code[k][0]))
+        i = next((k for k, x in enumerate(code) if re.search(a.start, x[0])), None)
+        j = None if i is None else next((k for k in range(i + 1, len(code)) if re.search(a.end, code[k][0])), None)
+        if j is None:
+            sys.exit(f"no instruction matches --from {a.start!r}, or none after it matches --to {a.end!r}")
         path = [(t, st, 0) for t, st in code[i:j]]
     by_n, by_st = collections.Counter(), collections.Counter()
     for t, st, _ in path:

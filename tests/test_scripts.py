@@ -517,3 +517,6 @@ def test_sass_hot_path_sums_the_stall_field_along_ncus_hot_path(monkeypatch, tmp
     monkeypatch.setattr(sys, "argv", ["sass_hot_path.py", "m.so", "--from", "FMNMX", "--to", "MUFU"])
     assert shp.main() == 0
     assert "instructions 2, stall cycles 7" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["sass_hot_path.py", "m.so", "--from", "HGMMA", "--to", "MUFU"])
+    with pytest.raises(SystemExit, match="no instruction matches"):
+        shp.main()
