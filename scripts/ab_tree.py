@@ -18,7 +18,9 @@ Each row plans one wrapper per variant on the same inputs, checks that their out
 then times them as the benchmark of record does (scripts/bench_prefill.py's rows, paged and
 ragged; eager run()s, an L2 flush before each, CUDA events, bench_prefill.time_interleaved's
 balanced rounds). A row reports each variant's median, new/base time (< 1: the new tree is
-faster) and the paired ratio (per round).
+faster) and the paired ratio (per round, "paired_new_over_base": new's time over base's, the
+same sense; the JSON files written before 2026-11-30's fix of it, up to `0d06f3b`, hold base's
+time over new's under that key, a speedup).
 
 Decode is A/B'd in separate processes instead (scripts/bench_decode.py run in each tree,
 alternately: scripts/README.md). With two builds of one decode spec in one process, the
@@ -203,7 +205,7 @@ def measure_prefill_row(row, trees: Trees, reps: int, flush, seed: int) -> list[
         for v, tv in zip(VARIANTS, t):
             res[v] = {"median_us": tv.get("median_us"), "samples_us": [round(x, 2) for x in tv.get("_samples", [])]}
         res["new_over_base"] = res["new"]["median_us"] / res["base"]["median_us"]
-        paired = bp.paired_ratio(res["new"]["samples_us"], res["base"]["samples_us"])
+        paired = bp.paired_ratio(res["base"]["samples_us"], res["new"]["samples_us"])  # new / base
         res["paired_new_over_base"] = paired
         results.append(res)
         bc.log(f"{res['label']}: new {res['new']['median_us']:.1f} us, base {res['base']['median_us']:.1f} us, "
