@@ -258,9 +258,14 @@ struct Sm90Kernel {
     MaskBits none;
     softmax(s, n, r, m, l, corr, none);
   }
-  // bits: load_mask's (a custom mask only)
+  struct NoMid {
+    FIJ_SM90 void operator()(float) const {}
+  };
+  // bits: load_mask's (a custom mask only). mid: called with the partial row sums once half
+  // of the tile's weights are out (the loop's wait for the P V before: its barrier reads them)
+  template <bool kMayMask = true, class Mid = NoMid>
   static FIJ_SM90 void softmax(float (&s)[kS], int n, const Rows& r, float (&m)[2], float (&l)[2],
-                               float (&corr)[2], const MaskBits& bits) {
+                               float (&corr)[2], const MaskBits& bits, Mid mid = Mid{}) {
     if constexpr (kSoftCap) {  // capped logits, in log2 units (m, P and the LSE follow in them)
 #pragma unroll
       for (int i = 0; i < kS; ++i) s[i] = r.cap_log2 * tanhf(s[i] * r.cap_in);
@@ -277,8 +282,8 @@ struct Sm90Kernel {
     }
     // a sliding window cuts keys below pos - window_left: up to the warpgroup's last row's
     const bool windowed = r.window >= 0 && key0 < r.diag + r.first + 63 - r.window;
-    const bool edge =
-        kCustom || key0 + kBlockN > r.kv_len || (kCausal && key0 + kBlockN - 1 > r.diag + r.first) || windowed;
+    const bool edge = kMayMask && (kCustom || key0 + kBlockN > r.kv_len ||
+                                   (kCausal && key0 + kBlockN - 1 > r.diag + r.first) || windowed);
     // Causal, and a custom mask at 128-key tiles: the bounds as columns c = 8 j + (e & 1) of this
     // thread's (key = key0 + cq + c), one compare of a constant a bound an element and fewer
     // registers live (ptxas, nvcc 13.0.88: the head_dim-64 causal 192-row modules' 76-88 bytes of
@@ -368,6 +373,7 @@ struct Sm90Kernel {
     float sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
+      if (j == kBlockN / 16) mid(sum[0][0] + sum[0][1] + sum[1][0] + sum[1][1]);
       const float p0 = fast_exp2(fmaf(s[4 * j], r.scale_log2, -base[0]));
       const float p1 = fast_exp2(fmaf(s[4 * j + 1], r.scale_log2, -base[0]));
       const float p2 = fast_exp2(fmaf(s[4 * j + 2], r.scale_log2, -base[1]));
@@ -608,7 +614,10 @@ struct Stage {
   int s;
   uint32_t parity;
 };
-FIJ_SM90 Stage stage_of(int i) { return {i % kStages, uint32_t(i / kStages) & 1u}; }
+FIJ_SM90 Stage stage_of(int i) {  // (i >= 0: unsigned, no sign fix-ups)
+  const uint32_t u = static_cast<uint32_t>(i);
+  return {static_cast<int>(u % kStages), (u / kStages) & 1u};
+}
 
 FIJ_SM90 Sm90Tile load_tile(const int32_t* work, int t) {
   const int4* at = reinterpret_cast<const int4*>(work + kSm90WorkHeader + kSm90TileInts * t);
@@ -838,7 +847,17 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
     K::softmax(s, n0, rows, m, l, corr, bits);  // O is 0: nothing to rescale
     bool rescale = false;  // whether O takes corr before the next P V (K::moved; always without kStaleMax)
     K::pack_p(s, pa);
-    for (int n = 1; n < n_tiles; ++n) {
+    // Tiles [1, plain) need no mask (under the diagonal and kv_len, no window, no custom mask):
+    // a copy of the loop's body without the tile's mask test, whose row max starts right
+    // after the S wait. Only items of >= 16 key tiles take it: on shorter ones (head_dim 128
+    // full 16 x 1k paged) it measured 4% slower, ragged 3% faster (H200, 2026-11-30,
+    // docs/hopper.md).
+    int plain = 1;
+    if (!kCustom && p.window_left < 0 && n_tiles >= 16) {
+      const int below = kCausal ? min(tile.kv_len, tile.diag + 64 * wi + 1) : tile.kv_len;
+      plain = min(n_tiles, max(1, below / kBlockN - n0));
+    }
+    const auto step = [&](auto may_mask, int n) {
       const Stage cur = stage_of(it + n), prev = stage_of(it + n - 1);
       const int st = cur.s, sp = prev.s;
       h::mbar_wait(&k_full[st], cur.parity);
@@ -855,21 +874,33 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
       h::wgmma_wait<1>();  // S of tile n (committed first)
       h::fence_regs(s);
       if (lane == 0) h::mbar_arrive(&k_empty[st]);
-      K::softmax(s, n0 + n, rows, m, l, corr, bits);
+      const auto pv_done = [&] {
+        h::wgmma_wait<0>();  // P V of tile n - 1
+        h::fence_regs(o);
+        h::fence_regs(pa);
+        if (lane == 0) h::mbar_arrive(&pv_empty[sp]);
+      };
+      // ptxas (nvcc 13.0) moves the P V's wait up to the softmax's start, so the softmax never
+      // overlaps its own P V. A barrier that reads the row sums keeps it inside: one warp's
+      // (named barriers 5..12), called once half of the tile's exponentials are out, the rest
+      // interleaved with the pack. Measured (H200, 2026-11-30, docs/hopper.md): head_dim 128
+      // causal 2-3.5% faster; in every two-consumer kernel, full rows gained less and head_dim
+      // 64's causal 16 x 1k lost 3.5-6%, so only head_dim 128 causal takes it.
+      if constexpr (kPvWaitLate) {
+        K::template softmax<decltype(may_mask)::value>(s, n0 + n, rows, m, l, corr, bits, [&](float part) {
+          h::named_sync_or(1 + 2 * kC + 4 * wi + t / 32, 32, part + l[0] != -1.f);
+          pv_done();
+        });
+      } else {
+        K::template softmax<decltype(may_mask)::value>(s, n0 + n, rows, m, l, corr, bits);
+        pv_done();
+      }
       if constexpr (kStaleMax) rescale = K::moved(corr);
-      // ptxas (nvcc 13.0) moves the wait below up to the softmax's start, so the softmax never
-      // overlaps its own P V. A barrier that reads the row sums keeps it here. Measured (H200,
-      // 2026-11-30, docs/hopper.md): 1-2.6% faster on head_dim 128's causal rows, 2-3% slower
-      // on its full rows and on head_dim 64's causal 16 x 1k, no change at head_dim 256, so only
-      // head_dim 128 causal takes it (two consumers at 240 registers; three at 160 spilled 84
-      // bytes with it).
-      if constexpr (kPvWaitLate) h::named_sync_or(own_bar, 128, l[0] + l[1] != -1.f);
-      h::wgmma_wait<0>();  // P V of tile n - 1
-      h::fence_regs(o);
-      h::fence_regs(pa);
-      if (lane == 0) h::mbar_arrive(&pv_empty[sp]);
       K::pack_p(s, pa);
-    }
+    };
+    int n = 1;
+    for (; n < plain; ++n) step(std::false_type{}, n);
+    for (; n < n_tiles; ++n) step(std::true_type{}, n);
     // one Q stage: every Q K^T of this item is complete, and this thread's reads of the
     // item's slot are done: each consumer thread arrives, since an arrival releases its own
     // thread's accesses only (with one arrival a warp or a warpgroup, racecheck reported the

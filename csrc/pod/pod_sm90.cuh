@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(128 * (1 + kM / 64), 1) pod_sm90_kernel(const 
   const bool decode_first = static_cast<int>(blockIdx.x) >= first_blocks;
   if (decode_first) {
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-    // named barriers 8.. (the prefill block's are 1..7, used after this loop)
+    // named barriers 8.. (the prefill block's are 1..12, used after this loop)
     const WarpgroupLaunch launch{wg, 8 + wg};
     unsigned char* unit_smem = sm90::align_1024(smem_raw) + wg * pod_sm90_decode_smem<DecodeT>();
     for (;;) {
