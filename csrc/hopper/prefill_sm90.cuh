@@ -650,6 +650,9 @@ FIJ_DEVICE void prefill_sm90_block(const PrefillSm90Params& p, unsigned char* sm
   static_assert(!kFp8 || (!kPaged && K::kQStages == 2), "FP8 attention: ragged K/V, two Q stages");
   constexpr int kC = K::kConsumers;
   constexpr bool kPvWaitLate = kC == 2 && kCausal && kD == 128 && !kFp8;  // (the loop, below)
+  // (its barriers: one a consumer warp, 1 + 2 kC + 4 wi + warp, past the turns' and the
+  // warpgroups' own; ids up to 15)
+  static_assert(!kPvWaitLate || 1 + 2 * kC + 4 * (kC - 1) + 3 <= 15, "the consumer warps' named barriers");
   constexpr int kKTileBytes = K::kKTileBytes, kVTileBytes = K::kVTileBytes, kBlockN = K::kBlockN;
   unsigned char* smem = h::align_1024(smem_raw);
   constexpr int kQStages = K::kQStages;
